@@ -1,0 +1,118 @@
+// deltastate: the decode ops of gated delta-rule linear attention (GDN and KDA).
+//
+// Every op validates all of its arguments before it touches memory (a rejected call changes no
+// caller memory), then runs on the device its tensors live on (CPU or CUDA). State pools are
+// `[slots, HV, V, K]` with K contiguous, inner strides (V*K, K, 1) and any slot stride; they are
+// updated in place. One padding rule everywhere: a state index < 0 marks a padded row, whose
+// output is zeroed and whose state is never read or written.
+//
+// Math (fp32 throughout, results rounded on store), per token and value head:
+//   q, k <- q/sqrt(sum q^2 + 1e-6), k/sqrt(sum k^2 + 1e-6) (when use_qk_l2norm); q <- q*scale
+//   S <- S*alpha;  u = beta*(v - S k);  S <- S + u k^T;  o = S q
+// with alpha = exp(g), and g either given (log space) or computed from raw `a`:
+//   standard gate: g = -exp(A_log) * softplus(a + dt_bias)          (softplus threshold 20)
+//   safe gate:     g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
+// GDN has one g per value head; KDA has a K-vector per value head.
+#pragma once
+
+#include <optional>
+
+#include "deltastate/error.h"
+#include "deltastate/tensor.h"
+
+namespace deltastate {
+
+// An opaque stream handle: a cudaStream_t for CUDA tensors (nullptr = the legacy default
+// stream); ignored on the CPU.
+using Stream = void*;
+
+// ---------------------------------------------------------------------------------------------
+// Packed decode (T = 1), GDN and KDA: q, k and v come packed in one `mixed_qkv` row.
+//   mixed_qkv [B, 2*H*K + HV*V]  rows `[q(H*K) | k(H*K) | v(HV*V)]`, last-dim stride 1
+//   a         GDN [B, HV]; KDA [B, HV*K]                raw gate logits
+//   b         [B, HV]                                    raw beta logits (beta = sigmoid(b))
+//   A_log     [HV];  dt_bias GDN [HV], KDA [HV*K]
+//   state     [slots, HV, V, K] pool, updated in place
+//   out       [B, 1, HV, V] contiguous
+//   state_indices [B] int32/int64 (index < 0: padded row)
+// H is inferred from the width of mixed_qkv, HV/V/K from the state pool.
+struct PackedDecodeArgs {
+  TensorView mixed_qkv, a, b, A_log, dt_bias;
+  double scale = 0.0;  // must be > 0 (callers usually pass K^-0.5)
+  TensorView state;
+  TensorView out;
+  TensorView state_indices;
+  bool use_qk_l2norm = true;
+  std::optional<double> lower_bound;  // KDA only: selects the safe gate
+  bool round_beta_to_input = false;   // round sigmoid(b) to b's dtype (ReplaySSM parity)
+  // Bounds-check slot indices (>= slots is an error). Unset: on for CPU tensors (checked before
+  // anything is written), off for CUDA tensors (a debug option there: an out-of-range index
+  // traps the kernel with a message, so the check costs nothing when off).
+  std::optional<bool> check_indices;
+  Stream stream = nullptr;
+};
+void gdn_packed_decode(const PackedDecodeArgs& args);
+void kda_packed_decode(const PackedDecodeArgs& args);
+
+// ---------------------------------------------------------------------------------------------
+// Pooled varlen recurrent op (GDN and KDA); decode is the T = 1 case.
+//   q, k [B, T, H, K];  v [B, T, HV, V];  out [B, T, HV, V]
+//     or, with cu_seqlens [N+1] (int32/int64): B = 1 and sequence n is tokens [cu[n], cu[n+1]).
+//   g     GDN [B, T, HV]; KDA [B, T, HV, K]: log-space decay, or the raw gate input `a` when
+//         gate_in_kernel (then A_log [HV] and dt_bias GDN [HV] / KDA [HV*K] or [HV, K] are used)
+//   beta  [B, T, HV]: a probability, or a logit when beta_is_logit
+//   state (optional) [slots, HV, V, K]: with state_indices [N] a pool indexed per sequence
+//         (index < 0: padded), without them [N, HV, V, K] read per sequence. Absent: S starts at 0.
+//   update_state: write each sequence's final state back into `state` (in place).
+//   final_state (optional) [N, HV, V, K]: receives each sequence's final state (zeros for
+//         padded sequences).
+// Vector dims (K of q/k/g, V of v/out) must have stride 1; all other strides are free.
+struct RecurrentArgs {
+  TensorView q, k, v, g, beta, out;
+  std::optional<TensorView> A_log, dt_bias;
+  bool gate_in_kernel = false;
+  std::optional<double> lower_bound;  // safe gate (with gate_in_kernel)
+  bool beta_is_logit = false;
+  std::optional<double> scale;  // default K^-0.5
+  std::optional<TensorView> state, state_indices, cu_seqlens, final_state;
+  bool update_state = true;
+  bool use_qk_l2norm = true;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+};
+void recurrent_gdn(const RecurrentArgs& args);
+// KDA also enforces the compiled stride contract on a pooled state (slot stride a multiple of 16
+// elements, base address 32-byte aligned), as FlashInfer's recurrent_kda does.
+void recurrent_kda(const RecurrentArgs& args);
+
+// ---------------------------------------------------------------------------------------------
+// ReplaySSM buffered decode (T = 1), GDN and KDA. Reads the checkpoint `state` every step, but
+// writes it only on a flush; otherwise appends the record (d, k, g) at ring position write_pos.
+//   mixed_qkv, b, A_log, scale, out: as packed decode.
+//   a / dt_bias: GDN [B, HV] / [HV]; KDA [B, HV, K] or [B, HV*K] / [HV, K] or [HV*K].
+//   state    [slots, HV, V, K] checkpoint pool (inner strides compact, any slot stride)
+//   d_cache  [slots, HV, L, V] (state dtype);  k_cache [slots, H, L, K] (out dtype);
+//   g_cache  [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA), float32; rings contiguous.
+//   state_indices, write_pos [B] int32; force_flush [B] int32 or absent.
+// A row flushes when write_pos == L-1 or force_flush != 0. With advance_write_pos the op also
+// advances each live row's cursor (write_pos <- flushed ? 0 : write_pos + 1) on the device.
+struct ReplayDecodeArgs {
+  TensorView mixed_qkv, a, b, A_log, dt_bias;
+  double scale = 0.0;
+  TensorView state, d_cache, k_cache, g_cache;
+  TensorView out;
+  TensorView state_indices, write_pos;
+  std::optional<TensorView> force_flush;
+  bool is_kda = false;
+  bool use_qk_l2norm = true;
+  std::optional<double> lower_bound;
+  bool advance_write_pos = false;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+};
+void replayssm_decode(const ReplayDecodeArgs& args);
+
+// Whether this build contains the CUDA backend.
+bool cuda_available();
+
+}  // namespace deltastate

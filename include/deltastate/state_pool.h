@@ -1,0 +1,107 @@
+// deltastate: the state pool of a serving engine's linear-attention layers.
+//
+// One pool holds, for `slots` requests and `layers` layers, the recurrent state [HV, V, K] of each
+// (layer, slot), optionally the ReplaySSM rings, and one ReplaySSM cursor per slot (shared by all
+// layers, advanced once per forward). Memory is zero-initialized. Two layouts:
+//   per_layer : state [layers, slots, HV, V, K]; a layer view has slot stride HV*V*K.
+//   envelope  : one entry per slot holds every layer's state (after `envelope_extra_bytes` of other
+//               per-slot data, e.g. conv windows), so a layer view has a slot stride of the whole
+//               entry, much larger than HV*V*K (spec §8, "page-major" pools).
+// Both layouts give views that every op accepts, with 64-bit offsets. Slots are 0..slots-1; a new
+// request takes a slot with allocate() and returns it with free().
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "deltastate/ops.h"
+#include "deltastate/tensor.h"
+
+namespace deltastate {
+
+enum class PoolLayout { per_layer, envelope };
+
+struct StatePoolConfig {
+  int64_t layers = 1;
+  int64_t slots = 1;
+  int64_t HV = 0, V = 0, K = 0;
+  DType state_dtype = DType::f32;
+  PoolLayout layout = PoolLayout::per_layer;
+  int64_t envelope_extra_bytes = 0;  // envelope only: other per-slot bytes at the entry's start
+  // ReplaySSM rings; replay_len = 0 means none. The k ring has H key heads.
+  int64_t replay_len = 0;
+  int64_t H = 0;
+  DType ring_k_dtype = DType::bf16;  // the activation dtype
+  bool kda = false;                  // g ring [.., L, K] (KDA) or [.., L] (GDN)
+  Device device{};
+};
+
+class StatePool {
+ public:
+  // Owns zeroed memory on config.device.
+  explicit StatePool(const StatePoolConfig& config);
+  // Over caller memory of at least required_bytes(config) bytes, 256-byte aligned, on
+  // config.device; the caller zeroes it. Used by bindings whose framework owns the storage.
+  StatePool(const StatePoolConfig& config, void* external_memory);
+  ~StatePool();
+  StatePool(const StatePool&) = delete;
+  StatePool& operator=(const StatePool&) = delete;
+
+  const StatePoolConfig& config() const { return cfg_; }
+
+  // --- slots -------------------------------------------------------------------------------
+  // Takes a free slot (the lowest one), zeroes its state in every layer (when `clear`) and
+  // resets its cursor. Throws when every slot is in use.
+  int64_t allocate(bool clear = true, Stream stream = nullptr);
+  // Returns a slot. Throws for a slot out of range or not allocated (double free).
+  void free(int64_t slot);
+  bool is_allocated(int64_t slot) const;
+  int64_t num_free() const;
+
+  // Prefix caching: copy every layer's state of `src` into `dst` (both allocated). The source
+  // must be fully flushed (its ReplaySSM cursor 0; otherwise its checkpoint lags the tokens it
+  // has seen); the destination's cursor is reset to 0. Rings are not copied. For CUDA pools the
+  // cursor check reads one int from the device (a synchronization): not for the decode loop.
+  void fork(int64_t src, int64_t dst, Stream stream = nullptr);
+
+  // --- views -------------------------------------------------------------------------------
+  TensorView layer_state(int64_t layer) const;  // [slots, HV, V, K]
+  TensorView d_cache(int64_t layer) const;      // [slots, HV, L, V]      (state dtype)
+  TensorView k_cache(int64_t layer) const;      // [slots, H, L, K]       (ring_k_dtype)
+  TensorView g_cache(int64_t layer) const;      // [slots, HV, L(, K)]    (float32)
+  TensorView write_pos() const;                 // [slots] int32 cursors
+  void* envelope_extra(int64_t slot) const;     // envelope: the entry's first extra bytes
+
+  // Host-side cursor access (CUDA pools: blocking copies).
+  int32_t cursor(int64_t slot) const;
+  void set_cursor(int64_t slot, int32_t value, Stream stream = nullptr);
+
+  // --- accounting --------------------------------------------------------------------------
+  static int64_t bytes_per_slot(const StatePoolConfig& config);  // state + rings + cursor
+  static int64_t required_bytes(const StatePoolConfig& config);  // everything, with alignment
+  // How many slots fit in `budget_bytes` (the whole pool, alignment included).
+  static int64_t slots_for_budget(StatePoolConfig config, int64_t budget_bytes);
+  int64_t total_bytes() const { return required_bytes(cfg_); }
+  void* data() const { return base_; }
+
+ private:
+  struct Layout {
+    int64_t state_offset, state_bytes;
+    int64_t entry_bytes;  // envelope entry pitch (bytes)
+    int64_t extra_pad;    // envelope: bytes before the first layer's state in an entry
+    int64_t d_offset, k_offset, g_offset, cursor_offset, total;
+  };
+  static Layout layout_of(const StatePoolConfig& c);
+  static void check_config(const StatePoolConfig& c);
+  void check_slot(int64_t slot, const char* what) const;
+  void clear_slot(int64_t slot, Stream stream);
+  char* at(int64_t offset) const { return static_cast<char*>(base_) + offset; }
+
+  StatePoolConfig cfg_;
+  Layout lay_{};
+  void* base_ = nullptr;
+  bool owns_ = false;
+  std::vector<char> allocated_;
+};
+
+}  // namespace deltastate

@@ -1,0 +1,80 @@
+// deltastate: framework-free tensor views.
+//
+// A TensorView is a non-owning description of memory: pointer, dtype, device, up to 6 dims and
+// int64 element strides. Every op takes its tensors as TensorViews; nothing here depends on a
+// framework. Views are never copied, reshaped or made contiguous behind the caller's back.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+namespace deltastate {
+
+enum class DType : uint8_t { f32, bf16, f16, i32, i64 };
+
+// Bytes per element.
+constexpr int64_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::i32: return 4;
+    case DType::i64: return 8;
+  }
+  return 0;
+}
+constexpr bool is_floating(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
+constexpr bool is_integer(DType t) { return t == DType::i32 || t == DType::i64; }
+
+// Names as frameworks print them ("float32", "bfloat16", ...).
+const char* dtype_name(DType t);
+
+enum class DeviceType : uint8_t { cpu, cuda };
+
+struct Device {
+  DeviceType type = DeviceType::cpu;
+  int index = 0;
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.type == b.type && (a.type == DeviceType::cpu || a.index == b.index);
+  }
+  static Device cpu() { return {}; }
+  static Device cuda(int index = 0) { return {DeviceType::cuda, index}; }
+};
+std::string to_string(const Device& d);  // "cpu", "cuda:0"
+
+constexpr int kMaxDims = 6;
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  Device device{};
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t stride[kMaxDims] = {};  // in elements
+
+  // Dense row-major view.
+  static TensorView contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                               Device device = {});
+  // Explicit strides (elements).
+  static TensorView strided(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                            std::initializer_list<int64_t> strides, Device device = {});
+
+  // Python-style negative dims are accepted.
+  int64_t size(int dim) const { return shape[dim < 0 ? dim + ndim : dim]; }
+  int64_t stride_of(int dim) const { return stride[dim < 0 ? dim + ndim : dim]; }
+  int64_t numel() const;
+  int64_t element_size() const { return dtype_size(dtype); }
+  bool is_contiguous() const;  // row-major dense (size-1 dims may have any stride)
+  template <class T>
+  T* ptr() const { return static_cast<T*>(data); }
+};
+
+// "(4, 512)", "(5,)", "()" -- shapes and strides printed like Python tuples.
+std::string shape_str(const TensorView& t);
+std::string stride_str(const TensorView& t);
+std::string tuple_str(const int64_t* v, int n);
+std::string tuple_str(std::initializer_list<int64_t> v);
+
+}  // namespace deltastate

@@ -1,0 +1,32 @@
+// The seam between the framework-free API and the CUDA backend. src/cuda implements these when
+// the toolkit is present at configure time; src/api/no_cuda.cpp otherwise, throwing
+// ErrorKind::not_implemented with a message that says CUDA support is not built.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/problem.h"
+
+namespace deltastate::cuda_backend {
+
+bool built();
+
+// Ops: launch on `stream` (a cudaStream_t), no allocation, no host synchronization.
+void run_recurrent(const detail::RecurrentProblem& p, void* stream);
+void run_replayssm_decode(const detail::ReplayProblem& p, void* stream);
+
+// Memory for the state pool.
+void* device_alloc(size_t bytes, int device);  // zeroed, synchronously
+void device_free(void* ptr, int device) noexcept;
+// Zeroes or sets `rows` rows of `row_bytes` bytes, `pitch` bytes apart (device memory).
+void memset_2d_async(void* ptr, size_t pitch, int value, size_t row_bytes, size_t rows, int device,
+                     void* stream);
+// 2D copy: `rows` rows of `row_bytes`, with the given pitches (device to device).
+void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                   size_t rows, int device, void* stream);
+// Blocking copies between host and device (pool bookkeeping only, never on an op's path).
+void copy_to_host(void* dst, const void* src, size_t bytes, int device, void* stream);
+void copy_to_device(void* dst, const void* src, size_t bytes, int device, void* stream);
+
+}  // namespace deltastate::cuda_backend

@@ -1,0 +1,25 @@
+// The CUDA seam of a build without the CUDA toolkit: every entry says so.
+#include "api/backend.h"
+#include "deltastate/error.h"
+
+namespace deltastate::cuda_backend {
+
+namespace {
+[[noreturn]] void not_built() {
+  throw Error(ErrorKind::not_implemented,
+              "deltastate was built without CUDA support (no CUDA toolkit at configure time); "
+              "CUDA tensors cannot be used. Rebuild with nvcc available, or pass CPU tensors.");
+}
+}  // namespace
+
+bool built() { return false; }
+void run_recurrent(const detail::RecurrentProblem&, void*) { not_built(); }
+void run_replayssm_decode(const detail::ReplayProblem&, void*) { not_built(); }
+void* device_alloc(size_t, int) { not_built(); }
+void device_free(void*, int) noexcept {}
+void memset_2d_async(void*, size_t, int, size_t, size_t, int, void*) { not_built(); }
+void copy_2d_async(void*, size_t, const void*, size_t, size_t, size_t, int, void*) { not_built(); }
+void copy_to_host(void*, const void*, size_t, int, void*) { not_built(); }
+void copy_to_device(void*, const void*, size_t, int, void*) { not_built(); }
+
+}  // namespace deltastate::cuda_backend

@@ -1,0 +1,172 @@
+// Contract of GDN / KDA packed decode (spec §2, §3). The messages of the reference
+// (validate_packed_decode_inputs, spec §9) are reproduced verbatim and in the reference's order;
+// checks beyond the reference (dtypes, the pool's inner strides, slot bounds, scale) follow.
+#include <cmath>
+
+#include "contracts/contract.h"
+#include "contracts/validate.h"
+
+namespace deltastate::detail {
+
+RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) {
+  const TensorView& x = args.mixed_qkv;
+  const TensorView& a = args.a;
+  const TensorView& b = args.b;
+  const TensorView& A_log = args.A_log;
+  const TensorView& dt_bias = args.dt_bias;
+  const TensorView& state = args.state;
+  const TensorView& out = args.out;
+  const TensorView& idx = args.state_indices;
+
+  if (x.ndim != 2) fail(format("`mixed_qkv` must be a 2D tensor (got ndim=%d).", x.ndim));
+  if (x.stride[1] != 1) fail("`mixed_qkv` must be contiguous in the last dim.");
+  if (a.ndim != 2 || b.ndim != 2)
+    fail(format("`a` and `b` must be 2D tensors (got a.ndim=%d, b.ndim=%d).", a.ndim, b.ndim));
+  if (a.stride[1] != 1 || b.stride[1] != 1) fail("`a`/`b` must be contiguous in the last dim.");
+  if (A_log.ndim != 1 || dt_bias.ndim != 1) fail("`A_log`/`dt_bias` must be 1D tensors.");
+  if (A_log.stride[0] != 1 || dt_bias.stride[0] != 1) fail("`A_log`/`dt_bias` must be contiguous.");
+  if (idx.ndim != 1)
+    fail(format("`ssm_state_indices` must be 1D for packed decode (got ndim=%d).", idx.ndim));
+  if (!out.is_contiguous()) fail("`out` must be contiguous.");
+
+  Contract c;
+  c.device("mixed_qkv", x);
+  c.device("a", a);
+  c.device("b", b);
+  c.device("A_log", A_log);
+  c.device("dt_bias", dt_bias);
+  c.device("initial_state", state);
+  c.device("out", out);
+  c.device("ssm_state_indices", idx);
+  c.check_devices("All inputs must be on the same device.", false);
+
+  const int64_t B = x.shape[0];
+  if (a.shape[0] != B || b.shape[0] != B) {
+    fail(format("Mismatched batch sizes: mixed_qkv.shape[0]=%lld, a.shape[0]=%lld, b.shape[0]=%lld.",
+                static_cast<long long>(B), static_cast<long long>(a.shape[0]),
+                static_cast<long long>(b.shape[0])));
+  }
+  if (idx.shape[0] != B) {
+    fail(format("`ssm_state_indices` must have shape [B] (got %s; expected %s).",
+                shape_str(idx).c_str(), tuple_str({B}).c_str()));
+  }
+  if (state.ndim != 4) fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
+  if (state.stride[3] != 1) fail("`initial_state` must be contiguous in the last dim.");
+  // Beyond the reference (spec §11.3): the inner [HV, V, K] strides are used, so check them.
+  if (!inner_strides_compact(state)) {
+    fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+         "stride is supported.");
+  }
+  const int64_t HV = state.shape[1], V = state.shape[2], K = state.shape[3];
+
+  if (!kda) {
+    if (a.shape[1] != HV || b.shape[1] != HV) {
+      fail(format("`a`/`b` must have shape [B, HV] with HV=%lld (got a.shape=%s, b.shape=%s).",
+                  static_cast<long long>(HV), shape_str(a).c_str(), shape_str(b).c_str()));
+    }
+    if (A_log.numel() != HV || dt_bias.numel() != HV) {
+      fail(format("`A_log` and `dt_bias` must have %lld elements (got A_log.numel()=%lld, "
+                  "dt_bias.numel()=%lld).",
+                  static_cast<long long>(HV), static_cast<long long>(A_log.numel()),
+                  static_cast<long long>(dt_bias.numel())));
+    }
+  } else {
+    if (a.shape[1] != HV * K) {
+      fail(format("`a` must have shape [B, HV*K] with HV=%lld, K=%lld (got a.shape=%s).",
+                  static_cast<long long>(HV), static_cast<long long>(K), shape_str(a).c_str()));
+    }
+    if (b.shape[1] != HV) {
+      fail(format("`b` must have shape [B, HV] with HV=%lld (got b.shape=%s).",
+                  static_cast<long long>(HV), shape_str(b).c_str()));
+    }
+    if (A_log.numel() != HV) {
+      fail(format("`A_log` must have %lld elements (got %lld).", static_cast<long long>(HV),
+                  static_cast<long long>(A_log.numel())));
+    }
+    if (dt_bias.numel() != HV * K) {
+      fail(format("`dt_bias` must have %lld elements (got %lld).", static_cast<long long>(HV * K),
+                  static_cast<long long>(dt_bias.numel())));
+    }
+  }
+  if (out.ndim != 4 || out.shape[0] != B || out.shape[1] != 1 || out.shape[2] != HV ||
+      out.shape[3] != V) {
+    fail(format("`out` must have shape %s (got out.shape=%s).", tuple_str({B, 1, HV, V}).c_str(),
+                shape_str(out).c_str()));
+  }
+  const int64_t width = x.shape[1];
+  const int64_t qk = width - HV * V;
+  if (qk <= 0 || qk % 2 != 0) {
+    fail(format("Invalid packed `mixed_qkv` last dim=%lld for HV=%lld, V=%lld.",
+                static_cast<long long>(width), static_cast<long long>(HV),
+                static_cast<long long>(V)));
+  }
+  const int64_t q_dim = qk / 2;
+  if (q_dim % K != 0) {
+    fail(format("Invalid packed Q size %lld: must be divisible by K=%lld.%s",
+                static_cast<long long>(q_dim), static_cast<long long>(K),
+                kda ? " KDA packed decode requires num_q_heads == num_k_heads and head_q_dim == "
+                      "head_k_dim."
+                    : ""));
+  }
+  const int64_t H = q_dim / K;
+  if (H <= 0 || HV % H != 0) {
+    fail(format("Invalid head config inferred from mixed_qkv: H=%lld, HV=%lld.",
+                static_cast<long long>(H), static_cast<long long>(HV)));
+  }
+
+  // Beyond the reference: dtypes, scale, slot bounds.
+  c.floating("mixed_qkv", x);
+  c.floating("a", a);
+  c.floating("b", b);
+  c.floating("A_log", A_log);
+  c.floating("dt_bias", dt_bias);
+  c.floating("initial_state", state);
+  c.floating("out", out);
+  c.index_dtype("ssm_state_indices", idx);
+  if (idx.stride[0] != 1 && B > 1)
+    fail(format("`ssm_state_indices` must be contiguous; got strides %s", stride_str(idx).c_str()));
+  if (!(args.scale > 0.0) || !std::isfinite(args.scale))
+    fail(format("scale must be positive (got %g)", args.scale));
+  if (kda && args.lower_bound && !std::isfinite(*args.lower_bound))
+    fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
+
+  const bool on_cpu = c.common_device().type == DeviceType::cpu;
+  const bool check = args.check_indices.value_or(on_cpu);
+  if (on_cpu && check)
+    check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0], state.shape[0]);
+
+  RecurrentProblem p;
+  p.N = static_cast<int32_t>(B);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(HV);
+  p.K = static_cast<int32_t>(K);
+  p.V = static_cast<int32_t>(V);
+  p.T = 1;
+  const int64_t row = x.stride[0];
+  p.q = {x.data, x.dtype, row, 0, K};
+  p.k = {static_cast<const char*>(x.data) + H * K * x.element_size(), x.dtype, row, 0, K};
+  p.v = {static_cast<const char*>(x.data) + 2 * H * K * x.element_size(), x.dtype, row, 0, V};
+  p.g = {a.data, a.dtype, a.stride[0], 0, kda ? K : 1};
+  p.beta = {b.data, b.dtype, b.stride[0], 0, 1};
+  p.out = {out.data, out.dtype, HV * V, 0, V};
+  p.gate.kda = kda;
+  p.gate.mode = (kda && args.lower_bound) ? GateMode::safe : GateMode::softplus;
+  p.gate.A_log = A_log.data;
+  p.gate.A_log_dtype = A_log.dtype;
+  p.gate.dt_bias = dt_bias.data;
+  p.gate.dt_bias_dtype = dt_bias.dtype;
+  p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
+  p.beta_is_logit = true;
+  p.round_beta = args.round_beta_to_input;
+  p.l2norm = args.use_qk_l2norm;
+  p.scale = static_cast<float>(args.scale);
+  p.state = {state.data, state.dtype, state.stride[0], state.shape[0]};
+  p.indices = idx.data;
+  p.index_dtype = idx.dtype;
+  p.update_state = true;
+  p.check_indices = check;
+  p.device = c.common_device();
+  return p;
+}
+
+}  // namespace deltastate::detail

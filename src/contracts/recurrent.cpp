@@ -1,0 +1,234 @@
+// Contract of the pooled varlen recurrent op (spec §4, and §7 `recurrent_kda` with its stride
+// contract). Messages the reference defines are verbatim; the rest come from the Contract
+// matchers, which name the tensor and show expected vs actual.
+#include <cmath>
+#include <cstdint>
+
+#include "contracts/contract.h"
+#include "contracts/validate.h"
+#include "core/numeric.h"
+
+namespace deltastate::detail {
+
+namespace {
+
+void check_state_pool(Contract& c, const TensorView& state, bool kda) {
+  if (state.ndim != 4) {
+    if (kda) fail(format("recurrent_kda needs a [N, HV, V, K] state pool; got shape %s",
+                         shape_str(state).c_str()));
+    fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
+  }
+  c.shape("initial_state", state, {"slots", "HV", "V", "K"});
+  if (!inner_strides_compact(state)) {
+    const int64_t V = state.shape[2], K = state.shape[3];
+    if (kda) {
+      fail(format("recurrent_kda state inner strides must be compact (V*K, K, 1)=(%lld, %lld, 1); "
+                  "got %s (only the slot stride may be non-compact)",
+                  static_cast<long long>(V * K), static_cast<long long>(K),
+                  tuple_str(state.stride + 1, 3).c_str()));
+    }
+    fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+         "stride is supported.");
+  }
+  if (kda) {
+    const int64_t slot_stride = state.stride[0];
+    const auto base = static_cast<long long>(reinterpret_cast<uintptr_t>(state.data) % 32);
+    if (slot_stride % 16 != 0 || base != 0) {
+      fail(format("recurrent_kda state pool breaks the compiled stride contract: slot stride %lld "
+                  "elements must be a multiple of 16 and the base byte offset %lld a multiple of 32 "
+                  "(sym_int64(divisibility=16) / assumed_align=32)",
+                  static_cast<long long>(slot_stride), base));
+    }
+  }
+}
+
+void check_cu_seqlens_host(const TensorView& cu, int64_t total_tokens) {
+  const int64_t n = cu.shape[0];
+  int64_t prev = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = load_index(cu.data, cu.dtype, i);
+    if (v < prev || v > total_tokens || (i == 0 && v != 0)) {
+      fail(format("`cu_seqlens` must start at 0 and be non-decreasing within [0, T=%lld]; got "
+                  "cu_seqlens[%lld]=%lld%s",
+                  static_cast<long long>(total_tokens), static_cast<long long>(i),
+                  static_cast<long long>(v),
+                  i ? format(" after %lld", static_cast<long long>(prev)).c_str() : ""));
+    }
+    prev = v;
+  }
+}
+
+HeadInput head_input(const TensorView& t) {
+  return {t.data, t.dtype, t.stride[0], t.stride[1], t.stride[2]};
+}
+
+}  // namespace
+
+RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
+  const char* op = kda ? "recurrent_kda" : "recurrent_gated_delta_rule";
+  Contract c;
+  c.shape("q", args.q, {"B", "T", "H", "K"});
+  c.shape("k", args.k, {"B", "T", "H", "K"});
+  c.shape("v", args.v, {"B", "T", "HV", "V"});
+  if (kda) c.shape("g", args.g, {"B", "T", "HV", "K"});
+  else c.shape("g", args.g, {"B", "T", "HV"});
+  c.shape("beta", args.beta, {"B", "T", "HV"});
+  c.shape("out", args.out, {"B", "T", "HV", "V"});
+  const int64_t B = c.get("B"), T = c.get("T"), H = c.get("H"), HV = c.get("HV"),
+                K = c.get("K"), V = c.get("V");
+  if (H <= 0 || HV % H != 0) {
+    fail(format("%s: `v` has HV=%lld heads and `q`/`k` have H=%lld; HV must be a positive "
+                "multiple of H",
+                op, static_cast<long long>(HV), static_cast<long long>(H)));
+  }
+  c.last_dim_contiguous("q", args.q);
+  c.last_dim_contiguous("k", args.k);
+  c.last_dim_contiguous("v", args.v);
+  c.last_dim_contiguous("out", args.out);
+  if (kda) c.last_dim_contiguous("g", args.g);
+  c.floating("q", args.q);
+  c.floating("k", args.k);
+  c.floating("v", args.v);
+  c.floating("g", args.g);
+  c.floating("beta", args.beta);
+  c.floating("out", args.out);
+  for (auto [name, t] : {std::pair{"q", &args.q}, {"k", &args.k}, {"v", &args.v}, {"g", &args.g},
+                         {"beta", &args.beta}, {"out", &args.out}})
+    c.device(name, *t);
+
+  int64_t N = B;
+  if (args.cu_seqlens) {
+    const TensorView& cu = *args.cu_seqlens;
+    if (B != 1) {
+      fail(format("The batch size is expected to be 1 rather than %lld when using `cu_seqlens`."
+                  "Please flatten variable-length inputs before processing.",
+                  static_cast<long long>(B)));
+    }
+    if (cu.ndim != 1 || cu.shape[0] < 1)
+      fail(format("`cu_seqlens` must be a 1D tensor [N+1]; got shape %s", shape_str(cu).c_str()));
+    c.index_dtype("cu_seqlens", cu);
+    c.contiguous("cu_seqlens", cu);
+    c.device("cu_seqlens", cu);
+    N = cu.shape[0] - 1;
+  }
+  c.bind("N", N, args.cu_seqlens ? "`cu_seqlens`" : "`q`");
+
+  if (args.state) {
+    check_state_pool(c, *args.state, kda);
+    c.floating("initial_state", *args.state);
+    c.device("initial_state", *args.state);
+  }
+  if (args.state_indices) {
+    const TensorView& idx = *args.state_indices;
+    if (!args.state)
+      fail("`ssm_state_indices` index a state pool, but no `initial_state` pool was given");
+    if (idx.ndim != 1 || idx.shape[0] != N) {
+      fail(format("The number of initial states is expected to be equal to the number of input "
+                  "sequences, i.e., %lld rather than %lld.",
+                  static_cast<long long>(N), static_cast<long long>(idx.ndim == 1 ? idx.shape[0] : idx.numel())));
+    }
+    c.index_dtype("ssm_state_indices", idx);
+    c.contiguous("ssm_state_indices", idx);
+    c.device("ssm_state_indices", idx);
+  } else if (args.state && args.state->shape[0] != N) {
+    fail(format("The number of initial states is expected to be equal to the number of input "
+                "sequences, i.e., %lld rather than %lld.",
+                static_cast<long long>(N), static_cast<long long>(args.state->shape[0])));
+  }
+  if (args.final_state) {
+    c.shape("final_state", *args.final_state, {"N", "HV", "V", "K"});
+    c.contiguous("final_state", *args.final_state);
+    c.floating("final_state", *args.final_state);
+    c.device("final_state", *args.final_state);
+  }
+  if (args.update_state && !args.state)
+    fail(format("%s: update_state needs a state pool (`initial_state`)", op));
+
+  if (args.gate_in_kernel) {
+    if (!args.A_log) fail(format("%s: the in-kernel gate (use_gate_in_kernel) needs `A_log`", op));
+    const TensorView& A_log = *args.A_log;
+    if (A_log.numel() != HV)
+      fail(format("`A_log` must have %lld elements (got %lld).", static_cast<long long>(HV),
+                  static_cast<long long>(A_log.numel())));
+    c.contiguous("A_log", A_log);
+    c.floating("A_log", A_log);
+    c.device("A_log", A_log);
+    if (args.dt_bias) {
+      const TensorView& dt = *args.dt_bias;
+      const int64_t want = kda ? HV * K : HV;
+      if (dt.numel() != want)
+        fail(format("`dt_bias` must have %lld elements (got %lld).", static_cast<long long>(want),
+                    static_cast<long long>(dt.numel())));
+      c.contiguous("dt_bias", dt);
+      c.floating("dt_bias", dt);
+      c.device("dt_bias", dt);
+    }
+    if (args.lower_bound && !std::isfinite(*args.lower_bound))
+      fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
+  } else if (args.A_log || args.dt_bias || args.lower_bound) {
+    fail(format("%s: `A_log`, `dt_bias` and lower_bound apply only with the in-kernel gate "
+                "(use_gate_in_kernel=True); `g` is otherwise the log-space decay itself",
+                op));
+  }
+  const double scale = args.scale.value_or(1.0 / std::sqrt(static_cast<double>(K)));
+  if (!(scale > 0.0) || !std::isfinite(scale)) fail(format("scale must be positive (got %g)", scale));
+
+  c.check_devices("All inputs must be on the same device", true);
+  const bool on_cpu = c.common_device().type == DeviceType::cpu;
+  if (on_cpu && args.cu_seqlens) check_cu_seqlens_host(*args.cu_seqlens, T);
+  const bool check = args.check_indices.value_or(on_cpu);
+  if (on_cpu && check && args.state_indices)
+    check_slot_indices_host("ssm_state_indices", args.state_indices->data,
+                            args.state_indices->dtype, N, 1, args.state->shape[0]);
+
+  RecurrentProblem p;
+  p.N = static_cast<int32_t>(N);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(HV);
+  p.K = static_cast<int32_t>(K);
+  p.V = static_cast<int32_t>(V);
+  p.T = static_cast<int32_t>(T);
+  if (args.cu_seqlens) {
+    p.cu_seqlens = args.cu_seqlens->data;
+    p.cu_dtype = args.cu_seqlens->dtype;
+  }
+  p.q = head_input(args.q);
+  p.k = head_input(args.k);
+  p.v = head_input(args.v);
+  p.g = head_input(args.g);
+  p.beta = head_input(args.beta);
+  p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1], args.out.stride[2]};
+  p.gate.kda = kda;
+  p.gate.mode = !args.gate_in_kernel ? GateMode::log_decay
+                : args.lower_bound   ? GateMode::safe
+                                     : GateMode::softplus;
+  if (args.A_log) {
+    p.gate.A_log = args.A_log->data;
+    p.gate.A_log_dtype = args.A_log->dtype;
+  }
+  if (args.dt_bias) {
+    p.gate.dt_bias = args.dt_bias->data;
+    p.gate.dt_bias_dtype = args.dt_bias->dtype;
+  }
+  p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
+  p.beta_is_logit = args.beta_is_logit;
+  p.l2norm = args.use_qk_l2norm;
+  p.scale = static_cast<float>(scale);
+  if (args.state) {
+    p.state = {args.state->data, args.state->dtype, args.state->stride[0], args.state->shape[0]};
+  }
+  if (args.state_indices) {
+    p.indices = args.state_indices->data;
+    p.index_dtype = args.state_indices->dtype;
+  }
+  p.update_state = args.update_state;
+  if (args.final_state) {
+    p.final_state = args.final_state->data;
+    p.final_dtype = args.final_state->dtype;
+  }
+  p.check_indices = check;
+  p.device = c.common_device();
+  return p;
+}
+
+}  // namespace deltastate::detail

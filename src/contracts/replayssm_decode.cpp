@@ -1,0 +1,200 @@
+// Contract of ReplaySSM buffered decode (spec §5; messages of §9's ReplaySSM table verbatim, with
+// the ring-shape messages of the Helion port, which the project adopted).
+#include <cmath>
+
+#include "contracts/contract.h"
+#include "contracts/validate.h"
+
+namespace deltastate::detail {
+
+namespace {
+long long ll(int64_t v) { return static_cast<long long>(v); }
+}  // namespace
+
+ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
+  const TensorView& x = args.mixed_qkv;
+  const TensorView& a = args.a;
+  const TensorView& b = args.b;
+  const TensorView& A_log = args.A_log;
+  const TensorView& dt_bias = args.dt_bias;
+  const TensorView& state = args.state;
+  const TensorView& out = args.out;
+  const TensorView& idx = args.state_indices;
+  const TensorView& wp = args.write_pos;
+  const bool kda = args.is_kda;
+
+  if (x.ndim != 2) fail(format("`mixed_qkv` must be 2D (got ndim=%d).", x.ndim));
+  if (b.ndim != 2) fail(format("`b` must be 2D (got b.ndim=%d).", b.ndim));
+  if (A_log.ndim != 1) fail("`A_log` must be a 1D tensor.");
+  if (state.ndim != 4) fail(format("`initial_state` must be 4D (got ndim=%d).", state.ndim));
+  if (x.stride[1] != 1) fail("`mixed_qkv` must be contiguous in the last dim.");
+  if (!out.is_contiguous()) fail("`out` must be contiguous.");
+  if (wp.ndim != 1 || wp.dtype != DType::i32 || !wp.is_contiguous())
+    fail("`write_pos` must be a contiguous 1D int32 tensor.");
+  if (args.force_flush) {
+    const TensorView& ff = *args.force_flush;
+    if (ff.ndim != 1 || ff.dtype != DType::i32 || !ff.is_contiguous())
+      fail("`force_flush` must be a contiguous 1D int32 tensor or None.");
+  }
+  if (!inner_strides_compact(state)) {
+    fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+         "stride is supported.");
+  }
+  const int64_t B = x.shape[0];
+  const int64_t S = state.shape[0], HV = state.shape[1], V = state.shape[2], K = state.shape[3];
+  const int64_t width = x.shape[1];
+  if (width <= HV * V || (width - HV * V) % 2 != 0) {
+    fail(format("Invalid packed `mixed_qkv` last dim=%lld for HV=%lld, V=%lld.", ll(width), ll(HV),
+                ll(V)));
+  }
+  const int64_t q_dim = (width - HV * V) / 2;
+  if (q_dim <= 0 || q_dim % K != 0) {
+    fail(format("Invalid packed `mixed_qkv` last dim=%lld for HV=%lld, V=%lld, K=%lld.", ll(width),
+                ll(HV), ll(V), ll(K)));
+  }
+  const int64_t H = q_dim / K;
+  if (H <= 0 || HV % H != 0)
+    fail(format("Invalid head config inferred from mixed_qkv: H=%lld, HV=%lld.", ll(H), ll(HV)));
+  if (b.shape[0] != B || b.shape[1] != HV || !b.is_contiguous())
+    fail(format("`b` must have contiguous shape %s.", tuple_str({B, HV}).c_str()));
+  if (A_log.shape[0] != HV || !A_log.is_contiguous())
+    fail(format("`A_log` must have contiguous shape %s.", tuple_str({HV}).c_str()));
+
+  // Rings: L comes from d_cache.
+  const TensorView& dc = args.d_cache;
+  const TensorView& kc = args.k_cache;
+  const TensorView& gc = args.g_cache;
+  if (dc.ndim != 4 || dc.shape[0] != S || dc.shape[1] != HV || dc.shape[3] != V)
+    fail("`d_cache` must have shape [slots, HV, L, V].");
+  const int64_t L = dc.shape[2];
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+
+  if (kda) {
+    const bool a_ok = (a.ndim == 3 && a.shape[0] == B && a.shape[1] == HV && a.shape[2] == K) ||
+                      (a.ndim == 2 && a.shape[0] == B && a.shape[1] == HV * K);
+    if (!a_ok)
+      fail(format("KDA `a` must have shape %s (got %s).", tuple_str({B, HV, K}).c_str(),
+                  shape_str(a).c_str()));
+    const bool dt_ok = (dt_bias.ndim == 2 && dt_bias.shape[0] == HV && dt_bias.shape[1] == K) ||
+                       (dt_bias.ndim == 1 && dt_bias.shape[0] == HV * K);
+    if (!dt_ok)
+      fail(format("KDA `dt_bias` must have shape %s (got %s).", tuple_str({HV, K}).c_str(),
+                  shape_str(dt_bias).c_str()));
+    if (!a.is_contiguous() || !dt_bias.is_contiguous())
+      fail("KDA `a`/`dt_bias` must be contiguous.");
+  } else {
+    if (a.ndim != 2 || a.shape[0] != B || a.shape[1] != HV || !a.is_contiguous())
+      fail(format("GDN `a` must have shape %s (got %s).", tuple_str({B, HV}).c_str(),
+                  shape_str(a).c_str()));
+    if (dt_bias.ndim != 1 || dt_bias.shape[0] != HV || !dt_bias.is_contiguous())
+      fail(format("GDN `dt_bias` must have shape %s (got %s).", tuple_str({HV}).c_str(),
+                  shape_str(dt_bias).c_str()));
+  }
+  if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous())
+    fail("ReplaySSM ring caches must be contiguous.");
+  if (kc.ndim != 4 || kc.shape[0] != S || kc.shape[1] != H || kc.shape[2] != L || kc.shape[3] != K)
+    fail("`k_cache` must have shape [slots, H, L, K].");
+  if (kda) {
+    if (gc.ndim != 4 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L ||
+        gc.shape[3] != K)
+      fail("`g_cache` must have shape [slots, HV, L, K].");
+  } else if (gc.ndim != 3 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L) {
+    fail("`g_cache` must have shape [slots, HV, L].");
+  }
+  if (gc.dtype != DType::f32) fail(format("`g_cache` must be float32 (got %s).", dtype_name(gc.dtype)));
+  if (out.ndim != 4 || out.shape[0] != B || out.shape[1] != 1 || out.shape[2] != HV ||
+      out.shape[3] != V)
+    fail(format("`out` must have shape %s (got %s).", tuple_str({B, 1, HV, V}).c_str(),
+                shape_str(out).c_str()));
+  if (idx.ndim != 1 || idx.dtype != DType::i32)
+    fail("`ssm_state_indices` must be a 1D int32 tensor.");
+  if (wp.shape[0] != B || idx.shape[0] != B)
+    fail(format("`write_pos` and `ssm_state_indices` must both have length B=%lld (got %lld, %lld).",
+                ll(B), ll(wp.shape[0]), ll(idx.shape[0])));
+  if (args.force_flush && args.force_flush->shape[0] != B)
+    fail(format("`force_flush` must have length B=%lld.", ll(B)));
+
+  Contract c;
+  c.device("mixed_qkv", x);
+  c.device("a", a);
+  c.device("b", b);
+  c.device("A_log", A_log);
+  c.device("dt_bias", dt_bias);
+  c.device("initial_state", state);
+  c.device("d_cache", dc);
+  c.device("k_cache", kc);
+  c.device("g_cache", gc);
+  c.device("out", out);
+  c.device("ssm_state_indices", idx);
+  c.device("write_pos", wp);
+  if (args.force_flush) c.device("force_flush", *args.force_flush);
+  c.check_devices("ReplaySSM inputs must be on the same device.", false);
+
+  // Beyond the reference: dtypes, index contiguity, scale, slot bounds.
+  c.floating("mixed_qkv", x);
+  c.floating("a", a);
+  c.floating("b", b);
+  c.floating("A_log", A_log);
+  c.floating("dt_bias", dt_bias);
+  c.floating("initial_state", state);
+  c.floating("d_cache", dc);
+  c.floating("k_cache", kc);
+  c.floating("out", out);
+  c.contiguous("ssm_state_indices", idx);
+  if (!(args.scale > 0.0) || !std::isfinite(args.scale))
+    fail(format("scale must be positive (got %g)", args.scale));
+  if (args.lower_bound && !std::isfinite(*args.lower_bound))
+    fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
+  const bool on_cpu = c.common_device().type == DeviceType::cpu;
+  const bool check = args.check_indices.value_or(on_cpu);
+  if (on_cpu && check) {
+    check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, 1, S);
+    const auto* w = static_cast<const int32_t*>(wp.data);
+    const auto* ix = static_cast<const int32_t*>(idx.data);
+    for (int64_t i = 0; i < B; ++i) {
+      if (ix[i] >= 0 && (w[i] < 0 || w[i] >= L))
+        fail(format("`write_pos`[%lld]=%d is outside the ring [0, L-1=%lld]", ll(i), w[i],
+                    ll(L - 1)));
+    }
+  }
+
+  ReplayProblem p;
+  p.B = static_cast<int32_t>(B);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(HV);
+  p.K = static_cast<int32_t>(K);
+  p.V = static_cast<int32_t>(V);
+  p.L = static_cast<int32_t>(L);
+  const int64_t row = x.stride[0];
+  const int64_t es = x.element_size();
+  p.q = {x.data, x.dtype, row, 0, K};
+  p.k = {static_cast<const char*>(x.data) + H * K * es, x.dtype, row, 0, K};
+  p.v = {static_cast<const char*>(x.data) + 2 * H * K * es, x.dtype, row, 0, V};
+  p.a = {a.data, a.dtype, kda ? HV * K : HV, 0, kda ? K : 1};
+  p.b = {b.data, b.dtype, HV, 0, 1};
+  p.out = {out.data, out.dtype, HV * V, 0, V};
+  p.gate.kda = kda;
+  p.gate.mode = args.lower_bound ? GateMode::safe : GateMode::softplus;
+  p.gate.A_log = A_log.data;
+  p.gate.A_log_dtype = A_log.dtype;
+  p.gate.dt_bias = dt_bias.data;
+  p.gate.dt_bias_dtype = dt_bias.dtype;
+  p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
+  p.l2norm = args.use_qk_l2norm;
+  p.scale = static_cast<float>(args.scale);
+  p.state = {state.data, state.dtype, state.stride[0], S};
+  p.d_cache = dc.data;
+  p.d_dtype = dc.dtype;
+  p.k_cache = kc.data;
+  p.k_dtype = kc.dtype;
+  p.g_cache = static_cast<float*>(gc.data);
+  p.indices = static_cast<const int32_t*>(idx.data);
+  p.write_pos = static_cast<int32_t*>(wp.data);
+  p.force_flush = args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
+  p.advance_write_pos = args.advance_write_pos;
+  p.check_indices = check;
+  p.device = c.common_device();
+  return p;
+}
+
+}  // namespace deltastate::detail

@@ -1,0 +1,14 @@
+// One validator per op: every check of the op's contract, in one place, run before any memory is
+// written. Each returns the backend-neutral problem the kernels run.
+#pragma once
+
+#include "core/problem.h"
+#include "deltastate/ops.h"
+
+namespace deltastate::detail {
+
+RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda);
+RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda);
+ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
+
+}  // namespace deltastate::detail

@@ -1,0 +1,103 @@
+// The validated, backend-neutral description of one op call: plain structs of pointers, dtypes
+// and int64 element strides. The contract layer (src/contracts) builds them from TensorViews; the
+// CPU kernels read them on the host and the CUDA kernels receive them by value as kernel params.
+#pragma once
+
+#include <cstdint>
+
+#include "deltastate/tensor.h"
+
+namespace deltastate::detail {
+
+// A per-head vector input (q, k, v, g, beta, a, b) addressed per (sequence, token, head). The
+// element stride inside one head's vector is 1. Element e of head h of token t of sequence n lives
+// at  ptr + seq*seq_stride + tok*tok_stride + h*head_stride + e,  where (seq, tok) = (n, t)
+// without cu_seqlens and (0, cu[n] + t) with them.
+struct HeadInput {
+  const void* ptr = nullptr;
+  DType dtype = DType::f32;
+  int64_t seq_stride = 0;
+  int64_t tok_stride = 0;
+  int64_t head_stride = 0;
+};
+struct HeadOutput {
+  void* ptr = nullptr;
+  DType dtype = DType::f32;
+  int64_t seq_stride = 0;
+  int64_t tok_stride = 0;
+  int64_t head_stride = 0;
+};
+
+enum class GateMode : uint8_t {
+  log_decay,  // g is given: alpha = exp(g)
+  softplus,   // g = -exp(A_log) * softplus(a + dt_bias)
+  safe,       // g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
+};
+
+// Gate parameters shared by every op.
+struct GateParams {
+  GateMode mode = GateMode::log_decay;
+  bool kda = false;             // g is a K-vector per value head (else one scalar per value head)
+  const void* A_log = nullptr;  // [HV]
+  DType A_log_dtype = DType::f32;
+  const void* dt_bias = nullptr;  // GDN [HV], KDA [HV*K]
+  DType dt_bias_dtype = DType::f32;
+  float lower_bound = 0.0f;
+};
+
+// The slot pool of states: [slots, HV, V, K] with compact inner strides and a free slot stride.
+struct StatePoolRef {
+  void* ptr = nullptr;
+  DType dtype = DType::f32;
+  int64_t slot_stride = 0;  // elements
+  int64_t num_slots = 0;
+};
+
+// Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
+struct RecurrentProblem {
+  int32_t N = 0, H = 0, HV = 0, K = 0, V = 0;
+  int32_t T = 1;                      // tokens per sequence when cu_seqlens is null
+  const void* cu_seqlens = nullptr;   // [N+1]
+  DType cu_dtype = DType::i32;
+  HeadInput q, k, v, g, beta;         // g: log decay or raw `a` (see gate.mode)
+  HeadOutput out;
+  GateParams gate;
+  bool beta_is_logit = false;
+  bool round_beta = false;            // round beta to beta.dtype after the sigmoid
+  bool l2norm = true;
+  float scale = 1.0f;
+  StatePoolRef state;                 // ptr null: every sequence starts from S = 0
+  const void* indices = nullptr;      // [N] slot per sequence; null: sequence n uses slot n
+  DType index_dtype = DType::i32;
+  bool update_state = false;          // write final S back into the pool
+  void* final_state = nullptr;        // [N, HV, V, K] dense, optional
+  DType final_dtype = DType::f32;
+  bool check_indices = false;         // CUDA: trap on an index >= num_slots
+  Device device{};
+
+  int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
+};
+
+// ReplaySSM buffered decode (T = 1) over a checkpoint pool and per-slot rings.
+struct ReplayProblem {
+  int32_t B = 0, H = 0, HV = 0, K = 0, V = 0, L = 0;
+  HeadInput q, k, v, a, b;            // views into mixed_qkv, a, b
+  HeadOutput out;
+  GateParams gate;                    // mode softplus or safe
+  bool l2norm = true;
+  float scale = 1.0f;
+  StatePoolRef state;                 // the checkpoint pool
+  void* d_cache = nullptr;            // [slots, HV, L, V], dtype d_dtype (the state dtype)
+  DType d_dtype = DType::f32;
+  void* k_cache = nullptr;            // [slots, H, L, K], dtype k_dtype (the out dtype)
+  DType k_dtype = DType::f32;
+  float* g_cache = nullptr;           // [slots, HV, L] or [slots, HV, L, K]
+  const int32_t* indices = nullptr;   // [B]
+  int32_t* write_pos = nullptr;       // [B]
+  const int32_t* force_flush = nullptr;  // [B] or null
+  bool advance_write_pos = false;
+  bool check_indices = false;
+  Device device{};
+};
+
+}  // namespace deltastate::detail

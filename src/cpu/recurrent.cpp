@@ -1,0 +1,94 @@
+// CPU kernel of the pooled varlen recurrent op (and of packed decode, its T = 1 case): one task
+// per (sequence, value head); the state is held in fp32 for the whole sequence and stored once,
+// rounded to the pool's dtype.
+#include "cpu/kernels.h"
+#include "cpu/row_io.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/delta_math.h"
+#include "cpu/thread_pool.h"
+
+namespace deltastate::cpu {
+
+using namespace deltastate::detail;
+
+namespace {
+
+struct Scratch {
+  std::vector<float> S, q, k, v, alpha, o;
+  void resize(int K, int V) {
+    S.resize(static_cast<size_t>(K) * V);
+    q.resize(K);
+    k.resize(K);
+    alpha.resize(K);
+    v.resize(V);
+    o.resize(V);
+  }
+};
+
+}  // namespace
+
+void run_recurrent(const RecurrentProblem& p) {
+  const int K = p.K, V = p.V, HV = p.HV;
+  const int group = p.HV / p.H;
+  const int64_t head_elems = static_cast<int64_t>(V) * K;
+  parallel_for(p.num_heads_total(), [&](int64_t task) {
+    thread_local Scratch sc;
+    sc.resize(K, V);
+    const int64_t n = task / HV;
+    const int hv = static_cast<int>(task % HV);
+    const int h = hv / group;
+    const int64_t slot = p.indices ? load_index(p.indices, p.index_dtype, n) : n;
+    const int64_t seq = p.cu_seqlens ? 0 : n;
+    const int64_t tok0 = p.cu_seqlens ? load_index(p.cu_seqlens, p.cu_dtype, n) : 0;
+    const int64_t len = p.cu_seqlens ? load_index(p.cu_seqlens, p.cu_dtype, n + 1) - tok0 : p.T;
+    const bool padded = p.indices && slot < 0;
+
+    if (padded) {  // output rows zeroed, state never read or written
+      std::fill(sc.o.begin(), sc.o.end(), 0.0f);
+      for (int64_t t = 0; t < len; ++t)
+        store_row(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok0 + t, hv), V, sc.o.data());
+      if (p.final_state) {
+        std::fill(sc.S.begin(), sc.S.end(), 0.0f);
+        store_row(p.final_state, p.final_dtype, (n * HV + hv) * head_elems,
+                  static_cast<int>(head_elems), sc.S.data());
+      }
+      return;
+    }
+
+    const int64_t state_off = slot * p.state.slot_stride + hv * head_elems;
+    if (p.state.ptr) load_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
+    else std::fill(sc.S.begin(), sc.S.end(), 0.0f);
+
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t tok = tok0 + t;
+      load_row(p.q.ptr, p.q.dtype, head_offset(p.q, seq, tok, h), K, sc.q.data());
+      load_row(p.k.ptr, p.k.dtype, head_offset(p.k, seq, tok, h), K, sc.k.data());
+      load_row(p.v.ptr, p.v.dtype, head_offset(p.v, seq, tok, hv), V, sc.v.data());
+      prepare_qk(sc.q.data(), K, p.l2norm, p.scale);
+      prepare_qk(sc.k.data(), K, p.l2norm, 1.0f);
+
+      gate_row(p.gate, p.g.ptr, p.g.dtype, head_offset(p.g, seq, tok, hv), hv, K, sc.alpha.data());
+      for (float& x : sc.alpha) x = expf(x);
+      const float beta =
+          beta_value(load_float(p.beta.ptr, p.beta.dtype, head_offset(p.beta, seq, tok, hv)),
+                     p.beta_is_logit, p.round_beta, p.beta.dtype);
+
+      for (int vi = 0; vi < V; ++vi) {
+        sc.o[vi] = delta_rule_row(sc.S.data() + static_cast<int64_t>(vi) * K, sc.alpha.data(),
+                                  sc.k.data(), sc.q.data(), K, sc.v[vi], beta,
+                                  [](float x) { return x; });
+      }
+      store_row(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, hv), V, sc.o.data());
+    }
+    if (p.state.ptr && p.update_state)
+      store_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
+    if (p.final_state)
+      store_row(p.final_state, p.final_dtype, (n * HV + hv) * head_elems,
+                static_cast<int>(head_elems), sc.S.data());
+  });
+}
+
+}  // namespace deltastate::cpu

@@ -1,0 +1,290 @@
+#include "deltastate/state_pool.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "api/backend.h"
+#include "contracts/contract.h"
+#include "deltastate/error.h"
+
+namespace deltastate {
+
+using detail::fail;
+using detail::format;
+
+namespace {
+constexpr int64_t kAlign = 256;
+int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+long long ll(int64_t v) { return static_cast<long long>(v); }
+bool on_cuda(const StatePoolConfig& c) { return c.device.type == DeviceType::cuda; }
+}  // namespace
+
+void StatePool::check_config(const StatePoolConfig& c) {
+  if (c.layers < 1 || c.slots < 1 || c.HV < 1 || c.V < 1 || c.K < 1)
+    fail(format("StatePool needs layers, slots, HV, V, K >= 1; got layers=%lld, slots=%lld, HV=%lld, "
+                "V=%lld, K=%lld",
+                ll(c.layers), ll(c.slots), ll(c.HV), ll(c.V), ll(c.K)));
+  if (!is_floating(c.state_dtype))
+    fail(format("StatePool state dtype must be float32, bfloat16 or float16; got %s",
+                dtype_name(c.state_dtype)));
+  if (c.envelope_extra_bytes < 0 || (c.envelope_extra_bytes && c.layout != PoolLayout::envelope))
+    fail("StatePool envelope_extra_bytes applies to the envelope layout only and must be >= 0");
+  if (c.replay_len < 0) fail("ReplaySSM cache length must be at least 1.");
+  if (c.replay_len > 0) {
+    if (c.H < 1 || c.HV % c.H != 0)
+      fail(format("StatePool with ReplaySSM rings needs the key-head count H (HV a multiple of H); "
+                  "got H=%lld, HV=%lld",
+                  ll(c.H), ll(c.HV)));
+    if (!is_floating(c.ring_k_dtype))
+      fail(format("StatePool ring_k_dtype must be a float dtype; got %s", dtype_name(c.ring_k_dtype)));
+  }
+}
+
+StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
+  Layout l{};
+  const int64_t isz = dtype_size(c.state_dtype);
+  const int64_t head_bytes = c.HV * c.V * c.K * isz;  // one (layer, slot) state
+  l.state_offset = 0;
+  if (c.layout == PoolLayout::envelope) {
+    l.extra_pad = round_up(c.envelope_extra_bytes, kAlign);
+    l.entry_bytes = round_up(l.extra_pad + c.layers * head_bytes, kAlign);
+    l.state_bytes = c.slots * l.entry_bytes;
+  } else {
+    l.extra_pad = 0;
+    l.entry_bytes = head_bytes;
+    l.state_bytes = c.layers * c.slots * head_bytes;
+  }
+  int64_t off = round_up(l.state_bytes, kAlign);
+  const int64_t L = c.replay_len;
+  l.d_offset = off;
+  off = round_up(off + c.layers * c.slots * c.HV * L * c.V * isz, kAlign);
+  l.k_offset = off;
+  off = round_up(off + c.layers * c.slots * c.H * L * c.K * dtype_size(c.ring_k_dtype), kAlign);
+  l.g_offset = off;
+  off = round_up(off + c.layers * c.slots * c.HV * L * (c.kda ? c.K : 1) * 4, kAlign);
+  l.cursor_offset = off;
+  l.total = round_up(off + c.slots * 4, kAlign);
+  return l;
+}
+
+StatePool::StatePool(const StatePoolConfig& config) : cfg_(config) {
+  check_config(cfg_);
+  lay_ = layout_of(cfg_);
+  if (on_cuda(cfg_)) {
+    base_ = cuda_backend::device_alloc(static_cast<size_t>(lay_.total), cfg_.device.index);
+  } else {
+    base_ = std::aligned_alloc(kAlign, static_cast<size_t>(lay_.total));
+    if (!base_)
+      throw Error(ErrorKind::runtime, format("StatePool: cannot allocate %lld bytes", ll(lay_.total)));
+    std::memset(base_, 0, static_cast<size_t>(lay_.total));
+  }
+  owns_ = true;
+  allocated_.assign(static_cast<size_t>(cfg_.slots), 0);
+}
+
+StatePool::StatePool(const StatePoolConfig& config, void* external_memory) : cfg_(config) {
+  check_config(cfg_);
+  lay_ = layout_of(cfg_);
+  if (!external_memory || reinterpret_cast<uintptr_t>(external_memory) % kAlign != 0)
+    fail(format("StatePool external memory must be non-null and %lld-byte aligned", ll(kAlign)));
+  base_ = external_memory;
+  allocated_.assign(static_cast<size_t>(cfg_.slots), 0);
+}
+
+StatePool::~StatePool() {
+  if (!owns_) return;
+  if (on_cuda(cfg_)) cuda_backend::device_free(base_, cfg_.device.index);
+  else std::free(base_);
+}
+
+void StatePool::check_slot(int64_t slot, const char* what) const {
+  if (slot < 0 || slot >= cfg_.slots)
+    fail(format("StatePool.%s: slot %lld is out of range for a pool of %lld slots", what, ll(slot),
+                ll(cfg_.slots)));
+}
+
+int64_t StatePool::allocate(bool clear, Stream stream) {
+  auto it = std::find(allocated_.begin(), allocated_.end(), 0);
+  if (it == allocated_.end())
+    fail(format("StatePool exhausted: all %lld slots are in use (free a slot, or size the pool "
+                "with StatePool::slots_for_budget)",
+                ll(cfg_.slots)));
+  const int64_t slot = it - allocated_.begin();
+  if (clear) clear_slot(slot, stream);
+  set_cursor(slot, 0, stream);
+  *it = 1;
+  return slot;
+}
+
+void StatePool::free(int64_t slot) {
+  check_slot(slot, "free");
+  if (!allocated_[static_cast<size_t>(slot)])
+    fail(format("StatePool.free: slot %lld is not allocated (double free?)", ll(slot)));
+  allocated_[static_cast<size_t>(slot)] = 0;
+}
+
+bool StatePool::is_allocated(int64_t slot) const {
+  return slot >= 0 && slot < cfg_.slots && allocated_[static_cast<size_t>(slot)];
+}
+
+int64_t StatePool::num_free() const {
+  return std::count(allocated_.begin(), allocated_.end(), 0);
+}
+
+void StatePool::clear_slot(int64_t slot, Stream stream) {
+  // Per layer: `layers` rows of one state each, a layer apart; envelope: the slot's one entry.
+  const bool env = cfg_.layout == PoolLayout::envelope;
+  char* first = at(lay_.state_offset + slot * lay_.entry_bytes);
+  const int64_t row = lay_.entry_bytes;
+  const int64_t rows = env ? 1 : cfg_.layers;
+  const int64_t pitch = env ? lay_.entry_bytes : cfg_.slots * lay_.entry_bytes;
+  if (on_cuda(cfg_)) {
+    cuda_backend::memset_2d_async(first, static_cast<size_t>(pitch), 0, static_cast<size_t>(row),
+                                  static_cast<size_t>(rows), cfg_.device.index, stream);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) std::memset(first + r * pitch, 0, static_cast<size_t>(row));
+  }
+}
+
+void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
+  check_slot(src, "fork");
+  check_slot(dst, "fork");
+  if (!is_allocated(src) || !is_allocated(dst))
+    fail(format("StatePool.fork: both slots must be allocated (src %lld is %s, dst %lld is %s)",
+                ll(src), is_allocated(src) ? "allocated" : "free", ll(dst),
+                is_allocated(dst) ? "allocated" : "free"));
+  if (src == dst) fail(format("StatePool.fork: src and dst are the same slot %lld", ll(src)));
+  const int32_t wp = cursor(src);
+  if (wp != 0)
+    fail(format("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got %d for "
+                "src %lld",
+                wp, ll(src)));
+  const bool env = cfg_.layout == PoolLayout::envelope;
+  const int64_t rows = env ? 1 : cfg_.layers;
+  const int64_t pitch = env ? lay_.entry_bytes : cfg_.slots * lay_.entry_bytes;
+  const char* from = at(lay_.state_offset + src * lay_.entry_bytes);
+  char* to = at(lay_.state_offset + dst * lay_.entry_bytes);
+  if (on_cuda(cfg_)) {
+    cuda_backend::copy_2d_async(to, static_cast<size_t>(pitch), from, static_cast<size_t>(pitch),
+                                static_cast<size_t>(lay_.entry_bytes), static_cast<size_t>(rows),
+                                cfg_.device.index, stream);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(to + r * pitch, from + r * pitch, static_cast<size_t>(lay_.entry_bytes));
+  }
+  set_cursor(dst, 0, stream);
+}
+
+TensorView StatePool::layer_state(int64_t layer) const {
+  if (layer < 0 || layer >= cfg_.layers)
+    fail(format("StatePool: layer %lld is out of range for a pool of %lld layers", ll(layer),
+                ll(cfg_.layers)));
+  const int64_t isz = dtype_size(cfg_.state_dtype);
+  const int64_t head = cfg_.HV * cfg_.V * cfg_.K;
+  int64_t offset, slot_stride;
+  if (cfg_.layout == PoolLayout::envelope) {
+    offset = lay_.state_offset + lay_.extra_pad + layer * head * isz;
+    slot_stride = lay_.entry_bytes / isz;
+  } else {
+    offset = lay_.state_offset + layer * cfg_.slots * head * isz;
+    slot_stride = head;
+  }
+  return TensorView::strided(at(offset), cfg_.state_dtype, {cfg_.slots, cfg_.HV, cfg_.V, cfg_.K},
+                             {slot_stride, cfg_.V * cfg_.K, cfg_.K, 1}, cfg_.device);
+}
+
+namespace {
+void require_rings(const StatePoolConfig& c, int64_t layer) {
+  if (c.replay_len <= 0)
+    fail("StatePool has no ReplaySSM rings (configure replay_len >= 1 to create them)");
+  if (layer < 0 || layer >= c.layers)
+    fail(format("StatePool: layer %lld is out of range for a pool of %lld layers", ll(layer),
+                ll(c.layers)));
+}
+}  // namespace
+
+TensorView StatePool::d_cache(int64_t layer) const {
+  require_rings(cfg_, layer);
+  const int64_t per_layer = cfg_.slots * cfg_.HV * cfg_.replay_len * cfg_.V;
+  return TensorView::contiguous(at(lay_.d_offset + layer * per_layer * dtype_size(cfg_.state_dtype)),
+                                cfg_.state_dtype, {cfg_.slots, cfg_.HV, cfg_.replay_len, cfg_.V},
+                                cfg_.device);
+}
+
+TensorView StatePool::k_cache(int64_t layer) const {
+  require_rings(cfg_, layer);
+  const int64_t per_layer = cfg_.slots * cfg_.H * cfg_.replay_len * cfg_.K;
+  return TensorView::contiguous(at(lay_.k_offset + layer * per_layer * dtype_size(cfg_.ring_k_dtype)),
+                                cfg_.ring_k_dtype, {cfg_.slots, cfg_.H, cfg_.replay_len, cfg_.K},
+                                cfg_.device);
+}
+
+TensorView StatePool::g_cache(int64_t layer) const {
+  require_rings(cfg_, layer);
+  const int64_t width = cfg_.kda ? cfg_.K : 1;
+  const int64_t per_layer = cfg_.slots * cfg_.HV * cfg_.replay_len * width;
+  void* p = at(lay_.g_offset + layer * per_layer * 4);
+  if (cfg_.kda)
+    return TensorView::contiguous(p, DType::f32, {cfg_.slots, cfg_.HV, cfg_.replay_len, cfg_.K},
+                                  cfg_.device);
+  return TensorView::contiguous(p, DType::f32, {cfg_.slots, cfg_.HV, cfg_.replay_len}, cfg_.device);
+}
+
+TensorView StatePool::write_pos() const {
+  return TensorView::contiguous(at(lay_.cursor_offset), DType::i32, {cfg_.slots}, cfg_.device);
+}
+
+void* StatePool::envelope_extra(int64_t slot) const {
+  if (cfg_.layout != PoolLayout::envelope) fail("StatePool.envelope_extra: the pool is not an envelope");
+  check_slot(slot, "envelope_extra");
+  return at(lay_.state_offset + slot * lay_.entry_bytes);
+}
+
+int32_t StatePool::cursor(int64_t slot) const {
+  check_slot(slot, "cursor");
+  const void* p = at(lay_.cursor_offset + slot * 4);
+  int32_t v = 0;
+  if (on_cuda(cfg_)) cuda_backend::copy_to_host(&v, p, 4, cfg_.device.index, nullptr);
+  else std::memcpy(&v, p, 4);
+  return v;
+}
+
+void StatePool::set_cursor(int64_t slot, int32_t value, Stream stream) {
+  check_slot(slot, "set_cursor");
+  void* p = at(lay_.cursor_offset + slot * 4);
+  if (on_cuda(cfg_)) cuda_backend::copy_to_device(p, &value, 4, cfg_.device.index, stream);
+  else std::memcpy(p, &value, 4);
+}
+
+int64_t StatePool::bytes_per_slot(const StatePoolConfig& c) {
+  check_config(c);
+  const int64_t isz = dtype_size(c.state_dtype);
+  const int64_t L = c.replay_len;
+  const int64_t state = c.layout == PoolLayout::envelope ? layout_of(c).entry_bytes
+                                                          : c.layers * c.HV * c.V * c.K * isz;
+  const int64_t rings = c.layers * (c.HV * L * c.V * isz + c.H * L * c.K * dtype_size(c.ring_k_dtype) +
+                                    c.HV * L * (c.kda ? c.K : 1) * 4);
+  return state + rings + 4;
+}
+
+int64_t StatePool::required_bytes(const StatePoolConfig& c) {
+  check_config(c);
+  return layout_of(c).total;
+}
+
+int64_t StatePool::slots_for_budget(StatePoolConfig c, int64_t budget_bytes) {
+  c.slots = 1;
+  check_config(c);
+  if (layout_of(c).total > budget_bytes) return 0;
+  int64_t lo = 1, hi = budget_bytes / bytes_per_slot(c) + 1;  // lo fits; hi may not
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    c.slots = mid;
+    if (layout_of(c).total <= budget_bytes) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace deltastate
