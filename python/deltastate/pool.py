@@ -1,0 +1,164 @@
+"""StatePool: slot-indexed recurrent state for many layers, as tensors of the caller's framework.
+
+The framework (torch or numpy) allocates one zeroed byte buffer; the C++ StatePool lays the
+states, ReplaySSM rings and cursors out in it and keeps the slot bookkeeping. Views are plain
+torch tensors / numpy arrays aliasing that buffer, ready to pass to the ops:
+
+    pool = StatePool(layers=36, slots=256, HV=32, V=128, K=128, layout="envelope", device="cuda")
+    s = pool.allocate()
+    fused_recurrent_gated_delta_rule_packed_decode(..., pool.layer_state(3), out, indices)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ._lib import lib
+
+_ALIGN = 256
+_TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in _TORCH_DTYPES:
+        raise ValueError(f"StatePool dtypes must be float32, bfloat16 or float16; got {dtype}")
+    return name
+
+
+class StatePool:
+    """A pool of ``slots`` recurrent states [HV, V, K] for ``layers`` layers.
+
+    layout: "per_layer" (state [layers, slots, HV, V, K]) or "envelope" (one entry per slot holds
+    every layer, after ``envelope_extra_bytes`` of other per-slot data; layer views then have a
+    slot stride larger than HV*V*K). ``replay_len`` > 0 adds the ReplaySSM rings (d: state dtype,
+    k: ``ring_k_dtype`` with ``H`` key heads, g: float32, [.., L, K] when ``kda``) and per-slot
+    cursors. ``framework``: "torch" (default; any torch device) or "numpy" (CPU only).
+    """
+
+    def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
+                 state_dtype="float32", layout: str = "per_layer", envelope_extra_bytes: int = 0,
+                 replay_len: int = 0, H: int = 0, ring_k_dtype="bfloat16", kda: bool = False,
+                 device="cpu", framework: str = "torch"):
+        if layout not in ("per_layer", "envelope"):
+            raise ValueError(f"StatePool layout must be 'per_layer' or 'envelope'; got {layout!r}")
+        if framework not in ("torch", "numpy"):
+            raise ValueError(f"StatePool framework must be 'torch' or 'numpy'; got {framework!r}")
+        self.layers, self.slots, self.HV, self.V, self.K = layers, slots, HV, V, K
+        self.state_dtype = _dtype_name(state_dtype)
+        self.ring_k_dtype = _dtype_name(ring_k_dtype)
+        self.layout = layout
+        self.replay_len = replay_len
+        self.framework = framework
+        self._cfg = (layers, slots, HV, V, K, self.state_dtype, layout == "envelope",
+                     envelope_extra_bytes, replay_len, H, self.ring_k_dtype, bool(kda))
+        nbytes = int(lib.pool_required_bytes(*self._cfg))
+        self.nbytes = nbytes
+        if framework == "torch":
+            import torch
+
+            raw = torch.zeros(nbytes + _ALIGN, dtype=torch.uint8, device=device)
+            pad = (-raw.data_ptr()) % _ALIGN
+        else:
+            import numpy as np
+
+            if str(device) != "cpu":
+                raise ValueError("StatePool with framework='numpy' lives on the CPU")
+            raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+            pad = (-raw.ctypes.data) % _ALIGN
+        self._raw = raw
+        self.storage = raw[pad:pad + nbytes]
+        self._m = lib.pool_new(self.storage, *self._cfg)
+        self._views = {}
+
+    # ---- slots ------------------------------------------------------------------------------
+    def allocate(self, clear: bool = True) -> int:
+        """Take a free slot (state zeroed in every layer when ``clear``, cursor reset)."""
+        return int(self._m["allocate"](bool(clear)))
+
+    def free(self, slot: int) -> None:
+        self._m["free"](int(slot))
+
+    def is_allocated(self, slot: int) -> bool:
+        return bool(self._m["is_allocated"](int(slot)))
+
+    @property
+    def num_free(self) -> int:
+        return int(self._m["num_free"]())
+
+    def fork(self, src: int, dst: int) -> None:
+        """Prefix caching: copy every layer's state of ``src`` into ``dst``. ``src`` must be
+        flushed (cursor 0); ``dst``'s cursor is reset. Rings are not copied."""
+        self._m["fork"](int(src), int(dst))
+
+    def cursor(self, slot: int) -> int:
+        return int(self._m["cursor"](int(slot)))
+
+    def set_cursor(self, slot: int, value: int) -> None:
+        self._m["set_cursor"](int(slot), int(value))
+
+    # ---- views ------------------------------------------------------------------------------
+    def layer_state(self, layer: int):
+        """[slots, HV, V, K] view of one layer's states (slot stride per the layout)."""
+        return self._view("state", layer, self.state_dtype)
+
+    def d_cache(self, layer: int):
+        return self._view("d_cache", layer, self.state_dtype)
+
+    def k_cache(self, layer: int):
+        return self._view("k_cache", layer, self.ring_k_dtype)
+
+    def g_cache(self, layer: int):
+        return self._view("g_cache", layer, "float32")
+
+    def write_pos(self):
+        """[slots] int32 cursors, one per slot, shared by all layers."""
+        return self._view("write_pos", 0, "int32")
+
+    def _view(self, what: str, layer: int, dtype: str):
+        key = (what, layer)
+        v = self._views.get(key)
+        if v is None:
+            desc = [int(x) for x in self._m["view"](what, int(layer))]
+            offset, nd = desc[0], (len(desc) - 1) // 2
+            shape, strides = desc[1:1 + nd], desc[1 + nd:]
+            v = self._make_view(offset, shape, strides, dtype)
+            self._views[key] = v
+        return v
+
+    def _make_view(self, offset, shape, strides, dtype):
+        if self.framework == "torch":
+            import torch
+
+            tdt = getattr(torch, dtype)
+            typed = self.storage.view(tdt)
+            itemsize = typed.element_size()
+            return torch.as_strided(typed, shape, strides, typed.storage_offset() + offset // itemsize)
+        import numpy as np
+
+        if dtype == "bfloat16":
+            raise ValueError("numpy has no bfloat16: use framework='torch' for bfloat16 pools")
+        ndt = np.dtype(dtype)
+        typed = self.storage.view(ndt)
+        return np.lib.stride_tricks.as_strided(typed[offset // ndt.itemsize:], shape,
+                                               [s * ndt.itemsize for s in strides])
+
+    # ---- accounting -------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_slot(layers: int, HV: int, V: int, K: int, *, state_dtype="float32",
+                       layout: str = "per_layer", envelope_extra_bytes: int = 0,
+                       replay_len: int = 0, H: int = 0, ring_k_dtype="bfloat16",
+                       kda: bool = False) -> int:
+        return int(lib.pool_bytes_per_slot(layers, HV, V, K, _dtype_name(state_dtype),
+                                           layout == "envelope", envelope_extra_bytes, replay_len,
+                                           H, _dtype_name(ring_k_dtype), bool(kda)))
+
+    @staticmethod
+    def slots_for_budget(budget_bytes: int, layers: int, HV: int, V: int, K: int, *,
+                         state_dtype="float32", layout: str = "per_layer",
+                         envelope_extra_bytes: int = 0, replay_len: int = 0, H: int = 0,
+                         ring_k_dtype="bfloat16", kda: bool = False) -> int:
+        return int(lib.pool_slots_for_budget(layers, HV, V, K, _dtype_name(state_dtype),
+                                             layout == "envelope", envelope_extra_bytes,
+                                             replay_len, H, _dtype_name(ring_k_dtype), bool(kda),
+                                             int(budget_bytes)))
