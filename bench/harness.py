@@ -1,0 +1,115 @@
+"""Shared benchmark harness: copy bandwidth, cold-L2 CUDA-graph timing, model shapes, inputs.
+
+Protocol (perf-anchors.md §9): every timed launch touches states that are not in L2 (launches
+rotate over disjoint slot sets and input buffers whose total exceeds 4x the 60 MB L2), launches
+are replayed from a CUDA graph (so host launch cost is excluded at every batch size), and the
+reported time is the median over many graph replays divided by the launches per replay.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+L2_BYTES = 60 * 1024 * 1024
+COLD_BYTES = 4 * L2_BYTES + 16 * 1024 * 1024  # > 4x L2 touched between two uses of a buffer
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    op: str  # "gdn" or "kda"
+    H: int
+    HV: int
+    K: int
+    V: int
+
+
+QWEN3_NEXT = Model("qwen3-next", "gdn", 16, 32, 128, 128)
+KIMI_LINEAR = Model("kimi-linear", "kda", 32, 32, 128, 128)
+MODELS = {m.name: m for m in (QWEN3_NEXT, KIMI_LINEAR)}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def measure_copy_bandwidth(nbytes: int = 2 * 1024**3, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of reps."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def rotations(bytes_per_launch: int, at_least: int = 2, at_most: int = 256) -> int:
+    """How many disjoint buffer sets to cycle through so that consecutive uses of one set are
+    separated by more than 4x L2 of other traffic."""
+    return max(at_least, min(at_most, math.ceil(COLD_BYTES / max(1, bytes_per_launch)) + 1))
+
+
+def time_graph(launches, replays: int = 30, warmup: int = 3) -> float:
+    """Captures `launches` (callables, one kernel launch each) into one CUDA graph and returns
+    the median seconds per launch over `replays` graph replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in launches:  # compile / warm up outside the capture
+            fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for fn in launches:
+            fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del graph
+    return statistics.median(times) / len(launches)
+
+
+def slot_sets(pool_slots: int, B: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """`count` index vectors of B distinct slots each, consecutive sets disjoint where the pool
+    allows (random permutations of the pool, cut into runs of B)."""
+    sets, perm, pos = [], torch.randperm(pool_slots, generator=gen), 0
+    for _ in range(count):
+        if pos + B > pool_slots:
+            perm, pos = torch.randperm(pool_slots, generator=gen), 0
+        sets.append(perm[pos:pos + B].to(torch.int32).cuda())
+        pos += B
+    return sets
+
+
+def pool_slots_for(B: int, slot_bytes: int, launches: int) -> int:
+    """A pool larger than the batch (2B at least) and large enough that `launches` rotations of B
+    slots stay disjoint where memory allows (capped at ~8 GiB of state)."""
+    want = max(2 * B, B * launches)
+    cap = max(2 * B, (8 * 1024**3) // slot_bytes)
+    return min(want, cap)
+
+
+def gate_params(model: Model, gen: torch.Generator):
+    """A_log ~ log U(1, 16), dt_bias ~ N(0, 0.1^2): realistic decays (fp32, as the models keep them)."""
+    A_log = torch.empty(model.HV).uniform_(1.0, 16.0, generator=gen).log().cuda()
+    width = model.HV * model.K if model.op == "kda" else model.HV
+    dt_bias = (0.1 * torch.randn(width, generator=gen)).cuda()
+    return A_log, dt_bias

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: build everything, run the GPU tests, the sanitizers and the
+# benchmarks, and leave logs and results under $OUT.
+#
+#   scripts/device.sh [phase ...]      phases: build test sanitize bench-decode bench-replay
+#                                      overhead (default: all, in that order)
+#
+# Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core; see docs/DEVICE.md) and a CUDA
+# toolkit with nvcc. Every phase appends to $OUT/<phase>.log; the bench phases also write their
+# JSON results to $OUT. Exits non-zero on the first failing phase.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-device}
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(build test sanitize bench-decode bench-replay overhead)
+
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export DELTASTATE_MODULE=$PWD/$BUILD/python/_deltastate.so
+export PYTHONPATH=$PWD/python:$PWD/bench:${PYTHONPATH:-}
+
+run() {  # run <phase> <command...>: log to $OUT/<phase>.log, stop on failure
+  local phase=$1; shift
+  echo "=== $phase: $*" | tee -a "$OUT/$phase.log"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$OUT/$phase.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $phase: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/$phase.log"
+  [ "$rc" -eq 0 ] || exit "$rc"
+}
+
+for phase in "${phases[@]}"; do
+  case $phase in
+    build)
+      run build nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+      run build cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DDELTASTATE_CUDA=ON -DDELTASTATE_CUDA_ALL_KERNELS=ON -DDELTASTATE_BUILD_PYTHON=ON \
+        -DPython_EXECUTABLE="$(command -v python3)" ${CMAKE_ARGS:-}
+      run build cmake --build "$BUILD" -j "$(nproc)"
+      ;;
+    test)
+      run test "$BUILD/tests/deltastate_gpu_tests"
+      run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
+      run test python3 -m pytest -q python/tests -x
+      ;;
+    sanitize)
+      # memcheck over the GPU suite's smaller cases; racecheck on the kernels that share memory.
+      run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter="${SANITIZE_FILTER:-*Small*:*Padding*:*Envelope*:*Replay*}"
+      run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
+        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter="${RACECHECK_FILTER:-*Replay*}"
+      ;;
+    bench-decode)
+      run bench-decode python3 bench/bench_decode.py --json "$OUT/decode-h200.json" ${BENCH_ARGS:-}
+      ;;
+    bench-replay)
+      run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}
+      ;;
+    overhead)
+      run overhead python3 python/tests/measure_overhead.py
+      ;;
+    *)
+      echo "unknown phase $phase" >&2; exit 2 ;;
+  esac
+done
