@@ -88,7 +88,8 @@ void ArgParser::add_choice(const char* name, std::string* value, std::vector<std
 void ArgParser::add_choice_list(const char* name, std::vector<std::string>* values,
                                 std::vector<std::string> choices, const char* help) {
   const std::string flag = std::string("--") + name;
-  add(name, "OP[,OP...]|all", help + std::string(": ") + join(choices, ", "), join(*values, ","),
+  const std::string default_text = *values == choices ? "all" : join(*values, ",");
+  add(name, "OP[,OP...]|all", help + std::string(": ") + join(choices, ", "), default_text,
       [=](const std::string& text) {
         if (text == "all") {
           *values = choices;
@@ -129,12 +130,14 @@ bool ArgParser::parse(const std::vector<std::string>& args) {
 void ArgParser::print_help(std::FILE* to) const {
   std::fprintf(to, "usage: deltastate %s [options]\n\n%s\n\noptions:\n", command_.c_str(),
                summary_.c_str());
+  constexpr int kColumn = 28;  // longer option names get their help on the next line
   for (const Option& o : options_) {
     const std::string left = "--" + o.name + " " + o.metavar;
-    std::fprintf(to, "  %-34s %s (default: %s)\n", left.c_str(), o.help.c_str(),
-                 o.default_text.c_str());
+    if (left.size() > kColumn) std::fprintf(to, "  %s\n  %-*s", left.c_str(), kColumn, "");
+    else std::fprintf(to, "  %-*s", kColumn, left.c_str());
+    std::fprintf(to, " %s (default: %s)\n", o.help.c_str(), o.default_text.c_str());
   }
-  std::fprintf(to, "  %-34s %s\n", "-h, --help", "show this help");
+  std::fprintf(to, "  %-*s show this help\n", kColumn, "-h, --help");
 }
 
 }  // namespace deltastate::cli

@@ -163,7 +163,7 @@ void cuda_check(cudaError_t status, const char* what) {
 }
 #endif
 bool on_cuda(Device d) { return d.type == DeviceType::cuda; }
-[[noreturn]] void no_cuda() {
+[[noreturn, maybe_unused]] void no_cuda() {
   throw Error(ErrorKind::not_implemented, "this deltastate CLI was built without CUDA support");
 }
 }  // namespace
@@ -211,6 +211,8 @@ void DeviceBuffer::fill(uint8_t byte) {
   if (on_cuda(device_)) {
 #ifdef DELTASTATE_CLI_CUDA
     cuda_check(cudaMemset(data_, byte, static_cast<size_t>(bytes_)), "cudaMemset");
+#else
+    no_cuda();
 #endif
   } else {
     std::memset(data_, byte, static_cast<size_t>(bytes_));

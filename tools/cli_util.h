@@ -58,6 +58,23 @@ struct LayerGateParams {
 };
 LayerGateParams random_gate_params(Rng& rng, const ModelShape& shape);
 
+// The inputs that packed decode and ReplaySSM decode share. apply() sets them on either
+// PackedDecodeArgs or ReplayDecodeArgs (same field names).
+struct DecodeInputs {
+  TensorView mixed_qkv, a, b, A_log, dt_bias;
+  double scale = 0.0;
+
+  template <class Args>
+  void apply(Args& args) const {
+    args.mixed_qkv = mixed_qkv;
+    args.a = a;
+    args.b = b;
+    args.A_log = A_log;
+    args.dt_bias = dt_bias;
+    args.scale = scale;
+  }
+};
+
 // ---- memory on a device ------------------------------------------------------------------------
 // Zeroed memory on the CPU heap or (in a CUDA build) on a CUDA device; freed on destruction.
 class DeviceBuffer {
