@@ -2,19 +2,20 @@
 # One command for the GPU machine: build everything, run the GPU tests, the sanitizers and the
 # benchmarks, and leave logs and results under $OUT.
 #
-#   scripts/device.sh [phase ...]      phases: build test sanitize bench-decode bench-replay
-#                                      overhead (default: all, in that order)
+#   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
+#                                      bench-replay overhead (default: all, in that order)
 #
-# Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core; see docs/DEVICE.md) and a CUDA
-# toolkit with nvcc. Every phase appends to $OUT/<phase>.log; the bench phases also write their
-# JSON results to $OUT. Exits non-zero on the first failing phase.
+# Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
+# .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
+# appends to $OUT/<phase>.log; the bench phases also write their JSON results to $OUT. Exits
+# non-zero on the first failing phase.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 BUILD=${BUILD:-build-device}
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(build test sanitize bench-decode bench-replay overhead)
+[ ${#phases[@]} -eq 0 ] && phases=(build test check sanitize bench-decode bench-replay overhead)
 
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -41,8 +42,16 @@ for phase in "${phases[@]}"; do
       run build nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
       run build cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DDELTASTATE_CUDA=ON -DDELTASTATE_CUDA_ALL_KERNELS=ON -DDELTASTATE_BUILD_PYTHON=ON \
-        -DPython_EXECUTABLE="$(command -v python3)" ${CMAKE_ARGS:-}
+        -DPython_EXECUTABLE="$(command -v python3)" -DDELTASTATE_GTEST_SOURCE="$PWD/.deps/googletest" \
+        ${CMAKE_ARGS:-}
       run build cmake --build "$BUILD" -j "$(nproc)"
+      ;;
+    build-lib)  # the library and the Python module only (benchmarks, checks)
+      run build cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DDELTASTATE_CUDA=ON -DDELTASTATE_CUDA_ALL_KERNELS=ON -DDELTASTATE_BUILD_PYTHON=ON \
+        -DPython_EXECUTABLE="$(command -v python3)" -DDELTASTATE_GTEST_SOURCE="$PWD/.deps/googletest" \
+        ${CMAKE_ARGS:-}
+      run build cmake --build "$BUILD" -j "$(nproc)" --target deltastate_python
       ;;
     test)
       run test "$BUILD/tests/deltastate_gpu_tests"
@@ -56,11 +65,24 @@ for phase in "${phases[@]}"; do
       run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter="${RACECHECK_FILTER:-*Replay*}"
       ;;
+    check)
+      run check python3 bench/check_cuda_vs_cpu.py
+      ;;
     bench-decode)
       run bench-decode python3 bench/bench_decode.py --json "$OUT/decode-h200.json" ${BENCH_ARGS:-}
       ;;
     bench-replay)
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}
+      ;;
+    profile)
+      # Nsight Compute on one warm launch of our decode kernel and of FLA's (PROFILE_ARGS picks
+      # the case: --model, --dtype, --B).
+      for k in recurrent fused_recurrent; do
+        run profile ncu --clock-control none -k "regex:$k" --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis \
+          python3 bench/profile_decode.py ${PROFILE_ARGS:-}
+      done
       ;;
     overhead)
       run overhead python3 python/tests/measure_overhead.py

@@ -13,6 +13,10 @@
 //   standard gate: g = -exp(A_log) * softplus(a + dt_bias)          (softplus threshold 20)
 //   safe gate:     g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
 // GDN has one g per value head; KDA has a K-vector per value head.
+//
+// The CPU backend spreads (sequence, value head) pairs over a thread pool of
+// DELTASTATE_NUM_THREADS threads (default: the hardware concurrency), read when the first CPU op
+// runs.
 #pragma once
 
 #include <optional>
@@ -81,8 +85,9 @@ struct RecurrentArgs {
   Stream stream = nullptr;
 };
 void recurrent_gdn(const RecurrentArgs& args);
-// KDA also enforces the compiled stride contract on a pooled state (slot stride a multiple of 16
-// elements, base address 32-byte aligned), as FlashInfer's recurrent_kda does.
+// KDA also enforces the compiled stride contract on its `state` (pooled or not): slot stride a
+// multiple of 16 elements and base address 32-byte aligned, as FlashInfer's recurrent_kda does.
+// StatePool views and torch allocations meet it; plain numpy arrays are only 16-byte aligned.
 void recurrent_kda(const RecurrentArgs& args);
 
 // ---------------------------------------------------------------------------------------------
@@ -95,7 +100,10 @@ void recurrent_kda(const RecurrentArgs& args);
 //   g_cache  [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA), float32; rings contiguous.
 //   state_indices, write_pos [B] int32; force_flush [B] int32 or absent.
 // A row flushes when write_pos == L-1 or force_flush != 0. With advance_write_pos the op also
-// advances each live row's cursor (write_pos <- flushed ? 0 : write_pos + 1) on the device.
+// advances each live row's cursor (write_pos <- flushed ? 0 : write_pos + 1) on the device
+// (padded rows keep theirs). The op advances the buffer it is given on every call: when several
+// layers share one cursor per slot, set advance_write_pos on the step's last layer only, or give
+// each layer its own cursor buffer.
 struct ReplayDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   double scale = 0.0;

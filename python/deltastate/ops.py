@@ -8,10 +8,16 @@ stream, without host synchronization or allocation (when the caller passes the o
 ``check_indices`` (keyword): bounds-check slot indices. None = the backend default (on for CPU
 tensors, checked before anything is written; off for CUDA tensors, where it is a debug option that
 traps the kernel on an out-of-range index).
+
+Under torch.compile (``torch.compiler.is_compiling()``) the functions call the torch custom ops of
+:mod:`deltastate.torch_ops` instead, so a compiled model does not graph-break on them; eager calls go
+straight to the tvm-ffi module.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any, Optional
 
 from ._lib import lib
@@ -20,17 +26,123 @@ _pd = lib.packed_decode
 _rec = lib.recurrent
 _replay = lib.replayssm_decode
 
+# Argument names of the tvm-ffi functions, position by position (for TypeError messages).
+_PD_ARGS = ("is_kda", "mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "out",
+            "ssm_state_indices", "use_qk_l2norm_in_kernel", "lower_bound", "round_beta",
+            "check_indices")
+_REC_ARGS = ("is_kda", "q", "k", "v", "g", "beta", "output", "A_log", "dt_bias",
+             "use_gate_in_kernel", "lower_bound", "beta_is_logit", "scale", "initial_state",
+             "ssm_state_indices", "cu_seqlens", "final_state", "update_state",
+             "use_qk_l2norm_in_kernel", "check_indices")
+_REPLAY_ARGS = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "d_cache",
+                "k_cache", "g_cache", "out", "ssm_state_indices", "write_pos", "force_flush",
+                "is_kda", "use_qk_l2norm_in_kernel", "lower_bound", "advance_write_pos",
+                "check_indices")
 
+
+# ---- torch.compile routing --------------------------------------------------------------------
+# `_is_compiling` is torch.compiler.is_compiling once torch is loaded (tvm_ffi imports torch when it
+# is installed, so normally at import time), else a probe that binds it when torch appears.
+_tops = None  # deltastate.torch_ops, once registered
+
+
+def _never_compiling() -> bool:
+    return False
+
+
+def _bind_torch() -> bool:
+    global _is_compiling, _tops
+    try:
+        import torch
+    except ImportError:  # no torch: the eager path is all there is
+        _is_compiling = _never_compiling
+        return False
+    try:
+        from . import torch_ops
+    except Exception as e:  # e.g. the namespace already registered by another copy of deltastate
+        import warnings
+
+        warnings.warn(f"deltastate: torch custom ops unavailable ({e}); torch.compile will not be "
+                      "able to trace deltastate ops", RuntimeWarning, stacklevel=2)
+        _is_compiling = _never_compiling
+        return False
+    _tops = torch_ops
+    _is_compiling = torch.compiler.is_compiling
+    return True
+
+
+def _probe_compiling() -> bool:
+    if "torch" in sys.modules and _bind_torch():
+        return _is_compiling()
+    return False
+
+
+_is_compiling = _probe_compiling
+if "torch" in sys.modules:
+    _bind_torch()
+
+
+# ---- argument helpers -------------------------------------------------------------------------
 def _check(flag: Optional[bool]) -> int:
     return -1 if flag is None else int(bool(flag))
 
 
 def _scale(scale: Any) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if type(scale) is float:
+        return scale
+    if scale is None or isinstance(scale, (bool, str, bytes)):
         raise TypeError(f"scale must be a number (got {type(scale).__name__})")
-    return float(scale)
+    try:
+        return float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a number (got {type(scale).__name__})") from None
 
 
+def _opt_float(x: Any, name: str) -> Optional[float]:
+    if x is None:
+        return None
+    if isinstance(x, (bool, str, bytes)):
+        raise TypeError(f"{name} must be a number or None (got {type(x).__name__})")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number or None (got {type(x).__name__})") from None
+
+
+_EXPECTED = {
+    "DLTensor*": "a tensor (a numpy array or a torch tensor)",
+    "Optional<DLTensor*>": "a tensor (a numpy array or a torch tensor) or None",
+    "float": "a number",
+    "Optional<float>": "a number or None",
+    "bool": "a bool",
+    "int": "an int",
+}
+
+
+def _arg_error(op: str, names, args, exc: BaseException) -> BaseException:
+    """A clearer exception for a call the tvm-ffi layer rejected before the core saw it (error path
+    only): name the argument instead of its position in the internal signature."""
+    msg = str(exc)
+    if isinstance(exc, TypeError):
+        m = re.search(r"argument #(\d+)", msg)
+        if m and int(m.group(1)) < len(names):
+            i = int(m.group(1))
+            want = re.search(r"Expected `([^`]*)`", msg)
+            want_s = _EXPECTED.get(want.group(1), f"`{want.group(1)}`") if want else "of another type"
+            return TypeError(f"{op}: `{names[i]}` must be {want_s}; got {type(args[i]).__name__}")
+        return exc
+    if isinstance(exc, BufferError):
+        for name, a in zip(names, args):
+            flags = getattr(a, "flags", None)
+            if flags is not None and getattr(flags, "writeable", True) is False:
+                return ValueError(
+                    f"{op}: `{name}` is a read-only numpy array, which DLPack cannot export; pass a "
+                    "writable array (e.g. a copy)")
+        return ValueError(f"{op}: an argument could not be exported through DLPack ({msg})")
+    return exc
+
+
+# ---- packed decode ----------------------------------------------------------------------------
 def fused_recurrent_gated_delta_rule_packed_decode(
     mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
     use_qk_l2norm_in_kernel: bool = True, *, round_beta: bool = False,
@@ -41,9 +153,24 @@ def fused_recurrent_gated_delta_rule_packed_decode(
     mixed_qkv [B, 2*H*K + HV*V]; a, b [B, HV]; A_log, dt_bias [HV]; initial_state: the pool
     [slots, HV, V, K] (any slot stride); out [B, 1, HV, V]; ssm_state_indices [B] (< 0: padded row).
     """
-    _pd(False, mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state, out,
-        ssm_state_indices, bool(use_qk_l2norm_in_kernel), None, bool(round_beta),
-        _check(check_indices))
+    if _is_compiling():
+        _tops.ops.gdn_packed_decode(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state,
+                                    out, ssm_state_indices, bool(use_qk_l2norm_in_kernel), None,
+                                    bool(round_beta), _check(check_indices))
+        return out, initial_state
+    # The hot path: arguments normalized inline (identity checks for the common values).
+    try:
+        _pd(False, mixed_qkv, a, b, A_log, dt_bias,
+            scale if type(scale) is float else _scale(scale), initial_state, out,
+            ssm_state_indices,
+            use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
+            else bool(use_qk_l2norm_in_kernel),
+            None, round_beta if round_beta is False else bool(round_beta),
+            -1 if check_indices is None else _check(check_indices))
+    except (TypeError, BufferError) as e:
+        args = (False, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                ssm_state_indices, use_qk_l2norm_in_kernel, None, round_beta, check_indices)
+        raise _arg_error("fused_recurrent_gated_delta_rule_packed_decode", _PD_ARGS, args, e) from None
     return out, initial_state
 
 
@@ -54,54 +181,78 @@ def fused_recurrent_kda_packed_decode(
 ):
     """KDA packed decode (T=1). As the GDN op, with a [B, HV*K] and dt_bias [HV*K];
     ``lower_bound`` selects the safe gate. Returns ``(out, initial_state)``."""
-    _pd(True, mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state, out,
-        ssm_state_indices, bool(use_qk_l2norm_in_kernel),
-        None if lower_bound is None else float(lower_bound), bool(round_beta),
-        _check(check_indices))
+    lb = None if lower_bound is None else _opt_float(lower_bound, "lower_bound")
+    if _is_compiling():
+        _tops.ops.kda_packed_decode(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state,
+                                    out, ssm_state_indices, bool(use_qk_l2norm_in_kernel), lb,
+                                    bool(round_beta), _check(check_indices))
+        return out, initial_state
+    try:
+        _pd(True, mixed_qkv, a, b, A_log, dt_bias,
+            scale if type(scale) is float else _scale(scale), initial_state, out,
+            ssm_state_indices,
+            use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
+            else bool(use_qk_l2norm_in_kernel),
+            lb, round_beta if round_beta is False else bool(round_beta),
+            -1 if check_indices is None else _check(check_indices))
+    except (TypeError, BufferError) as e:
+        args = (True, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices)
+        raise _arg_error("fused_recurrent_kda_packed_decode", _PD_ARGS, args, e) from None
     return out, initial_state
 
 
-def _like(ref, shape, dtype_of):
-    """A new tensor of `ref`'s framework and device (torch or numpy)."""
-    mod = type(ref).__module__
-    if mod.startswith("torch"):
-        import torch
-
-        return torch.empty(shape, dtype=dtype_of, device=ref.device)
-    import numpy as np
-
-    return np.empty(shape, dtype=dtype_of)
-
-
-def _float32_of(ref):
+# ---- recurrent (B,T and varlen) ---------------------------------------------------------------
+def _new_like(op, ref, name, shape=None, float32=False):
+    """A new array of `ref`'s framework and device (torch or numpy); `ref`'s shape by default."""
     if type(ref).__module__.startswith("torch"):
+        if shape is None:
+            shape = tuple(ref.shape)
         import torch
 
-        return torch.float32
+        return torch.empty(shape, dtype=torch.float32 if float32 else ref.dtype, device=ref.device)
     import numpy as np
 
-    return np.float32
+    if not isinstance(ref, np.ndarray):
+        raise TypeError(f"{op}: `{name}` must be a tensor (a numpy array or a torch tensor); got "
+                        f"{type(ref).__name__}")
+    if shape is None:
+        shape = ref.shape
+    return np.empty(shape, dtype=np.float32 if float32 else ref.dtype)
 
 
 def _recurrent(is_kda, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, cu_seqlens,
                ssm_state_indices, output, beta_is_logit, check_indices):
+    op = "recurrent_kda" if is_kda else "recurrent_gated_delta_rule"
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t is None:
-            raise TypeError(f"`{name}` is required")
-    if output is None:
-        output = _like(v, tuple(v.shape), v.dtype)
+            raise TypeError(f"{op}: `{name}` is required (got None)")
     pooled = ssm_state_indices is not None
     if pooled and initial_state is None:
         raise ValueError("`ssm_state_indices` index a state pool, but no `initial_state` pool was given")
+    lb = _opt_float(lower_bound, "lower_bound")
+    sc = None if scale is None else _scale(scale)
+    if _is_compiling():
+        return _tops.recurrent(bool(is_kda), q, k, v, g, beta, A_log, dt_bias, sc, initial_state,
+                               bool(output_final_state), bool(use_qk_l2norm_in_kernel),
+                               bool(use_gate_in_kernel), lb, cu_seqlens, ssm_state_indices, output,
+                               bool(beta_is_logit), _check(check_indices))
+    if output is None:
+        output = _new_like(op, v, "v")
     final_state = None
     if not pooled and output_final_state:
-        n = (len(cu_seqlens) - 1) if cu_seqlens is not None else q.shape[0]
-        final_state = _like(q, (n, v.shape[2], v.shape[3], q.shape[3]), _float32_of(q))
-    _rec(bool(is_kda), q, k, v, g, beta, output, A_log, dt_bias, bool(use_gate_in_kernel),
-         None if lower_bound is None else float(lower_bound), bool(beta_is_logit),
-         None if scale is None else _scale(scale), initial_state, ssm_state_indices, cu_seqlens,
-         final_state, pooled, bool(use_qk_l2norm_in_kernel), _check(check_indices))
+        qs, vs = getattr(q, "shape", ()), getattr(v, "shape", ())
+        if len(qs) == 4 and len(vs) == 4:  # otherwise the core rejects q / v first
+            n = (len(cu_seqlens) - 1) if cu_seqlens is not None else qs[0]
+            final_state = _new_like(op, q, "q", (n, vs[2], vs[3], qs[3]), float32=True)
+    args = (bool(is_kda), q, k, v, g, beta, output, A_log, dt_bias, bool(use_gate_in_kernel), lb,
+            bool(beta_is_logit), sc, initial_state, ssm_state_indices, cu_seqlens, final_state,
+            pooled, bool(use_qk_l2norm_in_kernel), _check(check_indices))
+    try:
+        _rec(*args)
+    except (TypeError, BufferError) as e:
+        raise _arg_error(op, _REC_ARGS, args, e) from None
     if pooled:
         return output, initial_state
     return output, final_state
@@ -134,6 +285,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale
                       cu_seqlens, ssm_state_indices, output, beta_is_logit, check_indices)
 
 
+# ---- ReplaySSM --------------------------------------------------------------------------------
 def fused_recurrent_linear_replayssm_decode(
     mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
     ssm_state_indices, write_pos, force_flush=None, *, is_kda: bool = False,
@@ -144,10 +296,26 @@ def fused_recurrent_linear_replayssm_decode(
     initial_state is written only on a flush (write_pos == L-1 or force_flush != 0); otherwise the
     record (d, k, g) is appended to the rings at write_pos. With ``advance_write_pos`` each live
     row's cursor advances on the device (``wp = flushed ? 0 : wp + 1``). Returns ``out``."""
-    _replay(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state, d_cache, k_cache,
-            g_cache, out, ssm_state_indices, write_pos, force_flush, bool(is_kda),
-            bool(use_qk_l2norm_in_kernel), None if lower_bound is None else float(lower_bound),
-            bool(advance_write_pos), _check(check_indices))
+    lb = None if lower_bound is None else _opt_float(lower_bound, "lower_bound")
+    if _is_compiling():
+        _tops.ops.replayssm_decode(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state,
+                                   d_cache, k_cache, g_cache, out, ssm_state_indices, write_pos,
+                                   force_flush, bool(is_kda), bool(use_qk_l2norm_in_kernel), lb,
+                                   bool(advance_write_pos), _check(check_indices))
+        return out
+    try:
+        _replay(mixed_qkv, a, b, A_log, dt_bias, scale if type(scale) is float else _scale(scale),
+                initial_state, d_cache, k_cache, g_cache, out, ssm_state_indices, write_pos,
+                force_flush, is_kda if type(is_kda) is bool else bool(is_kda),
+                use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
+                else bool(use_qk_l2norm_in_kernel),
+                lb, advance_write_pos if type(advance_write_pos) is bool else bool(advance_write_pos),
+                -1 if check_indices is None else _check(check_indices))
+    except (TypeError, BufferError) as e:
+        args = (mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
+                out, ssm_state_indices, write_pos, force_flush, is_kda, use_qk_l2norm_in_kernel, lb,
+                advance_write_pos, check_indices)
+        raise _arg_error("fused_recurrent_linear_replayssm_decode", _REPLAY_ARGS, args, e) from None
     return out
 
 

@@ -11,6 +11,7 @@ torch tensors / numpy arrays aliasing that buffer, ready to pass to the ops:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 from ._lib import lib
@@ -21,9 +22,28 @@ _TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 def _dtype_name(dtype) -> str:
     name = str(dtype).replace("torch.", "")
+    if name not in _TORCH_DTYPES and not isinstance(dtype, str):
+        try:  # numpy dtypes and scalar types (np.float32, np.dtype("float16"))
+            import numpy as np
+
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
     if name not in _TORCH_DTYPES:
         raise ValueError(f"StatePool dtypes must be float32, bfloat16 or float16; got {dtype}")
     return name
+
+
+def _ints(**values) -> None:
+    import operator
+
+    for name, v in values.items():
+        if isinstance(v, bool):
+            raise TypeError(f"StatePool: `{name}` must be an int (got bool)")
+        try:
+            operator.index(v)
+        except TypeError:
+            raise TypeError(f"StatePool: `{name}` must be an int (got {type(v).__name__})") from None
 
 
 class StatePool:
@@ -33,13 +53,21 @@ class StatePool:
     every layer, after ``envelope_extra_bytes`` of other per-slot data; layer views then have a
     slot stride larger than HV*V*K). ``replay_len`` > 0 adds the ReplaySSM rings (d: state dtype,
     k: ``ring_k_dtype`` with ``H`` key heads, g: float32, [.., L, K] when ``kda``) and per-slot
-    cursors. ``framework``: "torch" (default; any torch device) or "numpy" (CPU only).
+    cursors. ``ring_k_dtype`` is the activation dtype; by default bfloat16 with torch and float16
+    with numpy (which has no bfloat16; the same size, so the sizing helpers agree).
+    ``framework``: "torch" (default; any torch device) or "numpy" (CPU only).
     """
 
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
                  state_dtype="float32", layout: str = "per_layer", envelope_extra_bytes: int = 0,
-                 replay_len: int = 0, H: int = 0, ring_k_dtype="bfloat16", kda: bool = False,
+                 replay_len: int = 0, H: int = 0, ring_k_dtype=None, kda: bool = False,
                  device="cpu", framework: str = "torch"):
+        _ints(layers=layers, slots=slots, HV=HV, V=V, K=K,
+              envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
+        layers, slots, HV, V, K = int(layers), int(slots), int(HV), int(V), int(K)
+        envelope_extra_bytes, replay_len, H = int(envelope_extra_bytes), int(replay_len), int(H)
+        if ring_k_dtype is None:
+            ring_k_dtype = "float16" if framework == "numpy" else "bfloat16"  # same size
         if layout not in ("per_layer", "envelope"):
             raise ValueError(f"StatePool layout must be 'per_layer' or 'envelope'; got {layout!r}")
         if framework not in ("torch", "numpy"):
@@ -68,13 +96,37 @@ class StatePool:
             pad = (-raw.ctypes.data) % _ALIGN
         self._raw = raw
         self.storage = raw[pad:pad + nbytes]
+        self.device = raw.device if framework == "torch" else "cpu"
+        self._cuda = framework == "torch" and raw.device.type == "cuda"
         self._m = lib.pool_new(self.storage, *self._cfg)
         self._views = {}
+
+    # Slot operations that touch device memory (allocate's clear, fork's copy, set_cursor) run on
+    # the stream tvm-ffi reports for the device. A call without tensor arguments does not set it
+    # from torch, so for a CUDA pool set it to torch's current stream around the call.
+    def _on_torch_stream(self):
+        if not self._cuda:
+            return contextlib.nullcontext()
+        import torch
+        import tvm_ffi
+
+        stream = torch.cuda.current_stream(self.device)
+        return tvm_ffi.use_raw_stream(tvm_ffi.device(str(self.device)), stream.cuda_stream)
+
+    def _sync_for_host_read(self):
+        # The core reads a cursor with a blocking copy on the legacy default stream, which is not
+        # ordered after work on a non-blocking torch stream (e.g. an op that advanced cursors):
+        # finish torch's current stream first. Bookkeeping only, never on the decode path.
+        if self._cuda:
+            import torch
+
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ---- slots ------------------------------------------------------------------------------
     def allocate(self, clear: bool = True) -> int:
         """Take a free slot (state zeroed in every layer when ``clear``, cursor reset)."""
-        return int(self._m["allocate"](bool(clear)))
+        with self._on_torch_stream():
+            return int(self._m["allocate"](bool(clear)))
 
     def free(self, slot: int) -> None:
         self._m["free"](int(slot))
@@ -89,13 +141,18 @@ class StatePool:
     def fork(self, src: int, dst: int) -> None:
         """Prefix caching: copy every layer's state of ``src`` into ``dst``. ``src`` must be
         flushed (cursor 0); ``dst``'s cursor is reset. Rings are not copied."""
-        self._m["fork"](int(src), int(dst))
+        self._sync_for_host_read()
+        with self._on_torch_stream():
+            self._m["fork"](int(src), int(dst))
 
     def cursor(self, slot: int) -> int:
+        """The slot's ReplaySSM cursor (a blocking read for CUDA pools)."""
+        self._sync_for_host_read()
         return int(self._m["cursor"](int(slot)))
 
     def set_cursor(self, slot: int, value: int) -> None:
-        self._m["set_cursor"](int(slot), int(value))
+        with self._on_torch_stream():
+            self._m["set_cursor"](int(slot), int(value))
 
     # ---- views ------------------------------------------------------------------------------
     def layer_state(self, layer: int):
@@ -149,6 +206,8 @@ class StatePool:
                        layout: str = "per_layer", envelope_extra_bytes: int = 0,
                        replay_len: int = 0, H: int = 0, ring_k_dtype="bfloat16",
                        kda: bool = False) -> int:
+        _ints(layers=layers, HV=HV, V=V, K=K, envelope_extra_bytes=envelope_extra_bytes,
+              replay_len=replay_len, H=H)
         return int(lib.pool_bytes_per_slot(layers, HV, V, K, _dtype_name(state_dtype),
                                            layout == "envelope", envelope_extra_bytes, replay_len,
                                            H, _dtype_name(ring_k_dtype), bool(kda)))
@@ -158,6 +217,8 @@ class StatePool:
                          state_dtype="float32", layout: str = "per_layer",
                          envelope_extra_bytes: int = 0, replay_len: int = 0, H: int = 0,
                          ring_k_dtype="bfloat16", kda: bool = False) -> int:
+        _ints(budget_bytes=budget_bytes, layers=layers, HV=HV, V=V, K=K,
+              envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         return int(lib.pool_slots_for_budget(layers, HV, V, K, _dtype_name(state_dtype),
                                              layout == "envelope", envelope_extra_bytes,
                                              replay_len, H, _dtype_name(ring_k_dtype), bool(kda),

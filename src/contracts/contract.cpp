@@ -25,7 +25,14 @@ std::string format(const char* fmt, ...) {
 void fail(const std::string& message) { throw Error(ErrorKind::value, message); }
 
 namespace {
-std::string quoted(std::string_view name) { return "`" + std::string(name) + "`"; }
+std::string quoted(std::string_view name) {
+  std::string r;
+  r.reserve(name.size() + 2);
+  r += '`';
+  r += name;
+  r += '`';
+  return r;
+}
 
 std::vector<std::string> split(std::string_view s, char sep) {
   std::vector<std::string> out;

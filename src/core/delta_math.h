@@ -2,9 +2,9 @@
 // the QK L2 norm, one token of the delta rule on a row of S, and the ReplaySSM pieces.
 //
 // The row functions work on the slice of one state row S[v, :] that the caller holds (the whole
-// row on the CPU; a few registers per lane on the GPU). `reduce` completes a partial dot product
-// over the threads that share the row: the identity on the CPU, a shuffle butterfly on the GPU.
-// `n` is an int (CPU) or a std::integral_constant (GPU: fully unrolled, stays in registers).
+// row on the CPU; a few registers per lane on the GPU, which then completes the partial dot
+// products across lanes). `n` is an int (CPU) or a std::integral_constant (GPU: fully unrolled,
+// stays in registers).
 #pragma once
 
 #include <cmath>
@@ -47,63 +47,46 @@ DS_HD float beta_value(float b, bool is_logit, bool round, DType b_dtype) {
 // inside the square root).
 DS_HD float l2norm_denominator(float sum_sq) { return sqrtf(sum_sq + kL2NormEps); }
 
-// One token of the delta rule (spec §0) on one row of S, in this exact order:
-//   S <- S*alpha;  u = beta*(v - S.k);  S <- S + u*k;  returns o = S.q
-template <class Len, class Reduce>
-DS_HD float delta_rule_row(float* s, const float* alpha, const float* k, const float* q, Len n,
-                           float v, float beta, Reduce&& reduce) {
-  float sk = 0.0f;
+// One token of the delta rule (spec §0) on one row S[v, :], in two phases so that a backend can
+// complete the dot products of many rows at once between them:
+//   phase 1  decay_and_dots:  S <- S*alpha;  sk = S.k;  sq = S.q        (partial over n elements)
+//   phase 2  u = delta_u(v, sk, beta) = beta*(v - sk);  rank1_update: S <- S + u*k;
+//            o = delta_output(sq, u, kq) = sq + u*(k.q)
+// This is §0's order for the state (decay, u, rank-1 update) and its stated equivalent for the
+// output, o = S_new.q = (alpha*S).q + u*(k.q), which needs no second pass over S. ReplaySSM
+// (§5) is the same computation: its sq = S.(alpha*q), sk = S.(alpha*k), d = u, and its flush
+// S0 <- S*alpha + d*k is phase 2's update.
+template <class Len>
+DS_HD void decay_and_dots(float* s, const float* alpha, const float* k, const float* q, Len n,
+                          float& sk, float& sq) {
+  sk = 0.0f;
+  sq = 0.0f;
   DS_UNROLL
   for (int i = 0; i < n; ++i) {
     s[i] *= alpha[i];
     sk += s[i] * k[i];
-  }
-  sk = reduce(sk);
-  const float u = beta * (v - sk);
-  float sq = 0.0f;
-  DS_UNROLL
-  for (int i = 0; i < n; ++i) {
-    s[i] += u * k[i];
     sq += s[i] * q[i];
   }
-  return reduce(sq);
 }
 
-// ReplaySSM (spec §5).
-// Rebuild: S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T with G_j the inclusive prefix sum of the
-// ring's g, Gtot = G_{m-1} and W_j = exp(Gtot - G_j). The backends accumulate
-// `replay_accumulate_row` once per ring record.
+DS_HD float delta_u(float v, float sk, float beta) { return beta * (v - sk); }
+
+template <class Len>
+DS_HD void rank1_update(float* s, const float* k, Len n, float u) {
+  DS_UNROLL
+  for (int i = 0; i < n; ++i) s[i] += u * k[i];
+}
+
+DS_HD float delta_output(float sq, float u, float kq) { return sq + u * kq; }
+
+// ReplaySSM rebuild (§5): S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T, with G_j the inclusive
+// prefix sum of the ring's g, Gtot = G_{m-1}, W_j = exp(Gtot - G_j). Backends scale S0 by
+// exp(Gtot) and accumulate one ring record at a time (kw = W_j * k_j for KDA; GDN folds its
+// scalar W_j into d_j).
 template <class Len>
 DS_HD void replay_accumulate_row(float* s, const float* kw, Len n, float d) {
   DS_UNROLL
   for (int i = 0; i < n; ++i) s[i] += d * kw[i];
-}
-
-// The current token on a rebuilt row S (before its decay):
-//   sq = S.(alpha*q);  sk = S.(alpha*k);  d = beta*(v - sk);  o = sq + d*(k.q)
-// q is scaled, k normalized; kq = k.q over the whole K.
-template <class Len, class Reduce>
-DS_HD void replay_token_row(const float* s, const float* alpha, const float* k, const float* q,
-                            Len n, float v, float beta, float kq, Reduce&& reduce, float& d,
-                            float& o) {
-  float sq = 0.0f, sk = 0.0f;
-  DS_UNROLL
-  for (int i = 0; i < n; ++i) {
-    const float sa = s[i] * alpha[i];
-    sq += sa * q[i];
-    sk += sa * k[i];
-  }
-  sq = reduce(sq);
-  sk = reduce(sk);
-  d = beta * (v - sk);
-  o = sq + d * kq;
-}
-
-// Flush: the new checkpoint row S0 = S*alpha + d*k.
-template <class Len>
-DS_HD void replay_flush_row(float* s, const float* alpha, const float* k, Len n, float d) {
-  DS_UNROLL
-  for (int i = 0; i < n; ++i) s[i] = s[i] * alpha[i] + d * k[i];
 }
 
 }  // namespace deltastate::detail

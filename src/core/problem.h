@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "core/numeric.h"  // DS_HD
 #include "deltastate/tensor.h"
 
 namespace deltastate::detail {
@@ -75,7 +76,7 @@ struct RecurrentProblem {
   bool check_indices = false;         // CUDA: trap on an index >= num_slots
   Device device{};
 
-  int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
+  DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
 };
 
 // ReplaySSM buffered decode (T = 1) over a checkpoint pool and per-slot rings.

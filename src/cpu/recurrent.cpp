@@ -76,10 +76,14 @@ void run_recurrent(const RecurrentProblem& p) {
           beta_value(load_float(p.beta.ptr, p.beta.dtype, head_offset(p.beta, seq, tok, hv)),
                      p.beta_is_logit, p.round_beta, p.beta.dtype);
 
+      const float kq = dot(sc.k.data(), sc.q.data(), K);
       for (int vi = 0; vi < V; ++vi) {
-        sc.o[vi] = delta_rule_row(sc.S.data() + static_cast<int64_t>(vi) * K, sc.alpha.data(),
-                                  sc.k.data(), sc.q.data(), K, sc.v[vi], beta,
-                                  [](float x) { return x; });
+        float* row = sc.S.data() + static_cast<int64_t>(vi) * K;
+        float sk, sq;
+        decay_and_dots(row, sc.alpha.data(), sc.k.data(), sc.q.data(), K, sk, sq);
+        const float u = delta_u(sc.v[vi], sk, beta);
+        rank1_update(row, sc.k.data(), K, u);
+        sc.o[vi] = delta_output(sq, u, kq);
       }
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, hv), V, sc.o.data());
     }

@@ -1,7 +1,8 @@
 // CPU kernel of ReplaySSM buffered decode (spec §5, basic mode): one task per (row, value head).
-// Rebuild S from the checkpoint and the ring, run the current token, then either fold it into the
-// checkpoint (flush) or append its record (d, k, g) to the ring. Cursors advance after every task
-// of the step has read them.
+// The same factorization as the CUDA kernel (src/cuda/replayssm_decode.cu, docs/REPLAYSSM.md):
+// the output comes from dot products of the checkpoint and the ring records with the token's
+// vectors; only a flush rebuilds the state and folds the token into the checkpoint; otherwise
+// the record (d, k, g) is appended. Cursors advance after every task of the step has read them.
 #include <vector>
 
 #include "core/delta_math.h"
@@ -15,11 +16,14 @@ using namespace deltastate::detail;
 
 namespace {
 struct Scratch {
-  std::vector<float> S, q, k, v, g, alpha, d, o, G, kw;
-  void resize(int K, int V) {
+  std::vector<float> S, q, k, v, g, alpha, d, o, e, ek, eq, kw, dj, w, ck, cq;
+  void resize(int K, int V, int L) {
     S.resize(static_cast<size_t>(K) * V);
-    for (auto* x : {&q, &k, &g, &alpha, &G, &kw}) x->resize(K);
+    for (auto* x : {&q, &k, &g, &alpha, &e, &ek, &eq}) x->resize(K);
     for (auto* x : {&v, &d, &o}) x->resize(V);
+    kw.resize(static_cast<size_t>(L) * K);
+    dj.resize(static_cast<size_t>(L) * V);
+    for (auto* x : {&w, &ck, &cq}) x->resize(L);
   }
 };
 
@@ -36,7 +40,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
 
   parallel_for(static_cast<int64_t>(p.B) * HV, [&](int64_t task) {
     thread_local Scratch sc;
-    sc.resize(K, V);
+    sc.resize(K, V, L);
     const int64_t n = task / HV;
     const int hv = static_cast<int>(task % HV);
     const int h = hv / group;
@@ -48,64 +52,86 @@ void run_replayssm_decode(const ReplayProblem& p) {
     }
     const int m = p.write_pos[n];
     const bool flush = row_flushes(p, n);
-
-    // Ring bases of this (slot, head).
-    const int64_t d_base = ((slot * HV + hv) * L) * V;      // d_cache[slot, hv, 0, 0]
-    const int64_t k_base = ((slot * H + h) * L) * K;        // k_cache[slot, h, 0, 0]
+    const int64_t d_base = ((slot * HV + hv) * L) * V;        // d_cache[slot, hv, 0, 0]
+    const int64_t k_base = ((slot * H + h) * L) * K;          // k_cache[slot, h, 0, 0]
     const int64_t g_base = ((slot * HV + hv) * L) * g_width;  // g_cache[slot, hv, 0(, 0)]
-
-    // 1. S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T over the m records in the ring.
     const int64_t state_off = slot * p.state.slot_stride + hv * head_elems;
     load_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
-    if (m > 0) {
-      std::fill(sc.G.begin(), sc.G.end(), 0.0f);  // Gtot
-      for (int j = 0; j < m; ++j)
-        for (int i = 0; i < g_width; ++i) sc.G[i] += p.g_cache[g_base + j * g_width + i];
-      if (!p.gate.kda) std::fill(sc.G.begin() + 1, sc.G.end(), sc.G[0]);
-      for (int i = 0; i < K; ++i) sc.kw[i] = expf(sc.G[i]);  // exp(Gtot)
-      for (int vi = 0; vi < V; ++vi)
-        for (int i = 0; i < K; ++i) sc.S[static_cast<int64_t>(vi) * K + i] *= sc.kw[i];
-      std::vector<float>& prefix = sc.alpha;  // G_j, reused as scratch here
-      std::fill(prefix.begin(), prefix.end(), 0.0f);
-      for (int j = 0; j < m; ++j) {
-        for (int i = 0; i < g_width; ++i) prefix[i] += p.g_cache[g_base + j * g_width + i];
-        load_row(p.k_cache, p.k_dtype, k_base + static_cast<int64_t>(j) * K, K, sc.kw.data());
-        load_row(p.d_cache, p.d_dtype, d_base + static_cast<int64_t>(j) * V, V, sc.d.data());
-        if (p.gate.kda) {  // KDA folds W_j into k_j
-          for (int i = 0; i < K; ++i) sc.kw[i] *= expf(sc.G[i] - prefix[i]);
-        } else {  // GDN folds the scalar W_j into d_j
-          const float w = expf(sc.G[0] - prefix[0]);
-          for (int vi = 0; vi < V; ++vi) sc.d[vi] *= w;
-        }
-        for (int vi = 0; vi < V; ++vi)
-          replay_accumulate_row(sc.S.data() + static_cast<int64_t>(vi) * K, sc.kw.data(), K, sc.d[vi]);
-      }
-    }
 
-    // 2. The current token.
+    // 1. The token: q, k normalized (q scaled), gate alpha = exp(g), beta rounded to b's dtype.
     load_row(p.q.ptr, p.q.dtype, head_offset(p.q, n, 0, h), K, sc.q.data());
     load_row(p.k.ptr, p.k.dtype, head_offset(p.k, n, 0, h), K, sc.k.data());
     load_row(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv), V, sc.v.data());
     prepare_qk(sc.q.data(), K, p.l2norm, p.scale);
     prepare_qk(sc.k.data(), K, p.l2norm, 1.0f);
-    float kq = 0.0f;
-    for (int i = 0; i < K; ++i) kq += sc.k[i] * sc.q[i];
+    const float kq = dot(sc.k.data(), sc.q.data(), K);
     gate_row(p.gate, p.a.ptr, p.a.dtype, head_offset(p.a, n, 0, hv), hv, K, sc.g.data());
     for (int i = 0; i < K; ++i) sc.alpha[i] = expf(sc.g[i]);
     const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
                                   /*is_logit=*/true, /*round=*/true, p.b.dtype);
+
+    // 2. The ring (m records): e = exp(Gtot), kw_j = W_j*k_j (KDA; GDN keeps the scalar W_j in
+    //    w[j]), and the per-record coefficients ck_j = w_j*kw_j.(alpha*k), cq_j = w_j*kw_j.(alpha*q).
+    std::fill(sc.e.begin(), sc.e.end(), 0.0f);  // Gtot, then e
+    for (int j = 0; j < m; ++j)
+      for (int i = 0; i < g_width; ++i) sc.e[i] += p.g_cache[g_base + j * g_width + i];
+    if (!p.gate.kda) std::fill(sc.e.begin() + 1, sc.e.end(), sc.e[0]);
+    std::vector<float>& prefix = sc.ek;  // G_j (scratch until step 3)
+    std::fill(prefix.begin(), prefix.end(), 0.0f);
+    for (int j = 0; j < m; ++j) {
+      float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
+      for (int i = 0; i < g_width; ++i) prefix[i] += p.g_cache[g_base + j * g_width + i];
+      load_row(p.k_cache, p.k_dtype, k_base + static_cast<int64_t>(j) * K, K, kw);
+      load_row(p.d_cache, p.d_dtype, d_base + static_cast<int64_t>(j) * V, V,
+               sc.dj.data() + static_cast<int64_t>(j) * V);
+      if (p.gate.kda) {
+        for (int i = 0; i < K; ++i) kw[i] *= expf(sc.e[i] - prefix[i]);
+        sc.w[j] = 1.0f;
+      } else {
+        sc.w[j] = expf(sc.e[0] - prefix[0]);
+      }
+      float ck = 0.0f, cq = 0.0f;
+      for (int i = 0; i < K; ++i) {
+        ck += kw[i] * (sc.alpha[i] * sc.k[i]);
+        cq += kw[i] * (sc.alpha[i] * sc.q[i]);
+      }
+      sc.ck[j] = sc.w[j] * ck;
+      sc.cq[j] = sc.w[j] * cq;
+    }
+    for (int i = 0; i < K; ++i) sc.e[i] = expf(sc.e[i]);
+
+    // 3. Per row: sk = S0.(e*alpha*k) + sum_j d_j ck_j, sq likewise with q (the state before
+    //    this token is never built); d = beta*(v - sk), o = sq + d*(k.q).
+    for (int i = 0; i < K; ++i) {
+      sc.ek[i] = sc.e[i] * (sc.alpha[i] * sc.k[i]);
+      sc.eq[i] = sc.e[i] * (sc.alpha[i] * sc.q[i]);
+    }
     for (int vi = 0; vi < V; ++vi) {
-      replay_token_row(sc.S.data() + static_cast<int64_t>(vi) * K, sc.alpha.data(), sc.k.data(),
-                       sc.q.data(), K, sc.v[vi], beta, kq, [](float x) { return x; }, sc.d[vi],
-                       sc.o[vi]);
+      const float* s0 = sc.S.data() + static_cast<int64_t>(vi) * K;
+      float sk = dot(s0, sc.ek.data(), K), sq = dot(s0, sc.eq.data(), K);
+      for (int j = 0; j < m; ++j) {
+        const float dj = sc.dj[static_cast<int64_t>(j) * V + vi];
+        sk += dj * sc.ck[j];
+        sq += dj * sc.cq[j];
+      }
+      sc.d[vi] = delta_u(sc.v[vi], sk, beta);
+      sc.o[vi] = delta_output(sq, sc.d[vi], kq);
     }
     store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv), V, sc.o.data());
 
-    // 3. Flush into the checkpoint, or append the record at position m.
+    // 4. Flush: S = e*S0 + sum_j d_j w_j kw_j, then S0 <- alpha*S + d*k. Otherwise append the
+    //    record (d, k, g) at position m.
     if (flush) {
-      for (int vi = 0; vi < V; ++vi)
-        replay_flush_row(sc.S.data() + static_cast<int64_t>(vi) * K, sc.alpha.data(), sc.k.data(),
-                         K, sc.d[vi]);
+      for (int vi = 0; vi < V; ++vi) {
+        float* row = sc.S.data() + static_cast<int64_t>(vi) * K;
+        for (int i = 0; i < K; ++i) row[i] *= sc.e[i];
+        for (int j = 0; j < m; ++j)
+          replay_accumulate_row(row, sc.kw.data() + static_cast<int64_t>(j) * K, K,
+                                sc.dj[static_cast<int64_t>(j) * V + vi] * sc.w[j]);
+        float sk_unused, sq_unused;
+        decay_and_dots(row, sc.alpha.data(), sc.k.data(), sc.q.data(), K, sk_unused, sq_unused);
+        rank1_update(row, sc.k.data(), K, sc.d[vi]);
+      }
       store_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
     } else {
       store_row(p.d_cache, p.d_dtype, d_base + static_cast<int64_t>(m) * V, V, sc.d.data());

@@ -47,6 +47,12 @@ inline void prepare_qk(float* x, int n, bool l2norm, float scale) {
     for (int i = 0; i < n; ++i) x[i] *= scale;
 }
 
+inline float dot(const float* a, const float* b, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 // Log-space decay g of one (token, value head) into g_out[0..K): the K-vector for KDA, one value
 // broadcast for GDN. `off` is the element offset of the gate input (g or raw a) of this head.
 inline void gate_row(const detail::GateParams& gate, const void* in, DType in_dtype, int64_t off,

@@ -68,14 +68,6 @@ struct RowLayout {
   static_assert(EPL * G == KT, "K tile must split evenly over the lanes");
 };
 
-// Sum over the G lanes that share a row (all 32 lanes must be converged).
-template <int G>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int o = G / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -130,77 +122,209 @@ __device__ __forceinline__ int64_t head_offset(const Head& t, int64_t seq, int64
   return seq * t.seq_stride + tok * t.tok_stride + head * t.head_stride;
 }
 
-// EPL consecutive elements of a per-head input vector starting at element `off`, masked by
-// `valid`, as fp32.
-template <int EPL>
-__device__ __forceinline__ void load_input(const void* base, DType dtype, int64_t off, int valid,
-                                           float (&x)[EPL]) {
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) x[i] = i < valid ? detail::load_float(base, dtype, off + i) : 0.0f;
-}
-
-// The lane's slice of one token's q, k (normalized, q scaled), its gate (log decay g and
-// alpha = exp(g)) and beta. kofs: the lane's first K index; valid: how many of its EPL are < K.
-template <int EPL>
-struct TokenSlice {
-  float q[EPL], k[EPL], g[EPL], alpha[EPL];
-  float beta;
+// Input loaders. TypedInput<T> reads inputs known to be of type T (the fast path: one plain load
+// per element, so all of a token's loads issue back to back); AnyInput switches on the runtime
+// dtype (the generic path, for callers whose inputs mix dtypes).
+template <class T>
+struct TypedInput {
+  __device__ __forceinline__ static float load(const void* p, DType, int64_t i) {
+    return to_float(__ldg(static_cast<const T*>(p) + i));
+  }
+};
+struct AnyInput {
+  __device__ __forceinline__ static float load(const void* p, DType t, int64_t i) {
+    return detail::load_float(p, t, i);
+  }
 };
 
-template <int EPL, int G>
-__device__ __forceinline__ void prepare_qk(float (&q)[EPL], float (&k)[EPL], bool l2norm,
-                                           float scale) {
-  if (l2norm) {
-    float qq = 0.0f, kk = 0.0f;
+// One token's inputs for one lane: its K slice of q and k, its rows' v, the gate input (its K
+// slice for KDA, one scalar for GDN) and beta's input.
+template <int EPL, int R>
+struct TokenInputs {
+  float q[EPL], k[EPL], v[R], g[EPL], b;
+};
+
+template <class In, int EPL, int R, class Problem>
+__device__ __forceinline__ void load_token(const Problem& p, const detail::HeadInput& gate_in,
+                                           const detail::HeadInput& beta_in, int64_t seq,
+                                           int64_t tok, int h, int hv, int kofs, int valid,
+                                           int row0, int rg, TokenInputs<EPL, R>& x) {
+  const int64_t q_off = head_offset(p.q, seq, tok, h) + kofs;
+  const int64_t k_off = head_offset(p.k, seq, tok, h) + kofs;
+  const int64_t v_off = head_offset(p.v, seq, tok, hv);
+  const int64_t g_off = head_offset(gate_in, seq, tok, hv);
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      qq += q[i] * q[i];
-      kk += k[i] * k[i];
-    }
-    const float qd = detail::l2norm_denominator(group_sum<G>(qq));
-    const float kd = detail::l2norm_denominator(group_sum<G>(kk));
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      q[i] = q[i] / qd;
-      k[i] = k[i] / kd;
-    }
+  for (int i = 0; i < EPL; ++i) {
+    x.q[i] = i < valid ? In::load(p.q.ptr, p.q.dtype, q_off + i) : 0.0f;
+    x.k[i] = i < valid ? In::load(p.k.ptr, p.k.dtype, k_off + i) : 0.0f;
   }
 #pragma unroll
-  for (int i = 0; i < EPL; ++i) q[i] *= scale;
+  for (int r = 0; r < R; ++r) {
+    const int row = row0 + r * rg;
+    x.v[r] = row < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + row) : 0.0f;
+  }
+  if (p.gate.kda) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      x.g[i] = i < valid ? In::load(gate_in.ptr, gate_in.dtype, g_off + kofs + i) : 0.0f;
+  } else {
+    x.g[0] = In::load(gate_in.ptr, gate_in.dtype, g_off);
+  }
+  x.b = In::load(beta_in.ptr, beta_in.dtype, head_offset(beta_in, seq, tok, hv));
 }
 
-// Gate of one (token, value head): `in_off` is the element offset of this head's gate input (g or
-// raw a); KDA reads the lane's EPL elements, GDN one broadcast scalar.
+// Per-head gate constants, loaded once per CTA: A_log[hv] and the lane's dt_bias (its K slice
+// for KDA, the head's scalar for GDN).
 template <int EPL>
-__device__ __forceinline__ void gate_slice(const detail::GateParams& gate, const void* in,
-                                           DType in_dtype, int64_t in_off, int hv, int K, int kofs,
-                                           int valid, float (&g)[EPL], float (&alpha)[EPL]) {
-  const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, hv) : 0.0f;
+struct GateConsts {
+  float A_log, dt[EPL];
+};
+template <int EPL>
+__device__ __forceinline__ void load_gate_consts(const detail::GateParams& gate, int hv, int K,
+                                                 int kofs, int valid, GateConsts<EPL>& c) {
+  c.A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, hv) : 0.0f;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int64_t idx = gate.kda ? static_cast<int64_t>(hv) * K + kofs + i : hv;
+    c.dt[i] = gate.dt_bias && (!gate.kda || i < valid)
+                  ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, idx)
+                  : 0.0f;
+  }
+}
+
+// The gate of one token: log decay g and alpha = exp(g) for the lane's K slice (GDN: broadcast).
+template <int EPL>
+__device__ __forceinline__ void token_gate(const detail::GateParams& gate, const GateConsts<EPL>& c,
+                                           const float (&graw)[EPL], float (&g)[EPL],
+                                           float (&alpha)[EPL]) {
   if (gate.kda) {
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      if (i < valid) {
-        const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype,
-                                                           static_cast<int64_t>(hv) * K + kofs + i)
-                                      : 0.0f;
-        g[i] = detail::gate_value(gate.mode, detail::load_float(in, in_dtype, in_off + kofs + i), dt,
-                                  A_log, gate.lower_bound);
-      } else {
-        g[i] = 0.0f;
-      }
+      g[i] = detail::gate_value(gate.mode, graw[i], c.dt[i], c.A_log, gate.lower_bound);
       alpha[i] = expf(g[i]);
     }
   } else {
-    const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, hv) : 0.0f;
-    const float gv = detail::gate_value(gate.mode, detail::load_float(in, in_dtype, in_off), dt,
-                                        A_log, gate.lower_bound);
-    const float a = expf(gv);
+    const float g0 = detail::gate_value(gate.mode, graw[0], c.dt[0], c.A_log, gate.lower_bound);
+    const float a0 = expf(g0);
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      g[i] = gv;
-      alpha[i] = a;
+      g[i] = g0;
+      alpha[i] = a0;
     }
   }
+}
+
+// Sums N values, each partial over the G lanes of a row group, with log2(G) shuffle stages that
+// halve the number of values while N > 1 (N - 1 + log2(G/N) shuffles instead of N log2(G)). Lane
+// `l` of the group ends with the full sum of value (l >> log2(G/N)) & (N-1).
+template <int G, int N, int C = N>
+__device__ __forceinline__ void halving_stages(float (&v)[N], int lane) {
+  if constexpr (C > 1) {
+    constexpr int d = G * C / (2 * N);  // the lane distance of this stage
+    const bool upper = (lane & d) != 0;
+#pragma unroll
+    for (int i = 0; i < C / 2; ++i) {
+      const float send = upper ? v[i] : v[i + C / 2];
+      const float keep = upper ? v[i + C / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, d);
+    }
+    halving_stages<G, N, C / 2>(v, lane);
+  }
+}
+template <int G, int N>
+__device__ __forceinline__ float transpose_reduce(float (&v)[N], int lane) {
+  static_assert(N >= 1 && N <= G && (N & (N - 1)) == 0, "N must be a power of two <= G");
+  halving_stages<G, N>(v, lane);
+  float x = v[0];
+#pragma unroll
+  for (int d = G / N / 2; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
+}
+template <int G, int N>
+__device__ __forceinline__ int reduced_index(int lane) {
+  constexpr int kShift = __builtin_ctz(G / N);
+  return (lane >> kShift) & (N - 1);
+}
+// Lane (within its group of G) that holds value `idx` after transpose_reduce<G, N>.
+template <int G, int N>
+__device__ __forceinline__ int holder_lane(int idx) {
+  return idx << __builtin_ctz(G / N);
+}
+
+// Normalizes q and k (optionally), scales q, and returns kq = k.q over the whole K, with one
+// 4-value transposed reduction for |q|^2, |k|^2 and q.k.
+template <int EPL, int G>
+__device__ __forceinline__ float prepare_qk(float (&q)[EPL], float (&k)[EPL], bool l2norm,
+                                            float scale, int lane) {
+  float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    part[0] += q[i] * q[i];
+    part[1] += k[i] * k[i];
+    part[2] += q[i] * k[i];
+  }
+  const float red = transpose_reduce<G, 4>(part, lane);
+  const float qq = __shfl_sync(0xffffffffu, red, holder_lane<G, 4>(0), G);
+  const float kk = __shfl_sync(0xffffffffu, red, holder_lane<G, 4>(1), G);
+  const float qk = __shfl_sync(0xffffffffu, red, holder_lane<G, 4>(2), G);
+  float qd = 1.0f, kd = 1.0f;
+  if (l2norm) {
+    qd = detail::l2norm_denominator(qq);
+    kd = detail::l2norm_denominator(kk);
+  }
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    q[i] = q[i] / qd * scale;
+    k[i] = k[i] / kd;
+  }
+  return qk / qd / kd * scale;
+}
+
+// Completes one token on R rows from the partial dots [sk_0.., sq_0..] (each partial over the
+// lane's K slice): one transposed reduction, then `extra(idx)` is added to the full value idx by
+// the lane holding it (ReplaySSM's ring terms; 0 otherwise). Every lane gets u_r = beta*(v_r -
+// sk_r) for all its rows; the lane holding sq_r (first of its copies) gets o_r = sq_r + u_r*kq
+// and returns r, the others return -1.
+struct NoExtra {
+  __device__ float operator()(int) const { return 0.0f; }
+};
+template <int G, int R, class Extra = NoExtra>
+__device__ __forceinline__ int finish_rows(float (&dots)[2 * R], const float (&v)[R], float beta,
+                                           float kq, int lane, float (&u)[R], float& o,
+                                           Extra extra = {}) {
+  static_assert(2 * R <= G, "a row group must hold all 2R partial dots");
+  const int idx = reduced_index<G, 2 * R>(lane);
+  const float red = transpose_reduce<G, 2 * R>(dots, lane) + extra(idx);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    u[r] = detail::delta_u(v[r], __shfl_sync(0xffffffffu, red, holder_lane<G, 2 * R>(r), G), beta);
+  const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
+  int mine = -1;
+  float u_mine = 0.0f;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (idx == R + r) {
+      mine = r;
+      u_mine = u[r];
+    }
+  }
+  o = detail::delta_output(red, u_mine, kq);
+  return first_copy ? mine : -1;
+}
+
+// cp.async: asynchronous global -> shared copies (16 bytes .cg, or 4 bytes .ca), grouped.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // A kernel's report of an out-of-range slot index (debug bounds checking): message, then trap.

@@ -18,6 +18,12 @@ constexpr int64_t kAlign = 256;
 int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 long long ll(int64_t v) { return static_cast<long long>(v); }
 bool on_cuda(const StatePoolConfig& c) { return c.device.type == DeviceType::cuda; }
+// Envelope: bytes between consecutive layers' states inside an entry. Rounded up to 32 bytes so
+// that every layer view keeps the 32-byte base alignment of the recurrent_kda stride contract
+// (and 16-byte vector loads), whatever HV*V*K*itemsize is.
+int64_t envelope_layer_pitch(const StatePoolConfig& c) {
+  return round_up(c.HV * c.V * c.K * dtype_size(c.state_dtype), 32);
+}
 }  // namespace
 
 void StatePool::check_config(const StatePoolConfig& c) {
@@ -48,7 +54,7 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   l.state_offset = 0;
   if (c.layout == PoolLayout::envelope) {
     l.extra_pad = round_up(c.envelope_extra_bytes, kAlign);
-    l.entry_bytes = round_up(l.extra_pad + c.layers * head_bytes, kAlign);
+    l.entry_bytes = round_up(l.extra_pad + c.layers * envelope_layer_pitch(c), kAlign);
     l.state_bytes = c.slots * l.entry_bytes;
   } else {
     l.extra_pad = 0;
@@ -184,7 +190,7 @@ TensorView StatePool::layer_state(int64_t layer) const {
   const int64_t head = cfg_.HV * cfg_.V * cfg_.K;
   int64_t offset, slot_stride;
   if (cfg_.layout == PoolLayout::envelope) {
-    offset = lay_.state_offset + lay_.extra_pad + layer * head * isz;
+    offset = lay_.state_offset + lay_.extra_pad + layer * envelope_layer_pitch(cfg_);
     slot_stride = lay_.entry_bytes / isz;
   } else {
     offset = lay_.state_offset + layer * cfg_.slots * head * isz;

@@ -1,0 +1,32 @@
+"""A small driver for Nsight Compute: a few packed-decode launches (ours, then FLA's) at one batch
+size, so that `ncu --launch-skip/--launch-count` can pick one warm launch of each kernel.
+
+  ncu --clock-control none -k regex:'recurrent|fused_recurrent' --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats python3 bench/profile_decode.py
+"""
+
+import argparse
+
+import torch
+
+import deltastate as ds
+from bench_decode import Case, fla_gdn_launches, fla_kda_launches
+from harness import DTYPES, MODELS
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default="qwen3-next")
+ap.add_argument("--dtype", default="f32")
+ap.add_argument("--B", type=int, default=256)
+ap.add_argument("--reps", type=int, default=3)
+ap.add_argument("--no-peer", action="store_true")
+args = ap.parse_args()
+m = MODELS[args.model]
+case = Case(m, DTYPES[args.dtype], args.B, torch.Generator().manual_seed(0))
+for _ in range(args.reps):
+    case.ours(0)()
+if not args.no_peer:
+    launches, keep = (fla_gdn_launches if m.op == "gdn" else fla_kda_launches)(case)
+    for _ in range(args.reps):
+        launches[0]()
+torch.cuda.synchronize()
+print("done")

@@ -1,0 +1,35 @@
+"""pytest fixtures: a fresh, reproducible random generator per test, and the frameworks."""
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # reference.py, helpers.py
+
+from helpers import Fw, torch  # noqa: E402
+
+FRAMEWORKS = ["numpy"] + (["torch"] if torch is not None else [])
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs for every test (and every parametrization), seeded from the test id so
+    a failure reproduces. DELTASTATE_TEST_SEED shifts every seed."""
+    base = int(os.environ.get("DELTASTATE_TEST_SEED", "0"))
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()) + base)
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def fw(request):
+    return Fw(request.param)
+
+
+@pytest.fixture
+def tfw():
+    """torch on the CPU (tests of bfloat16 and torch-only behaviour)."""
+    if torch is None:
+        pytest.skip("torch is not installed")
+    return Fw("torch")

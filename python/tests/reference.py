@@ -1,0 +1,279 @@
+"""An independent numpy float64 reference of the deltastate ops, written from the spec
+(/work/shared/reference/spec-sglang-decode.md; section numbers below refer to it). It shares no
+code with the library: plain numpy on float64 arrays.
+
+Conventions (§0):
+  * heads: value head hv reads key head h = hv // (HV // H);
+  * state S of one (slot, hv) is [V, K] (K contiguous);
+  * QK L2 norm: x / sqrt(sum x^2 + 1e-6); then q *= scale (default K^-0.5);
+  * gates, with x = a + dt_bias: standard g = -exp(A_log) * softplus(x) (softplus = log(1+e^x) for
+    x <= 20, else x); safe g = lower_bound * sigmoid(exp(A_log) * x); alpha = exp(g);
+    beta = sigmoid(b);
+  * per token, in this order: S <- S*alpha (KDA: column k by alpha[k]); u = v - S k; u <- beta*u;
+    S <- S + u k^T; o = S q.
+  * padding: a state index < 0 gives a zero output and leaves the state alone.
+
+Storage. Values the kernels store in reduced precision (ReplaySSM rings and checkpoints, beta
+rounded to b's dtype) are modelled by `rd`, float64 -> float32 -> dtype with round-to-nearest-even,
+applied when a stored value is read back (rounding on read equals rounding on store). Results are
+returned unrounded, so a test compares the kernel's rounded output against them with the spec's
+tolerance plus the storage rounding (half an ulp of the stored dtype).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+L2_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+# ---- rounding to the storage dtypes -----------------------------------------------------------
+def _round_bf16(x32: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 -> float32, round to nearest even (NaN kept quiet)."""
+    x32 = np.ascontiguousarray(x32, dtype=np.float32)
+    u = x32.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    out = rounded.view(np.float32).copy()
+    nan = np.isnan(x32)
+    out[nan] = np.nan
+    return out
+
+
+def rd(x, dtype: str) -> np.ndarray:
+    """The float64 value of `x` stored as `dtype` ('float32', 'float16', 'bfloat16')."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32)
+    if dtype == "float32":
+        return x32.astype(np.float64)
+    if dtype == "float16":
+        return x32.astype(np.float16).astype(np.float64)
+    if dtype == "bfloat16":
+        return _round_bf16(x32).astype(np.float64)
+    raise ValueError(f"unknown dtype {dtype}")
+
+
+# ---- §0 pieces --------------------------------------------------------------------------------
+def softplus(x):
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(x <= SOFTPLUS_THRESHOLD, np.log1p(np.exp(np.minimum(x, SOFTPLUS_THRESHOLD))), x)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=np.float64)))
+
+
+def l2norm(x):
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def gate(a, A_log, dt_bias, lower_bound=None):
+    """Log-space decay g from the raw gate input a (broadcasting: A_log already shaped to a)."""
+    x = np.asarray(a, dtype=np.float64) + (0.0 if dt_bias is None else dt_bias)
+    if lower_bound is None:
+        return -np.exp(A_log) * softplus(x)
+    return lower_bound * sigmoid(np.exp(A_log) * x)
+
+
+def key_head_of(HV: int, H: int) -> np.ndarray:
+    """For every value head hv, its key head h = hv // (HV // H)."""
+    assert HV % H == 0
+    return np.arange(HV) // (HV // H)
+
+
+def delta_step(S, q, k, v, alpha, beta):
+    """One token of the delta rule on S [..., V, K]; q, k [..., K]; v [..., V]; alpha [..., K]
+    (GDN: the scalar repeated); beta [...]. Returns (S', o)."""
+    S = S * alpha[..., None, :]
+    u = v - np.einsum("...vk,...k->...v", S, k)
+    u = beta[..., None] * u
+    S = S + u[..., :, None] * k[..., None, :]
+    o = np.einsum("...vk,...k->...v", S, q)
+    return S, o
+
+
+def _prep_qk(q, k, scale, use_l2norm):
+    if use_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * scale, k
+
+
+def split_packed(mixed_qkv, HV, V, K):
+    """[B, 2HK + HV V] -> q, k [B, H, K], v [B, HV, V] (§2)."""
+    B, width = mixed_qkv.shape
+    qk = width - HV * V
+    assert qk > 0 and qk % 2 == 0 and (qk // 2) % K == 0
+    H = qk // 2 // K
+    q = mixed_qkv[:, : H * K].reshape(B, H, K)
+    k = mixed_qkv[:, H * K: 2 * H * K].reshape(B, H, K)
+    v = mixed_qkv[:, 2 * H * K:].reshape(B, HV, V)
+    return q, k, v, H
+
+
+# ---- §2 / §3 packed decode --------------------------------------------------------------------
+def packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, pool, indices, *, kda,
+                  lower_bound=None, use_qk_l2norm=True, beta_dtype=None):
+    """GDN (kda=False: a [B,HV], dt_bias [HV]) or KDA (a [B,HV*K], dt_bias [HV*K]) packed decode.
+    pool: float64 [slots, HV, V, K]. Returns (out [B,1,HV,V], new pool). `beta_dtype` rounds
+    sigmoid(b) to that dtype (the optional round_beta flag)."""
+    x = np.asarray(mixed_qkv, dtype=np.float64)
+    pool = np.array(pool, dtype=np.float64, copy=True)
+    _, HV, V, K = pool.shape
+    q, k, v, H = split_packed(x, HV, V, K)
+    B = x.shape[0]
+    hmap = key_head_of(HV, H)
+    q, k = _prep_qk(q[:, hmap], k[:, hmap], scale, use_qk_l2norm)  # [B, HV, K]
+    A = np.asarray(A_log, dtype=np.float64)
+    if kda:
+        g = gate(np.asarray(a, np.float64).reshape(B, HV, K), A[:, None],
+                 np.asarray(dt_bias, np.float64).reshape(HV, K), lower_bound)
+    else:
+        g = gate(np.asarray(a, np.float64), A, np.asarray(dt_bias, np.float64), None)
+        g = np.repeat(g[..., None], K, axis=-1)
+    beta = sigmoid(b)
+    if beta_dtype is not None:
+        beta = rd(beta, beta_dtype)
+    out = np.zeros((B, 1, HV, V))
+    for n in range(B):
+        slot = int(indices[n])
+        if slot < 0:
+            continue
+        S, o = delta_step(pool[slot], q[n], k[n], v[n], np.exp(g[n]), beta[n])
+        pool[slot] = S
+        out[n, 0] = o
+    return out, pool
+
+
+# ---- §4 recurrent (B,T and varlen) ------------------------------------------------------------
+def recurrent(q, k, v, g, beta, *, kda, A_log=None, dt_bias=None, scale=None, initial_state=None,
+              ssm_state_indices=None, cu_seqlens=None, use_gate_in_kernel=False, lower_bound=None,
+              beta_is_logit=False, use_qk_l2norm=True):
+    """q, k [B,T,H,K]; v [B,T,HV,V]; g GDN [B,T,HV] / KDA [B,T,HV,K]; beta [B,T,HV]; with
+    cu_seqlens B == 1 and sequence n is tokens [cu[n], cu[n+1]). initial_state: with
+    ssm_state_indices a pool [slots,HV,V,K] (index < 0: padded sequence), else [N,HV,V,K] or None.
+    Returns (o [B,T,HV,V], final [N,HV,V,K] (zeros for padded sequences), new pool or None)."""
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    g, beta = np.asarray(g, dtype=np.float64), np.asarray(beta, dtype=np.float64)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    hmap = key_head_of(HV, H)
+    scale = K ** -0.5 if scale is None else scale
+    if use_gate_in_kernel:
+        A = np.asarray(A_log, dtype=np.float64)
+        if kda:
+            dt = None if dt_bias is None else np.asarray(dt_bias, np.float64).reshape(HV, K)
+            g = gate(g, A[:, None], dt, lower_bound)
+        else:
+            dt = None if dt_bias is None else np.asarray(dt_bias, np.float64).reshape(HV)
+            g = gate(g, A, dt, lower_bound)
+    if not kda:
+        g = np.repeat(g[..., None], K, axis=-1)  # [B,T,HV,K]
+    if beta_is_logit:
+        beta = sigmoid(beta)
+    if cu_seqlens is not None:
+        cu = [int(c) for c in cu_seqlens]
+        seqs = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    else:
+        seqs = [(n, 0, T) for n in range(B)]
+    N = len(seqs)
+    pooled = ssm_state_indices is not None
+    pool = None if not pooled else np.array(initial_state, dtype=np.float64, copy=True)
+    o = np.zeros((B, T, HV, V))
+    final = np.zeros((N, HV, V, K))
+    for n, (bi, t0, t1) in enumerate(seqs):
+        if pooled:
+            slot = int(ssm_state_indices[n])
+            if slot < 0:
+                continue  # padded: zero output, zero final state, pool untouched
+            S = pool[slot].copy()
+        elif initial_state is not None:
+            S = np.asarray(initial_state[n], dtype=np.float64).copy()
+        else:
+            S = np.zeros((HV, V, K))
+        for t in range(t0, t1):
+            qt, kt = _prep_qk(q[bi, t, hmap], k[bi, t, hmap], scale, use_qk_l2norm)
+            S, o[bi, t] = delta_step(S, qt, kt, v[bi, t], np.exp(g[bi, t]), beta[bi, t])
+        final[n] = S
+        if pooled:
+            pool[slot] = S
+    return o, final, pool
+
+
+# ---- §5 ReplaySSM, basic mode -----------------------------------------------------------------
+class ReplayMemory:
+    """The caller memory ReplaySSM works on, as float64 "values before storage rounding"; every
+    read goes through `rd` with the dtype the kernel stores it in."""
+
+    def __init__(self, state, d_cache, k_cache, g_cache, *, state_dtype, d_dtype, k_dtype):
+        self.state = np.array(state, dtype=np.float64, copy=True)  # [S, HV, V, K]
+        self.d = np.array(d_cache, dtype=np.float64, copy=True)  # [S, HV, L, V]
+        self.k = np.array(k_cache, dtype=np.float64, copy=True)  # [S, H, L, K]
+        self.g = np.array(g_cache, dtype=np.float64, copy=True)  # [S, HV, L(, K)]
+        self.state_dtype, self.d_dtype, self.k_dtype = state_dtype, d_dtype, k_dtype
+
+    @property
+    def L(self):
+        return self.d.shape[2]
+
+
+def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, indices,
+                     write_pos, force_flush=None, *, kda, b_dtype, lower_bound=None,
+                     use_qk_l2norm=True):
+    """One ReplaySSM step (§5, basic mode) on `mem` (updated in place). a: GDN [B,HV], KDA [B,HV,K]
+    or [B,HV*K]; dt_bias GDN [HV], KDA [HV,K] or [HV*K]. Returns (out [B,1,HV,V], flushed [B] bool,
+    new write_pos [B] per the caller protocol wp = flushed ? 0 : m + 1; padded rows keep theirs)."""
+    x = np.asarray(mixed_qkv, dtype=np.float64)
+    _, HV, V, K = mem.state.shape
+    L = mem.L
+    q, k, v, H = split_packed(x, HV, V, K)
+    B = x.shape[0]
+    hmap = key_head_of(HV, H)
+    q, k = _prep_qk(q, k, scale, use_qk_l2norm)  # per key head [B, H, K]: q scaled, k normalized
+    A = np.asarray(A_log, dtype=np.float64)
+    if kda:
+        g = gate(np.asarray(a, np.float64).reshape(B, HV, K), A[:, None],
+                 np.asarray(dt_bias, np.float64).reshape(HV, K), lower_bound)
+    else:
+        g = gate(np.asarray(a, np.float64), A, np.asarray(dt_bias, np.float64), lower_bound)
+    beta = rd(rd(sigmoid(b), "float32"), b_dtype)  # beta rounded to b.dtype
+    out = np.zeros((B, 1, HV, V))
+    flushed = np.zeros(B, dtype=bool)
+    new_wp = np.array(write_pos, dtype=np.int64, copy=True)
+    for n in range(B):
+        slot = int(indices[n])
+        if slot < 0:
+            continue
+        m = int(write_pos[n])
+        flush = m == L - 1 or (force_flush is not None and int(force_flush[n]) != 0)
+        flushed[n] = flush
+        for hv in range(HV):
+            h = hmap[hv]
+            S0 = rd(mem.state[slot, hv], mem.state_dtype)
+            # Ring records j < m: G_j the inclusive prefix sum of g, W_j = exp(Gtot - G_j).
+            gj = rd(mem.g[slot, hv, :m], "float32")  # [m] (GDN) or [m, K] (KDA)
+            if not kda:
+                gj = np.repeat(gj[:, None], K, axis=1)
+            G = np.cumsum(gj, axis=0)
+            Gtot = G[m - 1] if m > 0 else np.zeros(K)
+            S = S0 * np.exp(Gtot)[None, :]
+            for j in range(m):
+                W = np.exp(Gtot - G[j])
+                dj = rd(mem.d[slot, hv, j], mem.d_dtype)
+                kj = rd(mem.k[slot, h, j], mem.k_dtype)
+                S = S + np.outer(dj, W * kj)
+            # The current token.
+            gcur = g[n, hv] if kda else np.full(K, g[n, hv])
+            alpha = np.exp(gcur)
+            qs, kh = q[n, h], k[n, h]
+            sq = S @ (alpha * qs)
+            sk = S @ (alpha * kh)
+            d = beta[n, hv] * (v[n, hv] - sk)
+            out[n, 0, hv] = sq + d * np.dot(kh, qs)
+            if flush:
+                mem.state[slot, hv] = S * alpha[None, :] + np.outer(d, kh)
+            else:
+                mem.d[slot, hv, m] = d
+                mem.k[slot, h, m] = kh
+                mem.g[slot, hv, m] = gcur if kda else gcur[0]
+        new_wp[n] = 0 if flush else m + 1
+    return out, flushed, new_wp

@@ -1,0 +1,460 @@
+"""Bad inputs: contract violations raise ValueError with the core's exact texts (spec §9), a
+rejected call changes no caller memory, and wrong Python types or missing arguments raise
+TypeError/ValueError (never a crash)."""
+
+import numpy as np
+import pytest
+
+import deltastate as ds
+from helpers import Fw, assert_unchanged, poison, snapshot, torch
+
+B, H, HV, K, V, S, L = 3, 2, 4, 8, 16, 5, 4
+W = 2 * H * K + HV * V  # 96
+
+
+def strided_last(fw, arr_shape, dtype="float32"):
+    """An array of `arr_shape` whose last dim has stride 2."""
+    shape = tuple(arr_shape[:-1]) + (arr_shape[-1] * 2,)
+    full = fw.full(shape, 0.5, dtype)
+    return full[..., ::2]
+
+
+def packed_args(fw, rng, kda):
+    return {
+        "mixed_qkv": fw.from64(rng.standard_normal((B, W))),
+        "a": fw.from64(rng.standard_normal((B, HV * K if kda else HV))),
+        "b": fw.from64(rng.standard_normal((B, HV))),
+        "A_log": fw.from64(rng.standard_normal(HV)),
+        "dt_bias": fw.from64(rng.standard_normal(HV * K if kda else HV)),
+        "scale": K ** -0.5,
+        "initial_state": fw.from64(rng.standard_normal((S, HV, V, K))),
+        "out": poison(fw, (B, 1, HV, V), "float32"),
+        "ssm_state_indices": fw.idx([1, -1, 3]),
+    }
+
+
+def call_packed(kda, args):
+    op = (ds.fused_recurrent_kda_packed_decode if kda
+          else ds.fused_recurrent_gated_delta_rule_packed_decode)
+    return op(**args)
+
+
+def expect_error(call, args, message, exc=ValueError):
+    """`call(args)` raises `exc` whose text is exactly `message`, and no array changed."""
+    arrays = [v for v in args.values() if hasattr(v, "shape")]
+    before = snapshot(*arrays)
+    with pytest.raises(exc) as info:
+        call(args)
+    assert str(info.value) == message
+    assert_unchanged(before, *arrays, what="array argument of a rejected call")
+
+
+# (id, mutation(fw, args, kda) -> None, GDN message, KDA message)
+PACKED_CASES = [
+    ("qkv-3d", lambda fw, a, kda: a.update(mixed_qkv=a["mixed_qkv"].reshape(B, 1, W)),
+     "`mixed_qkv` must be a 2D tensor (got ndim=3).", None),
+    ("qkv-last-stride", lambda fw, a, kda: a.update(mixed_qkv=strided_last(fw, (B, W))),
+     "`mixed_qkv` must be contiguous in the last dim.", None),
+    ("a-3d", lambda fw, a, kda: a.update(a=a["a"].reshape(B, 1, -1)),
+     "`a` and `b` must be 2D tensors (got a.ndim=3, b.ndim=2).", None),
+    ("b-last-stride", lambda fw, a, kda: a.update(b=strided_last(fw, (B, HV))),
+     "`a`/`b` must be contiguous in the last dim.", None),
+    ("A_log-2d", lambda fw, a, kda: a.update(A_log=a["A_log"].reshape(1, HV)),
+     "`A_log`/`dt_bias` must be 1D tensors.", None),
+    ("dt_bias-strided", lambda fw, a, kda: a.update(dt_bias=strided_last(fw, (HV * K if kda else HV,))),
+     "`A_log`/`dt_bias` must be contiguous.", None),
+    ("indices-2d", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([[1, -1, 3]])),
+     "`ssm_state_indices` must be 1D for packed decode (got ndim=2).", None),
+    ("out-noncontiguous", lambda fw, a, kda: a.update(
+        out=fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))),
+     "`out` must be contiguous.", None),
+    ("batch-mismatch", lambda fw, a, kda: a.update(a=a["a"][:2]),
+     "Mismatched batch sizes: mixed_qkv.shape[0]=3, a.shape[0]=2, b.shape[0]=3.", None),
+    ("indices-length", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([1, 2])),
+     "`ssm_state_indices` must have shape [B] (got (2,); expected (3,)).", None),
+    ("state-3d", lambda fw, a, kda: a.update(initial_state=a["initial_state"].reshape(S, HV * V, K)),
+     "`initial_state` must be a 4D tensor (got ndim=3).", None),
+    ("state-last-stride", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
+        fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K * 2, 2))),
+     "`initial_state` must be contiguous in the last dim.", None),
+    ("state-inner-strides", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
+        fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K, 1))),
+     "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+     "stride is supported.", None),
+    ("a-cols", lambda fw, a, kda: a.update(a=fw.full((B, 5), 0.0)),
+     "`a`/`b` must have shape [B, HV] with HV=4 (got a.shape=(3, 5), b.shape=(3, 4)).",
+     "`a` must have shape [B, HV*K] with HV=4, K=8 (got a.shape=(3, 5))."),
+    ("b-cols", lambda fw, a, kda: a.update(b=fw.full((B, 5), 0.0)),
+     "`a`/`b` must have shape [B, HV] with HV=4 (got a.shape=(3, 4), b.shape=(3, 5)).",
+     "`b` must have shape [B, HV] with HV=4 (got b.shape=(3, 5))."),
+    ("A_log-numel", lambda fw, a, kda: a.update(A_log=fw.full((3,), 0.0)),
+     "`A_log` and `dt_bias` must have 4 elements (got A_log.numel()=3, dt_bias.numel()=4).",
+     "`A_log` must have 4 elements (got 3)."),
+    ("dt_bias-numel", lambda fw, a, kda: a.update(dt_bias=fw.full((5,), 0.0)),
+     "`A_log` and `dt_bias` must have 4 elements (got A_log.numel()=4, dt_bias.numel()=5).",
+     "`dt_bias` must have 32 elements (got 5)."),
+    ("out-shape", lambda fw, a, kda: a.update(out=fw.full((B, HV, V, 1), 0.0)),
+     "`out` must have shape (3, 1, 4, 16) (got out.shape=(3, 4, 16, 1)).", None),
+    ("width-odd", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, W + 1), 0.0)),
+     "Invalid packed `mixed_qkv` last dim=97 for HV=4, V=16.", None),
+    ("width-small", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, HV * V), 0.0)),
+     "Invalid packed `mixed_qkv` last dim=64 for HV=4, V=16.", None),
+    ("q-not-multiple-of-K", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, HV * V + 24), 0.0)),
+     "Invalid packed Q size 12: must be divisible by K=8.",
+     "Invalid packed Q size 12: must be divisible by K=8. KDA packed decode requires "
+     "num_q_heads == num_k_heads and head_q_dim == head_k_dim."),
+    ("heads-not-dividing", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, HV * V + 48), 0.0)),
+     "Invalid head config inferred from mixed_qkv: H=3, HV=4.", None),
+    ("index-out-of-range", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([1, 9, 3])),
+     "`ssm_state_indices`[1]=9 is out of range for a state pool of 5 slots (valid: 0..4; < 0 "
+     "marks a padded row)", None),
+    ("index-duplicate", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([1, -1, 1], "int64")),
+     "`ssm_state_indices` uses slot 1 for rows 0 and 2; each live row needs its own slot", None),
+    ("scale-zero", lambda fw, a, kda: a.update(scale=0.0), "scale must be positive (got 0)", None),
+    ("state-int", lambda fw, a, kda: a.update(initial_state=fw.idx(np.zeros((S, HV, V, K), int))),
+     "`initial_state` must have dtype float32, bfloat16 or float16; got int32", None),
+    ("indices-float", lambda fw, a, kda: a.update(ssm_state_indices=fw.full((B,), 1.0)),
+     "`ssm_state_indices` must have dtype int32 or int64; got float32", None),
+]
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("case", PACKED_CASES, ids=[c[0] for c in PACKED_CASES])
+def test_packed_decode_errors(fw, rng, kda, case):
+    _, mutate, msg_gdn, msg_kda = case
+    args = packed_args(fw, rng, kda)
+    mutate(fw, args, kda)
+    expect_error(lambda a: call_packed(kda, a), args, msg_kda if (kda and msg_kda) else msg_gdn)
+
+
+def test_packed_decode_kda_lower_bound_must_be_finite(fw, rng):
+    args = packed_args(fw, rng, True)
+    args["lower_bound"] = float("inf")
+    expect_error(lambda a: call_packed(True, a), args, "lower_bound must be finite (got inf)")
+
+
+# ---- ReplaySSM --------------------------------------------------------------------------------
+def replay_args(fw, rng, kda):
+    return {
+        "mixed_qkv": fw.from64(rng.standard_normal((B, W))),
+        "a": fw.from64(rng.standard_normal((B, HV, K) if kda else (B, HV))),
+        "b": fw.from64(rng.standard_normal((B, HV))),
+        "A_log": fw.from64(rng.standard_normal(HV)),
+        "dt_bias": fw.from64(rng.standard_normal((HV, K) if kda else (HV,))),
+        "scale": K ** -0.5,
+        "initial_state": fw.from64(rng.standard_normal((S, HV, V, K))),
+        "d_cache": fw.full((S, HV, L, V), 1e30),
+        "k_cache": fw.full((S, H, L, K), 1e30),
+        "g_cache": fw.full((S, HV, L, K) if kda else (S, HV, L), 1e30),
+        "out": poison(fw, (B, 1, HV, V), "float32"),
+        "ssm_state_indices": fw.idx([1, -1, 3]),
+        "write_pos": fw.idx([0, 0, 2]),
+        "force_flush": fw.idx([0, 1, 0]),
+        "is_kda": kda,
+        "advance_write_pos": True,
+    }
+
+
+def call_replay(args):
+    return ds.fused_recurrent_linear_replayssm_decode(**args)
+
+
+REPLAY_CASES = [
+    ("qkv-3d", lambda fw, a, kda: a.update(mixed_qkv=a["mixed_qkv"].reshape(B, W, 1)),
+     "`mixed_qkv` must be 2D (got ndim=3).", None),
+    ("b-1d", lambda fw, a, kda: a.update(b=fw.full((B,), 0.0)), "`b` must be 2D (got b.ndim=1).", None),
+    ("A_log-2d", lambda fw, a, kda: a.update(A_log=a["A_log"].reshape(HV, 1)),
+     "`A_log` must be a 1D tensor.", None),
+    ("state-3d", lambda fw, a, kda: a.update(initial_state=fw.full((S, HV, V * K), 0.0)),
+     "`initial_state` must be 4D (got ndim=3).", None),
+    ("qkv-last-stride", lambda fw, a, kda: a.update(mixed_qkv=strided_last(fw, (B, W))),
+     "`mixed_qkv` must be contiguous in the last dim.", None),
+    ("out-noncontiguous", lambda fw, a, kda: a.update(
+        out=fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))),
+     "`out` must be contiguous.", None),
+    ("write_pos-int64", lambda fw, a, kda: a.update(write_pos=fw.idx([0, 0, 2], "int64")),
+     "`write_pos` must be a contiguous 1D int32 tensor.", None),
+    ("force_flush-int64", lambda fw, a, kda: a.update(force_flush=fw.idx([0, 1, 0], "int64")),
+     "`force_flush` must be a contiguous 1D int32 tensor or None.", None),
+    ("state-inner-strides", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
+        fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K, 1))),
+     "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+     "stride is supported.", None),
+    ("width-odd", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, W + 1), 0.0)),
+     "Invalid packed `mixed_qkv` last dim=97 for HV=4, V=16.", None),
+    ("q-not-multiple-of-K", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, HV * V + 24), 0.0)),
+     "Invalid packed `mixed_qkv` last dim=88 for HV=4, V=16, K=8.", None),
+    ("heads-not-dividing", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, HV * V + 48), 0.0)),
+     "Invalid head config inferred from mixed_qkv: H=3, HV=4.", None),
+    ("b-shape", lambda fw, a, kda: a.update(b=fw.full((B, 5), 0.0)),
+     "`b` must have contiguous shape (3, 4).", None),
+    ("A_log-shape", lambda fw, a, kda: a.update(A_log=fw.full((5,), 0.0)),
+     "`A_log` must have contiguous shape (4,).", None),
+    ("d_cache-shape", lambda fw, a, kda: a.update(d_cache=fw.full((S, HV, L, V + 1), 0.0)),
+     "`d_cache` must have shape [slots, HV, L, V].", None),
+    ("L-zero", lambda fw, a, kda: a.update(d_cache=fw.full((S, HV, 0, V), 0.0)),
+     "ReplaySSM cache length must be at least 1.", None),
+    ("a-shape", lambda fw, a, kda: a.update(a=fw.full((B, HV, K + 1) if kda else (B, HV + 1), 0.0)),
+     "GDN `a` must have shape (3, 4) (got (3, 5)).", "KDA `a` must have shape (3, 4, 8) (got (3, 4, 9))."),
+    ("dt_bias-shape", lambda fw, a, kda: a.update(dt_bias=fw.full((HV * K + 1,) if kda else (HV * K,), 0.0)),
+     "GDN `dt_bias` must have shape (4,) (got (32,)).", "KDA `dt_bias` must have shape (4, 8) (got (33,))."),
+    ("a-strided", lambda fw, a, kda: a.update(a=strided_last(fw, (B, HV, K) if kda else (B, HV))),
+     "GDN `a` must have shape (3, 4) (got (3, 4)).", "KDA `a`/`dt_bias` must be contiguous."),
+    ("ring-noncontiguous", lambda fw, a, kda: a.update(k_cache=strided_last(fw, (S, H, L, K))),
+     "ReplaySSM ring caches must be contiguous.", None),
+    ("k_cache-shape", lambda fw, a, kda: a.update(k_cache=fw.full((S, HV, L, K), 0.0)),
+     "`k_cache` must have shape [slots, H, L, K].", None),
+    ("g_cache-shape", lambda fw, a, kda: a.update(g_cache=fw.full((S, HV, L, 1), 0.0)),
+     "`g_cache` must have shape [slots, HV, L].", "`g_cache` must have shape [slots, HV, L, K]."),
+    ("g_cache-dtype", lambda fw, a, kda: a.update(
+        g_cache=fw.full((S, HV, L, K) if kda else (S, HV, L), 0.0, "float16")),
+     "`g_cache` must be float32 (got float16).", None),
+    ("out-shape", lambda fw, a, kda: a.update(out=fw.full((B, HV, V), 0.0)),
+     "`out` must have shape (3, 1, 4, 16) (got (3, 4, 16)).", None),
+    ("indices-int64", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([1, -1, 3], "int64")),
+     "`ssm_state_indices` must be a 1D int32 tensor.", None),
+    ("write_pos-length", lambda fw, a, kda: a.update(write_pos=fw.idx([0, 0])),
+     "`write_pos` and `ssm_state_indices` must both have length B=3 (got 2, 3).", None),
+    ("force_flush-length", lambda fw, a, kda: a.update(force_flush=fw.idx([0, 0, 0, 0])),
+     "`force_flush` must have length B=3.", None),
+    ("write_pos-outside-ring", lambda fw, a, kda: a.update(write_pos=fw.idx([4, 0, 0])),
+     "`write_pos`[0]=4 is outside the ring [0, L-1=3]", None),
+    ("index-out-of-range", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([1, -1, 5])),
+     "`ssm_state_indices`[2]=5 is out of range for a state pool of 5 slots (valid: 0..4; < 0 "
+     "marks a padded row)", None),
+]
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("case", REPLAY_CASES, ids=[c[0] for c in REPLAY_CASES])
+def test_replayssm_errors(fw, rng, kda, case):
+    name, mutate, msg_gdn, msg_kda = case
+    if name == "a-strided" and not kda:
+        pytest.skip("GDN `a` is checked by shape and contiguity in one message")
+    args = replay_args(fw, rng, kda)
+    mutate(fw, args, kda)
+    expect_error(call_replay, args, msg_kda if (kda and msg_kda) else msg_gdn)
+
+
+def test_replayssm_g_cache_bf16(tfw, rng):
+    args = replay_args(tfw, rng, False)
+    args["g_cache"] = tfw.full((S, HV, L), 0.0, "bfloat16")
+    expect_error(call_replay, args, "`g_cache` must be float32 (got bfloat16).")
+
+
+# ---- recurrent --------------------------------------------------------------------------------
+T = 3
+
+
+def recurrent_args(fw, rng, kda, pooled=True):
+    args = {
+        "q": fw.from64(rng.standard_normal((2, T, H, K))),
+        "k": fw.from64(rng.standard_normal((2, T, H, K))),
+        "v": fw.from64(rng.standard_normal((2, T, HV, V))),
+        "g": fw.from64(-rng.uniform(0, 1, (2, T, HV, K) if kda else (2, T, HV))),
+        "beta": fw.from64(rng.uniform(0, 1, (2, T, HV))),
+        "output": poison(fw, (2, T, HV, V), "float32"),
+    }
+    if pooled:
+        args["initial_state"] = fw.aligned(rng.standard_normal((S, HV, V, K)))
+        args["ssm_state_indices"] = fw.idx([3, -1])
+    return args
+
+
+def call_recurrent(kda):
+    op = ds.recurrent_kda if kda else ds.recurrent_gated_delta_rule
+    return lambda args: op(**args)
+
+
+def pool_view(fw, slot_stride, inner=(V * K, K, 1), offset=0):
+    flat = fw.flat(S * slot_stride + 64, "float32", 0.0)
+    return fw.as_strided(flat, (S, HV, V, K), (slot_stride,) + inner, offset)
+
+
+def test_recurrent_gdn_state_ndim(fw, rng):
+    args = recurrent_args(fw, rng, False)
+    args["initial_state"] = fw.full((S, HV * V, K), 0.0)
+    expect_error(call_recurrent(False), args, "`initial_state` must be a 4D tensor (got ndim=3).")
+
+
+def test_recurrent_kda_stride_contract(fw, rng):
+    """FlashInfer's recurrent_kda messages (spec §9), and the `'state pool' in str(e)` pattern."""
+    call = call_recurrent(True)
+    args = recurrent_args(fw, rng, True)
+    args["initial_state"] = fw.full((6, HV, V * K), 0.0)
+    expect_error(call, args, "recurrent_kda needs a [N, HV, V, K] state pool; got shape (6, 4, 128)")
+
+    args = recurrent_args(fw, rng, True)
+    args["initial_state"] = pool_view(fw, 2 * HV * V * K, inner=(2 * V * K, K, 1))
+    expect_error(call, args, "recurrent_kda state inner strides must be compact (V*K, K, 1)=(128, 8, 1); "
+                 "got (256, 8, 1) (only the slot stride may be non-compact)")
+
+    args = recurrent_args(fw, rng, True)
+    args["initial_state"] = pool_view(fw, HV * V * K + 8)
+    expect_error(call, args, "recurrent_kda state pool breaks the compiled stride contract: slot stride "
+                 "520 elements must be a multiple of 16 and the base byte offset 0 a multiple of 32 "
+                 "(sym_int64(divisibility=16) / assumed_align=32)")
+
+    args = recurrent_args(fw, rng, True)
+    args["initial_state"] = pool_view(fw, HV * V * K + 16, offset=4)
+    expect_error(call, args, "recurrent_kda state pool breaks the compiled stride contract: slot stride "
+                 "528 elements must be a multiple of 16 and the base byte offset 16 a multiple of 32 "
+                 "(sym_int64(divisibility=16) / assumed_align=32)")
+
+    # The reference's handling pattern keeps working.
+    handled = False
+    try:
+        call(args)
+    except ValueError as e:
+        if "state pool" in str(e):
+            handled = True
+    assert handled
+
+
+def test_state_pool_pattern_index_out_of_range(fw, rng):
+    args = recurrent_args(fw, rng, False)
+    args["ssm_state_indices"] = fw.idx([3, 5])
+    msg = ("`ssm_state_indices`[1]=5 is out of range for a state pool of 5 slots (valid: 0..4; "
+           "< 0 marks a padded row)")
+    expect_error(call_recurrent(False), args, msg)
+    try:
+        call_recurrent(False)(args)
+    except ValueError as e:
+        assert "state pool" in str(e)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_recurrent_errors(fw, rng, kda):
+    op = "recurrent_kda" if kda else "recurrent_gated_delta_rule"
+    call = call_recurrent(kda)
+
+    args = recurrent_args(fw, rng, kda)
+    args["cu_seqlens"] = fw.idx([0, 1, 3])
+    expect_error(call, args, "The batch size is expected to be 1 rather than 2 when using "
+                 "`cu_seqlens`.Please flatten variable-length inputs before processing.")
+
+    args = recurrent_args(fw, rng, kda)
+    args["ssm_state_indices"] = fw.idx([3, -1, 1])
+    expect_error(call, args, "The number of initial states is expected to be equal to the number "
+                 "of input sequences, i.e., 2 rather than 3.")
+
+    args = recurrent_args(fw, rng, kda, pooled=False)
+    args["initial_state"] = fw.aligned(rng.standard_normal((3, HV, V, K)))
+    expect_error(call, args, "The number of initial states is expected to be equal to the number "
+                 "of input sequences, i.e., 2 rather than 3.")
+
+    args = recurrent_args(fw, rng, kda)
+    args["v"] = fw.full((2, T, 3, V), 0.0)
+    args["output"] = fw.full((2, T, 3, V), 0.0)
+    args["beta"] = fw.full((2, T, 3), 0.0)
+    args["g"] = fw.full((2, T, 3, K) if kda else (2, T, 3), 0.0)
+    expect_error(call, args, f"{op}: `v` has HV=3 heads and `q`/`k` have H=2; HV must be a "
+                 "positive multiple of H")
+
+    args = recurrent_args(fw, rng, kda)
+    for n in ("q", "k", "v", "g", "beta", "output"):
+        args[n] = args[n][:1]
+    args["ssm_state_indices"] = fw.idx([3, 1])
+    args["cu_seqlens"] = fw.idx([0, 2, 1])
+    expect_error(call, args, "`cu_seqlens` must start at 0 and be non-decreasing within [0, T=3]; "
+                 "got cu_seqlens[2]=1 after 2")
+
+    args = recurrent_args(fw, rng, kda)
+    args["A_log"] = fw.full((HV,), 0.0)
+    expect_error(call, args, f"{op}: `A_log`, `dt_bias` and lower_bound apply only with the "
+                 "in-kernel gate (use_gate_in_kernel=True); `g` is otherwise the log-space decay "
+                 "itself")
+
+    args = recurrent_args(fw, rng, kda)
+    args["use_gate_in_kernel"] = True
+    expect_error(call, args, f"{op}: the in-kernel gate (use_gate_in_kernel) needs `A_log`")
+
+    args = recurrent_args(fw, rng, kda)
+    args.update(use_gate_in_kernel=True, A_log=fw.full((HV,), 0.0), dt_bias=fw.full((3,), 0.0))
+    expect_error(call, args, f"`dt_bias` must have {HV * K if kda else HV} elements (got 3).")
+
+    args = recurrent_args(fw, rng, kda)
+    args["v"] = fw.full((2, T, HV, 8), 0.0)
+    args["output"] = fw.full((2, T, HV, 8), 0.0)
+    expect_error(call, args, "`initial_state` must have shape [slots, HV, V, K]=(5, 4, 8, 8); got "
+                 "(5, 4, 16, 8) (V=8 from `v`)")
+
+    args = recurrent_args(fw, rng, kda, pooled=False)
+    args["initial_state"] = None
+    args["ssm_state_indices"] = fw.idx([0, 1])
+    expect_error(call, args, "`ssm_state_indices` index a state pool, but no `initial_state` pool "
+                 "was given")
+
+
+# ---- wrong Python types, missing arguments -----------------------------------------------------
+def test_wrong_types_packed(fw, rng):
+    for kda in (False, True):
+        op = (ds.fused_recurrent_kda_packed_decode if kda
+              else ds.fused_recurrent_gated_delta_rule_packed_decode)
+        name = op.__name__
+        base = packed_args(fw, rng, kda)
+        for arg, value, text in [
+            ("initial_state", "pool", f"{name}: `initial_state` must be a tensor (a numpy array or a "
+                                      "torch tensor); got str"),
+            ("ssm_state_indices", [1, -1, 3], f"{name}: `ssm_state_indices` must be a tensor (a numpy "
+                                              "array or a torch tensor); got list"),
+            ("mixed_qkv", None, f"{name}: `mixed_qkv` must be a tensor (a numpy array or a torch "
+                                "tensor); got NoneType"),
+            ("scale", "0.1", "scale must be a number (got str)"),
+            ("scale", True, "scale must be a number (got bool)"),
+            ("scale", None, "scale must be a number (got NoneType)"),
+        ]:
+            args = dict(base, **{arg: value})
+            expect_error(lambda a: op(**a), args, text, TypeError)
+        with pytest.raises(TypeError):
+            op(base["mixed_qkv"], base["a"])  # missing arguments
+        with pytest.raises(TypeError):
+            op(**dict(base, bogus=1))
+        # Numeric scalars of other types are fine.
+        op(**dict(base, scale=np.float32(0.25)))
+    args = packed_args(fw, rng, True)
+    expect_error(lambda a: ds.fused_recurrent_kda_packed_decode(**a), dict(args, lower_bound="x"),
+                 "lower_bound must be a number or None (got str)", TypeError)
+
+
+def test_wrong_types_recurrent_and_replay(fw, rng):
+    args = recurrent_args(fw, rng, False)
+    expect_error(call_recurrent(False), dict(args, q=None),
+                 "recurrent_gated_delta_rule: `q` is required (got None)", TypeError)
+    expect_error(call_recurrent(False), dict(args, v=[[1.0]], output=None),
+                 "recurrent_gated_delta_rule: `v` must be a tensor (a numpy array or a torch tensor); "
+                 "got list", TypeError)
+    expect_error(call_recurrent(True), dict(recurrent_args(fw, rng, True), cu_seqlens="0,1"),
+                 "recurrent_kda: `cu_seqlens` must be a tensor (a numpy array or a torch tensor) or "
+                 "None; got str", TypeError)
+    with pytest.raises(TypeError):
+        ds.recurrent_kda(args["q"], args["k"], args["v"])
+    rargs = replay_args(fw, rng, False)
+    expect_error(call_replay, dict(rargs, write_pos=None),
+                 "fused_recurrent_linear_replayssm_decode: `write_pos` must be a tensor (a numpy "
+                 "array or a torch tensor); got NoneType", TypeError)
+    expect_error(call_replay, dict(rargs, force_flush=3),
+                 "fused_recurrent_linear_replayssm_decode: `force_flush` must be a tensor (a numpy "
+                 "array or a torch tensor) or None; got int", TypeError)
+    with pytest.raises(TypeError):
+        ds.fused_recurrent_linear_replayssm_decode(rargs["mixed_qkv"])
+
+
+def test_unsupported_dtypes_and_read_only(rng):
+    np_fw = Fw("numpy")
+    args = packed_args(np_fw, rng, False)
+    expect_error(lambda a: call_packed(False, a), dict(args, a=args["a"].astype(np.float64)),
+                 "`a` has a dtype deltastate does not take (DLPack code 2, 64 bits); use float32, "
+                 "bfloat16, float16, int32 or int64")
+    ro = args["A_log"].copy()
+    ro.flags.writeable = False
+    expect_error(lambda a: call_packed(False, a), dict(args, A_log=ro),
+                 "fused_recurrent_gated_delta_rule_packed_decode: `A_log` is a read-only numpy "
+                 "array, which DLPack cannot export; pass a writable array (e.g. a copy)")
+
+
+def test_too_many_dims(tfw, rng):
+    args = packed_args(tfw, rng, False)
+    args["mixed_qkv"] = torch.zeros((1,) * 6 + (W,))
+    expect_error(lambda a: call_packed(False, a), args,
+                 "`mixed_qkv` has 7 dims; deltastate takes at most 6")

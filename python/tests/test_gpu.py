@@ -1,0 +1,485 @@
+"""The CUDA backend through the Python package (runs on a device machine; skipped without CUDA):
+
+* every op on CUDA tensors against the CPU backend on the same inputs (copied): GVA, K != V,
+  padding rows, envelope pools as torch.as_strided views with sentinel slots (bit-untouched),
+  fp32/fp16/bf16;
+* CUDA graphs: one packed-decode step and one ReplaySSM step (advance_write_pos) captured into a
+  torch.cuda.CUDAGraph and replayed with new inputs copied into the captured buffers give results
+  bit-identical to eager calls on the same inputs;
+* the ops run on torch's current stream (a side stream under `with torch.cuda.stream(s)`);
+* the StatePool on CUDA.
+
+Tolerances: spec §10 (the packed KDA "Helion vs Triton" row for two implementations of the same
+math; ReplaySSM rows for ReplaySSM). Two backends that both round a result to a reduced-precision
+dtype can differ by one ulp there, so those comparisons add twice the unit roundoff to rtol.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deltastate as ds  # noqa: E402
+from cases import (gate_params, make_pool, materialize_packed, materialize_recurrent,  # noqa: E402
+                   packed_data, pool_data, recurrent_data)
+from helpers import (TOL_OUT, TOL_REPLAY_G, TOL_REPLAY_KDA_FLUSH, TOL_REPLAY_KDA_OUT,  # noqa: E402
+                     TOL_REPLAY_RING, TOL_STATE, UNIT_ROUNDOFF, Fw, assert_close, bits, poison,
+                     sentinel_for, to64)
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ds.cuda_available()),
+    reason="needs a CUDA device and deltastate built with its CUDA backend")
+
+CPU = Fw("torch", "cpu")
+GPU = Fw("torch", "cuda")
+
+
+def close2(got, want, tol, dtype, what):
+    """Both sides computed by a kernel and rounded to `dtype`: allow one ulp (2u) of rounding."""
+    atol, rtol = tol
+    assert_close(got, want, (atol, rtol + 2 * UNIT_ROUNDOFF[dtype]), "float32", what)
+
+
+def pools(data64, dtype, live, envelope=True):
+    return make_pool(CPU, data64, dtype, live, envelope=envelope), \
+        make_pool(GPU, data64, dtype, live, envelope=envelope)
+
+
+def check_pools(pc, pg, used, before_gpu, what="state"):
+    got, want = pg.state64(), pc.state64()
+    for s in used:
+        close2(got[s], want[s], TOL_STATE[pc.dtype], pc.dtype, f"{what}[{s}]")
+    pg.assert_untouched_outside(before_gpu, used, what)
+
+
+def packed_op(kda):
+    return (ds.fused_recurrent_kda_packed_decode if kda
+            else ds.fused_recurrent_gated_delta_rule_packed_decode)
+
+
+# ---- packed decode ----------------------------------------------------------------------------
+PACKED_SHAPES = [
+    pytest.param(2, 4, 16, 8, id="gva-K16-V8"),
+    pytest.param(1, 3, 8, 24, id="gva3-K8-V24"),
+    pytest.param(4, 4, 64, 64, id="K64"),
+    pytest.param(16, 32, 128, 128, id="qwen3-next"),
+    pytest.param(2, 2, 200, 96, id="K200"),
+]
+DTYPES = [
+    pytest.param("float32", "float32", id="f32"),
+    pytest.param("bfloat16", "float32", id="bf16act"),
+    pytest.param("bfloat16", "bfloat16", id="bf16all"),
+    pytest.param("float16", "float16", id="f16all"),
+]
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("act,state_dtype", DTYPES)
+@pytest.mark.parametrize("H,HV,K,V", PACKED_SHAPES)
+def test_packed_decode_cuda_matches_cpu(rng, kda, act, state_dtype, H, HV, K, V):
+    slots, live = 9, [1, 2, 4, 5, 7]
+    pc, pg = pools(pool_data(rng, slots, HV, V, K, scale=0.3), state_dtype, live)
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    kw = {"lower_bound": -5.0} if kda and K != 64 else {}
+    for step, indices in enumerate([[4, -1, 1, 2, 7], [2, 5, 4, -1, 1], [-1, -1, 7, 5, -1]]):
+        d = packed_data(rng, kda=kda, B=len(indices), H=H, HV=HV, K=K, V=V)
+        outs = []
+        before = pg.bits()
+        for fw, pool in ((CPU, pc), (GPU, pg)):
+            x = materialize_packed(fw, d, act, row_pad=3 if step == 1 else 0)
+            out = poison(fw, (len(indices), 1, HV, V), act)
+            res = packed_op(kda)(x["mixed_qkv"], x["a"], x["b"], fw.from64(A_log), fw.from64(dt_bias),
+                                 K ** -0.5, pool.view, out, fw.idx(indices, "int64" if step else "int32"),
+                                 **kw)
+            assert res[0] is out and res[1] is pool.view
+            outs.append(to64(out))
+        torch.cuda.synchronize()
+        assert not np.isnan(outs[1]).any()
+        for n, s in enumerate(indices):
+            if s < 0:
+                assert (outs[1][n] == 0).all()
+        close2(outs[1], outs[0], TOL_OUT, act, "out")
+        check_pools(pc, pg, [s for s in indices if s >= 0], before)
+        if state_dtype != "float32":  # one step's rounding at a time
+            pg.view.copy_(pc.view.to("cuda"))
+
+
+def test_packed_decode_device_mismatch_changes_nothing(rng):
+    H, HV, K, V = 1, 2, 16, 16
+    pc, pg = pools(pool_data(rng, 3, HV, V, K), "float32", [0, 1, 2])
+    d = packed_data(rng, kda=False, B=2, H=H, HV=HV, K=K, V=V)
+    x = materialize_packed(GPU, d, "float32")
+    A_log, dt_bias = gate_params(rng, HV, K, False)
+    out = poison(GPU, (2, 1, HV, V), "float32")
+    before = pg.bits()
+    with pytest.raises(ValueError) as e:
+        ds.fused_recurrent_gated_delta_rule_packed_decode(
+            x["mixed_qkv"], x["a"], x["b"], GPU.from64(A_log), GPU.from64(dt_bias), K ** -0.5,
+            pg.view, out, CPU.idx([0, 2]))
+    assert str(e.value) == "All inputs must be on the same device."
+    np.testing.assert_array_equal(pg.bits(), before)
+    assert torch.isnan(out).all()
+
+
+# ---- recurrent --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("act,state_dtype", DTYPES)
+@pytest.mark.parametrize("H,HV,K,V", [pytest.param(2, 4, 16, 8, id="gva-K16-V8"),
+                                      pytest.param(4, 4, 128, 128, id="K128")])
+def test_recurrent_cuda_matches_cpu(rng, kda, act, state_dtype, H, HV, K, V):
+    """[B, T] in-pool (padded row), varlen in-pool (padded and empty sequences), and a start state
+    without indices with output_final_state: CUDA against the CPU backend."""
+    op = ds.recurrent_kda if kda else ds.recurrent_gated_delta_rule
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+
+    # [B, T], pooled, gate in the kernel, beta logits.
+    pc, pg = pools(pool_data(rng, 6, HV, V, K, scale=0.3), state_dtype, [0, 2, 3, 5])
+    d = recurrent_data(rng, kda=kda, B=3, T=4, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=True,
+                       beta_is_logit=True)
+    outs, before = [], pg.bits()
+    for fw, pool in ((CPU, pc), (GPU, pg)):
+        x = materialize_recurrent(fw, d, act, strided_qkv=True)
+        o, ret = op(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=fw.from64(A_log),
+                    dt_bias=fw.from64(dt_bias), initial_state=pool.view,
+                    ssm_state_indices=fw.idx([5, -1, 2]), use_gate_in_kernel=True,
+                    lower_bound=-5.0 if kda else None, beta_is_logit=True)
+        assert ret is pool.view
+        outs.append(to64(o))
+    assert (outs[1][1] == 0).all()
+    close2(outs[1], outs[0], TOL_OUT, act, "o")
+    check_pools(pc, pg, [5, 2], before)
+
+    # varlen, pooled.
+    lens = [3, 0, 1, 4]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    pc, pg = pools(pool_data(rng, 5, HV, V, K, scale=0.3), state_dtype, [0, 1, 3, 4])
+    d = recurrent_data(rng, kda=kda, B=1, T=int(cu[-1]), H=H, HV=HV, K=K, V=V,
+                       use_gate_in_kernel=False, beta_is_logit=False)
+    outs, before = [], pg.bits()
+    for fw, pool in ((CPU, pc), (GPU, pg)):
+        x = materialize_recurrent(fw, d, act)
+        out = poison(fw, tuple(x["v"].shape), act)
+        o, _ = op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool.view,
+                  cu_seqlens=fw.idx(cu, "int64"), ssm_state_indices=fw.idx([4, 1, -1, 0]),
+                  output=out)
+        assert o is out
+        outs.append(to64(o))
+    assert not np.isnan(outs[1]).any() and (outs[1][0, cu[2]:cu[3]] == 0).all()
+    close2(outs[1], outs[0], TOL_OUT, act, "o (varlen)")
+    check_pools(pc, pg, [4, 1, 0], before)
+
+    # A start state without indices, final state out.
+    init64 = pool_data(rng, 2, HV, V, K, scale=0.3)
+    d = recurrent_data(rng, kda=kda, B=2, T=3, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=False,
+                       beta_is_logit=True)
+    res = []
+    for fw in (CPU, GPU):
+        x = materialize_recurrent(fw, d, act)
+        init = fw.aligned(init64, state_dtype)
+        snap = bits(init)
+        o, final = op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
+                      output_final_state=True, beta_is_logit=True)
+        np.testing.assert_array_equal(bits(init), snap)
+        assert final.device.type == fw.device and final.dtype == torch.float32
+        res.append((to64(o), to64(final)))
+    close2(res[1][0], res[0][0], TOL_OUT, act, "o (initial_state)")
+    close2(res[1][1], res[0][1], TOL_STATE["float32"], "float32", "final_state")
+
+
+# ---- ReplaySSM --------------------------------------------------------------------------------
+class ReplayTwin:
+    """The same ReplaySSM memory (envelope checkpoint with sentinel slots, rings, cursors) on the
+    CPU and on CUDA."""
+
+    def __init__(self, rng, *, kda, H, HV, K, V, L, slots, live, state_dtype, k_dtype, B):
+        self.kda, self.H, self.HV, self.K, self.V, self.L = kda, H, HV, K, V, L
+        self.state_dtype, self.k_dtype = state_dtype, k_dtype
+        data = pool_data(rng, slots, HV, V, K, scale=0.3)
+        self.mem = {}
+        for fw in (CPU, GPU):
+            self.mem[fw.device] = {
+                "pool": make_pool(fw, data, state_dtype, live),
+                "d": fw.full((slots, HV, L, V), sentinel_for(state_dtype), state_dtype),
+                "k": fw.full((slots, H, L, K), sentinel_for(k_dtype), k_dtype),
+                "g": fw.full((slots, HV, L, K) if kda else (slots, HV, L), 1e30, "float32"),
+                "wp": fw.idx(np.zeros(B)),
+            }
+        self.A_log, self.dt_bias = gate_params(rng, HV, K, kda)
+
+    def call(self, fw, x, idx, ff, out, *, advance=True, lower_bound=None):
+        m = self.mem[fw.device]
+        a = x["a"].reshape(x["a"].shape[0], self.HV, self.K) if self.kda else x["a"]
+        dt = fw.from64(self.dt_bias.reshape(self.HV, self.K) if self.kda else self.dt_bias)
+        return ds.fused_recurrent_linear_replayssm_decode(
+            x["mixed_qkv"], a, x["b"], fw.from64(self.A_log), dt, self.K ** -0.5, m["pool"].view,
+            m["d"], m["k"], m["g"], out, idx, m["wp"], ff, is_kda=self.kda,
+            lower_bound=lower_bound, advance_write_pos=advance)
+
+    def compare(self, flushed_slots):
+        c, g = self.mem["cpu"], self.mem["cuda"]
+        np.testing.assert_array_equal(to64(g["wp"]), to64(c["wp"]))
+        tol = TOL_REPLAY_KDA_FLUSH
+        for s in flushed_slots:
+            close2(g["pool"].state64()[s], c["pool"].state64()[s], tol, self.state_dtype,
+                   f"checkpoint[{s}]")
+        for name, ring_tol, dtype in (("d", TOL_REPLAY_RING, self.state_dtype),
+                                      ("k", TOL_REPLAY_RING, self.k_dtype),
+                                      ("g", TOL_REPLAY_G, "float32")):
+            got, want = to64(g[name]), to64(c[name])
+            finite = np.isfinite(want) & (np.abs(want) < 1e29)
+            np.testing.assert_array_equal(bits(g[name])[~finite], bits(c[name])[~finite])
+            close2(got[finite], want[finite], ring_tol, dtype, f"{name} ring")
+
+    def resync(self):
+        c, g = self.mem["cpu"], self.mem["cuda"]
+        g["pool"].flat.copy_(c["pool"].flat.to("cuda"))
+        for name in ("d", "k", "g"):
+            g[name].copy_(c[name].to("cuda"))
+
+
+REPLAY_CASES = [
+    pytest.param(False, 1, 2, 4, 16, 8, "float32", "float32", "float32", id="gdn-L1"),
+    pytest.param(False, 4, 2, 4, 16, 8, "float32", "float32", "float32", id="gdn-L4"),
+    pytest.param(False, 8, 16, 32, 128, 128, "bfloat16", "float32", "bfloat16", id="gdn-qwen3-next-L8"),
+    pytest.param(True, 4, 1, 2, 8, 16, "float32", "float32", "float32", id="kda-L4-K8"),
+    pytest.param(True, 16, 4, 4, 128, 128, "bfloat16", "float32", "bfloat16", id="kda-L16-K128"),
+    pytest.param(True, 4, 2, 2, 64, 64, "float16", "float16", "float16", id="kda-L4-f16all"),
+]
+
+
+@pytest.mark.parametrize("kda,L,H,HV,K,V,act,state_dtype,k_dtype", REPLAY_CASES)
+def test_replayssm_cuda_matches_cpu(rng, kda, L, H, HV, K, V, act, state_dtype, k_dtype):
+    rows = np.array([3, -1, 1, 6])
+    tw = ReplayTwin(rng, kda=kda, H=H, HV=HV, K=K, V=V, L=L, slots=8, live=[1, 3, 5, 6],
+                    state_dtype=state_dtype, k_dtype=k_dtype, B=len(rows))
+    lb = -5.0 if kda else None
+    for step in range(3 * L + 2):
+        indices = rows.copy()
+        if step % 4 == 2:
+            indices[2] = -1
+        ff = (rng.random(len(rows)) < 0.2).astype(np.int64) if step % 3 == 0 else None
+        d = packed_data(rng, kda=kda, B=len(rows), H=H, HV=HV, K=K, V=V)
+        wp_before = to64(tw.mem["cpu"]["wp"])
+        outs = []
+        before = tw.mem["cuda"]["pool"].bits()
+        for fw in (CPU, GPU):
+            x = materialize_packed(fw, d, act)
+            out = poison(fw, (len(rows), 1, HV, V), act)
+            res = tw.call(fw, x, fw.idx(indices), None if ff is None else fw.idx(ff), out,
+                          lower_bound=lb)
+            assert res is out
+            outs.append(to64(out))
+        torch.cuda.synchronize()
+        assert not np.isnan(outs[1]).any()
+        close2(outs[1], outs[0], TOL_REPLAY_KDA_OUT, act, f"out, step {step}")
+        flushed = [int(s) for n, s in enumerate(indices) if s >= 0 and (
+            wp_before[n] == L - 1 or (ff is not None and ff[n]))]
+        tw.compare(flushed)
+        tw.mem["cuda"]["pool"].assert_untouched_outside(before, flushed, "checkpoint")
+        if state_dtype != "float32" or k_dtype != "float32":
+            tw.resync()
+
+
+# ---- CUDA graphs ------------------------------------------------------------------------------
+def _warmup_then_capture(fn):
+    """Warm up on a side stream (as torch recommends), then capture `fn` into a CUDAGraph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_cuda_graph_packed_decode(rng, kda):
+    """Capture one packed decode step; replay it with new inputs (and a new padding pattern)
+    copied into the captured buffers; compare bit for bit with eager calls on the same inputs."""
+    H, HV, K, V, B = 16, 32, 128, 128, 4
+    act = "bfloat16"
+    data = pool_data(rng, 6, HV, V, K, scale=0.3)
+    static_pool = make_pool(GPU, data, "float32", [1, 2, 3, 4])
+    eager_pool = make_pool(GPU, data, "float32", [1, 2, 3, 4])
+    A_log, dt_bias = (GPU.from64(t) for t in gate_params(rng, HV, K, kda))
+    d = packed_data(rng, kda=kda, B=B, H=H, HV=HV, K=K, V=V)
+    static = materialize_packed(GPU, d, act)
+    static_idx = GPU.idx([1, 2, 3, 4])
+    static_out = poison(GPU, (B, 1, HV, V), act)
+    kw = {"lower_bound": -5.0} if kda else {}
+
+    def step():
+        packed_op(kda)(static["mixed_qkv"], static["a"], static["b"], A_log, dt_bias, K ** -0.5,
+                       static_pool.view, static_out, static_idx, **kw)
+
+    g = _warmup_then_capture(step)
+    eager_pool.flat.copy_(static_pool.flat)  # the warm-up step moved the static pool on
+    for it, indices in enumerate([[1, 2, 3, 4], [4, -1, 2, 1], [-1, 3, -1, -1], [2, 1, 4, 3]]):
+        d = packed_data(rng, kda=kda, B=B, H=H, HV=HV, K=K, V=V)
+        fresh = materialize_packed(GPU, d, act)
+        for name in ("mixed_qkv", "a", "b"):
+            static[name].copy_(fresh[name])
+        static_idx.copy_(GPU.idx(indices))
+        static_out.fill_(float("nan"))
+        g.replay()
+        eager_out = poison(GPU, (B, 1, HV, V), act)
+        packed_op(kda)(fresh["mixed_qkv"], fresh["a"], fresh["b"], A_log, dt_bias, K ** -0.5,
+                       eager_pool.view, eager_out, GPU.idx(indices), **kw)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(bits(static_out), bits(eager_out), err_msg=f"out, replay {it}")
+        np.testing.assert_array_equal(static_pool.bits(), eager_pool.bits(), err_msg=f"pool, replay {it}")
+        assert not torch.isnan(static_out).any()
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_cuda_graph_replayssm_advancing_cursors(rng, kda):
+    """Capture one ReplaySSM step with advance_write_pos: each replay appends or flushes as the
+    device-side cursors say; results bit-identical to the same sequence of eager calls."""
+    H, HV, K, V, L = 2, 4, 64, 64, 4
+    rows = np.array([1, 3, -1])
+    B = len(rows)
+    mems = []
+    data = pool_data(rng, 5, HV, V, K, scale=0.3)
+    for _ in range(2):
+        mems.append({
+            "pool": make_pool(GPU, data, "float32", [1, 3, 4]),
+            "d": GPU.full((5, HV, L, V), 0.0), "k": GPU.full((5, H, L, K), 0.0, "bfloat16"),
+            "g": GPU.full((5, HV, L, K) if kda else (5, HV, L), 0.0),
+            "wp": GPU.idx([0, 2, 0]),
+        })
+    static_m, eager_m = mems
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    A_log, dt_bias = GPU.from64(A_log), GPU.from64(dt_bias.reshape(HV, K) if kda else dt_bias)
+    d = packed_data(rng, kda=kda, B=B, H=H, HV=HV, K=K, V=V)
+    static = materialize_packed(GPU, d, "bfloat16")
+    if kda:
+        static["a"] = static["a"].reshape(B, HV, K)
+    static_idx, static_ff = GPU.idx(rows), GPU.idx([0, 0, 0])
+    static_out = poison(GPU, (B, 1, HV, V), "bfloat16")
+
+    def call(m, x, idx, ff, out):
+        ds.fused_recurrent_linear_replayssm_decode(
+            x["mixed_qkv"], x["a"], x["b"], A_log, dt_bias, K ** -0.5, m["pool"].view, m["d"],
+            m["k"], m["g"], out, idx, m["wp"], ff, is_kda=kda, advance_write_pos=True)
+
+    g = _warmup_then_capture(lambda: call(static_m, static, static_idx, static_ff, static_out))
+    for name in ("d", "k", "g", "wp"):
+        eager_m[name].copy_(static_m[name])
+    eager_m["pool"].flat.copy_(static_m["pool"].flat)
+    for it in range(3 * L):
+        d = packed_data(rng, kda=kda, B=B, H=H, HV=HV, K=K, V=V)
+        fresh = materialize_packed(GPU, d, "bfloat16")
+        if kda:
+            fresh["a"] = fresh["a"].reshape(B, HV, K)
+        ff = [0, int(it == 5), 0]
+        for name in ("mixed_qkv", "a", "b"):
+            static[name].copy_(fresh[name])
+        static_ff.copy_(GPU.idx(ff))
+        g.replay()
+        eager_out = poison(GPU, (B, 1, HV, V), "bfloat16")
+        call(eager_m, fresh, GPU.idx(rows), GPU.idx(ff), eager_out)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(bits(static_out), bits(eager_out), err_msg=f"out, replay {it}")
+        for name in ("d", "k", "g", "wp"):
+            np.testing.assert_array_equal(bits(static_m[name]), bits(eager_m[name]),
+                                          err_msg=f"{name}, replay {it}")
+        np.testing.assert_array_equal(static_m["pool"].bits(), eager_m["pool"].bits(),
+                                      err_msg=f"checkpoint, replay {it}")
+    assert to64(static_m["wp"])[2] == 0  # the padded row's cursor never moves
+
+
+# ---- streams ----------------------------------------------------------------------------------
+def test_ops_run_on_torch_current_stream(rng):
+    """On a side stream, queue a long GPU spin and then the write of the inputs; the op must
+    run after them (on that stream), so its result is the one for the new inputs."""
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep is not available")
+    H, HV, K, V, B = 2, 4, 64, 32, 3
+    data = pool_data(rng, 4, HV, V, K, scale=0.3)
+    pc, pg = make_pool(CPU, data, "float32", [0, 1, 3]), make_pool(GPU, data, "float32", [0, 1, 3])
+    A_log, dt_bias = gate_params(rng, HV, K, False)
+    d_old = packed_data(rng, kda=False, B=B, H=H, HV=HV, K=K, V=V)
+    d_new = packed_data(rng, kda=False, B=B, H=H, HV=HV, K=K, V=V)
+    x = materialize_packed(GPU, d_old, "float32")
+    new = materialize_packed(GPU, d_new, "float32")
+    A_g, dt_g, idx = GPU.from64(A_log), GPU.from64(dt_bias), GPU.idx([3, -1, 0])
+    out = poison(GPU, (B, 1, HV, V), "float32")
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # tens of ms of GPU time on s
+        for name in ("mixed_qkv", "a", "b"):
+            x[name].copy_(new[name], non_blocking=True)
+        ds.fused_recurrent_gated_delta_rule_packed_decode(
+            x["mixed_qkv"], x["a"], x["b"], A_g, dt_g, K ** -0.5, pg.view, out, idx)
+        result = out.clone()
+    s.synchronize()
+    xc = materialize_packed(CPU, d_new, "float32")
+    out_c = poison(CPU, (B, 1, HV, V), "float32")
+    ds.fused_recurrent_gated_delta_rule_packed_decode(
+        xc["mixed_qkv"], xc["a"], xc["b"], CPU.from64(A_log), CPU.from64(dt_bias), K ** -0.5,
+        pc.view, out_c, CPU.idx([3, -1, 0]))
+    close2(to64(result), to64(out_c), TOL_OUT, "float32", "out on a side stream")
+    for slot in (3, 0):
+        close2(pg.state64()[slot], pc.state64()[slot], TOL_STATE["float32"], "float32", "state")
+
+
+# ---- StatePool on CUDA ------------------------------------------------------------------------
+def test_state_pool_cuda(rng):
+    HV, V, K, H, L = 2, 16, 64, 1, 4
+    gp = ds.StatePool(layers=2, slots=4, HV=HV, V=V, K=K, layout="envelope",
+                      envelope_extra_bytes=96, replay_len=L, H=H, device="cuda")
+    cp = ds.StatePool(layers=2, slots=4, HV=HV, V=V, K=K, layout="envelope",
+                      envelope_extra_bytes=96, replay_len=L, H=H, device="cpu")
+    assert gp.layer_state(1).device.type == "cuda" and gp.layer_state(1).stride() == cp.layer_state(1).stride()
+    slots = [gp.allocate() for _ in range(3)]
+    assert slots == [cp.allocate() for _ in range(3)]
+    for layer in range(2):
+        val = torch.from_numpy((rng.standard_normal((3, HV, V, K)) * 0.3).astype(np.float32))
+        for i, s in enumerate(slots):
+            gp.layer_state(layer)[s].copy_(val[i])
+            cp.layer_state(layer)[s].copy_(val[i])
+
+    # An op through the pool's view, on CUDA and on the CPU.
+    A_log, dt_bias = gate_params(rng, HV, K, False)
+    d = packed_data(rng, kda=False, B=2, H=H, HV=HV, K=K, V=V)
+    outs = []
+    for fw, pool in ((CPU, cp), (GPU, gp)):
+        x = materialize_packed(fw, d, "float32")
+        out = poison(fw, (2, 1, HV, V), "float32")
+        ds.fused_recurrent_gated_delta_rule_packed_decode(
+            x["mixed_qkv"], x["a"], x["b"], fw.from64(A_log), fw.from64(dt_bias), K ** -0.5,
+            pool.layer_state(1), out, fw.idx([slots[2], slots[0]]))
+        outs.append(to64(out))
+    close2(outs[1], outs[0], TOL_OUT, "float32", "out")
+    close2(to64(gp.layer_state(1)), to64(cp.layer_state(1)), TOL_STATE["float32"], "float32", "pool")
+    np.testing.assert_array_equal(bits(gp.layer_state(0)), bits(cp.layer_state(0)))
+
+    # Cursors advanced by an op on a side stream are seen by cursor() and fork().
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000) if hasattr(torch.cuda, "_sleep") else None
+        gp.write_pos()[slots[1]] = 2
+        assert gp.cursor(slots[1]) == 2
+        with pytest.raises(ValueError) as e:
+            gp.fork(slots[1], slots[2])
+        assert str(e.value) == ("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), "
+                                f"got 2 for src {slots[1]}")
+        gp.set_cursor(slots[1], 0)
+        gp.fork(slots[1], slots[2])
+        assert gp.cursor(slots[2]) == 0
+        # allocate(clear) zeroes on this stream, after the writes queued before it.
+        gp.free(slots[0])
+        gp.layer_state(0)[slots[0]].fill_(5.0)
+        assert gp.allocate() == slots[0]
+        cleared = gp.layer_state(0)[slots[0]].clone()
+    s.synchronize()
+    assert (cleared == 0).all()
+    for layer in range(2):
+        np.testing.assert_array_equal(bits(gp.layer_state(layer)[slots[2]]),
+                                      bits(gp.layer_state(layer)[slots[1]]))

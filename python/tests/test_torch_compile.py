@@ -1,0 +1,207 @@
+"""torch integration: the ops as torch custom ops (torch.ops.deltastate.*) with fake
+implementations, torch.compile(fullgraph=True) over the public functions giving the eager results
+bit for bit, and the package importing and working without torch."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deltastate as ds  # noqa: E402
+from deltastate import torch_ops  # noqa: E402
+from cases import gate_params, materialize_packed, packed_data  # noqa: E402
+from helpers import Fw  # noqa: E402
+
+H, HV, K, V, B = 2, 4, 16, 8, 3
+
+
+def backend_or_skip(name):
+    dynamo = pytest.importorskip("torch._dynamo")
+    if hasattr(dynamo, "is_dynamo_supported") and not dynamo.is_dynamo_supported():
+        pytest.skip("torch.compile is not supported on this Python/torch")
+    if name not in dynamo.list_backends(exclude_tags=()):
+        pytest.skip(f"torch.compile backend {name!r} is not available")
+
+
+def make_inputs(rng):
+    fw = Fw("torch")
+    d = packed_data(rng, kda=False, B=B, H=H, HV=HV, K=K, V=V)
+    x = materialize_packed(fw, d, "float32")
+    A_log, dt_bias = gate_params(rng, HV, K, False)
+    A_log_k, dt_bias_k = gate_params(rng, HV, K, True)
+    T = 5
+    # torch-allocated (64-byte aligned: recurrent_kda requires a 32-byte aligned state)
+    t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32)).clone()  # noqa: E731
+    return {
+        "mixed_qkv": x["mixed_qkv"], "a": x["a"], "b": x["b"],
+        "A_log": t(A_log), "dt_bias": t(dt_bias),
+        "pool": t(rng.standard_normal((6, HV, V, K)) * 0.5),
+        "out": torch.full((B, 1, HV, V), float("nan")),
+        "idx": torch.tensor([4, -1, 1], dtype=torch.int32),
+        "q": t(rng.standard_normal((1, T, H, K))), "k": t(rng.standard_normal((1, T, H, K))),
+        "v": t(rng.standard_normal((1, T, HV, V))), "g": t(rng.standard_normal((1, T, HV, K))),
+        "beta": t(rng.standard_normal((1, T, HV))),
+        "A_log_k": t(A_log_k), "dt_bias_k": t(dt_bias_k),
+        "kpool": t(rng.standard_normal((5, HV, V, K)) * 0.5),
+        "cu": torch.tensor([0, 2, 5], dtype=torch.int64),
+        "kidx": torch.tensor([3, 0], dtype=torch.int32),
+        "init": t(rng.standard_normal((2, HV, V, K)) * 0.5),
+    }
+
+
+def model(i):
+    """A small "layer": GDN packed decode into a pool, KDA prefill (varlen, in-pool, gate in the
+    kernel, beta logits), and a KDA call from a start state returning its final state."""
+    out, pool = ds.fused_recurrent_gated_delta_rule_packed_decode(
+        i["mixed_qkv"], i["a"], i["b"], i["A_log"], i["dt_bias"], K ** -0.5, i["pool"], i["out"],
+        i["idx"])
+    o, kpool = ds.recurrent_kda(i["q"], i["k"], i["v"], i["g"], i["beta"], A_log=i["A_log_k"],
+                                dt_bias=i["dt_bias_k"], initial_state=i["kpool"],
+                                use_gate_in_kernel=True, lower_bound=-5.0, cu_seqlens=i["cu"],
+                                ssm_state_indices=i["kidx"], beta_is_logit=True)
+    o2, final = ds.recurrent_kda(i["q"], i["k"], i["v"], -torch.sigmoid(i["g"]),
+                                 torch.sigmoid(i["beta"]), initial_state=i["init"],
+                                 output_final_state=True, cu_seqlens=i["cu"])
+    return out.sum(dim=1) * 2.0, o + 1.0, o2, final
+
+
+def clone(i):
+    return {k: v.clone() for k, v in i.items()}
+
+
+def assert_same(eager_out, compiled_out, eager_in, compiled_in):
+    for e, c in zip(eager_out, compiled_out):
+        assert torch.equal(e, c)
+    for name in eager_in:  # in-place updates (pools, out) identical too
+        assert torch.equal(eager_in[name].nan_to_num(7.0), compiled_in[name].nan_to_num(7.0)), name
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_fullgraph_matches_eager(rng, backend):
+    backend_or_skip(backend)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    for _ in range(2):  # the second call reuses the graph with new inputs
+        inputs = make_inputs(rng)
+        e_in, c_in = clone(inputs), clone(inputs)
+        e_out = model(e_in)
+        c_out = compiled(c_in)
+        assert_same(e_out, c_out, e_in, c_in)
+
+
+def test_compile_replayssm(rng):
+    """ReplaySSM under torch.compile: the checkpoint, rings, out and the advanced cursors."""
+    backend_or_skip("aot_eager")
+    torch._dynamo.reset()
+    L = 3
+    fw = Fw("torch")
+    A_log, dt_bias = (torch.from_numpy(x.astype(np.float32)) for x in gate_params(rng, HV, K, True))
+    dt_bias = dt_bias.reshape(HV, K)
+
+    def step(x, a, b, state, d_c, k_c, g_c, out, idx, wp):
+        ds.fused_recurrent_linear_replayssm_decode(x, a, b, A_log, dt_bias, K ** -0.5, state, d_c,
+                                                   k_c, g_c, out, idx, wp, None, is_kda=True,
+                                                   lower_bound=-5.0, advance_write_pos=True)
+        return out * 1.0
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    mem = {
+        "state": torch.from_numpy((rng.standard_normal((4, HV, V, K)) * 0.5).astype(np.float32)),
+        "d_c": torch.zeros(4, HV, L, V), "k_c": torch.zeros(4, H, L, K),
+        "g_c": torch.zeros(4, HV, L, K), "wp": torch.zeros(B, dtype=torch.int32),
+    }
+    e_mem, c_mem = clone(mem), clone(mem)
+    for _ in range(2 * L):
+        d = packed_data(rng, kda=True, B=B, H=H, HV=HV, K=K, V=V)
+        x = materialize_packed(fw, d, "float32")
+        a = x["a"].reshape(B, HV, K)
+        idx = torch.tensor([2, -1, 0], dtype=torch.int32)
+        outs = []
+        for m in (e_mem, c_mem):
+            out = torch.full((B, 1, HV, V), float("nan"))
+            fn = step if m is e_mem else compiled
+            outs.append(fn(x["mixed_qkv"], a, x["b"], m["state"], m["d_c"], m["k_c"], m["g_c"],
+                           out, idx, m["wp"]))
+        assert torch.equal(outs[0], outs[1])
+        for name in mem:
+            assert torch.equal(e_mem[name], c_mem[name]), name
+    assert e_mem["wp"].tolist() == [0, 0, 0]  # 2L steps with flushes at L-1: back to 0
+
+
+def test_custom_ops_opcheck(rng):
+    """torch.library.opcheck: schemas (mutation annotations), fake tensors, AOT dispatch."""
+    if not hasattr(torch.library, "opcheck"):
+        pytest.skip("torch.library.opcheck needs torch >= 2.4")
+    i = make_inputs(rng)
+    o = torch.empty_like(i["v"])
+    fs = torch.empty(2, HV, V, K)
+    d = packed_data(rng, kda=True, B=B, H=H, HV=HV, K=K, V=V)
+    xk = materialize_packed(Fw("torch"), d, "float32")
+    cases = [
+        (torch.ops.deltastate.gdn_packed_decode.default,
+         (i["mixed_qkv"], i["a"], i["b"], i["A_log"], i["dt_bias"], 0.25, i["pool"], i["out"],
+          i["idx"])),
+        (torch.ops.deltastate.kda_packed_decode.default,
+         (xk["mixed_qkv"], xk["a"], xk["b"], i["A_log_k"], i["dt_bias_k"], 0.25, i["pool"],
+          i["out"], i["idx"], True, -5.0)),
+        (torch.ops.deltastate.recurrent_kda.default,
+         (i["q"], i["k"], i["v"], i["g"], i["beta"], o, i["A_log_k"], i["dt_bias_k"], True, None,
+          True, None, None, i["kpool"], i["kidx"], i["cu"], None, True)),
+        (torch.ops.deltastate.recurrent_gated_delta_rule.default,
+         (i["q"], i["k"], i["v"], -torch.rand(1, 5, HV), torch.rand(1, 5, HV), o, None, None,
+          False, None, False, 0.3, i["init"], None, None, i["cu"], fs, True)),
+        (torch.ops.deltastate.replayssm_decode.default,
+         (xk["mixed_qkv"], xk["a"], xk["b"], i["A_log_k"], i["dt_bias_k"], 0.25, i["pool"],
+          torch.zeros(6, HV, 2, V), torch.zeros(6, H, 2, K), torch.zeros(6, HV, 2, K), i["out"],
+          i["idx"], torch.zeros(B, dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32),
+          True, True, None, True)),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)
+
+
+def test_custom_op_registration():
+    for name in torch_ops.SCHEMAS:
+        op = getattr(torch.ops.deltastate, name).default
+        mutated = [a.name for a in op._schema.arguments if a.alias_info and a.alias_info.is_write]
+        assert mutated, name
+    assert [a.name for a in torch.ops.deltastate.gdn_packed_decode.default._schema.arguments
+            if a.alias_info and a.alias_info.is_write] == ["initial_state", "out"]
+    # Eager calls take the direct path; the custom op only while compiling.
+    assert ds.ops._is_compiling is torch.compiler.is_compiling
+    assert ds.ops._is_compiling() is False
+
+
+def test_package_imports_and_runs_without_torch():
+    """With torch unimportable the package still imports and the numpy path works."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # make `import torch` fail
+        import numpy as np
+        import deltastate as ds
+        assert "deltastate.torch_ops" not in sys.modules
+        assert ds.ops._is_compiling() is False
+        B, H, HV, K, V = 2, 1, 2, 8, 8
+        x = np.random.default_rng(0).standard_normal((B, 2 * H * K + HV * V)).astype(np.float32)
+        ab = np.zeros((B, HV), np.float32)
+        st = np.zeros((3, HV, V, K), np.float32)
+        out = np.full((B, 1, HV, V), np.nan, np.float32)
+        ds.fused_recurrent_gated_delta_rule_packed_decode(
+            x, ab, ab, np.zeros(HV, np.float32), np.zeros(HV, np.float32), 0.3, st, out,
+            np.array([2, -1], np.int32))
+        assert np.isfinite(out).all() and (out[1] == 0).all() and st[2].any()
+        pool = ds.StatePool(1, 2, HV, V, K, framework="numpy")
+        assert pool.allocate() == 0
+        print("ok")
+    """)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

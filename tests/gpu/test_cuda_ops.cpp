@@ -1,0 +1,872 @@
+// The CUDA backend against the CPU backend of the same library, on the same inputs (plain C++ over
+// the CUDA runtime API). Every test skips when no CUDA device is present.
+//
+// Tolerances (spec §10): each op's GPU result is compared with the CPU result of the same call.
+// Both backends compute in fp32 and round on store, so a value stored in bf16/fp16 may differ by
+// one ulp where the two fp32 results straddle a rounding boundary: the comparisons add one ulp of
+// the storage dtype (all_close(..., rounded = 2)) to the fp32 tolerances (outputs 1e-4/1e-4,
+// states 1e-5/1e-4). ReplaySSM runs 42 independent steps on each backend and uses the spec's
+// ReplaySSM-vs-ReplaySSM tolerances (outputs 5e-4/1e-2, checkpoint 4e-3/1e-2, d/k rings 2e-3/1e-2,
+// g ring 1e-5/1e-4); its cursors, flush decisions and untouched memory must agree exactly.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+#include "test_util.h"
+
+namespace dstest {
+namespace {
+
+using deltastate::PackedDecodeArgs;
+using deltastate::RecurrentArgs;
+using deltastate::ReplayDecodeArgs;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // do not leave the error for the next call's cudaGetLastError
+    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorName(e) + " (" +
+                             cudaGetErrorString(e) + ")");
+  }
+}
+#define CUDA_CHECK(expr) check((expr), #expr)
+
+// Waits for the device and surfaces any asynchronous kernel error.
+void sync() {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaGetLastError());
+}
+
+bool have_gpu() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device / no driver" error
+    return false;
+  }
+  return n > 0;
+}
+
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
+    ASSERT_TRUE(deltastate::cuda_available());
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error left over from an earlier test";
+  }
+};
+template <class P>
+class GpuParamTest : public GpuTest, public ::testing::WithParamInterface<P> {};
+
+// Device copies of host test tensors: one cudaMalloc'd buffer per host allocation, so aliases
+// (q/k/v inside one packed buffer) stay aliases. Views keep the host layout, on cuda:0. Buffers are
+// keyed by the host address; a tensor must be uploaded before its device view is used.
+class Mirror {
+ public:
+  Mirror() = default;
+  Mirror(const Mirror&) = delete;
+  Mirror& operator=(const Mirror&) = delete;
+  ~Mirror() {
+    for (auto& [host, buf] : bufs_) EXPECT_EQ(cudaFree(buf.ptr), cudaSuccess);
+  }
+  TensorView view(const Tensor& t) { return t.view_at(buffer(t), Device::cuda(0)); }
+  auto views() {
+    return [this](const Tensor& t) { return view(t); };
+  }
+  void upload(const Tensor& t) {
+    CUDA_CHECK(cudaMemcpy(buffer(t), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()),
+                          cudaMemcpyHostToDevice));
+  }
+  template <class... Ts>
+  void upload_all(const Ts&... ts) {
+    (upload(ts), ...);
+  }
+  // The device contents, in a new host tensor of the same layout.
+  Tensor download(const Tensor& t) {
+    Tensor h = t.empty_like();
+    CUDA_CHECK(cudaMemcpy(h.alloc_base(), buffer(t), static_cast<size_t>(t.alloc_bytes()),
+                          cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+ private:
+  struct Buf {
+    void* ptr;
+    int64_t bytes;
+  };
+  void* buffer(const Tensor& t) {
+    auto it = bufs_.find(t.alloc_base());
+    // A freed host allocation's address may come back for a new tensor of another size.
+    if (it != bufs_.end() && it->second.bytes == t.alloc_bytes()) return it->second.ptr;
+    if (it != bufs_.end()) {
+      CUDA_CHECK(cudaFree(it->second.ptr));
+      bufs_.erase(it);
+    }
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(t.alloc_bytes(), 1))));
+    bufs_[t.alloc_base()] = {p, t.alloc_bytes()};
+    return p;
+  }
+  std::map<const void*, Buf> bufs_;
+};
+
+// GPU vs CPU comparisons (see the file comment).
+constexpr Tol kFp32StateTol{1e-5, 1e-4};
+::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu, const std::vector<double>& cpu,
+                                        Tol tol, DType stored) {
+  return all_close(gpu, cpu, tol, stored, /*rounded=*/2);
+}
+
+std::vector<MemRange> live_slot_ranges(const TensorView& pool, const std::vector<int64_t>& slots) {
+  std::vector<MemRange> r;
+  for (int64_t s : slots)
+    if (s >= 0) r.push_back(slot_range(pool, s));
+  return r;
+}
+
+// Outputs [B, 1, HV, V] row by row: padded rows exactly zero, live rows close to the CPU's.
+void expect_rows_match(const DecodeBatch& cpu, const Tensor& gpu_out, const std::vector<int64_t>& slots,
+                       Tol tol) {
+  for (int64_t r = 0; r < cpu.B; ++r) {
+    std::vector<double> g;
+    for (int64_t hv = 0; hv < cpu.s.HV; ++hv)
+      for (int64_t v = 0; v < cpu.s.V; ++v) g.push_back(gpu_out.get({r, 0, hv, v}));
+    if (slots[r] < 0) {
+      EXPECT_TRUE(all_zero(g)) << "padded row " << r;
+    } else {
+      EXPECT_TRUE(close_vs_cpu(g, cpu.out_row(r), tol, cpu.act)) << "output row " << r;
+    }
+  }
+}
+
+constexpr auto f32 = DType::f32;
+constexpr auto bf16 = DType::bf16;
+constexpr auto f16 = DType::f16;
+constexpr std::optional<double> kNoLb{};
+constexpr std::optional<double> kLb{-5.0};
+
+// Shapes beyond the model ones: HV=24, K=V=64, K != V both ways, K=96 (the masked generic kernel).
+constexpr Shape kHV24{"hv24", 8, 24, 128, 128};
+constexpr Shape kK64{"k64", 4, 8, 64, 64};
+constexpr Shape kK128V64{"k128v64", 4, 8, 128, 64};
+constexpr Shape kK64V128{"k64v128", 4, 8, 64, 128};
+constexpr Shape kK96{"k96", 2, 4, 96, 80};
+
+// ==== packed decode ============================================================================
+struct PackedCase {
+  const char* name;
+  Shape shape;
+  bool kda;
+  std::optional<double> lower_bound;
+  DType state, act;
+  int64_t B;
+  std::vector<int64_t> padded;
+  int64_t slot_pad = 0, lead = 0;
+};
+void PrintTo(const PackedCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuPackedDecode : public GpuParamTest<PackedCase> {};
+
+TEST_P(GpuPackedDecode, MatchesCpu) {
+  const PackedCase& c = GetParam();
+  Rng rng = test_rng();
+  const int64_t num_slots = c.B + 4;
+  Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
+  const std::vector<int64_t> slots = pick_slots(rng, c.B, num_slots, c.padded);
+  for (int64_t s : slots)
+    if (s >= 0) fill_slot(pool.view(), s, rng);
+  DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act, 0,
+                                        c.B % 2 ? DType::i64 : DType::i32);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
+  Mirror dev;
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) batch.randomize(rng);
+    batch.poison_out();
+    // Both backends start the call from the same pool (the CPU's).
+    dev.upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
+    const Tensor before = dev.download(pool);
+
+    PackedDecodeArgs cpu_args = batch.packed_args(host_view, pool.view(), scale, c.lower_bound);
+    PackedDecodeArgs gpu_args = batch.packed_args(dev.views(), dev.view(pool), scale, c.lower_bound);
+    if (c.kda) {
+      deltastate::kda_packed_decode(cpu_args);
+      deltastate::kda_packed_decode(gpu_args);
+    } else {
+      deltastate::gdn_packed_decode(cpu_args);
+      deltastate::gdn_packed_decode(gpu_args);
+    }
+    sync();
+    const Tensor out = dev.download(batch.out);
+    const Tensor after = dev.download(pool);
+    expect_rows_match(batch, out, slots, kOutTol);
+    for (int64_t s : slots) {
+      if (s < 0) continue;
+      EXPECT_TRUE(close_vs_cpu(slot_values(after.view(), s), slot_values(pool.view(), s),
+                               kFp32StateTol, c.state))
+          << "state of slot " << s;
+    }
+    EXPECT_TRUE(Snapshot::equal_except(after.alloc_base(), before.alloc_base(), after.alloc_bytes(),
+                                       live_slot_ranges(after.view(), slots)))
+        << "GPU pool outside the live slots (sentinels, envelope gaps)";
+  }
+}
+
+std::string packed_name(const ::testing::TestParamInfo<PackedCase>& i) { return i.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuPackedDecode,
+    ::testing::Values(
+        PackedCase{"gdn_qwen_f32state_bf16act_B8", kQwen3Next, false, kNoLb, f32, bf16, 8, {3, 6}},
+        PackedCase{"gdn_qwen_bf16state_bf16act_B1", kQwen3Next, false, kNoLb, bf16, bf16, 1, {}},
+        PackedCase{"gdn_qwen_f16state_f16act_envelope", kQwen3Next, false, kNoLb, f16, f16, 6, {0}, 8192, 512},
+        PackedCase{"gdn_qwen_f32_unaligned_envelope", kQwen3Next, false, kNoLb, f32, f32, 5, {4}, 3, 1},
+        PackedCase{"gdn_qwen_f32state_bf16act_B64", kQwen3Next, false, kNoLb, f32, bf16, 64, {0, 17, 63}},
+        PackedCase{"kda_kimi_f32_lb_B8", kKimi, true, kLb, f32, f32, 8, {1}},
+        PackedCase{"kda_kimi_bf16state_bf16act_B3", kKimi, true, kNoLb, bf16, bf16, 3, {2}},
+        PackedCase{"kda_kimi_f32state_bf16act_envelope", kKimi, true, kNoLb, f32, bf16, 4, {}, 1024, 64},
+        PackedCase{"gdn_hv24_f32state_bf16act", kHV24, false, kNoLb, f32, bf16, 6, {5}},
+        PackedCase{"kda_k64_f32", kK64, true, kNoLb, f32, f32, 5, {2}},
+        PackedCase{"gdn_k64_bf16state_unaligned", kK64, false, kNoLb, bf16, bf16, 4, {}, 5, 3},
+        PackedCase{"gdn_k128v64_bf16state", kK128V64, false, kNoLb, bf16, bf16, 6, {0}},
+        PackedCase{"kda_k64v128_f16state_lb", kK64V128, true, kLb, f16, bf16, 6, {3}},
+        PackedCase{"gdn_k96_generic_f32", kK96, false, kNoLb, f32, f32, 5, {1}},
+        PackedCase{"kda_k96_generic_bf16state_lb", kK96, true, kLb, bf16, f16, 4, {0}, 32, 16},
+        PackedCase{"kda_odd_bf16state", kOdd, true, kNoLb, bf16, bf16, 6, {4}},
+        PackedCase{"gdn_odd_f32", kOdd, false, kNoLb, f32, f32, 6, {1, 2}}),
+    packed_name);
+
+// ==== recurrent ================================================================================
+enum class StateMode { pool, per_sequence, none };
+
+struct RecCase {
+  const char* name;
+  RecurrentSpec spec;
+  StateMode mode;
+  DType state;
+  std::vector<int64_t> padded;
+  bool final_state = true;
+  bool update_state = true;
+  int64_t slot_pad = 0, lead = 0;
+};
+void PrintTo(const RecCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuRecurrent : public GpuParamTest<RecCase> {};
+
+TEST_P(GpuRecurrent, MatchesCpu) {
+  const RecCase& c = GetParam();
+  Rng rng = test_rng();
+  RecurrentBatch rb = make_recurrent_batch(rng, c.spec);
+  const Shape& s = c.spec.s;
+  const int64_t N = rb.N;
+  Tensor pool, idx, final_state;
+  std::vector<int64_t> slots;
+  if (c.mode == StateMode::pool) {
+    pool = make_pool(c.state, N + 3, s, c.slot_pad, c.lead);
+    slots = pick_slots(rng, N, N + 3, c.padded);
+    idx = index_tensor(slots, c.spec.index_dtype);
+  } else if (c.mode == StateMode::per_sequence) {
+    pool = make_pool(c.state, N, s, c.slot_pad, c.lead);
+    for (int64_t n = 0; n < N; ++n) slots.push_back(n);
+  }
+  for (int64_t sl : slots)
+    if (sl >= 0) fill_slot(pool.view(), sl, rng);
+  if (c.final_state) {
+    final_state = Tensor::contiguous(c.state, {N, s.HV, s.V, s.K});
+    final_state.fill_all(std::nan(""));
+  }
+
+  Mirror dev;
+  dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias);
+  if (!c.spec.seqlens.empty()) dev.upload(rb.cu);
+  auto build = [&](auto&& view_of, bool on_gpu) {
+    RecurrentArgs a = rb.args(view_of);
+    if (c.mode != StateMode::none) a.state = on_gpu ? dev.view(pool) : pool.view();
+    if (c.mode == StateMode::pool) a.state_indices = view_of(idx);
+    if (c.final_state) a.final_state = view_of(final_state);
+    a.update_state = c.update_state && c.mode != StateMode::none;
+    return a;
+  };
+  if (c.mode != StateMode::none) dev.upload(pool);
+  if (c.mode == StateMode::pool) dev.upload(idx);
+  if (c.final_state) dev.upload(final_state);
+  const Tensor before = c.mode != StateMode::none ? dev.download(pool) : Tensor();
+
+  RecurrentArgs cpu_args = build(host_view, false);
+  RecurrentArgs gpu_args = build(dev.views(), true);
+  if (c.spec.kda) {
+    deltastate::recurrent_kda(cpu_args);
+    deltastate::recurrent_kda(gpu_args);
+  } else {
+    deltastate::recurrent_gdn(cpu_args);
+    deltastate::recurrent_gdn(gpu_args);
+  }
+  sync();
+
+  const Tensor out = dev.download(rb.out);
+  for (int64_t n = 0; n < N; ++n) {
+    SCOPED_TRACE("sequence " + std::to_string(n));
+    const bool padded = c.mode == StateMode::pool && slots[n] < 0;
+    for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+      const auto [b, tok] = rb.coord(n, t);
+      std::vector<double> g;
+      for (int64_t hv = 0; hv < s.HV; ++hv)
+        for (int64_t v = 0; v < s.V; ++v) g.push_back(out.get({b, tok, hv, v}));
+      if (padded) {
+        EXPECT_TRUE(all_zero(g)) << "token " << t;
+      } else {
+        EXPECT_TRUE(close_vs_cpu(g, rb.out_token(n, t), kOutTol, c.spec.act)) << "token " << t;
+      }
+    }
+  }
+  if (c.final_state) {
+    const Tensor fs = dev.download(final_state);
+    EXPECT_TRUE(close_vs_cpu(fs.values(), final_state.values(), kFp32StateTol, c.state)) << "final_state";
+  }
+  if (c.mode != StateMode::none) {
+    const Tensor after = dev.download(pool);
+    for (int64_t sl : slots) {
+      if (sl < 0) continue;
+      EXPECT_TRUE(close_vs_cpu(slot_values(after.view(), sl), slot_values(pool.view(), sl),
+                               kFp32StateTol, c.state))
+          << "state of slot " << sl;
+    }
+    const std::vector<MemRange> may_change =
+        cpu_args.update_state ? live_slot_ranges(after.view(), slots) : std::vector<MemRange>{};
+    EXPECT_TRUE(Snapshot::equal_except(after.alloc_base(), before.alloc_base(), after.alloc_bytes(),
+                                       may_change))
+        << "GPU pool outside the written slots";
+  }
+}
+
+RecurrentSpec rspec(const Shape& s, bool kda, DType act, int64_t B, int64_t T,
+                    std::vector<int64_t> seqlens = {}) {
+  RecurrentSpec r;
+  r.s = s;
+  r.kda = kda;
+  r.act = act;
+  r.B = B;
+  r.T = T;
+  r.seqlens = std::move(seqlens);
+  return r;
+}
+RecurrentSpec with(RecurrentSpec r, void (*f)(RecurrentSpec&)) {
+  f(r);
+  return r;
+}
+std::string rec_name(const ::testing::TestParamInfo<RecCase>& i) { return i.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuRecurrent,
+    ::testing::Values(
+        RecCase{"gdn_qwen_varlen_packedqkv_bf16act",
+                with(rspec(kQwen3Next, false, bf16, 1, 1, {3, 0, 5, 1, 2}),
+                     [](RecurrentSpec& r) { r.packed_qkv = true; }),
+                StateMode::pool, f32, {1}},
+        RecCase{"kda_kimi_varlen_lb_bf16state_envelope",
+                with(rspec(kKimi, true, bf16, 1, 1, {2, 4, 1}),
+                     [](RecurrentSpec& r) { r.lower_bound = -5.0; }),
+                StateMode::pool, bf16, {}, true, true, 64, 32},
+        RecCase{"gdn_hv24_per_sequence_T3_f16state", rspec(kHV24, false, f16, 3, 3),
+                StateMode::per_sequence, f16, {}},
+        RecCase{"kda_k64v128_no_state", rspec(kK64V128, true, bf16, 2, 4), StateMode::none, bf16, {},
+                true, false},
+        RecCase{"gdn_k96_logg_betaprob_T4",
+                with(rspec(kK96, false, f32, 3, 4),
+                     [](RecurrentSpec& r) {
+                       r.gate_in_kernel = false;
+                       r.beta_is_logit = false;
+                     }),
+                StateMode::pool, f32, {2}},
+        RecCase{"kda_k128v64_i64_T2",
+                with(rspec(kK128V64, true, f32, 4, 2), [](RecurrentSpec& r) { r.index_dtype = DType::i64; }),
+                StateMode::pool, f32, {0}},
+        RecCase{"gdn_k64_no_update", rspec(kK64, false, f32, 3, 3), StateMode::pool, bf16, {}, true, false},
+        RecCase{"kda_odd_varlen_dt2d", with(rspec(kOdd, true, f16, 1, 1, {1, 3, 2}),
+                                            [](RecurrentSpec& r) { r.dt_bias_2d = true; }),
+                StateMode::pool, f32, {1}, true, true, 16, 8}),
+    rec_name);
+
+// ==== ReplaySSM ================================================================================
+struct ReplayCase {
+  const char* name;
+  Shape shape;
+  bool kda;
+  std::optional<double> lower_bound;
+  DType state, act;
+  int L;
+  int64_t slot_pad = 0, lead = 0;
+};
+void PrintTo(const ReplayCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuReplay : public GpuParamTest<ReplayCase> {};
+
+// 42 steps on each backend from the same start: mixed flush / non-flush rows (staggered cursors,
+// random forced flushes), a padded row, advance_write_pos on the device.
+TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
+  const ReplayCase& c = GetParam();
+  Rng rng = test_rng();
+  const int64_t B = 6, num_slots = 9;
+  const std::vector<int64_t> slots = pick_slots(rng, B, num_slots, {2});
+  Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
+  for (int64_t s : slots)
+    if (s >= 0) fill_slot(pool.view(), s, rng);
+  Rings rings = make_rings(c.shape, c.kda, num_slots, c.L, c.state, c.act);
+  DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act);
+  std::vector<int64_t> cursor(B, 0);
+  cursor[2] = c.L > 1 ? 1 : 0;  // the padded row's cursor never moves
+  Tensor wp = index_tensor(cursor, DType::i32);
+  Tensor ff = index_tensor(std::vector<int64_t>(B, 0), DType::i32);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
+
+  Mirror dev;
+  dev.upload_all(pool, rings.d, rings.k, rings.g, wp, batch.A_log, batch.dt_bias, batch.idx);
+  int flushes = 0, appends = 0;
+  for (int step = 0; step < 42; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) batch.randomize(rng);
+    batch.poison_out();
+    for (int64_t r = 0; r < B; ++r)
+      ff.set_linear(r, c.L > 1 && (step < r || rng.chance(c.L >= 16 ? 0.03 : 0.1)) ? 1 : 0);
+    dev.upload_all(batch.x, batch.a, batch.b, batch.out, ff);
+    const Tensor ckpt_before = dev.download(pool);
+    const std::vector<int64_t> cursors_before = index_values(wp);
+
+    ReplayDecodeArgs cpu_args = replay_args(host_view, batch, pool.view(), rings.d.view(), rings.k.view(),
+                                            rings.g.view(), wp, &ff, scale, c.lower_bound);
+    ReplayDecodeArgs gpu_args = replay_args(dev.views(), batch, dev.view(pool), dev.view(rings.d),
+                                            dev.view(rings.k), dev.view(rings.g), wp, &ff, scale,
+                                            c.lower_bound);
+    cpu_args.advance_write_pos = gpu_args.advance_write_pos = true;
+    deltastate::replayssm_decode(cpu_args);
+    deltastate::replayssm_decode(gpu_args);
+    sync();
+
+    expect_rows_match(batch, dev.download(batch.out), slots, {5e-4, 1e-2});
+    // Cursors: the device advanced them exactly like the CPU, by the caller's rule.
+    const std::vector<int64_t> gpu_wp = index_values(dev.download(wp));
+    EXPECT_EQ(gpu_wp, index_values(wp)) << "write_pos after the step (GPU vs CPU)";
+    std::vector<MemRange> flushed;
+    const Tensor ckpt = dev.download(pool);
+    for (int64_t r = 0; r < B; ++r) {
+      const int64_t m = cursors_before[r];
+      const bool flush = m == c.L - 1 || ff.get_linear(r) != 0;
+      const int64_t expected = slots[r] < 0 ? m : (flush ? 0 : m + 1);
+      EXPECT_EQ(gpu_wp[r], expected) << "row " << r;
+      if (slots[r] < 0) continue;
+      (flush ? flushes : appends)++;
+      if (flush) flushed.push_back(slot_range(ckpt.view(), slots[r]));
+    }
+    // The checkpoint changes only in the slots of flushing rows (bit-unchanged otherwise).
+    EXPECT_TRUE(Snapshot::equal_except(ckpt.alloc_base(), ckpt_before.alloc_base(), ckpt.alloc_bytes(),
+                                       flushed))
+        << "GPU checkpoint pool outside the flushed slots";
+    for (int64_t s : slots) {
+      if (s < 0) continue;
+      EXPECT_TRUE(close_vs_cpu(slot_values(ckpt.view(), s), slot_values(pool.view(), s),
+                               {4e-3, 1e-2}, c.state))
+          << "checkpoint of slot " << s;
+    }
+    EXPECT_TRUE(close_vs_cpu(dev.download(rings.d).values(), rings.d.values(), {2e-3, 1e-2}, c.state))
+        << "d ring";
+    EXPECT_TRUE(close_vs_cpu(dev.download(rings.k).values(), rings.k.values(), {2e-3, 1e-2}, c.act))
+        << "k ring";
+    EXPECT_TRUE(close_vs_cpu(dev.download(rings.g).values(), rings.g.values(), {1e-5, 1e-4}, f32))
+        << "g ring";
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_GT(flushes, 0);
+  if (c.L > 1) {
+    EXPECT_GT(appends, 0);
+  }
+}
+
+std::string replay_name(const ::testing::TestParamInfo<ReplayCase>& i) { return i.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuReplay,
+    ::testing::Values(ReplayCase{"gdn_qwen_f32_L1", kQwen3Next, false, kNoLb, f32, f32, 1},
+                      ReplayCase{"gdn_qwen_f32_bf16act_L4_envelope", kQwen3Next, false, kNoLb, f32, bf16, 4, 4096, 256},
+                      ReplayCase{"gdn_qwen_bf16ckpt_bf16act_L8", kQwen3Next, false, kNoLb, bf16, bf16, 8},
+                      ReplayCase{"gdn_qwen_f32_bf16act_L16", kQwen3Next, false, kNoLb, f32, bf16, 16},
+                      ReplayCase{"kda_kimi_f32_lb_L4", kKimi, true, kLb, f32, f32, 4},
+                      ReplayCase{"kda_kimi_bf16ckpt_bf16act_L16_envelope", kKimi, true, kNoLb, bf16, bf16, 16, 1000, 24},
+                      ReplayCase{"kda_kimi_f32_bf16act_L8", kKimi, true, kNoLb, f32, bf16, 8},
+                      ReplayCase{"gdn_k96_generic_f32_L8", kK96, false, kNoLb, f32, f32, 8},
+                      ReplayCase{"kda_k64v128_bf16ckpt_L4_lb", kK64V128, true, kLb, bf16, bf16, 4},
+                      ReplayCase{"gdn_hv24_f32_bf16act_L16", kHV24, false, kNoLb, f32, bf16, 16, 64, 16},
+                      ReplayCase{"kda_k128v64_f32_L1", kK128V64, true, kNoLb, f32, f16, 1}),
+    replay_name);
+
+// ==== a pool of more than 4096 slots ===========================================================
+// 4100 fp32 Qwen3-Next slots (2 MiB each, 8.6 GB): slot * slot_stride passes 2^31 elements at slot
+// 4096, so 32-bit offsets would wrap. Live rows use slots at the end of the pool (and one below
+// 4096); the CPU runs the same rows on a small pool of just those slots. Everything else in the
+// big pool is a 0x7f byte pattern that must survive every op.
+TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
+  const Shape s = kQwen3Next;
+  const int64_t slots = 4100;
+  const int64_t elems = s.state_elems();
+  const size_t bytes = static_cast<size_t>(slots * elems * 4);
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (free_b < bytes + (size_t{2} << 30)) GTEST_SKIP() << "needs ~" << (bytes >> 20) << " MiB of device memory";
+  void* big = nullptr;
+  CUDA_CHECK(cudaMalloc(&big, bytes));
+  struct Free {
+    void* p;
+    ~Free() { EXPECT_EQ(cudaFree(p), cudaSuccess); }
+  } free_big{big};
+  CUDA_CHECK(cudaMemset(big, 0x7f, bytes));
+  const TensorView big_pool = TensorView::contiguous(big, f32, {slots, s.HV, s.V, s.K}, Device::cuda(0));
+
+  Rng rng = test_rng();
+  const std::vector<int64_t> big_slots{4099, -1, 4096, 4097, 2049, 4095};
+  std::vector<int64_t> small_slots;  // the same rows on a small CPU pool
+  for (size_t r = 0; r < big_slots.size(); ++r) small_slots.push_back(big_slots[r] < 0 ? -1 : static_cast<int64_t>(r));
+  Tensor small = make_pool(f32, static_cast<int64_t>(big_slots.size()), s);
+  for (int64_t sl : small_slots)
+    if (sl >= 0) fill_slot(small.view(), sl, rng);
+  auto push_states = [&] {  // CPU states -> their big-pool slots
+    for (size_t r = 0; r < big_slots.size(); ++r)
+      if (big_slots[r] >= 0)
+        CUDA_CHECK(cudaMemcpy(static_cast<float*>(big) + big_slots[r] * elems,
+                              static_cast<const char*>(small.view().data) + small_slots[r] * elems * 4,
+                              static_cast<size_t>(elems * 4), cudaMemcpyHostToDevice));
+  };
+  auto expect_states_match = [&](Tol tol, const char* what) {
+    std::vector<float> host(static_cast<size_t>(elems));
+    for (size_t r = 0; r < big_slots.size(); ++r) {
+      if (big_slots[r] < 0) continue;
+      CUDA_CHECK(cudaMemcpy(host.data(), static_cast<float*>(big) + big_slots[r] * elems,
+                            static_cast<size_t>(elems * 4), cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(close_vs_cpu(std::vector<double>(host.begin(), host.end()),
+                               slot_values(small.view(), small_slots[r]), tol, f32))
+          << what << ": slot " << big_slots[r];
+    }
+  };
+
+  Mirror dev;
+  // Packed decode, GDN and KDA.
+  for (bool kda : {false, true}) {
+    SCOPED_TRACE(kda ? "kda_packed_decode" : "gdn_packed_decode");
+    DecodeBatch cpu = make_decode_batch(rng, s, kda, small_slots, bf16);
+    DecodeBatch gpu = cpu;  // shares cpu's input tensors; only the indices differ (big-pool slots)
+    gpu.idx = index_tensor(big_slots);
+    push_states();
+    dev.upload_all(cpu.x, cpu.a, cpu.b, cpu.A_log, cpu.dt_bias, cpu.out, gpu.idx);
+    PackedDecodeArgs ca = cpu.packed_args(host_view, small.view(), 0.0883883);
+    PackedDecodeArgs ga = gpu.packed_args(dev.views(), big_pool, 0.0883883);
+    if (kda) {
+      deltastate::kda_packed_decode(ca);
+      deltastate::kda_packed_decode(ga);
+    } else {
+      deltastate::gdn_packed_decode(ca);
+      deltastate::gdn_packed_decode(ga);
+    }
+    sync();
+    expect_rows_match(cpu, dev.download(cpu.out), small_slots, kOutTol);
+    expect_states_match(kFp32StateTol, "packed decode");
+  }
+  // Recurrent, varlen, both gates.
+  for (bool kda : {false, true}) {
+    SCOPED_TRACE(kda ? "recurrent_kda" : "recurrent_gdn");
+    RecurrentBatch rb = make_recurrent_batch(rng, rspec(s, kda, bf16, 1, 1, {2, 1, 3, 1, 2, 1}));
+    Tensor cidx = index_tensor(small_slots), gidx = index_tensor(big_slots);
+    push_states();
+    dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu, gidx);
+    RecurrentArgs ca = rb.args(host_view), ga = rb.args(dev.views());
+    ca.state = small.view();
+    ca.state_indices = cidx.view();
+    ga.state = big_pool;
+    ga.state_indices = dev.view(gidx);
+    if (kda) {
+      deltastate::recurrent_kda(ca);
+      deltastate::recurrent_kda(ga);
+    } else {
+      deltastate::recurrent_gdn(ca);
+      deltastate::recurrent_gdn(ga);
+    }
+    sync();
+    const Tensor out = dev.download(rb.out);
+    EXPECT_TRUE(close_vs_cpu(out.values(), rb.out.values(), kOutTol, bf16)) << "outputs";
+    expect_states_match(kFp32StateTol, "recurrent");
+  }
+  // ReplaySSM: rings of 4100 slots too, 6 steps with a forced flush and natural flushes (L = 4).
+  {
+    SCOPED_TRACE("replayssm_decode");
+    const int L = 4;
+    Rings small_rings = make_rings(s, false, static_cast<int64_t>(big_slots.size()), L, f32, bf16);
+    Rings big_rings = make_rings(s, false, slots, L, f32, bf16);
+    DecodeBatch cpu = make_decode_batch(rng, s, false, small_slots, bf16);
+    DecodeBatch gpu = cpu;
+    gpu.idx = index_tensor(big_slots);
+    Tensor wp_c = index_tensor(std::vector<int64_t>(big_slots.size(), 0));
+    Tensor wp_g = index_tensor(std::vector<int64_t>(big_slots.size(), 0));
+    Tensor ff = index_tensor(std::vector<int64_t>(big_slots.size(), 0));
+    push_states();
+    dev.upload_all(big_rings.d, big_rings.k, big_rings.g, wp_g, cpu.A_log, cpu.dt_bias, gpu.idx);
+    for (int step = 0; step < 6; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      if (step) cpu.randomize(rng);
+      ff.set_linear(0, step == 1);
+      dev.upload_all(cpu.x, cpu.a, cpu.b, ff);
+      ReplayDecodeArgs ca = replay_args(host_view, cpu, small.view(), small_rings.d.view(),
+                                        small_rings.k.view(), small_rings.g.view(), wp_c, &ff, 0.0883883);
+      ReplayDecodeArgs ga = replay_args(dev.views(), gpu, big_pool, dev.view(big_rings.d),
+                                        dev.view(big_rings.k), dev.view(big_rings.g), wp_g, &ff, 0.0883883);
+      ca.advance_write_pos = ga.advance_write_pos = true;
+      deltastate::replayssm_decode(ca);
+      deltastate::replayssm_decode(ga);
+      sync();
+      expect_rows_match(cpu, dev.download(cpu.out), small_slots, {5e-4, 1e-2});
+      EXPECT_EQ(index_values(dev.download(wp_g)), index_values(wp_c)) << "cursors";
+      expect_states_match({4e-3, 1e-2}, "replayssm checkpoint");
+    }
+  }
+  // Every byte outside the live slots still holds the pattern.
+  const size_t slot_bytes = static_cast<size_t>(elems * 4);
+  const int64_t per_chunk = 128;
+  std::vector<uint64_t> host(per_chunk * slot_bytes / 8);
+  int64_t bad = 0;
+  for (int64_t first = 0; first < slots; first += per_chunk) {
+    const int64_t n = std::min(per_chunk, slots - first);
+    CUDA_CHECK(cudaMemcpy(host.data(), static_cast<char*>(big) + first * slot_bytes, n * slot_bytes,
+                          cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::find(big_slots.begin(), big_slots.end(), first + i) != big_slots.end()) continue;
+      const uint64_t* w = host.data() + i * slot_bytes / 8;
+      for (size_t j = 0; j < slot_bytes / 8; ++j) bad += w[j] != 0x7f7f7f7f7f7f7f7fULL;
+    }
+  }
+  EXPECT_EQ(bad, 0) << "8-byte words outside the live slots of the 4100-slot pool changed";
+}
+
+// ==== StatePool on the device ==================================================================
+// A CUDA StatePool (envelope, rings) mirrors a CPU StatePool byte for byte through allocate (device
+// zeroing), cursors, fork (2-D device copies) and free; then packed decode on an envelope layer and
+// ReplaySSM on its rings, with the pool's own per-slot cursors as write_pos (rows = slots 0..4),
+// advanced on the device.
+TEST_F(GpuTest, StatePoolOnDevice) {
+  deltastate::StatePoolConfig cfg;
+  cfg.layers = 2;
+  cfg.slots = 5;
+  cfg.H = kOdd.H;
+  cfg.HV = kOdd.HV;
+  cfg.V = kOdd.V;
+  cfg.K = kOdd.K;
+  cfg.layout = deltastate::PoolLayout::envelope;
+  cfg.envelope_extra_bytes = 300;
+  cfg.replay_len = 4;
+  cfg.ring_k_dtype = bf16;
+  deltastate::StatePool host(cfg);
+  cfg.device = Device::cuda(0);
+  deltastate::StatePool dev_pool(cfg);
+  const int64_t bytes = dev_pool.total_bytes();
+  ASSERT_EQ(bytes, host.total_bytes());
+  auto device_bytes = [&] {
+    std::vector<uint8_t> b(static_cast<size_t>(bytes));
+    CUDA_CHECK(cudaMemcpy(b.data(), dev_pool.data(), b.size(), cudaMemcpyDeviceToHost));
+    return b;
+  };
+  auto expect_same_memory = [&](const char* what) {
+    EXPECT_EQ(std::memcmp(device_bytes().data(), host.data(), static_cast<size_t>(bytes)), 0) << what;
+  };
+  expect_same_memory("a new pool is zeroed");
+
+  Rng rng = test_rng();
+  fill_sentinel(host.data(), bytes, f32);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(host.allocate(), i);
+    EXPECT_EQ(dev_pool.allocate(), i);
+  }
+  for (int64_t l = 0; l < 2; ++l)
+    for (int64_t sl = 0; sl < 5; ++sl) fill_slot(host.layer_state(l), sl, rng);
+  CUDA_CHECK(cudaMemcpy(dev_pool.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  for (int64_t sl = 0; sl < 4; ++sl) {
+    host.set_cursor(sl, 0);
+    dev_pool.set_cursor(sl, 0);
+  }
+  dev_pool.set_cursor(3, 2);
+  host.set_cursor(3, 2);
+  EXPECT_EQ(dev_pool.cursor(3), 2);
+  // fork: refused from an unflushed source, then a device copy of every layer.
+  const auto e = catch_error([&] { dev_pool.fork(3, 1); });
+  if (e) {
+    EXPECT_EQ(std::string(e->what()),
+              "copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got 2 for src 3");
+  }
+  host.fork(0, 2);
+  dev_pool.fork(0, 2);
+  sync();
+  expect_same_memory("after fork");
+  // free + allocate zeroes the slot's entry on the device.
+  host.free(1);
+  dev_pool.free(1);
+  EXPECT_EQ(host.allocate(), 1);
+  EXPECT_EQ(dev_pool.allocate(), 1);
+  sync();
+  expect_same_memory("after re-allocating slot 1");
+  EXPECT_EQ(dev_pool.cursor(1), 0);
+  EXPECT_TRUE(all_zero(slot_values(host.layer_state(0), 1)));
+
+  // Packed decode on layer 1 (rows: slots 2, padded, 0).
+  {
+    DecodeBatch batch = make_decode_batch(rng, kOdd, false, {2, -1, 0}, bf16);
+    Mirror m;
+    m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
+    deltastate::gdn_packed_decode(batch.packed_args(host_view, host.layer_state(1), 0.2));
+    deltastate::gdn_packed_decode(batch.packed_args(m.views(), dev_pool.layer_state(1), 0.2));
+    sync();
+    expect_rows_match(batch, m.download(batch.out), {2, -1, 0}, kOutTol);
+    const std::vector<uint8_t> d = device_bytes();
+    const TensorView dev_layer = TensorView::strided(
+        const_cast<uint8_t*>(d.data()) + (static_cast<const char*>(dev_pool.layer_state(1).data) -
+                                          static_cast<const char*>(dev_pool.data())),
+        f32, {5, kOdd.HV, kOdd.V, kOdd.K}, {host.layer_state(1).stride[0], kOdd.V * kOdd.K, kOdd.K, 1});
+    for (int64_t sl : {2, 0})
+      EXPECT_TRUE(close_vs_cpu(slot_values(dev_layer, sl), slot_values(host.layer_state(1), sl),
+                               kFp32StateTol, f32))
+          << "slot " << sl;
+    EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), bytes, live_slot_ranges(dev_layer, {2, 0})))
+        << "device pool outside the live slots";
+    CUDA_CHECK(cudaMemcpy(dev_pool.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  }
+  // ReplaySSM on layer 0 with the pool's rings and cursors (all 5 slots; slot 4 is never
+  // allocated, which the op does not care about).
+  for (int64_t sl = 0; sl < 5; ++sl) {
+    host.set_cursor(sl, 0);
+    dev_pool.set_cursor(sl, 0);
+  }
+  DecodeBatch batch = make_decode_batch(rng, kOdd, false, {0, 1, 2, 3, 4}, bf16);
+  Tensor ff = index_tensor({0, 0, 0, 0, 0});
+  Mirror m;
+  m.upload_all(batch.A_log, batch.dt_bias, batch.idx);
+  for (int step = 0; step < 7; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) batch.randomize(rng);
+    ff.set_linear(1, step == 2);
+    m.upload_all(batch.x, batch.a, batch.b, batch.out, ff);
+    ReplayDecodeArgs ha, da;
+    auto fill = [&](ReplayDecodeArgs& a, const deltastate::StatePool& p, auto&& view_of) {
+      a.mixed_qkv = view_of(batch.x);
+      a.a = view_of(batch.a);
+      a.b = view_of(batch.b);
+      a.A_log = view_of(batch.A_log);
+      a.dt_bias = view_of(batch.dt_bias);
+      a.scale = 0.2;
+      a.state = p.layer_state(0);
+      a.d_cache = p.d_cache(0);
+      a.k_cache = p.k_cache(0);
+      a.g_cache = p.g_cache(0);
+      a.out = view_of(batch.out);
+      a.state_indices = view_of(batch.idx);
+      a.write_pos = p.write_pos();
+      a.force_flush = view_of(ff);
+      a.advance_write_pos = true;
+    };
+    fill(ha, host, host_view);
+    fill(da, dev_pool, m.views());
+    deltastate::replayssm_decode(ha);
+    deltastate::replayssm_decode(da);
+    sync();
+    expect_rows_match(batch, m.download(batch.out), {0, 1, 2, 3, 4}, {5e-4, 1e-2});
+    for (int64_t sl = 0; sl < 5; ++sl) EXPECT_EQ(dev_pool.cursor(sl), host.cursor(sl)) << "slot " << sl;
+    EXPECT_EQ(host.cursor(0), (step + 1) % 4);
+  }
+}
+
+// ==== CUDA graphs ==============================================================================
+// One packed-decode step and one ReplaySSM step (cursor advance on the device) are captured on a
+// non-default stream, then replayed with new inputs copied into the captured buffers; each replay
+// must give bit-identical results to the same op run eagerly on a second copy of the buffers.
+TEST_F(GpuTest, CudaGraphReplayMatchesEager) {
+  const Shape s = kQwen3Next;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{5, 0, -1, 7, 2, 9, 4, 1};
+  Tensor pool = make_pool(f32, 10, s, 256, 64);
+  for (int64_t sl : slots)
+    if (sl >= 0) fill_slot(pool.view(), sl, rng);
+  const double scale = 1.0 / std::sqrt(128.0);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct Destroy {
+    cudaStream_t s;
+    ~Destroy() { EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess); }
+  } destroy_stream{stream};
+
+  for (int which = 0; which < 2; ++which) {
+    const bool replay = which == 1;
+    SCOPED_TRACE(replay ? "replayssm_decode" : "gdn_packed_decode");
+    DecodeBatch batch = make_decode_batch(rng, s, false, slots, bf16);
+    Rings rings = make_rings(s, false, 10, 8, f32, bf16);
+    Tensor wp = index_tensor(std::vector<int64_t>(slots.size(), 0));
+    Tensor ff = index_tensor({0, 0, 0, 1, 0, 0, 0, 0});
+    Mirror graph_mem, eager_mem, warm_mem;
+    for (Mirror* m : {&graph_mem, &eager_mem, &warm_mem})
+      m->upload_all(pool, rings.d, rings.k, rings.g, wp, ff, batch.x, batch.a, batch.b, batch.A_log,
+                    batch.dt_bias, batch.idx, batch.out);
+    auto run = [&](Mirror& m, cudaStream_t st) {
+      if (replay) {
+        ReplayDecodeArgs a = replay_args(m.views(), batch, m.view(pool), m.view(rings.d), m.view(rings.k),
+                                         m.view(rings.g), wp, &ff, scale);
+        a.advance_write_pos = true;
+        a.stream = st;
+        deltastate::replayssm_decode(a);
+      } else {
+        PackedDecodeArgs a = batch.packed_args(m.views(), m.view(pool), scale);
+        a.stream = st;
+        deltastate::gdn_packed_decode(a);
+      }
+    };
+    run(warm_mem, nullptr);  // warm-up outside the capture, as serving engines do
+    sync();
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    run(graph_mem, stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    struct GraphFree {
+      cudaGraph_t g;
+      cudaGraphExec_t e;
+      ~GraphFree() {
+        EXPECT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
+        EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
+      }
+    } free_graph{graph, exec};
+    // Capturing ran nothing.
+    EXPECT_EQ(graph_mem.download(pool).bytes(), pool.bytes());
+
+    for (int iter = 0; iter < 6; ++iter) {
+      SCOPED_TRACE("replay " + std::to_string(iter));
+      batch.randomize(rng);
+      for (Mirror* m : {&graph_mem, &eager_mem}) m->upload_all(batch.x, batch.a, batch.b);
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      run(eager_mem, nullptr);
+      sync();
+      for (const Tensor* t : {&batch.out, &pool, &rings.d, &rings.k, &rings.g, &wp}) {
+        const Tensor g = graph_mem.download(*t), e = eager_mem.download(*t);
+        EXPECT_EQ(std::memcmp(g.alloc_base(), e.alloc_base(), static_cast<size_t>(g.alloc_bytes())), 0)
+            << "graph and eager results differ";
+      }
+      const Tensor out = graph_mem.download(batch.out);
+      EXPECT_TRUE(all_zero(slice(out.values(), 2 * s.HV * s.V, s.HV * s.V))) << "padded row";
+      EXPECT_FALSE(std::isnan(out.get({0, 0, 0, 0})));
+      if (replay) {  // the captured cursor advance keeps going on every replay
+        const std::vector<int64_t> c = index_values(graph_mem.download(wp));
+        EXPECT_EQ(c[0], (iter + 1) % 8);
+        EXPECT_EQ(c[3], 0) << "a forced row flushes every step";
+        EXPECT_EQ(c[2], 0) << "padded row";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dstest
