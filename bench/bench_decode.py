@@ -14,16 +14,13 @@ every input read once, every output written once. Writes bench/results/decode-h2
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 
 import torch
 
 import deltastate as ds
 from harness import (DTYPES, MODELS, gate_params, measure_copy_bandwidth, pool_slots_for,
-                     rotations, slot_sets, time_graph)
+                     rotations, slot_sets, time_graph, write_results)
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 ACT = torch.bfloat16
@@ -199,16 +196,11 @@ def main() -> int:
                       + (f"  (|ours-FLA| max {err:.2e})" if err is not None else ""), flush=True)
                 del case
                 torch.cuda.empty_cache()
-    result = dict(gpu=gpu, date=datetime.date.today().isoformat(),
-                  command=" ".join(["python"] + sys.argv), copy_GBps=round(copy_gbps, 1),
-                  torch=torch.__version__, host=platform.node(),
-                  method="cold L2 (rotating slot sets and inputs over > 4x L2), CUDA-graph replay "
-                         "at every B, median of graph replays / launches per replay; bytes = state "
-                         "read + write + inputs + outputs",
-                  rows=rows)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.json}")
+    write_results(args.json, copy_gbps,
+                  "cold L2 (rotating slot sets and inputs over > 4x L2), CUDA-graph replay at "
+                  "every B, median of graph replays / launches per replay; bytes = state read + "
+                  "write + inputs + outputs",
+                  rows)
     return 0
 
 

@@ -14,16 +14,13 @@ bytes_per_step, plain_us, speedup, peer, peer_us}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 
 import torch
 
 import deltastate as ds
 from bench_decode import Case, io_bytes, state_bytes
-from harness import DTYPES, MODELS, measure_copy_bandwidth, time_graph
+from harness import DTYPES, MODELS, measure_copy_bandwidth, time_graph, write_results
 
 BATCHES = [1, 8, 32, 64, 128, 256, 512]
 
@@ -117,17 +114,12 @@ def main() -> int:
                           f"{plain_us:9.2f} {plain_us / us:7.2f}", flush=True)
                     del case
                     torch.cuda.empty_cache()
-    result = dict(gpu=gpu, date=datetime.date.today().isoformat(),
-                  command=" ".join(["python"] + sys.argv), copy_GBps=round(copy_gbps, 1),
-                  torch=torch.__version__, host=platform.node(),
-                  method="per-step time amortized over whole ring cycles (L steps per rotation in "
-                         "one CUDA graph, cursors advanced on the device); cold L2 by rotating slot "
-                         "sets; median of graph replays; GB/s from the byte model "
-                         "(bench/bench_replayssm.py::replay_step_bytes)",
-                  rows=rows)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.json}")
+    write_results(args.json, copy_gbps,
+                  "per-step time amortized over whole ring cycles (L steps per rotation in one "
+                  "CUDA graph, cursors advanced on the device); cold L2 by rotating slot sets; "
+                  "median of graph replays; GB/s from the byte model "
+                  "(bench/bench_replayssm.py::replay_step_bytes)",
+                  rows)
     return 0
 
 

@@ -8,8 +8,12 @@ reported time is the median over many graph replays divided by the launches per 
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
+import platform
 import statistics
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -113,3 +117,13 @@ def gate_params(model: Model, gen: torch.Generator):
     width = model.HV * model.K if model.op == "kda" else model.HV
     dt_bias = (0.1 * torch.randn(width, generator=gen)).cuda()
     return A_log, dt_bias
+
+
+def write_results(path: str, copy_gbps: float, method: str, rows: list) -> None:
+    """The results file: gpu, date, command, copy_GBps, torch, host, method, rows."""
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                  command=" ".join(["python"] + sys.argv), copy_GBps=round(copy_gbps, 1),
+                  torch=torch.__version__, host=platform.node(), method=method, rows=rows)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
