@@ -72,8 +72,9 @@ class StatePool {
   TensorView write_pos() const;                 // [slots] int32 cursors
   void* envelope_extra(int64_t slot) const;     // envelope: the entry's first extra bytes
 
-  // Host-side cursor access (CUDA pools: blocking copies).
-  int32_t cursor(int64_t slot) const;
+  // Host-side cursor access (CUDA pools: a copy on `stream`, then a wait for that stream; pass
+  // the stream the decode ops run on so the read is ordered after them).
+  int32_t cursor(int64_t slot, Stream stream = nullptr) const;
   void set_cursor(int64_t slot, int32_t value, Stream stream = nullptr);
 
   // --- accounting --------------------------------------------------------------------------

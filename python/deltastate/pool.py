@@ -113,15 +113,6 @@ class StatePool:
         stream = torch.cuda.current_stream(self.device)
         return tvm_ffi.use_raw_stream(tvm_ffi.device(str(self.device)), stream.cuda_stream)
 
-    def _sync_for_host_read(self):
-        # The core reads a cursor with a blocking copy on the legacy default stream, which is not
-        # ordered after work on a non-blocking torch stream (e.g. an op that advanced cursors):
-        # finish torch's current stream first. Bookkeeping only, never on the decode path.
-        if self._cuda:
-            import torch
-
-            torch.cuda.current_stream(self.device).synchronize()
-
     # ---- slots ------------------------------------------------------------------------------
     def allocate(self, clear: bool = True) -> int:
         """Take a free slot (state zeroed in every layer when ``clear``, cursor reset)."""
@@ -141,14 +132,14 @@ class StatePool:
     def fork(self, src: int, dst: int) -> None:
         """Prefix caching: copy every layer's state of ``src`` into ``dst``. ``src`` must be
         flushed (cursor 0); ``dst``'s cursor is reset. Rings are not copied."""
-        self._sync_for_host_read()
         with self._on_torch_stream():
             self._m["fork"](int(src), int(dst))
 
     def cursor(self, slot: int) -> int:
-        """The slot's ReplaySSM cursor (a blocking read for CUDA pools)."""
-        self._sync_for_host_read()
-        return int(self._m["cursor"](int(slot)))
+        """The slot's ReplaySSM cursor. For CUDA pools a blocking read, ordered after the work
+        already queued on torch's current stream."""
+        with self._on_torch_stream():
+            return int(self._m["cursor"](int(slot)))
 
     def set_cursor(self, slot: int, value: int) -> None:
         with self._on_torch_stream():

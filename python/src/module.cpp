@@ -316,8 +316,8 @@ ffi::Map<ffi::String, ffi::Function> pool_new(ffi::TensorView storage, int64_t l
     m.Set("fork", ffi::Function::FromTyped([pool, stream](int64_t src, int64_t dst) {
             guarded([&] { pool->fork(src, dst, stream()); });
           }));
-    m.Set("cursor", ffi::Function::FromTyped([pool](int64_t slot) -> int64_t {
-            return guarded([&] { return static_cast<int64_t>(pool->cursor(slot)); });
+    m.Set("cursor", ffi::Function::FromTyped([pool, stream](int64_t slot) -> int64_t {
+            return guarded([&] { return static_cast<int64_t>(pool->cursor(slot, stream())); });
           }));
     m.Set("set_cursor", ffi::Function::FromTyped([pool, stream](int64_t slot, int64_t value) {
             guarded([&] { pool->set_cursor(slot, static_cast<int32_t>(value), stream()); });

@@ -161,7 +161,7 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
                 ll(src), is_allocated(src) ? "allocated" : "free", ll(dst),
                 is_allocated(dst) ? "allocated" : "free"));
   if (src == dst) fail(format("StatePool.fork: src and dst are the same slot %lld", ll(src)));
-  const int32_t wp = cursor(src);
+  const int32_t wp = cursor(src, stream);
   if (wp != 0)
     fail(format("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got %d for "
                 "src %lld",
@@ -247,11 +247,11 @@ void* StatePool::envelope_extra(int64_t slot) const {
   return at(lay_.state_offset + slot * lay_.entry_bytes);
 }
 
-int32_t StatePool::cursor(int64_t slot) const {
+int32_t StatePool::cursor(int64_t slot, Stream stream) const {
   check_slot(slot, "cursor");
   const void* p = at(lay_.cursor_offset + slot * 4);
   int32_t v = 0;
-  if (on_cuda(cfg_)) cuda_backend::copy_to_host(&v, p, 4, cfg_.device.index, nullptr);
+  if (on_cuda(cfg_)) cuda_backend::copy_to_host(&v, p, 4, cfg_.device.index, stream);
   else std::memcpy(&v, p, 4);
   return v;
 }
