@@ -90,6 +90,9 @@ class StatePool {
     int64_t state_offset, state_bytes;
     int64_t entry_bytes;  // envelope entry pitch (bytes)
     int64_t extra_pad;    // envelope: bytes before the first layer's state in an entry
+    // A slot's state in every layer as rows of entry_bytes, slot_row_pitch apart: the layers
+    // (per_layer) or the one entry (envelope). Clearing and forking a slot copy these rows.
+    int64_t slot_rows, slot_row_pitch;
     int64_t d_offset, k_offset, g_offset, cursor_offset, total;
   };
   static Layout layout_of(const StatePoolConfig& c);

@@ -46,6 +46,18 @@ def _ints(**values) -> None:
             raise TypeError(f"StatePool: `{name}` must be an int (got {type(v).__name__})") from None
 
 
+def _config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes, replay_len, H,
+            ring_k_dtype, kda, slots=1):
+    """The argument tuple the C++ module takes for a pool configuration."""
+    return (layers, slots, HV, V, K, _dtype_name(state_dtype), layout == "envelope",
+            envelope_extra_bytes, replay_len, H, _dtype_name(ring_k_dtype), bool(kda))
+
+
+def _sizes(cfg, budget_bytes: int = 0):
+    """[required bytes, bytes per slot, slots that fit budget_bytes] of a configuration."""
+    return [int(x) for x in lib.pool_sizes(*cfg, int(budget_bytes))]
+
+
 class StatePool:
     """A pool of ``slots`` recurrent states [HV, V, K] for ``layers`` layers.
 
@@ -78,9 +90,9 @@ class StatePool:
         self.layout = layout
         self.replay_len = replay_len
         self.framework = framework
-        self._cfg = (layers, slots, HV, V, K, self.state_dtype, layout == "envelope",
-                     envelope_extra_bytes, replay_len, H, self.ring_k_dtype, bool(kda))
-        nbytes = int(lib.pool_required_bytes(*self._cfg))
+        self._cfg = _config(layers, HV, V, K, self.state_dtype, layout, envelope_extra_bytes,
+                            replay_len, H, self.ring_k_dtype, kda, slots=slots)
+        nbytes = _sizes(self._cfg)[0]
         self.nbytes = nbytes
         if framework == "torch":
             import torch
@@ -199,9 +211,8 @@ class StatePool:
                        kda: bool = False) -> int:
         _ints(layers=layers, HV=HV, V=V, K=K, envelope_extra_bytes=envelope_extra_bytes,
               replay_len=replay_len, H=H)
-        return int(lib.pool_bytes_per_slot(layers, HV, V, K, _dtype_name(state_dtype),
-                                           layout == "envelope", envelope_extra_bytes, replay_len,
-                                           H, _dtype_name(ring_k_dtype), bool(kda)))
+        return _sizes(_config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes,
+                              replay_len, H, ring_k_dtype, kda))[1]
 
     @staticmethod
     def slots_for_budget(budget_bytes: int, layers: int, HV: int, V: int, K: int, *,
@@ -210,7 +221,5 @@ class StatePool:
                          ring_k_dtype="bfloat16", kda: bool = False) -> int:
         _ints(budget_bytes=budget_bytes, layers=layers, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
-        return int(lib.pool_slots_for_budget(layers, HV, V, K, _dtype_name(state_dtype),
-                                             layout == "envelope", envelope_extra_bytes,
-                                             replay_len, H, _dtype_name(ring_k_dtype), bool(kda),
-                                             int(budget_bytes)))
+        return _sizes(_config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes,
+                              replay_len, H, ring_k_dtype, kda), budget_bytes)[2]

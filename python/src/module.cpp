@@ -254,32 +254,17 @@ ffi::Array<int64_t> describe(const ds::TensorView& v, const void* base) {
   return ffi::Array<int64_t>(out.begin(), out.end());
 }
 
-int64_t pool_required_bytes(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
-                            ffi::String state_dtype, bool envelope, int64_t extra,
-                            int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda) {
+// [required_bytes, bytes_per_slot, slots_for_budget(budget)] of a configuration.
+ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
+                               ffi::String state_dtype, bool envelope, int64_t extra,
+                               int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda,
+                               int64_t budget) {
   return guarded([&] {
-    return ds::StatePool::required_bytes(pool_config(layers, slots, HV, V, K, state_dtype, envelope,
-                                                     extra, replay_len, H, ring_k_dtype, kda));
-  });
-}
-
-int64_t pool_bytes_per_slot(int64_t layers, int64_t HV, int64_t V, int64_t K,
-                            ffi::String state_dtype, bool envelope, int64_t extra,
-                            int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda) {
-  return guarded([&] {
-    return ds::StatePool::bytes_per_slot(pool_config(layers, 1, HV, V, K, state_dtype, envelope,
-                                                     extra, replay_len, H, ring_k_dtype, kda));
-  });
-}
-
-int64_t pool_slots_for_budget(int64_t layers, int64_t HV, int64_t V, int64_t K,
-                              ffi::String state_dtype, bool envelope, int64_t extra,
-                              int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda,
-                              int64_t budget) {
-  return guarded([&] {
-    return ds::StatePool::slots_for_budget(pool_config(layers, 1, HV, V, K, state_dtype, envelope,
-                                                       extra, replay_len, H, ring_k_dtype, kda),
-                                           budget);
+    const ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope,
+                                              extra, replay_len, H, ring_k_dtype, kda);
+    const std::vector<int64_t> v{ds::StatePool::required_bytes(c), ds::StatePool::bytes_per_slot(c),
+                                 ds::StatePool::slots_for_budget(c, budget)};
+    return ffi::Array<int64_t>(v.begin(), v.end());
   });
 }
 
@@ -345,7 +330,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(packed_decode, packed_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(recurrent, recurrent);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(replayssm_decode, replayssm_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_required_bytes, pool_required_bytes);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_bytes_per_slot, pool_bytes_per_slot);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_slots_for_budget, pool_slots_for_budget);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_sizes, pool_sizes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_new, pool_new);

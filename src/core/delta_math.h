@@ -71,6 +71,13 @@ DS_HD void decay_and_dots(float* s, const float* alpha, const float* k, const fl
 
 DS_HD float delta_u(float v, float sk, float beta) { return beta * (v - sk); }
 
+// s <- s * f elementwise (the decay alpha, or ReplaySSM's exp(Gtot)).
+template <class Len>
+DS_HD void scale_row(float* s, const float* f, Len n) {
+  DS_UNROLL
+  for (int i = 0; i < n; ++i) s[i] *= f[i];
+}
+
 template <class Len>
 DS_HD void rank1_update(float* s, const float* k, Len n, float u) {
   DS_UNROLL
@@ -79,14 +86,12 @@ DS_HD void rank1_update(float* s, const float* k, Len n, float u) {
 
 DS_HD float delta_output(float sq, float u, float kq) { return sq + u * kq; }
 
-// ReplaySSM rebuild (§5): S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T, with G_j the inclusive
-// prefix sum of the ring's g, Gtot = G_{m-1}, W_j = exp(Gtot - G_j). Backends scale S0 by
-// exp(Gtot) and accumulate one ring record at a time (kw = W_j * k_j for KDA; GDN folds its
-// scalar W_j into d_j).
-template <class Len>
-DS_HD void replay_accumulate_row(float* s, const float* kw, Len n, float d) {
-  DS_UNROLL
-  for (int i = 0; i < n; ++i) s[i] += d * kw[i];
-}
+// ReplaySSM (§5). A row with cursor m (records 0..m-1 in its ring of L) flushes this step when
+// its ring is full or a flush is forced; the cursor then becomes 0, else m + 1.
+DS_HD bool replay_flushes(int m, int L, bool forced) { return m >= L - 1 || forced; }
+// The state before the token, on a flush: S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T with G_j
+// the inclusive prefix sums of the ring's g, Gtot = G_{m-1}, W_j = exp(Gtot - G_j): scale_row by
+// exp(Gtot), then one rank1_update per record (kw = W_j * k_j for KDA; GDN folds its scalar W_j
+// into d_j). The token then folds in as S0 <- alpha*S + d*k: scale_row, rank1_update.
 
 }  // namespace deltastate::detail

@@ -35,6 +35,13 @@ enum class GateMode : uint8_t {
   safe,       // g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
 };
 
+// Element offset of head `head`'s vector for token `tok` of batch row `seq` (HeadInput or
+// HeadOutput; see HeadInput for the convention).
+template <class Head>
+DS_HD int64_t head_offset(const Head& t, int64_t seq, int64_t tok, int64_t head) {
+  return seq * t.seq_stride + tok * t.tok_stride + head * t.head_stride;
+}
+
 // Gate parameters shared by every op.
 struct GateParams {
   GateMode mode = GateMode::log_decay;

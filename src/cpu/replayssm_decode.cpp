@@ -16,10 +16,10 @@ using namespace deltastate::detail;
 
 namespace {
 struct Scratch {
-  std::vector<float> S, q, k, v, g, alpha, d, o, e, ek, eq, kw, dj, w, ck, cq;
+  std::vector<float> S, q, k, v, g, alpha, d, o, e, G, ak, aq, ek, eq, kw, dj, w, ck, cq;
   void resize(int K, int V, int L) {
     S.resize(static_cast<size_t>(K) * V);
-    for (auto* x : {&q, &k, &g, &alpha, &e, &ek, &eq}) x->resize(K);
+    for (auto* x : {&q, &k, &g, &alpha, &e, &G, &ak, &aq, &ek, &eq}) x->resize(K);
     for (auto* x : {&v, &d, &o}) x->resize(V);
     kw.resize(static_cast<size_t>(L) * K);
     dj.resize(static_cast<size_t>(L) * V);
@@ -28,7 +28,7 @@ struct Scratch {
 };
 
 bool row_flushes(const ReplayProblem& p, int64_t n) {
-  return p.write_pos[n] >= p.L - 1 || (p.force_flush && p.force_flush[n] != 0);
+  return replay_flushes(p.write_pos[n], p.L, p.force_flush && p.force_flush[n] != 0);
 }
 }  // namespace
 
@@ -66,7 +66,11 @@ void run_replayssm_decode(const ReplayProblem& p) {
     prepare_qk(sc.k.data(), K, p.l2norm, 1.0f);
     const float kq = dot(sc.k.data(), sc.q.data(), K);
     gate_row(p.gate, p.a.ptr, p.a.dtype, head_offset(p.a, n, 0, hv), hv, K, sc.g.data());
-    for (int i = 0; i < K; ++i) sc.alpha[i] = expf(sc.g[i]);
+    for (int i = 0; i < K; ++i) {
+      sc.alpha[i] = expf(sc.g[i]);
+      sc.ak[i] = sc.alpha[i] * sc.k[i];
+      sc.aq[i] = sc.alpha[i] * sc.q[i];
+    }
     const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
                                   /*is_logit=*/true, /*round=*/true, p.b.dtype);
 
@@ -76,7 +80,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
     for (int j = 0; j < m; ++j)
       for (int i = 0; i < g_width; ++i) sc.e[i] += p.g_cache[g_base + j * g_width + i];
     if (!p.gate.kda) std::fill(sc.e.begin() + 1, sc.e.end(), sc.e[0]);
-    std::vector<float>& prefix = sc.ek;  // G_j (scratch until step 3)
+    std::vector<float>& prefix = sc.G;  // G_j
     std::fill(prefix.begin(), prefix.end(), 0.0f);
     for (int j = 0; j < m; ++j) {
       float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
@@ -90,21 +94,16 @@ void run_replayssm_decode(const ReplayProblem& p) {
       } else {
         sc.w[j] = expf(sc.e[0] - prefix[0]);
       }
-      float ck = 0.0f, cq = 0.0f;
-      for (int i = 0; i < K; ++i) {
-        ck += kw[i] * (sc.alpha[i] * sc.k[i]);
-        cq += kw[i] * (sc.alpha[i] * sc.q[i]);
-      }
-      sc.ck[j] = sc.w[j] * ck;
-      sc.cq[j] = sc.w[j] * cq;
+      sc.ck[j] = sc.w[j] * dot(kw, sc.ak.data(), K);
+      sc.cq[j] = sc.w[j] * dot(kw, sc.aq.data(), K);
     }
     for (int i = 0; i < K; ++i) sc.e[i] = expf(sc.e[i]);
 
     // 3. Per row: sk = S0.(e*alpha*k) + sum_j d_j ck_j, sq likewise with q (the state before
     //    this token is never built); d = beta*(v - sk), o = sq + d*(k.q).
     for (int i = 0; i < K; ++i) {
-      sc.ek[i] = sc.e[i] * (sc.alpha[i] * sc.k[i]);
-      sc.eq[i] = sc.e[i] * (sc.alpha[i] * sc.q[i]);
+      sc.ek[i] = sc.e[i] * sc.ak[i];
+      sc.eq[i] = sc.e[i] * sc.aq[i];
     }
     for (int vi = 0; vi < V; ++vi) {
       const float* s0 = sc.S.data() + static_cast<int64_t>(vi) * K;
@@ -124,12 +123,11 @@ void run_replayssm_decode(const ReplayProblem& p) {
     if (flush) {
       for (int vi = 0; vi < V; ++vi) {
         float* row = sc.S.data() + static_cast<int64_t>(vi) * K;
-        for (int i = 0; i < K; ++i) row[i] *= sc.e[i];
+        scale_row(row, sc.e.data(), K);
         for (int j = 0; j < m; ++j)
-          replay_accumulate_row(row, sc.kw.data() + static_cast<int64_t>(j) * K, K,
-                                sc.dj[static_cast<int64_t>(j) * V + vi] * sc.w[j]);
-        float sk_unused, sq_unused;
-        decay_and_dots(row, sc.alpha.data(), sc.k.data(), sc.q.data(), K, sk_unused, sq_unused);
+          rank1_update(row, sc.kw.data() + static_cast<int64_t>(j) * K, K,
+                       sc.dj[static_cast<int64_t>(j) * V + vi] * sc.w[j]);
+        scale_row(row, sc.alpha.data(), K);  // S0 <- alpha*S + d*k
         rank1_update(row, sc.k.data(), K, sc.d[vi]);
       }
       store_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());

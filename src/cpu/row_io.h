@@ -9,6 +9,7 @@
 
 namespace deltastate::cpu {
 
+using detail::head_offset;
 using detail::HeadInput;
 using detail::HeadOutput;
 
@@ -27,12 +28,6 @@ inline void store_row(void* base, DType dtype, int64_t off, int n, const float* 
     return;
   }
   for (int i = 0; i < n; ++i) detail::store_float(base, dtype, off + i, src[i]);
-}
-
-// Element offset of a head's vector (HeadInput or HeadOutput).
-template <class Head>
-inline int64_t head_offset(const Head& t, int64_t seq, int64_t tok, int64_t head) {
-  return seq * t.seq_stride + tok * t.tok_stride + head * t.head_stride;
 }
 
 // Normalize (optionally) and scale one q or k vector in place.

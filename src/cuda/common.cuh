@@ -50,13 +50,6 @@ class DeviceGuard {
 
 int num_sms(int device);
 
-template <class T>
-constexpr DType dtype_of() {
-  if constexpr (std::is_same_v<T, float>) return DType::f32;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::bf16;
-  else return DType::f16;
-}
-
 template <class StateT, int KT>
 struct RowLayout {
   static constexpr int kElemBytes = static_cast<int>(sizeof(StateT));
@@ -117,10 +110,7 @@ __device__ __forceinline__ void store_state(StateT* p, int valid, const float (&
   }
 }
 
-template <class Head>
-__device__ __forceinline__ int64_t head_offset(const Head& t, int64_t seq, int64_t tok, int64_t head) {
-  return seq * t.seq_stride + tok * t.tok_stride + head * t.head_stride;
-}
+using detail::head_offset;
 
 // Input loaders. TypedInput<T> reads inputs known to be of type T (the fast path: one plain load
 // per element, so all of a token's loads issue back to back); AnyInput switches on the runtime
@@ -312,11 +302,7 @@ __device__ __forceinline__ int finish_rows(float (&dots)[2 * R], const float (&v
   return first_copy ? mine : -1;
 }
 
-// cp.async: asynchronous global -> shared copies (16 bytes .cg, or 4 bytes .ca), grouped.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
+// cp.async: asynchronous 4-byte global -> shared copies, grouped.
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -325,6 +311,19 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Whether every state row of the pool starts on a 16-byte boundary (the vector-load kernels).
+template <class StateT>
+bool state_rows_aligned(const detail::StatePoolRef& s) {
+  return reinterpret_cast<uintptr_t>(s.ptr) % 16 == 0 &&
+         (s.slot_stride * static_cast<int64_t>(sizeof(StateT))) % 16 == 0;
+}
+
+inline void require_supported_k(int K) {
+  if (K > 256)
+    throw Error(ErrorKind::not_implemented,
+                "the CUDA backend supports K <= 256 (got K=" + std::to_string(K) + ")");
 }
 
 // A kernel's report of an out-of-range slot index (debug bounds checking): message, then trap.

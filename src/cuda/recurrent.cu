@@ -218,9 +218,7 @@ bool inputs_are(const RecurrentProblem& p, DType t) {
 
 template <class StateT, class In>
 bool launch_fast(const RecurrentProblem& p, cudaStream_t stream) {
-  const bool aligned = reinterpret_cast<uintptr_t>(p.state.ptr) % 16 == 0 &&
-                       (p.state.slot_stride * static_cast<int64_t>(sizeof(StateT))) % 16 == 0;
-  if (!aligned) return false;
+  if (!state_rows_aligned<StateT>(p.state)) return false;
   if (p.K == 128) return launch_direct<StateT, 128, true, In>(p, stream), true;
   if (p.K == 64) return launch_direct<StateT, 64, true, In>(p, stream), true;
   return false;
@@ -232,9 +230,7 @@ bool launch_fast(const RecurrentProblem& p, cudaStream_t stream) {
 // input dtypes). CI builds (DELTASTATE_CUDA_ALL_KERNELS=OFF) compile only the generic one.
 template <class StateT>
 void dispatch(const RecurrentProblem& p, cudaStream_t stream) {
-  if (p.K > 256)
-    throw Error(ErrorKind::not_implemented,
-                "the CUDA backend supports K <= 256 (got K=" + std::to_string(p.K) + ")");
+  require_supported_k(p.K);
 #if DELTASTATE_CUDA_ALL_KERNELS
   if (inputs_are(p, DType::bf16) && launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream)) return;
   if (inputs_are(p, DType::f32) && launch_fast<StateT, TypedInput<float>>(p, stream)) return;

@@ -46,6 +46,12 @@ struct SmemLayout {
     cq = ck + L;
     bytes = (cq + L) * 4;
   }
+  // The layout a kernel instantiation uses (kernel and launcher must agree): the vector path
+  // stages d raw in its dtype, the generic path as floats.
+  __host__ __device__ static SmemLayout of(const ReplayProblem& p, int KT, bool vec, int rows_cta) {
+    return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, static_cast<int>(dtype_size(p.k_dtype)),
+                      vec ? static_cast<int>(dtype_size(p.d_dtype)) : 4, rows_cta);
+  }
 };
 
 // Copies `bytes` (a multiple of 4) from global to shared memory with 4-byte cp.async spread over
@@ -55,18 +61,6 @@ __device__ __forceinline__ void stage_words(void* smem, const void* gmem, int by
   auto* s = static_cast<uint32_t*>(smem);
   auto* g = static_cast<const uint32_t*>(gmem);
   for (int i = threadIdx.x; i < words; i += blockDim.x) cp_async4(s + i, g + i);
-}
-
-template <class T>
-__device__ __forceinline__ float smem_load(const float* base, int offset_floats, int i) {
-  return to_float(reinterpret_cast<const T*>(base + offset_floats)[i]);
-}
-__device__ __forceinline__ float smem_load_dtype(const float* base, int off, DType t, int i) {
-  switch (t) {
-    case DType::bf16: return smem_load<__nv_bfloat16>(base, off, i);
-    case DType::f16: return smem_load<__half>(base, off, i);
-    default: return base[off + i];
-  }
 }
 
 template <class StateT, int KT, bool VEC, class In>
@@ -93,8 +87,8 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
   const int gw = p.gate.kda ? K : 1;
   const int k_bytes = static_cast<int>(dtype_size(p.k_dtype));
   const int d_bytes = static_cast<int>(dtype_size(p.d_dtype));
-  // The generic path stages d as floats.
-  const SmemLayout sm(L, KT, gw, k_bytes, VEC ? d_bytes : 4, rows_cta);
+  const DType d_staged = VEC ? p.d_dtype : DType::f32;
+  const SmemLayout sm = SmemLayout::of(p, KT, VEC, rows_cta);
 
   // This token's inputs and the head's gate constants do not depend on the slot: issue first.
   TokenInputs<EPL, R> x;
@@ -140,7 +134,7 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
       const int old = atomicAdd(p.write_pos + n, 1 << 16);
       m = min(max(old & 0xffff, 0), L - 1);
       if ((old >> 16) == p.HV * static_cast<int>(gridDim.y) - 1)
-        p.write_pos[n] = (m == L - 1 || forced) ? 0 : m + 1;
+        p.write_pos[n] = detail::replay_flushes(m, L, forced) ? 0 : m + 1;
     } else {
       m = p.write_pos[n];
       if (p.check_indices && (m < 0 || m >= L)) {
@@ -169,7 +163,7 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
   }
   __syncthreads();  // cursor_sh, ak, aq
   const int m = cursor_sh;
-  const bool flush = m == L - 1 || forced;
+  const bool flush = detail::replay_flushes(m, L, forced);
 
   // 3. Stage the m ring records (raw) with one round trip of cp.async, then derive kw, e, W.
   float* g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * gw;
@@ -208,7 +202,7 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
         float prefix = 0.0f;
         for (int j = 0; j < m; ++j) {
           prefix += smem[sm.g_raw + j * gw + col];
-          const float kr = VEC ? smem_load_dtype(smem, sm.k_raw, p.k_dtype, j * K + col)
+          const float kr = VEC ? detail::load_float(smem + sm.k_raw, p.k_dtype, j * K + col)
                                : smem[sm.kw + j * KT + col];
           smem[sm.kw + j * KT + col] = expf(gtot - prefix) * kr;
         }
@@ -224,7 +218,7 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
       }
       if constexpr (VEC) {
         for (int i = threadIdx.x; i < m * K; i += blockDim.x)
-          smem[sm.kw + (i / K) * KT + i % K] = smem_load_dtype(smem, sm.k_raw, p.k_dtype, i);
+          smem[sm.kw + (i / K) * KT + i % K] = detail::load_float(smem + sm.k_raw, p.k_dtype, i);
       }
     }
     __syncthreads();
@@ -270,7 +264,7 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
     const float* c = smem + (idx < R ? sm.ck : sm.cq);
     const int local = local0 + r * RG;  // row r of this lane's row group
     float t = 0.0f;
-    for (int j = 0; j < m; ++j) t += smem_load_dtype(smem, sm.d_raw, VEC ? p.d_dtype : DType::f32, j * rows_cta + local) * c[j];
+    for (int j = 0; j < m; ++j) t += detail::load_float(smem + sm.d_raw, d_staged, j * rows_cta + local) * c[j];
     return t;
   };
   float d[R], o;
@@ -286,9 +280,7 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
       for (int i = 0; i < EPL; ++i)
         e[i] = i < valid ? smem[sm.e + (p.gate.kda ? kofs + i : 0)] : 1.0f;
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int i = 0; i < EPL; ++i) S[r][i] *= e[i];
+      for (int r = 0; r < R; ++r) detail::scale_row(S[r], e, std::integral_constant<int, EPL>{});
       for (int j = 0; j < m; ++j) {
         float kw[EPL];
 #pragma unroll
@@ -296,17 +288,14 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
         const float wj = p.gate.kda ? 1.0f : smem[sm.w + j];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          const float dj = smem_load_dtype(smem, sm.d_raw, VEC ? p.d_dtype : DType::f32,
-                                           j * rows_cta + local0 + r * RG);
-          detail::replay_accumulate_row(S[r], kw, std::integral_constant<int, EPL>{}, dj * wj);
+          const float dj = detail::load_float(smem + sm.d_raw, d_staged, j * rows_cta + local0 + r * RG);
+          detail::rank1_update(S[r], kw, std::integral_constant<int, EPL>{}, dj * wj);
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float sk_unused, sq_unused;  // S <- alpha*S, then + d*k
-      detail::decay_and_dots(S[r], alpha, x.k, x.q, std::integral_constant<int, EPL>{}, sk_unused,
-                             sq_unused);
+      detail::scale_row(S[r], alpha, std::integral_constant<int, EPL>{});  // S0 <- alpha*S + d*k
       detail::rank1_update(S[r], x.k, std::integral_constant<int, EPL>{}, d[r]);
       const int row = row0 + r * RG;
       if (row < V) store_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
@@ -346,8 +335,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
     throw Error(ErrorKind::not_implemented,
                 "replayssm_decode: HV * V-blocks must stay below 2^15 for the in-kernel cursor "
                 "advance");
-  const SmemLayout sm(p.L, KT, p.gate.kda ? p.K : 1, static_cast<int>(dtype_size(p.k_dtype)),
-                      VEC ? static_cast<int>(dtype_size(p.d_dtype)) : 4, warps * rows_per_warp);
+  const SmemLayout sm = SmemLayout::of(p, KT, VEC, warps * rows_per_warp);
   static int opted_in = 48 * 1024;  // per instantiation
   if (sm.bytes > opted_in) {
     int max_optin = 0;
@@ -381,9 +369,7 @@ bool ring_words_aligned(const ReplayProblem& p, int rows_cta) {
 
 template <class StateT, class In>
 bool launch_fast(const ReplayProblem& p, cudaStream_t stream) {
-  const bool aligned = reinterpret_cast<uintptr_t>(p.state.ptr) % 16 == 0 &&
-                       (p.state.slot_stride * static_cast<int64_t>(sizeof(StateT))) % 16 == 0;
-  if (!aligned || !ring_words_aligned(p, 32)) return false;
+  if (!state_rows_aligned<StateT>(p.state) || !ring_words_aligned(p, 32)) return false;
   if (p.K == 128) return launch<StateT, 128, true, In>(p, stream), true;
   if (p.K == 64) return launch<StateT, 64, true, In>(p, stream), true;
   return false;
@@ -393,9 +379,7 @@ bool launch_fast(const ReplayProblem& p, cudaStream_t stream) {
 // Kernel choice as for the recurrent op (src/cuda/recurrent.cu).
 template <class StateT>
 void dispatch(const ReplayProblem& p, cudaStream_t stream) {
-  if (p.K > 256)
-    throw Error(ErrorKind::not_implemented,
-                "the CUDA backend supports K <= 256 (got K=" + std::to_string(p.K) + ")");
+  require_supported_k(p.K);
 #if DELTASTATE_CUDA_ALL_KERNELS
   if (inputs_are(p, DType::bf16) && launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream)) return;
   if (inputs_are(p, DType::f32) && launch_fast<StateT, TypedInput<float>>(p, stream)) return;

@@ -61,6 +61,9 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
     l.entry_bytes = head_bytes;
     l.state_bytes = c.layers * c.slots * head_bytes;
   }
+  const bool env = c.layout == PoolLayout::envelope;
+  l.slot_rows = env ? 1 : c.layers;
+  l.slot_row_pitch = env ? l.entry_bytes : c.slots * l.entry_bytes;
   int64_t off = round_up(l.state_bytes, kAlign);
   const int64_t L = c.replay_len;
   l.d_offset = off;
@@ -139,12 +142,8 @@ int64_t StatePool::num_free() const {
 }
 
 void StatePool::clear_slot(int64_t slot, Stream stream) {
-  // Per layer: `layers` rows of one state each, a layer apart; envelope: the slot's one entry.
-  const bool env = cfg_.layout == PoolLayout::envelope;
   char* first = at(lay_.state_offset + slot * lay_.entry_bytes);
-  const int64_t row = lay_.entry_bytes;
-  const int64_t rows = env ? 1 : cfg_.layers;
-  const int64_t pitch = env ? lay_.entry_bytes : cfg_.slots * lay_.entry_bytes;
+  const int64_t row = lay_.entry_bytes, rows = lay_.slot_rows, pitch = lay_.slot_row_pitch;
   if (on_cuda(cfg_)) {
     cuda_backend::memset_2d_async(first, static_cast<size_t>(pitch), 0, static_cast<size_t>(row),
                                   static_cast<size_t>(rows), cfg_.device.index, stream);
@@ -166,9 +165,7 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
     fail(format("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got %d for "
                 "src %lld",
                 wp, ll(src)));
-  const bool env = cfg_.layout == PoolLayout::envelope;
-  const int64_t rows = env ? 1 : cfg_.layers;
-  const int64_t pitch = env ? lay_.entry_bytes : cfg_.slots * lay_.entry_bytes;
+  const int64_t rows = lay_.slot_rows, pitch = lay_.slot_row_pitch;
   const char* from = at(lay_.state_offset + src * lay_.entry_bytes);
   char* to = at(lay_.state_offset + dst * lay_.entry_bytes);
   if (on_cuda(cfg_)) {
