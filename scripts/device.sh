@@ -3,7 +3,8 @@
 # benchmarks, and leave logs and results under $OUT.
 #
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
-#                                      bench-replay overhead (default: all, in that order)
+#                                      bench-replay overhead (default: all, in that order);
+#                                      also build-lib, bench-direct, profile
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -56,6 +57,11 @@ for phase in "${phases[@]}"; do
       ;;
     test)
       run test "$BUILD/tests/deltastate_gpu_tests"
+      # every decode kernel on every decode-shaped case (the default picks one per call)
+      for k in direct stream decode; do
+        DELTASTATE_CUDA_DECODE=$k run test "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
+          --gtest_filter='*Packed*:*4096*:*Graph*'
+      done
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
@@ -66,12 +72,21 @@ for phase in "${phases[@]}"; do
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter="${SANITIZE_FILTER:-*k96*:*odd*:*k64_*}"
       run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter="${RACECHECK_FILTER:-*k96*:*k64v128*}"
+      # the streaming kernel (shared-memory stages, bulk copies, mbarriers), forced on small cases
+      DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*:*B3*:*k64_*'
+      DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
+        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*'
       ;;
     check)
       run check python3 bench/check_cuda_vs_cpu.py
       ;;
     bench-decode)
       run bench-decode python3 bench/bench_decode.py --json "$OUT/decode-h200.json" ${BENCH_ARGS:-}
+      ;;
+    bench-direct)  # the register kernel forced everywhere, for the kernel-choice threshold
+      DELTASTATE_CUDA_DECODE=direct run bench-direct python3 bench/bench_decode.py --no-peer \
+        --json "$OUT/decode-direct.json" ${BENCH_ARGS:-}
       ;;
     bench-replay)
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}

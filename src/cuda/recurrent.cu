@@ -1,19 +1,25 @@
 // CUDA kernels of the pooled varlen recurrent op, GDN and KDA; packed decode is its T = 1 case.
 //
-// Decode is memory-bound: every state element is read once and written once. The work is cut in
-// tiles: one warp's RG*R rows of one (sequence, value head). Each thread keeps R row slices of
-// EPL elements in registers for the whole sequence and stores them once at the end; dot products
-// over K are shuffle reductions inside the G lanes of a row (one transposed reduction for all rows).
-//
-// One kernel, one tile per warp, state loaded straight into registers, all loads of a tile issued
-// before the first use (token inputs before the slot index resolves): the fast instantiations
-// (K = 64/128, 16-byte aligned rows, typed inputs) load 16 bytes per row per thread; the generic
-// one (any K <= 256, any input dtypes) loads elements. (A persistent variant that prefetched the
-// next tiles' state into shared memory with cp.async measured no faster: docs/PERFORMANCE.md.)
-// No allocation, no host synchronization: graph-capturable.
+// Decode is memory-bound: every state element is read once and written once. Three kernels, one
+// math (core/delta_math.h), chosen per call by `dispatch` at the end of this file:
+//  * recurrent_decode_kernel: one token per sequence, one warp per tile of rows held in
+//    registers, small register footprint; the default for decode.
+//  * recurrent_stream_kernel: one token per sequence, state tiles through shared memory with bulk
+//    copies, the token's preparation done once per tile by a producer warp; the default for
+//    16-bit states at large batch, where the register kernels run out of instruction issue.
+//  * recurrent_direct_kernel: any number of tokens per sequence (varlen), dense final states,
+//    no state, read-only pools; each thread keeps its rows' slices in registers for the whole
+//    sequence; fast instantiations for K = 64/128 with typed inputs, a generic one for any
+//    K <= 256 and any input dtypes.
+// Dot products over K are shuffle reductions inside the G lanes of a row (one transposed
+// reduction for all of a thread's rows). No allocation, no host synchronization: graph-capturable.
+// Measurements behind the choices: docs/PERFORMANCE.md.
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "api/backend.h"
+#include "cuda/bulk_copy.cuh"
 #include "cuda/common.cuh"
 
 namespace deltastate::cuda_backend {
@@ -191,6 +197,504 @@ __global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
   write_state<StateT, EPL, R, RG, VEC>(p, c, state_head, len, kofs, valid, S);
 }
 
+// ---- register decode kernel: one token, lean ---------------------------------------------------
+//
+// Decode (T = 1, no cu_seqlens, in place on the pool, no dense final-state copy): one warp per
+// tile of RG*ROWS rows (RowLayout: 32 state values per thread), state loaded straight into
+// registers. Written for a small register footprint (at most 80 per thread: 24 resident warps
+// per SM keep enough loads in flight; the multi-token direct kernel needs 128 and reaches 79% of
+// copy bandwidth where this one reaches 89%; a 64-register cap spills and measured slower): no
+// token loop, v loaded only by the lanes that compute u for a row, the reduced dots reused for u
+// and o.
+template <class StateT, int K, class In>
+__global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const RecurrentProblem p,
+                                                                   int warps_per_head) {
+  using Lay = RowLayout<StateT, K>;
+  constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  const int lane = threadIdx.x & 31;
+  const int w = static_cast<int>(blockIdx.x) * 2 + static_cast<int>(threadIdx.x >> 5);
+  if (w >= static_cast<int>(p.num_heads_total()) * warps_per_head) return;
+  const int head = w / warps_per_head;
+  const int wb = w - head * warps_per_head;
+  const int n = head / p.HV;
+  const int hv = head - n * p.HV;
+  const int h = hv / (p.HV / p.H);
+  const int kofs = (lane % G) * EPL;
+  const int row0 = wb * RG * R + lane / G;
+  const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
+  const int64_t slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
+
+  // The token's inputs (independent of the slot: issued before the state loads resolve).
+  float q[EPL], k[EPL], g[EPL];
+  const int64_t q_off = head_offset(p.q, n, 0, h) + kofs;
+  const int64_t k_off = head_offset(p.k, n, 0, h) + kofs;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    q[i] = In::load(p.q.ptr, p.q.dtype, q_off + i);
+    k[i] = In::load(p.k.ptr, p.k.dtype, k_off + i);
+  }
+  const detail::GateParams& gp = p.gate;
+  const int64_t g_off = head_offset(p.g, n, 0, hv);
+  if (gp.kda) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) g[i] = In::load(p.g.ptr, p.g.dtype, g_off + kofs + i);
+  } else {
+    g[0] = In::load(p.g.ptr, p.g.dtype, g_off);
+  }
+  const float b = In::load(p.beta.ptr, p.beta.dtype, head_offset(p.beta, n, 0, hv));
+  const int vrow = row0 + (idx < R ? idx : 0) * RG;  // lanes holding sk_r compute u_r: they need v_r
+  const float v = idx < R && vrow < p.V ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
+  const int64_t o_off = head_offset(p.out, n, 0, hv);
+
+  if (slot < 0) {  // padding: zero output, state untouched
+    if (lane % G == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (row0 + r * RG < p.V) detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + r * RG, 0.0f);
+    }
+    return;
+  }
+  if (p.check_indices && slot >= p.state.num_slots) trap_bad_slot("recurrent", n, slot, p.state.num_slots);
+  StateT* st = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
+               static_cast<int64_t>(hv) * p.V * K + static_cast<int64_t>(row0) * K + kofs;
+  float S[R][EPL];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (row0 + r * RG < p.V) {
+      load_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+    }
+  }
+
+  // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h).
+  const float kq = prepare_qk<EPL, G>(q, k, p.l2norm, p.scale, lane);
+  const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
+  float alpha[EPL];
+  if (gp.kda) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, static_cast<int64_t>(hv) * K + kofs + i) : 0.0f;
+      alpha[i] = expf(detail::gate_value(gp.mode, g[i], dt, A_log, gp.lower_bound));
+    }
+  } else {
+    const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, hv) : 0.0f;
+    const float a0 = expf(detail::gate_value(gp.mode, g[0], dt, A_log, gp.lower_bound));
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) alpha[i] = a0;
+  }
+  const float beta = detail::beta_value(b, p.beta_is_logit, p.round_beta, p.beta.dtype);
+
+  // The delta-rule step: decay and dots, one transposed reduction of all 2R dots, u_r by the lane
+  // holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
+  float dots[2 * R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    detail::decay_and_dots(S[r], alpha, k, q, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
+  const float red = transpose_reduce<G, 2 * R>(dots, lane);
+  const float u_here = detail::delta_u(v, red, beta);  // meaningful on the sk lanes
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float u = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(r), G);
+    detail::rank1_update(S[r], k, std::integral_constant<int, EPL>{}, u);
+    if (row0 + r * RG < p.V) store_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
+  }
+  const int sq_r = idx - R;  // this lane's row, if it holds sq
+  const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
+  const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
+  if (sq_r >= 0 && first_copy && row0 + sq_r * RG < p.V)
+    detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + sq_r * RG, detail::delta_output(red, u_o, kq));
+}
+
+template <class StateT, int K, class In>
+void launch_decode(const RecurrentProblem& p, cudaStream_t stream) {
+  using Lay = RowLayout<StateT, K>;
+  const int rows_per_warp = Lay::RG * Lay::ROWS;
+  const int wph = (p.V + rows_per_warp - 1) / rows_per_warp;
+  const int64_t warps = p.num_heads_total() * wph;
+  if (warps > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  if (warps == 0) return;
+  recurrent_decode_kernel<StateT, K, In><<<static_cast<unsigned>((warps + 1) / 2), 64, 0, stream>>>(p, wph);
+  DS_CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- streaming kernel: state tiles through shared memory with bulk copies ----------------------
+//
+// Decode (one token per sequence, T = 1 without cu_seqlens) at large batch. A persistent grid;
+// CTA b walks tiles b, b + gridDim.x, ... (tile = TILE_ROWS rows of one (sequence, value head))
+// through a ring of STAGES shared-memory stages.
+//
+//  * The producer warp, per tile: resolves the slot, issues one bulk load of the tile (global ->
+//    shared, completing on the stage's `full` mbarrier), and meanwhile prepares the token for the
+//    consumers into the stage's prep record: q normalized and scaled, k normalized, alpha (per K
+//    element for KDA), v of the tile's rows, beta, k.q. It issues the bulk store (shared ->
+//    global) of each tile its consumers have finished, in order, and refills a stage once that
+//    store has read it. Its input loads run one tile ahead.
+//  * NW consumer warps compute the tile in place: the delta-rule step on their rows from the prep
+//    record, the output, the new state back into the stage; then they arrive on `done`.
+//
+// So the bytes in flight come from the copy engine (not from resident warps holding tiles in
+// registers, which is what limited the direct kernel), and the per-token work (norms, gates,
+// divisions, input loads and their address arithmetic) runs once per tile in one warp instead of
+// in every warp that touches the head (docs/PERFORMANCE.md has the measurements).
+//
+// Consumer lanes: G = K/16 lanes per row, each holding 16 elements of the row in 16-byte chunks
+// (chunk c of lane l starts at element c*G*CE + l*CE), so a quarter warp reads 128 contiguous
+// bytes of shared memory and a row's dot products need log2(G) shuffle stages.
+template <class StateT, int K>
+struct StreamLayout {
+  static constexpr int kEsize = static_cast<int>(sizeof(StateT));
+  static constexpr int CE = 16 / kEsize;  // elements per 16-byte chunk
+  static constexpr int EPL = 16;          // elements per lane
+  static constexpr int CH = EPL / CE;     // chunks per lane
+  static constexpr int G = K / EPL;       // lanes per row
+  static constexpr int RPP = 32 / G;      // rows per warp per pass
+  static constexpr int R = (kEsize == 4 || G < 8) ? 2 : 4;  // passes (rows per thread)
+  static constexpr int NW = 4;            // consumer warps
+  static constexpr int THREADS = (NW + 1) * 32;
+  static constexpr int TILE_ROWS = NW * RPP * R;
+  static constexpr int TILE_BYTES = TILE_ROWS * K * kEsize;  // 16 KB (8 KB for bf16, K = 64)
+  static constexpr int STAGES = 65536 / TILE_BYTES;  // 64 KB of stages per CTA, 3 CTAs per SM
+  static constexpr int KPL = K / 32;                  // producer lanes: K elements per lane
+  static constexpr int VPL = TILE_ROWS / 32;          // producer lanes: v rows per lane
+  // The prep record of a stage: q[K], k[K], alpha[K] (KDA), v[TILE_ROWS] floats, then scalars.
+  static constexpr int PREP_FLOATS = 3 * K + TILE_ROWS;
+  static constexpr int PREP_BYTES = PREP_FLOATS * 4 + 32;
+  static constexpr int PREP_OFS = STAGES * TILE_BYTES;
+  static constexpr int BAR_OFS = PREP_OFS + STAGES * PREP_BYTES;
+  static constexpr int SMEM_BYTES = BAR_OFS + STAGES * (8 + 8 + 8 + 8);  // full, done, store ptr, bytes
+  static_assert(G >= 2 && G <= 32 && 2 * R <= G, "K must be 64 or 128");
+  static_assert(STAGES >= 2 && STAGES <= 8, "tile size");
+  static_assert(PREP_BYTES % 16 == 0 && VPL >= 1, "prep record layout");
+  __device__ static int elem(int lane, int c, int e) { return c * (G * CE) + (lane % G) * CE + e; }
+};
+
+// The scalars of a prep record (after its float arrays).
+struct StagePrep {
+  int64_t slot;     // the pool slot, or kStagePadded
+  int64_t out_off;  // element offset of the token's output row of this head
+  float kq, beta, alpha0;
+  int vb;           // the tile's row block
+};
+constexpr int64_t kStagePadded = -1;
+
+// Where tile t lives: sequence n, value head hv (key head h), row block vb.
+struct StreamTile {
+  int n, hv, h, vb;
+};
+__device__ __forceinline__ StreamTile stream_tile(const RecurrentProblem& p, int t, int vblocks) {
+  StreamTile c;
+  const int head = t / vblocks;
+  c.vb = t - head * vblocks;
+  c.n = head / p.HV;
+  c.hv = head - c.n * p.HV;
+  c.h = c.hv / (p.HV / p.H);
+  return c;
+}
+
+// One tile's raw inputs in the producer's lanes (lane l: K elements l*KPL.., rows l*VPL..),
+// loaded one tile ahead of their use.
+template <int KPL, int VPL>
+struct StreamInputs {
+  StreamTile c;
+  int64_t slot;
+  float q[KPL], k[KPL], g[KPL], dt[KPL], A_log, v[VPL], b;
+};
+template <class In, int KPL, int VPL, int TILE_ROWS>
+__device__ __forceinline__ void stream_load(const RecurrentProblem& p, int t, int vblocks, int lane,
+                                            StreamInputs<KPL, VPL>& x) {
+  x.c = stream_tile(p, t, vblocks);
+  const StreamTile& c = x.c;
+  x.slot = p.indices ? detail::load_index(p.indices, p.index_dtype, c.n) : c.n;
+  const int k0 = lane * KPL;
+  const int64_t q_off = head_offset(p.q, c.n, 0, c.h) + k0;
+  const int64_t k_off = head_offset(p.k, c.n, 0, c.h) + k0;
+  const int64_t v_off = head_offset(p.v, c.n, 0, c.hv) + c.vb * TILE_ROWS + lane * VPL;
+  const int64_t g_off = head_offset(p.g, c.n, 0, c.hv);
+#pragma unroll
+  for (int e = 0; e < KPL; ++e) {
+    x.q[e] = In::load(p.q.ptr, p.q.dtype, q_off + e);
+    x.k[e] = In::load(p.k.ptr, p.k.dtype, k_off + e);
+  }
+  const int vrow0 = c.vb * TILE_ROWS + lane * VPL;
+#pragma unroll
+  for (int r = 0; r < VPL; ++r) x.v[r] = vrow0 + r < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + r) : 0.0f;
+  const detail::GateParams& gp = p.gate;
+  x.A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, c.hv) : 0.0f;
+  if (gp.kda) {
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) {
+      x.g[e] = In::load(p.g.ptr, p.g.dtype, g_off + k0 + e);
+      x.dt[e] = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
+                                                static_cast<int64_t>(c.hv) * p.K + k0 + e)
+                           : 0.0f;
+    }
+  } else {
+    x.g[0] = In::load(p.g.ptr, p.g.dtype, g_off);
+    x.dt[0] = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, c.hv) : 0.0f;
+  }
+  x.b = In::load(p.beta.ptr, p.beta.dtype, head_offset(p.beta, c.n, 0, c.hv));
+}
+
+// The producer warp's token preparation into a stage's prep record (core/delta_math.h for the
+// norm, gate and beta): one 4-value warp reduction for |q|^2, |k|^2, q.k.
+template <int K, int KPL, int VPL>
+__device__ __forceinline__ void stream_prepare(const RecurrentProblem& p,
+                                               const StreamInputs<KPL, VPL>& x, int lane,
+                                               float* rec, StagePrep* sc) {
+  float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int e = 0; e < KPL; ++e) {
+    part[0] += x.q[e] * x.q[e];
+    part[1] += x.k[e] * x.k[e];
+    part[2] += x.q[e] * x.k[e];
+  }
+  const float red = transpose_reduce<32, 4>(part, lane);
+  const float qq = __shfl_sync(0xffffffffu, red, holder_lane<32, 4>(0));
+  const float kk = __shfl_sync(0xffffffffu, red, holder_lane<32, 4>(1));
+  const float qk = __shfl_sync(0xffffffffu, red, holder_lane<32, 4>(2));
+  float qd = 1.0f, kd = 1.0f;
+  if (p.l2norm) {
+    qd = detail::l2norm_denominator(qq);
+    kd = detail::l2norm_denominator(kk);
+  }
+  const detail::GateParams& gp = p.gate;
+  float qn[KPL], kn[KPL], al[KPL];
+#pragma unroll
+  for (int e = 0; e < KPL; ++e) {
+    qn[e] = x.q[e] / qd * p.scale;
+    kn[e] = x.k[e] / kd;
+    al[e] = gp.kda ? expf(detail::gate_value(gp.mode, x.g[e], x.dt[e], x.A_log, gp.lower_bound)) : 0.0f;
+  }
+  static_assert(KPL == 2 || KPL == 4, "K must be 64 or 128");
+  using VecK = std::conditional_t<KPL == 4, float4, float2>;
+  *reinterpret_cast<VecK*>(rec + lane * KPL) = *reinterpret_cast<const VecK*>(qn);
+  *reinterpret_cast<VecK*>(rec + K + lane * KPL) = *reinterpret_cast<const VecK*>(kn);
+  if (gp.kda) *reinterpret_cast<VecK*>(rec + 2 * K + lane * KPL) = *reinterpret_cast<const VecK*>(al);
+#pragma unroll
+  for (int r = 0; r < VPL; ++r) rec[3 * K + lane * VPL + r] = x.v[r];
+  if (lane == 0) {
+    sc->slot = x.slot < 0 ? kStagePadded : x.slot;
+    sc->out_off = head_offset(p.out, x.c.n, 0, x.c.hv);
+    sc->kq = qk / qd / kd * p.scale;
+    sc->beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
+    sc->alpha0 = gp.kda ? 0.0f : expf(detail::gate_value(gp.mode, x.g[0], x.dt[0], x.A_log, gp.lower_bound));
+    sc->vb = x.c.vb;
+  }
+}
+
+// CE consecutive floats of a prep array at element `kidx` (16-byte aligned).
+template <int CE>
+__device__ __forceinline__ void load_prep(const float* a, int kidx, float (&x)[CE]) {
+#pragma unroll
+  for (int j = 0; j < CE; j += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(a + kidx + j);
+    x[j] = v.x; x[j + 1] = v.y; x[j + 2] = v.z; x[j + 3] = v.w;
+  }
+}
+
+template <class StateT, int K, class In>
+__global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent_stream_kernel(
+    const RecurrentProblem p, int vblocks, int ntiles) {
+  using Lay = StreamLayout<StateT, K>;
+  constexpr int NW = Lay::NW, STAGES = Lay::STAGES, G = Lay::G, RPP = Lay::RPP, R = Lay::R;
+  constexpr int CE = Lay::CE, CH = Lay::CH, KPL = Lay::KPL, VPL = Lay::VPL;
+  constexpr int TILE_ROWS = Lay::TILE_ROWS;
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Lay::BAR_OFS);
+  uint64_t* done = full + STAGES;
+  StateT** stage_ptr = reinterpret_cast<StateT**>(done + STAGES);
+  uint32_t* stage_bytes = reinterpret_cast<uint32_t*>(stage_ptr + STAGES);
+  auto tile_smem = [&](int s) { return smem + s * Lay::TILE_BYTES; };
+  auto prep_rec = [&](int s) { return reinterpret_cast<float*>(smem + Lay::PREP_OFS + s * Lay::PREP_BYTES); };
+  auto prep_sc = [&](int s) { return reinterpret_cast<StagePrep*>(prep_rec(s) + Lay::PREP_FLOATS); };
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n_local = (ntiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                      static_cast<int>(gridDim.x);
+  auto tile_id = [&](int i) { return static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x); };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 32);  // the producer warp's lanes (prep record written) + the tile's bytes
+      mbar_init(&done[s], NW * 32);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp == NW) {  // ---- producer warp ----
+    // Event loop over two cursors: `st` (next tile to store, in order, once its consumers are
+    // done) and `ld` (next tile to load, up to STAGES - 1 ahead of `st`). Lane 0 issues every
+    // bulk copy; each stored tile commits one bulk group (empty for padding), so tile j's store
+    // is the (st-1-j)-th most recent group, and a stage is refilled once its last store has read
+    // it. Loading only STAGES - 1 ahead keeps the stage being refilled one store older than the
+    // newest: refilling the stage just stored would wait for that store's read in the loop
+    // (measured: ~4 us per tile per CTA, whatever the tile's bytes).
+    const int64_t head_elems = static_cast<int64_t>(p.V) * K;
+    int ld = 0, st = 0;
+    StreamInputs<KPL, VPL> next;
+    if (n_local > 0) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(0), vblocks, lane, next);
+    while (st < n_local) {
+      int stored = 0;
+      if (lane == 0 && st < ld && mbar_test(&done[st % STAGES], (st / STAGES) & 1)) {
+        const int s = st % STAGES;
+        if (prep_sc(s)->slot >= 0) bulk_store(stage_ptr[s], tile_smem(s), stage_bytes[s]);
+        bulk_commit();
+        stored = 1;
+      }
+      if (__shfl_sync(0xffffffffu, stored, 0)) {
+        ++st;
+        continue;
+      }
+      if (ld < n_local && ld < st + STAGES - 1) {
+        const int s = ld % STAGES;
+        const StreamInputs<KPL, VPL> x = next;
+        if (lane == 0) {
+          if (ld >= STAGES) bulk_wait_read_n(st - 1 - (ld - STAGES));
+          if (x.slot >= 0) {
+            if (p.check_indices && x.slot >= p.state.num_slots)
+              trap_bad_slot("recurrent", x.c.n, x.slot, p.state.num_slots);
+            StateT* g = static_cast<StateT*>(p.state.ptr) + x.slot * p.state.slot_stride +
+                        x.c.hv * head_elems + static_cast<int64_t>(x.c.vb) * TILE_ROWS * K;
+            // the tile's rows that exist (the last row block of a head may be partial)
+            const int rows = min(TILE_ROWS, p.V - x.c.vb * TILE_ROWS);
+            const uint32_t bytes = static_cast<uint32_t>(rows) * K * Lay::kEsize;
+            stage_ptr[s] = g;
+            stage_bytes[s] = bytes;
+            mbar_expect_tx(&full[s], bytes);
+            bulk_load(tile_smem(s), g, bytes, &full[s]);
+          }
+        }
+        __syncwarp();  // the stage's previous prep record has been read (its store has been issued)
+        stream_prepare<K, KPL, VPL>(p, x, lane, prep_rec(s), prep_sc(s));
+        mbar_arrive(&full[s]);
+        // The next tile's input loads go out after the arrive: an arrive is a release, which
+        // would wait for loads still in flight before it.
+        if (ld + 1 < n_local) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(ld + 1), vblocks, lane, next);
+        ++ld;
+        continue;
+      }
+      if (lane == 0) mbar_wait(&done[st % STAGES], (st / STAGES) & 1);  // all stages busy
+      __syncwarp();
+    }
+    if (lane == 0) bulk_wait_all();
+    return;
+  }
+
+  // ---- consumer warps ----
+  const int lrow0 = warp * RPP * R + lane / G;  // tile-local row of pass 0
+  for (int i = 0; i < n_local; ++i) {
+    const int s = i % STAGES;
+    mbar_wait(&full[s], (i / STAGES) & 1);
+    const float* rec = prep_rec(s);
+    const StagePrep sc = *prep_sc(s);
+    const int row0 = sc.vb * TILE_ROWS + lrow0;
+    if (sc.slot < 0) {  // padding: zero output rows, no state
+      mbar_arrive(&done[s]);
+      if (lane % G == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (row0 + r * RPP < p.V) detail::store_float(p.out.ptr, p.out.dtype, sc.out_off + row0 + r * RPP, 0.0f);
+      }
+      continue;
+    }
+    StateT* tile = reinterpret_cast<StateT*>(tile_smem(s));
+    float S[R][Lay::EPL];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) {
+        const uint4 u = *reinterpret_cast<const uint4*>(tile + (lrow0 + r * RPP) * K + Lay::elem(lane, ch, 0));
+        const StateT* e = reinterpret_cast<const StateT*>(&u);
+#pragma unroll
+        for (int j = 0; j < CE; ++j) S[r][ch * CE + j] = to_float(e[j]);
+      }
+    }
+    float v[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) v[r] = rec[3 * K + lrow0 + r * RPP];
+    // The delta-rule step on the lane's R rows (core/delta_math.h), one 16-byte chunk of K at a
+    // time; the dots are partial sums over the lane's chunks.
+    const bool kda = p.gate.kda;
+    float dots[2 * R];
+#pragma unroll
+    for (int j = 0; j < 2 * R; ++j) dots[j] = 0.0f;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+      const int kidx = Lay::elem(lane, ch, 0);
+      float q[CE], k[CE], alpha[CE];
+      load_prep<CE>(rec, kidx, q);
+      load_prep<CE>(rec + K, kidx, k);
+      if (kda) {
+        load_prep<CE>(rec + 2 * K, kidx, alpha);
+      } else {
+#pragma unroll
+        for (int j = 0; j < CE; ++j) alpha[j] = sc.alpha0;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float sk, sq;
+        detail::decay_and_dots(S[r] + ch * CE, alpha, k, q, std::integral_constant<int, CE>{}, sk, sq);
+        dots[r] += sk;
+        dots[R + r] += sq;
+      }
+    }
+    float u[R], o;
+    const int mine = finish_rows<G, R>(dots, v, sc.beta, sc.kq, lane, u, o);
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+      float k[CE];
+      load_prep<CE>(rec + K, Lay::elem(lane, ch, 0), k);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        detail::rank1_update(S[r] + ch * CE, k, std::integral_constant<int, CE>{}, u[r]);
+        uint4 w;
+        StateT* e = reinterpret_cast<StateT*>(&w);
+#pragma unroll
+        for (int j = 0; j < CE; ++j) e[j] = from_float<StateT>(S[r][ch * CE + j]);
+        *reinterpret_cast<uint4*>(tile + (lrow0 + r * RPP) * K + Lay::elem(lane, ch, 0)) = w;
+      }
+    }
+    fence_proxy_async();  // the new state is visible to the producer's bulk store
+    mbar_arrive(&done[s]);
+    // The output after the arrive (a release, which would wait for a store issued before it).
+    if (mine >= 0 && row0 + mine * RPP < p.V)
+      detail::store_float(p.out.ptr, p.out.dtype, sc.out_off + row0 + mine * RPP, o);
+  }
+}
+
+// Resident CTAs per SM of a streaming instantiation (from its shared-memory footprint), once.
+template <class StateT, int K, class In>
+int stream_ctas_per_sm() {
+  using Lay = StreamLayout<StateT, K>;
+  static const int ctas = [] {
+    auto kernel = recurrent_stream_kernel<StateT, K, In>;
+    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::SMEM_BYTES));
+    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared));
+    int n = 0;
+    DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Lay::THREADS, Lay::SMEM_BYTES));
+    return n < 1 ? 1 : n;
+  }();
+  return ctas;
+}
+
+template <class StateT, int K, class In>
+void launch_stream(const RecurrentProblem& p, cudaStream_t stream) {
+  using Lay = StreamLayout<StateT, K>;
+  const int vblocks = (p.V + Lay::TILE_ROWS - 1) / Lay::TILE_ROWS;
+  const int64_t ntiles = p.num_heads_total() * vblocks;
+  if (ntiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  if (ntiles == 0) return;
+  const int64_t max_ctas = static_cast<int64_t>(stream_ctas_per_sm<StateT, K, In>()) * num_sms(p.device.index);
+  const int ctas = static_cast<int>(ntiles < max_ctas ? ntiles : max_ctas);
+  recurrent_stream_kernel<StateT, K, In><<<ctas, Lay::THREADS, Lay::SMEM_BYTES, stream>>>(
+      p, vblocks, static_cast<int>(ntiles));
+  DS_CUDA_CHECK(cudaGetLastError());
+}
+
 template <class StateT, int KT>
 int warps_per_head_of(const RecurrentProblem& p) {
   using Lay = RowLayout<StateT, KT>;
@@ -211,11 +715,63 @@ void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS
-// Inputs of one dtype (q, k, v, gate input, beta all ActT): the typed fast path.
+// Inputs of one dtype (q, k, v, gate input, beta all of dtype t): the typed fast paths.
 bool inputs_are(const RecurrentProblem& p, DType t) {
   return p.q.dtype == t && p.k.dtype == t && p.v.dtype == t && p.g.dtype == t && p.beta.dtype == t;
 }
+#endif
 
+// Decode kernels: which one runs a decode-shaped problem (decode_shaped). By default the
+// register decode kernel, and the streaming kernel for 16-bit states from kStreamMinHeads
+// (sequence, head) pairs up, where it was measured faster (docs/PERFORMANCE.md).
+// DELTASTATE_CUDA_DECODE=direct|decode|stream forces one (benchmarks compare them).
+enum class DecodeChoice { automatic, direct, decode, stream };
+DecodeChoice forced_decode_kernel() {
+  static const DecodeChoice forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_DECODE");
+    if (!e) return DecodeChoice::automatic;
+    if (std::strcmp(e, "direct") == 0) return DecodeChoice::direct;
+    if (std::strcmp(e, "decode") == 0) return DecodeChoice::decode;
+    if (std::strcmp(e, "stream") == 0) return DecodeChoice::stream;
+    return DecodeChoice::automatic;
+  }();
+  return forced;
+}
+constexpr int64_t kStreamMinHeads = 256;
+
+// One token per sequence (T = 1, no cu_seqlens) in place on the pool (no dense final-state
+// copy), 16-byte aligned rows, K = 64 or 128.
+template <class StateT>
+bool decode_shaped(const RecurrentProblem& p) {
+  return p.T == 1 && !p.cu_seqlens && p.state.ptr && p.update_state && !p.final_state &&
+         state_rows_aligned<StateT>(p.state) && (p.K == 64 || p.K == 128);
+}
+
+template <class StateT>
+DecodeChoice decode_kernel_for(const RecurrentProblem& p) {
+  if (!decode_shaped<StateT>(p)) return DecodeChoice::direct;
+  const DecodeChoice f = forced_decode_kernel();
+  if (f != DecodeChoice::automatic) return f;
+  return sizeof(StateT) == 2 && p.num_heads_total() >= kStreamMinHeads ? DecodeChoice::stream
+                                                                        : DecodeChoice::decode;
+}
+
+template <class StateT, class In>
+bool launch_decode_k(const RecurrentProblem& p, DecodeChoice c, cudaStream_t stream) {
+  if (p.K == 128) {
+    if (c == DecodeChoice::stream) return launch_stream<StateT, 128, In>(p, stream), true;
+    return launch_decode<StateT, 128, In>(p, stream), true;
+  }
+#if DELTASTATE_CUDA_ALL_KERNELS
+  if (p.K == 64) {
+    if (c == DecodeChoice::stream) return launch_stream<StateT, 64, In>(p, stream), true;
+    return launch_decode<StateT, 64, In>(p, stream), true;
+  }
+#endif
+  return false;
+}
+
+#if DELTASTATE_CUDA_ALL_KERNELS
 template <class StateT, class In>
 bool launch_fast(const RecurrentProblem& p, cudaStream_t stream) {
   if (!state_rows_aligned<StateT>(p.state)) return false;
@@ -225,12 +781,22 @@ bool launch_fast(const RecurrentProblem& p, cudaStream_t stream) {
 }
 #endif
 
-// Kernel choice: a fast instantiation when the inputs share one dtype (bf16 or fp32), K is 64
-// or 128 and the pool rows are 16-byte aligned; otherwise the generic kernel (any K <= 256, any
-// input dtypes). CI builds (DELTASTATE_CUDA_ALL_KERNELS=OFF) compile only the generic one.
+// Kernel choice: for decode-shaped problems the register decode kernel or the streaming kernel
+// (typed inputs: all bf16 or all fp32; CI builds compile only their fp32-state, K = 128,
+// any-input instantiations); otherwise a direct register kernel (the multi-token path), fast when
+// the inputs share one dtype, K is 64 or 128 and the rows are 16-byte aligned, else generic (any
+// K <= 256, any input dtypes). DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the generic ones.
 template <class StateT>
 void dispatch(const RecurrentProblem& p, cudaStream_t stream) {
   require_supported_k(p.K);
+  const DecodeChoice c = decode_kernel_for<StateT>(p);
+  if (c != DecodeChoice::direct) {
+#if DELTASTATE_CUDA_ALL_KERNELS
+    if (inputs_are(p, DType::bf16) && launch_decode_k<StateT, TypedInput<__nv_bfloat16>>(p, c, stream)) return;
+    if (inputs_are(p, DType::f32) && launch_decode_k<StateT, TypedInput<float>>(p, c, stream)) return;
+#endif
+    if (std::is_same_v<StateT, float> && launch_decode_k<float, AnyInput>(p, c, stream)) return;
+  }
 #if DELTASTATE_CUDA_ALL_KERNELS
   if (inputs_are(p, DType::bf16) && launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream)) return;
   if (inputs_are(p, DType::f32) && launch_fast<StateT, TypedInput<float>>(p, stream)) return;

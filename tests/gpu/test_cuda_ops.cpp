@@ -154,6 +154,10 @@ constexpr Shape kK64{"k64", 4, 8, 64, 64};
 constexpr Shape kK128V64{"k128v64", 4, 8, 128, 64};
 constexpr Shape kK64V128{"k64v128", 4, 8, 64, 128};
 constexpr Shape kK96{"k96", 2, 4, 96, 80};
+// V not a multiple of the streaming kernel's tile rows (32 fp32 / 64 bf16 at K=128, 64 / 128 at
+// K=64): its last row block is partial and must be copied, computed and stored as such.
+constexpr Shape kK128V80{"k128v80", 2, 4, 128, 80};
+constexpr Shape kK64V40{"k64v40", 2, 2, 64, 40};
 
 // ==== packed decode ============================================================================
 struct PackedCase {
@@ -233,6 +237,9 @@ INSTANTIATE_TEST_SUITE_P(
         PackedCase{"gdn_k64_bf16state_unaligned", kK64, false, kNoLb, bf16, bf16, 4, {}, 5, 3},
         PackedCase{"gdn_k128v64_bf16state", kK128V64, false, kNoLb, bf16, bf16, 6, {0}},
         PackedCase{"kda_k64v128_f16state_lb", kK64V128, true, kLb, f16, bf16, 6, {3}},
+        PackedCase{"gdn_k128v80_f32_partial_tile", kK128V80, false, kNoLb, f32, bf16, 7, {2}},
+        PackedCase{"kda_k128v80_bf16state_partial_tile", kK128V80, true, kLb, bf16, bf16, 5, {0}},
+        PackedCase{"gdn_k64v40_f32_partial_tile", kK64V40, false, kNoLb, f32, f32, 6, {5}},
         PackedCase{"gdn_k96_generic_f32", kK96, false, kNoLb, f32, f32, 5, {1}},
         PackedCase{"kda_k96_generic_bf16state_lb", kK96, true, kLb, bf16, f16, 4, {0}, 32, 16},
         PackedCase{"kda_odd_bf16state", kOdd, true, kNoLb, bf16, bf16, 6, {4}},
