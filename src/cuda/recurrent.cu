@@ -334,10 +334,11 @@ void launch_decode(const RecurrentProblem& p, cudaStream_t stream) {
 //  * NW consumer warps compute the tile in place: the delta-rule step on their rows from the prep
 //    record, the output, the new state back into the stage; then they arrive on `done`.
 //
-// So the bytes in flight come from the copy engine (not from resident warps holding tiles in
-// registers, which is what limited the direct kernel), and the per-token work (norms, gates,
-// divisions, input loads and their address arithmetic) runs once per tile in one warp instead of
-// in every warp that touches the head (docs/PERFORMANCE.md has the measurements).
+// So the bytes in flight come from the copy engine rather than from resident warps holding tiles
+// in registers, and the per-token work (norms, gates, divisions, input loads and their address
+// arithmetic) runs once per 16 KB tile in one warp instead of in every warp that touches the head.
+// That makes it the faster kernel for 16-bit states at large batch (2 KB per register-kernel
+// warp-tile there); for fp32 the register decode kernel measured faster (docs/PERFORMANCE.md).
 //
 // Consumer lanes: G = K/16 lanes per row, each holding 16 elements of the row in 16-byte chunks
 // (chunk c of lane l starts at element c*G*CE + l*CE), so a quarter warp reads 128 contiguous
