@@ -14,8 +14,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "core/delta_math.h"
 #include "core/problem.h"
@@ -49,6 +51,25 @@ class DeviceGuard {
 };
 
 int num_sms(int device);
+
+// A value computed once per device and then cached (thread-safe). Kernel attributes such as the
+// dynamic shared-memory opt-in are per device: a process driving several GPUs must set them on
+// each, so a launcher keeps one of these per kernel instantiation.
+class PerDeviceOnce {
+ public:
+  template <class F>
+  int get(int device, F&& compute) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (device >= static_cast<int>(values_.size())) values_.resize(device + 1, kUnset);
+    if (values_[device] == kUnset) values_[device] = compute();
+    return values_[device];
+  }
+
+ private:
+  static constexpr int kUnset = -1;
+  std::mutex mu_;
+  std::vector<int> values_;
+};
 
 template <class StateT, int KT>
 struct RowLayout {

@@ -10,13 +10,12 @@ namespace deltastate::cuda_backend {
 bool built() { return true; }
 
 int num_sms(int device) {
-  static std::mutex mu;
-  static std::vector<int> cache;
-  std::lock_guard<std::mutex> lk(mu);
-  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, 0);
-  if (cache[device] == 0)
-    DS_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
-  return cache[device];
+  static PerDeviceOnce sms;
+  return sms.get(device, [device] {
+    int n = 0;
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  });
 }
 
 void* device_alloc(size_t bytes, int device) {

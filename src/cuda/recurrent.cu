@@ -666,11 +666,13 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
   }
 }
 
-// Resident CTAs per SM of a streaming instantiation (from its shared-memory footprint), once.
+// Resident CTAs per SM of a streaming instantiation (from its shared-memory footprint), once per
+// device (the current one: the caller holds a DeviceGuard), after opting into its shared memory.
 template <class StateT, int K, class In>
-int stream_ctas_per_sm() {
+int stream_ctas_per_sm(int device) {
   using Lay = StreamLayout<StateT, K>;
-  static const int ctas = [] {
+  static PerDeviceOnce ctas;
+  return ctas.get(device, [] {
     auto kernel = recurrent_stream_kernel<StateT, K, In>;
     DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::SMEM_BYTES));
     DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -678,8 +680,7 @@ int stream_ctas_per_sm() {
     int n = 0;
     DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Lay::THREADS, Lay::SMEM_BYTES));
     return n < 1 ? 1 : n;
-  }();
-  return ctas;
+  });
 }
 
 template <class StateT, int K, class In>
@@ -689,7 +690,7 @@ void launch_stream(const RecurrentProblem& p, cudaStream_t stream) {
   const int64_t ntiles = p.num_heads_total() * vblocks;
   if (ntiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (ntiles == 0) return;
-  const int64_t max_ctas = static_cast<int64_t>(stream_ctas_per_sm<StateT, K, In>()) * num_sms(p.device.index);
+  const int64_t max_ctas = static_cast<int64_t>(stream_ctas_per_sm<StateT, K, In>(p.device.index)) * num_sms(p.device.index);
   const int ctas = static_cast<int>(ntiles < max_ctas ? ntiles : max_ctas);
   recurrent_stream_kernel<StateT, K, In><<<ctas, Lay::THREADS, Lay::SMEM_BYTES, stream>>>(
       p, vblocks, static_cast<int>(ntiles));

@@ -336,18 +336,19 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
                 "replayssm_decode: HV * V-blocks must stay below 2^15 for the in-kernel cursor "
                 "advance");
   const SmemLayout sm = SmemLayout::of(p, KT, VEC, warps * rows_per_warp);
-  static int opted_in = 48 * 1024;  // per instantiation
-  if (sm.bytes > opted_in) {
-    int max_optin = 0;
-    DS_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                         p.device.index));
+  if (sm.bytes > 48 * 1024) {  // opt in once per device (and instantiation) to the maximum
+    static PerDeviceOnce opted;
+    const int max_optin = opted.get(p.device.index, [&p] {
+      int max = 0;
+      DS_CUDA_CHECK(cudaDeviceGetAttribute(&max, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index));
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_kernel<StateT, KT, VEC, In>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, max));
+      return max;
+    });
     if (sm.bytes > max_optin)
       throw Error(ErrorKind::not_implemented,
                   "replayssm_decode: ring length L=" + std::to_string(p.L) +
                       " needs more shared memory than this GPU offers");
-    DS_CUDA_CHECK(cudaFuncSetAttribute(replay_kernel<StateT, KT, VEC, In>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin));
-    opted_in = max_optin;
   }
   dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(vblocks));
   replay_kernel<StateT, KT, VEC, In><<<grid, warps * 32, sm.bytes, stream>>>(p);
