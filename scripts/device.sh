@@ -92,12 +92,14 @@ for phase in "${phases[@]}"; do
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}
       ;;
     profile)
-      # Nsight Compute on one warm launch of our decode kernel and of FLA's (PROFILE_ARGS picks
-      # the case: --model, --dtype, --B).
+      # Nsight Compute on one warm launch of our decode kernel (whichever dispatch picks; force one
+      # with DELTASTATE_CUDA_DECODE) and of FLA's (PROFILE_ARGS picks the case: --model, --dtype,
+      # --B, --no-peer).
       for k in recurrent fused_recurrent; do
         run profile ncu --clock-control none -k "regex:$k" --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-          --section SchedulerStats --section MemoryWorkloadAnalysis \
+          --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+          --section InstructionStats \
           python3 bench/profile_decode.py ${PROFILE_ARGS:-}
       done
       ;;
