@@ -184,8 +184,9 @@ __device__ __forceinline__ void load_token(const Problem& p, const detail::HeadI
   x.b = In::load(beta_in.ptr, beta_in.dtype, head_offset(beta_in, seq, tok, hv));
 }
 
-// Per-head gate constants, loaded once per CTA: A_log[hv] and the lane's dt_bias (its K slice
-// for KDA, the head's scalar for GDN).
+// Per-head gate constants: A_log[hv] and the lane's dt_bias (its K slice for KDA; for GDN the
+// head's scalar in every entry, each entry its own cached load: loading it once and copying it
+// measured more register pressure, and spills, in the 16-bit-state kernels).
 template <int EPL>
 struct GateConsts {
   float A_log, dt[EPL];
@@ -201,6 +202,16 @@ __device__ __forceinline__ void load_gate_consts(const detail::GateParams& gate,
                   ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, idx)
                   : 0.0f;
   }
+}
+
+// Zeros the output of a padded tile's rows row0, row0 + step, ... (R of them, those below V);
+// o_off is the element offset of the token's output vector for the head.
+template <int R>
+__device__ __forceinline__ void zero_output_rows(const detail::HeadOutput& out, int V,
+                                                 int64_t o_off, int row0, int step) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r * step < V) detail::store_float(out.ptr, out.dtype, o_off + row0 + r * step, 0.0f);
 }
 
 // The gate of one token: log decay g and alpha = exp(g) for the lane's K slice (GDN: broadcast).

@@ -33,26 +33,37 @@ namespace {
 #define DS_MIN_BLOCKS 4
 #endif
 
-// Where tile `w` lives: sequence n, value head hv (head = n*HV + hv), and this thread's first row.
+// Tile t of a grid that cuts every (sequence n, value head hv) into `blocks` row blocks: its
+// sequence, value head, key head and row block. (32-bit division: tile counts are below 2^31,
+// checked at launch; 64-bit division is a long software sequence on the GPU.)
+struct HeadBlock {
+  int head, n, hv, h, block;  // head = n*HV + hv
+};
+__device__ __forceinline__ HeadBlock head_block(const RecurrentProblem& p, int t, int blocks) {
+  HeadBlock c;
+  c.head = t / blocks;
+  c.block = t - c.head * blocks;
+  c.n = c.head / p.HV;
+  c.hv = c.head - c.n * p.HV;
+  c.h = c.hv / (p.HV / p.H);
+  return c;
+}
+
+// A direct-kernel tile: sequence n, value head hv (head = n*HV + hv), this thread's first row.
 struct TileCoords {
   int64_t n, head;
   int hv, h, row0;
 };
-
-// (32-bit division: tile and head counts are below 2^31, checked at launch; 64-bit division is
-// a long software sequence on the GPU.)
 __device__ __forceinline__ TileCoords tile_coords(const RecurrentProblem& p, int64_t w,
                                                   int warps_per_head, int rows_per_warp, int lane,
                                                   int G) {
+  const HeadBlock b = head_block(p, static_cast<int>(w), warps_per_head);
   TileCoords c;
-  const int head = static_cast<int>(w) / warps_per_head;
-  const int wb = static_cast<int>(w) - head * warps_per_head;
-  const int n = head / p.HV;
-  c.head = head;
-  c.n = n;
-  c.hv = head - n * p.HV;
-  c.h = c.hv / (p.HV / p.H);
-  c.row0 = wb * rows_per_warp + lane / G;
+  c.n = b.n;
+  c.head = b.head;
+  c.hv = b.hv;
+  c.h = b.h;
+  c.row0 = b.block * rows_per_warp + lane / G;
   return c;
 }
 
@@ -60,34 +71,34 @@ __device__ __forceinline__ int64_t slot_of(const RecurrentProblem& p, int64_t n)
   return p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
 }
 
+// The tile's rows of the dense final state [N, HV, V, K] (optional output): value(r, i) is
+// element i of the thread's row r.
+template <int EPL, int R, int RG, class Value>
+__device__ __forceinline__ void store_final_state(const RecurrentProblem& p, const TileCoords& c,
+                                                  int kofs, int valid, Value value) {
+  const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = c.row0 + r * RG;
+    if (row < p.V)
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (i < valid)
+          detail::store_float(p.final_state, p.final_dtype,
+                              c.head * head_elems + static_cast<int64_t>(row) * p.K + kofs + i,
+                              value(r, i));
+  }
+}
+
 // Output rows (and final state) of a padded sequence: zeros; its state is never touched.
 template <int EPL, int R, int RG, int G>
 __device__ void write_padded(const RecurrentProblem& p, const TileCoords& c, int64_t seq,
                              int64_t tok0, int64_t len, int lane, int kofs, int valid) {
   if (lane % G == 0) {
-    for (int64_t t = 0; t < len; ++t) {
-      const int64_t o = head_offset(p.out, seq, tok0 + t, c.hv);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = c.row0 + r * RG;
-        if (row < p.V) detail::store_float(p.out.ptr, p.out.dtype, o + row, 0.0f);
-      }
-    }
+    for (int64_t t = 0; t < len; ++t)
+      zero_output_rows<R>(p.out, p.V, head_offset(p.out, seq, tok0 + t, c.hv), c.row0, RG);
   }
-  if (p.final_state) {
-    const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int row = c.row0 + r * RG;
-      if (row < p.V)
-#pragma unroll
-        for (int i = 0; i < EPL; ++i)
-          if (i < valid)
-            detail::store_float(p.final_state, p.final_dtype,
-                                c.head * head_elems + static_cast<int64_t>(row) * p.K + kofs + i,
-                                0.0f);
-    }
-  }
+  if (p.final_state) store_final_state<EPL, R, RG>(p, c, kofs, valid, [](int, int) { return 0.0f; });
 }
 
 // All tokens of a tile on the state rows S (registers); `x` holds token 0's inputs on entry.
@@ -132,20 +143,8 @@ __device__ __forceinline__ void write_state(const RecurrentProblem& p, const Til
         store_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid, S[r]);
     }
   }
-  if (p.final_state) {
-    const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int row = c.row0 + r * RG;
-      if (row < p.V)
-#pragma unroll
-        for (int i = 0; i < EPL; ++i)
-          if (i < valid)
-            detail::store_float(p.final_state, p.final_dtype,
-                                c.head * head_elems + static_cast<int64_t>(row) * p.K + kofs + i,
-                                S[r][i]);
-    }
-  }
+  if (p.final_state)
+    store_final_state<EPL, R, RG>(p, c, kofs, valid, [&S](int r, int i) { return S[r][i]; });
 }
 
 // ---- direct kernel: one tile per warp, state loaded straight into registers ----------------------
@@ -214,13 +213,10 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   const int lane = threadIdx.x & 31;
   const int w = static_cast<int>(blockIdx.x) * 2 + static_cast<int>(threadIdx.x >> 5);
   if (w >= static_cast<int>(p.num_heads_total()) * warps_per_head) return;
-  const int head = w / warps_per_head;
-  const int wb = w - head * warps_per_head;
-  const int n = head / p.HV;
-  const int hv = head - n * p.HV;
-  const int h = hv / (p.HV / p.H);
+  const HeadBlock c = head_block(p, w, warps_per_head);
+  const int n = c.n, hv = c.hv, h = c.h;
   const int kofs = (lane % G) * EPL;
-  const int row0 = wb * RG * R + lane / G;
+  const int row0 = c.block * RG * R + lane / G;
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const int64_t slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
 
@@ -247,11 +243,7 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
   if (slot < 0) {  // padding: zero output, state untouched
-    if (lane % G == 0) {
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (row0 + r * RG < p.V) detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + r * RG, 0.0f);
-    }
+    if (lane % G == 0) zero_output_rows<R>(p.out, p.V, o_off, row0, RG);
     return;
   }
   if (p.check_indices && slot >= p.state.num_slots) trap_bad_slot("recurrent", n, slot, p.state.num_slots);
@@ -364,7 +356,7 @@ struct StreamLayout {
   static constexpr int PREP_BYTES = PREP_FLOATS * 4 + 32;
   static constexpr int PREP_OFS = STAGES * TILE_BYTES;
   static constexpr int BAR_OFS = PREP_OFS + STAGES * PREP_BYTES;
-  static constexpr int SMEM_BYTES = BAR_OFS + STAGES * (8 + 8 + 8 + 8);  // full, done, store ptr, bytes
+  static constexpr int SMEM_BYTES = BAR_OFS + STAGES * (8 + 8 + 8);  // full, done, store pointer
   static_assert(G >= 2 && G <= 32 && 2 * R <= G, "K must be 64 or 128");
   static_assert(STAGES >= 2 && STAGES <= 8, "tile size");
   static_assert(PREP_BYTES % 16 == 0 && VPL >= 1, "prep record layout");
@@ -380,108 +372,54 @@ struct StagePrep {
 };
 constexpr int64_t kStagePadded = -1;
 
-// Where tile t lives: sequence n, value head hv (key head h), row block vb.
-struct StreamTile {
-  int n, hv, h, vb;
-};
-__device__ __forceinline__ StreamTile stream_tile(const RecurrentProblem& p, int t, int vblocks) {
-  StreamTile c;
-  const int head = t / vblocks;
-  c.vb = t - head * vblocks;
-  c.n = head / p.HV;
-  c.hv = head - c.n * p.HV;
-  c.h = c.hv / (p.HV / p.H);
-  return c;
-}
-
-// One tile's raw inputs in the producer's lanes (lane l: K elements l*KPL.., rows l*VPL..),
-// loaded one tile ahead of their use.
+// One tile's inputs in the producer's lanes (lane l: K elements l*KPL.., rows l*VPL.. of the
+// tile), loaded one tile ahead of their use: where it lives, its slot, the token, the gate
+// constants.
 template <int KPL, int VPL>
 struct StreamInputs {
-  StreamTile c;
+  HeadBlock c;
   int64_t slot;
-  float q[KPL], k[KPL], g[KPL], dt[KPL], A_log, v[VPL], b;
+  TokenInputs<KPL, VPL> tok;
+  GateConsts<KPL> gc;
 };
 template <class In, int KPL, int VPL, int TILE_ROWS>
 __device__ __forceinline__ void stream_load(const RecurrentProblem& p, int t, int vblocks, int lane,
                                             StreamInputs<KPL, VPL>& x) {
-  x.c = stream_tile(p, t, vblocks);
-  const StreamTile& c = x.c;
-  x.slot = p.indices ? detail::load_index(p.indices, p.index_dtype, c.n) : c.n;
-  const int k0 = lane * KPL;
-  const int64_t q_off = head_offset(p.q, c.n, 0, c.h) + k0;
-  const int64_t k_off = head_offset(p.k, c.n, 0, c.h) + k0;
-  const int64_t v_off = head_offset(p.v, c.n, 0, c.hv) + c.vb * TILE_ROWS + lane * VPL;
-  const int64_t g_off = head_offset(p.g, c.n, 0, c.hv);
-#pragma unroll
-  for (int e = 0; e < KPL; ++e) {
-    x.q[e] = In::load(p.q.ptr, p.q.dtype, q_off + e);
-    x.k[e] = In::load(p.k.ptr, p.k.dtype, k_off + e);
-  }
-  const int vrow0 = c.vb * TILE_ROWS + lane * VPL;
-#pragma unroll
-  for (int r = 0; r < VPL; ++r) x.v[r] = vrow0 + r < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + r) : 0.0f;
-  const detail::GateParams& gp = p.gate;
-  x.A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, c.hv) : 0.0f;
-  if (gp.kda) {
-#pragma unroll
-    for (int e = 0; e < KPL; ++e) {
-      x.g[e] = In::load(p.g.ptr, p.g.dtype, g_off + k0 + e);
-      x.dt[e] = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
-                                                static_cast<int64_t>(c.hv) * p.K + k0 + e)
-                           : 0.0f;
-    }
-  } else {
-    x.g[0] = In::load(p.g.ptr, p.g.dtype, g_off);
-    x.dt[0] = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, c.hv) : 0.0f;
-  }
-  x.b = In::load(p.beta.ptr, p.beta.dtype, head_offset(p.beta, c.n, 0, c.hv));
+  x.c = head_block(p, t, vblocks);
+  x.slot = p.indices ? detail::load_index(p.indices, p.index_dtype, x.c.n) : x.c.n;
+  load_token<In>(p, p.g, p.beta, x.c.n, 0, x.c.h, x.c.hv, lane * KPL, KPL,
+                 x.c.block * TILE_ROWS + lane * VPL, 1, x.tok);
+  load_gate_consts(p.gate, x.c.hv, p.K, lane * KPL, KPL, x.gc);
 }
 
-// The producer warp's token preparation into a stage's prep record (core/delta_math.h for the
-// norm, gate and beta): one 4-value warp reduction for |q|^2, |k|^2, q.k.
+// The producer warp's token preparation into a stage's prep record (common.cuh / delta_math.h
+// for the norm, the gate and beta).
 template <int K, int KPL, int VPL>
 __device__ __forceinline__ void stream_prepare(const RecurrentProblem& p,
                                                const StreamInputs<KPL, VPL>& x, int lane,
                                                float* rec, StagePrep* sc) {
-  float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float qn[KPL], kn[KPL], glog[KPL], al[KPL];
 #pragma unroll
   for (int e = 0; e < KPL; ++e) {
-    part[0] += x.q[e] * x.q[e];
-    part[1] += x.k[e] * x.k[e];
-    part[2] += x.q[e] * x.k[e];
+    qn[e] = x.tok.q[e];
+    kn[e] = x.tok.k[e];
   }
-  const float red = transpose_reduce<32, 4>(part, lane);
-  const float qq = __shfl_sync(0xffffffffu, red, holder_lane<32, 4>(0));
-  const float kk = __shfl_sync(0xffffffffu, red, holder_lane<32, 4>(1));
-  const float qk = __shfl_sync(0xffffffffu, red, holder_lane<32, 4>(2));
-  float qd = 1.0f, kd = 1.0f;
-  if (p.l2norm) {
-    qd = detail::l2norm_denominator(qq);
-    kd = detail::l2norm_denominator(kk);
-  }
-  const detail::GateParams& gp = p.gate;
-  float qn[KPL], kn[KPL], al[KPL];
-#pragma unroll
-  for (int e = 0; e < KPL; ++e) {
-    qn[e] = x.q[e] / qd * p.scale;
-    kn[e] = x.k[e] / kd;
-    al[e] = gp.kda ? expf(detail::gate_value(gp.mode, x.g[e], x.dt[e], x.A_log, gp.lower_bound)) : 0.0f;
-  }
+  const float kq = prepare_qk<KPL, 32>(qn, kn, p.l2norm, p.scale, lane);
+  token_gate(p.gate, x.gc, x.tok.g, glog, al);
   static_assert(KPL == 2 || KPL == 4, "K must be 64 or 128");
   using VecK = std::conditional_t<KPL == 4, float4, float2>;
   *reinterpret_cast<VecK*>(rec + lane * KPL) = *reinterpret_cast<const VecK*>(qn);
   *reinterpret_cast<VecK*>(rec + K + lane * KPL) = *reinterpret_cast<const VecK*>(kn);
-  if (gp.kda) *reinterpret_cast<VecK*>(rec + 2 * K + lane * KPL) = *reinterpret_cast<const VecK*>(al);
+  if (p.gate.kda) *reinterpret_cast<VecK*>(rec + 2 * K + lane * KPL) = *reinterpret_cast<const VecK*>(al);
 #pragma unroll
-  for (int r = 0; r < VPL; ++r) rec[3 * K + lane * VPL + r] = x.v[r];
+  for (int r = 0; r < VPL; ++r) rec[3 * K + lane * VPL + r] = x.tok.v[r];
   if (lane == 0) {
     sc->slot = x.slot < 0 ? kStagePadded : x.slot;
     sc->out_off = head_offset(p.out, x.c.n, 0, x.c.hv);
-    sc->kq = qk / qd / kd * p.scale;
-    sc->beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
-    sc->alpha0 = gp.kda ? 0.0f : expf(detail::gate_value(gp.mode, x.g[0], x.dt[0], x.A_log, gp.lower_bound));
-    sc->vb = x.c.vb;
+    sc->kq = kq;
+    sc->beta = detail::beta_value(x.tok.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
+    sc->alpha0 = al[0];  // GDN's alpha (KDA reads its per-element record)
+    sc->vb = x.c.block;
   }
 }
 
@@ -506,7 +444,6 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Lay::BAR_OFS);
   uint64_t* done = full + STAGES;
   StateT** stage_ptr = reinterpret_cast<StateT**>(done + STAGES);
-  uint32_t* stage_bytes = reinterpret_cast<uint32_t*>(stage_ptr + STAGES);
   auto tile_smem = [&](int s) { return smem + s * Lay::TILE_BYTES; };
   auto prep_rec = [&](int s) { return reinterpret_cast<float*>(smem + Lay::PREP_OFS + s * Lay::PREP_BYTES); };
   auto prep_sc = [&](int s) { return reinterpret_cast<StagePrep*>(prep_rec(s) + Lay::PREP_FLOATS); };
@@ -515,6 +452,10 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
   const int n_local = (ntiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
                       static_cast<int>(gridDim.x);
   auto tile_id = [&](int i) { return static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x); };
+  // Bytes of row block vb (the last one of a head may be partial).
+  auto tile_bytes = [&](int vb) {
+    return static_cast<uint32_t>(min(TILE_ROWS, p.V - vb * TILE_ROWS)) * K * Lay::kEsize;
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -541,7 +482,8 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
       int stored = 0;
       if (lane == 0 && st < ld && mbar_test(&done[st % STAGES], (st / STAGES) & 1)) {
         const int s = st % STAGES;
-        if (prep_sc(s)->slot >= 0) bulk_store(stage_ptr[s], tile_smem(s), stage_bytes[s]);
+        const StagePrep* sc = prep_sc(s);
+        if (sc->slot >= 0) bulk_store(stage_ptr[s], tile_smem(s), tile_bytes(sc->vb));
         bulk_commit();
         stored = 1;
       }
@@ -558,12 +500,9 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
             if (p.check_indices && x.slot >= p.state.num_slots)
               trap_bad_slot("recurrent", x.c.n, x.slot, p.state.num_slots);
             StateT* g = static_cast<StateT*>(p.state.ptr) + x.slot * p.state.slot_stride +
-                        x.c.hv * head_elems + static_cast<int64_t>(x.c.vb) * TILE_ROWS * K;
-            // the tile's rows that exist (the last row block of a head may be partial)
-            const int rows = min(TILE_ROWS, p.V - x.c.vb * TILE_ROWS);
-            const uint32_t bytes = static_cast<uint32_t>(rows) * K * Lay::kEsize;
+                        x.c.hv * head_elems + static_cast<int64_t>(x.c.block) * TILE_ROWS * K;
+            const uint32_t bytes = tile_bytes(x.c.block);
             stage_ptr[s] = g;
-            stage_bytes[s] = bytes;
             mbar_expect_tx(&full[s], bytes);
             bulk_load(tile_smem(s), g, bytes, &full[s]);
           }
@@ -594,11 +533,7 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
     const int row0 = sc.vb * TILE_ROWS + lrow0;
     if (sc.slot < 0) {  // padding: zero output rows, no state
       mbar_arrive(&done[s]);
-      if (lane % G == 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          if (row0 + r * RPP < p.V) detail::store_float(p.out.ptr, p.out.dtype, sc.out_off + row0 + r * RPP, 0.0f);
-      }
+      if (lane % G == 0) zero_output_rows<R>(p.out, p.V, sc.out_off, row0, RPP);
       continue;
     }
     StateT* tile = reinterpret_cast<StateT*>(tile_smem(s));

@@ -98,14 +98,7 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
 
   const int64_t slot = p.indices[n];
   if (slot < 0) {  // padded: zero output, no state, ring or cursor access
-    if (lane % G == 0) {
-      const int64_t o = head_offset(p.out, n, 0, hv);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = row0 + r * RG;
-        if (row < V) detail::store_float(p.out.ptr, p.out.dtype, o + row, 0.0f);
-      }
-    }
+    if (lane % G == 0) zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0, RG);
     return;
   }
   if (p.check_indices && slot >= p.state.num_slots)
