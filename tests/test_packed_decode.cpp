@@ -194,7 +194,7 @@ TEST(PackedDecode, SoftplusThresholdAndLargeGateInputs) {
 // difference"); the reference rounds likewise. Also an explicit scale.
 TEST(PackedDecode, RoundBetaToInputDtype) {
   for (DType act : {DType::bf16, DType::f16}) {
-    SCOPED_TRACE(dtype_tag(act));
+    SCOPED_TRACE(dtype_short_name(act));
     Rng rng = test_rng(static_cast<uint64_t>(act));
     const std::vector<int64_t> slots{2, 0, -1, 1};
     Tensor pool = make_pool(DType::f32, 4, kOdd);

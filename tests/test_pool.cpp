@@ -284,7 +284,7 @@ TEST(StatePool, EnvelopeViewsMeetTheKdaStrideContract) {
                       {3, 5, 7, 3, 1, DType::f32}};
   for (const Dims& d : all) {
     SCOPED_TRACE("HV=" + std::to_string(d.HV) + " V=" + std::to_string(d.V) + " K=" +
-                 std::to_string(d.K) + " " + dtype_tag(d.dtype));
+                 std::to_string(d.K) + " " + dtype_short_name(d.dtype));
     StatePoolConfig cfg;
     cfg.layers = d.layers;
     cfg.slots = 3;

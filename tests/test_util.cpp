@@ -10,17 +10,6 @@
 namespace dstest {
 
 // ---- storage dtypes ---------------------------------------------------------------------------
-const char* dtype_tag(DType t) {
-  switch (t) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-  }
-  return "?";
-}
-
 double round_to(DType t, double x) {
   switch (t) {
     case DType::f32: return static_cast<double>(static_cast<float>(x));
@@ -313,7 +302,7 @@ Tol state_tol(DType state_dtype) {
   return ::testing::AssertionFailure() << bad << " of " << got.size()
                                        << " elements out of tolerance (atol " << tol.atol
                                        << ", rtol " << tol.rtol << ", stored as "
-                                       << dtype_tag(stored_as) << "); worst |err| " << worst
+                                       << dtype_short_name(stored_as) << "); worst |err| " << worst
                                        << detail.str();
 }
 

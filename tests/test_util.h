@@ -25,7 +25,6 @@ using deltastate::DType;
 using deltastate::TensorView;
 
 // ---- storage dtypes ---------------------------------------------------------------------------
-const char* dtype_tag(DType t);  // "f32", "bf16", "f16", "i32", "i64" (test names)
 // The value x takes once stored as t (round to nearest even).
 double round_to(DType t, double x);
 void store_value(void* base, DType t, int64_t i, double x);

@@ -245,7 +245,7 @@ int run_bench(const std::vector<std::string>& args) {
               "activations %s, median of %lld iterations\n",
               model.name.c_str(), static_cast<long long>(model.H),
               static_cast<long long>(model.HV), static_cast<long long>(model.K),
-              static_cast<long long>(model.V), short_name(state_dtype), short_name(kActDtype),
+              static_cast<long long>(model.V), dtype_short_name(state_dtype), dtype_short_name(kActDtype),
               static_cast<long long>(o.iters));
   std::printf("replay rows: per call averaged over a ring cycle (L-1 appends + 1 flush)\n\n");
   std::printf("%-20s %-24s %5s %12s %12s %9s\n", "op", "shape", "B", "us/call", "bytes/call",

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "cli_args.h"
+#include "core/numeric.h"
 
 #ifdef DELTASTATE_CLI_CUDA
 #include <cuda_runtime.h>
@@ -54,63 +55,27 @@ DType dtype_by_name(const std::string& name) {
   throw UsageError("unknown dtype '" + name + "'");
 }
 
-const char* short_name(DType t) {
-  switch (t) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-  }
-  return "?";
-}
-
 namespace {
-uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 void require_f32_or_bf16(DType dtype) {
   if (dtype != DType::f32 && dtype != DType::bf16)
     throw Error(ErrorKind::value, std::string("cli: unsupported host dtype ") + dtype_name(dtype));
 }
 }  // namespace
 
+// Host buffers in the storage dtype, converted with the library's own rounding (core/numeric.h).
 std::vector<uint8_t> encode(const std::vector<float>& values, DType dtype) {
   require_f32_or_bf16(dtype);
   std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
-  if (dtype == DType::f32) {
-    std::memcpy(bytes.data(), values.data(), bytes.size());
-  } else {
-    for (size_t i = 0; i < values.size(); ++i) {
-      const uint16_t h = float_to_bf16(values[i]);
-      std::memcpy(bytes.data() + 2 * i, &h, 2);
-    }
-  }
+  for (size_t i = 0; i < values.size(); ++i)
+    detail::store_float(bytes.data(), dtype, static_cast<int64_t>(i), values[i]);
   return bytes;
 }
 
 std::vector<float> decode(const std::vector<uint8_t>& bytes, DType dtype) {
   require_f32_or_bf16(dtype);
   std::vector<float> values(bytes.size() / dtype_size(dtype));
-  if (dtype == DType::f32) {
-    std::memcpy(values.data(), bytes.data(), bytes.size());
-  } else {
-    for (size_t i = 0; i < values.size(); ++i) {
-      uint16_t h;
-      std::memcpy(&h, bytes.data() + 2 * i, 2);
-      values[i] = bf16_to_float(h);
-    }
-  }
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = detail::load_float(bytes.data(), dtype, static_cast<int64_t>(i));
   return values;
 }
 

@@ -29,7 +29,6 @@ ModelShape model_by_name(const std::string& name);  // name is one of model_name
 // ---- dtypes ----------------------------------------------------------------------------------
 std::vector<std::string> float_dtype_names();  // {"f32", "bf16"}
 DType dtype_by_name(const std::string& name);  // "f32" | "bf16"
-const char* short_name(DType t);               // "f32", "bf16", ...
 
 // Host-side conversion of fp32 values to and from a floating storage dtype (round to nearest
 // even), for building inputs and reading outputs.

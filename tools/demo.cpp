@@ -410,7 +410,7 @@ void Demo::print_header() {
   std::printf("  model   %s (%s), %lld layers, batch %lld rows, state %s, activations %s, "
               "device %s\n",
               shape_.name.c_str(), shape_.describe().c_str(), static_cast<long long>(opt_.layers),
-              static_cast<long long>(batch_), short_name(state_dtype_), short_name(act_dtype_),
+              static_cast<long long>(batch_), dtype_short_name(state_dtype_), dtype_short_name(act_dtype_),
               to_string(device_).c_str());
   std::printf("  pools   envelope layout, %lld slots: each slot's entry holds its conv windows "
               "(%s) then every layer's state (%lld x %s)\n",

@@ -30,6 +30,8 @@ constexpr bool is_integer(DType t) { return t == DType::i32 || t == DType::i64; 
 
 // Names as frameworks print them ("float32", "bfloat16", ...).
 const char* dtype_name(DType t);
+// Short names ("f32", "bf16", "f16", "i32", "i64"), as the CLI spells them.
+const char* dtype_short_name(DType t);
 
 enum class DeviceType : uint8_t { cpu, cuda };
 

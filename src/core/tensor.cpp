@@ -16,6 +16,17 @@ const char* dtype_name(DType t) {
   return "unknown";
 }
 
+const char* dtype_short_name(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+  }
+  return "unknown";
+}
+
 std::string to_string(const Device& d) {
   if (d.type == DeviceType::cpu) return "cpu";
   return "cuda:" + std::to_string(d.index);
