@@ -143,6 +143,29 @@ def _arg_error(op: str, names, args, exc: BaseException) -> BaseException:
 
 
 # ---- packed decode ----------------------------------------------------------------------------
+def _packed_decode(is_kda, op_name, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                   ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices):
+    if _is_compiling():
+        top = _tops.ops.kda_packed_decode if is_kda else _tops.ops.gdn_packed_decode
+        top(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state, out, ssm_state_indices,
+            bool(use_qk_l2norm_in_kernel), lb, bool(round_beta), _check(check_indices))
+        return out, initial_state
+    # The hot path: arguments normalized inline (identity checks for the common values).
+    try:
+        _pd(is_kda, mixed_qkv, a, b, A_log, dt_bias,
+            scale if type(scale) is float else _scale(scale), initial_state, out,
+            ssm_state_indices,
+            use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
+            else bool(use_qk_l2norm_in_kernel),
+            lb, round_beta if round_beta is False else bool(round_beta),
+            -1 if check_indices is None else _check(check_indices))
+    except (TypeError, BufferError) as e:
+        args = (is_kda, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
+                ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices)
+        raise _arg_error(op_name, _PD_ARGS, args, e) from None
+    return out, initial_state
+
+
 def fused_recurrent_gated_delta_rule_packed_decode(
     mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
     use_qk_l2norm_in_kernel: bool = True, *, round_beta: bool = False,
@@ -153,25 +176,9 @@ def fused_recurrent_gated_delta_rule_packed_decode(
     mixed_qkv [B, 2*H*K + HV*V]; a, b [B, HV]; A_log, dt_bias [HV]; initial_state: the pool
     [slots, HV, V, K] (any slot stride); out [B, 1, HV, V]; ssm_state_indices [B] (< 0: padded row).
     """
-    if _is_compiling():
-        _tops.ops.gdn_packed_decode(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state,
-                                    out, ssm_state_indices, bool(use_qk_l2norm_in_kernel), None,
-                                    bool(round_beta), _check(check_indices))
-        return out, initial_state
-    # The hot path: arguments normalized inline (identity checks for the common values).
-    try:
-        _pd(False, mixed_qkv, a, b, A_log, dt_bias,
-            scale if type(scale) is float else _scale(scale), initial_state, out,
-            ssm_state_indices,
-            use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
-            else bool(use_qk_l2norm_in_kernel),
-            None, round_beta if round_beta is False else bool(round_beta),
-            -1 if check_indices is None else _check(check_indices))
-    except (TypeError, BufferError) as e:
-        args = (False, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
-                ssm_state_indices, use_qk_l2norm_in_kernel, None, round_beta, check_indices)
-        raise _arg_error("fused_recurrent_gated_delta_rule_packed_decode", _PD_ARGS, args, e) from None
-    return out, initial_state
+    return _packed_decode(False, "fused_recurrent_gated_delta_rule_packed_decode", mixed_qkv, a, b,
+                          A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
+                          use_qk_l2norm_in_kernel, None, round_beta, check_indices)
 
 
 def fused_recurrent_kda_packed_decode(
@@ -182,24 +189,9 @@ def fused_recurrent_kda_packed_decode(
     """KDA packed decode (T=1). As the GDN op, with a [B, HV*K] and dt_bias [HV*K];
     ``lower_bound`` selects the safe gate. Returns ``(out, initial_state)``."""
     lb = None if lower_bound is None else _opt_float(lower_bound, "lower_bound")
-    if _is_compiling():
-        _tops.ops.kda_packed_decode(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state,
-                                    out, ssm_state_indices, bool(use_qk_l2norm_in_kernel), lb,
-                                    bool(round_beta), _check(check_indices))
-        return out, initial_state
-    try:
-        _pd(True, mixed_qkv, a, b, A_log, dt_bias,
-            scale if type(scale) is float else _scale(scale), initial_state, out,
-            ssm_state_indices,
-            use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
-            else bool(use_qk_l2norm_in_kernel),
-            lb, round_beta if round_beta is False else bool(round_beta),
-            -1 if check_indices is None else _check(check_indices))
-    except (TypeError, BufferError) as e:
-        args = (True, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
-                ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices)
-        raise _arg_error("fused_recurrent_kda_packed_decode", _PD_ARGS, args, e) from None
-    return out, initial_state
+    return _packed_decode(True, "fused_recurrent_kda_packed_decode", mixed_qkv, a, b, A_log,
+                          dt_bias, scale, initial_state, out, ssm_state_indices,
+                          use_qk_l2norm_in_kernel, lb, round_beta, check_indices)
 
 
 # ---- recurrent (B,T and varlen) ---------------------------------------------------------------
