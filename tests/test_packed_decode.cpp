@@ -138,16 +138,7 @@ TEST(PackedDecode, StatePoolEnvelopeLayer) {
   for (bool kda : {false, true}) {
     SCOPED_TRACE(kda ? "kda" : "gdn");
     Rng rng = test_rng(kda);
-    deltastate::StatePoolConfig cfg;
-    cfg.layers = 3;
-    cfg.slots = 7;
-    cfg.HV = kOdd.HV;
-    cfg.V = kOdd.V;
-    cfg.K = kOdd.K;
-    cfg.state_dtype = DType::f32;
-    cfg.layout = deltastate::PoolLayout::envelope;
-    cfg.envelope_extra_bytes = 1000;
-    deltastate::StatePool pool(cfg);
+    deltastate::StatePool pool(envelope_config(kOdd, 3, 7, DType::f32, 1000));
     fill_sentinel(pool.data(), pool.total_bytes(), DType::f32);
     const TensorView layer = pool.layer_state(1);
     ASSERT_GT(layer.stride[0], kOdd.state_elems());

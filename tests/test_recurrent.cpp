@@ -222,16 +222,7 @@ TEST(Recurrent, StatePoolEnvelopeLayer) {
   for (bool kda : {false, true}) {
     SCOPED_TRACE(kda ? "kda" : "gdn");
     Rng rng = test_rng(kda);
-    deltastate::StatePoolConfig cfg;
-    cfg.layers = 2;
-    cfg.slots = 6;
-    cfg.HV = kOdd.HV;
-    cfg.V = kOdd.V;
-    cfg.K = kOdd.K;
-    cfg.state_dtype = DType::bf16;
-    cfg.layout = deltastate::PoolLayout::envelope;
-    cfg.envelope_extra_bytes = 777;
-    deltastate::StatePool pool(cfg);
+    deltastate::StatePool pool(envelope_config(kOdd, 2, 6, DType::bf16, 777));
     fill_sentinel(pool.data(), pool.total_bytes(), DType::bf16);
     const TensorView layer = pool.layer_state(1);
     RecurrentCase c{"envelope", spec(kOdd, kda, DType::bf16, 1, 1, {2, 1, 3}), StateMode::pool,

@@ -318,16 +318,7 @@ TEST(ReplaySSM, StatePoolEnvelopeWithRings) {
   for (bool kda : {false, true}) {
     SCOPED_TRACE(kda ? "kda" : "gdn");
     Rng rng = test_rng(kda);
-    deltastate::StatePoolConfig cfg;
-    cfg.layers = 2;
-    cfg.slots = 6;
-    cfg.H = kOdd.H;
-    cfg.HV = kOdd.HV;
-    cfg.V = kOdd.V;
-    cfg.K = kOdd.K;
-    cfg.state_dtype = DType::f32;
-    cfg.layout = deltastate::PoolLayout::envelope;
-    cfg.envelope_extra_bytes = 300;
+    deltastate::StatePoolConfig cfg = envelope_config(kOdd, 2, 6, DType::f32, 300);
     cfg.replay_len = 4;
     cfg.ring_k_dtype = DType::bf16;
     cfg.kda = kda;

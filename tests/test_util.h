@@ -183,6 +183,23 @@ inline constexpr Shape kOdd{"odd", 3, 6, 32, 48};
 inline constexpr Shape kKgtV{"KgtV", 2, 4, 64, 32};
 inline constexpr Shape kKltV{"KltV", 2, 4, 32, 64};
 
+// A StatePool of the envelope layout over shape `s`: `layers` layers per entry, `slots` entries,
+// `extra_bytes` beyond the layers in every entry.
+inline deltastate::StatePoolConfig envelope_config(const Shape& s, int64_t layers, int64_t slots,
+                                                   DType state_dtype, int64_t extra_bytes) {
+  deltastate::StatePoolConfig cfg;
+  cfg.layers = layers;
+  cfg.slots = slots;
+  cfg.H = s.H;
+  cfg.HV = s.HV;
+  cfg.V = s.V;
+  cfg.K = s.K;
+  cfg.state_dtype = state_dtype;
+  cfg.layout = deltastate::PoolLayout::envelope;
+  cfg.envelope_extra_bytes = extra_bytes;
+  return cfg;
+}
+
 // A state pool [slots, HV, V, K], inner strides (V*K, K, 1), slot stride HV*V*K + slot_pad elements,
 // starting `lead` elements into its allocation (envelope-like gaps before and between slots).
 // Every element of the allocation is the sentinel; fill the live slots with fill_slot.

@@ -658,15 +658,7 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
 // ReplaySSM on its rings, with the pool's own per-slot cursors as write_pos (rows = slots 0..4),
 // advanced on the device.
 TEST_F(GpuTest, StatePoolOnDevice) {
-  deltastate::StatePoolConfig cfg;
-  cfg.layers = 2;
-  cfg.slots = 5;
-  cfg.H = kOdd.H;
-  cfg.HV = kOdd.HV;
-  cfg.V = kOdd.V;
-  cfg.K = kOdd.K;
-  cfg.layout = deltastate::PoolLayout::envelope;
-  cfg.envelope_extra_bytes = 300;
+  deltastate::StatePoolConfig cfg = envelope_config(kOdd, 2, 5, f32, 300);
   cfg.replay_len = 4;
   cfg.ring_k_dtype = bf16;
   deltastate::StatePool host(cfg);
