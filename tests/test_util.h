@@ -312,6 +312,22 @@ struct RecurrentSpec {
   bool dt_bias_2d = false;  // KDA dt_bias as [HV, K]
   DType index_dtype = DType::i32;
 };
+// A spec from its main fields; `with(spec, f)` adjusts the others in a test table.
+inline RecurrentSpec recurrent_spec(const Shape& s, bool kda, DType act, int64_t B, int64_t T,
+                                    std::vector<int64_t> seqlens = {}) {
+  RecurrentSpec r;
+  r.s = s;
+  r.kda = kda;
+  r.act = act;
+  r.B = B;
+  r.T = T;
+  r.seqlens = std::move(seqlens);
+  return r;
+}
+inline RecurrentSpec with(RecurrentSpec r, void (*f)(RecurrentSpec&)) {
+  f(r);
+  return r;
+}
 struct RecurrentBatch {
   RecurrentSpec spec;
   int64_t N = 0;  // sequences

@@ -349,50 +349,35 @@ TEST_P(GpuRecurrent, MatchesCpu) {
   }
 }
 
-RecurrentSpec rspec(const Shape& s, bool kda, DType act, int64_t B, int64_t T,
-                    std::vector<int64_t> seqlens = {}) {
-  RecurrentSpec r;
-  r.s = s;
-  r.kda = kda;
-  r.act = act;
-  r.B = B;
-  r.T = T;
-  r.seqlens = std::move(seqlens);
-  return r;
-}
-RecurrentSpec with(RecurrentSpec r, void (*f)(RecurrentSpec&)) {
-  f(r);
-  return r;
-}
 std::string rec_name(const ::testing::TestParamInfo<RecCase>& i) { return i.param.name; }
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuRecurrent,
     ::testing::Values(
         RecCase{"gdn_qwen_varlen_packedqkv_bf16act",
-                with(rspec(kQwen3Next, false, bf16, 1, 1, {3, 0, 5, 1, 2}),
+                with(recurrent_spec(kQwen3Next, false, bf16, 1, 1, {3, 0, 5, 1, 2}),
                      [](RecurrentSpec& r) { r.packed_qkv = true; }),
                 StateMode::pool, f32, {1}},
         RecCase{"kda_kimi_varlen_lb_bf16state_envelope",
-                with(rspec(kKimi, true, bf16, 1, 1, {2, 4, 1}),
+                with(recurrent_spec(kKimi, true, bf16, 1, 1, {2, 4, 1}),
                      [](RecurrentSpec& r) { r.lower_bound = -5.0; }),
                 StateMode::pool, bf16, {}, true, true, 64, 32},
-        RecCase{"gdn_hv24_per_sequence_T3_f16state", rspec(kHV24, false, f16, 3, 3),
+        RecCase{"gdn_hv24_per_sequence_T3_f16state", recurrent_spec(kHV24, false, f16, 3, 3),
                 StateMode::per_sequence, f16, {}},
-        RecCase{"kda_k64v128_no_state", rspec(kK64V128, true, bf16, 2, 4), StateMode::none, bf16, {},
+        RecCase{"kda_k64v128_no_state", recurrent_spec(kK64V128, true, bf16, 2, 4), StateMode::none, bf16, {},
                 true, false},
         RecCase{"gdn_k96_logg_betaprob_T4",
-                with(rspec(kK96, false, f32, 3, 4),
+                with(recurrent_spec(kK96, false, f32, 3, 4),
                      [](RecurrentSpec& r) {
                        r.gate_in_kernel = false;
                        r.beta_is_logit = false;
                      }),
                 StateMode::pool, f32, {2}},
         RecCase{"kda_k128v64_i64_T2",
-                with(rspec(kK128V64, true, f32, 4, 2), [](RecurrentSpec& r) { r.index_dtype = DType::i64; }),
+                with(recurrent_spec(kK128V64, true, f32, 4, 2), [](RecurrentSpec& r) { r.index_dtype = DType::i64; }),
                 StateMode::pool, f32, {0}},
-        RecCase{"gdn_k64_no_update", rspec(kK64, false, f32, 3, 3), StateMode::pool, bf16, {}, true, false},
-        RecCase{"kda_odd_varlen_dt2d", with(rspec(kOdd, true, f16, 1, 1, {1, 3, 2}),
+        RecCase{"gdn_k64_no_update", recurrent_spec(kK64, false, f32, 3, 3), StateMode::pool, bf16, {}, true, false},
+        RecCase{"kda_odd_varlen_dt2d", with(recurrent_spec(kOdd, true, f16, 1, 1, {1, 3, 2}),
                                             [](RecurrentSpec& r) { r.dt_bias_2d = true; }),
                 StateMode::pool, f32, {1}, true, true, 16, 8}),
     rec_name);
@@ -581,7 +566,7 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
   // Recurrent, varlen, both gates.
   for (bool kda : {false, true}) {
     SCOPED_TRACE(kda ? "recurrent_kda" : "recurrent_gdn");
-    RecurrentBatch rb = make_recurrent_batch(rng, rspec(s, kda, bf16, 1, 1, {2, 1, 3, 1, 2, 1}));
+    RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, kda, bf16, 1, 1, {2, 1, 3, 1, 2, 1}));
     Tensor cidx = index_tensor(small_slots), gidx = index_tensor(big_slots);
     push_states();
     dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu, gidx);
