@@ -97,8 +97,7 @@ struct PackedFixture {
     Rng rng = test_rng(kda);
     pool = make_pool(DType::f32, 5, kSmall);
     const std::vector<int64_t> slots{3, -1, 0};
-    for (int64_t s : slots)
-      if (s >= 0) fill_slot(pool.view(), s, rng);
+    fill_live_slots(pool.view(), slots, rng);
     batch = make_decode_batch(rng, kSmall, kda, slots, DType::f32);
     args = batch.packed_args(host_view, pool.view(), 0.35, kda ? std::optional<double>(-5.0) : std::nullopt);
   }
@@ -555,8 +554,7 @@ struct ReplayFixture {
     Rng rng = test_rng(kda);
     pool = make_pool(DType::f32, 5, kSmall);
     const std::vector<int64_t> slots{3, -1, 0};
-    for (int64_t s : slots)
-      if (s >= 0) fill_slot(pool.view(), s, rng);
+    fill_live_slots(pool.view(), slots, rng);
     rings = make_rings(kSmall, kda, 5, 4, DType::f32, DType::f32);
     batch = make_decode_batch(rng, kSmall, kda, slots, DType::f32);
     wp = index_tensor({0, 0, 0});

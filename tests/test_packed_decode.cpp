@@ -90,8 +90,7 @@ TEST_P(PackedDecodeVsReference, TwoSteps) {
   const int64_t num_slots = B + 3;  // some slots stay unused (sentinel)
   Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
   const std::vector<int64_t> slots = pick_slots(rng, B, num_slots, padded);
-  for (int64_t s : slots)
-    if (s >= 0) fill_slot(pool.view(), s, rng);
+  fill_live_slots(pool.view(), slots, rng);
   DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act, c.row_pad, c.index);
   const MemRange mem{static_cast<const char*>(pool.alloc_base()),
                      static_cast<const char*>(pool.alloc_base()) + pool.alloc_bytes()};
@@ -143,8 +142,7 @@ TEST(PackedDecode, StatePoolEnvelopeLayer) {
     const TensorView layer = pool.layer_state(1);
     ASSERT_GT(layer.stride[0], kOdd.state_elems());
     const std::vector<int64_t> slots{5, -1, 0, 3};
-    for (int64_t s : slots)
-      if (s >= 0) fill_slot(layer, s, rng);
+    fill_live_slots(layer, slots, rng);
     DecodeBatch batch = make_decode_batch(rng, kOdd, kda, slots, DType::bf16);
     const auto* base = static_cast<const char*>(pool.data());
     for (int step = 0; step < 2; ++step) {
@@ -189,8 +187,7 @@ TEST(PackedDecode, RoundBetaToInputDtype) {
     Rng rng = test_rng(static_cast<uint64_t>(act));
     const std::vector<int64_t> slots{2, 0, -1, 1};
     Tensor pool = make_pool(DType::f32, 4, kOdd);
-    for (int64_t sl : slots)
-      if (sl >= 0) fill_slot(pool.view(), sl, rng);
+    fill_live_slots(pool.view(), slots, rng);
     const MemRange mem{static_cast<const char*>(pool.alloc_base()),
                        static_cast<const char*>(pool.alloc_base()) + pool.alloc_bytes()};
     for (bool kda : {false, true}) {

@@ -130,8 +130,7 @@ TEST_P(RecurrentVsReference, Run) {
   }
   if (c.mode != StateMode::none) {
     state = pool.view();
-    for (int64_t sl : indices)
-      if (sl >= 0) fill_slot(*state, sl, rng);
+    fill_live_slots(*state, indices, rng);
   }
   const auto* base = static_cast<const char*>(pool.alloc_base());
   for (int call = 0; call < 2; ++call) {  // the second call continues from the first one's state
@@ -214,8 +213,7 @@ TEST(Recurrent, StatePoolEnvelopeLayer) {
                     DType::bf16, {}, true};
     RecurrentBatch rb = make_recurrent_batch(rng, c.spec);
     const std::vector<int64_t> indices{4, -1, 1};
-    for (int64_t sl : indices)
-      if (sl >= 0) fill_slot(layer, sl, rng);
+    fill_live_slots(layer, indices, rng);
     const auto* base = static_cast<const char*>(pool.data());
     checked_recurrent_call(rb, c, layer, {base, base + pool.total_bytes()}, indices);
   }

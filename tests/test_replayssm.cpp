@@ -142,8 +142,7 @@ TEST_P(ReplayVsReference, Steps) {
   const int64_t B = 4, num_slots = 7;
   const std::vector<int64_t> slots = pick_slots(rng, B, num_slots, {2});
   Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
-  for (int64_t sl : slots)
-    if (sl >= 0) fill_slot(pool.view(), sl, rng);
+  fill_live_slots(pool.view(), slots, rng);
   Rings rings = make_rings(c.shape, c.kda, num_slots, c.L, c.state, c.act);
   const ReplayViews views{pool.view(), rings.d.view(), rings.k.view(), rings.g.view(),
                           {whole(pool), whole(rings.d), whole(rings.k), whole(rings.g)}};
@@ -332,8 +331,7 @@ TEST(ReplaySSM, StatePoolEnvelopeWithRings) {
     const ReplayViews views{pool.layer_state(layer), pool.d_cache(layer), pool.k_cache(layer),
                             pool.g_cache(layer), {{base, base + pool.total_bytes()}}};
     ASSERT_GT(views.state.stride[0], kOdd.state_elems());
-    for (int64_t sl : slots)
-      if (sl >= 0) fill_slot(views.state, sl, rng);
+    fill_live_slots(views.state, slots, rng);
     DecodeBatch batch = make_decode_batch(rng, kOdd, kda, slots, DType::bf16);
     for (int step = 0; step < 9; ++step) {
       SCOPED_TRACE("step " + std::to_string(step));

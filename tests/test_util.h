@@ -208,6 +208,11 @@ Tensor make_pool(DType dtype, int64_t slots, const Shape& s, int64_t slot_pad = 
 std::vector<double> slot_values(const TensorView& pool, int64_t slot);
 void set_slot_values(const TensorView& pool, int64_t slot, const std::vector<double>& v);
 void fill_slot(const TensorView& pool, int64_t slot, Rng& rng, double lo = -0.3, double hi = 0.3);
+// fill_slot for every live entry of `slots` (padded rows, < 0, have no slot).
+inline void fill_live_slots(const TensorView& pool, const std::vector<int64_t>& slots, Rng& rng) {
+  for (int64_t s : slots)
+    if (s >= 0) fill_slot(pool, s, rng);
+}
 MemRange slot_range(const TensorView& pool, int64_t slot);
 // A dense run of elements of a view as doubles.
 std::vector<double> view_values(const TensorView& t, int64_t elem_offset, int64_t count);

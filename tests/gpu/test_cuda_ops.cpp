@@ -180,8 +180,7 @@ TEST_P(GpuPackedDecode, MatchesCpu) {
   const int64_t num_slots = c.B + 4;
   Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
   const std::vector<int64_t> slots = pick_slots(rng, c.B, num_slots, c.padded);
-  for (int64_t s : slots)
-    if (s >= 0) fill_slot(pool.view(), s, rng);
+  fill_live_slots(pool.view(), slots, rng);
   DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act, 0,
                                         c.B % 2 ? DType::i64 : DType::i32);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
@@ -279,8 +278,7 @@ TEST_P(GpuRecurrent, MatchesCpu) {
     pool = make_pool(c.state, N, s, c.slot_pad, c.lead);
     for (int64_t n = 0; n < N; ++n) slots.push_back(n);
   }
-  for (int64_t sl : slots)
-    if (sl >= 0) fill_slot(pool.view(), sl, rng);
+  fill_live_slots(pool.view(), slots, rng);
   if (c.final_state) {
     final_state = Tensor::contiguous(c.state, {N, s.HV, s.V, s.K});
     final_state.fill_all(std::nan(""));
@@ -404,8 +402,7 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
   const int64_t B = 6, num_slots = 9;
   const std::vector<int64_t> slots = pick_slots(rng, B, num_slots, {2});
   Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
-  for (int64_t s : slots)
-    if (s >= 0) fill_slot(pool.view(), s, rng);
+  fill_live_slots(pool.view(), slots, rng);
   Rings rings = make_rings(c.shape, c.kda, num_slots, c.L, c.state, c.act);
   DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act);
   std::vector<int64_t> cursor(B, 0);
@@ -520,8 +517,7 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
   std::vector<int64_t> small_slots;  // the same rows on a small CPU pool
   for (size_t r = 0; r < big_slots.size(); ++r) small_slots.push_back(big_slots[r] < 0 ? -1 : static_cast<int64_t>(r));
   Tensor small = make_pool(f32, static_cast<int64_t>(big_slots.size()), s);
-  for (int64_t sl : small_slots)
-    if (sl >= 0) fill_slot(small.view(), sl, rng);
+  fill_live_slots(small.view(), small_slots, rng);
   auto push_states = [&] {  // CPU states -> their big-pool slots
     for (size_t r = 0; r < big_slots.size(); ++r)
       if (big_slots[r] >= 0)
@@ -772,8 +768,7 @@ TEST_F(GpuTest, CudaGraphReplayMatchesEager) {
   Rng rng = test_rng();
   const std::vector<int64_t> slots{5, 0, -1, 7, 2, 9, 4, 1};
   Tensor pool = make_pool(f32, 10, s, 256, 64);
-  for (int64_t sl : slots)
-    if (sl >= 0) fill_slot(pool.view(), sl, rng);
+  fill_live_slots(pool.view(), slots, rng);
   const double scale = 1.0 / std::sqrt(128.0);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
