@@ -100,11 +100,7 @@ Tensor Tensor::strided(DType dtype, std::vector<int64_t> shape, std::vector<int6
   Tensor t;
   t.alloc_bytes_ = alloc * deltastate::dtype_size(dtype);
   t.storage_ = allocate_bytes(t.alloc_bytes_);
-  t.dtype_ = dtype;
-  t.shape_ = std::move(shape);
-  t.strides_ = std::move(strides);
-  t.offset_ = offset;
-  return t;
+  return t.alias(dtype, std::move(shape), std::move(strides), offset);
 }
 
 Tensor Tensor::empty_like() const {
