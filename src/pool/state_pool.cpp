@@ -52,18 +52,21 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   const int64_t isz = dtype_size(c.state_dtype);
   const int64_t head_bytes = c.HV * c.V * c.K * isz;  // one (layer, slot) state
   l.state_offset = 0;
+  // A slot's state in every layer is `slot_rows` rows of entry_bytes, slot_row_pitch apart: its
+  // one entry (envelope) or one row per layer (per_layer).
   if (c.layout == PoolLayout::envelope) {
     l.extra_pad = round_up(c.envelope_extra_bytes, kAlign);
     l.entry_bytes = round_up(l.extra_pad + c.layers * envelope_layer_pitch(c), kAlign);
     l.state_bytes = c.slots * l.entry_bytes;
+    l.slot_rows = 1;
+    l.slot_row_pitch = l.entry_bytes;
   } else {
     l.extra_pad = 0;
     l.entry_bytes = head_bytes;
     l.state_bytes = c.layers * c.slots * head_bytes;
+    l.slot_rows = c.layers;
+    l.slot_row_pitch = c.slots * l.entry_bytes;
   }
-  const bool env = c.layout == PoolLayout::envelope;
-  l.slot_rows = env ? 1 : c.layers;
-  l.slot_row_pitch = env ? l.entry_bytes : c.slots * l.entry_bytes;
   int64_t off = round_up(l.state_bytes, kAlign);
   const int64_t L = c.replay_len;
   l.d_offset = off;
