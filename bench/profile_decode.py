@@ -19,11 +19,21 @@ ap.add_argument("--dtype", default="f32")
 ap.add_argument("--B", type=int, default=256)
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--no-peer", action="store_true")
+ap.add_argument("--replay", type=int, default=0,
+                help="ring length L: run 2L ReplaySSM steps (cursors advanced on the device) "
+                     "instead of plain decode; launch i has cursor i mod L (flush at L-1)")
 args = ap.parse_args()
 m = MODELS[args.model]
-case = Case(m, DTYPES[args.dtype], args.B, torch.Generator().manual_seed(0))
-for _ in range(args.reps):
-    case.ours(0)()
+if args.replay:
+    from bench_replayssm import ReplayCase
+    case = ReplayCase(m, DTYPES[args.dtype], args.B, args.replay, torch.Generator().manual_seed(0))
+    for _ in range(2 * args.replay):
+        case.replay(0)()
+    args.no_peer = True
+else:
+    case = Case(m, DTYPES[args.dtype], args.B, torch.Generator().manual_seed(0))
+    for _ in range(args.reps):
+        case.ours(0)()
 if not args.no_peer:
     launches, keep = (fla_gdn_launches if m.op == "gdn" else fla_kda_launches)(case)
     for _ in range(args.reps):

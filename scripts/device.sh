@@ -4,7 +4,7 @@
 #
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
-#                                      also build-lib, bench-direct, profile
+#                                      also build-lib, bench-direct, profile, profile-replay
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -101,6 +101,17 @@ for phase in "${phases[@]}"; do
           --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
           --section InstructionStats \
           python3 bench/profile_decode.py ${PROFILE_ARGS:-}
+      done
+      ;;
+    profile-replay)
+      # Nsight Compute on ReplaySSM launches: an appending step (cursor 8) and the flush step
+      # (cursor L-1) of a ring of PROFILE_L (default 16); PROFILE_ARGS as above.
+      L=${PROFILE_L:-16}
+      for skip in 8 $((L - 1)); do
+        run profile ncu --clock-control none -k "regex:replay" --launch-skip $skip --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+          python3 bench/profile_decode.py --replay "$L" ${PROFILE_ARGS:-}
       done
       ;;
     overhead)
