@@ -1,8 +1,8 @@
 // CPU kernel of ReplaySSM buffered decode (spec §5, basic mode): one task per (row, value head).
-// The same factorization as the CUDA kernel (src/cuda/replayssm_decode.cu, docs/REPLAYSSM.md):
-// the output comes from dot products of the checkpoint and the ring records with the token's
-// vectors; only a flush rebuilds the state and folds the token into the checkpoint; otherwise
-// the record (d, k, g) is appended. Cursors advance after every task of the step has read them.
+// The same math as the CUDA kernel (src/cuda/replayssm_decode.cu, docs/REPLAYSSM.md): an
+// appending step takes the output from dot products of the checkpoint and the ring records with
+// the token's vectors and appends the record (d, k, g); a flush rebuilds the state and runs the
+// plain delta-rule step on it, writing the checkpoint. Cursors advance after every task of the step has read them.
 #include <vector>
 
 #include "core/delta_math.h"
@@ -75,7 +75,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
                                   /*is_logit=*/true, /*round=*/true, p.b.dtype);
 
     // 2. The ring (m records): e = exp(Gtot), kw_j = W_j*k_j (KDA; GDN keeps the scalar W_j in
-    //    w[j]), and the per-record coefficients ck_j = w_j*kw_j.(alpha*k), cq_j = w_j*kw_j.(alpha*q).
+    //    w[j] and kw_j = k_j).
     std::fill(sc.e.begin(), sc.e.end(), 0.0f);  // Gtot, then e
     for (int j = 0; j < m; ++j)
       for (int i = 0; i < g_width; ++i) sc.e[i] += p.g_cache[g_base + j * g_width + i];
@@ -94,13 +94,37 @@ void run_replayssm_decode(const ReplayProblem& p) {
       } else {
         sc.w[j] = expf(sc.e[0] - prefix[0]);
       }
-      sc.ck[j] = sc.w[j] * dot(kw, sc.ak.data(), K);
-      sc.cq[j] = sc.w[j] * dot(kw, sc.aq.data(), K);
     }
     for (int i = 0; i < K; ++i) sc.e[i] = expf(sc.e[i]);
 
-    // 3. Per row: sk = S0.(e*alpha*k) + sum_j d_j ck_j, sq likewise with q (the state before
-    //    this token is never built); d = beta*(v - sk), o = sq + d*(k.q).
+    if (flush) {
+      // 3f. Flush: rebuild the state before this token, S = e*S0 + sum_j d_j w_j kw_j, then the
+      //     plain delta-rule step on it (decay, dots, u, output, S0 <- alpha*S + u*k).
+      for (int vi = 0; vi < V; ++vi) {
+        float* row = sc.S.data() + static_cast<int64_t>(vi) * K;
+        scale_row(row, sc.e.data(), K);
+        for (int j = 0; j < m; ++j)
+          rank1_update(row, sc.kw.data() + static_cast<int64_t>(j) * K, K,
+                       sc.dj[static_cast<int64_t>(j) * V + vi] * sc.w[j]);
+        float sk, sq;
+        decay_and_dots(row, sc.alpha.data(), sc.k.data(), sc.q.data(), K, sk, sq);
+        const float u = delta_u(sc.v[vi], sk, beta);
+        sc.o[vi] = delta_output(sq, u, kq);
+        rank1_update(row, sc.k.data(), K, u);
+      }
+      store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv), V, sc.o.data());
+      store_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
+      return;
+    }
+
+    // 3a. An appending step: the state before this token is never built. Per record the
+    //     coefficients ck_j = w_j kw_j.(alpha*k), cq_j = w_j kw_j.(alpha*q); per row sk =
+    //     S0.(e*alpha*k) + sum_j d_j ck_j, sq likewise with q; d = beta*(v - sk), o = sq + d*(k.q).
+    for (int j = 0; j < m; ++j) {
+      const float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
+      sc.ck[j] = sc.w[j] * dot(kw, sc.ak.data(), K);
+      sc.cq[j] = sc.w[j] * dot(kw, sc.aq.data(), K);
+    }
     for (int i = 0; i < K; ++i) {
       sc.ek[i] = sc.e[i] * sc.ak[i];
       sc.eq[i] = sc.e[i] * sc.aq[i];
@@ -117,26 +141,11 @@ void run_replayssm_decode(const ReplayProblem& p) {
       sc.o[vi] = delta_output(sq, sc.d[vi], kq);
     }
     store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv), V, sc.o.data());
-
-    // 4. Flush: S = e*S0 + sum_j d_j w_j kw_j, then S0 <- alpha*S + d*k. Otherwise append the
-    //    record (d, k, g) at position m.
-    if (flush) {
-      for (int vi = 0; vi < V; ++vi) {
-        float* row = sc.S.data() + static_cast<int64_t>(vi) * K;
-        scale_row(row, sc.e.data(), K);
-        for (int j = 0; j < m; ++j)
-          rank1_update(row, sc.kw.data() + static_cast<int64_t>(j) * K, K,
-                       sc.dj[static_cast<int64_t>(j) * V + vi] * sc.w[j]);
-        scale_row(row, sc.alpha.data(), K);  // S0 <- alpha*S + d*k
-        rank1_update(row, sc.k.data(), K, sc.d[vi]);
-      }
-      store_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
-    } else {
-      store_row(p.d_cache, p.d_dtype, d_base + static_cast<int64_t>(m) * V, V, sc.d.data());
-      for (int i = 0; i < g_width; ++i) p.g_cache[g_base + m * g_width + i] = sc.g[i];
-      if (hv % group == 0)  // one writer per key head
-        store_row(p.k_cache, p.k_dtype, k_base + static_cast<int64_t>(m) * K, K, sc.k.data());
-    }
+    // Append the record (d, k, g) at position m.
+    store_row(p.d_cache, p.d_dtype, d_base + static_cast<int64_t>(m) * V, V, sc.d.data());
+    for (int i = 0; i < g_width; ++i) p.g_cache[g_base + m * g_width + i] = sc.g[i];
+    if (hv % group == 0)  // one writer per key head
+      store_row(p.k_cache, p.k_dtype, k_base + static_cast<int64_t>(m) * K, K, sc.k.data());
   });
 
   if (p.advance_write_pos) {

@@ -138,11 +138,13 @@ using detail::head_offset;
 // dtype (the generic path, for callers whose inputs mix dtypes).
 template <class T>
 struct TypedInput {
+  using type = T;
   __device__ __forceinline__ static float load(const void* p, DType, int64_t i) {
     return to_float(__ldg(static_cast<const T*>(p) + i));
   }
 };
 struct AnyInput {
+  using type = float;  // what generic kernels convert to
   __device__ __forceinline__ static float load(const void* p, DType t, int64_t i) {
     return detail::load_float(p, t, i);
   }
@@ -334,10 +336,15 @@ __device__ __forceinline__ int finish_rows(float (&dots)[2 * R], const float (&v
   return first_copy ? mine : -1;
 }
 
-// cp.async: asynchronous 4-byte global -> shared copies, grouped.
+// cp.async: asynchronous 4- or 16-byte global -> shared copies, grouped. (The 16-byte form
+// bypasses L1: staged data is read from shared memory only.)
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>

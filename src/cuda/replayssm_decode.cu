@@ -1,24 +1,35 @@
 // CUDA kernel of ReplaySSM buffered decode (spec §5, basic mode), GDN and KDA.
 //
-// A CTA owns a block of rows of one (row n, value head). With the checkpoint S0 and the m live
-// ring records (d_j, k_j, g_j), the state before this token is S = e*S0 + sum_j d_j kw_j^T with
-// e = exp(Gtot) and kw_j = W_j*k_j, W_j = exp(Gtot - G_j) (G_j: prefix sums of g). The output
-// needs only two dot products per row with that S, so the kernel never builds S on a non-flush
-// step (docs/REPLAYSSM.md):
-//   sk = S.(alpha*k) = S0.(e*alpha*k) + sum_j d_j ck_j,   ck_j = kw_j.(alpha*k)
-//   sq = S.(alpha*q) = S0.(e*alpha*q) + sum_j d_j cq_j,   cq_j = kw_j.(alpha*q)
-// ck/cq are m dot products of length K per head, computed once per CTA; each row then costs 2m
-// FMAs for the ring instead of m*K. Only a flush rebuilds S (e*S0 + sum_j d_j kw_j, fp32 FMAs)
-// and folds the token in: S0 <- alpha*S + d*k. Non-flush steps read the checkpoint and write only
-// the ring record.
+// The math (docs/REPLAYSSM.md, the same factorization as the CPU kernel): with the checkpoint S0
+// and the m live ring records (d_j, k_j, g_j), the state before this token is
+// S = e*S0 + sum_j d_j w_j kw_j with e = exp(Gtot), G_j the prefix sums of g, W_j =
+// exp(Gtot - G_j) (KDA: per K column, folded into kw_j = W_j*k_j, w_j = 1; GDN: the scalar
+// w_j = W_j, kw_j = k_j). The output needs two dot products per row with that S:
+//   sk = S0.(e*alpha*k) + sum_j d_j ck_j,   ck_j = w_j kw_j.(alpha*k)
+//   sq = S0.(e*alpha*q) + sum_j d_j cq_j,   cq_j = w_j kw_j.(alpha*q)
+// so an appending step reads the checkpoint, never builds S, and writes only the record; a flush
+// rebuilds S in registers, folds the token in (S0 <- alpha*S + d*k) and writes the checkpoint.
 //
-// The ring records are staged into shared memory with cp.async (one round trip for all of them),
-// issued right after the checkpoint loads.
+// Work layout. A CTA of NW warps owns a block of rows of one (row n, value head hv); each warp
+// holds its rows of S0 in registers (the lane layout of common.cuh: a row over G lanes, EPL
+// elements each, R rows per thread). The per-head ring work is done once per CTA, not per warp:
+//  1. Every thread reads the slot and the cursor m itself (no barrier), issues its checkpoint
+//     rows' loads, then the CTA stages the m ring records (g, k and the block's rows of d) into
+//     shared memory with cp.async; the token is prepared in registers meanwhile (norms, gate,
+//     beta; warp 0 publishes alpha*k and alpha*q).
+//  2. Records are spread over the warps (record j on warp j mod NW): G_j and Gtot over the lane's
+//     columns, kw_j, and the two coefficients ck_j, cq_j (one shuffle reduction per record).
+//  3. Each row's two partial dots over the lane's K slice take the ring terms too: lane l of a
+//     row group adds d_j*ck_j and d_j*cq_j for record j = l (and l + G, ...), so one transposed
+//     reduction finishes sk and sq for all of the thread's rows.
+// Barriers: two (after the staging, after the records); none when the ring is empty.
 //
-// Cursor advance (advance_write_pos): every CTA of row n takes its cursor with one
-// atomicAdd(write_pos[n], 1 << 16); the low 16 bits stay the cursor and the high bits count the
-// CTAs that have read it. The CTA that sees itself last (count = CTAs per row - 1) stores the new
-// cursor, so every CTA reads the old one and no extra launch or scratch buffer is needed.
+// Cursor advance (advance_write_pos): each CTA, after its barrier (all its threads have read the
+// cursor), adds 1 << 16 to write_pos[n]; the low 16 bits stay the cursor and the high bits count
+// the CTAs that have read it. The CTA that sees itself last stores the new cursor. No extra launch
+// or scratch buffer.
+#include <type_traits>
+
 #include "api/backend.h"
 #include "cuda/common.cuh"
 
@@ -28,47 +39,141 @@ using detail::ReplayProblem;
 
 namespace {
 
-// Shared memory, in floats: raw ring bytes as staged (g, k, d), then the derived
-// kw [L][KT], decay e [KT], W [L] (GDN), the token's alpha*k and alpha*q [KT], ck/cq [L].
-struct SmemLayout {
-  int g_raw, k_raw, d_raw, kw, e, w, ak, aq, ck, cq, bytes;
-  __host__ __device__ SmemLayout(int L, int KT, int gw, int k_bytes, int d_bytes, int rows_cta) {
-    g_raw = 0;
-    k_raw = g_raw + L * gw;
-    k_raw = (k_raw + 3) & ~3;  // 16-byte aligned sections
-    d_raw = k_raw + (L * KT * k_bytes + 15) / 16 * 4;
-    kw = d_raw + (L * rows_cta * d_bytes + 15) / 16 * 4;
-    e = kw + L * KT;
-    w = e + KT;
-    ak = w + ((L + 3) & ~3);
-    aq = ak + KT;
-    ck = aq + KT;
-    cq = ck + L;
-    bytes = (cq + L) * 4;
-  }
-  // The layout a kernel instantiation uses (kernel and launcher must agree): the vector path
-  // stages d raw in its dtype, the generic path as floats.
-  __host__ __device__ static SmemLayout of(const ReplayProblem& p, int KT, bool vec, int rows_cta) {
-    return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, static_cast<int>(dtype_size(p.k_dtype)),
-                      vec ? static_cast<int>(dtype_size(p.d_dtype)) : 4, rows_cta);
-  }
+// The element types the ring records are staged in: the vector path copies raw bytes (k in the
+// input dtype, d in the state dtype); the generic path converts to float while staging.
+template <class StateT, bool VEC, class In>
+struct Staged {
+  using K = std::conditional_t<VEC, typename In::type, float>;
+  using D = std::conditional_t<VEC, StateT, float>;
 };
 
-// Copies `bytes` (a multiple of 4) from global to shared memory with 4-byte cp.async spread over
-// the CTA's threads.
-__device__ __forceinline__ void stage_words(void* smem, const void* gmem, int bytes) {
-  const int words = bytes >> 2;
-  auto* s = static_cast<uint32_t*>(smem);
-  auto* g = static_cast<const uint32_t*>(gmem);
-  for (int i = threadIdx.x; i < words; i += blockDim.x) cp_async4(s + i, g + i);
+// Shared memory, byte offsets (every section 16-byte aligned). The token, prepared once by warp
+// 0 [KT floats each]: alpha*k, alpha*q, k (normalized), q (normalized, scaled), alpha, its log decay g; its scalars k.q
+// and beta. The ring: decay e = exp(Gtot) [KT]; per record ck, cq, w [L]; the staged records g
+// [L][gw] fp32, k [L][KT], d [L][d_pitch] (the CTA's rows; the pitch padded by 16 bytes so that
+// lanes reading consecutive records hit different banks); kw [L][KT] fp32 (flush only).
+struct SmemLayout {
+  int ak, aq, kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, d_pitch, bytes;
+  __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta) {
+    auto up16 = [](int x) { return (x + 15) & ~15; };
+    d_pitch = up16(rows_cta * d_size) + 16;
+    ak = 0;
+    aq = ak + KT * 4;
+    kn = aq + KT * 4;
+    qn = kn + KT * 4;
+    alpha = qn + KT * 4;
+    gcur = alpha + KT * 4;
+    scalars = gcur + KT * 4;
+    e = scalars + 16;
+    ck = e + KT * 4;
+    cq = ck + up16(L * 4);
+    w = cq + up16(L * 4);
+    g = w + up16(L * 4);
+    k = g + up16(L * gw * 4);
+    d = k + up16(L * KT * k_size);
+    kw = d + L * d_pitch;
+    bytes = kw + L * KT * 4;
+  }
+};
+template <class StateT, int KT, bool VEC, class In>
+__host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_cta) {
+  using S = Staged<StateT, VEC, In>;
+  return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, sizeof(typename S::K), sizeof(typename S::D),
+                    rows_cta);
+}
+
+// Stages `rows` rows of `row_bytes` (a multiple of 4) from global memory (pitch src_pitch bytes)
+// into shared memory (pitch dst_pitch, a multiple of 16) with cp.async over the CTA's threads:
+// 16-byte copies where the source allows, else 4-byte ones.
+__device__ __forceinline__ void stage_rows(unsigned char* dst, int dst_pitch, const void* src_v,
+                                           int64_t src_pitch, int rows, int row_bytes) {
+  const auto* src = static_cast<const unsigned char*>(src_v);
+  const bool wide = ((reinterpret_cast<uintptr_t>(src) | static_cast<uint64_t>(src_pitch) |
+                      static_cast<uint64_t>(row_bytes)) & 15) == 0;
+  const int unit = wide ? 16 : 4;
+  const int per_row = row_bytes / unit;
+  const int total = rows * per_row;
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int r = i / per_row;
+    const int c = (i - r * per_row) * unit;
+    if (wide) cp_async16(dst + r * dst_pitch + c, src + r * src_pitch + c);
+    else cp_async4(dst + r * dst_pitch + c, src + r * src_pitch + c);
+  }
+}
+
+// The same with element loads converted to float (generic path: any dtypes, any alignment).
+__device__ __forceinline__ void stage_rows_float(float* dst, int dst_pitch_floats, const void* src,
+                                                 DType dtype, int64_t src_off, int64_t src_pitch,
+                                                 int rows, int cols) {
+  for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+    const int r = i / cols, c = i - r * cols;
+    dst[r * dst_pitch_floats + c] = detail::load_float(src, dtype, src_off + r * src_pitch + c);
+  }
+}
+
+// Element e (a compile-time index after unrolling) of values of type T packed in 16-byte words.
+template <class T, int N>
+__device__ __forceinline__ float element_of(const uint4 (&u)[N], int e) {
+  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
+  const int w = e / kPerWord;
+  const uint4& q = u[w / 4];
+  const uint32_t word = w % 4 == 0 ? q.x : w % 4 == 1 ? q.y : w % 4 == 2 ? q.z : q.w;
+  if constexpr (std::is_same_v<T, float>) {
+    return __uint_as_float(word);
+  } else {
+    const auto half = static_cast<unsigned short>(e % 2 ? word >> 16 : word & 0xffffu);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(__ushort_as_bfloat16(half));
+    else return __half2float(__ushort_as_half(half));
+  }
+}
+
+// Warp 0 prepares the token for the CTA (lanes of its first row group publish their K slices):
+// q, k normalized (q scaled), the gate (log decay g, alpha = exp(g)), beta, k.q.
+template <class In, int G, int EPL>
+__device__ __forceinline__ void prepare_token(const ReplayProblem& p, TokenInputs<EPL, 1>& x,
+                                              const GateConsts<EPL>& gc, int kofs, int valid,
+                                              int lane, unsigned char* smem, const SmemLayout& sm) {
+  const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
+  float g[EPL], alpha[EPL];
+  token_gate(p.gate, gc, x.g, g, alpha);
+  if (lane < G) {
+    auto put = [&](int section, int i, float value) {
+      reinterpret_cast<float*>(smem + section)[kofs + i] = value;
+    };
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (i < valid) {
+        put(sm.ak, i, alpha[i] * x.k[i]);
+        put(sm.aq, i, alpha[i] * x.q[i]);
+        put(sm.kn, i, x.k[i]);
+        put(sm.qn, i, x.q[i]);
+        put(sm.alpha, i, alpha[i]);
+        put(sm.gcur, i, g[i]);
+      }
+    }
+  }
+  if (lane == 0) {
+    float* scalars = reinterpret_cast<float*>(smem + sm.scalars);
+    scalars[0] = kq;
+    scalars[1] = detail::beta_value(x.b, true, true, p.b.dtype);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
+  return to_float(reinterpret_cast<const T*>(base)[i]);
 }
 
 template <class StateT, int KT, bool VEC, class In>
-__global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
+__global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
-  extern __shared__ float smem[];
-  __shared__ int cursor_sh;
+  constexpr int RPW = RG * R;    // rows per warp
+  constexpr int CPL = KT / 32;   // columns per lane in the per-record pass
+  using KS = typename Staged<StateT, VEC, In>::K;
+  using DS = typename Staged<StateT, VEC, In>::D;
+  static_assert((RPW * sizeof(DS)) % 16 == 0, "a warp's d values of one record: whole 16-byte words");
+  extern __shared__ __align__(16) unsigned char smem[];
 
   const int n = static_cast<int>(blockIdx.x) / p.HV;  // 32-bit: B*HV < 2^31 (the grid's x)
   const int hv = static_cast<int>(blockIdx.x) - n * p.HV;
@@ -77,37 +182,69 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
-  const int kofs = (lane % G) * EPL;
-  const int valid = VEC ? EPL : max(0, min(EPL, p.K - kofs));
-  const int rows_cta = nwarps * RG * R;
-  const int row_base = blockIdx.y * rows_cta;
-  const int local0 = warp * RG * R + lane / G;  // local row of pass 0
-  const int row0 = row_base + local0;
   const int L = p.L, K = p.K, V = p.V;
-  const int gw = p.gate.kda ? K : 1;
-  const int k_bytes = static_cast<int>(dtype_size(p.k_dtype));
-  const int d_bytes = static_cast<int>(dtype_size(p.d_dtype));
-  const DType d_staged = VEC ? p.d_dtype : DType::f32;
-  const SmemLayout sm = SmemLayout::of(p, KT, VEC, rows_cta);
+  const bool kda = p.gate.kda;
+  const int gw = kda ? K : 1;
+  const int kofs = (lane % G) * EPL;
+  const int valid = VEC ? EPL : max(0, min(EPL, K - kofs));
+  const int rows_cta = nwarps * RPW;
+  const int row_base = blockIdx.y * rows_cta;
+  const int rows_here = min(rows_cta, V - row_base);
+  const int wrow = warp * RPW;                 // the warp's first local row
+  const int local0 = wrow + lane / G;          // this lane's local row 0 (rows local0 + r*RG)
+  const int row0 = row_base + local0;
+  const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
+  const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
+  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_cta);
+  const float* s_ak = reinterpret_cast<const float*>(smem + sm.ak);
+  const float* s_aq = reinterpret_cast<const float*>(smem + sm.aq);
+  const float* s_kn = reinterpret_cast<const float*>(smem + sm.kn);
+  const float* s_qn = reinterpret_cast<const float*>(smem + sm.qn);
+  const float* s_alpha = reinterpret_cast<const float*>(smem + sm.alpha);
+  const float* s_gcur = reinterpret_cast<const float*>(smem + sm.gcur);
+  const float* s_scalars = reinterpret_cast<const float*>(smem + sm.scalars);
+  float* s_e = reinterpret_cast<float*>(smem + sm.e);
+  float* s_ck = reinterpret_cast<float*>(smem + sm.ck);
+  float* s_cq = reinterpret_cast<float*>(smem + sm.cq);
+  float* s_w = reinterpret_cast<float*>(smem + sm.w);
+  const float* s_g = reinterpret_cast<const float*>(smem + sm.g);
+  float* s_kw = reinterpret_cast<float*>(smem + sm.kw);
 
-  // This token's inputs and the head's gate constants do not depend on the slot: issue first.
-  TokenInputs<EPL, R> x;
-  load_token<In>(p, p.a, p.b, n, 0, h, hv, kofs, valid, row0, RG, x);
+  // Loads that do not depend on the slot, issued first: v of the row whose sk this lane will
+  // hold; warp 0 also the token's q, k, gate and beta inputs and the head's gate constants.
+  const int vrow = row0 + (idx < R ? idx : 0) * RG;
+  const float v = idx < R && vrow < V
+                      ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
+  TokenInputs<EPL, 1> x;
   GateConsts<EPL> gc;
-  load_gate_consts(p.gate, hv, K, kofs, valid, gc);
+  if (warp == 0) {
+    load_token<In>(p, p.a, p.b, n, 0, h, hv, kofs, valid, V, RG, x);  // (no v row)
+    load_gate_consts(p.gate, hv, K, kofs, valid, gc);
+  }
 
   const int64_t slot = p.indices[n];
+  const int cursor = __ldcg(p.write_pos + n);
   if (slot < 0) {  // padded: zero output, no state, ring or cursor access
     if (lane % G == 0) zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0, RG);
     return;
   }
   if (p.check_indices && slot >= p.state.num_slots)
     trap_bad_slot("replayssm_decode", n, slot, p.state.num_slots);
-  const bool forced = p.force_flush && p.force_flush[n] != 0;
+  int m = p.advance_write_pos ? (cursor & 0xffff) : cursor;
+  if (p.check_indices && !p.advance_write_pos && (m < 0 || m >= L)) {
+    printf("deltastate replayssm_decode: write_pos[%lld]=%d is outside the ring [0, %d]\n",
+           static_cast<long long>(n), m, L - 1);
+    __trap();
+  }
+  m = min(max(m, 0), L - 1);
+  const bool flush = detail::replay_flushes(m, L, p.force_flush && p.force_flush[n] != 0);
 
-  // 1. The checkpoint rows: every load in flight at once.
-  const int64_t head_elems = static_cast<int64_t>(V) * K;
-  StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride + hv * head_elems;
+  // The token (warp 0, before its own state loads: fewer registers live at once).
+  if (warp == 0) prepare_token<In, G>(p, x, gc, kofs, valid, lane, smem, sm);
+
+  // 1. The checkpoint rows (every load in flight at once), then the ring records.
+  StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
+               static_cast<int64_t>(hv) * V * K;
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -119,216 +256,220 @@ __global__ void __launch_bounds__(128, 4) replay_kernel(const ReplayProblem p) {
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-
-  // The cursor m (and, with advance_write_pos, its advance by the last CTA of the row).
-  if (threadIdx.x == 0) {
-    int m;
-    if (p.advance_write_pos) {
-      const int old = atomicAdd(p.write_pos + n, 1 << 16);
-      m = min(max(old & 0xffff, 0), L - 1);
-      if ((old >> 16) == p.HV * static_cast<int>(gridDim.y) - 1)
-        p.write_pos[n] = detail::replay_flushes(m, L, forced) ? 0 : m + 1;
-    } else {
-      m = p.write_pos[n];
-      if (p.check_indices && (m < 0 || m >= L)) {
-        printf("deltastate replayssm_decode: write_pos[%lld]=%d is outside the ring [0, %d]\n",
-               static_cast<long long>(n), m, L - 1);
-        __trap();
-      }
-      m = min(max(m, 0), L - 1);
-    }
-    cursor_sh = m;
-  }
-
-  // 2. The token: q, k normalized (q scaled), gate, beta; alpha*k and alpha*q to shared memory.
-  const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
-  float g[EPL], alpha[EPL];
-  token_gate(p.gate, gc, x.g, g, alpha);
-  const float beta = detail::beta_value(x.b, true, true, p.b.dtype);
-  if (warp == 0 && lane < G) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (i < valid) {
-        smem[sm.ak + kofs + i] = alpha[i] * x.k[i];
-        smem[sm.aq + kofs + i] = alpha[i] * x.q[i];
-      }
-    }
-  }
-  __syncthreads();  // cursor_sh, ak, aq
-  const int m = cursor_sh;
-  const bool flush = detail::replay_flushes(m, L, forced);
-
-  // 3. Stage the m ring records (raw) with one round trip of cp.async, then derive kw, e, W.
   float* g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * gw;
-  const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;
+  const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
   const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
-  const int rows_here = min(rows_cta, V - row_base);
   if (m > 0) {
     if constexpr (VEC) {
-      stage_words(smem + sm.g_raw, g_ring, m * gw * 4);
-      stage_words(smem + sm.k_raw, static_cast<const char*>(p.k_cache) + k_ring * k_bytes,
-                  m * K * k_bytes);
-      for (int j = 0; j < m; ++j)
-        stage_words(reinterpret_cast<char*>(smem + sm.d_raw) + j * rows_cta * d_bytes,
-                    static_cast<const char*>(p.d_cache) + (d_ring + j * V + row_base) * d_bytes,
-                    rows_here * d_bytes);
+      const int kb = sizeof(KS), db = sizeof(DS);
+      stage_rows(smem + sm.g, 0, g_ring, 0, 1, m * gw * 4);
+      stage_rows(smem + sm.k, 0, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, 0, 1,
+                 m * K * kb);
+      stage_rows(smem + sm.d, sm.d_pitch,
+                 static_cast<const unsigned char*>(p.d_cache) + (d_ring + row_base) * db,
+                 static_cast<int64_t>(V) * db, m, rows_here * db);
       cp_async_commit();
-      cp_async_wait<0>();
     } else {
-      for (int i = threadIdx.x; i < m * gw; i += blockDim.x) smem[sm.g_raw + i] = g_ring[i];
-      for (int i = threadIdx.x; i < m * K; i += blockDim.x)
-        smem[sm.kw + (i / K) * KT + i % K] = detail::load_float(p.k_cache, p.k_dtype, k_ring + i);
-      for (int i = threadIdx.x; i < m * rows_cta; i += blockDim.x) {
-        const int j = i / rows_cta, r = i - j * rows_cta;
-        smem[sm.d_raw + i] =
-            r < rows_here ? detail::load_float(p.d_cache, p.d_dtype, d_ring + j * V + row_base + r)
-                          : 0.0f;
-      }
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
+                       m, K);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
+                       p.d_dtype, d_ring + row_base, V, m, rows_here);
     }
-    __syncthreads();
-    // Decay: KDA per column (thread per column), GDN one scalar W_j per record.
-    if (p.gate.kda) {
-      for (int col = threadIdx.x; col < K; col += blockDim.x) {
-        float gtot = 0.0f;
-        for (int j = 0; j < m; ++j) gtot += smem[sm.g_raw + j * gw + col];
-        smem[sm.e + col] = expf(gtot);
-        float prefix = 0.0f;
-        for (int j = 0; j < m; ++j) {
-          prefix += smem[sm.g_raw + j * gw + col];
-          const float kr = VEC ? detail::load_float(smem + sm.k_raw, p.k_dtype, j * K + col)
-                               : smem[sm.kw + j * KT + col];
-          smem[sm.kw + j * KT + col] = expf(gtot - prefix) * kr;
+  }
+  if constexpr (VEC) cp_async_wait<0>();
+  __syncthreads();  // the token and the records staged; every thread has read the cursor
+
+  if (p.advance_write_pos && threadIdx.x == 0) {
+    const int old = atomicAdd(p.write_pos + n, 1 << 16);
+    if ((old >> 16) == p.HV * static_cast<int>(gridDim.y) - 1) p.write_pos[n] = flush ? 0 : m + 1;
+  }
+
+  // 2. Per record j (warp j mod NW; lane columns c = lane*CPL + i): Gtot and G_j as the CPU sums
+  //    them, W_j and kw_j; for an appending step the coefficients ck_j, cq_j, for a flush kw_j
+  //    and w_j themselves; e by the warp of record 0.
+  if (m > 0) {
+    for (int j = warp; j < m; j += nwarps) {
+      float gtot[CPL], gj[CPL];
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) gtot[c] = gj[c] = 0.0f;
+      for (int i = 0; i < m; ++i) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          const int col = lane * CPL + c;
+          const float gi = kda ? (col < K ? s_g[i * K + col] : 0.0f) : s_g[i];
+          gtot[c] += gi;
+          if (i <= j) gj[c] += gi;
         }
       }
-    } else {
-      float gtot = 0.0f;
-      for (int j = 0; j < m; ++j) gtot += smem[sm.g_raw + j];
-      if (threadIdx.x == 0) smem[sm.e] = expf(gtot);
-      for (int j = threadIdx.x; j < m; j += blockDim.x) {
-        float prefix = 0.0f;
-        for (int i = 0; i <= j; ++i) prefix += smem[sm.g_raw + i];
-        smem[sm.w + j] = expf(gtot - prefix);
-      }
-      if constexpr (VEC) {
-        for (int i = threadIdx.x; i < m * K; i += blockDim.x)
-          smem[sm.kw + (i / K) * KT + i % K] = detail::load_float(smem + sm.k_raw, p.k_dtype, i);
-      }
-    }
-    __syncthreads();
-    // ck_j = kw_j.(alpha*k), cq_j = kw_j.(alpha*q) (GDN: times W_j): one warp per record.
-    for (int j = warp; j < m; j += nwarps) {
+      const float wj = kda ? 1.0f : expf(gtot[0] - gj[0]);
       float part[2] = {0.0f, 0.0f};
-      for (int col = lane; col < K; col += 32) {
-        const float kw = smem[sm.kw + j * KT + col];
-        part[0] += kw * smem[sm.ak + col];
-        part[1] += kw * smem[sm.aq + col];
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) {
+        const int col = lane * CPL + c;
+        if (col < K) {
+          const float kr = smem_float<KS>(smem + sm.k, j * KT + col);
+          const float kw = kda ? expf(gtot[c] - gj[c]) * kr : kr;
+          if (flush) {
+            s_kw[j * KT + col] = kw;
+          } else {
+            part[0] += kw * s_ak[col];
+            part[1] += kw * s_aq[col];
+          }
+          if (j == 0) s_e[col] = expf(gtot[kda ? c : 0]);
+        }
       }
-      const float red = transpose_reduce<32, 2>(part, lane);
-      const float wj = p.gate.kda ? 1.0f : smem[sm.w + j];
-      if (lane == holder_lane<32, 2>(0)) smem[sm.ck + j] = red * wj;
-      if (lane == holder_lane<32, 2>(1)) smem[sm.cq + j] = red * wj;
+      if (flush) {
+        if (lane == 0) s_w[j] = wj;
+      } else {
+        const float red = transpose_reduce<32, 2>(part, lane);
+        if (lane == holder_lane<32, 2>(0)) s_ck[j] = wj * red;
+        if (lane == holder_lane<32, 2>(1)) s_cq[j] = wj * red;
+      }
     }
     __syncthreads();
   }
 
-  // 4. sk, sq per row: S0 dotted with e*alpha*k and e*alpha*q, plus the ring terms.
-  float ek[EPL], eq[EPL];
+  const float kq = s_scalars[0], beta = s_scalars[1];
+  const int64_t o_off = head_offset(p.out, n, 0, hv);
+  const int sq_r = idx - R;  // this lane's row, if it holds sq
+  // A record's d values of the warp's rows (RPW consecutive values, whole 16-byte words):
+  // this lane's R rows, zero past the block's last row.
+  auto record_d = [&](int j, float (&dj)[R]) {
+    constexpr int kWords = static_cast<int>(RPW * sizeof(DS) / 16);
+    uint4 raw[kWords];
+    const uint4* src = reinterpret_cast<const uint4*>(smem + sm.d + j * sm.d_pitch + wrow * sizeof(DS));
 #pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const float e = m > 0 ? smem[sm.e + (p.gate.kda ? min(kofs + i, KT - 1) : 0)] : 1.0f;
-    ek[i] = i < valid ? e * alpha[i] * x.k[i] : 0.0f;
-    eq[i] = i < valid ? e * alpha[i] * x.q[i] : 0.0f;
-  }
-  float dots[2 * R];
+    for (int c = 0; c < kWords; ++c) raw[c] = src[c];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float sk = 0.0f, sq = 0.0f;
+    for (int r = 0; r < R; ++r) {
+      float d = 0.0f;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      sk += S[r][i] * ek[i];
-      sq += S[r][i] * eq[i];
+      for (int t = 0; t < RG; ++t)
+        if (lane / G == t) d = element_of<DS>(raw, t + r * RG);
+      dj[r] = local0 + r * RG < rows_here ? d : 0.0f;
     }
-    dots[r] = sk;
-    dots[R + r] = sq;
-  }
-  // The lane holding value idx (sk_r for idx < R, sq_r after) adds sum_j d_j[row_r] * c_j.
-  auto ring_term = [&](int idx) {
-    const int r = idx < R ? idx : idx - R;
-    const float* c = smem + (idx < R ? sm.ck : sm.cq);
-    const int local = local0 + r * RG;  // row r of this lane's row group
-    float t = 0.0f;
-    for (int j = 0; j < m; ++j) t += detail::load_float(smem + sm.d_raw, d_staged, j * rows_cta + local) * c[j];
-    return t;
   };
-  float d[R], o;
-  const int mine = finish_rows<G, R>(dots, x.v, beta, kq, lane, d, o, ring_term);
-  if (mine >= 0 && row0 + mine * RG < V)
-    detail::store_float(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv) + row0 + mine * RG, o);
 
-  // 5. Flush: rebuild S, fold the token in, store the checkpoint. Otherwise append the record.
   if (flush) {
+    // 3f. Rebuild the state, S = e*S0 + sum_j d_j w_j kw_j, then the plain delta-rule step on it
+    //     (as plain decode): decay, dots, u, output, S0 <- alpha*S + u*k.
     if (m > 0) {
       float e[EPL];
 #pragma unroll
-      for (int i = 0; i < EPL; ++i)
-        e[i] = i < valid ? smem[sm.e + (p.gate.kda ? kofs + i : 0)] : 1.0f;
+      for (int i = 0; i < EPL; ++i) e[i] = i < valid ? s_e[kofs + i] : 1.0f;
 #pragma unroll
       for (int r = 0; r < R; ++r) detail::scale_row(S[r], e, std::integral_constant<int, EPL>{});
       for (int j = 0; j < m; ++j) {
-        float kw[EPL];
+        float kw[EPL], dj[R];
 #pragma unroll
-        for (int i = 0; i < EPL; ++i) kw[i] = i < valid ? smem[sm.kw + j * KT + kofs + i] : 0.0f;
-        const float wj = p.gate.kda ? 1.0f : smem[sm.w + j];
+        for (int i = 0; i < EPL; ++i) kw[i] = i < valid ? s_kw[j * KT + kofs + i] : 0.0f;
+        record_d(j, dj);
+        const float wj = s_w[j];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float dj = detail::load_float(smem + sm.d_raw, d_staged, j * rows_cta + local0 + r * RG);
-          detail::rank1_update(S[r], kw, std::integral_constant<int, EPL>{}, dj * wj);
-        }
+        for (int r = 0; r < R; ++r)
+          detail::rank1_update(S[r], kw, std::integral_constant<int, EPL>{}, dj[r] * wj);
       }
     }
+    float alpha[EPL], kn[EPL], qn[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      alpha[i] = i < valid ? s_alpha[kofs + i] : 1.0f;
+      kn[i] = i < valid ? s_kn[kofs + i] : 0.0f;
+      qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
+    }
+    float dots[2 * R];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      detail::decay_and_dots(S[r], alpha, kn, qn, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
+    const float red = transpose_reduce<G, 2 * R>(dots, lane);
+    const float u_here = detail::delta_u(v, red, beta);  // meaningful on the lanes holding sk
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      detail::scale_row(S[r], alpha, std::integral_constant<int, EPL>{});  // S0 <- alpha*S + d*k
-      detail::rank1_update(S[r], x.k, std::integral_constant<int, EPL>{}, d[r]);
+      const float u = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(r), G);
+      detail::rank1_update(S[r], kn, std::integral_constant<int, EPL>{}, u);
       const int row = row0 + r * RG;
       if (row < V) store_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
     }
-  } else {
-    if (lane % G == 0) {
+    const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
+    if (sq_r >= 0 && first_copy && row0 + sq_r * RG < V)
+      detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + sq_r * RG, detail::delta_output(red, u_o, kq));
+    return;
+  }
+
+  // 3a. An appending step: sk, sq per row from S0 dotted with e*alpha*k and e*alpha*q over the
+  //     lane's slice plus the ring terms of the lane's records (lane l of a row group: records
+  //     l, l + G, ...), one transposed reduction; then the output and the record (d by the lanes
+  //     holding sk; k and g by warp 0 of the head's first row block).
+  float dots[2 * R];
+  {
+    float ek[EPL], eq[EPL];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = row0 + r * RG;
-        if (row < V) detail::store_float(p.d_cache, p.d_dtype, d_ring + m * V + row, d[r]);
-      }
+    for (int i = 0; i < EPL; ++i) {
+      const float e = m > 0 && i < valid ? s_e[kofs + i] : 1.0f;
+      ek[i] = i < valid ? e * s_ak[kofs + i] : 0.0f;
+      eq[i] = i < valid ? e * s_aq[kofs + i] : 0.0f;
     }
-    if (blockIdx.y == 0 && warp == 0 && lane < G) {  // one writer of this head's g and k
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float sk = 0.0f, sq = 0.0f;
 #pragma unroll
       for (int i = 0; i < EPL; ++i) {
-        if (i < valid) {
-          if (p.gate.kda) g_ring[m * gw + kofs + i] = g[i];
-          if (hv % group == 0)
-            detail::store_float(p.k_cache, p.k_dtype, k_ring + m * K + kofs + i, x.k[i]);
-        }
+        sk += S[r][i] * ek[i];
+        sq += S[r][i] * eq[i];
       }
-      if (!p.gate.kda && lane == 0) g_ring[m] = g[0];
+      dots[r] = sk;
+      dots[R + r] = sq;
     }
+  }
+  for (int j = lane % G; j < m; j += G) {
+    const float ckj = s_ck[j], cqj = s_cq[j];
+    float dj[R];
+    record_d(j, dj);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      dots[r] += dj[r] * ckj;
+      dots[R + r] += dj[r] * cqj;
+    }
+  }
+  const float red = transpose_reduce<G, 2 * R>(dots, lane);
+  const float u_here = detail::delta_u(v, red, beta);  // meaningful on the lanes holding sk
+  const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
+  if (sq_r >= 0 && first_copy && row0 + sq_r * RG < V)
+    detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + sq_r * RG, detail::delta_output(red, u_o, kq));
+  if (idx < R && first_copy && vrow < V)
+    detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
+  if (blockIdx.y == 0 && warp == 0 && lane < G) {  // one writer of this head's g and k
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (i < valid) {
+        if (kda) g_ring[m * gw + kofs + i] = s_gcur[kofs + i];
+        if (hv % group == 0)
+          detail::store_float(p.k_cache, p.k_dtype, k_ring + static_cast<int64_t>(m) * K + kofs + i,
+                              s_kn[kofs + i]);
+      }
+    }
+    if (!kda && lane == 0) g_ring[m] = s_gcur[0];
   }
 }
 
+// Warps per CTA: 8 (the ring work shared by 8 warps' rows) unless the batch is too small to give
+// every SM two CTAs, then fewer (more, smaller CTAs; the latency of the chain dominates there).
 template <class StateT, int KT, bool VEC, class In>
 void launch(const ReplayProblem& p, cudaStream_t stream) {
   using Lay = RowLayout<StateT, KT>;
   const int rows_per_warp = Lay::RG * Lay::ROWS;
   const int warps_needed = (p.V + rows_per_warp - 1) / rows_per_warp;
   const int64_t heads = static_cast<int64_t>(p.B) * p.HV;
-  int warps = warps_needed < 4 ? warps_needed : 4;
-  if (heads * ((warps_needed + 3) / 4) < 2LL * num_sms(p.device.index)) warps = 1;
+  int warps = warps_needed < 8 ? warps_needed : 8;
+  while (warps > 2 && heads * ((warps_needed + warps - 1) / warps) < 2LL * num_sms(p.device.index))
+    warps /= 2;
   const int vblocks = (warps_needed + warps - 1) / warps;
   if (static_cast<int64_t>(p.HV) * vblocks >= (1 << 15))
     throw Error(ErrorKind::not_implemented,
                 "replayssm_decode: HV * V-blocks must stay below 2^15 for the in-kernel cursor "
                 "advance");
-  const SmemLayout sm = SmemLayout::of(p, KT, VEC, warps * rows_per_warp);
+  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, warps * rows_per_warp);
   if (sm.bytes > 48 * 1024) {  // opt in once per device (and instantiation) to the maximum
     static PerDeviceOnce opted;
     const int max_optin = opted.get(p.device.index, [&p] {
@@ -349,21 +490,24 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS
-bool inputs_are(const ReplayProblem& p, DType t) {
-  return p.q.dtype == t && p.a.dtype == t && p.b.dtype == t;
+template <class T>
+bool inputs_are(const ReplayProblem& p) {
+  constexpr DType t = std::is_same_v<T, float> ? DType::f32 : DType::bf16;
+  return p.q.dtype == t && p.a.dtype == t && p.b.dtype == t && p.k_dtype == t;
 }
 
-// The cp.async staging copies 4-byte words: every ring section must start and end on one.
-bool ring_words_aligned(const ReplayProblem& p, int rows_cta) {
-  const int64_t kb = dtype_size(p.k_dtype), db = dtype_size(p.d_dtype);
-  return (p.K * kb) % 4 == 0 && (p.V * db) % 4 == 0 && (rows_cta * db) % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(p.k_cache) % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(p.d_cache) % 4 == 0 && (p.V % 2 == 0 || db == 4);
+// The vector path: 16-byte state rows, rings in the state / input dtypes, 16-byte aligned ring
+// rows (V a multiple of 8 keeps every row block's d values whole 16-byte words).
+template <class StateT>
+bool vector_path_ok(const ReplayProblem& p) {
+  auto al16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return state_rows_aligned<StateT>(p.state) && p.d_dtype == p.state.dtype && p.V % 8 == 0 &&
+         al16(p.d_cache) && al16(p.k_cache) && al16(p.g_cache);
 }
 
 template <class StateT, class In>
 bool launch_fast(const ReplayProblem& p, cudaStream_t stream) {
-  if (!state_rows_aligned<StateT>(p.state) || !ring_words_aligned(p, 32)) return false;
+  if (!inputs_are<typename In::type>(p) || !vector_path_ok<StateT>(p)) return false;
   if (p.K == 128) return launch<StateT, 128, true, In>(p, stream), true;
   if (p.K == 64) return launch<StateT, 64, true, In>(p, stream), true;
   return false;
@@ -375,8 +519,8 @@ template <class StateT>
 void dispatch(const ReplayProblem& p, cudaStream_t stream) {
   require_supported_k(p.K);
 #if DELTASTATE_CUDA_ALL_KERNELS
-  if (inputs_are(p, DType::bf16) && launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream)) return;
-  if (inputs_are(p, DType::f32) && launch_fast<StateT, TypedInput<float>>(p, stream)) return;
+  if (launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream)) return;
+  if (launch_fast<StateT, TypedInput<float>>(p, stream)) return;
 #endif
   launch<StateT, 256, false, AnyInput>(p, stream);
 }
