@@ -4,7 +4,8 @@
 #
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
-#                                      also build-lib, bench-direct, profile, profile-replay
+#                                      also build-lib, bench-direct, profile, profile-replay,
+#                                      profile-source
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -113,6 +114,16 @@ for phase in "${phases[@]}"; do
           --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
           python3 bench/profile_decode.py --replay "$L" ${PROFILE_ARGS:-}
       done
+      ;;
+    profile-source)
+      # Per-instruction counters (SASS with executed instructions and stall samples, CSV) of one
+      # ReplaySSM appending step and one plain decode launch (PROFILE_ARGS picks the case).
+      run profile ncu --clock-control none -k "regex:replay" --launch-skip 8 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+        python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
+      run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+        python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-} > "$OUT/decode-sass.csv"
       ;;
     overhead)
       run overhead python3 python/tests/measure_overhead.py

@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
-  const int L = p.L, K = p.K, V = p.V;
+  const int L = p.L, V = p.V;
+  const int K = VEC ? KT : p.K;  // compile-time on the vector path
   const bool kda = p.gate.kda;
   const int gw = kda ? K : 1;
   const int kofs = (lane % G) * EPL;
@@ -285,46 +286,77 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
     if ((old >> 16) == p.HV * static_cast<int>(gridDim.y) - 1) p.write_pos[n] = flush ? 0 : m + 1;
   }
 
-  // 2. Per record j (warp j mod NW; lane columns c = lane*CPL + i): Gtot and G_j as the CPU sums
-  //    them, W_j and kw_j; for an appending step the coefficients ck_j, cq_j, for a flush kw_j
-  //    and w_j themselves; e by the warp of record 0.
+  // 2. Per record j (warp j mod NW; lane columns c = lane*CPL + i): Gtot and G_j summed as the
+  //    CPU sums them, W_j = exp(Gtot - G_j), and for an appending step the coefficients ck_j,
+  //    cq_j, for a flush kw_j and w_j themselves; e by the warp of record 0.
   if (m > 0) {
-    for (int j = warp; j < m; j += nwarps) {
-      float gtot[CPL], gj[CPL];
-#pragma unroll
-      for (int c = 0; c < CPL; ++c) gtot[c] = gj[c] = 0.0f;
-      for (int i = 0; i < m; ++i) {
-#pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          const int col = lane * CPL + c;
-          const float gi = kda ? (col < K ? s_g[i * K + col] : 0.0f) : s_g[i];
-          gtot[c] += gi;
-          if (i <= j) gj[c] += gi;
-        }
-      }
-      const float wj = kda ? 1.0f : expf(gtot[0] - gj[0]);
-      float part[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int c = 0; c < CPL; ++c) {
-        const int col = lane * CPL + c;
-        if (col < K) {
-          const float kr = smem_float<KS>(smem + sm.k, j * KT + col);
-          const float kw = kda ? expf(gtot[c] - gj[c]) * kr : kr;
-          if (flush) {
-            s_kw[j * KT + col] = kw;
-          } else {
-            part[0] += kw * s_ak[col];
-            part[1] += kw * s_aq[col];
-          }
-          if (j == 0) s_e[col] = expf(gtot[kda ? c : 0]);
-        }
-      }
+    const int col0 = lane * CPL;
+    // One record's contribution: kw = W*k (KDA, per column) or k (GDN, W = w_j scalar).
+    auto finish_record = [&](int j, const float (&kw)[CPL], float wj) {
       if (flush) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c)
+          if (col0 + c < K) s_kw[j * KT + col0 + c] = kw[c];
         if (lane == 0) s_w[j] = wj;
       } else {
+        float part[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          if (col0 + c < K) {
+            part[0] += kw[c] * s_ak[col0 + c];
+            part[1] += kw[c] * s_aq[col0 + c];
+          }
+        }
         const float red = transpose_reduce<32, 2>(part, lane);
         if (lane == holder_lane<32, 2>(0)) s_ck[j] = wj * red;
         if (lane == holder_lane<32, 2>(1)) s_cq[j] = wj * red;
+      }
+    };
+    auto record_k = [&](int j, float (&kr)[CPL]) {
+#pragma unroll
+      for (int c = 0; c < CPL; ++c)
+        kr[c] = col0 + c < K ? smem_float<KS>(smem + sm.k, j * KT + col0 + c) : 0.0f;
+    };
+    if (kda) {
+      float gtot[CPL], prefix[CPL];
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) gtot[c] = prefix[c] = 0.0f;
+      for (int i = 0; i < m; ++i) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) gtot[c] += col0 + c < K ? s_g[i * K + col0 + c] : 0.0f;
+      }
+      if (warp == 0) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c)
+          if (col0 + c < K) s_e[col0 + c] = expf(gtot[c]);
+      }
+      int i = 0;
+      for (int j = warp; j < m; j += nwarps) {
+        for (; i <= j; ++i) {
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) prefix[c] += col0 + c < K ? s_g[i * K + col0 + c] : 0.0f;
+        }
+        float kw[CPL];
+        record_k(j, kw);
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) kw[c] *= expf(gtot[c] - prefix[c]);
+        finish_record(j, kw, 1.0f);
+      }
+    } else {
+      float gtot = 0.0f, prefix = 0.0f;
+      for (int i = 0; i < m; ++i) gtot += s_g[i];
+      if (warp == 0) {
+        const float e = expf(gtot);
+#pragma unroll
+        for (int c = 0; c < CPL; ++c)
+          if (col0 + c < K) s_e[col0 + c] = e;
+      }
+      int i = 0;
+      for (int j = warp; j < m; j += nwarps) {
+        for (; i <= j; ++i) prefix += s_g[i];
+        float kr[CPL];
+        record_k(j, kr);
+        finish_record(j, kr, expf(gtot - prefix));
       }
     }
     __syncthreads();
