@@ -93,8 +93,11 @@ __device__ __forceinline__ void stage_rows(unsigned char* dst, int dst_pitch, co
   const int unit = wide ? 16 : 4;
   const int per_row = row_bytes / unit;
   const int total = rows * per_row;
+  // Row of chunk i: a shift when per_row is a power of two (the usual full row block).
+  const bool pow2 = (per_row & (per_row - 1)) == 0;
+  const int shift = __ffs(per_row) - 1;
   for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int r = i / per_row;
+    const int r = pow2 ? i >> shift : i / per_row;
     const int c = (i - r * per_row) * unit;
     if (wide) cp_async16(dst + r * dst_pitch + c, src + r * src_pitch + c);
     else cp_async4(dst + r * dst_pitch + c, src + r * src_pitch + c);
@@ -240,8 +243,12 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   m = min(max(m, 0), L - 1);
   const bool flush = detail::replay_flushes(m, L, p.force_flush && p.force_flush[n] != 0);
 
-  // The token (warp 0, before its own state loads: fewer registers live at once).
-  if (warp == 0) prepare_token<In, G>(p, x, gc, kofs, valid, lane, smem, sm);
+  // Warp 0 prepares the token while its checkpoint loads and the ring copies are in flight where
+  // the registers allow (EPL <= 4: fp32 states, K <= 128); with 8 elements per lane (16-bit
+  // states, the generic kernel) holding the token's slices beside the rows spills, so it
+  // prepares first.
+  constexpr bool kPrepFirst = EPL > 4;
+  if (kPrepFirst && warp == 0) prepare_token<In, G>(p, x, gc, kofs, valid, lane, smem, sm);
 
   // 1. The checkpoint rows (every load in flight at once), then the ring records.
   StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
@@ -278,6 +285,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
                        p.d_dtype, d_ring + row_base, V, m, rows_here);
     }
   }
+  if (!kPrepFirst && warp == 0) prepare_token<In, G>(p, x, gc, kofs, valid, lane, smem, sm);
   if constexpr (VEC) cp_async_wait<0>();
   __syncthreads();  // the token and the records staged; every thread has read the cursor
 
