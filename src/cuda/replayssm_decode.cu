@@ -47,19 +47,17 @@ struct Staged {
   using D = std::conditional_t<VEC, StateT, float>;
 };
 
-// Shared memory, byte offsets (every section 16-byte aligned). The token, prepared once by warp
-// 0 [KT floats each]: alpha*k, alpha*q, k (normalized), q (normalized, scaled), alpha, its log decay g; its scalars k.q
+// Shared memory, byte offsets (every section 16-byte aligned). The token, prepared once per CTA
+// [KT floats each]: k (normalized), q (normalized, scaled), alpha, its log decay g; its scalars k.q
 // and beta. The ring: decay e = exp(Gtot) [KT]; per record ck, cq, w [L]; the staged records g
 // [L][gw] fp32, k [L][KT], d [L][d_pitch] (the CTA's rows; the pitch padded by 16 bytes so that
 // lanes reading consecutive records hit different banks); kw [L][KT] fp32 (flush only).
 struct SmemLayout {
-  int ak, aq, kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, d_pitch, bytes;
+  int kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, d_pitch, bytes;
   __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta) {
     auto up16 = [](int x) { return (x + 15) & ~15; };
     d_pitch = up16(rows_cta * d_size) + 16;
-    ak = 0;
-    aq = ak + KT * 4;
-    kn = aq + KT * 4;
+    kn = 0;
     qn = kn + KT * 4;
     alpha = qn + KT * 4;
     gcur = alpha + KT * 4;
@@ -130,36 +128,51 @@ __device__ __forceinline__ float element_of(const uint4 (&u)[N], int e) {
   }
 }
 
-// Warp 0 prepares the token for the CTA (lanes of its first row group publish their K slices):
-// q, k normalized (q scaled), the gate (log decay g, alpha = exp(g)), beta, k.q.
-template <class In, int G, int EPL>
-__device__ __forceinline__ void prepare_token(const ReplayProblem& p, TokenInputs<EPL, 1>& x,
-                                              const GateConsts<EPL>& gc, int kofs, int valid,
-                                              int lane, unsigned char* smem, const SmemLayout& sm) {
+// The token is prepared once per CTA by two warps at once (their lanes of the first row group
+// publish their K slices): the norm warp normalizes q and k (q scaled) and takes k.q; the gate
+// warp computes the gate (log decay g, alpha = exp(g)) and beta. (One warp, one after the other,
+// made every other warp wait at the first barrier: ncu, docs/PERFORMANCE.md.)
+template <int G, int EPL>
+__device__ __forceinline__ void publish_qk(const ReplayProblem& p, TokenInputs<EPL, 1>& x, int kofs,
+                                           int valid, int lane, unsigned char* smem,
+                                           const SmemLayout& sm) {
   const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
-  float g[EPL], alpha[EPL];
-  token_gate(p.gate, gc, x.g, g, alpha);
   if (lane < G) {
-    auto put = [&](int section, int i, float value) {
-      reinterpret_cast<float*>(smem + section)[kofs + i] = value;
-    };
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       if (i < valid) {
-        put(sm.ak, i, alpha[i] * x.k[i]);
-        put(sm.aq, i, alpha[i] * x.q[i]);
-        put(sm.kn, i, x.k[i]);
-        put(sm.qn, i, x.q[i]);
-        put(sm.alpha, i, alpha[i]);
-        put(sm.gcur, i, g[i]);
+        reinterpret_cast<float*>(smem + sm.kn)[kofs + i] = x.k[i];
+        reinterpret_cast<float*>(smem + sm.qn)[kofs + i] = x.q[i];
       }
     }
   }
-  if (lane == 0) {
-    float* scalars = reinterpret_cast<float*>(smem + sm.scalars);
-    scalars[0] = kq;
-    scalars[1] = detail::beta_value(x.b, true, true, p.b.dtype);
+  if (lane == 0) reinterpret_cast<float*>(smem + sm.scalars)[0] = kq;
+}
+template <int G, int EPL>
+__device__ __forceinline__ void publish_gate(const ReplayProblem& p, const TokenInputs<EPL, 1>& x,
+                                             const GateConsts<EPL>& gc, int kofs, int valid,
+                                             int lane, unsigned char* smem, const SmemLayout& sm) {
+  float g[EPL], alpha[EPL];
+  token_gate(p.gate, gc, x.g, g, alpha);
+  if (lane < G) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (i < valid) {
+        reinterpret_cast<float*>(smem + sm.alpha)[kofs + i] = alpha[i];
+        reinterpret_cast<float*>(smem + sm.gcur)[kofs + i] = g[i];
+      }
+    }
   }
+  if (lane == 0)
+    reinterpret_cast<float*>(smem + sm.scalars)[1] = detail::beta_value(x.b, true, true, p.b.dtype);
+}
+template <int G, int EPL>
+__device__ __forceinline__ void prepare_token(const ReplayProblem& p, TokenInputs<EPL, 1>& x,
+                                              const GateConsts<EPL>& gc, int kofs, int valid,
+                                              int lane, int warp, int gate_warp,
+                                              unsigned char* smem, const SmemLayout& sm) {
+  if (warp == 0) publish_qk<G>(p, x, kofs, valid, lane, smem, sm);
+  if (warp == gate_warp) publish_gate<G>(p, x, gc, kofs, valid, lane, smem, sm);
 }
 
 template <class T>
@@ -200,8 +213,6 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
   const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_cta);
-  const float* s_ak = reinterpret_cast<const float*>(smem + sm.ak);
-  const float* s_aq = reinterpret_cast<const float*>(smem + sm.aq);
   const float* s_kn = reinterpret_cast<const float*>(smem + sm.kn);
   const float* s_qn = reinterpret_cast<const float*>(smem + sm.qn);
   const float* s_alpha = reinterpret_cast<const float*>(smem + sm.alpha);
@@ -215,13 +226,15 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   float* s_kw = reinterpret_cast<float*>(smem + sm.kw);
 
   // Loads that do not depend on the slot, issued first: v of the row whose sk this lane will
-  // hold; warp 0 also the token's q, k, gate and beta inputs and the head's gate constants.
+  // hold; the two token warps also the token's q, k, gate and beta inputs and the head's gate
+  // constants.
   const int vrow = row0 + (idx < R ? idx : 0) * RG;
   const float v = idx < R && vrow < V
                       ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
   TokenInputs<EPL, 1> x;
   GateConsts<EPL> gc;
-  if (warp == 0) {
+  const int gate_warp = nwarps > 1 ? 1 : 0;
+  if (warp == 0 || warp == gate_warp) {
     load_token<In>(p, p.a, p.b, n, 0, h, hv, kofs, valid, V, RG, x);  // (no v row)
     load_gate_consts(p.gate, hv, K, kofs, valid, gc);
   }
@@ -243,12 +256,12 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   m = min(max(m, 0), L - 1);
   const bool flush = detail::replay_flushes(m, L, p.force_flush && p.force_flush[n] != 0);
 
-  // Warp 0 prepares the token while its checkpoint loads and the ring copies are in flight where
-  // the registers allow (EPL <= 4: fp32 states, K <= 128); with 8 elements per lane (16-bit
-  // states, the generic kernel) holding the token's slices beside the rows spills, so it
-  // prepares first.
+  // The token warps prepare it while their checkpoint loads and the ring copies are in flight
+  // where the registers allow (EPL <= 4: fp32 states, K <= 128); with 8 elements per lane
+  // (16-bit states, the generic kernel) holding the token's slices beside the rows spills, so
+  // they prepare first.
   constexpr bool kPrepFirst = EPL > 4;
-  if (kPrepFirst && warp == 0) prepare_token<In, G>(p, x, gc, kofs, valid, lane, smem, sm);
+  if (kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
 
   // 1. The checkpoint rows (every load in flight at once), then the ring records.
   StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
@@ -285,7 +298,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
                        p.d_dtype, d_ring + row_base, V, m, rows_here);
     }
   }
-  if (!kPrepFirst && warp == 0) prepare_token<In, G>(p, x, gc, kofs, valid, lane, smem, sm);
+  if (!kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
   if constexpr (VEC) cp_async_wait<0>();
   __syncthreads();  // the token and the records staged; every thread has read the cursor
 
@@ -311,8 +324,9 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
 #pragma unroll
         for (int c = 0; c < CPL; ++c) {
           if (col0 + c < K) {
-            part[0] += kw[c] * s_ak[col0 + c];
-            part[1] += kw[c] * s_aq[col0 + c];
+            const float alpha = s_alpha[col0 + c];  // alpha*k, alpha*q as the CPU forms them
+            part[0] += kw[c] * (alpha * s_kn[col0 + c]);
+            part[1] += kw[c] * (alpha * s_qn[col0 + c]);
           }
         }
         const float red = transpose_reduce<32, 2>(part, lane);
@@ -447,8 +461,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       const float e = m > 0 && i < valid ? s_e[kofs + i] : 1.0f;
-      ek[i] = i < valid ? e * s_ak[kofs + i] : 0.0f;
-      eq[i] = i < valid ? e * s_aq[kofs + i] : 0.0f;
+      ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
+      eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
