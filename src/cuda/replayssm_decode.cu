@@ -507,17 +507,16 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   }
 }
 
-// Warps per CTA: 8 (the ring work shared by 8 warps' rows) unless the batch is too small to give
-// every SM two CTAs, then fewer (more, smaller CTAs; the latency of the chain dominates there).
+// Warps per CTA: 8 (the ring work and the token shared by 8 warps' rows), fewer only when V has
+// fewer row tiles. Small batches too: they are latency-bound, and the per-CTA chain (token, ring
+// records spread over the warps, two barriers) is shortest with the most warps per CTA.
 template <class StateT, int KT, bool VEC, class In>
 void launch(const ReplayProblem& p, cudaStream_t stream) {
   using Lay = RowLayout<StateT, KT>;
   const int rows_per_warp = Lay::RG * Lay::ROWS;
   const int warps_needed = (p.V + rows_per_warp - 1) / rows_per_warp;
   const int64_t heads = static_cast<int64_t>(p.B) * p.HV;
-  int warps = warps_needed < 8 ? warps_needed : 8;
-  while (warps > 2 && heads * ((warps_needed + warps - 1) / warps) < 2LL * num_sms(p.device.index))
-    warps /= 2;
+  const int warps = warps_needed < 8 ? warps_needed : 8;
   const int vblocks = (warps_needed + warps - 1) / warps;
   if (static_cast<int64_t>(p.HV) * vblocks >= (1 << 15))
     throw Error(ErrorKind::not_implemented,
