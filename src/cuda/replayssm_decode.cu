@@ -22,7 +22,7 @@
 //  3. Each row's two partial dots over the lane's K slice take the ring terms too: lane l of a
 //     row group adds d_j*ck_j and d_j*cq_j for record j = l (and l + G, ...), so one transposed
 //     reduction finishes sk and sq for all of the thread's rows.
-// Barriers: two (after the staging, after the records); none when the ring is empty.
+// Barriers: two (after the staging, after the records); only the first when the ring is empty.
 //
 // Cursor advance (advance_write_pos): each CTA, after its barrier (all its threads have read the
 // cursor), adds 1 << 16 to write_pos[n]; the low 16 bits stay the cursor and the high bits count
@@ -247,10 +247,11 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   }
   if (p.check_indices && slot >= p.state.num_slots)
     trap_bad_slot("replayssm_decode", n, slot, p.state.num_slots);
+  // With the device advance the high 16 bits count the CTAs of this launch that have read it.
   int m = p.advance_write_pos ? (cursor & 0xffff) : cursor;
-  if (p.check_indices && !p.advance_write_pos && (m < 0 || m >= L)) {
+  if (p.check_indices && (cursor < 0 || m >= L)) {
     printf("deltastate replayssm_decode: write_pos[%lld]=%d is outside the ring [0, %d]\n",
-           static_cast<long long>(n), m, L - 1);
+           static_cast<long long>(n), cursor < 0 ? cursor : m, L - 1);
     __trap();
   }
   m = min(max(m, 0), L - 1);
@@ -302,6 +303,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   if constexpr (VEC) cp_async_wait<0>();
   __syncthreads();  // the token and the records staged; every thread has read the cursor
 
+  // Every thread of this CTA has read the cursor (its value decided the staging above, before
+  // the barrier); now this CTA counts itself, and the last one stores the new cursor.
   if (p.advance_write_pos && threadIdx.x == 0) {
     const int old = atomicAdd(p.write_pos + n, 1 << 16);
     if ((old >> 16) == p.HV * static_cast<int>(gridDim.y) - 1) p.write_pos[n] = flush ? 0 : m + 1;
@@ -518,6 +521,11 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
   const int64_t heads = static_cast<int64_t>(p.B) * p.HV;
   const int warps = warps_needed < 8 ? warps_needed : 8;
   const int vblocks = (warps_needed + warps - 1) / warps;
+  // The cursor's low 16 bits hold it during a launch; the shared-memory layout is int arithmetic.
+  if (p.L > 4096)
+    throw Error(ErrorKind::not_implemented,
+                "replayssm_decode: ring length L=" + std::to_string(p.L) +
+                    " is above the CUDA kernel's limit of 4096");
   if (static_cast<int64_t>(p.HV) * vblocks >= (1 << 15))
     throw Error(ErrorKind::not_implemented,
                 "replayssm_decode: HV * V-blocks must stay below 2^15 for the in-kernel cursor "

@@ -158,6 +158,9 @@ constexpr Shape kK96{"k96", 2, 4, 96, 80};
 // K=64): its last row block is partial and must be copied, computed and stored as such.
 constexpr Shape kK128V80{"k128v80", 2, 4, 128, 80};
 constexpr Shape kK64V40{"k64v40", 2, 2, 64, 40};
+// ReplaySSM CTA shapes: a partial last row block (200 = 3*64 + 8 fp32 rows), 6-warp CTAs (V=48).
+constexpr Shape kK128V200{"k128v200", 2, 4, 128, 200};
+constexpr Shape kK128V48{"k128v48", 2, 4, 128, 48};
 
 // ==== packed decode ============================================================================
 struct PackedCase {
@@ -487,7 +490,12 @@ INSTANTIATE_TEST_SUITE_P(
                       ReplayCase{"gdn_k96_generic_f32_L8", kK96, false, kNoLb, f32, f32, 8},
                       ReplayCase{"kda_k64v128_bf16ckpt_L4_lb", kK64V128, true, kLb, bf16, bf16, 4},
                       ReplayCase{"gdn_hv24_f32_bf16act_L16", kHV24, false, kNoLb, f32, bf16, 16, 64, 16},
-                      ReplayCase{"kda_k128v64_f32_L1", kK128V64, true, kNoLb, f32, f16, 1}),
+                      ReplayCase{"kda_k128v64_f32_L1", kK128V64, true, kNoLb, f32, f16, 1},
+                      // more records than lanes per row (L > G, L > 32), a partial row block,
+                      // CTAs of 6 warps
+                      ReplayCase{"gdn_k128v200_f32_bf16act_L40", kK128V200, false, kNoLb, f32, bf16, 40},
+                      ReplayCase{"kda_k64v128_bf16ckpt_bf16act_L16", kK64V128, true, kNoLb, bf16, bf16, 16},
+                      ReplayCase{"kda_k128v48_f32_L8", kK128V48, true, kLb, f32, f32, 8}),
     replay_name);
 
 // ==== a pool of more than 4096 slots ===========================================================
