@@ -101,12 +101,6 @@ TEST_P(PackedDecodeVsReference, TwoSteps) {
   }
 }
 
-constexpr auto f32 = DType::f32;
-constexpr auto bf16 = DType::bf16;
-constexpr auto f16 = DType::f16;
-constexpr std::optional<double> kNoLb{};
-constexpr std::optional<double> kLb{-5.0};
-
 INSTANTIATE_TEST_SUITE_P(
     Ops, PackedDecodeVsReference,
     ::testing::Values(

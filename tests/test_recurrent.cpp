@@ -142,11 +142,6 @@ TEST_P(RecurrentVsReference, Run) {
 
 std::string case_name(const ::testing::TestParamInfo<RecurrentCase>& info) { return info.param.name; }
 
-
-constexpr auto f32 = DType::f32;
-constexpr auto bf16 = DType::bf16;
-constexpr auto f16 = DType::f16;
-
 INSTANTIATE_TEST_SUITE_P(
     Ops, RecurrentVsReference,
     ::testing::Values(

@@ -86,25 +86,21 @@ void checked_replay_step(DecodeBatch& batch, const ReplayViews& m, std::vector<i
           << "flushed checkpoint";
       written.push_back(slot_range(m.state, slot));
     } else {
-      // Only the record at the cursor is written; the checkpoint stays bit-unchanged.
+      // Only the record at the cursor is written; the checkpoint stays bit-unchanged. Record
+      // `head` of a ring [slots, heads, L, width] against its slice of the reference.
+      auto check_record = [&](const TensorView& ring, int heads, int head, int64_t width,
+                              const std::vector<double>& want_all, Tol tol, const char* what) {
+        const int64_t off = ((slot * heads + head) * L + mc) * width;
+        EXPECT_TRUE(all_close(view_values(ring, off, width), slice(want_all, head * width, width),
+                              tol, ring.dtype))
+            << what << " record of head " << head;
+        written.push_back(range_of(ring, off, width));
+      };
       for (int hv = 0; hv < s.HV; ++hv) {
-        const int64_t d_off = ((slot * s.HV + hv) * L + mc) * static_cast<int64_t>(s.V);
-        EXPECT_TRUE(all_close(view_values(m.d, d_off, s.V), slice(want[r].d, hv * s.V, s.V),
-                              kOutTol, m.d.dtype))
-            << "d record of head " << hv;
-        written.push_back(range_of(m.d, d_off, s.V));
-        const int64_t g_off = ((slot * s.HV + hv) * L + mc) * static_cast<int64_t>(gw);
-        EXPECT_TRUE(all_close(view_values(m.g, g_off, gw), slice(want[r].g, hv * gw, gw), {1e-5, 1e-4}))
-            << "g record of head " << hv;
-        written.push_back(range_of(m.g, g_off, gw));
+        check_record(m.d, s.HV, hv, s.V, want[r].d, kOutTol, "d");
+        check_record(m.g, s.HV, hv, gw, want[r].g, {1e-5, 1e-4}, "g");
       }
-      for (int h = 0; h < s.H; ++h) {
-        const int64_t k_off = ((slot * s.H + h) * L + mc) * static_cast<int64_t>(s.K);
-        EXPECT_TRUE(all_close(view_values(m.k, k_off, s.K), slice(want[r].k, h * s.K, s.K),
-                              kOutTol, m.k.dtype))
-            << "k record of key head " << h;
-        written.push_back(range_of(m.k, k_off, s.K));
-      }
+      for (int h = 0; h < s.H; ++h) check_record(m.k, s.H, h, s.K, want[r].k, kOutTol, "k (key head)");
     }
     const int32_t expected = next_cursor(mc, L, force[r] != 0);
     EXPECT_EQ(wp.ptr<int32_t>()[r], advance ? expected : mc) << "write_pos after the step";
@@ -167,12 +163,6 @@ TEST_P(ReplayVsReference, Steps) {
 }
 
 std::string replay_name(const ::testing::TestParamInfo<ReplayCase>& info) { return info.param.name; }
-
-constexpr auto f32 = DType::f32;
-constexpr auto bf16 = DType::bf16;
-constexpr auto f16 = DType::f16;
-constexpr std::optional<double> kNoLb{};
-constexpr std::optional<double> kLb{-5.0};
 
 INSTANTIATE_TEST_SUITE_P(
     Ops, ReplayVsReference,

@@ -183,6 +183,13 @@ inline constexpr Shape kOdd{"odd", 3, 6, 32, 48};
 inline constexpr Shape kKgtV{"KgtV", 2, 4, 64, 32};
 inline constexpr Shape kKltV{"KltV", 2, 4, 32, 64};
 
+// Short names for the parameter tables of the op tests.
+inline constexpr DType f32 = DType::f32;
+inline constexpr DType bf16 = DType::bf16;
+inline constexpr DType f16 = DType::f16;
+inline constexpr std::optional<double> kNoLb{};      // no KDA lower bound (softplus gate)
+inline constexpr std::optional<double> kLb{-5.0};    // the bounded gate
+
 // A StatePool of the envelope layout over shape `s`: `layers` layers per entry, `slots` entries,
 // `extra_bytes` beyond the layers in every entry.
 inline deltastate::StatePoolConfig envelope_config(const Shape& s, int64_t layers, int64_t slots,

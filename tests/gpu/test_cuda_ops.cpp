@@ -142,12 +142,6 @@ void expect_rows_match(const DecodeBatch& cpu, const Tensor& gpu_out, const std:
   }
 }
 
-constexpr auto f32 = DType::f32;
-constexpr auto bf16 = DType::bf16;
-constexpr auto f16 = DType::f16;
-constexpr std::optional<double> kNoLb{};
-constexpr std::optional<double> kLb{-5.0};
-
 // Shapes beyond the model ones: HV=24, K=V=64, K != V both ways, K=96 (the masked generic kernel).
 constexpr Shape kHV24{"hv24", 8, 24, 128, 128};
 constexpr Shape kK64{"k64", 4, 8, 64, 64};
