@@ -150,31 +150,29 @@ struct AnyInput {
   }
 };
 
-// One token's inputs for one lane: its K slice of q and k, its rows' v, the gate input (its K
-// slice for KDA, one scalar for GDN) and beta's input.
+// One token's inputs for one lane: its K slice of q and k, the gate input (its K slice for KDA,
+// one scalar for GDN) and beta's input (TokenHeadInputs), plus its rows' v (TokenInputs).
+template <int EPL>
+struct TokenHeadInputs {
+  float q[EPL], k[EPL], g[EPL], b;
+};
 template <int EPL, int R>
-struct TokenInputs {
-  float q[EPL], k[EPL], v[R], g[EPL], b;
+struct TokenInputs : TokenHeadInputs<EPL> {
+  float v[R];
 };
 
-template <class In, int EPL, int R, class Problem>
-__device__ __forceinline__ void load_token(const Problem& p, const detail::HeadInput& gate_in,
-                                           const detail::HeadInput& beta_in, int64_t seq,
-                                           int64_t tok, int h, int hv, int kofs, int valid,
-                                           int row0, int rg, TokenInputs<EPL, R>& x) {
+template <class In, int EPL, class Problem>
+__device__ __forceinline__ void load_token_head(const Problem& p, const detail::HeadInput& gate_in,
+                                                const detail::HeadInput& beta_in, int64_t seq,
+                                                int64_t tok, int h, int hv, int kofs, int valid,
+                                                TokenHeadInputs<EPL>& x) {
   const int64_t q_off = head_offset(p.q, seq, tok, h) + kofs;
   const int64_t k_off = head_offset(p.k, seq, tok, h) + kofs;
-  const int64_t v_off = head_offset(p.v, seq, tok, hv);
   const int64_t g_off = head_offset(gate_in, seq, tok, hv);
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     x.q[i] = i < valid ? In::load(p.q.ptr, p.q.dtype, q_off + i) : 0.0f;
     x.k[i] = i < valid ? In::load(p.k.ptr, p.k.dtype, k_off + i) : 0.0f;
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int row = row0 + r * rg;
-    x.v[r] = row < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + row) : 0.0f;
   }
   if (p.gate.kda) {
 #pragma unroll
@@ -184,6 +182,20 @@ __device__ __forceinline__ void load_token(const Problem& p, const detail::HeadI
     x.g[0] = In::load(gate_in.ptr, gate_in.dtype, g_off);
   }
   x.b = In::load(beta_in.ptr, beta_in.dtype, head_offset(beta_in, seq, tok, hv));
+}
+
+template <class In, int EPL, int R, class Problem>
+__device__ __forceinline__ void load_token(const Problem& p, const detail::HeadInput& gate_in,
+                                           const detail::HeadInput& beta_in, int64_t seq,
+                                           int64_t tok, int h, int hv, int kofs, int valid,
+                                           int row0, int rg, TokenInputs<EPL, R>& x) {
+  const int64_t v_off = head_offset(p.v, seq, tok, hv);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = row0 + r * rg;
+    x.v[r] = row < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + row) : 0.0f;
+  }
+  load_token_head<In>(p, gate_in, beta_in, seq, tok, h, hv, kofs, valid, x);
 }
 
 // Per-head gate constants: A_log[hv] and the lane's dt_bias (its K slice for KDA; for GDN the

@@ -221,23 +221,9 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   const int64_t slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
 
   // The token's inputs (independent of the slot: issued before the state loads resolve).
-  float q[EPL], k[EPL], g[EPL];
-  const int64_t q_off = head_offset(p.q, n, 0, h) + kofs;
-  const int64_t k_off = head_offset(p.k, n, 0, h) + kofs;
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    q[i] = In::load(p.q.ptr, p.q.dtype, q_off + i);
-    k[i] = In::load(p.k.ptr, p.k.dtype, k_off + i);
-  }
+  TokenHeadInputs<EPL> x;
+  load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x);
   const detail::GateParams& gp = p.gate;
-  const int64_t g_off = head_offset(p.g, n, 0, hv);
-  if (gp.kda) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) g[i] = In::load(p.g.ptr, p.g.dtype, g_off + kofs + i);
-  } else {
-    g[0] = In::load(p.g.ptr, p.g.dtype, g_off);
-  }
-  const float b = In::load(p.beta.ptr, p.beta.dtype, head_offset(p.beta, n, 0, hv));
   const int vrow = row0 + (idx < R ? idx : 0) * RG;  // lanes holding sk_r compute u_r: they need v_r
   const float v = idx < R && vrow < p.V ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
   const int64_t o_off = head_offset(p.out, n, 0, hv);
@@ -261,35 +247,35 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   }
 
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h).
-  const float kq = prepare_qk<EPL, G>(q, k, p.l2norm, p.scale, lane);
+  const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
   const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
   float alpha[EPL];
   if (gp.kda) {
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, static_cast<int64_t>(hv) * K + kofs + i) : 0.0f;
-      alpha[i] = expf(detail::gate_value(gp.mode, g[i], dt, A_log, gp.lower_bound));
+      alpha[i] = expf(detail::gate_value(gp.mode, x.g[i], dt, A_log, gp.lower_bound));
     }
   } else {
     const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, hv) : 0.0f;
-    const float a0 = expf(detail::gate_value(gp.mode, g[0], dt, A_log, gp.lower_bound));
+    const float a0 = expf(detail::gate_value(gp.mode, x.g[0], dt, A_log, gp.lower_bound));
 #pragma unroll
     for (int i = 0; i < EPL; ++i) alpha[i] = a0;
   }
-  const float beta = detail::beta_value(b, p.beta_is_logit, p.round_beta, p.beta.dtype);
+  const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
 
   // The delta-rule step: decay and dots, one transposed reduction of all 2R dots, u_r by the lane
   // holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
   float dots[2 * R];
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    detail::decay_and_dots(S[r], alpha, k, q, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
+    detail::decay_and_dots(S[r], alpha, x.k, x.q, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
   const float red = transpose_reduce<G, 2 * R>(dots, lane);
   const float u_here = detail::delta_u(v, red, beta);  // meaningful on the sk lanes
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const float u = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(r), G);
-    detail::rank1_update(S[r], k, std::integral_constant<int, EPL>{}, u);
+    detail::rank1_update(S[r], x.k, std::integral_constant<int, EPL>{}, u);
     if (row0 + r * RG < p.V) store_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
   }
   const int sq_r = idx - R;  // this lane's row, if it holds sq

@@ -133,7 +133,7 @@ __device__ __forceinline__ float element_of(const uint4 (&u)[N], int e) {
 // warp computes the gate (log decay g, alpha = exp(g)) and beta. (One warp, one after the other,
 // made every other warp wait at the first barrier: ncu, docs/PERFORMANCE.md.)
 template <int G, int EPL>
-__device__ __forceinline__ void publish_qk(const ReplayProblem& p, TokenInputs<EPL, 1>& x, int kofs,
+__device__ __forceinline__ void publish_qk(const ReplayProblem& p, TokenHeadInputs<EPL>& x, int kofs,
                                            int valid, int lane, unsigned char* smem,
                                            const SmemLayout& sm) {
   const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
@@ -149,7 +149,7 @@ __device__ __forceinline__ void publish_qk(const ReplayProblem& p, TokenInputs<E
   if (lane == 0) reinterpret_cast<float*>(smem + sm.scalars)[0] = kq;
 }
 template <int G, int EPL>
-__device__ __forceinline__ void publish_gate(const ReplayProblem& p, const TokenInputs<EPL, 1>& x,
+__device__ __forceinline__ void publish_gate(const ReplayProblem& p, const TokenHeadInputs<EPL>& x,
                                              const GateConsts<EPL>& gc, int kofs, int valid,
                                              int lane, unsigned char* smem, const SmemLayout& sm) {
   float g[EPL], alpha[EPL];
@@ -167,7 +167,7 @@ __device__ __forceinline__ void publish_gate(const ReplayProblem& p, const Token
     reinterpret_cast<float*>(smem + sm.scalars)[1] = detail::beta_value(x.b, true, true, p.b.dtype);
 }
 template <int G, int EPL>
-__device__ __forceinline__ void prepare_token(const ReplayProblem& p, TokenInputs<EPL, 1>& x,
+__device__ __forceinline__ void prepare_token(const ReplayProblem& p, TokenHeadInputs<EPL>& x,
                                               const GateConsts<EPL>& gc, int kofs, int valid,
                                               int lane, int warp, int gate_warp,
                                               unsigned char* smem, const SmemLayout& sm) {
@@ -231,11 +231,11 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int vrow = row0 + (idx < R ? idx : 0) * RG;
   const float v = idx < R && vrow < V
                       ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
-  TokenInputs<EPL, 1> x;
+  TokenHeadInputs<EPL> x;
   GateConsts<EPL> gc;
   const int gate_warp = nwarps > 1 ? 1 : 0;
   if (warp == 0 || warp == gate_warp) {
-    load_token<In>(p, p.a, p.b, n, 0, h, hv, kofs, valid, V, RG, x);  // (no v row)
+    load_token_head<In>(p, p.a, p.b, n, 0, h, hv, kofs, valid, x);
     load_gate_consts(p.gate, hv, K, kofs, valid, gc);
   }
 
