@@ -110,6 +110,16 @@ def split_packed(mixed_qkv, HV, V, K):
     return q, k, v, H
 
 
+def token_log_decay(a, A_log, dt_bias, B, HV, K, kda, lower_bound):
+    """The log decay g of one token per row: KDA [B, HV, K] (a and dt_bias per K element, any of
+    their accepted shapes), GDN [B, HV]."""
+    A = np.asarray(A_log, dtype=np.float64)
+    if kda:
+        return gate(np.asarray(a, np.float64).reshape(B, HV, K), A[:, None],
+                    np.asarray(dt_bias, np.float64).reshape(HV, K), lower_bound)
+    return gate(np.asarray(a, np.float64), A, np.asarray(dt_bias, np.float64), lower_bound)
+
+
 # ---- §2 / §3 packed decode --------------------------------------------------------------------
 def packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, pool, indices, *, kda,
                   lower_bound=None, use_qk_l2norm=True, beta_dtype=None):
@@ -123,12 +133,8 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, pool, indices, *, kda,
     B = x.shape[0]
     hmap = key_head_of(HV, H)
     q, k = _prep_qk(q[:, hmap], k[:, hmap], scale, use_qk_l2norm)  # [B, HV, K]
-    A = np.asarray(A_log, dtype=np.float64)
-    if kda:
-        g = gate(np.asarray(a, np.float64).reshape(B, HV, K), A[:, None],
-                 np.asarray(dt_bias, np.float64).reshape(HV, K), lower_bound)
-    else:
-        g = gate(np.asarray(a, np.float64), A, np.asarray(dt_bias, np.float64), None)
+    g = token_log_decay(a, A_log, dt_bias, B, HV, K, kda, lower_bound if kda else None)
+    if not kda:
         g = np.repeat(g[..., None], K, axis=-1)
     beta = sigmoid(b)
     if beta_dtype is not None:
@@ -229,12 +235,7 @@ def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, 
     B = x.shape[0]
     hmap = key_head_of(HV, H)
     q, k = _prep_qk(q, k, scale, use_qk_l2norm)  # per key head [B, H, K]: q scaled, k normalized
-    A = np.asarray(A_log, dtype=np.float64)
-    if kda:
-        g = gate(np.asarray(a, np.float64).reshape(B, HV, K), A[:, None],
-                 np.asarray(dt_bias, np.float64).reshape(HV, K), lower_bound)
-    else:
-        g = gate(np.asarray(a, np.float64), A, np.asarray(dt_bias, np.float64), lower_bound)
+    g = token_log_decay(a, A_log, dt_bias, B, HV, K, kda, lower_bound)
     beta = rd(rd(sigmoid(b), "float32"), b_dtype)  # beta rounded to b.dtype
     out = np.zeros((B, 1, HV, V))
     flushed = np.zeros(B, dtype=bool)
