@@ -317,20 +317,15 @@ __device__ __forceinline__ float prepare_qk(float (&q)[EPL], float (&k)[EPL], bo
 }
 
 // Completes one token on R rows from the partial dots [sk_0.., sq_0..] (each partial over the
-// lane's K slice): one transposed reduction, then `extra(idx)` is added to the full value idx by
-// the lane holding it (ReplaySSM's ring terms; 0 otherwise). Every lane gets u_r = beta*(v_r -
-// sk_r) for all its rows; the lane holding sq_r (first of its copies) gets o_r = sq_r + u_r*kq
-// and returns r, the others return -1.
-struct NoExtra {
-  __device__ float operator()(int) const { return 0.0f; }
-};
-template <int G, int R, class Extra = NoExtra>
+// lane's K slice): one transposed reduction; every lane gets u_r = beta*(v_r - sk_r) for all its
+// rows; the lane holding sq_r (first of its copies) gets o_r = sq_r + u_r*kq and returns r, the
+// others return -1.
+template <int G, int R>
 __device__ __forceinline__ int finish_rows(float (&dots)[2 * R], const float (&v)[R], float beta,
-                                           float kq, int lane, float (&u)[R], float& o,
-                                           Extra extra = {}) {
+                                           float kq, int lane, float (&u)[R], float& o) {
   static_assert(2 * R <= G, "a row group must hold all 2R partial dots");
   const int idx = reduced_index<G, 2 * R>(lane);
-  const float red = transpose_reduce<G, 2 * R>(dots, lane) + extra(idx);
+  const float red = transpose_reduce<G, 2 * R>(dots, lane);
 #pragma unroll
   for (int r = 0; r < R; ++r)
     u[r] = detail::delta_u(v[r], __shfl_sync(0xffffffffu, red, holder_lane<G, 2 * R>(r), G), beta);
@@ -346,6 +341,20 @@ __device__ __forceinline__ int finish_rows(float (&dots)[2 * R], const float (&v
   }
   o = detail::delta_output(red, u_mine, kq);
   return first_copy ? mine : -1;
+}
+
+// The other finish (register decode kernels): after transpose_reduce<G, 2R>, the lane holding
+// sk_r has u_r = beta*(v_r - sk_r) in `u_here`; the lane holding sq_r (first of its copies)
+// takes u_r from it and stores o_r = sq_r + u_r*kq at out[o_off + row0 + r*rg] (rows below V).
+template <int G, int R>
+__device__ __forceinline__ void store_output_rows(const detail::HeadOutput& out, int64_t o_off,
+                                                  int V, int row0, int rg, int lane, float red,
+                                                  float u_here, float kq) {
+  const int sq_r = reduced_index<G, 2 * R>(lane) - R;  // this lane's row, if it holds sq
+  const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
+  const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
+  if (sq_r >= 0 && first_copy && row0 + sq_r * rg < V)
+    detail::store_float(out.ptr, out.dtype, o_off + row0 + sq_r * rg, detail::delta_output(red, u_o, kq));
 }
 
 // cp.async: asynchronous 4- or 16-byte global -> shared copies, grouped. (The 16-byte form

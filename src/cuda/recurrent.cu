@@ -278,11 +278,7 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
     detail::rank1_update(S[r], x.k, std::integral_constant<int, EPL>{}, u);
     if (row0 + r * RG < p.V) store_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
   }
-  const int sq_r = idx - R;  // this lane's row, if it holds sq
-  const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
-  const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
-  if (sq_r >= 0 && first_copy && row0 + sq_r * RG < p.V)
-    detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + sq_r * RG, detail::delta_output(red, u_o, kq));
+  store_output_rows<G, R>(p.out, o_off, p.V, row0, RG, lane, red, u_here, kq);
 }
 
 template <class StateT, int K, class In>

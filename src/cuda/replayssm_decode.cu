@@ -389,7 +389,6 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
 
   const float kq = s_scalars[0], beta = s_scalars[1];
   const int64_t o_off = head_offset(p.out, n, 0, hv);
-  const int sq_r = idx - R;  // this lane's row, if it holds sq
   // A record's d values of the warp's rows (RPW consecutive values, whole 16-byte words):
   // this lane's R rows, zero past the block's last row.
   auto record_d = [&](int j, float (&dj)[R]) {
@@ -448,9 +447,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
       const int row = row0 + r * RG;
       if (row < V) store_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
     }
-    const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
-    if (sq_r >= 0 && first_copy && row0 + sq_r * RG < V)
-      detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + sq_r * RG, detail::delta_output(red, u_o, kq));
+    store_output_rows<G, R>(p.out, o_off, V, row0, RG, lane, red, u_here, kq);
     return;
   }
 
@@ -491,9 +488,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   }
   const float red = transpose_reduce<G, 2 * R>(dots, lane);
   const float u_here = detail::delta_u(v, red, beta);  // meaningful on the lanes holding sk
-  const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
-  if (sq_r >= 0 && first_copy && row0 + sq_r * RG < V)
-    detail::store_float(p.out.ptr, p.out.dtype, o_off + row0 + sq_r * RG, detail::delta_output(red, u_o, kq));
+  store_output_rows<G, R>(p.out, o_off, V, row0, RG, lane, red, u_here, kq);
   if (idx < R && first_copy && vrow < V)
     detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
   if (blockIdx.y == 0 && warp == 0 && lane < G) {  // one writer of this head's g and k
