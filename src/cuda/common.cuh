@@ -343,6 +343,30 @@ __device__ __forceinline__ int finish_rows(float (&dots)[2 * R], const float (&v
   return first_copy ? mine : -1;
 }
 
+// One token's delta-rule step on R state rows held in registers (the register decode kernels):
+// decay and the 2R dots, one transposed reduction; the lane holding sk_r computes u_r = beta*(v -
+// sk_r) from the v it was given (that row's), broadcasts it for the rank-1 update of row r, and
+// `store_row(r)` runs once row r is final. Returns this lane's reduced value; its u in `u_here`.
+template <int G, int R, int EPL, class StoreRow>
+__device__ __forceinline__ float delta_step_rows(float (&S)[R][EPL], const float (&alpha)[EPL],
+                                                 const float (&k)[EPL], const float (&q)[EPL],
+                                                 float v, float beta, int lane, float& u_here,
+                                                 StoreRow store_row) {
+  float dots[2 * R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    detail::decay_and_dots(S[r], alpha, k, q, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
+  const float red = transpose_reduce<G, 2 * R>(dots, lane);
+  u_here = detail::delta_u(v, red, beta);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float u = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(r), G);
+    detail::rank1_update(S[r], k, std::integral_constant<int, EPL>{}, u);
+    store_row(r);
+  }
+  return red;
+}
+
 // The other finish (register decode kernels): after transpose_reduce<G, 2R>, the lane holding
 // sk_r has u_r = beta*(v_r - sk_r) in `u_here`; the lane holding sq_r (first of its copies)
 // takes u_r from it and stores o_r = sq_r + u_r*kq at out[o_off + row0 + r*rg] (rows below V).

@@ -266,18 +266,10 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
 
   // The delta-rule step: decay and dots, one transposed reduction of all 2R dots, u_r by the lane
   // holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
-  float dots[2 * R];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    detail::decay_and_dots(S[r], alpha, x.k, x.q, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
-  const float red = transpose_reduce<G, 2 * R>(dots, lane);
-  const float u_here = detail::delta_u(v, red, beta);  // meaningful on the sk lanes
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float u = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(r), G);
-    detail::rank1_update(S[r], x.k, std::integral_constant<int, EPL>{}, u);
+  float u_here;  // meaningful on the sk lanes
+  const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, v, beta, lane, u_here, [&](int r) {
     if (row0 + r * RG < p.V) store_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
-  }
+  });
   store_output_rows<G, R>(p.out, o_off, p.V, row0, RG, lane, red, u_here, kq);
 }
 

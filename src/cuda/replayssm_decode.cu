@@ -434,19 +434,11 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
       kn[i] = i < valid ? s_kn[kofs + i] : 0.0f;
       qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
     }
-    float dots[2 * R];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      detail::decay_and_dots(S[r], alpha, kn, qn, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
-    const float red = transpose_reduce<G, 2 * R>(dots, lane);
-    const float u_here = detail::delta_u(v, red, beta);  // meaningful on the lanes holding sk
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float u = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(r), G);
-      detail::rank1_update(S[r], kn, std::integral_constant<int, EPL>{}, u);
+    float u_here;  // meaningful on the lanes holding sk
+    const float red = delta_step_rows<G, R>(S, alpha, kn, qn, v, beta, lane, u_here, [&](int r) {
       const int row = row0 + r * RG;
       if (row < V) store_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
-    }
+    });
     store_output_rows<G, R>(p.out, o_off, V, row0, RG, lane, red, u_here, kq);
     return;
   }
