@@ -119,17 +119,6 @@ std::vector<int32_t> force_flags(Rng& rng, int step, int64_t B, double p = 0.1) 
   return f;
 }
 
-struct ReplayCase {
-  const char* name;
-  Shape shape;
-  bool kda;
-  std::optional<double> lower_bound;
-  DType state, act;
-  int L;
-  int steps;
-  int64_t slot_pad = 0, lead = 0;
-};
-
 class ReplayVsReference : public ::testing::TestWithParam<ReplayCase> {};
 
 TEST_P(ReplayVsReference, Steps) {
@@ -162,7 +151,6 @@ TEST_P(ReplayVsReference, Steps) {
   }
 }
 
-std::string replay_name(const ::testing::TestParamInfo<ReplayCase>& info) { return info.param.name; }
 
 INSTANTIATE_TEST_SUITE_P(
     Ops, ReplayVsReference,

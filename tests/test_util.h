@@ -190,6 +190,24 @@ inline constexpr DType f16 = DType::f16;
 inline constexpr std::optional<double> kNoLb{};      // no KDA lower bound (softplus gate)
 inline constexpr std::optional<double> kLb{-5.0};    // the bounded gate
 
+// A ReplaySSM test case (CPU against the fp64 reference, CUDA against the CPU): model or odd
+// shape, gate, checkpoint and activation dtypes, ring length, steps, and a strided (envelope-like)
+// checkpoint pool view when slot_pad / lead are set.
+struct ReplayCase {
+  const char* name;
+  Shape shape;
+  bool kda;
+  std::optional<double> lower_bound;
+  DType state, act;
+  int L;
+  int steps = 42;
+  int64_t slot_pad = 0, lead = 0;
+};
+inline void PrintTo(const ReplayCase& c, std::ostream* os) { *os << c.name; }
+inline std::string replay_name(const ::testing::TestParamInfo<ReplayCase>& info) {
+  return info.param.name;
+}
+
 // A StatePool of the envelope layout over shape `s`: `layers` layers per entry, `slots` entries,
 // `extra_bytes` beyond the layers in every entry.
 inline deltastate::StatePoolConfig envelope_config(const Shape& s, int64_t layers, int64_t slots,

@@ -378,16 +378,6 @@ INSTANTIATE_TEST_SUITE_P(
     rec_name);
 
 // ==== ReplaySSM ================================================================================
-struct ReplayCase {
-  const char* name;
-  Shape shape;
-  bool kda;
-  std::optional<double> lower_bound;
-  DType state, act;
-  int L;
-  int64_t slot_pad = 0, lead = 0;
-};
-void PrintTo(const ReplayCase& c, std::ostream* os) { *os << c.name; }
 
 class GpuReplay : public GpuParamTest<ReplayCase> {};
 
@@ -412,7 +402,7 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
   dev.upload_all(pool, rings.d, rings.k, rings.g, wp, batch.A_log, batch.dt_bias, batch.idx);
   int flushes = 0, appends = 0;
   int64_t max_cursor = 0;
-  for (int step = 0; step < 42; ++step) {
+  for (int step = 0; step < c.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     if (step) batch.randomize(rng);
     batch.poison_out();
@@ -478,20 +468,19 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
   }
 }
 
-std::string replay_name(const ::testing::TestParamInfo<ReplayCase>& i) { return i.param.name; }
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuReplay,
     ::testing::Values(ReplayCase{"gdn_qwen_f32_L1", kQwen3Next, false, kNoLb, f32, f32, 1},
-                      ReplayCase{"gdn_qwen_f32_bf16act_L4_envelope", kQwen3Next, false, kNoLb, f32, bf16, 4, 4096, 256},
+                      ReplayCase{"gdn_qwen_f32_bf16act_L4_envelope", kQwen3Next, false, kNoLb, f32, bf16, 4, 42, 4096, 256},
                       ReplayCase{"gdn_qwen_bf16ckpt_bf16act_L8", kQwen3Next, false, kNoLb, bf16, bf16, 8},
                       ReplayCase{"gdn_qwen_f32_bf16act_L16", kQwen3Next, false, kNoLb, f32, bf16, 16},
                       ReplayCase{"kda_kimi_f32_lb_L4", kKimi, true, kLb, f32, f32, 4},
-                      ReplayCase{"kda_kimi_bf16ckpt_bf16act_L16_envelope", kKimi, true, kNoLb, bf16, bf16, 16, 1000, 24},
+                      ReplayCase{"kda_kimi_bf16ckpt_bf16act_L16_envelope", kKimi, true, kNoLb, bf16, bf16, 16, 42, 1000, 24},
                       ReplayCase{"kda_kimi_f32_bf16act_L8", kKimi, true, kNoLb, f32, bf16, 8},
                       ReplayCase{"gdn_k96_generic_f32_L8", kK96, false, kNoLb, f32, f32, 8},
                       ReplayCase{"kda_k64v128_bf16ckpt_L4_lb", kK64V128, true, kLb, bf16, bf16, 4},
-                      ReplayCase{"gdn_hv24_f32_bf16act_L16", kHV24, false, kNoLb, f32, bf16, 16, 64, 16},
+                      ReplayCase{"gdn_hv24_f32_bf16act_L16", kHV24, false, kNoLb, f32, bf16, 16, 42, 64, 16},
                       ReplayCase{"kda_k128v64_f32_L1", kK128V64, true, kNoLb, f32, f16, 1},
                       // more records than lanes per row (L > G, L > 32), a partial row block,
                       // CTAs of 6 warps
