@@ -134,15 +134,13 @@ TEST_P(ReplayVsReference, Steps) {
   DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act);
   std::vector<int32_t> cursors(B, 0);
   cursors[2] = c.L - 1;  // the padded row's cursor: never read, never moved
-  // Rings longer than a warp: forced flushes rare enough that rows fill more than 32 records.
-  const double force_p = c.L > 32 ? 0.01 : 0.1;
   int max_cursor = 0;
   for (int step = 0; step < c.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     if (step) batch.randomize(rng);
     for (int64_t r = 0; r < B; ++r)
       if (slots[r] >= 0) max_cursor = std::max(max_cursor, cursors[r]);
-    checked_replay_step(batch, views, cursors, force_flags(rng, step, B, force_p),
+    checked_replay_step(batch, views, cursors, force_flags(rng, step, B, forced_flush_rate(c.L)),
                         /*advance=*/step % 2 == 0, c.lower_bound);
     if (::testing::Test::HasFailure()) break;
   }
@@ -220,7 +218,7 @@ TEST_P(ReplayMatchesPackedDecode, FortySteps) {
     if (step) batch.randomize(rng);
     // Rare forced flushes at L = 16, so that rows also reach the end of their ring.
     const std::vector<int32_t> force =
-        c.L > 1 ? force_flags(rng, step, B, c.L >= 16 ? 0.03 : 0.1) : std::vector<int32_t>(B, 0);
+        c.L > 1 ? force_flags(rng, step, B, forced_flush_rate(c.L)) : std::vector<int32_t>(B, 0);
     Tensor ff = index_tensor(std::vector<int64_t>(force.begin(), force.end()), DType::i32);
     const Snapshot checkpoint_before = Snapshot().add(replay_pool);
 

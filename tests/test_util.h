@@ -204,6 +204,9 @@ struct ReplayCase {
   int64_t slot_pad = 0, lead = 0;
 };
 inline void PrintTo(const ReplayCase& c, std::ostream* os) { *os << c.name; }
+// Per-row, per-step probability of a forced flush in the multi-step ReplaySSM tests: rare enough
+// for long rings that rows still fill them (L > 32: more records than a warp has lanes).
+inline double forced_flush_rate(int L) { return L > 32 ? 0.01 : L >= 16 ? 0.03 : 0.1; }
 inline std::string replay_name(const ::testing::TestParamInfo<ReplayCase>& info) {
   return info.param.name;
 }

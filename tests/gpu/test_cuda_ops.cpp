@@ -406,11 +406,8 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
     SCOPED_TRACE("step " + std::to_string(step));
     if (step) batch.randomize(rng);
     batch.poison_out();
-    // Forced flushes rare enough at L >= 16 that rows reach the end of the ring (L > 32: more
-    // records than a warp has lanes).
-    const double force_p = c.L > 32 ? 0.01 : c.L >= 16 ? 0.03 : 0.1;
     for (int64_t r = 0; r < B; ++r)
-      ff.set_linear(r, c.L > 1 && (step < r || rng.chance(force_p)) ? 1 : 0);
+      ff.set_linear(r, c.L > 1 && (step < r || rng.chance(forced_flush_rate(c.L))) ? 1 : 0);
     dev.upload_all(batch.x, batch.a, batch.b, batch.out, ff);
     const Tensor ckpt_before = dev.download(pool);
     const std::vector<int64_t> cursors_before = index_values(wp);
