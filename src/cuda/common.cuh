@@ -13,11 +13,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "core/delta_math.h"
 #include "core/problem.h"
@@ -54,21 +55,30 @@ int num_sms(int device);
 
 // A value computed once per device and then cached (thread-safe). Kernel attributes such as the
 // dynamic shared-memory opt-in are per device: a process driving several GPUs must set them on
-// each, so a launcher keeps one of these per kernel instantiation.
+// each, so a launcher keeps one of these per kernel instantiation. Launches read it on every
+// call: a cached value is one atomic load, the mutex is taken only to compute it. Values are
+// positive (0 marks "not yet"); device ordinals past kMaxDevices are computed on every call.
 class PerDeviceOnce {
  public:
   template <class F>
   int get(int device, F&& compute) {
+    if (device < 0 || device >= kMaxDevices) return compute();
+    std::atomic<int>& value = values_[device];
+    int v = value.load(std::memory_order_acquire);
+    if (v > 0) return v;
     std::lock_guard<std::mutex> lk(mu_);
-    if (device >= static_cast<int>(values_.size())) values_.resize(device + 1, kUnset);
-    if (values_[device] == kUnset) values_[device] = compute();
-    return values_[device];
+    v = value.load(std::memory_order_relaxed);
+    if (v <= 0) {
+      v = compute();
+      value.store(v, std::memory_order_release);
+    }
+    return v;
   }
 
  private:
-  static constexpr int kUnset = -1;
+  static constexpr int kMaxDevices = 64;
+  std::array<std::atomic<int>, kMaxDevices> values_{};
   std::mutex mu_;
-  std::vector<int> values_;
 };
 
 template <class StateT, int KT>
