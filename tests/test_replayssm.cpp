@@ -149,7 +149,6 @@ TEST_P(ReplayVsReference, Steps) {
   }
 }
 
-
 INSTANTIATE_TEST_SUITE_P(
     Ops, ReplayVsReference,
     ::testing::Values(

@@ -2,7 +2,8 @@
 // The same math as the CUDA kernel (src/cuda/replayssm_decode.cu, docs/REPLAYSSM.md): an
 // appending step takes the output from dot products of the checkpoint and the ring records with
 // the token's vectors and appends the record (d, k, g); a flush rebuilds the state and runs the
-// plain delta-rule step on it, writing the checkpoint. Cursors advance after every task of the step has read them.
+// plain delta-rule step on it, writing the checkpoint. Cursors advance after every task of the
+// step has read them.
 #include <vector>
 
 #include "core/delta_math.h"

@@ -50,6 +50,8 @@ __device__ __forceinline__ HeadBlock head_block(const RecurrentProblem& p, int t
 }
 
 // A direct-kernel tile: sequence n, value head hv (head = n*HV + hv), this thread's first row.
+// (n and head widened once here: deriving TileCoords from HeadBlock's ints instead measured
+// 8-16 B of spills in the 16-bit-state direct kernels (ptxas).)
 struct TileCoords {
   int64_t n, head;
   int hv, h, row0;
@@ -248,6 +250,8 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
 
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h).
   const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
+  // The gate inline rather than load_gate_consts + token_gate: GDN loads dt_bias once here, and
+  // the shared pair costs the 16-bit-state instantiations 4 more bytes of spills (ptxas).
   const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
   float alpha[EPL];
   if (gp.kda) {

@@ -465,7 +465,6 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
   }
 }
 
-
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuReplay,
     ::testing::Values(ReplayCase{"gdn_qwen_f32_L1", kQwen3Next, false, kNoLb, f32, f32, 1},
