@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "api/backend.h"
+#include "cuda/bulk_copy.cuh"
 #include "cuda/common.cuh"
 
 namespace deltastate::cuda_backend {
@@ -47,17 +48,18 @@ struct Staged {
   using D = std::conditional_t<VEC, StateT, float>;
 };
 
-// Shared memory, byte offsets (every section 16-byte aligned). The token, prepared once per CTA
+// Shared memory, byte offsets (every section 16-byte aligned). An mbarrier; the token, prepared once per CTA
 // [KT floats each]: k (normalized), q (normalized, scaled), alpha, its log decay g; its scalars k.q
 // and beta. The ring: decay e = exp(Gtot) [KT]; per record ck, cq, w [L]; the staged records g
 // [L][gw] fp32, k [L][KT], d [L][d_pitch] (the CTA's rows; the pitch padded by 16 bytes so that
 // lanes reading consecutive records hit different banks); kw [L][KT] fp32 (flush only).
 struct SmemLayout {
-  int kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, d_pitch, bytes;
+  int bar, kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, d_pitch, bytes;
   __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta) {
     auto up16 = [](int x) { return (x + 15) & ~15; };
     d_pitch = up16(rows_cta * d_size) + 16;
-    kn = 0;
+    bar = 0;  // the mbarrier of the vector path's bulk copies
+    kn = bar + 16;
     qn = kn + KT * 4;
     alpha = qn + KT * 4;
     gcur = alpha + KT * 4;
@@ -224,6 +226,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   float* s_w = reinterpret_cast<float*>(smem + sm.w);
   const float* s_g = reinterpret_cast<const float*>(smem + sm.g);
   float* s_kw = reinterpret_cast<float*>(smem + sm.kw);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + sm.bar);  // thread 0's bulk copies
 
   // Loads that do not depend on the slot, issued first: v of the row whose sk this lane will
   // hold; the two token warps also the token's q, k, gate and beta inputs and the head's gate
@@ -264,7 +267,44 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   constexpr bool kPrepFirst = EPL > 4;
   if (kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
 
-  // 1. The checkpoint rows (every load in flight at once), then the ring records.
+  // 1. The ring records (first: the vector path's copies are issued before the rows' registers
+  //    are live), then the checkpoint rows.
+  float* g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * gw;
+  const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
+  const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
+  if (m > 0) {
+    if constexpr (VEC) {
+      // Thread 0 alone: bulk copies on `bar` (the copy engine moves the bytes) of the k records,
+      // each record's block of d rows and KDA's g records; warp 0's lanes copy GDN's scalar g
+      // records (m * 4 bytes, not whole 16-byte units) with 4-byte cp.async. (16-byte cp.async by
+      // every thread cost each warp ~250 instructions per CTA of index arithmetic: ncu run 7.)
+      if (threadIdx.x == 0) {
+        constexpr uint32_t kb = sizeof(KS), db = sizeof(DS);
+        const uint32_t k_bytes = m * K * kb, d_bytes = rows_here * db, g_bytes = kda ? m * K * 4 : 0;
+        mbar_init(bar, 1);
+        mbar_init_fence();
+        mbar_expect_tx(bar, k_bytes + m * d_bytes + g_bytes);
+        bulk_load(smem + sm.k, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, k_bytes, bar);
+        if (kda) bulk_load(smem + sm.g, g_ring, g_bytes, bar);
+        const unsigned char* d_src =
+            static_cast<const unsigned char*>(p.d_cache) + (d_ring + row_base) * db;
+        for (int j = 0; j < m; ++j)
+          bulk_load(smem + sm.d + j * sm.d_pitch, d_src + static_cast<int64_t>(j) * V * db, d_bytes, bar);
+        mbar_arrive(bar);
+      }
+      if (!kda && warp == 0) {
+        for (int j = lane; j < m; j += 32) cp_async4(smem + sm.g + j * 4, g_ring + j);
+        cp_async_commit();
+      }
+    } else {
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
+                       m, K);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
+                       p.d_dtype, d_ring + row_base, V, m, rows_here);
+    }
+  }
+  // The checkpoint rows (every load in flight at once).
   StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
                static_cast<int64_t>(hv) * V * K;
   float S[R][EPL];
@@ -278,30 +318,10 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  float* g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * gw;
-  const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
-  const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
-  if (m > 0) {
-    if constexpr (VEC) {
-      const int kb = sizeof(KS), db = sizeof(DS);
-      stage_rows(smem + sm.g, 0, g_ring, 0, 1, m * gw * 4);
-      stage_rows(smem + sm.k, 0, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, 0, 1,
-                 m * K * kb);
-      stage_rows(smem + sm.d, sm.d_pitch,
-                 static_cast<const unsigned char*>(p.d_cache) + (d_ring + row_base) * db,
-                 static_cast<int64_t>(V) * db, m, rows_here * db);
-      cp_async_commit();
-    } else {
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
-                       m, K);
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
-                       p.d_dtype, d_ring + row_base, V, m, rows_here);
-    }
-  }
   if (!kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
-  if constexpr (VEC) cp_async_wait<0>();
+  if constexpr (VEC) cp_async_wait<0>();  // warp 0's cp.async of GDN's g records
   __syncthreads();  // the token and the records staged; every thread has read the cursor
+  if (VEC && m > 0) mbar_wait(bar, 0);  // warp 0's bulk copies
 
   // Every thread of this CTA has read the cursor (its value decided the staging above, before
   // the barrier); now this CTA counts itself, and the last one stores the new cursor.
