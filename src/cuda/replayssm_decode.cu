@@ -13,10 +13,12 @@
 // Work layout. A CTA of NW warps owns a block of rows of one (row n, value head hv); each warp
 // holds its rows of S0 in registers (the lane layout of common.cuh: a row over G lanes, EPL
 // elements each, R rows per thread). The per-head ring work is done once per CTA, not per warp:
-//  1. Every thread reads the slot and the cursor m itself (no barrier), issues its checkpoint
-//     rows' loads, then the CTA stages the m ring records (g, k and the block's rows of d) into
-//     shared memory with cp.async; the token is prepared in registers meanwhile (norms, gate,
-//     beta; warp 0 publishes alpha*k and alpha*q).
+//  1. Every thread reads the slot and the cursor m itself (no barrier); thread 0 issues bulk
+//     copies of the m ring records (k, the block's rows of d, KDA's g) into shared memory on an
+//     mbarrier (warp 0 copies GDN's scalar g with cp.async; the generic path stages with plain
+//     loads), then every thread issues its checkpoint rows' loads; the token is prepared in
+//     registers meanwhile (norms, gate, beta; warp 0 publishes alpha*k and alpha*q). The grid is
+//     (B, HV, V-blocks), so a CTA finds its row and head without divisions.
 //  2. Records are spread over the warps (record j on warp j mod NW): G_j and Gtot over the lane's
 //     columns, kw_j, and the two coefficients ck_j, cq_j (one shuffle reduction per record).
 //  3. Each row's two partial dots over the lane's K slice take the ring terms too: lane l of a
@@ -82,29 +84,8 @@ __host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_cta)
                     rows_cta);
 }
 
-// Stages `rows` rows of `row_bytes` (a multiple of 4) from global memory (pitch src_pitch bytes)
-// into shared memory (pitch dst_pitch, a multiple of 16) with cp.async over the CTA's threads:
-// 16-byte copies where the source allows, else 4-byte ones.
-__device__ __forceinline__ void stage_rows(unsigned char* dst, int dst_pitch, const void* src_v,
-                                           int64_t src_pitch, int rows, int row_bytes) {
-  const auto* src = static_cast<const unsigned char*>(src_v);
-  const bool wide = ((reinterpret_cast<uintptr_t>(src) | static_cast<uint64_t>(src_pitch) |
-                      static_cast<uint64_t>(row_bytes)) & 15) == 0;
-  const int unit = wide ? 16 : 4;
-  const int per_row = row_bytes / unit;
-  const int total = rows * per_row;
-  // Row of chunk i: a shift when per_row is a power of two (the usual full row block).
-  const bool pow2 = (per_row & (per_row - 1)) == 0;
-  const int shift = __ffs(per_row) - 1;
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int r = pow2 ? i >> shift : i / per_row;
-    const int c = (i - r * per_row) * unit;
-    if (wide) cp_async16(dst + r * dst_pitch + c, src + r * src_pitch + c);
-    else cp_async4(dst + r * dst_pitch + c, src + r * src_pitch + c);
-  }
-}
-
-// The same with element loads converted to float (generic path: any dtypes, any alignment).
+// The generic path's staging: `rows` rows of `cols` elements (source pitch src_pitch elements),
+// converted to float (any dtypes, any alignment).
 __device__ __forceinline__ void stage_rows_float(float* dst, int dst_pitch_floats, const void* src,
                                                  DType dtype, int64_t src_off, int64_t src_pitch,
                                                  int rows, int cols) {
@@ -193,8 +174,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   static_assert((RPW * sizeof(DS)) % 16 == 0, "a warp's d values of one record: whole 16-byte words");
   extern __shared__ __align__(16) unsigned char smem[];
 
-  const int n = static_cast<int>(blockIdx.x) / p.HV;  // 32-bit: B*HV < 2^31 (the grid's x)
-  const int hv = static_cast<int>(blockIdx.x) - n * p.HV;
+  const int n = static_cast<int>(blockIdx.x);  // the grid is (B, HV, V-blocks): no divisions
+  const int hv = static_cast<int>(blockIdx.y);
   const int group = p.HV / p.H;
   const int h = hv / group;
   const int lane = threadIdx.x & 31;
@@ -207,7 +188,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int kofs = (lane % G) * EPL;
   const int valid = VEC ? EPL : max(0, min(EPL, K - kofs));
   const int rows_cta = nwarps * RPW;
-  const int row_base = blockIdx.y * rows_cta;
+  const int row_base = blockIdx.z * rows_cta;
   const int rows_here = min(rows_cta, V - row_base);
   const int wrow = warp * RPW;                 // the warp's first local row
   const int local0 = wrow + lane / G;          // this lane's local row 0 (rows local0 + r*RG)
@@ -327,7 +308,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   // the barrier); now this CTA counts itself, and the last one stores the new cursor.
   if (p.advance_write_pos && threadIdx.x == 0) {
     const int old = atomicAdd(p.write_pos + n, 1 << 16);
-    if ((old >> 16) == p.HV * static_cast<int>(gridDim.y) - 1) p.write_pos[n] = flush ? 0 : m + 1;
+    if ((old >> 16) == p.HV * static_cast<int>(gridDim.z) - 1) p.write_pos[n] = flush ? 0 : m + 1;
   }
 
   // 2. Per record j (warp j mod NW; lane columns c = lane*CPL + i): Gtot and G_j summed as the
@@ -503,7 +484,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   store_output_rows<G, R>(p.out, o_off, V, row0, RG, lane, red, u_here, kq);
   if (idx < R && first_copy && vrow < V)
     detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
-  if (blockIdx.y == 0 && warp == 0 && lane < G) {  // one writer of this head's g and k
+  if (blockIdx.z == 0 && warp == 0 && lane < G) {  // one writer of this head's g and k
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       if (i < valid) {
@@ -525,7 +506,6 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
   using Lay = RowLayout<StateT, KT>;
   const int rows_per_warp = Lay::RG * Lay::ROWS;
   const int warps_needed = (p.V + rows_per_warp - 1) / rows_per_warp;
-  const int64_t heads = static_cast<int64_t>(p.B) * p.HV;
   const int warps = warps_needed < 8 ? warps_needed : 8;
   const int vblocks = (warps_needed + warps - 1) / warps;
   // The cursor's low 16 bits hold it during a launch; the shared-memory layout is int arithmetic.
@@ -552,7 +532,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
                   "replayssm_decode: ring length L=" + std::to_string(p.L) +
                       " needs more shared memory than this GPU offers");
   }
-  dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(vblocks));
+  dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV), static_cast<unsigned>(vblocks));
   replay_kernel<StateT, KT, VEC, In><<<grid, warps * 32, sm.bytes, stream>>>(p);
   DS_CUDA_CHECK(cudaGetLastError());
 }
