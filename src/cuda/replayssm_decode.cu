@@ -248,13 +248,13 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   constexpr bool kPrepFirst = EPL > 4;
   if (kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
 
-  // 1. The ring records (first: the vector path's copies are issued before the rows' registers
-  //    are live), then the checkpoint rows.
+  // 1. The vector path's ring-record copies (issued before the rows' registers are live), the
+  //    checkpoint rows, then the generic path's staging (plain loads: after the rows' loads).
   float* g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * gw;
   const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
   const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
-  if (m > 0) {
-    if constexpr (VEC) {
+  if constexpr (VEC) {
+    if (m > 0) {
       // Thread 0 alone: bulk copies on `bar` (the copy engine moves the bytes) of the k records,
       // each record's block of d rows and KDA's g records; warp 0's lanes copy GDN's scalar g
       // records (m * 4 bytes, not whole 16-byte units) with 4-byte cp.async. (16-byte cp.async by
@@ -264,6 +264,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
         const uint32_t k_bytes = m * K * kb, d_bytes = rows_here * db, g_bytes = kda ? m * K * 4 : 0;
         mbar_init(bar, 1);
         mbar_init_fence();
+        fence_proxy_async();  // the initialized barrier, before this thread's bulk copies use it
         mbar_expect_tx(bar, k_bytes + m * d_bytes + g_bytes);
         bulk_load(smem + sm.k, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, k_bytes, bar);
         if (kda) bulk_load(smem + sm.g, g_ring, g_bytes, bar);
@@ -277,12 +278,6 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
         for (int j = lane; j < m; j += 32) cp_async4(smem + sm.g + j * 4, g_ring + j);
         cp_async_commit();
       }
-    } else {
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
-                       m, K);
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
-                       p.d_dtype, d_ring + row_base, V, m, rows_here);
     }
   }
   // The checkpoint rows (every load in flight at once).
@@ -299,10 +294,19 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
+  if constexpr (!VEC) {
+    if (m > 0) {
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
+                       m, K);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
+                       p.d_dtype, d_ring + row_base, V, m, rows_here);
+    }
+  }
   if (!kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
   if constexpr (VEC) cp_async_wait<0>();  // warp 0's cp.async of GDN's g records
   __syncthreads();  // the token and the records staged; every thread has read the cursor
-  if (VEC && m > 0) mbar_wait(bar, 0);  // warp 0's bulk copies
+  if (VEC && m > 0) mbar_wait(bar, 0);  // thread 0's bulk copies
 
   // Every thread of this CTA has read the cursor (its value decided the staging above, before
   // the barrier); now this CTA counts itself, and the last one stores the new cursor.
