@@ -1,11 +1,14 @@
 // The library's scalar conversions (src/core/numeric.h): bf16 / fp16 <-> fp32 with round to
 // nearest even, against hand-computed bit patterns (ties, subnormals, overflow to inf, NaN), then
 // against the test tree's independent encoder (tests/float_format.h) on many random fp32 values
-// and every 16-bit pattern. The only test file that includes src/.
+// and every 16-bit pattern; and the division the CUDA kernels use for the QK L2 norm
+// (core/delta_math.h divide_by) against IEEE division. The only test file that includes src/.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "core/delta_math.h"
 #include "core/numeric.h"
 #include "test_util.h"
 
@@ -197,6 +200,47 @@ TEST(Numeric, LoadStoreRoundTo) {
   EXPECT_EQ(lib::load_index(i32, DType::i32, 2), 2147483647);
   EXPECT_EQ(lib::load_index(i64, DType::i64, 0), int64_t{1} << 40);
   EXPECT_EQ(lib::load_index(i64, DType::i64, 1), -5);
+}
+
+// divide_by(x, d, 1/d) is the IEEE quotient x / d bit for bit for |x| >= 2^-100 (smaller x: within
+// one ulp): the GPU normalizes q and k with it, the CPU reference divides, and the backends must
+// agree. Denominators as the L2 norm makes them, numerators over every exponent, two whole
+// binades of mantissas, both zeros.
+TEST(Numeric, DivideByReciprocalIsTheIeeeQuotient) {
+  auto check = [](float x, float d) {
+    const float want = x / d;
+    const float got = lib::divide_by(x, d, 1.0f / d);
+    ASSERT_EQ(to_bits(got), to_bits(want)) << std::hexfloat << x << " / " << d;
+  };
+  Rng rng = test_rng();
+  int64_t tiny = 0;
+  for (int i = 0; i < 2000000; ++i) {
+    // sum of squares over 10^-12 .. 10^8 (log-uniform), and the denominator from it
+    const float ss = std::pow(10.0f, static_cast<float>(rng.uniform(-12.0, 8.0)));
+    const float d = lib::l2norm_denominator(ss);
+    // any mantissa, sign and exponent (x up to 2^30 beyond the denominator, down to 2^-140)
+    const uint32_t mant = static_cast<uint32_t>(rng.engine()()) & 0x807FFFFFu;
+    const int64_t e = std::max<int64_t>(0, rng.integer(-140, 30) + 127 + std::ilogb(d));
+    const float x = from_bits(mant | (static_cast<uint32_t>(e) << 23));
+    if (std::fabs(x) < 0x1p-100f) {  // the residual x - q*d may underflow: within one ulp
+      const float want = x / d, got = lib::divide_by(x, d, 1.0f / d);
+      ASSERT_TRUE(got == want || got == std::nextafter(want, 1.0f) || got == std::nextafter(want, -1.0f))
+          << std::hexfloat << x << " / " << d;
+      ++tiny;
+      continue;
+    }
+    check(x, d);
+  }
+  EXPECT_GT(tiny, 0);
+  for (const float d : {lib::l2norm_denominator(3.0f), lib::l2norm_denominator(0.7f)}) {
+    for (uint32_t m = 0; m < (1u << 23); ++m) check(from_bits(0x3F800000u | m), d);  // [1, 2)
+  }
+  for (const float d : {1e-3f, 1.0f, 12345.678f}) {
+    EXPECT_EQ(to_bits(lib::divide_by(0.0f, d, 1.0f / d)), to_bits(0.0f));
+    EXPECT_EQ(to_bits(lib::divide_by(-0.0f, d, 1.0f / d)), to_bits(-0.0f));
+    check(1.0f, d);
+    check(-d, d);
+  }
 }
 
 }  // namespace

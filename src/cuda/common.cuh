@@ -313,17 +313,22 @@ __device__ __forceinline__ float prepare_qk(float (&q)[EPL], float (&k)[EPL], bo
   const float qq = __shfl_sync(0xffffffffu, red, holder_lane<G, 4>(0), G);
   const float kk = __shfl_sync(0xffffffffu, red, holder_lane<G, 4>(1), G);
   const float qk = __shfl_sync(0xffffffffu, red, holder_lane<G, 4>(2), G);
-  float qd = 1.0f, kd = 1.0f;
-  if (l2norm) {
-    qd = detail::l2norm_denominator(qq);
-    kd = detail::l2norm_denominator(kk);
+  if (!l2norm) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) q[i] *= scale;
+    return qk * scale;
   }
+  // The division form x / den, as divide_by: one IEEE division per vector, not per element
+  // (~14% of the decode kernel's instructions went to the per-element divisions).
+  const float qd = detail::l2norm_denominator(qq);
+  const float kd = detail::l2norm_denominator(kk);
+  const float qr = 1.0f / qd, kr = 1.0f / kd;
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    q[i] = q[i] / qd * scale;
-    k[i] = k[i] / kd;
+    q[i] = detail::divide_by(q[i], qd, qr) * scale;
+    k[i] = detail::divide_by(k[i], kd, kr);
   }
-  return qk / qd / kd * scale;
+  return detail::divide_by(detail::divide_by(qk, qd, qr), kd, kr) * scale;
 }
 
 // Completes one token on R rows from the partial dots [sk_0.., sq_0..] (each partial over the
