@@ -4,8 +4,8 @@
 #
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
-#                                      also build-lib, bench-direct, profile, profile-replay,
-#                                      profile-source
+#                                      also build-lib, bench-direct, bench-tpw, profile,
+#                                      profile-replay, profile-source
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -63,6 +63,12 @@ for phase in "${phases[@]}"; do
         DELTASTATE_CUDA_DECODE=$k run test "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
           --gtest_filter='*Packed*:*4096*:*Graph*'
       done
+      # the decode kernel with 2 and 4 tiles per warp forced (the default picks 2 only for
+      # >= 256 (sequence, head) pairs, which the suite's cases mostly are not)
+      for tpw in 2 4; do
+        DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=$tpw run test \
+          "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 --gtest_filter='*Packed*:*4096*:*Graph*'
+      done
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
@@ -78,6 +84,13 @@ for phase in "${phases[@]}"; do
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*:*B3*:*k64_*'
       DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*'
+      # the decode kernel's shared-memory tiles (4 per warp: every cp.async wait depth)
+      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=4 run sanitize compute-sanitizer \
+        --tool memcheck --error-exitcode 3 "$BUILD/tests/deltastate_gpu_tests" \
+        --gtest_filter='*partial_tile*:*B3*:*k64_*'
+      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=4 run sanitize compute-sanitizer \
+        --tool racecheck --error-exitcode 3 "$BUILD/tests/deltastate_gpu_tests" \
+        --gtest_filter='*partial_tile*'
       ;;
     check)
       run check python3 bench/check_cuda_vs_cpu.py
@@ -88,6 +101,13 @@ for phase in "${phases[@]}"; do
     bench-direct)  # the register kernel forced everywhere, for the kernel-choice threshold
       DELTASTATE_CUDA_DECODE=direct run bench-direct python3 bench/bench_decode.py --no-peer \
         --json "$OUT/decode-direct.json" ${BENCH_ARGS:-}
+      ;;
+    bench-tpw)  # the decode kernel with 1, 2 and 4 tiles per warp forced, fp32 states
+      for tpw in 1 2 4; do
+        DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=$tpw run bench-tpw \
+          python3 bench/bench_decode.py --no-peer --dtypes ${TPW_DTYPES:-f32} \
+          --json "$OUT/decode-tpw$tpw.json" ${BENCH_ARGS:-}
+      done
       ;;
     bench-replay)
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}

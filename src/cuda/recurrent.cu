@@ -201,24 +201,36 @@ __global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
 // ---- register decode kernel: one token, lean ---------------------------------------------------
 //
 // Decode (T = 1, no cu_seqlens, in place on the pool, no dense final-state copy): one warp per
-// tile of RG*ROWS rows (RowLayout: 32 state values per thread), state loaded straight into
-// registers. Written for a small register footprint (at most 80 per thread: 24 resident warps
-// per SM keep enough loads in flight; the multi-token direct kernel needs 128 and reaches 79% of
-// copy bandwidth where this one reaches 89%; a 64-register cap spills and measured slower): no
-// token loop, v loaded only by the lanes that compute u for a row, the reduced dots reused for u
-// and o.
-template <class StateT, int K, class In>
+// TPW consecutive tiles of RG*ROWS rows of one head (RowLayout: 32 state values per thread),
+// state loaded straight into registers. Written for a small register footprint (at most 80 per
+// thread: 24 resident warps per SM keep enough loads in flight; the multi-token direct kernel
+// needs 128 and reaches 79% of copy bandwidth where this one reaches 89%; a 64-register cap
+// spills and measured slower): no token loop, v loaded only by the lanes that compute u for a
+// row, the reduced dots reused for u and o.
+// With TPW > 1 the warp's later tiles are copied into its shared memory (16-byte cp.async, each
+// lane its own words, so no barrier) while the first is computed from registers: the slot, the
+// token and its preparation are shared by TPW tiles, and each warp has TPW tiles of state in
+// flight from its start.
+template <class StateT, int K, int TPW>
+constexpr int decode_smem_bytes() {  // per warp: TPW - 1 tiles (RG*ROWS rows of K elements)
+  using Lay = RowLayout<StateT, K>;
+  return (TPW - 1) * Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT));
+}
+
+template <class StateT, int K, class In, int TPW>
 __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const RecurrentProblem p,
                                                                    int warps_per_head) {
   using Lay = RowLayout<StateT, K>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  constexpr int RPW = RG * R;  // rows per tile
+  constexpr int kWords = EPL * static_cast<int>(sizeof(StateT)) / 16;  // 16-byte words per lane-row
   const int lane = threadIdx.x & 31;
   const int w = static_cast<int>(blockIdx.x) * 2 + static_cast<int>(threadIdx.x >> 5);
   if (w >= static_cast<int>(p.num_heads_total()) * warps_per_head) return;
   const HeadBlock c = head_block(p, w, warps_per_head);
   const int n = c.n, hv = c.hv, h = c.h;
   const int kofs = (lane % G) * EPL;
-  const int row0 = c.block * RG * R + lane / G;
+  const int row0 = c.block * TPW * RPW + lane / G;  // this lane's first row of tile 0
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const int64_t slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
 
@@ -226,12 +238,20 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   TokenHeadInputs<EPL> x;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x);
   const detail::GateParams& gp = p.gate;
-  const int vrow = row0 + (idx < R ? idx : 0) * RG;  // lanes holding sk_r compute u_r: they need v_r
-  const float v = idx < R && vrow < p.V ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
+  // Lanes holding sk_r compute u_r: they need v_r, of every tile.
+  float v[TPW];
+  const int64_t v_off = head_offset(p.v, n, 0, hv);
+#pragma unroll
+  for (int t = 0; t < TPW; ++t) {
+    const int vrow = row0 + t * RPW + (idx < R ? idx : 0) * RG;
+    v[t] = idx < R && vrow < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + vrow) : 0.0f;
+  }
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
   if (slot < 0) {  // padding: zero output, state untouched
-    if (lane % G == 0) zero_output_rows<R>(p.out, p.V, o_off, row0, RG);
+    if (lane % G == 0)
+#pragma unroll
+      for (int t = 0; t < TPW; ++t) zero_output_rows<R>(p.out, p.V, o_off, row0 + t * RPW, RG);
     return;
   }
   if (p.check_indices && slot >= p.state.num_slots) trap_bad_slot("recurrent", n, slot, p.state.num_slots);
@@ -245,6 +265,22 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+    }
+  }
+  // Tiles 1..TPW-1 into this warp's shared memory, word [(t-1)][r][c][lane] (one group per tile).
+  extern __shared__ uint4 decode_smem[];
+  uint4* mine = decode_smem + (threadIdx.x >> 5) * ((TPW - 1) * R * kWords * 32) + lane;
+  if constexpr (TPW > 1) {
+#pragma unroll
+    for (int t = 1; t < TPW; ++t) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (row0 + t * RPW + r * RG < p.V)
+#pragma unroll
+          for (int cw = 0; cw < kWords; ++cw)
+            cp_async16(mine + (((t - 1) * R + r) * kWords + cw) * 32,
+                       reinterpret_cast<const uint4*>(st + (t * RPW + r * RG) * K) + cw);
+      cp_async_commit();
     }
   }
 
@@ -268,25 +304,72 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   }
   const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
 
-  // The delta-rule step: decay and dots, one transposed reduction of all 2R dots, u_r by the lane
-  // holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
-  float u_here;  // meaningful on the sk lanes
-  const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, v, beta, lane, u_here, [&](int r) {
-    if (row0 + r * RG < p.V) store_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
-  });
-  store_output_rows<G, R>(p.out, o_off, p.V, row0, RG, lane, red, u_here, kq);
+  // The delta-rule step per tile: decay and dots, one transposed reduction of all 2R dots, u_r by
+  // the lane holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
+#pragma unroll
+  for (int t = 0; t < TPW; ++t) {
+    const int rowt = row0 + t * RPW;
+    if (t > 0) {
+      if (rowt - lane / G >= p.V) break;  // past the head's last row (warp-uniform)
+      if (t == 1) cp_async_wait<TPW - 2 >= 0 ? TPW - 2 : 0>();
+      else if (t == 2) cp_async_wait<TPW - 3 >= 0 ? TPW - 3 : 0>();
+      else cp_async_wait<0>();
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int cw = 0; cw < kWords; ++cw) {
+          const uint4 u = mine[(((t - 1) * R + r) * kWords + cw) * 32];
+          const StateT* e = reinterpret_cast<const StateT*>(&u);
+          constexpr int kPer16 = 16 / static_cast<int>(sizeof(StateT));
+#pragma unroll
+          for (int i = 0; i < kPer16; ++i) S[r][cw * kPer16 + i] = rowt + r * RG < p.V ? to_float(e[i]) : 0.0f;
+        }
+      }
+    }
+    StateT* stt = st + t * RPW * K;
+    float u_here;  // meaningful on the sk lanes
+    const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, v[t], beta, lane, u_here, [&](int r) {
+      if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
+    });
+    store_output_rows<G, R>(p.out, o_off, p.V, rowt, RG, lane, red, u_here, kq);
+  }
+}
+
+// Tiles per warp of the decode kernel: 1 below kDecodeTwoTileHeads (sequence, head) pairs (small
+// batches want every tile on its own warp), else 2. DELTASTATE_CUDA_DECODE_TPW=1|2|4 forces it.
+constexpr int64_t kDecodeTwoTileHeads = 256;
+int forced_decode_tpw() {
+  static const int forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_DECODE_TPW");
+    const int v = e ? std::atoi(e) : 0;
+    return v == 1 || v == 2 || v == 4 ? v : 0;
+  }();
+  return forced;
+}
+
+template <class StateT, int K, class In, int TPW>
+void launch_decode_tpw(const RecurrentProblem& p, cudaStream_t stream) {
+  using Lay = RowLayout<StateT, K>;
+  const int rows_per_warp = Lay::RG * Lay::ROWS;
+  const int tiles = (p.V + rows_per_warp - 1) / rows_per_warp;
+  const int wph = (tiles + TPW - 1) / TPW;
+  const int64_t warps = p.num_heads_total() * wph;
+  if (warps > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  if (warps == 0) return;
+  constexpr int smem = 2 * decode_smem_bytes<StateT, K, TPW>();
+  recurrent_decode_kernel<StateT, K, In, TPW><<<static_cast<unsigned>((warps + 1) / 2), 64, smem, stream>>>(p, wph);
+  DS_CUDA_CHECK(cudaGetLastError());
 }
 
 template <class StateT, int K, class In>
 void launch_decode(const RecurrentProblem& p, cudaStream_t stream) {
-  using Lay = RowLayout<StateT, K>;
-  const int rows_per_warp = Lay::RG * Lay::ROWS;
-  const int wph = (p.V + rows_per_warp - 1) / rows_per_warp;
-  const int64_t warps = p.num_heads_total() * wph;
-  if (warps > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
-  if (warps == 0) return;
-  recurrent_decode_kernel<StateT, K, In><<<static_cast<unsigned>((warps + 1) / 2), 64, 0, stream>>>(p, wph);
-  DS_CUDA_CHECK(cudaGetLastError());
+  int tpw = forced_decode_tpw();
+  if (tpw == 0) tpw = p.num_heads_total() >= kDecodeTwoTileHeads ? 2 : 1;
+  if (tpw == 1) return launch_decode_tpw<StateT, K, In, 1>(p, stream);
+#if DELTASTATE_CUDA_ALL_KERNELS
+  if (tpw == 4) return launch_decode_tpw<StateT, K, In, 4>(p, stream);
+#endif
+  launch_decode_tpw<StateT, K, In, 2>(p, stream);
 }
 
 // ---- streaming kernel: state tiles through shared memory with bulk copies ----------------------
