@@ -64,7 +64,7 @@ for phase in "${phases[@]}"; do
           --gtest_filter='*Packed*:*4096*:*Graph*'
       done
       # the decode kernel with 2 and 4 tiles per warp forced (the default picks 2 only for
-      # >= 256 (sequence, head) pairs, which the suite's cases mostly are not)
+      # grids of more than one wave, which the suite's cases are not)
       for tpw in 2 4; do
         DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=$tpw run test \
           "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 --gtest_filter='*Packed*:*4096*:*Graph*'

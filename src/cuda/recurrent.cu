@@ -335,9 +335,14 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   }
 }
 
-// Tiles per warp of the decode kernel: 1 below kDecodeTwoTileHeads (sequence, head) pairs (small
-// batches want every tile on its own warp), else 2. DELTASTATE_CUDA_DECODE_TPW=1|2|4 forces it.
-constexpr int64_t kDecodeTwoTileHeads = 256;
+// Tiles per warp of the decode kernel. With w1 warps at one tile per warp and a resident
+// capacity of 24 warps per SM (80 registers, 64-thread CTAs): 2 where that halves a partial
+// second wave (capacity < w1 <= 2x capacity, e.g. B=8 at HV=32, V=K=128: 12.1 vs 12.4 us GDN,
+// 12.5 vs 13.6 KDA fp32, 8.7 vs 10.2 GDN bf16) and from 8 waves up (fp32 B=256: 277.9 vs 284.9
+// us), else 1 (fp32 B=16-32 and B <= 2 measured slower with 2; 4 tiles spill and measured
+// slower everywhere). Fifth session, run 2 (docs/PERFORMANCE.md). DELTASTATE_CUDA_DECODE_TPW=
+// 1|2|4 forces it.
+constexpr int kDecodeWarpsPerSm = 24;
 int forced_decode_tpw() {
   static const int forced = [] {
     const char* e = std::getenv("DELTASTATE_CUDA_DECODE_TPW");
@@ -345,6 +350,13 @@ int forced_decode_tpw() {
     return v == 1 || v == 2 || v == 4 ? v : 0;
   }();
   return forced;
+}
+int decode_tiles_per_warp(const RecurrentProblem& p, int tiles_per_head) {
+  const int forced = forced_decode_tpw();
+  if (forced) return forced;
+  const int64_t w1 = p.num_heads_total() * tiles_per_head;
+  const int64_t cap = static_cast<int64_t>(kDecodeWarpsPerSm) * num_sms(p.device.index);
+  return (w1 > cap && w1 <= 2 * cap) || w1 >= 8 * cap ? 2 : 1;
 }
 
 template <class StateT, int K, class In, int TPW>
@@ -363,8 +375,8 @@ void launch_decode_tpw(const RecurrentProblem& p, cudaStream_t stream) {
 
 template <class StateT, int K, class In>
 void launch_decode(const RecurrentProblem& p, cudaStream_t stream) {
-  int tpw = forced_decode_tpw();
-  if (tpw == 0) tpw = p.num_heads_total() >= kDecodeTwoTileHeads ? 2 : 1;
+  using Lay = RowLayout<StateT, K>;
+  const int tpw = decode_tiles_per_warp(p, (p.V + Lay::RG * Lay::ROWS - 1) / (Lay::RG * Lay::ROWS));
   if (tpw == 1) return launch_decode_tpw<StateT, K, In, 1>(p, stream);
 #if DELTASTATE_CUDA_ALL_KERNELS
   if (tpw == 4) return launch_decode_tpw<StateT, K, In, 4>(p, stream);
@@ -721,7 +733,9 @@ bool inputs_are(const RecurrentProblem& p, DType t) {
 
 // Decode kernels: which one runs a decode-shaped problem (decode_shaped). By default the
 // register decode kernel, and the streaming kernel for 16-bit states from kStreamMinHeads
-// (sequence, head) pairs up, where it was measured faster (docs/PERFORMANCE.md).
+// (sequence, head) pairs up, where it was measured faster (docs/PERFORMANCE.md; at 256 pairs,
+// B=8, the decode kernel with 2 tiles per warp measured 8.7 vs 11.1 us GDN bf16, 10.9 vs 11.2
+// KDA; at 512 the streaming kernel wins for KDA, 17.1 vs 19.7).
 // DELTASTATE_CUDA_DECODE=direct|decode|stream forces one (benchmarks compare them).
 enum class DecodeChoice { automatic, direct, decode, stream };
 DecodeChoice forced_decode_kernel() {
@@ -735,7 +749,7 @@ DecodeChoice forced_decode_kernel() {
   }();
   return forced;
 }
-constexpr int64_t kStreamMinHeads = 256;
+constexpr int64_t kStreamMinHeads = 512;
 
 // One token per sequence (T = 1, no cu_seqlens) in place on the pool (no dense final-state
 // copy), 16-byte aligned rows, K = 64 or 128.
