@@ -4,7 +4,8 @@
 #
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
-#                                      also build-lib, bench-direct, bench-tpw, profile,
+#                                      also build-lib, bench-direct, bench-tpw,
+#                                      bench-replay-bpc1, profile,
 #                                      profile-replay, profile-source
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
@@ -69,6 +70,9 @@ for phase in "${phases[@]}"; do
         DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=$tpw run test \
           "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 --gtest_filter='*Packed*:*4096*:*Graph*'
       done
+      # ReplaySSM with one row block per CTA forced (the default takes two where it can)
+      DELTASTATE_CUDA_REPLAY_BPC=1 run test "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
+        --gtest_filter='*GpuReplay*'
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
@@ -84,6 +88,11 @@ for phase in "${phases[@]}"; do
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*:*B3*:*k64_*'
       DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*'
+      # ReplaySSM with two row blocks per CTA (V=200: a partial block; Qwen3-Next: whole heads)
+      run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*GpuReplay*v200*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
+      run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
+        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*GpuReplay*v200*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
       # the decode kernel's shared-memory tiles (4 per warp: every cp.async wait depth)
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=4 run sanitize compute-sanitizer \
         --tool memcheck --error-exitcode 3 "$BUILD/tests/deltastate_gpu_tests" \
@@ -111,6 +120,10 @@ for phase in "${phases[@]}"; do
       ;;
     bench-replay)
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}
+      ;;
+    bench-replay-bpc1)  # ReplaySSM with one row block per CTA forced (the kernel-choice threshold)
+      DELTASTATE_CUDA_REPLAY_BPC=1 run bench-replay python3 bench/bench_replayssm.py \
+        --json "$OUT/replayssm-bpc1.json" ${REPLAY_ARGS:-}
       ;;
     profile)
       # Nsight Compute on one warm launch of our decode kernel (whichever dispatch picks; force one

@@ -30,6 +30,7 @@
 // cursor), adds 1 << 16 to write_pos[n]; the low 16 bits stay the cursor and the high bits count
 // the CTAs that have read it. The CTA that sees itself last stores the new cursor. No extra launch
 // or scratch buffer.
+#include <cstdlib>
 #include <type_traits>
 
 #include "api/backend.h"
@@ -54,10 +55,13 @@ struct Staged {
 // [KT floats each]: k (normalized), q (normalized, scaled), alpha, its log decay g; its scalars k.q
 // and beta. The ring: decay e = exp(Gtot) [KT]; per record ck, cq, w [L]; the staged records g
 // [L][gw] fp32, k [L][KT], d [L][d_pitch] (the CTA's rows; the pitch padded by 16 bytes so that
-// lanes reading consecutive records hit different banks); kw [L][KT] fp32 (flush only).
+// lanes reading consecutive records hit different banks); kw [L][KT] fp32 (flush only); with
+// BPC > 1 row blocks per CTA, the later blocks' checkpoint rows, each thread's own 16-byte words
+// (word [(b-1)][r][c] of thread i at ((b-1)*R + r)*words + c)*threads + i).
 struct SmemLayout {
-  int bar, kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, d_pitch, bytes;
-  __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta) {
+  int bar, kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, ckpt, d_pitch, bytes;
+  __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta,
+                                 int ckpt_bytes) {
     auto up16 = [](int x) { return (x + 15) & ~15; };
     d_pitch = up16(rows_cta * d_size) + 16;
     bar = 0;  // the mbarrier of the vector path's bulk copies
@@ -74,14 +78,17 @@ struct SmemLayout {
     k = g + up16(L * gw * 4);
     d = k + up16(L * KT * k_size);
     kw = d + L * d_pitch;
-    bytes = kw + L * KT * 4;
+    ckpt = kw + L * KT * 4;
+    bytes = ckpt + ckpt_bytes;
   }
 };
+// rows_cta: the CTA's rows (all its row blocks); ckpt_bytes: the checkpoint rows of its row
+// blocks after the first, staged per thread.
 template <class StateT, int KT, bool VEC, class In>
-__host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_cta) {
+__host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_cta, int ckpt_bytes) {
   using S = Staged<StateT, VEC, In>;
   return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, sizeof(typename S::K), sizeof(typename S::D),
-                    rows_cta);
+                    rows_cta, ckpt_bytes);
 }
 
 // The generic path's staging: `rows` rows of `cols` elements (source pitch src_pitch elements),
@@ -163,7 +170,7 @@ __device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
   return to_float(reinterpret_cast<const T*>(base)[i]);
 }
 
-template <class StateT, int KT, bool VEC, class In>
+template <class StateT, int KT, bool VEC, class In, int BPC>
 __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
@@ -172,6 +179,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   using KS = typename Staged<StateT, VEC, In>::K;
   using DS = typename Staged<StateT, VEC, In>::D;
   static_assert((RPW * sizeof(DS)) % 16 == 0, "a warp's d values of one record: whole 16-byte words");
+  static_assert(BPC == 1 || VEC, "several row blocks per CTA: vector path only");
+  constexpr int kWords = EPL * static_cast<int>(sizeof(StateT)) / 16;  // per lane and row (VEC)
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int n = static_cast<int>(blockIdx.x);  // the grid is (B, HV, V-blocks): no divisions
@@ -187,15 +196,16 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int gw = kda ? K : 1;
   const int kofs = (lane % G) * EPL;
   const int valid = VEC ? EPL : max(0, min(EPL, K - kofs));
-  const int rows_cta = nwarps * RPW;
-  const int row_base = blockIdx.z * rows_cta;
-  const int rows_here = min(rows_cta, V - row_base);
+  const int rows_blk = nwarps * RPW;    // rows of one row block
+  const int row_base = blockIdx.z * BPC * rows_blk;
+  const int rows_here = min(BPC * rows_blk, V - row_base);  // the CTA's rows (all its blocks)
   const int wrow = warp * RPW;                 // the warp's first local row
   const int local0 = wrow + lane / G;          // this lane's local row 0 (rows local0 + r*RG)
   const int row0 = row_base + local0;
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
-  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_cta);
+  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(
+      p, BPC * rows_blk, (BPC - 1) * static_cast<int>(blockDim.x) * R * kWords * 16);
   const float* s_kn = reinterpret_cast<const float*>(smem + sm.kn);
   const float* s_qn = reinterpret_cast<const float*>(smem + sm.qn);
   const float* s_alpha = reinterpret_cast<const float*>(smem + sm.alpha);
@@ -212,9 +222,12 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   // Loads that do not depend on the slot, issued first: v of the row whose sk this lane will
   // hold; the two token warps also the token's q, k, gate and beta inputs and the head's gate
   // constants.
-  const int vrow = row0 + (idx < R ? idx : 0) * RG;
-  const float v = idx < R && vrow < V
-                      ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
+  float v[BPC];  // of each block
+#pragma unroll
+  for (int b = 0; b < BPC; ++b) {
+    const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
+    v[b] = idx < R && vrow < V ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
+  }
   TokenHeadInputs<EPL> x;
   GateConsts<EPL> gc;
   const int gate_warp = nwarps > 1 ? 1 : 0;
@@ -226,7 +239,10 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int64_t slot = p.indices[n];
   const int cursor = __ldcg(p.write_pos + n);
   if (slot < 0) {  // padded: zero output, no state, ring or cursor access
-    if (lane % G == 0) zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0, RG);
+    if (lane % G == 0)
+#pragma unroll
+      for (int b = 0; b < BPC; ++b)
+        zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0 + b * rows_blk, RG);
     return;
   }
   if (p.check_indices && slot >= p.state.num_slots)
@@ -294,6 +310,22 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
+  // The later blocks' rows: each thread copies its own words into shared memory (no barrier).
+  uint4* ckpt_mine = reinterpret_cast<uint4*>(smem + sm.ckpt) + threadIdx.x;
+  if constexpr (BPC > 1) {
+#pragma unroll
+    for (int b = 1; b < BPC; ++b)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = row0 + b * rows_blk + r * RG;
+        if (row < V)
+#pragma unroll
+          for (int c = 0; c < kWords; ++c)
+            cp_async16(ckpt_mine + (((b - 1) * R + r) * kWords + c) * blockDim.x,
+                       reinterpret_cast<const uint4*>(s0 + static_cast<int64_t>(row) * K + kofs) + c);
+      }
+    cp_async_commit();
+  }
   if constexpr (!VEC) {
     if (m > 0) {
       stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
@@ -304,7 +336,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
     }
   }
   if (!kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
-  if constexpr (VEC) cp_async_wait<0>();  // warp 0's cp.async of GDN's g records
+  if constexpr (VEC) cp_async_wait<BPC - 1>();  // warp 0's cp.async of GDN's g records
   __syncthreads();  // the token and the records staged; every thread has read the cursor
   if (VEC && m > 0) mbar_wait(bar, 0);  // thread 0's bulk copies
 
@@ -396,99 +428,122 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int64_t o_off = head_offset(p.out, n, 0, hv);
   // A record's d values of the warp's rows (RPW consecutive values, whole 16-byte words):
   // this lane's R rows, zero past the block's last row.
-  auto record_d = [&](int j, float (&dj)[R]) {
-    constexpr int kWords = static_cast<int>(RPW * sizeof(DS) / 16);
-    uint4 raw[kWords];
-    const uint4* src = reinterpret_cast<const uint4*>(smem + sm.d + j * sm.d_pitch + wrow * sizeof(DS));
+  auto record_d = [&](int j, int b, float (&dj)[R]) {
+    constexpr int kDWords = static_cast<int>(RPW * sizeof(DS) / 16);
+    uint4 raw[kDWords];
+    const uint4* src = reinterpret_cast<const uint4*>(smem + sm.d + j * sm.d_pitch +
+                                                      (b * rows_blk + wrow) * sizeof(DS));
 #pragma unroll
-    for (int c = 0; c < kWords; ++c) raw[c] = src[c];
+    for (int c = 0; c < kDWords; ++c) raw[c] = src[c];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float d = 0.0f;
 #pragma unroll
       for (int t = 0; t < RG; ++t)
         if (lane / G == t) d = element_of<DS>(raw, t + r * RG);
-      dj[r] = local0 + r * RG < rows_here ? d : 0.0f;
+      dj[r] = b * rows_blk + local0 + r * RG < rows_here ? d : 0.0f;
     }
   };
 
-  if (flush) {
-    // 3f. Rebuild the state, S = e*S0 + sum_j d_j w_j kw_j, then the plain delta-rule step on it
-    //     (as plain decode): decay, dots, u, output, S0 <- alpha*S + u*k.
-    if (m > 0) {
-      float e[EPL];
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) e[i] = i < valid ? s_e[kofs + i] : 1.0f;
+  for (int b = 0; b < BPC; ++b) {
+    const int rowb = row0 + b * rows_blk;  // this lane's row 0 in block b
+    if (b > 0) {  // block b's checkpoint rows from this thread's words in shared memory
+      if (row_base + b * rows_blk >= V) break;  // past the head's last row (CTA-uniform)
+      cp_async_wait<0>();
 #pragma unroll
-      for (int r = 0; r < R; ++r) detail::scale_row(S[r], e, std::integral_constant<int, EPL>{});
-      for (int j = 0; j < m; ++j) {
-        float kw[EPL], dj[R];
+      for (int r = 0; r < R; ++r) {
 #pragma unroll
-        for (int i = 0; i < EPL; ++i) kw[i] = i < valid ? s_kw[j * KT + kofs + i] : 0.0f;
-        record_d(j, dj);
-        const float wj = s_w[j];
+        for (int c = 0; c < kWords; ++c) {
+          const uint4 u = ckpt_mine[(((b - 1) * R + r) * kWords + c) * blockDim.x];
+          const StateT* e = reinterpret_cast<const StateT*>(&u);
+          constexpr int kPer16 = 16 / static_cast<int>(sizeof(StateT));
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-          detail::rank1_update(S[r], kw, std::integral_constant<int, EPL>{}, dj[r] * wj);
+          for (int i = 0; i < kPer16; ++i)
+            S[r][c * kPer16 + i] = rowb + r * RG < V ? to_float(e[i]) : 0.0f;
+        }
       }
     }
-    float alpha[EPL], kn[EPL], qn[EPL];
+    if (flush) {
+      // 3f. Rebuild the state, S = e*S0 + sum_j d_j w_j kw_j, then the plain delta-rule step on
+      //     it (as plain decode): decay, dots, u, output, S0 <- alpha*S + u*k.
+      if (m > 0) {
+        float e[EPL];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      alpha[i] = i < valid ? s_alpha[kofs + i] : 1.0f;
-      kn[i] = i < valid ? s_kn[kofs + i] : 0.0f;
-      qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
-    }
-    float u_here;  // meaningful on the lanes holding sk
-    const float red = delta_step_rows<G, R>(S, alpha, kn, qn, v, beta, lane, u_here, [&](int r) {
-      const int row = row0 + r * RG;
-      if (row < V) store_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
-    });
-    store_output_rows<G, R>(p.out, o_off, V, row0, RG, lane, red, u_here, kq);
-    return;
-  }
-
-  // 3a. An appending step: sk, sq per row from S0 dotted with e*alpha*k and e*alpha*q over the
-  //     lane's slice plus the ring terms of the lane's records (lane l of a row group: records
-  //     l, l + G, ...), one transposed reduction; then the output and the record (d by the lanes
-  //     holding sk; k and g by warp 0 of the head's first row block).
-  float dots[2 * R];
-  {
-    float ek[EPL], eq[EPL];
+        for (int i = 0; i < EPL; ++i) e[i] = i < valid ? s_e[kofs + i] : 1.0f;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float e = m > 0 && i < valid ? s_e[kofs + i] : 1.0f;
-      ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
-      eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
-    }
+        for (int r = 0; r < R; ++r) detail::scale_row(S[r], e, std::integral_constant<int, EPL>{});
+        for (int j = 0; j < m; ++j) {
+          float kw[EPL], dj[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float sk = 0.0f, sq = 0.0f;
+          for (int i = 0; i < EPL; ++i) kw[i] = i < valid ? s_kw[j * KT + kofs + i] : 0.0f;
+          record_d(j, b, dj);
+          const float wj = s_w[j];
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            detail::rank1_update(S[r], kw, std::integral_constant<int, EPL>{}, dj[r] * wj);
+        }
+      }
+      float alpha[EPL], kn[EPL], qn[EPL];
 #pragma unroll
       for (int i = 0; i < EPL; ++i) {
-        sk += S[r][i] * ek[i];
-        sq += S[r][i] * eq[i];
+        alpha[i] = i < valid ? s_alpha[kofs + i] : 1.0f;
+        kn[i] = i < valid ? s_kn[kofs + i] : 0.0f;
+        qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
       }
-      dots[r] = sk;
-      dots[R + r] = sq;
+      float u_here;  // meaningful on the lanes holding sk
+      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, v[b], beta, lane, u_here, [&](int r) {
+        const int row = rowb + r * RG;
+        if (row < V) store_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
+      });
+      store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
+      continue;
     }
-  }
-  for (int j = lane % G; j < m; j += G) {
-    const float ckj = s_ck[j], cqj = s_cq[j];
-    float dj[R];
-    record_d(j, dj);
+
+    // 3a. An appending step: sk, sq per row from S0 dotted with e*alpha*k and e*alpha*q over the
+    //     lane's slice plus the ring terms of the lane's records (lane l of a row group: records
+    //     l, l + G, ...), one transposed reduction; then the output and the record's d (by the
+    //     lanes holding sk).
+    float dots[2 * R];
+    {
+      float ek[EPL], eq[EPL];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      dots[r] += dj[r] * ckj;
-      dots[R + r] += dj[r] * cqj;
+      for (int i = 0; i < EPL; ++i) {
+        const float e = m > 0 && i < valid ? s_e[kofs + i] : 1.0f;
+        ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
+        eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+          sk += S[r][i] * ek[i];
+          sq += S[r][i] * eq[i];
+        }
+        dots[r] = sk;
+        dots[R + r] = sq;
+      }
     }
+    for (int j = lane % G; j < m; j += G) {
+      const float ckj = s_ck[j], cqj = s_cq[j];
+      float dj[R];
+      record_d(j, b, dj);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        dots[r] += dj[r] * ckj;
+        dots[R + r] += dj[r] * cqj;
+      }
+    }
+    const float red = transpose_reduce<G, 2 * R>(dots, lane);
+    const float u_here = detail::delta_u(v[b], red, beta);  // meaningful on the lanes holding sk
+    store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
+    const int vrow = rowb + idx * RG;
+    if (idx < R && first_copy && vrow < V)
+      detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
   }
-  const float red = transpose_reduce<G, 2 * R>(dots, lane);
-  const float u_here = detail::delta_u(v, red, beta);  // meaningful on the lanes holding sk
-  store_output_rows<G, R>(p.out, o_off, V, row0, RG, lane, red, u_here, kq);
-  if (idx < R && first_copy && vrow < V)
-    detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
-  if (blockIdx.z == 0 && warp == 0 && lane < G) {  // one writer of this head's g and k
+  // The appended record's k and g: one writer per head.
+  if (!flush && blockIdx.z == 0 && warp == 0 && lane < G) {
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       if (i < valid) {
@@ -500,6 +555,45 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
     }
     if (!kda && lane == 0) g_ring[m] = s_gcur[0];
   }
+}
+
+// Row blocks per CTA: 2 (the vector path, at least two blocks per head, the layout fits in
+// shared memory) from kReplayTwoBlockCtas one-block CTAs up, else 1.
+// DELTASTATE_CUDA_REPLAY_BPC=1|2 forces it (where possible).
+constexpr int64_t kReplayTwoBlockCtas = 0;
+int forced_replay_bpc() {
+  static const int forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_REPLAY_BPC");
+    const int v = e ? std::atoi(e) : 0;
+    return v == 1 || v == 2 ? v : 0;
+  }();
+  return forced;
+}
+int max_smem_optin(int device) {
+  static PerDeviceOnce once;
+  return once.get(device, [device] {
+    int max = 0;
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return max;
+  });
+}
+
+template <class StateT, int KT, bool VEC, class In, int BPC>
+void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int vblocks,
+                   const SmemLayout& sm) {
+  if (sm.bytes > 48 * 1024) {  // opt in once per device (and instantiation) to the maximum
+    static PerDeviceOnce opted;
+    opted.get(p.device.index, [&p] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_kernel<StateT, KT, VEC, In, BPC>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         max_smem_optin(p.device.index)));
+      return 1;
+    });
+  }
+  dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
+            static_cast<unsigned>((vblocks + BPC - 1) / BPC));
+  replay_kernel<StateT, KT, VEC, In, BPC><<<grid, warps * 32, sm.bytes, stream>>>(p);
+  DS_CUDA_CHECK(cudaGetLastError());
 }
 
 // Warps per CTA: 8 (the ring work and the token shared by 8 warps' rows), fewer only when V has
@@ -521,24 +615,24 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
     throw Error(ErrorKind::not_implemented,
                 "replayssm_decode: HV * V-blocks must stay below 2^15 for the in-kernel cursor "
                 "advance");
-  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, warps * rows_per_warp);
-  if (sm.bytes > 48 * 1024) {  // opt in once per device (and instantiation) to the maximum
-    static PerDeviceOnce opted;
-    const int max_optin = opted.get(p.device.index, [&p] {
-      int max = 0;
-      DS_CUDA_CHECK(cudaDeviceGetAttribute(&max, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index));
-      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_kernel<StateT, KT, VEC, In>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, max));
-      return max;
-    });
-    if (sm.bytes > max_optin)
-      throw Error(ErrorKind::not_implemented,
-                  "replayssm_decode: ring length L=" + std::to_string(p.L) +
-                      " needs more shared memory than this GPU offers");
+  const int rows_blk = warps * rows_per_warp;
+  const int max_smem = max_smem_optin(p.device.index);
+  if constexpr (VEC) {
+    const int forced = forced_replay_bpc();
+    const bool two = forced ? forced == 2
+                            : static_cast<int64_t>(p.B) * p.HV * vblocks >= kReplayTwoBlockCtas;
+    if (two && vblocks >= 2) {
+      const int ckpt_bytes = rows_blk * KT * static_cast<int>(sizeof(StateT));  // one block
+      const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, 2 * rows_blk, ckpt_bytes);
+      if (sm2.bytes <= max_smem) return launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
+    }
   }
-  dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV), static_cast<unsigned>(vblocks));
-  replay_kernel<StateT, KT, VEC, In><<<grid, warps * 32, sm.bytes, stream>>>(p);
-  DS_CUDA_CHECK(cudaGetLastError());
+  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 0);
+  if (sm.bytes > max_smem)
+    throw Error(ErrorKind::not_implemented,
+                "replayssm_decode: ring length L=" + std::to_string(p.L) +
+                    " needs more shared memory than this GPU offers");
+  launch_blocks<StateT, KT, VEC, In, 1>(p, stream, warps, vblocks, sm);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS
