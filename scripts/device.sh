@@ -70,9 +70,11 @@ for phase in "${phases[@]}"; do
         DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=$tpw run test \
           "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 --gtest_filter='*Packed*:*4096*:*Graph*'
       done
-      # ReplaySSM with one row block per CTA forced (the default takes two where it can)
-      DELTASTATE_CUDA_REPLAY_BPC=1 run test "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
-        --gtest_filter='*GpuReplay*'
+      # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size)
+      for bpc in 1 2; do
+        DELTASTATE_CUDA_REPLAY_BPC=$bpc run test "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
+          --gtest_filter='*GpuReplay*'
+      done
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
@@ -89,9 +91,9 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*'
       # ReplaySSM with two row blocks per CTA (V=200: a partial block; Qwen3-Next: whole heads)
-      run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
+      DELTASTATE_CUDA_REPLAY_BPC=2 run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*GpuReplay*v200*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
-      run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
+      DELTASTATE_CUDA_REPLAY_BPC=2 run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*GpuReplay*v200*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
       # the decode kernel's shared-memory tiles (4 per warp: every cp.async wait depth)
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=4 run sanitize compute-sanitizer \

@@ -557,10 +557,13 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   }
 }
 
-// Row blocks per CTA: 2 (the vector path, at least two blocks per head, the layout fits in
-// shared memory) from kReplayTwoBlockCtas one-block CTAs up, else 1.
+// Row blocks per CTA: 2 on the vector path where the head has two or more blocks, the layout
+// fits in shared memory and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1.
+// Fifth session, run 3 (docs/PERFORMANCE.md): two blocks measured 17-21% faster for fp32
+// checkpoints and 26-32% for bf16 from B=8 up (GDN fp32 L=16 B=256: 211.2 vs 260.6 us), and
+// 25-39% slower at B=1 (64 CTAs: 8.17 vs 5.94 us), where the grid is below one CTA per SM.
 // DELTASTATE_CUDA_REPLAY_BPC=1|2 forces it (where possible).
-constexpr int64_t kReplayTwoBlockCtas = 0;
+constexpr int64_t kReplayTwoBlockWaves = 2;
 int forced_replay_bpc() {
   static const int forced = [] {
     const char* e = std::getenv("DELTASTATE_CUDA_REPLAY_BPC");
@@ -620,7 +623,8 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
   if constexpr (VEC) {
     const int forced = forced_replay_bpc();
     const bool two = forced ? forced == 2
-                            : static_cast<int64_t>(p.B) * p.HV * vblocks >= kReplayTwoBlockCtas;
+                            : static_cast<int64_t>(p.B) * p.HV * vblocks >=
+                                  kReplayTwoBlockWaves * num_sms(p.device.index);
     if (two && vblocks >= 2) {
       const int ckpt_bytes = rows_blk * KT * static_cast<int>(sizeof(StateT));  // one block
       const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, 2 * rows_blk, ckpt_bytes);
