@@ -9,13 +9,22 @@ namespace deltastate::cuda_backend {
 
 bool built() { return true; }
 
-int num_sms(int device) {
-  static PerDeviceOnce sms;
-  return sms.get(device, [device] {
+namespace {
+// A device attribute, queried once per device (one atomic load afterwards).
+template <cudaDeviceAttr A>
+int cached_attribute(int device) {
+  static PerDeviceOnce value;
+  return value.get(device, [device] {
     int n = 0;
-    DS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&n, A, device));
     return n;
   });
+}
+}  // namespace
+
+int num_sms(int device) { return cached_attribute<cudaDevAttrMultiProcessorCount>(device); }
+int max_smem_optin(int device) {
+  return cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device);
 }
 
 void* device_alloc(size_t bytes, int device) {

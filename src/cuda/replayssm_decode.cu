@@ -572,14 +572,6 @@ int forced_replay_bpc() {
   }();
   return forced;
 }
-int max_smem_optin(int device) {
-  static PerDeviceOnce once;
-  return once.get(device, [device] {
-    int max = 0;
-    DS_CUDA_CHECK(cudaDeviceGetAttribute(&max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    return max;
-  });
-}
 
 template <class StateT, int KT, bool VEC, class In, int BPC>
 void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int vblocks,
