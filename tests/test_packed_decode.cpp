@@ -66,18 +66,11 @@ void checked_packed_step(DecodeBatch& batch, const TensorView& state, MemRange p
   EXPECT_TRUE(inputs_before.unchanged()) << "inputs";
 }
 
-struct PackedCase {
-  const char* name;
-  Shape shape;
-  bool kda;
-  std::optional<double> lower_bound;
-  DType state, act;
+struct PackedCase : OpCase {
   int64_t slot_pad = 0, lead = 0;  // a strided (envelope-like) pool view
   int64_t row_pad = 0;             // mixed_qkv / a / b row strides beyond their widths
   DType index = DType::i32;
 };
-
-std::string case_name(const ::testing::TestParamInfo<PackedCase>& info) { return info.param.name; }
 
 class PackedDecodeVsReference : public ::testing::TestWithParam<PackedCase> {};
 
@@ -123,7 +116,7 @@ INSTANTIATE_TEST_SUITE_P(
         PackedCase{"gdn_KltV_bf16state_f32act", kKltV, false, kNoLb, bf16, f32},
         PackedCase{"kda_KgtV_bf16state_bf16act_lb", kKgtV, true, kLb, bf16, bf16},
         PackedCase{"kda_KltV_f32state_f32act_envelope", kKltV, true, kNoLb, f32, f32, 100, 7, 1, DType::i64}),
-    case_name);
+    case_name<PackedCase>);
 
 // Every op accepts a StatePool envelope layer view (slot stride = the whole entry, far larger than
 // HV*V*K): the other layers, the envelope's extra bytes and the unused slots stay bit-untouched.

@@ -140,8 +140,6 @@ TEST_P(RecurrentVsReference, Run) {
   }
 }
 
-std::string case_name(const ::testing::TestParamInfo<RecurrentCase>& info) { return info.param.name; }
-
 INSTANTIATE_TEST_SUITE_P(
     Ops, RecurrentVsReference,
     ::testing::Values(
@@ -193,7 +191,7 @@ INSTANTIATE_TEST_SUITE_P(
                       {0, 3}, false, true, 1000, 24, 0.15},
         RecurrentCase{"kda_odd_batched_T1_decode_bf16state", recurrent_spec(kOdd, true, bf16, 5, 1),
                       StateMode::pool, bf16, {4}, true}),
-    case_name);
+    case_name<RecurrentCase>);
 
 // recurrent_gdn / recurrent_kda on a StatePool envelope layer (slot stride = the entry) keep the
 // other layers, the extra bytes and the unused slots bit-untouched.

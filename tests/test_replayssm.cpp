@@ -167,7 +167,7 @@ INSTANTIATE_TEST_SUITE_P(
         // compares with this backend)
         ReplayCase{"gdn_odd_L40_f32_bf16act", kOdd, false, kNoLb, f32, bf16, 40, 44},
         ReplayCase{"kda_KltV_L40_f32_lb", kKltV, true, kLb, f32, f32, 40, 44}),
-    replay_name);
+    case_name<ReplayCase>);
 
 // ---- ReplaySSM == plain packed decode over 40 steps --------------------------------------------
 struct EquivCase {
@@ -271,8 +271,6 @@ TEST_P(ReplayMatchesPackedDecode, FortySteps) {
   }
 }
 
-std::string equiv_name(const ::testing::TestParamInfo<EquivCase>& info) { return info.param.name; }
-
 constexpr Shape kMid{"mid", 2, 4, 64, 64};
 
 INSTANTIATE_TEST_SUITE_P(
@@ -295,7 +293,7 @@ INSTANTIATE_TEST_SUITE_P(
                       EquivCase{"kda_bf16_L16", kMid, true, kNoLb, bf16, 16},
                       EquivCase{"gdn_qwen_f32_L16", kQwen3Next, false, kNoLb, f32, 16},
                       EquivCase{"kda_kimi_bf16_L8", kKimi, true, kNoLb, bf16, 8}),
-    equiv_name);
+    case_name<EquivCase>);
 
 // ---- StatePool: envelope checkpoint pool, its rings and per-slot cursors ------------------------
 // The caller protocol of spec §5: gather the slots' cursors into the rows' write_pos, run the step,

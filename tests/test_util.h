@@ -190,15 +190,25 @@ inline constexpr DType f16 = DType::f16;
 inline constexpr std::optional<double> kNoLb{};      // no KDA lower bound (softplus gate)
 inline constexpr std::optional<double> kLb{-5.0};    // the bounded gate
 
-// A ReplaySSM test case (CPU against the fp64 reference, CUDA against the CPU): model or odd
-// shape, gate, checkpoint and activation dtypes, ring length, steps, and a strided (envelope-like)
-// checkpoint pool view when slot_pad / lead are set.
-struct ReplayCase {
+// What the op test cases share: a name, the model or odd shape, the gate (KDA or GDN, and the
+// KDA lower bound), the state (or checkpoint) and activation dtypes. Cases derive from it and
+// list their own fields after these six (aggregate initialization stays flat).
+struct OpCase {
   const char* name;
   Shape shape;
   bool kda;
   std::optional<double> lower_bound;
   DType state, act;
+};
+// gtest's name generator for any case table: the case's name.
+template <class Case>
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.name;
+}
+
+// A ReplaySSM test case (CPU against the fp64 reference, CUDA against the CPU): ring length,
+// steps, and a strided (envelope-like) checkpoint pool view when slot_pad / lead are set.
+struct ReplayCase : OpCase {
   int L;
   int steps = 42;
   int64_t slot_pad = 0, lead = 0;
@@ -207,9 +217,6 @@ inline void PrintTo(const ReplayCase& c, std::ostream* os) { *os << c.name; }
 // Per-row, per-step probability of a forced flush in the multi-step ReplaySSM tests: rare enough
 // for long rings that rows still fill them (L > 32: more records than a warp has lanes).
 inline double forced_flush_rate(int L) { return L > 32 ? 0.01 : L >= 16 ? 0.03 : 0.1; }
-inline std::string replay_name(const ::testing::TestParamInfo<ReplayCase>& info) {
-  return info.param.name;
-}
 
 // A StatePool of the envelope layout over shape `s`: `layers` layers per entry, `slots` entries,
 // `extra_bytes` beyond the layers in every entry.

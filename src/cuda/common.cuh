@@ -16,6 +16,8 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -50,6 +52,16 @@ class DeviceGuard {
  private:
   int previous_ = -1;
 };
+
+// A kernel-variant override from the environment (benchmarks and tests force variants): the
+// value of `name` when it is one of `allowed`, else 0 (none). Callers read it once (a static).
+inline int env_override(const char* name, std::initializer_list<int> allowed) {
+  const char* e = std::getenv(name);
+  const int v = e ? std::atoi(e) : 0;
+  for (const int a : allowed)
+    if (v == a) return v;
+  return 0;
+}
 
 // Device queries, cached per device (src/cuda/memory.cu).
 int num_sms(int device);
@@ -412,6 +424,46 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// A lane's R rows of a state tile (rows row, row + rg, ...; `row_src(r, row + r*rg)` points at
+// the lane's EPL elements of its row r), staged through shared memory by the lane alone: stage_rows_async
+// copies them with 16-byte cp.async (one group) into the lane's words dst[(r*W + c)*stride] (W
+// 16-byte words per row; stride = the lanes sharing the buffer, so consecutive lanes hit
+// consecutive words), skipping rows at or past V; load_staged_rows waits for every group of this
+// thread and converts them to floats (rows past V read as zeros). No barrier: each lane reads
+// back only what it copied. The register kernels use this to have a second tile in flight while
+// they compute the first.
+template <class StateT, int EPL, int R, class RowSrc>
+__device__ __forceinline__ void stage_rows_async(uint4* dst, unsigned stride, int row, int rg, int V,
+                                                 RowSrc row_src) {
+  constexpr int W = EPL * static_cast<int>(sizeof(StateT)) / 16;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row_r = row + r * rg;
+    if (row_r < V)
+#pragma unroll
+      for (int c = 0; c < W; ++c)
+        cp_async16(dst + (r * W + c) * stride, reinterpret_cast<const uint4*>(row_src(r, row_r)) + c);
+  }
+  cp_async_commit();
+}
+template <class StateT, int EPL, int R>
+__device__ __forceinline__ void load_staged_rows(const uint4* src, unsigned stride, int row, int rg,
+                                                 int V, float (&S)[R][EPL]) {
+  constexpr int W = EPL * static_cast<int>(sizeof(StateT)) / 16;
+  constexpr int kPer16 = 16 / static_cast<int>(sizeof(StateT));
+  cp_async_wait<0>();
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int c = 0; c < W; ++c) {
+      const uint4 u = src[(r * W + c) * stride];
+      const StateT* e = reinterpret_cast<const StateT*>(&u);
+#pragma unroll
+      for (int i = 0; i < kPer16; ++i) S[r][c * kPer16 + i] = row + r * rg < V ? to_float(e[i]) : 0.0f;
+    }
+  }
 }
 
 // Whether every state row of the pool starts on a 16-byte boundary (the vector-load kernels).

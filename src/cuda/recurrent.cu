@@ -207,23 +207,17 @@ __global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
 // needs 128 and reaches 79% of copy bandwidth where this one reaches 89%; a 64-register cap
 // spills and measured slower): no token loop, v loaded only by the lanes that compute u for a
 // row, the reduced dots reused for u and o.
-// With TPW > 1 the warp's later tiles are copied into its shared memory (16-byte cp.async, each
+// With TPW = 2 the warp's second tile is copied into its shared memory (stage_rows_async: each
 // lane its own words, so no barrier) while the first is computed from registers: the slot, the
-// token and its preparation are shared by TPW tiles, and each warp has TPW tiles of state in
-// flight from its start.
-template <class StateT, int K, int TPW>
-constexpr int decode_smem_bytes() {  // per warp: TPW - 1 tiles (RG*ROWS rows of K elements)
-  using Lay = RowLayout<StateT, K>;
-  return (TPW - 1) * Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT));
-}
-
+// token and its preparation are shared by both tiles, and each warp has two tiles of state in
+// flight from its start. (4 tiles per warp spilled and measured slower: fifth session, run 2.)
 template <class StateT, int K, class In, int TPW>
 __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const RecurrentProblem p,
                                                                    int warps_per_head) {
+  static_assert(TPW == 1 || TPW == 2, "one or two tiles per warp");
   using Lay = RowLayout<StateT, K>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;  // rows per tile
-  constexpr int kWords = EPL * static_cast<int>(sizeof(StateT)) / 16;  // 16-byte words per lane-row
   const int lane = threadIdx.x & 31;
   const int w = static_cast<int>(blockIdx.x) * 2 + static_cast<int>(threadIdx.x >> 5);
   if (w >= static_cast<int>(p.num_heads_total()) * warps_per_head) return;
@@ -267,22 +261,12 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  // Tiles 1..TPW-1 into this warp's shared memory, word [(t-1)][r][c][lane] (one group per tile).
+  // Tile 1 into this warp's shared memory (one tile: RPW rows of K elements).
   extern __shared__ uint4 decode_smem[];
-  uint4* mine = decode_smem + (threadIdx.x >> 5) * ((TPW - 1) * R * kWords * 32) + lane;
-  if constexpr (TPW > 1) {
-#pragma unroll
-    for (int t = 1; t < TPW; ++t) {
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (row0 + t * RPW + r * RG < p.V)
-#pragma unroll
-          for (int cw = 0; cw < kWords; ++cw)
-            cp_async16(mine + (((t - 1) * R + r) * kWords + cw) * 32,
-                       reinterpret_cast<const uint4*>(st + (t * RPW + r * RG) * K) + cw);
-      cp_async_commit();
-    }
-  }
+  uint4* mine = decode_smem + (threadIdx.x >> 5) * (RPW * K * static_cast<int>(sizeof(StateT)) / 16) + lane;
+  if constexpr (TPW == 2)
+    stage_rows_async<StateT, EPL, R>(mine, 32, row0 + RPW, RG, p.V,
+                                     [&](int r, int) { return st + (RPW + r * RG) * K; });
 
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h).
   const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
@@ -311,20 +295,7 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
     const int rowt = row0 + t * RPW;
     if (t > 0) {
       if (rowt - lane / G >= p.V) break;  // past the head's last row (warp-uniform)
-      if (t == 1) cp_async_wait<TPW - 2 >= 0 ? TPW - 2 : 0>();
-      else if (t == 2) cp_async_wait<TPW - 3 >= 0 ? TPW - 3 : 0>();
-      else cp_async_wait<0>();
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int cw = 0; cw < kWords; ++cw) {
-          const uint4 u = mine[(((t - 1) * R + r) * kWords + cw) * 32];
-          const StateT* e = reinterpret_cast<const StateT*>(&u);
-          constexpr int kPer16 = 16 / static_cast<int>(sizeof(StateT));
-#pragma unroll
-          for (int i = 0; i < kPer16; ++i) S[r][cw * kPer16 + i] = rowt + r * RG < p.V ? to_float(e[i]) : 0.0f;
-        }
-      }
+      load_staged_rows<StateT, EPL, R>(mine, 32, rowt, RG, p.V, S);
     }
     StateT* stt = st + t * RPW * K;
     float u_here;  // meaningful on the sk lanes
@@ -339,49 +310,41 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
 // capacity of 24 warps per SM (80 registers, 64-thread CTAs): 2 where that halves a partial
 // second wave (capacity < w1 <= 2x capacity, e.g. B=8 at HV=32, V=K=128: 12.1 vs 12.4 us GDN,
 // 12.5 vs 13.6 KDA fp32, 8.7 vs 10.2 GDN bf16) and from 8 waves up (fp32 B=256: 277.9 vs 284.9
-// us), else 1 (fp32 B=16-32 and B <= 2 measured slower with 2; 4 tiles spill and measured
-// slower everywhere). Fifth session, run 2 (docs/PERFORMANCE.md). DELTASTATE_CUDA_DECODE_TPW=
-// 1|2|4 forces it.
+// us), else 1 (fp32 B=16-32 and B <= 2 measured slower with 2). Fifth session, run 2
+// (docs/PERFORMANCE.md). DELTASTATE_CUDA_DECODE_TPW=1|2 forces it.
 constexpr int kDecodeWarpsPerSm = 24;
-int forced_decode_tpw() {
-  static const int forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_DECODE_TPW");
-    const int v = e ? std::atoi(e) : 0;
-    return v == 1 || v == 2 || v == 4 ? v : 0;
-  }();
-  return forced;
-}
 int decode_tiles_per_warp(const RecurrentProblem& p, int tiles_per_head) {
-  const int forced = forced_decode_tpw();
+  static const int forced = env_override("DELTASTATE_CUDA_DECODE_TPW", {1, 2});
   if (forced) return forced;
   const int64_t w1 = p.num_heads_total() * tiles_per_head;
   const int64_t cap = static_cast<int64_t>(kDecodeWarpsPerSm) * num_sms(p.device.index);
   return (w1 > cap && w1 <= 2 * cap) || w1 >= 8 * cap ? 2 : 1;
 }
 
-template <class StateT, int K, class In, int TPW>
-void launch_decode_tpw(const RecurrentProblem& p, cudaStream_t stream) {
+template <class StateT, int K>
+int warps_per_head_of(const RecurrentProblem& p) {  // one tile (RG*ROWS rows) per warp
   using Lay = RowLayout<StateT, K>;
   const int rows_per_warp = Lay::RG * Lay::ROWS;
-  const int tiles = (p.V + rows_per_warp - 1) / rows_per_warp;
+  return (p.V + rows_per_warp - 1) / rows_per_warp;
+}
+
+template <class StateT, int K, class In, int TPW>
+void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream) {
   const int wph = (tiles + TPW - 1) / TPW;
   const int64_t warps = p.num_heads_total() * wph;
   if (warps > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
-  constexpr int smem = 2 * decode_smem_bytes<StateT, K, TPW>();
+  using Lay = RowLayout<StateT, K>;  // 2 warps per CTA, each with one staged tile when TPW = 2
+  constexpr int smem = TPW == 2 ? 2 * Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT)) : 0;
   recurrent_decode_kernel<StateT, K, In, TPW><<<static_cast<unsigned>((warps + 1) / 2), 64, smem, stream>>>(p, wph);
   DS_CUDA_CHECK(cudaGetLastError());
 }
 
 template <class StateT, int K, class In>
 void launch_decode(const RecurrentProblem& p, cudaStream_t stream) {
-  using Lay = RowLayout<StateT, K>;
-  const int tpw = decode_tiles_per_warp(p, (p.V + Lay::RG * Lay::ROWS - 1) / (Lay::RG * Lay::ROWS));
-  if (tpw == 1) return launch_decode_tpw<StateT, K, In, 1>(p, stream);
-#if DELTASTATE_CUDA_ALL_KERNELS
-  if (tpw == 4) return launch_decode_tpw<StateT, K, In, 4>(p, stream);
-#endif
-  launch_decode_tpw<StateT, K, In, 2>(p, stream);
+  const int tiles = warps_per_head_of<StateT, K>(p);
+  if (decode_tiles_per_warp(p, tiles) == 2) return launch_decode_tpw<StateT, K, In, 2>(p, tiles, stream);
+  launch_decode_tpw<StateT, K, In, 1>(p, tiles, stream);
 }
 
 // ---- streaming kernel: state tiles through shared memory with bulk copies ----------------------
@@ -703,13 +666,6 @@ void launch_stream(const RecurrentProblem& p, cudaStream_t stream) {
   recurrent_stream_kernel<StateT, K, In><<<ctas, Lay::THREADS, Lay::SMEM_BYTES, stream>>>(
       p, vblocks, static_cast<int>(ntiles));
   DS_CUDA_CHECK(cudaGetLastError());
-}
-
-template <class StateT, int KT>
-int warps_per_head_of(const RecurrentProblem& p) {
-  using Lay = RowLayout<StateT, KT>;
-  const int rows_per_warp = Lay::RG * Lay::ROWS;
-  return (p.V + rows_per_warp - 1) / rows_per_warp;
 }
 
 template <class StateT, int KT, bool VEC, class In>

@@ -30,7 +30,6 @@
 // cursor), adds 1 << 16 to write_pos[n]; the low 16 bits stay the cursor and the high bits count
 // the CTAs that have read it. The CTA that sees itself last stores the new cursor. No extra launch
 // or scratch buffer.
-#include <cstdlib>
 #include <type_traits>
 
 #include "api/backend.h"
@@ -56,8 +55,8 @@ struct Staged {
 // and beta. The ring: decay e = exp(Gtot) [KT]; per record ck, cq, w [L]; the staged records g
 // [L][gw] fp32, k [L][KT], d [L][d_pitch] (the CTA's rows; the pitch padded by 16 bytes so that
 // lanes reading consecutive records hit different banks); kw [L][KT] fp32 (flush only); with
-// BPC > 1 row blocks per CTA, the later blocks' checkpoint rows, each thread's own 16-byte words
-// (word [(b-1)][r][c] of thread i at ((b-1)*R + r)*words + c)*threads + i).
+// two row blocks per CTA, the second block's checkpoint rows, each thread's own 16-byte words
+// (stage_rows_async: word [r][c] of thread i at (r*words + c)*threads + i).
 struct SmemLayout {
   int bar, kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, ckpt, d_pitch, bytes;
   __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta,
@@ -82,13 +81,13 @@ struct SmemLayout {
     bytes = ckpt + ckpt_bytes;
   }
 };
-// rows_cta: the CTA's rows (all its row blocks); ckpt_bytes: the checkpoint rows of its row
-// blocks after the first, staged per thread.
+// The layout of a CTA of `blocks` row blocks of rows_blk rows (kernel and launcher agree on it):
+// d staged for all its rows, the checkpoint rows of every block after the first.
 template <class StateT, int KT, bool VEC, class In>
-__host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_cta, int ckpt_bytes) {
+__host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_blk, int blocks) {
   using S = Staged<StateT, VEC, In>;
   return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, sizeof(typename S::K), sizeof(typename S::D),
-                    rows_cta, ckpt_bytes);
+                    blocks * rows_blk, (blocks - 1) * rows_blk * KT * static_cast<int>(sizeof(StateT)));
 }
 
 // The generic path's staging: `rows` rows of `cols` elements (source pitch src_pitch elements),
@@ -179,8 +178,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   using KS = typename Staged<StateT, VEC, In>::K;
   using DS = typename Staged<StateT, VEC, In>::D;
   static_assert((RPW * sizeof(DS)) % 16 == 0, "a warp's d values of one record: whole 16-byte words");
-  static_assert(BPC == 1 || VEC, "several row blocks per CTA: vector path only");
-  constexpr int kWords = EPL * static_cast<int>(sizeof(StateT)) / 16;  // per lane and row (VEC)
+  static_assert(BPC == 1 || (BPC == 2 && VEC), "two row blocks per CTA: vector path only");
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int n = static_cast<int>(blockIdx.x);  // the grid is (B, HV, V-blocks): no divisions
@@ -204,8 +202,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int row0 = row_base + local0;
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
-  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(
-      p, BPC * rows_blk, (BPC - 1) * static_cast<int>(blockDim.x) * R * kWords * 16);
+  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_blk, BPC);
   const float* s_kn = reinterpret_cast<const float*>(smem + sm.kn);
   const float* s_qn = reinterpret_cast<const float*>(smem + sm.qn);
   const float* s_alpha = reinterpret_cast<const float*>(smem + sm.alpha);
@@ -310,22 +307,12 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  // The later blocks' rows: each thread copies its own words into shared memory (no barrier).
+  // The second block's rows: each thread copies its own words into shared memory (no barrier).
   uint4* ckpt_mine = reinterpret_cast<uint4*>(smem + sm.ckpt) + threadIdx.x;
-  if constexpr (BPC > 1) {
-#pragma unroll
-    for (int b = 1; b < BPC; ++b)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = row0 + b * rows_blk + r * RG;
-        if (row < V)
-#pragma unroll
-          for (int c = 0; c < kWords; ++c)
-            cp_async16(ckpt_mine + (((b - 1) * R + r) * kWords + c) * blockDim.x,
-                       reinterpret_cast<const uint4*>(s0 + static_cast<int64_t>(row) * K + kofs) + c);
-      }
-    cp_async_commit();
-  }
+  if constexpr (BPC == 2)
+    stage_rows_async<StateT, EPL, R>(ckpt_mine, blockDim.x, row0 + rows_blk, RG, V, [&](int, int row) {
+      return s0 + static_cast<int64_t>(row) * K + kofs;
+    });
   if constexpr (!VEC) {
     if (m > 0) {
       stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
@@ -448,21 +435,9 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
 #pragma unroll
   for (int b = 0; b < BPC; ++b) {
     const int rowb = row0 + b * rows_blk;  // this lane's row 0 in block b
-    if (b > 0) {  // block b's checkpoint rows from this thread's words in shared memory
+    if (b > 0) {  // the second block's checkpoint rows from this thread's words
       if (row_base + b * rows_blk >= V) break;  // past the head's last row (CTA-uniform)
-      cp_async_wait<0>();
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int c = 0; c < kWords; ++c) {
-          const uint4 u = ckpt_mine[(((b - 1) * R + r) * kWords + c) * blockDim.x];
-          const StateT* e = reinterpret_cast<const StateT*>(&u);
-          constexpr int kPer16 = 16 / static_cast<int>(sizeof(StateT));
-#pragma unroll
-          for (int i = 0; i < kPer16; ++i)
-            S[r][c * kPer16 + i] = rowb + r * RG < V ? to_float(e[i]) : 0.0f;
-        }
-      }
+      load_staged_rows<StateT, EPL, R>(ckpt_mine, blockDim.x, rowb, RG, V, S);
     }
     if (flush) {
       // 3f. Rebuild the state, S = e*S0 + sum_j d_j w_j kw_j, then the plain delta-rule step on
@@ -559,19 +534,11 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
 
 // Row blocks per CTA: 2 on the vector path where the head has two or more blocks, the layout
 // fits in shared memory and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1.
-// Fifth session, run 3 (docs/PERFORMANCE.md): two blocks measured 17-21% faster for fp32
-// checkpoints and 26-32% for bf16 from B=8 up (GDN fp32 L=16 B=256: 211.2 vs 260.6 us), and
-// 25-39% slower at B=1 (64 CTAs: 8.17 vs 5.94 us), where the grid is below one CTA per SM.
+// Fifth session, run 3 (docs/PERFORMANCE.md): two blocks measured 9-21% faster for fp32
+// checkpoints and 21-32% for bf16 from B=8 up (GDN fp32 L=16 B=256: 211.2 vs 260.6 us), and
+// 25-39% slower at B=1 (32 two-block CTAs for 132 SMs: GDN fp32 L=16 8.17 vs 5.94 us).
 // DELTASTATE_CUDA_REPLAY_BPC=1|2 forces it (where possible).
 constexpr int64_t kReplayTwoBlockWaves = 2;
-int forced_replay_bpc() {
-  static const int forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_REPLAY_BPC");
-    const int v = e ? std::atoi(e) : 0;
-    return v == 1 || v == 2 ? v : 0;
-  }();
-  return forced;
-}
 
 template <class StateT, int KT, bool VEC, class In, int BPC>
 void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int vblocks,
@@ -613,17 +580,16 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
   const int rows_blk = warps * rows_per_warp;
   const int max_smem = max_smem_optin(p.device.index);
   if constexpr (VEC) {
-    const int forced = forced_replay_bpc();
+    static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
     const bool two = forced ? forced == 2
                             : static_cast<int64_t>(p.B) * p.HV * vblocks >=
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
     if (two && vblocks >= 2) {
-      const int ckpt_bytes = rows_blk * KT * static_cast<int>(sizeof(StateT));  // one block
-      const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, 2 * rows_blk, ckpt_bytes);
+      const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 2);
       if (sm2.bytes <= max_smem) return launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
     }
   }
-  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 0);
+  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 1);
   if (sm.bytes > max_smem)
     throw Error(ErrorKind::not_implemented,
                 "replayssm_decode: ring length L=" + std::to_string(p.L) +

@@ -155,14 +155,11 @@ constexpr Shape kK64V40{"k64v40", 2, 2, 64, 40};
 // ReplaySSM CTA shapes: a partial last row block (200 = 3*64 + 8 fp32 rows), 6-warp CTAs (V=48).
 constexpr Shape kK128V200{"k128v200", 2, 4, 128, 200};
 constexpr Shape kK128V48{"k128v48", 2, 4, 128, 48};
+// K = 64 with two full 128-row blocks (fp32: 16 rows per warp): the two-block CTA at K = 64.
+constexpr Shape kK64V256{"k64v256", 2, 4, 64, 256};
 
 // ==== packed decode ============================================================================
-struct PackedCase {
-  const char* name;
-  Shape shape;
-  bool kda;
-  std::optional<double> lower_bound;
-  DType state, act;
+struct PackedCase : OpCase {
   int64_t B;
   std::vector<int64_t> padded;
   int64_t slot_pad = 0, lead = 0;
@@ -215,8 +212,6 @@ TEST_P(GpuPackedDecode, MatchesCpu) {
   }
 }
 
-std::string packed_name(const ::testing::TestParamInfo<PackedCase>& i) { return i.param.name; }
-
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuPackedDecode,
     ::testing::Values(
@@ -240,7 +235,7 @@ INSTANTIATE_TEST_SUITE_P(
         PackedCase{"kda_k96_generic_bf16state_lb", kK96, true, kLb, bf16, f16, 4, {0}, 32, 16},
         PackedCase{"kda_odd_bf16state", kOdd, true, kNoLb, bf16, bf16, 6, {4}},
         PackedCase{"gdn_odd_f32", kOdd, false, kNoLb, f32, f32, 6, {1, 2}}),
-    packed_name);
+    case_name<PackedCase>);
 
 // ==== recurrent ================================================================================
 enum class StateMode { pool, per_sequence, none };
@@ -344,8 +339,6 @@ TEST_P(GpuRecurrent, MatchesCpu) {
   }
 }
 
-std::string rec_name(const ::testing::TestParamInfo<RecCase>& i) { return i.param.name; }
-
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuRecurrent,
     ::testing::Values(
@@ -375,7 +368,7 @@ INSTANTIATE_TEST_SUITE_P(
         RecCase{"kda_odd_varlen_dt2d", with(recurrent_spec(kOdd, true, f16, 1, 1, {1, 3, 2}),
                                             [](RecurrentSpec& r) { r.dt_bias_2d = true; }),
                 StateMode::pool, f32, {1}, true, true, 16, 8}),
-    rec_name);
+    case_name<RecCase>);
 
 // ==== ReplaySSM ================================================================================
 
@@ -482,8 +475,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // CTAs of 6 warps
                       ReplayCase{"gdn_k128v200_f32_bf16act_L40", kK128V200, false, kNoLb, f32, bf16, 40},
                       ReplayCase{"kda_k64v128_bf16ckpt_bf16act_L16", kK64V128, true, kNoLb, bf16, bf16, 16},
-                      ReplayCase{"kda_k128v48_f32_L8", kK128V48, true, kLb, f32, f32, 8}),
-    replay_name);
+                      ReplayCase{"kda_k128v48_f32_L8", kK128V48, true, kLb, f32, f32, 8},
+                      ReplayCase{"gdn_k64v256_f32_bf16act_L8", kK64V256, false, kNoLb, f32, bf16, 8}),
+    case_name<ReplayCase>);
 
 // ==== a pool of more than 4096 slots ===========================================================
 // 4100 fp32 Qwen3-Next slots (2 MiB each, 8.6 GB): slot * slot_stride passes 2^31 elements at slot
