@@ -5,8 +5,9 @@
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
 #                                      also build-lib, bench-direct, bench-tpw,
-#                                      bench-replay-bpc1, profile,
-#                                      profile-replay, profile-source
+#                                      bench-replay-bpc1, profile, test-replay,
+#                                      profile-replay, profile-source,
+#                                      profile-replay-source
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -37,6 +38,19 @@ run() {  # run <phase> <command...>: log to $OUT/<phase>.log, stop on failure
   local rc=${PIPESTATUS[0]}
   echo "=== $phase: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/$phase.log"
   [ "$rc" -eq 0 ] || exit "$rc"
+}
+
+gtest_sharded() {  # gtest_sharded <phase> <filter>: the GPU suite's matching tests in 4 parallel
+  # shards (their CPU references dominate the run time), environment passed through
+  local phase=$1 filter=$2 rc=0 s pids=()
+  for s in 0 1 2 3; do
+    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$s "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
+      --gtest_filter="$filter" > "$OUT/.shard$s" 2>&1 &
+    pids+=($!)
+  done
+  for s in "${pids[@]}"; do wait "$s" || rc=1; done
+  cat "$OUT"/.shard? >> "$OUT/$phase.log"; grep -h -E "PASSED|FAILED" "$OUT"/.shard?; rm -f "$OUT"/.shard?
+  return $rc
 }
 
 configure() {  # every CUDA kernel specialization, the Python module in the build tree
@@ -70,11 +84,15 @@ for phase in "${phases[@]}"; do
         "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 --gtest_filter='*Packed*:*4096*:*Graph*'
       # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size)
       for bpc in 1 2; do
-        DELTASTATE_CUDA_REPLAY_BPC=$bpc run test "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
-          --gtest_filter='*GpuReplay*'
+        DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
       done
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
+      ;;
+    test-replay)  # the ReplaySSM GPU tests only: default kernel choice, then each variant forced
+      for bpc in 0 1 2; do
+        DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
+      done
       ;;
     sanitize)
       # memcheck and racecheck on the GPU suite's small cases (every op, generic and fast kernels;
@@ -88,7 +106,8 @@ for phase in "${phases[@]}"; do
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*:*B3*:*k64_*'
       DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*'
-      # ReplaySSM with two row blocks per CTA (V=200: a partial block; Qwen3-Next: whole heads)
+      # ReplaySSM with two row blocks per CTA (whole heads only: K=64 V=256 and Qwen3-Next; V=200
+      # falls back to one block)
       DELTASTATE_CUDA_REPLAY_BPC=2 run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
         "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*GpuReplay*v200*:*GpuReplay*k64v256*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
       DELTASTATE_CUDA_REPLAY_BPC=2 run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
@@ -147,6 +166,11 @@ for phase in "${phases[@]}"; do
           --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
           python3 bench/profile_decode.py --replay "$L" ${PROFILE_ARGS:-}
       done
+      ;;
+    profile-replay-source)  # per-instruction counters of one ReplaySSM appending step only
+      run profile ncu --clock-control none -k "regex:replay" --launch-skip 8 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+        python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
       ;;
     profile-source)
       # Per-instruction counters (SASS with executed instructions and stall samples, CSV) of one

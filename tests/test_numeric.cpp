@@ -243,5 +243,22 @@ TEST(Numeric, DivideByReciprocalIsTheIeeeQuotient) {
   }
 }
 
+// SmallDivider (the CUDA kernels' division-free key head hv / group) is the integer quotient for
+// every numerator below 2^15 and every divisor below 4096, and for sampled divisors up to 2^15.
+TEST(Numeric, SmallDividerIsTheIntegerQuotient) {
+  auto check_all_n = [](int d) {
+    const lib::SmallDivider div = lib::SmallDivider::of(d);
+    for (int n = 0; n < (1 << 15); ++n)
+      if (div.divide(n) != n / d) {
+        ADD_FAILURE() << n << " / " << d << ": got " << div.divide(n) << ", want " << n / d;
+        return;
+      }
+  };
+  for (int d = 1; d < 4096; ++d) check_all_n(d);
+  Rng rng = test_rng();
+  for (int i = 0; i < 200; ++i) check_all_n(static_cast<int>(rng.integer(4096, (1 << 15) - 1)));
+  check_all_n((1 << 15) - 1);
+}
+
 }  // namespace
 }  // namespace dstest

@@ -111,4 +111,21 @@ DS_HD int64_t load_index(const void* p, DType t, int64_t i) {
                          : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+
+// n / d for 0 <= n, d < 2^15 without a division instruction (kernels that derive an index from
+// the grid, such as the key head hv / (HV / H) of a value head): n * m >> 31 with
+// m = ceil(2^31 / d), chosen once per launch on the host. Exact: the error term
+// n * (m*d - 2^31) / (d * 2^31) is below n / 2^31 < 2^-16 < 1 / d, so it never carries the
+// quotient past the next integer (tests/test_numeric.cpp checks every n for d < 4096 and sampled
+// larger d).
+struct SmallDivider {
+  uint32_t m = 1u << 31;
+  static SmallDivider of(int d) {
+    SmallDivider s;
+    s.m = static_cast<uint32_t>(((uint64_t{1} << 31) + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+    return s;
+  }
+  DS_HD int divide(int n) const { return static_cast<int>((static_cast<uint64_t>(n) * m) >> 31); }
+};
+
 }  // namespace deltastate::detail

@@ -431,24 +431,25 @@ __device__ __forceinline__ void cp_async_wait() {
 // copies them with 16-byte cp.async (one group) into the lane's words dst[(r*W + c)*stride] (W
 // 16-byte words per row; stride = the lanes sharing the buffer, so consecutive lanes hit
 // consecutive words), skipping rows at or past V; load_staged_rows waits for every group of this
-// thread and converts them to floats (rows past V read as zeros). No barrier: each lane reads
+// thread and converts them to floats (rows past V read as zeros). kCheckRows = false: the caller
+// guarantees every row is below V (no checks). No barrier: each lane reads
 // back only what it copied. The register kernels use this to have a second tile in flight while
 // they compute the first.
-template <class StateT, int EPL, int R, class RowSrc>
+template <class StateT, int EPL, int R, bool kCheckRows = true, class RowSrc>
 __device__ __forceinline__ void stage_rows_async(uint4* dst, unsigned stride, int row, int rg, int V,
                                                  RowSrc row_src) {
   constexpr int W = EPL * static_cast<int>(sizeof(StateT)) / 16;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int row_r = row + r * rg;
-    if (row_r < V)
+    if (!kCheckRows || row_r < V)
 #pragma unroll
       for (int c = 0; c < W; ++c)
         cp_async16(dst + (r * W + c) * stride, reinterpret_cast<const uint4*>(row_src(r, row_r)) + c);
   }
   cp_async_commit();
 }
-template <class StateT, int EPL, int R>
+template <class StateT, int EPL, int R, bool kCheckRows = true>
 __device__ __forceinline__ void load_staged_rows(const uint4* src, unsigned stride, int row, int rg,
                                                  int V, float (&S)[R][EPL]) {
   constexpr int W = EPL * static_cast<int>(sizeof(StateT)) / 16;
@@ -461,7 +462,8 @@ __device__ __forceinline__ void load_staged_rows(const uint4* src, unsigned stri
       const uint4 u = src[(r * W + c) * stride];
       const StateT* e = reinterpret_cast<const StateT*>(&u);
 #pragma unroll
-      for (int i = 0; i < kPer16; ++i) S[r][c * kPer16 + i] = row + r * rg < V ? to_float(e[i]) : 0.0f;
+      for (int i = 0; i < kPer16; ++i)
+        S[r][c * kPer16 + i] = !kCheckRows || row + r * rg < V ? to_float(e[i]) : 0.0f;
     }
   }
 }

@@ -50,15 +50,17 @@ struct Staged {
   using D = std::conditional_t<VEC, StateT, float>;
 };
 
-// Shared memory, byte offsets (every section 16-byte aligned). An mbarrier; the token, prepared once per CTA
-// [KT floats each]: k (normalized), q (normalized, scaled), alpha, its log decay g; its scalars k.q
-// and beta. The ring: decay e = exp(Gtot) [KT]; per record ck, cq, w [L]; the staged records g
-// [L][gw] fp32, k [L][KT], d [L][d_pitch] (the CTA's rows; the pitch padded by 16 bytes so that
-// lanes reading consecutive records hit different banks); kw [L][KT] fp32 (flush only); with
-// two row blocks per CTA, the second block's checkpoint rows, each thread's own 16-byte words
-// (stage_rows_async: word [r][c] of thread i at (r*words + c)*threads + i).
+// Shared memory, byte offsets (every section 16-byte aligned). First the sections whose size does
+// not depend on L (so that, with KT and the CTA's rows known at compile time, their offsets are
+// constants): an mbarrier; the token, prepared once per CTA [KT floats each]: k (normalized), q
+// (normalized, scaled), alpha, its log decay g; its scalars k.q and beta; the decay e = exp(Gtot)
+// [KT]; with two row blocks per CTA, the second block's checkpoint rows, each thread's own 16-byte
+// words (stage_rows_async: word [r][c] of thread i at (r*words + c)*threads + i). Then the ring:
+// per record ck, cq, w [L]; the staged records g [L][gw] fp32, k [L][KT], d [L][d_pitch] (the
+// CTA's rows; the pitch padded by 16 bytes so that lanes reading consecutive records hit
+// different banks); kw [L][KT] fp32 (flush only).
 struct SmemLayout {
-  int bar, kn, qn, alpha, gcur, scalars, e, ck, cq, w, g, k, d, kw, ckpt, d_pitch, bytes;
+  int bar, kn, qn, alpha, gcur, scalars, e, ckpt, ck, cq, w, g, k, d, kw, d_pitch, bytes;
   __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta,
                                  int ckpt_bytes) {
     auto up16 = [](int x) { return (x + 15) & ~15; };
@@ -70,15 +72,15 @@ struct SmemLayout {
     gcur = alpha + KT * 4;
     scalars = gcur + KT * 4;
     e = scalars + 16;
-    ck = e + KT * 4;
+    ckpt = e + KT * 4;
+    ck = ckpt + ckpt_bytes;
     cq = ck + up16(L * 4);
     w = cq + up16(L * 4);
     g = w + up16(L * 4);
     k = g + up16(L * gw * 4);
     d = k + up16(L * KT * k_size);
     kw = d + L * d_pitch;
-    ckpt = kw + L * KT * 4;
-    bytes = ckpt + ckpt_bytes;
+    bytes = kw + L * KT * 4;
   }
 };
 // The layout of a CTA of `blocks` row blocks of rows_blk rows (kernel and launcher agree on it):
@@ -169,8 +171,14 @@ __device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
   return to_float(reinterpret_cast<const T*>(base)[i]);
 }
 
+// The two-block kernel (BPC = 2) runs only on whole heads of two 8-warp row blocks (the launcher's
+// rule: V a multiple of 2 * 8 warps' rows), so its CTA size, row counts and row bounds are
+// compile-time: no row checks, and its addresses are base + constant offsets (ncu, sixth session:
+// the bounds checks and per-row 64-bit address arithmetic were ~40% of its instructions).
+constexpr int kReplayFullWarps = 8;
+
 template <class StateT, int KT, bool VEC, class In, int BPC>
-__global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
+__global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;    // rows per warp
@@ -179,15 +187,16 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   using DS = typename Staged<StateT, VEC, In>::D;
   static_assert((RPW * sizeof(DS)) % 16 == 0, "a warp's d values of one record: whole 16-byte words");
   static_assert(BPC == 1 || (BPC == 2 && VEC), "two row blocks per CTA: vector path only");
+  constexpr bool kFull = BPC == 2;  // whole 8-warp blocks, every row below V
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int n = static_cast<int>(blockIdx.x);  // the grid is (B, HV, V-blocks): no divisions
   const int hv = static_cast<int>(blockIdx.y);
-  const int group = p.HV / p.H;
-  const int h = hv / group;
+  const int h = group_div.divide(hv);  // hv / (HV / H)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int nwarps = blockDim.x >> 5;
+  const int nwarps = kFull ? kReplayFullWarps : static_cast<int>(blockDim.x >> 5);
+  const int nthreads = nwarps * 32;
   const int L = p.L, V = p.V;
   const int K = VEC ? KT : p.K;  // compile-time on the vector path
   const bool kda = p.gate.kda;
@@ -196,7 +205,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   const int valid = VEC ? EPL : max(0, min(EPL, K - kofs));
   const int rows_blk = nwarps * RPW;    // rows of one row block
   const int row_base = blockIdx.z * BPC * rows_blk;
-  const int rows_here = min(BPC * rows_blk, V - row_base);  // the CTA's rows (all its blocks)
+  const int rows_here = kFull ? BPC * rows_blk : min(BPC * rows_blk, V - row_base);  // the CTA's rows
+  auto row_ok = [V](int row) { return kFull || row < V; };
   const int wrow = warp * RPW;                 // the warp's first local row
   const int local0 = wrow + lane / G;          // this lane's local row 0 (rows local0 + r*RG)
   const int row0 = row_base + local0;
@@ -223,7 +233,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
 #pragma unroll
   for (int b = 0; b < BPC; ++b) {
     const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
-    v[b] = idx < R && vrow < V ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
+    v[b] = idx < R && row_ok(vrow) ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
   }
   TokenHeadInputs<EPL> x;
   GateConsts<EPL> gc;
@@ -296,12 +306,12 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   // The checkpoint rows (every load in flight at once).
   StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
                static_cast<int64_t>(hv) * V * K;
+  StateT* my_rows = s0 + static_cast<int64_t>(row0) * K + kofs;  // this lane's row 0 (of block 0)
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = row0 + r * RG;
-    if (row < V) {
-      load_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
+    if (row_ok(row0 + r * RG)) {
+      load_state<StateT, EPL, VEC>(my_rows + r * RG * K, valid, S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
@@ -310,8 +320,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   // The second block's rows: each thread copies its own words into shared memory (no barrier).
   uint4* ckpt_mine = reinterpret_cast<uint4*>(smem + sm.ckpt) + threadIdx.x;
   if constexpr (BPC == 2)
-    stage_rows_async<StateT, EPL, R>(ckpt_mine, blockDim.x, row0 + rows_blk, RG, V, [&](int, int row) {
-      return s0 + static_cast<int64_t>(row) * K + kofs;
+    stage_rows_async<StateT, EPL, R, !kFull>(ckpt_mine, nthreads, row0 + rows_blk, RG, V, [&](int r, int) {
+      return my_rows + (rows_blk + r * RG) * K;
     });
   if constexpr (!VEC) {
     if (m > 0) {
@@ -428,7 +438,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
 #pragma unroll
       for (int t = 0; t < RG; ++t)
         if (lane / G == t) d = element_of<DS>(raw, t + r * RG);
-      dj[r] = b * rows_blk + local0 + r * RG < rows_here ? d : 0.0f;
+      dj[r] = kFull || b * rows_blk + local0 + r * RG < rows_here ? d : 0.0f;
     }
   };
 
@@ -436,8 +446,8 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   for (int b = 0; b < BPC; ++b) {
     const int rowb = row0 + b * rows_blk;  // this lane's row 0 in block b
     if (b > 0) {  // the second block's checkpoint rows from this thread's words
-      if (row_base + b * rows_blk >= V) break;  // past the head's last row (CTA-uniform)
-      load_staged_rows<StateT, EPL, R>(ckpt_mine, blockDim.x, rowb, RG, V, S);
+      if (!kFull && row_base + b * rows_blk >= V) break;  // past the head's last row (CTA-uniform)
+      load_staged_rows<StateT, EPL, R, !kFull>(ckpt_mine, nthreads, rowb, RG, V, S);
     }
     if (flush) {
       // 3f. Rebuild the state, S = e*S0 + sum_j d_j w_j kw_j, then the plain delta-rule step on
@@ -468,8 +478,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
       }
       float u_here;  // meaningful on the lanes holding sk
       const float red = delta_step_rows<G, R>(S, alpha, kn, qn, v[b], beta, lane, u_here, [&](int r) {
-        const int row = rowb + r * RG;
-        if (row < V) store_state<StateT, EPL, VEC>(s0 + static_cast<int64_t>(row) * K + kofs, valid, S[r]);
+        if (row_ok(rowb + r * RG)) store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
       });
       store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
       continue;
@@ -514,7 +523,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
     const float u_here = detail::delta_u(v[b], red, beta);  // meaningful on the lanes holding sk
     store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
     const int vrow = rowb + idx * RG;
-    if (idx < R && first_copy && vrow < V)
+    if (idx < R && first_copy && row_ok(vrow))
       detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
   }
   // The appended record's k and g: one writer per head.
@@ -523,7 +532,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
     for (int i = 0; i < EPL; ++i) {
       if (i < valid) {
         if (kda) g_ring[m * gw + kofs + i] = s_gcur[kofs + i];
-        if (hv % group == 0)
+        if (hv == 0 || group_div.divide(hv - 1) != h)  // the key head's first value head
           detail::store_float(p.k_cache, p.k_dtype, k_ring + static_cast<int64_t>(m) * K + kofs + i,
                               s_kn[kofs + i]);
       }
@@ -532,8 +541,9 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p) {
   }
 }
 
-// Row blocks per CTA: 2 on the vector path where the head has two or more blocks, the layout
-// fits in shared memory and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1.
+// Row blocks per CTA: 2 on the vector path where the head is a whole number of pairs of 8-warp
+// blocks (V a multiple of 2 x 64 rows: Qwen3-Next, Kimi-Linear), the layout fits in shared memory
+// and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1.
 // Fifth session, run 3 (docs/PERFORMANCE.md): two blocks measured 9-21% faster for fp32
 // checkpoints and 21-32% for bf16 from B=8 up (GDN fp32 L=16 B=256: 211.2 vs 260.6 us), and
 // 25-39% slower at B=1 (32 two-block CTAs for 132 SMs: GDN fp32 L=16 8.17 vs 5.94 us).
@@ -554,7 +564,8 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
   }
   dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
             static_cast<unsigned>((vblocks + BPC - 1) / BPC));
-  replay_kernel<StateT, KT, VEC, In, BPC><<<grid, warps * 32, sm.bytes, stream>>>(p);
+  replay_kernel<StateT, KT, VEC, In, BPC>
+      <<<grid, warps * 32, sm.bytes, stream>>>(p, detail::SmallDivider::of(p.HV / p.H));
   DS_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -584,7 +595,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
     const bool two = forced ? forced == 2
                             : static_cast<int64_t>(p.B) * p.HV * vblocks >=
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
-    if (two && vblocks >= 2) {
+    if (two && warps == kReplayFullWarps && p.V % (2 * rows_blk) == 0) {
       const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 2);
       if (sm2.bytes <= max_smem) return launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
     }
