@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <type_traits>
 
 #include "core/delta_math.h"
 #include "core/problem.h"
@@ -160,11 +161,16 @@ using detail::head_offset;
 // Input loaders. TypedInput<T> reads inputs known to be of type T (the fast path: one plain load
 // per element, so all of a token's loads issue back to back); AnyInput switches on the runtime
 // dtype (the generic path, for callers whose inputs mix dtypes).
+// load_raw returns the element as stored (`type`), so that a kernel can issue its loads now and
+// convert them where it uses them (a conversion right after a load makes the warp wait for it).
 template <class T>
 struct TypedInput {
   using type = T;
   __device__ __forceinline__ static float load(const void* p, DType, int64_t i) {
     return to_float(__ldg(static_cast<const T*>(p) + i));
+  }
+  __device__ __forceinline__ static T load_raw(const void* p, DType, int64_t i) {
+    return __ldg(static_cast<const T*>(p) + i);
   }
 };
 struct AnyInput {
@@ -172,40 +178,80 @@ struct AnyInput {
   __device__ __forceinline__ static float load(const void* p, DType t, int64_t i) {
     return detail::load_float(p, t, i);
   }
+  __device__ __forceinline__ static float load_raw(const void* p, DType t, int64_t i) {
+    return detail::load_float(p, t, i);
+  }
 };
 
+// A 32-bit load issued where it stands (read-only data; _cg: data other CTAs of the launch write,
+// read at L2). Volatile asm is neither deleted nor sunk past a branch, so a load whose value only
+// a later test uses still leaves first: nvcc moved the ReplaySSM cursor load behind the slot's
+// padding test, two DRAM round trips in a row (ncu, sixth session).
+__device__ __forceinline__ int load_int_now(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int load_int_now_cg(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.cg.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // One token's inputs for one lane: its K slice of q and k, the gate input (its K slice for KDA,
-// one scalar for GDN) and beta's input (TokenHeadInputs), plus its rows' v (TokenInputs).
-template <int EPL>
+// one scalar for GDN) and beta's input (TokenHeadInputs), plus its rows' v (TokenInputs). T: float
+// (converted as loaded), or the input's own type (loaded raw; widen() converts).
+template <int EPL, class T = float>
 struct TokenHeadInputs {
-  float q[EPL], k[EPL], g[EPL], b;
+  T q[EPL], k[EPL], g[EPL], b;
 };
+template <int EPL, class T>
+__device__ __forceinline__ TokenHeadInputs<EPL> widen(const TokenHeadInputs<EPL, T>& r) {
+  TokenHeadInputs<EPL> x;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    x.q[i] = to_float(r.q[i]);
+    x.k[i] = to_float(r.k[i]);
+    x.g[i] = to_float(r.g[i]);
+  }
+  x.b = to_float(r.b);
+  return x;
+}
 template <int EPL, int R>
 struct TokenInputs : TokenHeadInputs<EPL> {
   float v[R];
 };
 
-template <class In, int EPL, class Problem>
+template <class In, int EPL, class T, class Problem>
 __device__ __forceinline__ void load_token_head(const Problem& p, const detail::HeadInput& gate_in,
                                                 const detail::HeadInput& beta_in, int64_t seq,
                                                 int64_t tok, int h, int hv, int kofs, int valid,
-                                                TokenHeadInputs<EPL>& x) {
+                                                TokenHeadInputs<EPL, T>& x) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, typename In::type>,
+                "token inputs: converted (float) or raw (the input type)");
+  auto ld = [](const void* ptr, DType dt, int64_t i) -> T {
+    if constexpr (std::is_same_v<T, float>) return In::load(ptr, dt, i);
+    else return In::load_raw(ptr, dt, i);
+  };
   const int64_t q_off = head_offset(p.q, seq, tok, h) + kofs;
   const int64_t k_off = head_offset(p.k, seq, tok, h) + kofs;
   const int64_t g_off = head_offset(gate_in, seq, tok, hv);
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    x.q[i] = i < valid ? In::load(p.q.ptr, p.q.dtype, q_off + i) : 0.0f;
-    x.k[i] = i < valid ? In::load(p.k.ptr, p.k.dtype, k_off + i) : 0.0f;
+    x.q[i] = i < valid ? ld(p.q.ptr, p.q.dtype, q_off + i) : T{};
+    x.k[i] = i < valid ? ld(p.k.ptr, p.k.dtype, k_off + i) : T{};
   }
   if (p.gate.kda) {
 #pragma unroll
     for (int i = 0; i < EPL; ++i)
-      x.g[i] = i < valid ? In::load(gate_in.ptr, gate_in.dtype, g_off + kofs + i) : 0.0f;
+      x.g[i] = i < valid ? ld(gate_in.ptr, gate_in.dtype, g_off + kofs + i) : T{};
   } else {
-    x.g[0] = In::load(gate_in.ptr, gate_in.dtype, g_off);
+    x.g[0] = ld(gate_in.ptr, gate_in.dtype, g_off);
+    if constexpr (!std::is_same_v<T, float>)  // defined values for widen()
+#pragma unroll
+      for (int i = 1; i < EPL; ++i) x.g[i] = T{};
   }
-  x.b = In::load(beta_in.ptr, beta_in.dtype, head_offset(beta_in, seq, tok, hv));
+  x.b = ld(beta_in.ptr, beta_in.dtype, head_offset(beta_in, seq, tok, hv));
 }
 
 template <class In, int EPL, int R, class Problem>

@@ -226,26 +226,31 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
   float* s_kw = reinterpret_cast<float*>(smem + sm.kw);
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + sm.bar);  // thread 0's bulk copies
 
-  // Loads that do not depend on the slot, issued first: v of the row whose sk this lane will
-  // hold; the two token warps also the token's q, k, gate and beta inputs and the head's gate
-  // constants.
-  float v[BPC];  // of each block
+  // Every load that does not depend on the slot leaves first, and none is waited for before the
+  // checkpoint loads are issued: the slot, the cursor and the forced flush (issued in place,
+  // load_int_now: the slot -> checkpoint chain is the CTA's longest); v of the row whose sk this
+  // lane will hold and, on the two token warps, the token's q, k, gate and beta inputs, kept in
+  // their own type until used (a conversion right after its load stalled the warp there: ncu,
+  // sixth session); the head's gate constants.
+  const int64_t slot = load_int_now(p.indices + n);
+  const int cursor = load_int_now_cg(p.write_pos + n);
+  const bool forced_flush = p.force_flush && load_int_now(p.force_flush + n) != 0;
+  using InT = typename In::type;
+  InT v_in[BPC];  // of each block
 #pragma unroll
   for (int b = 0; b < BPC; ++b) {
     const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
-    v[b] = idx < R && row_ok(vrow) ? In::load(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : 0.0f;
+    v_in[b] = idx < R && row_ok(vrow) ? In::load_raw(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : InT{};
   }
-  TokenHeadInputs<EPL> x;
+  TokenHeadInputs<EPL, InT> x_in;
   GateConsts<EPL> gc;
   const int gate_warp = nwarps > 1 ? 1 : 0;
   if (warp == 0 || warp == gate_warp) {
-    load_token_head<In>(p, p.a, p.b, n, 0, h, hv, kofs, valid, x);
+    load_token_head<In>(p, p.a, p.b, n, 0, h, hv, kofs, valid, x_in);
     load_gate_consts(p.gate, hv, K, kofs, valid, gc);
   }
 
-  const int64_t slot = p.indices[n];
-  const int cursor = __ldcg(p.write_pos + n);
-  if (slot < 0) {  // padded: zero output, no state, ring or cursor access
+  if (slot < 0) {  // padded: zero output; no state or ring access, the cursor left as it is
     if (lane % G == 0)
 #pragma unroll
       for (int b = 0; b < BPC; ++b)
@@ -262,14 +267,17 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
     __trap();
   }
   m = min(max(m, 0), L - 1);
-  const bool flush = detail::replay_flushes(m, L, p.force_flush && p.force_flush[n] != 0);
+  const bool flush = detail::replay_flushes(m, L, forced_flush);
 
   // The token warps prepare it while their checkpoint loads and the ring copies are in flight
   // where the registers allow (EPL <= 4: fp32 states, K <= 128); with 8 elements per lane
   // (16-bit states, the generic kernel) holding the token's slices beside the rows spills, so
   // they prepare first.
   constexpr bool kPrepFirst = EPL > 4;
-  if (kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
+  if (kPrepFirst) {
+    TokenHeadInputs<EPL> x = widen(x_in);
+    prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
+  }
 
   // 1. The vector path's ring-record copies (issued before the rows' registers are live), the
   //    checkpoint rows, then the generic path's staging (plain loads: after the rows' loads).
@@ -332,7 +340,10 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
                        p.d_dtype, d_ring + row_base, V, m, rows_here);
     }
   }
-  if (!kPrepFirst) prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
+  if (!kPrepFirst) {
+    TokenHeadInputs<EPL> x = widen(x_in);
+    prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
+  }
   if constexpr (VEC) cp_async_wait<BPC - 1>();  // warp 0's cp.async of GDN's g records
   __syncthreads();  // the token and the records staged; every thread has read the cursor
   if (VEC && m > 0) mbar_wait(bar, 0);  // thread 0's bulk copies
@@ -477,7 +488,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
         qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
       }
       float u_here;  // meaningful on the lanes holding sk
-      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, v[b], beta, lane, u_here, [&](int r) {
+      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, to_float(v_in[b]), beta, lane, u_here, [&](int r) {
         if (row_ok(rowb + r * RG)) store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
       });
       store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
@@ -520,7 +531,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
       }
     }
     const float red = transpose_reduce<G, 2 * R>(dots, lane);
-    const float u_here = detail::delta_u(v[b], red, beta);  // meaningful on the lanes holding sk
+    const float u_here = detail::delta_u(to_float(v_in[b]), red, beta);  // meaningful on the lanes holding sk
     store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
     const int vrow = rowb + idx * RG;
     if (idx < R && first_copy && row_ok(vrow))
