@@ -21,7 +21,6 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
-#include <type_traits>
 
 #include "core/delta_math.h"
 #include "core/problem.h"

@@ -226,20 +226,32 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   const int kofs = (lane % G) * EPL;
   const int row0 = c.block * TPW * RPW + lane / G;  // this lane's first row of tile 0
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
-  const int64_t slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
 
-  // The token's inputs (independent of the slot: issued before the state loads resolve).
-  TokenHeadInputs<EPL> x;
-  load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x);
+  // The token's inputs and v (lanes holding sk_r compute u_r: they need v_r, of every tile) do
+  // not depend on the slot: issued first, kept in their own type, converted after the state loads
+  // have left. (Converted as loaded, each conversion made the warp wait for its load before the
+  // next: index -> v -> token -> state, three round trips before the state loads; ncu, sixth
+  // session.) The index's load has dtype branches, so it comes after them. 16-bit states (8
+  // elements per lane) keep the old order, index first and inputs converted as loaded: the new
+  // one spilled 12 more bytes there (ptxas), and it has not been measured for them.
+  constexpr bool kRawInputs = EPL <= 4;
+  int64_t slot = 0;
+  if constexpr (!kRawInputs) slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
+  using InT = std::conditional_t<kRawInputs, typename In::type, float>;
+  TokenHeadInputs<EPL, InT> x_in;
+  load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);
   const detail::GateParams& gp = p.gate;
-  // Lanes holding sk_r compute u_r: they need v_r, of every tile.
-  float v[TPW];
+  InT v_in[TPW];
   const int64_t v_off = head_offset(p.v, n, 0, hv);
 #pragma unroll
   for (int t = 0; t < TPW; ++t) {
     const int vrow = row0 + t * RPW + (idx < R ? idx : 0) * RG;
-    v[t] = idx < R && vrow < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + vrow) : 0.0f;
+    if constexpr (kRawInputs)
+      v_in[t] = idx < R && vrow < p.V ? In::load_raw(p.v.ptr, p.v.dtype, v_off + vrow) : InT{};
+    else
+      v_in[t] = idx < R && vrow < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + vrow) : 0.0f;
   }
+  if constexpr (kRawInputs) slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
   if (slot < 0) {  // padding: zero output, state untouched
@@ -269,6 +281,7 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
                                      [&](int r, int) { return st + (RPW + r * RG) * K; });
 
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h).
+  TokenHeadInputs<EPL> x = widen(x_in);
   const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
   // The gate inline rather than load_gate_consts + token_gate: GDN loads dt_bias once here, and
   // the shared pair costs the 16-bit-state instantiations 4 more bytes of spills (ptxas).
@@ -299,7 +312,7 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
     }
     StateT* stt = st + t * RPW * K;
     float u_here;  // meaningful on the sk lanes
-    const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, v[t], beta, lane, u_here, [&](int r) {
+    const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, to_float(v_in[t]), beta, lane, u_here, [&](int r) {
       if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
     });
     store_output_rows<G, R>(p.out, o_off, p.V, rowt, RG, lane, red, u_here, kq);
