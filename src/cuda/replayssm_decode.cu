@@ -269,18 +269,9 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
   m = min(max(m, 0), L - 1);
   const bool flush = detail::replay_flushes(m, L, forced_flush);
 
-  // The token warps prepare it while their checkpoint loads and the ring copies are in flight
-  // where the registers allow (EPL <= 4: fp32 states, K <= 128); with 8 elements per lane
-  // (16-bit states, the generic kernel) holding the token's slices beside the rows spills, so
-  // they prepare first.
-  constexpr bool kPrepFirst = EPL > 4;
-  if (kPrepFirst) {
-    TokenHeadInputs<EPL> x = widen(x_in);
-    prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
-  }
-
-  // 1. The vector path's ring-record copies (issued before the rows' registers are live), the
-  //    checkpoint rows, then the generic path's staging (plain loads: after the rows' loads).
+  // 1. The vector path's ring-record copies (issued first: before the rows' registers are live
+  //    and before the 16-bit kernels' token preparation), the checkpoint rows, then the generic
+  //    path's staging (plain loads: after the rows' loads).
   float* g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * gw;
   const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
   const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
@@ -310,6 +301,16 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
         cp_async_commit();
       }
     }
+  }
+  // The token warps prepare it while their checkpoint loads and the ring copies are in flight
+  // where the registers allow (EPL <= 4: fp32 states, K <= 128); with 8 elements per lane
+  // (16-bit states, the generic kernel) holding the token's slices beside the rows spills, so
+  // they prepare it before their rows' loads, but after the ring copies have left (before them,
+  // the whole CTA's ring waited for the token's inputs and its preparation).
+  constexpr bool kPrepFirst = EPL > 4;
+  if (kPrepFirst) {
+    TokenHeadInputs<EPL> x = widen(x_in);
+    prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
   }
   // The checkpoint rows (every load in flight at once).
   StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
