@@ -72,16 +72,16 @@ for phase in "${phases[@]}"; do
       run build cmake --build "$BUILD" -j "$(nproc)" --target deltastate_python
       ;;
     test)
-      run test "$BUILD/tests/deltastate_gpu_tests"
+      # every GPU test (4 parallel shards: their CPU references dominate the run time)
+      run test gtest_sharded test '*'
       # every decode kernel on every decode-shaped case (the default picks one per call)
       for k in direct stream decode; do
-        DELTASTATE_CUDA_DECODE=$k run test "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 \
-          --gtest_filter='*Packed*:*4096*:*Graph*'
+        DELTASTATE_CUDA_DECODE=$k run test gtest_sharded test '*Packed*:*4096*:*Graph*'
       done
       # the decode kernel with 2 tiles per warp forced (the default picks 2 only for
       # grids of more than one wave, which the suite's cases are not)
-      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 run test \
-        "$BUILD/tests/deltastate_gpu_tests" --gtest_brief=1 --gtest_filter='*Packed*:*4096*:*Graph*'
+      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 run test gtest_sharded test \
+        '*Packed*:*4096*:*Graph*'
       # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size)
       for bpc in 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
