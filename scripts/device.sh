@@ -53,6 +53,11 @@ gtest_sharded() {  # gtest_sharded <phase> <filter>: the GPU suite's matching te
   return $rc
 }
 
+sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's matching tests
+  run sanitize compute-sanitizer --tool "$1" --error-exitcode 3 "$BUILD/tests/deltastate_gpu_tests" \
+    --gtest_filter="$2"
+}
+
 configure() {  # every CUDA kernel specialization, the Python module in the build tree
   run build cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DDELTASTATE_CUDA=ON -DDELTASTATE_CUDA_ALL_KERNELS=ON -DDELTASTATE_BUILD_PYTHON=ON \
@@ -97,28 +102,20 @@ for phase in "${phases[@]}"; do
     sanitize)
       # memcheck and racecheck on the GPU suite's small cases (every op, generic and fast kernels;
       # the large ones take minutes under the sanitizer).
-      run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter="${SANITIZE_FILTER:-*k96*:*odd*:*k64_*}"
-      run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
-        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter="${RACECHECK_FILTER:-*k96*:*k64v128*}"
+      sanitized memcheck "${SANITIZE_FILTER:-*k96*:*odd*:*k64_*}"
+      sanitized racecheck "${RACECHECK_FILTER:-*k96*:*k64v128*}"
       # the streaming kernel (shared-memory stages, bulk copies, mbarriers), forced on small cases
-      DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*:*B3*:*k64_*'
-      DELTASTATE_CUDA_DECODE=stream run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
-        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*partial_tile*'
-      # ReplaySSM with two row blocks per CTA (whole heads only: K=64 V=256 and Qwen3-Next; V=200
-      # falls back to one block)
-      DELTASTATE_CUDA_REPLAY_BPC=2 run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*GpuReplay*v200*:*GpuReplay*k64v256*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
-      DELTASTATE_CUDA_REPLAY_BPC=2 run sanitize compute-sanitizer --tool racecheck --error-exitcode 3 \
-        "$BUILD/tests/deltastate_gpu_tests" --gtest_filter='*GpuReplay*v200*:*GpuReplay*k64v256*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
+      DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*partial_tile*:*B3*:*k64_*'
+      DELTASTATE_CUDA_DECODE=stream sanitized racecheck '*partial_tile*'
+      # ReplaySSM with two row blocks per CTA forced where it applies (whole heads: K=64 V=256,
+      # Qwen3-Next), and V=200's partial last row block (one-block kernel)
+      replay='*GpuReplay*v200*:*GpuReplay*k64v256*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
+      DELTASTATE_CUDA_REPLAY_BPC=2 sanitized memcheck "$replay"
+      DELTASTATE_CUDA_REPLAY_BPC=2 sanitized racecheck "$replay"
       # the decode kernel's shared-memory tile (2 tiles per warp forced)
-      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 run sanitize compute-sanitizer \
-        --tool memcheck --error-exitcode 3 "$BUILD/tests/deltastate_gpu_tests" \
-        --gtest_filter='*partial_tile*:*B3*:*k64_*'
-      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 run sanitize compute-sanitizer \
-        --tool racecheck --error-exitcode 3 "$BUILD/tests/deltastate_gpu_tests" \
-        --gtest_filter='*partial_tile*'
+      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 sanitized memcheck \
+        '*partial_tile*:*B3*:*k64_*'
+      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 sanitized racecheck '*partial_tile*'
       ;;
     check)
       run check python3 bench/check_cuda_vs_cpu.py

@@ -111,7 +111,6 @@ DS_HD int64_t load_index(const void* p, DType t, int64_t i) {
                          : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
-
 // n / d for 0 <= n, d < 2^15 without a division instruction (kernels that derive an index from
 // the grid, such as the key head hv / (HV / H) of a value head): n * m >> 31 with
 // m = ceil(2^31 / d), chosen once per launch on the host. Exact: the error term

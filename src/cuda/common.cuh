@@ -182,6 +182,16 @@ struct AnyInput {
   }
 };
 
+// An input element as T: converted as loaded (T = float) or in its own type (T = In::type, for a
+// kernel that converts it later, where it is used).
+template <class In, class T>
+__device__ __forceinline__ T load_input(const void* p, DType t, int64_t i) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, typename In::type>,
+                "inputs: converted (float) or raw (the input type)");
+  if constexpr (std::is_same_v<T, float>) return In::load(p, t, i);
+  else return In::load_raw(p, t, i);
+}
+
 // A 32-bit load issued where it stands (read-only data; _cg: data other CTAs of the launch write,
 // read at L2). Volatile asm is neither deleted nor sunk past a branch, so a load whose value only
 // a later test uses still leaves first: nvcc moved the ReplaySSM cursor load behind the slot's
@@ -226,12 +236,7 @@ __device__ __forceinline__ void load_token_head(const Problem& p, const detail::
                                                 const detail::HeadInput& beta_in, int64_t seq,
                                                 int64_t tok, int h, int hv, int kofs, int valid,
                                                 TokenHeadInputs<EPL, T>& x) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, typename In::type>,
-                "token inputs: converted (float) or raw (the input type)");
-  auto ld = [](const void* ptr, DType dt, int64_t i) -> T {
-    if constexpr (std::is_same_v<T, float>) return In::load(ptr, dt, i);
-    else return In::load_raw(ptr, dt, i);
-  };
+  auto ld = [](const void* ptr, DType dt, int64_t i) { return load_input<In, T>(ptr, dt, i); };
   const int64_t q_off = head_offset(p.q, seq, tok, h) + kofs;
   const int64_t k_off = head_offset(p.k, seq, tok, h) + kofs;
   const int64_t g_off = head_offset(gate_in, seq, tok, hv);

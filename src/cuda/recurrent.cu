@@ -211,15 +211,19 @@ __global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
 // lane its own words, so no barrier) while the first is computed from registers: the slot, the
 // token and its preparation are shared by both tiles, and each warp has two tiles of state in
 // flight from its start. (4 tiles per warp spilled and measured slower: fifth session, run 2.)
+// Its CTAs: 2 warps, 12 resident per SM at 80 registers, so 24 warps per SM.
+constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;
+constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
+
 template <class StateT, int K, class In, int TPW>
-__global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const RecurrentProblem p,
-                                                                   int warps_per_head) {
+__global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
+    recurrent_decode_kernel(const RecurrentProblem p, int warps_per_head) {
   static_assert(TPW == 1 || TPW == 2, "one or two tiles per warp");
   using Lay = RowLayout<StateT, K>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;  // rows per tile
   const int lane = threadIdx.x & 31;
-  const int w = static_cast<int>(blockIdx.x) * 2 + static_cast<int>(threadIdx.x >> 5);
+  const int w = static_cast<int>(blockIdx.x) * kDecodeCtaWarps + static_cast<int>(threadIdx.x >> 5);
   if (w >= static_cast<int>(p.num_heads_total()) * warps_per_head) return;
   const HeadBlock c = head_block(p, w, warps_per_head);
   const int n = c.n, hv = c.hv, h = c.h;
@@ -236,7 +240,7 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
   // one spilled 12 more bytes there (ptxas), and it has not been measured for them.
   constexpr bool kRawInputs = EPL <= 4;
   int64_t slot = 0;
-  if constexpr (!kRawInputs) slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
+  if constexpr (!kRawInputs) slot = slot_of(p, n);
   using InT = std::conditional_t<kRawInputs, typename In::type, float>;
   TokenHeadInputs<EPL, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);
@@ -246,12 +250,9 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
 #pragma unroll
   for (int t = 0; t < TPW; ++t) {
     const int vrow = row0 + t * RPW + (idx < R ? idx : 0) * RG;
-    if constexpr (kRawInputs)
-      v_in[t] = idx < R && vrow < p.V ? In::load_raw(p.v.ptr, p.v.dtype, v_off + vrow) : InT{};
-    else
-      v_in[t] = idx < R && vrow < p.V ? In::load(p.v.ptr, p.v.dtype, v_off + vrow) : 0.0f;
+    v_in[t] = idx < R && vrow < p.V ? load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + vrow) : InT{};
   }
-  if constexpr (kRawInputs) slot = p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
+  if constexpr (kRawInputs) slot = slot_of(p, n);
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
   if (slot < 0) {  // padding: zero output, state untouched
@@ -320,12 +321,11 @@ __global__ void __launch_bounds__(64, 12) recurrent_decode_kernel(const Recurren
 }
 
 // Tiles per warp of the decode kernel. With w1 warps at one tile per warp and a resident
-// capacity of 24 warps per SM (80 registers, 64-thread CTAs): 2 where that halves a partial
+// capacity of kDecodeWarpsPerSm (24) warps per SM: 2 where that halves a partial
 // second wave (capacity < w1 <= 2x capacity, e.g. B=8 at HV=32, V=K=128: 12.1 vs 12.4 us GDN,
 // 12.5 vs 13.6 KDA fp32, 8.7 vs 10.2 GDN bf16) and from 8 waves up (fp32 B=256: 277.9 vs 284.9
 // us), else 1 (fp32 B=16-32 and B <= 2 measured slower with 2). Fifth session, run 2
 // (docs/PERFORMANCE.md). DELTASTATE_CUDA_DECODE_TPW=1|2 forces it.
-constexpr int kDecodeWarpsPerSm = 24;
 int decode_tiles_per_warp(const RecurrentProblem& p, int tiles_per_head) {
   static const int forced = env_override("DELTASTATE_CUDA_DECODE_TPW", {1, 2});
   if (forced) return forced;
@@ -347,9 +347,11 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
   const int64_t warps = p.num_heads_total() * wph;
   if (warps > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
-  using Lay = RowLayout<StateT, K>;  // 2 warps per CTA, each with one staged tile when TPW = 2
-  constexpr int smem = TPW == 2 ? 2 * Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT)) : 0;
-  recurrent_decode_kernel<StateT, K, In, TPW><<<static_cast<unsigned>((warps + 1) / 2), 64, smem, stream>>>(p, wph);
+  using Lay = RowLayout<StateT, K>;  // each warp with one staged tile when TPW = 2
+  constexpr int smem =
+      TPW == 2 ? kDecodeCtaWarps * Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT)) : 0;
+  const auto ctas = static_cast<unsigned>((warps + kDecodeCtaWarps - 1) / kDecodeCtaWarps);
+  recurrent_decode_kernel<StateT, K, In, TPW><<<ctas, kDecodeCtaWarps * 32, smem, stream>>>(p, wph);
   DS_CUDA_CHECK(cudaGetLastError());
 }
 

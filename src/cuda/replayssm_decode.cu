@@ -171,14 +171,16 @@ __device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
   return to_float(reinterpret_cast<const T*>(base)[i]);
 }
 
-// The two-block kernel (BPC = 2) runs only on whole heads of two 8-warp row blocks (the launcher's
-// rule: V a multiple of 2 * 8 warps' rows), so its CTA size, row counts and row bounds are
-// compile-time: no row checks, and its addresses are base + constant offsets (ncu, sixth session:
-// the bounds checks and per-row 64-bit address arithmetic were ~40% of its instructions).
-constexpr int kReplayFullWarps = 8;
+// The most warps per CTA (launch() says why). The two-block kernel (BPC = 2) runs only on whole
+// heads of two such row blocks (the launcher's rule: V a multiple of 2 * 8 warps' rows), so its
+// CTA size, row counts and row bounds are compile-time: no row checks, and its addresses are
+// base + constant offsets (ncu, sixth session: the bounds checks and per-row 64-bit address
+// arithmetic were ~40% of its instructions).
+constexpr int kReplayWarps = 8;
 
 template <class StateT, int KT, bool VEC, class In, int BPC>
-__global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
+__global__ void __launch_bounds__(kReplayWarps * 32, 3)
+    replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;    // rows per warp
@@ -195,7 +197,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
   const int h = group_div.divide(hv);  // hv / (HV / H)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int nwarps = kFull ? kReplayFullWarps : static_cast<int>(blockDim.x >> 5);
+  const int nwarps = kFull ? kReplayWarps : static_cast<int>(blockDim.x >> 5);
   const int nthreads = nwarps * 32;
   const int L = p.L, V = p.V;
   const int K = VEC ? KT : p.K;  // compile-time on the vector path
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
 #pragma unroll
   for (int b = 0; b < BPC; ++b) {
     const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
-    v_in[b] = idx < R && row_ok(vrow) ? In::load_raw(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : InT{};
+    v_in[b] = idx < R && row_ok(vrow) ? load_input<In, InT>(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : InT{};
   }
   TokenHeadInputs<EPL, InT> x_in;
   GateConsts<EPL> gc;
@@ -308,10 +310,11 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
   // they prepare it before their rows' loads, but after the ring copies have left (before them,
   // the whole CTA's ring waited for the token's inputs and its preparation).
   constexpr bool kPrepFirst = EPL > 4;
-  if (kPrepFirst) {
+  auto prep = [&] {
     TokenHeadInputs<EPL> x = widen(x_in);
     prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
-  }
+  };
+  if (kPrepFirst) prep();
   // The checkpoint rows (every load in flight at once).
   StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
                static_cast<int64_t>(hv) * V * K;
@@ -341,10 +344,7 @@ __global__ void __launch_bounds__(256, 3) replay_kernel(const ReplayProblem p, c
                        p.d_dtype, d_ring + row_base, V, m, rows_here);
     }
   }
-  if (!kPrepFirst) {
-    TokenHeadInputs<EPL> x = widen(x_in);
-    prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
-  }
+  if (!kPrepFirst) prep();
   if constexpr (VEC) cp_async_wait<BPC - 1>();  // warp 0's cp.async of GDN's g records
   __syncthreads();  // the token and the records staged; every thread has read the cursor
   if (VEC && m > 0) mbar_wait(bar, 0);  // thread 0's bulk copies
@@ -589,7 +589,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
   using Lay = RowLayout<StateT, KT>;
   const int rows_per_warp = Lay::RG * Lay::ROWS;
   const int warps_needed = (p.V + rows_per_warp - 1) / rows_per_warp;
-  const int warps = warps_needed < 8 ? warps_needed : 8;
+  const int warps = warps_needed < kReplayWarps ? warps_needed : kReplayWarps;
   const int vblocks = (warps_needed + warps - 1) / warps;
   // The cursor's low 16 bits hold it during a launch; the shared-memory layout is int arithmetic.
   if (p.L > 4096)
@@ -607,7 +607,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
     const bool two = forced ? forced == 2
                             : static_cast<int64_t>(p.B) * p.HV * vblocks >=
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
-    if (two && warps == kReplayFullWarps && p.V % (2 * rows_blk) == 0) {
+    if (two && warps == kReplayWarps && p.V % (2 * rows_blk) == 0) {
       const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 2);
       if (sm2.bytes <= max_smem) return launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
     }
