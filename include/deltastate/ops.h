@@ -54,6 +54,15 @@ struct PackedDecodeArgs {
   // traps the kernel with a message, so the check costs nothing when off).
   std::optional<bool> check_indices;
   Stream stream = nullptr;
+  // Programmatic dependent launch (CUDA; ignored on the CPU): the kernel is launched with
+  // cudaLaunchAttributeProgrammaticStreamSerialization, so its CTAs may be scheduled while the
+  // stream's previous kernel is still running, which hides the launch latency between dependent
+  // kernels (also inside CUDA graphs). The kernel reads and writes no global memory before the
+  // previous grid has completed and its writes are visible (griddepcontrol.wait), so results are
+  // the same as without it. With it, a launch that fills at most half of the GPU also lets the
+  // next PDL-launched kernel on the stream be scheduled right away (larger ones let it in as
+  // their CTAs exit). Measured on the H200 (docs/PERFORMANCE.md): it pays at small batches.
+  bool pdl = false;
 };
 void gdn_packed_decode(const PackedDecodeArgs& args);
 void kda_packed_decode(const PackedDecodeArgs& args);
@@ -83,6 +92,7 @@ struct RecurrentArgs {
   bool use_qk_l2norm = true;
   std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;
+  bool pdl = false;  // as PackedDecodeArgs
 };
 void recurrent_gdn(const RecurrentArgs& args);
 // KDA also enforces the compiled stride contract on its `state` (pooled or not): slot stride a
@@ -117,6 +127,7 @@ struct ReplayDecodeArgs {
   bool advance_write_pos = false;
   std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;
+  bool pdl = false;  // as PackedDecodeArgs
 };
 void replayssm_decode(const ReplayDecodeArgs& args);
 

@@ -165,6 +165,7 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   p.index_dtype = idx.dtype;
   p.update_state = true;
   p.check_indices = check;
+  p.pdl = args.pdl;
   p.device = c.common_device();
   return p;
 }

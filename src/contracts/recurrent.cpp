@@ -227,6 +227,7 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
     p.final_dtype = args.final_state->dtype;
   }
   p.check_indices = check;
+  p.pdl = args.pdl;
   p.device = c.common_device();
   return p;
 }

@@ -193,6 +193,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.force_flush = args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
   p.advance_write_pos = args.advance_write_pos;
   p.check_indices = check;
+  p.pdl = args.pdl;
   p.device = c.common_device();
   return p;
 }

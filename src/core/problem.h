@@ -81,6 +81,8 @@ struct RecurrentProblem {
   void* final_state = nullptr;        // [N, HV, V, K] dense, optional
   DType final_dtype = DType::f32;
   bool check_indices = false;         // CUDA: trap on an index >= num_slots
+  bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
+  bool pdl_trigger_early = false;     // CUDA, set per launch: enter_grid (cuda/common.cuh)
   Device device{};
 
   DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
@@ -105,6 +107,8 @@ struct ReplayProblem {
   const int32_t* force_flush = nullptr;  // [B] or null
   bool advance_write_pos = false;
   bool check_indices = false;
+  bool pdl = false;
+  bool pdl_trigger_early = false;
   Device device{};
 };
 

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "core/delta_math.h"
 #include "core/problem.h"
@@ -94,6 +95,53 @@ class PerDeviceOnce {
   std::array<std::atomic<int>, kMaxDevices> values_{};
   std::mutex mu_;
 };
+
+// Programmatic dependent launch (PDL, compute capability 9.0). Every kernel of the backend starts
+// with enter_grid(): it waits until the grids this one depends on have completed and their memory
+// is visible (launched without the PDL attribute, the wait returns at once: the stream already
+// ordered the grids, so the kernels need no second variant; nothing before it may touch global
+// memory). With `trigger_early` it then lets the next PDL-launched grid on the stream be scheduled
+// at once (its CTAs wait in their own enter_grid); otherwise that happens as this grid's CTAs exit.
+// Launchers trigger early only for grids that leave room on the GPU for the next one
+// (pdl_trigger_early): early triggers made one-wave grids slower (B=4 decode 7.3 -> 8.2 us, B=8
+// 12.2 -> 14.0) and small ones faster (B=1 4.1 -> 3.6); seventh session, runs 1-2.
+__device__ __forceinline__ void enter_grid(bool trigger_early) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (trigger_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether a launch of `ctas` CTAs, at most `resident_per_sm` of them resident per SM, triggers the
+// next PDL grid early (enter_grid): when it fills at most half of the GPU's CTA slots.
+// DELTASTATE_CUDA_PDL_TRIGGER=1 (early) | 2 (at exit) forces it (benchmarks).
+bool pdl_trigger_early(int64_t ctas, int resident_per_sm, int device);
+// The problem as one launch passes it to its kernel: pdl_trigger_early set for that launch (only
+// with pdl; without it the next grid is let in as this one's CTAs exit).
+template <class Problem>
+Problem with_pdl_trigger(Problem p, int64_t ctas, int resident_per_sm) {
+  p.pdl_trigger_early = p.pdl && pdl_trigger_early(ctas, resident_per_sm, p.device.index);
+  return p;
+}
+
+// Launches `kernel` on `stream`, with programmatic stream serialization when `pdl` (the grid may
+// be scheduled while the stream's previous kernel is still running; enter_grid orders memory).
+// Kernel parameters are passed by value, as with <<<...>>>.
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                   cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = pdl ? attr : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  DS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 template <class StateT, int KT>
 struct RowLayout {

@@ -27,6 +27,12 @@ int max_smem_optin(int device) {
   return cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device);
 }
 
+bool pdl_trigger_early(int64_t ctas, int resident_per_sm, int device) {
+  static const int forced = env_override("DELTASTATE_CUDA_PDL_TRIGGER", {1, 2});
+  if (forced) return forced == 1;
+  return 2 * ctas <= static_cast<int64_t>(resident_per_sm) * num_sms(device);
+}
+
 void* device_alloc(size_t bytes, int device) {
   DeviceGuard guard(device);
   void* p = nullptr;

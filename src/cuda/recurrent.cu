@@ -154,6 +154,7 @@ __device__ __forceinline__ void write_state(const RecurrentProblem& p, const Til
 template <class StateT, int KT, bool VEC, class In>
 __global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
     const RecurrentProblem p, int warps_per_head) {
+  enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   const int lane = threadIdx.x & 31;
@@ -219,6 +220,7 @@ template <class StateT, int K, class In, int TPW>
 __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     recurrent_decode_kernel(const RecurrentProblem p, int warps_per_head) {
   static_assert(TPW == 1 || TPW == 2, "one or two tiles per warp");
+  enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, K>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;  // rows per tile
@@ -351,8 +353,8 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
   constexpr int smem =
       TPW == 2 ? kDecodeCtaWarps * Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT)) : 0;
   const auto ctas = static_cast<unsigned>((warps + kDecodeCtaWarps - 1) / kDecodeCtaWarps);
-  recurrent_decode_kernel<StateT, K, In, TPW><<<ctas, kDecodeCtaWarps * 32, smem, stream>>>(p, wph);
-  DS_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(recurrent_decode_kernel<StateT, K, In, TPW>, ctas, kDecodeCtaWarps * 32, smem, stream,
+                p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
 }
 
 template <class StateT, int K, class In>
@@ -499,6 +501,7 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
   auto prep_rec = [&](int s) { return reinterpret_cast<float*>(smem + Lay::PREP_OFS + s * Lay::PREP_BYTES); };
   auto prep_sc = [&](int s) { return reinterpret_cast<StagePrep*>(prep_rec(s) + Lay::PREP_FLOATS); };
 
+  enter_grid(p.pdl_trigger_early);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n_local = (ntiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
                       static_cast<int>(gridDim.x);
@@ -678,9 +681,9 @@ void launch_stream(const RecurrentProblem& p, cudaStream_t stream) {
   if (ntiles == 0) return;
   const int64_t max_ctas = static_cast<int64_t>(stream_ctas_per_sm<StateT, K, In>(p.device.index)) * num_sms(p.device.index);
   const int ctas = static_cast<int>(ntiles < max_ctas ? ntiles : max_ctas);
-  recurrent_stream_kernel<StateT, K, In><<<ctas, Lay::THREADS, Lay::SMEM_BYTES, stream>>>(
-      p, vblocks, static_cast<int>(ntiles));
-  DS_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(recurrent_stream_kernel<StateT, K, In>, ctas, Lay::THREADS, Lay::SMEM_BYTES, stream,
+                p.pdl, with_pdl_trigger(p, ctas, stream_ctas_per_sm<StateT, K, In>(p.device.index)),
+                vblocks, static_cast<int>(ntiles));
 }
 
 template <class StateT, int KT, bool VEC, class In>
@@ -691,8 +694,8 @@ void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
   const int warps = tiles < 8LL * num_sms(p.device.index) ? 1 : 4;
   const int64_t ctas = (tiles + warps - 1) / warps;
   if (tiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
-  recurrent_direct_kernel<StateT, KT, VEC, In><<<static_cast<unsigned>(ctas), warps * 32, 0, stream>>>(p, wph);
-  DS_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(recurrent_direct_kernel<StateT, KT, VEC, In>, static_cast<unsigned>(ctas), warps * 32, 0,
+                stream, p.pdl, with_pdl_trigger(p, ctas, DS_MIN_BLOCKS * 4 / warps), wph);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS

@@ -177,9 +177,10 @@ __device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
 // base + constant offsets (ncu, sixth session: the bounds checks and per-row 64-bit address
 // arithmetic were ~40% of its instructions).
 constexpr int kReplayWarps = 8;
+constexpr int kReplayCtasPerSm = 3;  // resident 8-warp CTAs per SM (80 registers)
 
 template <class StateT, int KT, bool VEC, class In, int BPC>
-__global__ void __launch_bounds__(kReplayWarps * 32, 3)
+__global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
@@ -191,6 +192,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, 3)
   static_assert(BPC == 1 || (BPC == 2 && VEC), "two row blocks per CTA: vector path only");
   constexpr bool kFull = BPC == 2;  // whole 8-warp blocks, every row below V
   extern __shared__ __align__(16) unsigned char smem[];
+  enter_grid(p.pdl_trigger_early);
 
   const int n = static_cast<int>(blockIdx.x);  // the grid is (B, HV, V-blocks): no divisions
   const int hv = static_cast<int>(blockIdx.y);
@@ -576,9 +578,9 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
   }
   dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
             static_cast<unsigned>((vblocks + BPC - 1) / BPC));
-  replay_kernel<StateT, KT, VEC, In, BPC>
-      <<<grid, warps * 32, sm.bytes, stream>>>(p, detail::SmallDivider::of(p.HV / p.H));
-  DS_CUDA_CHECK(cudaGetLastError());
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  launch_kernel(replay_kernel<StateT, KT, VEC, In, BPC>, grid, warps * 32, sm.bytes, stream, p.pdl,
+                with_pdl_trigger(p, ctas, kReplayCtasPerSm), detail::SmallDivider::of(p.HV / p.H));
 }
 
 // Warps per CTA: 8 (the ring work and the token shared by 8 warps' rows), fewer only when V has
