@@ -9,6 +9,12 @@ stream, without host synchronization or allocation (when the caller passes the o
 tensors, checked before anything is written; off for CUDA tensors, where it is a debug option that
 traps the kernel on an out-of-range index).
 
+``pdl`` (keyword, default False): programmatic dependent launch on CUDA. The kernel is launched
+with the programmatic-stream-serialization attribute, so it may be scheduled while the stream's
+previous kernel is still running and waits on the device (``griddepcontrol.wait``) before it touches
+global memory: it hides the launch gap between back-to-back dependent kernels, in CUDA graphs too
+(decode loops on Hopper). Results are bit-identical to ``pdl=False``; ignored on the CPU.
+
 Under torch.compile (``torch.compiler.is_compiling()``) the functions call the torch custom ops of
 :mod:`deltastate.torch_ops` instead, so a compiled model does not graph-break on them; eager calls go
 straight to the tvm-ffi module.
@@ -29,15 +35,15 @@ _replay = lib.replayssm_decode
 # Argument names of the tvm-ffi functions, position by position (for TypeError messages).
 _PD_ARGS = ("is_kda", "mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "out",
             "ssm_state_indices", "use_qk_l2norm_in_kernel", "lower_bound", "round_beta",
-            "check_indices")
+            "check_indices", "pdl")
 _REC_ARGS = ("is_kda", "q", "k", "v", "g", "beta", "output", "A_log", "dt_bias",
              "use_gate_in_kernel", "lower_bound", "beta_is_logit", "scale", "initial_state",
              "ssm_state_indices", "cu_seqlens", "final_state", "update_state",
-             "use_qk_l2norm_in_kernel", "check_indices")
+             "use_qk_l2norm_in_kernel", "check_indices", "pdl")
 _REPLAY_ARGS = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "d_cache",
                 "k_cache", "g_cache", "out", "ssm_state_indices", "write_pos", "force_flush",
                 "is_kda", "use_qk_l2norm_in_kernel", "lower_bound", "advance_write_pos",
-                "check_indices")
+                "check_indices", "pdl")
 
 
 # ---- torch.compile routing --------------------------------------------------------------------
@@ -144,11 +150,11 @@ def _arg_error(op: str, names, args, exc: BaseException) -> BaseException:
 
 # ---- packed decode ----------------------------------------------------------------------------
 def _packed_decode(is_kda, op_name, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
-                   ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices):
+                   ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices, pdl):
     if _is_compiling():
         top = _tops.ops.kda_packed_decode if is_kda else _tops.ops.gdn_packed_decode
         top(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state, out, ssm_state_indices,
-            bool(use_qk_l2norm_in_kernel), lb, bool(round_beta), _check(check_indices))
+            bool(use_qk_l2norm_in_kernel), lb, bool(round_beta), _check(check_indices), bool(pdl))
         return out, initial_state
     # The hot path: arguments normalized inline (identity checks for the common values).
     try:
@@ -158,10 +164,11 @@ def _packed_decode(is_kda, op_name, mixed_qkv, a, b, A_log, dt_bias, scale, init
             use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
             else bool(use_qk_l2norm_in_kernel),
             lb, round_beta if round_beta is False else bool(round_beta),
-            -1 if check_indices is None else _check(check_indices))
+            -1 if check_indices is None else _check(check_indices),
+            pdl if pdl is False else bool(pdl))
     except (TypeError, BufferError) as e:
         args = (is_kda, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
-                ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices)
+                ssm_state_indices, use_qk_l2norm_in_kernel, lb, round_beta, check_indices, pdl)
         raise _arg_error(op_name, _PD_ARGS, args, e) from None
     return out, initial_state
 
@@ -169,7 +176,7 @@ def _packed_decode(is_kda, op_name, mixed_qkv, a, b, A_log, dt_bias, scale, init
 def fused_recurrent_gated_delta_rule_packed_decode(
     mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
     use_qk_l2norm_in_kernel: bool = True, *, round_beta: bool = False,
-    check_indices: Optional[bool] = None,
+    check_indices: Optional[bool] = None, pdl: bool = False,
 ):
     """GDN packed decode (T=1). Returns ``(out, initial_state)``, both updated in place.
 
@@ -178,20 +185,20 @@ def fused_recurrent_gated_delta_rule_packed_decode(
     """
     return _packed_decode(False, "fused_recurrent_gated_delta_rule_packed_decode", mixed_qkv, a, b,
                           A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
-                          use_qk_l2norm_in_kernel, None, round_beta, check_indices)
+                          use_qk_l2norm_in_kernel, None, round_beta, check_indices, pdl)
 
 
 def fused_recurrent_kda_packed_decode(
     mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
     use_qk_l2norm_in_kernel: bool = True, lower_bound: Optional[float] = None, *,
-    round_beta: bool = False, check_indices: Optional[bool] = None,
+    round_beta: bool = False, check_indices: Optional[bool] = None, pdl: bool = False,
 ):
     """KDA packed decode (T=1). As the GDN op, with a [B, HV*K] and dt_bias [HV*K];
     ``lower_bound`` selects the safe gate. Returns ``(out, initial_state)``."""
     lb = None if lower_bound is None else _opt_float(lower_bound, "lower_bound")
     return _packed_decode(True, "fused_recurrent_kda_packed_decode", mixed_qkv, a, b, A_log,
                           dt_bias, scale, initial_state, out, ssm_state_indices,
-                          use_qk_l2norm_in_kernel, lb, round_beta, check_indices)
+                          use_qk_l2norm_in_kernel, lb, round_beta, check_indices, pdl)
 
 
 # ---- recurrent (B,T and varlen) ---------------------------------------------------------------
@@ -215,7 +222,7 @@ def _new_like(op, ref, name, shape=None, float32=False):
 
 def _recurrent(is_kda, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, cu_seqlens,
-               ssm_state_indices, output, beta_is_logit, check_indices):
+               ssm_state_indices, output, beta_is_logit, check_indices, pdl):
     op = "recurrent_kda" if is_kda else "recurrent_gated_delta_rule"
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t is None:
@@ -229,7 +236,7 @@ def _recurrent(is_kda, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, o
         return _tops.recurrent(bool(is_kda), q, k, v, g, beta, A_log, dt_bias, sc, initial_state,
                                bool(output_final_state), bool(use_qk_l2norm_in_kernel),
                                bool(use_gate_in_kernel), lb, cu_seqlens, ssm_state_indices, output,
-                               bool(beta_is_logit), _check(check_indices))
+                               bool(beta_is_logit), _check(check_indices), bool(pdl))
     if output is None:
         output = _new_like(op, v, "v")
     final_state = None
@@ -240,7 +247,8 @@ def _recurrent(is_kda, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, o
             final_state = _new_like(op, q, "q", (n, vs[2], vs[3], qs[3]), float32=True)
     args = (bool(is_kda), q, k, v, g, beta, output, A_log, dt_bias, bool(use_gate_in_kernel), lb,
             bool(beta_is_logit), sc, initial_state, ssm_state_indices, cu_seqlens, final_state,
-            pooled, bool(use_qk_l2norm_in_kernel), _check(check_indices))
+            pooled, bool(use_qk_l2norm_in_kernel), _check(check_indices),
+            pdl if pdl is False else bool(pdl))
     try:
         _rec(*args)
     except (TypeError, BufferError) as e:
@@ -253,7 +261,8 @@ def _recurrent(is_kda, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, o
 def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                   output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
                   lower_bound=None, cu_seqlens=None, ssm_state_indices=None, output=None,
-                  beta_is_logit=False, *, check_indices: Optional[bool] = None):
+                  beta_is_logit=False, *, check_indices: Optional[bool] = None,
+                  pdl: bool = False):
     """Recurrent KDA over a pool: q, k [B,T,H,K] (or [1,T_total,H,K] with cu_seqlens [N+1]),
     v [B,T,HV,V], g [B,T,HV,K] (log decay; the raw gate input with use_gate_in_kernel), beta
     [B,T,HV]. With ssm_state_indices the pool initial_state [slots,HV,V,K] is updated in place and
@@ -262,7 +271,7 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
     of 16 elements, base 32-byte aligned). Returns ``(o, final_state)``."""
     return _recurrent(True, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                      cu_seqlens, ssm_state_indices, output, beta_is_logit, check_indices)
+                      cu_seqlens, ssm_state_indices, output, beta_is_logit, check_indices, pdl)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
@@ -270,11 +279,11 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale
                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
                                lower_bound=None, cu_seqlens=None, ssm_state_indices=None,
                                output=None, beta_is_logit=False, *,
-                               check_indices: Optional[bool] = None):
+                               check_indices: Optional[bool] = None, pdl: bool = False):
     """Recurrent GDN: as :func:`recurrent_kda` with g [B,T,HV] (one decay per value head)."""
     return _recurrent(False, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                      cu_seqlens, ssm_state_indices, output, beta_is_logit, check_indices)
+                      cu_seqlens, ssm_state_indices, output, beta_is_logit, check_indices, pdl)
 
 
 # ---- ReplaySSM --------------------------------------------------------------------------------
@@ -282,7 +291,7 @@ def fused_recurrent_linear_replayssm_decode(
     mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
     ssm_state_indices, write_pos, force_flush=None, *, is_kda: bool = False,
     use_qk_l2norm_in_kernel: bool = True, lower_bound: Optional[float] = None,
-    advance_write_pos: bool = False, check_indices: Optional[bool] = None,
+    advance_write_pos: bool = False, check_indices: Optional[bool] = None, pdl: bool = False,
 ):
     """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``). The checkpoint pool
     initial_state is written only on a flush (write_pos == L-1 or force_flush != 0); otherwise the
@@ -293,7 +302,7 @@ def fused_recurrent_linear_replayssm_decode(
         _tops.ops.replayssm_decode(mixed_qkv, a, b, A_log, dt_bias, _scale(scale), initial_state,
                                    d_cache, k_cache, g_cache, out, ssm_state_indices, write_pos,
                                    force_flush, bool(is_kda), bool(use_qk_l2norm_in_kernel), lb,
-                                   bool(advance_write_pos), _check(check_indices))
+                                   bool(advance_write_pos), _check(check_indices), bool(pdl))
         return out
     try:
         _replay(mixed_qkv, a, b, A_log, dt_bias, scale if type(scale) is float else _scale(scale),
@@ -302,11 +311,12 @@ def fused_recurrent_linear_replayssm_decode(
                 use_qk_l2norm_in_kernel if use_qk_l2norm_in_kernel is True
                 else bool(use_qk_l2norm_in_kernel),
                 lb, advance_write_pos if type(advance_write_pos) is bool else bool(advance_write_pos),
-                -1 if check_indices is None else _check(check_indices))
+                -1 if check_indices is None else _check(check_indices),
+                pdl if pdl is False else bool(pdl))
     except (TypeError, BufferError) as e:
         args = (mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                 out, ssm_state_indices, write_pos, force_flush, is_kda, use_qk_l2norm_in_kernel, lb,
-                advance_write_pos, check_indices)
+                advance_write_pos, check_indices, pdl)
         raise _arg_error("fused_recurrent_linear_replayssm_decode", _REPLAY_ARGS, args, e) from None
     return out
 

@@ -25,7 +25,7 @@ _PACKED = (
     "Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float scale, "
     "Tensor(a!) initial_state, Tensor(b!) out, Tensor ssm_state_indices, "
     "bool use_qk_l2norm_in_kernel=True, float? lower_bound=None, bool round_beta=False, "
-    "int check_indices=-1"
+    "int check_indices=-1, bool pdl=False"
 )
 # `initial_state` is only read (a [N, HV, V, K] start state); `state_pool` is the pool that
 # `ssm_state_indices` index and that the op updates in place. At most one of them is given.
@@ -34,14 +34,14 @@ _RECURRENT = (
     "Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, "
     "float? scale, Tensor? initial_state, Tensor(b!)? state_pool, Tensor? ssm_state_indices, "
     "Tensor? cu_seqlens, Tensor(c!)? final_state, bool use_qk_l2norm_in_kernel, "
-    "int check_indices=-1"
+    "int check_indices=-1, bool pdl=False"
 )
 _REPLAY = (
     "Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float scale, "
     "Tensor(a!) initial_state, Tensor(b!) d_cache, Tensor(c!) k_cache, Tensor(d!) g_cache, "
     "Tensor(e!) out, Tensor ssm_state_indices, Tensor(f!) write_pos, Tensor? force_flush, "
     "bool is_kda=False, bool use_qk_l2norm_in_kernel=True, float? lower_bound=None, "
-    "bool advance_write_pos=False, int check_indices=-1"
+    "bool advance_write_pos=False, int check_indices=-1, bool pdl=False"
 )
 
 SCHEMAS = {
@@ -56,10 +56,11 @@ SCHEMAS = {
 # ---- real implementations (CPU and CUDA dispatch keys) ----------------------------------------
 def _packed(is_kda):
     def impl(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
-             use_qk_l2norm_in_kernel=True, lower_bound=None, round_beta=False, check_indices=-1):
+             use_qk_l2norm_in_kernel=True, lower_bound=None, round_beta=False, check_indices=-1,
+             pdl=False):
         _ffi.packed_decode(is_kda, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
                            ssm_state_indices, use_qk_l2norm_in_kernel,
-                           lower_bound if is_kda else None, round_beta, check_indices)
+                           lower_bound if is_kda else None, round_beta, check_indices, pdl)
 
     return impl
 
@@ -67,22 +68,23 @@ def _packed(is_kda):
 def _recurrent(is_kda):
     def impl(q, k, v, g, beta, output, A_log, dt_bias, use_gate_in_kernel, lower_bound,
              beta_is_logit, scale, initial_state, state_pool, ssm_state_indices, cu_seqlens,
-             final_state, use_qk_l2norm_in_kernel, check_indices=-1):
+             final_state, use_qk_l2norm_in_kernel, check_indices=-1, pdl=False):
         pooled = state_pool is not None
         _ffi.recurrent(is_kda, q, k, v, g, beta, output, A_log, dt_bias, use_gate_in_kernel,
                        lower_bound, beta_is_logit, scale,
                        state_pool if pooled else initial_state, ssm_state_indices, cu_seqlens,
-                       final_state, pooled, use_qk_l2norm_in_kernel, check_indices)
+                       final_state, pooled, use_qk_l2norm_in_kernel, check_indices, pdl)
 
     return impl
 
 
 def _replay(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
             ssm_state_indices, write_pos, force_flush, is_kda=False, use_qk_l2norm_in_kernel=True,
-            lower_bound=None, advance_write_pos=False, check_indices=-1):
+            lower_bound=None, advance_write_pos=False, check_indices=-1, pdl=False):
     _ffi.replayssm_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache,
                           g_cache, out, ssm_state_indices, write_pos, force_flush, is_kda,
-                          use_qk_l2norm_in_kernel, lower_bound, advance_write_pos, check_indices)
+                          use_qk_l2norm_in_kernel, lower_bound, advance_write_pos, check_indices,
+                          pdl)
 
 
 IMPLS = {
@@ -122,7 +124,7 @@ ops = getattr(torch.ops, NAMESPACE)
 # ---- the public functions' traced path ----------------------------------------------------------
 def recurrent(is_kda, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
               use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, cu_seqlens,
-              ssm_state_indices, output, beta_is_logit, check_indices):
+              ssm_state_indices, output, beta_is_logit, check_indices, pdl=False):
     """What :func:`deltastate.recurrent_kda` / ``recurrent_gated_delta_rule`` do while torch.compile
     traces them: allocate the outputs with torch, then call the custom op."""
     if output is None:
@@ -136,7 +138,7 @@ def recurrent(is_kda, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, ou
     op = ops.recurrent_kda if is_kda else ops.recurrent_gated_delta_rule
     op(q, k, v, g, beta, output, A_log, dt_bias, use_gate_in_kernel, lower_bound, beta_is_logit,
        scale, None if pooled else initial_state, initial_state if pooled else None,
-       ssm_state_indices, cu_seqlens, final_state, use_qk_l2norm_in_kernel, check_indices)
+       ssm_state_indices, cu_seqlens, final_state, use_qk_l2norm_in_kernel, check_indices, pdl)
     if pooled:
         return output, initial_state
     return output, final_state

@@ -121,7 +121,7 @@ void packed_decode(bool is_kda, ffi::TensorView mixed_qkv, ffi::TensorView a, ff
                    ffi::TensorView A_log, ffi::TensorView dt_bias, double scale,
                    ffi::TensorView state, ffi::TensorView out, ffi::TensorView indices,
                    bool use_qk_l2norm, ffi::Optional<double> lower_bound, bool round_beta,
-                   int64_t check_indices) {
+                   int64_t check_indices, bool pdl) {
   guarded([&] {
     ds::PackedDecodeArgs args;
     args.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
@@ -138,6 +138,7 @@ void packed_decode(bool is_kda, ffi::TensorView mixed_qkv, ffi::TensorView a, ff
     args.round_beta_to_input = round_beta;
     args.check_indices = to_check(check_indices);
     args.stream = stream_for(args.state);
+    args.pdl = pdl;
     if (is_kda) ds::kda_packed_decode(args);
     else ds::gdn_packed_decode(args);
   });
@@ -150,7 +151,7 @@ void recurrent(bool is_kda, ffi::TensorView q, ffi::TensorView k, ffi::TensorVie
                ffi::Optional<double> scale, ffi::Optional<ffi::TensorView> state,
                ffi::Optional<ffi::TensorView> indices, ffi::Optional<ffi::TensorView> cu_seqlens,
                ffi::Optional<ffi::TensorView> final_state, bool update_state, bool use_qk_l2norm,
-               int64_t check_indices) {
+               int64_t check_indices, bool pdl) {
   guarded([&] {
     ds::RecurrentArgs args;
     args.q = to_view(q, "q");
@@ -173,6 +174,7 @@ void recurrent(bool is_kda, ffi::TensorView q, ffi::TensorView k, ffi::TensorVie
     args.use_qk_l2norm = use_qk_l2norm;
     args.check_indices = to_check(check_indices);
     args.stream = stream_for(args.q);
+    args.pdl = pdl;
     if (is_kda) ds::recurrent_kda(args);
     else ds::recurrent_gdn(args);
   });
@@ -184,7 +186,7 @@ void replayssm_decode(ffi::TensorView mixed_qkv, ffi::TensorView a, ffi::TensorV
                       ffi::TensorView g_cache, ffi::TensorView out, ffi::TensorView indices,
                       ffi::TensorView write_pos, ffi::Optional<ffi::TensorView> force_flush,
                       bool is_kda, bool use_qk_l2norm, ffi::Optional<double> lower_bound,
-                      bool advance_write_pos, int64_t check_indices) {
+                      bool advance_write_pos, int64_t check_indices, bool pdl) {
   guarded([&] {
     ds::ReplayDecodeArgs args;
     args.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
@@ -207,6 +209,7 @@ void replayssm_decode(ffi::TensorView mixed_qkv, ffi::TensorView a, ffi::TensorV
     args.advance_write_pos = advance_write_pos;
     args.check_indices = to_check(check_indices);
     args.stream = stream_for(args.state);
+    args.pdl = pdl;
     ds::replayssm_decode(args);
   });
 }

@@ -91,7 +91,7 @@ def main(argv=None):
     variants = {
         "public": lambda: op(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx),
         "ffi": lambda: lib.packed_decode(False, mixed_qkv, a, b, A_log, dt_bias, scale, state, out,
-                                         idx, True, None, False, -1),
+                                         idx, True, None, False, -1, False),
         "torch_ops": lambda: custom(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx),
         "torch_op_baseline": lambda: out.zero_(),
     }

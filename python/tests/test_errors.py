@@ -458,3 +458,31 @@ def test_too_many_dims(tfw, rng):
     args["mixed_qkv"] = torch.zeros((1,) * 6 + (W,))
     expect_error(lambda a: call_packed(False, a), args,
                  "`mixed_qkv` has 7 dims; deltastate takes at most 6")
+
+
+def test_pdl_keyword_errors_unchanged(fw, rng):
+    """`pdl` is keyword-only and changes no error: with pdl=True a contract violation raises the
+    same text and writes nothing, and a wrong argument type is still reported by name."""
+    for kda in (False, True):
+        args = dict(packed_args(fw, rng, kda), pdl=True)
+        args["ssm_state_indices"] = fw.idx([1, -1, 5])
+        expect_error(lambda a: call_packed(kda, a), args,
+                     "`ssm_state_indices`[2]=5 is out of range for a state pool of 5 slots (valid: "
+                     "0..4; < 0 marks a padded row)")
+        name = ("fused_recurrent_kda_packed_decode" if kda
+                else "fused_recurrent_gated_delta_rule_packed_decode")
+        expect_error(lambda a: call_packed(kda, a),
+                     dict(packed_args(fw, rng, kda), pdl=True, initial_state="pool"),
+                     f"{name}: `initial_state` must be a tensor (a numpy array or a torch tensor); "
+                     "got str", TypeError)
+        expect_error(call_recurrent(kda), dict(recurrent_args(fw, rng, kda), pdl=True,
+                                               cu_seqlens="0,1"),
+                     f"{'recurrent_kda' if kda else 'recurrent_gated_delta_rule'}: `cu_seqlens` "
+                     "must be a tensor (a numpy array or a torch tensor) or None; got str",
+                     TypeError)
+        expect_error(call_replay, dict(replay_args(fw, rng, kda), pdl=True, force_flush=3),
+                     "fused_recurrent_linear_replayssm_decode: `force_flush` must be a tensor (a "
+                     "numpy array or a torch tensor) or None; got int", TypeError)
+    args = packed_args(fw, rng, False)
+    with pytest.raises(TypeError):  # positional: one too many
+        ds.fused_recurrent_gated_delta_rule_packed_decode(*args.values(), True, True)

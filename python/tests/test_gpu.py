@@ -6,6 +6,9 @@
 * CUDA graphs: one packed-decode step and one ReplaySSM step (advance_write_pos) captured into a
   torch.cuda.CUDAGraph and replayed with new inputs copied into the captured buffers give results
   bit-identical to eager calls on the same inputs;
+* programmatic dependent launch (pdl=True): every op bit-identical to pdl=False over back-to-back
+  launches, and a chain of dependent pdl=True launches captured into a CUDAGraph replays to the
+  eager pdl=False results bit for bit;
 * the ops run on torch's current stream (a side stream under `with torch.cuda.stream(s)`);
 * the StatePool on CUDA.
 
@@ -390,6 +393,243 @@ def test_cuda_graph_replayssm_advancing_cursors(rng, kda):
         np.testing.assert_array_equal(static_m["pool"].bits(), eager_m["pool"].bits(),
                                       err_msg=f"checkpoint, replay {it}")
     assert to64(static_m["wp"])[2] == 0  # the padded row's cursor never moves
+
+
+# ---- programmatic dependent launch (pdl=True) --------------------------------------------------
+# pdl only changes how the kernel is launched (it may be scheduled while the stream's previous
+# kernel still runs, and waits on the device before touching global memory), so every result must
+# be bit-identical to pdl=False. The calls below are queued back to back without host syncs, each
+# reading what the previous one wrote (the same pool slots), which is where an early start shows.
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("act,state_dtype", [pytest.param("float32", "float32", id="f32"),
+                                             pytest.param("bfloat16", "bfloat16", id="bf16all")])
+@pytest.mark.parametrize("H,HV,K,V", [pytest.param(2, 4, 16, 8, id="small"),
+                                      pytest.param(16, 32, 128, 128, id="qwen3-next")])
+def test_packed_decode_pdl_bit_identical(rng, kda, act, state_dtype, H, HV, K, V):
+    data = pool_data(rng, 9, HV, V, K, scale=0.3)
+    live = [1, 2, 4, 5, 7]
+    pools = {pdl: make_pool(GPU, data, state_dtype, live) for pdl in (False, True)}
+    A_log, dt_bias = (GPU.from64(t) for t in gate_params(rng, HV, K, kda))
+    kw = {"lower_bound": -5.0} if kda else {}
+    steps = [[4, -1, 1, 2, 7], [2, 5, 4, -1, 1], [-1, -1, 7, 5, -1], [7, 1, 2, 4, 5]] * 2
+    inputs = [materialize_packed(GPU, packed_data(rng, kda=kda, B=5, H=H, HV=HV, K=K, V=V), act)
+              for _ in steps]
+    outs = {}
+    for pdl, pool in pools.items():
+        outs[pdl] = [poison(GPU, (5, 1, HV, V), act) for _ in steps]
+        torch.cuda.synchronize()
+        for x, indices, out in zip(inputs, steps, outs[pdl]):  # no sync in between
+            res = packed_op(kda)(x["mixed_qkv"], x["a"], x["b"], A_log, dt_bias, K ** -0.5,
+                                 pool.view, out, GPU.idx(indices), pdl=pdl, **kw)
+            assert res[0] is out and res[1] is pool.view
+        torch.cuda.synchronize()
+    for step, (a, b) in enumerate(zip(outs[True], outs[False])):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"out, step {step}")
+    np.testing.assert_array_equal(pools[True].bits(), pools[False].bits())
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("H,HV,K,V", [pytest.param(2, 4, 16, 8, id="gva-K16-V8"),
+                                      pytest.param(4, 4, 128, 128, id="K128")])
+def test_recurrent_pdl_bit_identical(rng, kda, H, HV, K, V):
+    """[B, T] in-pool, varlen in-pool (padded and empty sequences) and a start state with final
+    states out, each queued back to back with pdl=False and with pdl=True."""
+    op = ds.recurrent_kda if kda else ds.recurrent_gated_delta_rule
+    act = "bfloat16"
+    A_log, dt_bias = (GPU.from64(t) for t in gate_params(rng, HV, K, kda))
+    data = pool_data(rng, 6, HV, V, K, scale=0.3)
+    pools = {pdl: make_pool(GPU, data, "float32", [0, 1, 2, 3, 5]) for pdl in (False, True)}
+    d_bt = recurrent_data(rng, kda=kda, B=3, T=4, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=True,
+                          beta_is_logit=True)
+    x_bt = materialize_recurrent(GPU, d_bt, act, strided_qkv=True)
+    lens = [3, 0, 1, 4]
+    cu = GPU.idx(np.concatenate([[0], np.cumsum(lens)]), "int64")
+    d_vl = recurrent_data(rng, kda=kda, B=1, T=sum(lens), H=H, HV=HV, K=K, V=V,
+                          use_gate_in_kernel=False, beta_is_logit=False)
+    x_vl = materialize_recurrent(GPU, d_vl, act)
+    d_in = recurrent_data(rng, kda=kda, B=2, T=3, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=False,
+                          beta_is_logit=True)
+    x_in = materialize_recurrent(GPU, d_in, act)
+    init = GPU.aligned(pool_data(rng, 2, HV, V, K, scale=0.3))
+    res = {}
+    for pdl, pool in pools.items():
+        torch.cuda.synchronize()
+        got = []
+        for _ in range(2):  # no sync in between: each call reads the pool the previous one wrote
+            o, ret = op(x_bt["q"], x_bt["k"], x_bt["v"], x_bt["g"], x_bt["beta"], A_log=A_log,
+                        dt_bias=dt_bias, initial_state=pool.view,
+                        ssm_state_indices=GPU.idx([5, -1, 2]), use_gate_in_kernel=True,
+                        lower_bound=-5.0 if kda else None, beta_is_logit=True, pdl=pdl)
+            assert ret is pool.view
+            got.append(o)
+            out = poison(GPU, tuple(x_vl["v"].shape), act)
+            o, _ = op(x_vl["q"], x_vl["k"], x_vl["v"], x_vl["g"], x_vl["beta"],
+                      initial_state=pool.view, cu_seqlens=cu,
+                      ssm_state_indices=GPU.idx([2, 1, -1, 0]), output=out, pdl=pdl)
+            assert o is out
+            got.append(o)
+            o, final = op(x_in["q"], x_in["k"], x_in["v"], x_in["g"], x_in["beta"],
+                          initial_state=init, output_final_state=True, beta_is_logit=True,
+                          pdl=pdl)
+            got += [o, final]
+        torch.cuda.synchronize()
+        res[pdl] = [bits(t) for t in got]
+    for i, (a, b) in enumerate(zip(res[True], res[False])):
+        np.testing.assert_array_equal(a, b, err_msg=f"result {i}")
+    np.testing.assert_array_equal(pools[True].bits(), pools[False].bits())
+
+
+@pytest.mark.parametrize("kda,L,H,HV,K,V,act,state_dtype,k_dtype", REPLAY_CASES)
+def test_replayssm_pdl_bit_identical(rng, kda, L, H, HV, K, V, act, state_dtype, k_dtype):
+    """3L + 2 ReplaySSM steps (appends, flushes, forced flushes, an idle row, cursors advanced on
+    the device) queued back to back with pdl=False and with pdl=True: the same memory, bit for
+    bit."""
+    rows = np.array([3, -1, 1, 6])
+    data = pool_data(rng, 8, HV, V, K, scale=0.3)
+    mems = {}
+    for pdl in (False, True):
+        mems[pdl] = {
+            "pool": make_pool(GPU, data, state_dtype, [1, 3, 5, 6]),
+            "d": GPU.full((8, HV, L, V), sentinel_for(state_dtype), state_dtype),
+            "k": GPU.full((8, H, L, K), sentinel_for(k_dtype), k_dtype),
+            "g": GPU.full((8, HV, L, K) if kda else (8, HV, L), 1e30, "float32"),
+            "wp": GPU.idx([0, 0, min(1, L - 1), L - 1]),
+        }
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    A_log, dt_bias = GPU.from64(A_log), GPU.from64(dt_bias.reshape(HV, K) if kda else dt_bias)
+    steps = []
+    for step in range(3 * L + 2):
+        indices = rows.copy()
+        if step % 4 == 2:
+            indices[2] = -1
+        ff = (rng.random(len(rows)) < 0.2).astype(np.int64) if step % 3 == 0 else None
+        x = materialize_packed(GPU, packed_data(rng, kda=kda, B=len(rows), H=H, HV=HV, K=K, V=V),
+                               act)
+        if kda:
+            x["a"] = x["a"].reshape(len(rows), HV, K)
+        steps.append((x, GPU.idx(indices), None if ff is None else GPU.idx(ff)))
+    outs = {}
+    for pdl, m in mems.items():
+        outs[pdl] = [poison(GPU, (len(rows), 1, HV, V), act) for _ in steps]
+        torch.cuda.synchronize()
+        for (x, idx, ff), out in zip(steps, outs[pdl]):  # no sync in between
+            res = ds.fused_recurrent_linear_replayssm_decode(
+                x["mixed_qkv"], x["a"], x["b"], A_log, dt_bias, K ** -0.5, m["pool"].view, m["d"],
+                m["k"], m["g"], out, idx, m["wp"], ff, is_kda=kda,
+                lower_bound=-5.0 if kda else None, advance_write_pos=True, pdl=pdl)
+            assert res is out
+        torch.cuda.synchronize()
+    for step, (a, b) in enumerate(zip(outs[True], outs[False])):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"out, step {step}")
+    for name in ("d", "k", "g", "wp"):
+        np.testing.assert_array_equal(bits(mems[True][name]), bits(mems[False][name]), err_msg=name)
+    np.testing.assert_array_equal(mems[True]["pool"].bits(), mems[False]["pool"].bits())
+
+
+@pytest.mark.parametrize("act", ["bfloat16", "float32"])
+def test_cuda_graph_pdl_chain_matches_eager(rng, act):
+    """A chain of dependent pdl=True launches captured into one CUDAGraph: GDN packed decode twice
+    on the same slots, recurrent GDN (T = 1) whose `v` is the second decode's `out` on the same
+    pool, KDA packed decode, GDN and KDA ReplaySSM steps (cursors advanced on the device), each
+    kernel reading what the previous one wrote. Several replays with new inputs copied into the
+    captured buffers give, bit for bit, what the same calls give eagerly one after another with
+    pdl=False."""
+    H, HV, K, V, L = 4, 8, 128, 128, 3
+    rows = [1, 3, -1, 4]
+    B = len(rows)
+    gdn_pool = pool_data(rng, 6, HV, V, K, scale=0.3)
+    kda_pool = pool_data(rng, 6, HV, V, K, scale=0.3)
+
+    def memory():
+        m = {"gdn": make_pool(GPU, gdn_pool, "float32", [1, 3, 4]),
+             "kda": make_pool(GPU, kda_pool, "float32", [1, 3, 4])}
+        for kind, kda in (("rg", False), ("rk", True)):
+            m[kind] = {
+                "pool": make_pool(GPU, kda_pool if kda else gdn_pool, "float32", [1, 3, 4]),
+                "d": GPU.full((6, HV, L, V), 0.0), "k": GPU.full((6, H, L, K), 0.0, act),
+                "g": GPU.full((6, HV, L, K) if kda else (6, HV, L), 0.0),
+                "wp": GPU.idx([0, 1, 0, L - 1]),
+            }
+        m["outs"] = [poison(GPU, (B, 1, HV, V), act) for _ in range(6)]
+        return m
+
+    static_m, eager_m = memory(), memory()
+    gA, gdt = (GPU.from64(t) for t in gate_params(rng, HV, K, False))
+    kA, kdt = gate_params(rng, HV, K, True)
+    kA, kdt = GPU.from64(kA), GPU.from64(kdt.reshape(HV, K))
+
+    def fresh_inputs():
+        x = {}
+        for i, kda in enumerate((False, False, True, False, True)):
+            p = materialize_packed(GPU, packed_data(rng, kda=kda, B=B, H=H, HV=HV, K=K, V=V), act)
+            for name, t in p.items():
+                x[f"{name}{i}"] = t
+        x["a4"] = x["a4"].reshape(B, HV, K)
+        r = recurrent_data(rng, kda=False, B=B, T=1, H=H, HV=HV, K=K, V=V,
+                           use_gate_in_kernel=False, beta_is_logit=True)
+        for name in ("q", "k", "g", "beta"):
+            x[f"r_{name}"] = (GPU.from64(r[name]) if name == "g"
+                              else GPU.from64(r[name], act))
+        x["idx"] = GPU.idx(rows)
+        x["ff"] = GPU.idx([0, 0, 0, int(rng.random() < 0.5)])
+        return x
+
+    def chain(m, x, pdl):
+        o = m["outs"]
+        gdn, kdap = ds.fused_recurrent_gated_delta_rule_packed_decode, \
+            ds.fused_recurrent_kda_packed_decode
+        gdn(x["mixed_qkv0"], x["a0"], x["b0"], gA, gdt, K ** -0.5, m["gdn"].view, o[0], x["idx"],
+            pdl=pdl)
+        gdn(x["mixed_qkv1"], x["a1"], x["b1"], gA, gdt, K ** -0.5, m["gdn"].view, o[1], x["idx"],
+            pdl=pdl)
+        ds.recurrent_gated_delta_rule(x["r_q"], x["r_k"], o[1], x["r_g"], x["r_beta"],
+                                      initial_state=m["gdn"].view, ssm_state_indices=x["idx"],
+                                      output=o[2], beta_is_logit=True, pdl=pdl)
+        kdap(x["mixed_qkv2"], x["a2"], x["b2"], kA, kdt.reshape(-1), K ** -0.5, m["kda"].view,
+             o[3], x["idx"], lower_bound=-5.0, pdl=pdl)
+        for i, kind, kda, A, dt in ((3, "rg", False, gA, gdt), (4, "rk", True, kA, kdt)):
+            r = m[kind]
+            ds.fused_recurrent_linear_replayssm_decode(
+                x[f"mixed_qkv{i}"], x[f"a{i}"], x[f"b{i}"], A, dt, K ** -0.5, r["pool"].view,
+                r["d"], r["k"], r["g"], o[i + 1], x["idx"], r["wp"], x["ff"], is_kda=kda,
+                advance_write_pos=True, pdl=pdl)
+
+    def snapshot_of(m):
+        snap = {"gdn": m["gdn"].bits(), "kda": m["kda"].bits()}
+        for kind in ("rg", "rk"):
+            snap[kind + ".pool"] = m[kind]["pool"].bits()
+            for name in ("d", "k", "g", "wp"):
+                snap[f"{kind}.{name}"] = bits(m[kind][name])
+        for i, t in enumerate(m["outs"]):
+            snap[f"out{i}"] = bits(t)
+        return snap
+
+    static_x = fresh_inputs()
+    g = _warmup_then_capture(lambda: chain(static_m, static_x, True))
+    # The warm-up moved the static memory on: start the eager twin from the same point.
+    eager_m["gdn"].flat.copy_(static_m["gdn"].flat)
+    eager_m["kda"].flat.copy_(static_m["kda"].flat)
+    for kind in ("rg", "rk"):
+        eager_m[kind]["pool"].flat.copy_(static_m[kind]["pool"].flat)
+        for name in ("d", "k", "g", "wp"):
+            eager_m[kind][name].copy_(static_m[kind][name])
+    torch.cuda.synchronize()
+    for it in range(2 * L + 1):
+        x = fresh_inputs()
+        for name, t in x.items():
+            static_x[name].copy_(t)
+        for t in static_m["outs"]:
+            t.fill_(float("nan"))
+        g.replay()
+        chain(eager_m, x, False)
+        torch.cuda.synchronize()
+        want, got = snapshot_of(eager_m), snapshot_of(static_m)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}, replay {it}")
+        for i, t in enumerate(static_m["outs"]):  # every output written (padded rows: 0)
+            assert not torch.isnan(t).any(), f"out{i}, replay {it}"
+    # Cursors advanced on the device across replays (the padded row's never moves).
+    assert to64(static_m["rg"]["wp"])[2] == 0
 
 
 # ---- streams ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import deltastate as ds
 import reference as ref
 from cases import gate_params, make_pool, materialize_packed, packed_data, pool_data
-from helpers import TOL_OUT, TOL_STATE, Fw, assert_close, poison, to64, torch
+from helpers import TOL_OUT, TOL_STATE, Fw, assert_close, bits, poison, to64, torch
 
 # (H, HV, K, V, lower_bound (KDA only), index dtype)
 SHAPES = [
@@ -159,3 +159,33 @@ def test_packed_decode_kimi_shape_safe_gate(tfw, rng):
     A_log, dt_bias = gate_params(rng, HV, K, True)
     run_step(tfw, rng, pool, kda=True, H=H, HV=HV, K=K, V=V, act="bfloat16", indices=[2, 0],
              A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_packed_decode_pdl_is_ignored_on_cpu(fw, rng, kda):
+    """pdl=True (programmatic dependent launch, a CUDA launch attribute) changes nothing on the
+    CPU: over several steps on twin envelope pools, outputs and pools (envelope gaps and sentinel
+    slots included) are bit-identical to pdl=False."""
+    H, HV, K, V = 2, 4, 16, 8
+    data = pool_data(rng, 6, HV, V, K)
+    live = [0, 2, 3, 5]
+    pools = {pdl: make_pool(fw, data, "float32", live) for pdl in (False, True)}
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    kwargs = {"lower_bound": -5.0} if kda else {}
+    for indices in ([5, -1, 2, 0], [2, 3, -1, 5], [0, 5, 3, 2]):
+        d = packed_data(rng, kda=kda, B=len(indices), H=H, HV=HV, K=K, V=V)
+        outs = {}
+        for pdl, pool in pools.items():
+            x = materialize_packed(fw, d, "float32")
+            out = poison(fw, (len(indices), 1, HV, V), "float32")
+            res = op_for(kda)(x["mixed_qkv"], x["a"], x["b"], fw.from64(A_log),
+                              fw.from64(dt_bias), K ** -0.5, pool.view, out, fw.idx(indices),
+                              pdl=pdl, **kwargs)
+            assert res[0] is out and res[1] is pool.view
+            outs[pdl] = bits(out)
+        np.testing.assert_array_equal(outs[True], outs[False])
+        np.testing.assert_array_equal(pools[True].bits(), pools[False].bits())
+    with pytest.raises(TypeError):  # keyword-only
+        op_for(kda)(x["mixed_qkv"], x["a"], x["b"], fw.from64(A_log), fw.from64(dt_bias),
+                    K ** -0.5, pools[True].view, out, fw.idx(indices), True,
+                    *((-5.0,) if kda else ()), True)

@@ -223,3 +223,44 @@ def test_recurrent_no_l2norm_bf16_inputs(tfw, rng, kda):
     for s in (0, 2):
         assert_close(pool.state64()[s], want_pool[s], TOL_STATE["bfloat16"], "bfloat16", f"state[{s}]")
     pool.assert_untouched_outside(before, [0, 2])
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_recurrent_pdl_is_ignored_on_cpu(fw, rng, kda):
+    """pdl=True (a CUDA launch attribute) changes nothing on the CPU: varlen in-pool (padded and
+    empty sequences, envelope pools with sentinel slots) and a start state with final states
+    out give bit-identical outputs, pools and final states to pdl=False."""
+    H, HV, K, V = 2, 4, 16, 8
+    lens = [3, 1, 0, 4]
+    indices = [4, -1, 1, 0]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    data = pool_data(rng, 6, HV, V, K)
+    pools = {pdl: make_pool(fw, data, "float32", [0, 1, 3, 4]) for pdl in (False, True)}
+    d = recurrent_data(rng, kda=kda, B=1, T=int(cu[-1]), H=H, HV=HV, K=K, V=V,
+                       use_gate_in_kernel=True, beta_is_logit=True)
+    x = materialize_recurrent(fw, d, "float32")
+    gk, _ = gate_kwargs(fw, rng, kda, HV, K, True, lower_bound=-5.0 if kda else None)
+    outs = {}
+    for pdl, pool in pools.items():
+        for _ in range(2):  # twice: the second call starts from the updated pool
+            o, ret = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                 initial_state=pool.view, cu_seqlens=fw.idx(cu, "int64"),
+                                 ssm_state_indices=fw.idx(indices), beta_is_logit=True, pdl=pdl,
+                                 **gk)
+            assert ret is pool.view
+        outs[pdl] = bits(o)
+    np.testing.assert_array_equal(outs[True], outs[False])
+    np.testing.assert_array_equal(pools[True].bits(), pools[False].bits())
+
+    # No pool: a start state [B, HV, V, K], final states returned.
+    d = recurrent_data(rng, kda=kda, B=2, T=3, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=False,
+                       beta_is_logit=False)
+    x = materialize_recurrent(fw, d, "float32")
+    init = fw.aligned(pool_data(rng, 2, HV, V, K))
+    res = {}
+    for pdl in (False, True):
+        o, final = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
+                               output_final_state=True, pdl=pdl)
+        res[pdl] = (bits(o), bits(final))
+    for a, b in zip(res[True], res[False]):
+        np.testing.assert_array_equal(a, b)

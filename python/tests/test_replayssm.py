@@ -5,6 +5,8 @@ by the caller (wp = flushed ? 0 : wp + 1) or by the kernel (advance_write_pos); 
 rows at random; envelope checkpoint pools and rings start as sentinels and everything the step
 must not write is checked bit for bit."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -229,3 +231,42 @@ def test_replayssm_qwen3_next_shape(tfw, rng):
     for step in range(5):
         _, _, write_pos, _ = setup.step(rng, "bfloat16", rows, write_pos, None, advance=True)
         setup.resync()
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_replayssm_pdl_is_ignored_on_cpu(fw, rng, kda):
+    """pdl=True (a CUDA launch attribute) changes nothing on the CPU: twin ReplaySSM memories
+    stepped 2L + 2 times with the same inputs (appends, flushes, forced flushes, a padded row,
+    cursors advanced by the kernel) stay bit-identical, outputs included."""
+    H, HV, K, V, L = 2, 4, 16, 8, 4
+    rng2 = copy.deepcopy(rng)  # the same random pool, rings and gate parameters twice
+    twins = {pdl: ReplaySetup(fw, r, kda=kda, H=H, HV=HV, K=K, V=V, L=L, slots=6,
+                              live=[1, 2, 4], state_dtype="float32", k_dtype="float32",
+                              a_3d=kda)
+             for pdl, r in ((False, rng), (True, rng2))}
+    rows = [4, -1, 1, 2]
+    wps = {pdl: fw.idx([0, 0, 0, 2]) for pdl in twins}
+    for step in range(2 * L + 2):
+        d = packed_data(rng, kda=kda, B=len(rows), H=H, HV=HV, K=K, V=V)
+        if kda:
+            d["a"] = d["a"].reshape(len(rows), HV, K)
+        ff = [0, 0, int(step == 3), 0]
+        outs = {}
+        for pdl, s in twins.items():
+            x = materialize_packed(fw, d, "float32")
+            out = poison(fw, (len(rows), 1, HV, V), "float32")
+            res = ds.fused_recurrent_linear_replayssm_decode(
+                x["mixed_qkv"], x["a"], x["b"], s.A_log, s.dt_bias, K ** -0.5, s.pool.view,
+                s.d_cache, s.k_cache, s.g_cache, out, fw.idx(rows), wps[pdl], fw.idx(ff),
+                is_kda=kda, lower_bound=-5.0 if kda else None, advance_write_pos=True, pdl=pdl)
+            assert res is out
+            outs[pdl] = bits(out)
+        np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"out, step {step}")
+        a, b = twins[True], twins[False]
+        np.testing.assert_array_equal(a.pool.bits(), b.pool.bits(), err_msg=f"step {step}")
+        for name in ("d_cache", "k_cache", "g_cache"):
+            np.testing.assert_array_equal(bits(getattr(a, name)), bits(getattr(b, name)),
+                                          err_msg=f"{name}, step {step}")
+        np.testing.assert_array_equal(bits(wps[True]), bits(wps[False]))
+    # The alias takes it too.
+    assert ds.fused_recurrent_gdn_replayssm_decode is ds.fused_recurrent_linear_replayssm_decode

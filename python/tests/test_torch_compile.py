@@ -54,20 +54,24 @@ def make_inputs(rng):
     }
 
 
-def model(i):
+def model(i, pdl=False):
     """A small "layer": GDN packed decode into a pool, KDA prefill (varlen, in-pool, gate in the
     kernel, beta logits), and a KDA call from a start state returning its final state."""
     out, pool = ds.fused_recurrent_gated_delta_rule_packed_decode(
         i["mixed_qkv"], i["a"], i["b"], i["A_log"], i["dt_bias"], K ** -0.5, i["pool"], i["out"],
-        i["idx"])
+        i["idx"], pdl=pdl)
     o, kpool = ds.recurrent_kda(i["q"], i["k"], i["v"], i["g"], i["beta"], A_log=i["A_log_k"],
                                 dt_bias=i["dt_bias_k"], initial_state=i["kpool"],
                                 use_gate_in_kernel=True, lower_bound=-5.0, cu_seqlens=i["cu"],
-                                ssm_state_indices=i["kidx"], beta_is_logit=True)
+                                ssm_state_indices=i["kidx"], beta_is_logit=True, pdl=pdl)
     o2, final = ds.recurrent_kda(i["q"], i["k"], i["v"], -torch.sigmoid(i["g"]),
                                  torch.sigmoid(i["beta"]), initial_state=i["init"],
-                                 output_final_state=True, cu_seqlens=i["cu"])
+                                 output_final_state=True, cu_seqlens=i["cu"], pdl=pdl)
     return out.sum(dim=1) * 2.0, o + 1.0, o2, final
+
+
+def model_pdl(i):
+    return model(i, pdl=True)
 
 
 def clone(i):
@@ -94,8 +98,25 @@ def test_compile_fullgraph_matches_eager(rng, backend):
         assert_same(e_out, c_out, e_in, c_in)
 
 
-def test_compile_replayssm(rng):
-    """ReplaySSM under torch.compile: the checkpoint, rings, out and the advanced cursors."""
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_pdl_matches_eager(rng, backend):
+    """pdl=True through the custom ops (traced with the rest of the graph) gives the eager
+    pdl=False results bit for bit (on the CPU the flag is ignored)."""
+    backend_or_skip(backend)
+    torch._dynamo.reset()
+    compiled = torch.compile(model_pdl, fullgraph=True, backend=backend)
+    for _ in range(2):
+        inputs = make_inputs(rng)
+        e_in, c_in = clone(inputs), clone(inputs)
+        e_out = model(e_in)
+        c_out = compiled(c_in)
+        assert_same(e_out, c_out, e_in, c_in)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["nopdl", "pdl"])
+def test_compile_replayssm(rng, pdl):
+    """ReplaySSM under torch.compile: the checkpoint, rings, out and the advanced cursors (the
+    compiled step with pdl as given, the eager one without)."""
     backend_or_skip("aot_eager")
     torch._dynamo.reset()
     L = 3
@@ -103,13 +124,15 @@ def test_compile_replayssm(rng):
     A_log, dt_bias = (torch.from_numpy(x.astype(np.float32)) for x in gate_params(rng, HV, K, True))
     dt_bias = dt_bias.reshape(HV, K)
 
-    def step(x, a, b, state, d_c, k_c, g_c, out, idx, wp):
+    def step(x, a, b, state, d_c, k_c, g_c, out, idx, wp, pdl=False):
         ds.fused_recurrent_linear_replayssm_decode(x, a, b, A_log, dt_bias, K ** -0.5, state, d_c,
                                                    k_c, g_c, out, idx, wp, None, is_kda=True,
-                                                   lower_bound=-5.0, advance_write_pos=True)
+                                                   lower_bound=-5.0, advance_write_pos=True,
+                                                   pdl=pdl)
         return out * 1.0
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(lambda *args: step(*args, pdl=pdl), fullgraph=True,
+                             backend="aot_eager")
     mem = {
         "state": torch.from_numpy((rng.standard_normal((4, HV, V, K)) * 0.5).astype(np.float32)),
         "d_c": torch.zeros(4, HV, L, V), "k_c": torch.zeros(4, H, L, K),
@@ -162,8 +185,9 @@ def test_custom_ops_opcheck(rng):
           True, True, None, True)),
     ]
     for op, args in cases:
-        result = torch.library.opcheck(op, args)
-        assert all(v == "SUCCESS" for v in result.values()), (op, result)
+        for kwargs in ({}, {"pdl": True}):
+            result = torch.library.opcheck(op, args, kwargs)
+            assert all(v == "SUCCESS" for v in result.values()), (op, kwargs, result)
 
 
 def test_custom_op_registration():
@@ -173,6 +197,10 @@ def test_custom_op_registration():
         assert mutated, name
     assert [a.name for a in torch.ops.deltastate.gdn_packed_decode.default._schema.arguments
             if a.alias_info and a.alias_info.is_write] == ["initial_state", "out"]
+    # Every op takes `pdl` last, a bool defaulting to False (the public functions' keyword).
+    for name in torch_ops.SCHEMAS:
+        last = getattr(torch.ops.deltastate, name).default._schema.arguments[-1]
+        assert (last.name, str(last.type), last.default_value) == ("pdl", "bool", False), name
     # Eager calls take the direct path; the custom op only while compiling.
     assert ds.ops._is_compiling is torch.compiler.is_compiling
     assert ds.ops._is_compiling() is False
