@@ -19,8 +19,8 @@ import sys
 import torch
 
 import deltastate as ds
-from harness import (DTYPES, MODELS, gate_params, measure_copy_bandwidth, pool_slots_for,
-                     rotations, slot_sets, time_graph, write_results)
+from harness import (DTYPES, MODELS, gate_params, launch_floor, measure_copy_bandwidth,
+                     pool_slots_for, rotations, slot_sets, time_graph, write_results)
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 ACT = torch.bfloat16
@@ -42,8 +42,8 @@ class Case:
     """The inputs of one (model, dtype, B) case: NR rotations of activations and slot sets over
     one pool of random states."""
 
-    def __init__(self, m, dtype, B: int, gen: torch.Generator):
-        self.m, self.dtype, self.B = m, dtype, B
+    def __init__(self, m, dtype, B: int, gen: torch.Generator, pdl: bool = False):
+        self.m, self.dtype, self.B, self.pdl = m, dtype, B, pdl
         per_launch = 2 * state_bytes(m, B, dtype) + io_bytes(m, B)
         self.nr = rotations(per_launch)
         slot_bytes = state_bytes(m, 1, dtype)
@@ -66,7 +66,7 @@ class Case:
         else:
             fn = ds.fused_recurrent_kda_packed_decode
         return lambda: fn(self.x[r], self.a[r], self.b[r], self.A_log, self.dt_bias, self.scale,
-                          self.pool, self.out[r], self.idx[r])
+                          self.pool, self.out[r], self.idx[r], pdl=self.pdl)
 
     def split_qkv(self, r: int):
         m, B = self.m, self.B
@@ -150,6 +150,8 @@ def main() -> int:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch ours with programmatic dependent launch (pdl=True)")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -157,6 +159,9 @@ def main() -> int:
     copy_gbps = measure_copy_bandwidth()
     gpu = torch.cuda.get_device_name()
     print(f"# {gpu}, copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    floor_us = launch_floor() * 1e6
+    print(f"# graph-launch floor (a one-element kernel, same graph replay): {floor_us:.2f} us",
+          flush=True)
     rows = []
     header = f"{'op':5} {'model':12} {'state':5} {'B':>4} {'us':>9} {'GB/s':>7} {'%copy':>6} {'peer':>28} {'peer_us':>9} {'x':>5}"
     print(header)
@@ -165,7 +170,7 @@ def main() -> int:
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             for B in map(int, args.batches.split(",")):
-                case = Case(m, dtype, B, gen)
+                case = Case(m, dtype, B, gen, pdl=args.pdl)
                 launches = [case.ours(r) for r in range(case.nr)]
                 t = time_graph(launches, replays=args.replays)
                 nbytes = 2 * state_bytes(m, B, dtype) + io_bytes(m, B)
@@ -184,7 +189,7 @@ def main() -> int:
                     del pl, keep
                 row = dict(op=m.op, model=m.name, state_dtype=dname, B=B, us=round(t * 1e6, 2),
                            GBps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1),
-                           bytes=nbytes, peer=peer,
+                           bytes=nbytes, pdl=args.pdl, peer=peer,
                            peer_us=None if peer_us is None else round(peer_us, 2))
                 if err is not None:
                     row["max_abs_diff_vs_peer"] = err
@@ -199,8 +204,10 @@ def main() -> int:
     write_results(args.json, copy_gbps,
                   "cold L2 (rotating slot sets and inputs over > 4x L2), CUDA-graph replay at "
                   "every B, median of graph replays / launches per replay; bytes = state read + "
-                  "write + inputs + outputs",
-                  rows)
+                  "write + inputs + outputs"
+                  + ("; ours launched with programmatic dependent launch (pdl=True)" if args.pdl
+                     else ""),
+                  rows, launch_floor_us=round(floor_us, 2))
     return 0
 
 

@@ -45,8 +45,8 @@ def replay_step_bytes(m, dtype, B: int, L: int) -> float:
 class ReplayCase(Case):
     """A decode case plus rings and per-rotation cursors over the same pool."""
 
-    def __init__(self, m, dtype, B, L, gen):
-        super().__init__(m, dtype, B, gen)
+    def __init__(self, m, dtype, B, L, gen, pdl=False):
+        super().__init__(m, dtype, B, gen, pdl)
         self.L = L
         S = self.slots
         self.d = torch.zeros(S, m.HV, L, m.V, device="cuda", dtype=dtype)
@@ -58,12 +58,20 @@ class ReplayCase(Case):
         self.a3 = [a.reshape(a_shape) for a in self.a]
         self.dt3 = self.dt_bias.reshape(m.HV, m.K) if m.op == "kda" else self.dt_bias
 
+    def replay_at(self, r: int, cursors):
+        """One step at fixed cursors (no advance): the same phase on every launch."""
+        m = self.m
+        return lambda: ds.fused_recurrent_linear_replayssm_decode(
+            self.x[r], self.a3[r], self.b[r], self.A_log, self.dt3, self.scale, self.pool, self.d,
+            self.k, self.g, self.out[r], self.idx[r], cursors, None, is_kda=m.op == "kda",
+            pdl=self.pdl)
+
     def replay(self, r: int):
         m = self.m
         return lambda: ds.fused_recurrent_linear_replayssm_decode(
             self.x[r], self.a3[r], self.b[r], self.A_log, self.dt3, self.scale, self.pool, self.d,
             self.k, self.g, self.out[r], self.idx[r], self.wp[r], None, is_kda=m.op == "kda",
-            advance_write_pos=True)
+            advance_write_pos=True, pdl=self.pdl)
 
 
 def main() -> int:
@@ -74,6 +82,11 @@ def main() -> int:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--lens", default="8,16")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch ReplaySSM and plain decode with programmatic dependent launch")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time an appending step (cursor L/2) and a flush step (cursor L-1) "
+                         "alone, each repeated at fixed cursors")
     args = ap.parse_args()
 
     gen = torch.Generator().manual_seed(4321)
@@ -90,7 +103,7 @@ def main() -> int:
             for B in map(int, args.batches.split(",")):
                 plain_us = None
                 for L in map(int, args.lens.split(",")):
-                    case = ReplayCase(m, dtype, B, L, gen)
+                    case = ReplayCase(m, dtype, B, L, gen, pdl=args.pdl)
                     if plain_us is None:
                         plain_us = time_graph([case.ours(r) for r in range(case.nr)],
                                               replays=args.replays) * 1e6
@@ -101,6 +114,13 @@ def main() -> int:
                     t = time_graph(launches, replays=args.replays, warmup=0)
                     # Graph replays restart each rotation's cycle only if the cursors came back.
                     assert all(int(w.max()) == 0 for w in case.wp), "cursors did not complete a cycle"
+                    phase_us = {}
+                    if args.phases:
+                        for phase, c in (("app_us", L // 2), ("flush_us", L - 1)):
+                            wp = torch.full((B,), c, device="cuda", dtype=torch.int32)
+                            phase_us[phase] = round(time_graph(
+                                [case.replay_at(r, wp) for r in range(case.nr)],
+                                replays=args.replays) * 1e6, 2)
                     nbytes = replay_step_bytes(m, dtype, B, L)
                     gbps = nbytes / t / 1e9
                     us = t * 1e6
@@ -108,17 +128,21 @@ def main() -> int:
                                      L=L, us=round(us, 2), GBps=round(gbps, 1),
                                      pct_copy=round(100 * gbps / copy_gbps, 1),
                                      bytes_per_step=round(nbytes), plain_us=round(plain_us, 2),
-                                     speedup=round(plain_us / us, 3), peer=None, peer_us=None))
+                                     speedup=round(plain_us / us, 3), pdl=args.pdl, **phase_us,
+                                     peer=None, peer_us=None))
                     print(f"{m.op:5} {m.name:12} {dname:5} {B:>4} {L:>3} {us:9.2f} "
                           f"{nbytes / 1e6:8.2f} {gbps:7.0f} {100 * gbps / copy_gbps:6.1f} "
-                          f"{plain_us:9.2f} {plain_us / us:7.2f}", flush=True)
+                          f"{plain_us:9.2f} {plain_us / us:7.2f}"
+                          + "".join(f"  {k} {v:.2f}" for k, v in phase_us.items()), flush=True)
                     del case
                     torch.cuda.empty_cache()
     write_results(args.json, copy_gbps,
                   "per-step time amortized over whole ring cycles (L steps per rotation in one "
                   "CUDA graph, cursors advanced on the device); cold L2 by rotating slot sets; "
                   "median of graph replays; GB/s from the byte model "
-                  "(bench/bench_replayssm.py::replay_step_bytes)",
+                  "(bench/bench_replayssm.py::replay_step_bytes)"
+                  + ("; both launched with programmatic dependent launch (pdl=True)" if args.pdl
+                     else ""),
                   rows)
     return 0
 

@@ -91,6 +91,13 @@ def time_graph(launches, replays: int = 30, warmup: int = 3) -> float:
     return statistics.median(times) / len(launches)
 
 
+def launch_floor(launches: int = 64, replays: int = 30) -> float:
+    """Seconds per launch of a one-element kernel (torch's in-place add) replayed from a CUDA
+    graph the way time_graph replays ours: the graph-launch floor under any kernel's time."""
+    x = torch.zeros(1, device="cuda")
+    return time_graph([lambda: x.add_(1.0)] * launches, replays=replays)
+
+
 def slot_sets(pool_slots: int, B: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
     """`count` index vectors of B distinct slots each, consecutive sets disjoint where the pool
     allows (random permutations of the pool, cut into runs of B)."""
@@ -119,11 +126,13 @@ def gate_params(model: Model, gen: torch.Generator):
     return A_log, dt_bias
 
 
-def write_results(path: str, copy_gbps: float, method: str, rows: list) -> None:
-    """The results file: gpu, date, command, copy_GBps, torch, host, method, rows."""
+def write_results(path: str, copy_gbps: float, method: str, rows: list, **extra) -> None:
+    """The results file: gpu, date, command, copy_GBps, torch, host, method, any `extra` top-level
+    fields, rows."""
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                   command=" ".join(["python"] + sys.argv), copy_GBps=round(copy_gbps, 1),
-                  torch=torch.__version__, host=platform.node(), method=method, rows=rows)
+                  torch=torch.__version__, host=platform.node(), method=method, **extra,
+                  rows=rows)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")

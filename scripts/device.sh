@@ -5,6 +5,7 @@
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
 #                                      also build-lib, bench-direct, bench-tpw,
+#                                      bench-pdl,
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
 #                                      profile-replay-source
@@ -108,8 +109,10 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*partial_tile*:*B3*:*k64_*'
       DELTASTATE_CUDA_DECODE=stream sanitized racecheck '*partial_tile*'
       # ReplaySSM with two row blocks per CTA forced where it applies (whole heads: K=64 V=256,
-      # Qwen3-Next), and V=200's partial last row block (one-block kernel)
+      # Qwen3-Next with fp32 and bf16 checkpoints), and V=200's partial last row block (one-block
+      # kernel)
       replay='*GpuReplay*v200*:*GpuReplay*k64v256*:*GpuReplay*gdn_qwen_f32_bf16act_L16*'
+      replay+=':*GpuReplay*gdn_qwen_bf16ckpt*'
       DELTASTATE_CUDA_REPLAY_BPC=2 sanitized memcheck "$replay"
       DELTASTATE_CUDA_REPLAY_BPC=2 sanitized racecheck "$replay"
       # the decode kernel's shared-memory tile (2 tiles per warp forced)
@@ -136,6 +139,17 @@ for phase in "${phases[@]}"; do
       ;;
     bench-replay)
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}
+      ;;
+    bench-pdl)  # small batches with programmatic dependent launch (ours only; B <= 64), the
+      # next grid let in by the launcher's rule (auto), early (1) or at exit (2), beside pdl=False
+      run bench-pdl python3 bench/bench_decode.py --no-peer --dtypes f32 \
+        --batches ${PDL_BATCHES:-1,2,4,8,16,64} --json "$OUT/decode-nopdl.json"
+      for trig in auto 1 2; do
+        DELTASTATE_CUDA_PDL_TRIGGER=$trig run bench-pdl python3 bench/bench_decode.py --no-peer \
+          --pdl --dtypes f32 --batches ${PDL_BATCHES:-1,2,4,8,16,64} --json "$OUT/decode-pdl-$trig.json"
+        DELTASTATE_CUDA_PDL_TRIGGER=$trig run bench-pdl python3 bench/bench_replayssm.py --pdl \
+          --dtypes f32 --lens 16 --batches ${PDL_BATCHES:-1,8,64} --json "$OUT/replayssm-pdl-$trig.json"
+      done
       ;;
     bench-replay-bpc1)  # ReplaySSM with one row block per CTA forced (the kernel-choice threshold)
       DELTASTATE_CUDA_REPLAY_BPC=1 run bench-replay python3 bench/bench_replayssm.py \
