@@ -107,7 +107,7 @@ struct ReplayProblem {
   const int32_t* force_flush = nullptr;  // [B] or null
   bool advance_write_pos = false;
   bool check_indices = false;
-  bool pdl = false;
+  bool pdl = false;                   // as RecurrentProblem
   bool pdl_trigger_early = false;
   Device device{};
 };

@@ -694,8 +694,9 @@ void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
   const int warps = tiles < 8LL * num_sms(p.device.index) ? 1 : 4;
   const int64_t ctas = (tiles + warps - 1) / warps;
   if (tiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  const int resident_ctas = DS_MIN_BLOCKS * 4 / warps;  // the launch bound's 16 warps per SM
   launch_kernel(recurrent_direct_kernel<StateT, KT, VEC, In>, static_cast<unsigned>(ctas), warps * 32, 0,
-                stream, p.pdl, with_pdl_trigger(p, ctas, DS_MIN_BLOCKS * 4 / warps), wph);
+                stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS

@@ -749,6 +749,38 @@ TEST_F(GpuTest, StatePoolOnDevice) {
 }
 
 // ==== CUDA graphs ==============================================================================
+// A non-blocking stream for the scope.
+struct ScopedStream {
+  cudaStream_t s = nullptr;
+  ScopedStream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~ScopedStream() { EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess); }
+  ScopedStream(const ScopedStream&) = delete;
+  ScopedStream& operator=(const ScopedStream&) = delete;
+};
+
+// What `record` launches on `stream`, captured into an instantiated graph, for the scope.
+class CapturedGraph {
+ public:
+  template <class Record>
+  CapturedGraph(cudaStream_t stream, Record&& record) {
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    record();
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+    CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~CapturedGraph() {
+    EXPECT_EQ(cudaGraphExecDestroy(exec_), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph_), cudaSuccess);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void launch(cudaStream_t stream) { CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // One packed-decode step and one ReplaySSM step (cursor advance on the device) are captured on a
 // non-default stream, then replayed with new inputs copied into the captured buffers; each replay
 // must give bit-identical results to the same op run eagerly on a second copy of the buffers.
@@ -759,12 +791,8 @@ TEST_F(GpuTest, CudaGraphReplayMatchesEager) {
   Tensor pool = make_pool(f32, 10, s, 256, 64);
   fill_live_slots(pool.view(), slots, rng);
   const double scale = 1.0 / std::sqrt(128.0);
-  cudaStream_t stream = nullptr;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct Destroy {
-    cudaStream_t s;
-    ~Destroy() { EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess); }
-  } destroy_stream{stream};
+  const ScopedStream scoped_stream;
+  cudaStream_t stream = scoped_stream.s;
 
   for (int which = 0; which < 2; ++which) {
     const bool replay = which == 1;
@@ -793,20 +821,7 @@ TEST_F(GpuTest, CudaGraphReplayMatchesEager) {
     run(warm_mem, nullptr);  // warm-up outside the capture, as serving engines do
     sync();
 
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    run(graph_mem, stream);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    struct GraphFree {
-      cudaGraph_t g;
-      cudaGraphExec_t e;
-      ~GraphFree() {
-        EXPECT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
-        EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
-      }
-    } free_graph{graph, exec};
+    CapturedGraph graph(stream, [&] { run(graph_mem, stream); });
     // Capturing ran nothing.
     EXPECT_EQ(graph_mem.download(pool).bytes(), pool.bytes());
 
@@ -814,7 +829,7 @@ TEST_F(GpuTest, CudaGraphReplayMatchesEager) {
       SCOPED_TRACE("replay " + std::to_string(iter));
       batch.randomize(rng);
       for (Mirror* m : {&graph_mem, &eager_mem}) m->upload_all(batch.x, batch.a, batch.b);
-      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch(stream);
       CUDA_CHECK(cudaStreamSynchronize(stream));
       run(eager_mem, nullptr);
       sync();
@@ -847,12 +862,8 @@ TEST_F(GpuTest, PdlLaunchesMatchPlainLaunches) {
   const std::vector<int64_t> slots{5, 0, -1, 7, 2, 9, 4, 1};
   const double scale = 1.0 / std::sqrt(128.0);
   constexpr int kSteps = 6;
-  cudaStream_t stream = nullptr;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct Destroy {
-    cudaStream_t s;
-    ~Destroy() { EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess); }
-  } destroy_stream{stream};
+  const ScopedStream scoped_stream;
+  cudaStream_t stream = scoped_stream.s;
 
   for (int which = 0; which < 3; ++which) {
     const bool replay = which == 2, kda = which == 1;
@@ -887,21 +898,10 @@ TEST_F(GpuTest, PdlLaunchesMatchPlainLaunches) {
     for (int i = 0; i < kSteps; ++i) step(pdl_mem, stream, true);
     CUDA_CHECK(cudaStreamSynchronize(stream));
 
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < kSteps; ++i) step(graph_mem, stream, true);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    struct GraphFree {
-      cudaGraph_t g;
-      cudaGraphExec_t e;
-      ~GraphFree() {
-        EXPECT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
-        EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
-      }
-    } free_graph{graph, exec};
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CapturedGraph graph(stream, [&] {
+      for (int i = 0; i < kSteps; ++i) step(graph_mem, stream, true);
+    });
+    graph.launch(stream);
     CUDA_CHECK(cudaStreamSynchronize(stream));
 
     for (const Tensor* t : {&batch.out, &pool_w, &rings.d, &rings.k, &rings.g, &wp}) {
