@@ -237,13 +237,10 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   // not depend on the slot: issued first, kept in their own type, converted after the state loads
   // have left. (Converted as loaded, each conversion made the warp wait for its load before the
   // next: index -> v -> token -> state, three round trips before the state loads; ncu, sixth
-  // session.) The index's load has dtype branches, so it comes after them. 16-bit states (8
-  // elements per lane) keep the old order, index first and inputs converted as loaded: the new
-  // one spilled 12 more bytes there (ptxas), and it has not been measured for them.
-  constexpr bool kRawInputs = EPL <= 4;
-  int64_t slot = 0;
-  if constexpr (!kRawInputs) slot = slot_of(p, n);
-  using InT = std::conditional_t<kRawInputs, typename In::type, float>;
+  // session. fp32 states: B=1 4.20 -> 3.98 us; 16-bit states, seventh session, run 7: GDN bf16
+  // B=1 4.68 -> 4.30 us, B=8 9.05 -> 8.64, KDA bf16 B=1 6.43 -> 6.04, for 8-20 B more spill stores.) The
+  // index's load has dtype branches, so it comes after them.
+  using InT = typename In::type;
   TokenHeadInputs<EPL, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);
   const detail::GateParams& gp = p.gate;
@@ -254,7 +251,7 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     const int vrow = row0 + t * RPW + (idx < R ? idx : 0) * RG;
     v_in[t] = idx < R && vrow < p.V ? load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + vrow) : InT{};
   }
-  if constexpr (kRawInputs) slot = slot_of(p, n);
+  const int64_t slot = slot_of(p, n);
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
   if (slot < 0) {  // padding: zero output, state untouched
