@@ -58,20 +58,15 @@ class ReplayCase(Case):
         self.a3 = [a.reshape(a_shape) for a in self.a]
         self.dt3 = self.dt_bias.reshape(m.HV, m.K) if m.op == "kda" else self.dt_bias
 
-    def replay_at(self, r: int, cursors):
-        """One step at fixed cursors (no advance): the same phase on every launch."""
+    def replay(self, r: int, cursors=None):
+        """One step of rotation r: on its own cursors, advanced on the device; or, given
+        `cursors`, at those fixed cursors (no advance: the same phase on every launch)."""
         m = self.m
+        wp = self.wp[r] if cursors is None else cursors
         return lambda: ds.fused_recurrent_linear_replayssm_decode(
             self.x[r], self.a3[r], self.b[r], self.A_log, self.dt3, self.scale, self.pool, self.d,
-            self.k, self.g, self.out[r], self.idx[r], cursors, None, is_kda=m.op == "kda",
-            pdl=self.pdl)
-
-    def replay(self, r: int):
-        m = self.m
-        return lambda: ds.fused_recurrent_linear_replayssm_decode(
-            self.x[r], self.a3[r], self.b[r], self.A_log, self.dt3, self.scale, self.pool, self.d,
-            self.k, self.g, self.out[r], self.idx[r], self.wp[r], None, is_kda=m.op == "kda",
-            advance_write_pos=True, pdl=self.pdl)
+            self.k, self.g, self.out[r], self.idx[r], wp, None, is_kda=m.op == "kda",
+            advance_write_pos=cursors is None, pdl=self.pdl)
 
 
 def main() -> int:
@@ -119,7 +114,7 @@ def main() -> int:
                         for phase, c in (("app_us", L // 2), ("flush_us", L - 1)):
                             wp = torch.full((B,), c, device="cuda", dtype=torch.int32)
                             phase_us[phase] = round(time_graph(
-                                [case.replay_at(r, wp) for r in range(case.nr)],
+                                [case.replay(r, wp) for r in range(case.nr)],
                                 replays=args.replays) * 1e6, 2)
                     nbytes = replay_step_bytes(m, dtype, B, L)
                     gbps = nbytes / t / 1e9

@@ -54,6 +54,12 @@ gtest_sharded() {  # gtest_sharded <phase> <filter>: the GPU suite's matching te
   return $rc
 }
 
+replay_sass() {  # per-SASS-instruction counters of one ReplaySSM appending step (CSV)
+  run profile ncu --clock-control none -k "regex:replay" --launch-skip 8 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+    python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
+}
+
 sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's matching tests
   run sanitize compute-sanitizer --tool "$1" --error-exitcode 3 "$BUILD/tests/deltastate_gpu_tests" \
     --gtest_filter="$2"
@@ -179,16 +185,12 @@ for phase in "${phases[@]}"; do
       done
       ;;
     profile-replay-source)  # per-instruction counters of one ReplaySSM appending step only
-      run profile ncu --clock-control none -k "regex:replay" --launch-skip 8 --launch-count 1 \
-        --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-        python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
+      replay_sass
       ;;
     profile-source)
       # Per-instruction counters (SASS with executed instructions and stall samples, CSV) of one
       # ReplaySSM appending step and one plain decode launch (PROFILE_ARGS picks the case).
-      run profile ncu --clock-control none -k "regex:replay" --launch-skip 8 --launch-count 1 \
-        --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-        python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
+      replay_sass
       run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
         --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
         python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-} > "$OUT/decode-sass.csv"

@@ -215,6 +215,10 @@ __global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
 // Its CTAs: 2 warps, 12 resident per SM at 80 registers, so 24 warps per SM.
 constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;
 constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
+// Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2).
+template <class StateT, int K>
+constexpr int kDecodeTileBytes =
+    RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS * K * static_cast<int>(sizeof(StateT));
 
 template <class StateT, int K, class In, int TPW>
 __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
@@ -238,8 +242,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   // have left. (Converted as loaded, each conversion made the warp wait for its load before the
   // next: index -> v -> token -> state, three round trips before the state loads; ncu, sixth
   // session. fp32 states: B=1 4.20 -> 3.98 us; 16-bit states, seventh session, run 7: GDN bf16
-  // B=1 4.68 -> 4.30 us, B=8 9.05 -> 8.64, KDA bf16 B=1 6.43 -> 6.04, for 8-20 B more spill stores.) The
-  // index's load has dtype branches, so it comes after them.
+  // B=1 4.68 -> 4.30 us, B=8 9.05 -> 8.64, KDA bf16 B=1 6.43 -> 6.04, for 8-20 B more spill
+  // stores.) The index's load has dtype branches, so it comes after them.
   using InT = typename In::type;
   TokenHeadInputs<EPL, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);
@@ -275,7 +279,7 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   }
   // Tile 1 into this warp's shared memory (one tile: RPW rows of K elements).
   extern __shared__ uint4 decode_smem[];
-  uint4* mine = decode_smem + (threadIdx.x >> 5) * (RPW * K * static_cast<int>(sizeof(StateT)) / 16) + lane;
+  uint4* mine = decode_smem + (threadIdx.x >> 5) * (kDecodeTileBytes<StateT, K> / 16) + lane;
   if constexpr (TPW == 2)
     stage_rows_async<StateT, EPL, R>(mine, 32, row0 + RPW, RG, p.V,
                                      [&](int r, int) { return st + (RPW + r * RG) * K; });
@@ -346,9 +350,7 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
   const int64_t warps = p.num_heads_total() * wph;
   if (warps > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
-  using Lay = RowLayout<StateT, K>;  // each warp with one staged tile when TPW = 2
-  constexpr int smem =
-      TPW == 2 ? kDecodeCtaWarps * Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT)) : 0;
+  constexpr int smem = TPW == 2 ? kDecodeCtaWarps * kDecodeTileBytes<StateT, K> : 0;
   const auto ctas = static_cast<unsigned>((warps + kDecodeCtaWarps - 1) / kDecodeCtaWarps);
   launch_kernel(recurrent_decode_kernel<StateT, K, In, TPW>, ctas, kDecodeCtaWarps * 32, smem, stream,
                 p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
@@ -676,11 +678,11 @@ void launch_stream(const RecurrentProblem& p, cudaStream_t stream) {
   const int64_t ntiles = p.num_heads_total() * vblocks;
   if (ntiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (ntiles == 0) return;
-  const int64_t max_ctas = static_cast<int64_t>(stream_ctas_per_sm<StateT, K, In>(p.device.index)) * num_sms(p.device.index);
+  const int per_sm = stream_ctas_per_sm<StateT, K, In>(p.device.index);
+  const int64_t max_ctas = static_cast<int64_t>(per_sm) * num_sms(p.device.index);
   const int ctas = static_cast<int>(ntiles < max_ctas ? ntiles : max_ctas);
   launch_kernel(recurrent_stream_kernel<StateT, K, In>, ctas, Lay::THREADS, Lay::SMEM_BYTES, stream,
-                p.pdl, with_pdl_trigger(p, ctas, stream_ctas_per_sm<StateT, K, In>(p.device.index)),
-                vblocks, static_cast<int>(ntiles));
+                p.pdl, with_pdl_trigger(p, ctas, per_sm), vblocks, static_cast<int>(ntiles));
 }
 
 template <class StateT, int KT, bool VEC, class In>
