@@ -8,7 +8,7 @@
 #                                      bench-pdl,
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
-#                                      profile-replay-source
+#                                      profile-replay-source, profile-decode-source
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -58,6 +58,12 @@ replay_sass() {  # per-SASS-instruction counters of one ReplaySSM appending step
   run profile ncu --clock-control none -k "regex:replay" --launch-skip 8 --launch-count 1 \
     --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
     python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
+}
+
+decode_sass() {  # per-SASS-instruction counters of one plain decode launch (CSV)
+  run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+    python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-} > "$OUT/decode-sass.csv"
 }
 
 sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's matching tests
@@ -191,9 +197,10 @@ for phase in "${phases[@]}"; do
       # Per-instruction counters (SASS with executed instructions and stall samples, CSV) of one
       # ReplaySSM appending step and one plain decode launch (PROFILE_ARGS picks the case).
       replay_sass
-      run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
-        --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-        python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-} > "$OUT/decode-sass.csv"
+      decode_sass
+      ;;
+    profile-decode-source)  # per-instruction counters of one plain decode launch only
+      decode_sass
       ;;
     overhead)
       run overhead python3 python/tests/measure_overhead.py
