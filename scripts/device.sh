@@ -8,7 +8,8 @@
 #                                      bench-pdl,
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
-#                                      profile-replay-source, profile-decode-source
+#                                      profile-replay-source, profile-decode-source,
+#                                      test-stream
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -111,6 +112,11 @@ for phase in "${phases[@]}"; do
       for bpc in 0 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
       done
+      ;;
+    test-stream)  # the decode-shaped GPU tests with the streaming kernel forced, and its sanitizers
+      DELTASTATE_CUDA_DECODE=stream run test gtest_sharded test '*Packed*:*4096*:*Graph*:*Pdl*'
+      DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*partial_tile*:*B3*:*k64_*:*B64*'
+      DELTASTATE_CUDA_DECODE=stream sanitized racecheck '*partial_tile*:*B8*'
       ;;
     sanitize)
       # memcheck and racecheck on the GPU suite's small cases (every op, generic and fast kernels;

@@ -210,34 +210,65 @@ using detail::head_offset;
 // dtype (the generic path, for callers whose inputs mix dtypes).
 // load_raw returns the element as stored (`type`), so that a kernel can issue its loads now and
 // convert them where it uses them (a conversion right after a load makes the warp wait for it).
+// A 16-bit input element loaded zero-extended into a 32-bit register. Held as the type itself,
+// nvcc packs two of them into one register, and the packing (a PRMT) waits for the load: a
+// kernel loading ahead then waits at the load (ncu, eighth session: the streaming kernel's
+// producer, 30% of its stall samples).
+template <class T>
+struct Wide {
+  uint32_t bits;
+};
+// A read-only 16-bit load into a 32-bit register (zero-extended), in asm: with __ldg of an
+// unsigned short, nvcc keeps a 16-bit register and converts it where it is used.
+__device__ __forceinline__ uint32_t load_u16_wide(const void* p) {
+  uint32_t v;
+  asm("ld.global.nc.u16 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float to_float(Wide<__nv_bfloat16> x) { return __uint_as_float(x.bits << 16); }
+__device__ __forceinline__ float to_float(Wide<__half> x) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(x.bits)));
+}
+
 template <class T>
 struct TypedInput {
   using type = T;
+  using wide_type = std::conditional_t<sizeof(T) == 2, Wide<T>, T>;  // T, never packed
   __device__ __forceinline__ static float load(const void* p, DType, int64_t i) {
     return to_float(__ldg(static_cast<const T*>(p) + i));
   }
   __device__ __forceinline__ static T load_raw(const void* p, DType, int64_t i) {
     return __ldg(static_cast<const T*>(p) + i);
   }
+  __device__ __forceinline__ static wide_type load_wide(const void* p, DType, int64_t i) {
+    if constexpr (sizeof(T) == 2) return {load_u16_wide(static_cast<const T*>(p) + i)};
+    else return __ldg(static_cast<const T*>(p) + i);
+  }
 };
 struct AnyInput {
   using type = float;  // what generic kernels convert to
+  using wide_type = float;
   __device__ __forceinline__ static float load(const void* p, DType t, int64_t i) {
     return detail::load_float(p, t, i);
   }
   __device__ __forceinline__ static float load_raw(const void* p, DType t, int64_t i) {
     return detail::load_float(p, t, i);
   }
+  __device__ __forceinline__ static float load_wide(const void* p, DType t, int64_t i) {
+    return detail::load_float(p, t, i);
+  }
 };
 
-// An input element as T: converted as loaded (T = float) or in its own type (T = In::type, for a
-// kernel that converts it later, where it is used).
+// An input element as T: converted as loaded (T = float) or in its own type (T = In::type or
+// In::wide_type, for a kernel that converts it later, where it is used).
 template <class In, class T>
 __device__ __forceinline__ T load_input(const void* p, DType t, int64_t i) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, typename In::type>,
-                "inputs: converted (float) or raw (the input type)");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, typename In::type> ||
+                    std::is_same_v<T, typename In::wide_type>,
+                "inputs: converted (float), raw (the input type) or wide");
   if constexpr (std::is_same_v<T, float>) return In::load(p, t, i);
-  else return In::load_raw(p, t, i);
+  else if constexpr (std::is_same_v<T, typename In::type>) return In::load_raw(p, t, i);
+  else return In::load_wide(p, t, i);
 }
 
 // A 32-bit load issued where it stands (read-only data; _cg: data other CTAs of the launch write,
@@ -278,6 +309,33 @@ template <int EPL, int R>
 struct TokenInputs : TokenHeadInputs<EPL> {
   float v[R];
 };
+
+// Loads whose conversion waits for them (a sign extension, a dtype switch's join): the bits
+// issued where they stand, converted where the value is used, so that a kernel loading ahead does
+// not wait at the load (ncu, eighth session: the streaming kernel's producer stalled there). Nor
+// may a value that is either loaded or zero be zeroed after the load is issued: the zeroing
+// waits for the load's register (ncu, same run), so such loads read kZeroWord instead.
+__device__ const uint64_t kZeroWord = 0;
+// Index i of an int32 or int64 index tensor, not yet sign-extended (index_of_bits).
+__device__ __forceinline__ uint64_t load_index_bits(const void* p, DType t, int64_t i) {
+  return t == DType::i64 ? static_cast<uint64_t>(__ldg(static_cast<const long long*>(p) + i))
+                         : static_cast<uint64_t>(__ldg(static_cast<const unsigned*>(p) + i));
+}
+__device__ __forceinline__ int64_t index_of_bits(uint64_t b, DType t) {
+  return t == DType::i64 ? static_cast<int64_t>(b) : static_cast<int64_t>(static_cast<int32_t>(b));
+}
+// Element i of a float tensor of dtype t as stored (zero-extended to 32 bits; float_of_bits).
+__device__ __forceinline__ uint32_t load_float_bits(const void* p, DType t, int64_t i) {
+  return t == DType::f32 ? __ldg(static_cast<const unsigned*>(p) + i)
+                         : load_u16_wide(static_cast<const uint16_t*>(p) + i);
+}
+__device__ __forceinline__ float float_of_bits(uint32_t b, DType t) {
+  switch (t) {
+    case DType::bf16: return to_float(Wide<__nv_bfloat16>{b});
+    case DType::f16: return to_float(Wide<__half>{b});
+    default: return __uint_as_float(b);
+  }
+}
 
 template <class In, int EPL, class T, class Problem>
 __device__ __forceinline__ void load_token_head(const Problem& p, const detail::HeadInput& gate_in,
@@ -323,21 +381,43 @@ __device__ __forceinline__ void load_token(const Problem& p, const detail::HeadI
 // Per-head gate constants: A_log[hv] and the lane's dt_bias (its K slice for KDA; for GDN the
 // head's scalar in every entry, each entry its own cached load: loading it once and copying it
 // measured more register pressure, and spills, in the 16-bit-state kernels).
-template <int EPL>
+// T = uint32_t: their bits as stored (load_float_bits), for a kernel loading ahead; widen()
+// converts.
+template <int EPL, class T = float>
 struct GateConsts {
-  float A_log, dt[EPL];
+  T A_log, dt[EPL];
 };
-template <int EPL>
+template <int EPL, class T>
 __device__ __forceinline__ void load_gate_consts(const detail::GateParams& gate, int hv, int K,
-                                                 int kofs, int valid, GateConsts<EPL>& c) {
-  c.A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, hv) : 0.0f;
+                                                 int kofs, int valid, GateConsts<EPL, T>& c) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>, "floats or their bits");
+  if constexpr (std::is_same_v<T, float>) {
+    c.A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, hv) : 0.0f;
 #pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const int64_t idx = gate.kda ? static_cast<int64_t>(hv) * K + kofs + i : hv;
-    c.dt[i] = gate.dt_bias && (!gate.kda || i < valid)
-                  ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, idx)
-                  : 0.0f;
+    for (int i = 0; i < EPL; ++i) {
+      const int64_t idx = gate.kda ? static_cast<int64_t>(hv) * K + kofs + i : hv;
+      c.dt[i] = gate.dt_bias && (!gate.kda || i < valid)
+                    ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, idx)
+                    : 0.0f;
+    }
+  } else {  // every load unconditional: an absent tensor or element reads kZeroWord
+    c.A_log = load_float_bits(gate.A_log ? gate.A_log : &kZeroWord, gate.A_log_dtype, gate.A_log ? hv : 0);
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const bool here = gate.dt_bias && (!gate.kda || i < valid);
+      const int64_t idx = gate.kda ? static_cast<int64_t>(hv) * K + kofs + i : hv;
+      c.dt[i] = load_float_bits(here ? gate.dt_bias : &kZeroWord, gate.dt_bias_dtype, here ? idx : 0);
+    }
   }
+}
+template <int EPL>
+__device__ __forceinline__ GateConsts<EPL> widen(const detail::GateParams& gate,
+                                                 const GateConsts<EPL, uint32_t>& r) {
+  GateConsts<EPL> c;
+  c.A_log = float_of_bits(r.A_log, gate.A_log_dtype);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) c.dt[i] = float_of_bits(r.dt[i], gate.dt_bias_dtype);
+  return c;
 }
 
 // Zeros the output of a padded tile's rows row0, row0 + step, ... (R of them, those below V);

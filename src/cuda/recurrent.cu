@@ -374,7 +374,8 @@ void launch_decode(const RecurrentProblem& p, cudaStream_t stream) {
 //    consumers into the stage's prep record: q normalized and scaled, k normalized, alpha (per K
 //    element for KDA), v of the tile's rows, beta, k.q. It issues the bulk store (shared ->
 //    global) of each tile its consumers have finished, in order, and refills a stage once that
-//    store has read it. Its input loads run one tile ahead.
+//    store has read it. Its input loads run two tiles ahead, unconditional and unconverted (no
+//    instruction waits for them before the tile that uses them).
 //  * NW consumer warps compute the tile in place: the delta-rule step on their rows from the prep
 //    record, the output, the new state back into the stage; then they arrive on `done`.
 //
@@ -425,51 +426,78 @@ struct StagePrep {
 constexpr int64_t kStagePadded = -1;
 
 // One tile's inputs in the producer's lanes (lane l: K elements l*KPL.., rows l*VPL.. of the
-// tile), loaded one tile ahead of their use: where it lives, its slot, the token, the gate
-// constants.
-template <int KPL, int VPL>
+// tile), loaded two tiles ahead of their use: where it lives, its slot, the token, the gate
+// constants. All as loaded (InT: the inputs' wide type; the index and the gate constants as bits),
+// converted by stream_prepare: a conversion where the load stands waits for it (ncu, eighth
+// session: the producer stalled at the index's sign extension and the token's conversions).
+template <class InT, int KPL, int VPL>
 struct StreamInputs {
   HeadBlock c;
-  int64_t slot;
-  TokenInputs<KPL, VPL> tok;
-  GateConsts<KPL> gc;
+  uint64_t slot_bits;  // the index as loaded (index_of_bits); unused without indices
+  TokenHeadInputs<KPL, InT> tok;
+  InT v[VPL];  // rows past V: row V-1's (a load from a clamped row, so no zeroing waits for it)
+  GateConsts<KPL, uint32_t> gc;
 };
-template <class In, int KPL, int VPL, int TILE_ROWS>
+template <class In, int KPL, int VPL, int TILE_ROWS, class InT>
 __device__ __forceinline__ void stream_load(const RecurrentProblem& p, int t, int vblocks, int lane,
-                                            StreamInputs<KPL, VPL>& x) {
+                                            StreamInputs<InT, KPL, VPL>& x) {
+  // Every load unconditional (common.cuh, kZeroWord): no indices read kZeroWord (stream_slot
+  // uses the sequence), GDN's scalar gate input is read by every lane's KPL entries (only the
+  // first is used), rows past V read row V-1 (stream_prepare zeroes them).
   x.c = head_block(p, t, vblocks);
-  x.slot = p.indices ? detail::load_index(p.indices, p.index_dtype, x.c.n) : x.c.n;
-  load_token<In>(p, p.g, p.beta, x.c.n, 0, x.c.h, x.c.hv, lane * KPL, KPL,
-                 x.c.block * TILE_ROWS + lane * VPL, 1, x.tok);
-  load_gate_consts(p.gate, x.c.hv, p.K, lane * KPL, KPL, x.gc);
+  const int n = x.c.n, kofs = lane * KPL;
+  x.slot_bits = load_index_bits(p.indices ? p.indices : &kZeroWord, p.index_dtype, p.indices ? n : 0);
+  auto ld = [](const void* ptr, DType dt, int64_t i) { return load_input<In, InT>(ptr, dt, i); };
+  const int64_t q_off = head_offset(p.q, n, 0, x.c.h) + kofs;
+  const int64_t k_off = head_offset(p.k, n, 0, x.c.h) + kofs;
+  const int64_t g_off = head_offset(p.g, n, 0, x.c.hv);
+#pragma unroll
+  for (int i = 0; i < KPL; ++i) {
+    x.tok.q[i] = ld(p.q.ptr, p.q.dtype, q_off + i);
+    x.tok.k[i] = ld(p.k.ptr, p.k.dtype, k_off + i);
+    x.tok.g[i] = ld(p.g.ptr, p.g.dtype, g_off + (p.gate.kda ? kofs + i : 0));
+  }
+  x.tok.b = ld(p.beta.ptr, p.beta.dtype, head_offset(p.beta, n, 0, x.c.hv));
+  const int64_t v_off = head_offset(p.v, n, 0, x.c.hv);
+  const int row0 = x.c.block * TILE_ROWS + lane * VPL;
+#pragma unroll
+  for (int r = 0; r < VPL; ++r) x.v[r] = ld(p.v.ptr, p.v.dtype, v_off + min(row0 + r, p.V - 1));
+  load_gate_consts(p.gate, x.c.hv, p.K, kofs, KPL, x.gc);
+}
+template <class InT, int KPL, int VPL>
+__device__ __forceinline__ int64_t stream_slot(const RecurrentProblem& p, const StreamInputs<InT, KPL, VPL>& x) {
+  return p.indices ? index_of_bits(x.slot_bits, p.index_dtype) : x.c.n;
 }
 
 // The producer warp's token preparation into a stage's prep record (common.cuh / delta_math.h
 // for the norm, the gate and beta).
-template <int K, int KPL, int VPL>
+template <int K, int KPL, int VPL, int TILE_ROWS, class InT>
 __device__ __forceinline__ void stream_prepare(const RecurrentProblem& p,
-                                               const StreamInputs<KPL, VPL>& x, int lane,
-                                               float* rec, StagePrep* sc) {
+                                               const StreamInputs<InT, KPL, VPL>& x, int64_t slot,
+                                               int lane, float* rec, StagePrep* sc) {
+  const TokenHeadInputs<KPL> tok = widen(x.tok);
+  const GateConsts<KPL> gc = widen(p.gate, x.gc);
   float qn[KPL], kn[KPL], glog[KPL], al[KPL];
 #pragma unroll
   for (int e = 0; e < KPL; ++e) {
-    qn[e] = x.tok.q[e];
-    kn[e] = x.tok.k[e];
+    qn[e] = tok.q[e];
+    kn[e] = tok.k[e];
   }
   const float kq = prepare_qk<KPL, 32>(qn, kn, p.l2norm, p.scale, lane);
-  token_gate(p.gate, x.gc, x.tok.g, glog, al);
+  token_gate(p.gate, gc, tok.g, glog, al);
   static_assert(KPL == 2 || KPL == 4, "K must be 64 or 128");
   using VecK = std::conditional_t<KPL == 4, float4, float2>;
   *reinterpret_cast<VecK*>(rec + lane * KPL) = *reinterpret_cast<const VecK*>(qn);
   *reinterpret_cast<VecK*>(rec + K + lane * KPL) = *reinterpret_cast<const VecK*>(kn);
   if (p.gate.kda) *reinterpret_cast<VecK*>(rec + 2 * K + lane * KPL) = *reinterpret_cast<const VecK*>(al);
 #pragma unroll
-  for (int r = 0; r < VPL; ++r) rec[3 * K + lane * VPL + r] = x.tok.v[r];
+  for (int r = 0; r < VPL; ++r)
+    rec[3 * K + lane * VPL + r] = x.c.block * TILE_ROWS + lane * VPL + r < p.V ? to_float(x.v[r]) : 0.0f;
   if (lane == 0) {
-    sc->slot = x.slot < 0 ? kStagePadded : x.slot;
+    sc->slot = slot < 0 ? kStagePadded : slot;
     sc->out_off = head_offset(p.out, x.c.n, 0, x.c.hv);
     sc->kq = kq;
-    sc->beta = detail::beta_value(x.tok.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
+    sc->beta = detail::beta_value(tok.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
     sc->alpha0 = al[0];  // GDN's alpha (KDA reads its per-element record)
     sc->vb = x.c.block;
   }
@@ -520,58 +548,77 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
   __syncthreads();
 
   if (warp == NW) {  // ---- producer warp ----
-    // Event loop over two cursors: `st` (next tile to store, in order, once its consumers are
-    // done) and `ld` (next tile to load, up to STAGES - 1 ahead of `st`). Lane 0 issues every
-    // bulk copy; each stored tile commits one bulk group (empty for padding), so tile j's store
-    // is the (st-1-j)-th most recent group, and a stage is refilled once its last store has read
-    // it. Loading only STAGES - 1 ahead keeps the stage being refilled one store older than the
-    // newest: refilling the stage just stored would wait for that store's read in the loop
-    // (measured: ~4 us per tile per CTA, whatever the tile's bytes).
+    // Tiles in order: tile ld is loaded once the stores its consumers have finished are issued
+    // and a stage is free, at most STAGES - 1 ahead of `st` (the next tile to store, in order,
+    // once its consumers are done). Lane 0 issues every bulk copy; each stored tile commits one
+    // bulk group (empty for padding), so tile j's store is the (st-1-j)-th most recent group, and
+    // a stage is refilled once its last store has read it. Loading only STAGES - 1 ahead keeps
+    // the stage being refilled one store older than the newest: refilling the stage just stored
+    // would wait for that store's read (measured: ~4 us per tile per CTA, whatever the tile's
+    // bytes). The inputs go two tiles ahead, in two sets of registers (a and b) that the loop
+    // alternates, so that neither the tile's bulk load (its slot) nor its preparation (its token)
+    // waits for a load issued just before.
     const int64_t head_elems = static_cast<int64_t>(p.V) * K;
-    int ld = 0, st = 0;
-    StreamInputs<KPL, VPL> next;
-    if (n_local > 0) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(0), vblocks, lane, next);
-    while (st < n_local) {
-      int stored = 0;
-      if (lane == 0 && st < ld && mbar_test(&done[st % STAGES], (st / STAGES) & 1)) {
-        const int s = st % STAGES;
-        const StagePrep* sc = prep_sc(s);
-        if (sc->slot >= 0) bulk_store(stage_ptr[s], tile_smem(s), tile_bytes(sc->vb));
-        bulk_commit();
-        stored = 1;
-      }
-      if (__shfl_sync(0xffffffffu, stored, 0)) {
-        ++st;
-        continue;
-      }
-      if (ld < n_local && ld < st + STAGES - 1) {
-        const int s = ld % STAGES;
-        const StreamInputs<KPL, VPL> x = next;
-        if (lane == 0) {
-          if (ld >= STAGES) bulk_wait_read_n(st - 1 - (ld - STAGES));
-          if (x.slot >= 0) {
-            if (p.check_indices && x.slot >= p.state.num_slots)
-              trap_bad_slot("recurrent", x.c.n, x.slot, p.state.num_slots);
-            StateT* g = static_cast<StateT*>(p.state.ptr) + x.slot * p.state.slot_stride +
-                        x.c.hv * head_elems + static_cast<int64_t>(x.c.block) * TILE_ROWS * K;
-            const uint32_t bytes = tile_bytes(x.c.block);
-            stage_ptr[s] = g;
-            mbar_expect_tx(&full[s], bytes);
-            bulk_load(tile_smem(s), g, bytes, &full[s]);
-          }
+    int st = 0;
+    auto store_tile = [&] {  // lane 0: the store of tile st (its consumers are done)
+      const int s = st % STAGES;
+      const StagePrep* sc = prep_sc(s);
+      if (sc->slot >= 0) bulk_store(stage_ptr[s], tile_smem(s), tile_bytes(sc->vb));
+      bulk_commit();
+    };
+    auto store_ready = [&] {  // stores of the tiles whose consumers are done, without waiting
+      for (;;) {
+        int stored = 0;
+        if (lane == 0 && mbar_test(&done[st % STAGES], (st / STAGES) & 1)) {
+          store_tile();
+          stored = 1;
         }
-        __syncwarp();  // the stage's previous prep record has been read (its store has been issued)
-        stream_prepare<K, KPL, VPL>(p, x, lane, prep_rec(s), prep_sc(s));
-        mbar_arrive(&full[s]);
-        // The next tile's input loads go out after the arrive: an arrive is a release, which
-        // would wait for loads still in flight before it.
-        if (ld + 1 < n_local) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(ld + 1), vblocks, lane, next);
-        ++ld;
-        continue;
+        if (!__shfl_sync(0xffffffffu, stored, 0)) return;
+        ++st;
       }
-      if (lane == 0) mbar_wait(&done[st % STAGES], (st / STAGES) & 1);  // all stages busy
+    };
+    auto store_waiting = [&] {  // the store of tile st, waiting for its consumers
+      if (lane == 0) {
+        mbar_wait(&done[st % STAGES], (st / STAGES) & 1);
+        store_tile();
+      }
       __syncwarp();
+      ++st;
+    };
+    using InT = typename In::wide_type;
+    auto load_tile = [&](int ld, StreamInputs<InT, KPL, VPL>& x) {
+      if (st < ld) store_ready();
+      while (ld >= st + STAGES - 1) store_waiting();  // all stages busy
+      const int s = ld % STAGES;
+      const int64_t slot = stream_slot(p, x);
+      if (lane == 0) {
+        if (ld >= STAGES) bulk_wait_read_n(st - 1 - (ld - STAGES));
+        if (slot >= 0) {
+          if (p.check_indices && slot >= p.state.num_slots)
+            trap_bad_slot("recurrent", x.c.n, slot, p.state.num_slots);
+          StateT* g = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
+                      x.c.hv * head_elems + static_cast<int64_t>(x.c.block) * TILE_ROWS * K;
+          const uint32_t bytes = tile_bytes(x.c.block);
+          stage_ptr[s] = g;
+          mbar_expect_tx(&full[s], bytes);
+          bulk_load(tile_smem(s), g, bytes, &full[s]);
+        }
+      }
+      __syncwarp();  // the stage's previous prep record has been read (its store has been issued)
+      stream_prepare<K, KPL, VPL, TILE_ROWS>(p, x, slot, lane, prep_rec(s), prep_sc(s));
+      mbar_arrive(&full[s]);
+      // Tile ld + 2's input loads go out after the arrive: an arrive is a release, which would
+      // wait for loads still in flight before it.
+      if (ld + 2 < n_local) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(ld + 2), vblocks, lane, x);
+    };
+    StreamInputs<InT, KPL, VPL> a, b;
+    if (n_local > 0) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(0), vblocks, lane, a);
+    if (n_local > 1) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(1), vblocks, lane, b);
+    for (int ld = 0; ld < n_local; ld += 2) {
+      load_tile(ld, a);
+      if (ld + 1 < n_local) load_tile(ld + 1, b);
     }
+    while (st < n_local) store_waiting();
     if (lane == 0) bulk_wait_all();
     return;
   }
