@@ -754,9 +754,10 @@ bool inputs_are(const RecurrentProblem& p, DType t) {
 
 // Decode kernels: which one runs a decode-shaped problem (decode_shaped). By default the
 // register decode kernel, and the streaming kernel for 16-bit states from kStreamMinHeads
-// (sequence, head) pairs up, where it was measured faster (docs/PERFORMANCE.md; at 256 pairs,
-// B=8, the decode kernel with 2 tiles per warp measured 8.7 vs 11.1 us GDN bf16, 10.9 vs 11.2
-// KDA; at 512 the streaming kernel wins for KDA, 17.1 vs 19.7).
+// (sequence, head) pairs up (KDA: kStreamMinHeadsKda), where it was measured faster
+// (docs/PERFORMANCE.md; eighth session, run 6, with the producer's inputs two tiles ahead: GDN
+// bf16 at 256 pairs, B=8, decode 8.73 vs stream 8.90 us, at 512 decode 15.60 vs stream 13.49;
+// KDA bf16 at 128 pairs, B=4, decode 8.13 vs stream 6.60, at 256 10.80 vs 10.07).
 // DELTASTATE_CUDA_DECODE=direct|decode|stream forces one (benchmarks compare them).
 enum class DecodeChoice { automatic, direct, decode, stream };
 DecodeChoice forced_decode_kernel() {
@@ -770,7 +771,7 @@ DecodeChoice forced_decode_kernel() {
   }();
   return forced;
 }
-constexpr int64_t kStreamMinHeads = 512;
+constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 128;
 
 // One token per sequence (T = 1, no cu_seqlens) in place on the pool (no dense final-state
 // copy), 16-byte aligned rows, K = 64 or 128.
@@ -785,8 +786,9 @@ DecodeChoice decode_kernel_for(const RecurrentProblem& p) {
   if (!decode_shaped<StateT>(p)) return DecodeChoice::direct;
   const DecodeChoice f = forced_decode_kernel();
   if (f != DecodeChoice::automatic) return f;
-  return sizeof(StateT) == 2 && p.num_heads_total() >= kStreamMinHeads ? DecodeChoice::stream
-                                                                        : DecodeChoice::decode;
+  const int64_t min_heads = p.gate.kda ? kStreamMinHeadsKda : kStreamMinHeads;
+  return sizeof(StateT) == 2 && p.num_heads_total() >= min_heads ? DecodeChoice::stream
+                                                                 : DecodeChoice::decode;
 }
 
 template <class StateT, class In>
