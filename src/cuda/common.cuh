@@ -314,7 +314,7 @@ struct TokenInputs : TokenHeadInputs<EPL> {
 // issued where they stand, converted where the value is used, so that a kernel loading ahead does
 // not wait at the load (ncu, eighth session: the streaming kernel's producer stalled there). Nor
 // may a value that is either loaded or zero be zeroed after the load is issued: the zeroing
-// waits for the load's register (ncu, same run), so such loads read kZeroWord instead.
+// waits for the load's register (ncu, eighth session, runs 3-4), so such loads read kZeroWord.
 __device__ const uint64_t kZeroWord = 0;
 // Index i of an int32 or int64 index tensor, not yet sign-extended (index_of_bits).
 __device__ __forceinline__ uint64_t load_index_bits(const void* p, DType t, int64_t i) {
