@@ -72,6 +72,15 @@ sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's
     --gtest_filter="$2"
 }
 
+# The decode-shaped GPU tests (each decode kernel runs them forced).
+DECODE_TESTS='*Packed*:*4096*:*Graph*:*Pdl*'
+
+stream_sanitized() {  # the streaming kernel forced under memcheck and racecheck (shared-memory
+  # stages, bulk copies, mbarriers); B=64 / B=8 so that each CTA walks many tiles through them
+  DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*partial_tile*:*B3*:*k64_*:*B64*'
+  DELTASTATE_CUDA_DECODE=stream sanitized racecheck '*partial_tile*:*B8*'
+}
+
 configure() {  # every CUDA kernel specialization, the Python module in the build tree
   run build cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DDELTASTATE_CUDA=ON -DDELTASTATE_CUDA_ALL_KERNELS=ON -DDELTASTATE_BUILD_PYTHON=ON \
@@ -95,12 +104,12 @@ for phase in "${phases[@]}"; do
       run test gtest_sharded test '*'
       # every decode kernel on every decode-shaped case (the default picks one per call)
       for k in direct stream decode; do
-        DELTASTATE_CUDA_DECODE=$k run test gtest_sharded test '*Packed*:*4096*:*Graph*'
+        DELTASTATE_CUDA_DECODE=$k run test gtest_sharded test "$DECODE_TESTS"
       done
       # the decode kernel with 2 tiles per warp forced (the default picks 2 only for
       # grids of more than one wave, which the suite's cases are not)
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 run test gtest_sharded test \
-        '*Packed*:*4096*:*Graph*'
+        "$DECODE_TESTS"
       # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size)
       for bpc in 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
@@ -114,18 +123,15 @@ for phase in "${phases[@]}"; do
       done
       ;;
     test-stream)  # the decode-shaped GPU tests with the streaming kernel forced, and its sanitizers
-      DELTASTATE_CUDA_DECODE=stream run test gtest_sharded test '*Packed*:*4096*:*Graph*:*Pdl*'
-      DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*partial_tile*:*B3*:*k64_*:*B64*'
-      DELTASTATE_CUDA_DECODE=stream sanitized racecheck '*partial_tile*:*B8*'
+      DELTASTATE_CUDA_DECODE=stream run test gtest_sharded test "$DECODE_TESTS"
+      stream_sanitized
       ;;
     sanitize)
       # memcheck and racecheck on the GPU suite's small cases (every op, generic and fast kernels;
       # the large ones take minutes under the sanitizer).
       sanitized memcheck "${SANITIZE_FILTER:-*k96*:*odd*:*k64_*}"
       sanitized racecheck "${RACECHECK_FILTER:-*k96*:*k64v128*}"
-      # the streaming kernel (shared-memory stages, bulk copies, mbarriers), forced on small cases
-      DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*partial_tile*:*B3*:*k64_*'
-      DELTASTATE_CUDA_DECODE=stream sanitized racecheck '*partial_tile*'
+      stream_sanitized
       # ReplaySSM with two row blocks per CTA forced where it applies (whole heads: K=64 V=256,
       # Qwen3-Next with fp32 and bf16 checkpoints), and V=200's partial last row block (one-block
       # kernel)

@@ -205,11 +205,6 @@ __device__ __forceinline__ void store_state(StateT* p, int valid, const float (&
 
 using detail::head_offset;
 
-// Input loaders. TypedInput<T> reads inputs known to be of type T (the fast path: one plain load
-// per element, so all of a token's loads issue back to back); AnyInput switches on the runtime
-// dtype (the generic path, for callers whose inputs mix dtypes).
-// load_raw returns the element as stored (`type`), so that a kernel can issue its loads now and
-// convert them where it uses them (a conversion right after a load makes the warp wait for it).
 // A 16-bit input element loaded zero-extended into a 32-bit register. Held as the type itself,
 // nvcc packs two of them into one register, and the packing (a PRMT) waits for the load: a
 // kernel loading ahead then waits at the load (ncu, eighth session: the streaming kernel's
@@ -227,9 +222,15 @@ __device__ __forceinline__ uint32_t load_u16_wide(const void* p) {
 }
 __device__ __forceinline__ float to_float(Wide<__nv_bfloat16> x) { return __uint_as_float(x.bits << 16); }
 __device__ __forceinline__ float to_float(Wide<__half> x) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(x.bits)));
+  return to_float(__ushort_as_half(static_cast<unsigned short>(x.bits)));
 }
 
+// Input loaders. TypedInput<T> reads inputs known to be of type T (the fast path: one plain load
+// per element, so all of a token's loads issue back to back); AnyInput switches on the runtime
+// dtype (the generic path, for callers whose inputs mix dtypes).
+// load_raw returns the element as stored (`type`), so that a kernel can issue its loads now and
+// convert them where it uses them (a conversion right after a load makes the warp wait for it);
+// load_wide the same, 16-bit types zero-extended into their own register (`wide_type`, Wide).
 template <class T>
 struct TypedInput {
   using type = T;
