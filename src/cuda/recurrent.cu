@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   // session. fp32 states: B=1 4.20 -> 3.98 us; 16-bit states, seventh session, run 7: GDN bf16
   // B=1 4.68 -> 4.30 us, B=8 9.05 -> 8.64, KDA bf16 B=1 6.43 -> 6.04, for 8-20 B more spill
   // stores.) The index's load has dtype branches, so it comes after them.
-  using InT = typename In::type;
+  using InT = typename In::wide_type;  // 16-bit inputs in their own registers: no packing waits
   TokenHeadInputs<EPL, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);
   const detail::GateParams& gp = p.gate;
@@ -252,8 +252,10 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   const int64_t v_off = head_offset(p.v, n, 0, hv);
 #pragma unroll
   for (int t = 0; t < TPW; ++t) {
+    // Unconditional, from a clamped row (zeroing after a predicated load waits for it); the
+    // lanes without a row of their own, or past V, zero it where it is used.
     const int vrow = row0 + t * RPW + (idx < R ? idx : 0) * RG;
-    v_in[t] = idx < R && vrow < p.V ? load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + vrow) : InT{};
+    v_in[t] = load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + min(vrow, p.V - 1));
   }
   const int64_t slot = slot_of(p, n);
   const int64_t o_off = head_offset(p.out, n, 0, hv);
@@ -316,7 +318,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     }
     StateT* stt = st + t * RPW * K;
     float u_here;  // meaningful on the sk lanes
-    const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, to_float(v_in[t]), beta, lane, u_here, [&](int r) {
+    const bool v_here = idx < R && rowt + idx * RG < p.V;
+    const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, v_here ? to_float(v_in[t]) : 0.0f, beta, lane, u_here, [&](int r) {
       if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
     });
     store_output_rows<G, R>(p.out, o_off, p.V, rowt, RG, lane, red, u_here, kq);
