@@ -9,7 +9,7 @@
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
 #                                      profile-replay-source, profile-decode-source,
-#                                      test-stream
+#                                      test-decode, test-stream
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -120,6 +120,13 @@ for phase in "${phases[@]}"; do
     test-replay)  # the ReplaySSM GPU tests only: default kernel choice, then each variant forced
       for bpc in 0 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
+      done
+      ;;
+    test-decode)  # the decode-shaped GPU tests with the register decode kernel forced, 1 and 2
+      # tiles per warp
+      for tpw in 1 2; do
+        DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=$tpw run test gtest_sharded test \
+          "$DECODE_TESTS"
       done
       ;;
     test-stream)  # the decode-shaped GPU tests with the streaming kernel forced, and its sanitizers
