@@ -4,7 +4,7 @@
 #
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
-#                                      also build-lib, bench-direct, bench-tpw,
+#                                      also build-lib, bench-direct, bench-tpw, bench-variant,
 #                                      bench-pdl,
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
@@ -156,6 +156,11 @@ for phase in "${phases[@]}"; do
       ;;
     bench-decode)
       run bench-decode python3 bench/bench_decode.py --json "$OUT/decode-h200.json" ${BENCH_ARGS:-}
+      ;;
+    bench-variant)  # ours only, under the caller's environment (a forced kernel or variant), to
+      # $OUT/$VARIANT.json (A/B comparisons within one call)
+      run bench-decode python3 bench/bench_decode.py --no-peer --json "$OUT/${VARIANT:-variant}.json" \
+        ${BENCH_ARGS:-}
       ;;
     bench-direct)  # the register kernel forced everywhere, for the kernel-choice threshold
       DELTASTATE_CUDA_DECODE=direct run bench-direct python3 bench/bench_decode.py --no-peer \
