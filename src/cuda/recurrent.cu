@@ -764,7 +764,8 @@ bool inputs_are(const RecurrentProblem& p, DType t) {
 // (sequence, head) pairs up (KDA: kStreamMinHeadsKda), where it was measured faster
 // (docs/PERFORMANCE.md; eighth session, run 6, with the producer's inputs two tiles ahead: GDN
 // bf16 at 256 pairs, B=8, decode 8.73 vs stream 8.90 us, at 512 decode 15.60 vs stream 13.49;
-// KDA bf16 at 128 pairs, B=4, decode 8.13 vs stream 6.60, at 256 10.80 vs 10.07).
+// KDA bf16 at 128 pairs, B=4, decode 8.13 vs stream 6.60, at 256 10.80 vs 10.07; ninth session,
+// run 5, Kimi-Linear bf16 at 32 pairs, B=1, decode 6.01 vs stream 5.14, at 64 6.49 vs 5.41).
 // DELTASTATE_CUDA_DECODE=direct|decode|stream forces one (benchmarks compare them).
 enum class DecodeChoice { automatic, direct, decode, stream };
 DecodeChoice forced_decode_kernel() {
@@ -778,7 +779,7 @@ DecodeChoice forced_decode_kernel() {
   }();
   return forced;
 }
-constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 128;
+constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
 
 // One token per sequence (T = 1, no cu_seqlens) in place on the pool (no dense final-state
 // copy), 16-byte aligned rows, K = 64 or 128.
