@@ -75,6 +75,12 @@ sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's
 # The decode-shaped GPU tests (each decode kernel runs them forced).
 DECODE_TESTS='*Packed*:*4096*:*Graph*:*Pdl*'
 
+forced_decode_tests() {  # forced_decode_tests <kernel> [tiles per warp]: DECODE_TESTS with one
+  # decode kernel forced (and, given, the decode kernel's tiles per warp)
+  DELTASTATE_CUDA_DECODE=$1 DELTASTATE_CUDA_DECODE_TPW=${2:-} run test gtest_sharded test \
+    "$DECODE_TESTS"
+}
+
 stream_sanitized() {  # the streaming kernel forced under memcheck and racecheck (shared-memory
   # stages, bulk copies, mbarriers); B=64 / B=8 so that each CTA walks many tiles through them
   DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*partial_tile*:*B3*:*k64_*:*B64*'
@@ -103,13 +109,10 @@ for phase in "${phases[@]}"; do
       # every GPU test (4 parallel shards: their CPU references dominate the run time)
       run test gtest_sharded test '*'
       # every decode kernel on every decode-shaped case (the default picks one per call)
-      for k in direct stream decode; do
-        DELTASTATE_CUDA_DECODE=$k run test gtest_sharded test "$DECODE_TESTS"
-      done
+      for k in direct stream decode; do forced_decode_tests $k; done
       # the decode kernel with 2 tiles per warp forced (the default picks 2 only for
       # grids of more than one wave, which the suite's cases are not)
-      DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 run test gtest_sharded test \
-        "$DECODE_TESTS"
+      forced_decode_tests decode 2
       # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size)
       for bpc in 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
@@ -124,13 +127,11 @@ for phase in "${phases[@]}"; do
       ;;
     test-decode)  # the decode-shaped GPU tests with the register decode kernel forced, 1 and 2
       # tiles per warp
-      for tpw in 1 2; do
-        DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=$tpw run test gtest_sharded test \
-          "$DECODE_TESTS"
-      done
+      forced_decode_tests decode 1
+      forced_decode_tests decode 2
       ;;
     test-stream)  # the decode-shaped GPU tests with the streaming kernel forced, and its sanitizers
-      DELTASTATE_CUDA_DECODE=stream run test gtest_sharded test "$DECODE_TESTS"
+      forced_decode_tests stream
       stream_sanitized
       ;;
     sanitize)

@@ -781,6 +781,35 @@ class CapturedGraph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// One dependent decode step on a mirror's copies of a batch, its pool and rings: GDN or KDA
+// packed decode, or a ReplaySSM step with the cursor advanced on the device; on stream `st`,
+// launched with or without PDL (the graph and PDL tests below).
+struct MirroredStep {
+  const DecodeBatch& batch;
+  const Tensor& pool;
+  const Rings& rings;
+  const Tensor& wp;
+  const Tensor* ff;  // ReplaySSM's force_flush, or null
+  double scale;
+  bool replay, kda;
+  void operator()(Mirror& m, cudaStream_t st, bool pdl = false) const {
+    if (replay) {
+      ReplayDecodeArgs a = replay_args(m.views(), batch, m.view(pool), m.view(rings.d),
+                                       m.view(rings.k), m.view(rings.g), wp, ff, scale);
+      a.advance_write_pos = true;
+      a.stream = st;
+      a.pdl = pdl;
+      deltastate::replayssm_decode(a);
+    } else {
+      PackedDecodeArgs a = batch.packed_args(m.views(), m.view(pool), scale);
+      a.stream = st;
+      a.pdl = pdl;
+      if (kda) deltastate::kda_packed_decode(a);
+      else deltastate::gdn_packed_decode(a);
+    }
+  }
+};
+
 // One packed-decode step and one ReplaySSM step (cursor advance on the device) are captured on a
 // non-default stream, then replayed with new inputs copied into the captured buffers; each replay
 // must give bit-identical results to the same op run eagerly on a second copy of the buffers.
@@ -805,19 +834,7 @@ TEST_F(GpuTest, CudaGraphReplayMatchesEager) {
     for (Mirror* m : {&graph_mem, &eager_mem, &warm_mem})
       m->upload_all(pool, rings.d, rings.k, rings.g, wp, ff, batch.x, batch.a, batch.b, batch.A_log,
                     batch.dt_bias, batch.idx, batch.out);
-    auto run = [&](Mirror& m, cudaStream_t st) {
-      if (replay) {
-        ReplayDecodeArgs a = replay_args(m.views(), batch, m.view(pool), m.view(rings.d), m.view(rings.k),
-                                         m.view(rings.g), wp, &ff, scale);
-        a.advance_write_pos = true;
-        a.stream = st;
-        deltastate::replayssm_decode(a);
-      } else {
-        PackedDecodeArgs a = batch.packed_args(m.views(), m.view(pool), scale);
-        a.stream = st;
-        deltastate::gdn_packed_decode(a);
-      }
-    };
+    const MirroredStep run{batch, pool, rings, wp, &ff, scale, replay, false};
     run(warm_mem, nullptr);  // warm-up outside the capture, as serving engines do
     sync();
 
@@ -878,22 +895,7 @@ TEST_F(GpuTest, PdlLaunchesMatchPlainLaunches) {
     for (Mirror* m : {&plain_mem, &pdl_mem, &graph_mem})
       m->upload_all(pool_w, rings.d, rings.k, rings.g, wp, batch.x, batch.a, batch.b, batch.A_log,
                     batch.dt_bias, batch.idx, batch.out);
-    auto step = [&](Mirror& m, cudaStream_t st, bool pdl) {
-      if (replay) {
-        ReplayDecodeArgs a = replay_args(m.views(), batch, m.view(pool_w), m.view(rings.d),
-                                         m.view(rings.k), m.view(rings.g), wp, nullptr, scale);
-        a.advance_write_pos = true;
-        a.stream = st;
-        a.pdl = pdl;
-        deltastate::replayssm_decode(a);
-      } else {
-        PackedDecodeArgs a = batch.packed_args(m.views(), m.view(pool_w), scale);
-        a.stream = st;
-        a.pdl = pdl;
-        if (kda) deltastate::kda_packed_decode(a);
-        else deltastate::gdn_packed_decode(a);
-      }
-    };
+    const MirroredStep step{batch, pool_w, rings, wp, nullptr, scale, replay, kda};
     for (int i = 0; i < kSteps; ++i) step(plain_mem, stream, false);
     for (int i = 0; i < kSteps; ++i) step(pdl_mem, stream, true);
     CUDA_CHECK(cudaStreamSynchronize(stream));
