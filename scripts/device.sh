@@ -9,7 +9,7 @@
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
 #                                      profile-replay-source, profile-decode-source,
-#                                      test-decode, test-stream
+#                                      test-decode, test-stream, profile-memory
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -203,6 +203,17 @@ for phase in "${phases[@]}"; do
           --section InstructionStats \
           python3 bench/profile_decode.py ${PROFILE_ARGS:-}
       done
+      ;;
+    profile-memory)
+      # Nsight Compute's memory tables (DRAM, L2, L1, TMA) of one warm launch of our decode kernel
+      # and of a device copy of the same state bytes (the copy-bandwidth yardstick), cold caches;
+      # PROFILE_ARGS picks the case (--model, --dtype, --B)
+      mem='--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables'
+      mem+=' --section MemoryWorkloadAnalysis_Chart --section LaunchStats --section Occupancy'
+      run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
+        $mem python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-}
+      run profile ncu --clock-control none -k "regex:elementwise" --launch-skip 2 --launch-count 1 \
+        $mem python3 bench/profile_decode.py --copy ${PROFILE_ARGS:-}
       ;;
     profile-replay)
       # Nsight Compute on ReplaySSM launches: an appending step (cursor 8) and the flush step
