@@ -228,18 +228,17 @@ __device__ __forceinline__ float to_float(Wide<__half> x) {
 // Input loaders. TypedInput<T> reads inputs known to be of type T (the fast path: one plain load
 // per element, so all of a token's loads issue back to back); AnyInput switches on the runtime
 // dtype (the generic path, for callers whose inputs mix dtypes).
-// load_raw returns the element as stored (`type`), so that a kernel can issue its loads now and
-// convert them where it uses them (a conversion right after a load makes the warp wait for it);
-// load_wide the same, 16-bit types zero-extended into their own register (`wide_type`, Wide).
+// load_wide returns the element unconverted, 16-bit types zero-extended into their own register
+// (`wide_type`, Wide), so that a kernel can issue its loads now and convert them where it uses
+// them (a conversion right after a load makes the warp wait for it; so does packing two 16-bit
+// values into one register). `type` is the element type as stored (ReplaySSM stages its k
+// records in it).
 template <class T>
 struct TypedInput {
   using type = T;
   using wide_type = std::conditional_t<sizeof(T) == 2, Wide<T>, T>;  // T, never packed
   __device__ __forceinline__ static float load(const void* p, DType, int64_t i) {
     return to_float(__ldg(static_cast<const T*>(p) + i));
-  }
-  __device__ __forceinline__ static T load_raw(const void* p, DType, int64_t i) {
-    return __ldg(static_cast<const T*>(p) + i);
   }
   __device__ __forceinline__ static wide_type load_wide(const void* p, DType, int64_t i) {
     if constexpr (sizeof(T) == 2) return {load_u16_wide(static_cast<const T*>(p) + i)};
@@ -252,23 +251,18 @@ struct AnyInput {
   __device__ __forceinline__ static float load(const void* p, DType t, int64_t i) {
     return detail::load_float(p, t, i);
   }
-  __device__ __forceinline__ static float load_raw(const void* p, DType t, int64_t i) {
-    return detail::load_float(p, t, i);
-  }
   __device__ __forceinline__ static float load_wide(const void* p, DType t, int64_t i) {
     return detail::load_float(p, t, i);
   }
 };
 
-// An input element as T: converted as loaded (T = float) or in its own type (T = In::type or
-// In::wide_type, for a kernel that converts it later, where it is used).
+// An input element as T: converted as loaded (T = float) or unconverted (T = In::wide_type, for
+// a kernel that converts it later, where it is used).
 template <class In, class T>
 __device__ __forceinline__ T load_input(const void* p, DType t, int64_t i) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, typename In::type> ||
-                    std::is_same_v<T, typename In::wide_type>,
-                "inputs: converted (float), raw (the input type) or wide");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, typename In::wide_type>,
+                "inputs: converted (float) or wide");
   if constexpr (std::is_same_v<T, float>) return In::load(p, t, i);
-  else if constexpr (std::is_same_v<T, typename In::type>) return In::load_raw(p, t, i);
   else return In::load_wide(p, t, i);
 }
 

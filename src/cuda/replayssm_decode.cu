@@ -239,13 +239,21 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const int64_t slot = load_int_now(p.indices + n);
   const int cursor = load_int_now_cg(p.write_pos + n);
   const bool forced_flush = p.force_flush && load_int_now(p.force_flush + n) != 0;
-  using InT = typename In::type;
+  // 16-bit inputs in their own 32-bit registers and v loaded unconditionally from a clamped row,
+  // zeroed where used (as the register decode kernel: a PRMT packing, or a zeroing after a
+  // predicated load, waits for the load). Tenth session, run 1: fp32 checkpoints 2-4% faster at
+  // B=1 and ~1% at B=256; bf16 checkpoints flat but KDA B=1 (+4%, 8-24 B more spills).
+  using InT = typename In::wide_type;
   InT v_in[BPC];  // of each block
 #pragma unroll
   for (int b = 0; b < BPC; ++b) {
     const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
-    v_in[b] = idx < R && row_ok(vrow) ? load_input<In, InT>(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + vrow) : InT{};
+    v_in[b] = load_input<In, InT>(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + min(vrow, V - 1));
   }
+  // v of block b where it is used: the lanes holding sk of a row below V.
+  auto v_of = [&](int b) {
+    return idx < R && row_ok(row0 + b * rows_blk + idx * RG) ? to_float(v_in[b]) : 0.0f;
+  };
   TokenHeadInputs<EPL, InT> x_in;
   GateConsts<EPL> gc;
   const int gate_warp = nwarps > 1 ? 1 : 0;
@@ -491,7 +499,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
         qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
       }
       float u_here;  // meaningful on the lanes holding sk
-      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, to_float(v_in[b]), beta, lane, u_here, [&](int r) {
+      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, v_of(b), beta, lane, u_here, [&](int r) {
         if (row_ok(rowb + r * RG)) store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
       });
       store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
@@ -534,7 +542,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       }
     }
     const float red = transpose_reduce<G, 2 * R>(dots, lane);
-    const float u_here = detail::delta_u(to_float(v_in[b]), red, beta);  // meaningful on the lanes holding sk
+    const float u_here = detail::delta_u(v_of(b), red, beta);  // meaningful on the lanes holding sk
     store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
     const int vrow = rowb + idx * RG;
     if (idx < R && first_copy && row_ok(vrow))
