@@ -210,6 +210,7 @@ for phase in "${phases[@]}"; do
       # PROFILE_ARGS picks the case (--model, --dtype, --B)
       mem='--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables'
       mem+=' --section MemoryWorkloadAnalysis_Chart --section LaunchStats --section Occupancy'
+      mem+=" --print-details all"
       run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
         $mem python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-}
       run profile ncu --clock-control none -k "regex:elementwise" --launch-skip 2 --launch-count 1 \
