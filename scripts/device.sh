@@ -9,7 +9,8 @@
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
 #                                      profile-replay-source, profile-decode-source,
-#                                      test-decode, test-stream, profile-memory
+#                                      test-decode, test-stream, profile-memory,
+#                                      trace-stream
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -215,6 +216,14 @@ for phase in "${phases[@]}"; do
         $mem python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-}
       run profile ncu --clock-control none -k "regex:elementwise" --launch-skip 2 --launch-count 1 \
         $mem python3 bench/profile_decode.py --copy ${PROFILE_ARGS:-}
+      ;;
+    trace-stream)  # the streaming kernel's per-tile timeline: a separate trace build (build-trace/,
+      # DELTASTATE_CUDA_STREAM_TRACE) and bench/stream_trace; TRACE_ARGS picks the case (--model, --B)
+      run trace cmake -S . -B build-trace -G Ninja -DCMAKE_BUILD_TYPE=Release -DDELTASTATE_CUDA=ON \
+        -DDELTASTATE_CUDA_ALL_KERNELS=ON -DDELTASTATE_CUDA_STREAM_TRACE=ON -DDELTASTATE_BUILD_TESTS=OFF \
+        -DDELTASTATE_BUILD_TOOLS=OFF
+      run trace cmake --build build-trace -j "$(nproc)" --target stream_trace
+      run trace build-trace/stream_trace ${TRACE_ARGS:-}
       ;;
     profile-replay)
       # Nsight Compute on ReplaySSM launches: an appending step (cursor 8) and the flush step

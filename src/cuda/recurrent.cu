@@ -21,6 +21,7 @@
 #include "api/backend.h"
 #include "cuda/bulk_copy.cuh"
 #include "cuda/common.cuh"
+#include "cuda/stream_trace.h"
 
 namespace deltastate::cuda_backend {
 
@@ -520,6 +521,22 @@ __device__ __forceinline__ void load_prep(const float* a, int kidx, float (&x)[C
   }
 }
 
+#if DELTASTATE_CUDA_STREAM_TRACE
+// Trace builds only (CMake DELTASTATE_CUDA_STREAM_TRACE; bench/stream_trace.cpp reads it): the
+// SM clock at each point of the pipeline (StreamTracePoint) for the first tiles of the first
+// CTAs of the last streaming launch. Lane 0 of the producer and of consumer warp 0 write it.
+__device__ long long g_stream_trace[kStreamTraceCtas][kStreamTraceTiles][kStreamTracePoints];
+#define DS_STREAM_STAMP(tile, point)                                                  \
+  do {                                                                                \
+    if ((tile) < kStreamTraceTiles && static_cast<int>(blockIdx.x) < kStreamTraceCtas) \
+      g_stream_trace[blockIdx.x][tile][static_cast<int>(StreamTracePoint::point)] = clock64(); \
+  } while (0)
+#else
+#define DS_STREAM_STAMP(tile, point) \
+  do {                               \
+  } while (0)
+#endif
+
 template <class StateT, int K, class In>
 __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent_stream_kernel(
     const RecurrentProblem p, int vblocks, int ntiles) {
@@ -572,6 +589,7 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
       const StagePrep* sc = prep_sc(s);
       if (sc->slot >= 0) bulk_store(stage_ptr[s], tile_smem(s), tile_bytes(sc->vb));
       bulk_commit();
+      DS_STREAM_STAMP(st, store_issued);
     };
     auto store_ready = [&] {  // stores of the tiles whose consumers are done, without waiting
       for (;;) {
@@ -594,12 +612,14 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
     };
     using InT = typename In::wide_type;
     auto load_tile = [&](int ld, StreamInputs<InT, KPL, VPL>& x) {
+      if (lane == 0) DS_STREAM_STAMP(ld, producer_enter);
       if (st < ld) store_ready();
       while (ld >= st + STAGES - 1) store_waiting();  // all stages busy
       const int s = ld % STAGES;
       const int64_t slot = stream_slot(p, x);
       if (lane == 0) {
         if (ld >= STAGES) bulk_wait_read_n(st - 1 - (ld - STAGES));
+        DS_STREAM_STAMP(ld, stage_free);
         if (slot >= 0) {
           if (p.check_indices && slot >= p.state.num_slots)
             trap_bad_slot("recurrent", x.c.n, slot, p.state.num_slots);
@@ -614,6 +634,7 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
       __syncwarp();  // the stage's previous prep record has been read (its store has been issued)
       stream_prepare<K, KPL, VPL, TILE_ROWS>(p, x, slot, lane, prep_rec(s), prep_sc(s));
       mbar_arrive(&full[s]);
+      if (lane == 0) DS_STREAM_STAMP(ld, prepared);
       // Tile ld + 2's input loads go out after the arrive: an arrive is a release, which would
       // wait for loads still in flight before it.
       if (ld + 2 < n_local) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(ld + 2), vblocks, lane, x);
@@ -634,7 +655,9 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
   const int lrow0 = warp * RPP * R + lane / G;  // tile-local row of pass 0
   for (int i = 0; i < n_local; ++i) {
     const int s = i % STAGES;
+    if (threadIdx.x == 0) DS_STREAM_STAMP(i, consumer_wait);
     mbar_wait(&full[s], (i / STAGES) & 1);
+    if (threadIdx.x == 0) DS_STREAM_STAMP(i, consumer_full);
     const float* rec = prep_rec(s);
     const StagePrep sc = *prep_sc(s);
     const int row0 = sc.vb * TILE_ROWS + lrow0;
@@ -702,6 +725,7 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent
     }
     fence_proxy_async();  // the new state is visible to the producer's bulk store
     mbar_arrive(&done[s]);
+    if (threadIdx.x == 0) DS_STREAM_STAMP(i, consumer_done);
     // The output after the arrive (a release, which would wait for a store issued before it).
     if (mine >= 0 && row0 + mine * RPP < p.V)
       detail::store_float(p.out.ptr, p.out.dtype, sc.out_off + row0 + mine * RPP, o);
@@ -848,6 +872,18 @@ void dispatch(const RecurrentProblem& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+#if DELTASTATE_CUDA_STREAM_TRACE
+void stream_trace_reset() {
+  static long long zeros[kStreamTraceCtas][kStreamTraceTiles][kStreamTracePoints] = {};
+  DS_CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace, zeros, sizeof(zeros)));
+}
+std::vector<long long> stream_trace_read() {
+  std::vector<long long> v(static_cast<size_t>(kStreamTraceCtas) * kStreamTraceTiles * kStreamTracePoints);
+  DS_CUDA_CHECK(cudaMemcpyFromSymbol(v.data(), g_stream_trace, v.size() * sizeof(long long)));
+  return v;
+}
+#endif
 
 void run_recurrent(const RecurrentProblem& p, void* stream) {
   DeviceGuard guard(p.device.index);
