@@ -10,7 +10,7 @@
 #                                      profile-replay, profile-source,
 #                                      profile-replay-source, profile-decode-source,
 #                                      test-decode, test-stream, profile-memory,
-#                                      trace-stream
+#                                      trace-stream, bench-bulk
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -216,6 +216,11 @@ for phase in "${phases[@]}"; do
         $mem python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-}
       run profile ncu --clock-control none -k "regex:elementwise" --launch-skip 2 --launch-count 1 \
         $mem python3 bench/profile_decode.py --copy ${PROFILE_ARGS:-}
+      ;;
+    bench-bulk)  # TMA bulk copies alone (copy in place / loads / stores; tile size, stages, CTAs
+      # per SM; slots in order or random) beside a 16-byte copy kernel (BULK_ARGS: --quick, --reps)
+      run bench-bulk cmake --build "$BUILD" -j "$(nproc)" --target bulk_copy_bench
+      run bench-bulk "$BUILD/bulk_copy_bench" ${BULK_ARGS:-}
       ;;
     trace-stream)  # the streaming kernel's per-tile timeline: a separate trace build (build-trace/,
       # DELTASTATE_CUDA_STREAM_TRACE) and bench/stream_trace; TRACE_ARGS picks the case (--model, --B)
