@@ -27,17 +27,13 @@
 #include <vector>
 
 #include "cuda/bulk_copy.cuh"
+#include "cuda_timing.h"
 
 using namespace deltastate::cuda_backend;
+using bench::check;
+using bench::median_us;
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bulk_copy_bench: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 enum Mode : int { kCopy = 0, kLoad = 1, kStore = 2 };
 constexpr int kMaxStages = 8;
@@ -107,29 +103,6 @@ __global__ void copy_kernel(const uint4* src, uint4* dst, int64_t n) {
     dst[i] = src[i];
 }
 
-template <class F>
-double median_us(F launch, int reps) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "cudaEventCreate");
-  check(cudaEventCreate(&b), "cudaEventCreate");
-  launch();  // warm-up
-  check(cudaGetLastError(), "launch");
-  std::vector<float> t;
-  for (int r = 0; r < reps; ++r) {
-    check(cudaEventRecord(a), "cudaEventRecord");
-    launch();
-    check(cudaEventRecord(b), "cudaEventRecord");
-    check(cudaEventSynchronize(b), "kernel");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-    t.push_back(ms * 1e3f);
-  }
-  check(cudaEventDestroy(a), "cudaEventDestroy");
-  check(cudaEventDestroy(b), "cudaEventDestroy");
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -171,13 +144,13 @@ int main(int argc, char** argv) {
 
   const int64_t vecs = bytes / 16;
   const int copy_grid = sms * 16;
-  const double t_inplace = median_us([&] {
+  const double t_inplace = median_us([&](int) {
     copy_kernel<<<copy_grid, 256>>>(reinterpret_cast<uint4*>(buf), reinterpret_cast<uint4*>(buf), vecs);
   }, reps);
-  const double t_twobuf = median_us([&] {
+  const double t_twobuf = median_us([&](int) {
     copy_kernel<<<copy_grid, 256>>>(reinterpret_cast<uint4*>(buf), reinterpret_cast<uint4*>(other), vecs);
   }, reps);
-  const double t_memcpy = median_us([&] { check(cudaMemcpyAsync(other, buf, bytes, cudaMemcpyDeviceToDevice), "memcpy"); },
+  const double t_memcpy = median_us([&](int) { check(cudaMemcpyAsync(other, buf, bytes, cudaMemcpyDeviceToDevice), "memcpy"); },
                                     reps);
   const double copy_gbps = 2.0 * bytes / (t_inplace * 1e3);
   std::printf("# %s, %d SMs, buffer %.2f GiB, median of %d launches\n", prop.name, sms,
@@ -207,7 +180,7 @@ int main(int argc, char** argv) {
             if (resident < per_sm) continue;  // would not all be resident
             const Layout L{buf, random ? d_perm : nullptr, bytes / tb, tb, static_cast<int>(kSlotBytes / tb)};
             const int grid = per_sm * sms;
-            const double us = median_us([&] { bulk_kernel<<<grid, 32, smem>>>(L, mode, st); }, reps);
+            const double us = median_us([&](int) { bulk_kernel<<<grid, 32, smem>>>(L, mode, st); }, reps);
             const double moved = mode == kCopy ? 2.0 * bytes : static_cast<double>(bytes);
             const double gbps = moved / (us * 1e3);
             std::printf("%-6s %-7s %8d %7d %8d %10.1f %8.0f %6.1f%%\n", mode_name[mode],

@@ -20,13 +20,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/numeric.h"
 #include "cuda/stream_trace.h"
+#include "cuda_timing.h"
 #include "deltastate/deltastate.h"
 
 namespace {
@@ -37,22 +38,11 @@ using cuda_backend::kStreamTracePoints;
 using cuda_backend::kStreamTraceTiles;
 using Pt = cuda_backend::StreamTracePoint;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "stream_trace: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using bench::check;
 
-uint16_t bf16_of(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-void* device_bf16(std::vector<float> host) {
+void* device_bf16(const std::vector<float>& host) {
   std::vector<uint16_t> h(host.size());
-  for (size_t i = 0; i < host.size(); ++i) h[i] = bf16_of(host[i]);
+  for (size_t i = 0; i < host.size(); ++i) h[i] = detail::float_to_bf16(host[i]);
   void* d = nullptr;
   check(cudaMalloc(&d, h.size() * 2), "cudaMalloc");
   check(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
@@ -155,35 +145,18 @@ int main(int argc, char** argv) {
   for (int l = 0; l + 1 < launches; ++l) launch(l);
   check(cudaStreamSynchronize(stream), "warm-up");
   cuda_backend::stream_trace_reset();
-  cudaEvent_t t0, t1;
-  check(cudaEventCreate(&t0), "cudaEventCreate");
-  check(cudaEventCreate(&t1), "cudaEventCreate");
-  check(cudaEventRecord(t0, stream), "cudaEventRecord");
-  launch(launches - 1);
-  check(cudaEventRecord(t1, stream), "cudaEventRecord");
-  check(cudaStreamSynchronize(stream), "traced launch");
-  float ms = 0;
-  check(cudaEventElapsedTime(&ms, t0, t1), "cudaEventElapsedTime");
+  const double us = bench::median_us([&](int) { launch(launches - 1); }, 1, 0, stream);  // traced
   const std::vector<long long> tr = cuda_backend::stream_trace_read();
 
   // Timing: reps launches rotating over the slot sets, each event-timed, median.
-  std::vector<float> times;
-  for (int r = 0; r < reps; ++r) {
-    check(cudaEventRecord(t0, stream), "cudaEventRecord");
-    launch(r % launches);
-    check(cudaEventRecord(t1, stream), "cudaEventRecord");
-    check(cudaEventSynchronize(t1), "timed launch");
-    float t = 0;
-    check(cudaEventElapsedTime(&t, t0, t1), "cudaEventElapsedTime");
-    times.push_back(t * 1e3f);
-  }
-  std::sort(times.begin(), times.end());
-  const double state_bytes = 2.0 * B * HV * V * K * esize;
-  if (!times.empty())
+  if (reps > 0) {
+    const double t = bench::median_us([&](int r) { launch(r % launches); }, reps, 0, stream);
+    const double state_bytes = 2.0 * B * HV * V * K * esize;
     std::printf("# timing: %s %s state, B=%d, %s slots: median %.2f us over %d launches (state "
                 "read + write %.1f MB: %.0f GB/s)\n",
-                model.c_str(), state.c_str(), B, order.c_str(), times[times.size() / 2], reps,
-                state_bytes / 1e6, state_bytes / (times[times.size() / 2] * 1e3));
+                model.c_str(), state.c_str(), B, order.c_str(), t, reps, state_bytes / 1e6,
+                state_bytes / (t * 1e3));
+  }
 
   auto at = [&](int c, int i, Pt p) {
     return tr[(static_cast<size_t>(c) * kStreamTraceTiles + i) * kStreamTracePoints + static_cast<int>(p)];
@@ -198,7 +171,6 @@ int main(int argc, char** argv) {
       stage_cycle{"stage: free to free again (4 tiles later)"}, span{"CTA: first enter to last store"};
   int ctas = 0;
   long long tiles = 0;
-  double span_sum = 0;
   for (int c = 0; c < kStreamTraceCtas; ++c) {
     if (at(c, 0, Pt::producer_enter) == 0) continue;
     ++ctas;
@@ -219,23 +191,16 @@ int main(int argc, char** argv) {
         stage_cycle.v.push_back(at(c, i + kStages, Pt::stage_free) - at(c, i, Pt::stage_free));
       }
     }
-    if (n > 0) {
-      const double sp = at(c, n - 1, Pt::store_issued) - at(c, 0, Pt::producer_enter);
-      span.v.push_back(sp);
-      span_sum += sp;
-    }
+    if (n > 0) span.v.push_back(at(c, n - 1, Pt::store_issued) - at(c, 0, Pt::producer_enter));
   }
   if (ctas == 0) {
     std::printf("# no traced tiles (the streaming kernel runs bf16 states from 512 (sequence, "
                 "head) pairs for GDN, 32 for KDA; DELTASTATE_CUDA_DECODE=stream forces it)\n");
     return 0;
   }
-  const double us = ms * 1e3;
-  // Cycles per microsecond from the traced CTAs' spans against the launch's event time (an
-  // upper bound on the SM clock: the launch also has its ramp and its tail).
-  std::vector<double> spans = span.v;
-  std::sort(spans.begin(), spans.end());
-  const double cycles_per_us = spans.back() / us;
+  // Cycles per microsecond: the longest traced CTA span over the launch's event time (a lower
+  // bound on the SM clock: the launch also has its ramp and its tail).
+  const double cycles_per_us = *std::max_element(span.v.begin(), span.v.end()) / us;
   std::printf("# stream_trace: %s %s, B=%d, pool of %lld slots; traced launch %.1f us (one launch, "
               "event-timed), %d CTAs traced, %lld tiles\n",
               model.c_str(), state.c_str(), B, static_cast<long long>(slots), us, ctas, tiles);
@@ -245,6 +210,5 @@ int main(int argc, char** argv) {
   for (const Summary* s : {&period, &wait_stage, &prep, &load, &cons_wait, &compute, &to_store, &store_cycle,
                            &stage_cycle, &span})
     print(*s, cycles_per_us);
-  (void)span_sum;
   return 0;
 }

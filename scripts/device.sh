@@ -56,14 +56,21 @@ gtest_sharded() {  # gtest_sharded <phase> <filter>: the GPU suite's matching te
   return $rc
 }
 
+ncu_launch() {  # ncu_launch <kernel regex> <launches to skip> <ncu options and command...>:
+  # Nsight Compute on one launch of the matching kernel, clocks as they run
+  local kernel=$1 skip=$2
+  shift 2
+  run profile ncu --clock-control none -k "regex:$kernel" --launch-skip "$skip" --launch-count 1 "$@"
+}
+
 replay_sass() {  # per-SASS-instruction counters of one ReplaySSM appending step (CSV)
-  run profile ncu --clock-control none -k "regex:replay" --launch-skip 8 --launch-count 1 \
+  ncu_launch replay 8 \
     --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
     python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
 }
 
 decode_sass() {  # per-SASS-instruction counters of one plain decode launch (CSV)
-  run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
+  ncu_launch recurrent 2 \
     --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
     python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-} > "$OUT/decode-sass.csv"
 }
@@ -198,7 +205,7 @@ for phase in "${phases[@]}"; do
       # with DELTASTATE_CUDA_DECODE) and of FLA's (PROFILE_ARGS picks the case: --model, --dtype,
       # --B, --no-peer).
       for k in recurrent fused_recurrent; do
-        run profile ncu --clock-control none -k "regex:$k" --launch-skip 2 --launch-count 1 \
+        ncu_launch $k 2 \
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
           --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
           --section InstructionStats \
@@ -212,9 +219,9 @@ for phase in "${phases[@]}"; do
       mem='--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables'
       mem+=' --section MemoryWorkloadAnalysis_Chart --section LaunchStats --section Occupancy'
       mem+=" --print-details all"
-      run profile ncu --clock-control none -k "regex:recurrent" --launch-skip 2 --launch-count 1 \
+      ncu_launch recurrent 2 \
         $mem python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-}
-      run profile ncu --clock-control none -k "regex:elementwise" --launch-skip 2 --launch-count 1 \
+      ncu_launch elementwise 2 \
         $mem python3 bench/profile_decode.py --copy ${PROFILE_ARGS:-}
       ;;
     bench-bulk)  # TMA bulk copies alone (copy in place / loads / stores; tile size, stages, CTAs
@@ -235,7 +242,7 @@ for phase in "${phases[@]}"; do
       # (cursor L-1) of a ring of PROFILE_L (default 16); PROFILE_ARGS as above.
       L=${PROFILE_L:-16}
       for skip in 8 $((L - 1)); do
-        run profile ncu --clock-control none -k "regex:replay" --launch-skip $skip --launch-count 1 \
+        ncu_launch replay $skip \
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
           --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
           python3 bench/profile_decode.py --replay "$L" ${PROFILE_ARGS:-}

@@ -875,8 +875,9 @@ void dispatch(const RecurrentProblem& p, cudaStream_t stream) {
 
 #if DELTASTATE_CUDA_STREAM_TRACE
 void stream_trace_reset() {
-  static long long zeros[kStreamTraceCtas][kStreamTraceTiles][kStreamTracePoints] = {};
-  DS_CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace, zeros, sizeof(zeros)));
+  void* trace = nullptr;
+  DS_CUDA_CHECK(cudaGetSymbolAddress(&trace, g_stream_trace));
+  DS_CUDA_CHECK(cudaMemset(trace, 0, sizeof(g_stream_trace)));
 }
 std::vector<long long> stream_trace_read() {
   std::vector<long long> v(static_cast<size_t>(kStreamTraceCtas) * kStreamTraceTiles * kStreamTracePoints);
