@@ -8,7 +8,11 @@ For each model (Qwen3-Next GDN, Kimi-Linear KDA), state dtype (fp32, bf16) and b
          ssm_state_indices), the same math surface, on the same inputs;
 cold L2 and CUDA-graph replay (bench/harness.py). Bytes are counted explicitly: state read + write,
 every input read once, every output written once. Writes bench/results/decode-h200.json rows
-{op, model, state_dtype, B, us, GBps, pct_copy, peer, peer_us} and prints a table.
+{op, model, state_dtype, B, us, GBps, pct_copy, peer, peer_us} and prints a table; each row also
+has copy_us, an in-place pass over the case's state bytes (read and written back, harness.copy_time)
+timed the same way (cold L2, graph replay: the ramp and tail of a copy of that size), and
+pct_size_copy = 100 * copy_us / us. --slots sequential gives each launch B consecutive slots in
+order instead of a random set (the pattern of a peer without indices).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 import torch
 
 import deltastate as ds
-from harness import (DTYPES, MODELS, gate_params, launch_floor, measure_copy_bandwidth,
+from harness import (DTYPES, MODELS, copy_time, gate_params, launch_floor, measure_copy_bandwidth,
                      pool_slots_for, rotations, slot_sets, time_graph, write_results)
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -42,7 +46,8 @@ class Case:
     """The inputs of one (model, dtype, B) case: NR rotations of activations and slot sets over
     one pool of random states."""
 
-    def __init__(self, m, dtype, B: int, gen: torch.Generator, pdl: bool = False):
+    def __init__(self, m, dtype, B: int, gen: torch.Generator, pdl: bool = False,
+                 sequential: bool = False):
         self.m, self.dtype, self.B, self.pdl = m, dtype, B, pdl
         per_launch = 2 * state_bytes(m, B, dtype) + io_bytes(m, B)
         self.nr = rotations(per_launch)
@@ -56,7 +61,7 @@ class Case:
         self.a = [torch.randn(B, a_width, device="cuda", dtype=ACT) for _ in range(self.nr)]
         self.b = [torch.randn(B, m.HV, device="cuda", dtype=ACT) for _ in range(self.nr)]
         self.out = [torch.empty(B, 1, m.HV, m.V, device="cuda", dtype=ACT) for _ in range(self.nr)]
-        self.idx = slot_sets(self.slots, B, self.nr, gen)
+        self.idx = slot_sets(self.slots, B, self.nr, gen, sequential)
         self.scale = m.K ** -0.5
 
     def ours(self, r: int):
@@ -152,6 +157,8 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--pdl", action="store_true",
                     help="launch ours with programmatic dependent launch (pdl=True)")
+    ap.add_argument("--slots", choices=["random", "sequential"], default="random",
+                    help="each launch's slot set: random (default) or B consecutive slots")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -163,18 +170,20 @@ def main() -> int:
     print(f"# graph-launch floor (a one-element kernel, same graph replay): {floor_us:.2f} us",
           flush=True)
     rows = []
-    header = f"{'op':5} {'model':12} {'state':5} {'B':>4} {'us':>9} {'GB/s':>7} {'%copy':>6} {'peer':>28} {'peer_us':>9} {'x':>5}"
+    header = (f"{'op':5} {'model':12} {'state':5} {'B':>4} {'us':>9} {'GB/s':>7} {'%copy':>6} "
+              f"{'copy_us':>8} {'%szcp':>6} {'peer':>28} {'peer_us':>9} {'x':>5}")
     print(header)
     for name in args.models.split(","):
         m = MODELS[name]
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             for B in map(int, args.batches.split(",")):
-                case = Case(m, dtype, B, gen, pdl=args.pdl)
+                case = Case(m, dtype, B, gen, pdl=args.pdl, sequential=args.slots == "sequential")
                 launches = [case.ours(r) for r in range(case.nr)]
                 t = time_graph(launches, replays=args.replays)
                 nbytes = 2 * state_bytes(m, B, dtype) + io_bytes(m, B)
                 gbps = nbytes / t / 1e9
+                copy_us = copy_time(state_bytes(m, B, dtype), dtype, replays=args.replays) * 1e6
                 peer, peer_us, err = None, None, None
                 if not args.no_peer:
                     if m.op == "gdn":
@@ -189,14 +198,16 @@ def main() -> int:
                     del pl, keep
                 row = dict(op=m.op, model=m.name, state_dtype=dname, B=B, us=round(t * 1e6, 2),
                            GBps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1),
-                           bytes=nbytes, pdl=args.pdl, peer=peer,
+                           bytes=nbytes, copy_us=round(copy_us, 2),
+                           pct_size_copy=round(100 * copy_us / (t * 1e6), 1), pdl=args.pdl, peer=peer,
                            peer_us=None if peer_us is None else round(peer_us, 2))
                 if err is not None:
                     row["max_abs_diff_vs_peer"] = err
                 rows.append(row)
                 x = f"{peer_us / (t * 1e6):.2f}" if peer_us else "-"
                 print(f"{m.op:5} {m.name:12} {dname:5} {B:>4} {t * 1e6:9.2f} {gbps:7.0f} "
-                      f"{100 * gbps / copy_gbps:6.1f} {str(peer):>28.28} "
+                      f"{100 * gbps / copy_gbps:6.1f} {copy_us:8.2f} {100 * copy_us / (t * 1e6):6.1f} "
+                      f"{str(peer):>28.28} "
                       f"{peer_us if peer_us is None else round(peer_us, 2)!s:>9} {x:>5}"
                       + (f"  (|ours-FLA| max {err:.2e})" if err is not None else ""), flush=True)
                 del case
@@ -206,7 +217,9 @@ def main() -> int:
                   "every B, median of graph replays / launches per replay; bytes = state read + "
                   "write + inputs + outputs"
                   + ("; ours launched with programmatic dependent launch (pdl=True)" if args.pdl
-                     else ""),
+                     else "")
+                  + ("; slots: B consecutive per launch" if args.slots == "sequential" else "")
+                  + "; copy_us: an in-place elementwise pass over the state bytes, same method",
                   rows, launch_floor_us=round(floor_us, 2))
     return 0
 

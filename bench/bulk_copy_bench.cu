@@ -1,12 +1,16 @@
-// How fast the TMA bulk-copy path moves bytes on its own, beside a plain copy kernel over the same
-// buffer: the streaming decode kernel moves exactly a copy's bytes through bulk copies and reaches
-// ~84% of copy bandwidth with DRAM idle 30% of the time (docs/PERFORMANCE.md, tenth session), so
-// this asks which tile size, stages per CTA and CTAs per SM (if any) let bulk copies reach the copy
-// kernel's bandwidth. No compute: one thread per CTA issues every copy.
+// How fast in-place copies move bytes in the access patterns of our decode kernels, with no compute,
+// over a 2 GiB buffer (cold: many times the 60 MB L2), beside cudaMemcpy (the benchmarks' copy
+// yardstick) and a grid-stride 16-byte copy kernel (100% in the tables):
+//   ilp-copy  the grid-stride copy with U 16-byte loads per thread before its U stores;
+//   warptile  one tile of U * 512 bytes per warp, no loop: the register decode kernel's shape
+//             (fp32 K = 128: U = 8);
+//   bulk      TMA bulk copies (the streaming kernel's path), below; skipped with --ilp-only.
+// (docs/PERFORMANCE.md, eleventh session: which tile size per warp, or which bulk-copy
+// configuration, reaches copy bandwidth.)
 //
-//   bulk_copy_bench [--gib 2] [--reps 20] [--quick]      (scripts/device.sh bench-bulk)
+//   bulk_copy_bench [--gib 2] [--reps 20] [--quick] [--ilp-only]   (scripts/device.sh bench-bulk)
 //
-// Modes, each over the whole buffer per launch (cold: the buffer is many times the 60 MB L2):
+// Bulk modes, each over the whole buffer per launch; one thread per CTA issues every copy:
 //   copy   in place, as decode: load a tile into a stage, store it back to where it came from; a
 //          stage is refilled once its store has read it, one store older than the newest (the
 //          streaming kernel's rule), so S - 1 stages load while one stores;
@@ -24,6 +28,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/bulk_copy.cuh"
@@ -97,10 +102,36 @@ __global__ void bulk_kernel(Layout L, int mode, int stages) {
 }
 
 // The yardstick: 16-byte loads and stores, grid-stride, in place (as decode) or to another buffer.
+// U > 1: each thread issues U loads (a block's U consecutive 16-byte rows) before its U stores,
+// the way a register decode kernel holds its rows (n a multiple of U * blockDim).
+template <int U>
 __global__ void copy_kernel(const uint4* src, uint4* dst, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dst[i] = src[i];
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * U;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) * U + threadIdx.x; i < n; i += step) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) r[u] = src[i + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < U; ++u) dst[i + u * blockDim.x] = r[u];
+  }
+}
+
+// A decode kernel's access pattern without its compute: one warp per tile of U * 512 contiguous
+// bytes (lane l: 16-byte words l, l + 32, ...), all U loads before its U stores, in place, one
+// tile per warp and no loop (a grid as large as the buffer; W warps per CTA). The register decode
+// kernel's fp32 K = 128 tile is U = 8 (8 rows of 512 bytes, one 16-byte word per lane per row).
+// Streaming cache hints (__ldcs / __stcs) as the decode kernels' state accesses; they also keep
+// the compiler from dropping a store of the value just loaded from the same address.
+template <int U>
+__global__ void warp_tile_copy_kernel(uint4* buf, int64_t tiles) {
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w >= tiles) return;
+  uint4* t = buf + w * 32 * U + (threadIdx.x & 31);
+  uint4 r[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) r[u] = __ldcs(t + u * 32);
+#pragma unroll
+  for (int u = 0; u < U; ++u) __stcs(t + u * 32, r[u]);
 }
 
 }  // namespace
@@ -108,14 +139,15 @@ __global__ void copy_kernel(const uint4* src, uint4* dst, int64_t n) {
 int main(int argc, char** argv) {
   double gib = 2.0;
   int reps = 20;
-  bool quick = false;
+  bool quick = false, ilp_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--gib" && i + 1 < argc) gib = std::atof(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (a == "--quick") quick = true;
+    else if (a == "--ilp-only") ilp_only = true;
     else {
-      std::fprintf(stderr, "usage: bulk_copy_bench [--gib 2] [--reps 20] [--quick]\n");
+      std::fprintf(stderr, "usage: bulk_copy_bench [--gib 2] [--reps 20] [--quick] [--ilp-only]\n");
       return 2;
     }
   }
@@ -144,12 +176,10 @@ int main(int argc, char** argv) {
 
   const int64_t vecs = bytes / 16;
   const int copy_grid = sms * 16;
-  const double t_inplace = median_us([&](int) {
-    copy_kernel<<<copy_grid, 256>>>(reinterpret_cast<uint4*>(buf), reinterpret_cast<uint4*>(buf), vecs);
-  }, reps);
-  const double t_twobuf = median_us([&](int) {
-    copy_kernel<<<copy_grid, 256>>>(reinterpret_cast<uint4*>(buf), reinterpret_cast<uint4*>(other), vecs);
-  }, reps);
+  uint4* const b16 = reinterpret_cast<uint4*>(buf);
+  uint4* const o16 = reinterpret_cast<uint4*>(other);
+  const double t_inplace = median_us([&](int) { copy_kernel<1><<<copy_grid, 256>>>(b16, b16, vecs); }, reps);
+  const double t_twobuf = median_us([&](int) { copy_kernel<1><<<copy_grid, 256>>>(b16, o16, vecs); }, reps);
   const double t_memcpy = median_us([&](int) { check(cudaMemcpyAsync(other, buf, bytes, cudaMemcpyDeviceToDevice), "memcpy"); },
                                     reps);
   const double copy_gbps = 2.0 * bytes / (t_inplace * 1e3);
@@ -159,11 +189,61 @@ int main(int argc, char** argv) {
               t_inplace, copy_gbps);
   std::printf("# copy kernel to another buffer: %.0f GB/s; cudaMemcpy device to device: %.0f GB/s\n",
               2.0 * bytes / (t_twobuf * 1e3), 2.0 * bytes / (t_memcpy * 1e3));
-  std::printf("%-6s %-7s %8s %7s %8s %10s %8s %7s\n", "mode", "order", "tile_KB", "stages",
+  // 16-byte copies with U loads per thread in flight before its stores, in place and to another
+  // buffer, over grids of 1-16 CTAs per SM (256 threads): which access pattern reaches cudaMemcpy.
+  std::printf("%-8s %3s %8s %10s %8s %7s\n", "ilp-copy", "U", "ctas/SM", "us", "GB/s", "%copy");
+  auto ilp = [&](auto u_tag, int per_sm, bool in_place) {
+    constexpr int U = decltype(u_tag)::value;
+    uint4* dst = in_place ? b16 : o16;
+    const double us = median_us([&](int) { copy_kernel<U><<<sms * per_sm, 256>>>(b16, dst, vecs); }, reps);
+    const double gbps = 2.0 * bytes / (us * 1e3);
+    std::printf("%-8s %3d %8d %10.1f %8.0f %6.1f%%\n", in_place ? "inplace" : "twobuf", U, per_sm, us,
+                gbps, 100.0 * gbps / copy_gbps);
+  };
+  for (bool in_place : {true, false})
+    for (int per_sm : {2, 4, 8, 16}) {
+      ilp(std::integral_constant<int, 1>{}, per_sm, in_place);
+      ilp(std::integral_constant<int, 2>{}, per_sm, in_place);
+      ilp(std::integral_constant<int, 4>{}, per_sm, in_place);
+      ilp(std::integral_constant<int, 8>{}, per_sm, in_place);
+    }
+  // One tile per warp, no loop (the register decode kernel's shape): tile U * 512 bytes, W warps
+  // per CTA, in place; resident warps per SM as many as fit, or capped at 24 (the decode kernel's
+  // 12 two-warp CTAs at 80 registers) by padding each CTA's shared memory.
+  std::printf("%-8s %3s %8s %8s %10s %8s %7s\n", "warptile", "U", "warps", "warps/SM", "us", "GB/s", "%copy");
+  auto warp_tiles = [&](auto u_tag, int warps, bool cap24) {
+    constexpr int U = decltype(u_tag)::value;
+    const int64_t tiles = vecs / (32 * U);
+    const int64_t ctas = (tiles + warps - 1) / warps;
+    const size_t smem = cap24 ? (static_cast<size_t>(smem_optin) + 1024) / (24 / warps) - 1024 : 0;
+    check(cudaFuncSetAttribute(warp_tile_copy_kernel<U>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_optin), "cudaFuncSetAttribute");
+    int resident = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, warp_tile_copy_kernel<U>, 32 * warps, smem),
+          "occupancy");
+    const double us = median_us([&](int) {
+      warp_tile_copy_kernel<U><<<static_cast<unsigned>(ctas), 32 * warps, smem>>>(b16, tiles);
+    }, reps);
+    const double gbps = 2.0 * bytes / (us * 1e3);
+    std::printf("%-8s %3d %8d %8d %10.1f %8.0f %6.1f%%\n", "inplace", U, warps, resident * warps, us, gbps,
+                100.0 * gbps / copy_gbps);
+  };
+  for (bool cap24 : {false, true})
+    for (int warps : {2, 8}) {
+      warp_tiles(std::integral_constant<int, 1>{}, warps, cap24);
+      warp_tiles(std::integral_constant<int, 2>{}, warps, cap24);
+      warp_tiles(std::integral_constant<int, 4>{}, warps, cap24);
+      warp_tiles(std::integral_constant<int, 8>{}, warps, cap24);
+      warp_tiles(std::integral_constant<int, 16>{}, warps, cap24);
+    }
+  if (!ilp_only)
+    std::printf("%-6s %-7s %8s %7s %8s %10s %8s %7s\n", "mode", "order", "tile_KB", "stages",
               "ctas/SM", "us", "GB/s", "%copy");
 
   const char* mode_name[] = {"copy", "load", "store"};
-  std::vector<int> tile_kb = quick ? std::vector<int>{16} : std::vector<int>{4, 8, 16, 32};
+  std::vector<int> tile_kb = ilp_only ? std::vector<int>{}
+                             : quick  ? std::vector<int>{16}
+                                      : std::vector<int>{4, 8, 16, 32};
   std::vector<int> stage_counts = quick ? std::vector<int>{4} : std::vector<int>{2, 4, 8};
   std::vector<int> cta_counts = quick ? std::vector<int>{3} : std::vector<int>{1, 2, 3, 4, 8};
   for (int mode : {kCopy, kLoad, kStore})

@@ -57,6 +57,20 @@ def measure_copy_bandwidth(nbytes: int = 2 * 1024**3, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def copy_time(nbytes: int, dtype=torch.float32, replays: int = 30) -> float:
+    """Seconds per in-place pass over `nbytes` of `dtype` (torch's vectorized elementwise mul_ by
+    1: every byte read and written back where it lies, as decode updates the pool) timed the way
+    time_graph times ours: cold L2 (rotating buffers), CUDA-graph replay. The copy yardstick at a
+    case's own size, ramp and tail included, beside measure_copy_bandwidth's 2 GiB steady state.
+    (A memcpy node instead measured ~2.7 TB/s from 512 MB up under graph replay: copy engines.)"""
+    n = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
+    bufs = [torch.zeros(n, device="cuda", dtype=dtype) for _ in range(rotations(2 * nbytes))]
+    t = time_graph([lambda b=b: b.mul_(1.0) for b in bufs], replays=replays)
+    del bufs
+    torch.cuda.empty_cache()
+    return t
+
+
 def rotations(bytes_per_launch: int, at_least: int = 2, at_most: int = 256) -> int:
     """How many disjoint buffer sets to cycle through so that consecutive uses of one set are
     separated by more than 4x L2 of other traffic."""
@@ -98,9 +112,14 @@ def launch_floor(launches: int = 64, replays: int = 30) -> float:
     return time_graph([lambda: x.add_(1.0)] * launches, replays=replays)
 
 
-def slot_sets(pool_slots: int, B: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
+def slot_sets(pool_slots: int, B: int, count: int, gen: torch.Generator,
+              sequential: bool = False) -> list[torch.Tensor]:
     """`count` index vectors of B distinct slots each, consecutive sets disjoint where the pool
-    allows (random permutations of the pool, cut into runs of B)."""
+    allows (random permutations of the pool, cut into runs of B; sequential: runs of B
+    consecutive slots in order, the access pattern of a peer without slot indices)."""
+    if sequential:
+        runs = max(1, pool_slots // B)
+        return [((r % runs) * B + torch.arange(B)).to(torch.int32).cuda() for r in range(count)]
     sets, perm, pos = [], torch.randperm(pool_slots, generator=gen), 0
     for _ in range(count):
         if pos + B > pool_slots:
