@@ -134,6 +134,12 @@ __global__ void warp_tile_copy_kernel(uint4* buf, int64_t tiles) {
   for (int u = 0; u < U; ++u) __stcs(t + u * 32, r[u]);
 }
 
+// f(std::integral_constant<int, U>{}) for each U: the copy kernels' loads per thread or per lane.
+template <int... Us, class F>
+void for_each_u(F&& f) {
+  (f(std::integral_constant<int, Us>{}), ...);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -201,12 +207,8 @@ int main(int argc, char** argv) {
                 gbps, 100.0 * gbps / copy_gbps);
   };
   for (bool in_place : {true, false})
-    for (int per_sm : {2, 4, 8, 16}) {
-      ilp(std::integral_constant<int, 1>{}, per_sm, in_place);
-      ilp(std::integral_constant<int, 2>{}, per_sm, in_place);
-      ilp(std::integral_constant<int, 4>{}, per_sm, in_place);
-      ilp(std::integral_constant<int, 8>{}, per_sm, in_place);
-    }
+    for (int per_sm : {2, 4, 8, 16})
+      for_each_u<1, 2, 4, 8>([&](auto u) { ilp(u, per_sm, in_place); });
   // One tile per warp, no loop (the register decode kernel's shape): tile U * 512 bytes, W warps
   // per CTA, in place; resident warps per SM as many as fit, or capped at 24 (the decode kernel's
   // 12 two-warp CTAs at 80 registers) by padding each CTA's shared memory.
@@ -229,43 +231,39 @@ int main(int argc, char** argv) {
                 100.0 * gbps / copy_gbps);
   };
   for (bool cap24 : {false, true})
-    for (int warps : {2, 8}) {
-      warp_tiles(std::integral_constant<int, 1>{}, warps, cap24);
-      warp_tiles(std::integral_constant<int, 2>{}, warps, cap24);
-      warp_tiles(std::integral_constant<int, 4>{}, warps, cap24);
-      warp_tiles(std::integral_constant<int, 8>{}, warps, cap24);
-      warp_tiles(std::integral_constant<int, 16>{}, warps, cap24);
-    }
-  if (!ilp_only)
-    std::printf("%-6s %-7s %8s %7s %8s %10s %8s %7s\n", "mode", "order", "tile_KB", "stages",
-              "ctas/SM", "us", "GB/s", "%copy");
+    for (int warps : {2, 8})
+      for_each_u<1, 2, 4, 8, 16>([&](auto u) { warp_tiles(u, warps, cap24); });
 
-  const char* mode_name[] = {"copy", "load", "store"};
-  std::vector<int> tile_kb = ilp_only ? std::vector<int>{}
-                             : quick  ? std::vector<int>{16}
-                                      : std::vector<int>{4, 8, 16, 32};
-  std::vector<int> stage_counts = quick ? std::vector<int>{4} : std::vector<int>{2, 4, 8};
-  std::vector<int> cta_counts = quick ? std::vector<int>{3} : std::vector<int>{1, 2, 3, 4, 8};
-  for (int mode : {kCopy, kLoad, kStore})
-    for (int random : {0, 1})
-      for (int kb : tile_kb)
-        for (int st : stage_counts)
-          for (int per_sm : cta_counts) {
-            const int tb = kb * 1024;
-            const size_t smem = static_cast<size_t>(st) * tb + kMaxStages * 8;
-            if (smem > static_cast<size_t>(smem_optin)) continue;
-            int resident = 0;
-            check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, bulk_kernel, 32, smem),
-                  "occupancy");
-            if (resident < per_sm) continue;  // would not all be resident
-            const Layout L{buf, random ? d_perm : nullptr, bytes / tb, tb, static_cast<int>(kSlotBytes / tb)};
-            const int grid = per_sm * sms;
-            const double us = median_us([&](int) { bulk_kernel<<<grid, 32, smem>>>(L, mode, st); }, reps);
-            const double moved = mode == kCopy ? 2.0 * bytes : static_cast<double>(bytes);
-            const double gbps = moved / (us * 1e3);
-            std::printf("%-6s %-7s %8d %7d %8d %10.1f %8.0f %6.1f%%\n", mode_name[mode],
-                        random ? "random" : "linear", kb, st, per_sm, us, gbps, 100.0 * gbps / copy_gbps);
-          }
+  // TMA bulk copies: every mode, slot order, tile size, stage count and CTAs per SM that fit.
+  auto bulk_sweep = [&] {
+    std::printf("%-6s %-7s %8s %7s %8s %10s %8s %7s\n", "mode", "order", "tile_KB", "stages",
+                "ctas/SM", "us", "GB/s", "%copy");
+    const char* mode_name[] = {"copy", "load", "store"};
+    std::vector<int> tile_kb = quick ? std::vector<int>{16} : std::vector<int>{4, 8, 16, 32};
+    std::vector<int> stage_counts = quick ? std::vector<int>{4} : std::vector<int>{2, 4, 8};
+    std::vector<int> cta_counts = quick ? std::vector<int>{3} : std::vector<int>{1, 2, 3, 4, 8};
+    for (int mode : {kCopy, kLoad, kStore})
+      for (int random : {0, 1})
+        for (int kb : tile_kb)
+          for (int st : stage_counts)
+            for (int per_sm : cta_counts) {
+              const int tb = kb * 1024;
+              const size_t smem = static_cast<size_t>(st) * tb + kMaxStages * 8;
+              if (smem > static_cast<size_t>(smem_optin)) continue;
+              int resident = 0;
+              check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, bulk_kernel, 32, smem),
+                    "occupancy");
+              if (resident < per_sm) continue;  // would not all be resident
+              const Layout L{buf, random ? d_perm : nullptr, bytes / tb, tb, static_cast<int>(kSlotBytes / tb)};
+              const int grid = per_sm * sms;
+              const double us = median_us([&](int) { bulk_kernel<<<grid, 32, smem>>>(L, mode, st); }, reps);
+              const double moved = mode == kCopy ? 2.0 * bytes : static_cast<double>(bytes);
+              const double gbps = moved / (us * 1e3);
+              std::printf("%-6s %-7s %8d %7d %8d %10.1f %8.0f %6.1f%%\n", mode_name[mode],
+                          random ? "random" : "linear", kb, st, per_sm, us, gbps, 100.0 * gbps / copy_gbps);
+            }
+  };
+  if (!ilp_only) bulk_sweep();
   check(cudaFree(buf), "cudaFree");
   check(cudaFree(other), "cudaFree");
   check(cudaFree(d_perm), "cudaFree");

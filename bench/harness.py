@@ -57,15 +57,27 @@ def measure_copy_bandwidth(nbytes: int = 2 * 1024**3, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def copy_buffer(nbytes: int, dtype=torch.float32) -> torch.Tensor:
+    """A device buffer of `nbytes` of `dtype` for copy_pass."""
+    return torch.zeros(max(1, nbytes // torch.tensor([], dtype=dtype).element_size()),
+                       device="cuda", dtype=dtype)
+
+
+def copy_pass(buf: torch.Tensor) -> None:
+    """The copy yardstick at a case's own size: one in-place pass over `buf` (torch's vectorized
+    elementwise mul_ by 1: every byte read and written back where it lies, as decode updates the
+    pool). A memcpy node instead measured ~2.7 TB/s from 512 MB up under graph replay (the copy
+    engines, eleventh session), and a same-dtype copy_ is a memcpy that Nsight Compute cannot
+    profile as a kernel."""
+    buf.mul_(1.0)
+
+
 def copy_time(nbytes: int, dtype=torch.float32, replays: int = 30) -> float:
-    """Seconds per in-place pass over `nbytes` of `dtype` (torch's vectorized elementwise mul_ by
-    1: every byte read and written back where it lies, as decode updates the pool) timed the way
-    time_graph times ours: cold L2 (rotating buffers), CUDA-graph replay. The copy yardstick at a
-    case's own size, ramp and tail included, beside measure_copy_bandwidth's 2 GiB steady state.
-    (A memcpy node instead measured ~2.7 TB/s from 512 MB up under graph replay: copy engines.)"""
-    n = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
-    bufs = [torch.zeros(n, device="cuda", dtype=dtype) for _ in range(rotations(2 * nbytes))]
-    t = time_graph([lambda b=b: b.mul_(1.0) for b in bufs], replays=replays)
+    """Seconds per copy_pass over `nbytes` of `dtype`, timed the way time_graph times ours: cold
+    L2 (rotating buffers), CUDA-graph replay, so ramp and tail are included, beside
+    measure_copy_bandwidth's 2 GiB steady state."""
+    bufs = [copy_buffer(nbytes, dtype) for _ in range(rotations(2 * nbytes))]
+    t = time_graph([lambda b=b: copy_pass(b) for b in bufs], replays=replays)
     del bufs
     torch.cuda.empty_cache()
     return t

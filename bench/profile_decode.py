@@ -4,8 +4,9 @@ size, so that `ncu --launch-skip/--launch-count` can pick one warm launch of eac
   ncu --clock-control none -k regex:'recurrent|fused_recurrent' --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats python3 bench/profile_decode.py
 
-With --copy it copies the bytes of the state the decode launch reads instead (an elementwise
-copy kernel, the copy-bandwidth yardstick, for side-by-side memory tables).
+With --copy it runs the copy yardstick over the bytes of the state the decode launch reads and
+writes instead (harness.copy_pass: an in-place elementwise pass, the decode benchmark's copy_us),
+for side-by-side memory tables.
 """
 
 import argparse
@@ -14,7 +15,7 @@ import torch
 
 import deltastate as ds
 from bench_decode import Case, fla_gdn_launches, fla_kda_launches, state_bytes
-from harness import DTYPES, MODELS
+from harness import DTYPES, MODELS, copy_buffer, copy_pass
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="qwen3-next")
@@ -23,20 +24,17 @@ ap.add_argument("--B", type=int, default=256)
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--no-peer", action="store_true")
 ap.add_argument("--copy", action="store_true",
-                help="instead of decode: copy kernels over the state bytes the decode launch reads "
-                     "and writes (dst = src * 1 on uninitialized fp32 buffers: a kernel Nsight "
-                     "Compute can profile, where a same-dtype copy_ is a cudaMemcpy)")
+                help="instead of decode: the copy yardstick (harness.copy_pass) over the state "
+                     "bytes the decode launch reads and writes")
 ap.add_argument("--replay", type=int, default=0,
                 help="ring length L: run 2L ReplaySSM steps (cursors advanced on the device) "
                      "instead of plain decode; launch i has cursor i mod L (flush at L-1)")
 args = ap.parse_args()
 m = MODELS[args.model]
 if args.copy:
-    nbytes = state_bytes(m, args.B, DTYPES[args.dtype])
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
+    buf = copy_buffer(state_bytes(m, args.B, DTYPES[args.dtype]), DTYPES[args.dtype])
     for _ in range(args.reps):
-        torch.mul(src, 1.0, out=dst)
+        copy_pass(buf)
     torch.cuda.synchronize()
     print("done")
     raise SystemExit(0)

@@ -161,14 +161,12 @@ int main(int argc, char** argv) {
   auto at = [&](int c, int i, Pt p) {
     return tr[(static_cast<size_t>(c) * kStreamTraceTiles + i) * kStreamTracePoints + static_cast<int>(p)];
   };
-  // Stages per CTA for bf16, K = 128 (StreamLayout: 64 KB of 16 KB tiles): tile i + 4 refills
-  // tile i's stage.
-  constexpr int kStages = 4;
+  constexpr int kStages = cuda_backend::kStreamTraceStages;  // tile i + kStages refills i's stage
   Summary period{"producer: enter to next enter"}, wait_stage{"producer: enter to stage free"},
       prep{"producer: stage free (load out) to prepared"}, load{"stage free (load out) to consumer full"},
       cons_wait{"consumer: wait to full"}, compute{"consumer: full to done"},
       to_store{"consumer done to store issued"}, store_cycle{"store issued to stage free again"},
-      stage_cycle{"stage: free to free again (4 tiles later)"}, span{"CTA: first enter to last store"};
+      stage_cycle{"stage: free to free again (its next tile)"}, span{"CTA: first enter to last store"};
   int ctas = 0;
   long long tiles = 0;
   for (int c = 0; c < kStreamTraceCtas; ++c) {

@@ -224,8 +224,10 @@ for phase in "${phases[@]}"; do
       ncu_launch elementwise 2 \
         $mem python3 bench/profile_decode.py --copy ${PROFILE_ARGS:-}
       ;;
-    bench-bulk)  # TMA bulk copies alone (copy in place / loads / stores; tile size, stages, CTAs
-      # per SM; slots in order or random) beside a 16-byte copy kernel (BULK_ARGS: --quick, --reps)
+    bench-bulk)  # in-place copies in our kernels' access patterns, no compute: grid-stride 16-byte
+      # copies, one tile per warp (the register decode kernel's shape), TMA bulk copies (tile size,
+      # stages, CTAs per SM, slots in order or random); BULK_ARGS: --ilp-only (no bulk sweep),
+      # --quick, --reps
       run bench-bulk cmake --build "$BUILD" -j "$(nproc)" --target bulk_copy_bench
       run bench-bulk "$BUILD/bulk_copy_bench" ${BULK_ARGS:-}
       ;;

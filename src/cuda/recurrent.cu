@@ -522,6 +522,8 @@ __device__ __forceinline__ void load_prep(const float* a, int kidx, float (&x)[C
 }
 
 #if DELTASTATE_CUDA_STREAM_TRACE
+static_assert(StreamLayout<__nv_bfloat16, 128>::STAGES == kStreamTraceStages,
+              "bench/stream_trace reads the stage cycle with the kernel's stage count");
 // Trace builds only (CMake DELTASTATE_CUDA_STREAM_TRACE; bench/stream_trace.cpp reads it): the
 // SM clock at each point of the pipeline (StreamTracePoint) for the first tiles of the first
 // CTAs of the last streaming launch. Lane 0 of the producer and of consumer warp 0 write it.

@@ -21,6 +21,9 @@ enum class StreamTracePoint : int {
 constexpr int kStreamTraceCtas = 512;
 constexpr int kStreamTraceTiles = 64;
 constexpr int kStreamTracePoints = static_cast<int>(StreamTracePoint::count);
+// Stages per CTA of the traced shape (16-bit states, K = 128; recurrent.cu checks it against the
+// kernel's layout): tile i + kStreamTraceStages refills tile i's stage.
+constexpr int kStreamTraceStages = 4;
 
 #if DELTASTATE_CUDA_STREAM_TRACE
 void stream_trace_reset();
