@@ -161,7 +161,7 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 sanitized racecheck '*partial_tile*'
       ;;
     check)
-      run check python3 bench/check_cuda_vs_cpu.py
+      run check python3 -m pytest -q python/tests/test_gpu_bench_shapes.py
       ;;
     bench-decode)
       run bench-decode python3 bench/bench_decode.py --json "$OUT/decode-h200.json" ${BENCH_ARGS:-}
