@@ -215,6 +215,7 @@ void replayssm_decode(ffi::TensorView mixed_qkv, ffi::TensorView a, ffi::TensorV
 }
 
 bool cuda_available() { return ds::cuda_available(); }
+bool cuda_built() { return ds::cuda_built(); }
 
 // ---- the state pool --------------------------------------------------------------------------
 // The framework allocates the storage (so views are the caller's tensors); the C++ StatePool does
@@ -333,5 +334,6 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(packed_decode, packed_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(recurrent, recurrent);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(replayssm_decode, replayssm_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_built, cuda_built);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_sizes, pool_sizes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_new, pool_new);
