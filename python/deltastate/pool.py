@@ -8,6 +8,10 @@ torch tensors / numpy arrays aliasing that buffer, ready to pass to the ops:
     s = pool.allocate()
     fused_recurrent_gated_delta_rule_packed_decode(..., pool.layer_state(3), out, indices)
 
+Without torch installed the pool is numpy (``framework="numpy"``, CPU), its buffer 256-byte
+aligned so that its views meet every op's alignment contract (a plain ``np.zeros`` state is only
+16-byte aligned and ``recurrent_kda`` rejects it when its base is not 32-byte aligned).
+
 SGLang's layout, slot 0 a reserved null slot that padded rows may target:
 
     pool = StatePool.sglang(layers=36, size=256, HV=32, V=128, K=128, device="cuda")
@@ -59,6 +63,15 @@ def _config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes, replay_
             bool(null_slot))
 
 
+def _default_framework() -> str:
+    """torch when it can be imported, else numpy."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "numpy"
+    return "torch"
+
+
 def _sizes(cfg, budget_bytes: int = 0):
     """[required bytes, bytes per slot, slots that fit budget_bytes] of a configuration."""
     return [int(x) for x in lib.pool_sizes(*cfg, int(budget_bytes))]
@@ -73,7 +86,8 @@ class StatePool:
     k: ``ring_k_dtype`` with ``H`` key heads, g: float32, [.., L, K] when ``kda``) and per-slot
     cursors. ``ring_k_dtype`` is the activation dtype; by default bfloat16 with torch and float16
     with numpy (which has no bfloat16; the same size, so the sizing helpers agree).
-    ``framework``: "torch" (default; any torch device) or "numpy" (CPU only).
+    ``framework``: "torch" (any torch device) or "numpy" (CPU only); by default torch when it is
+    installed, else numpy. Either way the buffer is 256-byte aligned.
 
     ``null_slot``: reserve slot 0 as a null slot (SGLang's MambaPool layout; see
     :meth:`StatePool.sglang`). ``slots`` stays the capacity, the number of requests the pool
@@ -85,11 +99,16 @@ class StatePool:
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
                  state_dtype="float32", layout: str = "per_layer", envelope_extra_bytes: int = 0,
                  replay_len: int = 0, H: int = 0, ring_k_dtype=None, kda: bool = False,
-                 device="cpu", framework: str = "torch", null_slot: bool = False):
+                 device="cpu", framework: Optional[str] = None, null_slot: bool = False):
         _ints(layers=layers, slots=slots, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         layers, slots, HV, V, K = int(layers), int(slots), int(HV), int(V), int(K)
         envelope_extra_bytes, replay_len, H = int(envelope_extra_bytes), int(replay_len), int(H)
+        if framework is None:
+            framework = _default_framework()
+            if framework == "numpy" and str(device) != "cpu":
+                raise ValueError(f"StatePool on device {str(device)!r} needs torch, which is not "
+                                 "installed (numpy pools live on the CPU)")
         if ring_k_dtype is None:
             ring_k_dtype = "float16" if framework == "numpy" else "bfloat16"  # same size
         if layout not in ("per_layer", "envelope"):
@@ -110,7 +129,11 @@ class StatePool:
         nbytes = _sizes(self._cfg)[0]
         self.nbytes = nbytes
         if framework == "torch":
-            import torch
+            try:
+                import torch
+            except ImportError:
+                raise ImportError("StatePool(framework='torch') needs torch, which is not "
+                                  "installed; use framework='numpy' (CPU)") from None
 
             raw = torch.zeros(nbytes + _ALIGN, dtype=torch.uint8, device=device)
             pad = (-raw.data_ptr()) % _ALIGN
