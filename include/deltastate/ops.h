@@ -131,7 +131,12 @@ struct ReplayDecodeArgs {
 };
 void replayssm_decode(const ReplayDecodeArgs& args);
 
-// Whether this build contains the CUDA backend.
+// Whether a CUDA device can run this build's CUDA backend: built with CUDA and
+// cudaGetDeviceCount reports at least one device (never throws; false on a machine without a
+// GPU or driver, and in a CPU-only build).
 bool cuda_available();
+// Whether this build contains the CUDA backend (compiled with nvcc), whether or not a device is
+// present.
+bool cuda_built();
 
 }  // namespace deltastate

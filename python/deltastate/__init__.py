@@ -4,8 +4,8 @@ Ops take numpy arrays or torch tensors (CPU or CUDA) zero-copy and update the ca
 in place; see :mod:`deltastate.ops` and :class:`deltastate.StatePool`.
 """
 
+from ._lib import cuda_available, cuda_built
 from .ops import (
-    cuda_available,
     fused_recurrent_gated_delta_rule_packed_decode,
     fused_recurrent_gdn_replayssm_decode,
     fused_recurrent_kda_packed_decode,
@@ -18,6 +18,7 @@ from .pool import StatePool
 __all__ = [
     "StatePool",
     "cuda_available",
+    "cuda_built",
     "fused_recurrent_gated_delta_rule_packed_decode",
     "fused_recurrent_gdn_replayssm_decode",
     "fused_recurrent_kda_packed_decode",

@@ -324,6 +324,4 @@ def fused_recurrent_linear_replayssm_decode(
 fused_recurrent_gdn_replayssm_decode = fused_recurrent_linear_replayssm_decode
 
 
-def cuda_available() -> bool:
-    """Whether this build of deltastate contains the CUDA backend."""
-    return bool(lib.cuda_available())
+from ._lib import cuda_available, cuda_built  # noqa: E402,F401  (device and build queries)

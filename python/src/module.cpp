@@ -215,6 +215,7 @@ void replayssm_decode(ffi::TensorView mixed_qkv, ffi::TensorView a, ffi::TensorV
 }
 
 bool cuda_available() { return ds::cuda_available(); }
+bool cuda_built() { return ds::cuda_built(); }
 
 // ---- the state pool --------------------------------------------------------------------------
 // The framework allocates the storage (so views are the caller's tensors); the C++ StatePool does
@@ -231,7 +232,7 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
 ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
                                 const std::string& state_dtype, bool envelope,
                                 int64_t envelope_extra_bytes, int64_t replay_len, int64_t H,
-                                const std::string& ring_k_dtype, bool kda) {
+                                const std::string& ring_k_dtype, bool kda, bool null_slot) {
   ds::StatePoolConfig c;
   c.layers = layers;
   c.slots = slots;
@@ -245,6 +246,7 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
   c.H = H;
   c.ring_k_dtype = dtype_from_name(ring_k_dtype, "ring_k_dtype");
   c.kda = kda;
+  c.null_slot = null_slot;
   return c;
 }
 
@@ -261,10 +263,10 @@ ffi::Array<int64_t> describe(const ds::TensorView& v, const void* base) {
 ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
                                ffi::String state_dtype, bool envelope, int64_t extra,
                                int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda,
-                               int64_t budget) {
+                               bool null_slot, int64_t budget) {
   return guarded([&] {
-    const ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope,
-                                              extra, replay_len, H, ring_k_dtype, kda);
+    const ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
+                                              replay_len, H, ring_k_dtype, kda, null_slot);
     const std::vector<int64_t> v{ds::StatePool::required_bytes(c), ds::StatePool::bytes_per_slot(c),
                                  ds::StatePool::slots_for_budget(c, budget)};
     return ffi::Array<int64_t>(v.begin(), v.end());
@@ -276,10 +278,10 @@ ffi::Map<ffi::String, ffi::Function> pool_new(ffi::TensorView storage, int64_t l
                                               int64_t slots, int64_t HV, int64_t V, int64_t K,
                                               ffi::String state_dtype, bool envelope, int64_t extra,
                                               int64_t replay_len, int64_t H,
-                                              ffi::String ring_k_dtype, bool kda) {
+                                              ffi::String ring_k_dtype, bool kda, bool null_slot) {
   return guarded([&] {
     ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
-                                        replay_len, H, ring_k_dtype, kda);
+                                        replay_len, H, ring_k_dtype, kda, null_slot);
     const DLDevice dev = storage.device();
     c.device = dev.device_type == kDLCUDA ? ds::Device::cuda(dev.device_id) : ds::Device::cpu();
     void* base = static_cast<char*>(storage.data_ptr()) + storage.byte_offset();
@@ -333,5 +335,6 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(packed_decode, packed_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(recurrent, recurrent);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(replayssm_decode, replayssm_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_built, cuda_built);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_sizes, pool_sizes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_new, pool_new);

@@ -40,6 +40,7 @@ void replayssm_decode(const ReplayDecodeArgs& args) {
   else cuda_backend::run_replayssm_decode(p, args.stream);
 }
 
-bool cuda_available() { return cuda_backend::built(); }
+bool cuda_available() { return cuda_backend::device_available(); }
+bool cuda_built() { return cuda_backend::built(); }
 
 }  // namespace deltastate
