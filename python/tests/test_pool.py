@@ -1,5 +1,6 @@
-"""StatePool (spec §8): slot allocation, fork rules, envelope views as framework tensors updated in
-place by the ops, ReplaySSM rings and cursors, and the sizing helpers, for numpy and torch."""
+"""StatePool (the layout of SGLang's MambaPool): slot allocation, fork rules, envelope views as
+framework tensors updated in place by the ops, ReplaySSM rings and cursors, and the sizing
+helpers, for numpy and torch."""
 
 import numpy as np
 import pytest
@@ -212,7 +213,7 @@ def test_ops_update_pool_views_in_place(framework, rng, kda, layout):
 def test_replayssm_through_pool_rings(framework, rng, kda):
     """ReplaySSM over a pool's checkpoint views and rings for every layer of a forward, with the
     per-slot cursors gathered per row, advanced once per forward (by the last layer's call) and
-    scattered back, as a serving engine does (spec §5 "Caller protocol")."""
+    scattered back, as a serving engine does (SGLang's caller protocol for ReplaySSM cursors)."""
     fw = Fw(framework)
     H, HV, V, K, L, layers = 1, 2, 8, 16, 3, 2
     k_dtype = "float32"

@@ -24,7 +24,7 @@
   - ``sglang_packed_decode_reference``: the inline torch reference of SGLang's
     ``test/registered/kernels/ops/attention/test_kda_helion.py::
     test_packed_decode_lower_bound_contract`` (sgl-project/sglang @ 253bb881), extended to the
-    standard softplus gate (spec: ``x <= 20 ? log(1+e^x) : x``) and to GDN's scalar gate.
+    standard softplus gate (softplus as ``x <= 20 ? log(1+e^x) : x``) and to GDN's scalar gate.
 """
 
 from __future__ import annotations
