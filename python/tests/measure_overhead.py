@@ -10,7 +10,7 @@ for the GPU), with a device sync between chunks, outside the timing. Reported: t
 p10/p90) over all calls of
 
   public     deltastate.fused_recurrent_gated_delta_rule_packed_decode (the eager path)
-  ffi        the tvm-ffi function itself (deltastate._lib.lib.packed_decode), no Python wrapper
+  ffi        the tvm-ffi function itself (deltastate._lib.lib.gdn_packed_decode), no wrapper
   torch_ops  torch.ops.deltastate.gdn_packed_decode (the custom op torch.compile calls), eager
   torch_op_baseline  one small torch op launch (out.zero_()), for scale
 
@@ -88,10 +88,16 @@ def main(argv=None):
 
     op = ds.fused_recurrent_gated_delta_rule_packed_decode
     custom = torch.ops.deltastate.gdn_packed_decode.default
+    # The bare binding call, its arguments in the binding's own order.
+    named = {"mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias,
+             "scale": scale, "initial_state": state, "out": out, "ssm_state_indices": idx,
+             "use_qk_l2norm_in_kernel": True, "lower_bound": None, "round_beta": False,
+             "check_indices": -1, "pdl": False}
+    ffi_args = tuple(named[n.split(":")[0]] for n in lib.op_signatures()["gdn_packed_decode"])
+    ffi = lib.gdn_packed_decode
     variants = {
         "public": lambda: op(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx),
-        "ffi": lambda: lib.packed_decode(False, mixed_qkv, a, b, A_log, dt_bias, scale, state, out,
-                                         idx, True, None, False, -1, False),
+        "ffi": lambda: ffi(*ffi_args),
         "torch_ops": lambda: custom(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx),
         "torch_op_baseline": lambda: out.zero_(),
     }
