@@ -263,7 +263,7 @@ for phase in "${phases[@]}"; do
       decode_sass
       ;;
     overhead)
-      run overhead python3 python/tests/measure_overhead.py
+      run overhead python3 bench/measure_overhead.py
       ;;
     *)
       echo "unknown phase $phase" >&2; exit 2 ;;
