@@ -122,7 +122,8 @@ std::vector<PCase> packed_common_cases(bool kda) {
   return {
       {"mixed_qkv 3D", [](auto&, auto& a) { a.mixed_qkv = with_ndim(a.mixed_qkv, 3); },
        "`mixed_qkv` must be a 2D tensor (got ndim=3)."},
-      {"mixed_qkv last-dim stride", [](auto&, auto& a) { a.mixed_qkv = with_stride(a.mixed_qkv, 1, 2); },
+      {"mixed_qkv last-dim stride",
+       [](auto&, auto& a) { a.mixed_qkv = with_stride(a.mixed_qkv, 1, 2); },
        "`mixed_qkv` must be contiguous in the last dim."},
       {"a 1D", [](auto&, auto& a) { a.a = with_ndim(a.a, 1); },
        "`a` and `b` must be 2D tensors (got a.ndim=1, b.ndim=2)."},
@@ -142,12 +143,14 @@ std::vector<PCase> packed_common_cases(bool kda) {
        "`A_log`/`dt_bias` must be contiguous."},
       {"indices 2D", [](auto&, auto& a) { a.state_indices = with_ndim(a.state_indices, 2); },
        "`ssm_state_indices` must be 1D for packed decode (got ndim=2)."},
-      {"out strided", [](auto&, auto& a) { a.out = with_stride(a.out, 3, 2); }, "`out` must be contiguous."},
+      {"out strided", [](auto&, auto& a) { a.out = with_stride(a.out, 3, 2); },
+       "`out` must be contiguous."},
       {"a on another device", [](auto&, auto& a) { a.a = on_cuda(a.a); },
        "All inputs must be on the same device."},
       {"state on another device", [](auto&, auto& a) { a.state = on_cuda(a.state); },
        "All inputs must be on the same device."},
-      {"indices on another device", [](auto&, auto& a) { a.state_indices = on_cuda(a.state_indices); },
+      {"indices on another device",
+       [](auto&, auto& a) { a.state_indices = on_cuda(a.state_indices); },
        "All inputs must be on the same device."},
       {"a batch", [](auto&, auto& a) { a.a = with_size(a.a, 0, 2); },
        "Mismatched batch sizes: mixed_qkv.shape[0]=3, a.shape[0]=2, b.shape[0]=3."},
@@ -165,17 +168,25 @@ std::vector<PCase> packed_common_cases(bool kda) {
       {"state head stride", [](auto&, auto& a) { a.state = with_stride(a.state, 1, 136); },
        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
        "stride is supported."},
-      {"out shape", [](auto&, auto& a) { a.out = reshaped(a.out, {3, 4, 16}); },
+      {"out shape",
+       [](auto&, auto& a) {
+         a.out = reshaped(a.out, {3, 4, 16});
+       },
        "`out` must have shape (3, 1, 4, 16) (got out.shape=(3, 4, 16))."},
-      {"out V", [](auto&, auto& a) { a.out = reshaped(a.out, {3, 1, 4, 15}); },
+      {"out V",
+       [](auto&, auto& a) {
+         a.out = reshaped(a.out, {3, 1, 4, 15});
+       },
        "`out` must have shape (3, 1, 4, 16) (got out.shape=(3, 1, 4, 15))."},
       {"width = HV*V", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 64); },
        "Invalid packed `mixed_qkv` last dim=64 for HV=4, V=16."},
       {"width odd", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 95); },
        "Invalid packed `mixed_qkv` last dim=95 for HV=4, V=16."},
-      {"q size not a multiple of K", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 82); },
+      {"q size not a multiple of K",
+       [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 82); },
        "Invalid packed Q size 9: must be divisible by K=8." + suffix},
-      {"HV not a multiple of H", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 112); },
+      {"HV not a multiple of H",
+       [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 112); },
        "Invalid head config inferred from mixed_qkv: H=3, HV=4."},
       {"mixed_qkv dtype", [](auto&, auto& a) { a.mixed_qkv = with_dtype(a.mixed_qkv, DType::i32); },
        "`mixed_qkv` must have dtype float32, bfloat16 or float16; got int32"},
@@ -191,18 +202,25 @@ std::vector<PCase> packed_common_cases(bool kda) {
        "`initial_state` must have dtype float32, bfloat16 or float16; got int32"},
       {"out dtype", [](auto&, auto& a) { a.out = with_dtype(a.out, DType::i32); },
        "`out` must have dtype float32, bfloat16 or float16; got int32"},
-      {"indices dtype", [](auto&, auto& a) { a.state_indices = with_dtype(a.state_indices, DType::f32); },
+      {"indices dtype",
+       [](auto&, auto& a) { a.state_indices = with_dtype(a.state_indices, DType::f32); },
        "`ssm_state_indices` must have dtype int32 or int64; got float32"},
-      {"indices strided", [](auto&, auto& a) { a.state_indices = with_stride(a.state_indices, 0, 2); },
-       "`ssm_state_indices` must be contiguous; got strides (2,)"},
       {"scale 0", [](auto&, auto& a) { a.scale = 0.0; }, "scale must be positive (got 0)"},
       {"scale negative", [](auto&, auto& a) { a.scale = -1.0; }, "scale must be positive (got -1)"},
       {"scale inf", [](auto&, auto& a) { a.scale = kInf; }, "scale must be positive (got inf)"},
-      {"scale nan", [](auto&, auto& a) { a.scale = std::nan(""); }, "scale must be positive (got nan)"},
-      {"slot out of range", [](auto& f, auto&) { write_indices(f.batch.idx.view(), {3, -1, 5}); },
-       "`ssm_state_indices`[2]=5 is out of range for a state pool of 5 slots (valid: 0..4; < 0 marks a "
+      {"scale nan", [](auto&, auto& a) { a.scale = std::nan(""); },
+       "scale must be positive (got nan)"},
+      {"slot out of range",
+       [](auto& f, auto&) {
+         write_indices(f.batch.idx.view(), {3, -1, 5});
+       },
+       "`ssm_state_indices`[2]=5 is out of range for a state pool of 5 slots (valid: 0..4; < 0 "
+       "marks a "
        "padded row)"},
-      {"duplicate slot", [](auto& f, auto&) { write_indices(f.batch.idx.view(), {3, 3, -1}); },
+      {"duplicate slot",
+       [](auto& f, auto&) {
+         write_indices(f.batch.idx.view(), {3, 3, -1});
+       },
        "`ssm_state_indices` uses slot 3 for rows 0 and 1; each live row needs its own slot"},
   };
 }
@@ -303,8 +321,12 @@ std::vector<RCase> recurrent_cases(bool kda) {
        "`q` must be a 4D tensor [B, T, H, K]; got shape (2, 3, 2)"},
       {"k K", [](auto&, auto& a) { a.k = with_size(a.k, 3, 15); },
        "`k` must have shape [B, T, H, K]=(2, 3, 2, 16); got (2, 3, 2, 15) (K=16 from `q`)"},
-      {"k B and T", [](auto&, auto& a) { a.k = reshaped(a.k, {1, 6, 2, 16}); },
-       "`k` must have shape [B, T, H, K]=(2, 3, 2, 16); got (1, 6, 2, 16) (B=2 from `q`; T=3 from `q`)"},
+      {"k B and T",
+       [](auto&, auto& a) {
+         a.k = reshaped(a.k, {1, 6, 2, 16});
+       },
+       "`k` must have shape [B, T, H, K]=(2, 3, 2, 16); got (1, 6, 2, 16) (B=2 from `q`; T=3 from "
+       "`q`)"},
       {"v B", [](auto&, auto& a) { a.v = with_size(a.v, 0, 3); },
        "`v` must have shape [B, T, HV, V]=(2, 3, 4, 8); got (3, 3, 4, 8) (B=2 from `q`)"},
       {"beta 4D", [](auto&, auto& a) { a.beta = with_ndim(a.beta, 4); },
@@ -340,7 +362,8 @@ std::vector<RCase> recurrent_cases(bool kda) {
       {"out dtype", [](auto&, auto& a) { a.out = with_dtype(a.out, DType::i32); },
        "`out` must have dtype float32, bfloat16 or float16; got int32"},
       {"state K", [](auto&, auto& a) { a.state = with_size(*a.state, 3, 15); },
-       "`initial_state` must have shape [slots, HV, V, K]=(4, 4, 8, 16); got (4, 4, 8, 15) (K=16 from `q`)"},
+       "`initial_state` must have shape [slots, HV, V, K]=(4, 4, 8, 16); got (4, 4, 8, 15) (K=16 "
+       "from `q`)"},
       {"state dtype", [](auto&, auto& a) { a.state = with_dtype(*a.state, DType::i32); },
        "`initial_state` must have dtype float32, bfloat16 or float16; got int32"},
       {"indices without a state",
@@ -352,19 +375,20 @@ std::vector<RCase> recurrent_cases(bool kda) {
       {"indices length", [](auto& f, auto& a) { a.state_indices = reshaped(f.idx.view(), {1}); },
        "The number of initial states is expected to be equal to the number of input sequences, "
        "i.e., 2 rather than 1."},
-      {"indices dtype", [](auto&, auto& a) { a.state_indices = with_dtype(*a.state_indices, DType::f32); },
+      {"indices dtype",
+       [](auto&, auto& a) { a.state_indices = with_dtype(*a.state_indices, DType::f32); },
        "`ssm_state_indices` must have dtype int32 or int64; got float32"},
-      {"indices strided", [](auto&, auto& a) { a.state_indices = with_stride(*a.state_indices, 0, 2); },
-       "`ssm_state_indices` must be contiguous; got shape (2,) with strides (2,)"},
-      {"per-sequence state count",
-       [](auto&, auto& a) { a.state_indices.reset(); },
+      {"per-sequence state count", [](auto&, auto& a) { a.state_indices.reset(); },
        "The number of initial states is expected to be equal to the number of input sequences, "
        "i.e., 2 rather than 4."},
       {"final_state N", [](auto&, auto& a) { a.final_state = with_size(*a.final_state, 0, 3); },
-       "`final_state` must have shape [N, HV, V, K]=(2, 4, 8, 16); got (3, 4, 8, 16) (N=2 from `q`)"},
-      {"final_state strided", [](auto&, auto& a) { a.final_state = with_stride(*a.final_state, 0, 1024); },
+       "`final_state` must have shape [N, HV, V, K]=(2, 4, 8, 16); got (3, 4, 8, 16) (N=2 from "
+       "`q`)"},
+      {"final_state strided",
+       [](auto&, auto& a) { a.final_state = with_stride(*a.final_state, 0, 1024); },
        "`final_state` must be contiguous; got shape (2, 4, 8, 16) with strides (1024, 128, 16, 1)"},
-      {"final_state dtype", [](auto&, auto& a) { a.final_state = with_dtype(*a.final_state, DType::i32); },
+      {"final_state dtype",
+       [](auto&, auto& a) { a.final_state = with_dtype(*a.final_state, DType::i32); },
        "`final_state` must have dtype float32, bfloat16 or float16; got int32"},
       {"update_state without a state",
        [](auto&, auto& a) {
@@ -381,9 +405,9 @@ std::vector<RCase> recurrent_cases(bool kda) {
       {"A_log dtype", [](auto&, auto& a) { a.A_log = with_dtype(*a.A_log, DType::i64); },
        "`A_log` must have dtype float32, bfloat16 or float16; got int64"},
       {"dt_bias numel", [](auto&, auto& a) { a.dt_bias = with_size(*a.dt_bias, 0, 5); },
-       kda ? "`dt_bias` must have 64 elements (got 5)." : "`dt_bias` must have 4 elements (got 5)."},
-      {"dt_bias strided",
-       [kda](auto&, auto& a) { a.dt_bias = with_stride(*a.dt_bias, 0, 2); },
+       kda ? "`dt_bias` must have 64 elements (got 5)."
+           : "`dt_bias` must have 4 elements (got 5)."},
+      {"dt_bias strided", [kda](auto&, auto& a) { a.dt_bias = with_stride(*a.dt_bias, 0, 2); },
        kda ? "`dt_bias` must be contiguous; got shape (64,) with strides (2,)"
            : "`dt_bias` must be contiguous; got shape (4,) with strides (2,)"},
       {"dt_bias dtype", [](auto&, auto& a) { a.dt_bias = with_dtype(*a.dt_bias, DType::i32); },
@@ -408,12 +432,20 @@ std::vector<RCase> recurrent_cases(bool kda) {
        "All inputs must be on the same device: `q` is on cpu, `k` is on cuda:0"},
       {"state on another device", [](auto&, auto& a) { a.state = on_cuda(*a.state); },
        "All inputs must be on the same device: `q` is on cpu, `initial_state` is on cuda:0"},
-      {"final_state on another device", [](auto&, auto& a) { a.final_state = on_cuda(*a.final_state); },
+      {"final_state on another device",
+       [](auto&, auto& a) { a.final_state = on_cuda(*a.final_state); },
        "All inputs must be on the same device: `q` is on cpu, `final_state` is on cuda:0"},
-      {"slot out of range", [](auto& f, auto&) { write_indices(f.idx.view(), {1, 4}); },
-       "`ssm_state_indices`[1]=4 is out of range for a state pool of 4 slots (valid: 0..3; < 0 marks "
+      {"slot out of range",
+       [](auto& f, auto&) {
+         write_indices(f.idx.view(), {1, 4});
+       },
+       "`ssm_state_indices`[1]=4 is out of range for a state pool of 4 slots (valid: 0..3; < 0 "
+       "marks "
        "a padded row)"},
-      {"duplicate slot", [](auto& f, auto&) { write_indices(f.idx.view(), {2, 2}); },
+      {"duplicate slot",
+       [](auto& f, auto&) {
+         write_indices(f.idx.view(), {2, 2});
+       },
        "`ssm_state_indices` uses slot 2 for rows 0 and 1; each live row needs its own slot"},
   };
   if (kda) {
@@ -578,50 +610,86 @@ std::vector<RSCase> replay_cases(bool kda) {
       {"mixed_qkv 1D", [](auto&, auto& a) { a.mixed_qkv = with_ndim(a.mixed_qkv, 1); },
        "`mixed_qkv` must be 2D (got ndim=1)."},
       {"b 1D", [](auto&, auto& a) { a.b = with_ndim(a.b, 1); }, "`b` must be 2D (got b.ndim=1)."},
-      {"A_log 2D", [](auto&, auto& a) { a.A_log = with_ndim(a.A_log, 2); }, "`A_log` must be a 1D tensor."},
+      {"A_log 2D", [](auto&, auto& a) { a.A_log = with_ndim(a.A_log, 2); },
+       "`A_log` must be a 1D tensor."},
       {"state 3D", [](auto&, auto& a) { a.state = with_ndim(a.state, 3); },
        "`initial_state` must be 4D (got ndim=3)."},
-      {"mixed_qkv last-dim stride", [](auto&, auto& a) { a.mixed_qkv = with_stride(a.mixed_qkv, 1, 2); },
+      {"mixed_qkv last-dim stride",
+       [](auto&, auto& a) { a.mixed_qkv = with_stride(a.mixed_qkv, 1, 2); },
        "`mixed_qkv` must be contiguous in the last dim."},
-      {"out strided", [](auto&, auto& a) { a.out = with_stride(a.out, 0, 1000); }, "`out` must be contiguous."},
+      {"out strided", [](auto&, auto& a) { a.out = with_stride(a.out, 0, 1000); },
+       "`out` must be contiguous."},
       {"write_pos int64", [](auto&, auto& a) { a.write_pos = with_dtype(a.write_pos, DType::i64); },
        "`write_pos` must be a contiguous 1D int32 tensor."},
-      {"write_pos 2D", [](auto&, auto& a) { a.write_pos = reshaped(a.write_pos, {3, 1}); },
+      {"write_pos 2D",
+       [](auto&, auto& a) {
+         a.write_pos = reshaped(a.write_pos, {3, 1});
+       },
        "`write_pos` must be a contiguous 1D int32 tensor."},
-      {"write_pos strided", [](auto&, auto& a) { a.write_pos = with_size(with_stride(a.write_pos, 0, 2), 0, 2); },
+      {"write_pos strided",
+       [](auto&, auto& a) { a.write_pos = with_size(with_stride(a.write_pos, 0, 2), 0, 2); },
        "`write_pos` must be a contiguous 1D int32 tensor."},
-      {"force_flush int64", [](auto&, auto& a) { a.force_flush = with_dtype(*a.force_flush, DType::i64); },
+      {"force_flush int64",
+       [](auto&, auto& a) { a.force_flush = with_dtype(*a.force_flush, DType::i64); },
        "`force_flush` must be a contiguous 1D int32 tensor or None."},
-      {"force_flush 2D", [](auto&, auto& a) { a.force_flush = reshaped(*a.force_flush, {1, 3}); },
+      {"force_flush 2D",
+       [](auto&, auto& a) {
+         a.force_flush = reshaped(*a.force_flush, {1, 3});
+       },
        "`force_flush` must be a contiguous 1D int32 tensor or None."},
       {"state inner strides", [](auto&, auto& a) { a.state = with_stride(a.state, 2, 9); },
-       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot stride "
+       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+       "stride "
        "is supported."},
       {"state last stride", [](auto&, auto& a) { a.state = with_stride(a.state, 3, 2); },
-       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot stride "
+       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+       "stride "
        "is supported."},
       {"width = HV*V", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 64); },
        "Invalid packed `mixed_qkv` last dim=64 for HV=4, V=16."},
       {"width odd", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 97); },
        "Invalid packed `mixed_qkv` last dim=97 for HV=4, V=16."},
-      {"q size not a multiple of K", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 82); },
+      {"q size not a multiple of K",
+       [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 82); },
        "Invalid packed `mixed_qkv` last dim=82 for HV=4, V=16, K=8."},
-      {"HV not a multiple of H", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 112); },
+      {"HV not a multiple of H",
+       [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 112); },
        "Invalid head config inferred from mixed_qkv: H=3, HV=4."},
-      {"b cols", [](auto&, auto& a) { a.b = reshaped(a.b, {3, 5}); }, "`b` must have contiguous shape (3, 4)."},
-      {"b rows", [](auto&, auto& a) { a.b = reshaped(a.b, {2, 4}); }, "`b` must have contiguous shape (3, 4)."},
-      {"b strided", [](auto&, auto& a) { a.b = with_stride(a.b, 0, 5); }, "`b` must have contiguous shape (3, 4)."},
+      {"b cols",
+       [](auto&, auto& a) {
+         a.b = reshaped(a.b, {3, 5});
+       },
+       "`b` must have contiguous shape (3, 4)."},
+      {"b rows",
+       [](auto&, auto& a) {
+         a.b = reshaped(a.b, {2, 4});
+       },
+       "`b` must have contiguous shape (3, 4)."},
+      {"b last dim strided", [](auto&, auto& a) { a.b = with_stride(a.b, 1, 2); },
+       "`b` must have contiguous shape (3, 4)."},
       {"A_log numel", [](auto&, auto& a) { a.A_log = with_size(a.A_log, 0, 3); },
        "`A_log` must have contiguous shape (4,)."},
       {"A_log strided", [](auto&, auto& a) { a.A_log = with_stride(a.A_log, 0, 2); },
        "`A_log` must have contiguous shape (4,)."},
-      {"d_cache V", [](auto&, auto& a) { a.d_cache = reshaped(a.d_cache, {5, 4, 4, 15}); },
-       "`d_cache` must have shape [slots, HV, L, V]."},
-      {"d_cache slots", [](auto&, auto& a) { a.d_cache = reshaped(a.d_cache, {4, 4, 4, 16}); },
-       "`d_cache` must have shape [slots, HV, L, V]."},
-      {"d_cache 3D", [](auto&, auto& a) { a.d_cache = reshaped(a.d_cache, {5, 4, 64}); },
-       "`d_cache` must have shape [slots, HV, L, V]."},
-      {"L = 0", [](auto&, auto& a) { a.d_cache = reshaped(a.d_cache, {5, 4, 0, 16}); },
+      {"d_cache V",
+       [](auto&, auto& a) {
+         a.d_cache = reshaped(a.d_cache, {5, 4, 4, 15});
+       },
+       "`d_cache` shape must be (5, 4, 4, 16) (got (5, 4, 4, 15))."},
+      {"d_cache slots",
+       [](auto&, auto& a) {
+         a.d_cache = reshaped(a.d_cache, {4, 4, 4, 16});
+       },
+       "`d_cache` shape must be (5, 4, 4, 16) (got (4, 4, 4, 16))."},
+      {"d_cache 3D",
+       [](auto&, auto& a) {
+         a.d_cache = reshaped(a.d_cache, {5, 4, 64});
+       },
+       "`d_cache` shape must be (5, 4, 64, 16) (got (5, 4, 64))."},
+      {"L = 0",
+       [](auto&, auto& a) {
+         a.d_cache = reshaped(a.d_cache, {5, 4, 0, 16});
+       },
        "ReplaySSM cache length must be at least 1."},
       {"d_cache strided", [](auto&, auto& a) { a.d_cache = with_stride(a.d_cache, 2, 32); },
        "ReplaySSM ring caches must be contiguous."},
@@ -629,33 +697,51 @@ std::vector<RSCase> replay_cases(bool kda) {
        "ReplaySSM ring caches must be contiguous."},
       {"g_cache strided", [](auto&, auto& a) { a.g_cache = with_stride(a.g_cache, 1, 100); },
        "ReplaySSM ring caches must be contiguous."},
-      {"k_cache K", [](auto&, auto& a) { a.k_cache = reshaped(a.k_cache, {5, 2, 4, 7}); },
-       "`k_cache` must have shape [slots, H, L, K]."},
-      {"k_cache H", [](auto&, auto& a) { a.k_cache = reshaped(a.k_cache, {5, 4, 4, 8}); },
-       "`k_cache` must have shape [slots, H, L, K]."},
-      {"k_cache L", [](auto&, auto& a) { a.k_cache = reshaped(a.k_cache, {5, 2, 3, 8}); },
-       "`k_cache` must have shape [slots, H, L, K]."},
+      {"k_cache K",
+       [](auto&, auto& a) {
+         a.k_cache = reshaped(a.k_cache, {5, 2, 4, 7});
+       },
+       "`k_cache` shape must be (5, 2, 4, 8) (got (5, 2, 4, 7))."},
+      {"k_cache H",
+       [](auto&, auto& a) {
+         a.k_cache = reshaped(a.k_cache, {5, 4, 4, 8});
+       },
+       "`k_cache` shape must be (5, 2, 4, 8) (got (5, 4, 4, 8))."},
+      {"k_cache L",
+       [](auto&, auto& a) {
+         a.k_cache = reshaped(a.k_cache, {5, 2, 3, 8});
+       },
+       "`k_cache` shape must be (5, 2, 4, 8) (got (5, 2, 3, 8))."},
       {"g_cache bf16", [](auto&, auto& a) { a.g_cache = with_dtype(a.g_cache, DType::bf16); },
        "`g_cache` must be float32 (got bfloat16)."},
       {"g_cache f16", [](auto&, auto& a) { a.g_cache = with_dtype(a.g_cache, DType::f16); },
        "`g_cache` must be float32 (got float16)."},
-      {"out shape", [](auto&, auto& a) { a.out = reshaped(a.out, {3, 4, 16}); },
+      {"out shape",
+       [](auto&, auto& a) {
+         a.out = reshaped(a.out, {3, 4, 16});
+       },
        "`out` must have shape (3, 1, 4, 16) (got (3, 4, 16))."},
-      {"indices int64", [](auto&, auto& a) { a.state_indices = with_dtype(a.state_indices, DType::i64); },
+      {"indices int64",
+       [](auto&, auto& a) { a.state_indices = with_dtype(a.state_indices, DType::i64); },
        "`ssm_state_indices` must be a 1D int32 tensor."},
-      {"indices 2D", [](auto&, auto& a) { a.state_indices = reshaped(a.state_indices, {3, 1}); },
+      {"indices 2D",
+       [](auto&, auto& a) {
+         a.state_indices = reshaped(a.state_indices, {3, 1});
+       },
        "`ssm_state_indices` must be a 1D int32 tensor."},
       {"write_pos length", [](auto&, auto& a) { a.write_pos = with_size(a.write_pos, 0, 2); },
        "`write_pos` and `ssm_state_indices` must both have length B=3 (got 2, 3)."},
       {"indices length", [](auto&, auto& a) { a.state_indices = with_size(a.state_indices, 0, 4); },
        "`write_pos` and `ssm_state_indices` must both have length B=3 (got 3, 4)."},
-      {"force_flush length", [](auto&, auto& a) { a.force_flush = with_size(*a.force_flush, 0, 2); },
+      {"force_flush length",
+       [](auto&, auto& a) { a.force_flush = with_size(*a.force_flush, 0, 2); },
        "`force_flush` must have length B=3."},
       {"a on another device", [](auto&, auto& a) { a.a = on_cuda(a.a); },
        "ReplaySSM inputs must be on the same device."},
       {"g_cache on another device", [](auto&, auto& a) { a.g_cache = on_cuda(a.g_cache); },
        "ReplaySSM inputs must be on the same device."},
-      {"force_flush on another device", [](auto&, auto& a) { a.force_flush = on_cuda(*a.force_flush); },
+      {"force_flush on another device",
+       [](auto&, auto& a) { a.force_flush = on_cuda(*a.force_flush); },
        "ReplaySSM inputs must be on the same device."},
       {"mixed_qkv dtype", [](auto&, auto& a) { a.mixed_qkv = with_dtype(a.mixed_qkv, DType::i32); },
        "`mixed_qkv` must have dtype float32, bfloat16 or float16; got int32"},
@@ -675,55 +761,90 @@ std::vector<RSCase> replay_cases(bool kda) {
        "`k_cache` must have dtype float32, bfloat16 or float16; got int32"},
       {"out dtype", [](auto&, auto& a) { a.out = with_dtype(a.out, DType::i32); },
        "`out` must have dtype float32, bfloat16 or float16; got int32"},
-      {"indices strided", [](auto&, auto& a) { a.state_indices = with_stride(a.state_indices, 0, 2); },
-       "`ssm_state_indices` must be contiguous; got shape (3,) with strides (2,)"},
       {"scale 0", [](auto&, auto& a) { a.scale = 0.0; }, "scale must be positive (got 0)"},
-      {"scale nan", [](auto&, auto& a) { a.scale = std::nan(""); }, "scale must be positive (got nan)"},
+      {"scale nan", [](auto&, auto& a) { a.scale = std::nan(""); },
+       "scale must be positive (got nan)"},
       {"lower_bound nan", [](auto&, auto& a) { a.lower_bound = std::nan(""); },
        "lower_bound must be finite (got nan)"},
-      {"slot out of range", [](auto& f, auto&) { write_indices(f.batch.idx.view(), {5, -1, 0}); },
-       "`ssm_state_indices`[0]=5 is out of range for a state pool of 5 slots (valid: 0..4; < 0 marks a "
+      {"slot out of range",
+       [](auto& f, auto&) {
+         write_indices(f.batch.idx.view(), {5, -1, 0});
+       },
+       "`ssm_state_indices`[0]=5 is out of range for a state pool of 5 slots (valid: 0..4; < 0 "
+       "marks a "
        "padded row)"},
-      {"duplicate slot", [](auto& f, auto&) { write_indices(f.batch.idx.view(), {0, -1, 0}); },
+      {"duplicate slot",
+       [](auto& f, auto&) {
+         write_indices(f.batch.idx.view(), {0, -1, 0});
+       },
        "`ssm_state_indices` uses slot 0 for rows 0 and 2; each live row needs its own slot"},
-      {"write_pos past the ring", [](auto& f, auto&) { write_indices(f.wp.view(), {0, 0, 4}); },
+      {"write_pos past the ring",
+       [](auto& f, auto&) {
+         write_indices(f.wp.view(), {0, 0, 4});
+       },
        "`write_pos`[2]=4 is outside the ring [0, L-1=3]"},
-      {"write_pos negative", [](auto& f, auto&) { write_indices(f.wp.view(), {-1, 0, 0}); },
+      {"write_pos negative",
+       [](auto& f, auto&) {
+         write_indices(f.wp.view(), {-1, 0, 0});
+       },
        "`write_pos`[0]=-1 is outside the ring [0, L-1=3]"},
   };
   if (kda) {
     const std::vector<RSCase> k = {
         {"KDA a shape", [](auto&, auto& a) { a.a = with_size(a.a, 1, 31); },
          "KDA `a` must have shape (3, 4, 8) (got (3, 31))."},
-        {"KDA a 3D shape", [](auto&, auto& a) { a.a = reshaped(a.a, {3, 8, 4}); },
+        {"KDA a 3D shape",
+         [](auto&, auto& a) {
+           a.a = reshaped(a.a, {3, 8, 4});
+         },
          "KDA `a` must have shape (3, 4, 8) (got (3, 8, 4))."},
         {"KDA dt_bias shape", [](auto&, auto& a) { a.dt_bias = with_size(a.dt_bias, 0, 31); },
          "KDA `dt_bias` must have shape (4, 8) (got (31,))."},
         {"KDA a strided", [](auto&, auto& a) { a.a = with_stride(a.a, 0, 33); },
          "KDA `a`/`dt_bias` must be contiguous."},
         {"KDA dt_bias strided",
-         [](auto&, auto& a) { a.dt_bias = TensorView::strided(a.dt_bias.data, DType::f32, {4, 8}, {4, 1}); },
+         [](auto&, auto& a) {
+           a.dt_bias = TensorView::strided(a.dt_bias.data, DType::f32, {4, 8}, {4, 1});
+         },
          "KDA `a`/`dt_bias` must be contiguous."},
-        {"g_cache without K", [](auto&, auto& a) { a.g_cache = reshaped(a.g_cache, {5, 4, 32}); },
-         "`g_cache` must have shape [slots, HV, L, K]."},
-        {"g_cache K", [](auto&, auto& a) { a.g_cache = reshaped(a.g_cache, {5, 4, 4, 7}); },
-         "`g_cache` must have shape [slots, HV, L, K]."},
+        {"g_cache without K",
+         [](auto&, auto& a) {
+           a.g_cache = reshaped(a.g_cache, {5, 4, 32});
+         },
+         "`g_cache` shape must be (5, 4, 4, 8) (got (5, 4, 32))."},
+        {"g_cache K",
+         [](auto&, auto& a) {
+           a.g_cache = reshaped(a.g_cache, {5, 4, 4, 7});
+         },
+         "`g_cache` shape must be (5, 4, 4, 8) (got (5, 4, 4, 7))."},
     };
     cases.insert(cases.end(), k.begin(), k.end());
   } else {
     const std::vector<RSCase> g = {
-        {"GDN a shape", [](auto&, auto& a) { a.a = reshaped(a.a, {3, 5}); },
+        {"GDN a shape",
+         [](auto&, auto& a) {
+           a.a = reshaped(a.a, {3, 5});
+         },
          "GDN `a` must have shape (3, 4) (got (3, 5))."},
-        {"GDN a 3D", [](auto&, auto& a) { a.a = reshaped(a.a, {3, 4, 1}); },
+        {"GDN a 3D",
+         [](auto&, auto& a) {
+           a.a = reshaped(a.a, {3, 4, 1});
+         },
          "GDN `a` must have shape (3, 4) (got (3, 4, 1))."},
         {"GDN a strided", [](auto&, auto& a) { a.a = with_stride(a.a, 0, 5); },
          "GDN `a` must have shape (3, 4) (got (3, 4))."},
         {"GDN dt_bias shape", [](auto&, auto& a) { a.dt_bias = with_size(a.dt_bias, 0, 5); },
          "GDN `dt_bias` must have shape (4,) (got (5,))."},
-        {"g_cache with K", [](auto&, auto& a) { a.g_cache = reshaped(a.g_cache, {5, 4, 4, 1}); },
-         "`g_cache` must have shape [slots, HV, L]."},
-        {"g_cache L", [](auto&, auto& a) { a.g_cache = reshaped(a.g_cache, {5, 4, 3}); },
-         "`g_cache` must have shape [slots, HV, L]."},
+        {"g_cache with K",
+         [](auto&, auto& a) {
+           a.g_cache = reshaped(a.g_cache, {5, 4, 4, 1});
+         },
+         "`g_cache` shape must be (5, 4, 4) (got (5, 4, 4, 1))."},
+        {"g_cache L",
+         [](auto&, auto& a) {
+           a.g_cache = reshaped(a.g_cache, {5, 4, 3});
+         },
+         "`g_cache` shape must be (5, 4, 4) (got (5, 4, 3))."},
     };
     cases.insert(cases.end(), g.begin(), g.end());
   }

@@ -59,8 +59,8 @@ TEST(StatePool, AllocateFreeExhaustionDoubleFree) {
   }
   EXPECT_EQ(pool.num_free(), 0);
   expect_error([&] { pool.allocate(); },
-               "StatePool exhausted: all 4 slots are in use (free a slot, or size the pool with "
-               "StatePool::slots_for_budget)");
+               "StatePool exhausted: all 4 slots are in use (free a slot, or size the pool for a "
+               "memory budget with slots_for_budget)");
   pool.free(2);
   pool.free(0);
   EXPECT_FALSE(pool.is_allocated(2));
@@ -436,8 +436,8 @@ TEST(StatePool, NullSlotIsNeverAllocated) {
   EXPECT_EQ(pool.num_free(), 0);
   EXPECT_FALSE(pool.is_allocated(0));
   expect_error([&] { pool.allocate(); },
-               "StatePool exhausted: all 4 slots are in use (free a slot, or size the pool with "
-               "StatePool::slots_for_budget)");
+               "StatePool exhausted: all 4 slots are in use (free a slot, or size the pool for a "
+               "memory budget with slots_for_budget)");
   expect_error([&] { pool.free(0); },
                "StatePool.free: slot 0 is the null slot of this pool (never allocated)");
   expect_error([&] { pool.free(5); },

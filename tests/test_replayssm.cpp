@@ -38,15 +38,16 @@ int32_t next_cursor(int32_t m, int L, bool forced) { return (m == L - 1 || force
 // Runs one ReplaySSM step and checks it against the reference. `cursors` are the rows' cursors
 // (the write_pos snapshot); on return they hold the caller's rule for live rows. With `advance`
 // the op advances write_pos itself and the result must equal that rule (padded rows keep theirs);
-// without, write_pos must come back unchanged.
+// without, write_pos must come back unchanged. `round_beta`: the op's round_beta_to_input (beta
+// fp32 by default, rounded to b's dtype with it).
 void checked_replay_step(DecodeBatch& batch, const ReplayViews& m, std::vector<int32_t>& cursors,
                          const std::vector<int32_t>& force, bool advance,
-                         std::optional<double> lower_bound) {
+                         std::optional<double> lower_bound, bool round_beta = false) {
   const Shape& s = batch.s;
   const int L = static_cast<int>(m.d.shape[2]);
   const int gw = batch.kda ? s.K : 1;
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.K));
-  const ref::Config cfg = batch.config(lower_bound, scale, /*round_beta=*/true);
+  const ref::Config cfg = batch.config(lower_bound, scale, round_beta);
   const std::vector<int64_t> slots = index_values(batch.idx);
   const int64_t B = batch.B;
 
@@ -68,6 +69,7 @@ void checked_replay_step(DecodeBatch& batch, const ReplayViews& m, std::vector<i
   ReplayDecodeArgs args =
       replay_args(host_view, batch, m.state, m.d, m.k, m.g, wp, &ff, scale, lower_bound);
   args.advance_write_pos = advance;
+  args.round_beta_to_input = round_beta;
   deltastate::replayssm_decode(args);
 
   std::vector<MemRange> written;
@@ -142,7 +144,7 @@ TEST_P(ReplayVsReference, Steps) {
     for (int64_t r = 0; r < B; ++r)
       if (slots[r] >= 0) max_cursor = std::max(max_cursor, cursors[r]);
     checked_replay_step(batch, views, cursors, force_flags(rng, step, B, forced_flush_rate(c.L)),
-                        /*advance=*/step % 2 == 0, c.lower_bound);
+                        /*advance=*/step % 2 == 0, c.lower_bound, /*round_beta=*/step % 3 == 1);
     if (::testing::Test::HasFailure()) break;
   }
   if (c.L > 32) {
@@ -234,7 +236,6 @@ TEST_P(ReplayMatchesPackedDecode, FortySteps) {
     batch.poison_out();
     deltastate::PackedDecodeArgs pargs =
         batch.packed_args(host_view, plain_pool.view(), scale, c.lower_bound);
-    pargs.round_beta_to_input = true;  // ReplaySSM rounds beta to b's dtype
     if (c.kda) deltastate::kda_packed_decode(pargs);
     else deltastate::gdn_packed_decode(pargs);
 

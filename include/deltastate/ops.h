@@ -4,7 +4,14 @@
 // caller memory), then runs on the device its tensors live on (CPU or CUDA). State pools are
 // `[slots, HV, V, K]` with K contiguous, inner strides (V*K, K, 1) and any slot stride; they are
 // updated in place. One padding rule everywhere: a state index < 0 marks a padded row, whose
-// output is zeroed and whose state is never read or written.
+// output is zeroed and whose state is never read or written. Index tensors are 1-D with any
+// element stride (SGLang passes strided views of a wider table).
+//
+// Rules shared by every op:
+//   scale   unset: K^-0.5; otherwise it must be finite and > 0.
+//   beta    kept in fp32 after the sigmoid (as SGLang's kernels); `round_beta_to_input` rounds it
+//           to the beta input's dtype first (the rounding SGLang's ReplaySSM used to apply).
+// Error messages may mark dtype names for bindings (Error::marked()); what() is plain text.
 //
 // Math (fp32 throughout, results rounded on store), per token and value head:
 //   q, k <- q/sqrt(sum q^2 + 1e-6), k/sqrt(sum k^2 + 1e-6) (when use_qk_l2norm); q <- q*scale
@@ -42,13 +49,13 @@ using Stream = void*;
 // H is inferred from the width of mixed_qkv, HV/V/K from the state pool.
 struct PackedDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
-  double scale = 0.0;  // must be > 0 (callers usually pass K^-0.5)
+  std::optional<double> scale;  // unset: K^-0.5
   TensorView state;
   TensorView out;
   TensorView state_indices;
   bool use_qk_l2norm = true;
   std::optional<double> lower_bound;  // KDA only: selects the safe gate
-  bool round_beta_to_input = false;   // round sigmoid(b) to b's dtype (ReplaySSM parity)
+  bool round_beta_to_input = false;   // round sigmoid(b) to b's dtype (see the top of this file)
   // Bounds-check slot indices (>= slots is an error). Unset: on for CPU tensors (checked before
   // anything is written), off for CUDA tensors (a debug option there: an out-of-range index
   // traps the kernel with a message, so the check costs nothing when off).
@@ -72,43 +79,66 @@ void kda_packed_decode(const PackedDecodeArgs& args);
 //   q, k [B, T, H, K];  v [B, T, HV, V];  out [B, T, HV, V]
 //     or, with cu_seqlens [N+1] (int32/int64): B = 1 and sequence n is tokens [cu[n], cu[n+1]).
 //   g     GDN [B, T, HV]; KDA [B, T, HV, K]: log-space decay, or the raw gate input `a` when
-//         gate_in_kernel (then A_log [HV] and dt_bias GDN [HV] / KDA [HV*K] or [HV, K] are used)
+//         gate_in_kernel (then A_log [HV] and dt_bias GDN [HV] / KDA [HV*K] or [HV, K] are used).
+//         The GDN entry also takes a per-K log decay [B, T, HV, K] without gate_in_kernel (FLA's
+//         `gk`): GDN with a per-K decay is KDA's math.
+//   A_log is required by the standard gate; the safe gate (lower_bound) without A_log uses the
+//         factor 1: g = lower_bound * sigmoid(a + dt_bias) (FLA's KDA gate with A_log=None).
 //   beta  [B, T, HV]: a probability, or a logit when beta_is_logit
 //   state (optional) [slots, HV, V, K]: with state_indices [N] a pool indexed per sequence
 //         (index < 0: padded), without them [N, HV, V, K] read per sequence. Absent: S starts at 0.
 //   update_state: write each sequence's final state back into `state` (in place).
 //   final_state (optional) [N, HV, V, K]: receives each sequence's final state (zeros for
 //         padded sequences).
+//   state_layout: k_first takes `state` and `final_state` as [.., HV, K, V] (FLA's default
+//         layout, V contiguous) instead; the CPU backend runs it natively, the CUDA backend
+//         rejects it (NotImplementedError naming `state_v_first`): a state is never transposed
+//         or copied behind the caller's back.
 // Vector dims (K of q/k/g, V of v/out) must have stride 1; all other strides are free.
+enum class StateLayout : uint8_t { v_first, k_first };
+
 struct RecurrentArgs {
   TensorView q, k, v, g, beta, out;
   std::optional<TensorView> A_log, dt_bias;
   bool gate_in_kernel = false;
   std::optional<double> lower_bound;  // safe gate (with gate_in_kernel)
   bool beta_is_logit = false;
-  std::optional<double> scale;  // default K^-0.5
+  bool round_beta_to_input = false;  // as PackedDecodeArgs
+  std::optional<double> scale;       // unset: K^-0.5
   std::optional<TensorView> state, state_indices, cu_seqlens, final_state;
   bool update_state = true;
+  StateLayout state_layout = StateLayout::v_first;
+  // recurrent_kda: enforce FlashInfer's compiled stride contract on `state` (below).
+  bool stride_contract = true;
   bool use_qk_l2norm = true;
   std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;
   bool pdl = false;  // as PackedDecodeArgs
 };
 void recurrent_gdn(const RecurrentArgs& args);
-// KDA also enforces the compiled stride contract on its `state` (pooled or not): slot stride a
-// multiple of 16 elements and base address 32-byte aligned, as FlashInfer's recurrent_kda does.
-// StatePool views and torch allocations meet it; plain numpy arrays are only 16-byte aligned.
+// KDA also enforces, with stride_contract, the compiled stride contract on its `state` (pooled
+// or not): slot stride a multiple of 16 elements and base address 32-byte aligned, as FlashInfer's
+// recurrent_kda does, with the texts of SGLang's wrapper around it. StatePool views and torch
+// allocations meet it; plain numpy arrays are only 16-byte aligned.
 void recurrent_kda(const RecurrentArgs& args);
 
 // ---------------------------------------------------------------------------------------------
 // ReplaySSM buffered decode (T = 1), GDN and KDA. Reads the checkpoint `state` every step, but
 // writes it only on a flush; otherwise appends the record (d, k, g) at ring position write_pos.
-//   mixed_qkv, b, A_log, scale, out: as packed decode.
+//   mixed_qkv, b, A_log, scale, out: as packed decode (b: any row stride, last-dim stride 1).
 //   a / dt_bias: GDN [B, HV] / [HV]; KDA [B, HV, K] or [B, HV*K] / [HV, K] or [HV*K].
 //   state    [slots, HV, V, K] checkpoint pool (inner strides compact, any slot stride)
-//   d_cache  [slots, HV, L, V] (state dtype);  k_cache [slots, H, L, K] (out dtype);
+//   d_cache  [slots, HV, L, V];  k_cache [slots, H, L, K];  any float dtype each: a record is
+//            stored rounded to its ring's dtype (d: the delta d = beta*(v - S k); k: the
+//            normalized key). SGLang's Helion twin does the same; SGLang's Triton kernel rounds
+//            the key to out's dtype whatever k_cache's dtype, which is this rule when k_cache has
+//            out's dtype. A float32 k ring is exact (StatePool's default); a 16-bit one costs about
+//            1e-3 relative error in the output of fp32 activations.
 //   g_cache  [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA), float32; rings contiguous.
-//   state_indices, write_pos [B] int32; force_flush [B] int32 or absent.
+//   state_indices [B] int32 (any stride), write_pos [B] int32; force_flush [B] int32 or absent.
+// Beta is kept in fp32 unless round_beta_to_input (the rule of every op, top of this file): with
+// equal options, an fp32 checkpoint and fp32 rings, ReplaySSM gives plain decode's results to
+// fp32 rounding.
 // A row flushes when write_pos == L-1 or force_flush != 0. With advance_write_pos the op also
 // advances each live row's cursor (write_pos <- flushed ? 0 : write_pos + 1) on the device
 // (padded rows keep theirs). The op advances the buffer it is given on every call: when several
@@ -116,7 +146,7 @@ void recurrent_kda(const RecurrentArgs& args);
 // each layer its own cursor buffer.
 struct ReplayDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
-  double scale = 0.0;
+  std::optional<double> scale;  // unset: K^-0.5
   TensorView state, d_cache, k_cache, g_cache;
   TensorView out;
   TensorView state_indices, write_pos;
@@ -124,7 +154,11 @@ struct ReplayDecodeArgs {
   bool is_kda = false;
   bool use_qk_l2norm = true;
   std::optional<double> lower_bound;
+  bool round_beta_to_input = false;  // as PackedDecodeArgs
   bool advance_write_pos = false;
+  // Validate as SGLang's Helion KDA twin (helion_fused_recurrent_kda_replayssm_decode) does: KDA
+  // only, its argument forms and its error texts; otherwise SGLang's Triton function's texts.
+  bool helion = false;
   std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;
   bool pdl = false;  // as PackedDecodeArgs

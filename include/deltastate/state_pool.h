@@ -36,10 +36,14 @@ struct StatePoolConfig {
   DType state_dtype = DType::f32;
   PoolLayout layout = PoolLayout::per_layer;
   int64_t envelope_extra_bytes = 0;  // envelope only: other per-slot bytes at the entry's start
-  // ReplaySSM rings; replay_len = 0 means none. The k ring has H key heads.
+  // ReplaySSM rings; replay_len = 0 means none. The k ring has H key heads. The d ring has the
+  // state dtype; the k ring `ring_k_dtype`: the op stores each normalized key rounded to it
+  // (ReplayDecodeArgs), so float32, the default, is exact whatever the activations; the
+  // activation dtype (bf16 with bf16 activations, SGLang's choice) halves the ring's bytes at
+  // about 1e-3 relative output error for fp32 activations.
   int64_t replay_len = 0;
   int64_t H = 0;
-  DType ring_k_dtype = DType::bf16;  // the activation dtype
+  DType ring_k_dtype = DType::f32;
   bool kda = false;                  // g ring [.., L, K] (KDA) or [.., L] (GDN)
   Device device{};
   // Reserve slot 0 as a never-allocated null slot (see the top of this file); `slots` is then

@@ -12,6 +12,7 @@
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
 #include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
@@ -48,7 +49,8 @@ namespace ds = deltastate;
       kind = "RuntimeError";
       break;
   }
-  throw ffi::Error(kind, e.what(), "");
+  // The marked text: the Python side prints marked dtype names as the caller's framework does.
+  throw ffi::Error(kind, e.marked(), "");
 }
 
 // Runs fn, translating deltastate errors into Python exceptions.
@@ -61,6 +63,40 @@ auto guarded(F&& fn) -> decltype(fn()) {
   }
 }
 
+// A DLPack dtype's name as numpy and torch spell it (without torch's "torch." prefix).
+std::string dlpack_dtype_name(DLDataType t) {
+  const std::string bits = std::to_string(t.bits);
+  std::string name;
+  switch (t.code) {
+    case kDLInt:
+      name = "int" + bits;
+      break;
+    case kDLUInt:
+      name = "uint" + bits;
+      break;
+    case kDLFloat:
+      name = "float" + bits;
+      break;
+    case kDLBfloat:
+      name = "bfloat" + bits;
+      break;
+    case kDLComplex:
+      name = "complex" + bits;
+      break;
+    case kDLBool:
+      name = "bool";
+      break;
+    default:
+      try {
+        name = std::string(ffi::DLDataTypeToString(t));  // the float8/6/4 kinds
+      } catch (...) {
+        name = "code " + std::to_string(t.code) + " of " + bits + " bits";
+      }
+  }
+  if (t.lanes != 1) name += "x" + std::to_string(t.lanes);
+  return name;
+}
+
 ds::DType to_dtype(DLDataType t, const char* name) {
   if (t.lanes == 1) {
     if (t.code == kDLFloat && t.bits == 32) return ds::DType::f32;
@@ -70,9 +106,11 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLInt && t.bits == 64) return ds::DType::i64;
   }
   throw ds::Error(ds::ErrorKind::value,
-                  std::string("`") + name + "` has a dtype deltastate does not take (DLPack code " +
-                      std::to_string(t.code) + ", " + std::to_string(t.bits) +
-                      " bits); use float32, bfloat16, float16, int32 or int64");
+                  std::string("`") + name + "` has dtype " +
+                      ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
+                      ", which deltastate does not take; use " + ds::dtype_mark("float32") + ", " +
+                      ds::dtype_mark("bfloat16") + ", " + ds::dtype_mark("float16") + ", " +
+                      ds::dtype_mark("int32") + " or " + ds::dtype_mark("int64"));
 }
 
 ds::TensorView to_view(const ffi::TensorView& t, const char* name) {
@@ -168,6 +206,16 @@ struct Kind<bool> {
   static constexpr const char* name = "bool";
   static bool accepts(ffi::AnyView v) { return v.try_cast<bool>().has_value(); }
   static void read(bool& dst, ffi::AnyView v, const char*) { dst = *v.try_cast<bool>(); }
+};
+
+// The state layout as FLA's `state_v_first`: True = V-first [.., HV, V, K], False = K-first.
+template <>
+struct Kind<ds::StateLayout> {
+  static constexpr const char* name = "bool";
+  static bool accepts(ffi::AnyView v) { return v.try_cast<bool>().has_value(); }
+  static void read(ds::StateLayout& dst, ffi::AnyView v, const char*) {
+    dst = *v.try_cast<bool>() ? ds::StateLayout::v_first : ds::StateLayout::k_first;
+  }
 };
 
 // check_indices: an int, -1 = the backend's default, 0 = off, 1 = on.
@@ -332,12 +380,15 @@ constexpr auto recurrent(const char* name, void (*run)(RA&)) {
                   Field<&RA::gate_in_kernel>{"use_gate_in_kernel"},
                   Field<&RA::lower_bound>{"lower_bound"},
                   Field<&RA::beta_is_logit>{"beta_is_logit"},
+                  Field<&RA::round_beta_to_input>{"round_beta"},
                   Field<&RA::scale>{"scale"},
                   ReadState{"initial_state"},
                   PooledState{"state_pool"},
                   Field<&RA::state_indices>{"ssm_state_indices"},
                   Field<&RA::cu_seqlens>{"cu_seqlens"},
                   Field<&RA::final_state>{"final_state"},
+                  Field<&RA::state_layout>{"state_v_first"},
+                  Field<&RA::stride_contract>{"stride_contract"},
                   Field<&RA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
                   Field<&RA::check_indices>{"check_indices"},
                   Field<&RA::pdl>{"pdl"},
@@ -379,7 +430,9 @@ constexpr auto replayssm_decode = bind(
         Field<&RD::is_kda>{"is_kda"},
         Field<&RD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
         Field<&RD::lower_bound>{"lower_bound"},
+        Field<&RD::round_beta_to_input>{"round_beta"},
         Field<&RD::advance_write_pos>{"advance_write_pos"},
+        Field<&RD::helion>{"helion"},
         Field<&RD::check_indices>{"check_indices"},
         Field<&RD::pdl>{"pdl"},
     });

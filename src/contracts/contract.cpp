@@ -142,11 +142,11 @@ void Contract::dtype(std::string_view name, const TensorView& t,
   size_t i = 0;
   for (DType d : allowed) {
     if (i) list += (i + 1 == allowed.size()) ? " or " : ", ";
-    list += dtype_name(d);
+    list += dtype_mark(dtype_name(d));
     ++i;
   }
   fail(format("%s must have dtype %s; got %s", quoted(name).c_str(), list.c_str(),
-              dtype_name(t.dtype)));
+              dtype_mark(dtype_name(t.dtype)).c_str()));
 }
 
 void Contract::floating(std::string_view name, const TensorView& t) {

@@ -1,6 +1,6 @@
-// Contract of GDN / KDA packed decode (spec §2, §3). The messages of the reference
-// (validate_packed_decode_inputs, spec §9) are reproduced verbatim and in the reference's order;
-// checks beyond the reference (dtypes, the pool's inner strides, slot bounds, scale) follow.
+// Contract of GDN / KDA packed decode. SGLang's messages (`_validate_packed_decode_inputs`) are
+// reproduced verbatim and in SGLang's order; checks beyond SGLang's (dtypes, the pool's inner
+// strides, slot bounds, scale) follow.
 #include <cmath>
 
 #include "contracts/contract.h"
@@ -8,16 +8,16 @@
 
 namespace deltastate::detail {
 
-RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) {
-  const TensorView& x = args.mixed_qkv;
-  const TensorView& a = args.a;
-  const TensorView& b = args.b;
-  const TensorView& A_log = args.A_log;
-  const TensorView& dt_bias = args.dt_bias;
-  const TensorView& state = args.state;
-  const TensorView& out = args.out;
-  const TensorView& idx = args.state_indices;
+double checked_scale(const std::optional<double>& scale, int64_t K) {
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(K)));
+  if (!(s > 0.0) || !std::isfinite(s)) fail(format("scale must be positive (got %g)", s));
+  return s;
+}
 
+PackedSizes check_packed_inputs(Contract& c, const TensorView& x, const TensorView& a,
+                                const TensorView& b, const TensorView& A_log,
+                                const TensorView& dt_bias, const TensorView& state,
+                                const TensorView& out, const TensorView& idx, bool kda) {
   if (x.ndim != 2) fail(format("`mixed_qkv` must be a 2D tensor (got ndim=%d).", x.ndim));
   if (x.stride[1] != 1) fail("`mixed_qkv` must be contiguous in the last dim.");
   if (a.ndim != 2 || b.ndim != 2)
@@ -29,7 +29,6 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
     fail(format("`ssm_state_indices` must be 1D for packed decode (got ndim=%d).", idx.ndim));
   if (!out.is_contiguous()) fail("`out` must be contiguous.");
 
-  Contract c;
   c.device("mixed_qkv", x);
   c.device("a", a);
   c.device("b", b);
@@ -52,7 +51,7 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   }
   if (state.ndim != 4) fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
   if (state.stride[3] != 1) fail("`initial_state` must be contiguous in the last dim.");
-  // Beyond the reference (spec §11.3): the inner [HV, V, K] strides are used, so check them.
+  // Beyond SGLang: the inner [HV, V, K] strides are used, so check them.
   if (!inner_strides_compact(state)) {
     fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
          "stride is supported.");
@@ -113,8 +112,24 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
     fail(format("Invalid head config inferred from mixed_qkv: H=%lld, HV=%lld.",
                 static_cast<long long>(H), static_cast<long long>(HV)));
   }
+  return {B, H, HV, K, V};
+}
 
-  // Beyond the reference: dtypes, scale, slot bounds.
+RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) {
+  const TensorView& x = args.mixed_qkv;
+  const TensorView& a = args.a;
+  const TensorView& b = args.b;
+  const TensorView& A_log = args.A_log;
+  const TensorView& dt_bias = args.dt_bias;
+  const TensorView& state = args.state;
+  const TensorView& out = args.out;
+  const TensorView& idx = args.state_indices;
+
+  Contract c;
+  const auto [B, H, HV, K, V] =
+      check_packed_inputs(c, x, a, b, A_log, dt_bias, state, out, idx, kda);
+
+  // Beyond SGLang: dtypes, scale, slot bounds.
   c.floating("mixed_qkv", x);
   c.floating("a", a);
   c.floating("b", b);
@@ -123,10 +138,7 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   c.floating("initial_state", state);
   c.floating("out", out);
   c.index_dtype("ssm_state_indices", idx);
-  if (idx.stride[0] != 1 && B > 1)
-    fail(format("`ssm_state_indices` must be contiguous; got strides %s", stride_str(idx).c_str()));
-  if (!(args.scale > 0.0) || !std::isfinite(args.scale))
-    fail(format("scale must be positive (got %g)", args.scale));
+  const double scale = checked_scale(args.scale, K);
   if (kda && args.lower_bound && !std::isfinite(*args.lower_bound))
     fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
 
@@ -159,10 +171,11 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   p.beta_is_logit = true;
   p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;
-  p.scale = static_cast<float>(args.scale);
+  p.scale = static_cast<float>(scale);
   p.state = {state.data, state.dtype, state.stride[0], state.shape[0]};
   p.indices = idx.data;
   p.index_dtype = idx.dtype;
+  p.index_stride = B > 1 ? idx.stride[0] : 1;
   p.update_state = true;
   p.check_indices = check;
   p.pdl = args.pdl;

@@ -1,6 +1,6 @@
-// Contract of the pooled varlen recurrent op (spec §4, and §7 `recurrent_kda` with its stride
-// contract). Messages the reference defines are verbatim; the rest come from the Contract
-// matchers, which name the tensor and show expected vs actual.
+// Contract of the pooled varlen recurrent op (FlashInfer's `recurrent_kda` with its stride
+// contract; FLA's fused-recurrent functions). Messages a peer defines are verbatim; the rest come
+// from the Contract matchers, which name the tensor and show expected vs actual.
 #include <cmath>
 #include <cstdint>
 
@@ -12,16 +12,23 @@ namespace deltastate::detail {
 
 namespace {
 
-void check_state_pool(Contract& c, const TensorView& state, bool kda) {
+// `flashinfer`: recurrent_kda's stride contract and the texts of SGLang's wrapper around it.
+void check_state_pool(Contract& c, const TensorView& state, bool flashinfer, bool k_first) {
   if (state.ndim != 4) {
-    if (kda) fail(format("recurrent_kda needs a [N, HV, V, K] state pool; got shape %s",
-                         shape_str(state).c_str()));
+    if (flashinfer)
+      fail(format("recurrent_kda needs a [N, HV, V, K] state pool; got shape %s",
+                  shape_str(state).c_str()));
     fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
   }
-  c.shape("initial_state", state, {"slots", "HV", "V", "K"});
+  if (k_first) c.shape("initial_state", state, {"slots", "HV", "K", "V"});
+  else c.shape("initial_state", state, {"slots", "HV", "V", "K"});
   if (!inner_strides_compact(state)) {
     const int64_t V = state.shape[2], K = state.shape[3];
-    if (kda) {
+    if (k_first)
+      fail(
+          "`initial_state` must be contiguous in its [HV, K, V] inner dimensions; an arbitrary "
+          "slot stride is supported.");
+    if (flashinfer) {
       fail(format("recurrent_kda state inner strides must be compact (V*K, K, 1)=(%lld, %lld, 1); "
                   "got %s (only the slot stride may be non-compact)",
                   static_cast<long long>(V * K), static_cast<long long>(K),
@@ -30,7 +37,7 @@ void check_state_pool(Contract& c, const TensorView& state, bool kda) {
     fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
          "stride is supported.");
   }
-  if (kda) {
+  if (flashinfer) {
     const int64_t slot_stride = state.stride[0];
     const auto base = static_cast<long long>(reinterpret_cast<uintptr_t>(state.data) % 32);
     if (slot_stride % 16 != 0 || base != 0) {
@@ -70,7 +77,9 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   c.shape("q", args.q, {"B", "T", "H", "K"});
   c.shape("k", args.k, {"B", "T", "H", "K"});
   c.shape("v", args.v, {"B", "T", "HV", "V"});
-  if (kda) c.shape("g", args.g, {"B", "T", "HV", "K"});
+  // A per-K decay through the GDN entry (FLA's `gk`) is KDA's gate.
+  const bool per_k_gate = kda || (args.g.ndim == 4 && !args.gate_in_kernel);
+  if (per_k_gate) c.shape("g", args.g, {"B", "T", "HV", "K"});
   else c.shape("g", args.g, {"B", "T", "HV"});
   c.shape("beta", args.beta, {"B", "T", "HV"});
   c.shape("out", args.out, {"B", "T", "HV", "V"});
@@ -85,7 +94,7 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   c.last_dim_contiguous("k", args.k);
   c.last_dim_contiguous("v", args.v);
   c.last_dim_contiguous("out", args.out);
-  if (kda) c.last_dim_contiguous("g", args.g);
+  if (per_k_gate) c.last_dim_contiguous("g", args.g);
   c.floating("q", args.q);
   c.floating("k", args.k);
   c.floating("v", args.v);
@@ -113,8 +122,9 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   }
   c.bind("N", N, args.cu_seqlens ? "`cu_seqlens`" : "`q`");
 
+  const bool k_first = args.state_layout == StateLayout::k_first;
   if (args.state) {
-    check_state_pool(c, *args.state, kda);
+    check_state_pool(c, *args.state, kda && args.stride_contract && !k_first, k_first);
     c.floating("initial_state", *args.state);
     c.device("initial_state", *args.state);
   }
@@ -128,7 +138,6 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
                   static_cast<long long>(N), static_cast<long long>(idx.ndim == 1 ? idx.shape[0] : idx.numel())));
     }
     c.index_dtype("ssm_state_indices", idx);
-    c.contiguous("ssm_state_indices", idx);
     c.device("ssm_state_indices", idx);
   } else if (args.state && args.state->shape[0] != N) {
     fail(format("The number of initial states is expected to be equal to the number of input "
@@ -136,7 +145,8 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
                 static_cast<long long>(N), static_cast<long long>(args.state->shape[0])));
   }
   if (args.final_state) {
-    c.shape("final_state", *args.final_state, {"N", "HV", "V", "K"});
+    if (k_first) c.shape("final_state", *args.final_state, {"N", "HV", "K", "V"});
+    else c.shape("final_state", *args.final_state, {"N", "HV", "V", "K"});
     c.contiguous("final_state", *args.final_state);
     c.floating("final_state", *args.final_state);
     c.device("final_state", *args.final_state);
@@ -145,14 +155,18 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
     fail(format("%s: update_state needs a state pool (`initial_state`)", op));
 
   if (args.gate_in_kernel) {
-    if (!args.A_log) fail(format("%s: the in-kernel gate (use_gate_in_kernel) needs `A_log`", op));
-    const TensorView& A_log = *args.A_log;
-    if (A_log.numel() != HV)
-      fail(format("`A_log` must have %lld elements (got %lld).", static_cast<long long>(HV),
-                  static_cast<long long>(A_log.numel())));
-    c.contiguous("A_log", A_log);
-    c.floating("A_log", A_log);
-    c.device("A_log", A_log);
+    // The safe gate without A_log uses the factor exp(0) = 1 (FLA's KDA gate with A_log=None).
+    if (!args.A_log && !args.lower_bound)
+      fail(format("%s: the in-kernel gate (use_gate_in_kernel) needs `A_log`", op));
+    if (args.A_log) {
+      const TensorView& A_log = *args.A_log;
+      if (A_log.numel() != HV)
+        fail(format("`A_log` must have %lld elements (got %lld).", static_cast<long long>(HV),
+                    static_cast<long long>(A_log.numel())));
+      c.contiguous("A_log", A_log);
+      c.floating("A_log", A_log);
+      c.device("A_log", A_log);
+    }
     if (args.dt_bias) {
       const TensorView& dt = *args.dt_bias;
       const int64_t want = kda ? HV * K : HV;
@@ -170,16 +184,24 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
                 "(use_gate_in_kernel=True); `g` is otherwise the log-space decay itself",
                 op));
   }
-  const double scale = args.scale.value_or(1.0 / std::sqrt(static_cast<double>(K)));
-  if (!(scale > 0.0) || !std::isfinite(scale)) fail(format("scale must be positive (got %g)", scale));
+  const double scale = checked_scale(args.scale, K);
 
   c.check_devices("All inputs must be on the same device", true);
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
+  if (k_first && !on_cpu && (args.state || args.final_state)) {
+    throw Error(ErrorKind::not_implemented,
+                format("%s: a K-first state [N, HV, K, V] (state_v_first=False) runs on the CPU "
+                       "backend only; on CUDA pass the state V-first [N, HV, V, K] with "
+                       "state_v_first=True (deltastate never transposes a state behind the "
+                       "caller's back)",
+                       op));
+  }
   if (on_cpu && args.cu_seqlens) check_cu_seqlens_host(*args.cu_seqlens, T);
   const bool check = args.check_indices.value_or(on_cpu);
+  const int64_t index_stride = args.state_indices && N > 1 ? args.state_indices->stride[0] : 1;
   if (on_cpu && check && args.state_indices)
     check_slot_indices_host("ssm_state_indices", args.state_indices->data,
-                            args.state_indices->dtype, N, 1, args.state->shape[0]);
+                            args.state_indices->dtype, N, index_stride, args.state->shape[0]);
 
   RecurrentProblem p;
   p.N = static_cast<int32_t>(N);
@@ -198,7 +220,7 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   p.g = head_input(args.g);
   p.beta = head_input(args.beta);
   p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1], args.out.stride[2]};
-  p.gate.kda = kda;
+  p.gate.kda = per_k_gate;
   p.gate.mode = !args.gate_in_kernel ? GateMode::log_decay
                 : args.lower_bound   ? GateMode::safe
                                      : GateMode::softplus;
@@ -212,14 +234,17 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   }
   p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
   p.beta_is_logit = args.beta_is_logit;
+  p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;
   p.scale = static_cast<float>(scale);
   if (args.state) {
     p.state = {args.state->data, args.state->dtype, args.state->stride[0], args.state->shape[0]};
   }
+  p.state.k_first = k_first;
   if (args.state_indices) {
     p.indices = args.state_indices->data;
     p.index_dtype = args.state_indices->dtype;
+    p.index_stride = index_stride;
   }
   p.update_state = args.update_state;
   if (args.final_state) {

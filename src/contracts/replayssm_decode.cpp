@@ -1,5 +1,7 @@
-// Contract of ReplaySSM buffered decode (spec §5; messages of §9's ReplaySSM table verbatim, with
-// the ring-shape messages of the Helion port, which the project adopted).
+// Contract of ReplaySSM buffered decode: the checks and texts of SGLang's Triton function
+// (`fused_recurrent_linear_replayssm_decode`), in its order; with `helion`, first those of its
+// Helion KDA twin (`helion_fused_recurrent_kda_replayssm_decode`), in that one's order. Checks
+// beyond SGLang's (dtypes, devices, scale, slot bounds, cursor range) follow.
 #include <cmath>
 
 #include "contracts/contract.h"
@@ -9,9 +11,71 @@ namespace deltastate::detail {
 
 namespace {
 long long ll(int64_t v) { return static_cast<long long>(v); }
+
+// `t` as a contiguous [rows, numel/rows] (or [numel]) view: Helion's a.view(B, -1) and
+// dt_bias.view(-1).
+TensorView flat(const TensorView& t, bool keep_rows) {
+  TensorView v = t;
+  const int64_t n = t.numel();
+  if (keep_rows && t.ndim >= 1) {
+    const int64_t rows = t.shape[0];
+    v.ndim = 2;
+    v.shape[0] = rows;
+    v.shape[1] = rows ? n / rows : 0;
+    v.stride[0] = v.shape[1];
+    v.stride[1] = 1;
+  } else {
+    v.ndim = 1;
+    v.shape[0] = n;
+    v.stride[0] = 1;
+  }
+  return v;
+}
+
+// The Helion twin's checks, before the Triton function's (which then add the slot counts of the
+// rings, int32 indices and what deltastate checks beyond both).
+void check_helion(const ReplayDecodeArgs& args) {
+  const TensorView& a = args.a;
+  const TensorView& dt_bias = args.dt_bias;
+  if ((a.ndim != 2 && a.ndim != 3) || !a.is_contiguous())
+    fail("KDA `a` must be a contiguous 2D or 3D tensor.");
+  if ((dt_bias.ndim != 1 && dt_bias.ndim != 2) || !dt_bias.is_contiguous())
+    fail("KDA `dt_bias` must be a contiguous 1D or 2D tensor.");
+  Contract c;
+  const PackedSizes s = check_packed_inputs(c, args.mixed_qkv, flat(a, true), args.b, args.A_log,
+                                            flat(dt_bias, false), args.state, args.out,
+                                            args.state_indices, /*kda=*/true);
+  const TensorView& wp = args.write_pos;
+  if (wp.ndim != 1 || wp.dtype != DType::i32) fail("`write_pos` must be a 1D int32 tensor.");
+  if (wp.shape[0] != s.B) fail(format("`write_pos` must have shape %s.", tuple_str({s.B}).c_str()));
+  if (args.force_flush) {
+    const TensorView& ff = *args.force_flush;
+    if (ff.ndim != 1 || ff.dtype != DType::i32 || ff.shape[0] != s.B)
+      fail("`force_flush` must be a length-B int32 tensor or None.");
+  }
+  const TensorView& dc = args.d_cache;
+  const TensorView& kc = args.k_cache;
+  const TensorView& gc = args.g_cache;
+  if (dc.ndim != 4) fail("`d_cache` must have shape [slots, HV, L, V].");
+  const int64_t L = dc.shape[2];
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  if (dc.shape[1] != s.HV || dc.shape[3] != s.V)
+    fail("`d_cache` must have shape [slots, HV, L, V].");
+  if (kc.ndim != 4 || kc.shape[1] != s.H || kc.shape[2] != L || kc.shape[3] != s.K)
+    fail("`k_cache` must have shape [slots, H, L, K].");
+  if (gc.ndim != 4 || gc.shape[1] != s.HV || gc.shape[2] != L || gc.shape[3] != s.K)
+    fail("`g_cache` must have shape [slots, HV, L, K].");
+  if (gc.dtype != DType::f32) fail("`g_cache` must have dtype " + dtype_mark("float32") + ".");
+  const Device dev = args.mixed_qkv.device;
+  for (const TensorView* t : {&dc, &kc, &gc, &wp})
+    if (!(t->device == dev)) fail("ReplaySSM inputs must be on the same device.");
+  if (args.force_flush && !(args.force_flush->device == dev))
+    fail("`force_flush` must be on the same device as the inputs.");
+}
 }  // namespace
 
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
+  if (args.helion) check_helion(args);
   const TensorView& x = args.mixed_qkv;
   const TensorView& a = args.a;
   const TensorView& b = args.b;
@@ -21,13 +85,13 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const TensorView& out = args.out;
   const TensorView& idx = args.state_indices;
   const TensorView& wp = args.write_pos;
-  const bool kda = args.is_kda;
+  const bool kda = args.is_kda || args.helion;
 
   if (x.ndim != 2) fail(format("`mixed_qkv` must be 2D (got ndim=%d).", x.ndim));
+  if (x.stride[1] != 1) fail("`mixed_qkv` must be contiguous in the last dim.");
   if (b.ndim != 2) fail(format("`b` must be 2D (got b.ndim=%d).", b.ndim));
   if (A_log.ndim != 1) fail("`A_log` must be a 1D tensor.");
   if (state.ndim != 4) fail(format("`initial_state` must be 4D (got ndim=%d).", state.ndim));
-  if (x.stride[1] != 1) fail("`mixed_qkv` must be contiguous in the last dim.");
   if (!out.is_contiguous()) fail("`out` must be contiguous.");
   if (wp.ndim != 1 || wp.dtype != DType::i32 || !wp.is_contiguous())
     fail("`write_pos` must be a contiguous 1D int32 tensor.");
@@ -55,7 +119,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const int64_t H = q_dim / K;
   if (H <= 0 || HV % H != 0)
     fail(format("Invalid head config inferred from mixed_qkv: H=%lld, HV=%lld.", ll(H), ll(HV)));
-  if (b.shape[0] != B || b.shape[1] != HV || !b.is_contiguous())
+  if (b.shape[0] != B || b.shape[1] != HV || (HV > 1 && b.stride[1] != 1))
     fail(format("`b` must have contiguous shape %s.", tuple_str({B, HV}).c_str()));
   if (A_log.shape[0] != HV || !A_log.is_contiguous())
     fail(format("`A_log` must have contiguous shape %s.", tuple_str({HV}).c_str()));
@@ -64,12 +128,14 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const TensorView& dc = args.d_cache;
   const TensorView& kc = args.k_cache;
   const TensorView& gc = args.g_cache;
-  if (dc.ndim != 4 || dc.shape[0] != S || dc.shape[1] != HV || dc.shape[3] != V)
-    fail("`d_cache` must have shape [slots, HV, L, V].");
+  if (dc.ndim < 3)
+    fail(format("`d_cache` shape must be (%lld, %lld, L, %lld) (got %s).", ll(S), ll(HV), ll(V),
+                shape_str(dc).c_str()));
   const int64_t L = dc.shape[2];
   if (L < 1) fail("ReplaySSM cache length must be at least 1.");
 
   if (kda) {
+    // Beyond SGLang's Triton function: the flat forms [B, HV*K] / [HV*K] too (the Helion twin's).
     const bool a_ok = (a.ndim == 3 && a.shape[0] == B && a.shape[1] == HV && a.shape[2] == K) ||
                       (a.ndim == 2 && a.shape[0] == B && a.shape[1] == HV * K);
     if (!a_ok)
@@ -83,6 +149,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
     if (!a.is_contiguous() || !dt_bias.is_contiguous())
       fail("KDA `a`/`dt_bias` must be contiguous.");
   } else {
+    // Beyond SGLang: `a`'s elements must be contiguous in a row (the kernels read them so).
     if (a.ndim != 2 || a.shape[0] != B || a.shape[1] != HV || !a.is_contiguous())
       fail(format("GDN `a` must have shape %s (got %s).", tuple_str({B, HV}).c_str(),
                   shape_str(a).c_str()));
@@ -92,16 +159,23 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   }
   if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous())
     fail("ReplaySSM ring caches must be contiguous.");
+  if (dc.ndim != 4 || dc.shape[0] != S || dc.shape[1] != HV || dc.shape[3] != V)
+    fail(format("`d_cache` shape must be %s (got %s).", tuple_str({S, HV, L, V}).c_str(),
+                shape_str(dc).c_str()));
   if (kc.ndim != 4 || kc.shape[0] != S || kc.shape[1] != H || kc.shape[2] != L || kc.shape[3] != K)
-    fail("`k_cache` must have shape [slots, H, L, K].");
+    fail(format("`k_cache` shape must be %s (got %s).", tuple_str({S, H, L, K}).c_str(),
+                shape_str(kc).c_str()));
   if (kda) {
     if (gc.ndim != 4 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L ||
         gc.shape[3] != K)
-      fail("`g_cache` must have shape [slots, HV, L, K].");
+      fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L, K}).c_str(),
+                  shape_str(gc).c_str()));
   } else if (gc.ndim != 3 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L) {
-    fail("`g_cache` must have shape [slots, HV, L].");
+    fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L}).c_str(),
+                shape_str(gc).c_str()));
   }
-  if (gc.dtype != DType::f32) fail(format("`g_cache` must be float32 (got %s).", dtype_name(gc.dtype)));
+  if (gc.dtype != DType::f32)
+    fail(format("`g_cache` must be float32 (got %s).", dtype_mark(dtype_name(gc.dtype)).c_str()));
   if (out.ndim != 4 || out.shape[0] != B || out.shape[1] != 1 || out.shape[2] != HV ||
       out.shape[3] != V)
     fail(format("`out` must have shape %s (got %s).", tuple_str({B, 1, HV, V}).c_str(),
@@ -130,7 +204,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   if (args.force_flush) c.device("force_flush", *args.force_flush);
   c.check_devices("ReplaySSM inputs must be on the same device.", false);
 
-  // Beyond the reference: dtypes, index contiguity, scale, slot bounds.
+  // Beyond SGLang: dtypes, scale, slot bounds, cursor range.
   c.floating("mixed_qkv", x);
   c.floating("a", a);
   c.floating("b", b);
@@ -140,19 +214,18 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   c.floating("d_cache", dc);
   c.floating("k_cache", kc);
   c.floating("out", out);
-  c.contiguous("ssm_state_indices", idx);
-  if (!(args.scale > 0.0) || !std::isfinite(args.scale))
-    fail(format("scale must be positive (got %g)", args.scale));
+  const double scale = checked_scale(args.scale, K);
   if (args.lower_bound && !std::isfinite(*args.lower_bound))
     fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
+  const int64_t index_stride = B > 1 ? idx.stride[0] : 1;
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
   if (on_cpu && check) {
-    check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, 1, S);
+    check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, index_stride, S);
     const auto* w = static_cast<const int32_t*>(wp.data);
     const auto* ix = static_cast<const int32_t*>(idx.data);
     for (int64_t i = 0; i < B; ++i) {
-      if (ix[i] >= 0 && (w[i] < 0 || w[i] >= L))
+      if (ix[i * index_stride] >= 0 && (w[i] < 0 || w[i] >= L))
         fail(format("`write_pos`[%lld]=%d is outside the ring [0, L-1=%lld]", ll(i), w[i],
                     ll(L - 1)));
     }
@@ -171,7 +244,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.k = {static_cast<const char*>(x.data) + H * K * es, x.dtype, row, 0, K};
   p.v = {static_cast<const char*>(x.data) + 2 * H * K * es, x.dtype, row, 0, V};
   p.a = {a.data, a.dtype, kda ? HV * K : HV, 0, kda ? K : 1};
-  p.b = {b.data, b.dtype, HV, 0, 1};
+  p.b = {b.data, b.dtype, b.stride[0], 0, 1};
   p.out = {out.data, out.dtype, HV * V, 0, V};
   p.gate.kda = kda;
   p.gate.mode = args.lower_bound ? GateMode::safe : GateMode::softplus;
@@ -180,8 +253,9 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.gate.dt_bias = dt_bias.data;
   p.gate.dt_bias_dtype = dt_bias.dtype;
   p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
+  p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;
-  p.scale = static_cast<float>(args.scale);
+  p.scale = static_cast<float>(scale);
   p.state = {state.data, state.dtype, state.stride[0], S};
   p.d_cache = dc.data;
   p.d_dtype = dc.dtype;
@@ -189,6 +263,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.k_dtype = kc.dtype;
   p.g_cache = static_cast<float*>(gc.data);
   p.indices = static_cast<const int32_t*>(idx.data);
+  p.index_stride = index_stride;
   p.write_pos = static_cast<int32_t*>(wp.data);
   p.force_flush = args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
   p.advance_write_pos = args.advance_write_pos;

@@ -2,12 +2,29 @@
 // written. Each returns the backend-neutral problem the kernels run.
 #pragma once
 
+#include <optional>
+
+#include "contracts/contract.h"
 #include "core/problem.h"
 #include "deltastate/ops.h"
 
 namespace deltastate::detail {
 
 RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda);
+
+// SGLang's packed-decode checks with its texts, in its order (`_validate_packed_decode_inputs`);
+// shared by packed decode and the Helion ReplaySSM contract. Registers every tensor's device in
+// `c`. Returns the sizes they give.
+struct PackedSizes {
+  int64_t B, H, HV, K, V;
+};
+PackedSizes check_packed_inputs(Contract& c, const TensorView& mixed_qkv, const TensorView& a,
+                                const TensorView& b, const TensorView& A_log,
+                                const TensorView& dt_bias, const TensorView& state,
+                                const TensorView& out, const TensorView& state_indices, bool kda);
+
+// scale: K^-0.5 when unset, else finite and > 0.
+double checked_scale(const std::optional<double>& scale, int64_t K);
 RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda);
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
 

@@ -54,12 +54,21 @@ struct GateParams {
 };
 
 // The slot pool of states: [slots, HV, V, K] with compact inner strides and a free slot stride.
+// K-first (FLA's layout, recurrent op on the CPU only): [slots, HV, K, V], element (v, k) of a
+// head at k*V + v instead of v*K + k.
 struct StatePoolRef {
   void* ptr = nullptr;
   DType dtype = DType::f32;
   int64_t slot_stride = 0;  // elements
   int64_t num_slots = 0;
+  bool k_first = false;
 };
+
+// Entry i of a 1-D index tensor with element stride `stride` (any stride, as SGLang passes
+// them: a strided view of a wider index table).
+DS_HD int64_t index_at(const void* p, DType t, int64_t stride, int64_t i) {
+  return load_index(p, t, i * stride);
+}
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
 struct RecurrentProblem {
@@ -77,8 +86,9 @@ struct RecurrentProblem {
   StatePoolRef state;                 // ptr null: every sequence starts from S = 0
   const void* indices = nullptr;      // [N] slot per sequence; null: sequence n uses slot n
   DType index_dtype = DType::i32;
+  int64_t index_stride = 1;           // elements between consecutive entries of `indices`
   bool update_state = false;          // write final S back into the pool
-  void* final_state = nullptr;        // [N, HV, V, K] dense, optional
+  void* final_state = nullptr;        // [N, HV, V, K] dense (state.k_first: [N, HV, K, V])
   DType final_dtype = DType::f32;
   bool check_indices = false;         // CUDA: trap on an index >= num_slots
   bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
@@ -94,15 +104,17 @@ struct ReplayProblem {
   HeadInput q, k, v, a, b;            // views into mixed_qkv, a, b
   HeadOutput out;
   GateParams gate;                    // mode softplus or safe
+  bool round_beta = false;            // round beta = sigmoid(b) to b.dtype
   bool l2norm = true;
   float scale = 1.0f;
   StatePoolRef state;                 // the checkpoint pool
-  void* d_cache = nullptr;            // [slots, HV, L, V], dtype d_dtype (the state dtype)
+  void* d_cache = nullptr;            // [slots, HV, L, V], records stored in d_dtype
   DType d_dtype = DType::f32;
-  void* k_cache = nullptr;            // [slots, H, L, K], dtype k_dtype (the out dtype)
+  void* k_cache = nullptr;            // [slots, H, L, K], records stored in k_dtype
   DType k_dtype = DType::f32;
   float* g_cache = nullptr;           // [slots, HV, L] or [slots, HV, L, K]
-  const int32_t* indices = nullptr;   // [B]
+  const int32_t* indices = nullptr;   // [B], entry i at indices[i * index_stride]
+  int64_t index_stride = 1;
   int32_t* write_pos = nullptr;       // [B]
   const int32_t* force_flush = nullptr;  // [B] or null
   bool advance_write_pos = false;

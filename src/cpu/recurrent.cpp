@@ -1,6 +1,6 @@
 // CPU kernel of the pooled varlen recurrent op (and of packed decode, its T = 1 case): one task
 // per (sequence, value head); the state is held in fp32 for the whole sequence and stored once,
-// rounded to the pool's dtype.
+// rounded to the pool's dtype, in the pool's layout (V-first, or FLA's K-first).
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
 
@@ -15,6 +15,30 @@ namespace deltastate::cpu {
 using namespace deltastate::detail;
 
 namespace {
+
+// One head's state [V, K] (row v = S[v, :]) from / to memory holding it V-first (v*K + k) or
+// K-first (k*V + v, FLA's layout).
+void load_head(const void* base, DType dtype, int64_t off, int K, int V, bool k_first, float* S) {
+  if (!k_first) {
+    load_row(base, dtype, off, K * V, S);
+    return;
+  }
+  for (int k = 0; k < K; ++k)
+    for (int v = 0; v < V; ++v)
+      S[static_cast<int64_t>(v) * K + k] =
+          load_float(base, dtype, off + static_cast<int64_t>(k) * V + v);
+}
+
+void store_head(void* base, DType dtype, int64_t off, int K, int V, bool k_first, const float* S) {
+  if (!k_first) {
+    store_row(base, dtype, off, K * V, S);
+    return;
+  }
+  for (int k = 0; k < K; ++k)
+    for (int v = 0; v < V; ++v)
+      store_float(base, dtype, off + static_cast<int64_t>(k) * V + v,
+                  S[static_cast<int64_t>(v) * K + k]);
+}
 
 struct Scratch {
   std::vector<float> S, q, k, v, alpha, o;
@@ -34,13 +58,14 @@ void run_recurrent(const RecurrentProblem& p) {
   const int K = p.K, V = p.V, HV = p.HV;
   const int group = p.HV / p.H;
   const int64_t head_elems = static_cast<int64_t>(V) * K;
+  const bool k_first = p.state.k_first;  // state and final_state [.., K, V]
   parallel_for(p.num_heads_total(), [&](int64_t task) {
     thread_local Scratch sc;
     sc.resize(K, V);
     const int64_t n = task / HV;
     const int hv = static_cast<int>(task % HV);
     const int h = hv / group;
-    const int64_t slot = p.indices ? load_index(p.indices, p.index_dtype, n) : n;
+    const int64_t slot = p.indices ? index_at(p.indices, p.index_dtype, p.index_stride, n) : n;
     const int64_t seq = p.cu_seqlens ? 0 : n;
     const int64_t tok0 = p.cu_seqlens ? load_index(p.cu_seqlens, p.cu_dtype, n) : 0;
     const int64_t len = p.cu_seqlens ? load_index(p.cu_seqlens, p.cu_dtype, n + 1) - tok0 : p.T;
@@ -52,14 +77,14 @@ void run_recurrent(const RecurrentProblem& p) {
         store_row(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok0 + t, hv), V, sc.o.data());
       if (p.final_state) {
         std::fill(sc.S.begin(), sc.S.end(), 0.0f);
-        store_row(p.final_state, p.final_dtype, (n * HV + hv) * head_elems,
-                  static_cast<int>(head_elems), sc.S.data());
+        store_head(p.final_state, p.final_dtype, (n * HV + hv) * head_elems, K, V, k_first,
+                   sc.S.data());
       }
       return;
     }
 
     const int64_t state_off = slot * p.state.slot_stride + hv * head_elems;
-    if (p.state.ptr) load_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
+    if (p.state.ptr) load_head(p.state.ptr, p.state.dtype, state_off, K, V, k_first, sc.S.data());
     else std::fill(sc.S.begin(), sc.S.end(), 0.0f);
 
     for (int64_t t = 0; t < len; ++t) {
@@ -88,10 +113,10 @@ void run_recurrent(const RecurrentProblem& p) {
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, hv), V, sc.o.data());
     }
     if (p.state.ptr && p.update_state)
-      store_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
+      store_head(p.state.ptr, p.state.dtype, state_off, K, V, k_first, sc.S.data());
     if (p.final_state)
-      store_row(p.final_state, p.final_dtype, (n * HV + hv) * head_elems,
-                static_cast<int>(head_elems), sc.S.data());
+      store_head(p.final_state, p.final_dtype, (n * HV + hv) * head_elems, K, V, k_first,
+                 sc.S.data());
   });
 }
 

@@ -45,7 +45,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
     const int64_t n = task / HV;
     const int hv = static_cast<int>(task % HV);
     const int h = hv / group;
-    const int64_t slot = p.indices[n];
+    const int64_t slot = p.indices[n * p.index_stride];
     if (slot < 0) {  // padded row: zero output, no state or ring access
       std::fill(sc.o.begin(), sc.o.end(), 0.0f);
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv), V, sc.o.data());
@@ -59,7 +59,8 @@ void run_replayssm_decode(const ReplayProblem& p) {
     const int64_t state_off = slot * p.state.slot_stride + hv * head_elems;
     load_row(p.state.ptr, p.state.dtype, state_off, static_cast<int>(head_elems), sc.S.data());
 
-    // 1. The token: q, k normalized (q scaled), gate alpha = exp(g), beta rounded to b's dtype.
+    // 1. The token: q, k normalized (q scaled), gate alpha = exp(g), beta (fp32, or rounded to
+    //    b's dtype with round_beta).
     load_row(p.q.ptr, p.q.dtype, head_offset(p.q, n, 0, h), K, sc.q.data());
     load_row(p.k.ptr, p.k.dtype, head_offset(p.k, n, 0, h), K, sc.k.data());
     load_row(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv), V, sc.v.data());
@@ -73,7 +74,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
       sc.aq[i] = sc.alpha[i] * sc.q[i];
     }
     const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
-                                  /*is_logit=*/true, /*round=*/true, p.b.dtype);
+                                  /*is_logit=*/true, p.round_beta, p.b.dtype);
 
     // 2. The ring (m records): e = exp(Gtot), kw_j = W_j*k_j (KDA; GDN keeps the scalar W_j in
     //    w[j] and kw_j = k_j).
@@ -151,7 +152,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
 
   if (p.advance_write_pos) {
     for (int64_t n = 0; n < p.B; ++n) {
-      if (p.indices[n] < 0) continue;
+      if (p.indices[n * p.index_stride] < 0) continue;
       p.write_pos[n] = row_flushes(p, n) ? 0 : p.write_pos[n] + 1;
     }
   }

@@ -131,9 +131,10 @@ int64_t first_slot(const StatePoolConfig& c) { return c.null_slot ? 1 : 0; }
 int64_t StatePool::allocate(bool clear, Stream stream) {
   auto it = std::find(allocated_.begin() + first_slot(cfg_), allocated_.end(), 0);
   if (it == allocated_.end())
-    fail(format("StatePool exhausted: all %lld slots are in use (free a slot, or size the pool "
-                "with StatePool::slots_for_budget)",
-                ll(cfg_.slots)));
+    fail(
+        format("StatePool exhausted: all %lld slots are in use (free a slot, or size the pool "
+               "for a memory budget with slots_for_budget)",
+               ll(cfg_.slots)));
   const int64_t slot = it - allocated_.begin();
   if (clear) clear_slot(slot, stream);
   set_cursor(slot, 0, stream);
