@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import re
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
 from ._surface import BOOL, CHECK, FLOAT, OPT_FLOAT, REQUIRED, Arg, Op
@@ -21,15 +22,16 @@ def binding_order(op: Op, signatures: Mapping[str, Sequence[str]]) -> Tuple[Arg,
     """The op's arguments in the order its binding takes them (``op_signatures()`` of the compiled
     module: "name:kind" per argument); ImportError when the table and the binding differ."""
     try:
-        listed = [str(s).split(":", 1) for s in signatures[op.name]]
+        listed = [str(s).split(":", 1) for s in signatures[op.binding_name]]
     except KeyError:
-        raise ImportError(f"deltastate: the compiled module has no binding for op `{op.name}`; "
-                          "rebuild it (pip install .)") from None
+        raise ImportError(f"deltastate: the compiled module has no binding for op "
+                          f"`{op.binding_name}`; rebuild it (pip install .)") from None
     args = {a.name: a for a in op.op_args}
     table = sorted(f"{a.name}:{a.kind.name}" for a in args.values())
     if sorted(f"{n}:{k}" for n, k in listed) != table:
         raise ImportError(
-            f"deltastate: op `{op.name}` takes ({', '.join(table)}) in deltastate/_surface.py "
+            f"deltastate: op `{op.binding_name}` takes ({', '.join(table)}) in "
+            "deltastate/_surface.py "
             f"but ({', '.join(sorted(':'.join(x) for x in listed))}) in the compiled module; "
             "rebuild the module (pip install .) or bring the two in line")
     return tuple(args[n] for n, _ in listed)
@@ -93,7 +95,7 @@ def _params(args: Sequence[Arg], defaults: Dict[str, Any], public: bool) -> str:
             p += f": {a.kind.annotation}"
         d = defaults.get(a.name, REQUIRED)
         if d is not REQUIRED:
-            assert d is None or type(d) in (bool, int, float), f"{a.name}: default {d!r}"
+            assert d is None or type(d) in (bool, int, float, str), f"{a.name}: default {d!r}"
             p += f"={d!r}"
         out.append(p)
     return ", ".join(out)
@@ -114,21 +116,38 @@ def _arg_list(op: Op) -> str:
     return "\n".join(lines)
 
 
+def _unsupported(a: Arg) -> str:
+    """The test that `a` (an option deltastate does not implement) has a value other than its
+    default."""
+    x, d = a.name, a.default
+    if d is None:
+        return f"{x} is not None"
+    if type(d) is bool:
+        return f"{x} is not {d!r} and bool({x}) != {d!r}"
+    return f"{x} != {d!r}"
+
+
 def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, Any]):
-    """The public function of `op`: the table's signature; `op.prepare` (if any); the scalars
-    converted; then, while torch.compile traces, the torch custom op (``_tops.ops.<name>``), else
-    the binding `ffi`, whose type errors are re-raised naming the public argument.
+    """The public function of `op`: the table's signature; the rejection of unsupported options;
+    `op.prepare` (if any); the scalars converted; then, while torch.compile traces, the torch custom
+    op (``_tops.ops.<name>``), else the binding `ffi`, whose type errors are re-raised naming the
+    public argument and whose messages print dtypes as the arguments' framework does.
 
     `namespace` (the globals of :mod:`deltastate.ops`) provides ``_is_compiling``, ``_tops``,
-    ``_number``, ``_number_or_none`` and ``_arg_error``."""
+    ``_number``, ``_number_or_none``, ``_arg_error``, ``_spelled`` and ``_not_implemented``."""
     public = op.public_args
     closure: Dict[str, Any] = {"_ffi": ffi, "_op": op.public,
                                "_shown": tuple((a.shown_as or a.name, a.kind.expected)
                                                for a in binding)}
     body = []
+    for a in public:
+        if a.unsupported is not None:
+            body += [f"if {_unsupported(a)}:",
+                     f"    raise _not_implemented(_op, {a.name!r}, {a.name}, {a.unsupported!r})"]
     if op.prepare is not None:
         inputs = list(inspect.signature(op.prepare).parameters)[1:]
-        body.append(f"{', '.join(op.fills)}, = _prepare(_op, {', '.join(inputs)})")
+        call_prepare = f"_prepare(_op, {', '.join(inputs)})"
+        body.append(f"{', '.join(op.fills)}, = {call_prepare}" if op.fills else call_prepare)
         closure["_prepare"] = op.prepare
     body += [s for s in (_convert(a) for a in public if a.op) if s]
     body += [f"{a.name} = {_op_value(a, a.default)!r}" for a in op.op_args
@@ -143,6 +162,8 @@ def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, An
         f"    _ffi({call})",
         "except (TypeError, BufferError) as e:",
         f"    raise _arg_error(_op, _shown, ({call},), e) from None",
+        "except Exception as e:",
+        f"    raise _spelled(e, ({call},)) from None",
         f"return {returns}",
     ]
     defaults = {a.name: a.default for a in public}
@@ -193,8 +214,31 @@ def torch_impl(op: Op, ffi, binding: Sequence[Arg]):
     """The torch op's real implementation (CPU and CUDA dispatch keys): the schema's arguments,
     defaults included (the dispatcher passes only those given), handed to the binding."""
     params = _params(op.op_args, _schema_defaults(op), public=False)
-    body = [f"_ffi({', '.join(a.name for a in binding)})"]
-    return _compile(op.name, params, body, {"_ffi": ffi}, {}, "torch")
+    call = ", ".join(a.name for a in binding)
+    body = ["try:", f"    _ffi({call})", "except Exception as e:",
+            f"    raise _spelled(e, ({call},)) from None"]
+    return _compile(op.name, params, body, {"_ffi": ffi, "_spelled": spelled}, {}, "torch")
+
+
+# ---- error texts ------------------------------------------------------------------------------
+DTYPE_MARK = "\x1f"  # the core marks the dtype names of its messages (include/deltastate/error.h)
+_MARKED = re.compile(DTYPE_MARK + "([^" + DTYPE_MARK + "]*)" + DTYPE_MARK)
+
+
+def spelled(exc: BaseException, args) -> BaseException:
+    """`exc` (raised by the binding; error path only) with the dtype names it marks printed as
+    the caller's framework prints them: ``torch.float16`` when an argument is a torch tensor, else
+    ``float16`` (numpy's spelling). Other exceptions are returned as they are."""
+    msg = str(exc)
+    if DTYPE_MARK not in msg:
+        return exc
+    torch_args = any(type(a).__module__.startswith("torch") for a in args)
+    text = _MARKED.sub((lambda m: "torch." + m.group(1)) if torch_args else (lambda m: m.group(1)),
+                       msg)
+    try:
+        return type(exc)(text)
+    except Exception:  # an exception class that does not take a message
+        return RuntimeError(text)
 
 
 def torch_fake(*args, **kwargs):

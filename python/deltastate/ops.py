@@ -119,12 +119,21 @@ def _arg_error(op: str, shown, args, exc: BaseException) -> BaseException:
     return exc
 
 
+_spelled = _derive.spelled
+
+
+def _not_implemented(op: str, name: str, value: Any, what: str) -> NotImplementedError:
+    """A peer's option deltastate does not implement, given a value other than its default."""
+    shown = type(value).__name__ if hasattr(value, "shape") else repr(value)
+    return NotImplementedError(f"{op}: `{name}`={shown} {what}")
+
+
 # ---- the public functions, from the op table ---------------------------------------------------
 def _build() -> None:
     signatures = lib.op_signatures()
     for op in OPS:
         binding = _derive.binding_order(op, signatures)
-        globals()[op.public] = _derive.public_function(op, getattr(lib, op.name), binding,
+        globals()[op.public] = _derive.public_function(op, getattr(lib, op.binding_name), binding,
                                                        globals())
 
 

@@ -32,7 +32,8 @@ def _register():
     signatures = _ffi.op_signatures()
     for op in OPS:
         lib.define(SCHEMAS[op.name])
-        impl = _derive.torch_impl(op, getattr(_ffi, op.name), _derive.binding_order(op, signatures))
+        impl = _derive.torch_impl(op, getattr(_ffi, op.binding_name),
+                                  _derive.binding_order(op, signatures))
         for key in ("CPU", "CUDA"):
             lib.impl(op.name, impl, key)
         qualname = f"{NAMESPACE}::{op.name}"
