@@ -5,14 +5,20 @@ dtypes, whether the op writes it in place, and names what the public function re
 from it (:mod:`deltastate._derive`):
 
 - the public function in :mod:`deltastate.ops`: its signature (``inspect.signature``, ``help()``),
-  the conversion of Python scalars, the call of the tvm-ffi binding, and the error that names an
-  argument the binding rejected by type;
+  the conversion of Python scalars, the rejection of a peer's option deltastate does not implement,
+  the call of the tvm-ffi binding, and the error that names an argument the binding rejected by
+  type;
 - the torch custom op in :mod:`deltastate.torch_ops`: its schema, with ``Tensor(a!)`` on every
   tensor the op writes in place, its CPU/CUDA implementation and its fake implementation;
-- the order of the binding's arguments: the compiled module lists each op's arguments by name and
-  kind (``op_signatures()``, from the ``Binding`` of its args struct in python/src/module.cpp);
+- the order of the binding's arguments: the compiled module lists each binding's arguments by name
+  and kind (``op_signatures()``, from the ``Binding`` of its args struct in python/src/module.cpp);
   calls are built from that list by name, and an entry that names other arguments or kinds than
   the binding fails the import.
+
+Several public functions may share one binding (``Op.binding``): the peers' names for one core op
+(FLA's ``fused_recurrent_kda`` and FlashInfer's ``recurrent_kda``), each with its own arguments,
+defaults and torch op. Arguments of the public function only (``op=False``) are read by the
+entry's ``prepare`` step, which maps the peer's surface onto the binding's arguments.
 
 Adding an op: its args struct (include/deltastate/ops.h), its ``Binding`` in module.cpp, and one
 entry here.
@@ -20,6 +26,7 @@ entry here.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
 
@@ -43,6 +50,12 @@ BOOL = Kind("bool", "bool", "a bool", "bool")
 # anything is written; off for CUDA tensors, where it traps the kernel on an out-of-range index).
 # The binding and the torch op take it as an int: -1 = the default, 0 = off, 1 = on.
 CHECK = Kind("check", "int", "an int", "Optional[bool]")
+# Kinds of public-only arguments (never passed to the binding; read by `Op.prepare` or ignored).
+OPT_BOOL = Kind("bool?", "", "a bool or None", "Optional[bool]")
+INT = Kind("int", "", "an int", "int")
+OPT_INT = Kind("int?", "", "an int or None", "Optional[int]")
+STR = Kind("str", "", "a str", "str")
+ANY = Kind("any", "", "anything", None)
 
 
 class _Required:
@@ -70,16 +83,22 @@ class Arg:
     public: bool = True  # False: an argument of the op only (torch schema and binding), which
     #                      the public function passes as its default or `Op.prepare` fills
     op: bool = True  # False: an argument of the public function only, read by `Op.prepare`
+    #                  (or accepted and ignored)
     shown_as: Optional[str] = None  # the public argument an op-only one comes from (in errors)
+    # A peer's option deltastate does not implement: any value other than the default raises
+    # NotImplementedError with this text (after "<function>: `<name>`=<value> ").
+    unsupported: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class Op:
-    name: str  # the torch op (torch.ops.deltastate.<name>) and the binding's module function
+    name: str  # the torch op (torch.ops.deltastate.<name>)
     public: str  # the public function in deltastate
     doc: str  # its docstring (an argument list generated from `args` is appended)
     args: Tuple[Arg, ...]  # in the public function's order; op-only arguments in the op's order
     returns: Union[str, Tuple[str, ...]]  # what the public function returns: a name or a tuple
+    # The binding's module function (python/src/module.cpp); by default `name`.
+    binding: Optional[str] = None
     # The torch op's argument order where it is not `args`' order.
     op_order: Optional[Tuple[str, ...]] = None
     # The first torch op argument with a default; by default the first of the trailing run of
@@ -89,6 +108,10 @@ class Op:
     # public name and of the arguments its parameters name, returning the values of `fills`.
     prepare: Optional[Callable[..., tuple]] = None
     fills: Tuple[str, ...] = ()
+
+    @property
+    def binding_name(self) -> str:
+        return self.binding or self.name
 
     @property
     def public_args(self) -> Tuple[Arg, ...]:
@@ -103,15 +126,98 @@ class Op:
         return tuple(args[n] for n in self.op_order)
 
 
+# ---- arrays of the caller's framework (prepare steps only; never on a decode op's path) ---------
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _check_tensor(op, name, x):
+    if x is None:
+        raise TypeError(f"{op}: `{name}` is required (got None)")
+    if not (_is_torch(x) or type(x).__module__ == "numpy"):
+        raise TypeError(f"{op}: `{name}` must be a tensor (a numpy array or a torch tensor); got "
+                        f"{type(x).__name__}")
+
+
+def _empty(ref, shape, dtype=None):
+    """A new uninitialized array of `ref`'s framework and device; `dtype` a name ("float32") or
+    None for `ref`'s dtype."""
+    if _is_torch(ref):
+        import torch
+
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype) if dtype else ref.dtype,
+                           device=ref.device)
+    import numpy as np
+
+    return np.empty(tuple(shape), dtype=np.dtype(dtype) if dtype else ref.dtype)
+
+
+def _zeros_state(ref, shape):
+    """A new zero state of `ref`'s framework and device, as FlashInfer allocates one: bfloat16
+    (float32 for numpy, which has no bfloat16), its base 256-byte aligned (recurrent_kda's stride
+    contract)."""
+    if _is_torch(ref):
+        import torch
+
+        return torch.zeros(tuple(shape), dtype=torch.bfloat16, device=ref.device)
+    import numpy as np
+
+    n = int(np.prod(shape))
+    raw = np.zeros(n + 64, dtype=np.float32)
+    off = ((-raw.ctypes.data) % 256) // 4
+    return raw[off:off + n].reshape(shape)
+
+
+def _filled(ref, shape, value):
+    """A float32 array of `shape` holding `value` everywhere, as a broadcast view of one element
+    (strides 0): FLA's `g=None` (no decay) and `beta=None` (ones) without an array of their size."""
+    if _is_torch(ref):
+        import torch
+
+        return torch.full((1,), value, dtype=torch.float32, device=ref.device).expand(*shape)
+    import numpy as np
+
+    return np.lib.stride_tricks.as_strided(np.full(1, value, dtype=np.float32), tuple(shape),
+                                           (0,) * len(shape))
+
+
+def _sigmoid2(x):
+    """2 * sigmoid(x) in float32 (FLA's allow_neg_eigval), in `x`'s framework."""
+    if _is_torch(x):
+        import torch
+
+        return 2.0 * torch.sigmoid(x.float())
+    import numpy as np
+
+    return (2.0 / (1.0 + np.exp(-x.astype(np.float32)))).astype(np.float32)
+
+
+def _per_k(g, gk):
+    """FLA's g and gk together: the per-K log decay g[..., None] + gk, in float32."""
+    if _is_torch(gk):
+        return g.float().unsqueeze(-1) + gk.float()
+    import numpy as np
+
+    return g.astype(np.float32)[..., None] + gk.astype(np.float32)
+
+
+def _shape(x):
+    return tuple(getattr(x, "shape", ()))
+
+
 # ---- packed decode ----------------------------------------------------------------------------
 def _packed(kda: bool) -> Op:
-    gdn_doc = """GDN packed decode (T=1). Returns ``(out, initial_state)``, both updated in place.
+    gdn_doc = """GDN packed decode (T=1), SGLang's ``fused_recurrent_gated_delta_rule_packed_decode``.
+    Returns ``(out, initial_state)``, both updated in place.
 
     mixed_qkv [B, 2*H*K + HV*V]; a, b [B, HV]; A_log, dt_bias [HV]; initial_state: the pool
-    [slots, HV, V, K] (any slot stride); out [B, 1, HV, V]; ssm_state_indices [B] (< 0: padded row).
+    [slots, HV, V, K] (any slot stride); out [B, 1, HV, V]; ssm_state_indices [B] (< 0: padded
+    row; any stride). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
+    fp32 beta, as SGLang).
     """
-    kda_doc = """KDA packed decode (T=1). As the GDN op, with a [B, HV*K] and dt_bias [HV*K];
-    ``lower_bound`` selects the safe gate. Returns ``(out, initial_state)``."""
+    kda_doc = """KDA packed decode (T=1), SGLang's ``fused_recurrent_kda_packed_decode``. As the GDN
+    op, with a [B, HV*K] and dt_bias [HV*K]; ``lower_bound`` selects the safe gate. Returns
+    ``(out, initial_state)``."""
     return Op(
         name="kda_packed_decode" if kda else "gdn_packed_decode",
         public=("fused_recurrent_kda_packed_decode" if kda
@@ -123,11 +229,11 @@ def _packed(kda: bool) -> Op:
             Arg("b", TENSOR, dtypes=FLOATING),
             Arg("A_log", TENSOR, dtypes=FLOATING),
             Arg("dt_bias", TENSOR, dtypes=FLOATING),
-            Arg("scale", FLOAT),
+            Arg("scale", OPT_FLOAT),  # None: K^-0.5
             Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("out", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("ssm_state_indices", TENSOR, dtypes=INDEX),
-            Arg("use_qk_l2norm_in_kernel", BOOL, True),
+            Arg("use_qk_l2norm_in_kernel", BOOL, False),
             Arg("lower_bound", OPT_FLOAT, None, public=kda),  # KDA: selects the safe gate
             Arg("round_beta", BOOL, False, keyword=True),
             Arg("check_indices", CHECK, None, keyword=True),
@@ -137,58 +243,80 @@ def _packed(kda: bool) -> Op:
     )
 
 
-# ---- recurrent (B,T and varlen) ---------------------------------------------------------------
-def _new_like(op, ref, name, shape=None, float32=False):
-    """A new array of `ref`'s framework and device (torch or numpy); `ref`'s shape by default."""
-    if type(ref).__module__.startswith("torch"):
-        import torch
-
-        if shape is None:
-            shape = tuple(ref.shape)
-        return torch.empty(shape, dtype=torch.float32 if float32 else ref.dtype, device=ref.device)
-    import numpy as np
-
-    if not isinstance(ref, np.ndarray):
-        raise TypeError(f"{op}: `{name}` must be a tensor (a numpy array or a torch tensor); got "
-                        f"{type(ref).__name__}")
-    if shape is None:
-        shape = ref.shape
-    return np.empty(shape, dtype=np.float32 if float32 else ref.dtype)
+# ---- recurrent (B,T and varlen): FlashInfer's recurrent_kda surface ----------------------------
+_FLASHINFER_BACKENDS = ("auto", "cute-dsl", "cake")
+_SPEC = ("speculative decode arrives with the verify op; pass None (standard decode)")
+_PREFILL = "(a FlashInfer prefill-backend option) is not implemented in deltastate; pass None"
 
 
-def _recurrent_prepare(op, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                       ssm_state_indices, output):
-    """The state given as a pool (with ssm_state_indices: updated in place and returned) or as a
-    start state (only read; output_final_state returns a new float32 final state), and the
-    output allocated when not given."""
+def _flashinfer_prepare(op, q, k, v, g, beta, A_log, initial_state, output_final_state,
+                        use_gate_in_kernel, lower_bound, cu_seqlens, ssm_state_indices, output,
+                        backend):
+    """FlashInfer's recurrent_kda rules: the state is updated in place (with ssm_state_indices the
+    pool's rows); returned when output_final_state: the pool, or without cu_seqlens but with
+    indices the gathered [N, HV, V, K] rows; `initial_state=None` allocates a zero bfloat16 state
+    as FlashInfer does; the output is allocated in q's dtype when not given."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t is None:
-            raise TypeError(f"{op}: `{name}` is required (got None)")
-    pooled = ssm_state_indices is not None
-    if pooled and initial_state is None:
-        raise ValueError("`ssm_state_indices` index a state pool, but no `initial_state` pool was "
-                         "given")
+        _check_tensor(op, name, t)
+    if backend not in _FLASHINFER_BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'cute-dsl', or 'cake', got {backend!r}")
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("A_log is required when use_gate_in_kernel=True")
+    if lower_bound is not None:
+        if not use_gate_in_kernel:
+            raise ValueError("lower_bound requires use_gate_in_kernel=True")
+        try:
+            nonnegative = float(lower_bound) >= 0
+        except (TypeError, ValueError):
+            nonnegative = False  # the conversion names the argument
+        if nonnegative:
+            raise ValueError("lower_bound must be negative")
+    qs, vs = _shape(q), _shape(v)
     if output is None:
-        output = _new_like(op, v, "v")
-    if pooled:
-        return output, None, initial_state, None, initial_state
-    final_state = None
-    if output_final_state:
-        qs, vs = getattr(q, "shape", ()), getattr(v, "shape", ())
-        if len(qs) == 4 and len(vs) == 4:  # otherwise the core rejects q / v first
-            n = (len(cu_seqlens) - 1) if cu_seqlens is not None else qs[0]
-            final_state = _new_like(op, q, "q", (n, vs[2], vs[3], qs[3]), float32=True)
-    return output, initial_state, None, final_state, final_state
+        output = _empty(q, vs)  # q's dtype, as FlashInfer
+    pool = initial_state
+    if pool is None and len(qs) == 4 and len(vs) == 4:  # otherwise the core rejects q / v
+        shape_tail = (vs[2], vs[3], qs[3])
+        if cu_seqlens is not None:
+            n = len(cu_seqlens) - 1
+            if ssm_state_indices is not None:
+                live = [int(i) for i in ssm_state_indices.tolist() if int(i) >= 0]
+                n = max(live) + 1 if live else 1
+            pool = _zeros_state(q, (n,) + shape_tail)
+        else:  # FlashInfer: a [B, HV, V, K] state; the indices are then not used
+            pool = _zeros_state(q, (qs[0],) + shape_tail)
+            ssm_state_indices = None
+    final = None
+    if not output_final_state:
+        returned = None
+    elif ssm_state_indices is not None and cu_seqlens is None and pool is not None:
+        n = qs[0] if len(qs) == 4 else 0
+        final = _empty(pool, (n,) + tuple(_shape(pool)[1:]))  # the gathered rows
+        returned = final
+    else:
+        returned = pool
+    return output, None, pool, ssm_state_indices, final, returned
 
 
 def _recurrent(kda: bool) -> Op:
-    kda_doc = """Recurrent KDA over a pool: q, k [B,T,H,K] (or [1,T_total,H,K] with cu_seqlens
-    [N+1]), v [B,T,HV,V], g [B,T,HV,K] (log decay; the raw gate input with use_gate_in_kernel),
-    beta [B,T,HV]. With ssm_state_indices the pool initial_state [slots,HV,V,K] is updated in
-    place and returned; without them initial_state [N,HV,V,K] is only read, and
-    output_final_state returns a new float32 [N,HV,V,K]. The pool must meet the compiled stride
-    contract (slot stride a multiple of 16 elements, base 32-byte aligned). Returns
-    ``(o, final_state)``."""
+    kda_doc = """Recurrent KDA over a pool, FlashInfer's ``recurrent_kda``: q, k [B,T,H,K] (or
+    [1,T_total,H,K] with cu_seqlens [N+1]), v [B,T,HV,V], g [B,T,HV,K] (log decay; the raw gate
+    input with use_gate_in_kernel), beta [B,T,HV]. The state [.., HV, V, K] is updated in place:
+    with ssm_state_indices (any stride; < 0: padded) the rows of the pool initial_state, without
+    them initial_state[n] for sequence n. Returns ``(output, final_state)``: final_state is None
+    unless output_final_state; then it is the pool itself, or, with ssm_state_indices and without
+    cu_seqlens, a new [N, HV, V, K] array of the updated rows (FlashInfer's gathered states;
+    zeros for padded rows). ``initial_state=None`` allocates a zero bfloat16 state (numpy:
+    float32) as FlashInfer does: [max(index)+1, HV, V, K] with cu_seqlens, else [B, HV, V, K].
+    The output, allocated when not given, has q's dtype and v's shape. The state must meet the
+    compiled stride contract (slot stride a multiple of 16 elements, base 32-byte aligned).
+
+    Not implemented yet, rejected with NotImplementedError when not None: the speculative-decode
+    arguments (num_spec_tokens, num_accepted_tokens, initial_state_source,
+    initial_state_indices) and FlashInfer's prefill-backend options (seq_order,
+    prefill_workspace, state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens != 0).
+    ``backend`` is checked against FlashInfer's names and otherwise ignored (one backend here).
+    ``round_beta``: round beta to its input dtype (off: fp32, as every op)."""
     gdn_doc = """Recurrent GDN: as :func:`recurrent_kda` with g [B,T,HV] (one decay per value
     head)."""
     return Op(
@@ -204,7 +332,8 @@ def _recurrent(kda: bool) -> Op:
             Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
             Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
             Arg("scale", OPT_FLOAT, None),  # None: K^-0.5
-            # The start state, only read; with ssm_state_indices the pool (op: `state_pool`).
+            # The state, updated in place (op: `state_pool`); the op's read-only start state
+            # `initial_state` is then None.
             Arg("initial_state", OPT_TENSOR, None, dtypes=FLOATING),
             Arg("output_final_state", BOOL, False, op=False),
             Arg("use_qk_l2norm_in_kernel", BOOL, True),
@@ -212,41 +341,273 @@ def _recurrent(kda: bool) -> Op:
             Arg("lower_bound", OPT_FLOAT, None),
             Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
             Arg("ssm_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("num_spec_tokens", OPT_INT, None, op=False, unsupported=_SPEC),
+            Arg("num_accepted_tokens", ANY, None, op=False, unsupported=_SPEC),
             Arg("output", TENSOR, None, dtypes=FLOATING, mutated=True),  # None: allocated
+            Arg("initial_state_source", ANY, None, op=False, unsupported=_SPEC),
+            Arg("initial_state_indices", ANY, None, op=False, unsupported=_SPEC),
             Arg("beta_is_logit", BOOL, False),
+            Arg("seq_order", ANY, None, op=False, unsupported=_PREFILL),
+            Arg("prefill_workspace", ANY, None, op=False, unsupported=_PREFILL),
+            Arg("state_checkpoints", ANY, None, op=False, unsupported=_PREFILL),
+            Arg("checkpoint_cu_starts", ANY, None, op=False, unsupported=_PREFILL),
+            Arg("checkpoint_every_n_tokens", INT, 0, op=False,
+                unsupported="(FlashInfer's prefill state checkpoints) is not implemented in "
+                "deltastate; pass 0"),
+            Arg("backend", STR, "auto", keyword=True, op=False),
+            Arg("round_beta", BOOL, False, keyword=True),
             Arg("check_indices", CHECK, None, keyword=True),
             Arg("pdl", BOOL, False, keyword=True),
-            # The pool that ssm_state_indices index, updated in place.
+            # The pool, updated in place.
             Arg("state_pool", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False,
                 shown_as="initial_state"),
             Arg("final_state", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False),
+            Arg("state_v_first", BOOL, True, public=False),
+            Arg("stride_contract", BOOL, True, public=False),
         ),
         returns=("output", "returned_state"),
-        op_order=("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias", "use_gate_in_kernel",
-                  "lower_bound", "beta_is_logit", "scale", "initial_state", "state_pool",
-                  "ssm_state_indices", "cu_seqlens", "final_state", "use_qk_l2norm_in_kernel",
-                  "check_indices", "pdl"),
+        op_order=_RECURRENT_OP_ORDER,
         schema_defaults_from="check_indices",
-        prepare=_recurrent_prepare,
-        fills=("output", "initial_state", "state_pool", "final_state", "returned_state"),
+        prepare=_flashinfer_prepare,
+        fills=("output", "initial_state", "state_pool", "ssm_state_indices", "final_state",
+               "returned_state"),
+    )
+
+
+_RECURRENT_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias",
+                       "use_gate_in_kernel", "lower_bound", "beta_is_logit", "round_beta", "scale",
+                       "initial_state", "state_pool", "ssm_state_indices", "cu_seqlens",
+                       "final_state", "state_v_first", "stride_contract",
+                       "use_qk_l2norm_in_kernel", "check_indices", "pdl")
+
+
+# ---- FLA's fused-recurrent functions ----------------------------------------------------------
+def _fla_layout(state_v_first, transpose_state_layout):
+    """FLA's `state_v_first` with its deprecated alias `transpose_state_layout`."""
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated "
+                             "`transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=4)
+        state_v_first = bool(transpose_state_layout)
+    return bool(state_v_first)
+
+
+def _fla_common(op, q, k, v, beta, initial_state, output_final_state, use_beta_sigmoid_in_kernel,
+                allow_neg_eigval, state_v_first, transpose_state_layout, cu_seqlens):
+    """What FLA's two functions share: the layout, beta (None: ones; logits with
+    use_beta_sigmoid_in_kernel; allow_neg_eigval: 2 * sigmoid), the output like v, the new
+    float32 final state in the requested layout."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(op, name, t)
+    v_first = _fla_layout(state_v_first, transpose_state_layout)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    qs, vs = _shape(q), _shape(v)
+    beta_is_logit = bool(use_beta_sigmoid_in_kernel)
+    if beta is None:
+        beta = _filled(v, vs[:3], 1.0)
+        beta_is_logit = False
+    else:
+        _check_tensor(op, "beta", beta)
+        if len(_shape(beta)) == len(vs) == 4:
+            raise NotImplementedError(
+                f"{op}: a per-value-channel `beta` [B, T, HV, V] is not supported by deltastate "
+                "(beta is one scalar per token and value head: [B, T, HV])")
+        if allow_neg_eigval:  # [B, T, HV] only: a small float32 temporary
+            beta, beta_is_logit = _sigmoid2(beta), False
+    output = _empty(v, vs)
+    final = None
+    if output_final_state and len(qs) == 4 and len(vs) == 4:
+        n = (len(cu_seqlens) - 1) if cu_seqlens is not None else qs[0]
+        tail = (vs[2], vs[3], qs[3]) if v_first else (vs[2], qs[3], vs[3])
+        final = _empty(q, (n,) + tail, "float32")
+    return v_first, beta, beta_is_logit, output, final
+
+
+def _fla_gdn_prepare(op, q, k, v, g, gk, gv, beta, initial_state, output_final_state,
+                     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                     allow_neg_eigval, state_v_first, transpose_state_layout, cu_seqlens):
+    v_first, beta, beta_is_logit, output, final = _fla_common(
+        op, q, k, v, beta, initial_state, output_final_state, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval, state_v_first, transpose_state_layout, cu_seqlens)
+    if gv is not None:
+        raise NotImplementedError(
+            f"{op}: `gv` (a per-value-channel decay) is not supported by deltastate: the state "
+            "decays along K only (`g` per value head, `gk` per key channel); pass gv=None")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`.")
+        if g is None:
+            raise ValueError("`g` (raw pre-activation) must be provided when "
+                             "`use_gate_in_kernel=True`.")
+        if gk is not None:
+            raise NotImplementedError(
+                f"{op}: `gk` with use_gate_in_kernel=True is not supported by deltastate (the "
+                "in-kernel gate applies to `g` alone); pass the whole per-K log decay as `gk` "
+                "with use_gate_in_kernel=False")
+    else:
+        A_log = dt_bias = None  # FLA ignores them without the in-kernel gate
+        if gk is not None:  # GDN with a per-K decay: KDA's gate, through the GDN entry
+            g = gk if g is None else _per_k(g, gk)
+        elif g is None:
+            g = _filled(v, _shape(v)[:3], 0.0)  # no decay
+    return g, beta, beta_is_logit, A_log, dt_bias, output, initial_state, final, v_first, final
+
+
+def _fla_kda_prepare(op, q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state,
+                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                     lower_bound, state_v_first, transpose_state_layout, cu_seqlens):
+    _check_tensor(op, "g", g)
+    v_first, beta, beta_is_logit, output, final = _fla_common(
+        op, q, k, v, beta, initial_state, output_final_state, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval, state_v_first, transpose_state_layout, cu_seqlens)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = lower_bound = None  # FLA ignores them without the in-kernel gate
+    elif A_log is None and lower_bound is None:
+        raise NotImplementedError(
+            f"{op}: use_gate_in_kernel=True without `A_log` is supported with `lower_bound` (the "
+            "safe gate lower_bound * sigmoid(g + dt_bias)); pass `A_log` for the standard gate")
+    return (beta, beta_is_logit, A_log, dt_bias, lower_bound, output, initial_state, final,
+            v_first, final)
+
+
+def _fla_doc(kda: bool) -> str:
+    if kda:
+        head = """KDA, FLA's ``fused_recurrent_kda``: q, k [B,T,H,K], v [B,T,HV,V], g [B,T,HV,K]
+    (log decay; with use_gate_in_kernel the raw gate: -exp(A_log) * softplus(g + dt_bias), or
+    with lower_bound lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), A_log=None meaning the
+    factor 1 there), beta [B,T,HV]."""
+    else:
+        head = """GDN, FLA's ``fused_recurrent_gated_delta_rule``: q, k [B,T,H,K], v [B,T,HV,V],
+    g [B,T,HV] (log decay; None: none; with use_gate_in_kernel the raw gate, -exp(A_log) *
+    softplus(g + dt_bias)), gk [B,T,HV,K] a per-key-channel log decay (applied with g: KDA's
+    math; not with use_gate_in_kernel), gv: not supported (NotImplementedError), beta [B,T,HV]
+    (None: ones)."""
+    return head + """ With cu_seqlens [N+1]: B = 1, sequence n is tokens [cu[n], cu[n+1]).
+
+    initial_state [N, HV, K, V] (FLA's default K-first layout) or, with state_v_first=True,
+    [N, HV, V, K]; only read. Returns ``(o, final_state)``: o like v, final_state a new float32
+    state in the same layout when output_final_state, else None. The CPU backend runs both
+    layouts; on CUDA a K-first state is rejected (NotImplementedError): deltastate never
+    transposes or copies a state behind the caller's back.
+
+    use_beta_sigmoid_in_kernel: beta holds logits; allow_neg_eigval (needs it): beta = 2 *
+    sigmoid(beta). A_log / dt_bias / lower_bound are ignored without use_gate_in_kernel, as FLA
+    does. ``transpose_state_layout``: FLA's deprecated name of state_v_first (DeprecationWarning).
+    Unlike FLA (which swallows them in ``**kwargs``), other keywords raise TypeError.
+    ``round_beta``: round beta to its input dtype (off: fp32, as every op)."""
+
+
+def _fla(kda: bool) -> Op:
+    tail = (
+        Arg("transpose_state_layout", OPT_BOOL, None, keyword=True, op=False),
+        Arg("round_beta", BOOL, False, keyword=True),
+        Arg("check_indices", CHECK, None, keyword=True),
+        Arg("pdl", BOOL, False, keyword=True),
+        # Op-only: the read-only start state is `initial_state`; no pool, no indices.
+        Arg("output", TENSOR, dtypes=FLOATING, mutated=True, public=False),
+        Arg("beta_is_logit", BOOL, False, public=False),
+        Arg("state_pool", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, public=False),
+        Arg("ssm_state_indices", OPT_TENSOR, None, dtypes=INDEX, public=False),
+        Arg("final_state", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False),
+        Arg("stride_contract", BOOL, False, public=False),
+    )
+    common_head = (
+        Arg("q", TENSOR, dtypes=FLOATING),
+        Arg("k", TENSOR, dtypes=FLOATING),
+        Arg("v", TENSOR, dtypes=FLOATING),
+    )
+    state_args = (
+        Arg("scale", OPT_FLOAT, None),
+        Arg("initial_state", OPT_TENSOR, None, dtypes=FLOATING),
+        Arg("output_final_state", BOOL, False, op=False),
+        Arg("use_qk_l2norm_in_kernel", BOOL, False),
+        Arg("use_gate_in_kernel", BOOL, False),
+    )
+    if kda:
+        args = common_head + (
+            Arg("g", TENSOR, dtypes=FLOATING),
+            Arg("beta", TENSOR, dtypes=FLOATING),
+            Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
+        ) + state_args + (
+            Arg("use_beta_sigmoid_in_kernel", BOOL, False, op=False),
+            Arg("allow_neg_eigval", BOOL, False, op=False),
+            Arg("lower_bound", OPT_FLOAT, None),
+            Arg("state_v_first", BOOL, False),
+            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+        ) + tail
+        fills = ("beta", "beta_is_logit", "A_log", "dt_bias", "lower_bound", "output",
+                 "initial_state", "final_state", "state_v_first", "returned_state")
+        prepare = _fla_kda_prepare
+    else:
+        args = common_head + (
+            Arg("g", TENSOR, None, dtypes=FLOATING),  # None: no decay
+            Arg("gk", OPT_TENSOR, None, dtypes=FLOATING, op=False),
+            Arg("gv", OPT_TENSOR, None, dtypes=FLOATING, op=False),
+            Arg("beta", TENSOR, None, dtypes=FLOATING),  # None: ones
+        ) + state_args + (
+            Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("use_beta_sigmoid_in_kernel", BOOL, False, op=False),
+            Arg("allow_neg_eigval", BOOL, False, op=False),
+            Arg("state_v_first", BOOL, False),
+            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+        ) + tail + (Arg("lower_bound", OPT_FLOAT, None, public=False),)
+        fills = ("g", "beta", "beta_is_logit", "A_log", "dt_bias", "output", "initial_state",
+                 "final_state", "state_v_first", "returned_state")
+        prepare = _fla_gdn_prepare
+    return Op(
+        name="fla_kda" if kda else "fla_gated_delta_rule",
+        public="fused_recurrent_kda" if kda else "fused_recurrent_gated_delta_rule",
+        binding="recurrent_kda" if kda else "recurrent_gated_delta_rule",
+        doc=_fla_doc(kda),
+        args=args,
+        returns=("output", "returned_state"),
+        op_order=_RECURRENT_OP_ORDER,
+        schema_defaults_from="check_indices",
+        prepare=prepare,
+        fills=fills,
     )
 
 
 # ---- ReplaySSM --------------------------------------------------------------------------------
-_REPLAY = Op(
-    name="replayssm_decode",
-    public="fused_recurrent_linear_replayssm_decode",
-    doc="""ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``). The checkpoint pool
+_REPLAY_MODES = ("is not implemented in deltastate; supported: the basic ring (cache_base=None, "
+                 "circular_replay=False, prefix_gate_cache=False, predecayed_k_cache=False: "
+                 "records at write_pos 0..L-1, a flush at L-1 or on force_flush)")
+
+_REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLang's
+    ``fused_recurrent_linear_replayssm_decode``, its arguments in its order. The checkpoint pool
     initial_state is written only on a flush (write_pos == L-1 or force_flush != 0); otherwise the
-    record (d, k, g) is appended to the rings at write_pos. With ``advance_write_pos`` each live
-    row's cursor advances on the device (``wp = flushed ? 0 : wp + 1``). Returns ``out``.""",
-    args=(
+    record (d, k, g) is appended to the rings at write_pos, each stored rounded to its ring's
+    dtype (a float32 k ring is exact). Returns ``(out, initial_state)``. The kernel does not move
+    write_pos (the caller's rule: ``wp = flushed ? 0 : wp + 1``) unless ``advance_write_pos``,
+    which advances each live row's cursor on the device.
+
+    SGLang's Triton tuning keywords ``block_v``, ``num_warps``, ``num_stages`` and ``nk`` are
+    accepted and ignored (deltastate picks its own launch; SGLang's nk/BKT checks are not
+    reproduced). SGLang's ring modes ``cache_base``, ``circular_replay``, ``prefix_gate_cache`` and
+    ``predecayed_k_cache`` are not implemented: a value other than the default raises
+    NotImplementedError. ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype
+    (off: fp32 beta, the rule of every op and of current SGLang)."""
+
+_HELION_DOC = """ReplaySSM buffered decode for KDA, SGLang's Helion
+    ``helion_fused_recurrent_kda_replayssm_decode``: its arguments in its order, its argument
+    forms (a [B, HV*K] or [B, HV, K]; dt_bias [HV*K] or [HV, K]) and its error texts. Otherwise as
+    :func:`fused_recurrent_linear_replayssm_decode` with is_kda=True. Returns
+    ``(out, initial_state)``."""
+
+
+def _replay_head() -> Tuple[Arg, ...]:
+    return (
         Arg("mixed_qkv", TENSOR, dtypes=FLOATING),
         Arg("a", TENSOR, dtypes=FLOATING),
         Arg("b", TENSOR, dtypes=FLOATING),
         Arg("A_log", TENSOR, dtypes=FLOATING),
         Arg("dt_bias", TENSOR, dtypes=FLOATING),
-        Arg("scale", FLOAT),
+        Arg("scale", OPT_FLOAT),  # None: K^-0.5
         Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
         Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
         Arg("k_cache", TENSOR, dtypes=FLOATING, mutated=True),
@@ -255,15 +616,60 @@ _REPLAY = Op(
         Arg("ssm_state_indices", TENSOR, dtypes=INT32),
         Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
         Arg("force_flush", OPT_TENSOR, None, dtypes=INT32),
-        Arg("is_kda", BOOL, False, keyword=True),
-        Arg("use_qk_l2norm_in_kernel", BOOL, True, keyword=True),
-        Arg("lower_bound", OPT_FLOAT, None, keyword=True),
+    )
+
+
+def _replay_tail(helion: bool) -> Tuple[Arg, ...]:
+    return (
+        Arg("round_beta", BOOL, False, keyword=True),
         Arg("advance_write_pos", BOOL, False, keyword=True),
+        Arg("helion", BOOL, helion, public=False),
         Arg("check_indices", CHECK, None, keyword=True),
         Arg("pdl", BOOL, False, keyword=True),
-    ),
-    returns="out",
-    schema_defaults_from="is_kda",  # the torch op takes force_flush positionally
+    )
+
+
+_REPLAY_OP_ORDER = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "d_cache",
+                    "k_cache", "g_cache", "out", "ssm_state_indices", "write_pos", "force_flush",
+                    "lower_bound", "use_qk_l2norm_in_kernel", "is_kda", "round_beta",
+                    "advance_write_pos", "helion", "check_indices", "pdl")
+
+_REPLAY = Op(
+    name="replayssm_decode",
+    public="fused_recurrent_linear_replayssm_decode",
+    doc=_REPLAY_DOC,
+    args=_replay_head() + (
+        Arg("lower_bound", OPT_FLOAT, None),
+        Arg("use_qk_l2norm_in_kernel", BOOL, False),
+        Arg("is_kda", BOOL, False),
+        Arg("block_v", OPT_INT, None, op=False),  # Triton tuning: accepted, ignored
+        Arg("num_warps", INT, 1, op=False),
+        Arg("num_stages", INT, 3, op=False),
+        Arg("nk", INT, 2, op=False),
+        Arg("cache_base", OPT_TENSOR, None, op=False, unsupported=_REPLAY_MODES),
+        Arg("circular_replay", BOOL, False, op=False, unsupported=_REPLAY_MODES),
+        Arg("prefix_gate_cache", BOOL, False, op=False, unsupported=_REPLAY_MODES),
+        Arg("predecayed_k_cache", BOOL, False, op=False, unsupported=_REPLAY_MODES),
+    ) + _replay_tail(False),
+    returns=("out", "initial_state"),
+    op_order=_REPLAY_OP_ORDER,
+    schema_defaults_from="lower_bound",
 )
 
-OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurrent(False), _REPLAY)
+_HELION_REPLAY = Op(
+    name="helion_kda_replayssm_decode",
+    public="helion_fused_recurrent_kda_replayssm_decode",
+    binding="replayssm_decode",
+    doc=_HELION_DOC,
+    args=_replay_head() + (
+        Arg("use_qk_l2norm_in_kernel", BOOL, False),
+        Arg("lower_bound", OPT_FLOAT, None),
+        Arg("is_kda", BOOL, True, public=False),
+    ) + _replay_tail(True),
+    returns=("out", "initial_state"),
+    op_order=_REPLAY_OP_ORDER,
+    schema_defaults_from="lower_bound",
+)
+
+OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurrent(False),
+                       _fla(False), _fla(True), _REPLAY, _HELION_REPLAY)

@@ -84,8 +84,10 @@ class StatePool:
     every layer, after ``envelope_extra_bytes`` of other per-slot data; layer views then have a
     slot stride larger than HV*V*K). ``replay_len`` > 0 adds the ReplaySSM rings (d: state dtype,
     k: ``ring_k_dtype`` with ``H`` key heads, g: float32, [.., L, K] when ``kda``) and per-slot
-    cursors. ``ring_k_dtype`` is the activation dtype; by default bfloat16 with torch and float16
-    with numpy (which has no bfloat16; the same size, so the sizing helpers agree).
+    cursors. The op stores each normalized key rounded to ``ring_k_dtype``: the default float32
+    is exact whatever the activations; the activation dtype (bfloat16, SGLang's choice for bf16
+    activations) halves the k ring's bytes at about 1e-3 relative output error with fp32
+    activations.
     ``framework``: "torch" (any torch device) or "numpy" (CPU only); by default torch when it is
     installed, else numpy. Either way the buffer is 256-byte aligned.
 
@@ -98,7 +100,7 @@ class StatePool:
 
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
                  state_dtype="float32", layout: str = "per_layer", envelope_extra_bytes: int = 0,
-                 replay_len: int = 0, H: int = 0, ring_k_dtype=None, kda: bool = False,
+                 replay_len: int = 0, H: int = 0, ring_k_dtype="float32", kda: bool = False,
                  device="cpu", framework: Optional[str] = None, null_slot: bool = False):
         _ints(layers=layers, slots=slots, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
@@ -109,8 +111,6 @@ class StatePool:
             if framework == "numpy" and str(device) != "cpu":
                 raise ValueError(f"StatePool on device {str(device)!r} needs torch, which is not "
                                  "installed (numpy pools live on the CPU)")
-        if ring_k_dtype is None:
-            ring_k_dtype = "float16" if framework == "numpy" else "bfloat16"  # same size
         if layout not in ("per_layer", "envelope"):
             raise ValueError(f"StatePool layout must be 'per_layer' or 'envelope'; got {layout!r}")
         if framework not in ("torch", "numpy"):
@@ -256,7 +256,7 @@ class StatePool:
     @staticmethod
     def bytes_per_slot(layers: int, HV: int, V: int, K: int, *, state_dtype="float32",
                        layout: str = "per_layer", envelope_extra_bytes: int = 0,
-                       replay_len: int = 0, H: int = 0, ring_k_dtype="bfloat16",
+                       replay_len: int = 0, H: int = 0, ring_k_dtype="float32",
                        kda: bool = False) -> int:
         """Bytes one slot adds (state in every layer, rings, cursor); a null slot's row costs
         the same."""
@@ -269,7 +269,7 @@ class StatePool:
     def slots_for_budget(budget_bytes: int, layers: int, HV: int, V: int, K: int, *,
                          state_dtype="float32", layout: str = "per_layer",
                          envelope_extra_bytes: int = 0, replay_len: int = 0, H: int = 0,
-                         ring_k_dtype="bfloat16", kda: bool = False,
+                         ring_k_dtype="float32", kda: bool = False,
                          null_slot: bool = False) -> int:
         """How many slots (the ``slots`` argument of a pool) fit in ``budget_bytes``, the whole
         pool counted: alignment, and with ``null_slot`` the null slot's row."""
