@@ -71,7 +71,7 @@ class Case:
         else:
             fn = ds.fused_recurrent_kda_packed_decode
         return lambda: fn(self.x[r], self.a[r], self.b[r], self.A_log, self.dt_bias, self.scale,
-                          self.pool, self.out[r], self.idx[r], pdl=self.pdl)
+                          self.pool, self.out[r], self.idx[r], True, pdl=self.pdl)
 
     def split_qkv(self, r: int):
         m, B = self.m, self.B

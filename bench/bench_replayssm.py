@@ -66,7 +66,7 @@ class ReplayCase(Case):
         return lambda: ds.fused_recurrent_linear_replayssm_decode(
             self.x[r], self.a3[r], self.b[r], self.A_log, self.dt3, self.scale, self.pool, self.d,
             self.k, self.g, self.out[r], self.idx[r], wp, None, is_kda=m.op == "kda",
-            advance_write_pos=cursors is None, pdl=self.pdl)
+            use_qk_l2norm_in_kernel=True, advance_write_pos=cursors is None, pdl=self.pdl)
 
 
 def main() -> int:

@@ -126,15 +126,15 @@ def main(argv=None):
     ffi_args = tuple(named[n.split(":")[0]] for n in lib.op_signatures()["gdn_packed_decode"])
     ffi = lib.gdn_packed_decode
     variants = {
-        "public": lambda: op(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx),
+        "public": lambda: op(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx, True),
         "ffi": lambda: ffi(*ffi_args),
-        "torch_ops": lambda: custom(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx),
+        "torch_ops": lambda: custom(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, idx, True),
         "recurrent_public": lambda: ds.recurrent_gated_delta_rule(
             q, k, v, g_log, beta, scale=scale, initial_state=state, ssm_state_indices=idx,
             output=o),
         "replay_public": lambda: ds.fused_recurrent_linear_replayssm_decode(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, d_cache, k_cache, g_cache, out, idx,
-            write_pos),
+            write_pos, None, None, True),
         "torch_op_baseline": lambda: out.zero_(),
     }
     if on_cpu:
@@ -144,7 +144,7 @@ def main(argv=None):
         n_x, n_a, n_b, n_A, n_dt = (npf(t) for t in (mixed_qkv, a, b, A_log, dt_bias))
         n_state, n_out, n_idx = state.numpy().copy(), npf(out), idx.numpy().copy()
         variants["public_numpy"] = lambda: op(n_x, n_a, n_b, n_A, n_dt, scale, n_state, n_out,
-                                              n_idx)
+                                              n_idx, True)
     sync = (lambda: None) if on_cpu else torch.cuda.synchronize
 
     for fn in variants.values():

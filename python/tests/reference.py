@@ -15,7 +15,7 @@ Conventions:
   * padding: a state index < 0 gives a zero output and leaves the state alone.
 
 Storage. Values the kernels store in reduced precision (ReplaySSM rings and checkpoints, beta
-rounded to b's dtype) are modelled by `rd`, float64 -> float32 -> dtype with round-to-nearest-even,
+rounded to b's dtype, with round_beta) are modelled by `rd`, float64 -> float32 -> dtype with round-to-nearest-even,
 applied when a stored value is read back (rounding on read equals rounding on store). Results are
 returned unrounded, so a test compares the kernel's rounded output against them with SGLang's
 tolerance plus the storage rounding (half an ulp of the stored dtype).
@@ -225,10 +225,11 @@ class ReplayMemory:
 
 def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, indices,
                      write_pos, force_flush=None, *, kda, b_dtype, lower_bound=None,
-                     use_qk_l2norm=True):
+                     use_qk_l2norm=True, round_beta=False):
     """One ReplaySSM step (basic mode) on `mem` (updated in place). a: GDN [B,HV], KDA [B,HV,K]
-    or [B,HV*K]; dt_bias GDN [HV], KDA [HV,K] or [HV*K]. Returns (out [B,1,HV,V], flushed [B] bool,
-    new write_pos [B] per the caller protocol wp = flushed ? 0 : m + 1; padded rows keep theirs)."""
+    or [B,HV*K]; dt_bias GDN [HV], KDA [HV,K] or [HV*K]. Beta is sigmoid(b) in fp32, rounded to
+    `b_dtype` with `round_beta`. Returns (out [B,1,HV,V], flushed [B] bool, new write_pos [B] per
+    the caller protocol wp = flushed ? 0 : m + 1; padded rows keep theirs)."""
     x = np.asarray(mixed_qkv, dtype=np.float64)
     _, HV, V, K = mem.state.shape
     L = mem.L
@@ -237,7 +238,9 @@ def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, 
     hmap = key_head_of(HV, H)
     q, k = _prep_qk(q, k, scale, use_qk_l2norm)  # per key head [B, H, K]: q scaled, k normalized
     g = token_log_decay(a, A_log, dt_bias, B, HV, K, kda, lower_bound)
-    beta = rd(rd(sigmoid(b), "float32"), b_dtype)  # beta rounded to b.dtype
+    beta = rd(sigmoid(b), "float32")
+    if round_beta:
+        beta = rd(beta, b_dtype)  # the round_beta option: beta rounded to b.dtype
     out = np.zeros((B, 1, HV, V))
     flushed = np.zeros(B, dtype=bool)
     new_wp = np.array(write_pos, dtype=np.int64, copy=True)

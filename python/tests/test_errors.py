@@ -39,6 +39,19 @@ def call_packed(kda, args):
     return op(**args)
 
 
+def torch_dtypes(message):
+    """`message` with its dtype names as torch prints them (the ops print a caller's dtypes the
+    way its framework does)."""
+    import re
+
+    return re.sub(r"\b(float32|bfloat16|float16|float64|int32|int64)\b", r"torch.\1", message)
+
+
+def spelled(fw, message):
+    """The text for `fw`'s arrays: numpy's dtype spelling as written, torch's with "torch."."""
+    return torch_dtypes(message) if fw.name == "torch" else message
+
+
 def expect_error(call, args, message, exc=ValueError):
     """`call(args)` raises `exc` whose text is exactly `message`, and no array changed."""
     arrays = [v for v in args.values() if hasattr(v, "shape")]
@@ -121,10 +134,13 @@ PACKED_CASES = [
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("case", PACKED_CASES, ids=[c[0] for c in PACKED_CASES])
 def test_packed_decode_errors(fw, rng, kda, case):
-    _, mutate, msg_gdn, msg_kda = case
+    name, mutate, msg_gdn, msg_kda = case
     args = packed_args(fw, rng, kda)
     mutate(fw, args, kda)
-    expect_error(lambda a: call_packed(kda, a), args, msg_kda if (kda and msg_kda) else msg_gdn)
+    msg = msg_kda if (kda and msg_kda) else msg_gdn
+    if name in ("state-int", "indices-float"):
+        msg = spelled(fw, msg)
+    expect_error(lambda a: call_packed(kda, a), args, msg)
 
 
 def test_packed_decode_kda_lower_bound_must_be_finite(fw, rng):
@@ -191,7 +207,7 @@ REPLAY_CASES = [
     ("A_log-shape", lambda fw, a, kda: a.update(A_log=fw.full((5,), 0.0)),
      "`A_log` must have contiguous shape (4,).", None),
     ("d_cache-shape", lambda fw, a, kda: a.update(d_cache=fw.full((S, HV, L, V + 1), 0.0)),
-     "`d_cache` must have shape [slots, HV, L, V].", None),
+     "`d_cache` shape must be (5, 4, 4, 16) (got (5, 4, 4, 17)).", None),
     ("L-zero", lambda fw, a, kda: a.update(d_cache=fw.full((S, HV, 0, V), 0.0)),
      "ReplaySSM cache length must be at least 1.", None),
     ("a-shape", lambda fw, a, kda: a.update(a=fw.full((B, HV, K + 1) if kda else (B, HV + 1), 0.0)),
@@ -203,9 +219,10 @@ REPLAY_CASES = [
     ("ring-noncontiguous", lambda fw, a, kda: a.update(k_cache=strided_last(fw, (S, H, L, K))),
      "ReplaySSM ring caches must be contiguous.", None),
     ("k_cache-shape", lambda fw, a, kda: a.update(k_cache=fw.full((S, HV, L, K), 0.0)),
-     "`k_cache` must have shape [slots, H, L, K].", None),
+     "`k_cache` shape must be (5, 2, 4, 8) (got (5, 4, 4, 8)).", None),
     ("g_cache-shape", lambda fw, a, kda: a.update(g_cache=fw.full((S, HV, L, 1), 0.0)),
-     "`g_cache` must have shape [slots, HV, L].", "`g_cache` must have shape [slots, HV, L, K]."),
+     "`g_cache` shape must be (5, 4, 4) (got (5, 4, 4, 1)).",
+     "`g_cache` shape must be (5, 4, 4, 8) (got (5, 4, 4, 1))."),
     ("g_cache-dtype", lambda fw, a, kda: a.update(
         g_cache=fw.full((S, HV, L, K) if kda else (S, HV, L), 0.0, "float16")),
      "`g_cache` must be float32 (got float16).", None),
@@ -233,13 +250,16 @@ def test_replayssm_errors(fw, rng, kda, case):
         pytest.skip("GDN `a` is checked by shape and contiguity in one message")
     args = replay_args(fw, rng, kda)
     mutate(fw, args, kda)
-    expect_error(call_replay, args, msg_kda if (kda and msg_kda) else msg_gdn)
+    msg = msg_kda if (kda and msg_kda) else msg_gdn
+    if name == "g_cache-dtype" and fw.name == "torch":
+        msg = "`g_cache` must be float32 (got torch.float16)."  # SGLang's text: got {g_cache.dtype}
+    expect_error(call_replay, args, msg)
 
 
 def test_replayssm_g_cache_bf16(tfw, rng):
     args = replay_args(tfw, rng, False)
     args["g_cache"] = tfw.full((S, HV, L), 0.0, "bfloat16")
-    expect_error(call_replay, args, "`g_cache` must be float32 (got bfloat16).")
+    expect_error(call_replay, args, "`g_cache` must be float32 (got torch.bfloat16).")
 
 
 # ---- recurrent --------------------------------------------------------------------------------
@@ -368,7 +388,19 @@ def test_recurrent_errors(fw, rng, kda):
 
     args = recurrent_args(fw, rng, kda)
     args["use_gate_in_kernel"] = True
-    expect_error(call, args, f"{op}: the in-kernel gate (use_gate_in_kernel) needs `A_log`")
+    expect_error(call, args, "A_log is required when use_gate_in_kernel=True")  # FlashInfer's
+
+    args = recurrent_args(fw, rng, kda)
+    args["lower_bound"] = -5.0
+    expect_error(call, args, "lower_bound requires use_gate_in_kernel=True")
+
+    args = recurrent_args(fw, rng, kda)
+    args.update(use_gate_in_kernel=True, A_log=fw.full((HV,), 0.0), lower_bound=0.5)
+    expect_error(call, args, "lower_bound must be negative")
+
+    args = recurrent_args(fw, rng, kda)
+    args["backend"] = "triton"
+    expect_error(call, args, "backend must be 'auto', 'cute-dsl', or 'cake', got 'triton'")
 
     args = recurrent_args(fw, rng, kda)
     args.update(use_gate_in_kernel=True, A_log=fw.full((HV,), 0.0), dt_bias=fw.full((3,), 0.0))
@@ -379,12 +411,8 @@ def test_recurrent_errors(fw, rng, kda):
     args["output"] = fw.full((2, T, HV, 8), 0.0)
     expect_error(call, args, "`initial_state` must have shape [slots, HV, V, K]=(5, 4, 8, 8); got "
                  "(5, 4, 16, 8) (V=8 from `v`)")
-
-    args = recurrent_args(fw, rng, kda, pooled=False)
-    args["initial_state"] = None
-    args["ssm_state_indices"] = fw.idx([0, 1])
-    expect_error(call, args, "`ssm_state_indices` index a state pool, but no `initial_state` pool "
-                 "was given")
+    # initial_state=None with ssm_state_indices is no error: FlashInfer allocates a zero state
+    # (test_dropin.py).
 
 
 # ---- wrong Python types, missing arguments -----------------------------------------------------
@@ -401,9 +429,8 @@ def test_wrong_types_packed(fw, rng):
                                               "array or a torch tensor); got list"),
             ("mixed_qkv", None, f"{name}: `mixed_qkv` must be a tensor (a numpy array or a torch "
                                 "tensor); got NoneType"),
-            ("scale", "0.1", "scale must be a number (got str)"),
-            ("scale", True, "scale must be a number (got bool)"),
-            ("scale", None, "scale must be a number (got NoneType)"),
+            ("scale", "0.1", "scale must be a number or None (got str)"),
+            ("scale", True, "scale must be a number or None (got bool)"),
         ]:
             args = dict(base, **{arg: value})
             expect_error(lambda a: op(**a), args, text, TypeError)
@@ -445,8 +472,8 @@ def test_unsupported_dtypes_and_read_only(rng):
     np_fw = Fw("numpy")
     args = packed_args(np_fw, rng, False)
     expect_error(lambda a: call_packed(False, a), dict(args, a=args["a"].astype(np.float64)),
-                 "`a` has a dtype deltastate does not take (DLPack code 2, 64 bits); use float32, "
-                 "bfloat16, float16, int32 or int64")
+                 "`a` has dtype float64, which deltastate does not take; use float32, bfloat16, "
+                 "float16, int32 or int64")
     ro = args["A_log"].copy()
     ro.flags.writeable = False
     expect_error(lambda a: call_packed(False, a), dict(args, A_log=ro),

@@ -85,6 +85,7 @@ def test_packed_decode_cuda_matches_cpu(rng, kda, act, state_dtype, H, HV, K, V)
     pc, pg = pools(pool_data(rng, slots, HV, V, K, scale=0.3), state_dtype, live)
     A_log, dt_bias = gate_params(rng, HV, K, kda)
     kw = {"lower_bound": -5.0} if kda and K != 64 else {}
+    kw["use_qk_l2norm_in_kernel"] = True
     for step, indices in enumerate([[4, -1, 1, 2, 7], [2, 5, 4, -1, 1], [-1, -1, 7, 5, -1]]):
         d = packed_data(rng, kda=kda, B=len(indices), H=H, HV=HV, K=K, V=V)
         outs = []
@@ -147,7 +148,7 @@ def test_recurrent_cuda_matches_cpu(rng, kda, act, state_dtype, H, HV, K, V):
                     dt_bias=fw.from64(dt_bias), initial_state=pool.view,
                     ssm_state_indices=fw.idx([5, -1, 2]), use_gate_in_kernel=True,
                     lower_bound=-5.0 if kda else None, beta_is_logit=True)
-        assert ret is pool.view
+        assert ret is None  # FlashInfer's rule: output_final_state=False
         outs.append(to64(o))
     assert (outs[1][1] == 0).all()
     close2(outs[1], outs[0], TOL_OUT, act, "o")
@@ -172,22 +173,47 @@ def test_recurrent_cuda_matches_cpu(rng, kda, act, state_dtype, H, HV, K, V):
     close2(outs[1], outs[0], TOL_OUT, act, "o (varlen)")
     check_pools(pc, pg, [4, 1, 0], before)
 
-    # A start state without indices, final state out.
+    # A start state without indices: FLA's rule (read only, a new float32 final state; the
+    # V-first layout, the one CUDA runs) and FlashInfer's (updated in place and returned).
     init64 = pool_data(rng, 2, HV, V, K, scale=0.3)
     d = recurrent_data(rng, kda=kda, B=2, T=3, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=False,
                        beta_is_logit=True)
+    fla = ds.fused_recurrent_kda if kda else ds.fused_recurrent_gated_delta_rule
     res = []
     for fw in (CPU, GPU):
         x = materialize_recurrent(fw, d, act)
         init = fw.aligned(init64, state_dtype)
         snap = bits(init)
-        o, final = op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
-                      output_final_state=True, beta_is_logit=True)
+        o, final = fla(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=init,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True,
+                       use_beta_sigmoid_in_kernel=True, state_v_first=True)
         np.testing.assert_array_equal(bits(init), snap)
         assert final.device.type == fw.device and final.dtype == torch.float32
-        res.append((to64(o), to64(final)))
+        o2, st = op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
+                    output_final_state=True, beta_is_logit=True)
+        assert st is init
+        res.append((to64(o), to64(final), to64(o2), to64(init)))
     close2(res[1][0], res[0][0], TOL_OUT, act, "o (initial_state)")
     close2(res[1][1], res[0][1], TOL_STATE["float32"], "float32", "final_state")
+    close2(res[1][2], res[0][2], TOL_OUT, act, "o (in place)")
+    close2(res[1][3], res[0][3], TOL_STATE[state_dtype], state_dtype, "state (in place)")
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_fla_k_first_state_rejected_on_cuda(rng, kda):
+    """FLA's default K-first state runs on the CPU only: on CUDA a clear NotImplementedError
+    naming state_v_first, nothing written (never a silent transpose)."""
+    H, HV, K, V = 1, 2, 16, 16
+    d = recurrent_data(rng, kda=kda, B=2, T=2, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=False,
+                       beta_is_logit=False)
+    x = materialize_recurrent(GPU, d, "float32")
+    init = GPU.aligned(pool_data(rng, 2, HV, K, V))  # [N, HV, K, V]
+    snap = bits(init)
+    fla = ds.fused_recurrent_kda if kda else ds.fused_recurrent_gated_delta_rule
+    with pytest.raises(NotImplementedError, match="state_v_first"):
+        fla(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=init,
+            output_final_state=True)
+    np.testing.assert_array_equal(bits(init), snap)
 
 
 # ---- ReplaySSM --------------------------------------------------------------------------------
@@ -217,7 +243,7 @@ class ReplayTwin:
         return ds.fused_recurrent_linear_replayssm_decode(
             x["mixed_qkv"], a, x["b"], fw.from64(self.A_log), dt, self.K ** -0.5, m["pool"].view,
             m["d"], m["k"], m["g"], out, idx, m["wp"], ff, is_kda=self.kda,
-            lower_bound=lower_bound, advance_write_pos=advance)
+            lower_bound=lower_bound, use_qk_l2norm_in_kernel=True, advance_write_pos=advance)
 
     def compare(self, flushed_slots):
         c, g = self.mem["cpu"], self.mem["cuda"]
@@ -271,7 +297,7 @@ def test_replayssm_cuda_matches_cpu(rng, kda, L, H, HV, K, V, act, state_dtype, 
             out = poison(fw, (len(rows), 1, HV, V), act)
             res = tw.call(fw, x, fw.idx(indices), None if ff is None else fw.idx(ff), out,
                           lower_bound=lb)
-            assert res is out
+            assert res[0] is out and res[1] is tw.mem[fw.device]["pool"].view
             outs.append(to64(out))
         torch.cuda.synchronize()
         assert not np.isnan(outs[1]).any()
@@ -315,6 +341,7 @@ def test_cuda_graph_packed_decode(rng, kda):
     static_idx = GPU.idx([1, 2, 3, 4])
     static_out = poison(GPU, (B, 1, HV, V), act)
     kw = {"lower_bound": -5.0} if kda else {}
+    kw["use_qk_l2norm_in_kernel"] = True
 
     def step():
         packed_op(kda)(static["mixed_qkv"], static["a"], static["b"], A_log, dt_bias, K ** -0.5,
@@ -368,7 +395,8 @@ def test_cuda_graph_replayssm_advancing_cursors(rng, kda):
     def call(m, x, idx, ff, out):
         ds.fused_recurrent_linear_replayssm_decode(
             x["mixed_qkv"], x["a"], x["b"], A_log, dt_bias, K ** -0.5, m["pool"].view, m["d"],
-            m["k"], m["g"], out, idx, m["wp"], ff, is_kda=kda, advance_write_pos=True)
+            m["k"], m["g"], out, idx, m["wp"], ff, is_kda=kda, use_qk_l2norm_in_kernel=True,
+            advance_write_pos=True)
 
     g = _warmup_then_capture(lambda: call(static_m, static, static_idx, static_ff, static_out))
     for name in ("d", "k", "g", "wp"):
@@ -412,6 +440,7 @@ def test_packed_decode_pdl_bit_identical(rng, kda, act, state_dtype, H, HV, K, V
     pools = {pdl: make_pool(GPU, data, state_dtype, live) for pdl in (False, True)}
     A_log, dt_bias = (GPU.from64(t) for t in gate_params(rng, HV, K, kda))
     kw = {"lower_bound": -5.0} if kda else {}
+    kw["use_qk_l2norm_in_kernel"] = True
     steps = [[4, -1, 1, 2, 7], [2, 5, 4, -1, 1], [-1, -1, 7, 5, -1], [7, 1, 2, 4, 5]] * 2
     inputs = [materialize_packed(GPU, packed_data(rng, kda=kda, B=5, H=H, HV=HV, K=K, V=V), act)
               for _ in steps]
@@ -451,9 +480,10 @@ def test_recurrent_pdl_bit_identical(rng, kda, H, HV, K, V):
     d_in = recurrent_data(rng, kda=kda, B=2, T=3, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=False,
                           beta_is_logit=True)
     x_in = materialize_recurrent(GPU, d_in, act)
-    init = GPU.aligned(pool_data(rng, 2, HV, V, K, scale=0.3))
+    init64 = pool_data(rng, 2, HV, V, K, scale=0.3)
     res = {}
     for pdl, pool in pools.items():
+        init = GPU.aligned(init64)  # updated in place (FlashInfer's rule): a copy per pdl
         torch.cuda.synchronize()
         got = []
         for _ in range(2):  # no sync in between: each call reads the pool the previous one wrote
@@ -461,7 +491,7 @@ def test_recurrent_pdl_bit_identical(rng, kda, H, HV, K, V):
                         dt_bias=dt_bias, initial_state=pool.view,
                         ssm_state_indices=GPU.idx([5, -1, 2]), use_gate_in_kernel=True,
                         lower_bound=-5.0 if kda else None, beta_is_logit=True, pdl=pdl)
-            assert ret is pool.view
+            assert ret is None
             got.append(o)
             out = poison(GPU, tuple(x_vl["v"].shape), act)
             o, _ = op(x_vl["q"], x_vl["k"], x_vl["v"], x_vl["g"], x_vl["beta"],
@@ -472,7 +502,8 @@ def test_recurrent_pdl_bit_identical(rng, kda, H, HV, K, V):
             o, final = op(x_in["q"], x_in["k"], x_in["v"], x_in["g"], x_in["beta"],
                           initial_state=init, output_final_state=True, beta_is_logit=True,
                           pdl=pdl)
-            got += [o, final]
+            assert final is init
+            got += [o, final.clone()]
         torch.cuda.synchronize()
         res[pdl] = [bits(t) for t in got]
     for i, (a, b) in enumerate(zip(res[True], res[False])):
@@ -518,7 +549,7 @@ def test_replayssm_pdl_bit_identical(rng, kda, L, H, HV, K, V, act, state_dtype,
                 x["mixed_qkv"], x["a"], x["b"], A_log, dt_bias, K ** -0.5, m["pool"].view, m["d"],
                 m["k"], m["g"], out, idx, m["wp"], ff, is_kda=kda,
                 lower_bound=-5.0 if kda else None, advance_write_pos=True, pdl=pdl)
-            assert res is out
+            assert res[0] is out
         torch.cuda.synchronize()
     for step, (a, b) in enumerate(zip(outs[True], outs[False])):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"out, step {step}")
@@ -580,20 +611,20 @@ def test_cuda_graph_pdl_chain_matches_eager(rng, act):
         gdn, kdap = ds.fused_recurrent_gated_delta_rule_packed_decode, \
             ds.fused_recurrent_kda_packed_decode
         gdn(x["mixed_qkv0"], x["a0"], x["b0"], gA, gdt, K ** -0.5, m["gdn"].view, o[0], x["idx"],
-            pdl=pdl)
+            True, pdl=pdl)
         gdn(x["mixed_qkv1"], x["a1"], x["b1"], gA, gdt, K ** -0.5, m["gdn"].view, o[1], x["idx"],
-            pdl=pdl)
+            True, pdl=pdl)
         ds.recurrent_gated_delta_rule(x["r_q"], x["r_k"], o[1], x["r_g"], x["r_beta"],
                                       initial_state=m["gdn"].view, ssm_state_indices=x["idx"],
                                       output=o[2], beta_is_logit=True, pdl=pdl)
         kdap(x["mixed_qkv2"], x["a2"], x["b2"], kA, kdt.reshape(-1), K ** -0.5, m["kda"].view,
-             o[3], x["idx"], lower_bound=-5.0, pdl=pdl)
+             o[3], x["idx"], True, lower_bound=-5.0, pdl=pdl)
         for i, kind, kda, A, dt in ((3, "rg", False, gA, gdt), (4, "rk", True, kA, kdt)):
             r = m[kind]
             ds.fused_recurrent_linear_replayssm_decode(
                 x[f"mixed_qkv{i}"], x[f"a{i}"], x[f"b{i}"], A, dt, K ** -0.5, r["pool"].view,
                 r["d"], r["k"], r["g"], o[i + 1], x["idx"], r["wp"], x["ff"], is_kda=kda,
-                advance_write_pos=True, pdl=pdl)
+                use_qk_l2norm_in_kernel=True, advance_write_pos=True, pdl=pdl)
 
     def snapshot_of(m):
         snap = {"gdn": m["gdn"].bits(), "kda": m["kda"].bits()}
@@ -656,14 +687,14 @@ def test_ops_run_on_torch_current_stream(rng):
         for name in ("mixed_qkv", "a", "b"):
             x[name].copy_(new[name], non_blocking=True)
         ds.fused_recurrent_gated_delta_rule_packed_decode(
-            x["mixed_qkv"], x["a"], x["b"], A_g, dt_g, K ** -0.5, pg.view, out, idx)
+            x["mixed_qkv"], x["a"], x["b"], A_g, dt_g, K ** -0.5, pg.view, out, idx, True)
         result = out.clone()
     s.synchronize()
     xc = materialize_packed(CPU, d_new, "float32")
     out_c = poison(CPU, (B, 1, HV, V), "float32")
     ds.fused_recurrent_gated_delta_rule_packed_decode(
         xc["mixed_qkv"], xc["a"], xc["b"], CPU.from64(A_log), CPU.from64(dt_bias), K ** -0.5,
-        pc.view, out_c, CPU.idx([3, -1, 0]))
+        pc.view, out_c, CPU.idx([3, -1, 0]), True)
     close2(to64(result), to64(out_c), TOL_OUT, "float32", "out on a side stream")
     for slot in (3, 0):
         close2(pg.state64()[slot], pc.state64()[slot], TOL_STATE["float32"], "float32", "state")
@@ -694,7 +725,7 @@ def test_state_pool_cuda(rng):
         out = poison(fw, (2, 1, HV, V), "float32")
         ds.fused_recurrent_gated_delta_rule_packed_decode(
             x["mixed_qkv"], x["a"], x["b"], fw.from64(A_log), fw.from64(dt_bias), K ** -0.5,
-            pool.layer_state(1), out, fw.idx([slots[2], slots[0]]))
+            pool.layer_state(1), out, fw.idx([slots[2], slots[0]]), True)
         outs.append(to64(out))
     close2(outs[1], outs[0], TOL_OUT, "float32", "out")
     close2(to64(gp.layer_state(1)), to64(cp.layer_state(1)), TOL_STATE["float32"], "float32", "pool")

@@ -42,7 +42,7 @@ def packed_case(op, H, HV, K, V, B, sdt, steps=3, seed=0):
             fn = (ds.fused_recurrent_kda_packed_decode if op == "kda"
                   else ds.fused_recurrent_gated_delta_rule_packed_decode)
             fn(x.to(dev), a.to(dev), b.to(dev), A_log.to(dev), dt.to(dev), K ** -0.5, p, out,
-               idx.to(dev))
+               idx.to(dev), True)
             outs.append(out.float().cpu())
         torch.cuda.synchronize()
         atol, rtol, satol = TOL[sdt]
@@ -78,7 +78,7 @@ def replay_case(op, H, HV, K, V, B, sdt, L, steps, seed=0):
             ds.fused_recurrent_linear_replayssm_decode(
                 x.to(dev), a.to(dev), b.to(dev), A_log.to(dev), dt.to(dev), K ** -0.5, bf["pool"],
                 bf["d"], bf["k"], bf["g"], out, idx.to(dev), bf["wp"], ff.to(dev),
-                is_kda=op == "kda", advance_write_pos=True)
+                is_kda=op == "kda", use_qk_l2norm_in_kernel=True, advance_write_pos=True)
             outs.append(out.float().cpu())
         torch.cuda.synchronize()
         atol, rtol, satol = TOL[sdt]

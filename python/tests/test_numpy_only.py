@@ -43,7 +43,7 @@ _SCRIPT = textwrap.dedent("""
             beta = rng.uniform(0.1, 0.9, (3, 2, HV)).astype(np.float32)
             op = ds.recurrent_kda if kda else ds.recurrent_gated_delta_rule
             o, ret = op(q, k, v, g, beta, initial_state=view, ssm_state_indices=idx)
-            assert ret is view
+            assert ret is None  # FlashInfer's rule: output_final_state=False
             want_o, _, want = ref.recurrent(q.astype(np.float64), k.astype(np.float64),
                                             v.astype(np.float64), g.astype(np.float64),
                                             beta.astype(np.float64), kda=kda,
@@ -62,7 +62,7 @@ _SCRIPT = textwrap.dedent("""
         pd = (ds.fused_recurrent_kda_packed_decode if kda
               else ds.fused_recurrent_gated_delta_rule_packed_decode)
         pd(x["mixed_qkv"], x["a"], x["b"], A_log.astype(np.float32), dt_bias.astype(np.float32),
-           K ** -0.5, pool.layer_state(0), out, np.array(rows, dtype=np.int32))
+           K ** -0.5, pool.layer_state(0), out, np.array(rows, dtype=np.int32), True)
         want_out, want = ref.packed_decode(x["mixed_qkv"].astype(np.float64),
                                            x["a"].astype(np.float64), x["b"].astype(np.float64),
                                            A_log, dt_bias, K ** -0.5, start, rows, kda=kda)

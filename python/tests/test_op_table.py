@@ -10,56 +10,81 @@ import pytest
 import deltastate as ds
 from deltastate import _derive
 from deltastate._lib import lib
-from deltastate._surface import BOOL, OPS, OPT_FLOAT, Arg
+from deltastate._surface import BOOL, FLOAT, OPS, Arg
 
+_FLASHINFER_RECURRENT = (
+    "(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, "
+    "output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False, "
+    "lower_bound=None, cu_seqlens=None, ssm_state_indices=None, num_spec_tokens=None, "
+    "num_accepted_tokens=None, output=None, initial_state_source=None, "
+    "initial_state_indices=None, beta_is_logit=False, seq_order=None, prefill_workspace=None, "
+    "state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0, *, "
+    "backend='auto', round_beta=False, check_indices=None, pdl=False)")
+_REPLAY_HEAD = ("(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, "
+                "g_cache, out, ssm_state_indices, write_pos, force_flush=None, ")
 PUBLIC = {
     "fused_recurrent_gated_delta_rule_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
-        "use_qk_l2norm_in_kernel=True, *, round_beta=False, check_indices=None, pdl=False)",
+        "use_qk_l2norm_in_kernel=False, *, round_beta=False, check_indices=None, pdl=False)",
     "fused_recurrent_kda_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
-        "use_qk_l2norm_in_kernel=True, lower_bound=None, *, round_beta=False, "
+        "use_qk_l2norm_in_kernel=False, lower_bound=None, *, round_beta=False, "
         "check_indices=None, pdl=False)",
-    "recurrent_kda":
-        "(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, "
-        "output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False, "
-        "lower_bound=None, cu_seqlens=None, ssm_state_indices=None, output=None, "
-        "beta_is_logit=False, *, check_indices=None, pdl=False)",
-    "recurrent_gated_delta_rule":
-        "(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, "
-        "output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False, "
-        "lower_bound=None, cu_seqlens=None, ssm_state_indices=None, output=None, "
-        "beta_is_logit=False, *, check_indices=None, pdl=False)",
-    "fused_recurrent_linear_replayssm_decode":
-        "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out, "
-        "ssm_state_indices, write_pos, force_flush=None, *, is_kda=False, "
-        "use_qk_l2norm_in_kernel=True, lower_bound=None, advance_write_pos=False, "
+    "recurrent_kda": _FLASHINFER_RECURRENT,
+    "recurrent_gated_delta_rule": _FLASHINFER_RECURRENT,
+    "fused_recurrent_gated_delta_rule":
+        "(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None, "
+        "output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, "
+        "A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, "
+        "state_v_first=False, cu_seqlens=None, *, transpose_state_layout=None, round_beta=False, "
         "check_indices=None, pdl=False)",
+    "fused_recurrent_kda":
+        "(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, "
+        "output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, "
+        "use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, "
+        "state_v_first=False, cu_seqlens=None, *, transpose_state_layout=None, round_beta=False, "
+        "check_indices=None, pdl=False)",
+    "fused_recurrent_linear_replayssm_decode": _REPLAY_HEAD + (
+        "lower_bound=None, use_qk_l2norm_in_kernel=False, is_kda=False, block_v=None, "
+        "num_warps=1, num_stages=3, nk=2, cache_base=None, circular_replay=False, "
+        "prefix_gate_cache=False, predecayed_k_cache=False, *, round_beta=False, "
+        "advance_write_pos=False, check_indices=None, pdl=False)"),
+    "helion_fused_recurrent_kda_replayssm_decode": _REPLAY_HEAD + (
+        "use_qk_l2norm_in_kernel=False, lower_bound=None, *, round_beta=False, "
+        "advance_write_pos=False, check_indices=None, pdl=False)"),
 }
 
 _PACKED_SCHEMA = (
-    "Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float scale, "
+    "Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float? scale, "
     "Tensor(a!) initial_state, Tensor(b!) out, Tensor ssm_state_indices, "
-    "bool use_qk_l2norm_in_kernel=True, float? lower_bound=None, bool round_beta=False, "
+    "bool use_qk_l2norm_in_kernel=False, float? lower_bound=None, bool round_beta=False, "
     "int check_indices=-1, bool pdl=False")
 _RECURRENT_SCHEMA = (
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, Tensor? A_log, "
     "Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, "
-    "float? scale, Tensor? initial_state, Tensor(b!)? state_pool, Tensor? ssm_state_indices, "
-    "Tensor? cu_seqlens, Tensor(c!)? final_state, bool use_qk_l2norm_in_kernel, "
-    "int check_indices=-1, bool pdl=False")
+    "bool round_beta, float? scale, Tensor? initial_state, Tensor(b!)? state_pool, "
+    "Tensor? ssm_state_indices, Tensor? cu_seqlens, Tensor(c!)? final_state, bool state_v_first, "
+    "bool stride_contract, bool use_qk_l2norm_in_kernel, int check_indices=-1, bool pdl=False")
+
+
+def _replay_schema(name, kda, helion):
+    return (f"{name}(Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, "
+            "float? scale, Tensor(a!) initial_state, Tensor(b!) d_cache, Tensor(c!) k_cache, "
+            "Tensor(d!) g_cache, Tensor(e!) out, Tensor ssm_state_indices, Tensor(f!) write_pos, "
+            "Tensor? force_flush, float? lower_bound=None, bool use_qk_l2norm_in_kernel=False, "
+            f"bool is_kda={kda}, bool round_beta=False, bool advance_write_pos=False, "
+            f"bool helion={helion}, int check_indices=-1, bool pdl=False) -> ()")
+
+
 SCHEMAS = {
     "gdn_packed_decode": f"gdn_packed_decode({_PACKED_SCHEMA}) -> ()",
     "kda_packed_decode": f"kda_packed_decode({_PACKED_SCHEMA}) -> ()",
     "recurrent_gated_delta_rule": f"recurrent_gated_delta_rule({_RECURRENT_SCHEMA}) -> ()",
     "recurrent_kda": f"recurrent_kda({_RECURRENT_SCHEMA}) -> ()",
-    "replayssm_decode":
-        "replayssm_decode(Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, "
-        "float scale, Tensor(a!) initial_state, Tensor(b!) d_cache, Tensor(c!) k_cache, "
-        "Tensor(d!) g_cache, Tensor(e!) out, Tensor ssm_state_indices, Tensor(f!) write_pos, "
-        "Tensor? force_flush, bool is_kda=False, bool use_qk_l2norm_in_kernel=True, "
-        "float? lower_bound=None, bool advance_write_pos=False, int check_indices=-1, "
-        "bool pdl=False) -> ()",
+    "fla_gated_delta_rule": f"fla_gated_delta_rule({_RECURRENT_SCHEMA}) -> ()",
+    "fla_kda": f"fla_kda({_RECURRENT_SCHEMA}) -> ()",
+    "replayssm_decode": _replay_schema("replayssm_decode", False, False),
+    "helion_kda_replayssm_decode": _replay_schema("helion_kda_replayssm_decode", True, True),
 }
 
 
@@ -90,7 +115,9 @@ def test_schema(op):
 
 
 def test_every_binding_has_an_entry():
-    assert sorted(lib.op_signatures()) == sorted(op.name for op in OPS)
+    """Every binding is used, every public function and torch op has its own name."""
+    assert sorted(lib.op_signatures()) == sorted({op.binding_name for op in OPS})
+    assert len({op.name for op in OPS}) == len({op.public for op in OPS}) == len(OPS)
     for op in OPS:
         names = [a.name for a in _derive.binding_order(op, lib.op_signatures())]
         assert sorted(names) == sorted(a.name for a in op.op_args)
@@ -104,9 +131,9 @@ def test_table_and_binding_must_match():
     with pytest.raises(ImportError, match=r"op `gdn_packed_decode` takes .*extra:bool"):
         _derive.binding_order(extra, lib.op_signatures())
     retyped = dataclasses.replace(
-        op, args=tuple(dataclasses.replace(a, kind=OPT_FLOAT) if a.name == "scale" else a
+        op, args=tuple(dataclasses.replace(a, kind=FLOAT) if a.name == "scale" else a
                        for a in op.args))
-    with pytest.raises(ImportError, match=r"scale:float\?.* but .*scale:float[,)]"):
+    with pytest.raises(ImportError, match=r"scale:float[,)].* but .*scale:float\?"):
         _derive.binding_order(retyped, lib.op_signatures())
     with pytest.raises(ImportError, match="no binding for op `nope`"):
         _derive.binding_order(dataclasses.replace(op, name="nope"), lib.op_signatures())

@@ -1,8 +1,9 @@
-"""recurrent_gated_delta_rule / recurrent_kda (FlashInfer's signature) on numpy and torch-CPU
-inputs against the float64 reference: the [B, T] form and the varlen cu_seqlens form, in-pool with
-ssm_state_indices (padding, envelope as_strided pools, sentinel slots), initial_state without
-indices plus output_final_state, the gate in the kernel or a precomputed g, beta as a logit or a
-probability, GVA, K != V, fp32/fp16/bf16."""
+"""recurrent_gated_delta_rule / recurrent_kda (FlashInfer's signature and state rules) on numpy
+and torch-CPU inputs against the float64 reference: the [B, T] form and the varlen cu_seqlens form,
+in-pool with ssm_state_indices (padding, envelope as_strided pools, sentinel slots), a state
+without indices (updated in place, as FlashInfer), what output_final_state returns, the gate in
+the kernel or a precomputed g, beta as a logit or a probability, GVA, K != V, fp32/fp16/bf16.
+The read-only start state with a new float32 final state is FLA's rule (test_fla.py)."""
 
 import numpy as np
 import pytest
@@ -57,7 +58,8 @@ def check_out(o, want, act, padded_tokens=()):
 @pytest.mark.parametrize("H,HV,K,V", SHAPES)
 def test_recurrent_pooled_bt(fw, rng, kda, act, state_dtype, H, HV, K, V):
     """[B, T] form, in-pool (envelope as_strided view) with a padded row, the gate in the kernel
-    and beta as a logit; the pool is updated in place and returned."""
+    and beta as a logit; the pool is updated in place; output_final_state returns, as FlashInfer
+    without cu_seqlens, a new array of the rows' updated states (zeros for the padded row)."""
     if not (fw.supports(act) and fw.supports(state_dtype)):
         pytest.skip("numpy has no bfloat16")
     B, T, slots = 3, 4, 6
@@ -75,7 +77,9 @@ def test_recurrent_pooled_bt(fw, rng, kda, act, state_dtype, H, HV, K, V):
     o, ret = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool.view,
                          ssm_state_indices=idx, beta_is_logit=True, output_final_state=True,
                          output=out, **gk)
-    assert ret is pool.view and o is out
+    assert o is out and ret is not pool.view
+    assert type(ret) is type(pool.view) and ret.dtype == pool.view.dtype
+    assert tuple(ret.shape) == (B, HV, V, K)
     want_o, _, want_pool = ref.recurrent(*(to64(x[n]) for n in ("q", "k", "v", "g", "beta")),
                                          kda=kda, initial_state=start, ssm_state_indices=indices,
                                          beta_is_logit=True, **gk64)
@@ -84,15 +88,19 @@ def test_recurrent_pooled_bt(fw, rng, kda, act, state_dtype, H, HV, K, V):
     for s in (5, 2):
         assert_close(got[s], want_pool[s], TOL_STATE[state_dtype], state_dtype, f"state[{s}]")
     pool.assert_untouched_outside(before, [5, 2])
+    gathered = to64(ret)
+    np.testing.assert_array_equal(gathered[0], got[5])
+    np.testing.assert_array_equal(gathered[2], got[2])
+    assert (gathered[1] == 0).all()
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("act,state_dtype", [("float32", "float32"), ("float16", "float16"),
                                              ("bfloat16", "bfloat16")])
 def test_recurrent_initial_state_and_final_state(fw, rng, kda, act, state_dtype):
-    """No indices: initial_state [N, HV, V, K] is only read; output_final_state returns a new
-    float32 [N, HV, V, K] of the caller's framework. Precomputed g, beta a probability, and an
-    output buffer passed in (returned as is)."""
+    """No indices: initial_state [N, HV, V, K] is updated in place (FlashInfer's rule) and
+    output_final_state returns it. Precomputed g, beta a probability, and an output buffer passed
+    in (returned as is)."""
     if not (fw.supports(act) and fw.supports(state_dtype)):
         pytest.skip("numpy has no bfloat16")
     H, HV, K, V, B, T = 2, 4, 8, 16, 2, 5
@@ -100,24 +108,26 @@ def test_recurrent_initial_state_and_final_state(fw, rng, kda, act, state_dtype)
                        beta_is_logit=False)
     x = materialize_recurrent(fw, d, act)
     # recurrent_kda applies its compiled stride contract (base 32-byte aligned) to any state.
-    init = fw.aligned(pool_data(rng, B, HV, V, K), state_dtype)
+    start = pool_data(rng, B, HV, V, K)
+    init = fw.aligned(start, state_dtype)
+    init64 = to64(init)
     out = poison(fw, (B, T, HV, V), act)
-    snap = snapshot(init, x["q"], x["k"], x["v"], x["g"], x["beta"])
+    snap = snapshot(x["q"], x["k"], x["v"], x["g"], x["beta"])
     o, final = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
                            output_final_state=True, output=out)
-    assert o is out
-    assert_unchanged(snap, init, x["q"], x["k"], x["v"], x["g"], x["beta"], what="input")
-    assert type(final) is type(init) and "float32" in str(final.dtype)
-    assert tuple(final.shape) == (B, HV, V, K)
+    assert o is out and final is init
+    assert_unchanged(snap, x["q"], x["k"], x["v"], x["g"], x["beta"], what="input")
     want_o, want_final, _ = ref.recurrent(*(to64(x[n]) for n in ("q", "k", "v", "g", "beta")),
-                                          kda=kda, initial_state=to64(init))
+                                          kda=kda, initial_state=init64)
     check_out(o, want_o, act)
-    assert_close(to64(final), want_final, TOL_STATE["float32"], "float32", "final_state")
+    assert_close(to64(init), want_final, TOL_STATE[state_dtype], state_dtype, "state")
 
-    # Without output_final_state: (o, None).
-    o2, none = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init)
+    # Without output_final_state: (o, None), the state updated all the same.
+    init2 = fw.aligned(start, state_dtype)
+    o2, none = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init2)
     assert none is None
     np.testing.assert_array_equal(bits(o2), bits(o))
+    np.testing.assert_array_equal(bits(init2), bits(init))
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -141,7 +151,7 @@ def test_recurrent_varlen_pooled(fw, rng, kda, cu_dtype):
     o, ret = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool.view,
                          cu_seqlens=cu_t, ssm_state_indices=fw.idx(indices), beta_is_logit=True,
                          **gk)
-    assert ret is pool.view
+    assert ret is None  # output_final_state=False
     want_o, _, want_pool = ref.recurrent(*(to64(x[n]) for n in ("q", "k", "v", "g", "beta")),
                                          kda=kda, initial_state=start, ssm_state_indices=indices,
                                          cu_seqlens=cu, beta_is_logit=True, **gk64)
@@ -153,11 +163,17 @@ def test_recurrent_varlen_pooled(fw, rng, kda, cu_dtype):
     # The empty sequence (slot 1) keeps its state bit for bit.
     np.testing.assert_array_equal(got[1], start[1])
     pool.assert_untouched_outside(before, used)
+    # With output_final_state and cu_seqlens, FlashInfer returns the pool itself.
+    _, ret = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool.view,
+                         cu_seqlens=cu_t, ssm_state_indices=fw.idx(indices), beta_is_logit=True,
+                         output_final_state=True, **gk)
+    assert ret is pool.view
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_recurrent_varlen_initial_state(fw, rng, kda):
-    """cu_seqlens without a pool: initial_state [N, ...] read per sequence, final states out."""
+    """cu_seqlens without indices: initial_state [N, ...], sequence n on row n, updated in place
+    and returned with output_final_state."""
     H, HV, K, V = 2, 4, 8, 8
     lens = [2, 4, 1]
     cu = np.concatenate([[0], np.cumsum(lens)])
@@ -165,13 +181,13 @@ def test_recurrent_varlen_initial_state(fw, rng, kda):
                        use_gate_in_kernel=False, beta_is_logit=True)
     x = materialize_recurrent(fw, d, "float32")
     init = fw.aligned(pool_data(rng, 3, HV, V, K))
-    snap = snapshot(init)
+    init64 = to64(init)
     o, final = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
                            output_final_state=True, cu_seqlens=fw.idx(cu, "int64"),
                            beta_is_logit=True)
-    assert_unchanged(snap, init, what="initial_state")
+    assert final is init
     want_o, want_final, _ = ref.recurrent(*(to64(x[n]) for n in ("q", "k", "v", "g", "beta")),
-                                          kda=kda, initial_state=to64(init), cu_seqlens=cu,
+                                          kda=kda, initial_state=init64, cu_seqlens=cu,
                                           beta_is_logit=True)
     check_out(o, want_o, "float32")
     assert_close(to64(final), want_final, TOL_STATE["float32"], "float32", "final_state")
@@ -179,8 +195,9 @@ def test_recurrent_varlen_initial_state(fw, rng, kda):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_recurrent_zero_state_safe_gate_strided(fw, rng, kda):
-    """No initial state (S starts at 0), the safe gate (lower_bound) without dt_bias, an explicit
-    scale, q/k/v as strided views into one fused buffer."""
+    """No initial state: S starts at 0 in a zero state allocated as FlashInfer does (bfloat16;
+    float32 for numpy) and returned with output_final_state; the safe gate (lower_bound) without
+    dt_bias, an explicit scale, q/k/v as strided views into one fused buffer."""
     H, HV, K, V, B, T = 2, 4, 16, 8, 2, 3
     d = recurrent_data(rng, kda=kda, B=B, T=T, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=True,
                        beta_is_logit=False)
@@ -192,10 +209,12 @@ def test_recurrent_zero_state_safe_gate_strided(fw, rng, kda):
     gk, gk64 = gate_kwargs(fw, rng, kda, HV, K, True, lower_bound=-5.0, with_dt=False)
     o, final = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.2,
                            output_final_state=True, **gk)
+    state_dtype = "bfloat16" if fw.name == "torch" else "float32"
+    assert tuple(final.shape) == (B, HV, V, K) and str(final.dtype).endswith(state_dtype)
     want_o, want_final, _ = ref.recurrent(*(to64(x[n]) for n in ("q", "k", "v", "g", "beta")),
                                           kda=kda, scale=0.2, **gk64)
     check_out(o, want_o, "float32")
-    assert_close(to64(final), want_final, TOL_STATE["float32"], "float32", "final_state")
+    assert_close(to64(final), want_final, TOL_STATE[state_dtype], state_dtype, "final_state")
     # Neither state nor final state: (o, None), same output.
     o2, none = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.2, **gk)
     assert none is None
@@ -243,11 +262,10 @@ def test_recurrent_pdl_is_ignored_on_cpu(fw, rng, kda):
     outs = {}
     for pdl, pool in pools.items():
         for _ in range(2):  # twice: the second call starts from the updated pool
-            o, ret = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                 initial_state=pool.view, cu_seqlens=fw.idx(cu, "int64"),
-                                 ssm_state_indices=fw.idx(indices), beta_is_logit=True, pdl=pdl,
-                                 **gk)
-            assert ret is pool.view
+            o, _ = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                               initial_state=pool.view, cu_seqlens=fw.idx(cu, "int64"),
+                               ssm_state_indices=fw.idx(indices), beta_is_logit=True, pdl=pdl,
+                               **gk)
         outs[pdl] = bits(o)
     np.testing.assert_array_equal(outs[True], outs[False])
     np.testing.assert_array_equal(pools[True].bits(), pools[False].bits())
@@ -256,9 +274,10 @@ def test_recurrent_pdl_is_ignored_on_cpu(fw, rng, kda):
     d = recurrent_data(rng, kda=kda, B=2, T=3, H=H, HV=HV, K=K, V=V, use_gate_in_kernel=False,
                        beta_is_logit=False)
     x = materialize_recurrent(fw, d, "float32")
-    init = fw.aligned(pool_data(rng, 2, HV, V, K))
+    start = pool_data(rng, 2, HV, V, K)
     res = {}
     for pdl in (False, True):
+        init = fw.aligned(start)  # updated in place: a fresh copy per call
         o, final = op_for(kda)(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
                                output_final_state=True, pdl=pdl)
         res[pdl] = (bits(o), bits(final))

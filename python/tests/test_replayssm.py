@@ -68,7 +68,7 @@ class ReplaySetup:
         return self.last
 
     def step(self, rng, act, indices, write_pos, force_flush=None, *, advance, lower_bound=None,
-             scale=None, check=True):
+             scale=None, check=True, round_beta=False):
         """One step: run the op and the reference; check the output, the checkpoint, the rings
         and the cursors. Returns (reference out, flushed rows, new write_pos)."""
         fw, B = self.fw, len(indices)
@@ -81,13 +81,13 @@ class ReplaySetup:
         before = [self.pool.bits(), bits(self.d_cache), bits(self.k_cache), bits(self.g_cache)]
         res = ds.fused_recurrent_linear_replayssm_decode(
             x["mixed_qkv"], x["a"], x["b"], self.A_log, self.dt_bias, scale, self.pool.view,
-            self.d_cache, self.k_cache, self.g_cache, out, idx, wp, ff, is_kda=self.kda,
-            lower_bound=lower_bound, advance_write_pos=advance)
-        assert res is out
+            self.d_cache, self.k_cache, self.g_cache, out, idx, wp, ff, lower_bound, True,
+            self.kda, advance_write_pos=advance, round_beta=round_beta)
+        assert res[0] is out and res[1] is self.pool.view  # SGLang's (out, initial_state)
         want_out, flushed, new_wp = ref.replayssm_decode(
             self.mem, to64(x["mixed_qkv"]), to64(x["a"]), to64(x["b"]), to64(self.A_log),
             to64(self.dt_bias), scale, indices, write_pos, force_flush, kda=self.kda, b_dtype=act,
-            lower_bound=lower_bound)
+            lower_bound=lower_bound, round_beta=round_beta)
         if not check:
             return want_out, flushed, new_wp, out
 
@@ -160,8 +160,9 @@ def test_replayssm_matches_reference(fw, rng, kda, L, act, state_dtype, k_dtype,
         force = None
         if step % 3 == 1:
             force = (rng.random(len(rows)) < 0.3).astype(np.int64)
+        # Beta in fp32 (every op's default) and, every third step, rounded to b's dtype.
         _, _, new_wp, _ = setup.step(rng, act, indices, write_pos, force, advance=advance,
-                                     lower_bound=lb)
+                                     lower_bound=lb, round_beta=step % 3 == 2)
         write_pos = new_wp
         if "float32" != state_dtype or "float32" != k_dtype:
             setup.resync()
@@ -216,7 +217,7 @@ def test_replayssm_L1_equals_packed_decode(fw, rng, kda):
         out2 = poison(fw, (len(rows), 1, HV, V), "float32")
         a = x["a"] if not kda else x["a"].reshape(len(rows), HV * K)
         op(x["mixed_qkv"], a, x["b"], setup.A_log, setup.dt_bias, K ** -0.5, twin.view, out2,
-           fw.idx(rows))
+           fw.idx(rows), True)
         assert_close(to64(out), to64(out2), TOL_REPLAY_L1, "float32", "out vs packed decode")
         assert_close(setup.pool.state64()[[0, 1, 4]], twin.state64()[[0, 1, 4]], TOL_REPLAY_L1,
                      "float32", "state vs packed decode")
@@ -256,10 +257,11 @@ def test_replayssm_pdl_is_ignored_on_cpu(fw, rng, kda):
         for pdl, s in twins.items():
             x = materialize_packed(fw, d, "float32")
             out = poison(fw, (len(rows), 1, HV, V), "float32")
-            res = ds.fused_recurrent_linear_replayssm_decode(
+            res, _ = ds.fused_recurrent_linear_replayssm_decode(
                 x["mixed_qkv"], x["a"], x["b"], s.A_log, s.dt_bias, K ** -0.5, s.pool.view,
                 s.d_cache, s.k_cache, s.g_cache, out, fw.idx(rows), wps[pdl], fw.idx(ff),
-                is_kda=kda, lower_bound=-5.0 if kda else None, advance_write_pos=True, pdl=pdl)
+                is_kda=kda, lower_bound=-5.0 if kda else None, advance_write_pos=True, pdl=pdl,
+                use_qk_l2norm_in_kernel=True)
             assert res is out
             outs[pdl] = bits(out)
         np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"out, step {step}")

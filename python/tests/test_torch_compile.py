@@ -126,9 +126,8 @@ def test_compile_replayssm(rng, pdl):
 
     def step(x, a, b, state, d_c, k_c, g_c, out, idx, wp, pdl=False):
         ds.fused_recurrent_linear_replayssm_decode(x, a, b, A_log, dt_bias, K ** -0.5, state, d_c,
-                                                   k_c, g_c, out, idx, wp, None, is_kda=True,
-                                                   lower_bound=-5.0, advance_write_pos=True,
-                                                   pdl=pdl)
+                                                   k_c, g_c, out, idx, wp, None, -5.0, True, True,
+                                                   nk=1, advance_write_pos=True, pdl=pdl)
         return out * 1.0
 
     compiled = torch.compile(lambda *args: step(*args, pdl=pdl), fullgraph=True,
@@ -174,15 +173,23 @@ def test_custom_ops_opcheck(rng):
           i["out"], i["idx"], True, -5.0)),
         (torch.ops.deltastate.recurrent_kda.default,
          (i["q"], i["k"], i["v"], i["g"], i["beta"], o, i["A_log_k"], i["dt_bias_k"], True, None,
-          True, None, None, i["kpool"], i["kidx"], i["cu"], None, True)),
+          True, False, None, None, i["kpool"], i["kidx"], i["cu"], None, True, True, True)),
         (torch.ops.deltastate.recurrent_gated_delta_rule.default,
          (i["q"], i["k"], i["v"], -torch.rand(1, 5, HV), torch.rand(1, 5, HV), o, None, None,
-          False, None, False, 0.3, i["init"], None, None, i["cu"], fs, True)),
+          False, None, False, False, 0.3, i["init"], None, None, i["cu"], fs, True, True, True)),
+        (torch.ops.deltastate.fla_kda.default,  # K-first read-only start state, K-first final
+         (i["q"], i["k"], i["v"], -torch.rand(1, 5, HV, K), torch.rand(1, 5, HV), o, None, None,
+          False, None, False, False, None, torch.rand(2, HV, K, V), None, None, i["cu"],
+          torch.empty(2, HV, K, V), False, False, False)),
         (torch.ops.deltastate.replayssm_decode.default,
          (xk["mixed_qkv"], xk["a"], xk["b"], i["A_log_k"], i["dt_bias_k"], 0.25, i["pool"],
           torch.zeros(6, HV, 2, V), torch.zeros(6, H, 2, K), torch.zeros(6, HV, 2, K), i["out"],
           i["idx"], torch.zeros(B, dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32),
-          True, True, None, True)),
+          None, True, True, False, True)),
+        (torch.ops.deltastate.helion_kda_replayssm_decode.default,
+         (xk["mixed_qkv"], xk["a"], xk["b"], i["A_log_k"], i["dt_bias_k"], 0.25, i["pool"],
+          torch.zeros(6, HV, 2, V), torch.zeros(6, H, 2, K), torch.zeros(6, HV, 2, K), i["out"],
+          i["idx"], torch.zeros(B, dtype=torch.int32), None, -5.0, True)),
     ]
     for op, args in cases:
         for kwargs in ({}, {"pdl": True}):
