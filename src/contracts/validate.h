@@ -27,5 +27,7 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& mixed_qkv, const 
 double checked_scale(const std::optional<double>& scale, int64_t K);
 RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda);
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
+// `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
+ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 
 }  // namespace deltastate::detail
