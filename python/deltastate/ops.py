@@ -1,9 +1,10 @@
-"""The decode ops, with the reference implementations' names and argument order.
+"""The decode ops, with the reference implementations' names, argument order and defaults.
 
 Every function takes numpy arrays or torch tensors (CPU or CUDA) zero-copy, strided views included,
-updates the caller's tensors in place and returns them as the reference does. Contract violations
-raise ValueError with the core's exact text. On CUDA tensors the op launches on torch's current
-stream, without host synchronization or allocation (when the caller passes the outputs).
+updates the caller's tensors in place and returns what the peer of its name returns (SGLang,
+FLA, FlashInfer; README "Drop-in: peer functions"). Contract violations raise ValueError with the
+core's exact text. On CUDA tensors the op launches on torch's current stream, without host
+synchronization or allocation (when the caller passes the outputs and the states).
 
 Each function's signature, conversions and call are generated from its entry in the op table
 (:mod:`deltastate._surface`); ``help()`` shows its arguments with kinds and dtypes.
@@ -138,9 +139,12 @@ def _build() -> None:
 
 
 _build()
+# The peers' aliases: SGLang's GDN name of ReplaySSM, FLA's short name of its GDN function.
 fused_recurrent_gdn_replayssm_decode = fused_recurrent_linear_replayssm_decode  # noqa: F821
+fused_recurrent_gdn = fused_recurrent_gated_delta_rule  # noqa: F821
 
 
 from ._lib import cuda_available, cuda_built  # noqa: E402,F401  (device and build queries)
 
-__all__ = [op.public for op in OPS] + ["fused_recurrent_gdn_replayssm_decode"]
+__all__ = [op.public for op in OPS] + ["fused_recurrent_gdn_replayssm_decode",
+                                       "fused_recurrent_gdn"]

@@ -1,8 +1,7 @@
 """Shared pieces of the ported peer tests (python/tests/peer/).
 
-* ``peer_op(name)``: the deltastate function that takes a peer's name. The peer surfaces are the
-  target of issue 19 and do not all exist yet; a missing one fails the calling test with a clear
-  message (it is not an import error, so every other test of the file still runs).
+* ``peer_op(name)``: the deltastate function that takes a peer's name; a missing one fails the
+  calling test with a clear message (not an import error, so every other test of the file runs).
 * ``DEVICES``: "cpu" always, "cuda" when both torch and this deltastate build can run on a GPU.
 * ``cpu_len``: the only size trimming the ports do. On CPU tensors a sequence length above
   ``CPU_MAX_T`` (default 64; ``DELTASTATE_PEER_FULL=1`` lifts it) is cut to it so the whole peer
