@@ -245,7 +245,8 @@ def _packed(kda: bool) -> Op:
 
 # ---- recurrent (B,T and varlen): FlashInfer's recurrent_kda surface ----------------------------
 _FLASHINFER_BACKENDS = ("auto", "cute-dsl", "cake")
-_SPEC = ("speculative decode arrives with the verify op; pass None (standard decode)")
+_SPEC = ("(speculative decode) is not implemented in deltastate yet (it arrives with the verify "
+         "op); pass None")
 _PREFILL = "(a FlashInfer prefill-backend option) is not implemented in deltastate; pass None"
 
 

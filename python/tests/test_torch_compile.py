@@ -155,6 +155,30 @@ def test_compile_replayssm(rng, pdl):
     assert e_mem["wp"].tolist() == [0, 0, 0]  # 2L steps with flushes at L-1: back to 0
 
 
+def test_compile_fla_names(rng):
+    """FLA's functions under torch.compile(fullgraph=True): the K-first start state, a new final
+    state, beta=None (a broadcast view of ones) and g=None (no decay) traced with the rest."""
+    backend_or_skip("aot_eager")
+    torch._dynamo.reset()
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    q, k, v = t(1, 5, H, K), t(1, 5, H, K), t(1, 5, HV, V)
+    g, beta, h0 = -torch.sigmoid(t(1, 5, HV, K)), torch.sigmoid(t(1, 5, HV)), t(2, HV, K, V)
+    cu = torch.tensor([0, 2, 5])
+
+    def f(q, k, v, g, beta, h0):
+        o, ht = ds.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu)
+        o2, ht2 = ds.fused_recurrent_gated_delta_rule(q, k, v, initial_state=h0,
+                                                      output_final_state=True, cu_seqlens=cu,
+                                                      use_qk_l2norm_in_kernel=True)
+        return o * 1.0, ht * 1.0, o2 * 1.0, ht2 * 1.0
+
+    eager = f(q, k, v, g, beta, h0)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, h0)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
 def test_custom_ops_opcheck(rng):
     """torch.library.opcheck: schemas (mutation annotations), fake tensors, AOT dispatch."""
     if not hasattr(torch.library, "opcheck"):
