@@ -71,7 +71,7 @@ __device__ __forceinline__ TileCoords tile_coords(const RecurrentProblem& p, int
 }
 
 __device__ __forceinline__ int64_t slot_of(const RecurrentProblem& p, int64_t n) {
-  return p.indices ? detail::load_index(p.indices, p.index_dtype, n) : n;
+  return p.indices ? detail::index_at(p.indices, p.index_dtype, p.index_stride, n) : n;
 }
 
 // The tile's rows of the dense final state [N, HV, V, K] (optional output): value(r, i) is
@@ -454,7 +454,8 @@ __device__ __forceinline__ void stream_load(const RecurrentProblem& p, int t, in
   // first is used), rows past V read row V-1 (stream_prepare zeroes them).
   x.c = head_block(p, t, vblocks);
   const int n = x.c.n, kofs = lane * KPL;
-  x.slot_bits = load_index_bits(p.indices ? p.indices : &kZeroWord, p.index_dtype, p.indices ? n : 0);
+  x.slot_bits = load_index_bits(p.indices ? p.indices : &kZeroWord, p.index_dtype,
+                                p.indices ? n * p.index_stride : 0);
   auto ld = [](const void* ptr, DType dt, int64_t i) { return load_input<In, InT>(ptr, dt, i); };
   const int64_t q_off = head_offset(p.q, n, 0, x.c.h) + kofs;
   const int64_t k_off = head_offset(p.k, n, 0, x.c.h) + kofs;

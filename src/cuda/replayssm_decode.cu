@@ -155,7 +155,8 @@ __device__ __forceinline__ void publish_gate(const ReplayProblem& p, const Token
     }
   }
   if (lane == 0)
-    reinterpret_cast<float*>(smem + sm.scalars)[1] = detail::beta_value(x.b, true, true, p.b.dtype);
+    reinterpret_cast<float*>(smem + sm.scalars)[1] =
+        detail::beta_value(x.b, true, p.round_beta, p.b.dtype);
 }
 template <int G, int EPL>
 __device__ __forceinline__ void prepare_token(const ReplayProblem& p, TokenHeadInputs<EPL>& x,
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   // lane will hold and, on the two token warps, the token's q, k, gate and beta inputs, kept in
   // their own type until used (a conversion right after its load stalled the warp there: ncu,
   // sixth session); the head's gate constants.
-  const int64_t slot = load_int_now(p.indices + n);
+  const int64_t slot = load_int_now(p.indices + n * p.index_stride);
   const int cursor = load_int_now_cg(p.write_pos + n);
   const bool forced_flush = p.force_flush && load_int_now(p.force_flush + n) != 0;
   // 16-bit inputs in their own 32-bit registers and v loaded unconditionally from a clamped row,
