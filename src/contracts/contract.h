@@ -2,7 +2,7 @@
 // tensors and throw deltastate::Error (ErrorKind::value) with messages that name the tensor and
 // show what was expected and what was found. Op-specific checks whose text must match the
 // reference implementation verbatim live beside the op's validator (src/contracts/*.cpp) and use
-// `fail` with a formatted message.
+// `fail` with a formatted message (core/error_text.h).
 #pragma once
 
 #include <cstdint>
@@ -11,15 +11,11 @@
 #include <string_view>
 #include <vector>
 
+#include "core/error_text.h"
 #include "deltastate/error.h"
 #include "deltastate/tensor.h"
 
 namespace deltastate::detail {
-
-// printf-style formatting into a std::string (messages only; never on a hot path).
-std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-
-[[noreturn]] void fail(const std::string& message);
 
 class Contract {
  public:
