@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "deltastate/ops.h"
+#include "deltastate/stream.h"
 #include "deltastate/tensor.h"
 
 namespace deltastate {
