@@ -62,6 +62,11 @@ class Contract {
 // The state pool's inner dims [HV, V, K] must be compact: strides (V*K, K, 1).
 bool inner_strides_compact(const TensorView& pool);
 
+// A limit of the CUDA kernels that the CPU kernels do not have (ErrorKind::not_implemented):
+// a lane holds its slice of each state row in registers, over a K tile of at most 256. Validators
+// apply it to CUDA tensors only, after every contract check.
+void require_cuda_k(int64_t K);
+
 // Host check of slot indices (CPU tensors only): every index < num_slots, and no live slot used
 // by two rows. `name` is the argument name for the message.
 void check_slot_indices_host(std::string_view name, const void* indices, DType dtype, int64_t n,

@@ -648,12 +648,6 @@ bool state_rows_aligned(const detail::StatePoolRef& s) {
          (s.slot_stride * static_cast<int64_t>(sizeof(StateT))) % 16 == 0;
 }
 
-inline void require_supported_k(int K) {
-  if (K > 256)
-    throw Error(ErrorKind::not_implemented,
-                "the CUDA backend supports K <= 256 (got K=" + std::to_string(K) + ")");
-}
-
 // A kernel's report of an out-of-range slot index (debug bounds checking): message, then trap.
 __device__ __forceinline__ void trap_bad_slot(const char* op, int64_t row, int64_t slot,
                                               int64_t num_slots) {

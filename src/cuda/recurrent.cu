@@ -857,7 +857,6 @@ bool launch_fast(const RecurrentProblem& p, cudaStream_t stream) {
 // K <= 256, any input dtypes). DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the generic ones.
 template <class StateT>
 void dispatch(const RecurrentProblem& p, cudaStream_t stream) {
-  require_supported_k(p.K);
   const DecodeChoice c = decode_kernel_for<StateT>(p);
   if (c != DecodeChoice::direct) {
 #if DELTASTATE_CUDA_ALL_KERNELS
