@@ -3,7 +3,8 @@
 #include <vector>
 
 #include "api/backend.h"
-#include "cuda/common.cuh"
+#include "cuda/launch.h"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 

@@ -19,9 +19,14 @@
 #include <string>
 
 #include "api/backend.h"
-#include "cuda/bulk_copy.cuh"
-#include "cuda/common.cuh"
+#include "cuda/async_copy.cuh"
+#include "cuda/grid.cuh"
+#include "cuda/launch.h"
+#include "cuda/loads.cuh"
+#include "cuda/rows.cuh"
 #include "cuda/stream_trace.h"
+#include "cuda/token.cuh"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 
@@ -449,7 +454,7 @@ struct StreamInputs {
 template <class In, int KPL, int VPL, int TILE_ROWS, class InT>
 __device__ __forceinline__ void stream_load(const RecurrentProblem& p, int t, int vblocks, int lane,
                                             StreamInputs<InT, KPL, VPL>& x) {
-  // Every load unconditional (common.cuh, kZeroWord): no indices read kZeroWord (stream_slot
+  // Every load unconditional (loads.cuh, kZeroWord): no indices read kZeroWord (stream_slot
   // uses the sequence), GDN's scalar gate input is read by every lane's KPL entries (only the
   // first is used), rows past V read row V-1 (stream_prepare zeroes them).
   x.c = head_block(p, t, vblocks);
@@ -477,7 +482,7 @@ __device__ __forceinline__ int64_t stream_slot(const RecurrentProblem& p, const 
   return p.indices ? index_of_bits(x.slot_bits, p.index_dtype) : x.c.n;
 }
 
-// The producer warp's token preparation into a stage's prep record (common.cuh / delta_math.h
+// The producer warp's token preparation into a stage's prep record (token.cuh / delta_math.h
 // for the norm, the gate and beta).
 template <int K, int KPL, int VPL, int TILE_ROWS, class InT>
 __device__ __forceinline__ void stream_prepare(const RecurrentProblem& p,

@@ -11,7 +11,7 @@
 // rebuilds S in registers, folds the token in (S0 <- alpha*S + d*k) and writes the checkpoint.
 //
 // Work layout. A CTA of NW warps owns a block of rows of one (row n, value head hv); each warp
-// holds its rows of S0 in registers (the lane layout of common.cuh: a row over G lanes, EPL
+// holds its rows of S0 in registers (the lane layout of rows.cuh: a row over G lanes, EPL
 // elements each, R rows per thread). The per-head ring work is done once per CTA, not per warp:
 //  1. Every thread reads the slot and the cursor m itself (no barrier); thread 0 issues bulk
 //     copies of the m ring records (k, the block's rows of d, KDA's g) into shared memory on an
@@ -33,8 +33,13 @@
 #include <type_traits>
 
 #include "api/backend.h"
-#include "cuda/bulk_copy.cuh"
-#include "cuda/common.cuh"
+#include "cuda/async_copy.cuh"
+#include "cuda/grid.cuh"
+#include "cuda/launch.h"
+#include "cuda/loads.cuh"
+#include "cuda/rows.cuh"
+#include "cuda/token.cuh"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 
