@@ -29,9 +29,8 @@ int max_smem_optin(int device) {
 }
 
 bool pdl_trigger_early(int64_t ctas, int resident_per_sm, int device) {
-  static const int forced = env_override("DELTASTATE_CUDA_PDL_TRIGGER", {1, 2});
-  if (forced) return forced == 1;
-  return 2 * ctas <= static_cast<int64_t>(resident_per_sm) * num_sms(device);
+  if (const int forced = forced_pdl_trigger()) return forced == 1;
+  return pdl_trigger_fits(ctas, static_cast<int64_t>(resident_per_sm) * num_sms(device));
 }
 
 void* device_alloc(size_t bytes, int device) {

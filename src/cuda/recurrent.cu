@@ -34,11 +34,6 @@ using detail::RecurrentProblem;
 
 namespace {
 
-// Resident 128-thread CTAs per SM the register allocation must allow (4: at most 128 registers).
-#ifndef DS_MIN_BLOCKS
-#define DS_MIN_BLOCKS 4
-#endif
-
 // Tile t of a grid that cuts every (sequence n, value head hv) into `blocks` row blocks: its
 // sequence, value head, key head and row block. (32-bit division: tile counts are below 2^31,
 // checked at launch; 64-bit division is a long software sequence on the GPU.)
@@ -158,7 +153,7 @@ __device__ __forceinline__ void write_state(const RecurrentProblem& p, const Til
 // ---- direct kernel: one tile per warp, state loaded straight into registers ----------------------
 
 template <class StateT, int KT, bool VEC, class In>
-__global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
+__global__ void __launch_bounds__(128, kDirectCtasPerSm) recurrent_direct_kernel(
     const RecurrentProblem p, int warps_per_head) {
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, KT>;
@@ -218,8 +213,7 @@ __global__ void __launch_bounds__(128, DS_MIN_BLOCKS) recurrent_direct_kernel(
 // lane its own words, so no barrier) while the first is computed from registers: the slot, the
 // token and its preparation are shared by both tiles, and each warp has two tiles of state in
 // flight from its start. (4 tiles per warp spilled and measured slower: fifth session, run 2.)
-// Its CTAs: 2 warps, 12 resident per SM at 80 registers, so 24 warps per SM.
-constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;
+// Its CTAs: kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
 constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
 // Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2).
 template <class StateT, int K>
@@ -336,18 +330,12 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   }
 }
 
-// Tiles per warp of the decode kernel. With w1 warps at one tile per warp and a resident
-// capacity of kDecodeWarpsPerSm (24) warps per SM: 2 where that halves a partial
-// second wave (capacity < w1 <= 2x capacity, e.g. B=8 at HV=32, V=K=128: 12.1 vs 12.4 us GDN,
-// 12.5 vs 13.6 KDA fp32, 8.7 vs 10.2 GDN bf16) and from 8 waves up (fp32 B=256: 277.9 vs 284.9
-// us), else 1 (fp32 B=16-32 and B <= 2 measured slower with 2). Fifth session, run 2
-// (docs/PERFORMANCE.md). DELTASTATE_CUDA_DECODE_TPW=1|2 forces it.
+// Tiles per warp of the decode kernel (tuning.h: decode_two_tiles, the override).
 int decode_tiles_per_warp(const RecurrentProblem& p, int tiles_per_head) {
-  static const int forced = env_override("DELTASTATE_CUDA_DECODE_TPW", {1, 2});
-  if (forced) return forced;
+  if (const int forced = forced_decode_tiles_per_warp()) return forced;
   const int64_t w1 = p.num_heads_total() * tiles_per_head;
   const int64_t cap = static_cast<int64_t>(kDecodeWarpsPerSm) * num_sms(p.device.index);
-  return (w1 > cap && w1 <= 2 * cap) || w1 >= 8 * cap ? 2 : 1;
+  return decode_two_tiles(w1, cap) ? 2 : 1;
 }
 
 template <class StateT, int K>
@@ -410,11 +398,11 @@ struct StreamLayout {
   static constexpr int G = K / EPL;       // lanes per row
   static constexpr int RPP = 32 / G;      // rows per warp per pass
   static constexpr int R = (kEsize == 4 || G < 8) ? 2 : 4;  // passes (rows per thread)
-  static constexpr int NW = 4;            // consumer warps
+  static constexpr int NW = kStreamConsumerWarps;
   static constexpr int THREADS = (NW + 1) * 32;
   static constexpr int TILE_ROWS = NW * RPP * R;
   static constexpr int TILE_BYTES = TILE_ROWS * K * kEsize;  // 16 KB (8 KB for bf16, K = 64)
-  static constexpr int STAGES = 65536 / TILE_BYTES;  // 64 KB of stages per CTA, 3 CTAs per SM
+  static constexpr int STAGES = kStreamStageBytes / TILE_BYTES;
   static constexpr int KPL = K / 32;                  // producer lanes: K elements per lane
   static constexpr int VPL = TILE_ROWS / 32;          // producer lanes: v rows per lane
   // The prep record of a stage: q[K], k[K], alpha[K] (KDA), v[TILE_ROWS] floats, then scalars.
@@ -545,7 +533,7 @@ __device__ long long g_stream_trace[kStreamTraceCtas][kStreamTraceTiles][kStream
 #endif
 
 template <class StateT, int K, class In>
-__global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, 3) recurrent_stream_kernel(
+__global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasPerSm) recurrent_stream_kernel(
     const RecurrentProblem p, int vblocks, int ntiles) {
   using Lay = StreamLayout<StateT, K>;
   constexpr int NW = Lay::NW, STAGES = Lay::STAGES, G = Lay::G, RPP = Lay::RPP, R = Lay::R;
@@ -774,11 +762,10 @@ template <class StateT, int KT, bool VEC, class In>
 void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
   const int wph = warps_per_head_of<StateT, KT>(p);
   const int64_t tiles = p.num_heads_total() * wph;
-  // Small batches: one warp per CTA spreads the tiles over more SMs; otherwise 4.
-  const int warps = tiles < 8LL * num_sms(p.device.index) ? 1 : 4;
+  const int warps = direct_cta_warps(tiles, num_sms(p.device.index));
   const int64_t ctas = (tiles + warps - 1) / warps;
   if (tiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
-  const int resident_ctas = DS_MIN_BLOCKS * 4 / warps;  // the launch bound's 16 warps per SM
+  const int resident_ctas = kDirectCtasPerSm * 4 / warps;  // the launch bound's 16 warps per SM
   launch_kernel(recurrent_direct_kernel<StateT, KT, VEC, In>, static_cast<unsigned>(ctas), warps * 32, 0,
                 stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
 }
@@ -792,26 +779,8 @@ bool inputs_are(const RecurrentProblem& p, DType t) {
 
 // Decode kernels: which one runs a decode-shaped problem (decode_shaped). By default the
 // register decode kernel, and the streaming kernel for 16-bit states from kStreamMinHeads
-// (sequence, head) pairs up (KDA: kStreamMinHeadsKda), where it was measured faster
-// (docs/PERFORMANCE.md; eighth session, run 6, with the producer's inputs two tiles ahead: GDN
-// bf16 at 256 pairs, B=8, decode 8.73 vs stream 8.90 us, at 512 decode 15.60 vs stream 13.49;
-// KDA bf16 at 128 pairs, B=4, decode 8.13 vs stream 6.60, at 256 10.80 vs 10.07; ninth session,
-// run 5, Kimi-Linear bf16 at 32 pairs, B=1, decode 6.01 vs stream 5.14, at 64 6.49 vs 5.41).
-// DELTASTATE_CUDA_DECODE=direct|decode|stream forces one (benchmarks compare them).
-enum class DecodeChoice { automatic, direct, decode, stream };
-DecodeChoice forced_decode_kernel() {
-  static const DecodeChoice forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_DECODE");
-    if (!e) return DecodeChoice::automatic;
-    if (std::strcmp(e, "direct") == 0) return DecodeChoice::direct;
-    if (std::strcmp(e, "decode") == 0) return DecodeChoice::decode;
-    if (std::strcmp(e, "stream") == 0) return DecodeChoice::stream;
-    return DecodeChoice::automatic;
-  }();
-  return forced;
-}
-constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
-
+// (sequence, head) pairs up (KDA: kStreamMinHeadsKda); DELTASTATE_CUDA_DECODE forces one
+// (tuning.h).
 // One token per sequence (T = 1, no cu_seqlens) in place on the pool (no dense final-state
 // copy), 16-byte aligned rows, K = 64 or 128.
 template <class StateT>

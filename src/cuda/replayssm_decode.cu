@@ -176,13 +176,11 @@ __device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
   return to_float(reinterpret_cast<const T*>(base)[i]);
 }
 
-// The most warps per CTA (launch() says why). The two-block kernel (BPC = 2) runs only on whole
-// heads of two such row blocks (the launcher's rule: V a multiple of 2 * 8 warps' rows), so its
-// CTA size, row counts and row bounds are compile-time: no row checks, and its addresses are
-// base + constant offsets (ncu, sixth session: the bounds checks and per-row 64-bit address
-// arithmetic were ~40% of its instructions).
-constexpr int kReplayWarps = 8;
-constexpr int kReplayCtasPerSm = 3;  // resident 8-warp CTAs per SM (80 registers)
+// The most warps per CTA: kReplayWarps (tuning.h). The two-block kernel (BPC = 2) runs only on
+// whole heads of two such row blocks (the launcher's rule: V a multiple of 2 * 8 warps' rows), so
+// its CTA size, row counts and row bounds are compile-time: no row checks, and its addresses are
+// base + constant offsets (the bounds checks and per-row 64-bit address arithmetic are ~40% of
+// the instructions of a kernel that has them).
 
 template <class StateT, int KT, bool VEC, class In, int BPC>
 __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
@@ -570,12 +568,8 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
 
 // Row blocks per CTA: 2 on the vector path where the head is a whole number of pairs of 8-warp
 // blocks (V a multiple of 2 x 64 rows: Qwen3-Next, Kimi-Linear), the layout fits in shared memory
-// and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1.
-// Fifth session, run 3 (docs/PERFORMANCE.md): two blocks measured 9-21% faster for fp32
-// checkpoints and 21-32% for bf16 from B=8 up (GDN fp32 L=16 B=256: 211.2 vs 260.6 us), and
-// 25-39% slower at B=1 (32 two-block CTAs for 132 SMs: GDN fp32 L=16 8.17 vs 5.94 us).
-// DELTASTATE_CUDA_REPLAY_BPC=1|2 forces it (where possible).
-constexpr int64_t kReplayTwoBlockWaves = 2;
+// and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1 (tuning.h, with the
+// override DELTASTATE_CUDA_REPLAY_BPC).
 
 template <class StateT, int KT, bool VEC, class In, int BPC>
 void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int vblocks,
@@ -615,7 +609,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
   const int rows_blk = warps * rows_per_warp;
   const int max_smem = max_smem_optin(p.device.index);
   if constexpr (VEC) {
-    static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
+    const int forced = forced_replay_blocks_per_cta();
     const bool two = forced ? forced == 2
                             : static_cast<int64_t>(p.B) * p.HV * vblocks >=
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
