@@ -182,6 +182,191 @@ __device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
 // base + constant offsets (the bounds checks and per-row 64-bit address arithmetic are ~40% of
 // the instructions of a kernel that has them).
 
+// The constants of one CTA of replay_kernel (its coordinates, its lane's place in the row layout,
+// its shared-memory sections), as the kernel computes them at its start, for the phases that are
+// functions below. The kernel fills it (an aggregate) from its own locals. Phases 2, 3f and 3a,
+// the cursor check and record_d stay in the kernel body: nvcc optimizes a function before it
+// inlines it, and as functions they (or a constructor here) compile to different SASS.
+template <class StateT, int KT, bool VEC, class In, int BPC>
+struct ReplayCta {
+  using Lay = RowLayout<StateT, KT>;
+  static constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  static constexpr int CPL = KT / 32;  // columns per lane in the per-record pass
+  using KS = typename Staged<StateT, VEC, In>::K;
+  using DS = typename Staged<StateT, VEC, In>::D;
+  using InT = typename In::wide_type;      // the inputs as loaded (16-bit: in their own registers)
+  static constexpr bool kFull = BPC == 2;  // whole 8-warp blocks, every row below V
+
+  unsigned char* smem;
+  int n, hv, h, lane, warp, nwarps, nthreads, L, V, K;
+  bool kda;
+  int gw, kofs, valid, rows_blk, row_base, rows_here, wrow, local0, row0, idx;
+  bool first_copy;
+  SmemLayout sm;
+  const float *s_kn, *s_qn, *s_alpha, *s_gcur, *s_scalars;
+  float *s_e, *s_ck, *s_cq, *s_w;
+  const float* s_g;
+  float* s_kw;
+  uint64_t* bar;  // thread 0's bulk copies
+
+  __device__ __forceinline__ bool row_ok(int row) const { return kFull || row < V; }
+
+  // v of the row whose sk this lane will hold, of each block: loaded unconditionally from a
+  // clamped row and kept in its own type (v_of converts and zeroes it where it is used).
+  __device__ __forceinline__ void load_v(const ReplayProblem& p, InT (&v_in)[BPC]) const {
+#pragma unroll
+    for (int b = 0; b < BPC; ++b) {
+      const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
+      v_in[b] = load_input<In, InT>(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + min(vrow, V - 1));
+    }
+  }
+  // v of block b where it is used: the lanes holding sk of a row below V.
+  __device__ __forceinline__ float v_of(const InT (&v_in)[BPC], int b) const {
+    return idx < R && row_ok(row0 + b * rows_blk + idx * RG) ? to_float(v_in[b]) : 0.0f;
+  }
+
+  // A padded row: zero output; no state or ring access, the cursor left as it is.
+  __device__ __forceinline__ void zero_output(const ReplayProblem& p) const {
+    if (lane % G == 0)
+#pragma unroll
+      for (int b = 0; b < BPC; ++b)
+        zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0 + b * rows_blk, RG);
+  }
+
+  // The vector path's ring-record copies (phase 1, issued first). Thread 0 alone issues bulk
+  // copies on `bar` (the copy engine moves the bytes) of the k records, each record's block of d
+  // rows and KDA's g records; warp 0's lanes copy GDN's scalar g records (m * 4 bytes, not whole
+  // 16-byte units) with 4-byte cp.async. (16-byte cp.async by every thread costs each warp ~250
+  // instructions per CTA of index arithmetic.)
+  __device__ __forceinline__ void copy_ring(const ReplayProblem& p, int m, float* g_ring, int64_t k_ring,
+                                            int64_t d_ring) const {
+    if (m > 0) {
+      if (threadIdx.x == 0) {
+        constexpr uint32_t kb = sizeof(KS), db = sizeof(DS);
+        const uint32_t k_bytes = m * K * kb, d_bytes = rows_here * db, g_bytes = kda ? m * K * 4 : 0;
+        mbar_init(bar, 1);
+        mbar_init_fence();
+        fence_proxy_async();  // the initialized barrier, before this thread's bulk copies use it
+        mbar_expect_tx(bar, k_bytes + m * d_bytes + g_bytes);
+        bulk_load(smem + sm.k, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, k_bytes, bar);
+        if (kda) bulk_load(smem + sm.g, g_ring, g_bytes, bar);
+        const unsigned char* d_src =
+            static_cast<const unsigned char*>(p.d_cache) + (d_ring + row_base) * db;
+        for (int j = 0; j < m; ++j)
+          bulk_load(smem + sm.d + j * sm.d_pitch, d_src + static_cast<int64_t>(j) * V * db, d_bytes, bar);
+        mbar_arrive(bar);
+      }
+      if (!kda && warp == 0) {
+        for (int j = lane; j < m; j += 32) cp_async4(smem + sm.g + j * 4, g_ring + j);
+        cp_async_commit();
+      }
+    }
+  }
+
+  // The token, on its two warps (prepare_token).
+  __device__ __forceinline__ void prepare(const ReplayProblem& p, const TokenHeadInputs<EPL, InT>& x_in,
+                                          const GateConsts<EPL>& gc, int gate_warp) const {
+    TokenHeadInputs<EPL> x = widen(x_in);
+    prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
+  }
+
+  // The checkpoint rows of block 0 into registers (every load in flight at once); `my_rows` is
+  // this lane's row 0.
+  __device__ __forceinline__ void load_checkpoint(const StateT* my_rows, float (&S)[R][EPL]) const {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row_ok(row0 + r * RG)) {
+        load_state<StateT, EPL, VEC>(my_rows + r * RG * K, valid, S[r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+      }
+    }
+  }
+
+  // The generic path's staging of the ring records (plain loads, after the rows' loads).
+  __device__ __forceinline__ void stage_ring(const ReplayProblem& p, int m, const float* g_ring,
+                                             int64_t k_ring, int64_t d_ring) const {
+    if (m > 0) {
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
+                       m, K);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
+                       p.d_dtype, d_ring + row_base, V, m, rows_here);
+    }
+  }
+
+  // Every thread of this CTA has read the cursor (its value decided the staging, before the
+  // barrier); now this CTA counts itself, and the last one stores the new cursor.
+  __device__ __forceinline__ void advance_cursor(const ReplayProblem& p, int m, bool flush) const {
+    if (p.advance_write_pos && threadIdx.x == 0) {
+      const int old = atomicAdd(p.write_pos + n, 1 << 16);
+      if ((old >> 16) == p.HV * static_cast<int>(gridDim.z) - 1) p.write_pos[n] = flush ? 0 : m + 1;
+    }
+  }
+
+  // One record's contribution: kw = W*k (KDA, per column) or k (GDN, W = w_j scalar); for a
+  // flush kw_j and w_j themselves, for an appending step the coefficients ck_j, cq_j.
+  __device__ __forceinline__ void finish_record(int j, int col0, bool flush, const float (&kw)[CPL],
+                                                float wj) const {
+    if (flush) {
+#pragma unroll
+      for (int c = 0; c < CPL; ++c)
+        if (col0 + c < K) s_kw[j * KT + col0 + c] = kw[c];
+      if (lane == 0) s_w[j] = wj;
+    } else {
+      float part[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) {
+        if (col0 + c < K) {
+          const float alpha = s_alpha[col0 + c];  // alpha*k, alpha*q as the CPU forms them
+          part[0] += kw[c] * (alpha * s_kn[col0 + c]);
+          part[1] += kw[c] * (alpha * s_qn[col0 + c]);
+        }
+      }
+      const float red = transpose_reduce<32, 2>(part, lane);
+      if (lane == holder_lane<32, 2>(0)) s_ck[j] = wj * red;
+      if (lane == holder_lane<32, 2>(1)) s_cq[j] = wj * red;
+    }
+  }
+  __device__ __forceinline__ void record_k(int j, int col0, float (&kr)[CPL]) const {
+#pragma unroll
+    for (int c = 0; c < CPL; ++c)
+      kr[c] = col0 + c < K ? smem_float<KS>(smem + sm.k, j * KT + col0 + c) : 0.0f;
+  }
+
+  // 3a's dots of S0 with e*alpha*k and e*alpha*q over the lane's slice.
+  __device__ __forceinline__ void checkpoint_dots(int m, const float (&S)[R][EPL], float (&dots)[2 * R]) const {
+    float ek[EPL], eq[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const float e = m > 0 && i < valid ? s_e[kofs + i] : 1.0f;
+      ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
+      eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        sk += S[r][i] * ek[i];
+        sq += S[r][i] * eq[i];
+      }
+      dots[r] = sk;
+      dots[R + r] = sq;
+    }
+  }
+  // 3f's token slices: alpha, k and q of the lane's K slice.
+  __device__ __forceinline__ void token_slice(float (&alpha)[EPL], float (&kn)[EPL], float (&qn)[EPL]) const {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      alpha[i] = i < valid ? s_alpha[kofs + i] : 1.0f;
+      kn[i] = i < valid ? s_kn[kofs + i] : 0.0f;
+      qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
+    }
+  }
+};
+
 template <class StateT, int KT, bool VEC, class In, int BPC>
 __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
@@ -213,7 +398,6 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const int rows_blk = nwarps * RPW;    // rows of one row block
   const int row_base = blockIdx.z * BPC * rows_blk;
   const int rows_here = kFull ? BPC * rows_blk : min(BPC * rows_blk, V - row_base);  // the CTA's rows
-  auto row_ok = [V](int row) { return kFull || row < V; };
   const int wrow = warp * RPW;                 // the warp's first local row
   const int local0 = wrow + lane / G;          // this lane's local row 0 (rows local0 + r*RG)
   const int row0 = row_base + local0;
@@ -232,31 +416,28 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const float* s_g = reinterpret_cast<const float*>(smem + sm.g);
   float* s_kw = reinterpret_cast<float*>(smem + sm.kw);
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + sm.bar);  // thread 0's bulk copies
+  // The same values for the phase functions (ReplayCta says why they are copied, not computed there).
+  const ReplayCta<StateT, KT, VEC, In, BPC> cta{smem, n, hv, h, lane, warp, nwarps, nthreads, L, V, K,
+                                                kda, gw, kofs, valid, rows_blk, row_base, rows_here,
+                                                wrow, local0, row0, idx, first_copy, sm, s_kn, s_qn,
+                                                s_alpha, s_gcur, s_scalars, s_e, s_ck, s_cq, s_w, s_g,
+                                                s_kw, bar};
 
   // Every load that does not depend on the slot leaves first, and none is waited for before the
   // checkpoint loads are issued: the slot, the cursor and the forced flush (issued in place,
   // load_int_now: the slot -> checkpoint chain is the CTA's longest); v of the row whose sk this
   // lane will hold and, on the two token warps, the token's q, k, gate and beta inputs, kept in
-  // their own type until used (a conversion right after its load stalled the warp there: ncu,
-  // sixth session); the head's gate constants.
+  // their own type until used (a conversion right after its load stalls the warp there); the
+  // head's gate constants.
   const int64_t slot = load_int_now(p.indices + n);
   const int cursor = load_int_now_cg(p.write_pos + n);
   const bool forced_flush = p.force_flush && load_int_now(p.force_flush + n) != 0;
   // 16-bit inputs in their own 32-bit registers and v loaded unconditionally from a clamped row,
   // zeroed where used (as the register decode kernel: a PRMT packing, or a zeroing after a
-  // predicated load, waits for the load). Tenth session, run 1: fp32 checkpoints 2-4% faster at
-  // B=1 and ~1% at B=256; bf16 checkpoints flat but KDA B=1 (+4%, 8-24 B more spills).
+  // predicated load, waits for the load).
   using InT = typename In::wide_type;
   InT v_in[BPC];  // of each block
-#pragma unroll
-  for (int b = 0; b < BPC; ++b) {
-    const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
-    v_in[b] = load_input<In, InT>(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + min(vrow, V - 1));
-  }
-  // v of block b where it is used: the lanes holding sk of a row below V.
-  auto v_of = [&](int b) {
-    return idx < R && row_ok(row0 + b * rows_blk + idx * RG) ? to_float(v_in[b]) : 0.0f;
-  };
+  cta.load_v(p, v_in);
   TokenHeadInputs<EPL, InT> x_in;
   GateConsts<EPL> gc;
   const int gate_warp = nwarps > 1 ? 1 : 0;
@@ -266,10 +447,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   }
 
   if (slot < 0) {  // padded: zero output; no state or ring access, the cursor left as it is
-    if (lane % G == 0)
-#pragma unroll
-      for (int b = 0; b < BPC; ++b)
-        zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0 + b * rows_blk, RG);
+    cta.zero_output(p);
     return;
   }
   if (p.check_indices && slot >= p.state.num_slots)
@@ -290,117 +468,39 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   float* g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * gw;
   const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
   const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
-  if constexpr (VEC) {
-    if (m > 0) {
-      // Thread 0 alone: bulk copies on `bar` (the copy engine moves the bytes) of the k records,
-      // each record's block of d rows and KDA's g records; warp 0's lanes copy GDN's scalar g
-      // records (m * 4 bytes, not whole 16-byte units) with 4-byte cp.async. (16-byte cp.async by
-      // every thread cost each warp ~250 instructions per CTA of index arithmetic: ncu run 7.)
-      if (threadIdx.x == 0) {
-        constexpr uint32_t kb = sizeof(KS), db = sizeof(DS);
-        const uint32_t k_bytes = m * K * kb, d_bytes = rows_here * db, g_bytes = kda ? m * K * 4 : 0;
-        mbar_init(bar, 1);
-        mbar_init_fence();
-        fence_proxy_async();  // the initialized barrier, before this thread's bulk copies use it
-        mbar_expect_tx(bar, k_bytes + m * d_bytes + g_bytes);
-        bulk_load(smem + sm.k, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, k_bytes, bar);
-        if (kda) bulk_load(smem + sm.g, g_ring, g_bytes, bar);
-        const unsigned char* d_src =
-            static_cast<const unsigned char*>(p.d_cache) + (d_ring + row_base) * db;
-        for (int j = 0; j < m; ++j)
-          bulk_load(smem + sm.d + j * sm.d_pitch, d_src + static_cast<int64_t>(j) * V * db, d_bytes, bar);
-        mbar_arrive(bar);
-      }
-      if (!kda && warp == 0) {
-        for (int j = lane; j < m; j += 32) cp_async4(smem + sm.g + j * 4, g_ring + j);
-        cp_async_commit();
-      }
-    }
-  }
+  if constexpr (VEC) cta.copy_ring(p, m, g_ring, k_ring, d_ring);
   // The token warps prepare it while their checkpoint loads and the ring copies are in flight
   // where the registers allow (EPL <= 4: fp32 states, K <= 128); with 8 elements per lane
   // (16-bit states, the generic kernel) holding the token's slices beside the rows spills, so
   // they prepare it before their rows' loads, but after the ring copies have left (before them,
-  // the whole CTA's ring waited for the token's inputs and its preparation).
+  // the whole CTA's ring waits for the token's inputs and its preparation).
   constexpr bool kPrepFirst = EPL > 4;
-  auto prep = [&] {
-    TokenHeadInputs<EPL> x = widen(x_in);
-    prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
-  };
-  if (kPrepFirst) prep();
+  if (kPrepFirst) cta.prepare(p, x_in, gc, gate_warp);
   // The checkpoint rows (every load in flight at once).
   StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
                static_cast<int64_t>(hv) * V * K;
   StateT* my_rows = s0 + static_cast<int64_t>(row0) * K + kofs;  // this lane's row 0 (of block 0)
   float S[R][EPL];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (row_ok(row0 + r * RG)) {
-      load_state<StateT, EPL, VEC>(my_rows + r * RG * K, valid, S[r]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
-    }
-  }
+  cta.load_checkpoint(my_rows, S);
   // The second block's rows: each thread copies its own words into shared memory (no barrier).
   uint4* ckpt_mine = reinterpret_cast<uint4*>(smem + sm.ckpt) + threadIdx.x;
   if constexpr (BPC == 2)
     stage_rows_async<StateT, EPL, R, !kFull>(ckpt_mine, nthreads, row0 + rows_blk, RG, V, [&](int r, int) {
       return my_rows + (rows_blk + r * RG) * K;
     });
-  if constexpr (!VEC) {
-    if (m > 0) {
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
-                       m, K);
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
-                       p.d_dtype, d_ring + row_base, V, m, rows_here);
-    }
-  }
-  if (!kPrepFirst) prep();
+  if constexpr (!VEC) cta.stage_ring(p, m, g_ring, k_ring, d_ring);
+  if (!kPrepFirst) cta.prepare(p, x_in, gc, gate_warp);
   if constexpr (VEC) cp_async_wait<BPC - 1>();  // warp 0's cp.async of GDN's g records
   __syncthreads();  // the token and the records staged; every thread has read the cursor
   if (VEC && m > 0) mbar_wait(bar, 0);  // thread 0's bulk copies
 
-  // Every thread of this CTA has read the cursor (its value decided the staging above, before
-  // the barrier); now this CTA counts itself, and the last one stores the new cursor.
-  if (p.advance_write_pos && threadIdx.x == 0) {
-    const int old = atomicAdd(p.write_pos + n, 1 << 16);
-    if ((old >> 16) == p.HV * static_cast<int>(gridDim.z) - 1) p.write_pos[n] = flush ? 0 : m + 1;
-  }
+  cta.advance_cursor(p, m, flush);
 
   // 2. Per record j (warp j mod NW; lane columns c = lane*CPL + i): Gtot and G_j summed as the
   //    CPU sums them, W_j = exp(Gtot - G_j), and for an appending step the coefficients ck_j,
   //    cq_j, for a flush kw_j and w_j themselves; e by the warp of record 0.
   if (m > 0) {
     const int col0 = lane * CPL;
-    // One record's contribution: kw = W*k (KDA, per column) or k (GDN, W = w_j scalar).
-    auto finish_record = [&](int j, const float (&kw)[CPL], float wj) {
-      if (flush) {
-#pragma unroll
-        for (int c = 0; c < CPL; ++c)
-          if (col0 + c < K) s_kw[j * KT + col0 + c] = kw[c];
-        if (lane == 0) s_w[j] = wj;
-      } else {
-        float part[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          if (col0 + c < K) {
-            const float alpha = s_alpha[col0 + c];  // alpha*k, alpha*q as the CPU forms them
-            part[0] += kw[c] * (alpha * s_kn[col0 + c]);
-            part[1] += kw[c] * (alpha * s_qn[col0 + c]);
-          }
-        }
-        const float red = transpose_reduce<32, 2>(part, lane);
-        if (lane == holder_lane<32, 2>(0)) s_ck[j] = wj * red;
-        if (lane == holder_lane<32, 2>(1)) s_cq[j] = wj * red;
-      }
-    };
-    auto record_k = [&](int j, float (&kr)[CPL]) {
-#pragma unroll
-      for (int c = 0; c < CPL; ++c)
-        kr[c] = col0 + c < K ? smem_float<KS>(smem + sm.k, j * KT + col0 + c) : 0.0f;
-    };
     if (kda) {
       float gtot[CPL], prefix[CPL];
 #pragma unroll
@@ -421,10 +521,10 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
           for (int c = 0; c < CPL; ++c) prefix[c] += col0 + c < K ? s_g[i * K + col0 + c] : 0.0f;
         }
         float kw[CPL];
-        record_k(j, kw);
+        cta.record_k(j, col0, kw);
 #pragma unroll
         for (int c = 0; c < CPL; ++c) kw[c] *= expf(gtot[c] - prefix[c]);
-        finish_record(j, kw, 1.0f);
+        cta.finish_record(j, col0, flush, kw, 1.0f);
       }
     } else {
       float gtot = 0.0f, prefix = 0.0f;
@@ -439,8 +539,8 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       for (int j = warp; j < m; j += nwarps) {
         for (; i <= j; ++i) prefix += s_g[i];
         float kr[CPL];
-        record_k(j, kr);
-        finish_record(j, kr, expf(gtot - prefix));
+        cta.record_k(j, col0, kr);
+        cta.finish_record(j, col0, flush, kr, expf(gtot - prefix));
       }
     }
     __syncthreads();
@@ -495,15 +595,10 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
         }
       }
       float alpha[EPL], kn[EPL], qn[EPL];
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        alpha[i] = i < valid ? s_alpha[kofs + i] : 1.0f;
-        kn[i] = i < valid ? s_kn[kofs + i] : 0.0f;
-        qn[i] = i < valid ? s_qn[kofs + i] : 0.0f;
-      }
+      cta.token_slice(alpha, kn, qn);
       float u_here;  // meaningful on the lanes holding sk
-      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, v_of(b), beta, lane, u_here, [&](int r) {
-        if (row_ok(rowb + r * RG)) store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
+      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, cta.v_of(v_in, b), beta, lane, u_here, [&](int r) {
+        if (cta.row_ok(rowb + r * RG)) store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
       });
       store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
       continue;
@@ -514,26 +609,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     //     l, l + G, ...), one transposed reduction; then the output and the record's d (by the
     //     lanes holding sk).
     float dots[2 * R];
-    {
-      float ek[EPL], eq[EPL];
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        const float e = m > 0 && i < valid ? s_e[kofs + i] : 1.0f;
-        ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
-        eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-        for (int i = 0; i < EPL; ++i) {
-          sk += S[r][i] * ek[i];
-          sq += S[r][i] * eq[i];
-        }
-        dots[r] = sk;
-        dots[R + r] = sq;
-      }
-    }
+    cta.checkpoint_dots(m, S, dots);
     for (int j = lane % G; j < m; j += G) {
       const float ckj = s_ck[j], cqj = s_cq[j];
       float dj[R];
@@ -545,10 +621,10 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       }
     }
     const float red = transpose_reduce<G, 2 * R>(dots, lane);
-    const float u_here = detail::delta_u(v_of(b), red, beta);  // meaningful on the lanes holding sk
+    const float u_here = detail::delta_u(cta.v_of(v_in, b), red, beta);  // meaningful on the lanes holding sk
     store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
     const int vrow = rowb + idx * RG;
-    if (idx < R && first_copy && row_ok(vrow))
+    if (idx < R && first_copy && cta.row_ok(vrow))
       detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
   }
   // The appended record's k and g: one writer per head.
