@@ -14,8 +14,8 @@ namespace deltastate::cuda_backend {
 // memory). With `trigger_early` it then lets the next PDL-launched grid on the stream be scheduled
 // at once (its CTAs wait in their own enter_grid); otherwise that happens as this grid's CTAs exit.
 // Launchers trigger early only for grids that leave room on the GPU for the next one
-// (pdl_trigger_early): early triggers made one-wave grids slower (B=4 decode 7.3 -> 8.2 us, B=8
-// 12.2 -> 14.0) and small ones faster (B=1 4.1 -> 3.6); seventh session, runs 1-2.
+// (pdl_trigger_early, tuning.h's pdl_trigger_fits): an early trigger slows a grid of a whole
+// wave and speeds up a small one.
 __device__ __forceinline__ void enter_grid(bool trigger_early) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

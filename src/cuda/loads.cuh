@@ -28,8 +28,8 @@ __device__ __forceinline__ T from_float(float x) {
 
 // A 16-bit input element loaded zero-extended into a 32-bit register. Held as the type itself,
 // nvcc packs two of them into one register, and the packing (a PRMT) waits for the load: a
-// kernel loading ahead then waits at the load (ncu, eighth session: the streaming kernel's
-// producer, 30% of its stall samples).
+// kernel loading ahead then waits at the load (in the streaming kernel's producer, a third of its
+// stalls).
 template <class T>
 struct Wide {
   uint32_t bits;
@@ -90,7 +90,7 @@ __device__ __forceinline__ T load_input(const void* p, DType t, int64_t i) {
 // A 32-bit load issued where it stands (read-only data; _cg: data other CTAs of the launch write,
 // read at L2). Volatile asm is neither deleted nor sunk past a branch, so a load whose value only
 // a later test uses still leaves first: nvcc moved the ReplaySSM cursor load behind the slot's
-// padding test, two DRAM round trips in a row (ncu, sixth session).
+// padding test, two DRAM round trips in a row.
 __device__ __forceinline__ int load_int_now(const int32_t* p) {
   int v;
   asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
@@ -104,9 +104,9 @@ __device__ __forceinline__ int load_int_now_cg(const int32_t* p) {
 
 // Loads whose conversion waits for them (a sign extension, a dtype switch's join): the bits
 // issued where they stand, converted where the value is used, so that a kernel loading ahead does
-// not wait at the load (ncu, eighth session: the streaming kernel's producer stalled there). Nor
-// may a value that is either loaded or zero be zeroed after the load is issued: the zeroing
-// waits for the load's register (ncu, eighth session, runs 3-4), so such loads read kZeroWord.
+// not wait at the load (the streaming kernel's producer stalls there otherwise). Nor may a value
+// that is either loaded or zero be zeroed after the load is issued: the zeroing waits for the
+// load's register, so such loads read kZeroWord.
 __device__ const uint64_t kZeroWord = 0;
 // Index i of an int32 or int64 index tensor, not yet sign-extended (index_of_bits).
 __device__ __forceinline__ uint64_t load_index_bits(const void* p, DType t, int64_t i) {

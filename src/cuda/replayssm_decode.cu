@@ -1,4 +1,5 @@
-// CUDA kernel of ReplaySSM buffered decode (spec §5, basic mode), GDN and KDA.
+// CUDA kernel of ReplaySSM buffered decode (SGLang's fused_recurrent_linear_replayssm_decode in its
+// basic mode: no circular ring, no predecayed keys), GDN and KDA.
 //
 // The math (docs/REPLAYSSM.md, the same factorization as the CPU kernel): with the checkpoint S0
 // and the m live ring records (d_j, k_j, g_j), the state before this token is
@@ -127,7 +128,7 @@ __device__ __forceinline__ float element_of(const uint4 (&u)[N], int e) {
 // The token is prepared once per CTA by two warps at once (their lanes of the first row group
 // publish their K slices): the norm warp normalizes q and k (q scaled) and takes k.q; the gate
 // warp computes the gate (log decay g, alpha = exp(g)) and beta. (One warp, one after the other,
-// made every other warp wait at the first barrier: ncu, docs/PERFORMANCE.md.)
+// makes every other warp wait at the first barrier.)
 template <int G, int EPL>
 __device__ __forceinline__ void publish_qk(const ReplayProblem& p, TokenHeadInputs<EPL>& x, int kofs,
                                            int valid, int lane, unsigned char* smem,

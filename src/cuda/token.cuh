@@ -82,7 +82,7 @@ __device__ __forceinline__ void load_token(const Problem& p, const detail::HeadI
 
 // Per-head gate constants: A_log[hv] and the lane's dt_bias (its K slice for KDA; for GDN the
 // head's scalar in every entry, each entry its own cached load: loading it once and copying it
-// measured more register pressure, and spills, in the 16-bit-state kernels).
+// costs register pressure, and spills, in the 16-bit-state kernels).
 // T = uint32_t: their bits as stored (load_float_bits), for a kernel loading ahead; widen()
 // converts.
 template <int EPL, class T = float>
@@ -166,7 +166,7 @@ __device__ __forceinline__ float prepare_qk(float (&q)[EPL], float (&k)[EPL], bo
     return qk * scale;
   }
   // The division form x / den, as divide_by: one IEEE division per vector, not per element
-  // (~14% of the decode kernel's instructions went to the per-element divisions).
+  // (per-element divisions would be ~14% of the decode kernel's instructions).
   const float qd = detail::l2norm_denominator(qq);
   const float kd = detail::l2norm_denominator(kk);
   const float qr = 1.0f / qd, kr = 1.0f / kd;

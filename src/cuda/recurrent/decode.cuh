@@ -20,19 +20,16 @@ using detail::RecurrentProblem;
 
 namespace {
 
-// ---- register decode kernel: one token, lean ---------------------------------------------------
-//
 // Decode (T = 1, no cu_seqlens, in place on the pool, no dense final-state copy): one warp per
 // TPW consecutive tiles of RG*ROWS rows of one head (RowLayout: 32 state values per thread),
 // state loaded straight into registers. Written for a small register footprint (at most 80 per
-// thread: 24 resident warps per SM keep enough loads in flight; the multi-token direct kernel
-// needs 128 and reaches 79% of copy bandwidth where this one reaches 89%; a 64-register cap
-// spills and measured slower): no token loop, v loaded only by the lanes that compute u for a
-// row, the reduced dots reused for u and o.
+// thread, so that 24 resident warps per SM keep enough loads in flight; the multi-token direct
+// kernel needs 128 and reaches a smaller share of copy bandwidth): no token loop, v loaded only
+// by the lanes that compute u for a row, the reduced dots reused for u and o.
 // With TPW = 2 the warp's second tile is copied into its shared memory (stage_rows_async: each
 // lane its own words, so no barrier) while the first is computed from registers: the slot, the
 // token and its preparation are shared by both tiles, and each warp has two tiles of state in
-// flight from its start. (4 tiles per warp spilled and measured slower: fifth session, run 2.)
+// flight from its start. (More tiles per warp spill.)
 // Its CTAs: kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
 constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
 // Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2).
@@ -59,15 +56,12 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
 
   // The token's inputs and v (lanes holding sk_r compute u_r: they need v_r, of every tile) do
   // not depend on the slot: issued first, kept in their own type, converted after the state loads
-  // have left. (Converted as loaded, each conversion made the warp wait for its load before the
-  // next: index -> v -> token -> state, three round trips before the state loads; ncu, sixth
-  // session. fp32 states: B=1 4.20 -> 3.98 us; 16-bit states, seventh session, run 7: GDN bf16
-  // B=1 4.68 -> 4.30 us, B=8 9.05 -> 8.64, KDA bf16 B=1 6.43 -> 6.04, for 8-20 B more spill
-  // stores.) The index's load has dtype branches, so it comes after them. 16-bit inputs are held
-  // in their own 32-bit registers (a PRMT packing two of them waits for both loads) and v is read
-  // from a clamped row, zeroed where used (ninth session, run 1, against the packed inputs and a
-  // predicated v in the same call: GDN bf16 B=1 4.32 -> 4.21 us, B=8 8.76 -> 8.25, fp32 B=1-64
-  // 0.5-2.8% faster; KDA bf16 B=1 unchanged).
+  // have left. (Converted as loaded, each conversion makes the warp wait for its load before the
+  // next: index -> v -> token -> state, three round trips before the state loads; the 16-bit
+  // states pay for the early loads with a few bytes of spills.) The index's load has dtype
+  // branches, so it comes after them. 16-bit inputs are held in their own 32-bit registers (a
+  // PRMT packing two of them waits for both loads) and v is read from a clamped row, zeroed where
+  // used (zeroing after a predicated load waits for the load).
   using InT = typename In::wide_type;
   TokenHeadInputs<EPL, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);

@@ -22,8 +22,8 @@ using detail::RecurrentProblem;
 namespace {
 
 // A direct-kernel tile: sequence n, value head hv (head = n*HV + hv), this thread's first row.
-// (n and head widened once here: deriving TileCoords from HeadBlock's ints instead measured
-// 8-16 B of spills in the 16-bit-state direct kernels (ptxas).)
+// (n and head widened once here: deriving them from HeadBlock's ints where they are used spills
+// in the 16-bit-state direct kernels.)
 struct TileCoords {
   int64_t n, head;
   int hv, h, row0;

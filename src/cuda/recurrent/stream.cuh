@@ -23,8 +23,6 @@ using detail::RecurrentProblem;
 
 namespace {
 
-// ---- streaming kernel: state tiles through shared memory with bulk copies ----------------------
-//
 // Decode (one token per sequence, T = 1 without cu_seqlens) at large batch. A persistent grid;
 // CTA b walks tiles b, b + gridDim.x, ... (tile = TILE_ROWS rows of one (sequence, value head))
 // through a ring of STAGES shared-memory stages.
@@ -43,7 +41,7 @@ namespace {
 // in registers, and the per-token work (norms, gates, divisions, input loads and their address
 // arithmetic) runs once per 16 KB tile in one warp instead of in every warp that touches the head.
 // That makes it the faster kernel for 16-bit states at large batch (2 KB per register-kernel
-// warp-tile there); for fp32 the register decode kernel measured faster (docs/PERFORMANCE.md).
+// warp-tile there); for fp32 states the register decode kernel is faster.
 //
 // Consumer lanes: G = K/16 lanes per row, each holding 16 elements of the row in 16-byte chunks
 // (chunk c of lane l starts at element c*G*CE + l*CE), so a quarter warp reads 128 contiguous
@@ -88,8 +86,8 @@ constexpr int64_t kStagePadded = -1;
 // One tile's inputs in the producer's lanes (lane l: K elements l*KPL.., rows l*VPL.. of the
 // tile), loaded two tiles ahead of their use: where it lives, its slot, the token, the gate
 // constants. All as loaded (InT: the inputs' wide type; the index and the gate constants as bits),
-// converted by stream_prepare: a conversion where the load stands waits for it (ncu, eighth
-// session: the producer stalled at the index's sign extension and the token's conversions).
+// converted by stream_prepare: a conversion where the load stands waits for it (the index's sign
+// extension and the token's conversions would stall the producer).
 template <class InT, int KPL, int VPL>
 struct StreamInputs {
   HeadBlock c;
@@ -232,10 +230,10 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
     // bulk group (empty for padding), so tile j's store is the (st-1-j)-th most recent group, and
     // a stage is refilled once its last store has read it. Loading only STAGES - 1 ahead keeps
     // the stage being refilled one store older than the newest: refilling the stage just stored
-    // would wait for that store's read (measured: ~4 us per tile per CTA, whatever the tile's
-    // bytes). The inputs go two tiles ahead, in two sets of registers (a and b) that the loop
-    // alternates, so that neither the tile's bulk load (its slot) nor its preparation (its token)
-    // waits for a load issued just before.
+    // would wait for that store's read, a fixed cost per tile whatever the tile's bytes. The
+    // inputs go two tiles ahead, in two sets of registers (a and b) that the loop alternates, so
+    // that neither the tile's bulk load (its slot) nor its preparation (its token) waits for a
+    // load issued just before.
     const int64_t head_elems = static_cast<int64_t>(p.V) * K;
     int st = 0;
     auto store_tile = [&] {  // lane 0: the store of tile st (its consumers are done)
