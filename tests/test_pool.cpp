@@ -1,4 +1,4 @@
-// StatePool (spec §8): allocation, exhaustion and double free, zeroing on allocate, fork (prefix
+// StatePool (as SGLang's MambaPool): allocation, exhaustion and double free, zeroing on allocate, fork (prefix
 // caching: flushed source only, destination cursor reset, every layer copied, rings not), the
 // per-layer and envelope views (strides, addresses, the recurrent_kda stride contract), ring and
 // cursor views, and the byte accounting (bytes_per_slot, required_bytes, slots_for_budget).

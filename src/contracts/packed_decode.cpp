@@ -1,6 +1,8 @@
-// Contract of GDN / KDA packed decode (spec §2, §3). The messages of the reference
-// (validate_packed_decode_inputs, spec §9) are reproduced verbatim and in the reference's order;
-// checks beyond the reference (dtypes, the pool's inner strides, slot bounds, scale) follow.
+// Contract of GDN / KDA packed decode (SGLang's fused_recurrent_gated_delta_rule_packed_decode and
+// fused_recurrent_kda_packed_decode). The messages of the reference (the Helion port's
+// validate_packed_decode_inputs, identical to SGLang's checks) are reproduced verbatim and in the
+// reference's order; checks beyond the reference (dtypes, the pool's inner strides, slot bounds,
+// scale) follow.
 #include <cmath>
 
 #include "contracts/contract.h"
@@ -52,7 +54,8 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   }
   if (state.ndim != 4) fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
   if (state.stride[3] != 1) fail("`initial_state` must be contiguous in the last dim.");
-  // Beyond the reference (spec §11.3): the inner [HV, V, K] strides are used, so check them.
+  // Beyond the reference, which checks only the last stride: the inner [HV, V, K] strides are
+  // used, so check them.
   if (!inner_strides_compact(state)) {
     fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
          "stride is supported.");

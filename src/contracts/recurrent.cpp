@@ -1,6 +1,7 @@
-// Contract of the pooled varlen recurrent op (spec §4, and §7 `recurrent_kda` with its stride
-// contract). Messages the reference defines are verbatim; the rest come from the Contract
-// matchers, which name the tensor and show expected vs actual.
+// Contract of the pooled varlen recurrent op (SGLang's fused_sigmoid_gating_delta_rule_update, and
+// FlashInfer's `recurrent_kda` with its stride contract, _check_state_stride_contract). Messages
+// the reference defines are verbatim; the rest come from the Contract matchers, which name the
+// tensor and show expected vs actual.
 #include <cmath>
 #include <cstdint>
 

@@ -1,5 +1,6 @@
-// Contract of ReplaySSM buffered decode (spec §5; messages of §9's ReplaySSM table verbatim, with
-// the ring-shape messages of the Helion port, which the project adopted).
+// Contract of ReplaySSM buffered decode (SGLang's fused_recurrent_linear_replayssm_decode; its
+// validation messages verbatim, with the ring-shape messages of the Helion port, which the
+// project adopted).
 #include <cmath>
 
 #include "contracts/contract.h"
