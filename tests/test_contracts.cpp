@@ -1,8 +1,8 @@
 // Every error of the three validators (src/contracts/packed_decode.cpp, recurrent.cpp,
-// replayssm_decode.cpp), each from a minimal bad input: the exact message (SGLang's where it has
-// one), ErrorKind::value, and no change to any caller memory (every buffer is snapshotted before
-// the call and compared byte for byte after it); and the CUDA kernels' limits, which the
-// validators check for CUDA tensors (ErrorKind::not_implemented).
+// replayssm_decode.cpp), each from a minimal bad input: the exact message (the reference
+// implementation's text where it defines one), ErrorKind::value, and no change to any caller
+// memory (every buffer is snapshotted before the call and compared byte for byte after it); and
+// the CUDA kernels' limits, which the validators check for CUDA tensors (not_implemented).
 #include <cmath>
 #include <functional>
 #include <limits>

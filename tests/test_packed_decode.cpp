@@ -1,5 +1,5 @@
-// GDN and KDA packed decode (SGLang's fused_recurrent_gated_delta_rule_packed_decode and
-// fused_recurrent_kda_packed_decode) against the fp64 reference: model shapes and odd ones,
+// GDN and KDA packed decode (SGLang's fused_recurrent_{gated_delta_rule,kda}_packed_decode)
+// against the fp64 reference: model shapes and odd ones,
 // every state and activation dtype, padded rows, sentinel-filled unused slots and envelope gaps
 // (bit-untouched), NaN-poisoned outputs, strided pools and inputs, StatePool envelope layers.
 #include <cmath>
@@ -167,9 +167,9 @@ TEST(PackedDecode, SoftplusThresholdAndLargeGateInputs) {
   }
 }
 
-// round_beta_to_input rounds sigmoid(b) to b's dtype (parity with ReplaySSM, and with the SGLang
-// versions of GDN packed decode that round it); the reference rounds likewise. Also an explicit
-// scale.
+// round_beta_to_input rounds sigmoid(b) to b's dtype (parity with ReplaySSM, which rounds beta,
+// and with the SGLang packed-decode versions that did); the reference rounds likewise. Also an
+// explicit scale.
 TEST(PackedDecode, RoundBetaToInputDtype) {
   for (DType act : {DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_short_name(act));
