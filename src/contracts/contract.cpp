@@ -171,8 +171,8 @@ void Contract::check_devices(const std::string& message, bool name_them) const {
 
 void require_cuda_k(int64_t K) {
   if (K > 256)
-    throw Error(ErrorKind::not_implemented,
-                format("the CUDA backend supports K <= 256 (got K=%lld)", static_cast<long long>(K)));
+    throw Error(ErrorKind::not_implemented, format("the CUDA backend supports K <= 256 (got K=%lld)",
+                                                   static_cast<long long>(K)));
 }
 
 bool inner_strides_compact(const TensorView& pool) {

@@ -102,8 +102,8 @@ DS_HD void rank1_update(float* s, const float* k, Len n, float u) {
 
 DS_HD float delta_output(float sq, float u, float kq) { return sq + u * kq; }
 
-// ReplaySSM (SGLang's basic mode). A row with cursor m (records 0..m-1 in its ring of L) flushes this step when
-// its ring is full or a flush is forced; the cursor then becomes 0, else m + 1.
+// ReplaySSM (SGLang's basic mode). A row with cursor m (records 0..m-1 in its ring of L) flushes
+// this step when its ring is full or a flush is forced; the cursor then becomes 0, else m + 1.
 DS_HD bool replay_flushes(int m, int L, bool forced) { return m >= L - 1 || forced; }
 // The state before the token, on a flush: S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T with G_j
 // the inclusive prefix sums of the ring's g, Gtot = G_{m-1}, W_j = exp(Gtot - G_j): scale_row by

@@ -1,6 +1,7 @@
 // Every tuning choice of the CUDA backend in one place: the kernels' CTA shapes, the thresholds
 // that pick a kernel or variant per call, and the environment overrides with which tests and
-// benchmarks force a variant (scripts/device.sh). The measurements behind them: docs/PERFORMANCE.md.
+// benchmarks force a variant (scripts/device.sh). The measurements behind them are in
+// docs/PERFORMANCE.md.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,7 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 
-// ---- kernel and variant choice --------------------------------------------------------------------
+// ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
 // SMs; else 4.
 constexpr int direct_cta_warps(int64_t tiles, int sms) { return tiles < 8LL * sms ? 1 : 4; }

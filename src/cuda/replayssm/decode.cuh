@@ -246,8 +246,8 @@ struct ReplayCta {
   // rows and KDA's g records; warp 0's lanes copy GDN's scalar g records (m * 4 bytes, not whole
   // 16-byte units) with 4-byte cp.async. (16-byte cp.async by every thread costs each warp ~250
   // instructions per CTA of index arithmetic.)
-  __device__ __forceinline__ void copy_ring(const ReplayProblem& p, int m, float* g_ring, int64_t k_ring,
-                                            int64_t d_ring) const {
+  __device__ __forceinline__ void copy_ring(const ReplayProblem& p, int m, float* g_ring,
+                                            int64_t k_ring, int64_t d_ring) const {
     if (m > 0) {
       if (threadIdx.x == 0) {
         constexpr uint32_t kb = sizeof(KS), db = sizeof(DS);
@@ -272,7 +272,8 @@ struct ReplayCta {
   }
 
   // The token, on its two warps (prepare_token).
-  __device__ __forceinline__ void prepare(const ReplayProblem& p, const TokenHeadInputs<EPL, InT>& x_in,
+  __device__ __forceinline__ void prepare(const ReplayProblem& p,
+                                          const TokenHeadInputs<EPL, InT>& x_in,
                                           const GateConsts<EPL>& gc, int gate_warp) const {
     TokenHeadInputs<EPL> x = widen(x_in);
     prepare_token<G>(p, x, gc, kofs, valid, lane, warp, gate_warp, smem, sm);
@@ -344,7 +345,8 @@ struct ReplayCta {
   }
 
   // 3a's dots of S0 with e*alpha*k and e*alpha*q over the lane's slice.
-  __device__ __forceinline__ void checkpoint_dots(int m, const float (&S)[R][EPL], float (&dots)[2 * R]) const {
+  __device__ __forceinline__ void checkpoint_dots(int m, const float (&S)[R][EPL],
+                                                  float (&dots)[2 * R]) const {
     float ek[EPL], eq[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
@@ -365,7 +367,8 @@ struct ReplayCta {
     }
   }
   // 3f's token slices: alpha, k and q of the lane's K slice.
-  __device__ __forceinline__ void token_slice(float (&alpha)[EPL], float (&kn)[EPL], float (&qn)[EPL]) const {
+  __device__ __forceinline__ void token_slice(float (&alpha)[EPL], float (&kn)[EPL],
+                                              float (&qn)[EPL]) const {
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       alpha[i] = i < valid ? s_alpha[kofs + i] : 1.0f;
