@@ -30,7 +30,7 @@ constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 constexpr int direct_cta_warps(int64_t tiles, int sms) { return tiles < 8LL * sms ? 1 : 4; }
 // Register decode kernel: two tiles per warp where one tile per warp (`warps` of them, `capacity`
 // resident on the GPU) makes a partial second wave, which two tiles halve, and from 8 waves up,
-// where the second tile's copy overlaps the first's compute; else one.
+// where two are faster as well; one elsewhere, where two are slower.
 constexpr bool decode_two_tiles(int64_t warps, int64_t capacity) {
   return (warps > capacity && warps <= 2 * capacity) || warps >= 8 * capacity;
 }
@@ -42,8 +42,8 @@ constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;
 // Programmatic dependent launch: a launch lets the next grid in early when it fills at most half
-// of the GPU's CTA slots (`cta_slots`). An early trigger slows a grid of a whole wave, whose
-// CTAs then share the SMs with the next grid's waiting ones, and speeds up a small one.
+// of the GPU's CTA slots (`cta_slots`). An early trigger slows a grid of a whole wave (the next
+// grid's CTAs take SM slots while they wait) and speeds up a small one.
 constexpr bool pdl_trigger_fits(int64_t ctas, int64_t cta_slots) { return 2 * ctas <= cta_slots; }
 
 // ---- environment overrides (tests and benchmarks; each read once per process) -------------------
