@@ -31,7 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/bulk_copy.cuh"
+#include "cuda/async_copy.cuh"
 #include "cuda_timing.h"
 
 using namespace deltastate::cuda_backend;

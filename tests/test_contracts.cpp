@@ -1,10 +1,12 @@
 // Every error of the three validators (src/contracts/packed_decode.cpp, recurrent.cpp,
 // replayssm_decode.cpp), each from a minimal bad input: the exact message (the reference
 // implementation's text where it defines one), ErrorKind::value, and no change to any caller
-// memory (every buffer is snapshotted before the call and compared byte for byte after it).
+// memory (every buffer is snapshotted before the call and compared byte for byte after it); and
+// the CUDA kernels' limits, which the validators check for CUDA tensors (not_implemented).
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <tuple>
 
 #include "test_util.h"
 
@@ -862,6 +864,87 @@ TEST(Contracts, ReplaySsmIgnoresPaddedRowCursorAndOptionalForceFlush) {
   a.force_flush.reset();
   EXPECT_NO_THROW(f.run(a));
   EXPECT_EQ(f.wp.ptr<int32_t>()[1], 99);
+}
+
+// ==== limits of the CUDA kernels ===============================================================
+// Shapes the CPU kernels run and the CUDA kernels do not. The validator rejects them for CUDA
+// tensors (ErrorKind::not_implemented, the text the CUDA backend gives) before any backend runs,
+// so no GPU is needed: cuda_view labels host memory cuda:0, which a rejected call never reads.
+TensorView cuda_view(const Tensor& t) { return on_cuda(t.view()); }
+
+void expect_not_implemented(const std::function<void()>& call, const std::string& message) {
+  const std::optional<Error> e = catch_error(call);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(std::string(e->what()), message);
+  EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
+}
+
+// K = 264: a lane's slices of a state row exceed the CUDA kernels' K tile of 256.
+constexpr Shape kWideK{"wide_k", 1, 2, 264, 8};
+const char* const kWideKMessage = "the CUDA backend supports K <= 256 (got K=264)";
+
+TEST(Contracts, CudaKLimitPackedDecode) {
+  for (const bool kda : {false, true}) {
+    SCOPED_TRACE(kda ? "kda" : "gdn");
+    Rng rng = test_rng(kda);
+    Tensor pool = make_pool(DType::f32, 2, kWideK);
+    const DecodeBatch batch = make_decode_batch(rng, kWideK, kda, {1, 0}, DType::f32);
+    const std::optional<double> lb = kda ? std::optional<double>(-5.0) : std::nullopt;
+    auto run = [kda](const PackedDecodeArgs& a) {
+      if (kda) deltastate::kda_packed_decode(a);
+      else deltastate::gdn_packed_decode(a);
+    };
+    EXPECT_NO_THROW(run(batch.packed_args(host_view, pool.view(), 0.35, lb)));
+    expect_not_implemented([&] { run(batch.packed_args(cuda_view, on_cuda(pool.view()), 0.35, lb)); },
+                           kWideKMessage);
+  }
+}
+
+TEST(Contracts, CudaKLimitRecurrent) {
+  for (const bool kda : {false, true}) {
+    SCOPED_TRACE(kda ? "kda" : "gdn");
+    Rng rng = test_rng(kda);
+    const RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(kWideK, kda, DType::f32, 2, 2));
+    Tensor pool = make_pool(DType::f32, 2, kWideK);
+    auto run = [kda](const RecurrentArgs& a) {
+      if (kda) deltastate::recurrent_kda(a);
+      else deltastate::recurrent_gdn(a);
+    };
+    RecurrentArgs cpu = rb.args(host_view);
+    cpu.state = pool.view();
+    EXPECT_NO_THROW(run(cpu));
+    RecurrentArgs gpu = rb.args(cuda_view);
+    gpu.state = on_cuda(pool.view());
+    expect_not_implemented([&] { run(gpu); }, kWideKMessage);
+    gpu.state.reset();  // without a state pool too: K comes from q and k
+    gpu.update_state = false;
+    expect_not_implemented([&] { run(gpu); }, kWideKMessage);
+  }
+}
+
+// ReplaySSM: K as above; L = 4097 rings exceed the CUDA kernel's ring limit of 4096.
+TEST(Contracts, CudaLimitsReplaySsm) {
+  for (const bool kda : {false, true}) {
+    SCOPED_TRACE(kda ? "kda" : "gdn");
+    for (const auto& [shape, L, message] :
+         {std::tuple{kWideK, 2, std::string(kWideKMessage)},
+          std::tuple{kSmall, 4097,
+                     std::string("replayssm_decode: ring length L=4097 is above the CUDA kernel's "
+                                 "limit of 4096")}}) {
+      SCOPED_TRACE(message);
+      Rng rng = test_rng(kda);
+      Tensor pool = make_pool(DType::f32, 2, shape);
+      const Rings rings = make_rings(shape, kda, 2, L, DType::f32, DType::f32);
+      const DecodeBatch batch = make_decode_batch(rng, shape, kda, {1, 0}, DType::f32);
+      const Tensor wp = index_tensor({0, 0});
+      EXPECT_NO_THROW(deltastate::replayssm_decode(replay_args(host_view, batch, pool.view(), rings.d.view(),
+                                                               rings.k.view(), rings.g.view(), wp, nullptr, 0.35)));
+      const ReplayDecodeArgs gpu =
+          replay_args(cuda_view, batch, on_cuda(pool.view()), cuda_view(rings.d), cuda_view(rings.k),
+                      cuda_view(rings.g), wp, nullptr, 0.35);
+      expect_not_implemented([&] { deltastate::replayssm_decode(gpu); }, message);
+    }
+  }
 }
 
 }  // namespace

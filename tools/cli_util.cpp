@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "cli_args.h"
-#include "core/numeric.h"
 
 #ifdef DELTASTATE_CLI_CUDA
 #include <cuda_runtime.h>
@@ -60,22 +59,50 @@ void require_f32_or_bf16(DType dtype) {
   if (dtype != DType::f32 && dtype != DType::bf16)
     throw Error(ErrorKind::value, std::string("cli: unsupported host dtype ") + dtype_name(dtype));
 }
+
+// bfloat16 is the upper half of a float32, stored rounded to nearest even (NaN kept quiet), as
+// the library stores it.
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 }  // namespace
 
-// Host buffers in the storage dtype, converted with the library's own rounding (core/numeric.h).
 std::vector<uint8_t> encode(const std::vector<float>& values, DType dtype) {
   require_f32_or_bf16(dtype);
   std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
-  for (size_t i = 0; i < values.size(); ++i)
-    detail::store_float(bytes.data(), dtype, static_cast<int64_t>(i), values[i]);
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::f32) {
+      std::memcpy(bytes.data() + 4 * i, &values[i], 4);
+    } else {
+      const uint16_t h = to_bf16(values[i]);
+      std::memcpy(bytes.data() + 2 * i, &h, 2);
+    }
+  }
   return bytes;
 }
 
 std::vector<float> decode(const std::vector<uint8_t>& bytes, DType dtype) {
   require_f32_or_bf16(dtype);
   std::vector<float> values(bytes.size() / dtype_size(dtype));
-  for (size_t i = 0; i < values.size(); ++i)
-    values[i] = detail::load_float(bytes.data(), dtype, static_cast<int64_t>(i));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::f32) {
+      std::memcpy(&values[i], bytes.data() + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, bytes.data() + 2 * i, 2);
+      values[i] = from_bf16(h);
+    }
+  }
   return values;
 }
 

@@ -126,8 +126,9 @@ class Stopwatch {
   double total_ = 0.0;
 };
 
-// ---- the byte model (perf-anchors §1) ----------------------------------------------------------
-// Bytes one live row moves through one layer for one decode token. Padded rows move nothing.
+// ---- the byte model ------------------------------------------------------------------------------
+// Bytes one live row moves through one layer for one decode token: the state read and written,
+// plus the token's inputs and output. Padded rows move nothing.
 struct ByteModel {
   ModelShape shape;
   DType state_dtype = DType::f32;

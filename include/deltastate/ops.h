@@ -29,13 +29,10 @@
 #include <optional>
 
 #include "deltastate/error.h"
+#include "deltastate/stream.h"
 #include "deltastate/tensor.h"
 
 namespace deltastate {
-
-// An opaque stream handle: a cudaStream_t for CUDA tensors (nullptr = the legacy default
-// stream); ignored on the CPU.
-using Stream = void*;
 
 // ---------------------------------------------------------------------------------------------
 // Packed decode (T = 1), GDN and KDA: q, k and v come packed in one `mixed_qkv` row.

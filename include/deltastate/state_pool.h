@@ -6,7 +6,7 @@
 //   per_layer : state [layers, slots, HV, V, K]; a layer view has slot stride HV*V*K.
 //   envelope  : one entry per slot holds every layer's state (after `envelope_extra_bytes` of other
 //               per-slot data, e.g. conv windows), so a layer view has a slot stride of the whole
-//               entry, much larger than HV*V*K (spec §8, "page-major" pools).
+//               entry, much larger than HV*V*K (SGLang's page-major "envelope" pools).
 // Both layouts give views that every op accepts, with 64-bit offsets. Slots are 0..slots-1; a new
 // request takes a slot with allocate() and returns it with free().
 //
@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "deltastate/ops.h"
+#include "deltastate/stream.h"
 #include "deltastate/tensor.h"
 
 namespace deltastate {

@@ -1,28 +1,11 @@
 #include "contracts/contract.h"
 
 #include <algorithm>
-#include <cstdarg>
-#include <cstdio>
 #include <unordered_map>
 
 #include "core/numeric.h"
 
 namespace deltastate::detail {
-
-std::string format(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  va_list ap2;
-  va_copy(ap2, ap);
-  const int n = std::vsnprintf(nullptr, 0, fmt, ap);
-  va_end(ap);
-  std::string s(static_cast<size_t>(n > 0 ? n : 0), '\0');
-  if (n > 0) std::vsnprintf(s.data(), s.size() + 1, fmt, ap2);
-  va_end(ap2);
-  return s;
-}
-
-void fail(const std::string& message) { throw Error(ErrorKind::value, message); }
 
 namespace {
 std::string quoted(std::string_view name) {
@@ -184,6 +167,12 @@ void Contract::check_devices(const std::string& message, bool name_them) const {
                   to_string(device_).c_str(), quoted(d.name).c_str(), to_string(d.device).c_str()));
     }
   }
+}
+
+void require_cuda_k(int64_t K) {
+  if (K > 256)
+    throw Error(ErrorKind::not_implemented, format("the CUDA backend supports K <= 256 (got K=%lld)",
+                                                   static_cast<long long>(K)));
 }
 
 bool inner_strides_compact(const TensorView& pool) {

@@ -2,7 +2,7 @@
 // tensors and throw deltastate::Error (ErrorKind::value) with messages that name the tensor and
 // show what was expected and what was found. Op-specific checks whose text must match the
 // reference implementation verbatim live beside the op's validator (src/contracts/*.cpp) and use
-// `fail` with a formatted message.
+// `fail` with a formatted message (core/error_text.h).
 #pragma once
 
 #include <cstdint>
@@ -11,15 +11,11 @@
 #include <string_view>
 #include <vector>
 
+#include "core/error_text.h"
 #include "deltastate/error.h"
 #include "deltastate/tensor.h"
 
 namespace deltastate::detail {
-
-// printf-style formatting into a std::string (messages only; never on a hot path).
-std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-
-[[noreturn]] void fail(const std::string& message);
 
 class Contract {
  public:
@@ -65,6 +61,11 @@ class Contract {
 
 // The state pool's inner dims [HV, V, K] must be compact: strides (V*K, K, 1).
 bool inner_strides_compact(const TensorView& pool);
+
+// A limit of the CUDA kernels that the CPU kernels do not have (ErrorKind::not_implemented):
+// a lane holds its slice of each state row in registers, over a K tile of at most 256. Validators
+// apply it to CUDA tensors only, after every contract check.
+void require_cuda_k(int64_t K);
 
 // Host check of slot indices (CPU tensors only): every index < num_slots, and no live slot used
 // by two rows. `name` is the argument name for the message.

@@ -146,6 +146,7 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   const bool check = args.check_indices.value_or(on_cpu);
   if (on_cpu && check)
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0], state.shape[0]);
+  if (!on_cpu) require_cuda_k(K);
 
   RecurrentProblem p;
   p.N = static_cast<int32_t>(B);

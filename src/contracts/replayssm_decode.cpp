@@ -230,6 +230,16 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
                     ll(L - 1)));
     }
   }
+  if (!on_cpu) {
+    require_cuda_k(K);
+    // The CUDA kernel keeps the cursor in the low 16 bits of write_pos during a launch, and its
+    // shared-memory layout is int arithmetic (the CPU kernel takes any L).
+    if (L > 4096)
+      throw Error(ErrorKind::not_implemented,
+                  format("replayssm_decode: ring length L=%lld is above the CUDA kernel's limit of "
+                         "4096",
+                         ll(L)));
+  }
 
   ReplayProblem p;
   p.B = static_cast<int32_t>(B);

@@ -62,15 +62,16 @@ DS_HD float divide_by(float x, float d, float r) {
   return fmaf(e, r, q);
 }
 
-// One token of the delta rule (spec §0) on one row S[v, :], in two phases so that a backend can
+// One token of the delta rule on one row S[v, :], in two phases so that a backend can
 // complete the dot products of many rows at once between them:
 //   phase 1  decay_and_dots:  S <- S*alpha;  sk = S.k;  sq = S.q        (partial over n elements)
 //   phase 2  u = delta_u(v, sk, beta) = beta*(v - sk);  rank1_update: S <- S + u*k;
 //            o = delta_output(sq, u, kq) = sq + u*(k.q)
-// This is §0's order for the state (decay, u, rank-1 update) and its stated equivalent for the
-// output, o = S_new.q = (alpha*S).q + u*(k.q), which needs no second pass over S. ReplaySSM
-// (§5) is the same computation: its sq = S.(alpha*q), sk = S.(alpha*k), d = u, and its flush
-// S0 <- S*alpha + d*k is phase 2's update.
+// This is the reference's order for the state (decay, u = beta*(v - S.k), rank-1 update), which
+// every SGLang kernel keeps, and its equivalent for the output, o = S_new.q = (alpha*S).q +
+// u*(k.q), which needs no second pass over S. ReplaySSM is the same computation: its
+// sq = S.(alpha*q), sk = S.(alpha*k), d = u, and its flush S0 <- S*alpha + d*k is phase 2's
+// update.
 template <class Len>
 DS_HD void decay_and_dots(float* s, const float* alpha, const float* k, const float* q, Len n,
                           float& sk, float& sq) {
@@ -101,8 +102,8 @@ DS_HD void rank1_update(float* s, const float* k, Len n, float u) {
 
 DS_HD float delta_output(float sq, float u, float kq) { return sq + u * kq; }
 
-// ReplaySSM (§5). A row with cursor m (records 0..m-1 in its ring of L) flushes this step when
-// its ring is full or a flush is forced; the cursor then becomes 0, else m + 1.
+// ReplaySSM (SGLang's basic mode). A row with cursor m (records 0..m-1 in its ring of L) flushes
+// this step when its ring is full or a flush is forced; the cursor then becomes 0, else m + 1.
 DS_HD bool replay_flushes(int m, int L, bool forced) { return m >= L - 1 || forced; }
 // The state before the token, on a flush: S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T with G_j
 // the inclusive prefix sums of the ring's g, Gtot = G_{m-1}, W_j = exp(Gtot - G_j): scale_row by

@@ -92,7 +92,7 @@ struct RecurrentProblem {
   DType final_dtype = DType::f32;
   bool check_indices = false;         // CUDA: trap on an index >= num_slots
   bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
-  bool pdl_trigger_early = false;     // CUDA, set per launch: enter_grid (cuda/common.cuh)
+  bool pdl_trigger_early = false;     // CUDA, set per launch: enter_grid (cuda/grid.cuh)
   Device device{};
 
   DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }

@@ -1,4 +1,5 @@
-// CPU kernel of ReplaySSM buffered decode (spec §5, basic mode): one task per (row, value head).
+// CPU kernel of ReplaySSM buffered decode (SGLang's fused_recurrent_linear_replayssm_decode in its
+// basic mode: no circular ring, no predecayed keys): one task per (row, value head).
 // The same math as the CUDA kernel (src/cuda/replayssm_decode.cu, docs/REPLAYSSM.md): an
 // appending step takes the output from dot products of the checkpoint and the ring records with
 // the token's vectors and appends the record (d, k, g); a flush rebuilds the state and runs the

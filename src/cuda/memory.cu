@@ -3,7 +3,8 @@
 #include <vector>
 
 #include "api/backend.h"
-#include "cuda/common.cuh"
+#include "cuda/launch.h"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 
@@ -37,9 +38,8 @@ int max_smem_optin(int device) {
 }
 
 bool pdl_trigger_early(int64_t ctas, int resident_per_sm, int device) {
-  static const int forced = env_override("DELTASTATE_CUDA_PDL_TRIGGER", {1, 2});
-  if (forced) return forced == 1;
-  return 2 * ctas <= static_cast<int64_t>(resident_per_sm) * num_sms(device);
+  if (const int forced = forced_pdl_trigger()) return forced == 1;
+  return pdl_trigger_fits(ctas, static_cast<int64_t>(resident_per_sm) * num_sms(device));
 }
 
 void* device_alloc(size_t bytes, int device) {

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "api/backend.h"
-#include "contracts/contract.h"
+#include "core/error_text.h"
 #include "deltastate/error.h"
 
 namespace deltastate {

@@ -1,7 +1,9 @@
-// Hopper bulk copies (the TMA engine's non-tensor mode) and shared-memory mbarriers, as thin
-// inline-PTX wrappers (sm_90). The streaming kernels use them to keep many state tiles in flight
-// with a single issuing thread: a bulk load global -> shared completes on an mbarrier
-// (complete_tx), a bulk store shared -> global is tracked with bulk groups.
+// Asynchronous copies between global and shared memory, as thin inline-PTX wrappers: cp.async
+// (each thread copies its own 4- or 16-byte units, sm_80), and Hopper bulk copies (the TMA
+// engine's non-tensor mode) with shared-memory mbarriers (sm_90). The streaming kernels use bulk
+// copies to keep many state tiles in flight with a single issuing thread: a bulk load global ->
+// shared completes on an mbarrier (complete_tx), a bulk store shared -> global is tracked with
+// bulk groups.
 //
 // Rules the callers follow (PTX ISA, "asynchronous proxy"): generic-proxy writes to shared memory
 // that a bulk store will read are followed by fence_proxy_async() in the writing thread before it
@@ -11,6 +13,22 @@
 #include <cstdint>
 
 namespace deltastate::cuda_backend {
+
+// cp.async: asynchronous 4- or 16-byte global -> shared copies, grouped. (The 16-byte form
+// bypasses L1: staged data is read from shared memory only.)
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -1,0 +1,36 @@
+// What every kernel of the backend does as a grid: enter through programmatic dependent launch
+// (enter_grid), and trap on an out-of-range slot index (trap_bad_slot).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+namespace deltastate::cuda_backend {
+
+// Programmatic dependent launch (PDL, compute capability 9.0). Every kernel of the backend starts
+// with enter_grid(): it waits until the grids this one depends on have completed and their memory
+// is visible (launched without the PDL attribute, the wait returns at once: the stream already
+// ordered the grids, so the kernels need no second variant; nothing before it may touch global
+// memory). With `trigger_early` it then lets the next PDL-launched grid on the stream be scheduled
+// at once (its CTAs wait in their own enter_grid); otherwise that happens as this grid's CTAs exit.
+// Launchers trigger early only for grids that leave room on the GPU for the next one
+// (pdl_trigger_early, tuning.h's pdl_trigger_fits): an early trigger slows a grid of a whole
+// wave and speeds up a small one.
+__device__ __forceinline__ void enter_grid(bool trigger_early) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (trigger_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// A kernel's report of an out-of-range slot index (debug bounds checking): message, then trap.
+__device__ __forceinline__ void trap_bad_slot(const char* op, int64_t row, int64_t slot,
+                                              int64_t num_slots) {
+  printf("deltastate %s: ssm_state_indices[%lld]=%lld is out of range for a state pool of %lld "
+         "slots\n",
+         op, static_cast<long long>(row), static_cast<long long>(slot),
+         static_cast<long long>(num_slots));
+  __trap();
+}
+
+}  // namespace deltastate::cuda_backend

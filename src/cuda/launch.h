@@ -1,0 +1,105 @@
+// Host side of the CUDA backend's launches: checked CUDA calls, the device guard, values cached
+// per device (device queries, kernel attributes), the early-trigger choice of programmatic
+// dependent launch, and launch_kernel, through which every kernel is launched.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "deltastate/error.h"
+
+namespace deltastate::cuda_backend {
+
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw Error(ErrorKind::runtime, std::string("CUDA error in ") + what + ": " +
+                                        cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+#define DS_CUDA_CHECK(expr) ::deltastate::cuda_backend::check_cuda((expr), #expr)
+
+// Sets the current device for the scope (only when it differs: cudaSetDevice is not free).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    DS_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) DS_CUDA_CHECK(cudaSetDevice(device));
+    else previous_ = -1;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+// Device queries, cached per device (src/cuda/memory.cu).
+int num_sms(int device);
+int max_smem_optin(int device);  // shared memory per block a kernel may opt in to
+
+// A value computed once per device and then cached (thread-safe). Kernel attributes such as the
+// dynamic shared-memory opt-in are per device: a process driving several GPUs must set them on
+// each, so a launcher keeps one of these per kernel instantiation. Launches read it on every
+// call: a cached value is one atomic load, the mutex is taken only to compute it. Values are
+// positive (0 marks "not yet"); device ordinals past kMaxDevices are computed on every call.
+class PerDeviceOnce {
+ public:
+  template <class F>
+  int get(int device, F&& compute) {
+    if (device < 0 || device >= kMaxDevices) return compute();
+    std::atomic<int>& value = values_[device];
+    int v = value.load(std::memory_order_acquire);
+    if (v > 0) return v;
+    std::lock_guard<std::mutex> lk(mu_);
+    v = value.load(std::memory_order_relaxed);
+    if (v <= 0) {
+      v = compute();
+      value.store(v, std::memory_order_release);
+    }
+    return v;
+  }
+
+ private:
+  static constexpr int kMaxDevices = 64;
+  std::array<std::atomic<int>, kMaxDevices> values_{};
+  std::mutex mu_;
+};
+
+// Whether a launch of `ctas` CTAs, at most `resident_per_sm` of them resident per SM, triggers the
+// next PDL grid early (enter_grid): when it fills at most half of the GPU's CTA slots.
+// DELTASTATE_CUDA_PDL_TRIGGER=1 (early) | 2 (at exit) forces it (benchmarks).
+bool pdl_trigger_early(int64_t ctas, int resident_per_sm, int device);
+// The problem as one launch passes it to its kernel: pdl_trigger_early set for that launch (only
+// with pdl; without it the next grid is let in as this one's CTAs exit).
+template <class Problem>
+Problem with_pdl_trigger(Problem p, int64_t ctas, int resident_per_sm) {
+  p.pdl_trigger_early = p.pdl && pdl_trigger_early(ctas, resident_per_sm, p.device.index);
+  return p;
+}
+
+// Launches `kernel` on `stream`, with programmatic stream serialization when `pdl` (the grid may
+// be scheduled while the stream's previous kernel is still running; enter_grid orders memory).
+// Kernel parameters are passed by value, as with <<<...>>>.
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                   cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = pdl ? attr : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  DS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace deltastate::cuda_backend

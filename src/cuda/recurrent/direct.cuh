@@ -1,0 +1,171 @@
+// The direct kernel of the recurrent op: any number of tokens per sequence, each thread's rows
+// in registers across the sequence.
+// Part of recurrent.cu's translation unit (included there only), in its anonymous namespace.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/delta_math.h"
+#include "core/problem.h"
+#include "cuda/grid.cuh"
+#include "cuda/loads.cuh"
+#include "cuda/recurrent/head_block.cuh"
+#include "cuda/rows.cuh"
+#include "cuda/token.cuh"
+#include "cuda/tuning.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::RecurrentProblem;
+
+namespace {
+
+// A direct-kernel tile: sequence n, value head hv (head = n*HV + hv), this thread's first row.
+// (n and head widened once here: deriving them from HeadBlock's ints where they are used spills
+// in the 16-bit-state direct kernels.)
+struct TileCoords {
+  int64_t n, head;
+  int hv, h, row0;
+};
+__device__ __forceinline__ TileCoords tile_coords(const RecurrentProblem& p, int64_t w,
+                                                  int warps_per_head, int rows_per_warp, int lane,
+                                                  int G) {
+  const HeadBlock b = head_block(p, static_cast<int>(w), warps_per_head);
+  TileCoords c;
+  c.n = b.n;
+  c.head = b.head;
+  c.hv = b.hv;
+  c.h = b.h;
+  c.row0 = b.block * rows_per_warp + lane / G;
+  return c;
+}
+
+// The tile's rows of the dense final state [N, HV, V, K] (optional output): value(r, i) is
+// element i of the thread's row r.
+template <int EPL, int R, int RG, class Value>
+__device__ __forceinline__ void store_final_state(const RecurrentProblem& p, const TileCoords& c,
+                                                  int kofs, int valid, Value value) {
+  const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = c.row0 + r * RG;
+    if (row < p.V)
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (i < valid)
+          detail::store_float(p.final_state, p.final_dtype,
+                              c.head * head_elems + static_cast<int64_t>(row) * p.K + kofs + i,
+                              value(r, i));
+  }
+}
+
+// Output rows (and final state) of a padded sequence: zeros; its state is never touched.
+template <int EPL, int R, int RG, int G>
+__device__ void write_padded(const RecurrentProblem& p, const TileCoords& c, int64_t seq,
+                             int64_t tok0, int64_t len, int lane, int kofs, int valid) {
+  if (lane % G == 0) {
+    for (int64_t t = 0; t < len; ++t)
+      zero_output_rows<R>(p.out, p.V, head_offset(p.out, seq, tok0 + t, c.hv), c.row0, RG);
+  }
+  if (p.final_state) store_final_state<EPL, R, RG>(p, c, kofs, valid, [](int, int) { return 0.0f; });
+}
+
+// All tokens of a tile on the state rows S (registers); `x` holds token 0's inputs on entry.
+template <class In, int G, int EPL, int R, int RG>
+__device__ __forceinline__ void run_tokens(const RecurrentProblem& p, const TileCoords& c,
+                                           int64_t seq, int64_t tok0, int64_t len, int lane,
+                                           int kofs, int valid, float (&S)[R][EPL],
+                                           TokenInputs<EPL, R>& x, const GateConsts<EPL>& gc) {
+  for (int64_t t = 0; t < len; ++t) {
+    const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
+    float g[EPL], alpha[EPL];
+    token_gate(p.gate, gc, x.g, g, alpha);
+    const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
+    float dots[2 * R];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      detail::decay_and_dots(S[r], alpha, x.k, x.q, std::integral_constant<int, EPL>{}, dots[r],
+                             dots[R + r]);
+    float u[R], o;
+    const int mine = finish_rows<G, R>(dots, x.v, beta, kq, lane, u, o);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      detail::rank1_update(S[r], x.k, std::integral_constant<int, EPL>{}, u[r]);
+    const int64_t tok = tok0 + t;
+    const int orow = c.row0 + mine * RG;
+    if (mine >= 0 && orow < p.V)
+      detail::store_float(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, c.hv) + orow, o);
+    if (t + 1 < len)
+      load_token<In>(p, p.g, p.beta, seq, tok + 1, c.h, c.hv, kofs, valid, c.row0, RG, x);
+  }
+}
+
+template <class StateT, int EPL, int R, int RG, bool VEC>
+__device__ __forceinline__ void write_state(const RecurrentProblem& p, const TileCoords& c,
+                                            StateT* state_head, int64_t len, int kofs, int valid,
+                                            const float (&S)[R][EPL]) {
+  if (state_head && p.update_state && len > 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = c.row0 + r * RG;
+      if (row < p.V)
+        store_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid, S[r]);
+    }
+  }
+  if (p.final_state)
+    store_final_state<EPL, R, RG>(p, c, kofs, valid, [&S](int r, int i) { return S[r][i]; });
+}
+
+// ---- direct kernel: one tile per warp, state loaded straight into registers ----------------------
+
+template <class StateT, int KT, bool VEC, class In>
+__global__ void __launch_bounds__(128, kDirectCtasPerSm) recurrent_direct_kernel(
+    const RecurrentProblem p, int warps_per_head) {
+  enter_grid(p.pdl_trigger_early);
+  using Lay = RowLayout<StateT, KT>;
+  constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (w >= p.num_heads_total() * warps_per_head) return;
+  const TileCoords c = tile_coords(p, w, warps_per_head, RG * R, lane, G);
+  const int kofs = (lane % G) * EPL;
+  const int valid = VEC ? EPL : max(0, min(EPL, p.K - kofs));
+  const int64_t seq = p.cu_seqlens ? 0 : c.n;
+  const int64_t tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n) : 0;
+  const int64_t len =
+      p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n + 1) - tok0 : p.T;
+  const int64_t slot = slot_of(p, c.n);
+
+  TokenInputs<EPL, R> x;  // token 0's inputs do not depend on the slot: issue them first
+  if (len > 0) load_token<In>(p, p.g, p.beta, seq, tok0, c.h, c.hv, kofs, valid, c.row0, RG, x);
+  GateConsts<EPL> gc;
+  load_gate_consts(p.gate, c.hv, p.K, kofs, valid, gc);
+  if (p.indices && slot < 0) {
+    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid);
+    return;
+  }
+  if (p.check_indices && slot >= p.state.num_slots)
+    trap_bad_slot("recurrent", c.n, slot, p.state.num_slots);
+
+  const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
+  StateT* state_head = p.state.ptr ? static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
+                                         c.hv * head_elems
+                                   : nullptr;
+  float S[R][EPL];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = c.row0 + r * RG;
+    if (state_head && row < p.V) {
+      load_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid, S[r]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+    }
+  }
+  run_tokens<In, G, EPL, R, RG>(p, c, seq, tok0, len, lane, kofs, valid, S, x, gc);
+  write_state<StateT, EPL, R, RG, VEC>(p, c, state_head, len, kofs, valid, S);
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend

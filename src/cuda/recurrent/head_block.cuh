@@ -1,0 +1,37 @@
+// The recurrent kernels' tiles: where tile t of a grid lies (HeadBlock), and a sequence's slot.
+// Part of recurrent.cu's translation unit (included there only), in its anonymous namespace.
+#pragma once
+
+#include <cstdint>
+
+#include "core/numeric.h"
+#include "core/problem.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::RecurrentProblem;
+
+namespace {
+
+// Tile t of a grid that cuts every (sequence n, value head hv) into `blocks` row blocks: its
+// sequence, value head, key head and row block. (32-bit division: tile counts are below 2^31,
+// checked at launch; 64-bit division is a long software sequence on the GPU.)
+struct HeadBlock {
+  int head, n, hv, h, block;  // head = n*HV + hv
+};
+__device__ __forceinline__ HeadBlock head_block(const RecurrentProblem& p, int t, int blocks) {
+  HeadBlock c;
+  c.head = t / blocks;
+  c.block = t - c.head * blocks;
+  c.n = c.head / p.HV;
+  c.hv = c.head - c.n * p.HV;
+  c.h = c.hv / (p.HV / p.H);
+  return c;
+}
+
+__device__ __forceinline__ int64_t slot_of(const RecurrentProblem& p, int64_t n) {
+  return p.indices ? detail::index_at(p.indices, p.index_dtype, p.index_stride, n) : n;
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend

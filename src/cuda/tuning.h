@@ -1,0 +1,89 @@
+// Every tuning choice of the CUDA backend in one place: the kernels' CTA shapes, the thresholds
+// that pick a kernel or variant per call, and the environment overrides with which tests and
+// benchmarks force a variant (scripts/device.sh). The measurements behind them are in
+// docs/PERFORMANCE.md.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+
+namespace deltastate::cuda_backend {
+
+// ---- CTA shapes ---------------------------------------------------------------------------------
+// Direct kernel: CTAs of up to 128 threads, 4 resident per SM: at most 128 registers per thread
+// for its rows, the token and the gate constants across the token loop.
+constexpr int kDirectCtasPerSm = 4;
+// Register decode kernel: 2-warp CTAs, 12 resident per SM (at most 80 registers per thread): 24
+// warps per SM keep enough state loads in flight, and a 64-register cap spills.
+constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;
+// Streaming kernel: 4 consumer warps and a producer per CTA, 64 KB of stages, 3 CTAs per SM.
+constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPerSm = 3;
+// ReplaySSM: 8-warp CTAs, so that the per-head ring work and the token are shared by 8 warps'
+// rows; 3 resident per SM (at most 80 registers per thread).
+constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
+
+// ---- kernel and variant choice ------------------------------------------------------------------
+// Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
+// SMs; else 4.
+constexpr int direct_cta_warps(int64_t tiles, int sms) { return tiles < 8LL * sms ? 1 : 4; }
+// Register decode kernel: two tiles per warp where one tile per warp (`warps` of them, `capacity`
+// resident on the GPU) makes a partial second wave, which two tiles halve, and from 8 waves up,
+// where two are faster as well; one elsewhere, where two are slower.
+constexpr bool decode_two_tiles(int64_t warps, int64_t capacity) {
+  return (warps > capacity && warps <= 2 * capacity) || warps >= 8 * capacity;
+}
+// The streaming kernel instead of the register decode kernel: 16-bit states from this many
+// (sequence, value head) pairs (GDN; KDA), where the register kernels run out of instruction
+// issue. For fp32 states the register kernel is faster at every batch.
+constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
+// ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
+// one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
+constexpr int64_t kReplayTwoBlockWaves = 2;
+// Programmatic dependent launch: a launch lets the next grid in early when it fills at most half
+// of the GPU's CTA slots (`cta_slots`). An early trigger slows a grid of a whole wave (the next
+// grid's CTAs take SM slots while they wait) and speeds up a small one.
+constexpr bool pdl_trigger_fits(int64_t ctas, int64_t cta_slots) { return 2 * ctas <= cta_slots; }
+
+// ---- environment overrides (tests and benchmarks; each read once per process) -------------------
+// A kernel-variant override from the environment (benchmarks and tests force variants): the
+// value of `name` when it is one of `allowed`, else 0 (none). Callers read it once (a static).
+inline int env_override(const char* name, std::initializer_list<int> allowed) {
+  const char* e = std::getenv(name);
+  const int v = e ? std::atoi(e) : 0;
+  for (const int a : allowed)
+    if (v == a) return v;
+  return 0;
+}
+
+// DELTASTATE_CUDA_DECODE=direct|decode|stream: the kernel of a decode-shaped call.
+enum class DecodeChoice { automatic, direct, decode, stream };
+inline DecodeChoice forced_decode_kernel() {
+  static const DecodeChoice forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_DECODE");
+    if (!e) return DecodeChoice::automatic;
+    if (std::strcmp(e, "direct") == 0) return DecodeChoice::direct;
+    if (std::strcmp(e, "decode") == 0) return DecodeChoice::decode;
+    if (std::strcmp(e, "stream") == 0) return DecodeChoice::stream;
+    return DecodeChoice::automatic;
+  }();
+  return forced;
+}
+// DELTASTATE_CUDA_DECODE_TPW=1|2: tiles per warp of the register decode kernel.
+inline int forced_decode_tiles_per_warp() {
+  static const int forced = env_override("DELTASTATE_CUDA_DECODE_TPW", {1, 2});
+  return forced;
+}
+// DELTASTATE_CUDA_REPLAY_BPC=1|2: row blocks per ReplaySSM CTA (2 only where the shape allows).
+inline int forced_replay_blocks_per_cta() {
+  static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
+  return forced;
+}
+// DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).
+inline int forced_pdl_trigger() {
+  static const int forced = env_override("DELTASTATE_CUDA_PDL_TRIGGER", {1, 2});
+  return forced;
+}
+
+}  // namespace deltastate::cuda_backend
