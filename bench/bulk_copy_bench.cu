@@ -1,6 +1,6 @@
-// How fast in-place copies move bytes in the access patterns of our decode kernels, with no compute,
-// over a 2 GiB buffer (cold: many times the 60 MB L2), beside cudaMemcpy (the benchmarks' copy
-// yardstick) and a grid-stride 16-byte copy kernel (100% in the tables):
+// How fast in-place copies move bytes in the access patterns of our decode kernels, with no
+// compute, over a 2 GiB buffer (cold: many times the 60 MB L2), beside cudaMemcpy (the benchmarks'
+// copy yardstick) and a grid-stride 16-byte copy kernel (100% in the tables):
 //   ilp-copy  the grid-stride copy with U 16-byte loads per thread before its U stores;
 //   warptile  one tile of U * 512 bytes per warp, no loop: the register decode kernel's shape
 //             (fp32 K = 128: U = 8);
@@ -72,7 +72,9 @@ __global__ void bulk_kernel(Layout L, int mode, int stages) {
     bulk_load(stage(i), L.tile(tile_id(i)), L.tile_bytes, bar);
     mbar_arrive(bar);
   };
-  auto wait_full = [&](int64_t i) { mbar_wait(&full[i % stages], static_cast<uint32_t>((i / stages) & 1)); };
+  auto wait_full = [&](int64_t i) {
+    mbar_wait(&full[i % stages], static_cast<uint32_t>((i / stages) & 1));
+  };
   if (mode == kStore) {
     for (int64_t i = 0; i < n; ++i) {
       if (i >= stages) bulk_wait_read_n(stages - 1);
@@ -107,7 +109,8 @@ __global__ void bulk_kernel(Layout L, int mode, int stages) {
 template <int U>
 __global__ void copy_kernel(const uint4* src, uint4* dst, int64_t n) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * U;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) * U + threadIdx.x; i < n; i += step) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) * U + threadIdx.x; i < n;
+       i += step) {
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) r[u] = src[i + u * blockDim.x];
@@ -160,7 +163,8 @@ int main(int argc, char** argv) {
   int dev = 0, sms = 0, smem_optin = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "attribute");
-  check(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "attribute");
+  check(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+        "attribute");
   cudaDeviceProp prop;
   check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
 
@@ -184,27 +188,33 @@ int main(int argc, char** argv) {
   const int copy_grid = sms * 16;
   uint4* const b16 = reinterpret_cast<uint4*>(buf);
   uint4* const o16 = reinterpret_cast<uint4*>(other);
-  const double t_inplace = median_us([&](int) { copy_kernel<1><<<copy_grid, 256>>>(b16, b16, vecs); }, reps);
-  const double t_twobuf = median_us([&](int) { copy_kernel<1><<<copy_grid, 256>>>(b16, o16, vecs); }, reps);
-  const double t_memcpy = median_us([&](int) { check(cudaMemcpyAsync(other, buf, bytes, cudaMemcpyDeviceToDevice), "memcpy"); },
-                                    reps);
+  const double t_inplace =
+      median_us([&](int) { copy_kernel<1><<<copy_grid, 256>>>(b16, b16, vecs); }, reps);
+  const double t_twobuf =
+      median_us([&](int) { copy_kernel<1><<<copy_grid, 256>>>(b16, o16, vecs); }, reps);
+  const double t_memcpy = median_us(
+      [&](int) { check(cudaMemcpyAsync(other, buf, bytes, cudaMemcpyDeviceToDevice), "memcpy"); },
+      reps);
   const double copy_gbps = 2.0 * bytes / (t_inplace * 1e3);
   std::printf("# %s, %d SMs, buffer %.2f GiB, median of %d launches\n", prop.name, sms,
               bytes / double(1 << 30), reps);
-  std::printf("# copy kernel (16-byte accesses), in place: %.1f us, %.0f GB/s (read + write) = 100%%\n",
-              t_inplace, copy_gbps);
-  std::printf("# copy kernel to another buffer: %.0f GB/s; cudaMemcpy device to device: %.0f GB/s\n",
-              2.0 * bytes / (t_twobuf * 1e3), 2.0 * bytes / (t_memcpy * 1e3));
+  std::printf(
+      "# copy kernel (16-byte accesses), in place: %.1f us, %.0f GB/s (read + write) = 100%%\n",
+      t_inplace, copy_gbps);
+  std::printf(
+      "# copy kernel to another buffer: %.0f GB/s; cudaMemcpy device to device: %.0f GB/s\n",
+      2.0 * bytes / (t_twobuf * 1e3), 2.0 * bytes / (t_memcpy * 1e3));
   // 16-byte copies with U loads per thread in flight before its stores, in place and to another
   // buffer, over grids of 1-16 CTAs per SM (256 threads): which access pattern reaches cudaMemcpy.
   std::printf("%-8s %3s %8s %10s %8s %7s\n", "ilp-copy", "U", "ctas/SM", "us", "GB/s", "%copy");
   auto ilp = [&](auto u_tag, int per_sm, bool in_place) {
     constexpr int U = decltype(u_tag)::value;
     uint4* dst = in_place ? b16 : o16;
-    const double us = median_us([&](int) { copy_kernel<U><<<sms * per_sm, 256>>>(b16, dst, vecs); }, reps);
+    const double us =
+        median_us([&](int) { copy_kernel<U><<<sms * per_sm, 256>>>(b16, dst, vecs); }, reps);
     const double gbps = 2.0 * bytes / (us * 1e3);
-    std::printf("%-8s %3d %8d %10.1f %8.0f %6.1f%%\n", in_place ? "inplace" : "twobuf", U, per_sm, us,
-                gbps, 100.0 * gbps / copy_gbps);
+    std::printf("%-8s %3d %8d %10.1f %8.0f %6.1f%%\n", in_place ? "inplace" : "twobuf", U, per_sm,
+                us, gbps, 100.0 * gbps / copy_gbps);
   };
   for (bool in_place : {true, false})
     for (int per_sm : {2, 4, 8, 16})
@@ -212,23 +222,28 @@ int main(int argc, char** argv) {
   // One tile per warp, no loop (the register decode kernel's shape): tile U * 512 bytes, W warps
   // per CTA, in place; resident warps per SM as many as fit, or capped at 24 (the decode kernel's
   // 12 two-warp CTAs at 80 registers) by padding each CTA's shared memory.
-  std::printf("%-8s %3s %8s %8s %10s %8s %7s\n", "warptile", "U", "warps", "warps/SM", "us", "GB/s", "%copy");
+  std::printf("%-8s %3s %8s %8s %10s %8s %7s\n", "warptile", "U", "warps", "warps/SM", "us", "GB/s",
+              "%copy");
   auto warp_tiles = [&](auto u_tag, int warps, bool cap24) {
     constexpr int U = decltype(u_tag)::value;
     const int64_t tiles = vecs / (32 * U);
     const int64_t ctas = (tiles + warps - 1) / warps;
     const size_t smem = cap24 ? (static_cast<size_t>(smem_optin) + 1024) / (24 / warps) - 1024 : 0;
-    check(cudaFuncSetAttribute(warp_tile_copy_kernel<U>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_optin), "cudaFuncSetAttribute");
+    check(cudaFuncSetAttribute(warp_tile_copy_kernel<U>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin),
+          "cudaFuncSetAttribute");
     int resident = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, warp_tile_copy_kernel<U>, 32 * warps, smem),
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, warp_tile_copy_kernel<U>,
+                                                        32 * warps, smem),
           "occupancy");
-    const double us = median_us([&](int) {
-      warp_tile_copy_kernel<U><<<static_cast<unsigned>(ctas), 32 * warps, smem>>>(b16, tiles);
-    }, reps);
+    const double us = median_us(
+        [&](int) {
+          warp_tile_copy_kernel<U><<<static_cast<unsigned>(ctas), 32 * warps, smem>>>(b16, tiles);
+        },
+        reps);
     const double gbps = 2.0 * bytes / (us * 1e3);
-    std::printf("%-8s %3d %8d %8d %10.1f %8.0f %6.1f%%\n", "inplace", U, warps, resident * warps, us, gbps,
-                100.0 * gbps / copy_gbps);
+    std::printf("%-8s %3d %8d %8d %10.1f %8.0f %6.1f%%\n", "inplace", U, warps, resident * warps,
+                us, gbps, 100.0 * gbps / copy_gbps);
   };
   for (bool cap24 : {false, true})
     for (int warps : {2, 8})
@@ -254,13 +269,16 @@ int main(int argc, char** argv) {
               check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, bulk_kernel, 32, smem),
                     "occupancy");
               if (resident < per_sm) continue;  // would not all be resident
-              const Layout L{buf, random ? d_perm : nullptr, bytes / tb, tb, static_cast<int>(kSlotBytes / tb)};
+              const Layout L{buf, random ? d_perm : nullptr, bytes / tb, tb,
+                             static_cast<int>(kSlotBytes / tb)};
               const int grid = per_sm * sms;
-              const double us = median_us([&](int) { bulk_kernel<<<grid, 32, smem>>>(L, mode, st); }, reps);
+              const double us =
+                  median_us([&](int) { bulk_kernel<<<grid, 32, smem>>>(L, mode, st); }, reps);
               const double moved = mode == kCopy ? 2.0 * bytes : static_cast<double>(bytes);
               const double gbps = moved / (us * 1e3);
               std::printf("%-6s %-7s %8d %7d %8d %10.1f %8.0f %6.1f%%\n", mode_name[mode],
-                          random ? "random" : "linear", kb, st, per_sm, us, gbps, 100.0 * gbps / copy_gbps);
+                          random ? "random" : "linear", kb, st, per_sm, us, gbps,
+                          100.0 * gbps / copy_gbps);
             }
   };
   if (!ilp_only) bulk_sweep();

@@ -1,7 +1,8 @@
-// The streaming decode kernel's per-tile timeline (a trace build: cmake -DDELTASTATE_CUDA_STREAM_TRACE=ON;
-// scripts/device.sh trace-stream). One decode step, bf16 state and inputs, in place on a pool of
-// random slots, the same shapes as bench/bench_decode.py; then, from the SM-clock stamps of every
-// traced tile (src/cuda/stream_trace.h), percentiles of each stage of the pipeline:
+// The streaming decode kernel's per-tile timeline (a trace build: cmake
+// -DDELTASTATE_CUDA_STREAM_TRACE=ON; scripts/device.sh trace-stream). One decode step, bf16 state
+// and inputs, in place on a pool of random slots, the same shapes as bench/bench_decode.py; then,
+// from the SM-clock stamps of every traced tile (src/cuda/stream_trace.h), percentiles of each
+// stage of the pipeline:
 //
 //   stream_trace [--model qwen3-next|kimi-linear] [--B 256] [--slots 4096] [--launches 8]
 //                [--state bf16|f32] [--order random|sequential] [--reps 50]
@@ -60,8 +61,8 @@ void print(const Summary& s, double cycles_per_us) {
   std::sort(v.begin(), v.end());
   auto q = [&](double f) { return v[static_cast<size_t>(f * (v.size() - 1))]; };
   const double mean = std::accumulate(v.begin(), v.end(), 0.0) / v.size();
-  std::printf("%-44s %8zu %9.0f %9.0f %9.0f %9.0f %9.3f\n", s.name, v.size(), q(0.1), q(0.5), q(0.9),
-              mean, mean / cycles_per_us);
+  std::printf("%-44s %8zu %9.0f %9.0f %9.0f %9.0f %9.3f\n", s.name, v.size(), q(0.1), q(0.5),
+              q(0.9), mean, mean / cycles_per_us);
 }
 
 }  // namespace
@@ -80,8 +81,9 @@ int main(int argc, char** argv) {
     else if (a == "--order") order = argv[i + 1];
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: stream_trace [--model qwen3-next|kimi-linear] [--B n] [--slots n] "
-                           "[--launches n] [--state bf16|f32] [--order random|sequential] [--reps n]\n");
+      std::fprintf(stderr,
+                   "usage: stream_trace [--model qwen3-next|kimi-linear] [--B n] [--slots n] "
+                   "[--launches n] [--state bf16|f32] [--order random|sequential] [--reps n]\n");
       return 2;
     }
   }
@@ -137,7 +139,8 @@ int main(int argc, char** argv) {
     a.beta = TensorView::contiguous(beta, DType::bf16, {B, 1, HV}, dev);
     a.out = TensorView::contiguous(out, DType::bf16, {B, 1, HV, V}, dev);
     a.state = TensorView::contiguous(pool, sdt, {slots, HV, V, K}, dev);
-    a.state_indices = TensorView::contiguous(idx + static_cast<int64_t>(l) * B, DType::i32, {B}, dev);
+    a.state_indices =
+        TensorView::contiguous(idx + static_cast<int64_t>(l) * B, DType::i32, {B}, dev);
     a.stream = stream;
     if (kda) recurrent_kda(a);
     else recurrent_gdn(a);
@@ -152,21 +155,25 @@ int main(int argc, char** argv) {
   if (reps > 0) {
     const double t = bench::median_us([&](int r) { launch(r % launches); }, reps, 0, stream);
     const double state_bytes = 2.0 * B * HV * V * K * esize;
-    std::printf("# timing: %s %s state, B=%d, %s slots: median %.2f us over %d launches (state "
-                "read + write %.1f MB: %.0f GB/s)\n",
-                model.c_str(), state.c_str(), B, order.c_str(), t, reps, state_bytes / 1e6,
-                state_bytes / (t * 1e3));
+    std::printf(
+        "# timing: %s %s state, B=%d, %s slots: median %.2f us over %d launches (state "
+        "read + write %.1f MB: %.0f GB/s)\n",
+        model.c_str(), state.c_str(), B, order.c_str(), t, reps, state_bytes / 1e6,
+        state_bytes / (t * 1e3));
   }
 
   auto at = [&](int c, int i, Pt p) {
-    return tr[(static_cast<size_t>(c) * kStreamTraceTiles + i) * kStreamTracePoints + static_cast<int>(p)];
+    return tr[(static_cast<size_t>(c) * kStreamTraceTiles + i) * kStreamTracePoints +
+              static_cast<int>(p)];
   };
   constexpr int kStages = cuda_backend::kStreamTraceStages;  // tile i + kStages refills i's stage
   Summary period{"producer: enter to next enter"}, wait_stage{"producer: enter to stage free"},
-      prep{"producer: stage free (load out) to prepared"}, load{"stage free (load out) to consumer full"},
-      cons_wait{"consumer: wait to full"}, compute{"consumer: full to done"},
-      to_store{"consumer done to store issued"}, store_cycle{"store issued to stage free again"},
-      stage_cycle{"stage: free to free again (its next tile)"}, span{"CTA: first enter to last store"};
+      prep{"producer: stage free (load out) to prepared"},
+      load{"stage free (load out) to consumer full"}, cons_wait{"consumer: wait to full"},
+      compute{"consumer: full to done"}, to_store{"consumer done to store issued"},
+      store_cycle{"store issued to stage free again"},
+      stage_cycle{"stage: free to free again (its next tile)"},
+      span{"CTA: first enter to last store"};
   int ctas = 0;
   long long tiles = 0;
   for (int c = 0; c < kStreamTraceCtas; ++c) {
@@ -177,7 +184,8 @@ int main(int argc, char** argv) {
     tiles += n;
     for (int i = 0; i < n; ++i) {
       auto d = [&](Pt a, Pt b) { return static_cast<double>(at(c, i, b) - at(c, i, a)); };
-      if (i + 1 < n) period.v.push_back(at(c, i + 1, Pt::producer_enter) - at(c, i, Pt::producer_enter));
+      if (i + 1 < n)
+        period.v.push_back(at(c, i + 1, Pt::producer_enter) - at(c, i, Pt::producer_enter));
       wait_stage.v.push_back(d(Pt::producer_enter, Pt::stage_free));
       prep.v.push_back(d(Pt::stage_free, Pt::prepared));
       load.v.push_back(d(Pt::stage_free, Pt::consumer_full));
@@ -192,21 +200,26 @@ int main(int argc, char** argv) {
     if (n > 0) span.v.push_back(at(c, n - 1, Pt::store_issued) - at(c, 0, Pt::producer_enter));
   }
   if (ctas == 0) {
-    std::printf("# no traced tiles (the streaming kernel runs bf16 states from 512 (sequence, "
-                "head) pairs for GDN, 32 for KDA; DELTASTATE_CUDA_DECODE=stream forces it)\n");
+    std::printf(
+        "# no traced tiles (the streaming kernel runs bf16 states from 512 (sequence, "
+        "head) pairs for GDN, 32 for KDA; DELTASTATE_CUDA_DECODE=stream forces it)\n");
     return 0;
   }
   // Cycles per microsecond: the longest traced CTA span over the launch's event time (a lower
   // bound on the SM clock: the launch also has its ramp and its tail).
   const double cycles_per_us = *std::max_element(span.v.begin(), span.v.end()) / us;
-  std::printf("# stream_trace: %s %s, B=%d, pool of %lld slots; traced launch %.1f us (one launch, "
-              "event-timed), %d CTAs traced, %lld tiles\n",
-              model.c_str(), state.c_str(), B, static_cast<long long>(slots), us, ctas, tiles);
-  std::printf("# SM cycles; the us column converts the mean at %.0f cycles/us (longest traced CTA span "
-              "/ launch time)\n", cycles_per_us);
-  std::printf("%-44s %8s %9s %9s %9s %9s %9s\n", "interval", "n", "p10", "p50", "p90", "mean", "mean us");
-  for (const Summary* s : {&period, &wait_stage, &prep, &load, &cons_wait, &compute, &to_store, &store_cycle,
-                           &stage_cycle, &span})
+  std::printf(
+      "# stream_trace: %s %s, B=%d, pool of %lld slots; traced launch %.1f us (one launch, "
+      "event-timed), %d CTAs traced, %lld tiles\n",
+      model.c_str(), state.c_str(), B, static_cast<long long>(slots), us, ctas, tiles);
+  std::printf(
+      "# SM cycles; the us column converts the mean at %.0f cycles/us (longest traced CTA span "
+      "/ launch time)\n",
+      cycles_per_us);
+  std::printf("%-44s %8s %9s %9s %9s %9s %9s\n", "interval", "n", "p10", "p50", "p90", "mean",
+              "mean us");
+  for (const Summary* s : {&period, &wait_stage, &prep, &load, &cons_wait, &compute, &to_store,
+                           &store_cycle, &stage_cycle, &span})
     print(*s, cycles_per_us);
   return 0;
 }

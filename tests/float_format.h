@@ -36,7 +36,7 @@ inline uint16_t encode(double x, Format f) {
   const double n = std::nearbyint(std::ldexp(a, -quantum_exp));
   const double r = std::ldexp(n, quantum_exp);
   if (r >= std::ldexp(1.0, emax + 1)) return sign | exp_all;  // overflow: inf
-  if (r < std::ldexp(1.0, emin)) {  // subnormal (or rounded to zero)
+  if (r < std::ldexp(1.0, emin)) {                            // subnormal (or rounded to zero)
     return sign | static_cast<uint16_t>(std::ldexp(r, f.mant_bits - emin));
   }
   int er = 0;

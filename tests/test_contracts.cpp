@@ -54,7 +54,8 @@ TensorView with_ndim(TensorView t, int ndim) {
 }
 void write_indices(const TensorView& idx, std::initializer_list<int64_t> values) {
   int64_t i = 0;
-  for (int64_t v : values) store_value(idx.data, idx.dtype, i++ * idx.stride[0], static_cast<double>(v));
+  for (int64_t v : values)
+    store_value(idx.data, idx.dtype, i++ * idx.stride[0], static_cast<double>(v));
 }
 
 template <class Fixture, class Args>
@@ -101,7 +102,8 @@ struct PackedFixture {
     const std::vector<int64_t> slots{3, -1, 0};
     fill_live_slots(pool.view(), slots, rng);
     batch = make_decode_batch(rng, kSmall, kda, slots, DType::f32);
-    args = batch.packed_args(host_view, pool.view(), 0.35, kda ? std::optional<double>(-5.0) : std::nullopt);
+    args = batch.packed_args(host_view, pool.view(), 0.35,
+                             kda ? std::optional<double>(-5.0) : std::nullopt);
   }
   void run(const PackedDecodeArgs& a) const {
     if (kda) deltastate::kda_packed_decode(a);
@@ -120,7 +122,8 @@ using PCase = Case<PackedFixture, PackedDecodeArgs>;
 // Checks shared by GDN and KDA, in the validator's order.
 std::vector<PCase> packed_common_cases(bool kda) {
   const std::string suffix =
-      kda ? " KDA packed decode requires num_q_heads == num_k_heads and head_q_dim == head_k_dim." : "";
+      kda ? " KDA packed decode requires num_q_heads == num_k_heads and head_q_dim == head_k_dim."
+          : "";
   return {
       {"mixed_qkv 3D", [](auto&, auto& a) { a.mixed_qkv = with_ndim(a.mixed_qkv, 3); },
        "`mixed_qkv` must be a 2D tensor (got ndim=3)."},
@@ -462,17 +465,23 @@ std::vector<RCase> recurrent_cases(bool kda) {
         {"state 5D", [](auto&, auto& a) { a.state = with_ndim(*a.state, 5); },
          "recurrent_kda needs a [N, HV, V, K] state pool; got shape (4, 4, 8, 16, 1)"},
         {"state inner strides", [](auto&, auto& a) { a.state = with_stride(*a.state, 2, 17); },
-         "recurrent_kda state inner strides must be compact (V*K, K, 1)=(128, 16, 1); got (128, 17, 1) "
+         "recurrent_kda state inner strides must be compact (V*K, K, 1)=(128, 16, 1); got (128, "
+         "17, 1) "
          "(only the slot stride may be non-compact)"},
         {"state head stride", [](auto&, auto& a) { a.state = with_stride(*a.state, 1, 256); },
-         "recurrent_kda state inner strides must be compact (V*K, K, 1)=(128, 16, 1); got (256, 16, 1) "
+         "recurrent_kda state inner strides must be compact (V*K, K, 1)=(128, 16, 1); got (256, "
+         "16, 1) "
          "(only the slot stride may be non-compact)"},
         {"state last stride", [](auto&, auto& a) { a.state = with_stride(*a.state, 3, 2); },
-         "recurrent_kda state inner strides must be compact (V*K, K, 1)=(128, 16, 1); got (128, 16, 2) "
+         "recurrent_kda state inner strides must be compact (V*K, K, 1)=(128, 16, 1); got (128, "
+         "16, 2) "
          "(only the slot stride may be non-compact)"},
-        {"slot stride not a multiple of 16", [](auto&, auto& a) { a.state = with_stride(*a.state, 0, 520); },
-         "recurrent_kda state pool breaks the compiled stride contract: slot stride 520 elements must be "
-         "a multiple of 16 and the base byte offset 0 a multiple of 32 (sym_int64(divisibility=16) / "
+        {"slot stride not a multiple of 16",
+         [](auto&, auto& a) { a.state = with_stride(*a.state, 0, 520); },
+         "recurrent_kda state pool breaks the compiled stride contract: slot stride 520 elements "
+         "must be "
+         "a multiple of 16 and the base byte offset 0 a multiple of 32 (sym_int64(divisibility=16) "
+         "/ "
          "assumed_align=32)"},
         {"base not 32-byte aligned",
          [](auto&, auto& a) {
@@ -480,8 +489,10 @@ std::vector<RCase> recurrent_cases(bool kda) {
            s.data = static_cast<char*>(s.data) + 16;
            a.state = s;
          },
-         "recurrent_kda state pool breaks the compiled stride contract: slot stride 512 elements must be "
-         "a multiple of 16 and the base byte offset 16 a multiple of 32 (sym_int64(divisibility=16) / "
+         "recurrent_kda state pool breaks the compiled stride contract: slot stride 512 elements "
+         "must be "
+         "a multiple of 16 and the base byte offset 16 a multiple of 32 "
+         "(sym_int64(divisibility=16) / "
          "assumed_align=32)"},
     };
     cases.insert(cases.end(), k.begin(), k.end());
@@ -513,24 +524,41 @@ std::vector<VCase> varlen_cases() {
        },
        "The batch size is expected to be 1 rather than 5 when using `cu_seqlens`.Please flatten "
        "variable-length inputs before processing."},
-      {"cu_seqlens 2D", [](auto&, auto& a) { a.cu_seqlens = reshaped(*a.cu_seqlens, {3, 1}); },
+      {"cu_seqlens 2D",
+       [](auto&, auto& a) {
+         a.cu_seqlens = reshaped(*a.cu_seqlens, {3, 1});
+       },
        "`cu_seqlens` must be a 1D tensor [N+1]; got shape (3, 1)"},
       {"cu_seqlens empty", [](auto&, auto& a) { a.cu_seqlens = with_size(*a.cu_seqlens, 0, 0); },
        "`cu_seqlens` must be a 1D tensor [N+1]; got shape (0,)"},
-      {"cu_seqlens dtype", [](auto&, auto& a) { a.cu_seqlens = with_dtype(*a.cu_seqlens, DType::f32); },
+      {"cu_seqlens dtype",
+       [](auto&, auto& a) { a.cu_seqlens = with_dtype(*a.cu_seqlens, DType::f32); },
        "`cu_seqlens` must have dtype int32 or int64; got float32"},
       {"cu_seqlens strided",
        [](auto&, auto& a) { a.cu_seqlens = with_size(with_stride(*a.cu_seqlens, 0, 2), 0, 2); },
        "`cu_seqlens` must be contiguous; got shape (2,) with strides (2,)"},
-      {"cu_seqlens on another device", [](auto&, auto& a) { a.cu_seqlens = on_cuda(*a.cu_seqlens); },
+      {"cu_seqlens on another device",
+       [](auto&, auto& a) { a.cu_seqlens = on_cuda(*a.cu_seqlens); },
        "All inputs must be on the same device: `q` is on cpu, `cu_seqlens` is on cuda:0"},
-      {"cu_seqlens not starting at 0", [](auto& f, auto&) { write_indices(f.rb.cu.view(), {1, 2, 5}); },
+      {"cu_seqlens not starting at 0",
+       [](auto& f, auto&) {
+         write_indices(f.rb.cu.view(), {1, 2, 5});
+       },
        "`cu_seqlens` must start at 0 and be non-decreasing within [0, T=5]; got cu_seqlens[0]=1"},
-      {"cu_seqlens decreasing", [](auto& f, auto&) { write_indices(f.rb.cu.view(), {0, 3, 2}); },
-       "`cu_seqlens` must start at 0 and be non-decreasing within [0, T=5]; got cu_seqlens[2]=2 after 3"},
-      {"cu_seqlens past T", [](auto& f, auto&) { write_indices(f.rb.cu.view(), {0, 2, 6}); },
-       "`cu_seqlens` must start at 0 and be non-decreasing within [0, T=5]; got cu_seqlens[2]=6 after 2"},
-      {"indices vs sequences", [](auto& f, auto& a) { a.cu_seqlens = with_size(f.rb.cu.view(), 0, 2); },
+      {"cu_seqlens decreasing",
+       [](auto& f, auto&) {
+         write_indices(f.rb.cu.view(), {0, 3, 2});
+       },
+       "`cu_seqlens` must start at 0 and be non-decreasing within [0, T=5]; got cu_seqlens[2]=2 "
+       "after 3"},
+      {"cu_seqlens past T",
+       [](auto& f, auto&) {
+         write_indices(f.rb.cu.view(), {0, 2, 6});
+       },
+       "`cu_seqlens` must start at 0 and be non-decreasing within [0, T=5]; got cu_seqlens[2]=6 "
+       "after 2"},
+      {"indices vs sequences",
+       [](auto& f, auto& a) { a.cu_seqlens = with_size(f.rb.cu.view(), 0, 2); },
        "The number of initial states is expected to be equal to the number of input sequences, "
        "i.e., 1 rather than 2."},
   };
@@ -549,7 +577,8 @@ TEST(Contracts, NamedIssueMessages) {
     a.state = reshaped(*a.state, {4, 32, 16});
     const auto e = catch_error([&] { f.run(a); });
     ASSERT_TRUE(e);
-    EXPECT_EQ(std::string(e->what()), "recurrent_kda needs a [N, HV, V, K] state pool; got shape (4, 32, 16)");
+    EXPECT_EQ(std::string(e->what()),
+              "recurrent_kda needs a [N, HV, V, K] state pool; got shape (4, 32, 16)");
   }
   {
     RecurrentFixture f(false);
@@ -593,8 +622,8 @@ struct ReplayFixture {
     batch = make_decode_batch(rng, kSmall, kda, slots, DType::f32);
     wp = index_tensor({0, 0, 0});
     ff = index_tensor({0, 0, 1});
-    args = replay_args(host_view, batch, pool.view(), rings.d.view(), rings.k.view(), rings.g.view(),
-                       wp, &ff, 0.35);
+    args = replay_args(host_view, batch, pool.view(), rings.d.view(), rings.k.view(),
+                       rings.g.view(), wp, &ff, 0.35);
   }
   void run(const ReplayDecodeArgs& a) const { deltastate::replayssm_decode(a); }
   Snapshot snapshot() const {
@@ -895,8 +924,8 @@ TEST(Contracts, CudaKLimitPackedDecode) {
       else deltastate::gdn_packed_decode(a);
     };
     EXPECT_NO_THROW(run(batch.packed_args(host_view, pool.view(), 0.35, lb)));
-    expect_not_implemented([&] { run(batch.packed_args(cuda_view, on_cuda(pool.view()), 0.35, lb)); },
-                           kWideKMessage);
+    expect_not_implemented(
+        [&] { run(batch.packed_args(cuda_view, on_cuda(pool.view()), 0.35, lb)); }, kWideKMessage);
   }
 }
 
@@ -904,7 +933,8 @@ TEST(Contracts, CudaKLimitRecurrent) {
   for (const bool kda : {false, true}) {
     SCOPED_TRACE(kda ? "kda" : "gdn");
     Rng rng = test_rng(kda);
-    const RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(kWideK, kda, DType::f32, 2, 2));
+    const RecurrentBatch rb =
+        make_recurrent_batch(rng, recurrent_spec(kWideK, kda, DType::f32, 2, 2));
     Tensor pool = make_pool(DType::f32, 2, kWideK);
     auto run = [kda](const RecurrentArgs& a) {
       if (kda) deltastate::recurrent_kda(a);
@@ -937,11 +967,12 @@ TEST(Contracts, CudaLimitsReplaySsm) {
       const Rings rings = make_rings(shape, kda, 2, L, DType::f32, DType::f32);
       const DecodeBatch batch = make_decode_batch(rng, shape, kda, {1, 0}, DType::f32);
       const Tensor wp = index_tensor({0, 0});
-      EXPECT_NO_THROW(deltastate::replayssm_decode(replay_args(host_view, batch, pool.view(), rings.d.view(),
-                                                               rings.k.view(), rings.g.view(), wp, nullptr, 0.35)));
+      EXPECT_NO_THROW(deltastate::replayssm_decode(replay_args(host_view, batch, pool.view(),
+                                                               rings.d.view(), rings.k.view(),
+                                                               rings.g.view(), wp, nullptr, 0.35)));
       const ReplayDecodeArgs gpu =
-          replay_args(cuda_view, batch, on_cuda(pool.view()), cuda_view(rings.d), cuda_view(rings.k),
-                      cuda_view(rings.g), wp, nullptr, 0.35);
+          replay_args(cuda_view, batch, on_cuda(pool.view()), cuda_view(rings.d),
+                      cuda_view(rings.k), cuda_view(rings.g), wp, nullptr, 0.35);
       expect_not_implemented([&] { deltastate::replayssm_decode(gpu); }, message);
     }
   }

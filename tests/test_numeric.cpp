@@ -164,14 +164,16 @@ TEST(Numeric, AllSixteenBitPatternsDecode) {
   }
 }
 
-// Random fp32 bit patterns (all exponents) and values near ties encode like the independent encoder.
+// Random fp32 bit patterns (all exponents) and values near ties encode like the independent
+// encoder.
 TEST(Numeric, RandomFloatsEncodeLikeTheReference) {
   Rng rng = test_rng();
   for (int i = 0; i < 400000; ++i) {
     uint32_t u = static_cast<uint32_t>(rng.engine()());
-    if (i % 4 == 1) u = (u & 0xFFFF0000u) | 0x8000u;          // bf16 ties
-    if (i % 4 == 2) u = (u & 0xFFFFE000u) | 0x1000u;          // fp16 (normal range) ties
-    if (i % 4 == 3) u = (u & 0x807FFFFFu) | (static_cast<uint32_t>(rng.integer(96, 145)) << 23);  // fp16 range
+    if (i % 4 == 1) u = (u & 0xFFFF0000u) | 0x8000u;  // bf16 ties
+    if (i % 4 == 2) u = (u & 0xFFFFE000u) | 0x1000u;  // fp16 (normal range) ties
+    if (i % 4 == 3)
+      u = (u & 0x807FFFFFu) | (static_cast<uint32_t>(rng.integer(96, 145)) << 23);  // fp16 range
     const float f = from_bits(u);
     if (std::isnan(f)) continue;
     ASSERT_EQ(lib::float_to_bf16(f), fmt::bf16_bits(f)) << std::hex << u;
@@ -224,7 +226,8 @@ TEST(Numeric, DivideByReciprocalIsTheIeeeQuotient) {
     const float x = from_bits(mant | (static_cast<uint32_t>(e) << 23));
     if (std::fabs(x) < 0x1p-100f) {  // the residual x - q*d may underflow: within one ulp
       const float want = x / d, got = lib::divide_by(x, d, 1.0f / d);
-      ASSERT_TRUE(got == want || got == std::nextafter(want, 1.0f) || got == std::nextafter(want, -1.0f))
+      ASSERT_TRUE(got == want || got == std::nextafter(want, 1.0f) ||
+                  got == std::nextafter(want, -1.0f))
           << std::hexfloat << x << " / " << d;
       ++tiny;
       continue;

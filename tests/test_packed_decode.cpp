@@ -100,13 +100,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // GDN, Qwen3-Next (H=16, HV=32, K=V=128)
         PackedCase{"gdn_qwen_f32state_f32act", kQwen3Next, false, kNoLb, f32, f32},
-        PackedCase{"gdn_qwen_f32state_bf16act_envelope", kQwen3Next, false, kNoLb, f32, bf16, 4096 + 64, 512, 24},
+        PackedCase{"gdn_qwen_f32state_bf16act_envelope", kQwen3Next, false, kNoLb, f32, bf16,
+                   4096 + 64, 512, 24},
         PackedCase{"gdn_qwen_bf16state_bf16act", kQwen3Next, false, kNoLb, bf16, bf16},
-        PackedCase{"gdn_qwen_f16state_f16act_i64idx", kQwen3Next, false, kNoLb, f16, f16, 0, 0, 0, DType::i64},
+        PackedCase{"gdn_qwen_f16state_f16act_i64idx", kQwen3Next, false, kNoLb, f16, f16, 0, 0, 0,
+                   DType::i64},
         // KDA, Kimi-Linear (H=HV=32, K=V=128), standard and safe gate
         PackedCase{"kda_kimi_f32state_f32act", kKimi, true, kNoLb, f32, f32},
         PackedCase{"kda_kimi_f32state_bf16act_lb", kKimi, true, kLb, f32, bf16},
-        PackedCase{"kda_kimi_bf16state_bf16act_envelope", kKimi, true, kNoLb, bf16, bf16, 1024, 256, 8},
+        PackedCase{"kda_kimi_bf16state_bf16act_envelope", kKimi, true, kNoLb, bf16, bf16, 1024, 256,
+                   8},
         PackedCase{"kda_kimi_f16state_f32act_lb", kKimi, true, kLb, f16, f32},
         // odd shapes (H=3, HV=6, K=32, V=48), K > V, K < V
         PackedCase{"gdn_odd_f32state_f32act", kOdd, false, kNoLb, f32, f32, 48, 16, 5},
@@ -116,7 +119,8 @@ INSTANTIATE_TEST_SUITE_P(
         PackedCase{"gdn_KgtV_f32state_bf16act", kKgtV, false, kNoLb, f32, bf16, 32, 32},
         PackedCase{"gdn_KltV_bf16state_f32act", kKltV, false, kNoLb, bf16, f32},
         PackedCase{"kda_KgtV_bf16state_bf16act_lb", kKgtV, true, kLb, bf16, bf16},
-        PackedCase{"kda_KltV_f32state_f32act_envelope", kKltV, true, kNoLb, f32, f32, 100, 7, 1, DType::i64}),
+        PackedCase{"kda_KltV_f32state_f32act_envelope", kKltV, true, kNoLb, f32, f32, 100, 7, 1,
+                   DType::i64}),
     case_name<PackedCase>);
 
 // Every op accepts a StatePool envelope layer view (slot stride = the whole entry, far larger than
@@ -135,8 +139,7 @@ TEST(PackedDecode, StatePoolEnvelopeLayer) {
     const auto* base = static_cast<const char*>(pool.data());
     for (int step = 0; step < 2; ++step) {
       if (step) batch.randomize(rng);
-      checked_packed_step(batch, layer, {base, base + pool.total_bytes()},
-                          {kda ? kLb : kNoLb});
+      checked_packed_step(batch, layer, {base, base + pool.total_bytes()}, {kda ? kLb : kNoLb});
     }
   }
 }

@@ -42,7 +42,9 @@ StatePoolConfig small_config(PoolLayout layout, int64_t slots = 3) {
   return c;
 }
 
-const char* at(const StatePool& p, int64_t offset) { return static_cast<const char*>(p.data()) + offset; }
+const char* at(const StatePool& p, int64_t offset) {
+  return static_cast<const char*>(p.data()) + offset;
+}
 bool all_bytes_zero(const void* p, int64_t n) {
   const auto* b = static_cast<const uint8_t*>(p);
   for (int64_t i = 0; i < n; ++i)
@@ -69,11 +71,14 @@ TEST(StatePool, AllocateFreeExhaustionDoubleFree) {
   EXPECT_EQ(pool.allocate(), 2);
   pool.free(1);
   expect_error([&] { pool.free(1); }, "StatePool.free: slot 1 is not allocated (double free?)");
-  expect_error([&] { pool.free(4); }, "StatePool.free: slot 4 is out of range for a pool of 4 slots");
-  expect_error([&] { pool.free(-1); }, "StatePool.free: slot -1 is out of range for a pool of 4 slots");
+  expect_error([&] { pool.free(4); },
+               "StatePool.free: slot 4 is out of range for a pool of 4 slots");
+  expect_error([&] { pool.free(-1); },
+               "StatePool.free: slot -1 is out of range for a pool of 4 slots");
   EXPECT_FALSE(pool.is_allocated(-1));
   EXPECT_FALSE(pool.is_allocated(4));
-  expect_error([&] { pool.cursor(4); }, "StatePool.cursor: slot 4 is out of range for a pool of 4 slots");
+  expect_error([&] { pool.cursor(4); },
+               "StatePool.cursor: slot 4 is out of range for a pool of 4 slots");
   expect_error([&] { pool.set_cursor(-2, 0); },
                "StatePool.set_cursor: slot -2 is out of range for a pool of 4 slots");
 }
@@ -135,8 +140,9 @@ TEST(StatePool, ForkRules) {
     {
       Snapshot before;
       before.add(pool.data(), pool.total_bytes());
-      expect_error([&] { pool.fork(1, 2); },
-                   "copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got 2 for src 1");
+      expect_error(
+          [&] { pool.fork(1, 2); },
+          "copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got 2 for src 1");
       EXPECT_TRUE(before.unchanged());
     }
     pool.set_cursor(1, 0);
@@ -163,12 +169,15 @@ TEST(StatePool, ForkRules) {
     EXPECT_TRUE(before.unchanged_except(written));
 
     expect_error([&] { pool.fork(1, 1); }, "StatePool.fork: src and dst are the same slot 1");
-    expect_error([&] { pool.fork(1, 4); }, "StatePool.fork: slot 4 is out of range for a pool of 4 slots");
+    expect_error([&] { pool.fork(1, 4); },
+                 "StatePool.fork: slot 4 is out of range for a pool of 4 slots");
     pool.free(3);
-    expect_error([&] { pool.fork(1, 3); },
-                 "StatePool.fork: both slots must be allocated (src 1 is allocated, dst 3 is free)");
-    expect_error([&] { pool.fork(3, 0); },
-                 "StatePool.fork: both slots must be allocated (src 3 is free, dst 0 is allocated)");
+    expect_error(
+        [&] { pool.fork(1, 3); },
+        "StatePool.fork: both slots must be allocated (src 1 is allocated, dst 3 is free)");
+    expect_error(
+        [&] { pool.fork(3, 0); },
+        "StatePool.fork: both slots must be allocated (src 3 is free, dst 0 is allocated)");
   }
 }
 
@@ -203,9 +212,12 @@ TEST(StatePool, PerLayerViewsAndAccounting) {
   EXPECT_EQ(wp.data, at(pool, 19712));
   EXPECT_EQ(shape_str(wp), "(3,)");
   EXPECT_EQ(wp.dtype, DType::i32);
-  expect_error([&] { pool.layer_state(2); }, "StatePool: layer 2 is out of range for a pool of 2 layers");
-  expect_error([&] { pool.d_cache(-1); }, "StatePool: layer -1 is out of range for a pool of 2 layers");
-  expect_error([&] { pool.envelope_extra(0); }, "StatePool.envelope_extra: the pool is not an envelope");
+  expect_error([&] { pool.layer_state(2); },
+               "StatePool: layer 2 is out of range for a pool of 2 layers");
+  expect_error([&] { pool.d_cache(-1); },
+               "StatePool: layer -1 is out of range for a pool of 2 layers");
+  expect_error([&] { pool.envelope_extra(0); },
+               "StatePool.envelope_extra: the pool is not an envelope");
 
   StatePoolConfig kda = cfg;
   kda.kda = true;
@@ -287,8 +299,8 @@ TEST(StatePool, EnvelopeViewsMeetTheKdaStrideContract) {
                       {1, 3, 5, 3, 10, DType::bf16},
                       {3, 5, 7, 3, 1, DType::f32}};
   for (const Dims& d : all) {
-    SCOPED_TRACE("HV=" + std::to_string(d.HV) + " V=" + std::to_string(d.V) + " K=" +
-                 std::to_string(d.K) + " " + dtype_short_name(d.dtype));
+    SCOPED_TRACE("HV=" + std::to_string(d.HV) + " V=" + std::to_string(d.V) +
+                 " K=" + std::to_string(d.K) + " " + dtype_short_name(d.dtype));
     StatePoolConfig cfg;
     cfg.layers = d.layers;
     cfg.slots = 3;
@@ -373,7 +385,8 @@ TEST(StatePool, ConfigErrors) {
       "StatePool envelope_extra_bytes applies to the envelope layout only and must be >= 0");
   bad([](StatePoolConfig& c) { c.replay_len = -1; }, "ReplaySSM cache length must be at least 1.");
   bad([](StatePoolConfig& c) { c.H = 3; },
-      "StatePool with ReplaySSM rings needs the key-head count H (HV a multiple of H); got H=3, HV=4");
+      "StatePool with ReplaySSM rings needs the key-head count H (HV a multiple of H); got H=3, "
+      "HV=4");
   bad([](StatePoolConfig& c) { c.ring_k_dtype = DType::i64; },
       "StatePool ring_k_dtype must be a float dtype; got int64");
 }

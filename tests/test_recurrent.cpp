@@ -50,7 +50,8 @@ void checked_recurrent_call(RecurrentBatch& rb, const RecurrentCase& c,
     if (pooled && indices[n] < 0) continue;
     ref::State S = state ? slot_values(*state, slot_of(n))
                          : ref::State(static_cast<size_t>(s.state_elems()), 0.0);
-    for (int64_t t = 0; t < rb.seq_len(n); ++t) want_out[n].push_back(ref::step(cfg, rb.token(n, t), S));
+    for (int64_t t = 0; t < rb.seq_len(n); ++t)
+      want_out[n].push_back(ref::step(cfg, rb.token(n, t), S));
     want_final[n] = std::move(S);
   }
 
@@ -93,7 +94,8 @@ void checked_recurrent_call(RecurrentBatch& rb, const RecurrentCase& c,
       }
     }
     if (c.final_state) {
-      const std::vector<double> got = view_values(final_state.view(), n * s.state_elems(), s.state_elems());
+      const std::vector<double> got =
+          view_values(final_state.view(), n * s.state_elems(), s.state_elems());
       if (padded) {
         EXPECT_TRUE(all_zero(got)) << "final_state";
       } else {
@@ -101,7 +103,8 @@ void checked_recurrent_call(RecurrentBatch& rb, const RecurrentCase& c,
       }
     }
     if (state && args.update_state && !padded) {
-      EXPECT_TRUE(all_close(slot_values(*state, slot_of(n)), want_final[n], state_tol(state->dtype)))
+      EXPECT_TRUE(
+          all_close(slot_values(*state, slot_of(n)), want_final[n], state_tol(state->dtype)))
           << "state";
       written.push_back(slot_range(*state, slot_of(n)));
     }
@@ -143,55 +146,115 @@ TEST_P(RecurrentVsReference, Run) {
 
 INSTANTIATE_TEST_SUITE_P(
     Ops, RecurrentVsReference,
-    ::testing::Values(
-        RecurrentCase{"gdn_qwen_batched_T3_pool_final", recurrent_spec(kQwen3Next, false, f32, 3, 3),
-                      StateMode::pool, f32, {1}, true},
-        RecurrentCase{"gdn_qwen_varlen_bf16_packedqkv",
-                      with(recurrent_spec(kQwen3Next, false, bf16, 1, 1, {2, 0, 3, 1}),
-                           [](RecurrentSpec& r) { r.packed_qkv = true; }),
-                      StateMode::pool, bf16, {2}},
-        RecurrentCase{"kda_kimi_varlen_lb_envelope_final",
-                      with(recurrent_spec(kKimi, true, f32, 1, 1, {3, 1, 2}),
-                           [](RecurrentSpec& r) { r.lower_bound = -5.0; }),
-                      StateMode::pool, f32, {}, true, true, 64, 32},
-        RecurrentCase{"kda_kimi_batched_logg_betaprob_f16state",
-                      with(recurrent_spec(kKimi, true, bf16, 2, 2),
-                           [](RecurrentSpec& r) {
-                             r.gate_in_kernel = false;
-                             r.beta_is_logit = false;
-                           }),
-                      StateMode::pool, f16, {0}},
-        RecurrentCase{"gdn_odd_per_sequence_logg_betaprob_final",
-                      with(recurrent_spec(kOdd, false, f32, 3, 4),
-                           [](RecurrentSpec& r) {
-                             r.gate_in_kernel = false;
-                             r.beta_is_logit = false;
-                           }),
-                      StateMode::per_sequence, f32, {}, true, true, 8, 4, 0.2},
-        RecurrentCase{"kda_odd_per_sequence_varlen_bf16state_dt2d_lb",
-                      with(recurrent_spec(kOdd, true, bf16, 1, 1, {1, 4, 2}),
-                           [](RecurrentSpec& r) {
-                             r.dt_bias_2d = true;
-                             r.lower_bound = -5.0;
-                           }),
-                      StateMode::per_sequence, bf16, {}, true, true, 32, 16},
-        RecurrentCase{"gdn_KgtV_no_state_final", recurrent_spec(kKgtV, false, f32, 2, 5), StateMode::none, f32,
-                      {}, true, false},
-        RecurrentCase{"kda_KltV_no_state_varlen_final_bf16", recurrent_spec(kKltV, true, bf16, 1, 1, {2, 3}),
-                      StateMode::none, bf16, {}, true, false},
-        RecurrentCase{"gdn_KltV_pool_no_update_final", recurrent_spec(kKltV, false, f16, 3, 2),
-                      StateMode::pool, f32, {2}, true, false},
-        RecurrentCase{"kda_KgtV_varlen_i64_empty_seq_packedqkv",
-                      with(recurrent_spec(kKgtV, true, f32, 1, 1, {3, 0, 2, 1}),
-                           [](RecurrentSpec& r) {
-                             r.index_dtype = DType::i64;
-                             r.packed_qkv = true;
-                           }),
-                      StateMode::pool, f32, {3}, false, true, 16, 8},
-        RecurrentCase{"gdn_odd_envelope_f16", recurrent_spec(kOdd, false, f16, 4, 2), StateMode::pool, f16,
-                      {0, 3}, false, true, 1000, 24, 0.15},
-        RecurrentCase{"kda_odd_batched_T1_decode_bf16state", recurrent_spec(kOdd, true, bf16, 5, 1),
-                      StateMode::pool, bf16, {4}, true}),
+    ::testing::Values(RecurrentCase{"gdn_qwen_batched_T3_pool_final",
+                                    recurrent_spec(kQwen3Next, false, f32, 3, 3),
+                                    StateMode::pool,
+                                    f32,
+                                    {1},
+                                    true},
+                      RecurrentCase{
+                          "gdn_qwen_varlen_bf16_packedqkv",
+                          with(recurrent_spec(kQwen3Next, false, bf16, 1, 1, {2, 0, 3, 1}),
+                               [](RecurrentSpec& r) { r.packed_qkv = true; }),
+                          StateMode::pool,
+                          bf16,
+                          {2}},
+                      RecurrentCase{"kda_kimi_varlen_lb_envelope_final",
+                                    with(recurrent_spec(kKimi, true, f32, 1, 1, {3, 1, 2}),
+                                         [](RecurrentSpec& r) { r.lower_bound = -5.0; }),
+                                    StateMode::pool,
+                                    f32,
+                                    {},
+                                    true,
+                                    true,
+                                    64,
+                                    32},
+                      RecurrentCase{"kda_kimi_batched_logg_betaprob_f16state",
+                                    with(recurrent_spec(kKimi, true, bf16, 2, 2),
+                                         [](RecurrentSpec& r) {
+                                           r.gate_in_kernel = false;
+                                           r.beta_is_logit = false;
+                                         }),
+                                    StateMode::pool,
+                                    f16,
+                                    {0}},
+                      RecurrentCase{"gdn_odd_per_sequence_logg_betaprob_final",
+                                    with(recurrent_spec(kOdd, false, f32, 3, 4),
+                                         [](RecurrentSpec& r) {
+                                           r.gate_in_kernel = false;
+                                           r.beta_is_logit = false;
+                                         }),
+                                    StateMode::per_sequence,
+                                    f32,
+                                    {},
+                                    true,
+                                    true,
+                                    8,
+                                    4,
+                                    0.2},
+                      RecurrentCase{"kda_odd_per_sequence_varlen_bf16state_dt2d_lb",
+                                    with(recurrent_spec(kOdd, true, bf16, 1, 1, {1, 4, 2}),
+                                         [](RecurrentSpec& r) {
+                                           r.dt_bias_2d = true;
+                                           r.lower_bound = -5.0;
+                                         }),
+                                    StateMode::per_sequence,
+                                    bf16,
+                                    {},
+                                    true,
+                                    true,
+                                    32,
+                                    16},
+                      RecurrentCase{"gdn_KgtV_no_state_final",
+                                    recurrent_spec(kKgtV, false, f32, 2, 5),
+                                    StateMode::none,
+                                    f32,
+                                    {},
+                                    true,
+                                    false},
+                      RecurrentCase{"kda_KltV_no_state_varlen_final_bf16",
+                                    recurrent_spec(kKltV, true, bf16, 1, 1, {2, 3}),
+                                    StateMode::none,
+                                    bf16,
+                                    {},
+                                    true,
+                                    false},
+                      RecurrentCase{"gdn_KltV_pool_no_update_final",
+                                    recurrent_spec(kKltV, false, f16, 3, 2),
+                                    StateMode::pool,
+                                    f32,
+                                    {2},
+                                    true,
+                                    false},
+                      RecurrentCase{"kda_KgtV_varlen_i64_empty_seq_packedqkv",
+                                    with(recurrent_spec(kKgtV, true, f32, 1, 1, {3, 0, 2, 1}),
+                                         [](RecurrentSpec& r) {
+                                           r.index_dtype = DType::i64;
+                                           r.packed_qkv = true;
+                                         }),
+                                    StateMode::pool,
+                                    f32,
+                                    {3},
+                                    false,
+                                    true,
+                                    16,
+                                    8},
+                      RecurrentCase{"gdn_odd_envelope_f16",
+                                    recurrent_spec(kOdd, false, f16, 4, 2),
+                                    StateMode::pool,
+                                    f16,
+                                    {0, 3},
+                                    false,
+                                    true,
+                                    1000,
+                                    24,
+                                    0.15},
+                      RecurrentCase{"kda_odd_batched_T1_decode_bf16state",
+                                    recurrent_spec(kOdd, true, bf16, 5, 1),
+                                    StateMode::pool,
+                                    bf16,
+                                    {4},
+                                    true}),
     case_name<RecurrentCase>);
 
 // recurrent_gdn / recurrent_kda on a StatePool envelope layer (slot stride = the entry) keep the
@@ -203,8 +266,12 @@ TEST(Recurrent, StatePoolEnvelopeLayer) {
     deltastate::StatePool pool(envelope_config(kOdd, 2, 6, DType::bf16, 777));
     fill_sentinel(pool.data(), pool.total_bytes(), DType::bf16);
     const TensorView layer = pool.layer_state(1);
-    RecurrentCase c{"envelope", recurrent_spec(kOdd, kda, DType::bf16, 1, 1, {2, 1, 3}), StateMode::pool,
-                    DType::bf16, {}, true};
+    RecurrentCase c{"envelope",
+                    recurrent_spec(kOdd, kda, DType::bf16, 1, 1, {2, 1, 3}),
+                    StateMode::pool,
+                    DType::bf16,
+                    {},
+                    true};
     RecurrentBatch rb = make_recurrent_batch(rng, c.spec);
     const std::vector<int64_t> indices{4, -1, 1};
     fill_live_slots(layer, indices, rng);

@@ -63,7 +63,8 @@ void checked_replay_step(DecodeBatch& batch, const ReplayViews& m, std::vector<i
   batch.poison_out();
   const Snapshot before = snapshot_of(m.memory);
   Snapshot inputs_before;
-  for (const Tensor* t : {&batch.x, &batch.a, &batch.b, &batch.A_log, &batch.dt_bias, &batch.idx, &ff})
+  for (const Tensor* t :
+       {&batch.x, &batch.a, &batch.b, &batch.A_log, &batch.dt_bias, &batch.idx, &ff})
     inputs_before.add(*t);
 
   ReplayDecodeArgs args =
@@ -85,7 +86,8 @@ void checked_replay_step(DecodeBatch& batch, const ReplayViews& m, std::vector<i
     EXPECT_TRUE(all_close(out, want[r].out, kOutTol, batch.act)) << "output";
     const int mc = cursors[r];
     if (want[r].flushed) {
-      EXPECT_TRUE(all_close(slot_values(m.state, slot), want[r].checkpoint, state_tol(m.state.dtype)))
+      EXPECT_TRUE(
+          all_close(slot_values(m.state, slot), want[r].checkpoint, state_tol(m.state.dtype)))
           << "flushed checkpoint";
       written.push_back(slot_range(m.state, slot));
     } else {
@@ -103,13 +105,15 @@ void checked_replay_step(DecodeBatch& batch, const ReplayViews& m, std::vector<i
         check_record(m.d, s.HV, hv, s.V, want[r].d, kOutTol, "d");
         check_record(m.g, s.HV, hv, gw, want[r].g, {1e-5, 1e-4}, "g");
       }
-      for (int h = 0; h < s.H; ++h) check_record(m.k, s.H, h, s.K, want[r].k, kOutTol, "k (key head)");
+      for (int h = 0; h < s.H; ++h)
+        check_record(m.k, s.H, h, s.K, want[r].k, kOutTol, "k (key head)");
     }
     const int32_t expected = next_cursor(mc, L, force[r] != 0);
     EXPECT_EQ(wp.ptr<int32_t>()[r], advance ? expected : mc) << "write_pos after the step";
     cursors[r] = expected;
   }
-  EXPECT_TRUE(before.unchanged_except(written)) << "checkpoint pool / rings outside the written parts";
+  EXPECT_TRUE(before.unchanged_except(written))
+      << "checkpoint pool / rings outside the written parts";
   EXPECT_TRUE(inputs_before.unchanged()) << "inputs";
 }
 
@@ -118,7 +122,8 @@ void checked_replay_step(DecodeBatch& batch, const ReplayViews& m, std::vector<i
 // value forces.
 std::vector<int32_t> force_flags(Rng& rng, int step, int64_t B, double p = 0.1) {
   std::vector<int32_t> f(B);
-  for (int64_t r = 0; r < B; ++r) f[r] = (step < r) || rng.chance(p) ? (rng.chance(0.5) ? 1 : 7) : 0;
+  for (int64_t r = 0; r < B; ++r)
+    f[r] = (step < r) || rng.chance(p) ? (rng.chance(0.5) ? 1 : 7) : 0;
   return f;
 }
 
@@ -132,7 +137,10 @@ TEST_P(ReplayVsReference, Steps) {
   Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
   fill_live_slots(pool.view(), slots, rng);
   Rings rings = make_rings(c.shape, c.kda, num_slots, c.L, c.state, c.act);
-  const ReplayViews views{pool.view(), rings.d.view(), rings.k.view(), rings.g.view(),
+  const ReplayViews views{pool.view(),
+                          rings.d.view(),
+                          rings.k.view(),
+                          rings.g.view(),
                           {whole(pool), whole(rings.d), whole(rings.k), whole(rings.g)}};
   DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act);
   std::vector<int32_t> cursors(B, 0);
@@ -156,7 +164,8 @@ INSTANTIATE_TEST_SUITE_P(
     Ops, ReplayVsReference,
     ::testing::Values(
         ReplayCase{"gdn_qwen_L4_f32", kQwen3Next, false, kNoLb, f32, f32, 4, 10},
-        ReplayCase{"gdn_qwen_L16_f32state_bf16act_envelope", kQwen3Next, false, kNoLb, f32, bf16, 16, 20, 4096 + 256, 64},
+        ReplayCase{"gdn_qwen_L16_f32state_bf16act_envelope", kQwen3Next, false, kNoLb, f32, bf16,
+                   16, 20, 4096 + 256, 64},
         ReplayCase{"kda_kimi_L8_f32_lb", kKimi, true, kLb, f32, f32, 8, 12},
         ReplayCase{"kda_kimi_L4_bf16state_bf16act", kKimi, true, kNoLb, bf16, bf16, 4, 8},
         ReplayCase{"gdn_odd_L8_f16", kOdd, false, kNoLb, f16, f16, 8, 14, 40, 8},
@@ -164,7 +173,8 @@ INSTANTIATE_TEST_SUITE_P(
         ReplayCase{"kda_odd_L4_bf16state_f32act_lb", kOdd, true, kLb, bf16, f32, 4, 10},
         ReplayCase{"kda_odd_L16_f32_bf16act", kOdd, true, kNoLb, f32, bf16, 16, 20},
         ReplayCase{"gdn_KgtV_L2_f32", kKgtV, false, kNoLb, f32, f32, 2, 8},
-        ReplayCase{"kda_KltV_L8_f16state_bf16act_envelope", kKltV, true, kLb, f16, bf16, 8, 12, 64, 32},
+        ReplayCase{"kda_KltV_L8_f16state_bf16act_envelope", kKltV, true, kLb, f16, bf16, 8, 12, 64,
+                   32},
         ReplayCase{"kda_KgtV_L1_f32", kKgtV, true, kNoLb, f32, f32, 1, 3},
         // a ring longer than a warp (the CUDA kernel's lanes loop over records; its GPU test
         // compares with this backend)
@@ -225,9 +235,9 @@ TEST_P(ReplayMatchesPackedDecode, FortySteps) {
     const Snapshot checkpoint_before = Snapshot().add(replay_pool);
 
     batch.poison_out();
-    ReplayDecodeArgs rargs = replay_args(host_view, batch, replay_pool.view(), rings.d.view(),
-                                         rings.k.view(), rings.g.view(), wp, &ff, scale,
-                                         c.lower_bound);
+    ReplayDecodeArgs rargs =
+        replay_args(host_view, batch, replay_pool.view(), rings.d.view(), rings.k.view(),
+                    rings.g.view(), wp, &ff, scale, c.lower_bound);
     rargs.advance_write_pos = true;
     deltastate::replayssm_decode(rargs);
     std::vector<std::vector<double>> replay_out(B);
@@ -247,13 +257,15 @@ TEST_P(ReplayMatchesPackedDecode, FortySteps) {
         EXPECT_EQ(wp.ptr<int32_t>()[r], cursors[r]) << "a padded row's cursor must not move";
         continue;
       }
-      EXPECT_TRUE(all_close(replay_out[r], batch.out_row(r), equiv_out_tol(c.L, c.dtype))) << "output";
+      EXPECT_TRUE(all_close(replay_out[r], batch.out_row(r), equiv_out_tol(c.L, c.dtype)))
+          << "output";
       const bool flush = cursors[r] == c.L - 1 || force[r] != 0;
       if (flush) {
         ++flushes;
         natural_flushes += cursors[r] == c.L - 1 && force[r] == 0;
         EXPECT_TRUE(all_close(slot_values(replay_pool.view(), slots[r]),
-                              slot_values(plain_pool.view(), slots[r]), equiv_state_tol(c.L, c.dtype)))
+                              slot_values(plain_pool.view(), slots[r]),
+                              equiv_state_tol(c.L, c.dtype)))
             << "checkpoint at a flush";
         flushed_slots.push_back(slot_range(replay_pool.view(), slots[r]));
       } else {
@@ -315,8 +327,11 @@ TEST(ReplaySSM, StatePoolEnvelopeWithRings) {
     for (int i = 0; i < 3; ++i) slots.push_back(pool.allocate(/*clear=*/false));  // cursors reset
     slots.insert(slots.begin() + 1, -1);
     const int layer = 1;
-    const ReplayViews views{pool.layer_state(layer), pool.d_cache(layer), pool.k_cache(layer),
-                            pool.g_cache(layer), {{base, base + pool.total_bytes()}}};
+    const ReplayViews views{pool.layer_state(layer),
+                            pool.d_cache(layer),
+                            pool.k_cache(layer),
+                            pool.g_cache(layer),
+                            {{base, base + pool.total_bytes()}}};
     ASSERT_GT(views.state.stride[0], kOdd.state_elems());
     fill_live_slots(views.state, slots, rng);
     DecodeBatch batch = make_decode_batch(rng, kOdd, kda, slots, DType::bf16);

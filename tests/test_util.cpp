@@ -12,30 +12,49 @@ namespace dstest {
 // ---- storage dtypes ---------------------------------------------------------------------------
 double round_to(DType t, double x) {
   switch (t) {
-    case DType::f32: return static_cast<double>(static_cast<float>(x));
-    case DType::bf16: return fmt::bf16_value(fmt::bf16_bits(x));
-    case DType::f16: return fmt::f16_value(fmt::f16_bits(x));
-    default: return std::nearbyint(x);
+    case DType::f32:
+      return static_cast<double>(static_cast<float>(x));
+    case DType::bf16:
+      return fmt::bf16_value(fmt::bf16_bits(x));
+    case DType::f16:
+      return fmt::f16_value(fmt::f16_bits(x));
+    default:
+      return std::nearbyint(x);
   }
 }
 
 void store_value(void* base, DType t, int64_t i, double x) {
   switch (t) {
-    case DType::f32: static_cast<float*>(base)[i] = static_cast<float>(x); break;
-    case DType::bf16: static_cast<uint16_t*>(base)[i] = fmt::bf16_bits(x); break;
-    case DType::f16: static_cast<uint16_t*>(base)[i] = fmt::f16_bits(x); break;
-    case DType::i32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(x); break;
-    case DType::i64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(x); break;
+    case DType::f32:
+      static_cast<float*>(base)[i] = static_cast<float>(x);
+      break;
+    case DType::bf16:
+      static_cast<uint16_t*>(base)[i] = fmt::bf16_bits(x);
+      break;
+    case DType::f16:
+      static_cast<uint16_t*>(base)[i] = fmt::f16_bits(x);
+      break;
+    case DType::i32:
+      static_cast<int32_t*>(base)[i] = static_cast<int32_t>(x);
+      break;
+    case DType::i64:
+      static_cast<int64_t*>(base)[i] = static_cast<int64_t>(x);
+      break;
   }
 }
 
 double load_value(const void* base, DType t, int64_t i) {
   switch (t) {
-    case DType::f32: return static_cast<const float*>(base)[i];
-    case DType::bf16: return fmt::bf16_value(static_cast<const uint16_t*>(base)[i]);
-    case DType::f16: return fmt::f16_value(static_cast<const uint16_t*>(base)[i]);
-    case DType::i32: return static_cast<const int32_t*>(base)[i];
-    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    case DType::f32:
+      return static_cast<const float*>(base)[i];
+    case DType::bf16:
+      return fmt::bf16_value(static_cast<const uint16_t*>(base)[i]);
+    case DType::f16:
+      return fmt::f16_value(static_cast<const uint16_t*>(base)[i]);
+    case DType::i32:
+      return static_cast<const int32_t*>(base)[i];
+    case DType::i64:
+      return static_cast<double>(static_cast<const int64_t*>(base)[i]);
   }
   return 0.0;
 }
@@ -43,10 +62,20 @@ double load_value(const void* base, DType t, int64_t i) {
 double half_ulp(DType t, double magnitude) {
   int mant = 0, emin = 0;
   switch (t) {
-    case DType::f32: mant = 23; emin = -126; break;
-    case DType::bf16: mant = 7; emin = -126; break;
-    case DType::f16: mant = 10; emin = -14; break;
-    default: return 0.0;
+    case DType::f32:
+      mant = 23;
+      emin = -126;
+      break;
+    case DType::bf16:
+      mant = 7;
+      emin = -126;
+      break;
+    case DType::f16:
+      mant = 10;
+      emin = -14;
+      break;
+    default:
+      return 0.0;
   }
   int e = emin + 1;
   if (magnitude > 0.0 && std::isfinite(magnitude)) std::frexp(magnitude, &e);
@@ -198,7 +227,8 @@ std::vector<uint8_t> Tensor::bytes() const {
 
 Tensor index_tensor(const std::vector<int64_t>& values, DType dtype) {
   Tensor t = Tensor::contiguous(dtype, {static_cast<int64_t>(values.size())});
-  for (size_t i = 0; i < values.size(); ++i) t.set_linear(static_cast<int64_t>(i), static_cast<double>(values[i]));
+  for (size_t i = 0; i < values.size(); ++i)
+    t.set_linear(static_cast<int64_t>(i), static_cast<double>(values[i]));
   return t;
 }
 
@@ -223,15 +253,16 @@ Snapshot& Snapshot::add(const void* base, int64_t bytes) {
 ::testing::AssertionResult Snapshot::unchanged_except(const std::vector<MemRange>& allowed) const {
   for (size_t r = 0; r < regions_.size(); ++r) {
     const Region& reg = regions_[r];
-    ::testing::AssertionResult res = equal_except(reg.base, reg.copy.data(),
-                                                  static_cast<int64_t>(reg.copy.size()), allowed);
+    ::testing::AssertionResult res =
+        equal_except(reg.base, reg.copy.data(), static_cast<int64_t>(reg.copy.size()), allowed);
     if (!res) return ::testing::AssertionFailure() << "region " << r << ": " << res.message();
   }
   return ::testing::AssertionSuccess();
 }
 
 ::testing::AssertionResult Snapshot::equal_except(const void* now_base, const void* then_base,
-                                                  int64_t bytes, const std::vector<MemRange>& allowed) {
+                                                  int64_t bytes,
+                                                  const std::vector<MemRange>& allowed) {
   const auto* now = static_cast<const uint8_t*>(now_base);
   const auto* then = static_cast<const uint8_t*>(then_base);
   std::vector<MemRange> sorted = allowed;
@@ -255,29 +286,33 @@ Snapshot& Snapshot::add(const void* base, int64_t bytes) {
       continue;
     }
     if (changed == 0)
-      first << "byte " << i << ": 0x" << std::hex << int(then[i]) << " -> 0x" << int(now[i]) << std::dec;
+      first << "byte " << i << ": 0x" << std::hex << int(then[i]) << " -> 0x" << int(now[i])
+            << std::dec;
     ++changed;
   }
   if (changed == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << changed
-                                       << " byte(s) outside the ranges that may change differ; first: "
-                                       << first.str();
+  return ::testing::AssertionFailure()
+         << changed << " byte(s) outside the ranges that may change differ; first: " << first.str();
 }
 
 // ---- comparisons ------------------------------------------------------------------------------
 Tol state_tol(DType state_dtype) {
   switch (state_dtype) {
-    case DType::bf16: return {2e-3, 1e-4};
-    case DType::f16: return {5e-4, 1e-4};
-    default: return {1e-5, 1e-4};
+    case DType::bf16:
+      return {2e-3, 1e-4};
+    case DType::f16:
+      return {5e-4, 1e-4};
+    default:
+      return {1e-5, 1e-4};
   }
 }
 
-::testing::AssertionResult all_close(const std::vector<double>& got, const std::vector<double>& want,
-                                     Tol tol, DType stored_as, int rounded) {
+::testing::AssertionResult all_close(const std::vector<double>& got,
+                                     const std::vector<double>& want, Tol tol, DType stored_as,
+                                     int rounded) {
   if (got.size() != want.size())
-    return ::testing::AssertionFailure() << "sizes differ: got " << got.size() << ", want "
-                                         << want.size();
+    return ::testing::AssertionFailure()
+           << "sizes differ: got " << got.size() << ", want " << want.size();
   int64_t bad = 0;
   double worst = 0.0;
   std::ostringstream detail;
@@ -286,20 +321,19 @@ Tol state_tol(DType state_dtype) {
     const double base = tol.atol + tol.rtol * std::fabs(w);
     const double allowed = base + rounded * half_ulp(stored_as, std::fabs(w) + base);
     const double err = got[i] == w ? 0.0 : std::fabs(got[i] - w);  // equal infinities match
-    if (!(err <= allowed)) {  // NaN fails
+    if (!(err <= allowed)) {                                       // NaN fails
       if (bad < 5)
-        detail << "\n  [" << i << "] got " << got[i] << ", want " << w << " (|err| " << err
-               << " > " << allowed << ")";
+        detail << "\n  [" << i << "] got " << got[i] << ", want " << w << " (|err| " << err << " > "
+               << allowed << ")";
       ++bad;
       if (!(err <= worst)) worst = err;
     }
   }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << bad << " of " << got.size()
-                                       << " elements out of tolerance (atol " << tol.atol
-                                       << ", rtol " << tol.rtol << ", stored as "
-                                       << dtype_short_name(stored_as) << "); worst |err| " << worst
-                                       << detail.str();
+  return ::testing::AssertionFailure()
+         << bad << " of " << got.size() << " elements out of tolerance (atol " << tol.atol
+         << ", rtol " << tol.rtol << ", stored as " << dtype_short_name(stored_as)
+         << "); worst |err| " << worst << detail.str();
 }
 
 ::testing::AssertionResult all_zero(const std::vector<double>& got) {
@@ -338,7 +372,8 @@ std::vector<double> slot_values(const TensorView& pool, int64_t slot) {
 }
 
 void set_slot_values(const TensorView& pool, int64_t slot, const std::vector<double>& v) {
-  for (size_t e = 0; e < v.size(); ++e) store_value(pool.data, pool.dtype, slot * pool.stride[0] + e, v[e]);
+  for (size_t e = 0; e < v.size(); ++e)
+    store_value(pool.data, pool.dtype, slot * pool.stride[0] + e, v[e]);
 }
 
 void fill_slot(const TensorView& pool, int64_t slot, Rng& rng, double lo, double hi) {
@@ -391,7 +426,8 @@ ref::Token read_token(const Tensor& x, int64_t row, const Tensor& a, const Tenso
     t.q.push_back(x.get({row, i}));
     t.k.push_back(x.get({row, HK + i}));
   }
-  for (int64_t i = 0; i < static_cast<int64_t>(s.HV) * s.V; ++i) t.v.push_back(x.get({row, 2 * HK + i}));
+  for (int64_t i = 0; i < static_cast<int64_t>(s.HV) * s.V; ++i)
+    t.v.push_back(x.get({row, 2 * HK + i}));
   const int64_t gw = kda ? static_cast<int64_t>(s.HV) * s.K : s.HV;
   for (int64_t i = 0; i < gw; ++i) t.g.push_back(a.get({row, i}));
   for (int64_t i = 0; i < s.HV; ++i) t.beta.push_back(b.get({row, i}));
@@ -405,13 +441,15 @@ void DecodeBatch::randomize(Rng& rng) {
     for (int64_t i = 0; i < 2 * HK; ++i) x.set({r, i}, rng.normal());
     for (int64_t i = 2 * HK; i < s.width(); ++i) x.set({r, i}, rng.uniform(-0.5, 0.5));
     for (int64_t i = 0; i < a.size(1); ++i) a.set({r, i}, rng.normal(1.5));
-    for (int64_t i = 0; i < s.HV; ++i) b.set({r, i}, away_from_beta_ties(round_to(act, rng.normal(1.5)), act));
+    for (int64_t i = 0; i < s.HV; ++i)
+      b.set({r, i}, away_from_beta_ties(round_to(act, rng.normal(1.5)), act));
   }
 }
 
 ref::Token DecodeBatch::token(int64_t row) const { return read_token(x, row, a, b, s, kda); }
 
-ref::Config DecodeBatch::config(std::optional<double> lower_bound, double scale, bool round_beta) const {
+ref::Config DecodeBatch::config(std::optional<double> lower_bound, double scale,
+                                bool round_beta) const {
   ref::Config c;
   c.H = s.H;
   c.HV = s.HV;
@@ -461,7 +499,8 @@ DecodeBatch make_decode_batch(Rng& rng, const Shape& s, bool kda, const std::vec
   return d;
 }
 
-ref::Ring ring_of_slot(const TensorView& d, const TensorView& k, const TensorView& g, int64_t slot) {
+ref::Ring ring_of_slot(const TensorView& d, const TensorView& k, const TensorView& g,
+                       int64_t slot) {
   auto per_slot = [](const TensorView& t) {
     int64_t n = 1;
     for (int i = 1; i < t.ndim; ++i) n *= t.shape[i];
@@ -515,7 +554,8 @@ RecurrentBatch make_recurrent_batch(Rng& rng, const RecurrentSpec& spec) {
     r.k = Tensor::contiguous(spec.act, {B, T, H, K});
     r.v = Tensor::contiguous(spec.act, {B, T, HV, V});
   }
-  r.g = spec.kda ? Tensor::contiguous(spec.act, {B, T, HV, K}) : Tensor::contiguous(spec.act, {B, T, HV});
+  r.g = spec.kda ? Tensor::contiguous(spec.act, {B, T, HV, K})
+                 : Tensor::contiguous(spec.act, {B, T, HV});
   r.beta = Tensor::contiguous(spec.act, {B, T, HV});
   r.out = Tensor::contiguous(spec.act, {B, T, HV, V});
   r.A_log = Tensor::contiguous(DType::f32, {HV});

@@ -41,7 +41,9 @@ inline constexpr double kSentinel = 1e30;
 class Rng {
  public:
   explicit Rng(uint64_t seed) : eng_(seed) {}
-  double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(eng_); }
+  double uniform(double lo, double hi) {
+    return std::uniform_real_distribution<double>(lo, hi)(eng_);
+  }
   double normal(double stddev = 1.0) { return std::normal_distribution<double>(0.0, stddev)(eng_); }
   int64_t integer(int64_t lo, int64_t hi) {  // inclusive
     return std::uniform_int_distribution<int64_t>(lo, hi)(eng_);
@@ -165,8 +167,9 @@ Tol state_tol(DType state_dtype);
 // which moves it by at most half an ulp. `rounded` counts the operands so rounded: 1 against the
 // fp64 reference, 2 when two implementations each rounded their own fp32 result (GPU vs CPU).
 // Pass DType::f32 when the tolerance already covers the storage (bf16/fp16 state tolerances).
-::testing::AssertionResult all_close(const std::vector<double>& got, const std::vector<double>& want,
-                                     Tol tol, DType stored_as = DType::f32, int rounded = 1);
+::testing::AssertionResult all_close(const std::vector<double>& got,
+                                     const std::vector<double>& want, Tol tol,
+                                     DType stored_as = DType::f32, int rounded = 1);
 ::testing::AssertionResult all_zero(const std::vector<double>& got);
 // Element ranges of a vector.
 std::vector<double> slice(const std::vector<double>& v, int64_t begin, int64_t count);
@@ -188,8 +191,8 @@ inline constexpr Shape kKltV{"KltV", 2, 4, 32, 64};
 inline constexpr DType f32 = DType::f32;
 inline constexpr DType bf16 = DType::bf16;
 inline constexpr DType f16 = DType::f16;
-inline constexpr std::optional<double> kNoLb{};      // no KDA lower bound (softplus gate)
-inline constexpr std::optional<double> kLb{-5.0};    // the bounded gate
+inline constexpr std::optional<double> kNoLb{};    // no KDA lower bound (softplus gate)
+inline constexpr std::optional<double> kLb{-5.0};  // the bounded gate
 
 // What the op test cases share: a name, the model or odd shape, the gate (KDA or GDN, and the
 // KDA lower bound), the state (or checkpoint) and activation dtypes. Cases derive from it and
@@ -236,10 +239,11 @@ inline deltastate::StatePoolConfig envelope_config(const Shape& s, int64_t layer
   return cfg;
 }
 
-// A state pool [slots, HV, V, K], inner strides (V*K, K, 1), slot stride HV*V*K + slot_pad elements,
-// starting `lead` elements into its allocation (envelope-like gaps before and between slots).
-// Every element of the allocation is the sentinel; fill the live slots with fill_slot.
-Tensor make_pool(DType dtype, int64_t slots, const Shape& s, int64_t slot_pad = 0, int64_t lead = 0);
+// A state pool [slots, HV, V, K], inner strides (V*K, K, 1), slot stride HV*V*K + slot_pad
+// elements, starting `lead` elements into its allocation (envelope-like gaps before and between
+// slots). Every element of the allocation is the sentinel; fill the live slots with fill_slot.
+Tensor make_pool(DType dtype, int64_t slots, const Shape& s, int64_t slot_pad = 0,
+                 int64_t lead = 0);
 // One slot's [HV, V, K] of a pool view (host memory: a test Tensor's view or a StatePool layer).
 std::vector<double> slot_values(const TensorView& pool, int64_t slot);
 void set_slot_values(const TensorView& pool, int64_t slot, const std::vector<double>& v);

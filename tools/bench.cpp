@@ -79,7 +79,8 @@ struct OpInputs {
         indices(Device::cpu(), 4 * B),
         write_pos(Device::cpu(), 4 * B) {
     const auto fill = [](const DeviceBuffer& buf, const std::vector<float>& values, DType dtype) {
-      copy_to_view(buf.view(dtype, {static_cast<int64_t>(values.size())}), encode(values, dtype).data());
+      copy_to_view(buf.view(dtype, {static_cast<int64_t>(values.size())}),
+                   encode(values, dtype).data());
     };
     fill(qkv, rng.normal_vector(B * T * s.qkv_width()), kActDtype);
     fill(a, rng.normal_vector(B * T * s.gate_width()), kActDtype);
@@ -202,7 +203,8 @@ Measurement bench_op(const OpSpec& op, const BenchOptions& o, ModelShape shape, 
     case OpKind::packed: {
       const PackedDecodeArgs args = packed_args(in, pool);
       const auto call = op.kda ? kda_packed_decode : gdn_packed_decode;
-      return measure([&] { call(args); }, 1, o.iters, static_cast<double>(B * bytes.plain_decode()));
+      return measure([&] { call(args); }, 1, o.iters,
+                     static_cast<double>(B * bytes.plain_decode()));
     }
     case OpKind::recurrent: {
       const RecurrentArgs args = recurrent_args(in, pool);
@@ -241,12 +243,12 @@ int run_bench(const std::vector<std::string>& args) {
 
   const ModelShape model = model_by_name(o.model);
   const DType state_dtype = dtype_by_name(o.state_dtype);
-  std::printf("deltastate bench: CPU, model %s (H=%lld HV=%lld K=%lld V=%lld), state %s, "
-              "activations %s, median of %lld iterations\n",
-              model.name.c_str(), static_cast<long long>(model.H),
-              static_cast<long long>(model.HV), static_cast<long long>(model.K),
-              static_cast<long long>(model.V), dtype_short_name(state_dtype), dtype_short_name(kActDtype),
-              static_cast<long long>(o.iters));
+  std::printf(
+      "deltastate bench: CPU, model %s (H=%lld HV=%lld K=%lld V=%lld), state %s, "
+      "activations %s, median of %lld iterations\n",
+      model.name.c_str(), static_cast<long long>(model.H), static_cast<long long>(model.HV),
+      static_cast<long long>(model.K), static_cast<long long>(model.V),
+      dtype_short_name(state_dtype), dtype_short_name(kActDtype), static_cast<long long>(o.iters));
   std::printf("replay rows: per call averaged over a ring cycle (L-1 appends + 1 flush)\n\n");
   std::printf("%-20s %-24s %5s %12s %12s %9s\n", "op", "shape", "B", "us/call", "bytes/call",
               "GB/s");
@@ -259,8 +261,8 @@ int run_bench(const std::vector<std::string>& args) {
                   static_cast<long long>(model.K), static_cast<long long>(model.V),
                   op.kind == OpKind::replay ? "L" : "T",
                   static_cast<long long>(op.kind == OpKind::replay ? o.replay_len
-                                         : op.multi_token         ? o.tokens
-                                                                  : 1));
+                                         : op.multi_token          ? o.tokens
+                                                                   : 1));
     for (int64_t B : o.batches) {
       const Measurement m = bench_op(op, o, model, B, state_dtype, rng);
       std::printf("%-20s %-24s %5lld %12.1f %12s %9.2f\n", op.name, shape,

@@ -58,8 +58,8 @@ ArgParser::ArgParser(std::string command, std::string summary)
 
 void ArgParser::add(std::string name, std::string metavar, std::string help,
                     std::string default_text, std::function<void(const std::string&)> set) {
-  options_.push_back({std::move(name), std::move(metavar), std::move(help),
-                      std::move(default_text), std::move(set)});
+  options_.push_back({std::move(name), std::move(metavar), std::move(help), std::move(default_text),
+                      std::move(set)});
 }
 
 void ArgParser::add_int(const char* name, int64_t* value, int64_t lo, int64_t hi,
@@ -69,12 +69,13 @@ void ArgParser::add_int(const char* name, int64_t* value, int64_t lo, int64_t hi
       [=](const std::string& text) { *value = parse_int(flag, text, lo, hi); });
 }
 
-void ArgParser::add_int_list(const char* name, std::vector<int64_t>* values, int64_t lo,
-                             int64_t hi, const char* help) {
+void ArgParser::add_int_list(const char* name, std::vector<int64_t>* values, int64_t lo, int64_t hi,
+                             const char* help) {
   const std::string flag = std::string("--") + name;
   add(name, "N[,N...]", help, int_list_text(*values), [=](const std::string& text) {
     values->clear();
-    for (const std::string& part : split_commas(text)) values->push_back(parse_int(flag, part, lo, hi));
+    for (const std::string& part : split_commas(text))
+      values->push_back(parse_int(flag, part, lo, hi));
   });
 }
 
@@ -108,14 +109,12 @@ bool ArgParser::parse(const std::vector<std::string>& args) {
       print_help(stdout);
       return false;
     }
-    if (arg.rfind("--", 0) != 0)
-      throw UsageError(command_ + ": unexpected argument '" + arg + "'");
+    if (arg.rfind("--", 0) != 0) throw UsageError(command_ + ": unexpected argument '" + arg + "'");
     const size_t eq = arg.find('=');
     const std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
     const auto option = std::find_if(options_.begin(), options_.end(),
                                      [&](const Option& o) { return o.name == name; });
-    if (option == options_.end())
-      throw UsageError(command_ + ": unknown option '--" + name + "'");
+    if (option == options_.end()) throw UsageError(command_ + ": unknown option '--" + name + "'");
     if (eq != std::string::npos) {
       option->set(arg.substr(eq + 1));
     } else if (i + 1 < args.size()) {

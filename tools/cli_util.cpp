@@ -18,18 +18,18 @@ namespace deltastate::cli {
 namespace {
 const std::vector<ModelShape>& models() {
   static const std::vector<ModelShape> table = {
-      {"small-gdn", false, 4, 8, 64, 64},      // a small GDN layer: fast on any CPU
-      {"small-kda", true, 8, 8, 64, 64},       // a small KDA layer (H == HV, as in Kimi)
-      {"qwen3-next", false, 16, 32, 128, 128}, // Qwen3-Next-80B-A3B, one GDN layer, TP1
-      {"kimi-linear", true, 32, 32, 128, 128}, // Kimi-Linear-48B, one KDA layer, TP1
+      {"small-gdn", false, 4, 8, 64, 64},       // a small GDN layer: fast on any CPU
+      {"small-kda", true, 8, 8, 64, 64},        // a small KDA layer (H == HV, as in Kimi)
+      {"qwen3-next", false, 16, 32, 128, 128},  // Qwen3-Next-80B-A3B, one GDN layer, TP1
+      {"kimi-linear", true, 32, 32, 128, 128},  // Kimi-Linear-48B, one KDA layer, TP1
   };
   return table;
 }
 }  // namespace
 
 std::string ModelShape::describe() const {
-  return std::string(kda ? "KDA" : "GDN") + " H=" + std::to_string(H) + " HV=" +
-         std::to_string(HV) + " K=" + std::to_string(K) + " V=" + std::to_string(V);
+  return std::string(kda ? "KDA" : "GDN") + " H=" + std::to_string(H) +
+         " HV=" + std::to_string(HV) + " K=" + std::to_string(K) + " V=" + std::to_string(V);
 }
 
 std::vector<std::string> model_names() {
@@ -151,7 +151,8 @@ namespace {
 #ifdef DELTASTATE_CLI_CUDA
 void cuda_check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
-    throw Error(ErrorKind::runtime, std::string("CUDA ") + what + ": " + cudaGetErrorString(status));
+    throw Error(ErrorKind::runtime,
+                std::string("CUDA ") + what + ": " + cudaGetErrorString(status));
 }
 #endif
 bool on_cuda(Device d) { return d.type == DeviceType::cuda; }
@@ -267,8 +268,9 @@ bool cuda_supported() {
 Device parse_device(const std::string& name) {
   if (name == "cpu") return Device::cpu();
   if (!cuda_supported())
-    throw UsageError("--device cuda: this build has no CUDA support (reconfigure with nvcc "
-                     "available and -DDELTASTATE_CUDA=ON)");
+    throw UsageError(
+        "--device cuda: this build has no CUDA support (reconfigure with nvcc "
+        "available and -DDELTASTATE_CUDA=ON)");
 #ifdef DELTASTATE_CLI_CUDA
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);

@@ -18,10 +18,10 @@ struct ModelShape {
   bool kda = false;  // mixer: KDA (per-K gate) or GDN (scalar gate)
   int64_t H = 0, HV = 0, K = 0, V = 0;
 
-  int64_t qkv_width() const { return 2 * H * K + HV * V; }        // one packed mixed_qkv row
-  int64_t gate_width() const { return kda ? HV * K : HV; }        // one row of `a`
-  int64_t state_elems() const { return HV * V * K; }              // one (layer, slot) state
-  std::string describe() const;  // "GDN H=4 HV=8 K=64 V=64"
+  int64_t qkv_width() const { return 2 * H * K + HV * V; }  // one packed mixed_qkv row
+  int64_t gate_width() const { return kda ? HV * K : HV; }  // one row of `a`
+  int64_t state_elems() const { return HV * V * K; }        // one (layer, slot) state
+  std::string describe() const;                             // "GDN H=4 HV=8 K=64 V=64"
 };
 std::vector<std::string> model_names();
 ModelShape model_by_name(const std::string& name);  // name is one of model_names()
@@ -39,11 +39,11 @@ std::vector<float> decode(const std::vector<uint8_t>& bytes, DType dtype);
 class Rng {
  public:
   explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next();                                    // splitmix64
-  double uniform();                                   // [0, 1)
+  uint64_t next();   // splitmix64
+  double uniform();  // [0, 1)
   double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
-  int64_t uniform_int(int64_t lo, int64_t hi);        // [lo, hi]
-  double normal();                                    // N(0, 1), Box-Muller
+  int64_t uniform_int(int64_t lo, int64_t hi);  // [lo, hi]
+  double normal();                              // N(0, 1), Box-Muller
   std::vector<float> normal_vector(int64_t n);
 
  private:
@@ -51,7 +51,8 @@ class Rng {
 };
 
 // Gate parameters of one layer, at the scales of a trained model: A_log = log(U(1, 16)) [HV];
-// dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (the Mamba init), GDN [HV] / KDA [HV*K].
+// dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (the Mamba init), GDN [HV] / KDA
+// [HV*K].
 struct LayerGateParams {
   std::vector<float> A_log, dt_bias;
 };
@@ -101,7 +102,7 @@ class DeviceBuffer {
 void copy_to_view(const TensorView& dst, const void* host);
 void copy_from_view(void* host, const TensorView& src);
 std::vector<float> read_floats(const TensorView& src);  // a floating view, decoded to fp32
-void synchronize(Device device);                         // CUDA: wait for the device
+void synchronize(Device device);                        // CUDA: wait for the device
 // Whether this executable can run on CUDA (compiled with the CUDA runtime and the library's
 // CUDA backend); and a one-line reason when not.
 bool cuda_supported();
@@ -126,16 +127,17 @@ class Stopwatch {
   double total_ = 0.0;
 };
 
-// ---- the byte model ------------------------------------------------------------------------------
-// Bytes one live row moves through one layer for one decode token: the state read and written,
-// plus the token's inputs and output. Padded rows move nothing.
+// ---- the byte model
+// ------------------------------------------------------------------------------ Bytes one live row
+// moves through one layer for one decode token: the state read and written, plus the token's inputs
+// and output. Padded rows move nothing.
 struct ByteModel {
   ModelShape shape;
   DType state_dtype = DType::f32;
   DType act_dtype = DType::bf16;  // mixed_qkv, a, b, out and the k ring
 
-  int64_t state_bytes() const;  // one [HV, V, K] state
-  int64_t io_bytes() const;     // mixed_qkv + a + b rows in, one out row
+  int64_t state_bytes() const;        // one [HV, V, K] state
+  int64_t io_bytes() const;           // mixed_qkv + a + b rows in, one out row
   int64_t ring_record_bytes() const;  // d [HV, V] + k [H, K] + g [HV(, K)] fp32
   // Plain decode (packed or recurrent): read + write the state, plus the token's io.
   int64_t plain_decode() const { return 2 * state_bytes() + io_bytes(); }

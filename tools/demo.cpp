@@ -51,7 +51,8 @@ class TwinPools {
       : plain_(plain), replay_(replay) {}
   int64_t allocate() {
     const int64_t slot = plain_.allocate();
-    if (replay_.allocate() != slot) throw Error(ErrorKind::runtime, "demo: the pools' slots diverged");
+    if (replay_.allocate() != slot)
+      throw Error(ErrorKind::runtime, "demo: the pools' slots diverged");
     return slot;
   }
   void free(int64_t slot) {
@@ -113,8 +114,8 @@ class Demo {
   TwinPools pools_;
   std::vector<LayerBuffers> layers_;
   DeviceBuffer row_slots_, row_cursors_, row_force_flush_;  // [batch] int32, the op's row inputs
-  std::vector<int32_t> slots_, cursors_, force_flush_;     // host copies of the above
-  std::vector<int32_t> pool_cursors_;                      // the pool's cursors, gathered per step
+  std::vector<int32_t> slots_, cursors_, force_flush_;      // host copies of the above
+  std::vector<int32_t> pool_cursors_;                       // the pool's cursors, gathered per step
   Rng schedule_rng_, input_rng_;
 
   std::vector<Request> requests_;
@@ -317,7 +318,7 @@ void Demo::run_plain() {
     args.state = pools_.plain().layer_state(l);
     args.out = out_view(layers_[l].out_plain);
     args.state_indices = rows_i32(row_slots_);
-    args.round_beta_to_input = true;  // ReplaySSM rounds sigmoid(b) to b's dtype: match it
+    args.round_beta_to_input = true;          // ReplaySSM rounds sigmoid(b) to b's dtype: match it
     if (shape_.kda) kda_packed_decode(args);  // standard gate: lower_bound unset
     else gdn_packed_decode(args);
   }
@@ -408,39 +409,45 @@ void Demo::print_header() {
   const int64_t conv_bytes = pools_.plain().config().envelope_extra_bytes;
   std::printf("deltastate demo: continuous batching, plain packed decode vs ReplaySSM (L=%lld)\n",
               static_cast<long long>(opt_.replay_len));
-  std::printf("  model   %s (%s), %lld layers, batch %lld rows, state %s, activations %s, "
-              "device %s\n",
-              shape_.name.c_str(), shape_.describe().c_str(), static_cast<long long>(opt_.layers),
-              static_cast<long long>(batch_), dtype_short_name(state_dtype_), dtype_short_name(act_dtype_),
-              to_string(device_).c_str());
-  std::printf("  pools   envelope layout, %lld slots: each slot's entry holds its conv windows "
-              "(%s) then every layer's state (%lld x %s)\n",
-              static_cast<long long>(batch_), format_bytes(conv_bytes).c_str(),
-              static_cast<long long>(opt_.layers), format_bytes(bytes_.state_bytes()).c_str());
+  std::printf(
+      "  model   %s (%s), %lld layers, batch %lld rows, state %s, activations %s, "
+      "device %s\n",
+      shape_.name.c_str(), shape_.describe().c_str(), static_cast<long long>(opt_.layers),
+      static_cast<long long>(batch_), dtype_short_name(state_dtype_), dtype_short_name(act_dtype_),
+      to_string(device_).c_str());
+  std::printf(
+      "  pools   envelope layout, %lld slots: each slot's entry holds its conv windows "
+      "(%s) then every layer's state (%lld x %s)\n",
+      static_cast<long long>(batch_), format_bytes(conv_bytes).c_str(),
+      static_cast<long long>(opt_.layers), format_bytes(bytes_.state_bytes()).c_str());
   std::printf("          plain pool %s; replay pool %s (same entries + d/k/g rings)\n",
               format_bytes(pools_.plain().total_bytes()).c_str(),
               format_bytes(pools_.replay().total_bytes()).c_str());
-  std::printf("  events  +rN@S arrives in slot S; flush rN@S(wp M) forced flush of a fork source "
-              "with M ring records; fork rN<-rM@S prefix-cache copy of rM into slot S; done rN\n");
+  std::printf(
+      "  events  +rN@S arrives in slot S; flush rN@S(wp M) forced flush of a fork source "
+      "with M ring records; fork rN<-rM@S prefix-cache copy of rM into slot S; done rN\n");
 }
 
 bool Demo::print_summary() const {
   const bool agree = worst_ratio_ <= 1.0 && nonzero_padding_ == 0 && nonfinite_ == 0 &&
                      cursor_errors_ == 0 && tokens_ > 0;
   std::printf("summary\n");
-  std::printf("  requests   %lld arrived (%lld by prefix-cache fork), %lld finished; %lld tokens "
-              "in %lld steps; %lld of %lld rows padded\n",
-              static_cast<long long>(next_arrival_), static_cast<long long>(forks_),
-              static_cast<long long>(finished_), static_cast<long long>(tokens_),
-              static_cast<long long>(steps_run_), static_cast<long long>(rows_ - tokens_),
-              static_cast<long long>(rows_));
-  std::printf("  agreement  max |replay - plain| = %.3g; worst |diff| / (atol + rtol*|plain|) = "
-              "%.3g with atol %g, rtol %g (SGLang's ReplaySSM test tolerance)\n",
-              max_abs_diff_, worst_ratio_, tol_.atol, tol_.rtol);
-  std::printf("             padded rows nonzero: %lld, non-finite outputs: %lld, cursor "
-              "errors: %lld -> %s\n",
-              static_cast<long long>(nonzero_padding_), static_cast<long long>(nonfinite_),
-              static_cast<long long>(cursor_errors_), agree ? "AGREE" : "DISAGREE");
+  std::printf(
+      "  requests   %lld arrived (%lld by prefix-cache fork), %lld finished; %lld tokens "
+      "in %lld steps; %lld of %lld rows padded\n",
+      static_cast<long long>(next_arrival_), static_cast<long long>(forks_),
+      static_cast<long long>(finished_), static_cast<long long>(tokens_),
+      static_cast<long long>(steps_run_), static_cast<long long>(rows_ - tokens_),
+      static_cast<long long>(rows_));
+  std::printf(
+      "  agreement  max |replay - plain| = %.3g; worst |diff| / (atol + rtol*|plain|) = "
+      "%.3g with atol %g, rtol %g (SGLang's ReplaySSM test tolerance)\n",
+      max_abs_diff_, worst_ratio_, tol_.atol, tol_.rtol);
+  std::printf(
+      "             padded rows nonzero: %lld, non-finite outputs: %lld, cursor "
+      "errors: %lld -> %s\n",
+      static_cast<long long>(nonzero_padding_), static_cast<long long>(nonfinite_),
+      static_cast<long long>(cursor_errors_), agree ? "AGREE" : "DISAGREE");
   std::printf("  %-22s %10s %12s %12s %11s\n", "path", "op time", "tokens/s", "bytes moved",
               "bytes/s");
   const auto line = [&](const char* name, double seconds, double bytes) {

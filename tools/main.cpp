@@ -36,10 +36,14 @@ void print_usage() {
 
 const char* kind_name(deltastate::ErrorKind kind) {
   switch (kind) {
-    case deltastate::ErrorKind::value: return "value error";
-    case deltastate::ErrorKind::type: return "type error";
-    case deltastate::ErrorKind::not_implemented: return "not implemented";
-    case deltastate::ErrorKind::runtime: return "runtime error";
+    case deltastate::ErrorKind::value:
+      return "value error";
+    case deltastate::ErrorKind::type:
+      return "type error";
+    case deltastate::ErrorKind::not_implemented:
+      return "not implemented";
+    case deltastate::ErrorKind::runtime:
+      return "runtime error";
   }
   return "error";
 }
@@ -72,7 +76,8 @@ int main(int argc, char** argv) {
   try {
     return command->run(std::vector<std::string>(args.begin() + 1, args.end()));
   } catch (const deltastate::cli::UsageError& e) {
-    print_error("error", std::string(e.what()) + " (try 'deltastate " + command->name + " --help')");
+    print_error("error",
+                std::string(e.what()) + " (try 'deltastate " + command->name + " --help')");
     return kExitUsage;
   } catch (const deltastate::Error& e) {
     print_error(kind_name(e.kind()), e.what());

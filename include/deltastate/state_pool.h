@@ -44,7 +44,7 @@ struct StatePoolConfig {
   int64_t replay_len = 0;
   int64_t H = 0;
   DType ring_k_dtype = DType::f32;
-  bool kda = false;                  // g ring [.., L, K] (KDA) or [.., L] (GDN)
+  bool kda = false;  // g ring [.., L, K] (KDA) or [.., L] (GDN)
   Device device{};
   // Reserve slot 0 as a never-allocated null slot (see the top of this file); `slots` is then
   // the number of allocatable slots and the views have slots + 1 rows.

@@ -17,15 +17,22 @@ enum class DType : uint8_t { f32, bf16, f16, i32, i64 };
 // Bytes per element.
 constexpr int64_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
   }
   return 0;
 }
-constexpr bool is_floating(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
+constexpr bool is_floating(DType t) {
+  return t == DType::f32 || t == DType::bf16 || t == DType::f16;
+}
 constexpr bool is_integer(DType t) { return t == DType::i32 || t == DType::i64; }
 
 // Names as frameworks print them ("float32", "bfloat16", ...).
@@ -70,7 +77,9 @@ struct TensorView {
   int64_t element_size() const { return dtype_size(dtype); }
   bool is_contiguous() const;  // row-major dense (size-1 dims may have any stride)
   template <class T>
-  T* ptr() const { return static_cast<T*>(data); }
+  T* ptr() const {
+    return static_cast<T*>(data);
+  }
 };
 
 // "(4, 512)", "(5,)", "()" -- shapes and strides printed like Python tuples.

@@ -93,8 +93,9 @@ void Contract::shape(std::string_view name, const TensorView& t,
         const Binding* b = nullptr;
         for (const auto& bb : bindings_)
           if (bb.symbol == f) b = &bb;
-        if (!b) fail(format("internal: symbol %s of %s used before it is bound", f.c_str(),
-                            quoted(name).c_str()));
+        if (!b)
+          fail(format("internal: symbol %s of %s used before it is bound", f.c_str(),
+                      quoted(name).c_str()));
         expected *= b->value;
         if (!note.empty()) note += ", ";
         note += format("%s=%lld from %s", f.c_str(), static_cast<long long>(b->value),
@@ -171,8 +172,9 @@ void Contract::check_devices(const std::string& message, bool name_them) const {
 
 void require_cuda_k(int64_t K) {
   if (K > 256)
-    throw Error(ErrorKind::not_implemented, format("the CUDA backend supports K <= 256 (got K=%lld)",
-                                                   static_cast<long long>(K)));
+    throw Error(
+        ErrorKind::not_implemented,
+        format("the CUDA backend supports K <= 256 (got K=%lld)", static_cast<long long>(K)));
 }
 
 bool inner_strides_compact(const TensorView& pool) {
@@ -190,10 +192,11 @@ void check_slot_indices_host(std::string_view name, const void* indices, DType d
     const int64_t idx = load_index(indices, dtype, i * stride);
     if (idx < 0) continue;
     if (idx >= num_slots) {
-      fail(format("%s[%lld]=%lld is out of range for a state pool of %lld slots (valid: 0..%lld; "
-                  "< 0 marks a padded row)",
-                  quoted(name).c_str(), static_cast<long long>(i), static_cast<long long>(idx),
-                  static_cast<long long>(num_slots), static_cast<long long>(num_slots - 1)));
+      fail(
+          format("%s[%lld]=%lld is out of range for a state pool of %lld slots (valid: 0..%lld; "
+                 "< 0 marks a padded row)",
+                 quoted(name).c_str(), static_cast<long long>(i), static_cast<long long>(idx),
+                 static_cast<long long>(num_slots), static_cast<long long>(num_slots - 1)));
     }
     auto [it, inserted] = first_row.emplace(idx, i);
     if (!inserted) {

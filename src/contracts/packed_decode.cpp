@@ -41,20 +41,23 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& x, const TensorVi
 
   const int64_t B = x.shape[0];
   if (a.shape[0] != B || b.shape[0] != B) {
-    fail(format("Mismatched batch sizes: mixed_qkv.shape[0]=%lld, a.shape[0]=%lld, b.shape[0]=%lld.",
-                static_cast<long long>(B), static_cast<long long>(a.shape[0]),
-                static_cast<long long>(b.shape[0])));
+    fail(
+        format("Mismatched batch sizes: mixed_qkv.shape[0]=%lld, a.shape[0]=%lld, b.shape[0]=%lld.",
+               static_cast<long long>(B), static_cast<long long>(a.shape[0]),
+               static_cast<long long>(b.shape[0])));
   }
   if (idx.shape[0] != B) {
     fail(format("`ssm_state_indices` must have shape [B] (got %s; expected %s).",
                 shape_str(idx).c_str(), tuple_str({B}).c_str()));
   }
-  if (state.ndim != 4) fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
+  if (state.ndim != 4)
+    fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
   if (state.stride[3] != 1) fail("`initial_state` must be contiguous in the last dim.");
   // Beyond SGLang: the inner [HV, V, K] strides are used, so check them.
   if (!inner_strides_compact(state)) {
-    fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-         "stride is supported.");
+    fail(
+        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+        "stride is supported.");
   }
   const int64_t HV = state.shape[1], V = state.shape[2], K = state.shape[3];
 
@@ -64,10 +67,11 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& x, const TensorVi
                   static_cast<long long>(HV), shape_str(a).c_str(), shape_str(b).c_str()));
     }
     if (A_log.numel() != HV || dt_bias.numel() != HV) {
-      fail(format("`A_log` and `dt_bias` must have %lld elements (got A_log.numel()=%lld, "
-                  "dt_bias.numel()=%lld).",
-                  static_cast<long long>(HV), static_cast<long long>(A_log.numel()),
-                  static_cast<long long>(dt_bias.numel())));
+      fail(
+          format("`A_log` and `dt_bias` must have %lld elements (got A_log.numel()=%lld, "
+                 "dt_bias.numel()=%lld).",
+                 static_cast<long long>(HV), static_cast<long long>(A_log.numel()),
+                 static_cast<long long>(dt_bias.numel())));
     }
   } else {
     if (a.shape[1] != HV * K) {
@@ -145,7 +149,8 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
   if (on_cpu && check)
-    check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0], state.shape[0]);
+    check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0],
+                            state.shape[0]);
   if (!on_cpu) require_cuda_k(K);
 
   RecurrentProblem p;

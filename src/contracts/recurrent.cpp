@@ -29,22 +29,25 @@ void check_state_pool(Contract& c, const TensorView& state, bool flashinfer, boo
           "`initial_state` must be contiguous in its [HV, K, V] inner dimensions; an arbitrary "
           "slot stride is supported.");
     if (flashinfer) {
-      fail(format("recurrent_kda state inner strides must be compact (V*K, K, 1)=(%lld, %lld, 1); "
-                  "got %s (only the slot stride may be non-compact)",
-                  static_cast<long long>(V * K), static_cast<long long>(K),
-                  tuple_str(state.stride + 1, 3).c_str()));
+      fail(
+          format("recurrent_kda state inner strides must be compact (V*K, K, 1)=(%lld, %lld, 1); "
+                 "got %s (only the slot stride may be non-compact)",
+                 static_cast<long long>(V * K), static_cast<long long>(K),
+                 tuple_str(state.stride + 1, 3).c_str()));
     }
-    fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-         "stride is supported.");
+    fail(
+        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+        "stride is supported.");
   }
   if (flashinfer) {
     const int64_t slot_stride = state.stride[0];
     const auto base = static_cast<long long>(reinterpret_cast<uintptr_t>(state.data) % 32);
     if (slot_stride % 16 != 0 || base != 0) {
-      fail(format("recurrent_kda state pool breaks the compiled stride contract: slot stride %lld "
-                  "elements must be a multiple of 16 and the base byte offset %lld a multiple of 32 "
-                  "(sym_int64(divisibility=16) / assumed_align=32)",
-                  static_cast<long long>(slot_stride), base));
+      fail(
+          format("recurrent_kda state pool breaks the compiled stride contract: slot stride %lld "
+                 "elements must be a multiple of 16 and the base byte offset %lld a multiple of 32 "
+                 "(sym_int64(divisibility=16) / assumed_align=32)",
+                 static_cast<long long>(slot_stride), base));
     }
   }
 }
@@ -55,11 +58,12 @@ void check_cu_seqlens_host(const TensorView& cu, int64_t total_tokens) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t v = load_index(cu.data, cu.dtype, i);
     if (v < prev || v > total_tokens || (i == 0 && v != 0)) {
-      fail(format("`cu_seqlens` must start at 0 and be non-decreasing within [0, T=%lld]; got "
-                  "cu_seqlens[%lld]=%lld%s",
-                  static_cast<long long>(total_tokens), static_cast<long long>(i),
-                  static_cast<long long>(v),
-                  i ? format(" after %lld", static_cast<long long>(prev)).c_str() : ""));
+      fail(
+          format("`cu_seqlens` must start at 0 and be non-decreasing within [0, T=%lld]; got "
+                 "cu_seqlens[%lld]=%lld%s",
+                 static_cast<long long>(total_tokens), static_cast<long long>(i),
+                 static_cast<long long>(v),
+                 i ? format(" after %lld", static_cast<long long>(prev)).c_str() : ""));
     }
     prev = v;
   }
@@ -83,12 +87,13 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   else c.shape("g", args.g, {"B", "T", "HV"});
   c.shape("beta", args.beta, {"B", "T", "HV"});
   c.shape("out", args.out, {"B", "T", "HV", "V"});
-  const int64_t B = c.get("B"), T = c.get("T"), H = c.get("H"), HV = c.get("HV"),
-                K = c.get("K"), V = c.get("V");
+  const int64_t B = c.get("B"), T = c.get("T"), H = c.get("H"), HV = c.get("HV"), K = c.get("K"),
+                V = c.get("V");
   if (H <= 0 || HV % H != 0) {
-    fail(format("%s: `v` has HV=%lld heads and `q`/`k` have H=%lld; HV must be a positive "
-                "multiple of H",
-                op, static_cast<long long>(HV), static_cast<long long>(H)));
+    fail(
+        format("%s: `v` has HV=%lld heads and `q`/`k` have H=%lld; HV must be a positive "
+               "multiple of H",
+               op, static_cast<long long>(HV), static_cast<long long>(H)));
   }
   c.last_dim_contiguous("q", args.q);
   c.last_dim_contiguous("k", args.k);
@@ -101,17 +106,22 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   c.floating("g", args.g);
   c.floating("beta", args.beta);
   c.floating("out", args.out);
-  for (auto [name, t] : {std::pair{"q", &args.q}, {"k", &args.k}, {"v", &args.v}, {"g", &args.g},
-                         {"beta", &args.beta}, {"out", &args.out}})
+  for (auto [name, t] : {std::pair{"q", &args.q},
+                         {"k", &args.k},
+                         {"v", &args.v},
+                         {"g", &args.g},
+                         {"beta", &args.beta},
+                         {"out", &args.out}})
     c.device(name, *t);
 
   int64_t N = B;
   if (args.cu_seqlens) {
     const TensorView& cu = *args.cu_seqlens;
     if (B != 1) {
-      fail(format("The batch size is expected to be 1 rather than %lld when using `cu_seqlens`."
-                  "Please flatten variable-length inputs before processing.",
-                  static_cast<long long>(B)));
+      fail(
+          format("The batch size is expected to be 1 rather than %lld when using `cu_seqlens`."
+                 "Please flatten variable-length inputs before processing.",
+                 static_cast<long long>(B)));
     }
     if (cu.ndim != 1 || cu.shape[0] < 1)
       fail(format("`cu_seqlens` must be a 1D tensor [N+1]; got shape %s", shape_str(cu).c_str()));
@@ -133,16 +143,19 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
     if (!args.state)
       fail("`ssm_state_indices` index a state pool, but no `initial_state` pool was given");
     if (idx.ndim != 1 || idx.shape[0] != N) {
-      fail(format("The number of initial states is expected to be equal to the number of input "
-                  "sequences, i.e., %lld rather than %lld.",
-                  static_cast<long long>(N), static_cast<long long>(idx.ndim == 1 ? idx.shape[0] : idx.numel())));
+      fail(
+          format("The number of initial states is expected to be equal to the number of input "
+                 "sequences, i.e., %lld rather than %lld.",
+                 static_cast<long long>(N),
+                 static_cast<long long>(idx.ndim == 1 ? idx.shape[0] : idx.numel())));
     }
     c.index_dtype("ssm_state_indices", idx);
     c.device("ssm_state_indices", idx);
   } else if (args.state && args.state->shape[0] != N) {
-    fail(format("The number of initial states is expected to be equal to the number of input "
-                "sequences, i.e., %lld rather than %lld.",
-                static_cast<long long>(N), static_cast<long long>(args.state->shape[0])));
+    fail(
+        format("The number of initial states is expected to be equal to the number of input "
+               "sequences, i.e., %lld rather than %lld.",
+               static_cast<long long>(N), static_cast<long long>(args.state->shape[0])));
   }
   if (args.final_state) {
     if (k_first) c.shape("final_state", *args.final_state, {"N", "HV", "K", "V"});
@@ -180,9 +193,10 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
     if (args.lower_bound && !std::isfinite(*args.lower_bound))
       fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
   } else if (args.A_log || args.dt_bias || args.lower_bound) {
-    fail(format("%s: `A_log`, `dt_bias` and lower_bound apply only with the in-kernel gate "
-                "(use_gate_in_kernel=True); `g` is otherwise the log-space decay itself",
-                op));
+    fail(
+        format("%s: `A_log`, `dt_bias` and lower_bound apply only with the in-kernel gate "
+               "(use_gate_in_kernel=True); `g` is otherwise the log-space decay itself",
+               op));
   }
   const double scale = checked_scale(args.scale, K);
 
@@ -220,7 +234,8 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   p.v = head_input(args.v);
   p.g = head_input(args.g);
   p.beta = head_input(args.beta);
-  p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1], args.out.stride[2]};
+  p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1],
+           args.out.stride[2]};
   p.gate.kda = per_k_gate;
   p.gate.mode = !args.gate_in_kernel ? GateMode::log_decay
                 : args.lower_bound   ? GateMode::safe

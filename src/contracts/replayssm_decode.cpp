@@ -101,8 +101,9 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
       fail("`force_flush` must be a contiguous 1D int32 tensor or None.");
   }
   if (!inner_strides_compact(state)) {
-    fail("`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-         "stride is supported.");
+    fail(
+        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
+        "stride is supported.");
   }
   const int64_t B = x.shape[0];
   const int64_t S = state.shape[0], HV = state.shape[1], V = state.shape[2], K = state.shape[3];
@@ -183,8 +184,9 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   if (idx.ndim != 1 || idx.dtype != DType::i32)
     fail("`ssm_state_indices` must be a 1D int32 tensor.");
   if (wp.shape[0] != B || idx.shape[0] != B)
-    fail(format("`write_pos` and `ssm_state_indices` must both have length B=%lld (got %lld, %lld).",
-                ll(B), ll(wp.shape[0]), ll(idx.shape[0])));
+    fail(
+        format("`write_pos` and `ssm_state_indices` must both have length B=%lld (got %lld, %lld).",
+               ll(B), ll(wp.shape[0]), ll(idx.shape[0])));
   if (args.force_flush && args.force_flush->shape[0] != B)
     fail(format("`force_flush` must have length B=%lld.", ll(B)));
 

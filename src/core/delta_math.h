@@ -30,9 +30,12 @@ DS_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 // Log-space decay g for one element. `x` is g itself (log_decay) or the raw gate input a.
 DS_HD float gate_value(GateMode mode, float x, float dt_bias, float A_log, float lower_bound) {
   switch (mode) {
-    case GateMode::softplus: return -expf(A_log) * softplus(x + dt_bias);
-    case GateMode::safe: return lower_bound * sigmoid(expf(A_log) * (x + dt_bias));
-    default: return x;
+    case GateMode::softplus:
+      return -expf(A_log) * softplus(x + dt_bias);
+    case GateMode::safe:
+      return lower_bound * sigmoid(expf(A_log) * (x + dt_bias));
+    default:
+      return x;
   }
 }
 

@@ -38,7 +38,8 @@ DS_HD float bits_float(uint32_t u) {
 DS_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 DS_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -61,14 +62,14 @@ DS_HD uint16_t float_to_f16(float f) {
   uint32_t u = float_bits(f);
   uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00u;              // nan
-  if (a >= 0x477ff000u) return sign | 0x7c00u;             // rounds to >= 65520: inf
-  if (a < 0x38800000u) {                                   // below the smallest normal: subnormal
+  if (a > 0x7f800000u) return sign | 0x7e00u;   // nan
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {                        // below the smallest normal: subnormal
     // value * 2^24, rounded to nearest even, as an integer mantissa
     uint32_t exp = a >> 23;
-    if (exp < 102) return sign;                            // < 2^-25: rounds to zero
+    if (exp < 102) return sign;  // < 2^-25: rounds to zero
     uint32_t man = (a & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126 - exp;                            // 14..24
+    uint32_t shift = 126 - exp;  // 14..24
     uint32_t half = 1u << (shift - 1);
     uint32_t rest = man & ((1u << shift) - 1);
     uint32_t r = man >> shift;
@@ -84,25 +85,37 @@ DS_HD uint16_t float_to_f16(float f) {
 // Load element i of a float tensor of dtype t as fp32.
 DS_HD float load_float(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::f16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
+    case DType::bf16:
+      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::f16:
+      return f16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
   }
 }
 // Store fp32 v into element i of a float tensor of dtype t, rounding to nearest even.
 DS_HD void store_float(void* p, DType t, int64_t i, float v) {
   switch (t) {
-    case DType::bf16: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
-    case DType::f16: static_cast<uint16_t*>(p)[i] = float_to_f16(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
+    case DType::bf16:
+      static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+      break;
+    case DType::f16:
+      static_cast<uint16_t*>(p)[i] = float_to_f16(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+      break;
   }
 }
 // Round fp32 v to dtype t and back (what storing then loading would give).
 DS_HD float round_to(DType t, float v) {
   switch (t) {
-    case DType::bf16: return bf16_to_float(float_to_bf16(v));
-    case DType::f16: return f16_to_float(float_to_f16(v));
-    default: return v;
+    case DType::bf16:
+      return bf16_to_float(float_to_bf16(v));
+    case DType::f16:
+      return f16_to_float(float_to_f16(v));
+    default:
+      return v;
   }
 }
 // Load element i of an int32/int64 tensor.
@@ -121,7 +134,8 @@ struct SmallDivider {
   uint32_t m = 1u << 31;
   static SmallDivider of(int d) {
     SmallDivider s;
-    s.m = static_cast<uint32_t>(((uint64_t{1} << 31) + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+    s.m = static_cast<uint32_t>(((uint64_t{1} << 31) + static_cast<uint64_t>(d) - 1) /
+                                static_cast<uint64_t>(d));
     return s;
   }
   DS_HD int divide(int n) const { return static_cast<int>((static_cast<uint64_t>(n) * m) >> 31); }

@@ -73,26 +73,26 @@ DS_HD int64_t index_at(const void* p, DType t, int64_t stride, int64_t i) {
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
 struct RecurrentProblem {
   int32_t N = 0, H = 0, HV = 0, K = 0, V = 0;
-  int32_t T = 1;                      // tokens per sequence when cu_seqlens is null
-  const void* cu_seqlens = nullptr;   // [N+1]
+  int32_t T = 1;                     // tokens per sequence when cu_seqlens is null
+  const void* cu_seqlens = nullptr;  // [N+1]
   DType cu_dtype = DType::i32;
-  HeadInput q, k, v, g, beta;         // g: log decay or raw `a` (see gate.mode)
+  HeadInput q, k, v, g, beta;  // g: log decay or raw `a` (see gate.mode)
   HeadOutput out;
   GateParams gate;
   bool beta_is_logit = false;
-  bool round_beta = false;            // round beta to beta.dtype after the sigmoid
+  bool round_beta = false;  // round beta to beta.dtype after the sigmoid
   bool l2norm = true;
   float scale = 1.0f;
-  StatePoolRef state;                 // ptr null: every sequence starts from S = 0
-  const void* indices = nullptr;      // [N] slot per sequence; null: sequence n uses slot n
+  StatePoolRef state;             // ptr null: every sequence starts from S = 0
+  const void* indices = nullptr;  // [N] slot per sequence; null: sequence n uses slot n
   DType index_dtype = DType::i32;
-  int64_t index_stride = 1;           // elements between consecutive entries of `indices`
-  bool update_state = false;          // write final S back into the pool
-  void* final_state = nullptr;        // [N, HV, V, K] dense (state.k_first: [N, HV, K, V])
+  int64_t index_stride = 1;     // elements between consecutive entries of `indices`
+  bool update_state = false;    // write final S back into the pool
+  void* final_state = nullptr;  // [N, HV, V, K] dense (state.k_first: [N, HV, K, V])
   DType final_dtype = DType::f32;
-  bool check_indices = false;         // CUDA: trap on an index >= num_slots
-  bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
-  bool pdl_trigger_early = false;     // CUDA, set per launch: enter_grid (cuda/grid.cuh)
+  bool check_indices = false;      // CUDA: trap on an index >= num_slots
+  bool pdl = false;                // CUDA: programmatic dependent launch (ops.h)
+  bool pdl_trigger_early = false;  // CUDA, set per launch: enter_grid (cuda/grid.cuh)
   Device device{};
 
   DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
@@ -101,25 +101,25 @@ struct RecurrentProblem {
 // ReplaySSM buffered decode (T = 1) over a checkpoint pool and per-slot rings.
 struct ReplayProblem {
   int32_t B = 0, H = 0, HV = 0, K = 0, V = 0, L = 0;
-  HeadInput q, k, v, a, b;            // views into mixed_qkv, a, b
+  HeadInput q, k, v, a, b;  // views into mixed_qkv, a, b
   HeadOutput out;
-  GateParams gate;                    // mode softplus or safe
-  bool round_beta = false;            // round beta = sigmoid(b) to b.dtype
+  GateParams gate;          // mode softplus or safe
+  bool round_beta = false;  // round beta = sigmoid(b) to b.dtype
   bool l2norm = true;
   float scale = 1.0f;
-  StatePoolRef state;                 // the checkpoint pool
-  void* d_cache = nullptr;            // [slots, HV, L, V], records stored in d_dtype
+  StatePoolRef state;       // the checkpoint pool
+  void* d_cache = nullptr;  // [slots, HV, L, V], records stored in d_dtype
   DType d_dtype = DType::f32;
-  void* k_cache = nullptr;            // [slots, H, L, K], records stored in k_dtype
+  void* k_cache = nullptr;  // [slots, H, L, K], records stored in k_dtype
   DType k_dtype = DType::f32;
-  float* g_cache = nullptr;           // [slots, HV, L] or [slots, HV, L, K]
-  const int32_t* indices = nullptr;   // [B], entry i at indices[i * index_stride]
+  float* g_cache = nullptr;          // [slots, HV, L] or [slots, HV, L, K]
+  const int32_t* indices = nullptr;  // [B], entry i at indices[i * index_stride]
   int64_t index_stride = 1;
-  int32_t* write_pos = nullptr;       // [B]
+  int32_t* write_pos = nullptr;          // [B]
   const int32_t* force_flush = nullptr;  // [B] or null
   bool advance_write_pos = false;
   bool check_indices = false;
-  bool pdl = false;                   // as RecurrentProblem
+  bool pdl = false;  // as RecurrentProblem
   bool pdl_trigger_early = false;
   Device device{};
 };
@@ -129,35 +129,35 @@ struct ReplayProblem {
 struct ChunkPrefillProblem {
   static constexpr int32_t kChunk = 64;  // tokens per chunk; checkpoints fall on chunk ends
   int32_t N = 0, H = 0, HV = 0, K = 0, V = 0;
-  int32_t T = 0;                      // tokens per sequence when cu_seqlens is null
-  const void* cu_seqlens = nullptr;   // [N+1]
+  int32_t T = 0;                     // tokens per sequence when cu_seqlens is null
+  const void* cu_seqlens = nullptr;  // [N+1]
   DType cu_dtype = DType::i32;
-  HeadInput q, k, v, g, beta;         // g: log decay or raw `a` (see gate.mode)
+  HeadInput q, k, v, g, beta;  // g: log decay or raw `a` (see gate.mode)
   HeadOutput out;
   GateParams gate;
   bool beta_is_logit = false;
   bool l2norm = true;
   float scale = 1.0f;
-  StatePoolRef state;                 // pool (initial_indices set) or dense [N, ...]; null: S0 = 0
+  StatePoolRef state;  // pool (initial_indices set) or dense [N, ...]; null: S0 = 0
   const void* initial_indices = nullptr;  // [N] slot per sequence (< 0: padded)
   DType initial_index_dtype = DType::i32;
   const void* has_initial = nullptr;  // [N] 0 = start from zero; null: every state is read
   DType has_initial_dtype = DType::i32;
   const void* output_indices = nullptr;  // [N] final states' slots (< 0: none); null: in place
   DType output_index_dtype = DType::i32;
-  void* final_state = nullptr;        // [N, HV, V, K] dense, optional
+  void* final_state = nullptr;  // [N, HV, V, K] dense, optional
   DType final_dtype = DType::f32;
-  int32_t checkpoint_every = 0;       // tokens; 0: no checkpoints
+  int32_t checkpoint_every = 0;                // tokens; 0: no checkpoints
   const void* checkpoint_cu_starts = nullptr;  // [N+1]
   DType checkpoint_cu_dtype = DType::i32;
-  void* checkpoints = nullptr;        // dense [total, HV, V, K], or null
+  void* checkpoints = nullptr;  // dense [total, HV, V, K], or null
   DType checkpoint_dtype = DType::f32;
   const void* checkpoint_slots = nullptr;  // [total] pool slots (< 0: skipped), or null
   DType checkpoint_slot_dtype = DType::i32;
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
-  bool check_indices = false;         // CUDA: trap on an index >= num_slots
-  bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
+  bool check_indices = false;  // CUDA: trap on an index >= num_slots
+  bool pdl = false;            // CUDA: programmatic dependent launch (ops.h)
   Device device{};
 
   DS_HD bool pooled() const { return initial_indices != nullptr; }

@@ -56,7 +56,8 @@ inline void gate_row(const detail::GateParams& gate, const void* in, DType in_dt
   const int count = gate.kda ? K : 1;
   for (int i = 0; i < count; ++i) {
     const int64_t dt_index = gate.kda ? static_cast<int64_t>(hv) * K + i : hv;
-    const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, dt_index) : 0.0f;
+    const float dt =
+        gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, dt_index) : 0.0f;
     g_out[i] = detail::gate_value(gate.mode, detail::load_float(in, in_dtype, off + i), dt, A_log,
                                   gate.lower_bound);
   }

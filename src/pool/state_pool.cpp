@@ -28,9 +28,10 @@ int64_t envelope_layer_pitch(const StatePoolConfig& c) {
 
 void StatePool::check_config(const StatePoolConfig& c) {
   if (c.layers < 1 || c.slots < 1 || c.HV < 1 || c.V < 1 || c.K < 1)
-    fail(format("StatePool needs layers, slots, HV, V, K >= 1; got layers=%lld, slots=%lld, HV=%lld, "
-                "V=%lld, K=%lld",
-                ll(c.layers), ll(c.slots), ll(c.HV), ll(c.V), ll(c.K)));
+    fail(format(
+        "StatePool needs layers, slots, HV, V, K >= 1; got layers=%lld, slots=%lld, HV=%lld, "
+        "V=%lld, K=%lld",
+        ll(c.layers), ll(c.slots), ll(c.HV), ll(c.V), ll(c.K)));
   if (!is_floating(c.state_dtype))
     fail(format("StatePool state dtype must be float32, bfloat16 or float16; got %s",
                 dtype_name(c.state_dtype)));
@@ -39,11 +40,13 @@ void StatePool::check_config(const StatePoolConfig& c) {
   if (c.replay_len < 0) fail("ReplaySSM cache length must be at least 1.");
   if (c.replay_len > 0) {
     if (c.H < 1 || c.HV % c.H != 0)
-      fail(format("StatePool with ReplaySSM rings needs the key-head count H (HV a multiple of H); "
-                  "got H=%lld, HV=%lld",
-                  ll(c.H), ll(c.HV)));
+      fail(
+          format("StatePool with ReplaySSM rings needs the key-head count H (HV a multiple of H); "
+                 "got H=%lld, HV=%lld",
+                 ll(c.H), ll(c.HV)));
     if (!is_floating(c.ring_k_dtype))
-      fail(format("StatePool ring_k_dtype must be a float dtype; got %s", dtype_name(c.ring_k_dtype)));
+      fail(format("StatePool ring_k_dtype must be a float dtype; got %s",
+                  dtype_name(c.ring_k_dtype)));
   }
 }
 
@@ -89,7 +92,8 @@ StatePool::StatePool(const StatePoolConfig& config) : cfg_(config) {
   } else {
     base_ = std::aligned_alloc(kAlign, static_cast<size_t>(lay_.total));
     if (!base_)
-      throw Error(ErrorKind::runtime, format("StatePool: cannot allocate %lld bytes", ll(lay_.total)));
+      throw Error(ErrorKind::runtime,
+                  format("StatePool: cannot allocate %lld bytes", ll(lay_.total)));
     std::memset(base_, 0, static_cast<size_t>(lay_.total));
   }
   owns_ = true;
@@ -183,9 +187,10 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
   if (src == dst) fail(format("StatePool.fork: src and dst are the same slot %lld", ll(src)));
   const int32_t wp = cursor(src, stream);
   if (wp != 0)
-    fail(format("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got %d for "
-                "src %lld",
-                wp, ll(src)));
+    fail(
+        format("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got %d for "
+               "src %lld",
+               wp, ll(src)));
   const int64_t rows = lay_.slot_rows, pitch = lay_.slot_row_pitch;
   const char* from = at(lay_.state_offset + src * lay_.entry_bytes);
   char* to = at(lay_.state_offset + dst * lay_.entry_bytes);
@@ -265,7 +270,8 @@ TensorView StatePool::write_pos() const {
 }
 
 void* StatePool::envelope_extra(int64_t slot) const {
-  if (cfg_.layout != PoolLayout::envelope) fail("StatePool.envelope_extra: the pool is not an envelope");
+  if (cfg_.layout != PoolLayout::envelope)
+    fail("StatePool.envelope_extra: the pool is not an envelope");
   check_slot(slot, "envelope_extra");
   return at(lay_.state_offset + slot * lay_.entry_bytes);
 }
@@ -291,9 +297,10 @@ int64_t StatePool::bytes_per_slot(const StatePoolConfig& c) {
   const int64_t isz = dtype_size(c.state_dtype);
   const int64_t L = c.replay_len;
   const int64_t state = c.layout == PoolLayout::envelope ? layout_of(c).entry_bytes
-                                                          : c.layers * c.HV * c.V * c.K * isz;
-  const int64_t rings = c.layers * (c.HV * L * c.V * isz + c.H * L * c.K * dtype_size(c.ring_k_dtype) +
-                                    c.HV * L * (c.kda ? c.K : 1) * 4);
+                                                         : c.layers * c.HV * c.V * c.K * isz;
+  const int64_t rings =
+      c.layers * (c.HV * L * c.V * isz + c.H * L * c.K * dtype_size(c.ring_k_dtype) +
+                  c.HV * L * (c.kda ? c.K : 1) * 4);
   return state + rings + 4;
 }
 

@@ -24,9 +24,15 @@ std::vector<double> log_decay(const Config& c, const Token& t, int hv) {
     const double dt = c.dt_bias.empty() ? 0.0 : c.dt_bias[static_cast<size_t>(hv) * w + i];
     const double x = in + dt;
     switch (c.gate) {
-      case Gate::log_decay: g[i] = in; break;
-      case Gate::standard: g[i] = -std::exp(c.A_log[hv]) * softplus(x); break;
-      case Gate::safe: g[i] = c.lower_bound * sigmoid(std::exp(c.A_log[hv]) * x); break;
+      case Gate::log_decay:
+        g[i] = in;
+        break;
+      case Gate::standard:
+        g[i] = -std::exp(c.A_log[hv]) * softplus(x);
+        break;
+      case Gate::safe:
+        g[i] = c.lower_bound * sigmoid(std::exp(c.A_log[hv]) * x);
+        break;
     }
   }
   if (!c.kda)
@@ -138,7 +144,8 @@ ReplayResult replay_step(const Config& c, const Token& t, const State& S0, const
       r.out[static_cast<size_t>(hv) * V + v] = sq + d * kq;
       if (r.flushed) {  // S0 <- S * a + d k^T
         for (int i = 0; i < K; ++i)
-          r.checkpoint[(static_cast<size_t>(hv) * V + v) * K + i] = s[i] * std::exp(g[i]) + d * k[i];
+          r.checkpoint[(static_cast<size_t>(hv) * V + v) * K + i] =
+              s[i] * std::exp(g[i]) + d * k[i];
       } else {
         r.d[static_cast<size_t>(hv) * V + v] = d;
       }

@@ -72,7 +72,7 @@ struct Ring {
 struct ReplayResult {
   std::vector<double> out;  // [HV*V]
   bool flushed = false;
-  State checkpoint;         // the new checkpoint (the old one when not flushed)
+  State checkpoint;  // the new checkpoint (the old one when not flushed)
   // The record appended at the cursor when not flushed: d [HV*V], k [H*K], g [HV*gate_width].
   std::vector<double> d, k, g;
 };
