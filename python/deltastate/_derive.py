@@ -14,7 +14,7 @@ import linecache
 import re
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
-from ._surface import BOOL, CHECK, FLOAT, OPT_FLOAT, REQUIRED, Arg, Op
+from ._surface import BOOL, CHECK, FLOAT, INT64, OPT_FLOAT, REQUIRED, Arg, Op
 
 
 # ---- the binding ------------------------------------------------------------------------------
@@ -52,6 +52,8 @@ def _convert(arg: Arg) -> str:
         return f"{x} = {x} if type({x}) is bool else bool({x})"
     if arg.kind is CHECK:
         return f"{x} = -1 if {x} is None else int(bool({x}))"
+    if arg.kind is INT64:
+        return f"{x} = {x} if type({x}) is int else _integer({x}, {x!r})"
     return ""
 
 
@@ -212,12 +214,19 @@ def schema(op: Op) -> str:
 
 def torch_impl(op: Op, ffi, binding: Sequence[Arg]):
     """The torch op's real implementation (CPU and CUDA dispatch keys): the schema's arguments,
-    defaults included (the dispatcher passes only those given), handed to the binding."""
+    defaults included (the dispatcher passes only those given), after `op.impl_prepare` (if any),
+    handed to the binding."""
     params = _params(op.op_args, _schema_defaults(op), public=False)
     call = ", ".join(a.name for a in binding)
-    body = ["try:", f"    _ffi({call})", "except Exception as e:",
-            f"    raise _spelled(e, ({call},)) from None"]
-    return _compile(op.name, params, body, {"_ffi": ffi, "_spelled": spelled}, {}, "torch")
+    closure: Dict[str, Any] = {"_ffi": ffi, "_spelled": spelled}
+    body = []
+    if op.impl_prepare is not None:  # e.g. the workspace the trace left to the implementation
+        inputs = ", ".join(inspect.signature(op.impl_prepare).parameters)
+        body.append(f"{', '.join(op.impl_fills)}, = _impl_prepare({inputs})")
+        closure["_impl_prepare"] = op.impl_prepare
+    body += ["try:", f"    _ffi({call})", "except Exception as e:",
+             f"    raise _spelled(e, ({call},)) from None"]
+    return _compile(op.name, params, body, closure, {}, "torch")
 
 
 # ---- error texts ------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ BOOL = Kind("bool", "bool", "a bool", "bool")
 # anything is written; off for CUDA tensors, where it traps the kernel on an out-of-range index).
 # The binding and the torch op take it as an int: -1 = the default, 0 = off, 1 = on.
 CHECK = Kind("check", "int", "an int", "Optional[bool]")
+INT64 = Kind("int64", "int", "an int", "int")  # an integer count (module.cpp's Kind<int64_t>)
 # Kinds of public-only arguments (never passed to the binding; read by `Op.prepare` or ignored).
 OPT_BOOL = Kind("bool?", "", "a bool or None", "Optional[bool]")
 INT = Kind("int", "", "an int", "int")
@@ -108,6 +109,10 @@ class Op:
     # public name and of the arguments its parameters name, returning the values of `fills`.
     prepare: Optional[Callable[..., tuple]] = None
     fills: Tuple[str, ...] = ()
+    # The torch op's own step in its real implementation (outside the torch.compile trace): a
+    # function of the op arguments its parameters name, returning the values of `impl_fills`.
+    impl_prepare: Optional[Callable[..., tuple]] = None
+    impl_fills: Tuple[str, ...] = ()
 
     @property
     def binding_name(self) -> str:
@@ -672,5 +677,253 @@ _HELION_REPLAY = Op(
     schema_defaults_from="lower_bound",
 )
 
+
+# ---- chunked prefill: FLA's chunk_gated_delta_rule and chunk_kda over the pool -----------------
+_CHUNK_LAYOUT = ("the chunked prefill takes states V-first only ([.., HV, V, K], the pool's "
+                 "layout); pass state_v_first=True (deltastate never transposes or copies a "
+                 "state behind the caller's back)")
+
+
+def _workspace_bytes(q, v, kda):
+    """chunk_prefill_workspace_bytes from the shapes and the device alone (fake tensors too)."""
+    from ._lib import lib
+
+    dev = getattr(q, "device", None)
+    cuda = -1
+    if dev is not None and getattr(dev, "type", "cpu") == "cuda":
+        cuda = dev.index if dev.index is not None else 0
+    return int(lib.chunk_prefill_workspace_bytes(int(_shape(q)[3]), int(_shape(v)[3]), bool(kda),
+                                                 cuda))
+
+
+def _chunk_workspace(q, v, kda):
+    """A new workspace for the call, in q's framework and device (float32 elements: the binding
+    takes no uint8)."""
+    return _empty(q, ((_workspace_bytes(q, v, kda) + 3) // 4,), "float32")
+
+
+def _compiling(x) -> bool:
+    """Whether torch.compile is tracing (then the workspace is allocated by the torch op's
+    implementation, outside the trace, as the size comes from the compiled module)."""
+    if not _is_torch(x):
+        return False
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _chunk_impl_gdn(q, v, workspace):
+    return (_chunk_workspace(q, v, False) if workspace is None else workspace),
+
+
+def _chunk_impl_kda(q, v, workspace):
+    return (_chunk_workspace(q, v, True) if workspace is None else workspace),
+
+
+def _as_index(x):
+    """`has_initial_state` as the core takes it: a bool tensor becomes int32 (one [N] copy);
+    int32/int64 pass as they are."""
+    if x is None:
+        return None
+    dt = str(getattr(x, "dtype", ""))
+    if dt in ("torch.bool", "bool"):
+        if _is_torch(x):
+            import torch
+
+            return x.to(torch.int32)
+        import numpy as np
+
+        return x.astype(np.int32)
+    return x
+
+
+def _chunk_prepare(op, kda, q, k, v, g, beta, scale, initial_state, output_final_state,
+                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+                   state_v_first, transpose_state_layout, cu_seqlens, A_log, dt_bias,
+                   has_initial_state, state_checkpoints, workspace):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _check_tensor(op, name, t)
+    v_first = _fla_layout(state_v_first, transpose_state_layout)
+    if not v_first and (initial_state is not None or output_final_state
+                        or state_checkpoints is not None):
+        raise NotImplementedError(f"{op}: state_v_first=False (FLA's K-first [N, HV, K, V] "
+                                  f"state): {_CHUNK_LAYOUT}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    beta_is_logit = bool(use_beta_sigmoid_in_kernel)
+    if beta is None:
+        beta = _filled(v, _shape(v)[:3], 1.0)
+        beta_is_logit = False
+    else:
+        _check_tensor(op, "beta", beta)
+        if allow_neg_eigval:
+            beta, beta_is_logit = _sigmoid2(beta), False
+    if scale is not None and not isinstance(scale, (bool, str, bytes)):
+        try:
+            if float(scale) == 0.0:
+                scale = None  # FlashInfer's default: K^-0.5
+        except (TypeError, ValueError):
+            pass  # the conversion names the argument
+    if use_gate_in_kernel:
+        if A_log is None and (not kda or lower_bound is None):
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`"
+                             + (" and `lower_bound` is not set." if kda else "."))
+    else:
+        A_log = dt_bias = lower_bound = None  # FLA ignores them without the in-kernel gate
+    qs, vs = _shape(q), _shape(v)
+    output = _empty(v, vs)
+    final = None
+    if output_final_state and len(qs) == 4 and len(vs) == 4:
+        n = (len(cu_seqlens) - 1) if cu_seqlens is not None else qs[0]
+        final = _empty(q, (n, vs[2], vs[3], qs[3]), "float32")
+    if workspace is None and len(qs) == 4 and len(vs) == 4 and not _compiling(q):
+        workspace = _chunk_workspace(q, v, kda)
+    return (beta, beta_is_logit, scale, A_log, dt_bias, lower_bound, _as_index(has_initial_state),
+            output, final, workspace, final)
+
+
+def _chunk_gdn_prepare(op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                       transpose_state_layout, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
+                       has_initial_state, state_checkpoints, workspace):
+    out = _chunk_prepare(op, False, q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, None,
+                         state_v_first, transpose_state_layout, cu_seqlens, A_log, dt_bias,
+                         has_initial_state, state_checkpoints, workspace)
+    return out[:5] + out[6:]  # no lower_bound on the GDN surface
+
+
+def _chunk_kda_prepare(op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                       lower_bound, state_v_first, transpose_state_layout, cu_seqlens, A_log,
+                       dt_bias, has_initial_state, state_checkpoints, workspace):
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and "
+                             "`use_gate_in_kernel=True`.")
+        if not (-5 <= lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    return _chunk_prepare(op, True, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                          lower_bound, state_v_first, transpose_state_layout, cu_seqlens, A_log,
+                          dt_bias, has_initial_state, state_checkpoints, workspace)
+
+
+_CHUNK_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias", "use_gate_in_kernel",
+                   "lower_bound", "beta_is_logit", "scale", "use_qk_l2norm_in_kernel",
+                   "cu_seqlens", "initial_state", "initial_state_indices", "has_initial_state",
+                   "output_state_indices", "final_state", "checkpoint_every_n_tokens",
+                   "checkpoint_cu_starts", "state_checkpoints", "checkpoint_slot_indices",
+                   "workspace", "check_indices", "pdl")
+
+_CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its order and
+    its defaults, returning ``(o, final_state)``; then deltastate's pool arguments (keyword-only).
+    q, k [B,T,H,K]; v [B,T,HV,V]; g {g}; beta [B,T,HV]. With cu_seqlens [N+1] B = 1 and sequence
+    n is tokens [cu[n], cu[n+1]). ``scale`` None or 0: K^-0.5.
+
+    States are V-first [.., HV, V, K] only: any state (initial_state, output_final_state,
+    state_checkpoints) needs ``state_v_first=True``; FLA's default K-first layout raises
+    NotImplementedError naming ``state_v_first`` (never a silent transpose).
+    initial_state [N, HV, V, K] is read only; with ``initial_state_indices`` [N] it is the pool
+    [slots, HV, V, K] (index < 0: padded sequence, zero output), whose rows are updated in place,
+    or whose final states go to ``output_state_indices`` (< 0: not stored). ``has_initial_state``
+    [N] (int32/int64, or bool: converted to int32, one [N] copy): 0 starts that sequence from
+    zero. final_state (output_final_state): a new float32 [N, HV, V, K] array (zeros for padded
+    sequences). Checkpoints every ``checkpoint_every_n_tokens`` tokens (a multiple of 64), at
+    ``checkpoint_cu_starts`` [N+1], into ``state_checkpoints`` or the pool slots
+    ``checkpoint_slot_indices``. ``workspace``: scratch of chunk_prefill_workspace_bytes; when
+    None it is allocated in q's framework and device for the call.
+
+    use_beta_sigmoid_in_kernel: beta holds logits; allow_neg_eigval (needs it): beta = 2 *
+    sigmoid(beta). With use_gate_in_kernel g is the raw gate, -exp(A_log) * softplus(g +
+    dt_bias){safe}. ``transpose_state_layout``: FLA's deprecated name of state_v_first.
+    FLA's graph / context-parallel options are not taken (TypeError)."""
+
+
+def _chunk(kda: bool) -> Op:
+    head = (
+        Arg("q", TENSOR, dtypes=FLOATING),
+        Arg("k", TENSOR, dtypes=FLOATING),
+        Arg("v", TENSOR, dtypes=FLOATING),
+        Arg("g", TENSOR, dtypes=FLOATING),
+        Arg("beta", TENSOR, dtypes=FLOATING),
+        Arg("scale", OPT_FLOAT, None),
+        Arg("initial_state", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+        Arg("output_final_state", BOOL, False, op=False),
+        Arg("use_qk_l2norm_in_kernel", BOOL, False),
+    )
+    if kda:
+        fla = (
+            Arg("use_gate_in_kernel", BOOL, False),
+            Arg("use_beta_sigmoid_in_kernel", BOOL, False, op=False),
+            Arg("allow_neg_eigval", BOOL, False, op=False),
+            Arg("safe_gate", BOOL, False, op=False),
+            Arg("lower_bound", OPT_FLOAT, None),
+            Arg("disable_recompute", BOOL, False, op=False),  # training only: ignored
+            Arg("return_intermediate_states", BOOL, False, op=False,
+                unsupported="(FLA's per-chunk states h) is not implemented in deltastate; use "
+                "the checkpoints (checkpoint_every_n_tokens)"),
+            Arg("state_v_first", BOOL, False, op=False),
+            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+            # FLA takes these from **kwargs: keyword-only here.
+            Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
+            Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
+        )
+    else:
+        fla = (
+            Arg("use_beta_sigmoid_in_kernel", BOOL, False, op=False),
+            Arg("allow_neg_eigval", BOOL, False, op=False),
+            Arg("state_v_first", BOOL, False, op=False),
+            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+            # FLA takes these from **kwargs: keyword-only here.
+            Arg("use_gate_in_kernel", BOOL, False, keyword=True),
+            Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
+            Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
+        )
+    pool = (
+        Arg("transpose_state_layout", OPT_BOOL, None, keyword=True, op=False),
+        Arg("initial_state_indices", OPT_TENSOR, None, dtypes=INDEX, keyword=True),
+        Arg("has_initial_state", OPT_TENSOR, None, dtypes=INDEX + ("bool",), keyword=True),
+        Arg("output_state_indices", OPT_TENSOR, None, dtypes=INDEX, keyword=True),
+        Arg("checkpoint_every_n_tokens", INT64, 0, keyword=True),
+        Arg("checkpoint_cu_starts", OPT_TENSOR, None, dtypes=INDEX, keyword=True),
+        Arg("state_checkpoints", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, keyword=True),
+        Arg("checkpoint_slot_indices", OPT_TENSOR, None, dtypes=INDEX, keyword=True),
+        Arg("workspace", OPT_TENSOR, None, mutated=True, keyword=True),
+        Arg("check_indices", CHECK, None, keyword=True),
+        Arg("pdl", BOOL, False, keyword=True),
+        Arg("output", TENSOR, dtypes=FLOATING, mutated=True, public=False),
+        Arg("beta_is_logit", BOOL, False, public=False),
+        Arg("final_state", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False),
+    )
+    if kda:
+        extra = ()
+        fills = ("beta", "beta_is_logit", "scale", "A_log", "dt_bias", "lower_bound",
+                 "has_initial_state", "output", "final_state", "workspace", "returned_state")
+    else:
+        extra = (Arg("lower_bound", OPT_FLOAT, None, public=False),)
+        fills = ("beta", "beta_is_logit", "scale", "A_log", "dt_bias", "has_initial_state",
+                 "output", "final_state", "workspace", "returned_state")
+    doc = _CHUNK_DOC.format(
+        what="KDA" if kda else "GDN", fla="chunk_kda" if kda else "chunk_gated_delta_rule",
+        g="[B,T,HV,K] (log decay per key channel)" if kda else "[B,T,HV] (log decay)",
+        safe=("; with lower_bound the safe gate lower_bound * sigmoid(exp(A_log) * (g + "
+              "dt_bias)), A_log=None meaning the factor 1 there (safe_gate only checks FLA's "
+              "range [-5, 0))") if kda else "")
+    return Op(
+        name="chunk_kda" if kda else "chunk_gated_delta_rule",
+        public="chunk_kda" if kda else "chunk_gated_delta_rule",
+        doc=doc,
+        args=head + fla + pool + extra,
+        returns=("output", "returned_state"),
+        op_order=_CHUNK_OP_ORDER,
+        schema_defaults_from="check_indices",
+        prepare=_chunk_kda_prepare if kda else _chunk_gdn_prepare,
+        fills=fills,
+        impl_prepare=_chunk_impl_kda if kda else _chunk_impl_gdn,
+        impl_fills=("workspace",),
+    )
+
 OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurrent(False),
-                       _fla(False), _fla(True), _REPLAY, _HELION_REPLAY)
+                       _fla(False), _fla(True), _REPLAY, _HELION_REPLAY,
+                       _chunk(False), _chunk(True))

@@ -86,6 +86,15 @@ def _number(x: Any, name: str) -> float:
         raise TypeError(f"{name} must be a number (got {type(x).__name__})") from None
 
 
+def _integer(x: Any, name: str) -> int:
+    if x is None or isinstance(x, (bool, float, str, bytes)):
+        raise TypeError(f"{name} must be an int (got {type(x).__name__})")
+    try:
+        return int(x.__index__())
+    except (AttributeError, TypeError, ValueError):
+        raise TypeError(f"{name} must be an int (got {type(x).__name__})") from None
+
+
 def _number_or_none(x: Any, name: str) -> Optional[float]:
     if x is None:
         return None

@@ -230,6 +230,14 @@ struct Kind<std::optional<bool>> {
   }
 };
 
+// An integer count (checkpoint_every_n_tokens).
+template <>
+struct Kind<int64_t> {
+  static constexpr const char* name = "int64";
+  static bool accepts(ffi::AnyView v) { return v.try_cast<int64_t>().has_value(); }
+  static void read(int64_t& dst, ffi::AnyView v, const char*) { dst = *v.try_cast<int64_t>(); }
+};
+
 template <auto Member>
 struct MemberOf;
 template <class C, class T, T C::*Member>
@@ -437,6 +445,70 @@ constexpr auto replayssm_decode = bind(
         Field<&RD::pdl>{"pdl"},
     });
 
+// Chunked prefill (FLA's chunk_gated_delta_rule / chunk_kda), one module function per gate kind.
+using CP = ds::ChunkPrefillArgs;
+constexpr auto chunk(const char* name, void (*run)(CP&)) {
+  return bind(name, run,
+              std::tuple{
+                  Field<&CP::q>{"q"},
+                  Field<&CP::k>{"k"},
+                  Field<&CP::v>{"v"},
+                  Field<&CP::g>{"g"},
+                  Field<&CP::beta>{"beta"},
+                  Field<&CP::out>{"output"},
+                  Field<&CP::A_log>{"A_log"},
+                  Field<&CP::dt_bias>{"dt_bias"},
+                  Field<&CP::gate_in_kernel>{"use_gate_in_kernel"},
+                  Field<&CP::lower_bound>{"lower_bound"},
+                  Field<&CP::beta_is_logit>{"beta_is_logit"},
+                  Field<&CP::scale>{"scale"},
+                  Field<&CP::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                  Field<&CP::cu_seqlens>{"cu_seqlens"},
+                  Field<&CP::initial_state>{"initial_state"},
+                  Field<&CP::initial_state_indices>{"initial_state_indices"},
+                  Field<&CP::has_initial_state>{"has_initial_state"},
+                  Field<&CP::output_state_indices>{"output_state_indices"},
+                  Field<&CP::final_state>{"final_state"},
+                  Field<&CP::checkpoint_every_n_tokens>{"checkpoint_every_n_tokens"},
+                  Field<&CP::checkpoint_cu_starts>{"checkpoint_cu_starts"},
+                  Field<&CP::state_checkpoints>{"state_checkpoints"},
+                  Field<&CP::checkpoint_slot_indices>{"checkpoint_slot_indices"},
+                  Field<&CP::workspace>{"workspace"},
+                  Field<&CP::check_indices>{"check_indices"},
+                  Field<&CP::pdl>{"pdl"},
+              });
+}
+
+constexpr auto chunk_gated_delta_rule = chunk("chunk_gated_delta_rule", [](CP& a) {
+  a.is_kda = false;
+  a.stream = stream_for(a.q);
+  ds::chunk_prefill(a);
+});
+
+constexpr auto chunk_kda = chunk("chunk_kda", [](CP& a) {
+  a.is_kda = true;
+  a.stream = stream_for(a.q);
+  ds::chunk_prefill(a);
+});
+
+// chunk_prefill_workspace_bytes from what it reads: K, V, the gate kind and the device (no
+// tensor), so that the Python side can size the workspace before it has the data, also while
+// torch.compile traces with fake tensors.
+int64_t chunk_prefill_workspace_bytes(int64_t K, int64_t V, bool kda, int64_t cuda_device) {
+  return guarded([&] {
+    CP a;
+    a.is_kda = kda;
+    const ds::Device dev = cuda_device < 0 ? ds::Device::cpu() : ds::Device::cuda(cuda_device);
+    for (auto [t, last] : {std::pair{&a.q, K}, std::pair{&a.v, V}}) {
+      t->ndim = 4;
+      t->shape[0] = t->shape[1] = t->shape[2] = 1;
+      t->shape[3] = last;
+      t->device = dev;
+    }
+    return ds::chunk_prefill_workspace_bytes(a);
+  });
+}
+
 ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   ffi::Map<ffi::String, ffi::Array<ffi::String>> m;
   m.Set(gdn_packed_decode.name, signature(gdn_packed_decode));
@@ -444,6 +516,8 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(recurrent_gated_delta_rule.name, signature(recurrent_gated_delta_rule));
   m.Set(recurrent_kda.name, signature(recurrent_kda));
   m.Set(replayssm_decode.name, signature(replayssm_decode));
+  m.Set(chunk_gated_delta_rule.name, signature(chunk_gated_delta_rule));
+  m.Set(chunk_kda.name, signature(chunk_kda));
   return m;
 }
 
@@ -578,6 +652,9 @@ DELTASTATE_EXPORT_OP(kda_packed_decode)
 DELTASTATE_EXPORT_OP(recurrent_gated_delta_rule)
 DELTASTATE_EXPORT_OP(recurrent_kda)
 DELTASTATE_EXPORT_OP(replayssm_decode)
+DELTASTATE_EXPORT_OP(chunk_gated_delta_rule)
+DELTASTATE_EXPORT_OP(chunk_kda)
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_built, cuda_built);

@@ -20,9 +20,25 @@ _FLASHINFER_RECURRENT = (
     "initial_state_indices=None, beta_is_logit=False, seq_order=None, prefill_workspace=None, "
     "state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0, *, "
     "backend='auto', round_beta=False, check_indices=None, pdl=False)")
+_CHUNK_POOL = (
+    "*, {kw}transpose_state_layout=None, initial_state_indices=None, has_initial_state=None, "
+    "output_state_indices=None, checkpoint_every_n_tokens=0, checkpoint_cu_starts=None, "
+    "state_checkpoints=None, checkpoint_slot_indices=None, workspace=None, check_indices=None, "
+    "pdl=False)")
 _REPLAY_HEAD = ("(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, "
                 "g_cache, out, ssm_state_indices, write_pos, force_flush=None, ")
 PUBLIC = {
+    "chunk_gated_delta_rule":
+        "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, "
+        "state_v_first=False, cu_seqlens=None, "
+        + _CHUNK_POOL.format(kw="use_gate_in_kernel=False, A_log=None, dt_bias=None, "),
+    "chunk_kda":
+        "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
+        "allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False, "
+        "return_intermediate_states=False, state_v_first=False, cu_seqlens=None, "
+        + _CHUNK_POOL.format(kw="A_log=None, dt_bias=None, "),
     "fused_recurrent_gated_delta_rule_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
         "use_qk_l2norm_in_kernel=False, *, round_beta=False, check_indices=None, pdl=False)",
@@ -76,7 +92,18 @@ def _replay_schema(name, kda, helion):
             f"bool helion={helion}, int check_indices=-1, bool pdl=False) -> ()")
 
 
+_CHUNK_SCHEMA = (
+    "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, Tensor? A_log, "
+    "Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, "
+    "float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!)? initial_state, "
+    "Tensor? initial_state_indices, Tensor? has_initial_state, Tensor? output_state_indices, "
+    "Tensor(c!)? final_state, int checkpoint_every_n_tokens, Tensor? checkpoint_cu_starts, "
+    "Tensor(d!)? state_checkpoints, Tensor? checkpoint_slot_indices, Tensor(e!)? workspace, "
+    "int check_indices=-1, bool pdl=False")
+
 SCHEMAS = {
+    "chunk_gated_delta_rule": f"chunk_gated_delta_rule({_CHUNK_SCHEMA}) -> ()",
+    "chunk_kda": f"chunk_kda({_CHUNK_SCHEMA}) -> ()",
     "gdn_packed_decode": f"gdn_packed_decode({_PACKED_SCHEMA}) -> ()",
     "kda_packed_decode": f"kda_packed_decode({_PACKED_SCHEMA}) -> ()",
     "recurrent_gated_delta_rule": f"recurrent_gated_delta_rule({_RECURRENT_SCHEMA}) -> ()",
