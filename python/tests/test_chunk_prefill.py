@@ -93,7 +93,7 @@ def close(actual, expected, what):
                                err_msg=what)
 
 
-# ---- the pool: varlen, padding, has_initial_state, in place --------------------------------------
+# ---- the pool: varlen, padding, has_initial_state, in place -------------------------------------
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_pool_varlen(fw, rng, kda):
     lengths = [1, 63, 64, 10, 65, 200]
@@ -135,7 +135,7 @@ def test_output_state_indices_and_scale_zero(fw, rng):
     np.testing.assert_allclose(after[2], efinal[0], rtol=TOL, atol=TOL)
 
 
-# ---- dense start and final states ------------------------------------------------------------------
+# ---- dense start and final states ---------------------------------------------------------------
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_dense_states(fw, rng, kda):
     d = make(rng, [65, 64], kda)
@@ -154,7 +154,7 @@ def test_dense_states(fw, rng, kda):
     close(o0, expect(d, kda, cu_seqlens=d["cu"])[0], "output from zero")
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------
+# ---- checkpoints --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_checkpoints(fw, rng, kda):
     lengths = [130, 64, 10]
@@ -184,7 +184,7 @@ def test_checkpoints(fw, rng, kda):
     assert not got[5].any()
 
 
-# ---- the layout rule and the workspace --------------------------------------------------------------
+# ---- the layout rule and the workspace ----------------------------------------------------------
 @pytest.mark.parametrize("kw", [{"output_final_state": True}, {"initial_state": "dense"}])
 def test_k_first_is_an_error(fw, rng, kw):
     d = make(rng, [5], False)
@@ -208,7 +208,7 @@ def test_workspace(fw, rng):
         call(ds.chunk_kda, fw, d, True, workspace=fw.from64(np.zeros(4), "float32"))
 
 
-# ---- torch.compile and CUDA -------------------------------------------------------------------------
+# ---- torch.compile and CUDA ---------------------------------------------------------------------
 def test_torch_compile(rng):
     if torch is None:
         pytest.skip("torch is not installed")

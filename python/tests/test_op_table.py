@@ -35,8 +35,8 @@ PUBLIC = {
         + _CHUNK_POOL.format(kw="use_gate_in_kernel=False, A_log=None, dt_bias=None, "),
     "chunk_kda":
         "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
-        "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
-        "allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False, "
+        "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, "
+        "use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False, "
         "return_intermediate_states=False, state_v_first=False, cu_seqlens=None, "
         + _CHUNK_POOL.format(kw="A_log=None, dt_bias=None, "),
     "fused_recurrent_gated_delta_rule_packed_decode":
