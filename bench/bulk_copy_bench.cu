@@ -5,8 +5,8 @@
 //   warptile  one tile of U * 512 bytes per warp, no loop: the register decode kernel's shape
 //             (fp32 K = 128: U = 8);
 //   bulk      TMA bulk copies (the streaming kernel's path), below; skipped with --ilp-only.
-// (docs/PERFORMANCE.md, eleventh session: which tile size per warp, or which bulk-copy
-// configuration, reaches copy bandwidth.)
+// (Which tile size per warp, or which bulk-copy configuration, reaches copy bandwidth:
+// docs/PERFORMANCE.md, "What bounds each kernel today".)
 //
 //   bulk_copy_bench [--gib 2] [--reps 20] [--quick] [--ilp-only]   (scripts/device.sh bench-bulk)
 //

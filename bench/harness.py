@@ -1,8 +1,9 @@
 """Shared benchmark harness: copy bandwidth, cold-L2 CUDA-graph timing, model shapes, inputs.
 
-Protocol (perf-anchors.md §9): every timed launch touches states that are not in L2 (launches
-rotate over disjoint slot sets and input buffers whose total exceeds 4x the 60 MB L2), launches
-are replayed from a CUDA graph (so host launch cost is excluded at every batch size), and the
+Protocol (docs/PERFORMANCE.md, "How we measure"): every timed launch touches states that are not
+in L2 (launches rotate over disjoint slot sets and input buffers whose total exceeds 4x the 60 MB
+L2; at small B a warm working set would fit in L2 and time faster than DRAM allows), launches are
+replayed from a CUDA graph (so host launch cost is excluded at every batch size), and the
 reported time is the median over many graph replays divided by the launches per replay.
 """
 
@@ -66,9 +67,9 @@ def copy_buffer(nbytes: int, dtype=torch.float32) -> torch.Tensor:
 def copy_pass(buf: torch.Tensor) -> None:
     """The copy yardstick at a case's own size: one in-place pass over `buf` (torch's vectorized
     elementwise mul_ by 1: every byte read and written back where it lies, as decode updates the
-    pool). A memcpy node instead measured ~2.7 TB/s from 512 MB up under graph replay (the copy
-    engines, eleventh session), and a same-dtype copy_ is a memcpy that Nsight Compute cannot
-    profile as a kernel."""
+    pool). Not a memcpy node: under graph replay it runs on the copy engines, slower than the SMs
+    at large sizes (docs/PERFORMANCE.md); and a same-dtype copy_ is a memcpy that Nsight Compute
+    cannot profile as a kernel."""
     buf.mul_(1.0)
 
 

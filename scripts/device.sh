@@ -161,7 +161,7 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 sanitized racecheck '*partial_tile*'
       ;;
     check)
-      run check python3 bench/check_cuda_vs_cpu.py
+      run check python3 -m pytest -q python/tests/test_gpu_bench_shapes.py
       ;;
     bench-decode)
       run bench-decode python3 bench/bench_decode.py --json "$OUT/decode-h200.json" ${BENCH_ARGS:-}
@@ -263,7 +263,7 @@ for phase in "${phases[@]}"; do
       decode_sass
       ;;
     overhead)
-      run overhead python3 python/tests/measure_overhead.py
+      run overhead python3 bench/measure_overhead.py
       ;;
     *)
       echo "unknown phase $phase" >&2; exit 2 ;;

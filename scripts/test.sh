@@ -50,8 +50,17 @@ if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ] && ! "$PY" -c "import torch" 2>/dev/nu
   say "installing torch (torch-CPU tests)"
   "$PY" -m pip install -q torch || echo "WARNING: torch could not be installed; the torch tests will be SKIPPED" >&2
 fi
-say "pip install . (scikit-build-core over this CMake project)"
+say "pip install . (scikit-build-core over this CMake project; CUDA: ${DELTASTATE_CUDA:-AUTO})"
+# pip is verbose only so that the compiler's progress lines ([n/N]) can be shown as they come.
+set +o pipefail
 SKBUILD_CMAKE_DEFINE="DELTASTATE_CUDA=${DELTASTATE_CUDA:-AUTO};DELTASTATE_CUDA_ALL_KERNELS=${DELTASTATE_CUDA_ALL_KERNELS:-OFF}" \
-  "$PY" -m pip install -q --no-build-isolation .
+  "$PY" -m pip install -v --no-build-isolation . 2>&1 | tee "$BUILD/pip-install.log" |
+  grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|^Successfully installed' | cut -c1-120
+rc=${PIPESTATUS[0]}
+set -o pipefail
+if [ "$rc" != 0 ]; then
+  tail -n 60 "$BUILD/pip-install.log" >&2; echo "error: pip install . failed ($BUILD/pip-install.log)" >&2
+  exit "$rc"
+fi
 say "Python tests (pytest)"
 cd "$ROOT/python/tests" && "$PY" -m pytest -q -ra "$ROOT/python/tests"

@@ -1,7 +1,7 @@
 // Every error of the three validators (src/contracts/packed_decode.cpp, recurrent.cpp,
-// replayssm_decode.cpp), each from a minimal bad input: the exact message (spec §9 where the spec
-// defines it), ErrorKind::value, and no change to any caller memory (every buffer is snapshotted
-// before the call and compared byte for byte after it).
+// replayssm_decode.cpp), each from a minimal bad input: the exact message (the reference
+// implementation's text where it defines one), ErrorKind::value, and no change to any caller
+// memory (every buffer is snapshotted before the call and compared byte for byte after it).
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -423,7 +423,7 @@ std::vector<RCase> recurrent_cases(bool kda) {
          "`g` must have shape [B, T, HV, K]=(2, 3, 4, 16); got (2, 3, 4, 8) (K=16 from `q`)"},
         {"g last-dim stride", [](auto&, auto& a) { a.g = with_stride(a.g, 3, 2); },
          "`g` must be contiguous in its last dim; got strides (192, 64, 16, 2)"},
-        // spec §7 (FlashInfer recurrent_kda) layout contract
+        // FlashInfer recurrent_kda's layout contract (_check_state_stride_contract)
         {"state 3D", [](auto&, auto& a) { a.state = with_ndim(*a.state, 3); },
          "recurrent_kda needs a [N, HV, V, K] state pool; got shape (4, 4, 8)"},
         {"state 5D", [](auto&, auto& a) { a.state = with_ndim(*a.state, 5); },

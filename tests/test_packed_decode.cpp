@@ -1,4 +1,5 @@
-// GDN and KDA packed decode (spec §2, §3) against the fp64 reference: model shapes and odd ones,
+// GDN and KDA packed decode (SGLang's fused_recurrent_{gated_delta_rule,kda}_packed_decode)
+// against the fp64 reference: model shapes and odd ones,
 // every state and activation dtype, padded rows, sentinel-filled unused slots and envelope gaps
 // (bit-untouched), NaN-poisoned outputs, strided pools and inputs, StatePool envelope layers.
 #include <cmath>
@@ -166,8 +167,9 @@ TEST(PackedDecode, SoftplusThresholdAndLargeGateInputs) {
   }
 }
 
-// round_beta_to_input rounds sigmoid(b) to b's dtype (ReplaySSM parity, spec §2 "version
-// difference"); the reference rounds likewise. Also an explicit scale.
+// round_beta_to_input rounds sigmoid(b) to b's dtype (parity with ReplaySSM, which rounds beta,
+// and with the SGLang packed-decode versions that did); the reference rounds likewise. Also an
+// explicit scale.
 TEST(PackedDecode, RoundBetaToInputDtype) {
   for (DType act : {DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_short_name(act));

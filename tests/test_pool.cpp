@@ -1,8 +1,12 @@
-// StatePool (spec §8): allocation, exhaustion and double free, zeroing on allocate, fork (prefix
-// caching: flushed source only, destination cursor reset, every layer copied, rings not), the
-// per-layer and envelope views (strides, addresses, the recurrent_kda stride contract), ring and
-// cursor views, and the byte accounting (bytes_per_slot, required_bytes, slots_for_budget).
+// StatePool (the slot pool of SGLang's MambaPool, envelope pools included): allocation, exhaustion
+// and double free, zeroing on allocate, fork (prefix caching: flushed source only, destination
+// cursor reset, every layer copied, rings not), the per-layer and envelope views (strides,
+// addresses, the recurrent_kda stride contract), ring and cursor views, and the byte accounting
+// (bytes_per_slot, required_bytes, slots_for_budget); the null-slot layout (SGLang's: slot 0 never
+// allocated, padded rows aimed at it touch no request).
+#include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "test_util.h"
 
@@ -385,6 +389,282 @@ TEST(StatePool, ExternalMemory) {
   EXPECT_EQ(p.data(), mem.alloc_base());
   EXPECT_EQ(p.layer_state(1).data, static_cast<char*>(mem.alloc_base()) + 256 + 2048);
   EXPECT_EQ(p.allocate(), 0);
+}
+
+// ---- the null slot (SGLang's layout) ------------------------------------------------------------
+// small_config with slot 0 reserved: `slots` allocatable slots over slots + 1 rows.
+StatePoolConfig null_config(PoolLayout layout, int64_t slots = 3) {
+  StatePoolConfig c = small_config(layout, slots);
+  c.null_slot = true;
+  return c;
+}
+
+// Byte ranges of slot `slot` in a pool: its state in every layer (the whole entry of an envelope),
+// and with `all` also its rings and its cursor.
+std::vector<MemRange> slot_ranges(const StatePool& p, int64_t slot, bool all = true) {
+  const StatePoolConfig& c = p.config();
+  std::vector<MemRange> r;
+  if (all) r.push_back(range_of(p.write_pos(), slot, 1));
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const TensorView v = p.layer_state(l);
+    if (c.layout == PoolLayout::per_layer) r.push_back(slot_range(v, slot));
+    else if (l == 0) {
+      const auto* e = static_cast<const char*>(p.envelope_extra(slot));
+      r.push_back({e, e + v.stride[0] * v.element_size()});
+    }
+    if (all && c.replay_len > 0)
+      for (const TensorView& ring : {p.d_cache(l), p.k_cache(l), p.g_cache(l)})
+        r.push_back(range_of(ring, slot * ring.stride[0], ring.stride[0]));
+  }
+  return r;
+}
+
+// StatePoolConfig::sglang is SGLang's MambaPool: `size` allocatable slots, slot 0 a null slot in
+// memory that allocate() never returns (whatever the order of frees), free() refuses.
+TEST(StatePool, NullSlotIsNeverAllocated) {
+  const StatePoolConfig cfg = StatePoolConfig::sglang(2, 4, 4, 16, 8);
+  EXPECT_TRUE(cfg.null_slot);
+  EXPECT_EQ(cfg.slots, 4);
+  EXPECT_EQ(cfg.physical_slots(), 5);
+  EXPECT_EQ(cfg.layout, PoolLayout::per_layer);
+  EXPECT_EQ(cfg.state_dtype, DType::f32);
+  EXPECT_EQ(small_config(PoolLayout::per_layer, 4).physical_slots(), 4);
+  StatePool pool(cfg);
+  EXPECT_EQ(pool.num_free(), 4);
+  EXPECT_FALSE(pool.is_allocated(0));
+  for (int64_t i = 1; i <= 4; ++i) EXPECT_EQ(pool.allocate(), i) << "1..size, lowest first";
+  EXPECT_EQ(pool.num_free(), 0);
+  EXPECT_FALSE(pool.is_allocated(0));
+  expect_error([&] { pool.allocate(); },
+               "StatePool exhausted: all 4 slots are in use (free a slot, or size the pool with "
+               "StatePool::slots_for_budget)");
+  expect_error([&] { pool.free(0); },
+               "StatePool.free: slot 0 is the null slot of this pool (never allocated)");
+  expect_error([&] { pool.free(5); },
+               "StatePool.free: slot 5 is out of range for a pool of 4 slots (1..4; slot 0 is the "
+               "null slot)");
+  expect_error([&] { pool.free(-1); },
+               "StatePool.free: slot -1 is out of range for a pool of 4 slots (1..4; slot 0 is the "
+               "null slot)");
+  EXPECT_FALSE(pool.is_allocated(5));
+  // Random churn: allocate never hands out slot 0.
+  Rng rng = test_rng();
+  std::vector<int64_t> live{1, 2, 3, 4};
+  for (int round = 0; round < 200; ++round) {
+    if (!live.empty() && (pool.num_free() == 0 || rng.chance(0.5))) {
+      const size_t i = static_cast<size_t>(rng.integer(0, static_cast<int64_t>(live.size()) - 1));
+      pool.free(live[i]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      const int64_t s = pool.allocate();
+      EXPECT_GE(s, 1);
+      EXPECT_LE(s, 4);
+      live.push_back(s);
+    }
+    EXPECT_EQ(pool.num_free(), 4 - static_cast<int64_t>(live.size()));
+    EXPECT_FALSE(pool.is_allocated(0));
+  }
+  EXPECT_EQ(pool.cursor(0), 0) << "the null slot's cursor exists and stays readable";
+}
+
+// The null slot's row is real memory: views have slots + 1 rows, laid out exactly as a pool of
+// slots + 1 slots; the memory starts zeroed; the accounting counts the extra row.
+TEST(StatePool, NullSlotLayoutAndAccounting) {
+  for (PoolLayout layout : {PoolLayout::per_layer, PoolLayout::envelope}) {
+    SCOPED_TRACE(layout == PoolLayout::envelope ? "envelope" : "per_layer");
+    for (bool kda : {false, true}) {
+      StatePoolConfig cfg = null_config(layout, 3), rows = small_config(layout, 4);
+      cfg.kda = rows.kda = kda;
+      StatePool pool(cfg), same(rows);
+      EXPECT_EQ(pool.total_bytes(), same.total_bytes());
+      EXPECT_EQ(StatePool::required_bytes(cfg), StatePool::required_bytes(rows));
+      EXPECT_GT(StatePool::required_bytes(cfg), StatePool::required_bytes(small_config(layout, 3)));
+      EXPECT_EQ(StatePool::bytes_per_slot(cfg), StatePool::bytes_per_slot(rows));
+      EXPECT_TRUE(all_bytes_zero(pool.data(), pool.total_bytes()));
+      auto same_view = [&](const TensorView& a, const TensorView& b) {
+        EXPECT_EQ(static_cast<const char*>(a.data) - static_cast<const char*>(pool.data()),
+                  static_cast<const char*>(b.data) - static_cast<const char*>(same.data()));
+        EXPECT_EQ(shape_str(a), shape_str(b));
+        EXPECT_EQ(stride_str(a), stride_str(b));
+        EXPECT_EQ(a.shape[0], 4) << "slots + 1 rows";
+      };
+      for (int64_t l = 0; l < cfg.layers; ++l) {
+        same_view(pool.layer_state(l), same.layer_state(l));
+        same_view(pool.d_cache(l), same.d_cache(l));
+        same_view(pool.k_cache(l), same.k_cache(l));
+        same_view(pool.g_cache(l), same.g_cache(l));
+      }
+      same_view(pool.write_pos(), same.write_pos());
+      if (layout == PoolLayout::envelope) {
+        EXPECT_EQ(static_cast<const char*>(pool.envelope_extra(0)), pool.data());
+      }
+    }
+    // slots_for_budget gives the allocatable slots, the null row paid for out of the budget.
+    const StatePoolConfig cfg = null_config(layout);
+    auto required = [&](int64_t slots, bool null_slot) {
+      StatePoolConfig x = cfg;
+      x.slots = slots;
+      x.null_slot = null_slot;
+      return StatePool::required_bytes(x);
+    };
+    EXPECT_EQ(StatePool::slots_for_budget(cfg, required(1, false)), 0);
+    EXPECT_EQ(StatePool::slots_for_budget(cfg, required(1, true) - 1), 0);
+    for (int64_t n : {1, 2, 3, 7, 100}) {
+      EXPECT_EQ(required(n, true), required(n + 1, false));
+      EXPECT_EQ(StatePool::slots_for_budget(cfg, required(n, true)), n);
+      EXPECT_EQ(StatePool::slots_for_budget(cfg, required(n + 1, true) - 1), n);
+    }
+  }
+}
+
+// fork and allocate's clear with a null slot: the null slot is neither a source nor a destination,
+// and clearing or forking a live slot leaves slot 0's memory alone.
+TEST(StatePool, NullSlotForkAndClear) {
+  for (PoolLayout layout : {PoolLayout::per_layer, PoolLayout::envelope}) {
+    SCOPED_TRACE(layout == PoolLayout::envelope ? "envelope" : "per_layer");
+    Rng rng = test_rng(layout == PoolLayout::envelope);
+    StatePool pool(null_config(layout, 3));
+    for (int64_t i = 1; i <= 3; ++i) EXPECT_EQ(pool.allocate(), i);
+    fill_sentinel(pool.data(), pool.total_bytes(), DType::f32);
+    for (int64_t l = 0; l < 2; ++l)
+      for (int64_t s = 0; s <= 3; ++s) fill_slot(pool.layer_state(l), s, rng);
+    for (int64_t s = 0; s <= 3; ++s) pool.set_cursor(s, 0);
+    expect_error([&] { pool.fork(0, 1); },
+                 "StatePool.fork: both slots must be allocated (src 0 is the null slot, dst 1 is "
+                 "allocated)");
+    expect_error([&] { pool.fork(1, 0); },
+                 "StatePool.fork: both slots must be allocated (src 1 is allocated, dst 0 is the "
+                 "null slot)");
+    expect_error(
+        [&] { pool.fork(1, 4); },
+        "StatePool.fork: slot 4 is out of range for a pool of 3 slots (1..3; slot 0 is the "
+        "null slot)");
+    Snapshot before;
+    before.add(pool.data(), pool.total_bytes());
+    pool.fork(1, 3);
+    for (int64_t l = 0; l < 2; ++l)
+      EXPECT_EQ(slot_values(pool.layer_state(l), 3), slot_values(pool.layer_state(l), 1));
+    std::vector<MemRange> written = slot_ranges(pool, 3, /*all=*/false);
+    written.push_back(range_of(pool.write_pos(), 3, 1));
+    EXPECT_TRUE(before.unchanged_except(written)) << "fork wrote only dst's state and cursor";
+
+    pool.free(2);
+    Snapshot before_clear;
+    before_clear.add(pool.data(), pool.total_bytes());
+    EXPECT_EQ(pool.allocate(), 2);
+    EXPECT_TRUE(before_clear.unchanged_except(slot_ranges(pool, 2)));
+    EXPECT_FALSE(all_zero(slot_values(pool.layer_state(0), 0))) << "slot 0 is not cleared";
+  }
+}
+
+// The point of the null slot: a caller that aims a padded batch row at index 0 (SGLang's
+// clamp(min=0), FlashInfer's "0 is null") writes only slot 0. Two identical SGLang pools run the
+// same packed decode, recurrent and ReplaySSM calls, one with a row aimed at slot 0, the other
+// with that row padded (-1); every live slot (state, rings, cursor) and every live row's output is
+// bit-identical, and only slot 0 differs. In a pool whose slot 0 is a live request, the same row
+// overwrites that request.
+TEST(StatePool, NullSlotPaddedRowNeverTouchesLiveSlots) {
+  for (bool kda : {false, true}) {
+    SCOPED_TRACE(kda ? "kda" : "gdn");
+    Rng rng = test_rng(kda);
+    const Shape& s = kOdd;
+    StatePoolConfig cfg = StatePoolConfig::sglang(2, 4, s.HV, s.V, s.K);
+    cfg.replay_len = 4;
+    cfg.H = s.H;
+    cfg.ring_k_dtype = DType::f32;
+    cfg.kda = kda;
+    StatePool a(cfg), b(cfg);
+    std::vector<int64_t> live;
+    for (int i = 0; i < 4; ++i) {
+      live.push_back(a.allocate());
+      EXPECT_EQ(b.allocate(), live.back());
+    }
+    EXPECT_EQ(live, (std::vector<int64_t>{1, 2, 3, 4}));
+    for (int64_t l = 0; l < 2; ++l)
+      for (int64_t sl : live) fill_slot(a.layer_state(l), sl, rng);
+    for (int64_t sl : live) a.set_cursor(sl, static_cast<int32_t>(sl % 4));
+    std::memcpy(b.data(), a.data(), static_cast<size_t>(a.total_bytes()));
+
+    const std::vector<int64_t> aimed{live[2], 0, live[1], -1, live[3]};
+    const std::vector<int64_t> padded{live[2], -1, live[1], -1, live[3]};
+    const std::vector<int64_t> live_rows{0, 2, 4};
+    const double scale = 1.0 / std::sqrt(static_cast<double>(s.K));
+    const std::optional<double> lb = kda ? kLb : kNoLb;
+
+    // Packed decode on layer 0.
+    DecodeBatch pa = make_decode_batch(rng, s, kda, aimed, DType::f32);
+    DecodeBatch pb = pa;
+    pb.idx = index_tensor(padded);
+    pb.out = pa.out.empty_like();
+    for (auto [pool, batch] : {std::pair{&a, &pa}, std::pair{&b, &pb}}) {
+      const auto args = batch->packed_args(host_view, pool->layer_state(0), scale, lb);
+      if (kda) deltastate::kda_packed_decode(args);
+      else deltastate::gdn_packed_decode(args);
+    }
+    for (int64_t r : live_rows) EXPECT_EQ(pa.out_row(r), pb.out_row(r)) << "packed row " << r;
+
+    // Recurrent (pooled, two tokens per sequence) on layer 0 again.
+    RecurrentBatch ra = make_recurrent_batch(rng, recurrent_spec(s, kda, DType::f32, 5, 2));
+    RecurrentBatch rb = ra;
+    rb.out = ra.out.empty_like();
+    const Tensor ia = index_tensor(aimed), ib = index_tensor(padded);
+    for (auto [pool, batch, idx] : {std::tuple{&a, &ra, &ia}, std::tuple{&b, &rb, &ib}}) {
+      deltastate::RecurrentArgs args = batch->args(host_view);
+      args.state = pool->layer_state(0);
+      args.state_indices = idx->view();
+      if (kda) deltastate::recurrent_kda(args);
+      else deltastate::recurrent_gdn(args);
+    }
+    for (int64_t n : live_rows)
+      for (int64_t t = 0; t < 2; ++t)
+        EXPECT_EQ(ra.out_token(n, t), rb.out_token(n, t)) << "recurrent row " << n;
+
+    // ReplaySSM on layer 1, the rows' cursors gathered from the pool and advanced by the op.
+    DecodeBatch xa = make_decode_batch(rng, s, kda, aimed, DType::f32);
+    DecodeBatch xb = xa;
+    xb.idx = index_tensor(padded);
+    xb.out = xa.out.empty_like();
+    std::vector<int64_t> cursors;
+    for (int64_t sl : aimed) cursors.push_back(sl >= 0 ? a.cursor(sl) : 0);
+    const Tensor wa = index_tensor(cursors), wb = index_tensor(cursors);
+    for (auto [pool, batch, wp] : {std::tuple{&a, &xa, &wa}, std::tuple{&b, &xb, &wb}}) {
+      deltastate::ReplayDecodeArgs args =
+          replay_args(host_view, *batch, pool->layer_state(1), pool->d_cache(1), pool->k_cache(1),
+                      pool->g_cache(1), *wp, nullptr, scale, lb);
+      args.advance_write_pos = true;
+      deltastate::replayssm_decode(args);
+    }
+    for (int64_t r : live_rows) {
+      EXPECT_EQ(xa.out_row(r), xb.out_row(r)) << "ReplaySSM row " << r;
+      EXPECT_EQ(index_values(wa)[r], index_values(wb)[r]) << "cursor of row " << r;
+    }
+
+    // Only slot 0 differs between the pools; every live slot is bit-identical.
+    EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), a.total_bytes(), slot_ranges(a, 0)));
+    const auto* base_a = static_cast<const char*>(a.data());
+    const auto* base_b = static_cast<const char*>(b.data());
+    for (int64_t sl : live)
+      for (const MemRange& r : slot_ranges(a, sl))
+        EXPECT_EQ(
+            std::memcmp(r.begin, base_b + (r.begin - base_a), static_cast<size_t>(r.end - r.begin)),
+            0)
+            << "live slot " << sl;
+    EXPECT_FALSE(all_zero(slot_values(a.layer_state(0), 0))) << "the aimed row wrote slot 0";
+    EXPECT_TRUE(all_zero(slot_values(b.layer_state(0), 0)));
+
+    // Without the null slot, slot 0 is a live request and the same row overwrites it.
+    StatePoolConfig plain = cfg;
+    plain.null_slot = false;
+    StatePool c(plain);
+    EXPECT_EQ(c.allocate(), 0);
+    fill_slot(c.layer_state(0), 0, rng);
+    const std::vector<double> request = slot_values(c.layer_state(0), 0);
+    DecodeBatch pc = make_decode_batch(rng, s, kda, {0}, DType::f32);
+    const auto args = pc.packed_args(host_view, c.layer_state(0), scale, lb);
+    if (kda) deltastate::kda_packed_decode(args);
+    else deltastate::gdn_packed_decode(args);
+    EXPECT_NE(slot_values(c.layer_state(0), 0), request);
+  }
 }
 
 }  // namespace

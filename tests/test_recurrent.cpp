@@ -1,4 +1,5 @@
-// The pooled varlen recurrent op (spec §4; recurrent_kda §7) against the fp64 reference:
+// The pooled varlen recurrent op (SGLang's fused_sigmoid_gating_delta_rule_update; FlashInfer's
+// recurrent_kda) against the fp64 reference:
 // multi-token sequences, varlen cu_seqlens (empty sequences included), gate in the kernel or a
 // precomputed log-space g, beta as logit or probability, pooled state with indices (padded
 // sequences), initial_state without indices, no state, final_state, update_state off, strided q/k/v

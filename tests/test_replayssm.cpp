@@ -1,8 +1,9 @@
-// ReplaySSM buffered decode (spec §5, basic mode), GDN and KDA:
+// ReplaySSM buffered decode (SGLang's fused_recurrent_linear_replayssm_decode, basic mode), GDN
+// and KDA:
 //  * every step against the fp64 reference (rebuild from checkpoint + ring, flush / record rules),
 //    with the checkpoint bit-unchanged on non-flush steps and only the record at the cursor
 //    written on the rings;
-//  * 40 steps against plain packed decode for L in {1, 4, 8, 16} (spec §10 tolerances), with
+//  * 40 steps against plain packed decode for L in {1, 4, 8, 16} (SGLang's test tolerances), with
 //    forced flushes, rows at different cursors, padded rows and advance_write_pos;
 //  * a StatePool envelope pool with its rings and per-slot cursors (the caller protocol).
 #include <cmath>
@@ -31,7 +32,7 @@ MemRange whole(const Tensor& t) {
   return {b, b + t.alloc_bytes()};
 }
 
-// The caller's cursor rule (spec §5): wp = flushed ? 0 : wp + 1.
+// The caller's cursor rule (the kernel never moves cursors itself): wp = flushed ? 0 : wp + 1.
 int32_t next_cursor(int32_t m, int L, bool forced) { return (m == L - 1 || forced) ? 0 : m + 1; }
 
 // Runs one ReplaySSM step and checks it against the reference. `cursors` are the rows' cursors
@@ -181,7 +182,7 @@ struct EquivCase {
 
 class ReplayMatchesPackedDecode : public ::testing::TestWithParam<EquivCase> {};
 
-// spec §10: ReplaySSM vs packed decode.
+// SGLang's test tolerances for ReplaySSM vs packed decode.
 Tol equiv_out_tol(int L, DType t) {
   if (t != DType::f32) return {1e-3, 1e-2};
   return L == 1 ? Tol{2e-6, 1e-5} : Tol{1e-4, 1e-3};
@@ -296,8 +297,8 @@ INSTANTIATE_TEST_SUITE_P(
     case_name<EquivCase>);
 
 // ---- StatePool: envelope checkpoint pool, its rings and per-slot cursors ------------------------
-// The caller protocol of spec §5: gather the slots' cursors into the rows' write_pos, run the step,
-// scatter the advanced cursors back (StatePool::set_cursor).
+// The caller protocol (as SGLang's MambaPool): gather the slots' cursors into the rows'
+// write_pos, run the step, scatter the advanced cursors back (StatePool::set_cursor).
 TEST(ReplaySSM, StatePoolEnvelopeWithRings) {
   for (bool kda : {false, true}) {
     SCOPED_TRACE(kda ? "kda" : "gdn");

@@ -154,12 +154,13 @@ class Snapshot {
 struct Tol {
   double atol, rtol;
 };
-// spec §10: outputs 1e-4/1e-4; states 1e-5 (fp32), 2e-3 (bf16), 5e-4 (fp16), rtol 1e-4.
+// SGLang's packed-decode test tolerances: outputs 1e-4/1e-4; states 1e-5 (fp32), 2e-3 (bf16),
+// 5e-4 (fp16), rtol 1e-4.
 inline constexpr Tol kOutTol{1e-4, 1e-4};
 Tol state_tol(DType state_dtype);
 
 // |got - want| <= atol + rtol*|want| + rounded * half_ulp(stored_as, |want| + atol + rtol*|want|)
-// for every element (NaN fails). The tolerances of spec §10 bound the fp32 computation; a value
+// for every element (NaN fails). These tolerances bound the fp32 computation; a value
 // then stored in a narrower dtype (`stored_as`) is also rounded to it (round to nearest even),
 // which moves it by at most half an ulp. `rounded` counts the operands so rounded: 1 against the
 // fp64 reference, 2 when two implementations each rounded their own fp32 result (GPU vs CPU).

@@ -258,7 +258,7 @@ void synchronize(Device device) {
 
 bool cuda_supported() {
 #ifdef DELTASTATE_CLI_CUDA
-  return deltastate::cuda_available();
+  return deltastate::cuda_built();  // a device is checked by parse_device, with its own message
 #else
   return false;
 #endif

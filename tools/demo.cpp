@@ -25,7 +25,8 @@ struct DemoOptions {
   std::string device = "cpu", state_dtype = "f32", act_dtype = "bf16";
 };
 
-// Spec §10, ReplaySSM vs packed decode with L > 1: |replay - plain| <= atol + rtol * |plain|.
+// SGLang's test tolerance for ReplaySSM vs packed decode with L > 1:
+// |replay - plain| <= atol + rtol * |plain|.
 struct Tolerance {
   double atol, rtol;
 };
@@ -170,7 +171,7 @@ Demo::Demo(const DemoOptions& options)
 }
 
 // Envelope layout: one entry per slot holds the slot's conv windows (bf16, every layer) and
-// then every layer's recurrent state, as page-major engine pools do (spec §8).
+// then every layer's recurrent state, as page-major engine pools do (SGLang's unified pools).
 StatePoolConfig Demo::pool_config(int64_t replay_len) const {
   StatePoolConfig c;
   c.layers = opt_.layers;
@@ -434,7 +435,7 @@ bool Demo::print_summary() const {
               static_cast<long long>(steps_run_), static_cast<long long>(rows_ - tokens_),
               static_cast<long long>(rows_));
   std::printf("  agreement  max |replay - plain| = %.3g; worst |diff| / (atol + rtol*|plain|) = "
-              "%.3g with atol %g, rtol %g (spec §10)\n",
+              "%.3g with atol %g, rtol %g (SGLang's ReplaySSM test tolerance)\n",
               max_abs_diff_, worst_ratio_, tol_.atol, tol_.rtol);
   std::printf("             padded rows nonzero: %lld, non-finite outputs: %lld, cursor "
               "errors: %lld -> %s\n",

@@ -128,7 +128,76 @@ struct ReplayDecodeArgs {
 };
 void replayssm_decode(const ReplayDecodeArgs& args);
 
-// Whether this build contains the CUDA backend.
+// Whether a CUDA device can run this build's CUDA backend: built with CUDA and
+// cudaGetDeviceCount reports at least one device (never throws; false on a machine without a
+// GPU or driver, and in a CPU-only build).
 bool cuda_available();
+// Whether this build contains the CUDA backend (compiled with nvcc), whether or not a device is
+// present.
+bool cuda_built();
+
+// ---------------------------------------------------------------------------------------------
+// Chunked prefill, GDN and KDA: the recurrence above over whole prompts, 64 tokens at a time
+// (FLA's chunk_gated_delta_rule / chunk_kda, FlashInfer's chunk_gated_delta_rule with its state
+// checkpoints), straight from and into the slot pool. Same math, argument names and defaults as
+// RecurrentArgs where the two ops share an argument.
+//   q, k [B, T, H, K];  v [B, T, HV, V];  out [B, T, HV, V] (GVA: HV a multiple of H)
+//     or, with cu_seqlens [N+1] (int32/int64): B = 1 and sequence n is tokens [cu[n], cu[n+1]).
+//   g     GDN [B, T, HV]; KDA [B, T, HV, K]: log-space decay, or the raw gate input `a` when
+//         gate_in_kernel (then A_log [HV] and dt_bias GDN [HV] / KDA [HV*K] or [HV, K] are used;
+//         lower_bound selects the safe gate)
+//   beta  [B, T, HV]: a probability, or a logit when beta_is_logit
+// State (absent: every sequence starts from S = 0):
+//   initial_state [slots, HV, V, K] with initial_state_indices [N]: a pool (any slot stride,
+//         compact inner dims). Index < 0 marks a padded sequence: output rows zero, nothing read
+//         or written, checkpoints skipped. A live sequence's final state goes to
+//         output_state_indices[n] when given (< 0: not stored), else back in place.
+//   initial_state [N, HV, V, K] without indices: dense and read only (FLA's initial_state in its
+//         state_v_first layout, FlashInfer's layout).
+//   has_initial_state [N] int32/int64 (optional): 0 starts that sequence from S = 0 without
+//         reading its state; its final state is still stored (SGLang's extend contract).
+//   final_state [N, HV, V, K] (optional): every sequence's final state (FLA's output_final_state;
+//         zeros for padded sequences).
+// Slots a call writes (final states and checkpoint slots of live sequences) must be distinct,
+// and none may be a live sequence's initial slot except that sequence's own final state.
+// Checkpoints (prefix caching), when checkpoint_every_n_tokens > 0 (a multiple of 64): a
+// sequence of L tokens has L / every of them; its checkpoint j is the state after (j+1)*every
+// tokens, at position checkpoint_cu_starts[n] + j, where checkpoint_cu_starts [N+1] (int32/int64)
+// starts at 0 and counts them per sequence (FlashInfer's convention). They go either into
+//   state_checkpoints [>= total, HV, V, K] (dense, contiguous), or
+//   checkpoint_slot_indices [>= total]: one slot of the initial_state pool per checkpoint
+//         (< 0: that checkpoint is not stored; SGLang's track slots).
+// Every state is carried in fp32 and rounded on store to its destination's dtype, as decode
+// stores a state; a padded sequence's dense checkpoint rows are zeroed.
+// workspace: scratch of at least chunk_prefill_workspace_bytes(args) bytes (numel * element
+// size, any dtype), contiguous and 16-byte aligned, on the tensors' device; the op allocates
+// nothing. Vector dims (K of q/k/g, V of v/out) must have stride 1; other strides are free.
+struct ChunkPrefillArgs {
+  TensorView q, k, v, g, beta, out;
+  bool is_kda = false;  // KDA (g a K-vector per value head) or GDN
+  std::optional<TensorView> A_log, dt_bias;
+  bool gate_in_kernel = false;        // FLA's use_gate_in_kernel
+  std::optional<double> lower_bound;  // safe gate (with gate_in_kernel)
+  bool beta_is_logit = false;         // FLA's use_beta_sigmoid_in_kernel
+  std::optional<double> scale;        // default K^-0.5; must be positive
+  bool use_qk_l2norm = true;          // FLA's use_qk_l2norm_in_kernel
+  std::optional<TensorView> cu_seqlens;
+  std::optional<TensorView> initial_state, initial_state_indices, has_initial_state,
+      output_state_indices, final_state;
+  int64_t checkpoint_every_n_tokens = 0;
+  std::optional<TensorView> checkpoint_cu_starts, state_checkpoints, checkpoint_slot_indices;
+  std::optional<TensorView> workspace;
+  // Slot index checks, as PackedDecodeArgs; cu_seqlens and the checkpoint counts of CPU tensors
+  // are always checked.
+  std::optional<bool> check_indices;
+  Stream stream = nullptr;
+  bool pdl = false;  // as PackedDecodeArgs
+};
+void chunk_prefill(const ChunkPrefillArgs& args);
+// The workspace chunk_prefill needs for these arguments. Reads only the shapes, the device and
+// the gate kind (never tensor data), so it can run before the inputs hold data. CPU: one scratch block per thread of the CPU thread pool (the fp32 state and one
+// chunk's q, k, v, gates, A, T, w, u, v' and outputs), num_threads * per-thread bytes, a function
+// of K, V, the gate kind and DELTASTATE_NUM_THREADS only.
+int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args);
 
 }  // namespace deltastate

@@ -9,6 +9,14 @@
 //               entry, much larger than HV*V*K (spec §8, "page-major" pools).
 // Both layouts give views that every op accepts, with 64-bit offsets. Slots are 0..slots-1; a new
 // request takes a slot with allocate() and returns it with free().
+//
+// Null slot (`null_slot = true`, the layout of SGLang's MambaPool, built by
+// StatePoolConfig::sglang): slot 0 is a dummy row that exists in memory but is never allocated,
+// so a caller may aim padded batch rows at it (SGLang's `clamp(min=0)`, FlashInfer's "index 0 is
+// null") without touching a live request. `slots` stays the capacity (SGLang's `size`): every view
+// then has physical_slots() = slots + 1 rows, allocate() returns 1..slots, and the byte accounting
+// (required_bytes, slots_for_budget) counts the extra row. Slot 0 starts zeroed; whatever a padded
+// row writes there later is garbage by definition (allocate never hands it out).
 #pragma once
 
 #include <cstdint>
@@ -34,6 +42,28 @@ struct StatePoolConfig {
   DType ring_k_dtype = DType::bf16;  // the activation dtype
   bool kda = false;                  // g ring [.., L, K] (KDA) or [.., L] (GDN)
   Device device{};
+  // Reserve slot 0 as a never-allocated null slot (see the top of this file); `slots` is then
+  // the number of allocatable slots and the views have slots + 1 rows.
+  bool null_slot = false;
+
+  // Rows of every view: slots, plus one with null_slot.
+  int64_t physical_slots() const { return slots + (null_slot ? 1 : 0); }
+
+  // SGLang's MambaPool layout: `size` requests, state [layers, size + 1, HV, V, K] (per_layer,
+  // fp32 unless changed), slot 0 reserved as the null slot, allocate() returning 1..size. Set
+  // the other fields (state_dtype, replay_len, H, ring_k_dtype, kda, device) on the result.
+  static StatePoolConfig sglang(int64_t layers, int64_t size, int64_t HV, int64_t V, int64_t K,
+                                DType state_dtype = DType::f32) {
+    StatePoolConfig c;
+    c.layers = layers;
+    c.slots = size;
+    c.HV = HV;
+    c.V = V;
+    c.K = K;
+    c.state_dtype = state_dtype;
+    c.null_slot = true;
+    return c;
+  }
 };
 
 class StatePool {
@@ -50,13 +80,14 @@ class StatePool {
   const StatePoolConfig& config() const { return cfg_; }
 
   // --- slots -------------------------------------------------------------------------------
-  // Takes a free slot (the lowest one), zeroes its state in every layer (when `clear`) and
-  // resets its cursor. Throws when every slot is in use.
+  // Takes a free slot (the lowest one; never the null slot 0 of a null_slot pool), zeroes its
+  // state in every layer (when `clear`) and resets its cursor. Throws when every slot is in use.
   int64_t allocate(bool clear = true, Stream stream = nullptr);
-  // Returns a slot. Throws for a slot out of range or not allocated (double free).
+  // Returns a slot. Throws for a slot out of range, the null slot, or a slot not allocated
+  // (double free).
   void free(int64_t slot);
-  bool is_allocated(int64_t slot) const;
-  int64_t num_free() const;
+  bool is_allocated(int64_t slot) const;  // false for the null slot
+  int64_t num_free() const;               // allocatable slots not in use (null slot excluded)
 
   // Prefix caching: copy every layer's state of `src` into `dst` (both allocated). The source
   // must be fully flushed (its ReplaySSM cursor 0; otherwise its checkpoint lags the tokens it
@@ -64,7 +95,7 @@ class StatePool {
   // cursor check reads one int from the device (a synchronization): not for the decode loop.
   void fork(int64_t src, int64_t dst, Stream stream = nullptr);
 
-  // --- views -------------------------------------------------------------------------------
+  // --- views (`slots` rows here means config().physical_slots(): slots + 1 with null_slot) ---
   TensorView layer_state(int64_t layer) const;  // [slots, HV, V, K]
   TensorView d_cache(int64_t layer) const;      // [slots, HV, L, V]      (state dtype)
   TensorView k_cache(int64_t layer) const;      // [slots, H, L, K]       (ring_k_dtype)
@@ -79,8 +110,10 @@ class StatePool {
 
   // --- accounting --------------------------------------------------------------------------
   static int64_t bytes_per_slot(const StatePoolConfig& config);  // state + rings + cursor
-  static int64_t required_bytes(const StatePoolConfig& config);  // everything, with alignment
-  // How many slots fit in `budget_bytes` (the whole pool, alignment included).
+  // Everything, with alignment (and the null slot's row when config.null_slot).
+  static int64_t required_bytes(const StatePoolConfig& config);
+  // How many slots fit in `budget_bytes` (the whole pool, alignment included; with
+  // config.null_slot the allocatable slots, the null slot's row counted in the budget).
   static int64_t slots_for_budget(StatePoolConfig config, int64_t budget_bytes);
   int64_t total_bytes() const { return required_bytes(cfg_); }
   void* data() const { return base_; }

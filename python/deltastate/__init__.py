@@ -4,25 +4,10 @@ Ops take numpy arrays or torch tensors (CPU or CUDA) zero-copy and update the ca
 in place; see :mod:`deltastate.ops` and :class:`deltastate.StatePool`.
 """
 
-from .ops import (
-    cuda_available,
-    fused_recurrent_gated_delta_rule_packed_decode,
-    fused_recurrent_gdn_replayssm_decode,
-    fused_recurrent_kda_packed_decode,
-    fused_recurrent_linear_replayssm_decode,
-    recurrent_gated_delta_rule,
-    recurrent_kda,
-)
+from . import ops
+from ._lib import cuda_available, cuda_built
+from .ops import *  # noqa: F401,F403 - the public function of each op in the op table
 from .pool import StatePool
 
-__all__ = [
-    "StatePool",
-    "cuda_available",
-    "fused_recurrent_gated_delta_rule_packed_decode",
-    "fused_recurrent_gdn_replayssm_decode",
-    "fused_recurrent_kda_packed_decode",
-    "fused_recurrent_linear_replayssm_decode",
-    "recurrent_gated_delta_rule",
-    "recurrent_kda",
-]
+__all__ = ["StatePool", "cuda_available", "cuda_built", *ops.__all__]
 __version__ = "0.1.0"

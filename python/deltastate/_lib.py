@@ -30,3 +30,16 @@ if not _path.exists():
         "from the repository root (or set DELTASTATE_MODULE to a built _deltastate.so)"
     )
 lib = tvm_ffi.load_module(str(_path))
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device can run deltastate's CUDA backend: the build has it
+    (:func:`cuda_built`) and the CUDA runtime reports at least one device. False on a machine
+    without a GPU or driver; never raises."""
+    return bool(lib.cuda_available())
+
+
+def cuda_built() -> bool:
+    """Whether this build of deltastate contains the CUDA backend (compiled with nvcc), whether
+    or not a device is present."""
+    return bool(lib.cuda_built())

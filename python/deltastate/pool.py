@@ -7,6 +7,15 @@ torch tensors / numpy arrays aliasing that buffer, ready to pass to the ops:
     pool = StatePool(layers=36, slots=256, HV=32, V=128, K=128, layout="envelope", device="cuda")
     s = pool.allocate()
     fused_recurrent_gated_delta_rule_packed_decode(..., pool.layer_state(3), out, indices)
+
+Without torch installed the pool is numpy (``framework="numpy"``, CPU), its buffer 256-byte
+aligned so that its views meet every op's alignment contract (a plain ``np.zeros`` state is only
+16-byte aligned and ``recurrent_kda`` rejects it when its base is not 32-byte aligned).
+
+SGLang's layout, slot 0 a reserved null slot that padded rows may target:
+
+    pool = StatePool.sglang(layers=36, size=256, HV=32, V=128, K=128, device="cuda")
+    pool.layer_state(3).shape  # (257, 32, 128, 128); pool.allocate() returns 1..256
 """
 
 from __future__ import annotations
@@ -47,10 +56,20 @@ def _ints(**values) -> None:
 
 
 def _config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes, replay_len, H,
-            ring_k_dtype, kda, slots=1):
+            ring_k_dtype, kda, slots=1, null_slot=False):
     """The argument tuple the C++ module takes for a pool configuration."""
     return (layers, slots, HV, V, K, _dtype_name(state_dtype), layout == "envelope",
-            envelope_extra_bytes, replay_len, H, _dtype_name(ring_k_dtype), bool(kda))
+            envelope_extra_bytes, replay_len, H, _dtype_name(ring_k_dtype), bool(kda),
+            bool(null_slot))
+
+
+def _default_framework() -> str:
+    """torch when it can be imported, else numpy."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "numpy"
+    return "torch"
 
 
 def _sizes(cfg, budget_bytes: int = 0):
@@ -67,17 +86,29 @@ class StatePool:
     k: ``ring_k_dtype`` with ``H`` key heads, g: float32, [.., L, K] when ``kda``) and per-slot
     cursors. ``ring_k_dtype`` is the activation dtype; by default bfloat16 with torch and float16
     with numpy (which has no bfloat16; the same size, so the sizing helpers agree).
-    ``framework``: "torch" (default; any torch device) or "numpy" (CPU only).
+    ``framework``: "torch" (any torch device) or "numpy" (CPU only); by default torch when it is
+    installed, else numpy. Either way the buffer is 256-byte aligned.
+
+    ``null_slot``: reserve slot 0 as a null slot (SGLang's MambaPool layout; see
+    :meth:`StatePool.sglang`). ``slots`` stays the capacity, the number of requests the pool
+    holds: every view then has ``physical_slots = slots + 1`` rows, slot 0 is zeroed and never
+    allocated (``allocate()`` returns 1..slots), so padded rows aimed at index 0 never touch a live
+    request; ``nbytes`` and the sizing helpers count the extra row.
     """
 
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
                  state_dtype="float32", layout: str = "per_layer", envelope_extra_bytes: int = 0,
                  replay_len: int = 0, H: int = 0, ring_k_dtype=None, kda: bool = False,
-                 device="cpu", framework: str = "torch"):
+                 device="cpu", framework: Optional[str] = None, null_slot: bool = False):
         _ints(layers=layers, slots=slots, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         layers, slots, HV, V, K = int(layers), int(slots), int(HV), int(V), int(K)
         envelope_extra_bytes, replay_len, H = int(envelope_extra_bytes), int(replay_len), int(H)
+        if framework is None:
+            framework = _default_framework()
+            if framework == "numpy" and str(device) != "cpu":
+                raise ValueError(f"StatePool on device {str(device)!r} needs torch, which is not "
+                                 "installed (numpy pools live on the CPU)")
         if ring_k_dtype is None:
             ring_k_dtype = "float16" if framework == "numpy" else "bfloat16"  # same size
         if layout not in ("per_layer", "envelope"):
@@ -85,17 +116,24 @@ class StatePool:
         if framework not in ("torch", "numpy"):
             raise ValueError(f"StatePool framework must be 'torch' or 'numpy'; got {framework!r}")
         self.layers, self.slots, self.HV, self.V, self.K = layers, slots, HV, V, K
+        self.null_slot = bool(null_slot)
+        self.physical_slots = slots + int(self.null_slot)  # rows of every view
         self.state_dtype = _dtype_name(state_dtype)
         self.ring_k_dtype = _dtype_name(ring_k_dtype)
         self.layout = layout
         self.replay_len = replay_len
         self.framework = framework
         self._cfg = _config(layers, HV, V, K, self.state_dtype, layout, envelope_extra_bytes,
-                            replay_len, H, self.ring_k_dtype, kda, slots=slots)
+                            replay_len, H, self.ring_k_dtype, kda, slots=slots,
+                            null_slot=self.null_slot)
         nbytes = _sizes(self._cfg)[0]
         self.nbytes = nbytes
         if framework == "torch":
-            import torch
+            try:
+                import torch
+            except ImportError:
+                raise ImportError("StatePool(framework='torch') needs torch, which is not "
+                                  "installed; use framework='numpy' (CPU)") from None
 
             raw = torch.zeros(nbytes + _ALIGN, dtype=torch.uint8, device=device)
             pad = (-raw.data_ptr()) % _ALIGN
@@ -112,6 +150,17 @@ class StatePool:
         self._cuda = framework == "torch" and raw.device.type == "cuda"
         self._m = lib.pool_new(self.storage, *self._cfg)
         self._views = {}
+
+    @classmethod
+    def sglang(cls, layers: int, size: int, HV: int, V: int, K: int, **kwargs) -> "StatePool":
+        """SGLang's MambaPool layout: ``size`` requests, state [layers, size + 1, HV, V, K]
+        (``layer_state(l)`` is SGLang's ``temporal[l]``), slot 0 the reserved dummy/null slot that
+        padded rows may target (SGLang's ``clamp(min=0)``, FlashInfer's "index 0 is null"), and
+        ``allocate()`` handing out 1..size like SGLang's ``MambaSlotAllocator``. Other keywords
+        as :class:`StatePool` (state_dtype, replay_len, H, ring_k_dtype, kda, device, ...)."""
+        if "null_slot" in kwargs or "slots" in kwargs:
+            raise TypeError("StatePool.sglang: pass `size` (the capacity); the null slot is implied")
+        return cls(layers, size, HV, V, K, null_slot=True, **kwargs)
 
     # Slot operations that touch device memory (allocate's clear, fork's copy, set_cursor) run on
     # the stream tvm-ffi reports for the device. A call without tensor arguments does not set it
@@ -209,6 +258,8 @@ class StatePool:
                        layout: str = "per_layer", envelope_extra_bytes: int = 0,
                        replay_len: int = 0, H: int = 0, ring_k_dtype="bfloat16",
                        kda: bool = False) -> int:
+        """Bytes one slot adds (state in every layer, rings, cursor); a null slot's row costs
+        the same."""
         _ints(layers=layers, HV=HV, V=V, K=K, envelope_extra_bytes=envelope_extra_bytes,
               replay_len=replay_len, H=H)
         return _sizes(_config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes,
@@ -218,8 +269,12 @@ class StatePool:
     def slots_for_budget(budget_bytes: int, layers: int, HV: int, V: int, K: int, *,
                          state_dtype="float32", layout: str = "per_layer",
                          envelope_extra_bytes: int = 0, replay_len: int = 0, H: int = 0,
-                         ring_k_dtype="bfloat16", kda: bool = False) -> int:
+                         ring_k_dtype="bfloat16", kda: bool = False,
+                         null_slot: bool = False) -> int:
+        """How many slots (the ``slots`` argument of a pool) fit in ``budget_bytes``, the whole
+        pool counted: alignment, and with ``null_slot`` the null slot's row."""
         _ints(budget_bytes=budget_bytes, layers=layers, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         return _sizes(_config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes,
-                              replay_len, H, ring_k_dtype, kda), budget_bytes)[2]
+                              replay_len, H, ring_k_dtype, kda, null_slot=null_slot),
+                      budget_bytes)[2]

@@ -6,17 +6,24 @@
 // tvm-ffi reports for the device: torch's current stream when the arguments are torch tensors
 // (docs/BINDINGS.md). deltastate::Error becomes ValueError / TypeError / NotImplementedError /
 // RuntimeError with the core's exact message.
+//
+// Each op is bound field by field (a `Binding` of its args struct, below), under the argument
+// names of the Python op table (deltastate/_surface.py), which derives the Python side.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
-#include <tvm/ffi/optional.h>
 #include <tvm/ffi/string.h>
 
+#include <array>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "deltastate/deltastate.h"
 
@@ -28,10 +35,18 @@ namespace ds = deltastate;
 [[noreturn]] void raise(const ds::Error& e) {
   const char* kind = "RuntimeError";
   switch (e.kind()) {
-    case ds::ErrorKind::value: kind = "ValueError"; break;
-    case ds::ErrorKind::type: kind = "TypeError"; break;
-    case ds::ErrorKind::not_implemented: kind = "NotImplementedError"; break;
-    case ds::ErrorKind::runtime: kind = "RuntimeError"; break;
+    case ds::ErrorKind::value:
+      kind = "ValueError";
+      break;
+    case ds::ErrorKind::type:
+      kind = "TypeError";
+      break;
+    case ds::ErrorKind::not_implemented:
+      kind = "NotImplementedError";
+      break;
+    case ds::ErrorKind::runtime:
+      kind = "RuntimeError";
+      break;
   }
   throw ffi::Error(kind, e.what(), "");
 }
@@ -92,22 +107,6 @@ ds::TensorView to_view(const ffi::TensorView& t, const char* name) {
   return v;
 }
 
-std::optional<ds::TensorView> to_view(const ffi::Optional<ffi::TensorView>& t, const char* name) {
-  if (!t) return std::nullopt;
-  return to_view(t.value(), name);
-}
-
-std::optional<double> to_opt(const ffi::Optional<double>& x) {
-  if (!x) return std::nullopt;
-  return x.value();
-}
-
-// check_indices: -1 = the backend's default, 0 = off, 1 = on.
-std::optional<bool> to_check(int64_t check) {
-  if (check < 0) return std::nullopt;
-  return check != 0;
-}
-
 // The stream to launch on: the environment's current stream for the device (torch's current
 // stream when torch tensors were passed), nullptr for CPU.
 ds::Stream stream_for(const ds::TensorView& any) {
@@ -116,105 +115,287 @@ ds::Stream stream_for(const ds::TensorView& any) {
 }
 
 // ---- ops -------------------------------------------------------------------------------------
+// Each op is one module function over its C++ args struct. Its Binding names the struct's fields
+// with the argument names of the Python op table (deltastate/_surface.py) and takes them
+// positionally in the order listed here. `op_signatures()` reports each op's "name:kind" list;
+// the Python side builds its calls from it by name and checks at import that both sides name the
+// same arguments with the same kinds. A value of the wrong type raises TypeError naming the
+// argument's position (`argument #i`), which the Python wrapper turns into the public name.
 
-void packed_decode(bool is_kda, ffi::TensorView mixed_qkv, ffi::TensorView a, ffi::TensorView b,
-                   ffi::TensorView A_log, ffi::TensorView dt_bias, double scale,
-                   ffi::TensorView state, ffi::TensorView out, ffi::TensorView indices,
-                   bool use_qk_l2norm, ffi::Optional<double> lower_bound, bool round_beta,
-                   int64_t check_indices, bool pdl) {
+// How each field type is read from an argument (`accepts` checks the value's type first), and
+// the name of its kind.
+template <class T>
+struct Kind;
+
+template <>
+struct Kind<ds::TensorView> {
+  static constexpr const char* name = "tensor";
+  static bool accepts(ffi::AnyView v) { return v.try_cast<ffi::TensorView>().has_value(); }
+  static void read(ds::TensorView& dst, ffi::AnyView v, const char* arg) {
+    dst = to_view(*v.try_cast<ffi::TensorView>(), arg);
+  }
+};
+
+template <>
+struct Kind<std::optional<ds::TensorView>> {
+  static constexpr const char* name = "tensor?";
+  static bool accepts(ffi::AnyView v) { return v == nullptr || Kind<ds::TensorView>::accepts(v); }
+  static void read(std::optional<ds::TensorView>& dst, ffi::AnyView v, const char* arg) {
+    if (v == nullptr) dst.reset();
+    else Kind<ds::TensorView>::read(dst.emplace(), v, arg);
+  }
+};
+
+template <>
+struct Kind<double> {
+  static constexpr const char* name = "float";
+  static bool accepts(ffi::AnyView v) { return v.try_cast<double>().has_value(); }
+  static void read(double& dst, ffi::AnyView v, const char*) { dst = *v.try_cast<double>(); }
+};
+
+template <>
+struct Kind<std::optional<double>> {
+  static constexpr const char* name = "float?";
+  static bool accepts(ffi::AnyView v) { return v == nullptr || Kind<double>::accepts(v); }
+  static void read(std::optional<double>& dst, ffi::AnyView v, const char*) {
+    if (v == nullptr) dst.reset();
+    else dst = *v.try_cast<double>();
+  }
+};
+
+template <>
+struct Kind<bool> {
+  static constexpr const char* name = "bool";
+  static bool accepts(ffi::AnyView v) { return v.try_cast<bool>().has_value(); }
+  static void read(bool& dst, ffi::AnyView v, const char*) { dst = *v.try_cast<bool>(); }
+};
+
+// check_indices: an int, -1 = the backend's default, 0 = off, 1 = on.
+template <>
+struct Kind<std::optional<bool>> {
+  static constexpr const char* name = "check";
+  static bool accepts(ffi::AnyView v) { return v.try_cast<int64_t>().has_value(); }
+  static void read(std::optional<bool>& dst, ffi::AnyView v, const char*) {
+    const int64_t x = *v.try_cast<int64_t>();
+    if (x < 0) dst.reset();
+    else dst = x != 0;
+  }
+};
+
+template <auto Member>
+struct MemberOf;
+template <class C, class T, T C::*Member>
+struct MemberOf<Member> {
+  using Class = C;
+  using Type = T;
+};
+
+// The argument `name`, read into the field `Member` by the Kind of its type. A field is a type
+// of its own (not a function pointer), so that reading a call's arguments inlines.
+template <auto Member>
+struct Field {
+  using K = Kind<typename MemberOf<Member>::Type>;
+  static constexpr const char* kind = K::name;
+  const char* name;
+  static bool accepts(ffi::AnyView v) { return K::accepts(v); }
+  void read(typename MemberOf<Member>::Class& args, ffi::AnyView v) const {
+    K::read(args.*Member, v, name);
+  }
+};
+
+template <class Args, class... Fields>
+struct Binding {
+  using ArgsType = Args;
+  const char* name;
+  void (*run)(Args&);  // sets what no argument gives (the stream) and runs the op
+  std::tuple<Fields...> fields;
+};
+
+template <class Args, class... Fields>
+constexpr Binding<Args, Fields...> bind(const char* name, void (*run)(Args&),
+                                        std::tuple<Fields...> fields) {
+  return {name, run, fields};
+}
+
+[[noreturn]] void type_error(const char* op, std::size_t i, const char* name, const char* kind,
+                             ffi::AnyView v) {
+  throw ffi::Error("TypeError",
+                   std::string(op) + ": argument #" + std::to_string(i) + " `" + name +
+                       "` must be of kind " + kind + "; got " + v.GetTypeKey(),
+                   "");
+}
+
+// Every argument's type is checked before any is read, so a wrong type is reported before what
+// reading a tensor can reject (its dtype, its device).
+template <const auto& Op>
+void call(const ffi::AnyView* argv, int32_t argc) {
+  constexpr std::size_t N = std::tuple_size_v<decltype(Op.fields)>;
+  if (argc != static_cast<int32_t>(N))
+    throw ffi::Error("TypeError",
+                     std::string(Op.name) + " takes " + std::to_string(N) + " arguments (got " +
+                         std::to_string(argc) + ")",
+                     "");
+  std::apply(
+      [&](const auto&... f) {
+        std::size_t i = 0;
+        ((f.accepts(argv[i]) ? void(++i) : type_error(Op.name, i, f.name, f.kind, argv[i])), ...);
+      },
+      Op.fields);
   guarded([&] {
-    ds::PackedDecodeArgs args;
-    args.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
-    args.a = to_view(a, "a");
-    args.b = to_view(b, "b");
-    args.A_log = to_view(A_log, "A_log");
-    args.dt_bias = to_view(dt_bias, "dt_bias");
-    args.scale = scale;
-    args.state = to_view(state, "initial_state");
-    args.out = to_view(out, "out");
-    args.state_indices = to_view(indices, "ssm_state_indices");
-    args.use_qk_l2norm = use_qk_l2norm;
-    args.lower_bound = to_opt(lower_bound);
-    args.round_beta_to_input = round_beta;
-    args.check_indices = to_check(check_indices);
-    args.stream = stream_for(args.state);
-    args.pdl = pdl;
-    if (is_kda) ds::kda_packed_decode(args);
-    else ds::gdn_packed_decode(args);
+    typename std::remove_cvref_t<decltype(Op)>::ArgsType args;
+    std::apply(
+        [&](const auto&... f) {
+          std::size_t i = 0;
+          (f.read(args, argv[i++]), ...);
+        },
+        Op.fields);
+    Op.run(args);
   });
 }
 
-void recurrent(bool is_kda, ffi::TensorView q, ffi::TensorView k, ffi::TensorView v,
-               ffi::TensorView g, ffi::TensorView beta, ffi::TensorView out,
-               ffi::Optional<ffi::TensorView> A_log, ffi::Optional<ffi::TensorView> dt_bias,
-               bool gate_in_kernel, ffi::Optional<double> lower_bound, bool beta_is_logit,
-               ffi::Optional<double> scale, ffi::Optional<ffi::TensorView> state,
-               ffi::Optional<ffi::TensorView> indices, ffi::Optional<ffi::TensorView> cu_seqlens,
-               ffi::Optional<ffi::TensorView> final_state, bool update_state, bool use_qk_l2norm,
-               int64_t check_indices, bool pdl) {
-  guarded([&] {
-    ds::RecurrentArgs args;
-    args.q = to_view(q, "q");
-    args.k = to_view(k, "k");
-    args.v = to_view(v, "v");
-    args.g = to_view(g, "g");
-    args.beta = to_view(beta, "beta");
-    args.out = to_view(out, "output");
-    args.A_log = to_view(A_log, "A_log");
-    args.dt_bias = to_view(dt_bias, "dt_bias");
-    args.gate_in_kernel = gate_in_kernel;
-    args.lower_bound = to_opt(lower_bound);
-    args.beta_is_logit = beta_is_logit;
-    args.scale = to_opt(scale);
-    args.state = to_view(state, "initial_state");
-    args.state_indices = to_view(indices, "ssm_state_indices");
-    args.cu_seqlens = to_view(cu_seqlens, "cu_seqlens");
-    args.final_state = to_view(final_state, "final_state");
-    args.update_state = update_state;
-    args.use_qk_l2norm = use_qk_l2norm;
-    args.check_indices = to_check(check_indices);
-    args.stream = stream_for(args.q);
-    args.pdl = pdl;
-    if (is_kda) ds::recurrent_kda(args);
-    else ds::recurrent_gdn(args);
-  });
+template <class Args, class... Fields>
+ffi::Array<ffi::String> signature(const Binding<Args, Fields...>& op) {
+  std::vector<ffi::String> out;
+  std::apply([&](const auto&... f) { (out.emplace_back(std::string(f.name) + ":" + f.kind), ...); },
+             op.fields);
+  return ffi::Array<ffi::String>(out.begin(), out.end());
 }
 
-void replayssm_decode(ffi::TensorView mixed_qkv, ffi::TensorView a, ffi::TensorView b,
-                      ffi::TensorView A_log, ffi::TensorView dt_bias, double scale,
-                      ffi::TensorView state, ffi::TensorView d_cache, ffi::TensorView k_cache,
-                      ffi::TensorView g_cache, ffi::TensorView out, ffi::TensorView indices,
-                      ffi::TensorView write_pos, ffi::Optional<ffi::TensorView> force_flush,
-                      bool is_kda, bool use_qk_l2norm, ffi::Optional<double> lower_bound,
-                      bool advance_write_pos, int64_t check_indices, bool pdl) {
-  guarded([&] {
-    ds::ReplayDecodeArgs args;
-    args.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
-    args.a = to_view(a, "a");
-    args.b = to_view(b, "b");
-    args.A_log = to_view(A_log, "A_log");
-    args.dt_bias = to_view(dt_bias, "dt_bias");
-    args.scale = scale;
-    args.state = to_view(state, "initial_state");
-    args.d_cache = to_view(d_cache, "d_cache");
-    args.k_cache = to_view(k_cache, "k_cache");
-    args.g_cache = to_view(g_cache, "g_cache");
-    args.out = to_view(out, "out");
-    args.state_indices = to_view(indices, "ssm_state_indices");
-    args.write_pos = to_view(write_pos, "write_pos");
-    args.force_flush = to_view(force_flush, "force_flush");
-    args.is_kda = is_kda;
-    args.use_qk_l2norm = use_qk_l2norm;
-    args.lower_bound = to_opt(lower_bound);
-    args.advance_write_pos = advance_write_pos;
-    args.check_indices = to_check(check_indices);
-    args.stream = stream_for(args.state);
-    args.pdl = pdl;
-    ds::replayssm_decode(args);
-  });
+using PD = ds::PackedDecodeArgs;
+constexpr auto packed(const char* name, void (*run)(PD&)) {
+  return bind(name, run,
+              std::tuple{
+                  Field<&PD::mixed_qkv>{"mixed_qkv"},
+                  Field<&PD::a>{"a"},
+                  Field<&PD::b>{"b"},
+                  Field<&PD::A_log>{"A_log"},
+                  Field<&PD::dt_bias>{"dt_bias"},
+                  Field<&PD::scale>{"scale"},
+                  Field<&PD::state>{"initial_state"},
+                  Field<&PD::out>{"out"},
+                  Field<&PD::state_indices>{"ssm_state_indices"},
+                  Field<&PD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                  Field<&PD::lower_bound>{"lower_bound"},
+                  Field<&PD::round_beta_to_input>{"round_beta"},
+                  Field<&PD::check_indices>{"check_indices"},
+                  Field<&PD::pdl>{"pdl"},
+              });
+}
+
+constexpr auto gdn_packed_decode = packed("gdn_packed_decode", [](PD& a) {
+  a.stream = stream_for(a.state);
+  ds::gdn_packed_decode(a);
+});
+
+constexpr auto kda_packed_decode = packed("kda_packed_decode", [](PD& a) {
+  a.stream = stream_for(a.state);
+  ds::kda_packed_decode(a);
+});
+
+// The recurrent state comes as one of two arguments: `initial_state`, only read, or
+// `state_pool`, updated in place. Read in this order, a given pool replaces the start state.
+using RA = ds::RecurrentArgs;
+using OptTensor = Kind<std::optional<ds::TensorView>>;
+
+struct ReadState {
+  static constexpr const char* kind = OptTensor::name;
+  const char* name;
+  static bool accepts(ffi::AnyView v) { return OptTensor::accepts(v); }
+  void read(RA& a, ffi::AnyView v) const {
+    a.update_state = false;
+    OptTensor::read(a.state, v, name);
+  }
+};
+
+struct PooledState {
+  static constexpr const char* kind = OptTensor::name;
+  const char* name;
+  static bool accepts(ffi::AnyView v) { return OptTensor::accepts(v); }
+  void read(RA& a, ffi::AnyView v) const {
+    if (v == nullptr) return;
+    OptTensor::read(a.state, v, name);
+    a.update_state = true;
+  }
+};
+
+constexpr auto recurrent(const char* name, void (*run)(RA&)) {
+  return bind(name, run,
+              std::tuple{
+                  Field<&RA::q>{"q"},
+                  Field<&RA::k>{"k"},
+                  Field<&RA::v>{"v"},
+                  Field<&RA::g>{"g"},
+                  Field<&RA::beta>{"beta"},
+                  Field<&RA::out>{"output"},
+                  Field<&RA::A_log>{"A_log"},
+                  Field<&RA::dt_bias>{"dt_bias"},
+                  Field<&RA::gate_in_kernel>{"use_gate_in_kernel"},
+                  Field<&RA::lower_bound>{"lower_bound"},
+                  Field<&RA::beta_is_logit>{"beta_is_logit"},
+                  Field<&RA::scale>{"scale"},
+                  ReadState{"initial_state"},
+                  PooledState{"state_pool"},
+                  Field<&RA::state_indices>{"ssm_state_indices"},
+                  Field<&RA::cu_seqlens>{"cu_seqlens"},
+                  Field<&RA::final_state>{"final_state"},
+                  Field<&RA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                  Field<&RA::check_indices>{"check_indices"},
+                  Field<&RA::pdl>{"pdl"},
+              });
+}
+
+constexpr auto recurrent_gated_delta_rule = recurrent("recurrent_gated_delta_rule", [](RA& a) {
+  a.stream = stream_for(a.q);
+  ds::recurrent_gdn(a);
+});
+
+constexpr auto recurrent_kda = recurrent("recurrent_kda", [](RA& a) {
+  a.stream = stream_for(a.q);
+  ds::recurrent_kda(a);
+});
+
+using RD = ds::ReplayDecodeArgs;
+constexpr auto replayssm_decode = bind(
+    "replayssm_decode",
+    +[](RD& a) {
+      a.stream = stream_for(a.state);
+      ds::replayssm_decode(a);
+    },
+    std::tuple{
+        Field<&RD::mixed_qkv>{"mixed_qkv"},
+        Field<&RD::a>{"a"},
+        Field<&RD::b>{"b"},
+        Field<&RD::A_log>{"A_log"},
+        Field<&RD::dt_bias>{"dt_bias"},
+        Field<&RD::scale>{"scale"},
+        Field<&RD::state>{"initial_state"},
+        Field<&RD::d_cache>{"d_cache"},
+        Field<&RD::k_cache>{"k_cache"},
+        Field<&RD::g_cache>{"g_cache"},
+        Field<&RD::out>{"out"},
+        Field<&RD::state_indices>{"ssm_state_indices"},
+        Field<&RD::write_pos>{"write_pos"},
+        Field<&RD::force_flush>{"force_flush"},
+        Field<&RD::is_kda>{"is_kda"},
+        Field<&RD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+        Field<&RD::lower_bound>{"lower_bound"},
+        Field<&RD::advance_write_pos>{"advance_write_pos"},
+        Field<&RD::check_indices>{"check_indices"},
+        Field<&RD::pdl>{"pdl"},
+    });
+
+ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
+  ffi::Map<ffi::String, ffi::Array<ffi::String>> m;
+  m.Set(gdn_packed_decode.name, signature(gdn_packed_decode));
+  m.Set(kda_packed_decode.name, signature(kda_packed_decode));
+  m.Set(recurrent_gated_delta_rule.name, signature(recurrent_gated_delta_rule));
+  m.Set(recurrent_kda.name, signature(recurrent_kda));
+  m.Set(replayssm_decode.name, signature(replayssm_decode));
+  return m;
 }
 
 bool cuda_available() { return ds::cuda_available(); }
+bool cuda_built() { return ds::cuda_built(); }
 
 // ---- the state pool --------------------------------------------------------------------------
 // The framework allocates the storage (so views are the caller's tensors); the C++ StatePool does
@@ -224,14 +405,16 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
   if (s == "float32") return ds::DType::f32;
   if (s == "bfloat16") return ds::DType::bf16;
   if (s == "float16") return ds::DType::f16;
-  throw ds::Error(ds::ErrorKind::value, std::string(what) + " must be float32, bfloat16 or "
-                                                           "float16; got " + s);
+  throw ds::Error(ds::ErrorKind::value, std::string(what) +
+                                            " must be float32, bfloat16 or "
+                                            "float16; got " +
+                                            s);
 }
 
 ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
                                 const std::string& state_dtype, bool envelope,
                                 int64_t envelope_extra_bytes, int64_t replay_len, int64_t H,
-                                const std::string& ring_k_dtype, bool kda) {
+                                const std::string& ring_k_dtype, bool kda, bool null_slot) {
   ds::StatePoolConfig c;
   c.layers = layers;
   c.slots = slots;
@@ -245,6 +428,7 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
   c.H = H;
   c.ring_k_dtype = dtype_from_name(ring_k_dtype, "ring_k_dtype");
   c.kda = kda;
+  c.null_slot = null_slot;
   return c;
 }
 
@@ -261,10 +445,10 @@ ffi::Array<int64_t> describe(const ds::TensorView& v, const void* base) {
 ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
                                ffi::String state_dtype, bool envelope, int64_t extra,
                                int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda,
-                               int64_t budget) {
+                               bool null_slot, int64_t budget) {
   return guarded([&] {
-    const ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope,
-                                              extra, replay_len, H, ring_k_dtype, kda);
+    const ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
+                                              replay_len, H, ring_k_dtype, kda, null_slot);
     const std::vector<int64_t> v{ds::StatePool::required_bytes(c), ds::StatePool::bytes_per_slot(c),
                                  ds::StatePool::slots_for_budget(c, budget)};
     return ffi::Array<int64_t>(v.begin(), v.end());
@@ -276,10 +460,10 @@ ffi::Map<ffi::String, ffi::Function> pool_new(ffi::TensorView storage, int64_t l
                                               int64_t slots, int64_t HV, int64_t V, int64_t K,
                                               ffi::String state_dtype, bool envelope, int64_t extra,
                                               int64_t replay_len, int64_t H,
-                                              ffi::String ring_k_dtype, bool kda) {
+                                              ffi::String ring_k_dtype, bool kda, bool null_slot) {
   return guarded([&] {
     ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
-                                        replay_len, H, ring_k_dtype, kda);
+                                        replay_len, H, ring_k_dtype, kda, null_slot);
     const DLDevice dev = storage.device();
     c.device = dev.device_type == kDLCUDA ? ds::Device::cuda(dev.device_id) : ds::Device::cpu();
     void* base = static_cast<char*>(storage.data_ptr()) + storage.byte_offset();
@@ -294,12 +478,10 @@ ffi::Map<ffi::String, ffi::Function> pool_new(ffi::TensorView storage, int64_t l
     m.Set("allocate", ffi::Function::FromTyped([pool, stream](bool clear) -> int64_t {
             return guarded([&] { return pool->allocate(clear, stream()); });
           }));
-    m.Set("free", ffi::Function::FromTyped([pool](int64_t slot) {
-            guarded([&] { pool->free(slot); });
-          }));
-    m.Set("is_allocated", ffi::Function::FromTyped([pool](int64_t slot) -> bool {
-            return pool->is_allocated(slot);
-          }));
+    m.Set("free",
+          ffi::Function::FromTyped([pool](int64_t slot) { guarded([&] { pool->free(slot); }); }));
+    m.Set("is_allocated", ffi::Function::FromTyped(
+                              [pool](int64_t slot) -> bool { return pool->is_allocated(slot); }));
     m.Set("num_free", ffi::Function::FromTyped([pool]() -> int64_t { return pool->num_free(); }));
     m.Set("fork", ffi::Function::FromTyped([pool, stream](int64_t src, int64_t dst) {
             guarded([&] { pool->fork(src, dst, stream()); });
@@ -329,9 +511,22 @@ ffi::Map<ffi::String, ffi::Function> pool_new(ffi::TensorView storage, int64_t l
 
 }  // namespace
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(packed_decode, packed_decode);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(recurrent, recurrent);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(replayssm_decode, replayssm_decode);
+// An op's binding exported as the module function of its name (the C symbol tvm-ffi looks up).
+#define DELTASTATE_EXPORT_OP(Name)                                                   \
+  extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_##Name(void*, const TVMFFIAny* args,   \
+                                                     int32_t num_args, TVMFFIAny*) { \
+    TVM_FFI_SAFE_CALL_BEGIN();                                                       \
+    call<Name>(reinterpret_cast<const tvm::ffi::AnyView*>(args), num_args);          \
+    TVM_FFI_SAFE_CALL_END();                                                         \
+  }
+
+DELTASTATE_EXPORT_OP(gdn_packed_decode)
+DELTASTATE_EXPORT_OP(kda_packed_decode)
+DELTASTATE_EXPORT_OP(recurrent_gated_delta_rule)
+DELTASTATE_EXPORT_OP(recurrent_kda)
+DELTASTATE_EXPORT_OP(replayssm_decode)
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_built, cuda_built);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_sizes, pool_sizes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_new, pool_new);

@@ -1,10 +1,10 @@
 """Test helpers: arrays of either framework (numpy, torch CPU/CUDA) built from float64 data,
 sentinel-filled envelope pools as `as_strided` views, bitwise snapshots, and tolerance checks.
 
-Tolerances are the spec's (§10). When a kernel stores a result in a reduced-precision dtype
-(bf16/fp16 output, state or ring), the comparison against the unrounded float64 reference adds
-that dtype's unit roundoff (half an ulp, relative) to rtol: the rounding the spec prescribes
-(§0 "Precision") and nothing else.
+Tolerances are those of SGLang's tests of these kernels. When a kernel stores a result in a
+reduced-precision dtype (bf16/fp16 output, state or ring), the comparison against the unrounded
+float64 reference adds that dtype's unit roundoff (half an ulp, relative) to rtol: the rounding
+on store that the ops prescribe, and nothing else.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def sentinel_for(dtype: str) -> float:
     """1e30 where the dtype holds it; float16 (max 65504) gets inf."""
     return float("inf") if dtype == "float16" else SENTINEL
 
-# Spec §10 (atol, rtol).
+# (atol, rtol) as SGLang's kernel tests use them.
 TOL_OUT = (1e-4, 1e-4)
 TOL_STATE = {"float32": (1e-5, 1e-4), "bfloat16": (2e-3, 1e-4), "float16": (5e-4, 1e-4)}
 TOL_REPLAY_GDN_OUT = {"float32": (1e-4, 1e-3), "low": (1e-3, 1e-2)}

@@ -1,8 +1,9 @@
-"""An independent numpy float64 reference of the deltastate ops, written from the spec
-(/work/shared/reference/spec-sglang-decode.md; section numbers below refer to it). It shares no
-code with the library: plain numpy on float64 arrays.
+"""An independent numpy float64 reference of the deltastate ops, written from the behaviour of
+SGLang's kernels (`fused_recurrent_gated_delta_rule_packed_decode`,
+`fused_recurrent_kda_packed_decode`, `fused_recurrent_linear_replayssm_decode`) and FlashInfer's
+`recurrent_kda`. It shares no code with the library: plain numpy on float64 arrays.
 
-Conventions (§0):
+Conventions:
   * heads: value head hv reads key head h = hv // (HV // H);
   * state S of one (slot, hv) is [V, K] (K contiguous);
   * QK L2 norm: x / sqrt(sum x^2 + 1e-6); then q *= scale (default K^-0.5);
@@ -16,7 +17,7 @@ Conventions (§0):
 Storage. Values the kernels store in reduced precision (ReplaySSM rings and checkpoints, beta
 rounded to b's dtype) are modelled by `rd`, float64 -> float32 -> dtype with round-to-nearest-even,
 applied when a stored value is read back (rounding on read equals rounding on store). Results are
-returned unrounded, so a test compares the kernel's rounded output against them with the spec's
+returned unrounded, so a test compares the kernel's rounded output against them with SGLang's
 tolerance plus the storage rounding (half an ulp of the stored dtype).
 """
 
@@ -52,7 +53,7 @@ def rd(x, dtype: str) -> np.ndarray:
     raise ValueError(f"unknown dtype {dtype}")
 
 
-# ---- §0 pieces --------------------------------------------------------------------------------
+# ---- shared pieces ---------------------------------------------------------------------------
 def softplus(x):
     x = np.asarray(x, dtype=np.float64)
     return np.where(x <= SOFTPLUS_THRESHOLD, np.log1p(np.exp(np.minimum(x, SOFTPLUS_THRESHOLD))), x)
@@ -99,7 +100,7 @@ def _prep_qk(q, k, scale, use_l2norm):
 
 
 def split_packed(mixed_qkv, HV, V, K):
-    """[B, 2HK + HV V] -> q, k [B, H, K], v [B, HV, V] (§2)."""
+    """[B, 2HK + HV V] -> q, k [B, H, K], v [B, HV, V]."""
     B, width = mixed_qkv.shape
     qk = width - HV * V
     assert qk > 0 and qk % 2 == 0 and (qk // 2) % K == 0
@@ -120,7 +121,7 @@ def token_log_decay(a, A_log, dt_bias, B, HV, K, kda, lower_bound):
     return gate(np.asarray(a, np.float64), A, np.asarray(dt_bias, np.float64), lower_bound)
 
 
-# ---- §2 / §3 packed decode --------------------------------------------------------------------
+# ---- packed decode (GDN, KDA) -----------------------------------------------------------------
 def packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, pool, indices, *, kda,
                   lower_bound=None, use_qk_l2norm=True, beta_dtype=None):
     """GDN (kda=False: a [B,HV], dt_bias [HV]) or KDA (a [B,HV*K], dt_bias [HV*K]) packed decode.
@@ -150,7 +151,7 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, pool, indices, *, kda,
     return out, pool
 
 
-# ---- §4 recurrent (B,T and varlen) ------------------------------------------------------------
+# ---- recurrent (B,T and varlen) ---------------------------------------------------------------
 def recurrent(q, k, v, g, beta, *, kda, A_log=None, dt_bias=None, scale=None, initial_state=None,
               ssm_state_indices=None, cu_seqlens=None, use_gate_in_kernel=False, lower_bound=None,
               beta_is_logit=False, use_qk_l2norm=True):
@@ -205,7 +206,7 @@ def recurrent(q, k, v, g, beta, *, kda, A_log=None, dt_bias=None, scale=None, in
     return o, final, pool
 
 
-# ---- §5 ReplaySSM, basic mode -----------------------------------------------------------------
+# ---- ReplaySSM, basic mode --------------------------------------------------------------------
 class ReplayMemory:
     """The caller memory ReplaySSM works on, as float64 "values before storage rounding"; every
     read goes through `rd` with the dtype the kernel stores it in."""
@@ -225,7 +226,7 @@ class ReplayMemory:
 def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, indices,
                      write_pos, force_flush=None, *, kda, b_dtype, lower_bound=None,
                      use_qk_l2norm=True):
-    """One ReplaySSM step (§5, basic mode) on `mem` (updated in place). a: GDN [B,HV], KDA [B,HV,K]
+    """One ReplaySSM step (basic mode) on `mem` (updated in place). a: GDN [B,HV], KDA [B,HV,K]
     or [B,HV*K]; dt_bias GDN [HV], KDA [HV,K] or [HV*K]. Returns (out [B,1,HV,V], flushed [B] bool,
     new write_pos [B] per the caller protocol wp = flushed ? 0 : m + 1; padded rows keep theirs)."""
     x = np.asarray(mixed_qkv, dtype=np.float64)

@@ -1,5 +1,5 @@
-"""Bad inputs: contract violations raise ValueError with the core's exact texts (spec §9), a
-rejected call changes no caller memory, and wrong Python types or missing arguments raise
+"""Bad inputs: contract violations raise ValueError with the core's exact texts (SGLang's and
+FlashInfer's), a rejected call changes no caller memory, and wrong Python types or missing arguments raise
 TypeError/ValueError (never a crash)."""
 
 import numpy as np
@@ -278,7 +278,8 @@ def test_recurrent_gdn_state_ndim(fw, rng):
 
 
 def test_recurrent_kda_stride_contract(fw, rng):
-    """FlashInfer's recurrent_kda messages (spec §9), and the `'state pool' in str(e)` pattern."""
+    """FlashInfer's recurrent_kda messages (`_check_state_stride_contract`), and the
+    `'state pool' in str(e)` pattern."""
     call = call_recurrent(True)
     args = recurrent_args(fw, rng, True)
     args["initial_state"] = fw.full((6, HV, V * K), 0.0)

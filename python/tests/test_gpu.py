@@ -12,9 +12,10 @@
 * the ops run on torch's current stream (a side stream under `with torch.cuda.stream(s)`);
 * the StatePool on CUDA.
 
-Tolerances: spec §10 (the packed KDA "Helion vs Triton" row for two implementations of the same
-math; ReplaySSM rows for ReplaySSM). Two backends that both round a result to a reduced-precision
-dtype can differ by one ulp there, so those comparisons add twice the unit roundoff to rtol.
+Tolerances: SGLang's (its packed KDA Helion-vs-Triton tolerance for two implementations of the
+same math; its ReplaySSM tolerances for ReplaySSM). Two backends that both round a result to a
+reduced-precision dtype can differ by one ulp there, so those comparisons add twice the unit
+roundoff to rtol.
 """
 
 import numpy as np

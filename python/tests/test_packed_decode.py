@@ -1,4 +1,5 @@
-"""GDN / KDA packed decode (spec §2, §3) on numpy and torch-CPU inputs against the float64
+"""GDN / KDA packed decode (SGLang's `fused_recurrent_gated_delta_rule_packed_decode` and
+`fused_recurrent_kda_packed_decode`) on numpy and torch-CPU inputs against the float64
 reference: GVA, K != V, padding rows, envelope pools as as_strided views updated in place,
 sentinel slots bit-untouched, outputs poisoned with NaN, fp32/fp16 (and bf16 through torch)."""
 
@@ -110,7 +111,7 @@ def test_packed_decode_strided_rows_and_options(fw, rng, kda):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_packed_decode_round_beta(tfw, rng, kda):
-    """round_beta rounds sigmoid(b) to b's dtype (the ReplaySSM-parity option, spec §2)."""
+    """round_beta rounds sigmoid(b) to b's dtype (for parity with ReplaySSM, which rounds it so)."""
     H, HV, K, V = 1, 2, 16, 16
     pool = make_pool(tfw, pool_data(rng, 3, HV, V, K), "float32", [1, 2])
     A_log, dt_bias = gate_params(rng, HV, K, kda)

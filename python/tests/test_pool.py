@@ -1,5 +1,6 @@
-"""StatePool (spec §8): slot allocation, fork rules, envelope views as framework tensors updated in
-place by the ops, ReplaySSM rings and cursors, and the sizing helpers, for numpy and torch."""
+"""StatePool (the layout of SGLang's MambaPool): slot allocation, fork rules, envelope views as
+framework tensors updated in place by the ops, ReplaySSM rings and cursors, and the sizing
+helpers, for numpy and torch."""
 
 import numpy as np
 import pytest
@@ -212,7 +213,7 @@ def test_ops_update_pool_views_in_place(framework, rng, kda, layout):
 def test_replayssm_through_pool_rings(framework, rng, kda):
     """ReplaySSM over a pool's checkpoint views and rings for every layer of a forward, with the
     per-slot cursors gathered per row, advanced once per forward (by the last layer's call) and
-    scattered back, as a serving engine does (spec §5 "Caller protocol")."""
+    scattered back, as a serving engine does (SGLang's caller protocol for ReplaySSM cursors)."""
     fw = Fw(framework)
     H, HV, V, K, L, layers = 1, 2, 8, 16, 3, 2
     k_dtype = "float32"
@@ -341,3 +342,147 @@ def test_torch_pool_specifics():
     assert p.k_cache(0).dtype == torch.bfloat16 and p.g_cache(0).dtype == torch.float32
     assert p.d_cache(0).dtype == torch.bfloat16 and p.write_pos().dtype == torch.int32
     assert p.layer_state(0).device.type == "cpu"
+
+
+# ---- the null slot (SGLang's layout) ------------------------------------------------------------
+def test_sglang_pool_null_slot_is_never_allocated(framework, rng):
+    """StatePool.sglang(size=4): SGLang's MambaPool, 4 requests over 5 rows; slot 0 is never
+    handed out, whatever the order of frees, and free/fork refuse it."""
+    pool = ds.StatePool.sglang(3, 4, 2, 8, 16, framework=framework)
+    assert pool.null_slot and pool.slots == 4 and pool.physical_slots == 5
+    assert tuple(pool.layer_state(0).shape) == (5, 2, 8, 16)
+    assert tuple(pool.write_pos().shape) == (5,)
+    assert pool.num_free == 4 and not pool.is_allocated(0)
+    assert [pool.allocate() for _ in range(4)] == [1, 2, 3, 4]
+    with pytest.raises(ValueError) as e:
+        pool.allocate()
+    assert str(e.value).startswith("StatePool exhausted: all 4 slots are in use")
+    with pytest.raises(ValueError) as e:
+        pool.free(0)
+    assert str(e.value) == "StatePool.free: slot 0 is the null slot of this pool (never allocated)"
+    with pytest.raises(ValueError) as e:
+        pool.free(5)
+    assert str(e.value) == ("StatePool.free: slot 5 is out of range for a pool of 4 slots (1..4; "
+                            "slot 0 is the null slot)")
+    with pytest.raises(ValueError) as e:
+        pool.fork(0, 1)
+    assert str(e.value) == ("StatePool.fork: both slots must be allocated (src 0 is the null slot, "
+                            "dst 1 is allocated)")
+    live = [1, 2, 3, 4]
+    for _ in range(200):
+        if live and (pool.num_free == 0 or rng.random() < 0.5):
+            pool.free(live.pop(int(rng.integers(len(live)))))
+        else:
+            s = pool.allocate()
+            assert 1 <= s <= 4
+            live.append(s)
+        assert pool.num_free == 4 - len(live) and not pool.is_allocated(0)
+    with pytest.raises(TypeError, match="pass `size`"):
+        ds.StatePool.sglang(3, 4, 2, 8, 16, null_slot=False)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "envelope"])
+def test_null_slot_accounting_and_fork(framework, layout, rng):
+    cfg = dict(layers=3, HV=2, V=8, K=16, layout=layout, replay_len=2, H=1,
+               envelope_extra_bytes=40 if layout == "envelope" else 0)
+    pool = ds.StatePool(slots=3, null_slot=True, framework=framework, **cfg)
+    rows = ds.StatePool(slots=4, framework=framework, **cfg)
+    assert pool.nbytes == rows.nbytes > ds.StatePool(slots=3, framework=framework, **cfg).nbytes
+    assert not bits(pool.storage).any()  # zero-initialized, slot 0 included
+    for layer in range(3):
+        for what in ("layer_state", "d_cache", "k_cache", "g_cache"):
+            a, b = getattr(pool, what)(layer), getattr(rows, what)(layer)
+            assert tuple(a.shape) == tuple(b.shape) and a.shape[0] == 4
+    for n in (1, 3, 10):  # slots_for_budget counts the null row against the budget
+        need = ds.StatePool(slots=n, null_slot=True, framework="numpy", **cfg).nbytes
+        assert need == ds.StatePool(slots=n + 1, framework="numpy", **cfg).nbytes
+        assert ds.StatePool.slots_for_budget(need, null_slot=True, **cfg) == n
+        assert ds.StatePool.slots_for_budget(need - 1, null_slot=True, **cfg) == n - 1
+        assert ds.StatePool.slots_for_budget(need, **cfg) == n + 1
+
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b) == (1, 2)
+    for layer in range(3):
+        fill(pool, layer, 0, 4.0)  # a caller's padded row left garbage in the null slot
+        fill(pool, layer, a, rng.standard_normal((2, 8, 16)).astype(np.float32))
+    pool.fork(a, b)
+    for layer in range(3):
+        np.testing.assert_array_equal(bits(pool.layer_state(layer)[b]),
+                                      bits(pool.layer_state(layer)[a]))
+    pool.free(b)
+    assert pool.allocate() == b  # cleared again; the null slot is never cleared or handed out
+    for layer in range(3):
+        assert (to64(pool.layer_state(layer)[b]) == 0).all()
+        assert (to64(pool.layer_state(layer)[0]) == 4.0).all()
+
+
+def _zero_slot0(pool):
+    for layer in range(pool.layers):
+        for what in ("layer_state", "d_cache", "k_cache", "g_cache"):
+            getattr(pool, what)(layer)[0] = 0
+    pool.write_pos()[0] = 0
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_padded_row_at_null_slot_never_touches_live_slots(framework, rng, kda):
+    """A caller aiming a padded row at index 0 (SGLang's clamp(min=0), FlashInfer's "0 is null")
+    over an SGLang pool: packed decode, recurrent and ReplaySSM leave every live slot (states,
+    rings, cursors) and every live row's output bit-identical to the same calls with that row
+    padded (-1); only slot 0 differs."""
+    fw = Fw(framework)
+    H, HV, V, K, L = 1, 2, 8, 16, 3
+    mk = dict(replay_len=L, H=H, kda=kda, ring_k_dtype="float32", framework=framework)
+    pa, pb = ds.StatePool.sglang(2, 4, HV, V, K, **mk), ds.StatePool.sglang(2, 4, HV, V, K, **mk)
+    live = [pa.allocate() for _ in range(4)]
+    assert live == [pb.allocate() for _ in range(4)]
+    for layer in range(2):
+        for s in live:
+            x = (rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32)
+            fill(pa, layer, s, x)
+            fill(pb, layer, s, x)
+    for s in live:
+        pa.set_cursor(s, s % L)
+        pb.set_cursor(s, s % L)
+    aimed, padded = [live[2], 0, live[1], -1, live[3]], [live[2], -1, live[1], -1, live[3]]
+    live_rows = [0, 2, 4]
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    A_log, dt_bias = fw.from64(A_log), fw.from64(dt_bias)
+    packed = (ds.fused_recurrent_kda_packed_decode if kda
+              else ds.fused_recurrent_gated_delta_rule_packed_decode)
+    rec = ds.recurrent_kda if kda else ds.recurrent_gated_delta_rule
+    x = materialize_packed(fw, packed_data(rng, kda=kda, B=5, H=H, HV=HV, K=K, V=V), "float32")
+    xr = materialize_packed(fw, packed_data(rng, kda=kda, B=5, H=H, HV=HV, K=K, V=V), "float32")
+    q, k = fw.from64(rng.standard_normal((5, 2, H, K))), fw.from64(rng.standard_normal((5, 2, H, K)))
+    v = fw.from64(rng.standard_normal((5, 2, HV, V)))
+    g = fw.from64(-rng.uniform(0.05, 1, (5, 2, HV, K) if kda else (5, 2, HV)))
+    beta = fw.from64(rng.uniform(0.1, 0.9, (5, 2, HV)))
+    outs = []
+    for pool, rows in ((pa, aimed), (pb, padded)):
+        out = poison(fw, (5, 1, HV, V), "float32")
+        packed(x["mixed_qkv"], x["a"], x["b"], A_log, dt_bias, K ** -0.5, pool.layer_state(0),
+               out, fw.idx(rows))
+        o, _ = rec(q, k, v, g, beta, initial_state=pool.layer_state(0),
+                   ssm_state_indices=fw.idx(rows))
+        wp = fw.idx([int(to64(pool.write_pos())[s]) if s >= 0 else 0 for s in rows])
+        ro = poison(fw, (5, 1, HV, V), "float32")
+        ds.fused_recurrent_linear_replayssm_decode(
+            xr["mixed_qkv"], xr["a"], xr["b"], A_log, dt_bias, K ** -0.5, pool.layer_state(1),
+            pool.d_cache(1), pool.k_cache(1), pool.g_cache(1), ro, fw.idx(rows), wp, None,
+            is_kda=kda, advance_write_pos=True)
+        outs.append([bits(t)[live_rows] for t in (out, o, ro, wp)])
+    for got, want, what in zip(outs[0], outs[1], ("packed out", "recurrent o", "ReplaySSM out",
+                                                  "cursors")):
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    for layer in range(2):
+        for what in ("layer_state", "d_cache", "k_cache", "g_cache"):
+            for s in live:
+                np.testing.assert_array_equal(bits(getattr(pa, what)(layer)[s]),
+                                              bits(getattr(pb, what)(layer)[s]),
+                                              err_msg=f"{what}({layer}) of live slot {s}")
+    np.testing.assert_array_equal(bits(pa.write_pos())[live], bits(pb.write_pos())[live])
+    assert (to64(pa.layer_state(0)[0]) != 0).any(), "the aimed row wrote the null slot"
+    assert not bits(pb.layer_state(0)[0]).any()
+    assert live == [1, 2, 3, 4]
+    _zero_slot0(pa)
+    _zero_slot0(pb)
+    np.testing.assert_array_equal(bits(pa.storage), bits(pb.storage))  # nothing else differs

@@ -1,5 +1,5 @@
-"""recurrent_gated_delta_rule / recurrent_kda (spec §4, §7) on numpy and torch-CPU inputs against
-the float64 reference: the [B, T] form and the varlen cu_seqlens form, in-pool with
+"""recurrent_gated_delta_rule / recurrent_kda (FlashInfer's signature) on numpy and torch-CPU
+inputs against the float64 reference: the [B, T] form and the varlen cu_seqlens form, in-pool with
 ssm_state_indices (padding, envelope as_strided pools, sentinel slots), initial_state without
 indices plus output_final_state, the gate in the kernel or a precomputed g, beta as a logit or a
 probability, GVA, K != V, fp32/fp16/bf16."""

@@ -1,7 +1,7 @@
-"""ReplaySSM buffered decode (spec §5, basic mode), GDN and KDA, on numpy and torch-CPU inputs:
-many steps against the float64 §5 reference (outputs, checkpoint at flushes, ring records,
-cursors), against the exact §0 recurrence, and L = 1 against packed decode. Cursors are advanced
-by the caller (wp = flushed ? 0 : wp + 1) or by the kernel (advance_write_pos); force_flush marks
+"""ReplaySSM buffered decode (SGLang's `fused_recurrent_linear_replayssm_decode`, basic mode),
+GDN and KDA, on numpy and torch-CPU inputs: many steps against the float64 reference (outputs,
+checkpoint at flushes, ring records, cursors), against the exact per-token recurrence, and
+L = 1 against packed decode. Cursors are advanced by the caller (wp = flushed ? 0 : wp + 1) or by the kernel (advance_write_pos); force_flush marks
 rows at random; envelope checkpoint pools and rings start as sentinels and everything the step
 must not write is checked bit for bit."""
 
@@ -170,8 +170,9 @@ def test_replayssm_matches_reference(fw, rng, kda, L, act, state_dtype, k_dtype,
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("L", [4, 8])
 def test_replayssm_matches_exact_recurrence(fw, rng, kda, L):
-    """40 steps of ReplaySSM against the exact §0 recurrence (what packed decode computes): the
-    output every step and the checkpoint at every flush (spec §10 tolerances)."""
+    """40 steps of ReplaySSM against the exact per-token recurrence (what packed decode
+    computes): the output every step and the checkpoint at every flush (the tolerances of
+    SGLang's ReplaySSM tests)."""
     H, HV, K, V = 1, 2, 16, 16
     setup = ReplaySetup(fw, rng, kda=kda, H=H, HV=HV, K=K, V=V, L=L, slots=4, live=[0, 2, 3],
                         state_dtype="float32", k_dtype="float32", a_3d=kda)
@@ -200,8 +201,8 @@ def test_replayssm_matches_exact_recurrence(fw, rng, kda, L):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_replayssm_L1_equals_packed_decode(fw, rng, kda):
-    """With L = 1 every step flushes, and ReplaySSM equals packed decode (spec §5/§10: 2e-6/1e-5
-    in fp32), output and state, over several steps."""
+    """With L = 1 every step flushes, and ReplaySSM equals packed decode (within 2e-6/1e-5 in
+    fp32, as in SGLang's ReplaySSM test), output and state, over several steps."""
     H, HV, K, V = 2, 4, 16, 8
     setup = ReplaySetup(fw, rng, kda=kda, H=H, HV=HV, K=K, V=V, L=1, slots=5, live=[0, 1, 4],
                         state_dtype="float32", k_dtype="float32")

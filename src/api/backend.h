@@ -11,6 +11,8 @@
 namespace deltastate::cuda_backend {
 
 bool built();
+// At least one CUDA device is usable (cudaGetDeviceCount > 0); false, never an error, otherwise.
+bool device_available();
 
 // Ops: launch on `stream` (a cudaStream_t), no allocation, no host synchronization.
 void run_recurrent(const detail::RecurrentProblem& p, void* stream);

@@ -13,6 +13,7 @@ namespace {
 }  // namespace
 
 bool built() { return false; }
+bool device_available() { return false; }
 void run_recurrent(const detail::RecurrentProblem&, void*) { not_built(); }
 void run_replayssm_decode(const detail::ReplayProblem&, void*) { not_built(); }
 void* device_alloc(size_t, int) { not_built(); }

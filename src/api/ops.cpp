@@ -2,6 +2,7 @@
 #include "deltastate/ops.h"
 
 #include "api/backend.h"
+#include "contracts/contract.h"
 #include "contracts/validate.h"
 #include "cpu/kernels.h"
 
@@ -40,6 +41,28 @@ void replayssm_decode(const ReplayDecodeArgs& args) {
   else cuda_backend::run_replayssm_decode(p, args.stream);
 }
 
-bool cuda_available() { return cuda_backend::built(); }
+bool cuda_available() { return cuda_backend::device_available(); }
+bool cuda_built() { return cuda_backend::built(); }
+
+int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args) {
+  if (args.q.ndim != 4 || args.v.ndim != 4) {  // the validator's first checks, same texts
+    detail::Contract c;
+    c.shape("q", args.q, {"B", "T", "H", "K"});
+    c.shape("v", args.v, {"B", "T", "HV", "V"});
+  }
+  if (args.q.device.type != DeviceType::cpu) {
+    throw Error(ErrorKind::not_implemented,
+                "chunk_prefill has no CUDA kernel yet; pass CPU tensors");
+  }
+  return cpu::chunk_prefill_workspace_bytes(static_cast<int>(args.q.shape[3]),
+                                            static_cast<int>(args.v.shape[3]), args.is_kda);
+}
+
+void chunk_prefill(const ChunkPrefillArgs& args) {
+  const detail::ChunkPrefillProblem p =
+      detail::validate_chunk_prefill(args, chunk_prefill_workspace_bytes(args));
+  if (p.N == 0) return;
+  cpu::run_chunk_prefill(p);  // the workspace size above already refused other devices
+}
 
 }  // namespace deltastate

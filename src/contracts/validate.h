@@ -10,5 +10,7 @@ namespace deltastate::detail {
 RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda);
 RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda);
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
+// `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
+ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 
 }  // namespace deltastate::detail

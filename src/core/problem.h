@@ -112,4 +112,44 @@ struct ReplayProblem {
   Device device{};
 };
 
+// Chunked prefill (GDN and KDA) over varlen sequences, 64 tokens per chunk (ops.h
+// ChunkPrefillArgs). Index arrays are read with load_index; null pointers mark absent arguments.
+struct ChunkPrefillProblem {
+  static constexpr int32_t kChunk = 64;  // tokens per chunk; checkpoints fall on chunk ends
+  int32_t N = 0, H = 0, HV = 0, K = 0, V = 0;
+  int32_t T = 0;                      // tokens per sequence when cu_seqlens is null
+  const void* cu_seqlens = nullptr;   // [N+1]
+  DType cu_dtype = DType::i32;
+  HeadInput q, k, v, g, beta;         // g: log decay or raw `a` (see gate.mode)
+  HeadOutput out;
+  GateParams gate;
+  bool beta_is_logit = false;
+  bool l2norm = true;
+  float scale = 1.0f;
+  StatePoolRef state;                 // pool (initial_indices set) or dense [N, ...]; null: S0 = 0
+  const void* initial_indices = nullptr;  // [N] slot per sequence (< 0: padded)
+  DType initial_index_dtype = DType::i32;
+  const void* has_initial = nullptr;  // [N] 0 = start from zero; null: every state is read
+  DType has_initial_dtype = DType::i32;
+  const void* output_indices = nullptr;  // [N] final states' slots (< 0: none); null: in place
+  DType output_index_dtype = DType::i32;
+  void* final_state = nullptr;        // [N, HV, V, K] dense, optional
+  DType final_dtype = DType::f32;
+  int32_t checkpoint_every = 0;       // tokens; 0: no checkpoints
+  const void* checkpoint_cu_starts = nullptr;  // [N+1]
+  DType checkpoint_cu_dtype = DType::i32;
+  void* checkpoints = nullptr;        // dense [total, HV, V, K], or null
+  DType checkpoint_dtype = DType::f32;
+  const void* checkpoint_slots = nullptr;  // [total] pool slots (< 0: skipped), or null
+  DType checkpoint_slot_dtype = DType::i32;
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  bool check_indices = false;         // CUDA: trap on an index >= num_slots
+  bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
+  Device device{};
+
+  DS_HD bool pooled() const { return initial_indices != nullptr; }
+  DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
+};
+
 }  // namespace deltastate::detail

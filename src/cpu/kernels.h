@@ -7,5 +7,8 @@ namespace deltastate::cpu {
 
 void run_recurrent(const detail::RecurrentProblem& p);       // recurrent.cpp (packed decode too)
 void run_replayssm_decode(const detail::ReplayProblem& p);   // replayssm_decode.cpp
+// chunk_prefill.cpp: the op, and the workspace it needs (num_threads() scratch blocks).
+void run_chunk_prefill(const detail::ChunkPrefillProblem& p);
+int64_t chunk_prefill_workspace_bytes(int K, int V, bool kda);
 
 }  // namespace deltastate::cpu

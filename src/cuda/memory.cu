@@ -10,6 +10,15 @@ namespace deltastate::cuda_backend {
 
 bool built() { return true; }
 
+bool device_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: clear the error, do not leave it for the ops
+    return false;
+  }
+  return n > 0;
+}
+
 namespace {
 // A device attribute, queried once per device (one atomic load afterwards).
 template <cudaDeviceAttr A>

@@ -51,32 +51,33 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   Layout l{};
   const int64_t isz = dtype_size(c.state_dtype);
   const int64_t head_bytes = c.HV * c.V * c.K * isz;  // one (layer, slot) state
+  const int64_t n = c.physical_slots();               // rows of every view (null slot included)
   l.state_offset = 0;
   // A slot's state in every layer is `slot_rows` rows of entry_bytes, slot_row_pitch apart: its
   // one entry (envelope) or one row per layer (per_layer).
   if (c.layout == PoolLayout::envelope) {
     l.extra_pad = round_up(c.envelope_extra_bytes, kAlign);
     l.entry_bytes = round_up(l.extra_pad + c.layers * envelope_layer_pitch(c), kAlign);
-    l.state_bytes = c.slots * l.entry_bytes;
+    l.state_bytes = n * l.entry_bytes;
     l.slot_rows = 1;
     l.slot_row_pitch = l.entry_bytes;
   } else {
     l.extra_pad = 0;
     l.entry_bytes = head_bytes;
-    l.state_bytes = c.layers * c.slots * head_bytes;
+    l.state_bytes = c.layers * n * head_bytes;
     l.slot_rows = c.layers;
-    l.slot_row_pitch = c.slots * l.entry_bytes;
+    l.slot_row_pitch = n * l.entry_bytes;
   }
   int64_t off = round_up(l.state_bytes, kAlign);
   const int64_t L = c.replay_len;
   l.d_offset = off;
-  off = round_up(off + c.layers * c.slots * c.HV * L * c.V * isz, kAlign);
+  off = round_up(off + c.layers * n * c.HV * L * c.V * isz, kAlign);
   l.k_offset = off;
-  off = round_up(off + c.layers * c.slots * c.H * L * c.K * dtype_size(c.ring_k_dtype), kAlign);
+  off = round_up(off + c.layers * n * c.H * L * c.K * dtype_size(c.ring_k_dtype), kAlign);
   l.g_offset = off;
-  off = round_up(off + c.layers * c.slots * c.HV * L * (c.kda ? c.K : 1) * 4, kAlign);
+  off = round_up(off + c.layers * n * c.HV * L * (c.kda ? c.K : 1) * 4, kAlign);
   l.cursor_offset = off;
-  l.total = round_up(off + c.slots * 4, kAlign);
+  l.total = round_up(off + n * 4, kAlign);
   return l;
 }
 
@@ -92,7 +93,7 @@ StatePool::StatePool(const StatePoolConfig& config) : cfg_(config) {
     std::memset(base_, 0, static_cast<size_t>(lay_.total));
   }
   owns_ = true;
-  allocated_.assign(static_cast<size_t>(cfg_.slots), 0);
+  allocated_.assign(static_cast<size_t>(cfg_.physical_slots()), 0);
 }
 
 StatePool::StatePool(const StatePoolConfig& config, void* external_memory) : cfg_(config) {
@@ -101,7 +102,7 @@ StatePool::StatePool(const StatePoolConfig& config, void* external_memory) : cfg
   if (!external_memory || reinterpret_cast<uintptr_t>(external_memory) % kAlign != 0)
     fail(format("StatePool external memory must be non-null and %lld-byte aligned", ll(kAlign)));
   base_ = external_memory;
-  allocated_.assign(static_cast<size_t>(cfg_.slots), 0);
+  allocated_.assign(static_cast<size_t>(cfg_.physical_slots()), 0);
 }
 
 StatePool::~StatePool() {
@@ -111,13 +112,24 @@ StatePool::~StatePool() {
 }
 
 void StatePool::check_slot(int64_t slot, const char* what) const {
-  if (slot < 0 || slot >= cfg_.slots)
+  if (slot < 0 || slot >= cfg_.physical_slots()) {
+    if (cfg_.null_slot)
+      fail(
+          format("StatePool.%s: slot %lld is out of range for a pool of %lld slots (1..%lld; slot "
+                 "0 is the null slot)",
+                 what, ll(slot), ll(cfg_.slots), ll(cfg_.slots)));
     fail(format("StatePool.%s: slot %lld is out of range for a pool of %lld slots", what, ll(slot),
                 ll(cfg_.slots)));
+  }
 }
 
+namespace {
+// The first allocatable slot: 1 when slot 0 is the null slot.
+int64_t first_slot(const StatePoolConfig& c) { return c.null_slot ? 1 : 0; }
+}  // namespace
+
 int64_t StatePool::allocate(bool clear, Stream stream) {
-  auto it = std::find(allocated_.begin(), allocated_.end(), 0);
+  auto it = std::find(allocated_.begin() + first_slot(cfg_), allocated_.end(), 0);
   if (it == allocated_.end())
     fail(format("StatePool exhausted: all %lld slots are in use (free a slot, or size the pool "
                 "with StatePool::slots_for_budget)",
@@ -131,17 +143,20 @@ int64_t StatePool::allocate(bool clear, Stream stream) {
 
 void StatePool::free(int64_t slot) {
   check_slot(slot, "free");
+  if (cfg_.null_slot && slot == 0)
+    fail("StatePool.free: slot 0 is the null slot of this pool (never allocated)");
   if (!allocated_[static_cast<size_t>(slot)])
     fail(format("StatePool.free: slot %lld is not allocated (double free?)", ll(slot)));
   allocated_[static_cast<size_t>(slot)] = 0;
 }
 
 bool StatePool::is_allocated(int64_t slot) const {
-  return slot >= 0 && slot < cfg_.slots && allocated_[static_cast<size_t>(slot)];
+  return slot >= first_slot(cfg_) && slot < cfg_.physical_slots() &&
+         allocated_[static_cast<size_t>(slot)];
 }
 
 int64_t StatePool::num_free() const {
-  return std::count(allocated_.begin(), allocated_.end(), 0);
+  return std::count(allocated_.begin() + first_slot(cfg_), allocated_.end(), 0);
 }
 
 void StatePool::clear_slot(int64_t slot, Stream stream) {
@@ -158,10 +173,12 @@ void StatePool::clear_slot(int64_t slot, Stream stream) {
 void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
   check_slot(src, "fork");
   check_slot(dst, "fork");
+  auto state = [this](int64_t s) {
+    return is_allocated(s) ? "allocated" : cfg_.null_slot && s == 0 ? "the null slot" : "free";
+  };
   if (!is_allocated(src) || !is_allocated(dst))
     fail(format("StatePool.fork: both slots must be allocated (src %lld is %s, dst %lld is %s)",
-                ll(src), is_allocated(src) ? "allocated" : "free", ll(dst),
-                is_allocated(dst) ? "allocated" : "free"));
+                ll(src), state(src), ll(dst), state(dst)));
   if (src == dst) fail(format("StatePool.fork: src and dst are the same slot %lld", ll(src)));
   const int32_t wp = cursor(src, stream);
   if (wp != 0)
@@ -193,10 +210,11 @@ TensorView StatePool::layer_state(int64_t layer) const {
     offset = lay_.state_offset + lay_.extra_pad + layer * envelope_layer_pitch(cfg_);
     slot_stride = lay_.entry_bytes / isz;
   } else {
-    offset = lay_.state_offset + layer * cfg_.slots * head * isz;
+    offset = lay_.state_offset + layer * cfg_.physical_slots() * head * isz;
     slot_stride = head;
   }
-  return TensorView::strided(at(offset), cfg_.state_dtype, {cfg_.slots, cfg_.HV, cfg_.V, cfg_.K},
+  return TensorView::strided(at(offset), cfg_.state_dtype,
+                             {cfg_.physical_slots(), cfg_.HV, cfg_.V, cfg_.K},
                              {slot_stride, cfg_.V * cfg_.K, cfg_.K, 1}, cfg_.device);
 }
 
@@ -212,33 +230,37 @@ void require_rings(const StatePoolConfig& c, int64_t layer) {
 
 TensorView StatePool::d_cache(int64_t layer) const {
   require_rings(cfg_, layer);
-  const int64_t per_layer = cfg_.slots * cfg_.HV * cfg_.replay_len * cfg_.V;
-  return TensorView::contiguous(at(lay_.d_offset + layer * per_layer * dtype_size(cfg_.state_dtype)),
-                                cfg_.state_dtype, {cfg_.slots, cfg_.HV, cfg_.replay_len, cfg_.V},
-                                cfg_.device);
+  const int64_t n = cfg_.physical_slots();
+  const int64_t per_layer = n * cfg_.HV * cfg_.replay_len * cfg_.V;
+  return TensorView::contiguous(
+      at(lay_.d_offset + layer * per_layer * dtype_size(cfg_.state_dtype)), cfg_.state_dtype,
+      {n, cfg_.HV, cfg_.replay_len, cfg_.V}, cfg_.device);
 }
 
 TensorView StatePool::k_cache(int64_t layer) const {
   require_rings(cfg_, layer);
-  const int64_t per_layer = cfg_.slots * cfg_.H * cfg_.replay_len * cfg_.K;
-  return TensorView::contiguous(at(lay_.k_offset + layer * per_layer * dtype_size(cfg_.ring_k_dtype)),
-                                cfg_.ring_k_dtype, {cfg_.slots, cfg_.H, cfg_.replay_len, cfg_.K},
-                                cfg_.device);
+  const int64_t n = cfg_.physical_slots();
+  const int64_t per_layer = n * cfg_.H * cfg_.replay_len * cfg_.K;
+  return TensorView::contiguous(
+      at(lay_.k_offset + layer * per_layer * dtype_size(cfg_.ring_k_dtype)), cfg_.ring_k_dtype,
+      {n, cfg_.H, cfg_.replay_len, cfg_.K}, cfg_.device);
 }
 
 TensorView StatePool::g_cache(int64_t layer) const {
   require_rings(cfg_, layer);
+  const int64_t n = cfg_.physical_slots();
   const int64_t width = cfg_.kda ? cfg_.K : 1;
-  const int64_t per_layer = cfg_.slots * cfg_.HV * cfg_.replay_len * width;
+  const int64_t per_layer = n * cfg_.HV * cfg_.replay_len * width;
   void* p = at(lay_.g_offset + layer * per_layer * 4);
   if (cfg_.kda)
-    return TensorView::contiguous(p, DType::f32, {cfg_.slots, cfg_.HV, cfg_.replay_len, cfg_.K},
+    return TensorView::contiguous(p, DType::f32, {n, cfg_.HV, cfg_.replay_len, cfg_.K},
                                   cfg_.device);
-  return TensorView::contiguous(p, DType::f32, {cfg_.slots, cfg_.HV, cfg_.replay_len}, cfg_.device);
+  return TensorView::contiguous(p, DType::f32, {n, cfg_.HV, cfg_.replay_len}, cfg_.device);
 }
 
 TensorView StatePool::write_pos() const {
-  return TensorView::contiguous(at(lay_.cursor_offset), DType::i32, {cfg_.slots}, cfg_.device);
+  return TensorView::contiguous(at(lay_.cursor_offset), DType::i32, {cfg_.physical_slots()},
+                                cfg_.device);
 }
 
 void* StatePool::envelope_extra(int64_t slot) const {

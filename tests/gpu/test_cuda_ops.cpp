@@ -1,13 +1,14 @@
 // The CUDA backend against the CPU backend of the same library, on the same inputs (plain C++ over
 // the CUDA runtime API). Every test skips when no CUDA device is present.
 //
-// Tolerances (spec §10): each op's GPU result is compared with the CPU result of the same call.
-// Both backends compute in fp32 and round on store, so a value stored in bf16/fp16 may differ by
-// one ulp where the two fp32 results straddle a rounding boundary: the comparisons add one ulp of
-// the storage dtype (all_close(..., rounded = 2)) to the fp32 tolerances (outputs 1e-4/1e-4,
-// states 1e-5/1e-4). ReplaySSM runs 42 independent steps on each backend and uses the spec's
-// ReplaySSM-vs-ReplaySSM tolerances (outputs 5e-4/1e-2, checkpoint 4e-3/1e-2, d/k rings 2e-3/1e-2,
-// g ring 1e-5/1e-4); its cursors, flush decisions and untouched memory must agree exactly.
+// Tolerances (those of SGLang's kernel tests): each op's GPU result is compared with the CPU
+// result of the same call. Both backends compute in fp32 and round on store, so a value stored in
+// bf16/fp16 may differ by one ulp where the two fp32 results straddle a rounding boundary: the
+// comparisons add one ulp of the storage dtype (all_close(..., rounded = 2)) to the fp32
+// tolerances (outputs 1e-4/1e-4, states 1e-5/1e-4). ReplaySSM runs 42 independent steps on each
+// backend and uses SGLang's ReplaySSM-vs-ReplaySSM (Helion vs Triton) tolerances (outputs
+// 5e-4/1e-2, checkpoint 4e-3/1e-2, d/k rings 2e-3/1e-2, g ring 1e-5/1e-4); its cursors, flush
+// decisions and untouched memory must agree exactly.
 #include <cuda_runtime.h>
 
 #include <cmath>

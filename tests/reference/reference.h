@@ -1,8 +1,10 @@
-// An independent fp64 reference of gated delta-rule decode, written from the spec
-// (/work/shared/reference/spec-sglang-decode.md §0, §2-§5). Plain loops over doubles; it shares no
-// code with the library and knows nothing about its tensors, dtypes or kernels. Tests read the
-// library's inputs back as doubles (after rounding them to their storage dtype), run this, and
-// compare.
+// An independent fp64 reference of gated delta-rule decode, written from the semantics of
+// SGLang's kernels (fused_recurrent_gated_delta_rule_packed_decode,
+// fused_recurrent_kda_packed_decode, fused_sigmoid_gating_delta_rule_update,
+// fused_recurrent_linear_replayssm_decode in basic mode): the gates, the q/k L2 norm and the
+// per-token delta-rule order. Plain loops over doubles; it shares no code with the library and
+// knows nothing about its tensors, dtypes or kernels. Tests read the library's inputs back as
+// doubles (after rounding them to their storage dtype), run this, and compare.
 #pragma once
 
 #include <functional>
@@ -55,10 +57,11 @@ double beta_of(const Config& c, const Token& t, int hv);
 std::vector<double> prepared_q(const Config& c, const Token& t, int h);
 std::vector<double> prepared_k(const Config& c, const Token& t, int h);
 
-// One token of the delta rule on S (spec §0, in that order); returns o [HV*V].
+// One token of the delta rule on S, in the reference order: decay S by alpha, u = beta (v - S k),
+// S += u k^T, o = S q; returns o [HV*V].
 std::vector<double> step(const Config& c, const Token& t, State& S);
 
-// ---- ReplaySSM (spec §5, basic mode) ----------------------------------------------------------
+// ---- ReplaySSM (fused_recurrent_linear_replayssm_decode, basic mode) ---------------------------
 // The ring of one slot, as stored: d [HV][L][V], k [H][L][K] (normalized, unscaled keys),
 // g [HV][L][gate_width] (log decay).
 struct Ring {

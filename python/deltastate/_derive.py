@@ -1,0 +1,204 @@
+"""What the op table (:mod:`deltastate._surface`) derives: the binding's argument order, the
+public functions, the torch schemas and the torch implementations.
+
+The functions are generated as Python source and compiled once at import, so that a call runs
+straight-line code with the table's names (no ``*args`` / ``**kwargs`` handling, no signature
+binding per call) and ``inspect.signature`` / ``help()`` show the real parameters. The source is
+registered with :mod:`linecache`, so tracebacks and ``inspect.getsource`` show it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+from typing import Any, Dict, Mapping, Sequence, Tuple
+
+from ._surface import BOOL, CHECK, FLOAT, OPT_FLOAT, REQUIRED, Arg, Op
+
+
+# ---- the binding ------------------------------------------------------------------------------
+def binding_order(op: Op, signatures: Mapping[str, Sequence[str]]) -> Tuple[Arg, ...]:
+    """The op's arguments in the order its binding takes them (``op_signatures()`` of the compiled
+    module: "name:kind" per argument); ImportError when the table and the binding differ."""
+    try:
+        listed = [str(s).split(":", 1) for s in signatures[op.name]]
+    except KeyError:
+        raise ImportError(f"deltastate: the compiled module has no binding for op `{op.name}`; "
+                          "rebuild it (pip install .)") from None
+    args = {a.name: a for a in op.op_args}
+    table = sorted(f"{a.name}:{a.kind.name}" for a in args.values())
+    if sorted(f"{n}:{k}" for n, k in listed) != table:
+        raise ImportError(
+            f"deltastate: op `{op.name}` takes ({', '.join(table)}) in deltastate/_surface.py "
+            f"but ({', '.join(sorted(':'.join(x) for x in listed))}) in the compiled module; "
+            "rebuild the module (pip install .) or bring the two in line")
+    return tuple(args[n] for n, _ in listed)
+
+
+# ---- argument conversions ---------------------------------------------------------------------
+def _convert(arg: Arg) -> str:
+    """A statement normalizing a public argument's value to what the binding takes (the common
+    values pass an identity or type check only), or "" for tensors."""
+    x = arg.name
+    if arg.kind is FLOAT:
+        return f"{x} = {x} if type({x}) is float else _number({x}, {x!r})"
+    if arg.kind is OPT_FLOAT:
+        return f"{x} = {x} if {x} is None or type({x}) is float else _number_or_none({x}, {x!r})"
+    if arg.kind is BOOL:
+        if type(arg.default) is bool:
+            return f"{x} = {x} if {x} is {arg.default!r} else bool({x})"
+        return f"{x} = {x} if type({x}) is bool else bool({x})"
+    if arg.kind is CHECK:
+        return f"{x} = -1 if {x} is None else int(bool({x}))"
+    return ""
+
+
+def _op_value(arg: Arg, value: Any) -> Any:
+    """A public default as the torch op / binding takes it."""
+    if arg.kind is CHECK:
+        return -1 if value is None else int(bool(value))
+    return value
+
+
+# ---- generated functions ----------------------------------------------------------------------
+def _compile(name: str, params: str, body: Sequence[str], closure: Dict[str, Any],
+             namespace: Dict[str, Any], tag: str):
+    """`def name(params): body` with `closure`'s names bound, its globals `namespace`."""
+    lines = ["from __future__ import annotations", f"def _make({', '.join(closure)}):",
+             f"    def {name}({params}):"]
+    lines += [f"        {line}" for line in body]
+    lines += [f"    return {name}", ""]
+    source = "\n".join(lines)
+    filename = f"<deltastate {tag} {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    code = compile(source, filename, "exec")
+    scope: Dict[str, Any] = {}
+    exec(code, namespace, scope)
+    fn = scope["_make"](**closure)
+    fn.__qualname__ = name  # not "_make.<locals>.name", in reprs and in Python's own TypeErrors
+    if hasattr(fn.__code__, "co_qualname"):  # Python >= 3.11 takes the latter from the code
+        fn.__code__ = fn.__code__.replace(co_qualname=name)
+    return fn
+
+
+def _params(args: Sequence[Arg], defaults: Dict[str, Any], public: bool) -> str:
+    """A parameter list; the public function's with annotations and keyword-only arguments."""
+    out, keyword = [], False
+    for a in args:
+        if public and a.keyword and not keyword:
+            out.append("*")
+            keyword = True
+        p = a.name
+        if public and a.kind.annotation:
+            p += f": {a.kind.annotation}"
+        d = defaults.get(a.name, REQUIRED)
+        if d is not REQUIRED:
+            assert d is None or type(d) in (bool, int, float), f"{a.name}: default {d!r}"
+            p += f"={d!r}"
+        out.append(p)
+    return ", ".join(out)
+
+
+def _arg_list(op: Op) -> str:
+    """The generated part of a public function's docstring: each argument's kind and dtypes."""
+    args = op.public_args
+    width = max(len(a.name) for a in args)
+    lines = ["Arguments:"]
+    for a in args:
+        what = a.kind.annotation or a.kind.name
+        if a.dtypes:
+            what += f" ({', '.join(a.dtypes)})"
+        if a.mutated:
+            what += ", written in place"
+        lines.append(f"  {a.name:<{width}}  {what}")
+    return "\n".join(lines)
+
+
+def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, Any]):
+    """The public function of `op`: the table's signature; `op.prepare` (if any); the scalars
+    converted; then, while torch.compile traces, the torch custom op (``_tops.ops.<name>``), else
+    the binding `ffi`, whose type errors are re-raised naming the public argument.
+
+    `namespace` (the globals of :mod:`deltastate.ops`) provides ``_is_compiling``, ``_tops``,
+    ``_number``, ``_number_or_none`` and ``_arg_error``."""
+    public = op.public_args
+    closure: Dict[str, Any] = {"_ffi": ffi, "_op": op.public,
+                               "_shown": tuple((a.shown_as or a.name, a.kind.expected)
+                                               for a in binding)}
+    body = []
+    if op.prepare is not None:
+        inputs = list(inspect.signature(op.prepare).parameters)[1:]
+        body.append(f"{', '.join(op.fills)}, = _prepare(_op, {', '.join(inputs)})")
+        closure["_prepare"] = op.prepare
+    body += [s for s in (_convert(a) for a in public if a.op) if s]
+    body += [f"{a.name} = {_op_value(a, a.default)!r}" for a in op.op_args
+             if not a.public and a.name not in op.fills]
+    returns = op.returns if isinstance(op.returns, str) else ", ".join(op.returns)
+    call = ", ".join(a.name for a in binding)
+    body += [
+        "if _is_compiling():",
+        f"    _tops.ops.{op.name}({', '.join(a.name for a in op.op_args)})",
+        f"    return {returns}",
+        "try:",
+        f"    _ffi({call})",
+        "except (TypeError, BufferError) as e:",
+        f"    raise _arg_error(_op, _shown, ({call},), e) from None",
+        f"return {returns}",
+    ]
+    defaults = {a.name: a.default for a in public}
+    fn = _compile(op.public, _params(public, defaults, public=True), body, closure, namespace,
+                  "public")
+    fn.__doc__ = f"{inspect.cleandoc(op.doc)}\n\n{_arg_list(op)}"
+    return fn
+
+
+# ---- torch ------------------------------------------------------------------------------------
+def _schema_defaults(op: Op) -> Dict[str, Any]:
+    """The torch op's defaults: every argument from `op.schema_defaults_from` on (by default the
+    trailing run of arguments with a default the op's kind can take)."""
+    args = op.op_args
+
+    def has_default(a: Arg) -> bool:
+        return a.default is not REQUIRED and (a.default is not None or a.kind.schema.endswith("?")
+                                               or a.kind is CHECK)
+
+    if op.schema_defaults_from is not None:
+        start = [a.name for a in args].index(op.schema_defaults_from)
+    else:
+        start = len(args)
+        while start > 0 and has_default(args[start - 1]):
+            start -= 1
+    assert all(has_default(a) for a in args[start:]), f"{op.name}: an argument has no default"
+    return {a.name: _op_value(a, a.default) for a in args[start:]}
+
+
+def schema(op: Op) -> str:
+    """The torch custom-op schema: the op's arguments in order, `Tensor(a!)` (`Tensor(b!)?`, ...)
+    on the ones it writes in place, returning nothing."""
+    defaults = _schema_defaults(op)
+    parts, alias = [], iter("abcdefghijklmnopqrstuvwxyz")
+    for a in op.op_args:
+        t = a.kind.schema
+        if a.mutated:
+            base, opt = (t[:-1], "?") if t.endswith("?") else (t, "")
+            t = f"{base}({next(alias)}!){opt}"
+        p = f"{t} {a.name}"
+        if a.name in defaults:
+            p += f"={defaults[a.name]!r}"
+        parts.append(p)
+    return f"{op.name}({', '.join(parts)}) -> ()"
+
+
+def torch_impl(op: Op, ffi, binding: Sequence[Arg]):
+    """The torch op's real implementation (CPU and CUDA dispatch keys): the schema's arguments,
+    defaults included (the dispatcher passes only those given), handed to the binding."""
+    params = _params(op.op_args, _schema_defaults(op), public=False)
+    body = [f"_ffi({', '.join(a.name for a in binding)})"]
+    return _compile(op.name, params, body, {"_ffi": ffi}, {}, "torch")
+
+
+def torch_fake(*args, **kwargs):
+    """The fake (meta) implementation of every op: an op only writes tensors it was given, so
+    under FakeTensor tracing there is nothing to produce; the schema's (a!) annotations tell the
+    compiler which inputs change."""
+    return None

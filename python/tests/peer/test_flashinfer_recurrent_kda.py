@@ -1,0 +1,585 @@
+"""FlashInfer's ``recurrent_kda`` tests, ported to ``deltastate.recurrent_kda``.
+
+Source (flashinfer-ai/flashinfer): tests/kda/test_recurrent_kda.py
+@ 3c9da4747db034d97e2d235b0fa008c9bddef1bc. Ported: test_recurrent_kda_vs_naive,
+test_recurrent_kda_vs_fla, test_vllm_decode, test_standard_decode_state_indices_update_pool,
+test_vllm_padded_cuda_graph, test_non_compact_state_stride, test_non_contiguous_gate_stride.
+Function: flashinfer/kda.py::recurrent_kda (the ``flashinfer.recurrent_kda`` facade) and
+flashinfer/kda_kernels/recurrent_kda.py::run_recurrent_kda @ fb28d7242b3506a2348265962041acc1fb56cca4
+(see docs/PEERS.md).
+
+What changed in the port:
+  * The op is ``deltastate.recurrent_kda`` called exactly as FlashInfer's test calls
+    ``flashinfer.kda_decode.recurrent_kda`` (keywords only, FlashInfer's names).
+  * FlashInfer skips the file without an SM100 GPU; here it runs on CPU tensors and, when
+    available, CUDA tensors (``device`` parameter).
+  * References: FlashInfer's inline ``naive_recurrent_kda`` / ``naive_kda_gate`` /
+    ``naive_kda_lowerbound_gate`` (H == HV in every case) are the same computations as FLA's
+    naive references; the rewritten FLA versions in _peer_common are used (for H == HV and a
+    given A_log they are identical, including the bf16 output rounding).
+    test_recurrent_kda_vs_fla's oracle is FLA's Triton ``fused_recurrent_kda``; the port uses
+    FLA's naive reference with the same inputs (in-kernel L2 norm done on the reference's input).
+  * FlashInfer's ``assert_close`` (NaN checks + torch.testing.assert_close, default atol = rtol =
+    5e-3) is kept, as are all sizes, seeds, tolerances and assertions.
+  * Not ported: the speculative-decode tests (test_spec_decode_*, test_t1_cu_seqlens_*,
+    test_kernel_schedule): deltastate's speculative verify arrives with the verify issue; until
+    then a non-default ``num_spec_tokens`` / ``num_accepted_tokens`` must be rejected clearly,
+    which test_surface_spec_arguments_rejected_clearly checks.
+  * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
+    read from its source (signature; in-place state; return values with and without indices;
+    ``initial_state=None`` with indices allocating).
+"""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _peer_common import (NO_DEFAULT, P, check_signature, device_param,
+                          fla_naive_kda_gate, fla_naive_kda_lowerbound_gate,
+                          fla_naive_recurrent_kda, manual_seed, peer_op)
+
+naive_recurrent_kda = fla_naive_recurrent_kda
+naive_kda_gate = fla_naive_kda_gate
+
+
+def naive_kda_lowerbound_gate(g, A_log, dt_bias=None, lower_bound=-5.0):
+    return fla_naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound)
+
+
+def recurrent_kda(**kwargs):
+    return peer_op("recurrent_kda")(**kwargs)
+
+
+def assert_close(prefix, ref, tri, atol=5e-3, rtol=5e-3):
+    """Assert tensors are close with bf16-appropriate tolerances."""
+    ref_f, tri_f = ref.float(), tri.float()
+    abs_diff = (ref_f - tri_f).flatten().abs().max().item()
+    assert not torch.isnan(ref).any(), f"{prefix}: NaN in ref"
+    assert not torch.isnan(tri).any(), f"{prefix}: NaN in tri"
+    torch.testing.assert_close(ref_f, tri_f, atol=atol, rtol=rtol,
+                               msg=f"{prefix} diff: {abs_diff:.6f}")
+
+
+def maybe_l2norm(x, enabled):
+    x = x.float()
+    return F.normalize(x, p=2, dim=-1) if enabled else x
+
+
+_VS_REFERENCE_CONFIGS = [
+    (1, 1, 4, 64, 1, 1, True, torch.bfloat16),
+    (1, 1, 4, 64, 1, 1, False, torch.bfloat16),
+    (4, 1, 4, 128, 0.1, 1, True, torch.bfloat16),
+    (4, 1, 4, 128, 0.1, 1, False, torch.bfloat16),
+    (16, 1, 4, 128, 0.1, 1, True, torch.bfloat16),
+]
+_VS_REFERENCE_PARAMS = [
+    pytest.param(*test, id="B{}-T{}-H{}-D{}-scale{}-norm{}-qk_l2{}-{}".format(*test))
+    for test in _VS_REFERENCE_CONFIGS
+]
+_VS_NAMES = ("B", "T", "H", "D", "scale", "gate_logit_normalizer", "use_qk_l2norm_in_kernel",
+             "dtype")
+
+
+def _make_vs_reference_tensors(device, B, T, H, D, gate_logit_normalizer, dtype):
+    manual_seed(42)
+    q = torch.rand(B, T, H, D, dtype=dtype, device=device)
+    k = torch.rand(B, T, H, D, dtype=dtype, device=device)
+    v = torch.rand(B, T, H, D, dtype=dtype, device=device)
+    g = (F.logsigmoid(torch.randn(B, T, H, D, dtype=torch.float, device=device))
+         / gate_logit_normalizer).to(dtype)
+    beta = torch.randn(B, T, H, dtype=dtype, device=device).sigmoid()
+    h0_bf16 = torch.randn(B, H, D, D, dtype=torch.bfloat16, device=device) * 0.01
+    h0_f32 = h0_bf16.transpose(-1, -2).float()
+    return q, k, v, g, beta, h0_bf16, h0_f32
+
+
+@device_param
+@pytest.mark.parametrize(_VS_NAMES, _VS_REFERENCE_PARAMS)
+def test_recurrent_kda_vs_naive(device, B, T, H, D, scale, gate_logit_normalizer,
+                                use_qk_l2norm_in_kernel, dtype):
+    """Recurrent KDA kernel matches naive recurrent KDA reference."""
+    q, k, v, g, beta, h0_bf16, h0_f32 = _make_vs_reference_tensors(device, B, T, H, D,
+                                                                   gate_logit_normalizer, dtype)
+    ref, ref_ht = naive_recurrent_kda(
+        q=maybe_l2norm(q, use_qk_l2norm_in_kernel),
+        k=maybe_l2norm(k, use_qk_l2norm_in_kernel),
+        v=v.float(),
+        g=g.float(),
+        beta=beta.float(),
+        scale=scale,
+        initial_state=h0_f32.clone(),
+        output_final_state=True,
+    )
+    tri, tri_ht = recurrent_kda(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0_bf16.clone(),
+        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    assert_close("o", ref, tri)
+    assert_close("ht", ref_ht, tri_ht.transpose(-1, -2).float())
+
+
+@device_param
+@pytest.mark.parametrize(_VS_NAMES, _VS_REFERENCE_PARAMS)
+def test_recurrent_kda_vs_fla(device, B, T, H, D, scale, gate_logit_normalizer,
+                              use_qk_l2norm_in_kernel, dtype):
+    """Recurrent KDA kernel matches FLA's fused_recurrent_kda (here: FLA's naive reference)."""
+    q, k, v, g, beta, h0_bf16, h0_f32 = _make_vs_reference_tensors(device, B, T, H, D,
+                                                                   gate_logit_normalizer, dtype)
+    ref, ref_ht = fla_naive_recurrent_kda(
+        q=maybe_l2norm(q, use_qk_l2norm_in_kernel),
+        k=maybe_l2norm(k, use_qk_l2norm_in_kernel),
+        v=v.float(),
+        g=g.float(),
+        beta=beta.float(),
+        scale=scale,
+        initial_state=h0_f32.clone(),
+        output_final_state=True,
+    )
+    tri, tri_ht = recurrent_kda(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0_bf16.clone(),
+        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    assert_close("o", ref, tri)
+    assert_close("ht", ref_ht, tri_ht.transpose(-1, -2).float())
+
+
+@device_param
+@pytest.mark.parametrize(
+    ("B", "H", "D", "scale", "gate_logit_normalizer", "use_qk_l2norm_in_kernel",
+     "use_gate_in_kernel", "safe_gate", "dtype"),
+    [
+        pytest.param(*test, id="B{}-H{}-D{}-scale{}-norm{}-qk_l2{}-gate{}-safe{}-{}".format(*test))
+        for test in [
+            (16, 16, 128, 0.1, 1.0, True, False, False, torch.bfloat16),
+            (4, 16, 128, 0.1, 1.0, False, False, False, torch.bfloat16),
+            (32, 8, 64, 1.0, 1.0, True, False, False, torch.bfloat16),
+            (8, 8, 64, 1.0, 1.0, False, True, False, torch.bfloat16),
+            (7, 32, 128, 0.5, 0.5, True, False, False, torch.bfloat16),
+            (16, 16, 128, 0.1, 1.0, True, True, False, torch.bfloat16),
+            (32, 8, 64, 1.0, 1.0, True, True, False, torch.bfloat16),
+            (7, 32, 128, 0.5, 0.5, True, True, False, torch.bfloat16),
+            (7, 32, 128, 0.5, 0.5, True, True, True, torch.bfloat16),
+            (4, 32, 128, 0.5, 0.5, False, True, True, torch.bfloat16),
+        ]
+    ],
+)
+def test_vllm_decode(device, B, H, D, scale, gate_logit_normalizer, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, safe_gate, dtype):
+    """vLLM-style decoding: continuous batching with paged state, Recurrent KDA vs naive."""
+    manual_seed(42)
+    max_cache_slots = B * 3
+    state_pool_bf16 = torch.randn(max_cache_slots, H, D, D, dtype=torch.bfloat16, device=device)
+    state_indices = torch.randperm(max_cache_slots, device=device)[:B].int()
+
+    HUGE_VALUE = 1e4  # bf16 max is ~65504, use 1e4 as sentinel
+    unaccessed = torch.ones(max_cache_slots, dtype=torch.bool, device=device)
+    unaccessed[state_indices.long()] = False
+    state_pool_bf16[unaccessed] = HUGE_VALUE
+
+    T = 1
+    total_tokens = B * T
+    q = torch.rand(1, total_tokens, H, D, dtype=dtype, device=device)
+    k = torch.rand(1, total_tokens, H, D, dtype=dtype, device=device)
+    v = torch.rand(1, total_tokens, H, D, dtype=dtype, device=device)
+    g = torch.randn(1, total_tokens, H, D,
+                    dtype=torch.float if not use_gate_in_kernel else dtype, device=device)
+    if use_gate_in_kernel:
+        A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32,
+                                      device=device).uniform_(1, 16)).squeeze()
+        dt_bias = torch.randn(H * D, dtype=torch.float32, device=device)
+        lower_bound = -5.0 if safe_gate else None
+        naive_gate_fn = naive_kda_lowerbound_gate if safe_gate else naive_kda_gate
+    else:
+        g = (F.logsigmoid(g) / gate_logit_normalizer).to(dtype)
+        A_log = None
+        dt_bias = None
+        lower_bound = None
+        naive_gate_fn = None
+    beta = torch.randn(1, total_tokens, H, dtype=dtype, device=device).sigmoid()
+    cu_seqlens = torch.arange(0, total_tokens + 1, step=T, device=device, dtype=torch.long)
+    ref_state_pool = state_pool_bf16.transpose(-1, -2).float()
+    tri_state_pool_bf16 = state_pool_bf16.clone()
+
+    ref_outputs = []
+    for i in range(B):
+        start, end = i, i + 1
+        slot_idx = state_indices[i].item()
+        q_i, k_i, v_i, g_i, beta_i = (x[:, start:end] for x in (q, k, v, g, beta))
+        h_init = ref_state_pool[slot_idx].unsqueeze(0)
+        gate_kwargs = dict(lower_bound=lower_bound) if safe_gate else {}
+        ref_o_i, ref_ht_i = naive_recurrent_kda(
+            q=maybe_l2norm(q_i, use_qk_l2norm_in_kernel),
+            k=maybe_l2norm(k_i, use_qk_l2norm_in_kernel),
+            v=v_i.float(),
+            g=(naive_gate_fn(g_i, A_log, dt_bias, **gate_kwargs).float()
+               if use_gate_in_kernel else g_i.float()),
+            beta=beta_i.float(),
+            scale=scale,
+            initial_state=h_init.clone(),
+            output_final_state=True,
+        )
+        ref_outputs.append(ref_o_i)
+        ref_state_pool[slot_idx] = ref_ht_i.squeeze(0)
+    ref_out = torch.cat(ref_outputs, dim=1)
+
+    tri_out, _ = recurrent_kda(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+        initial_state=tri_state_pool_bf16, output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound, cu_seqlens=cu_seqlens, ssm_state_indices=state_indices,
+    )
+
+    assert_close("o", ref_out, tri_out)
+    tri_ht_f32 = tri_state_pool_bf16[state_indices.long()].transpose(-1, -2).float()
+    assert_close("ht", ref_state_pool[state_indices.long()], tri_ht_f32)
+    tri_untouched = tri_state_pool_bf16[unaccessed].transpose(-1, -2).float()
+    ref_untouched = state_pool_bf16[unaccessed].transpose(-1, -2).float()
+    assert_close("Untouched ht", ref_untouched, tri_untouched, atol=1e-2, rtol=1e-2)
+
+
+@device_param
+def test_standard_decode_state_indices_update_pool(device):
+    """Standard decode with ssm_state_indices updates the caller's state pool."""
+    manual_seed(42)
+    dtype = torch.bfloat16
+    B, H, D = 4, 8, 64
+    HV = H
+    n_slots = B * 3
+    q = torch.rand(B, 1, H, D, dtype=dtype, device=device)
+    k = torch.rand(B, 1, H, D, dtype=dtype, device=device)
+    v = torch.rand(B, 1, HV, D, dtype=dtype, device=device)
+    g = F.logsigmoid(torch.randn(B, 1, HV, D, device=device)).to(dtype)
+    beta = torch.rand(B, 1, HV, dtype=dtype, device=device).sigmoid()
+    scale = D ** -0.5
+
+    state_pool = torch.randn(n_slots, HV, D, D, dtype=dtype, device=device) * 0.01
+    state_indices = torch.randperm(n_slots, device=device)[:B].int()
+    untouched = torch.ones(n_slots, dtype=torch.bool, device=device)
+    untouched[state_indices.long()] = False
+
+    compact_state = state_pool[state_indices].clone()
+    ref_out, ref_state = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                                       initial_state=compact_state, output_final_state=True)
+    indexed_pool = state_pool.clone()
+    original_untouched = indexed_pool[untouched].clone()
+    tri_out, tri_state = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                                       initial_state=indexed_pool, output_final_state=True,
+                                       ssm_state_indices=state_indices)
+
+    assert_close("indexed output", ref_out.float(), tri_out.float())
+    assert_close("indexed returned state", ref_state.float(), tri_state.float())
+    assert_close("indexed state pool", ref_state.float(),
+                 indexed_pool[state_indices.long()].float())
+    assert_close("indexed untouched state", original_untouched.float(),
+                 indexed_pool[untouched].float(), atol=1e-3, rtol=1e-3)
+
+
+@device_param
+@pytest.mark.parametrize(
+    ("H", "D", "use_gate_in_kernel", "use_qk_l2norm_in_kernel"),
+    [
+        pytest.param(8, 64, False, True, id="H8-D64-precomputed"),
+        pytest.param(16, 128, False, True, id="H16-D128-precomputed"),
+        pytest.param(8, 64, False, False, id="H8-D64-precomputed-no-qk-l2"),
+        pytest.param(8, 64, True, True, id="H8-D64-in-kernel"),
+        pytest.param(16, 128, True, True, id="H16-D128-in-kernel"),
+    ],
+)
+def test_vllm_padded_cuda_graph(device, H, D, use_gate_in_kernel, use_qk_l2norm_in_kernel):
+    """Padded slots (PAD_SLOT_ID=-1, seq_len=0) must not corrupt any state, and active slots
+    must produce correct output + state."""
+    manual_seed(42)
+    dtype = torch.bfloat16
+    B_active = 4
+    B_padded = 3
+    B_total = B_active + B_padded
+    max_slots = 32
+    SENTINEL = 7.0
+    state_pool = torch.zeros(max_slots, H, D, D, dtype=dtype, device=device)
+    state_pool[0] = SENTINEL
+    active_indices = torch.randperm(max_slots - 1, device=device)[:B_active] + 1
+    state_pool[active_indices.long()] = (
+        torch.randn(B_active, H, D, D, dtype=dtype, device=device) * 0.01)
+    state_pool_ref = state_pool.clone()
+
+    q = torch.rand(1, B_total, H, D, dtype=dtype, device=device)
+    k = torch.rand(1, B_total, H, D, dtype=dtype, device=device)
+    v = torch.rand(1, B_total, H, D, dtype=dtype, device=device)
+    if use_gate_in_kernel:
+        g = torch.randn(1, B_total, H, D, dtype=dtype, device=device)
+        A_log = torch.log(torch.ones(H, dtype=torch.float32, device=device).uniform_(1, 16))
+        dt_bias = torch.randn(H * D, dtype=torch.float32, device=device)
+        lower_bound = None
+        naive_gate_fn = naive_kda_gate
+    else:
+        g = (F.logsigmoid(torch.randn(1, B_total, H, D, device=device)) / 1.0).to(dtype)
+        A_log = None
+        dt_bias = None
+        lower_bound = None
+        naive_gate_fn = None
+    beta = torch.rand(1, B_total, H, dtype=dtype, device=device).sigmoid()
+
+    # cu_seqlens: active tokens have 1 token each, padded tokens have 0
+    cu_seqlens = torch.cat([
+        torch.arange(B_active + 1, device=device, dtype=torch.int32),
+        torch.full((B_padded,), B_active, device=device, dtype=torch.int32),
+    ])
+    ssm_state_indices = torch.cat([
+        active_indices.int(),
+        torch.full((B_padded,), -1, device=device, dtype=torch.int32),
+    ])
+    scale = 1.0 / D ** 0.5
+
+    tri_out, _ = recurrent_kda(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+        initial_state=state_pool, output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+    )
+
+    slot0_after = state_pool[0]
+    assert torch.all(slot0_after == SENTINEL), (
+        f"State slot 0 corrupted! Expected all {SENTINEL}, "
+        f"got min={slot0_after.min().item():.3f} max={slot0_after.max().item():.3f}")
+
+    ref_state_pool = state_pool_ref.transpose(-1, -2).float()
+    ref_outputs = []
+    for i in range(B_active):
+        slot_idx = active_indices[i].item()
+        q_i, k_i, v_i, g_i, beta_i = (x[:, i:i + 1] for x in (q, k, v, g, beta))
+        ref_o_i, ref_ht_i = naive_recurrent_kda(
+            q=maybe_l2norm(q_i, use_qk_l2norm_in_kernel),
+            k=maybe_l2norm(k_i, use_qk_l2norm_in_kernel),
+            v=v_i.float(),
+            g=(naive_gate_fn(g_i, A_log, dt_bias).float() if use_gate_in_kernel
+               else g_i.float()),
+            beta=beta_i.float(),
+            scale=scale,
+            initial_state=ref_state_pool[slot_idx].unsqueeze(0).clone(),
+            output_final_state=True,
+        )
+        ref_outputs.append(ref_o_i)
+        ref_state_pool[slot_idx] = ref_ht_i.squeeze(0)
+    ref_out = torch.cat(ref_outputs, dim=1)
+
+    assert_close("active output", ref_out, tri_out[:, :B_active])
+    tri_ht = state_pool[active_indices.long()].transpose(-1, -2).float()
+    assert_close("active state", ref_state_pool[active_indices.long()], tri_ht, atol=0.1,
+                 rtol=0.05)
+
+
+@device_param
+@pytest.mark.parametrize(("H", "D"), [pytest.param(8, 64, id="H8-D64"),
+                                      pytest.param(16, 128, id="H16-D128")])
+def test_non_compact_state_stride(device, H, D):
+    """State tensor with non-compact stride[0] (vLLM block-based cache) gives the same result."""
+    manual_seed(42)
+    dtype = torch.bfloat16
+    B = 4
+    HV = H
+    PADDING = 32
+    compact_stride = HV * D * D
+    padded_stride = compact_stride + PADDING
+    backing = torch.zeros(B * padded_stride, dtype=dtype, device=device)
+    state_noncompact = backing.as_strided(size=(B, HV, D, D), stride=(padded_stride, D * D, D, 1))
+    state_init = torch.randn(B, HV, D, D, dtype=dtype, device=device) * 0.01
+    state_noncompact.copy_(state_init)
+    state_compact = state_init.clone()
+
+    q = torch.rand(1, B, H, D, dtype=dtype, device=device)
+    k = torch.rand(1, B, H, D, dtype=dtype, device=device)
+    v = torch.rand(1, B, H, D, dtype=dtype, device=device)
+    g = (F.logsigmoid(torch.randn(1, B, H, D, device=device)) / 1.0).to(dtype)
+    beta = torch.rand(1, B, H, dtype=dtype, device=device).sigmoid()
+    scale = 1.0 / D ** 0.5
+    cu_seqlens = torch.arange(B + 1, device=device, dtype=torch.int32)
+    ssm_state_indices = torch.arange(B, device=device, dtype=torch.int32)
+
+    out_nc, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                              initial_state=state_noncompact, cu_seqlens=cu_seqlens,
+                              ssm_state_indices=ssm_state_indices)
+    out_c, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                             initial_state=state_compact, cu_seqlens=cu_seqlens,
+                             ssm_state_indices=ssm_state_indices)
+    assert_close("non-compact output", out_c, out_nc)
+    nc_vals = state_noncompact.transpose(-1, -2).float()
+    c_vals = state_compact.transpose(-1, -2).float()
+    assert_close("non-compact state", c_vals, nc_vals, atol=0.1, rtol=0.05)
+
+
+@device_param
+@pytest.mark.parametrize("H, D", [pytest.param(8, 64, id="H8-D64"),
+                                  pytest.param(16, 128, id="H16-D128")])
+def test_non_contiguous_gate_stride(device, H, D):
+    """Gate tensor with non-contiguous strides (a split of a fused projection) gives the same
+    result; batched path and cu_seqlens path."""
+    manual_seed(42)
+    dtype = torch.bfloat16
+    B = 4
+    HV = H
+    EXTRA = 256
+    gate_dim = HV * D
+    total_proj_dim = gate_dim + EXTRA
+    batch_stride = 1 * total_proj_dim
+
+    backing = torch.zeros(B * batch_stride + EXTRA, dtype=dtype, device=device)
+    g_values = F.logsigmoid(torch.randn(B, 1, HV, D, device=device)).to(dtype)
+    for b in range(B):
+        offset = b * batch_stride + EXTRA
+        backing[offset: offset + gate_dim] = g_values[b, 0].reshape(-1)
+    g_noncontiguous = backing[EXTRA:].as_strided(size=(B, 1, HV, D),
+                                                 stride=(batch_stride, total_proj_dim, D, 1))
+    assert g_noncontiguous.stride()[1] == total_proj_dim
+    g_contiguous = g_noncontiguous.contiguous()
+
+    q = torch.rand(B, 1, H, D, dtype=dtype, device=device)
+    k = torch.rand(B, 1, H, D, dtype=dtype, device=device)
+    v = torch.rand(B, 1, HV, D, dtype=dtype, device=device)
+    beta = torch.rand(B, 1, HV, dtype=dtype, device=device).sigmoid()
+    scale = 1.0 / D ** 0.5
+    state_nc = torch.randn(B, HV, D, D, dtype=dtype, device=device) * 0.01
+    state_c = state_nc.clone()
+
+    out_nc, _ = recurrent_kda(q=q, k=k, v=v, g=g_noncontiguous, beta=beta, scale=scale,
+                              initial_state=state_nc)
+    out_c, _ = recurrent_kda(q=q, k=k, v=v, g=g_contiguous, beta=beta, scale=scale,
+                             initial_state=state_c)
+    assert_close("non-contiguous gate output (batched)", out_c, out_nc)
+    assert_close("non-contiguous gate state (batched)", state_c.transpose(-1, -2).float(),
+                 state_nc.transpose(-1, -2).float(), atol=0.1, rtol=0.05)
+
+    cu_seqlens = torch.arange(B + 1, device=device, dtype=torch.int32)
+    ssm_state_indices = torch.arange(B, device=device, dtype=torch.int32)
+    token_stride_cu = total_proj_dim
+    batch_stride_cu = B * total_proj_dim
+    backing_cu = torch.zeros(batch_stride_cu + EXTRA, dtype=dtype, device=device)
+    g_vals_cu = F.logsigmoid(torch.randn(1, B, HV, D, device=device)).to(dtype)
+    for s in range(B):
+        offset = s * token_stride_cu + EXTRA
+        backing_cu[offset: offset + gate_dim] = g_vals_cu[0, s].reshape(-1)
+    g_nc_cu = backing_cu[EXTRA:].as_strided(size=(1, B, HV, D),
+                                            stride=(batch_stride_cu, token_stride_cu, D, 1))
+    assert g_nc_cu.stride()[1] == total_proj_dim
+    g_c_cu = g_nc_cu.contiguous()
+
+    q_cu = torch.rand(1, B, H, D, dtype=dtype, device=device)
+    k_cu = torch.rand(1, B, H, D, dtype=dtype, device=device)
+    v_cu = torch.rand(1, B, HV, D, dtype=dtype, device=device)
+    beta_cu = torch.rand(1, B, HV, dtype=dtype, device=device).sigmoid()
+    state_nc_cu = torch.randn(B, HV, D, D, dtype=dtype, device=device) * 0.01
+    state_c_cu = state_nc_cu.clone()
+
+    out_nc_cu, _ = recurrent_kda(q=q_cu, k=k_cu, v=v_cu, g=g_nc_cu, beta=beta_cu, scale=scale,
+                                 initial_state=state_nc_cu, cu_seqlens=cu_seqlens,
+                                 ssm_state_indices=ssm_state_indices)
+    out_c_cu, _ = recurrent_kda(q=q_cu, k=k_cu, v=v_cu, g=g_c_cu, beta=beta_cu, scale=scale,
+                                initial_state=state_c_cu, cu_seqlens=cu_seqlens,
+                                ssm_state_indices=ssm_state_indices)
+    assert_close("non-contiguous gate output (cu_seqlens)", out_c_cu, out_nc_cu)
+    assert_close("non-contiguous gate state (cu_seqlens)", state_c_cu.transpose(-1, -2).float(),
+                 state_nc_cu.transpose(-1, -2).float(), atol=0.1, rtol=0.05)
+
+
+# ---- FlashInfer surface facts (from the source, not FlashInfer tests) ----------------------------
+FLASHINFER_RECURRENT_KDA = [
+    ("q", P, NO_DEFAULT), ("k", P, NO_DEFAULT), ("v", P, NO_DEFAULT), ("g", P, NO_DEFAULT),
+    ("beta", P, NO_DEFAULT), ("A_log", P, None), ("dt_bias", P, None), ("scale", P, None),
+    ("initial_state", P, None), ("output_final_state", P, False),
+    ("use_qk_l2norm_in_kernel", P, True), ("use_gate_in_kernel", P, False),
+    ("lower_bound", P, None), ("cu_seqlens", P, None), ("ssm_state_indices", P, None),
+    ("num_spec_tokens", P, None), ("num_accepted_tokens", P, None), ("output", P, None),
+    ("initial_state_source", P, None), ("initial_state_indices", P, None),
+    ("beta_is_logit", P, False),
+    # flashinfer.recurrent_kda (the kda.py facade) continues with its prefill parameters
+    ("seq_order", P, None), ("prefill_workspace", P, None), ("state_checkpoints", P, None),
+    ("checkpoint_cu_starts", P, None), ("checkpoint_every_n_tokens", P, 0),
+]
+
+
+def test_surface_signature():
+    op = peer_op("recurrent_kda")
+    check_signature(op, FLASHINFER_RECURRENT_KDA)
+    params = inspect.signature(op).parameters
+    assert "backend" in params and params["backend"].kind.name == "KEYWORD_ONLY", (
+        "FlashInfer's `backend` keyword-only argument is missing")
+    assert params["backend"].default == "auto"
+
+
+def _decode_inputs(device, B=3, H=2, D=64, seed=3):
+    manual_seed(seed)
+    dtype = torch.bfloat16
+    q = torch.rand(B, 1, H, D, dtype=dtype, device=device)
+    k = torch.rand(B, 1, H, D, dtype=dtype, device=device)
+    v = torch.rand(B, 1, H, D, dtype=dtype, device=device)
+    g = F.logsigmoid(torch.randn(B, 1, H, D, device=device)).to(dtype)
+    beta = torch.rand(B, 1, H, dtype=dtype, device=device).sigmoid()
+    return q, k, v, g, beta
+
+
+@device_param
+def test_surface_state_updated_in_place_without_indices(device):
+    """Without indices FlashInfer updates ``initial_state`` in place and returns it."""
+    q, k, v, g, beta = _decode_inputs(device)
+    h0 = torch.randn(3, 2, 64, 64, dtype=torch.bfloat16, device=device) * 0.01
+    before = h0.clone()
+    o, ht = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0,
+                          output_final_state=True)
+    assert ht is h0
+    assert not torch.equal(h0, before)
+    h1 = before.clone()
+    o2, ht2 = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h1)
+    assert ht2 is None
+    assert torch.equal(h1, h0)
+    assert torch.equal(o, o2)
+
+
+@device_param
+def test_surface_indices_returns(device):
+    """With indices and no cu_seqlens FlashInfer returns the gathered [B, HV, V, K] states (the
+    pool is updated); with cu_seqlens it returns the pool itself."""
+    q, k, v, g, beta = _decode_inputs(device)
+    pool = torch.randn(6, 2, 64, 64, dtype=torch.bfloat16, device=device) * 0.01
+    idx = torch.tensor([4, 0, 2], device=device, dtype=torch.int32)
+    p1 = pool.clone()
+    _, st = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=p1,
+                          output_final_state=True, ssm_state_indices=idx)
+    assert tuple(st.shape) == (3, 2, 64, 64)
+    assert torch.equal(st, p1[idx.long()])
+    p2 = pool.clone()
+    flat = [x.reshape(1, 3, *x.shape[2:]) for x in (q, k, v, g)]
+    _, st2 = recurrent_kda(q=flat[0], k=flat[1], v=flat[2], g=flat[3], beta=beta.reshape(1, 3, 2),
+                           initial_state=p2, output_final_state=True,
+                           cu_seqlens=torch.arange(4, device=device, dtype=torch.int32),
+                           ssm_state_indices=idx)
+    assert st2 is p2
+    assert torch.equal(p1, p2)
+
+
+@device_param
+def test_surface_none_state_with_indices_allocates(device):
+    """``initial_state=None`` with cu_seqlens + indices: FlashInfer allocates a zero bf16 pool of
+    max(index)+1 slots and returns it."""
+    q, k, v, g, beta = _decode_inputs(device)
+    flat = [x.reshape(1, 3, *x.shape[2:]) for x in (q, k, v, g)]
+    idx = torch.tensor([4, -1, 2], device=device, dtype=torch.int32)
+    o, st = recurrent_kda(q=flat[0], k=flat[1], v=flat[2], g=flat[3], beta=beta.reshape(1, 3, 2),
+                          initial_state=None, output_final_state=True,
+                          cu_seqlens=torch.arange(4, device=device, dtype=torch.int32),
+                          ssm_state_indices=idx)
+    assert tuple(st.shape) == (5, 2, 64, 64) and st.dtype == torch.bfloat16
+    assert torch.count_nonzero(st[[0, 1, 3]]).item() == 0
+    assert torch.count_nonzero(o[:, 1]).item() == 0
+
+
+@device_param
+@pytest.mark.parametrize("arg", ["num_spec_tokens", "num_accepted_tokens"])
+def test_surface_spec_arguments_rejected_clearly(device, arg):
+    """Speculative decode is not implemented yet: a non-default value is a clear error naming the
+    argument (never a TypeError for an unknown keyword, never silently ignored)."""
+    q, k, v, g, beta = _decode_inputs(device)
+    h0 = torch.zeros(3, 2, 64, 64, dtype=torch.bfloat16, device=device)
+    value = 1 if arg == "num_spec_tokens" else torch.ones(3, dtype=torch.int32, device=device)
+    with pytest.raises((ValueError, NotImplementedError), match=arg):
+        recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, **{arg: value})
