@@ -7,15 +7,15 @@
 // below are its names). The [V, K] fp32 state S never leaves the chip between the sequence's
 // first and last chunk: warp w holds rows v in [16w, 16w + 16) of S, all K columns, as the fp32
 // accumulators of mma.m16n8k16 (D/2 registers per lane); it is read from the pool once and
-// written once (plus checkpoints), each store rounded to its destination's dtype.
+// written once (plus checkpoints), each store rounded to its destination's dtype as decode does.
 //
 // Everything that involves S is computed transposed, with the value dimension as the MMA's M
 // (each warp its own 16 rows), so that S enters every product as an A operand straight from the
-// accumulator registers (mma.cuh: two C tiles form one A fragment) and no product with S needs
-// shared memory for it or for its results:
+// accumulator registers (mma.cuh: two C tiles form one A fragment) and neither S nor the
+// products' results go through shared memory, except the output, staged for coalesced stores:
 //   (S K^T)[v][t], (S Q^T)[v][t]           A = bf16(S) (registers), B = raw k, q rows (smem)
 //   Y^T = V^T - diag-scale (S K^T)          fp32 epilogue, v from smem (ldmatrix.trans)
-//   v'^T = Y^T Tb^T                         A = bf16(Y^T) (registers), B = Tb (smem)
+//   v'^T = Y^T Tb^T                         A = Y^T, B = Tb, both split hi + lo (3 products)
 //   o^T = O1^T + v'^T P^T                   A = bf16(v'^T) (registers), B = P (smem)
 //   S = S e^{G_L} + (v' d)^T K              A = bf16(v'^T d) (registers), B = k (smem, .trans)
 // with, for GDN, every per-token factor applied to the fp32 results instead of the operands:
@@ -30,32 +30,34 @@
 // strip j % 4 of K K^T or Q K^T, lower triangle only); T is found in fp32 on CUDA cores in shared
 // memory: the four 16x16 diagonal blocks by forward substitution (one warp each, a lane per
 // column), then the off-diagonal blocks by two levels of block products, 16 -> 32 -> 64
-// (T21 = -T22 A21 T11 at each level).
+// (T21 = -T22 A21 T11 at each level). O1 waits in the fp32 output staging (registers are full).
 // KDA's decays are per channel and cannot be scaled out of the products, so: K K^T and Q K^T
 // pairwise on CUDA cores in fp32 (the simple path: exp(G_t[c] - G_s[c]) per pair and channel,
-// <= 1, as the CPU kernel does; MUFU-bound, the next step is FLA's sub-chunk factorization on
-// tensor cores), and the decays folded into the other operands, rounded to bf16 once:
+// as the CPU kernel does; MUFU-bound, ~4x the rest of the chunk; the next step is FLA's sub-chunk
+// factorization on tensor cores), and the decays folded into the other operands, rounded once:
 // q^ e^{G} and k^ e^{G} for S Q^T and S K^T, k^ e^{G_L - G} for the state update, whose decay
 // e^{G_L} is then per column.
 //
-// Precision. The carried state, every accumulation and T are fp32; the tensor-core operands
-// that are not raw inputs are rounded to the input dtype: S (as FLA and FlashInfer do), Y, Tb,
-// P and v' (GDN; KDA also its decayed q, k). Each rounding is a relative 2^-9 (bf16) per element;
-// against the fp32 CPU kernel the outputs and states differ by ~1e-3 relative norm error
-// (tests/gpu/test_chunk_prefill_gpu.cpp bounds it by 3e-3; FLA and FlashInfer measured 3.6e-3 /
-// 2.9e-3 on the same kind of inputs against an fp32 recurrence).
+// Precision. The carried state, every accumulation and T are fp32. The tensor-core operands that
+// are not raw inputs are rounded to the input dtype (a relative 2^-9 per element for bf16): S (as
+// FLA and FlashInfer do), v' (twice: for o and, times d, for the state), P, and for KDA its
+// decayed q, k; Y and Tb are split into hi + lo bf16 pairs and multiplied as hi*hi + hi*lo + lo*hi
+// (that product is small, and the two roundings were a third of the error). Emulated with bf16
+// rounding at the same points against an fp64 recurrence, GDN measured ~2.2-2.5e-3 relative norm
+// error on the outputs and ~1.8e-3 on the states (FLA and FlashInfer: 3.6e-3 / 2.9e-3 on the
+// same kind of inputs), KDA 2.4-3.4e-3; tests/gpu/test_chunk_prefill_gpu.cpp has the bounds.
 //
 // Per chunk: the next chunk's q, k, v go into the second of two shared-memory buffers with
 // cp.async while this one computes (GDN; KDA has room for one buffer, whose next loads start
 // once the chunk's last raw read is done); per-token g and beta are prefetched into registers a
-// chunk ahead; ten CTA barriers. Outputs are staged through shared memory (fp32) and written as
-// 16-byte (fp32) or 8-byte rows.
+// chunk ahead (KDA's per-channel g is loaded when the chunk starts); ten CTA barriers. Outputs
+// are staged through shared memory (fp32) and written as 16-byte (fp32) or 8-byte rows.
 //
-// Occupancy (D = 128): GDN 172 KB of shared memory and 256 threads per CTA (KDA 203 KB), so one
-// CTA per SM; the grid is B * HV CTAs (Qwen3-Next 8 x 1024: 256 CTAs, two waves on 132 SMs;
-// 1 x 8192: 32 CTAs, a quarter of the GPU: a context-parallel path for few long sequences is the
-// next step). D = 64: 108 KB, 128 threads, two CTAs per SM. Registers: ptxas -v in the commit
-// message of this file (no spills).
+// Occupancy (D = 128): GDN 186 KB of shared memory and 256 threads per CTA (KDA 216.5 KB), so
+// one CTA (8 warps) per SM; ptxas: 255 registers (KDA 242), no spills. The grid is B * HV CTAs
+// (Qwen3-Next 8 x 1024: 256 CTAs, two waves on 132 SMs; 1 x 8192: 32 CTAs, a quarter of the GPU:
+// a context-parallel path for few long sequences is the next step). D = 64: 122 KB, 128
+// threads, one CTA per SM.
 #pragma once
 
 #include <cstdint>
@@ -83,7 +85,7 @@ struct TcLayout {
   static constexpr int LDT = C + 4;  // fp32 [C][LDT]: A, then T
   static constexpr int LDB = C + 8;  // 16-bit [C][LDB]: Tb, P
   static constexpr int LDO = D + 4;  // fp32 [C][LDO]: output staging
-  static constexpr int LDX = 36;     // fp32 [32][LDX]: the inverse's scratch (aliases staging)
+  static constexpr int LDX = 36;     // fp32 [32][LDX]: the inverse's scratch
   static constexpr int LDG = C + 1;  // fp32 [D][LDG]: KDA's transposed G, k^, q^
   static constexpr int IN_TILE = C * LDI * 2;
   static constexpr int OFF_IN = 0;
@@ -96,15 +98,17 @@ struct TcLayout {
   static constexpr int R_BYTES = OS_BYTES > KQT_BYTES ? OS_BYTES : KQT_BYTES;
   static constexpr int OFF_TF = OFF_R + R_BYTES;
   static constexpr int OFF_TB = OFF_TF + C * LDT * 4;
-  static constexpr int OFF_PB = OFF_TB + C * LDB * 2;
-  static constexpr int OFF_SC = OFF_PB + C * LDB * 2;  // per-token scalars [8][C] fp32
+  static constexpr int OFF_TL = OFF_TB + C * LDB * 2;  // Tb's low part (x - bf16(x))
+  static constexpr int OFF_PB = OFF_TL + C * LDB * 2;
+  static constexpr int OFF_X = OFF_PB + C * LDB * 2;
+  static constexpr int OFF_SC = OFF_X + 32 * LDX * 4;  // per-token scalars [8][C] fp32
   static constexpr int OFF_DL = OFF_SC + 8 * C * 4;    // e^{G_L}: [D] (KDA) or [1]
   static constexpr int SMEM = OFF_DL + D * 4;
   static_assert(D == 64 || D == 128, "the tensor-core kernel covers K = V = 64 and 128");
   static_assert(OFF_KD % 16 == 0 && OFF_GT % 16 == 0 && OFF_R % 16 == 0 && OFF_TF % 16 == 0 &&
-                    OFF_TB % 16 == 0 && OFF_PB % 16 == 0 && OFF_SC % 16 == 0,
+                    OFF_TB % 16 == 0 && OFF_TL % 16 == 0 && OFF_PB % 16 == 0 && OFF_X % 16 == 0 &&
+                    OFF_SC % 16 == 0,
                 "16-byte aligned regions");
-  static_assert(32 * LDX * 4 <= OS_BYTES, "the inverse's scratch fits in the output staging");
 };
 
 // ---- small helpers
@@ -127,6 +131,16 @@ __device__ __forceinline__ void load_row_part(const In* p, float (&x)[N]) {
     const float2 a = Mma<In>::unpack(*reinterpret_cast<const uint32_t*>(p));
     x[0] = a.x, x[1] = a.y;
   }
+}
+
+// A pair of fp32 values as two operand registers: hi = (x, y) rounded to In, lo = the rounding
+// errors rounded to In (hi + lo carries ~16 mantissa bits; three products hi*hi + hi*lo + lo*hi
+// make a product of two split operands about as exact as fp32 for a third of the fp32 cost).
+template <class In>
+__device__ __forceinline__ void split_pack(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = Mma<In>::pack(x, y);
+  const float2 h = Mma<In>::unpack(hi);
+  lo = Mma<In>::pack(x - h.x, y - h.y);
 }
 
 // Four fp32 values to four consecutive elements of a float tensor at element offset `off`
@@ -356,9 +370,10 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
   float* const KT = reinterpret_cast<float*>(smem + L::OFF_R);
   float* const QT = KT + D * LDG;
   float* const Os = reinterpret_cast<float*>(smem + L::OFF_R);
-  float* const Xs = Os;
+  float* const Xs = reinterpret_cast<float*>(smem + L::OFF_X);
   float* const Tf = reinterpret_cast<float*>(smem + L::OFF_TF);
   In* const Tb = reinterpret_cast<In*>(smem + L::OFF_TB);
+  In* const Tl = reinterpret_cast<In*>(smem + L::OFF_TL);
   In* const Pb = reinterpret_cast<In*>(smem + L::OFF_PB);
   float* const sG = reinterpret_cast<float*>(smem + L::OFF_SC);
   float* const sBeta = sG + C;
@@ -623,9 +638,8 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
       __syncthreads();
     }
 
-    // ---- (S K^T), (S Q^T) -> Y^T (bf16 A fragments), O1^T (fp32) ------------------------------
-    uint32_t Ya[4][4];
-    float ao[8][4];
+    // ---- (S K^T) -> Y^T (hi + lo A fragments), (S Q^T) -> O1 (fp32, into the output staging) --
+    uint32_t Yh[4][4], Yl[4][4];
     {
       uint32_t Sa[NK][4];
 #pragma unroll
@@ -635,43 +649,54 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
         Sa[kk][2] = M::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
         Sa[kk][3] = M::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
       }
-      float ak[8][4];
+      // one 16-token block of columns at a time: its two accumulator tiles become Y's k-step jp
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int jp = 0; jp < 4; ++jp) {
+        float ak[2][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ak[j][e] = ao[j][e] = 0.0f;
+        for (int n = 0; n < 2; ++n) ak[n][0] = ak[n][1] = ak[n][2] = ak[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+          uint32_t b[4];
+          ldsm_x4(b, Ks + b_pair(lane, 16 * jp, 16 * kk, LDI));
+          M::mma(ak[0], Sa[kk], b[0], b[1]);
+          M::mma(ak[1], Sa[kk], b[2], b[3]);
+        }
+        uint32_t vv[4];  // v in the C layout of tiles 2jp, 2jp+1 of Y^T
+        ldsm_x4_trans(vv, Vs + c_pair_trans(lane, 16 * jp, V0, LDI));
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int t = 8 * (2 * jp + jj) + 2 * q4;
+          const float kf0 = KDA ? 1.0f : sKf[t], kf1 = KDA ? 1.0f : sKf[t + 1];
+          const float2 lo = M::unpack(vv[2 * jj]), hi = M::unpack(vv[2 * jj + 1]);
+          split_pack<In>(fmaf(-kf0, ak[jj][0], lo.x), fmaf(-kf1, ak[jj][1], lo.y), Yh[jp][2 * jj],
+                         Yl[jp][2 * jj]);
+          split_pack<In>(fmaf(-kf0, ak[jj][2], hi.x), fmaf(-kf1, ak[jj][3], hi.y),
+                         Yh[jp][2 * jj + 1], Yl[jp][2 * jj + 1]);
+        }
+      }
+      float ao[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ao[j][0] = ao[j][1] = ao[j][2] = ao[j][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk)
 #pragma unroll
         for (int jp = 0; jp < 4; ++jp) {
           uint32_t b[4];
-          ldsm_x4(b, Ks + b_pair(lane, 16 * jp, 16 * kk, LDI));
-          M::mma(ak[2 * jp], Sa[kk], b[0], b[1]);
-          M::mma(ak[2 * jp + 1], Sa[kk], b[2], b[3]);
           ldsm_x4(b, Qs + b_pair(lane, 16 * jp, 16 * kk, LDI));
           M::mma(ao[2 * jp], Sa[kk], b[0], b[1]);
           M::mma(ao[2 * jp + 1], Sa[kk], b[2], b[3]);
         }
+        // O1^T, transposed into the staging rows [t][v] (the same thread adds v'^T P^T later)
 #pragma unroll
-      for (int jp = 0; jp < 4; ++jp) {
-        uint32_t vv[4];  // v in the C layout of tiles 2jp, 2jp+1 of Y^T
-        ldsm_x4_trans(vv, Vs + c_pair_trans(lane, 16 * jp, V0, LDI));
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = 2 * jp + jj, t = 8 * j + 2 * q4;
-          const float kf0 = KDA ? 1.0f : sKf[t], kf1 = KDA ? 1.0f : sKf[t + 1];
-          const float2 lo = M::unpack(vv[2 * jj]), hi = M::unpack(vv[2 * jj + 1]);
-          Ya[jp][2 * jj] = M::pack(fmaf(-kf0, ak[j][0], lo.x), fmaf(-kf1, ak[j][1], lo.y));
-          Ya[jp][2 * jj + 1] = M::pack(fmaf(-kf0, ak[j][2], hi.x), fmaf(-kf1, ak[j][3], hi.y));
-          if (!KDA) {
-            const float qf0 = sQf[t], qf1 = sQf[t + 1];
-            ao[j][0] *= qf0;
-            ao[j][1] *= qf1;
-            ao[j][2] *= qf0;
-            ao[j][3] *= qf1;
-          }
+        for (int e = 0; e < 2; ++e) {
+          const int t = 8 * j + 2 * q4 + e;
+          const float qf = KDA ? 1.0f : sQf[t];
+          Os[t * LDO + V0 + g8] = qf * ao[j][e];
+          Os[t * LDO + V0 + g8 + 8] = qf * ao[j][2 + e];
         }
-      }
     }
     __syncthreads();  // A, P complete; KDA: every read of this chunk's raw inputs done
     if (KDA && ci + 1 < nchunks) issue_loads(ci + 1, 0);
@@ -680,41 +705,52 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
     invert_unit_lower<L>(Tf, Xs, warp, lane, tid);
     for (int i = tid; i < C * C; i += NT) {
       const int t = i >> 6, sj = i & 63;
-      Tb[t * LDB + sj] = from_float<In>(sj <= t ? Tf[t * LDT + sj] * sBeta[sj] : 0.0f);
+      const float x = sj <= t ? Tf[t * LDT + sj] * sBeta[sj] : 0.0f;
+      const In hi = from_float<In>(x);
+      Tb[t * LDB + sj] = hi;
+      Tl[t * LDB + sj] = from_float<In>(x - in_to_float(hi));
     }
     __syncthreads();
 
     // ---- v'^T = Y^T Tb^T; o^T = O1^T + v'^T P^T; S = S e^{G_L} + (v' d)^T K ---------------------
     {
-      float au[8][4];
+      // v'^T block by block of 16 tokens: its two tiles become k-step jp of v' and v' d
+      uint32_t Ua[4][4], Ud[4][4];
+      float ao[8][4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) au[j][0] = au[j][1] = au[j][2] = au[j][3] = 0.0f;
+      for (int j = 0; j < 8; ++j) ao[j][0] = ao[j][1] = ao[j][2] = ao[j][3] = 0.0f;
 #pragma unroll
-      for (int jp = 0; jp < 4; ++jp)
+      for (int jp = 0; jp < 4; ++jp) {
+        float au[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) au[n][0] = au[n][1] = au[n][2] = au[n][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk <= jp; ++kk) {  // Tb[t][s] = 0 for s > t
-          uint32_t b[4];
-          ldsm_x4(b, Tb + b_pair(lane, 16 * jp, 16 * kk, LDB));
-          M::mma(au[2 * jp], Ya[kk], b[0], b[1]);
-          M::mma(au[2 * jp + 1], Ya[kk], b[2], b[3]);
-        }
-      uint32_t Ua[4][4], Ud[4][4];
+          uint32_t bh[4], bl[4];
+          ldsm_x4(bh, Tb + b_pair(lane, 16 * jp, 16 * kk, LDB));
+          ldsm_x4(bl, Tl + b_pair(lane, 16 * jp, 16 * kk, LDB));
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = 2 * kk + jj, t = 8 * j + 2 * q4;
-          Ua[kk][2 * jj] = M::pack(au[j][0], au[j][1]);
-          Ua[kk][2 * jj + 1] = M::pack(au[j][2], au[j][3]);
-          if (KDA) {
-            Ud[kk][2 * jj] = Ua[kk][2 * jj];
-            Ud[kk][2 * jj + 1] = Ua[kk][2 * jj + 1];
-          } else {
-            const float d0 = sDf[t], d1 = sDf[t + 1];
-            Ud[kk][2 * jj] = M::pack(au[j][0] * d0, au[j][1] * d1);
-            Ud[kk][2 * jj + 1] = M::pack(au[j][2] * d0, au[j][3] * d1);
+          for (int n = 0; n < 2; ++n) {  // hi*hi + hi*lo + lo*hi
+            M::mma(au[n], Yh[kk], bh[2 * n], bh[2 * n + 1]);
+            M::mma(au[n], Yh[kk], bl[2 * n], bl[2 * n + 1]);
+            M::mma(au[n], Yl[kk], bh[2 * n], bh[2 * n + 1]);
           }
         }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int t = 8 * (2 * jp + jj) + 2 * q4;
+          Ua[jp][2 * jj] = M::pack(au[jj][0], au[jj][1]);
+          Ua[jp][2 * jj + 1] = M::pack(au[jj][2], au[jj][3]);
+          if (KDA) {
+            Ud[jp][2 * jj] = Ua[jp][2 * jj];
+            Ud[jp][2 * jj + 1] = Ua[jp][2 * jj + 1];
+          } else {
+            const float d0 = sDf[t], d1 = sDf[t + 1];
+            Ud[jp][2 * jj] = M::pack(au[jj][0] * d0, au[jj][1] * d1);
+            Ud[jp][2 * jj + 1] = M::pack(au[jj][2] * d0, au[jj][3] * d1);
+          }
+        }
+      }
 #pragma unroll
       for (int jp = 0; jp < 4; ++jp)
 #pragma unroll
@@ -723,6 +759,15 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
           ldsm_x4(b, Pb + b_pair(lane, 16 * jp, 16 * kk, LDB));
           M::mma(ao[2 * jp], Ua[kk], b[0], b[1]);
           M::mma(ao[2 * jp + 1], Ua[kk], b[2], b[3]);
+        }
+        // o^T = O1^T + v'^T P^T, into the staging rows [t][v]
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int t = 8 * j + 2 * q4 + e;
+          Os[t * LDO + V0 + g8] += ao[j][e];
+          Os[t * LDO + V0 + g8 + 8] += ao[j][2 + e];
         }
       if constexpr (KDA) {
 #pragma unroll
@@ -755,15 +800,6 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
           M::mma(S[2 * np + 1], Ud[kk], b[2], b[3]);
         }
     }
-    // the output tile, transposed into the staging rows [t][v]
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int t = 8 * j + 2 * q4 + e;
-        Os[t * LDO + V0 + g8] = ao[j][e];
-        Os[t * LDO + V0 + g8 + 8] = ao[j][2 + e];
-      }
     const int64_t end = c0 + cv;
     if (checkpoint_at(p, end)) store_checkpoint(p, s, end / p.checkpoint_every - 1, store_state);
     __syncthreads();
