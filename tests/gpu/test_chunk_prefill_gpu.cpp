@@ -15,9 +15,10 @@
 // rel_close, here with two roundings: each backend rounds its own fp32 result).
 //  * Tensor-core kernel, GDN: 3e-3. Its MMA operands that are not raw inputs are rounded to
 //    bf16 (the state, v', P; Y and T diag(beta) carry a second bf16 of their rounding error), a
-//    relative 2^-9 each; an emulation of the kernel's arithmetic (numpy, bf16 rounding at the
-//    same points, the distributions below) measured 2.1-2.5e-3 on the outputs and 1.7-1.9e-3 on
-//    the states against an fp64 recurrence, below FLA's and FlashInfer's 3.6e-3 / 2.9e-3.
+//    relative 2^-9 each; an emulation of the kernel's arithmetic (tests/gpu/emulate_tc_kernel.py:
+//    bf16 rounding at the same points, the distributions below) measured 2.1-2.5e-3 on the
+//    outputs and 1.7-1.9e-3 on the states against an fp64 recurrence, below FLA's and
+//    FlashInfer's 3.6e-3 / 2.9e-3 on the same kind of inputs.
 //  * Tensor-core kernel, KDA: 5e-3. Its per-channel decays are folded into q, k operands that
 //    are rounded too (k e^G, q e^G, k e^{G_L - G}, as in FLA): the emulation measured 2.4-3.4e-3
 //    (the upper end with the softplus gate's strong decays).

@@ -43,7 +43,8 @@
 // FLA and FlashInfer do), v' (twice: for o and, times d, for the state), P, and for KDA its
 // decayed q, k; Y and Tb are split into hi + lo bf16 pairs and multiplied as hi*hi + hi*lo + lo*hi
 // (that product is small, and the two roundings were a third of the error). Emulated with bf16
-// rounding at the same points against an fp64 recurrence, GDN measured ~2.2-2.5e-3 relative norm
+// rounding at the same points against an fp64 recurrence (tests/gpu/emulate_tc_kernel.py, which
+// also checks this file's fragment indexing lane by lane), GDN measured ~2.2-2.5e-3 relative norm
 // error on the outputs and ~1.8e-3 on the states (FLA and FlashInfer: 3.6e-3 / 2.9e-3 on the
 // same kind of inputs), KDA 2.4-3.4e-3; tests/gpu/test_chunk_prefill_gpu.cpp has the bounds.
 //
