@@ -6,7 +6,7 @@
    helpers of src/cuda/chunk_prefill/mma.cuh (a_tile, b_pair, b_pair_trans, c_pair_trans) and the
    accumulator-to-A-fragment packing.
 2. One chunk of the kernel (K = V = 128, a partial chunk of 50 tokens, GDN and KDA), transcribed
-   lane by lane from the kernel (K K^T / Q K^T strips or KDA's pairwise tiles, the blocked inverse
+   lane by lane from the kernel (K K^T / Q K^T strips or KDA's factored pairwise tiles, the blocked inverse
    as written, the split Y / Tb products, the output staging, the state update), against the
    chunk algebra of src/cpu/chunk_prefill.cpp in fp64. With bf16 rounding off it must agree to
    fp32 (~1e-7): that checks every fragment index of the transcription.
@@ -217,19 +217,29 @@ def chunk(kda, cv=50, seed=7):
         sKf = sQf = sDf = np.ones(C, f32)
         decL = np.exp(G[-1])
         KT, QT = (k * rk[:, None]).T, (q * rq[:, None]).T
-        for tile in range(136):  # kda_pairs
-            tb = 0
-            while (tb + 1) * (tb + 2) // 2 <= tile:
-                tb += 1
-            sb = tile - tb * (tb + 1) // 2
+        for item in range(136):  # kda_pairs: off-diagonal tiles 0..119, diagonal 120..135
+            diagonal = item >= 120
+            if diagonal:
+                tb = sb = item - 120
+            else:
+                tb = 1
+                while (tb + 1) * tb // 2 <= item:
+                    tb += 1
+                sb = item - tb * (tb - 1) // 2
             t0, s0 = 4 * tb, 4 * sb
             ti, si = t0 + np.arange(4)[:, None], s0 + np.arange(4)[None, :]
-            e = np.where((ti >= si)[None], np.exp(G.T[:, ti] - G.T[:, si]), 0)  # [c][4][4]
+            gt, gs = G.T[:, t0:t0 + 4], G.T[:, s0:s0 + 4]  # [c][4]
+            if diagonal:
+                e = np.where((si <= ti)[None], np.exp(gt[:, :, None] - gs[:, None, :]), 0)
+            else:  # e^{G_t - G_t0} e^{G_t0 - G_s3} e^{G_s3 - G_s}, each factor <= 1
+                ea = np.exp(gt - gt[:, :1])
+                eb = np.exp(gt[:, :1] - gs[:, 3:]) * np.exp(gs[:, 3:] - gs)
+                e = ea[:, :, None] * eb[:, None, :]
             kk = np.einsum("ci,cj,cij->ij", KT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e)
             qk = np.einsum("ci,cj,cij->ij", QT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e)
             Tf[t0:t0 + 4, s0:s0 + 4] = np.where(si < ti, beta[t0:t0 + 4, None] * kk, 0)
             Pb[t0:t0 + 4, s0:s0 + 4] = bf16(np.where(si <= ti, qk, 0))
-            if tb != sb:
+            if not diagonal:
                 Tf[s0:s0 + 4, t0:t0 + 4] = 0
                 Pb[s0:s0 + 4, t0:t0 + 4] = 0
         Kf = pad(bf16(k * rk[:, None] * np.exp(G)))       # k^ e^G in place of k

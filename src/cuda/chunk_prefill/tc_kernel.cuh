@@ -33,10 +33,11 @@
 // (T21 = -T22 A21 T11 at each level). O1 waits in the fp32 output staging (registers are full).
 // KDA's decays are per channel and cannot be scaled out of the products, so: K K^T and Q K^T
 // pairwise on CUDA cores in fp32 (the simple path: exp(G_t[c] - G_s[c]) per pair and channel,
-// as the CPU kernel does; MUFU-bound, ~4x the rest of the chunk; the next step is FLA's sub-chunk
-// factorization on tensor cores), and the decays folded into the other operands, rounded once:
-// q^ e^{G} and k^ e^{G} for S Q^T and S K^T, k^ e^{G_L - G} for the state update, whose decay
-// e^{G_L} is then per column.
+// as the CPU kernel does, factored within 4x4 tiles so that no factor exceeds 1; MUFU-bound,
+// ~2-3x the rest of the chunk; the next step is FLA's sub-chunk factorization on tensor
+// cores), and the decays folded into the other operands, rounded once: q^ e^{G} and k^ e^{G}
+// for S Q^T and S K^T, k^ e^{G_L - G} for the state update, whose decay e^{G_L} is then per
+// column.
 //
 // Precision. The carried state, every accumulation and T are fp32. The tensor-core operands that
 // are not raw inputs are rounded to the input dtype (a relative 2^-9 per element for bf16): S (as
@@ -299,58 +300,105 @@ __device__ __forceinline__ void invert_unit_lower(float* Tf, float* X, int warp,
 // ---- KDA: A and P pairwise on CUDA cores ------------------------------------------------------
 // From the transposed fp32 GT[c][t] (cumulative log decay), KT[c][t] = k^_t[c], QT[c][t] =
 // q^_t[c]: A[t][s] = beta_t sum_c k^_t k^_s e^{G_t - G_s} (s < t) into Tf, P[t][s] = sum_c
-// q^_t k^_s e^{G_t - G_s} (s <= t) into Pb, zeros elsewhere. A thread takes a 4x4 tile of
-// (t, s) pairs of the lower triangle (136 tiles) and writes the mirrored upper tile's zeros.
-template <class L, class In>
-__device__ __forceinline__ void kda_pairs(const float* GT, const float* KT, const float* QT,
-                                          const float* beta, float* Tf, In* Pb, int tid) {
-  constexpr int D = L::NJ * 8, LDG = L::LDG, LDT = L::LDT, LDB = L::LDB;
-  for (int tile = tid; tile < 136; tile += L::THREADS) {
-    int tb = 0;
-    while ((tb + 1) * (tb + 2) / 2 <= tile) ++tb;
-    const int sb = tile - tb * (tb + 1) / 2;
-    const int t0 = 4 * tb, s0 = 4 * sb;
-    float kk[4][4], qk[4][4];
+// q^_t k^_s e^{G_t - G_s} (s <= t) into Pb, zeros elsewhere. A thread takes a 4x4 tile of (t, s)
+// pairs of the lower triangle and writes the mirrored upper tile's zeros. The exponentials bound
+// the loop (MUFU): in an off-diagonal tile (rows t0.., columns s0..s3, s3 < t0) the decay factors
+// as e^{G_t - G_t0} e^{G_t0 - G_s3} e^{G_s3 - G_s}, each <= 1 (no overflow; a factor that
+// underflows belongs to a product below fp32's range), 7 exponentials per channel for 16 pairs;
+// a diagonal tile takes its 10 pairs s <= t directly. Off-diagonal tiles are threads 0..119 and
+// diagonal ones 128..143, so that no warp mixes the two.
+template <class L>
+__device__ __forceinline__ void kda_tile_sums(const float* GT, const float* KT, const float* QT,
+                                              int t0, int s0, bool diagonal, float (&kk)[4][4],
+                                              float (&qk)[4][4]) {
+  constexpr int D = L::NJ * 8, LDG = L::LDG;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) kk[i][j] = qk[i][j] = 0.0f;
+    for (int j = 0; j < 4; ++j) kk[i][j] = qk[i][j] = 0.0f;
 #pragma unroll 2
-    for (int c = 0; c < D; ++c) {
-      const float* g = GT + c * LDG;
-      const float* kr = KT + c * LDG;
-      const float* qr = QT + c * LDG;
-      float gt[4], kt[4], qt[4], gs[4], ks[4];
+  for (int c = 0; c < D; ++c) {
+    const float* g = GT + c * LDG;
+    const float* kr = KT + c * LDG;
+    const float* qr = QT + c * LDG;
+    float gt[4], kt[4], qt[4], gs[4], ks[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        gt[i] = g[t0 + i];
-        kt[i] = kr[t0 + i];
-        qt[i] = qr[t0 + i];
-        gs[i] = g[s0 + i];
-        ks[i] = kr[s0 + i];
-      }
+    for (int i = 0; i < 4; ++i) {
+      gt[i] = g[t0 + i];
+      kt[i] = kr[t0 + i];
+      qt[i] = qr[t0 + i];
+      gs[i] = g[s0 + i];
+      ks[i] = kr[s0 + i];
+    }
+    float e[4][4];
+    if (diagonal) {
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float e = t0 + i >= s0 + j ? expf(gt[i] - gs[j]) : 0.0f;
-          const float ke = ks[j] * e;
-          kk[i][j] = fmaf(kt[i], ke, kk[i][j]);
-          qk[i][j] = fmaf(qt[i], ke, qk[i][j]);
-        }
+        for (int j = 0; j < 4; ++j) e[i][j] = j <= i ? __expf(gt[i] - gs[j]) : 0.0f;
+    } else {
+      float ea[4], eb[4];
+      ea[0] = 1.0f;
+      eb[3] = __expf(gt[0] - gs[3]);
+#pragma unroll
+      for (int i = 1; i < 4; ++i) ea[i] = __expf(gt[i] - gt[0]);
+#pragma unroll
+      for (int j = 0; j < 3; ++j) eb[j] = eb[3] * __expf(gs[3] - gs[j]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) e[i][j] = ea[i] * eb[j];
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int t = t0 + i, s = s0 + j;
-        Tf[t * LDT + s] = s < t ? beta[t] * kk[i][j] : 0.0f;
-        Pb[t * LDB + s] = from_float<In>(s <= t ? qk[i][j] : 0.0f);
-        if (tb != sb) {
-          Tf[s * LDT + t] = 0.0f;
-          Pb[s * LDB + t] = from_float<In>(0.0f);
-        }
+        const float ke = ks[j] * e[i][j];
+        kk[i][j] = fmaf(kt[i], ke, kk[i][j]);
+        qk[i][j] = fmaf(qt[i], ke, qk[i][j]);
       }
+  }
+}
+
+template <class L, class In>
+__device__ __forceinline__ void kda_tile(const float* GT, const float* KT, const float* QT,
+                                         const float* beta, float* Tf, In* Pb, int item) {
+  constexpr int LDT = L::LDT, LDB = L::LDB;
+  const bool diagonal = item >= 120;
+  int tb, sb;
+  if (diagonal) {
+    tb = sb = item - 120;
+  } else {  // off-diagonal tile `item` = tb (tb - 1) / 2 + sb, sb < tb
+    tb = 1;
+    while ((tb + 1) * tb / 2 <= item) ++tb;
+    sb = item - tb * (tb - 1) / 2;
+  }
+  const int t0 = 4 * tb, s0 = 4 * sb;
+  float kk[4][4], qk[4][4];
+  kda_tile_sums<L>(GT, KT, QT, t0, s0, diagonal, kk, qk);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int t = t0 + i, s = s0 + j;
+      Tf[t * LDT + s] = s < t ? beta[t] * kk[i][j] : 0.0f;
+      Pb[t * LDB + s] = from_float<In>(s <= t ? qk[i][j] : 0.0f);
+      if (!diagonal) {
+        Tf[s * LDT + t] = 0.0f;
+        Pb[s * LDB + t] = from_float<In>(0.0f);
+      }
+    }
+}
+
+template <class L, class In>
+__device__ __forceinline__ void kda_pairs(const float* GT, const float* KT, const float* QT,
+                                          const float* beta, float* Tf, In* Pb, int tid) {
+  if constexpr (L::THREADS >= 256) {
+    if (tid < 120) kda_tile<L, In>(GT, KT, QT, beta, Tf, Pb, tid);
+    else if (tid >= 128 && tid < 144) kda_tile<L, In>(GT, KT, QT, beta, Tf, Pb, 120 + tid - 128);
+  } else {
+    for (int item = tid; item < 136; item += L::THREADS)
+      kda_tile<L, In>(GT, KT, QT, beta, Tf, Pb, item);
   }
 }
 
@@ -632,9 +680,10 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
         const float gt = GT[c * LDG + t], gl = GT[c * LDG + C - 1];
         const float k = in_to_float(Ks[t * LDI + c]) * sRk[t];
         const float q = in_to_float(Qs[t * LDI + c]) * sRq[t];
-        Ks[t * LDI + c] = from_float<In>(k * expf(gt));
-        Kd[t * LDI + c] = from_float<In>(k * expf(gl - gt));
-        Qs[t * LDI + c] = from_float<In>(q * expf(gt));
+        // (__expf: these operands are rounded to 16 bits next; its ~1e-6 error does not show)
+        Ks[t * LDI + c] = from_float<In>(k * __expf(gt));
+        Kd[t * LDI + c] = from_float<In>(k * __expf(gl - gt));
+        Qs[t * LDI + c] = from_float<In>(q * __expf(gt));
       }
       __syncthreads();
     }
