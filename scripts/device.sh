@@ -10,7 +10,8 @@
 #                                      profile-replay, profile-source,
 #                                      profile-replay-source, profile-decode-source,
 #                                      test-decode, test-stream, profile-memory,
-#                                      trace-stream, bench-bulk
+#                                      trace-stream, bench-bulk, test-prefill,
+#                                      sanitize-prefill, bench-prefill
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -80,6 +81,11 @@ sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's
     --gtest_filter="$2"
 }
 
+# The chunk_prefill GPU tests, and their small cases for the sanitizers (GVA, K = V = 64, the
+# fallback's odd shape: few CTAs, every kernel path).
+PREFILL_TESTS='*ChunkPrefill*:*PrefillGpuTest*'
+PREFILL_SMALL='*GpuChunkPrefill*gva*:*GpuChunkPrefill*k64*:*GpuChunkPrefill*fallback_gdn_odd*'
+
 # The decode-shaped GPU tests (each decode kernel runs them forced).
 DECODE_TESTS='*Packed*:*4096*:*Graph*:*Pdl*'
 
@@ -128,6 +134,14 @@ for phase in "${phases[@]}"; do
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
+    test-prefill)  # the chunk_prefill GPU tests, then again with the CUDA-core fallback forced
+      run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
+      DELTASTATE_CUDA_PREFILL=fallback run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
+      ;;
+    sanitize-prefill)  # memcheck and racecheck on the small chunk_prefill cases (both kernels)
+      sanitized memcheck "$PREFILL_SMALL"
+      sanitized racecheck "$PREFILL_SMALL"
+      ;;
     test-replay)  # the ReplaySSM GPU tests only: default kernel choice, then each variant forced
       for bpc in 0 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
@@ -165,6 +179,9 @@ for phase in "${phases[@]}"; do
       ;;
     bench-decode)
       run bench-decode python3 bench/bench_decode.py --json "$OUT/decode-h200.json" ${BENCH_ARGS:-}
+      ;;
+    bench-prefill)  # chunked prefill beside FLA (PREFILL_ARGS: --ops, --cases, --reps, --no-peer)
+      run bench-prefill python3 bench/bench_prefill.py --json "$OUT/prefill-h200.json" ${PREFILL_ARGS:-}
       ;;
     bench-variant)  # ours only, under the caller's environment (a forced kernel or variant), to
       # $OUT/$VARIANT.json (A/B comparisons within one call)

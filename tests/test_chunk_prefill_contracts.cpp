@@ -499,21 +499,33 @@ TEST(ChunkPrefillContracts, AcceptsEnvelopePool) {
   EXPECT_NO_THROW(f.run(a));
 }
 
-// CUDA tensors are refused (no CUDA kernel yet) by the workspace query and the op, before any
-// write.
-TEST(ChunkPrefillContracts, CudaNotImplemented) {
+// CUDA tensors, before any write: in a build without CUDA the workspace query and the op say so
+// (not_implemented); in a CUDA build the query answers from the shapes alone (no device needed)
+// and the op refuses the mixed devices.
+TEST(ChunkPrefillContracts, CudaTensors) {
   Fixture f(false);
   ChunkPrefillArgs a = f.args;
   a.q = on_cuda(a.q);
   const Snapshot before = f.snapshot();
-  for (int op = 0; op < 2; ++op) {
-    const auto e = catch_error([&] {
-      if (op) deltastate::chunk_prefill(a);
-      else deltastate::chunk_prefill_workspace_bytes(a);
-    });
+  if (deltastate::cuda_built()) {
+    EXPECT_EQ(deltastate::chunk_prefill_workspace_bytes(a), 0) << "small states need no workspace";
+    const auto e = catch_error([&] { deltastate::chunk_prefill(a); });
     ASSERT_TRUE(e);
-    EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
-    EXPECT_EQ(std::string(e->what()), "chunk_prefill has no CUDA kernel yet; pass CPU tensors");
+    EXPECT_EQ(e->kind(), ErrorKind::value);
+    EXPECT_EQ(std::string(e->what()),
+              "All inputs must be on the same device: `q` is on cuda:0, `k` is on cpu");
+  } else {
+    for (int op = 0; op < 2; ++op) {
+      const auto e = catch_error([&] {
+        if (op) deltastate::chunk_prefill(a);
+        else deltastate::chunk_prefill_workspace_bytes(a);
+      });
+      ASSERT_TRUE(e);
+      EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
+      EXPECT_EQ(std::string(e->what()),
+                "deltastate was built without CUDA support (no CUDA toolkit at configure time); "
+                "CUDA tensors cannot be used. Rebuild with nvcc available, or pass CPU tensors.");
+    }
   }
   EXPECT_TRUE(before.unchanged());
 }

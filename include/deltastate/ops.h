@@ -229,9 +229,11 @@ struct ChunkPrefillArgs {
 };
 void chunk_prefill(const ChunkPrefillArgs& args);
 // The workspace chunk_prefill needs for these arguments. Reads only the shapes, the device and
-// the gate kind (never tensor data), so it can run before the inputs hold data. CPU: one scratch block per thread of the CPU thread pool (the fp32 state and one
-// chunk's q, k, v, gates, A, T, w, u, v' and outputs), num_threads * per-thread bytes, a function
-// of K, V, the gate kind and DELTASTATE_NUM_THREADS only.
+// the gate kind (never tensor data), so it can run before the inputs hold data. CPU: one scratch
+// block per thread of the CPU thread pool (the fp32 state and one chunk's q, k, v, gates, A, T, w,
+// u, v' and outputs), num_threads * per-thread bytes, a function of K, V, the gate kind and
+// DELTASTATE_NUM_THREADS only. CUDA: 0 (the kernels keep their scratch on chip) up to K * V =
+// 16384; beyond that N * HV * K * V * 4 (the fallback kernel's fp32 states).
 int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args);
 
 }  // namespace deltastate

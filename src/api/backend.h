@@ -17,6 +17,9 @@ bool device_available();
 // Ops: launch on `stream` (a cudaStream_t), no allocation, no host synchronization.
 void run_recurrent(const detail::RecurrentProblem& p, void* stream);
 void run_replayssm_decode(const detail::ReplayProblem& p, void* stream);
+void run_chunk_prefill(const detail::ChunkPrefillProblem& p, void* stream);
+// Workspace bytes of chunk_prefill on CUDA for these shapes (no device query, no allocation).
+int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, bool kda);
 
 // Memory for the state pool.
 void* device_alloc(size_t bytes, int device);  // zeroed, synchronously

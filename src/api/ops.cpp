@@ -50,19 +50,22 @@ int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args) {
     c.shape("q", args.q, {"B", "T", "H", "K"});
     c.shape("v", args.v, {"B", "T", "HV", "V"});
   }
+  const int K = static_cast<int>(args.q.shape[3]), V = static_cast<int>(args.v.shape[3]);
   if (args.q.device.type != DeviceType::cpu) {
-    throw Error(ErrorKind::not_implemented,
-                "chunk_prefill has no CUDA kernel yet; pass CPU tensors");
+    int64_t N = args.q.shape[0];
+    if (args.cu_seqlens && args.cu_seqlens->ndim == 1)
+      N = args.cu_seqlens->shape[0] > 0 ? args.cu_seqlens->shape[0] - 1 : 0;
+    return cuda_backend::chunk_prefill_workspace_bytes(K, V, N, args.v.shape[2], args.is_kda);
   }
-  return cpu::chunk_prefill_workspace_bytes(static_cast<int>(args.q.shape[3]),
-                                            static_cast<int>(args.v.shape[3]), args.is_kda);
+  return cpu::chunk_prefill_workspace_bytes(K, V, args.is_kda);
 }
 
 void chunk_prefill(const ChunkPrefillArgs& args) {
   const detail::ChunkPrefillProblem p =
       detail::validate_chunk_prefill(args, chunk_prefill_workspace_bytes(args));
   if (p.N == 0) return;
-  cpu::run_chunk_prefill(p);  // the workspace size above already refused other devices
+  if (p.device.type == DeviceType::cpu) cpu::run_chunk_prefill(p);
+  else cuda_backend::run_chunk_prefill(p, args.stream);
 }
 
 }  // namespace deltastate

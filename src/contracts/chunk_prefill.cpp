@@ -338,6 +338,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
   // ---- host data (CPU tensors): before anything is written -----------------------------------
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
+  if (!on_cpu) require_cuda_k(K);  // the recurrent op's CUDA limit, same text
   if (on_cpu) {
     if (args.cu_seqlens) check_cu_seqlens_host(*args.cu_seqlens, T);
     if (every > 0) {

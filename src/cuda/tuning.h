@@ -80,6 +80,17 @@ inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
   return forced;
 }
+// DELTASTATE_CUDA_PREFILL=fallback: chunk_prefill on its CUDA-core fallback kernel even where
+// the tensor-core kernel applies (tests run the GPU suite both ways).
+enum class PrefillChoice { automatic, fallback };
+inline PrefillChoice forced_prefill_kernel() {
+  static const PrefillChoice forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_PREFILL");
+    return e && std::strcmp(e, "fallback") == 0 ? PrefillChoice::fallback
+                                                : PrefillChoice::automatic;
+  }();
+  return forced;
+}
 // DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).
 inline int forced_pdl_trigger() {
   static const int forced = env_override("DELTASTATE_CUDA_PDL_TRIGGER", {1, 2});

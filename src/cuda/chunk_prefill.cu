@@ -1,0 +1,168 @@
+// CUDA launch and dispatch of chunked prefill (GDN and KDA): two kernels over one validated
+// problem (core/problem.h ChunkPrefillProblem), picked per call from shapes, dtypes and
+// addresses only (no device data, no host synchronization: graph-capturable):
+//  * chunk_prefill_tc_kernel (chunk_prefill/tc_kernel.cuh, its design there): tensor cores
+//    (mma.sync bf16/fp16, fp32 accumulation), one CTA per (sequence, value head) with the fp32
+//    state on chip across the sequence's chunks. Runs K = V = 128 (and 64 in the full build),
+//    q, k, v all bf16 or all fp16 with 16-byte aligned rows, outputs aligned to 4 elements.
+//  * chunk_prefill_fallback_kernel (chunk_prefill/fallback.cuh): everything else (K != V, other
+//    sizes, fp32 or mixed q/k/v, unaligned rows, too little shared memory), the fp32 token
+//    recurrence on CUDA cores: exact to fp32, slow.
+// DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the tensor-core kernel for K = 128, bf16 only;
+// DELTASTATE_CUDA_PREFILL=fallback forces the fallback (tuning.h). Gates, decays and states of
+// every dtype and layout the problem describes run on both.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "api/backend.h"
+#include "core/error_text.h"
+#include "core/problem.h"
+#include "cuda/chunk_prefill/fallback.cuh"
+#include "cuda/chunk_prefill/tc_kernel.cuh"
+#include "cuda/launch.h"
+#include "cuda/tuning.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::ChunkPrefillProblem;
+
+namespace {
+
+bool aligned_to(const void* p, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
+}
+
+// Every row (head vector) of a per-token tensor starts on an `elems`-element boundary: the base
+// address and the strides that apply (the batch stride only without cu_seqlens).
+template <class Head>
+bool rows_aligned(const Head& t, const ChunkPrefillProblem& p, int64_t elems) {
+  const int64_t esize = dtype_size(t.dtype);
+  if (!aligned_to(t.ptr, elems * esize)) return false;
+  if (t.tok_stride % elems != 0 || t.head_stride % elems != 0) return false;
+  return p.cu_seqlens || p.N <= 1 || t.seq_stride % elems == 0;
+}
+
+// The head size the tensor-core kernel runs this problem at, or 0 (fallback).
+int tc_head_size(const ChunkPrefillProblem& p) {
+  if (forced_prefill_kernel() == PrefillChoice::fallback) return 0;
+  if (p.K != p.V) return 0;
+#if DELTASTATE_CUDA_ALL_KERNELS
+  if (p.K != 128 && p.K != 64) return 0;
+  const bool dtype_ok = p.q.dtype == DType::bf16 || p.q.dtype == DType::f16;
+#else
+  if (p.K != 128) return 0;
+  const bool dtype_ok = p.q.dtype == DType::bf16;
+#endif
+  if (!dtype_ok || p.k.dtype != p.q.dtype || p.v.dtype != p.q.dtype) return 0;
+  // cp.async copies 16-byte pieces of the q, k, v rows; outputs are stored 4 elements at a time.
+  if (!rows_aligned(p.q, p, 8) || !rows_aligned(p.k, p, 8) || !rows_aligned(p.v, p, 8)) return 0;
+  if (!rows_aligned(p.out, p, 4)) return 0;
+  return p.K;
+}
+
+// After opting the kernel into its shared memory (once per device): how many of its CTAs an SM
+// holds (the early-trigger rule of programmatic dependent launch).
+template <class Kernel>
+int opt_in_and_occupancy(Kernel kernel, int smem, int threads) {
+  DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int n = 0;
+  DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  return n < 1 ? 1 : n;
+}
+
+unsigned grid_of(const ChunkPrefillProblem& p) {
+  const int64_t ctas = p.num_heads_total();
+  if (ctas > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "chunk_prefill: too many (sequence, head) pairs for one launch");
+  return static_cast<unsigned>(ctas);
+}
+
+template <int D, class In, bool KDA>
+void launch_tc(const ChunkPrefillProblem& p, cudaStream_t stream) {
+  using L = prefill::TcLayout<D, KDA>;
+  auto kernel = prefill::chunk_prefill_tc_kernel<D, In, KDA>;
+  static PerDeviceOnce per_sm;
+  const int resident = per_sm.get(
+      p.device.index, [kernel] { return opt_in_and_occupancy(kernel, L::SMEM, L::THREADS); });
+  const unsigned ctas = grid_of(p);
+  const bool early = p.pdl && pdl_trigger_early(ctas, resident, p.device.index);
+  launch_kernel(kernel, dim3(ctas), dim3(L::THREADS), L::SMEM, stream, p.pdl, p, early);
+}
+
+template <int D, class In>
+void launch_tc_gate(const ChunkPrefillProblem& p, cudaStream_t stream) {
+  if (p.gate.kda) launch_tc<D, In, true>(p, stream);
+  else launch_tc<D, In, false>(p, stream);
+}
+
+// The tensor-core kernel when the device gives a CTA its shared memory; false otherwise.
+// Without DELTASTATE_CUDA_ALL_KERNELS only <128, bf16> is compiled (tc_head_size picks no other).
+template <int D, class In>
+bool try_tc(const ChunkPrefillProblem& p, cudaStream_t stream) {
+#if !DELTASTATE_CUDA_ALL_KERNELS
+  if constexpr (D != 128 || !std::is_same_v<In, __nv_bfloat16>) {
+    return false;
+  } else
+#endif
+  {
+    const int smem =
+        p.gate.kda ? prefill::TcLayout<D, true>::SMEM : prefill::TcLayout<D, false>::SMEM;
+    if (smem > max_smem_optin(p.device.index)) return false;
+    launch_tc_gate<D, In>(p, stream);
+    return true;
+  }
+}
+
+void launch_fallback(const ChunkPrefillProblem& p, cudaStream_t stream) {
+  auto kernel = prefill::chunk_prefill_fallback_kernel;
+  const int64_t smem = prefill::fallback_smem_bytes(p.K, p.V);
+  const int optin = max_smem_optin(p.device.index);
+  if (smem > optin) {
+    throw Error(
+        ErrorKind::not_implemented,
+        detail::format("chunk_prefill on CUDA: K=%d, V=%d need %lld bytes of shared memory; "
+                       "this device gives a CTA %d",
+                       p.K, p.V, static_cast<long long>(smem), optin));
+  }
+  static PerDeviceOnce opted;
+  opted.get(p.device.index, [kernel, optin] {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    return 1;
+  });
+  int resident = 1;
+  if (p.pdl)
+    DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, kernel, prefill::kFallbackThreads, static_cast<size_t>(smem)));
+  const unsigned ctas = grid_of(p);
+  const bool early = p.pdl && pdl_trigger_early(ctas, resident < 1 ? 1 : resident, p.device.index);
+  launch_kernel(kernel, dim3(ctas), dim3(prefill::kFallbackThreads), static_cast<size_t>(smem),
+                stream, p.pdl, p, early);
+}
+
+}  // namespace
+
+int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, bool /*kda*/) {
+  // The tensor-core kernel keeps everything on chip; the fallback needs global memory only for
+  // states too large for its shared memory.
+  const int64_t E = static_cast<int64_t>(K) * V;
+  return E <= prefill::kFallbackSmemStateElems ? 0 : N * HV * E * 4;
+}
+
+void run_chunk_prefill(const ChunkPrefillProblem& p, void* stream) {
+  if (p.N == 0) return;
+  DeviceGuard guard(p.device.index);
+  auto s = static_cast<cudaStream_t>(stream);
+  const int D = tc_head_size(p);
+  const bool bf16 = p.q.dtype == DType::bf16;
+  if (D == 128) {
+    if (bf16 ? try_tc<128, __nv_bfloat16>(p, s) : try_tc<128, __half>(p, s)) return;
+  } else if (D == 64) {
+    if (bf16 ? try_tc<64, __nv_bfloat16>(p, s) : try_tc<64, __half>(p, s)) return;
+  }
+  launch_fallback(p, s);
+}
+
+}  // namespace deltastate::cuda_backend

@@ -1,0 +1,136 @@
+// What both chunked-prefill kernels do per (sequence, value head) besides the math: find the
+// sequence's tokens and slots, write a padded sequence's zeros, and send a finished state to
+// every destination the problem names (pool slot, dense final state, checkpoints), each store
+// rounded to its destination's dtype as the CPU backend rounds it (core/numeric.h).
+//
+// Index arrays (cu_seqlens, slot indices, checkpoint counts) are read here, on the device: the
+// CUDA validator reads no device data (no host synchronization). check_indices traps on a slot
+// at or past the pool's end; cu_seqlens and the checkpoint counts are trusted, as by the
+// recurrent op and FlashInfer.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include "core/numeric.h"
+#include "core/problem.h"
+
+namespace deltastate::cuda_backend::prefill {
+
+using detail::ChunkPrefillProblem;
+using detail::head_offset;
+using detail::load_index;
+
+struct Seq {
+  int64_t n, seq, tok0, len;
+  int64_t slot;  // the initial state's slot (pooled; < 0: padded) or n (dense)
+  int hv, h;
+  bool padded, reads_state;
+};
+
+__device__ __forceinline__ void trap_slot(const char* what, int64_t i, int64_t slot,
+                                          int64_t slots) {
+  printf("deltastate chunk_prefill: %s[%lld]=%lld is out of range for a state pool of %lld slots\n",
+         what, static_cast<long long>(i), static_cast<long long>(slot),
+         static_cast<long long>(slots));
+  __trap();
+}
+
+__device__ __forceinline__ void check_slot(const ChunkPrefillProblem& p, const char* what,
+                                           int64_t i, int64_t slot) {
+  if (p.check_indices && slot >= p.state.num_slots) trap_slot(what, i, slot, p.state.num_slots);
+}
+
+// The sum of x over the warp, in every lane.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
+}
+
+// Task `task` = n * HV + hv.
+__device__ __forceinline__ Seq resolve_sequence(const ChunkPrefillProblem& p, int64_t task) {
+  Seq s;
+  s.n = task / p.HV;
+  s.hv = static_cast<int>(task - s.n * p.HV);
+  s.h = s.hv / (p.HV / p.H);
+  s.seq = p.cu_seqlens ? 0 : s.n;
+  s.tok0 = p.cu_seqlens ? load_index(p.cu_seqlens, p.cu_dtype, s.n) : 0;
+  const int64_t len = p.cu_seqlens ? load_index(p.cu_seqlens, p.cu_dtype, s.n + 1) - s.tok0 : p.T;
+  s.len = len > 0 ? len : 0;
+  s.slot = p.pooled() ? load_index(p.initial_indices, p.initial_index_dtype, s.n) : s.n;
+  s.padded = p.pooled() && s.slot < 0;
+  const bool has = !p.has_initial || load_index(p.has_initial, p.has_initial_dtype, s.n) != 0;
+  s.reads_state = p.state.ptr && !s.padded && has;
+  if (p.pooled() && !s.padded) check_slot(p, "initial_state_indices", s.n, s.slot);
+  return s;
+}
+
+__device__ __forceinline__ int64_t head_elems(const ChunkPrefillProblem& p) {
+  return static_cast<int64_t>(p.V) * p.K;
+}
+
+// A padded sequence: its output rows and dense outputs (final state, checkpoint rows) are zero,
+// the pool is untouched. All `nthreads` threads of the CTA take part.
+__device__ inline void write_padded(const ChunkPrefillProblem& p, const Seq& s, int tid,
+                                    int nthreads) {
+  const int64_t V = p.V, E = head_elems(p);
+  for (int64_t i = tid; i < s.len * V; i += nthreads) {
+    const int64_t t = i / V, v = i - t * V;
+    detail::store_float(p.out.ptr, p.out.dtype, head_offset(p.out, s.seq, s.tok0 + t, s.hv) + v,
+                        0.0f);
+  }
+  if (p.final_state)
+    for (int64_t i = tid; i < E; i += nthreads)
+      detail::store_float(p.final_state, p.final_dtype, (s.n * p.HV + s.hv) * E + i, 0.0f);
+  if (p.checkpoints && p.checkpoint_every > 0) {
+    const int64_t count = s.len / p.checkpoint_every;
+    const int64_t first = load_index(p.checkpoint_cu_starts, p.checkpoint_cu_dtype, s.n);
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t i = tid; i < E; i += nthreads)
+        detail::store_float(p.checkpoints, p.checkpoint_dtype, ((first + j) * p.HV + s.hv) * E + i,
+                            0.0f);
+  }
+}
+
+// `store(base, dtype, element_offset)` writes this thread's part of the state head at that
+// offset. The final state: to the pool (output_state_indices, else in place; < 0: not stored)
+// when pooled, and to the dense final_state when given.
+template <class Store>
+__device__ __forceinline__ void store_final_states(const ChunkPrefillProblem& p, const Seq& s,
+                                                   Store&& store) {
+  const int64_t E = head_elems(p);
+  if (p.pooled()) {
+    const int64_t out =
+        p.output_indices ? load_index(p.output_indices, p.output_index_dtype, s.n) : s.slot;
+    if (out >= 0) {
+      check_slot(p, "output_state_indices", s.n, out);
+      store(p.state.ptr, p.state.dtype, out * p.state.slot_stride + s.hv * E);
+    }
+  }
+  if (p.final_state) store(p.final_state, p.final_dtype, (s.n * p.HV + s.hv) * E);
+}
+
+// Checkpoint j of the sequence (the state after (j+1) * checkpoint_every tokens).
+template <class Store>
+__device__ __forceinline__ void store_checkpoint(const ChunkPrefillProblem& p, const Seq& s,
+                                                 int64_t j, Store&& store) {
+  const int64_t E = head_elems(p);
+  const int64_t pos = load_index(p.checkpoint_cu_starts, p.checkpoint_cu_dtype, s.n) + j;
+  if (p.checkpoints) {
+    store(p.checkpoints, p.checkpoint_dtype, (pos * p.HV + s.hv) * E);
+  } else {
+    const int64_t slot = load_index(p.checkpoint_slots, p.checkpoint_slot_dtype, pos);
+    if (slot >= 0) {
+      check_slot(p, "checkpoint_slot_indices", pos, slot);
+      store(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + s.hv * E);
+    }
+  }
+}
+
+// Whether tokens [0, end) of the sequence end on a checkpoint.
+__device__ __forceinline__ bool checkpoint_at(const ChunkPrefillProblem& p, int64_t end) {
+  return p.checkpoint_every > 0 && end > 0 && end % p.checkpoint_every == 0;
+}
+
+}  // namespace deltastate::cuda_backend::prefill

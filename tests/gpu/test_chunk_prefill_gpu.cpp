@@ -1,0 +1,711 @@
+// chunk_prefill on CUDA against the CPU backend's chunk_prefill on the same inputs (the CPU
+// kernel is the chunk-level oracle; tests/test_chunk_prefill.cpp holds it to an fp64 recurrence):
+// Qwen3-Next, Kimi-Linear (with and without lower_bound), a small GVA shape and K = V = 64 on the
+// tensor-core kernel; K != V, K*V beyond the fallback's shared memory and fp32 inputs on the
+// CUDA-core fallback. Varlen batches mixing 1, 63, 64, 65, 1000 and 8192 tokens, padded
+// sequences, has_initial_state 0, final states in place or to output_state_indices, envelope
+// pools with sentinel gaps, checkpoints in pool slots and dense, dense initial states, no state,
+// fp32 / bf16 / fp16 states, bf16 and fp16 inputs, log-space gates and beta probabilities.
+// Outputs, final states and dense checkpoints are NaN-poisoned before the call; the pool outside
+// the slots the call writes, the spare checkpoint rows and the inputs are compared byte for byte.
+// Every test skips without a CUDA device.
+//
+// Tolerances: relative norm error over a sequence's outputs, or over one state (all heads), after
+// granting each element half ulps of a 16-bit destination (tests/test_chunk_prefill.cpp
+// rel_close): one for the tensor-core kernel, whose result is then compared as one stored
+// rounding against the CPU's fp32 (as the peers' numbers below are: their bf16 outputs against an
+// fp32 recurrence); two for the fallback, whose fp32 results equal the CPU's and whose stores
+// differ only where the two straddle a rounding boundary. fp32 states and outputs get none. The
+// plain error of the stored values is printed too (DSTEST_PRINT_ERRORS).
+//  * Tensor-core kernel, GDN: 3e-3. Its MMA operands that are not raw inputs are rounded to
+//    bf16 (the state, v', P; Y and T diag(beta) carry a second bf16 of their rounding error), a
+//    relative 2^-9 each; an emulation of the kernel's arithmetic (tests/gpu/emulate_tc_kernel.py:
+//    bf16 rounding at the same points, the distributions below) measured 2.1-2.5e-3 on the
+//    outputs and 1.7-1.9e-3 on the states against an fp64 recurrence (1.8-1.9e-3 on bf16 outputs
+//    measured as here), below FLA's and FlashInfer's 3.6e-3 / 2.9e-3 on the same kind of inputs.
+//  * Tensor-core kernel, KDA: 5e-3. Its per-channel decays are folded into q, k operands that
+//    are rounded too (k e^G, q e^G, k e^{G_L - G}, as in FLA): the emulation measured 2.4-3.4e-3
+//    (the upper end with the softplus gate's strong decays; 2.7e-3 on bf16 outputs as here).
+//  * Fallback (fp32 token recurrence): 2e-5, as the CPU chunked-vs-recurrent bound.
+// Cases that can run on either kernel use the tensor-core bound (DELTASTATE_CUDA_PREFILL=fallback
+// runs them all on the fallback; builds without DELTASTATE_CUDA_ALL_KERNELS run K = 64 and fp16
+// inputs there). DSTEST_PRINT_ERRORS=1 prints every measured error.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <numeric>
+#include <stdexcept>
+
+#include "test_util.h"
+
+namespace dstest {
+namespace {
+
+using deltastate::ChunkPrefillArgs;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorName(e) + " (" +
+                             cudaGetErrorString(e) + ")");
+  }
+}
+#define CUDA_CHECK(expr) check((expr), #expr)
+
+void sync() {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaGetLastError());
+}
+
+bool have_gpu() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+class PrefillGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
+    ASSERT_TRUE(deltastate::cuda_available());
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error left over from an earlier test";
+  }
+};
+
+// Device copies of host test tensors, one cudaMalloc'd buffer per host allocation (aliases stay
+// aliases), views with the host layout on cuda:0 (as tests/gpu/test_cuda_ops.cpp's Mirror).
+class Mirror {
+ public:
+  Mirror() = default;
+  Mirror(const Mirror&) = delete;
+  Mirror& operator=(const Mirror&) = delete;
+  ~Mirror() {
+    for (auto& [host, buf] : bufs_) EXPECT_EQ(cudaFree(buf.ptr), cudaSuccess);
+  }
+  TensorView view(const Tensor& t) { return t.view_at(buffer(t), Device::cuda(0)); }
+  auto views() {
+    return [this](const Tensor& t) { return view(t); };
+  }
+  void upload(const Tensor& t) {
+    if (!t.alloc_base()) return;
+    CUDA_CHECK(cudaMemcpy(buffer(t), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()),
+                          cudaMemcpyHostToDevice));
+  }
+  template <class... Ts>
+  void upload_all(const Ts&... ts) {
+    (upload(ts), ...);
+  }
+  Tensor download(const Tensor& t) {
+    Tensor h = t.empty_like();
+    CUDA_CHECK(cudaMemcpy(h.alloc_base(), buffer(t), static_cast<size_t>(t.alloc_bytes()),
+                          cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+ private:
+  struct Buf {
+    void* ptr;
+    int64_t bytes;
+  };
+  void* buffer(const Tensor& t) {
+    auto it = bufs_.find(t.alloc_base());
+    if (it != bufs_.end() && it->second.bytes == t.alloc_bytes()) return it->second.ptr;
+    if (it != bufs_.end()) {
+      CUDA_CHECK(cudaFree(it->second.ptr));
+      bufs_.erase(it);
+    }
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(t.alloc_bytes(), 1))));
+    bufs_[t.alloc_base()] = {p, t.alloc_bytes()};
+    return p;
+  }
+  std::map<const void*, Buf> bufs_;
+};
+
+// ---- tolerances (the file comment) ------------------------------------------------------------
+constexpr double kTensorCoreTol = 3e-3;
+constexpr double kTensorCoreKdaTol = 5e-3;
+constexpr double kFallbackTol = 2e-5;
+
+void report(const std::string& what, double rel) {
+  static const bool on = std::getenv("DSTEST_PRINT_ERRORS") != nullptr;
+  if (on) std::cout << "  rel error " << what << ": " << rel << "\n";
+}
+
+// ||max(|got - want| - slack, 0)|| / ||want||, slack = `rounded` half ulps of `stored_as`.
+::testing::AssertionResult rel_close(const std::vector<double>& got,
+                                     const std::vector<double>& want, double tol, DType stored_as,
+                                     const std::string& what, int rounded = 2) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure()
+           << what << ": " << got.size() << " values, want " << want.size();
+  double err2 = 0.0, ref2 = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i]))
+      return ::testing::AssertionFailure() << what << ": element " << i << " is " << got[i];
+    const double slack =
+        stored_as == DType::f32
+            ? 0.0
+            : rounded * half_ulp(stored_as, std::max(std::abs(got[i]), std::abs(want[i])));
+    const double d = std::abs(got[i] - want[i]) - slack;
+    if (d > 0) err2 += d * d;
+    ref2 += want[i] * want[i];
+  }
+  const double rel = std::sqrt(err2) / std::max(std::sqrt(ref2), 1e-30);
+  report(what, rel);
+  if (rel <= tol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": relative error " << rel << " > " << tol;
+}
+
+// ---- inputs (as tests/test_chunk_prefill.cpp) -------------------------------------------------
+void vary_decay(RecurrentBatch& rb, Rng& rng) {
+  const Shape& s = rb.spec.s;
+  if (rb.spec.gate_in_kernel) {
+    for (int64_t hv = 0; hv < s.HV; ++hv) rb.A_log.set_linear(hv, rng.uniform(-8.0, 0.5));
+    return;
+  }
+  std::vector<double> rate(static_cast<size_t>(s.HV));
+  for (double& r : rate) r = std::pow(10.0, rng.uniform(-2.5, 0.5));
+  const int64_t width = rb.spec.kda ? s.K : 1;
+  for (int64_t i = 0; i < rb.g.numel(); ++i)
+    rb.g.set_linear(i, -rate[(i / width) % s.HV] * rng.uniform(0.0, 1.0));
+}
+
+void unit_scale_qk(RecurrentBatch& rb, Rng& rng) {
+  const double sd = 1.0 / std::sqrt(static_cast<double>(rb.spec.s.K));
+  rb.q.fill_normal(rng, sd);
+  rb.k.fill_normal(rng, sd);
+}
+
+template <class ViewOf>
+ChunkPrefillArgs prefill_args(const RecurrentBatch& rb, ViewOf&& view_of) {
+  ChunkPrefillArgs a;
+  a.q = view_of(rb.q);
+  a.k = view_of(rb.k);
+  a.v = view_of(rb.v);
+  a.g = view_of(rb.g);
+  a.beta = view_of(rb.beta);
+  a.out = view_of(rb.out);
+  a.is_kda = rb.spec.kda;
+  a.gate_in_kernel = rb.spec.gate_in_kernel;
+  if (rb.spec.gate_in_kernel) {
+    a.A_log = view_of(rb.A_log);
+    a.dt_bias = view_of(rb.dt_bias);
+    a.lower_bound = rb.spec.lower_bound;
+  }
+  a.beta_is_logit = rb.spec.beta_is_logit;
+  if (!rb.spec.seqlens.empty()) a.cu_seqlens = view_of(rb.cu);
+  return a;
+}
+
+// A workspace tensor of the size the call asks for (at least one element), NaN-poisoned.
+Tensor workspace_for(const ChunkPrefillArgs& a) {
+  const int64_t bytes = deltastate::chunk_prefill_workspace_bytes(a);
+  Tensor w = Tensor::contiguous(DType::f32, {std::max<int64_t>(1, (bytes + 3) / 4)});
+  w.fill_all(std::nan(""));
+  return w;
+}
+
+std::vector<double> out_rows(const Tensor& out, const RecurrentBatch& rb, int64_t n) {
+  std::vector<double> o;
+  for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+    const auto [b, tok] = rb.coord(n, t);
+    for (int64_t hv = 0; hv < rb.spec.s.HV; ++hv)
+      for (int64_t v = 0; v < rb.spec.s.V; ++v) o.push_back(out.get({b, tok, hv, v}));
+  }
+  return o;
+}
+
+bool contains(const std::vector<int64_t>& v, int64_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+enum class StateMode { pool, dense, none };
+enum class Ckpt { none, slots, dense };
+
+struct GpuPrefillCase {
+  const char* name;
+  RecurrentSpec spec;
+  StateMode mode = StateMode::pool;
+  DType state = DType::f32;
+  std::vector<int64_t> padded;  // pool: sequences with index -1
+  std::vector<int64_t> fresh;   // has_initial_state = 0
+  bool redirect = false;        // pool: output_state_indices (the first live one's: -1)
+  bool final_state = false;
+  Ckpt ckpt = Ckpt::none;
+  int64_t every = 64;
+  int64_t slot_pad = 0, lead = 0;
+  bool fallback_only = false;  // no tensor-core kernel takes this case: the fallback's bound
+  bool l2norm = true;
+  double scale = 0.0;  // 0: the default K^-0.5
+};
+void PrintTo(const GpuPrefillCase& c, std::ostream* os) { *os << c.name; }
+
+double tolerance(const GpuPrefillCase& c) {
+  if (c.fallback_only) return kFallbackTol;
+  return c.spec.kda ? kTensorCoreKdaTol : kTensorCoreTol;
+}
+int roundings(const GpuPrefillCase& c) { return c.fallback_only ? 2 : 1; }
+
+// One call's host tensors: inputs, states, checkpoints, and both backends' runs of it.
+struct PrefillRun {
+  const GpuPrefillCase& c;
+  RecurrentBatch rb;
+  int64_t N = 0, E = 0, every = 0, total = 0;
+  std::vector<int64_t> cu_starts{0}, in_slot, out_slot, ck_slot;
+  Tensor pool, idx, out_idx, ck_idx, has_initial, final_state, ckpts, cu_starts_t;
+
+  PrefillRun(const GpuPrefillCase& cs, Rng& rng) : c(cs), rb(make_recurrent_batch(rng, cs.spec)) {
+    vary_decay(rb, rng);
+    if (!c.l2norm) unit_scale_qk(rb, rng);
+    const Shape& s = c.spec.s;
+    N = rb.N;
+    E = s.state_elems();
+    every = c.ckpt == Ckpt::none ? 0 : c.every;
+    for (int64_t n = 0; n < N; ++n)
+      cu_starts.push_back(cu_starts.back() + (every ? rb.seq_len(n) / every : 0));
+    total = cu_starts.back();
+    in_slot.assign(N, -1);
+    out_slot.assign(N, -1);
+    ck_slot.assign(total, -1);
+    if (c.mode == StateMode::pool) {
+      const int64_t slots = 2 * N + total + 3;
+      pool = make_pool(c.state, slots, s, c.slot_pad, c.lead);
+      std::vector<int64_t> perm(slots);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng.engine());
+      size_t next = 0;
+      for (int64_t n = 0; n < N; ++n) in_slot[n] = padded(n) ? -1 : perm[next++];
+      fill_live_slots(pool.view(), in_slot, rng);
+      bool first_live = true;
+      for (int64_t n = 0; n < N; ++n) {
+        out_slot[n] = in_slot[n];
+        if (c.redirect && !padded(n)) {
+          out_slot[n] = first_live ? -1 : perm[next++];
+          first_live = false;
+        }
+      }
+      for (int64_t i = 0; i < total; ++i) ck_slot[i] = i % 3 == 2 ? -1 : perm[next++];
+      idx = index_tensor(in_slot, c.spec.index_dtype);
+      if (c.redirect) out_idx = index_tensor(out_slot, c.spec.index_dtype);
+      if (c.ckpt == Ckpt::slots) ck_idx = index_tensor(ck_slot, c.spec.index_dtype);
+    } else if (c.mode == StateMode::dense) {
+      pool = make_pool(c.state, N, s, c.slot_pad, c.lead);
+      for (int64_t n = 0; n < N; ++n) fill_slot(pool.view(), n, rng);
+    }
+    if (!c.fresh.empty()) {
+      std::vector<int64_t> has(N, 1);
+      for (int64_t n : c.fresh) has[n] = 0;
+      has_initial = index_tensor(has, c.spec.index_dtype);
+    }
+    if (c.final_state) {
+      final_state = Tensor::contiguous(c.state, {N, s.HV, s.V, s.K});
+      final_state.fill_all(std::nan(""));
+    }
+    if (every) cu_starts_t = index_tensor(cu_starts, c.spec.index_dtype);
+    if (c.ckpt == Ckpt::dense) {
+      ckpts = Tensor::contiguous(c.state, {total + 2, s.HV, s.V, s.K});  // two spare rows
+      ckpts.fill_all(std::nan(""));
+    }
+  }
+  bool padded(int64_t n) const { return c.mode == StateMode::pool && contains(c.padded, n); }
+
+  template <class ViewOf>
+  ChunkPrefillArgs args(ViewOf&& view_of) const {
+    ChunkPrefillArgs a = prefill_args(rb, view_of);
+    a.use_qk_l2norm = c.l2norm;
+    if (c.scale > 0) a.scale = c.scale;
+    if (c.mode != StateMode::none) a.initial_state = view_of(pool);
+    if (c.mode == StateMode::pool) a.initial_state_indices = view_of(idx);
+    if (c.redirect) a.output_state_indices = view_of(out_idx);
+    if (!c.fresh.empty()) a.has_initial_state = view_of(has_initial);
+    if (c.final_state) a.final_state = view_of(final_state);
+    if (every) {
+      a.checkpoint_every_n_tokens = every;
+      a.checkpoint_cu_starts = view_of(cu_starts_t);
+      if (c.ckpt == Ckpt::dense) a.state_checkpoints = view_of(ckpts);
+      else a.checkpoint_slot_indices = view_of(ck_idx);
+    }
+    return a;
+  }
+  // Every host tensor the call reads or writes, for the device mirror.
+  std::vector<const Tensor*> tensors() const {
+    return {&rb.q,     &rb.k,        &rb.v,        &rb.g,  &rb.beta,    &rb.out,
+            &rb.A_log, &rb.dt_bias,  &rb.cu,       &pool,  &idx,        &out_idx,
+            &ck_idx,   &has_initial, &final_state, &ckpts, &cu_starts_t};
+  }
+};
+
+class GpuChunkPrefill : public PrefillGpuTest,
+                        public ::testing::WithParamInterface<GpuPrefillCase> {};
+
+TEST_P(GpuChunkPrefill, MatchesCpu) {
+  const GpuPrefillCase& c = GetParam();
+  Rng rng = test_rng();
+  PrefillRun run(c, rng);
+  const Shape& s = c.spec.s;
+  const int64_t N = run.N, E = run.E;
+  const double tol = tolerance(c);
+  const int rnd = roundings(c);
+
+  Mirror dev;
+  for (const Tensor* t : run.tensors()) dev.upload(*t);
+  // What the device holds before the call (the CPU call below changes the host copies).
+  const std::vector<uint8_t> pool_before =
+      c.mode != StateMode::none ? run.pool.bytes() : std::vector<uint8_t>{};
+  const std::vector<uint8_t> ckpts_before =
+      c.ckpt == Ckpt::dense ? run.ckpts.bytes() : std::vector<uint8_t>{};
+
+  ChunkPrefillArgs gpu_args = run.args(dev.views());
+  Tensor gpu_ws = workspace_for(gpu_args);
+  if (deltastate::chunk_prefill_workspace_bytes(gpu_args) > 0) {
+    dev.upload(gpu_ws);
+    gpu_args.workspace = dev.view(gpu_ws);
+  }
+  deltastate::chunk_prefill(gpu_args);
+  sync();
+
+  ChunkPrefillArgs cpu_args = run.args(host_view);
+  const Tensor cpu_ws = workspace_for(cpu_args);
+  cpu_args.workspace = cpu_ws.view();
+  deltastate::chunk_prefill(cpu_args);
+
+  const Tensor out = dev.download(run.rb.out);
+  const Tensor pool = c.mode != StateMode::none ? dev.download(run.pool) : Tensor();
+  const Tensor fs = c.final_state ? dev.download(run.final_state) : Tensor();
+  const Tensor ck = c.ckpt == Ckpt::dense ? dev.download(run.ckpts) : Tensor();
+  const DType act = c.spec.act;
+  std::vector<MemRange> pool_written, ckpt_written;
+  for (int64_t n = 0; n < N; ++n) {
+    SCOPED_TRACE("sequence " + std::to_string(n) + " of " + std::to_string(run.rb.seq_len(n)) +
+                 " tokens");
+    const std::string tag = std::string(c.name) + " seq " + std::to_string(n);
+    const int64_t n_ckpt = run.every ? run.rb.seq_len(n) / run.every : 0;
+    if (run.padded(n)) {
+      EXPECT_TRUE(all_zero(out_rows(out, run.rb, n))) << "outputs";
+      if (c.final_state) {
+        EXPECT_TRUE(all_zero(view_values(fs.view(), n * E, E))) << "final_state";
+      }
+      for (int64_t j = 0; j < n_ckpt && c.ckpt == Ckpt::dense; ++j) {
+        EXPECT_TRUE(all_zero(view_values(ck.view(), (run.cu_starts[n] + j) * E, E)))
+            << "checkpoint " << j;
+        ckpt_written.push_back(range_of(ck.view(), (run.cu_starts[n] + j) * E, E));
+      }
+      continue;
+    }
+    (void)rel_close(out_rows(out, run.rb, n), out_rows(run.rb.out, run.rb, n), 1.0, DType::f32,
+                    tag + " out as stored");  // reported only
+    EXPECT_TRUE(rel_close(out_rows(out, run.rb, n), out_rows(run.rb.out, run.rb, n), tol, act,
+                          tag + " out", rnd));
+    if (c.final_state) {
+      EXPECT_TRUE(rel_close(view_values(fs.view(), n * E, E),
+                            view_values(run.final_state.view(), n * E, E), tol, c.state,
+                            tag + " final_state", rnd));
+    }
+    if (c.mode == StateMode::pool && run.out_slot[n] >= 0) {
+      EXPECT_TRUE(rel_close(slot_values(pool.view(), run.out_slot[n]),
+                            slot_values(run.pool.view(), run.out_slot[n]), tol, c.state,
+                            tag + " pool final", rnd));
+      pool_written.push_back(slot_range(pool.view(), run.out_slot[n]));
+    }
+    for (int64_t j = 0; j < n_ckpt; ++j) {
+      const std::string ctag = tag + " checkpoint " + std::to_string(j);
+      const int64_t pos = run.cu_starts[n] + j;
+      if (c.ckpt == Ckpt::dense) {
+        EXPECT_TRUE(rel_close(view_values(ck.view(), pos * E, E),
+                              view_values(run.ckpts.view(), pos * E, E), tol, c.state, ctag, rnd));
+        ckpt_written.push_back(range_of(ck.view(), pos * E, E));
+      } else if (run.ck_slot[pos] >= 0) {
+        EXPECT_TRUE(rel_close(slot_values(pool.view(), run.ck_slot[pos]),
+                              slot_values(run.pool.view(), run.ck_slot[pos]), tol, c.state, ctag,
+                              rnd));
+        pool_written.push_back(slot_range(pool.view(), run.ck_slot[pos]));
+      }
+    }
+  }
+  if (c.mode == StateMode::pool) {
+    EXPECT_TRUE(Snapshot::equal_except(pool.alloc_base(), pool_before.data(), pool.alloc_bytes(),
+                                       pool_written))
+        << "GPU pool outside the written slots (sentinels, envelope gaps, read-only slots)";
+  } else if (c.mode == StateMode::dense) {
+    EXPECT_TRUE(
+        Snapshot::equal_except(pool.alloc_base(), pool_before.data(), pool.alloc_bytes(), {}))
+        << "the dense initial_state is read only";
+  }
+  if (c.ckpt == Ckpt::dense) {
+    EXPECT_TRUE(Snapshot::equal_except(ck.alloc_base(), ckpts_before.data(), ck.alloc_bytes(),
+                                       ckpt_written))
+        << "spare checkpoint rows";
+  }
+  for (const Tensor* t : {&run.rb.q, &run.rb.k, &run.rb.v, &run.rb.g, &run.rb.beta}) {
+    const Tensor d = dev.download(*t);
+    EXPECT_EQ(std::memcmp(d.alloc_base(), t->alloc_base(), static_cast<size_t>(t->alloc_bytes())),
+              0)
+        << "an input changed on the device";
+  }
+  (void)s;
+}
+
+RecurrentSpec varlen(
+    const Shape& s, bool kda, DType act, std::vector<int64_t> seqlens,
+    void (*f)(RecurrentSpec&) = [](RecurrentSpec&) {}) {
+  return with(recurrent_spec(s, kda, act, 1, 1, std::move(seqlens)), f);
+}
+void safe_gate(RecurrentSpec& r) { r.lower_bound = -5.0; }
+void log_gates_beta_prob(RecurrentSpec& r) {
+  r.gate_in_kernel = false;
+  r.beta_is_logit = false;
+}
+void log_gates(RecurrentSpec& r) { r.gate_in_kernel = false; }
+void packed(RecurrentSpec& r) { r.packed_qkv = true; }
+void i64(RecurrentSpec& r) { r.index_dtype = DType::i64; }
+
+constexpr Shape kGva{"gva", 2, 6, 128, 128};
+constexpr Shape kK64{"k64", 4, 8, 64, 64};
+constexpr Shape kK128V192{"k128v192", 1, 2, 128,
+                          192};  // K*V > 16384: fallback states in the workspace
+
+// The varlen mix around an empty sequence, and the same with one 8192-token sequence.
+const std::vector<int64_t> kMix{1, 63, 64, 0, 65, 1000, 130};
+const std::vector<int64_t> kMixLong{1, 63, 64, 65, 1000, 8192, 130, 0};
+
+GpuPrefillCase C(const char* name, RecurrentSpec spec, void (*f)(GpuPrefillCase&)) {
+  GpuPrefillCase c;
+  c.name = name;
+  c.spec = std::move(spec);
+  f(c);
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuChunkPrefill,
+    ::testing::Values(
+        // Qwen3-Next, the long mix: 8192 tokens, padded (index 6), fresh (2), checkpoints into
+        // slots every 1024
+        C("gdn_qwen_mixlong_bf16_f32pool_slots", varlen(kQwen3Next, false, DType::bf16, kMixLong),
+          [](GpuPrefillCase& c) {
+            c.padded = {6};
+            c.fresh = {2};
+            c.ckpt = Ckpt::slots;
+            c.every = 1024;
+          }),
+        C("gdn_qwen_packedqkv_bf16state_dense_ckpt",
+          varlen(kQwen3Next, false, DType::bf16, {300, 64, 129}, packed),
+          [](GpuPrefillCase& c) {
+            c.state = DType::bf16;
+            c.final_state = true;
+            c.ckpt = Ckpt::dense;
+            c.every = 64;
+          }),
+        C("gdn_qwen_logg_betaprob_f16state",
+          varlen(kQwen3Next, false, DType::bf16, {129, 300, 1}, log_gates_beta_prob),
+          [](GpuPrefillCase& c) {
+            c.state = DType::f16;
+            c.fresh = {0};
+            c.redirect = true;
+            c.ckpt = Ckpt::slots;
+          }),
+        C("gdn_qwen_f16act_f32pool", varlen(kQwen3Next, false, DType::f16, {70, 192}),
+          [](GpuPrefillCase& c) { c.final_state = true; }),
+        C("gdn_qwen_dense_initial_final", varlen(kQwen3Next, false, DType::bf16, {65, 0, 140}),
+          [](GpuPrefillCase& c) {
+            c.mode = StateMode::dense;
+            c.fresh = {1};
+            c.final_state = true;
+            c.ckpt = Ckpt::dense;
+            c.slot_pad = 16;
+            c.lead = 4;
+          }),
+        C("gdn_qwen_no_l2norm_scale", varlen(kQwen3Next, false, DType::bf16, {90, 20}, log_gates),
+          [](GpuPrefillCase& c) {
+            c.l2norm = false;
+            c.scale = 0.3;
+          }),
+        C("gdn_qwen_batched_T130", recurrent_spec(kQwen3Next, false, DType::bf16, 3, 130),
+          [](GpuPrefillCase& c) {
+            c.padded = {1};
+            c.ckpt = Ckpt::slots;
+          }),
+        // Kimi-Linear with the safe gate (lower_bound -5) and with the softplus gate
+        C("kda_kimi_mix_lb_bf16_dense_ckpt",
+          varlen(kKimi, true, DType::bf16, {1, 63, 64, 65, 1000, 300}, safe_gate),
+          [](GpuPrefillCase& c) {
+            c.padded = {3};
+            c.redirect = true;
+            c.final_state = true;
+            c.ckpt = Ckpt::dense;
+            c.every = 128;
+          }),
+        C("kda_kimi_softplus_bf16state_envelope",
+          varlen(kKimi, true, DType::bf16, {65, 300, 64, 200}),
+          [](GpuPrefillCase& c) {
+            c.state = DType::bf16;
+            c.fresh = {1};
+            c.ckpt = Ckpt::slots;
+            c.slot_pad = 64;
+            c.lead = 32;
+          }),
+        C("kda_kimi_no_state_final", varlen(kKimi, true, DType::bf16, {100, 64}, log_gates),
+          [](GpuPrefillCase& c) {
+            c.mode = StateMode::none;
+            c.state = DType::bf16;
+            c.final_state = true;
+            c.ckpt = Ckpt::dense;
+          }),
+        // a small GVA shape (3 value heads per key head) on an envelope pool
+        C("gdn_gva_mix_envelope_redirect", varlen(kGva, false, DType::bf16, kMix),
+          [](GpuPrefillCase& c) {
+            c.padded = {6};
+            c.fresh = {2};
+            c.redirect = true;
+            c.final_state = true;
+            c.ckpt = Ckpt::slots;
+            c.slot_pad = 40;
+            c.lead = 8;
+          }),
+        C("kda_gva_mix_lb_i64",
+          varlen(kGva, true, DType::bf16, kMix,
+                 [](RecurrentSpec& r) {
+                   r.lower_bound = -5.0;
+                   r.index_dtype = DType::i64;
+                 }),
+          [](GpuPrefillCase& c) {
+            c.padded = {0};
+            c.ckpt = Ckpt::dense;
+            c.every = 192;
+          }),
+        // K = V = 64 (the tensor-core kernel in the full build)
+        C("gdn_k64_bf16_i64", varlen(kK64, false, DType::bf16, {65, 200, 1}, i64),
+          [](GpuPrefillCase& c) {
+            c.final_state = true;
+            c.ckpt = Ckpt::slots;
+          }),
+        C("kda_k64_f16act_bf16state", varlen(kK64, true, DType::f16, {65, 130}, safe_gate),
+          [](GpuPrefillCase& c) { c.state = DType::bf16; }),
+        // the fallback: K != V, fp32 inputs, a state beyond its shared memory
+        C("fallback_gdn_odd_mix", varlen(kOdd, false, DType::bf16, kMix),
+          [](GpuPrefillCase& c) {
+            c.padded = {6};
+            c.fresh = {2};
+            c.redirect = true;
+            c.ckpt = Ckpt::slots;
+            c.slot_pad = 40;
+            c.lead = 8;
+            c.fallback_only = true;
+          }),
+        C("fallback_kda_kgtv_lb", varlen(kKgtV, true, DType::f32, {65, 130, 3}, safe_gate),
+          [](GpuPrefillCase& c) {
+            c.state = DType::bf16;
+            c.final_state = true;
+            c.ckpt = Ckpt::dense;
+            c.fallback_only = true;
+          }),
+        C("fallback_gdn_qwen_f32act", varlen(kQwen3Next, false, DType::f32, {65, 130}),
+          [](GpuPrefillCase& c) {
+            c.final_state = true;
+            c.fallback_only = true;
+          }),
+        C("fallback_gdn_k128v192_workspace", varlen(kK128V192, false, DType::bf16, {70, 64}),
+          [](GpuPrefillCase& c) {
+            c.final_state = true;
+            c.ckpt = Ckpt::slots;
+            c.fallback_only = true;
+          })),
+    case_name<GpuPrefillCase>);
+
+// ---- CUDA graphs ----------------------------------------------------------------------------
+struct ScopedStream {
+  cudaStream_t s = nullptr;
+  ScopedStream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~ScopedStream() { EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess); }
+  ScopedStream(const ScopedStream&) = delete;
+  ScopedStream& operator=(const ScopedStream&) = delete;
+};
+
+// One Qwen3-Next varlen call (pooled, in place, slot checkpoints) captured into a CUDA graph on
+// a non-blocking stream: capturing runs nothing, and each replay (the pool advancing in place)
+// equals the same call launched eagerly on a second copy of the buffers, bit for bit; so does a
+// launch with programmatic dependent launch. KDA the same.
+TEST_F(PrefillGpuTest, CudaGraphReplayMatchesEager) {
+  for (const bool kda : {false, true}) {
+    SCOPED_TRACE(kda ? "kda" : "gdn");
+    GpuPrefillCase c;
+    c.name = "graph";
+    c.spec = varlen(kda ? kKimi : kQwen3Next, kda, DType::bf16, {65, 300, 1, 128});
+    c.padded = {2};
+    c.ckpt = Ckpt::slots;
+    Rng rng = test_rng(kda);
+    PrefillRun run(c, rng);
+    const ScopedStream scoped;
+    cudaStream_t stream = scoped.s;
+    Mirror graph_mem, eager_mem, pdl_mem;
+    for (Mirror* m : {&graph_mem, &eager_mem, &pdl_mem})
+      for (const Tensor* t : run.tensors()) m->upload(*t);
+    ChunkPrefillArgs warm = run.args(pdl_mem.views());  // outside the capture, as engines do
+    deltastate::chunk_prefill(warm);
+    sync();
+    for (const Tensor* t : run.tensors()) pdl_mem.upload(*t);
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ChunkPrefillArgs ga = run.args(graph_mem.views());
+    ga.stream = stream;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    deltastate::chunk_prefill(ga);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    EXPECT_EQ(graph_mem.download(run.pool).bytes(), run.pool.bytes()) << "capturing ran nothing";
+    for (int rep = 0; rep < 2; ++rep) {
+      SCOPED_TRACE("replay " + std::to_string(rep));
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      deltastate::chunk_prefill(run.args(eager_mem.views()));
+      ChunkPrefillArgs pa = run.args(pdl_mem.views());
+      pa.pdl = true;
+      pa.stream = stream;
+      deltastate::chunk_prefill(pa);
+      sync();
+      for (const Tensor* t : {&run.rb.out, &run.pool}) {
+        const Tensor g = graph_mem.download(*t), e = eager_mem.download(*t),
+                     p = pdl_mem.download(*t);
+        EXPECT_EQ(std::memcmp(g.alloc_base(), e.alloc_base(), static_cast<size_t>(g.alloc_bytes())),
+                  0)
+            << "graph replay and eager launch differ";
+        EXPECT_EQ(std::memcmp(p.alloc_base(), e.alloc_base(), static_cast<size_t>(p.alloc_bytes())),
+                  0)
+            << "PDL launch and plain launch differ";
+      }
+      const Tensor out = graph_mem.download(run.rb.out);
+      EXPECT_TRUE(all_zero(out_rows(out, run.rb, 2))) << "padded sequence";
+      EXPECT_TRUE(std::isfinite(out.get({0, 0, 0, 0})));
+    }
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+}
+
+// N = 0 (cu_seqlens [1]) launches nothing and writes nothing.
+TEST_F(PrefillGpuTest, NoSequences) {
+  Rng rng = test_rng();
+  RecurrentBatch rb =
+      make_recurrent_batch(rng, recurrent_spec(kQwen3Next, false, DType::bf16, 1, 1, {0}));
+  rb.cu = index_tensor({0});
+  Mirror dev;
+  dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu);
+  ChunkPrefillArgs a = prefill_args(rb, dev.views());
+  EXPECT_NO_THROW(deltastate::chunk_prefill(a));
+  sync();
+  EXPECT_EQ(dev.download(rb.out).bytes(), rb.out.bytes());
+}
+
+}  // namespace
+}  // namespace dstest
