@@ -18,6 +18,14 @@ bool device_available();
 void run_recurrent(const detail::RecurrentProblem& p, void* stream);
 void run_replayssm_decode(const detail::ReplayProblem& p, void* stream);
 
+// The device's error record (src/cuda/errors.cu), for the launchers to pass to the kernels.
+detail::DeviceErrorRecord* device_errors(int device);
+// Synchronizes `stream`, reads its device's error record, clears it and throws ErrorKind::value
+// naming the first bad row; a no-op when no kernel has been launched on that device.
+void check_errors(void* stream);
+// check_errors, skipped while `stream` is being captured into a CUDA graph (ops' check_indices).
+void check_errors_after_op(void* stream);
+
 // Memory for the state pool.
 void* device_alloc(size_t bytes, int device);  // zeroed, synchronously
 void device_free(void* ptr, int device) noexcept;

@@ -16,6 +16,9 @@ bool built() { return false; }
 bool device_available() { return false; }
 void run_recurrent(const detail::RecurrentProblem&, void*) { not_built(); }
 void run_replayssm_decode(const detail::ReplayProblem&, void*) { not_built(); }
+detail::DeviceErrorRecord* device_errors(int) { not_built(); }
+void check_errors(void*) {}  // no CUDA: no kernel has run, nothing to report
+void check_errors_after_op(void*) {}
 void* device_alloc(size_t, int) { not_built(); }
 void device_free(void*, int) noexcept {}
 void memset_2d_async(void*, size_t, int, size_t, size_t, int, void*) { not_built(); }
