@@ -56,13 +56,14 @@ struct PackedDecodeArgs {
   // Slot index checks. CPU tensors (default on): every index is checked before anything is
   // written; an index >= slots, or a live slot used by two rows, is a ValueError. CUDA tensors:
   // the kernels always check the range on the device (check_errors below): a row whose index is
-  // >= slots is skipped (its state, rings and cursor untouched), its output is NaN, and it is
-  // recorded in the device's error record, with no host synchronization. check_indices=true
-  // (default off) is the debug mode: the op then synchronizes its stream after the launch and
-  // calls check_errors, so the bad call itself raises (skipped while the stream is being
-  // captured into a CUDA graph: call check_errors after the replay). Duplicate live slots are not
-  // checked on CUDA: a device-side check needs a sort of the batch's indices (O(B log B) work) or
-  // a per-slot scratch table (O(slots) memory, cleared each step) on every call.
+  // >= slots (ReplaySSM: or whose write_pos is outside the ring) is skipped (its state, rings and
+  // cursor untouched), its output is NaN, and it is recorded in the device's error record, with
+  // no host synchronization. check_indices=true (default off) is the debug mode: the op then
+  // synchronizes its stream after the launch and calls check_errors, so the bad call itself
+  // raises (skipped while the stream is being captured into a CUDA graph: call check_errors after
+  // the replay). Duplicate live slots are not checked on CUDA: a device-side check needs a sort of
+  // the batch's indices (O(B log B) work) or a per-slot scratch table (O(slots) memory, cleared
+  // each step) on every call.
   std::optional<bool> check_indices;
   Stream stream = nullptr;
   // Programmatic dependent launch (CUDA; ignored on the CPU): the kernel is launched with
