@@ -470,12 +470,10 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const int m = p.advance_write_pos ? (cursor & 0xffff) : cursor;
   const bool bad_index = slot >= p.state.num_slots;
   if (bad_index || cursor < 0 || m >= L) {
-    if (threadIdx.x == 0 && hv == 0 && blockIdx.z == 0) {
-      if (bad_index)
-        record_bad_row(p.errors, detail::kErrOpReplay, detail::kErrSlot, n, slot, p.state.num_slots);
-      else
-        record_bad_row(p.errors, detail::kErrOpReplay, detail::kErrCursor, n, cursor < 0 ? cursor : m, L);
-    }
+    if (threadIdx.x == 0 && hv == 0 && blockIdx.z == 0)
+      record_bad_row(p.errors, detail::kErrOpReplay, bad_index ? detail::kErrSlot : detail::kErrCursor,
+                     n, bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
+                     bad_index ? p.state.num_slots : static_cast<int64_t>(L));
     cta.zero_output(p, bad_row_output());
     return;
   }
