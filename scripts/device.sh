@@ -161,6 +161,11 @@ for phase in "${phases[@]}"; do
       # the large ones take minutes under the sanitizer).
       sanitized memcheck "${SANITIZE_FILTER:-*k96*:*odd*:*k64_*}"
       sanitized racecheck "${RACECHECK_FILTER:-*k96*:*k64v128*}"
+      # the out-of-range guard: no access past the pool on any kernel (an index far out of range
+      # was an illegal address before it)
+      sanitized memcheck '*Guard*'
+      DELTASTATE_CUDA_DECODE=decode sanitized memcheck '*PackedGuard*'
+      DELTASTATE_CUDA_DECODE=stream sanitized memcheck '*PackedGuard*:*GraphGuard*'
       stream_sanitized
       # ReplaySSM with two row blocks per CTA forced where it applies (whole heads: K=64 V=256,
       # Qwen3-Next with fp32 and bf16 checkpoints), and V=200's partial last row block (one-block

@@ -26,4 +26,11 @@ TEST(CudaQuery, AvailableImpliesBuilt) {
   EXPECT_EQ(deltastate::cuda_available(), available) << "the same answer every time";
 }
 
+// check_errors before any CUDA op (the CPU suite never launches one): nothing to report, no
+// CUDA call made (it must not fail on a machine without a driver), on any build.
+TEST(CudaQuery, CheckErrorsBeforeAnyCudaOpIsANoOp) {
+  EXPECT_NO_THROW(deltastate::check_errors());
+  EXPECT_NO_THROW(deltastate::check_errors(nullptr));
+}
+
 }  // namespace

@@ -53,9 +53,17 @@ struct PackedDecodeArgs {
   bool use_qk_l2norm = true;
   std::optional<double> lower_bound;  // KDA only: selects the safe gate
   bool round_beta_to_input = false;   // round sigmoid(b) to b's dtype (see the top of this file)
-  // Bounds-check slot indices (>= slots is an error). Unset: on for CPU tensors (checked before
-  // anything is written), off for CUDA tensors (a debug option there: an out-of-range index
-  // traps the kernel with a message, so the check costs nothing when off).
+  // Slot index checks. CPU tensors (default on): every index is checked before anything is
+  // written; an index >= slots, or a live slot used by two rows, is a ValueError. CUDA tensors:
+  // the kernels always check the range on the device (check_errors below): a row whose index is
+  // >= slots (ReplaySSM: or whose write_pos is outside the ring) is skipped (its state, rings and
+  // cursor untouched), its output is NaN, and it is recorded in the device's error record, with
+  // no host synchronization. check_indices=true (default off) is the debug mode: the op then
+  // synchronizes its stream after the launch and calls check_errors, so the bad call itself
+  // raises (skipped while the stream is being captured into a CUDA graph: call check_errors after
+  // the replay). Duplicate live slots are not checked on CUDA: a device-side check needs a sort of
+  // the batch's indices (O(B log B) work) or a per-slot scratch table (O(slots) memory, cleared
+  // each step) on every call.
   std::optional<bool> check_indices;
   Stream stream = nullptr;
   // Programmatic dependent launch (CUDA; ignored on the CPU): the kernel is launched with
@@ -161,6 +169,17 @@ struct ReplayDecodeArgs {
   bool pdl = false;  // as PackedDecodeArgs
 };
 void replayssm_decode(const ReplayDecodeArgs& args);
+
+// Reports bad rows the CUDA kernels skipped (see PackedDecodeArgs::check_indices): synchronizes
+// `stream`, reads the error record of its device, clears it and throws Error(ErrorKind::value)
+// naming the op, the row, the bad value and the pool size (or ring length) of the first bad row
+// since the last check, e.g. "recurrent: `ssm_state_indices`[3]=4100 is out of range for a state
+// pool of 4096 slots (valid: 0..4095; < 0 marks a padded row); the row was skipped (state, rings
+// and cursor untouched) and its output is NaN". The record is per device: it holds the first
+// bad row of any stream's ops on that device. A no-op without CUDA or before any CUDA op ran on
+// the stream's device. Not the hot path (it synchronizes): call it where the caller already
+// waits (after a step, in tests) or use check_indices=true while debugging.
+void check_errors(Stream stream = nullptr);
 
 // Whether a CUDA device can run this build's CUDA backend: built with CUDA and
 // cudaGetDeviceCount reports at least one device (never throws; false on a machine without a

@@ -9,9 +9,14 @@ synchronization or allocation (when the caller passes the outputs and the states
 Each function's signature, conversions and call are generated from its entry in the op table
 (:mod:`deltastate._surface`); ``help()`` shows its arguments with kinds and dtypes.
 
-``check_indices`` (keyword): bounds-check slot indices. None = the backend default (on for CPU
-tensors, checked before anything is written; off for CUDA tensors, where it is a debug option that
-traps the kernel on an out-of-range index).
+``check_indices`` (keyword): slot index checks. None = the backend default. CPU tensors (default
+on): every index is checked before anything is written (out of range, or one live slot for two
+rows: ValueError). CUDA tensors: the kernels always check the range on the device; a row whose
+index is >= slots is skipped (state, rings and cursor untouched), its output is NaN and it is
+recorded for :func:`deltastate.check_errors`, without host synchronization. ``check_indices=True``
+on CUDA (default off) is the debug mode: the op synchronizes after its launch and raises the
+ValueError itself (not while the stream is being captured into a CUDA graph). Duplicate slots are
+not checked on CUDA (it would need a sort or a per-slot table on every call).
 
 ``pdl`` (keyword, default False): programmatic dependent launch on CUDA. The kernel is launched
 with the programmatic-stream-serialization attribute, so it may be scheduled while the stream's

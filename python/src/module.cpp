@@ -522,6 +522,10 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
 }
 
 bool cuda_available() { return ds::cuda_available(); }
+// check_errors on a raw cudaStream_t (0: the legacy default stream of the current device).
+void check_errors(int64_t stream) {
+  guarded([&] { ds::check_errors(reinterpret_cast<ds::Stream>(static_cast<intptr_t>(stream))); });
+}
 bool cuda_built() { return ds::cuda_built(); }
 
 // ---- the state pool --------------------------------------------------------------------------
@@ -657,6 +661,7 @@ DELTASTATE_EXPORT_OP(chunk_kda)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_errors, check_errors);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_built, cuda_built);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_sizes, pool_sizes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pool_new, pool_new);

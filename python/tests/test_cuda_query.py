@@ -36,3 +36,18 @@ def test_no_visible_device_means_not_available():
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(ds.cuda_built()), "False"]
+
+
+def test_check_errors_without_a_cuda_op_is_a_no_op():
+    """ds.check_errors() before any CUDA op ran (and on a build without CUDA) touches nothing and
+    raises nothing (a fresh process: no op has run there); it takes None or a raw stream."""
+    env = dict(os.environ)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(ds.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package] + [p for p in [env.get("PYTHONPATH")] if p])
+    code = ("import deltastate as ds; ds.check_errors(); ds.check_errors(None); ds.check_errors(0); "
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+    assert "check_errors" in ds.__all__

@@ -700,6 +700,60 @@ def test_ops_run_on_torch_current_stream(rng):
         close2(pg.state64()[slot], pc.state64()[slot], TOL_STATE["float32"], "float32", "state")
 
 
+# ---- the out-of-range guard -------------------------------------------------------------------
+def test_check_errors_reports_a_skipped_row(rng):
+    """An index >= slots on CUDA: the row is skipped (its slot memory past the pool view's end,
+    sentinel-filled, stays bit-untouched), its output is NaN, the other rows are bit-identical to
+    the same call with that row padded; ds.check_errors() raises ValueError naming it, then
+    passes (cleared); check_indices=True raises from the op itself."""
+    H, HV, K, V, B, slots = 2, 4, 128, 64, 3, 4
+    try:
+        ds.check_errors()  # whatever an earlier test left
+    except ValueError:
+        pass
+    data = pool_data(rng, slots + 1, HV, V, K, scale=0.3)
+    A_log, dt_bias = gate_params(rng, HV, K, False)
+    x = materialize_packed(GPU, packed_data(rng, kda=False, B=B, H=H, HV=HV, K=K, V=V), "float32")
+    A_g, dt_g = GPU.from64(A_log), GPU.from64(dt_bias)
+    text = ("recurrent: `ssm_state_indices`[1]=4 is out of range for a state pool of 4 slots "
+            "(valid: 0..3; < 0 marks a padded row); the row was skipped (state, rings and cursor "
+            "untouched) and its output is NaN")
+
+    def run(indices, **kw):
+        buf = torch.full((slots + 1, HV, V, K), 1e30, dtype=torch.float32, device="cuda")
+        buf[:slots].copy_(torch.from_numpy(data[:slots]).to(torch.float32))
+        out = poison(GPU, (B, 1, HV, V), "float32")
+        ds.fused_recurrent_gated_delta_rule_packed_decode(
+            x["mixed_qkv"], x["a"], x["b"], A_g, dt_g, K ** -0.5, buf[:slots], out,
+            GPU.idx(indices), True, **kw)
+        return buf, out
+
+    buf_bad, out_bad = run([2, slots, 0])
+    buf_ref, out_ref = run([2, -1, 0])
+    torch.cuda.synchronize()
+    assert torch.isnan(out_bad[1]).all()
+    assert torch.equal(out_bad[0::2].view(torch.int32), out_ref[0::2].view(torch.int32))
+    assert torch.equal(buf_bad.view(torch.int32), buf_ref.view(torch.int32))
+    assert (buf_bad[slots] == 1e30).all(), "the memory past the pool was written"
+    with pytest.raises(ValueError) as e:
+        ds.check_errors()
+    assert str(e.value) == text
+    ds.check_errors()  # cleared
+    ds.check_errors(torch.cuda.current_stream())
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        run([2, slots, 0])
+    with pytest.raises(ValueError, match="is out of range for a state pool of 4 slots"):
+        ds.check_errors(s)
+    ds.check_errors(s)
+
+    with pytest.raises(ValueError) as e:
+        run([2, slots, 0], check_indices=True)
+    assert str(e.value) == text
+    ds.check_errors()
+
+
 # ---- StatePool on CUDA ------------------------------------------------------------------------
 def test_state_pool_cuda(rng):
     HV, V, K, H, L = 2, 16, 64, 1, 4

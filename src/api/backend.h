@@ -21,6 +21,14 @@ void run_chunk_prefill(const detail::ChunkPrefillProblem& p, void* stream);
 // Workspace bytes of chunk_prefill on CUDA for these shapes (no device query, no allocation).
 int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, bool kda);
 
+// The device's error record (src/cuda/errors.cu), for the launchers to pass to the kernels.
+detail::DeviceErrorRecord* device_errors(int device);
+// Synchronizes `stream`, reads its device's error record, clears it and throws ErrorKind::value
+// naming the first bad row; a no-op when no kernel has been launched on that device.
+void check_errors(void* stream);
+// check_errors, skipped while `stream` is being captured into a CUDA graph (ops' check_indices).
+void check_errors_after_op(void* stream);
+
 // Memory for the state pool.
 void* device_alloc(size_t bytes, int device);  // zeroed, synchronously
 void device_free(void* ptr, int device) noexcept;

@@ -18,6 +18,9 @@ void run_recurrent(const detail::RecurrentProblem&, void*) { not_built(); }
 void run_replayssm_decode(const detail::ReplayProblem&, void*) { not_built(); }
 void run_chunk_prefill(const detail::ChunkPrefillProblem&, void*) { not_built(); }
 int64_t chunk_prefill_workspace_bytes(int, int, int64_t, int64_t, bool) { not_built(); }
+detail::DeviceErrorRecord* device_errors(int) { not_built(); }
+void check_errors(void*) {}  // no CUDA: no kernel has run, nothing to report
+void check_errors_after_op(void*) {}
 void* device_alloc(size_t, int) { not_built(); }
 void device_free(void*, int) noexcept {}
 void memset_2d_async(void*, size_t, int, size_t, size_t, int, void*) { not_built(); }

@@ -10,10 +10,17 @@ namespace deltastate {
 
 namespace {
 
+// A CUDA launch; with check_indices the documented debug mode: synchronize and check_errors.
+template <class Problem>
+void run_cuda_checked(const Problem& p, Stream stream, void (*launch)(const Problem&, void*)) {
+  launch(p, stream);
+  if (p.check_indices) cuda_backend::check_errors_after_op(stream);
+}
+
 void run(const detail::RecurrentProblem& p, Stream stream) {
   if (p.N == 0) return;
   if (p.device.type == DeviceType::cpu) cpu::run_recurrent(p);
-  else cuda_backend::run_recurrent(p, stream);
+  else run_cuda_checked(p, stream, cuda_backend::run_recurrent);
 }
 
 }  // namespace
@@ -38,8 +45,10 @@ void replayssm_decode(const ReplayDecodeArgs& args) {
   const detail::ReplayProblem p = detail::validate_replayssm_decode(args);
   if (p.B == 0) return;
   if (p.device.type == DeviceType::cpu) cpu::run_replayssm_decode(p);
-  else cuda_backend::run_replayssm_decode(p, args.stream);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_decode);
 }
+
+void check_errors(Stream stream) { cuda_backend::check_errors(stream); }
 
 bool cuda_available() { return cuda_backend::device_available(); }
 bool cuda_built() { return cuda_backend::built(); }

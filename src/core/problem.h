@@ -70,6 +70,21 @@ DS_HD int64_t index_at(const void* p, DType t, int64_t stride, int64_t i) {
   return load_index(p, t, i * stride);
 }
 
+// The CUDA backend's per-device error record (src/cuda/errors.cu): a kernel that meets a bad
+// row (a slot index >= the pool's slots, a ReplaySSM cursor outside the ring) skips it and records
+// the first such row here; check_errors (ops.h) reads and clears it. `flag` is 0 while empty.
+struct DeviceErrorRecord {
+  unsigned int flag;
+  int op;         // DeviceErrorOp
+  int kind;       // DeviceErrorKind
+  int pad_;
+  long long row;    // the batch row (sequence)
+  long long index;  // the bad value (slot index or cursor)
+  long long limit;  // the pool's slots (or the ring length L)
+};
+enum DeviceErrorOp : int { kErrOpRecurrent = 1, kErrOpReplay = 2 };
+enum DeviceErrorKind : int { kErrSlot = 1, kErrCursor = 2 };
+
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
 struct RecurrentProblem {
   int32_t N = 0, H = 0, HV = 0, K = 0, V = 0;
@@ -90,9 +105,10 @@ struct RecurrentProblem {
   bool update_state = false;    // write final S back into the pool
   void* final_state = nullptr;  // [N, HV, V, K] dense (state.k_first: [N, HV, K, V])
   DType final_dtype = DType::f32;
-  bool check_indices = false;      // CUDA: trap on an index >= num_slots
-  bool pdl = false;                // CUDA: programmatic dependent launch (ops.h)
-  bool pdl_trigger_early = false;  // CUDA, set per launch: enter_grid (cuda/grid.cuh)
+  bool check_indices = false;         // CUDA: synchronize and check_errors after the launch
+  bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
+  bool pdl_trigger_early = false;     // CUDA, set per launch: enter_grid (cuda/grid.cuh)
+  DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch: the device's error record
   Device device{};
 
   DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
@@ -118,9 +134,10 @@ struct ReplayProblem {
   int32_t* write_pos = nullptr;          // [B]
   const int32_t* force_flush = nullptr;  // [B] or null
   bool advance_write_pos = false;
-  bool check_indices = false;
-  bool pdl = false;  // as RecurrentProblem
+  bool check_indices = false;         // as RecurrentProblem
+  bool pdl = false;                   // as RecurrentProblem
   bool pdl_trigger_early = false;
+  DeviceErrorRecord* errors = nullptr;  // as RecurrentProblem
   Device device{};
 };
 

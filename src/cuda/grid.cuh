@@ -1,9 +1,11 @@
 // What every kernel of the backend does as a grid: enter through programmatic dependent launch
-// (enter_grid), and trap on an out-of-range slot index (trap_bad_slot).
+// (enter_grid), and record a bad row in the device's error record (record_bad_row).
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
+
+#include "core/problem.h"
 
 namespace deltastate::cuda_backend {
 
@@ -23,7 +25,27 @@ __device__ __forceinline__ void enter_grid(bool trigger_early) {
 #endif
 }
 
-// A kernel's report of an out-of-range slot index (debug bounds checking): message, then trap.
+// A kernel's report of a bad row (an out-of-range slot index, a ReplaySSM cursor outside its
+// ring): the row is skipped (no state, ring or cursor access; its output is NaN) and the first
+// bad row of any launch on the device since the last check_errors is recorded in the device's
+// error record (src/cuda/errors.cu; ops.h check_errors). One thread per bad row calls it; the
+// hot path pays one compare per row, this is the cold path.
+__device__ __forceinline__ float bad_row_output() { return __int_as_float(0x7fc00000); }  // NaN
+__device__ __forceinline__ void record_bad_row(detail::DeviceErrorRecord* e, int op, int kind,
+                                               int64_t row, int64_t index, int64_t limit) {
+  if (e == nullptr) return;
+  if (atomicCAS(&e->flag, 0u, 1u) == 0u) {
+    e->op = op;
+    e->kind = kind;
+    e->row = static_cast<long long>(row);
+    e->index = static_cast<long long>(index);
+    e->limit = static_cast<long long>(limit);
+    __threadfence();
+  }
+}
+
+// The former debug report (message, then trap: the CUDA context is lost). Kept for kernels not
+// yet moved to record_bad_row; new kernels use record_bad_row.
 __device__ __forceinline__ void trap_bad_slot(const char* op, int64_t row, int64_t slot,
                                               int64_t num_slots) {
   printf("deltastate %s: ssm_state_indices[%lld]=%lld is out of range for a state pool of %lld "

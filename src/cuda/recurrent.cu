@@ -207,8 +207,10 @@ std::vector<long long> stream_trace_read() {
 }
 #endif
 
-void run_recurrent(const RecurrentProblem& p, void* stream) {
-  DeviceGuard guard(p.device.index);
+void run_recurrent(const RecurrentProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  RecurrentProblem p = problem;
+  p.errors = device_errors(p.device.index);  // where the kernels record a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
   // Without a state pool the kernel starts from zeros; the state dtype then only selects the
   // register layout, so use fp32.

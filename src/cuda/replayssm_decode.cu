@@ -118,8 +118,10 @@ void dispatch(const ReplayProblem& p, cudaStream_t stream) {
 
 }  // namespace
 
-void run_replayssm_decode(const ReplayProblem& p, void* stream) {
-  DeviceGuard guard(p.device.index);
+void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  ReplayProblem p = problem;
+  p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.state.dtype) {
     case DType::bf16: return dispatch<__nv_bfloat16>(p, s);

@@ -74,10 +74,11 @@ __device__ __forceinline__ void store_state(StateT* p, int valid, const float (&
 // o_off is the element offset of the token's output vector for the head.
 template <int R>
 __device__ __forceinline__ void zero_output_rows(const detail::HeadOutput& out, int V,
-                                                 int64_t o_off, int row0, int step) {
+                                                 int64_t o_off, int row0, int step,
+                                                 float value = 0.0f) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (row0 + r * step < V) detail::store_float(out.ptr, out.dtype, o_off + row0 + r * step, 0.0f);
+    if (row0 + r * step < V) detail::store_float(out.ptr, out.dtype, o_off + row0 + r * step, value);
 }
 
 // Completes one token on R rows from the partial dots [sk_0.., sq_0..] (each partial over the

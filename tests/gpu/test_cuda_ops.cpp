@@ -922,5 +922,421 @@ TEST_F(GpuTest, PdlLaunchesMatchPlainLaunches) {
   }
 }
 
+
+// ==== the out-of-range guard ===================================================================
+// Every CUDA kernel checks each row's index on the device: a row whose slot is >= the pool's
+// slots (or, for ReplaySSM, whose cursor is outside the ring) is skipped like a padded row (no
+// state, ring or cursor access) with an all-NaN output, and the first one is recorded for
+// check_errors. Each case runs a batch with such rows (one just past the pool, one far past it)
+// among good rows, and the same batch with those rows padded, on two copies of the same memory:
+// the good rows' outputs and every byte of the pools and rings must agree bit for bit. The pool
+// views cover kGuardSlots slots of a buffer of kGuardSlots + 2 (sentinel-filled), so an index of
+// kGuardSlots would land in the sentinel memory past the view's end, which must stay untouched.
+// The fixtures are named *Packed* / *Graph* so that scripts/device.sh's forced-kernel phases
+// (DELTASTATE_CUDA_DECODE=direct|decode|stream) run them on every decode kernel.
+constexpr int64_t kGuardSlots = 10;
+
+int64_t far_index(DType index_dtype) {
+  return index_dtype == DType::i64 ? int64_t{1} << 40 : int64_t{2147483647};
+}
+
+std::string out_of_range_text(const char* op, int64_t row, int64_t index) {
+  return std::string(op) + ": `ssm_state_indices`[" + std::to_string(row) + "]=" +
+         std::to_string(index) + " is out of range for a state pool of " +
+         std::to_string(kGuardSlots) + " slots (valid: 0.." + std::to_string(kGuardSlots - 1) +
+         "; < 0 marks a padded row); the row was skipped (state, rings and cursor untouched) and "
+         "its output is NaN";
+}
+
+// Clears what an earlier (failed) test may have left in the device's error record.
+void clear_device_errors() {
+  try {
+    deltastate::check_errors(nullptr);
+  } catch (const deltastate::Error&) {
+  }
+}
+
+// check_errors(stream) throws ErrorKind::value with one of `texts` (which bad row is recorded
+// first is up to the scheduler when there are several); a second call passes (cleared).
+void expect_reported(cudaStream_t stream, const std::vector<std::string>& texts) {
+  const auto e = catch_error([&] { deltastate::check_errors(stream); });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->kind(), deltastate::ErrorKind::value);
+  EXPECT_NE(std::find(texts.begin(), texts.end(), std::string(e->what())), texts.end())
+      << "check_errors said: " << e->what();
+  EXPECT_NO_THROW(deltastate::check_errors(stream)) << "the record was not cleared";
+}
+
+::testing::AssertionResult bytes_equal(const Tensor& a, const Tensor& b) {
+  if (a.alloc_bytes() != b.alloc_bytes()) return ::testing::AssertionFailure() << "sizes differ";
+  if (std::memcmp(a.alloc_base(), b.alloc_base(), static_cast<size_t>(a.alloc_bytes())) != 0)
+    return ::testing::AssertionFailure() << "bytes differ";
+  return ::testing::AssertionSuccess();
+}
+
+// Element-wise bit identity of two value lists (doubles widened from the stored values: equal
+// bits in, equal bits out, signed zeros distinct).
+::testing::AssertionResult same_bits(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0)
+      return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult all_nan(const std::vector<double>& v) {
+  for (size_t i = 0; i < v.size(); ++i)
+    if (!std::isnan(v[i])) return ::testing::AssertionFailure() << "element " << i << " = " << v[i];
+  return ::testing::AssertionSuccess();
+}
+
+// The bytes of a [slots, ...] buffer past its first kGuardSlots slots are as in `host`.
+::testing::AssertionResult tail_unchanged(const Tensor& now, const Tensor& host) {
+  const int64_t off = (host.offset() + kGuardSlots * host.stride(0)) * host.itemsize();
+  const int64_t n = host.alloc_bytes() - off;
+  if (n <= 0) return ::testing::AssertionFailure() << "no memory past the view's slots";
+  if (std::memcmp(static_cast<const char*>(now.alloc_base()) + off,
+                  static_cast<const char*>(host.alloc_base()) + off, static_cast<size_t>(n)) != 0)
+    return ::testing::AssertionFailure() << "written";
+  return ::testing::AssertionSuccess();
+}
+
+// A view of the first kGuardSlots slots of a pool (or ring) buffer that holds more.
+TensorView first_slots(TensorView v) {
+  v.shape[0] = kGuardSlots;
+  return v;
+}
+
+// Decode rows [B, 1, HV, V]: bad rows all NaN, the others bit-identical to the reference run.
+void expect_rows_guarded(const Tensor& out, const Tensor& ref_out, int64_t B, int64_t row_elems,
+                         const std::vector<int64_t>& bad_rows) {
+  const std::vector<double> o = out.values(), r = ref_out.values();
+  for (int64_t row = 0; row < B; ++row) {
+    const std::vector<double> got = slice(o, row * row_elems, row_elems);
+    if (std::find(bad_rows.begin(), bad_rows.end(), row) != bad_rows.end())
+      EXPECT_TRUE(all_nan(got)) << "bad row " << row;
+    else
+      EXPECT_TRUE(same_bits(got, slice(r, row * row_elems, row_elems))) << "row " << row;
+  }
+}
+
+struct GuardCase {
+  const char* name;
+  Shape shape;
+  bool kda;
+  DType state, act, index;
+};
+void PrintTo(const GuardCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuPackedGuard : public GpuParamTest<GuardCase> {};
+
+// Packed decode (the decode kernels: register, staged, streaming, as forced by
+// DELTASTATE_CUDA_DECODE, else the one the dispatch picks).
+TEST_P(GpuPackedGuard, BadRowsAreSkippedAndReported) {
+  const GuardCase& c = GetParam();
+  clear_device_errors();
+  Rng rng = test_rng();
+  const int64_t B = 6;
+  const std::vector<int64_t> good = pick_slots(rng, B, kGuardSlots, {3});
+  Tensor pool = make_pool(c.state, kGuardSlots + 2, c.shape);
+  fill_live_slots(pool.view(), good, rng);
+  DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, good, c.act, 0, c.index);
+  const int64_t far = far_index(c.index);
+  std::vector<int64_t> bad = good, padded = good, one_bad = good;
+  bad[1] = kGuardSlots;
+  bad[4] = far;
+  padded[1] = padded[4] = -1;
+  one_bad[1] = kGuardSlots;
+  const Tensor idx_bad = index_tensor(bad, c.index), idx_ref = index_tensor(padded, c.index),
+               idx_one = index_tensor(one_bad, c.index);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
+  batch.poison_out();
+
+  Mirror bad_mem, ref_mem;
+  for (Mirror* m : {&bad_mem, &ref_mem})
+    m->upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.out);
+  bad_mem.upload_all(idx_bad, idx_one);
+  ref_mem.upload(idx_ref);
+  auto run = [&](Mirror& m, const Tensor& idx) {
+    PackedDecodeArgs a = batch.packed_args(m.views(), first_slots(m.view(pool)), scale, std::optional<double>{});
+    a.state_indices = m.view(idx);
+    if (c.kda) deltastate::kda_packed_decode(a);
+    else deltastate::gdn_packed_decode(a);
+  };
+  run(bad_mem, idx_bad);  // the launch itself reports nothing
+  run(ref_mem, idx_ref);
+  sync();
+
+  expect_rows_guarded(bad_mem.download(batch.out), ref_mem.download(batch.out), B,
+                      int64_t{c.shape.HV} * c.shape.V, {1, 4});
+  const Tensor after = bad_mem.download(pool);
+  EXPECT_TRUE(bytes_equal(after, ref_mem.download(pool))) << "pool (bad rows vs padded rows)";
+  EXPECT_TRUE(Snapshot::equal_except(after.alloc_base(), pool.alloc_base(), after.alloc_bytes(),
+                                     live_slot_ranges(after.view(), padded)))
+      << "pool outside the good rows' slots (the sentinel slots past the view included)";
+  expect_reported(nullptr, {out_of_range_text("recurrent", 1, kGuardSlots),
+                            out_of_range_text("recurrent", 4, far)});
+
+  // One bad row: the exact text.
+  run(bad_mem, idx_one);
+  expect_reported(nullptr, {"recurrent: `ssm_state_indices`[1]=10 is out of range for a state pool "
+                            "of 10 slots (valid: 0..9; < 0 marks a padded row); the row was "
+                            "skipped (state, rings and cursor untouched) and its output is NaN"});
+}
+
+// check_indices=true on CUDA: the debug mode, the op synchronizes and raises itself.
+TEST_P(GpuPackedGuard, CheckIndicesRaisesAfterTheLaunch) {
+  const GuardCase& c = GetParam();
+  clear_device_errors();
+  Rng rng = test_rng();
+  const std::vector<int64_t> good = pick_slots(rng, 4, kGuardSlots, {});
+  Tensor pool = make_pool(c.state, kGuardSlots + 2, c.shape);
+  fill_live_slots(pool.view(), good, rng);
+  DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, good, c.act, 0, c.index);
+  std::vector<int64_t> bad = good;
+  bad[2] = kGuardSlots + 1;
+  const Tensor idx_bad = index_tensor(bad, c.index);
+  Mirror m;
+  m.upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.out, idx_bad);
+  PackedDecodeArgs a = batch.packed_args(m.views(), first_slots(m.view(pool)),
+                                         1.0 / std::sqrt(static_cast<double>(c.shape.K)), std::optional<double>{});
+  a.state_indices = m.view(idx_bad);
+  a.check_indices = true;
+  const auto e = catch_error([&] {
+    if (c.kda) deltastate::kda_packed_decode(a);
+    else deltastate::gdn_packed_decode(a);
+  });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(std::string(e->what()), out_of_range_text("recurrent", 2, kGuardSlots + 1));
+  EXPECT_NO_THROW(deltastate::check_errors(nullptr));
+  // Good indices: no error.
+  const Tensor idx_good = index_tensor(good, c.index);
+  m.upload(idx_good);
+  a.state_indices = m.view(idx_good);
+  EXPECT_NO_THROW(c.kda ? deltastate::kda_packed_decode(a) : deltastate::gdn_packed_decode(a));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuPackedGuard,
+    ::testing::Values(GuardCase{"gdn_qwen_f32state_bf16act_i32", kQwen3Next, false, f32, bf16, DType::i32},
+                      GuardCase{"gdn_qwen_f32_i64", kQwen3Next, false, f32, f32, DType::i64},
+                      GuardCase{"gdn_qwen_bf16state_bf16act_i64", kQwen3Next, false, bf16, bf16, DType::i64},
+                      GuardCase{"kda_kimi_f32state_bf16act_i64", kKimi, true, f32, bf16, DType::i64},
+                      GuardCase{"kda_kimi_f32_i32", kKimi, true, f32, f32, DType::i32},
+                      GuardCase{"gdn_k64_f32_i64", kK64, false, f32, f32, DType::i64},
+                      GuardCase{"gdn_k96_generic_f32_i64", kK96, false, f32, f32, DType::i64}),
+    case_name<GuardCase>);
+
+// The recurrent op on the direct kernel: varlen (cu_seqlens) and T > 1, with final_state.
+class GpuRecurrentGuard : public GpuParamTest<GuardCase> {};
+
+TEST_P(GpuRecurrentGuard, BadSequencesAreSkippedAndReported) {
+  const GuardCase& c = GetParam();
+  clear_device_errors();
+  Rng rng = test_rng();
+  const bool varlen = !c.kda;  // GDN varlen, KDA [B, T]
+  RecurrentSpec spec = varlen ? recurrent_spec(c.shape, false, c.act, 1, 1, {2, 3, 1, 4, 2})
+                              : recurrent_spec(c.shape, true, c.act, 5, 3);
+  spec.index_dtype = c.index;
+  RecurrentBatch rb = make_recurrent_batch(rng, spec);
+  const int64_t N = rb.N;
+  const Shape& s = c.shape;
+  const std::vector<int64_t> good = pick_slots(rng, N, kGuardSlots, {2});
+  Tensor pool = make_pool(c.state, kGuardSlots + 2, s);
+  fill_live_slots(pool.view(), good, rng);
+  Tensor final_state = Tensor::contiguous(c.state, {N, s.HV, s.V, s.K});
+  final_state.fill_all(std::nan(""));
+  const int64_t far = far_index(c.index);
+  std::vector<int64_t> bad = good, padded = good;
+  bad[0] = kGuardSlots;
+  bad[3] = far;
+  padded[0] = padded[3] = -1;
+  const Tensor idx_bad = index_tensor(bad, c.index), idx_ref = index_tensor(padded, c.index);
+  rb.poison_out();
+
+  Mirror bad_mem, ref_mem;
+  for (Mirror* m : {&bad_mem, &ref_mem}) {
+    m->upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, pool, final_state);
+    if (varlen) m->upload(rb.cu);
+  }
+  bad_mem.upload(idx_bad);
+  ref_mem.upload(idx_ref);
+  auto run = [&](Mirror& m, const Tensor& idx) {
+    RecurrentArgs a = rb.args(m.views());
+    a.state = first_slots(m.view(pool));
+    a.state_indices = m.view(idx);
+    a.final_state = m.view(final_state);
+    a.update_state = true;
+    if (c.kda) deltastate::recurrent_kda(a);
+    else deltastate::recurrent_gdn(a);
+  };
+  run(bad_mem, idx_bad);
+  run(ref_mem, idx_ref);
+  sync();
+
+  const Tensor out = bad_mem.download(rb.out), ref_out = ref_mem.download(rb.out);
+  const Tensor fs = bad_mem.download(final_state), ref_fs = ref_mem.download(final_state);
+  const int64_t head = int64_t{s.HV} * s.V * s.K;
+  for (int64_t n = 0; n < N; ++n) {
+    SCOPED_TRACE("sequence " + std::to_string(n));
+    const bool is_bad = n == 0 || n == 3;
+    for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+      const auto [b, tok] = rb.coord(n, t);
+      std::vector<double> g, r;
+      for (int64_t hv = 0; hv < s.HV; ++hv)
+        for (int64_t v = 0; v < s.V; ++v) {
+          g.push_back(out.get({b, tok, hv, v}));
+          r.push_back(ref_out.get({b, tok, hv, v}));
+        }
+      if (is_bad) EXPECT_TRUE(all_nan(g)) << "token " << t;
+      else EXPECT_TRUE(same_bits(g, r)) << "token " << t;
+    }
+    const std::vector<double> f = slice(fs.values(), n * head, head);
+    if (is_bad) EXPECT_TRUE(all_nan(f)) << "final_state";
+    else EXPECT_TRUE(same_bits(f, slice(ref_fs.values(), n * head, head))) << "final_state";
+  }
+  const Tensor after = bad_mem.download(pool);
+  EXPECT_TRUE(bytes_equal(after, ref_mem.download(pool))) << "pool (bad rows vs padded rows)";
+  EXPECT_TRUE(Snapshot::equal_except(after.alloc_base(), pool.alloc_base(), after.alloc_bytes(),
+                                     live_slot_ranges(after.view(), padded)))
+      << "pool outside the good sequences' slots (the sentinel slots past the view included)";
+  expect_reported(nullptr, {out_of_range_text("recurrent", 0, kGuardSlots),
+                            out_of_range_text("recurrent", 3, far)});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuRecurrentGuard,
+    ::testing::Values(GuardCase{"gdn_qwen_varlen_f32_bf16act_i32", kQwen3Next, false, f32, bf16, DType::i32},
+                      GuardCase{"gdn_qwen_varlen_bf16state_i64", kQwen3Next, false, bf16, bf16, DType::i64},
+                      GuardCase{"kda_kimi_T3_f32_i64", kKimi, true, f32, f32, DType::i64},
+                      GuardCase{"kda_k96_T3_generic_f32_i32", kK96, true, f32, f32, DType::i32}),
+    case_name<GuardCase>);
+
+class GpuReplayGuard : public GpuParamTest<GuardCase> {};
+
+// ReplaySSM: a bad slot writes no ring record, reads and writes no checkpoint and leaves its
+// cursor; a cursor outside the ring (write_pos = L) is skipped the same way.
+TEST_P(GpuReplayGuard, BadRowsAreSkippedAndReported) {
+  const GuardCase& c = GetParam();
+  clear_device_errors();
+  Rng rng = test_rng();
+  const int64_t B = 6;
+  const int L = 4;
+  const std::vector<int64_t> good = pick_slots(rng, B, kGuardSlots, {3});
+  Tensor pool = make_pool(c.state, kGuardSlots + 2, c.shape);
+  fill_live_slots(pool.view(), good, rng);
+  Rings rings = make_rings(c.shape, c.kda, kGuardSlots + 2, L, c.state, c.act);
+  // Records in every ring (the rows start mid-ring), the slots past the views' end included.
+  rings.d.fill_uniform(rng, -0.3, 0.3);
+  rings.k.fill_uniform(rng, -0.3, 0.3);
+  rings.g.fill_uniform(rng, -0.2, -0.01);
+  DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, good, c.act);
+  Tensor wp = index_tensor({1, 2, 0, 1, 3, L});  // row 5: a cursor outside the ring
+  Tensor ff = index_tensor({0, 0, 1, 0, 0, 0});
+  const int64_t far = far_index(DType::i32);
+  std::vector<int64_t> bad = good, padded = good;
+  bad[1] = kGuardSlots;
+  bad[4] = far;
+  padded[1] = padded[4] = padded[5] = -1;
+  const Tensor idx_bad = index_tensor(bad), idx_ref = index_tensor(padded);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
+  batch.poison_out();
+
+  Mirror bad_mem, ref_mem;
+  for (Mirror* m : {&bad_mem, &ref_mem})
+    m->upload_all(pool, rings.d, rings.k, rings.g, wp, ff, batch.x, batch.a, batch.b, batch.A_log,
+                  batch.dt_bias, batch.out);
+  bad_mem.upload(idx_bad);
+  ref_mem.upload(idx_ref);
+  auto run = [&](Mirror& m, const Tensor& idx, bool advance) {
+    ReplayDecodeArgs a = replay_args(m.views(), batch, first_slots(m.view(pool)),
+                                     first_slots(m.view(rings.d)), first_slots(m.view(rings.k)),
+                                     first_slots(m.view(rings.g)), wp, &ff, scale, std::optional<double>{});
+    a.state_indices = m.view(idx);
+    a.advance_write_pos = advance;
+    deltastate::replayssm_decode(a);
+  };
+  for (const bool advance : {true, false}) {
+    SCOPED_TRACE(advance ? "advance_write_pos" : "caller advances");
+    run(bad_mem, idx_bad, advance);
+    run(ref_mem, idx_ref, advance);
+    sync();
+    expect_rows_guarded(bad_mem.download(batch.out), ref_mem.download(batch.out), B,
+                        int64_t{c.shape.HV} * c.shape.V, {1, 4, 5});
+    for (const Tensor* t : {&pool, &rings.d, &rings.k, &rings.g, &wp})
+      EXPECT_TRUE(bytes_equal(bad_mem.download(*t), ref_mem.download(*t)))
+          << "pools, rings and cursors (bad rows vs padded rows)";
+    const std::vector<int64_t> cursors = index_values(bad_mem.download(wp));
+    EXPECT_EQ(cursors[1], 2);
+    EXPECT_EQ(cursors[4], 3);
+    EXPECT_EQ(cursors[5], L) << "the bad cursor is left as it was";
+    for (const Tensor* t : {&rings.d, &rings.k, &rings.g})
+      EXPECT_TRUE(tail_unchanged(bad_mem.download(*t), *t)) << "ring memory past the view's slots";
+    expect_reported(nullptr, {out_of_range_text("replayssm_decode", 1, kGuardSlots),
+                              out_of_range_text("replayssm_decode", 4, far),
+                              "replayssm_decode: `write_pos`[5]=4 is outside the ring [0, L-1=3]; "
+                              "the row was skipped (state, rings and cursor untouched) and its "
+                              "output is NaN"});
+  }
+  // Padded rows are not errors; a bad cursor alone (row 5 with a good slot): the exact text.
+  run(bad_mem, idx_ref, false);
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors(nullptr)) << "padded rows are not errors";
+  const Tensor idx_cursor = index_tensor(good);
+  bad_mem.upload(idx_cursor);
+  run(bad_mem, idx_cursor, false);
+  expect_reported(nullptr, {"replayssm_decode: `write_pos`[5]=4 is outside the ring [0, L-1=3]; "
+                            "the row was skipped (state, rings and cursor untouched) and its "
+                            "output is NaN"});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuReplayGuard,
+    ::testing::Values(GuardCase{"gdn_qwen_f32_bf16act", kQwen3Next, false, f32, bf16, DType::i32},
+                      GuardCase{"gdn_qwen_bf16ckpt_bf16act", kQwen3Next, false, bf16, bf16, DType::i32},
+                      GuardCase{"kda_kimi_f32", kKimi, true, f32, f32, DType::i32},
+                      GuardCase{"gdn_k96_generic_f32", kK96, false, f32, f32, DType::i32}),
+    case_name<GuardCase>);
+
+// A captured step with a bad index: capturing runs and reports nothing (check_indices=true skips
+// its after-launch check while the stream is being captured); each replay skips the row and
+// records it, and check_errors on the stream after the replay reports it.
+TEST_F(GpuTest, GraphGuardReportsAfterReplay) {
+  clear_device_errors();
+  const Shape s = kQwen3Next;
+  Rng rng = test_rng();
+  const std::vector<int64_t> good{5, 0, -1, 7};
+  Tensor pool = make_pool(f32, kGuardSlots + 2, s);
+  fill_live_slots(pool.view(), good, rng);
+  DecodeBatch batch = make_decode_batch(rng, s, false, good, bf16);
+  const Tensor idx_bad = index_tensor({5, 0, -1, kGuardSlots});
+  const ScopedStream scoped_stream;
+  cudaStream_t stream = scoped_stream.s;
+  Mirror m;
+  m.upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.out, idx_bad);
+  PackedDecodeArgs a = batch.packed_args(m.views(), first_slots(m.view(pool)), 1.0 / std::sqrt(128.0));
+  a.state_indices = m.view(idx_bad);
+  a.stream = stream;
+  a.check_indices = true;
+  // Warm-up outside the capture, as serving engines do (good indices: no error).
+  const Tensor idx_good = index_tensor(good);
+  m.upload(idx_good);
+  a.state_indices = m.view(idx_good);
+  EXPECT_NO_THROW(deltastate::gdn_packed_decode(a));
+  a.state_indices = m.view(idx_bad);
+  std::optional<CapturedGraph> graph;
+  EXPECT_NO_THROW(graph.emplace(stream, [&] { deltastate::gdn_packed_decode(a); }));
+  ASSERT_TRUE(graph.has_value());
+  EXPECT_NO_THROW(deltastate::check_errors(stream)) << "capturing ran nothing";
+  for (int iter = 0; iter < 2; ++iter) {
+    SCOPED_TRACE("replay " + std::to_string(iter));
+    graph->launch(stream);
+    expect_reported(stream, {out_of_range_text("recurrent", 3, kGuardSlots)});
+    const Tensor out = m.download(batch.out);
+    EXPECT_TRUE(all_nan(slice(out.values(), 3 * s.HV * s.V, s.HV * s.V))) << "bad row";
+    EXPECT_TRUE(all_zero(slice(out.values(), 2 * s.HV * s.V, s.HV * s.V))) << "padded row";
+    EXPECT_TRUE(tail_unchanged(m.download(pool), pool)) << "pool memory past the view's slots";
+  }
+}
 }  // namespace
 }  // namespace dstest

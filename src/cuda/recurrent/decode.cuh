@@ -78,13 +78,15 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   const int64_t slot = slot_of(p, n);
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
-  if (slot < 0) {  // padding: zero output, state untouched
+  const bool bad = bad_slot(p, slot);
+  if (slot < 0 || bad) {  // padding: zero output, state untouched; a bad index: the same, NaN out
+    if (bad) record_bad_slot(p, n, slot, lane == 0 && hv == 0 && c.block == 0);
+    const float fill = bad ? bad_row_output() : 0.0f;
     if (lane % G == 0)
 #pragma unroll
-      for (int t = 0; t < TPW; ++t) zero_output_rows<R>(p.out, p.V, o_off, row0 + t * RPW, RG);
+      for (int t = 0; t < TPW; ++t) zero_output_rows<R>(p.out, p.V, o_off, row0 + t * RPW, RG, fill);
     return;
   }
-  if (p.check_indices && slot >= p.state.num_slots) trap_bad_slot("recurrent", n, slot, p.state.num_slots);
   StateT* st = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
                static_cast<int64_t>(hv) * p.V * K + static_cast<int64_t>(row0) * K + kofs;
   float S[R][EPL];

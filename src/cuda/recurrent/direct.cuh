@@ -60,15 +60,18 @@ __device__ __forceinline__ void store_final_state(const RecurrentProblem& p, con
   }
 }
 
-// Output rows (and final state) of a padded sequence: zeros; its state is never touched.
+// Output rows (and final state) of a padded sequence, `fill`: zeros (padded, index < 0) or NaN
+// (a bad index, bad_slot); its state is never touched.
 template <int EPL, int R, int RG, int G>
 __device__ void write_padded(const RecurrentProblem& p, const TileCoords& c, int64_t seq,
-                             int64_t tok0, int64_t len, int lane, int kofs, int valid) {
+                             int64_t tok0, int64_t len, int lane, int kofs, int valid,
+                             float fill) {
   if (lane % G == 0) {
     for (int64_t t = 0; t < len; ++t)
-      zero_output_rows<R>(p.out, p.V, head_offset(p.out, seq, tok0 + t, c.hv), c.row0, RG);
+      zero_output_rows<R>(p.out, p.V, head_offset(p.out, seq, tok0 + t, c.hv), c.row0, RG, fill);
   }
-  if (p.final_state) store_final_state<EPL, R, RG>(p, c, kofs, valid, [](int, int) { return 0.0f; });
+  if (p.final_state)
+    store_final_state<EPL, R, RG>(p, c, kofs, valid, [fill](int, int) { return fill; });
 }
 
 // All tokens of a tile on the state rows S (registers); `x` holds token 0's inputs on entry.
@@ -142,11 +145,14 @@ __global__ void __launch_bounds__(128, kDirectCtasPerSm) recurrent_direct_kernel
   GateConsts<EPL> gc;
   load_gate_consts(p.gate, c.hv, p.K, kofs, valid, gc);
   if (p.indices && slot < 0) {
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid);
+    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, 0.0f);
     return;
   }
-  if (p.check_indices && slot >= p.state.num_slots)
-    trap_bad_slot("recurrent", c.n, slot, p.state.num_slots);
+  if (bad_slot(p, slot)) {  // as padded, but NaN out and recorded (lane 0 of the row's first tile)
+    record_bad_slot(p, c.n, slot, lane == 0 && c.hv == 0 && c.row0 == 0);
+    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, bad_row_output());
+    return;
+  }
 
   const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
   StateT* state_head = p.state.ptr ? static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +

@@ -6,6 +6,7 @@
 
 #include "core/numeric.h"
 #include "core/problem.h"
+#include "cuda/grid.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -31,6 +32,17 @@ __device__ __forceinline__ HeadBlock head_block(const RecurrentProblem& p, int t
 
 __device__ __forceinline__ int64_t slot_of(const RecurrentProblem& p, int64_t n) {
   return p.indices ? detail::index_at(p.indices, p.index_dtype, p.index_stride, n) : n;
+}
+
+// A row whose slot index is past the pool (only given indices can be): skipped like a padded
+// row, its output NaN, recorded by `record` (one thread per row) in the device's error record.
+__device__ __forceinline__ bool bad_slot(const RecurrentProblem& p, int64_t slot) {
+  return p.indices && slot >= p.state.num_slots;
+}
+__device__ __forceinline__ void record_bad_slot(const RecurrentProblem& p, int64_t n, int64_t slot,
+                                                bool record) {
+  if (record) record_bad_row(p.errors, detail::kErrOpRecurrent, detail::kErrSlot, n, slot,
+                             p.state.num_slots);
 }
 
 }  // namespace

@@ -76,12 +76,13 @@ struct StreamLayout {
 
 // The scalars of a prep record (after its float arrays).
 struct StagePrep {
-  int64_t slot;     // the pool slot, or kStagePadded
+  int64_t slot;     // the pool slot, kStagePadded or kStageBad
   int64_t out_off;  // element offset of the token's output row of this head
   float kq, beta, alpha0;
   int vb;           // the tile's row block
 };
 constexpr int64_t kStagePadded = -1;
+constexpr int64_t kStageBad = -2;  // a bad index (bad_slot): handled as padding, NaN out
 
 // One tile's inputs in the producer's lanes (lane l: K elements l*KPL.., rows l*VPL.. of the
 // tile), loaded two tiles ahead of their use: where it lives, its slot, the token, the gate
@@ -153,7 +154,7 @@ __device__ __forceinline__ void stream_prepare(const RecurrentProblem& p,
   for (int r = 0; r < VPL; ++r)
     rec[3 * K + lane * VPL + r] = x.c.block * TILE_ROWS + lane * VPL + r < p.V ? to_float(x.v[r]) : 0.0f;
   if (lane == 0) {
-    sc->slot = slot < 0 ? kStagePadded : slot;
+    sc->slot = slot;  // the pool slot, kStagePadded or kStageBad (load_tile)
     sc->out_off = head_offset(p.out, x.c.n, 0, x.c.hv);
     sc->kq = kq;
     sc->beta = detail::beta_value(tok.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
@@ -269,13 +270,16 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
       if (st < ld) store_ready();
       while (ld >= st + STAGES - 1) store_waiting();  // all stages busy
       const int s = ld % STAGES;
-      const int64_t slot = stream_slot(p, x);
+      // The slot, kStagePadded (index < 0) or kStageBad (index past the pool: no bulk load or
+      // store, its consumers write NaN, recorded once per row); every lane holds it.
+      const int64_t index = stream_slot(p, x);
+      const bool bad = bad_slot(p, index);
+      const int64_t slot = bad ? kStageBad : index < 0 ? kStagePadded : index;
       if (lane == 0) {
+        if (bad) record_bad_slot(p, x.c.n, index, x.c.hv == 0 && x.c.block == 0);
         if (ld >= STAGES) bulk_wait_read_n(st - 1 - (ld - STAGES));
         DS_STREAM_STAMP(ld, stage_free);
         if (slot >= 0) {
-          if (p.check_indices && slot >= p.state.num_slots)
-            trap_bad_slot("recurrent", x.c.n, slot, p.state.num_slots);
           StateT* g = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
                       x.c.hv * head_elems + static_cast<int64_t>(x.c.block) * TILE_ROWS * K;
           const uint32_t bytes = tile_bytes(x.c.block);
@@ -314,9 +318,11 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
     const float* rec = prep_rec(s);
     const StagePrep sc = *prep_sc(s);
     const int row0 = sc.vb * TILE_ROWS + lrow0;
-    if (sc.slot < 0) {  // padding: zero output rows, no state
+    if (sc.slot < 0) {  // padding: zero output rows, no state (a bad index: NaN rows)
       mbar_arrive(&done[s]);
-      if (lane % G == 0) zero_output_rows<R>(p.out, p.V, sc.out_off, row0, RPP);
+      if (lane % G == 0)
+        zero_output_rows<R>(p.out, p.V, sc.out_off, row0, RPP,
+                            sc.slot == kStageBad ? bad_row_output() : 0.0f);
       continue;
     }
     StateT* tile = reinterpret_cast<StateT*>(tile_smem(s));

@@ -235,11 +235,11 @@ struct ReplayCta {
   }
 
   // A padded row: zero output; no state or ring access, the cursor left as it is.
-  __device__ __forceinline__ void zero_output(const ReplayProblem& p) const {
+  __device__ __forceinline__ void zero_output(const ReplayProblem& p, float fill = 0.0f) const {
     if (lane % G == 0)
 #pragma unroll
       for (int b = 0; b < BPC; ++b)
-        zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0 + b * rows_blk, RG);
+        zero_output_rows<R>(p.out, V, head_offset(p.out, n, 0, hv), row0 + b * rows_blk, RG, fill);
   }
 
   // The vector path's ring-record copies (phase 1, issued first). Thread 0 alone issues bulk
@@ -462,16 +462,21 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     cta.zero_output(p);
     return;
   }
-  if (p.check_indices && slot >= p.state.num_slots)
-    trap_bad_slot("replayssm_decode", n, slot, p.state.num_slots);
+  // A bad row (a slot past the pool, a cursor outside the ring): as padded (no state, ring or
+  // cursor access), its output NaN, recorded by one thread of the row. Every CTA of the row reads
+  // the same low 16 bits of the cursor (the device advance changes only the high bits until the
+  // row's last CTA, which is never reached for a skipped row), so all of them skip it.
   // With the device advance the high 16 bits count the CTAs of this launch that have read it.
-  int m = p.advance_write_pos ? (cursor & 0xffff) : cursor;
-  if (p.check_indices && (cursor < 0 || m >= L)) {
-    printf("deltastate replayssm_decode: write_pos[%lld]=%d is outside the ring [0, %d]\n",
-           static_cast<long long>(n), cursor < 0 ? cursor : m, L - 1);
-    __trap();
+  const int m = p.advance_write_pos ? (cursor & 0xffff) : cursor;
+  const bool bad_index = slot >= p.state.num_slots;
+  if (bad_index || cursor < 0 || m >= L) {
+    if (threadIdx.x == 0 && hv == 0 && blockIdx.z == 0)
+      record_bad_row(p.errors, detail::kErrOpReplay, bad_index ? detail::kErrSlot : detail::kErrCursor,
+                     n, bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
+                     bad_index ? p.state.num_slots : static_cast<int64_t>(L));
+    cta.zero_output(p, bad_row_output());
+    return;
   }
-  m = min(max(m, 0), L - 1);
   const bool flush = detail::replay_flushes(m, L, forced_flush);
 
   // 1. The vector path's ring-record copies (issued first: before the rows' registers are live
