@@ -1279,6 +1279,7 @@ TEST_P(GpuReplayGuard, BadRowsAreSkippedAndReported) {
                               "output is NaN"});
   }
   // Padded rows are not errors; a bad cursor alone (row 5 with a good slot): the exact text.
+  bad_mem.upload(idx_ref);
   run(bad_mem, idx_ref, false);
   sync();
   EXPECT_NO_THROW(deltastate::check_errors(nullptr)) << "padded rows are not errors";
