@@ -75,8 +75,8 @@ DS_HD int64_t index_at(const void* p, DType t, int64_t stride, int64_t i) {
 // the first such row here; check_errors (ops.h) reads and clears it. `flag` is 0 while empty.
 struct DeviceErrorRecord {
   unsigned int flag;
-  int op;         // DeviceErrorOp
-  int kind;       // DeviceErrorKind
+  int op;    // DeviceErrorOp
+  int kind;  // DeviceErrorKind
   int pad_;
   long long row;    // the batch row (sequence)
   long long index;  // the bad value (slot index or cursor)
@@ -105,9 +105,9 @@ struct RecurrentProblem {
   bool update_state = false;    // write final S back into the pool
   void* final_state = nullptr;  // [N, HV, V, K] dense (state.k_first: [N, HV, K, V])
   DType final_dtype = DType::f32;
-  bool check_indices = false;         // CUDA: synchronize and check_errors after the launch
-  bool pdl = false;                   // CUDA: programmatic dependent launch (ops.h)
-  bool pdl_trigger_early = false;     // CUDA, set per launch: enter_grid (cuda/grid.cuh)
+  bool check_indices = false;           // CUDA: synchronize and check_errors after the launch
+  bool pdl = false;                     // CUDA: programmatic dependent launch (ops.h)
+  bool pdl_trigger_early = false;       // CUDA, set per launch: enter_grid (cuda/grid.cuh)
   DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch: the device's error record
   Device device{};
 
@@ -134,8 +134,8 @@ struct ReplayProblem {
   int32_t* write_pos = nullptr;          // [B]
   const int32_t* force_flush = nullptr;  // [B] or null
   bool advance_write_pos = false;
-  bool check_indices = false;         // as RecurrentProblem
-  bool pdl = false;                   // as RecurrentProblem
+  bool check_indices = false;  // as RecurrentProblem
+  bool pdl = false;            // as RecurrentProblem
   bool pdl_trigger_early = false;
   DeviceErrorRecord* errors = nullptr;  // as RecurrentProblem
   Device device{};

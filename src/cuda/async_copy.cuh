@@ -24,7 +24,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -106,14 +108,30 @@ __device__ __forceinline__ void bulk_wait_read() {
 // bulk_wait_read<n> for a run-time n < 8.
 __device__ __forceinline__ void bulk_wait_read_n(int n) {
   switch (n) {
-    case 0: bulk_wait_read<0>(); break;
-    case 1: bulk_wait_read<1>(); break;
-    case 2: bulk_wait_read<2>(); break;
-    case 3: bulk_wait_read<3>(); break;
-    case 4: bulk_wait_read<4>(); break;
-    case 5: bulk_wait_read<5>(); break;
-    case 6: bulk_wait_read<6>(); break;
-    default: bulk_wait_read<7>(); break;
+    case 0:
+      bulk_wait_read<0>();
+      break;
+    case 1:
+      bulk_wait_read<1>();
+      break;
+    case 2:
+      bulk_wait_read<2>();
+      break;
+    case 3:
+      bulk_wait_read<3>();
+      break;
+    case 4:
+      bulk_wait_read<4>();
+      break;
+    case 5:
+      bulk_wait_read<5>();
+      break;
+    case 6:
+      bulk_wait_read<6>();
+      break;
+    default:
+      bulk_wait_read<7>();
+      break;
   }
 }
 // Waits until every bulk group of this thread has completed (its writes are performed).

@@ -47,8 +47,8 @@ std::string message(const detail::DeviceErrorRecord& r) {
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
   } else {
     m += "`ssm_state_indices`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
-         " is out of range for a state pool of " + std::to_string(r.limit) +
-         " slots (valid: 0.." + std::to_string(r.limit - 1) + "; < 0 marks a padded row)";
+         " is out of range for a state pool of " + std::to_string(r.limit) + " slots (valid: 0.." +
+         std::to_string(r.limit - 1) + "; < 0 marks a padded row)";
   }
   return m + "; the row was skipped (state, rings and cursor untouched) and its output is NaN";
 }

@@ -41,7 +41,9 @@ __device__ __forceinline__ uint32_t load_u16_wide(const void* p) {
   asm("ld.global.nc.u16 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
-__device__ __forceinline__ float to_float(Wide<__nv_bfloat16> x) { return __uint_as_float(x.bits << 16); }
+__device__ __forceinline__ float to_float(Wide<__nv_bfloat16> x) {
+  return __uint_as_float(x.bits << 16);
+}
 __device__ __forceinline__ float to_float(Wide<__half> x) {
   return to_float(__ushort_as_half(static_cast<unsigned short>(x.bits)));
 }
@@ -123,9 +125,12 @@ __device__ __forceinline__ uint32_t load_float_bits(const void* p, DType t, int6
 }
 __device__ __forceinline__ float float_of_bits(uint32_t b, DType t) {
   switch (t) {
-    case DType::bf16: return to_float(Wide<__nv_bfloat16>{b});
-    case DType::f16: return to_float(Wide<__half>{b});
-    default: return __uint_as_float(b);
+    case DType::bf16:
+      return to_float(Wide<__nv_bfloat16>{b});
+    case DType::f16:
+      return to_float(Wide<__half>{b});
+    default:
+      return __uint_as_float(b);
   }
 }
 

@@ -62,7 +62,8 @@ void device_free(void* ptr, int device) noexcept {
 void memset_2d_async(void* ptr, size_t pitch, int value, size_t row_bytes, size_t rows, int device,
                      void* stream) {
   DeviceGuard guard(device);
-  DS_CUDA_CHECK(cudaMemset2DAsync(ptr, pitch, value, row_bytes, rows, static_cast<cudaStream_t>(stream)));
+  DS_CUDA_CHECK(
+      cudaMemset2DAsync(ptr, pitch, value, row_bytes, rows, static_cast<cudaStream_t>(stream)));
 }
 
 void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,

@@ -58,18 +58,20 @@ template <class StateT, int K, class In, int TPW>
 void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream) {
   const int wph = (tiles + TPW - 1) / TPW;
   const int64_t warps = p.num_heads_total() * wph;
-  if (warps > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  if (warps > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
   constexpr int smem = TPW == 2 ? kDecodeCtaWarps * kDecodeTileBytes<StateT, K> : 0;
   const auto ctas = static_cast<unsigned>((warps + kDecodeCtaWarps - 1) / kDecodeCtaWarps);
-  launch_kernel(recurrent_decode_kernel<StateT, K, In, TPW>, ctas, kDecodeCtaWarps * 32, smem, stream,
-                p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
+  launch_kernel(recurrent_decode_kernel<StateT, K, In, TPW>, ctas, kDecodeCtaWarps * 32, smem,
+                stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
 }
 
 template <class StateT, int K, class In>
 void launch_decode(const RecurrentProblem& p, cudaStream_t stream) {
   const int tiles = warps_per_head_of<StateT, K>(p);
-  if (decode_tiles_per_warp(p, tiles) == 2) return launch_decode_tpw<StateT, K, In, 2>(p, tiles, stream);
+  if (decode_tiles_per_warp(p, tiles) == 2)
+    return launch_decode_tpw<StateT, K, In, 2>(p, tiles, stream);
   launch_decode_tpw<StateT, K, In, 1>(p, tiles, stream);
 }
 
@@ -81,11 +83,13 @@ int stream_ctas_per_sm(int device) {
   static PerDeviceOnce ctas;
   return ctas.get(device, [] {
     auto kernel = recurrent_stream_kernel<StateT, K, In>;
-    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::SMEM_BYTES));
+    DS_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::SMEM_BYTES));
     DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                        cudaSharedmemCarveoutMaxShared));
     int n = 0;
-    DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Lay::THREADS, Lay::SMEM_BYTES));
+    DS_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Lay::THREADS, Lay::SMEM_BYTES));
     return n < 1 ? 1 : n;
   });
 }
@@ -95,7 +99,8 @@ void launch_stream(const RecurrentProblem& p, cudaStream_t stream) {
   using Lay = StreamLayout<StateT, K>;
   const int vblocks = (p.V + Lay::TILE_ROWS - 1) / Lay::TILE_ROWS;
   const int64_t ntiles = p.num_heads_total() * vblocks;
-  if (ntiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  if (ntiles > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (ntiles == 0) return;
   const int per_sm = stream_ctas_per_sm<StateT, K, In>(p.device.index);
   const int64_t max_ctas = static_cast<int64_t>(per_sm) * num_sms(p.device.index);
@@ -110,10 +115,11 @@ void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
   const int64_t tiles = p.num_heads_total() * wph;
   const int warps = direct_cta_warps(tiles, num_sms(p.device.index));
   const int64_t ctas = (tiles + warps - 1) / warps;
-  if (tiles > 0x7fffffffLL) throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  if (tiles > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   const int resident_ctas = kDirectCtasPerSm * 4 / warps;  // the launch bound's 16 warps per SM
-  launch_kernel(recurrent_direct_kernel<StateT, KT, VEC, In>, static_cast<unsigned>(ctas), warps * 32, 0,
-                stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
+  launch_kernel(recurrent_direct_kernel<StateT, KT, VEC, In>, static_cast<unsigned>(ctas),
+                warps * 32, 0, stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -180,13 +186,17 @@ void dispatch(const RecurrentProblem& p, cudaStream_t stream) {
   const DecodeChoice c = decode_kernel_for<StateT>(p);
   if (c != DecodeChoice::direct) {
 #if DELTASTATE_CUDA_ALL_KERNELS
-    if (inputs_are(p, DType::bf16) && launch_decode_k<StateT, TypedInput<__nv_bfloat16>>(p, c, stream)) return;
-    if (inputs_are(p, DType::f32) && launch_decode_k<StateT, TypedInput<float>>(p, c, stream)) return;
+    if (inputs_are(p, DType::bf16) &&
+        launch_decode_k<StateT, TypedInput<__nv_bfloat16>>(p, c, stream))
+      return;
+    if (inputs_are(p, DType::f32) && launch_decode_k<StateT, TypedInput<float>>(p, c, stream))
+      return;
 #endif
     if (std::is_same_v<StateT, float> && launch_decode_k<float, AnyInput>(p, c, stream)) return;
   }
 #if DELTASTATE_CUDA_ALL_KERNELS
-  if (inputs_are(p, DType::bf16) && launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream)) return;
+  if (inputs_are(p, DType::bf16) && launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream))
+    return;
   if (inputs_are(p, DType::f32) && launch_fast<StateT, TypedInput<float>>(p, stream)) return;
 #endif
   launch_direct<StateT, 256, false, AnyInput>(p, stream);
@@ -201,7 +211,8 @@ void stream_trace_reset() {
   DS_CUDA_CHECK(cudaMemset(trace, 0, sizeof(g_stream_trace)));
 }
 std::vector<long long> stream_trace_read() {
-  std::vector<long long> v(static_cast<size_t>(kStreamTraceCtas) * kStreamTraceTiles * kStreamTracePoints);
+  std::vector<long long> v(static_cast<size_t>(kStreamTraceCtas) * kStreamTraceTiles *
+                           kStreamTracePoints);
   DS_CUDA_CHECK(cudaMemcpyFromSymbol(v.data(), g_stream_trace, v.size() * sizeof(long long)));
   return v;
 }
@@ -216,9 +227,12 @@ void run_recurrent(const RecurrentProblem& problem, void* stream) {
   // register layout, so use fp32.
   const DType sd = p.state.ptr ? p.state.dtype : DType::f32;
   switch (sd) {
-    case DType::bf16: return dispatch<__nv_bfloat16>(p, s);
-    case DType::f16: return dispatch<__half>(p, s);
-    default: return dispatch<float>(p, s);
+    case DType::bf16:
+      return dispatch<__nv_bfloat16>(p, s);
+    case DType::f16:
+      return dispatch<__half>(p, s);
+    default:
+      return dispatch<float>(p, s);
   }
 }
 

@@ -70,7 +70,8 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
     if (two && warps == kReplayWarps && p.V % (2 * rows_blk) == 0) {
       const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 2);
-      if (sm2.bytes <= max_smem) return launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
+      if (sm2.bytes <= max_smem)
+        return launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
     }
   }
   const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 1);
@@ -124,9 +125,12 @@ void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
   p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.state.dtype) {
-    case DType::bf16: return dispatch<__nv_bfloat16>(p, s);
-    case DType::f16: return dispatch<__half>(p, s);
-    default: return dispatch<float>(p, s);
+    case DType::bf16:
+      return dispatch<__nv_bfloat16>(p, s);
+    case DType::f16:
+      return dispatch<__half>(p, s);
+    default:
+      return dispatch<float>(p, s);
   }
 }
 

@@ -5,8 +5,8 @@
 // Lane layout. A state row S[v, 0:K] is held by a group of G lanes, each holding EPL consecutive
 // elements (EPL = 16 bytes of state, so every lane does one 16-byte load per row). A warp holds
 // RG = 32/G rows at once; a thread keeps ROWS such rows in registers (register blocking: 32 state
-// floats per thread), so a warp owns RG*ROWS rows. KT is the K tile: K == KT on the vector path, K <= KT (masked, element loads)
-// on the generic path.
+// floats per thread), so a warp owns RG*ROWS rows. KT is the K tile: K == KT on the vector path, K
+// <= KT (masked, element loads) on the generic path.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +24,8 @@ template <class StateT, int KT>
 struct RowLayout {
   static constexpr int kElemBytes = static_cast<int>(sizeof(StateT));
   static constexpr int G = (KT * kElemBytes / 16) < 32 ? (KT * kElemBytes / 16) : 32;
-  static constexpr int EPL = KT / G;  // elements per lane
-  static constexpr int RG = 32 / G;   // rows per warp per pass
+  static constexpr int EPL = KT / G;     // elements per lane
+  static constexpr int RG = 32 / G;      // rows per warp per pass
   static constexpr int ROWS = 32 / EPL;  // rows per thread: 32 state floats in registers
   static_assert(G >= 1 && (G & (G - 1)) == 0, "lanes per row must be a power of two");
   static_assert(EPL * G == KT, "K tile must split evenly over the lanes");
@@ -78,7 +78,8 @@ __device__ __forceinline__ void zero_output_rows(const detail::HeadOutput& out, 
                                                  float value = 0.0f) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (row0 + r * step < V) detail::store_float(out.ptr, out.dtype, o_off + row0 + r * step, value);
+    if (row0 + r * step < V)
+      detail::store_float(out.ptr, out.dtype, o_off + row0 + r * step, value);
 }
 
 // Completes one token on R rows from the partial dots [sk_0.., sq_0..] (each partial over the
@@ -120,7 +121,8 @@ __device__ __forceinline__ float delta_step_rows(float (&S)[R][EPL], const float
   float dots[2 * R];
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    detail::decay_and_dots(S[r], alpha, k, q, std::integral_constant<int, EPL>{}, dots[r], dots[R + r]);
+    detail::decay_and_dots(S[r], alpha, k, q, std::integral_constant<int, EPL>{}, dots[r],
+                           dots[R + r]);
   const float red = transpose_reduce<G, 2 * R>(dots, lane);
   u_here = detail::delta_u(v, red, beta);
 #pragma unroll
@@ -143,21 +145,22 @@ __device__ __forceinline__ void store_output_rows(const detail::HeadOutput& out,
   const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
   if (sq_r >= 0 && first_copy && row0 + sq_r * rg < V)
-    detail::store_float(out.ptr, out.dtype, o_off + row0 + sq_r * rg, detail::delta_output(red, u_o, kq));
+    detail::store_float(out.ptr, out.dtype, o_off + row0 + sq_r * rg,
+                        detail::delta_output(red, u_o, kq));
 }
 
 // A lane's R rows of a state tile (rows row, row + rg, ...; `row_src(r, row + r*rg)` points at
-// the lane's EPL elements of its row r), staged through shared memory by the lane alone: stage_rows_async
-// copies them with 16-byte cp.async (one group) into the lane's words dst[(r*W + c)*stride] (W
-// 16-byte words per row; stride = the lanes sharing the buffer, so consecutive lanes hit
-// consecutive words), skipping rows at or past V; load_staged_rows waits for every group of this
-// thread and converts them to floats (rows past V read as zeros). kCheckRows = false: the caller
-// guarantees every row is below V (no checks). No barrier: each lane reads
-// back only what it copied. The register kernels use this to have a second tile in flight while
-// they compute the first.
+// the lane's EPL elements of its row r), staged through shared memory by the lane alone:
+// stage_rows_async copies them with 16-byte cp.async (one group) into the lane's words dst[(r*W +
+// c)*stride] (W 16-byte words per row; stride = the lanes sharing the buffer, so consecutive lanes
+// hit consecutive words), skipping rows at or past V; load_staged_rows waits for every group of
+// this thread and converts them to floats (rows past V read as zeros). kCheckRows = false: the
+// caller guarantees every row is below V (no checks). No barrier: each lane reads back only what it
+// copied. The register kernels use this to have a second tile in flight while they compute the
+// first.
 template <class StateT, int EPL, int R, bool kCheckRows = true, class RowSrc>
-__device__ __forceinline__ void stage_rows_async(uint4* dst, unsigned stride, int row, int rg, int V,
-                                                 RowSrc row_src) {
+__device__ __forceinline__ void stage_rows_async(uint4* dst, unsigned stride, int row, int rg,
+                                                 int V, RowSrc row_src) {
   constexpr int W = EPL * static_cast<int>(sizeof(StateT)) / 16;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -165,7 +168,8 @@ __device__ __forceinline__ void stage_rows_async(uint4* dst, unsigned stride, in
     if (!kCheckRows || row_r < V)
 #pragma unroll
       for (int c = 0; c < W; ++c)
-        cp_async16(dst + (r * W + c) * stride, reinterpret_cast<const uint4*>(row_src(r, row_r)) + c);
+        cp_async16(dst + (r * W + c) * stride,
+                   reinterpret_cast<const uint4*>(row_src(r, row_r)) + c);
   }
   cp_async_commit();
 }

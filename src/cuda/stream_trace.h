@@ -10,12 +10,12 @@ namespace deltastate::cuda_backend {
 
 enum class StreamTracePoint : int {
   producer_enter,  // the producer starts on tile i (before waiting for a free stage)
-  stage_free,      // its stage is free (the last store from it has been read): the bulk load goes out
-  prepared,        // the token is prepared and the producer has arrived on the stage's `full`
-  store_issued,    // the producer has issued tile i's bulk store
-  consumer_wait,   // consumer warp 0 starts waiting for tile i
-  consumer_full,   // ... sees it full (bytes landed and prepared)
-  consumer_done,   // ... has computed it and arrived on `done`
+  stage_free,    // its stage is free (the last store from it has been read): the bulk load goes out
+  prepared,      // the token is prepared and the producer has arrived on the stage's `full`
+  store_issued,  // the producer has issued tile i's bulk store
+  consumer_wait,  // consumer warp 0 starts waiting for tile i
+  consumer_full,  // ... sees it full (bytes landed and prepared)
+  consumer_done,  // ... has computed it and arrived on `done`
   count
 };
 constexpr int kStreamTraceCtas = 512;

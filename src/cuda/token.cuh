@@ -103,12 +103,14 @@ __device__ __forceinline__ void load_gate_consts(const detail::GateParams& gate,
                     : 0.0f;
     }
   } else {  // every load unconditional: an absent tensor or element reads kZeroWord
-    c.A_log = load_float_bits(gate.A_log ? gate.A_log : &kZeroWord, gate.A_log_dtype, gate.A_log ? hv : 0);
+    c.A_log = load_float_bits(gate.A_log ? gate.A_log : &kZeroWord, gate.A_log_dtype,
+                              gate.A_log ? hv : 0);
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       const bool here = gate.dt_bias && (!gate.kda || i < valid);
       const int64_t idx = gate.kda ? static_cast<int64_t>(hv) * K + kofs + i : hv;
-      c.dt[i] = load_float_bits(here ? gate.dt_bias : &kZeroWord, gate.dt_bias_dtype, here ? idx : 0);
+      c.dt[i] =
+          load_float_bits(here ? gate.dt_bias : &kZeroWord, gate.dt_bias_dtype, here ? idx : 0);
     }
   }
 }

@@ -11,8 +11,8 @@
 // decisions and untouched memory must agree exactly.
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -116,8 +116,8 @@ class Mirror {
 
 // GPU vs CPU comparisons (see the file comment).
 constexpr Tol kFp32StateTol{1e-5, 1e-4};
-::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu, const std::vector<double>& cpu,
-                                        Tol tol, DType stored) {
+::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu,
+                                        const std::vector<double>& cpu, Tol tol, DType stored) {
   return all_close(gpu, cpu, tol, stored, /*rounded=*/2);
 }
 
@@ -129,8 +129,8 @@ std::vector<MemRange> live_slot_ranges(const TensorView& pool, const std::vector
 }
 
 // Outputs [B, 1, HV, V] row by row: padded rows exactly zero, live rows close to the CPU's.
-void expect_rows_match(const DecodeBatch& cpu, const Tensor& gpu_out, const std::vector<int64_t>& slots,
-                       Tol tol) {
+void expect_rows_match(const DecodeBatch& cpu, const Tensor& gpu_out,
+                       const std::vector<int64_t>& slots, Tol tol) {
   for (int64_t r = 0; r < cpu.B; ++r) {
     std::vector<double> g;
     for (int64_t hv = 0; hv < cpu.s.HV; ++hv)
@@ -176,8 +176,8 @@ TEST_P(GpuPackedDecode, MatchesCpu) {
   Tensor pool = make_pool(c.state, num_slots, c.shape, c.slot_pad, c.lead);
   const std::vector<int64_t> slots = pick_slots(rng, c.B, num_slots, c.padded);
   fill_live_slots(pool.view(), slots, rng);
-  DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act, 0,
-                                        c.B % 2 ? DType::i64 : DType::i32);
+  DecodeBatch batch =
+      make_decode_batch(rng, c.shape, c.kda, slots, c.act, 0, c.B % 2 ? DType::i64 : DType::i32);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
   Mirror dev;
   for (int step = 0; step < 2; ++step) {
@@ -185,11 +185,13 @@ TEST_P(GpuPackedDecode, MatchesCpu) {
     if (step) batch.randomize(rng);
     batch.poison_out();
     // Both backends start the call from the same pool (the CPU's).
-    dev.upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
+    dev.upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx,
+                   batch.out);
     const Tensor before = dev.download(pool);
 
     PackedDecodeArgs cpu_args = batch.packed_args(host_view, pool.view(), scale, c.lower_bound);
-    PackedDecodeArgs gpu_args = batch.packed_args(dev.views(), dev.view(pool), scale, c.lower_bound);
+    PackedDecodeArgs gpu_args =
+        batch.packed_args(dev.views(), dev.view(pool), scale, c.lower_bound);
     if (c.kda) {
       deltastate::kda_packed_decode(cpu_args);
       deltastate::kda_packed_decode(gpu_args);
@@ -218,12 +220,24 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         PackedCase{"gdn_qwen_f32state_bf16act_B8", kQwen3Next, false, kNoLb, f32, bf16, 8, {3, 6}},
         PackedCase{"gdn_qwen_bf16state_bf16act_B1", kQwen3Next, false, kNoLb, bf16, bf16, 1, {}},
-        PackedCase{"gdn_qwen_f16state_f16act_envelope", kQwen3Next, false, kNoLb, f16, f16, 6, {0}, 8192, 512},
-        PackedCase{"gdn_qwen_f32_unaligned_envelope", kQwen3Next, false, kNoLb, f32, f32, 5, {4}, 3, 1},
-        PackedCase{"gdn_qwen_f32state_bf16act_B64", kQwen3Next, false, kNoLb, f32, bf16, 64, {0, 17, 63}},
+        PackedCase{"gdn_qwen_f16state_f16act_envelope",
+                   kQwen3Next,
+                   false,
+                   kNoLb,
+                   f16,
+                   f16,
+                   6,
+                   {0},
+                   8192,
+                   512},
+        PackedCase{
+            "gdn_qwen_f32_unaligned_envelope", kQwen3Next, false, kNoLb, f32, f32, 5, {4}, 3, 1},
+        PackedCase{
+            "gdn_qwen_f32state_bf16act_B64", kQwen3Next, false, kNoLb, f32, bf16, 64, {0, 17, 63}},
         PackedCase{"kda_kimi_f32_lb_B8", kKimi, true, kLb, f32, f32, 8, {1}},
         PackedCase{"kda_kimi_bf16state_bf16act_B3", kKimi, true, kNoLb, bf16, bf16, 3, {2}},
-        PackedCase{"kda_kimi_f32state_bf16act_envelope", kKimi, true, kNoLb, f32, bf16, 4, {}, 1024, 64},
+        PackedCase{
+            "kda_kimi_f32state_bf16act_envelope", kKimi, true, kNoLb, f32, bf16, 4, {}, 1024, 64},
         PackedCase{"gdn_hv24_f32state_bf16act", kHV24, false, kNoLb, f32, bf16, 6, {5}},
         PackedCase{"kda_k64_f32", kK64, true, kNoLb, f32, f32, 5, {2}},
         PackedCase{"gdn_k64_bf16state_unaligned", kK64, false, kNoLb, bf16, bf16, 4, {}, 5, 3},
@@ -322,7 +336,8 @@ TEST_P(GpuRecurrent, MatchesCpu) {
   }
   if (c.final_state) {
     const Tensor fs = dev.download(final_state);
-    EXPECT_TRUE(close_vs_cpu(fs.values(), final_state.values(), kFp32StateTol, c.state)) << "final_state";
+    EXPECT_TRUE(close_vs_cpu(fs.values(), final_state.values(), kFp32StateTol, c.state))
+        << "final_state";
   }
   if (c.mode != StateMode::none) {
     const Tensor after = dev.download(pool);
@@ -342,33 +357,66 @@ TEST_P(GpuRecurrent, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuRecurrent,
-    ::testing::Values(
-        RecCase{"gdn_qwen_varlen_packedqkv_bf16act",
-                with(recurrent_spec(kQwen3Next, false, bf16, 1, 1, {3, 0, 5, 1, 2}),
-                     [](RecurrentSpec& r) { r.packed_qkv = true; }),
-                StateMode::pool, f32, {1}},
-        RecCase{"kda_kimi_varlen_lb_bf16state_envelope",
-                with(recurrent_spec(kKimi, true, bf16, 1, 1, {2, 4, 1}),
-                     [](RecurrentSpec& r) { r.lower_bound = -5.0; }),
-                StateMode::pool, bf16, {}, true, true, 64, 32},
-        RecCase{"gdn_hv24_per_sequence_T3_f16state", recurrent_spec(kHV24, false, f16, 3, 3),
-                StateMode::per_sequence, f16, {}},
-        RecCase{"kda_k64v128_no_state", recurrent_spec(kK64V128, true, bf16, 2, 4), StateMode::none, bf16, {},
-                true, false},
-        RecCase{"gdn_k96_logg_betaprob_T4",
-                with(recurrent_spec(kK96, false, f32, 3, 4),
-                     [](RecurrentSpec& r) {
-                       r.gate_in_kernel = false;
-                       r.beta_is_logit = false;
-                     }),
-                StateMode::pool, f32, {2}},
-        RecCase{"kda_k128v64_i64_T2",
-                with(recurrent_spec(kK128V64, true, f32, 4, 2), [](RecurrentSpec& r) { r.index_dtype = DType::i64; }),
-                StateMode::pool, f32, {0}},
-        RecCase{"gdn_k64_no_update", recurrent_spec(kK64, false, f32, 3, 3), StateMode::pool, bf16, {}, true, false},
-        RecCase{"kda_odd_varlen_dt2d", with(recurrent_spec(kOdd, true, f16, 1, 1, {1, 3, 2}),
-                                            [](RecurrentSpec& r) { r.dt_bias_2d = true; }),
-                StateMode::pool, f32, {1}, true, true, 16, 8}),
+    ::testing::Values(RecCase{"gdn_qwen_varlen_packedqkv_bf16act",
+                              with(recurrent_spec(kQwen3Next, false, bf16, 1, 1, {3, 0, 5, 1, 2}),
+                                   [](RecurrentSpec& r) { r.packed_qkv = true; }),
+                              StateMode::pool,
+                              f32,
+                              {1}},
+                      RecCase{"kda_kimi_varlen_lb_bf16state_envelope",
+                              with(recurrent_spec(kKimi, true, bf16, 1, 1, {2, 4, 1}),
+                                   [](RecurrentSpec& r) { r.lower_bound = -5.0; }),
+                              StateMode::pool,
+                              bf16,
+                              {},
+                              true,
+                              true,
+                              64,
+                              32},
+                      RecCase{"gdn_hv24_per_sequence_T3_f16state",
+                              recurrent_spec(kHV24, false, f16, 3, 3),
+                              StateMode::per_sequence,
+                              f16,
+                              {}},
+                      RecCase{"kda_k64v128_no_state",
+                              recurrent_spec(kK64V128, true, bf16, 2, 4),
+                              StateMode::none,
+                              bf16,
+                              {},
+                              true,
+                              false},
+                      RecCase{"gdn_k96_logg_betaprob_T4",
+                              with(recurrent_spec(kK96, false, f32, 3, 4),
+                                   [](RecurrentSpec& r) {
+                                     r.gate_in_kernel = false;
+                                     r.beta_is_logit = false;
+                                   }),
+                              StateMode::pool,
+                              f32,
+                              {2}},
+                      RecCase{"kda_k128v64_i64_T2",
+                              with(recurrent_spec(kK128V64, true, f32, 4, 2),
+                                   [](RecurrentSpec& r) { r.index_dtype = DType::i64; }),
+                              StateMode::pool,
+                              f32,
+                              {0}},
+                      RecCase{"gdn_k64_no_update",
+                              recurrent_spec(kK64, false, f32, 3, 3),
+                              StateMode::pool,
+                              bf16,
+                              {},
+                              true,
+                              false},
+                      RecCase{"kda_odd_varlen_dt2d",
+                              with(recurrent_spec(kOdd, true, f16, 1, 1, {1, 3, 2}),
+                                   [](RecurrentSpec& r) { r.dt_bias_2d = true; }),
+                              StateMode::pool,
+                              f32,
+                              {1},
+                              true,
+                              true,
+                              16,
+                              8}),
     case_name<RecCase>);
 
 // ==== ReplaySSM ================================================================================
@@ -406,11 +454,12 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
     const Tensor ckpt_before = dev.download(pool);
     const std::vector<int64_t> cursors_before = index_values(wp);
 
-    ReplayDecodeArgs cpu_args = replay_args(host_view, batch, pool.view(), rings.d.view(), rings.k.view(),
-                                            rings.g.view(), wp, &ff, scale, c.lower_bound);
-    ReplayDecodeArgs gpu_args = replay_args(dev.views(), batch, dev.view(pool), dev.view(rings.d),
-                                            dev.view(rings.k), dev.view(rings.g), wp, &ff, scale,
-                                            c.lower_bound);
+    ReplayDecodeArgs cpu_args =
+        replay_args(host_view, batch, pool.view(), rings.d.view(), rings.k.view(), rings.g.view(),
+                    wp, &ff, scale, c.lower_bound);
+    ReplayDecodeArgs gpu_args =
+        replay_args(dev.views(), batch, dev.view(pool), dev.view(rings.d), dev.view(rings.k),
+                    dev.view(rings.g), wp, &ff, scale, c.lower_bound);
     cpu_args.advance_write_pos = gpu_args.advance_write_pos = true;
     deltastate::replayssm_decode(cpu_args);
     deltastate::replayssm_decode(gpu_args);
@@ -433,8 +482,8 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
       if (flush) flushed.push_back(slot_range(ckpt.view(), slots[r]));
     }
     // The checkpoint changes only in the slots of flushing rows (bit-unchanged otherwise).
-    EXPECT_TRUE(Snapshot::equal_except(ckpt.alloc_base(), ckpt_before.alloc_base(), ckpt.alloc_bytes(),
-                                       flushed))
+    EXPECT_TRUE(Snapshot::equal_except(ckpt.alloc_base(), ckpt_before.alloc_base(),
+                                       ckpt.alloc_bytes(), flushed))
         << "GPU checkpoint pool outside the flushed slots";
     for (int64_t s : slots) {
       if (s < 0) continue;
@@ -442,7 +491,8 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
                                {4e-3, 1e-2}, c.state))
           << "checkpoint of slot " << s;
     }
-    EXPECT_TRUE(close_vs_cpu(dev.download(rings.d).values(), rings.d.values(), {2e-3, 1e-2}, c.state))
+    EXPECT_TRUE(
+        close_vs_cpu(dev.download(rings.d).values(), rings.d.values(), {2e-3, 1e-2}, c.state))
         << "d ring";
     EXPECT_TRUE(close_vs_cpu(dev.download(rings.k).values(), rings.k.values(), {2e-3, 1e-2}, c.act))
         << "k ring";
@@ -461,23 +511,26 @@ TEST_P(GpuReplay, FortyTwoStepsMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuReplay,
-    ::testing::Values(ReplayCase{"gdn_qwen_f32_L1", kQwen3Next, false, kNoLb, f32, f32, 1},
-                      ReplayCase{"gdn_qwen_f32_bf16act_L4_envelope", kQwen3Next, false, kNoLb, f32, bf16, 4, 42, 4096, 256},
-                      ReplayCase{"gdn_qwen_bf16ckpt_bf16act_L8", kQwen3Next, false, kNoLb, bf16, bf16, 8},
-                      ReplayCase{"gdn_qwen_f32_bf16act_L16", kQwen3Next, false, kNoLb, f32, bf16, 16},
-                      ReplayCase{"kda_kimi_f32_lb_L4", kKimi, true, kLb, f32, f32, 4},
-                      ReplayCase{"kda_kimi_bf16ckpt_bf16act_L16_envelope", kKimi, true, kNoLb, bf16, bf16, 16, 42, 1000, 24},
-                      ReplayCase{"kda_kimi_f32_bf16act_L8", kKimi, true, kNoLb, f32, bf16, 8},
-                      ReplayCase{"gdn_k96_generic_f32_L8", kK96, false, kNoLb, f32, f32, 8},
-                      ReplayCase{"kda_k64v128_bf16ckpt_L4_lb", kK64V128, true, kLb, bf16, bf16, 4},
-                      ReplayCase{"gdn_hv24_f32_bf16act_L16", kHV24, false, kNoLb, f32, bf16, 16, 42, 64, 16},
-                      ReplayCase{"kda_k128v64_f32_L1", kK128V64, true, kNoLb, f32, f16, 1},
-                      // more records than lanes per row (L > G, L > 32), a partial row block,
-                      // CTAs of 6 warps
-                      ReplayCase{"gdn_k128v200_f32_bf16act_L40", kK128V200, false, kNoLb, f32, bf16, 40},
-                      ReplayCase{"kda_k64v128_bf16ckpt_bf16act_L16", kK64V128, true, kNoLb, bf16, bf16, 16},
-                      ReplayCase{"kda_k128v48_f32_L8", kK128V48, true, kLb, f32, f32, 8},
-                      ReplayCase{"gdn_k64v256_f32_bf16act_L8", kK64V256, false, kNoLb, f32, bf16, 8}),
+    ::testing::Values(
+        ReplayCase{"gdn_qwen_f32_L1", kQwen3Next, false, kNoLb, f32, f32, 1},
+        ReplayCase{"gdn_qwen_f32_bf16act_L4_envelope", kQwen3Next, false, kNoLb, f32, bf16, 4, 42,
+                   4096, 256},
+        ReplayCase{"gdn_qwen_bf16ckpt_bf16act_L8", kQwen3Next, false, kNoLb, bf16, bf16, 8},
+        ReplayCase{"gdn_qwen_f32_bf16act_L16", kQwen3Next, false, kNoLb, f32, bf16, 16},
+        ReplayCase{"kda_kimi_f32_lb_L4", kKimi, true, kLb, f32, f32, 4},
+        ReplayCase{"kda_kimi_bf16ckpt_bf16act_L16_envelope", kKimi, true, kNoLb, bf16, bf16, 16, 42,
+                   1000, 24},
+        ReplayCase{"kda_kimi_f32_bf16act_L8", kKimi, true, kNoLb, f32, bf16, 8},
+        ReplayCase{"gdn_k96_generic_f32_L8", kK96, false, kNoLb, f32, f32, 8},
+        ReplayCase{"kda_k64v128_bf16ckpt_L4_lb", kK64V128, true, kLb, bf16, bf16, 4},
+        ReplayCase{"gdn_hv24_f32_bf16act_L16", kHV24, false, kNoLb, f32, bf16, 16, 42, 64, 16},
+        ReplayCase{"kda_k128v64_f32_L1", kK128V64, true, kNoLb, f32, f16, 1},
+        // more records than lanes per row (L > G, L > 32), a partial row block,
+        // CTAs of 6 warps
+        ReplayCase{"gdn_k128v200_f32_bf16act_L40", kK128V200, false, kNoLb, f32, bf16, 40},
+        ReplayCase{"kda_k64v128_bf16ckpt_bf16act_L16", kK64V128, true, kNoLb, bf16, bf16, 16},
+        ReplayCase{"kda_k128v48_f32_L8", kK128V48, true, kLb, f32, f32, 8},
+        ReplayCase{"gdn_k64v256_f32_bf16act_L8", kK64V256, false, kNoLb, f32, bf16, 8}),
     case_name<ReplayCase>);
 
 // ==== a pool of more than 4096 slots ===========================================================
@@ -492,7 +545,8 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
   const size_t bytes = static_cast<size_t>(slots * elems * 4);
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  if (free_b < bytes + (size_t{2} << 30)) GTEST_SKIP() << "needs ~" << (bytes >> 20) << " MiB of device memory";
+  if (free_b < bytes + (size_t{2} << 30))
+    GTEST_SKIP() << "needs ~" << (bytes >> 20) << " MiB of device memory";
   void* big = nullptr;
   CUDA_CHECK(cudaMalloc(&big, bytes));
   struct Free {
@@ -500,20 +554,23 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
     ~Free() { EXPECT_EQ(cudaFree(p), cudaSuccess); }
   } free_big{big};
   CUDA_CHECK(cudaMemset(big, 0x7f, bytes));
-  const TensorView big_pool = TensorView::contiguous(big, f32, {slots, s.HV, s.V, s.K}, Device::cuda(0));
+  const TensorView big_pool =
+      TensorView::contiguous(big, f32, {slots, s.HV, s.V, s.K}, Device::cuda(0));
 
   Rng rng = test_rng();
   const std::vector<int64_t> big_slots{4099, -1, 4096, 4097, 2049, 4095};
   std::vector<int64_t> small_slots;  // the same rows on a small CPU pool
-  for (size_t r = 0; r < big_slots.size(); ++r) small_slots.push_back(big_slots[r] < 0 ? -1 : static_cast<int64_t>(r));
+  for (size_t r = 0; r < big_slots.size(); ++r)
+    small_slots.push_back(big_slots[r] < 0 ? -1 : static_cast<int64_t>(r));
   Tensor small = make_pool(f32, static_cast<int64_t>(big_slots.size()), s);
   fill_live_slots(small.view(), small_slots, rng);
   auto push_states = [&] {  // CPU states -> their big-pool slots
     for (size_t r = 0; r < big_slots.size(); ++r)
       if (big_slots[r] >= 0)
-        CUDA_CHECK(cudaMemcpy(static_cast<float*>(big) + big_slots[r] * elems,
-                              static_cast<const char*>(small.view().data) + small_slots[r] * elems * 4,
-                              static_cast<size_t>(elems * 4), cudaMemcpyHostToDevice));
+        CUDA_CHECK(
+            cudaMemcpy(static_cast<float*>(big) + big_slots[r] * elems,
+                       static_cast<const char*>(small.view().data) + small_slots[r] * elems * 4,
+                       static_cast<size_t>(elems * 4), cudaMemcpyHostToDevice));
   };
   auto expect_states_match = [&](Tol tol, const char* what) {
     std::vector<float> host(static_cast<size_t>(elems));
@@ -552,7 +609,8 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
   // Recurrent, varlen, both gates.
   for (bool kda : {false, true}) {
     SCOPED_TRACE(kda ? "recurrent_kda" : "recurrent_gdn");
-    RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, kda, bf16, 1, 1, {2, 1, 3, 1, 2, 1}));
+    RecurrentBatch rb =
+        make_recurrent_batch(rng, recurrent_spec(s, kda, bf16, 1, 1, {2, 1, 3, 1, 2, 1}));
     Tensor cidx = index_tensor(small_slots), gidx = index_tensor(big_slots);
     push_states();
     dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu, gidx);
@@ -592,10 +650,12 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
       if (step) cpu.randomize(rng);
       ff.set_linear(0, step == 1);
       dev.upload_all(cpu.x, cpu.a, cpu.b, ff);
-      ReplayDecodeArgs ca = replay_args(host_view, cpu, small.view(), small_rings.d.view(),
-                                        small_rings.k.view(), small_rings.g.view(), wp_c, &ff, 0.0883883);
-      ReplayDecodeArgs ga = replay_args(dev.views(), gpu, big_pool, dev.view(big_rings.d),
-                                        dev.view(big_rings.k), dev.view(big_rings.g), wp_g, &ff, 0.0883883);
+      ReplayDecodeArgs ca =
+          replay_args(host_view, cpu, small.view(), small_rings.d.view(), small_rings.k.view(),
+                      small_rings.g.view(), wp_c, &ff, 0.0883883);
+      ReplayDecodeArgs ga =
+          replay_args(dev.views(), gpu, big_pool, dev.view(big_rings.d), dev.view(big_rings.k),
+                      dev.view(big_rings.g), wp_g, &ff, 0.0883883);
       ca.advance_write_pos = ga.advance_write_pos = true;
       deltastate::replayssm_decode(ca);
       deltastate::replayssm_decode(ga);
@@ -643,7 +703,8 @@ TEST_F(GpuTest, StatePoolOnDevice) {
     return b;
   };
   auto expect_same_memory = [&](const char* what) {
-    EXPECT_EQ(std::memcmp(device_bytes().data(), host.data(), static_cast<size_t>(bytes)), 0) << what;
+    EXPECT_EQ(std::memcmp(device_bytes().data(), host.data(), static_cast<size_t>(bytes)), 0)
+        << what;
   };
   expect_same_memory("a new pool is zeroed");
 
@@ -655,7 +716,8 @@ TEST_F(GpuTest, StatePoolOnDevice) {
   }
   for (int64_t l = 0; l < 2; ++l)
     for (int64_t sl = 0; sl < 5; ++sl) fill_slot(host.layer_state(l), sl, rng);
-  CUDA_CHECK(cudaMemcpy(dev_pool.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  CUDA_CHECK(
+      cudaMemcpy(dev_pool.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
   for (int64_t sl = 0; sl < 4; ++sl) {
     host.set_cursor(sl, 0);
     dev_pool.set_cursor(sl, 0);
@@ -666,8 +728,9 @@ TEST_F(GpuTest, StatePoolOnDevice) {
   // fork: refused from an unflushed source, then a device copy of every layer.
   const auto e = catch_error([&] { dev_pool.fork(3, 1); });
   if (e) {
-    EXPECT_EQ(std::string(e->what()),
-              "copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got 2 for src 3");
+    EXPECT_EQ(
+        std::string(e->what()),
+        "copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got 2 for src 3");
   }
   host.fork(0, 2);
   dev_pool.fork(0, 2);
@@ -696,14 +759,17 @@ TEST_F(GpuTest, StatePoolOnDevice) {
     const TensorView dev_layer = TensorView::strided(
         const_cast<uint8_t*>(d.data()) + (static_cast<const char*>(dev_pool.layer_state(1).data) -
                                           static_cast<const char*>(dev_pool.data())),
-        f32, {5, kOdd.HV, kOdd.V, kOdd.K}, {host.layer_state(1).stride[0], kOdd.V * kOdd.K, kOdd.K, 1});
+        f32, {5, kOdd.HV, kOdd.V, kOdd.K},
+        {host.layer_state(1).stride[0], kOdd.V * kOdd.K, kOdd.K, 1});
     for (int64_t sl : {2, 0})
       EXPECT_TRUE(close_vs_cpu(slot_values(dev_layer, sl), slot_values(host.layer_state(1), sl),
                                kFp32StateTol, f32))
           << "slot " << sl;
-    EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), bytes, live_slot_ranges(dev_layer, {2, 0})))
+    EXPECT_TRUE(
+        Snapshot::equal_except(d.data(), host.data(), bytes, live_slot_ranges(dev_layer, {2, 0})))
         << "device pool outside the live slots";
-    CUDA_CHECK(cudaMemcpy(dev_pool.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dev_pool.data(), host.data(), static_cast<size_t>(bytes),
+                          cudaMemcpyHostToDevice));
   }
   // ReplaySSM on layer 0 with the pool's rings and cursors (all 5 slots; slot 4 is never
   // allocated, which the op does not care about).
@@ -744,7 +810,8 @@ TEST_F(GpuTest, StatePoolOnDevice) {
     deltastate::replayssm_decode(da);
     sync();
     expect_rows_match(batch, m.download(batch.out), {0, 1, 2, 3, 4}, {5e-4, 1e-2});
-    for (int64_t sl = 0; sl < 5; ++sl) EXPECT_EQ(dev_pool.cursor(sl), host.cursor(sl)) << "slot " << sl;
+    for (int64_t sl = 0; sl < 5; ++sl)
+      EXPECT_EQ(dev_pool.cursor(sl), host.cursor(sl)) << "slot " << sl;
     EXPECT_EQ(host.cursor(0), (step + 1) % 4);
   }
 }
@@ -853,7 +920,8 @@ TEST_F(GpuTest, CudaGraphReplayMatchesEager) {
       sync();
       for (const Tensor* t : {&batch.out, &pool, &rings.d, &rings.k, &rings.g, &wp}) {
         const Tensor g = graph_mem.download(*t), e = eager_mem.download(*t);
-        EXPECT_EQ(std::memcmp(g.alloc_base(), e.alloc_base(), static_cast<size_t>(g.alloc_bytes())), 0)
+        EXPECT_EQ(std::memcmp(g.alloc_base(), e.alloc_base(), static_cast<size_t>(g.alloc_bytes())),
+                  0)
             << "graph and eager results differ";
       }
       const Tensor out = graph_mem.download(batch.out);
@@ -911,7 +979,8 @@ TEST_F(GpuTest, PdlLaunchesMatchPlainLaunches) {
       const Tensor p0 = plain_mem.download(*t);
       for (Mirror* m : {&pdl_mem, &graph_mem}) {
         const Tensor x = m->download(*t);
-        EXPECT_EQ(std::memcmp(p0.alloc_base(), x.alloc_base(), static_cast<size_t>(p0.alloc_bytes())), 0)
+        EXPECT_EQ(
+            std::memcmp(p0.alloc_base(), x.alloc_base(), static_cast<size_t>(p0.alloc_bytes())), 0)
             << (m == &pdl_mem ? "eager PDL" : "graph PDL") << " launches differ from plain ones";
       }
     }
@@ -921,7 +990,6 @@ TEST_F(GpuTest, PdlLaunchesMatchPlainLaunches) {
     }
   }
 }
-
 
 // ==== the out-of-range guard ===================================================================
 // Every CUDA kernel checks each row's index on the device: a row whose slot is >= the pool's
@@ -941,8 +1009,8 @@ int64_t far_index(DType index_dtype) {
 }
 
 std::string out_of_range_text(const char* op, int64_t row, int64_t index) {
-  return std::string(op) + ": `ssm_state_indices`[" + std::to_string(row) + "]=" +
-         std::to_string(index) + " is out of range for a state pool of " +
+  return std::string(op) + ": `ssm_state_indices`[" + std::to_string(row) +
+         "]=" + std::to_string(index) + " is out of range for a state pool of " +
          std::to_string(kGuardSlots) + " slots (valid: 0.." + std::to_string(kGuardSlots - 1) +
          "; < 0 marks a padded row); the row was skipped (state, rings and cursor untouched) and "
          "its output is NaN";
@@ -1015,8 +1083,7 @@ void expect_rows_guarded(const Tensor& out, const Tensor& ref_out, int64_t B, in
     const std::vector<double> got = slice(o, row * row_elems, row_elems);
     if (std::find(bad_rows.begin(), bad_rows.end(), row) != bad_rows.end())
       EXPECT_TRUE(all_nan(got)) << "bad row " << row;
-    else
-      EXPECT_TRUE(same_bits(got, slice(r, row * row_elems, row_elems))) << "row " << row;
+    else EXPECT_TRUE(same_bits(got, slice(r, row * row_elems, row_elems))) << "row " << row;
   }
 }
 
@@ -1058,7 +1125,8 @@ TEST_P(GpuPackedGuard, BadRowsAreSkippedAndReported) {
   bad_mem.upload_all(idx_bad, idx_one);
   ref_mem.upload(idx_ref);
   auto run = [&](Mirror& m, const Tensor& idx) {
-    PackedDecodeArgs a = batch.packed_args(m.views(), first_slots(m.view(pool)), scale, std::optional<double>{});
+    PackedDecodeArgs a =
+        batch.packed_args(m.views(), first_slots(m.view(pool)), scale, std::optional<double>{});
     a.state_indices = m.view(idx);
     if (c.kda) deltastate::kda_packed_decode(a);
     else deltastate::gdn_packed_decode(a);
@@ -1098,8 +1166,9 @@ TEST_P(GpuPackedGuard, CheckIndicesRaisesAfterTheLaunch) {
   const Tensor idx_bad = index_tensor(bad, c.index);
   Mirror m;
   m.upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.out, idx_bad);
-  PackedDecodeArgs a = batch.packed_args(m.views(), first_slots(m.view(pool)),
-                                         1.0 / std::sqrt(static_cast<double>(c.shape.K)), std::optional<double>{});
+  PackedDecodeArgs a =
+      batch.packed_args(m.views(), first_slots(m.view(pool)),
+                        1.0 / std::sqrt(static_cast<double>(c.shape.K)), std::optional<double>{});
   a.state_indices = m.view(idx_bad);
   a.check_indices = true;
   const auto e = catch_error([&] {
@@ -1118,13 +1187,14 @@ TEST_P(GpuPackedGuard, CheckIndicesRaisesAfterTheLaunch) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuPackedGuard,
-    ::testing::Values(GuardCase{"gdn_qwen_f32state_bf16act_i32", kQwen3Next, false, f32, bf16, DType::i32},
-                      GuardCase{"gdn_qwen_f32_i64", kQwen3Next, false, f32, f32, DType::i64},
-                      GuardCase{"gdn_qwen_bf16state_bf16act_i64", kQwen3Next, false, bf16, bf16, DType::i64},
-                      GuardCase{"kda_kimi_f32state_bf16act_i64", kKimi, true, f32, bf16, DType::i64},
-                      GuardCase{"kda_kimi_f32_i32", kKimi, true, f32, f32, DType::i32},
-                      GuardCase{"gdn_k64_f32_i64", kK64, false, f32, f32, DType::i64},
-                      GuardCase{"gdn_k96_generic_f32_i64", kK96, false, f32, f32, DType::i64}),
+    ::testing::Values(
+        GuardCase{"gdn_qwen_f32state_bf16act_i32", kQwen3Next, false, f32, bf16, DType::i32},
+        GuardCase{"gdn_qwen_f32_i64", kQwen3Next, false, f32, f32, DType::i64},
+        GuardCase{"gdn_qwen_bf16state_bf16act_i64", kQwen3Next, false, bf16, bf16, DType::i64},
+        GuardCase{"kda_kimi_f32state_bf16act_i64", kKimi, true, f32, bf16, DType::i64},
+        GuardCase{"kda_kimi_f32_i32", kKimi, true, f32, f32, DType::i32},
+        GuardCase{"gdn_k64_f32_i64", kK64, false, f32, f32, DType::i64},
+        GuardCase{"gdn_k96_generic_f32_i64", kK96, false, f32, f32, DType::i64}),
     case_name<GuardCase>);
 
 // The recurrent op on the direct kernel: varlen (cu_seqlens) and T > 1, with final_state.
@@ -1206,10 +1276,11 @@ TEST_P(GpuRecurrentGuard, BadSequencesAreSkippedAndReported) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuRecurrentGuard,
-    ::testing::Values(GuardCase{"gdn_qwen_varlen_f32_bf16act_i32", kQwen3Next, false, f32, bf16, DType::i32},
-                      GuardCase{"gdn_qwen_varlen_bf16state_i64", kQwen3Next, false, bf16, bf16, DType::i64},
-                      GuardCase{"kda_kimi_T3_f32_i64", kKimi, true, f32, f32, DType::i64},
-                      GuardCase{"kda_k96_T3_generic_f32_i32", kK96, true, f32, f32, DType::i32}),
+    ::testing::Values(
+        GuardCase{"gdn_qwen_varlen_f32_bf16act_i32", kQwen3Next, false, f32, bf16, DType::i32},
+        GuardCase{"gdn_qwen_varlen_bf16state_i64", kQwen3Next, false, bf16, bf16, DType::i64},
+        GuardCase{"kda_kimi_T3_f32_i64", kKimi, true, f32, f32, DType::i64},
+        GuardCase{"kda_k96_T3_generic_f32_i32", kK96, true, f32, f32, DType::i32}),
     case_name<GuardCase>);
 
 class GpuReplayGuard : public GpuParamTest<GuardCase> {};
@@ -1249,9 +1320,10 @@ TEST_P(GpuReplayGuard, BadRowsAreSkippedAndReported) {
   bad_mem.upload(idx_bad);
   ref_mem.upload(idx_ref);
   auto run = [&](Mirror& m, const Tensor& idx, bool advance) {
-    ReplayDecodeArgs a = replay_args(m.views(), batch, first_slots(m.view(pool)),
-                                     first_slots(m.view(rings.d)), first_slots(m.view(rings.k)),
-                                     first_slots(m.view(rings.g)), wp, &ff, scale, std::optional<double>{});
+    ReplayDecodeArgs a =
+        replay_args(m.views(), batch, first_slots(m.view(pool)), first_slots(m.view(rings.d)),
+                    first_slots(m.view(rings.k)), first_slots(m.view(rings.g)), wp, &ff, scale,
+                    std::optional<double>{});
     a.state_indices = m.view(idx);
     a.advance_write_pos = advance;
     deltastate::replayssm_decode(a);
@@ -1294,7 +1366,8 @@ TEST_P(GpuReplayGuard, BadRowsAreSkippedAndReported) {
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuReplayGuard,
     ::testing::Values(GuardCase{"gdn_qwen_f32_bf16act", kQwen3Next, false, f32, bf16, DType::i32},
-                      GuardCase{"gdn_qwen_bf16ckpt_bf16act", kQwen3Next, false, bf16, bf16, DType::i32},
+                      GuardCase{"gdn_qwen_bf16ckpt_bf16act", kQwen3Next, false, bf16, bf16,
+                                DType::i32},
                       GuardCase{"kda_kimi_f32", kKimi, true, f32, f32, DType::i32},
                       GuardCase{"gdn_k96_generic_f32", kK96, false, f32, f32, DType::i32}),
     case_name<GuardCase>);
@@ -1315,7 +1388,8 @@ TEST_F(GpuTest, GraphGuardReportsAfterReplay) {
   cudaStream_t stream = scoped_stream.s;
   Mirror m;
   m.upload_all(pool, batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.out, idx_bad);
-  PackedDecodeArgs a = batch.packed_args(m.views(), first_slots(m.view(pool)), 1.0 / std::sqrt(128.0));
+  PackedDecodeArgs a =
+      batch.packed_args(m.views(), first_slots(m.view(pool)), 1.0 / std::sqrt(128.0));
   a.state_indices = m.view(idx_bad);
   a.stream = stream;
   a.check_indices = true;

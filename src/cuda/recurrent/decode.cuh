@@ -35,7 +35,7 @@ constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
 // Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2).
 template <class StateT, int K>
 constexpr int kDecodeTileBytes =
-    RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS * K * static_cast<int>(sizeof(StateT));
+    RowLayout<StateT, K>::RG* RowLayout<StateT, K>::ROWS* K* static_cast<int>(sizeof(StateT));
 
 template <class StateT, int K, class In, int TPW>
 __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   const int n = c.n, hv = c.hv, h = c.h;
   const int kofs = (lane % G) * EPL;
   const int row0 = c.block * TPW * RPW + lane / G;  // this lane's first row of tile 0
-  const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
+  const int idx = reduced_index<G, 2 * R>(lane);    // the value this lane holds after the reduction
 
   // The token's inputs and v (lanes holding sk_r compute u_r: they need v_r, of every tile) do
   // not depend on the slot: issued first, kept in their own type, converted after the state loads
@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     const float fill = bad ? bad_row_output() : 0.0f;
     if (lane % G == 0)
 #pragma unroll
-      for (int t = 0; t < TPW; ++t) zero_output_rows<R>(p.out, p.V, o_off, row0 + t * RPW, RG, fill);
+      for (int t = 0; t < TPW; ++t)
+        zero_output_rows<R>(p.out, p.V, o_off, row0 + t * RPW, RG, fill);
     return;
   }
   StateT* st = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
@@ -116,7 +117,9 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   if (gp.kda) {
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, static_cast<int64_t>(hv) * K + kofs + i) : 0.0f;
+      const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
+                                                       static_cast<int64_t>(hv) * K + kofs + i)
+                                  : 0.0f;
       alpha[i] = expf(detail::gate_value(gp.mode, x.g[i], dt, A_log, gp.lower_bound));
     }
   } else {
@@ -139,9 +142,10 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     StateT* stt = st + t * RPW * K;
     float u_here;  // meaningful on the sk lanes
     const bool v_here = idx < R && rowt + idx * RG < p.V;
-    const float red = delta_step_rows<G, R>(S, alpha, x.k, x.q, v_here ? to_float(v_in[t]) : 0.0f, beta, lane, u_here, [&](int r) {
-      if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
-    });
+    const float red = delta_step_rows<G, R>(
+        S, alpha, x.k, x.q, v_here ? to_float(v_in[t]) : 0.0f, beta, lane, u_here, [&](int r) {
+          if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
+        });
     store_output_rows<G, R>(p.out, o_off, p.V, rowt, RG, lane, red, u_here, kq);
   }
 }

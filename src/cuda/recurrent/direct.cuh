@@ -64,8 +64,7 @@ __device__ __forceinline__ void store_final_state(const RecurrentProblem& p, con
 // (a bad index, bad_slot); its state is never touched.
 template <int EPL, int R, int RG, int G>
 __device__ void write_padded(const RecurrentProblem& p, const TileCoords& c, int64_t seq,
-                             int64_t tok0, int64_t len, int lane, int kofs, int valid,
-                             float fill) {
+                             int64_t tok0, int64_t len, int lane, int kofs, int valid, float fill) {
   if (lane % G == 0) {
     for (int64_t t = 0; t < len; ++t)
       zero_output_rows<R>(p.out, p.V, head_offset(p.out, seq, tok0 + t, c.hv), c.row0, RG, fill);
@@ -113,18 +112,20 @@ __device__ __forceinline__ void write_state(const RecurrentProblem& p, const Til
     for (int r = 0; r < R; ++r) {
       const int row = c.row0 + r * RG;
       if (row < p.V)
-        store_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid, S[r]);
+        store_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid,
+                                      S[r]);
     }
   }
   if (p.final_state)
     store_final_state<EPL, R, RG>(p, c, kofs, valid, [&S](int r, int i) { return S[r][i]; });
 }
 
-// ---- direct kernel: one tile per warp, state loaded straight into registers ----------------------
+// ---- direct kernel: one tile per warp, state loaded straight into registers
+// ----------------------
 
 template <class StateT, int KT, bool VEC, class In>
-__global__ void __launch_bounds__(128, kDirectCtasPerSm) recurrent_direct_kernel(
-    const RecurrentProblem p, int warps_per_head) {
+__global__ void __launch_bounds__(128, kDirectCtasPerSm)
+    recurrent_direct_kernel(const RecurrentProblem p, int warps_per_head) {
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
@@ -155,15 +156,16 @@ __global__ void __launch_bounds__(128, kDirectCtasPerSm) recurrent_direct_kernel
   }
 
   const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
-  StateT* state_head = p.state.ptr ? static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
-                                         c.hv * head_elems
+  StateT* state_head = p.state.ptr ? static_cast<StateT*>(p.state.ptr) +
+                                         slot * p.state.slot_stride + c.hv * head_elems
                                    : nullptr;
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int row = c.row0 + r * RG;
     if (state_head && row < p.V) {
-      load_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid, S[r]);
+      load_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid,
+                                   S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;

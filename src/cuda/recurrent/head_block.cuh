@@ -41,8 +41,8 @@ __device__ __forceinline__ bool bad_slot(const RecurrentProblem& p, int64_t slot
 }
 __device__ __forceinline__ void record_bad_slot(const RecurrentProblem& p, int64_t n, int64_t slot,
                                                 bool record) {
-  if (record) record_bad_row(p.errors, detail::kErrOpRecurrent, detail::kErrSlot, n, slot,
-                             p.state.num_slots);
+  if (record)
+    record_bad_row(p.errors, detail::kErrOpRecurrent, detail::kErrSlot, n, slot, p.state.num_slots);
 }
 
 }  // namespace

@@ -49,19 +49,19 @@ namespace {
 template <class StateT, int K>
 struct StreamLayout {
   static constexpr int kEsize = static_cast<int>(sizeof(StateT));
-  static constexpr int CE = 16 / kEsize;  // elements per 16-byte chunk
-  static constexpr int EPL = 16;          // elements per lane
-  static constexpr int CH = EPL / CE;     // chunks per lane
-  static constexpr int G = K / EPL;       // lanes per row
-  static constexpr int RPP = 32 / G;      // rows per warp per pass
+  static constexpr int CE = 16 / kEsize;                    // elements per 16-byte chunk
+  static constexpr int EPL = 16;                            // elements per lane
+  static constexpr int CH = EPL / CE;                       // chunks per lane
+  static constexpr int G = K / EPL;                         // lanes per row
+  static constexpr int RPP = 32 / G;                        // rows per warp per pass
   static constexpr int R = (kEsize == 4 || G < 8) ? 2 : 4;  // passes (rows per thread)
   static constexpr int NW = kStreamConsumerWarps;
   static constexpr int THREADS = (NW + 1) * 32;
   static constexpr int TILE_ROWS = NW * RPP * R;
   static constexpr int TILE_BYTES = TILE_ROWS * K * kEsize;  // 16 KB (8 KB for bf16, K = 64)
   static constexpr int STAGES = kStreamStageBytes / TILE_BYTES;
-  static constexpr int KPL = K / 32;                  // producer lanes: K elements per lane
-  static constexpr int VPL = TILE_ROWS / 32;          // producer lanes: v rows per lane
+  static constexpr int KPL = K / 32;          // producer lanes: K elements per lane
+  static constexpr int VPL = TILE_ROWS / 32;  // producer lanes: v rows per lane
   // The prep record of a stage: q[K], k[K], alpha[K] (KDA), v[TILE_ROWS] floats, then scalars.
   static constexpr int PREP_FLOATS = 3 * K + TILE_ROWS;
   static constexpr int PREP_BYTES = PREP_FLOATS * 4 + 32;
@@ -79,7 +79,7 @@ struct StagePrep {
   int64_t slot;     // the pool slot, kStagePadded or kStageBad
   int64_t out_off;  // element offset of the token's output row of this head
   float kq, beta, alpha0;
-  int vb;           // the tile's row block
+  int vb;  // the tile's row block
 };
 constexpr int64_t kStagePadded = -1;
 constexpr int64_t kStageBad = -2;  // a bad index (bad_slot): handled as padding, NaN out
@@ -125,7 +125,8 @@ __device__ __forceinline__ void stream_load(const RecurrentProblem& p, int t, in
   load_gate_consts(p.gate, x.c.hv, p.K, kofs, KPL, x.gc);
 }
 template <class InT, int KPL, int VPL>
-__device__ __forceinline__ int64_t stream_slot(const RecurrentProblem& p, const StreamInputs<InT, KPL, VPL>& x) {
+__device__ __forceinline__ int64_t stream_slot(const RecurrentProblem& p,
+                                               const StreamInputs<InT, KPL, VPL>& x) {
   return p.indices ? index_of_bits(x.slot_bits, p.index_dtype) : x.c.n;
 }
 
@@ -149,10 +150,12 @@ __device__ __forceinline__ void stream_prepare(const RecurrentProblem& p,
   using VecK = std::conditional_t<KPL == 4, float4, float2>;
   *reinterpret_cast<VecK*>(rec + lane * KPL) = *reinterpret_cast<const VecK*>(qn);
   *reinterpret_cast<VecK*>(rec + K + lane * KPL) = *reinterpret_cast<const VecK*>(kn);
-  if (p.gate.kda) *reinterpret_cast<VecK*>(rec + 2 * K + lane * KPL) = *reinterpret_cast<const VecK*>(al);
+  if (p.gate.kda)
+    *reinterpret_cast<VecK*>(rec + 2 * K + lane * KPL) = *reinterpret_cast<const VecK*>(al);
 #pragma unroll
   for (int r = 0; r < VPL; ++r)
-    rec[3 * K + lane * VPL + r] = x.c.block * TILE_ROWS + lane * VPL + r < p.V ? to_float(x.v[r]) : 0.0f;
+    rec[3 * K + lane * VPL + r] =
+        x.c.block * TILE_ROWS + lane * VPL + r < p.V ? to_float(x.v[r]) : 0.0f;
   if (lane == 0) {
     sc->slot = slot;  // the pool slot, kStagePadded or kStageBad (load_tile)
     sc->out_off = head_offset(p.out, x.c.n, 0, x.c.hv);
@@ -169,7 +172,10 @@ __device__ __forceinline__ void load_prep(const float* a, int kidx, float (&x)[C
 #pragma unroll
   for (int j = 0; j < CE; j += 4) {
     const float4 v = *reinterpret_cast<const float4*>(a + kidx + j);
-    x[j] = v.x; x[j + 1] = v.y; x[j + 2] = v.z; x[j + 3] = v.w;
+    x[j] = v.x;
+    x[j + 1] = v.y;
+    x[j + 2] = v.z;
+    x[j + 3] = v.w;
   }
 }
 
@@ -180,9 +186,9 @@ static_assert(StreamLayout<__nv_bfloat16, 128>::STAGES == kStreamTraceStages,
 // SM clock at each point of the pipeline (StreamTracePoint) for the first tiles of the first
 // CTAs of the last streaming launch. Lane 0 of the producer and of consumer warp 0 write it.
 __device__ long long g_stream_trace[kStreamTraceCtas][kStreamTraceTiles][kStreamTracePoints];
-#define DS_STREAM_STAMP(tile, point)                                                  \
-  do {                                                                                \
-    if ((tile) < kStreamTraceTiles && static_cast<int>(blockIdx.x) < kStreamTraceCtas) \
+#define DS_STREAM_STAMP(tile, point)                                                           \
+  do {                                                                                         \
+    if ((tile) < kStreamTraceTiles && static_cast<int>(blockIdx.x) < kStreamTraceCtas)         \
       g_stream_trace[blockIdx.x][tile][static_cast<int>(StreamTracePoint::point)] = clock64(); \
   } while (0)
 #else
@@ -192,8 +198,8 @@ __device__ long long g_stream_trace[kStreamTraceCtas][kStreamTraceTiles][kStream
 #endif
 
 template <class StateT, int K, class In>
-__global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasPerSm) recurrent_stream_kernel(
-    const RecurrentProblem p, int vblocks, int ntiles) {
+__global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasPerSm)
+    recurrent_stream_kernel(const RecurrentProblem p, int vblocks, int ntiles) {
   using Lay = StreamLayout<StateT, K>;
   constexpr int NW = Lay::NW, STAGES = Lay::STAGES, G = Lay::G, RPP = Lay::RPP, R = Lay::R;
   constexpr int CE = Lay::CE, CH = Lay::CH, KPL = Lay::KPL, VPL = Lay::VPL;
@@ -203,14 +209,20 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
   uint64_t* done = full + STAGES;
   StateT** stage_ptr = reinterpret_cast<StateT**>(done + STAGES);
   auto tile_smem = [&](int s) { return smem + s * Lay::TILE_BYTES; };
-  auto prep_rec = [&](int s) { return reinterpret_cast<float*>(smem + Lay::PREP_OFS + s * Lay::PREP_BYTES); };
-  auto prep_sc = [&](int s) { return reinterpret_cast<StagePrep*>(prep_rec(s) + Lay::PREP_FLOATS); };
+  auto prep_rec = [&](int s) {
+    return reinterpret_cast<float*>(smem + Lay::PREP_OFS + s * Lay::PREP_BYTES);
+  };
+  auto prep_sc = [&](int s) {
+    return reinterpret_cast<StagePrep*>(prep_rec(s) + Lay::PREP_FLOATS);
+  };
 
   enter_grid(p.pdl_trigger_early);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n_local = (ntiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
                       static_cast<int>(gridDim.x);
-  auto tile_id = [&](int i) { return static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x); };
+  auto tile_id = [&](int i) {
+    return static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
+  };
   // Bytes of row block vb (the last one of a head may be partial).
   auto tile_bytes = [&](int vb) {
     return static_cast<uint32_t>(min(TILE_ROWS, p.V - vb * TILE_ROWS)) * K * Lay::kEsize;
@@ -218,7 +230,8 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 32);  // the producer warp's lanes (prep record written) + the tile's bytes
+      mbar_init(&full[s],
+                32);  // the producer warp's lanes (prep record written) + the tile's bytes
       mbar_init(&done[s], NW * 32);
     }
     mbar_init_fence();
@@ -294,7 +307,8 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
       if (lane == 0) DS_STREAM_STAMP(ld, prepared);
       // Tile ld + 2's input loads go out after the arrive: an arrive is a release, which would
       // wait for loads still in flight before it.
-      if (ld + 2 < n_local) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(ld + 2), vblocks, lane, x);
+      if (ld + 2 < n_local)
+        stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(ld + 2), vblocks, lane, x);
     };
     StreamInputs<InT, KPL, VPL> a, b;
     if (n_local > 0) stream_load<In, KPL, VPL, TILE_ROWS>(p, tile_id(0), vblocks, lane, a);
@@ -331,7 +345,8 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
     for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int ch = 0; ch < CH; ++ch) {
-        const uint4 u = *reinterpret_cast<const uint4*>(tile + (lrow0 + r * RPP) * K + Lay::elem(lane, ch, 0));
+        const uint4 u =
+            *reinterpret_cast<const uint4*>(tile + (lrow0 + r * RPP) * K + Lay::elem(lane, ch, 0));
         const StateT* e = reinterpret_cast<const StateT*>(&u);
 #pragma unroll
         for (int j = 0; j < CE; ++j) S[r][ch * CE + j] = to_float(e[j]);
@@ -361,7 +376,8 @@ __global__ void __launch_bounds__(StreamLayout<StateT, K>::THREADS, kStreamCtasP
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float sk, sq;
-        detail::decay_and_dots(S[r] + ch * CE, alpha, k, q, std::integral_constant<int, CE>{}, sk, sq);
+        detail::decay_and_dots(S[r] + ch * CE, alpha, k, q, std::integral_constant<int, CE>{}, sk,
+                               sq);
         dots[r] += sk;
         dots[R + r] += sq;
       }

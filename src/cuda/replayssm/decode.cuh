@@ -102,7 +102,8 @@ template <class StateT, int KT, bool VEC, class In>
 __host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_blk, int blocks) {
   using S = Staged<StateT, VEC, In>;
   return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, sizeof(typename S::K), sizeof(typename S::D),
-                    blocks * rows_blk, (blocks - 1) * rows_blk * KT * static_cast<int>(sizeof(StateT)));
+                    blocks * rows_blk,
+                    (blocks - 1) * rows_blk * KT * static_cast<int>(sizeof(StateT)));
 }
 
 // The generic path's staging: `rows` rows of `cols` elements (source pitch src_pitch elements),
@@ -127,7 +128,8 @@ __device__ __forceinline__ float element_of(const uint4 (&u)[N], int e) {
     return __uint_as_float(word);
   } else {
     const auto half = static_cast<unsigned short>(e % 2 ? word >> 16 : word & 0xffffu);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(__ushort_as_bfloat16(half));
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      return __bfloat162float(__ushort_as_bfloat16(half));
     else return __half2float(__ushort_as_half(half));
   }
 }
@@ -137,8 +139,8 @@ __device__ __forceinline__ float element_of(const uint4 (&u)[N], int e) {
 // warp computes the gate (log decay g, alpha = exp(g)) and beta. (One warp, one after the other,
 // makes every other warp wait at the first barrier.)
 template <int G, int EPL>
-__device__ __forceinline__ void publish_qk(const ReplayProblem& p, TokenHeadInputs<EPL>& x, int kofs,
-                                           int valid, int lane, unsigned char* smem,
+__device__ __forceinline__ void publish_qk(const ReplayProblem& p, TokenHeadInputs<EPL>& x,
+                                           int kofs, int valid, int lane, unsigned char* smem,
                                            const SmemLayout& sm) {
   const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
   if (lane < G) {
@@ -226,7 +228,8 @@ struct ReplayCta {
 #pragma unroll
     for (int b = 0; b < BPC; ++b) {
       const int vrow = row0 + b * rows_blk + (idx < R ? idx : 0) * RG;
-      v_in[b] = load_input<In, InT>(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + min(vrow, V - 1));
+      v_in[b] =
+          load_input<In, InT>(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + min(vrow, V - 1));
     }
   }
   // v of block b where it is used: the lanes holding sk of a row below V.
@@ -252,17 +255,20 @@ struct ReplayCta {
     if (m > 0) {
       if (threadIdx.x == 0) {
         constexpr uint32_t kb = sizeof(KS), db = sizeof(DS);
-        const uint32_t k_bytes = m * K * kb, d_bytes = rows_here * db, g_bytes = kda ? m * K * 4 : 0;
+        const uint32_t k_bytes = m * K * kb, d_bytes = rows_here * db,
+                       g_bytes = kda ? m * K * 4 : 0;
         mbar_init(bar, 1);
         mbar_init_fence();
         fence_proxy_async();  // the initialized barrier, before this thread's bulk copies use it
         mbar_expect_tx(bar, k_bytes + m * d_bytes + g_bytes);
-        bulk_load(smem + sm.k, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, k_bytes, bar);
+        bulk_load(smem + sm.k, static_cast<const unsigned char*>(p.k_cache) + k_ring * kb, k_bytes,
+                  bar);
         if (kda) bulk_load(smem + sm.g, g_ring, g_bytes, bar);
         const unsigned char* d_src =
             static_cast<const unsigned char*>(p.d_cache) + (d_ring + row_base) * db;
         for (int j = 0; j < m; ++j)
-          bulk_load(smem + sm.d + j * sm.d_pitch, d_src + static_cast<int64_t>(j) * V * db, d_bytes, bar);
+          bulk_load(smem + sm.d + j * sm.d_pitch, d_src + static_cast<int64_t>(j) * V * db, d_bytes,
+                    bar);
         mbar_arrive(bar);
       }
       if (!kda && warp == 0) {
@@ -298,11 +304,12 @@ struct ReplayCta {
   __device__ __forceinline__ void stage_ring(const ReplayProblem& p, int m, const float* g_ring,
                                              int64_t k_ring, int64_t d_ring) const {
     if (m > 0) {
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1, m * gw);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.g), 0, g_ring, DType::f32, 0, 0, 1,
+                       m * gw);
       stage_rows_float(reinterpret_cast<float*>(smem + sm.k), KT, p.k_cache, p.k_dtype, k_ring, K,
                        m, K);
-      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache,
-                       p.d_dtype, d_ring + row_base, V, m, rows_here);
+      stage_rows_float(reinterpret_cast<float*>(smem + sm.d), sm.d_pitch / 4, p.d_cache, p.d_dtype,
+                       d_ring + row_base, V, m, rows_here);
     }
   }
 
@@ -384,11 +391,12 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
-  constexpr int RPW = RG * R;    // rows per warp
-  constexpr int CPL = KT / 32;   // columns per lane in the per-record pass
+  constexpr int RPW = RG * R;   // rows per warp
+  constexpr int CPL = KT / 32;  // columns per lane in the per-record pass
   using KS = typename Staged<StateT, VEC, In>::K;
   using DS = typename Staged<StateT, VEC, In>::D;
-  static_assert((RPW * sizeof(DS)) % 16 == 0, "a warp's d values of one record: whole 16-byte words");
+  static_assert((RPW * sizeof(DS)) % 16 == 0,
+                "a warp's d values of one record: whole 16-byte words");
   static_assert(BPC == 1 || (BPC == 2 && VEC), "two row blocks per CTA: vector path only");
   constexpr bool kFull = BPC == 2;  // whole 8-warp blocks, every row below V
   extern __shared__ __align__(16) unsigned char smem[];
@@ -407,11 +415,12 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const int gw = kda ? K : 1;
   const int kofs = (lane % G) * EPL;
   const int valid = VEC ? EPL : max(0, min(EPL, K - kofs));
-  const int rows_blk = nwarps * RPW;    // rows of one row block
+  const int rows_blk = nwarps * RPW;  // rows of one row block
   const int row_base = blockIdx.z * BPC * rows_blk;
-  const int rows_here = kFull ? BPC * rows_blk : min(BPC * rows_blk, V - row_base);  // the CTA's rows
-  const int wrow = warp * RPW;                 // the warp's first local row
-  const int local0 = wrow + lane / G;          // this lane's local row 0 (rows local0 + r*RG)
+  const int rows_here =
+      kFull ? BPC * rows_blk : min(BPC * rows_blk, V - row_base);  // the CTA's rows
+  const int wrow = warp * RPW;                                     // the warp's first local row
+  const int local0 = wrow + lane / G;  // this lane's local row 0 (rows local0 + r*RG)
   const int row0 = row_base + local0;
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
@@ -428,12 +437,13 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const float* s_g = reinterpret_cast<const float*>(smem + sm.g);
   float* s_kw = reinterpret_cast<float*>(smem + sm.kw);
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + sm.bar);  // thread 0's bulk copies
-  // The same values for the phase functions (ReplayCta says why they are copied, not computed there).
-  const ReplayCta<StateT, KT, VEC, In, BPC> cta{smem, n, hv, h, lane, warp, nwarps, nthreads, L, V, K,
-                                                kda, gw, kofs, valid, rows_blk, row_base, rows_here,
-                                                wrow, local0, row0, idx, first_copy, sm, s_kn, s_qn,
-                                                s_alpha, s_gcur, s_scalars, s_e, s_ck, s_cq, s_w, s_g,
-                                                s_kw, bar};
+  // The same values for the phase functions (ReplayCta says why they are copied, not computed
+  // there).
+  const ReplayCta<StateT, KT, VEC, In, BPC> cta{
+      smem,   n,         hv,   h,    lane,       warp,  nwarps,   nthreads, L,
+      V,      K,         kda,  gw,   kofs,       valid, rows_blk, row_base, rows_here,
+      wrow,   local0,    row0, idx,  first_copy, sm,    s_kn,     s_qn,     s_alpha,
+      s_gcur, s_scalars, s_e,  s_ck, s_cq,       s_w,   s_g,      s_kw,     bar};
 
   // Every load that does not depend on the slot leaves first, and none is waited for before the
   // checkpoint loads are issued: the slot, the cursor and the forced flush (issued in place,
@@ -471,8 +481,9 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const bool bad_index = slot >= p.state.num_slots;
   if (bad_index || cursor < 0 || m >= L) {
     if (threadIdx.x == 0 && hv == 0 && blockIdx.z == 0)
-      record_bad_row(p.errors, detail::kErrOpReplay, bad_index ? detail::kErrSlot : detail::kErrCursor,
-                     n, bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
+      record_bad_row(p.errors, detail::kErrOpReplay,
+                     bad_index ? detail::kErrSlot : detail::kErrCursor, n,
+                     bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
                      bad_index ? p.state.num_slots : static_cast<int64_t>(L));
     cta.zero_output(p, bad_row_output());
     return;
@@ -502,9 +513,9 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   // The second block's rows: each thread copies its own words into shared memory (no barrier).
   uint4* ckpt_mine = reinterpret_cast<uint4*>(smem + sm.ckpt) + threadIdx.x;
   if constexpr (BPC == 2)
-    stage_rows_async<StateT, EPL, R, !kFull>(ckpt_mine, nthreads, row0 + rows_blk, RG, V, [&](int r, int) {
-      return my_rows + (rows_blk + r * RG) * K;
-    });
+    stage_rows_async<StateT, EPL, R, !kFull>(
+        ckpt_mine, nthreads, row0 + rows_blk, RG, V,
+        [&](int r, int) { return my_rows + (rows_blk + r * RG) * K; });
   if constexpr (!VEC) cta.stage_ring(p, m, g_ring, k_ring, d_ring);
   if (!kPrepFirst) cta.prepare(p, x_in, gc, gate_warp);
   if constexpr (VEC) cp_async_wait<BPC - 1>();  // warp 0's cp.async of GDN's g records
@@ -567,7 +578,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const int64_t o_off = head_offset(p.out, n, 0, hv);
   // A record's d values of the warp's rows (RPW consecutive values, whole 16-byte words):
   // this lane's R rows, zero past the block's last row.
-  auto record_d = [&](int j, int b, float (&dj)[R]) {
+  auto record_d = [&](int j, int b, float(&dj)[R]) {
     constexpr int kDWords = static_cast<int>(RPW * sizeof(DS) / 16);
     uint4 raw[kDWords];
     const uint4* src = reinterpret_cast<const uint4*>(smem + sm.d + j * sm.d_pitch +
@@ -614,9 +625,11 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       float alpha[EPL], kn[EPL], qn[EPL];
       cta.token_slice(alpha, kn, qn);
       float u_here;  // meaningful on the lanes holding sk
-      const float red = delta_step_rows<G, R>(S, alpha, kn, qn, cta.v_of(v_in, b), beta, lane, u_here, [&](int r) {
-        if (cta.row_ok(rowb + r * RG)) store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
-      });
+      const float red = delta_step_rows<G, R>(
+          S, alpha, kn, qn, cta.v_of(v_in, b), beta, lane, u_here, [&](int r) {
+            if (cta.row_ok(rowb + r * RG))
+              store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
+          });
       store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
       continue;
     }
@@ -638,11 +651,13 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       }
     }
     const float red = transpose_reduce<G, 2 * R>(dots, lane);
-    const float u_here = detail::delta_u(cta.v_of(v_in, b), red, beta);  // meaningful on the lanes holding sk
+    const float u_here =
+        detail::delta_u(cta.v_of(v_in, b), red, beta);  // meaningful on the lanes holding sk
     store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
     const int vrow = rowb + idx * RG;
     if (idx < R && first_copy && cta.row_ok(vrow))
-      detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow, u_here);
+      detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + vrow,
+                          u_here);
   }
   // The appended record's k and g: one writer per head.
   if (!flush && blockIdx.z == 0 && warp == 0 && lane < G) {
