@@ -171,8 +171,9 @@ def fla_fn(op: str):
 
 
 def call_ours(fn, x: Inputs, gate_in_kernel: bool, A_log, dt_bias):
+    # Our states are V-first ([N, HV, V, K], the pool's layout): say so (FLA's default is K-first).
     kw = dict(scale=D ** -0.5, initial_state=x.h0, output_final_state=True,
-              use_qk_l2norm_in_kernel=True)
+              use_qk_l2norm_in_kernel=True, state_v_first=True)
     if gate_in_kernel:
         kw.update(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, lower_bound=LOWER_BOUND)
         return fn(x.q, x.k, x.v, x.a, x.beta, **kw)
