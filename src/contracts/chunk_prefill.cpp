@@ -30,21 +30,6 @@ void index_vector(Contract& c, const char* name, const TensorView& t, const char
   c.device(name, t);
 }
 
-// The recurrent op's cu_seqlens rule (recurrent.cpp), same text.
-void check_cu_seqlens_host(const TensorView& cu, int64_t total_tokens) {
-  int64_t prev = 0;
-  for (int64_t i = 0; i < cu.shape[0]; ++i) {
-    const int64_t v = load_index(cu.data, cu.dtype, i);
-    if (v < prev || v > total_tokens || (i == 0 && v != 0)) {
-      fail(
-          format("`cu_seqlens` must start at 0 and be non-decreasing within [0, T=%lld]; got "
-                 "cu_seqlens[%lld]=%lld%s",
-                 ll(total_tokens), ll(i), ll(v), i ? format(" after %lld", ll(prev)).c_str() : ""));
-    }
-    prev = v;
-  }
-}
-
 int64_t seq_len(const ChunkPrefillArgs& args, int64_t T, int64_t n) {
   if (!args.cu_seqlens) return T;
   const TensorView& cu = *args.cu_seqlens;

@@ -207,4 +207,21 @@ void check_slot_indices_host(std::string_view name, const void* indices, DType d
   }
 }
 
+void check_cu_seqlens_host(const TensorView& cu, int64_t total_tokens) {
+  const int64_t n = cu.shape[0];
+  int64_t prev = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = load_index(cu.data, cu.dtype, i);
+    if (v < prev || v > total_tokens || (i == 0 && v != 0)) {
+      fail(
+          format("`cu_seqlens` must start at 0 and be non-decreasing within [0, T=%lld]; got "
+                 "cu_seqlens[%lld]=%lld%s",
+                 static_cast<long long>(total_tokens), static_cast<long long>(i),
+                 static_cast<long long>(v),
+                 i ? format(" after %lld", static_cast<long long>(prev)).c_str() : ""));
+    }
+    prev = v;
+  }
+}
+
 }  // namespace deltastate::detail

@@ -72,4 +72,8 @@ void require_cuda_k(int64_t K);
 void check_slot_indices_host(std::string_view name, const void* indices, DType dtype, int64_t n,
                              int64_t stride, int64_t num_slots);
 
+// Host check of cu_seqlens (CPU tensors only): starts at 0, non-decreasing, at most
+// `total_tokens`. The recurrent op's and the chunked prefill's rule, one text.
+void check_cu_seqlens_host(const TensorView& cu, int64_t total_tokens);
+
 }  // namespace deltastate::detail
