@@ -9,16 +9,13 @@
 #include <unordered_map>
 
 #include "contracts/contract.h"
+#include "contracts/problem_parts.h"
 #include "contracts/validate.h"
 #include "core/numeric.h"
 
 namespace deltastate::detail {
 
 namespace {
-
-HeadInput head_input(const TensorView& t) {
-  return {t.data, t.dtype, t.stride[0], t.stride[1], t.stride[2]};
-}
 
 long long ll(int64_t v) { return static_cast<long long>(v); }
 
@@ -366,19 +363,12 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
   p.beta = head_input(args.beta);
   p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1],
            args.out.stride[2]};
-  p.gate.kda = kda;
-  p.gate.mode = !args.gate_in_kernel ? GateMode::log_decay
-                : args.lower_bound   ? GateMode::safe
-                                     : GateMode::softplus;
-  if (args.A_log) {
-    p.gate.A_log = args.A_log->data;
-    p.gate.A_log_dtype = args.A_log->dtype;
-  }
-  if (args.dt_bias) {
-    p.gate.dt_bias = args.dt_bias->data;
-    p.gate.dt_bias_dtype = args.dt_bias->dtype;
-  }
-  p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
+  p.gate = gate_params(kda,
+                       !args.gate_in_kernel ? GateMode::log_decay
+                       : args.lower_bound   ? GateMode::safe
+                                            : GateMode::softplus,
+                       args.A_log ? &*args.A_log : nullptr, args.dt_bias ? &*args.dt_bias : nullptr,
+                       args.lower_bound);
   p.beta_is_logit = args.beta_is_logit;
   p.l2norm = args.use_qk_l2norm;
   p.scale = static_cast<float>(scale);

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "contracts/contract.h"
+#include "contracts/problem_parts.h"
 #include "contracts/validate.h"
 #include "core/numeric.h"
 
@@ -50,10 +51,6 @@ void check_state_pool(Contract& c, const TensorView& state, bool flashinfer, boo
                  static_cast<long long>(slot_stride), base));
     }
   }
-}
-
-HeadInput head_input(const TensorView& t) {
-  return {t.data, t.dtype, t.stride[0], t.stride[1], t.stride[2]};
 }
 
 }  // namespace
@@ -219,19 +216,12 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   p.beta = head_input(args.beta);
   p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1],
            args.out.stride[2]};
-  p.gate.kda = per_k_gate;
-  p.gate.mode = !args.gate_in_kernel ? GateMode::log_decay
-                : args.lower_bound   ? GateMode::safe
-                                     : GateMode::softplus;
-  if (args.A_log) {
-    p.gate.A_log = args.A_log->data;
-    p.gate.A_log_dtype = args.A_log->dtype;
-  }
-  if (args.dt_bias) {
-    p.gate.dt_bias = args.dt_bias->data;
-    p.gate.dt_bias_dtype = args.dt_bias->dtype;
-  }
-  p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
+  p.gate = gate_params(per_k_gate,
+                       !args.gate_in_kernel ? GateMode::log_decay
+                       : args.lower_bound   ? GateMode::safe
+                                            : GateMode::softplus,
+                       args.A_log ? &*args.A_log : nullptr, args.dt_bias ? &*args.dt_bias : nullptr,
+                       args.lower_bound);
   p.beta_is_logit = args.beta_is_logit;
   p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;

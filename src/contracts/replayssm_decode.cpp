@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "contracts/contract.h"
+#include "contracts/problem_parts.h"
 #include "contracts/validate.h"
 
 namespace deltastate::detail {
@@ -258,13 +259,8 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.a = {a.data, a.dtype, kda ? HV * K : HV, 0, kda ? K : 1};
   p.b = {b.data, b.dtype, b.stride[0], 0, 1};
   p.out = {out.data, out.dtype, HV * V, 0, V};
-  p.gate.kda = kda;
-  p.gate.mode = args.lower_bound ? GateMode::safe : GateMode::softplus;
-  p.gate.A_log = A_log.data;
-  p.gate.A_log_dtype = A_log.dtype;
-  p.gate.dt_bias = dt_bias.data;
-  p.gate.dt_bias_dtype = dt_bias.dtype;
-  p.gate.lower_bound = args.lower_bound ? static_cast<float>(*args.lower_bound) : 0.0f;
+  p.gate = gate_params(kda, args.lower_bound ? GateMode::safe : GateMode::softplus, &A_log,
+                       &dt_bias, args.lower_bound);
   p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;
   p.scale = static_cast<float>(scale);
