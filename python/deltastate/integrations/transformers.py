@@ -54,53 +54,44 @@ def _rows(*xs):
     return [x if x is None or x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
+def _run(op, query, key, value, g, beta, initial_state, output_final_state,
+         use_qk_l2norm_in_kernel, cu_seqlens):
+    import deltastate as ds
+
+    query, key, value, g, beta = _rows(query, key, value, g, beta)
+    return getattr(ds, op)(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                           output_final_state=output_final_state,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=True,
+                           cu_seqlens=cu_seqlens)
+
+
 def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None,
               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
               **kwargs):
     """Qwen3-Next's ``torch_chunk_gated_delta_rule`` on deltastate (V-first states)."""
-    import deltastate as ds
-
-    query, key, value, g, beta = _rows(query, key, value, g, beta)
-    return ds.chunk_gated_delta_rule(
-        query, key, value, g, beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        state_v_first=True, cu_seqlens=cu_seqlens)
+    return _run("chunk_gated_delta_rule", query, key, value, g, beta, initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 def gdn_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """Qwen3-Next's ``torch_recurrent_gated_delta_rule`` on deltastate (V-first states)."""
-    import deltastate as ds
-
-    query, key, value, g, beta = _rows(query, key, value, g, beta)
-    return ds.fused_recurrent_gated_delta_rule(
-        query, key, value, g=g, beta=beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        state_v_first=True, cu_seqlens=cu_seqlens)
+    return _run("fused_recurrent_gated_delta_rule", query, key, value, g, beta, initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 def kda_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None,
               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """Kimi-Linear's ``chunk_kimi_delta_attention`` on deltastate (V-first states)."""
-    import deltastate as ds
-
-    query, key, value, g, beta = _rows(query, key, value, g, beta)
-    return ds.chunk_kda(
-        query, key, value, g, beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        state_v_first=True, cu_seqlens=cu_seqlens)
+    return _run("chunk_kda", query, key, value, g, beta, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 def kda_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """Kimi-Linear's ``recurrent_kimi_delta_attention`` on deltastate (V-first states)."""
-    import deltastate as ds
-
-    query, key, value, g, beta = _rows(query, key, value, g, beta)
-    return ds.fused_recurrent_kda(
-        query, key, value, g, beta, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        state_v_first=True, cu_seqlens=cu_seqlens)
+    return _run("fused_recurrent_kda", query, key, value, g, beta, initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 _TABLE = {

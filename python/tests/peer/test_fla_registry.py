@@ -34,10 +34,14 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("fla") is None or importlib.util.find_spec("einops") is None:
     pytest.skip("fla-core / einops not installed: FLA registry tests SKIPPED "
                 "(pip install fla-core==0.6.0 einops)", allow_module_level=True)
+try:
+    import fla.backends  # noqa: F401 - fla-core 0.6's registry (it needs triton importable)
+except ImportError as e:
+    pytest.skip(f"fla-core 0.6 not importable ({e}): FLA registry tests SKIPPED",
+                allow_module_level=True)
 
 import torch.nn.functional as F  # noqa: E402
 
-import deltastate  # noqa: E402
 import deltastate.integrations.fla as dsfla  # noqa: E402
 from _peer_common import DEVICES, cpu_len, fla_assert_close  # noqa: E402
 
@@ -53,19 +57,8 @@ device_param = pytest.mark.parametrize("device", DEVICES)
 
 
 @pytest.fixture
-def ran(monkeypatch):
-    """Counts the deltastate ops the adapters call (deltastate.<name> is looked up per call)."""
-    counts = {}
-    for name in ("chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_rule",
-                 "fused_recurrent_kda"):
-        original = getattr(deltastate, name)
-
-        def spy(*a, _original=original, _name=name, **kw):
-            counts[_name] = counts.get(_name, 0) + 1
-            return _original(*a, **kw)
-
-        monkeypatch.setattr(deltastate, name, spy)
-    return counts
+def ran(ds_op_calls):
+    return ds_op_calls
 
 
 def _repeat(x, g):
