@@ -436,10 +436,7 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g8 = lane >> 2, q4 = lane & 3;
   const Seq s = resolve_sequence(p, blockIdx.x);
-  if (s.padded) {
-    write_padded(p, s, tid, NT);
-    return;
-  }
+  if (skip_sequence(p, s, tid, NT)) return;
   const int V0 = 16 * warp;
   const int64_t E = static_cast<int64_t>(D) * D;
 
