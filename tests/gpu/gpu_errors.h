@@ -14,6 +14,15 @@
 
 namespace dstest {
 
+// A guard test's case: the shape, the gate, and the state, activation and index dtypes.
+struct GuardCase {
+  const char* name;
+  Shape shape;
+  bool kda;
+  DType state, act, index;
+};
+inline void PrintTo(const GuardCase& c, std::ostream* os) { *os << c.name; }
+
 // Clears what an earlier (failed) test may have left in the device's error record.
 inline void clear_device_errors() {
   try {

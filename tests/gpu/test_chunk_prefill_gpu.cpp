@@ -633,16 +633,7 @@ INSTANTIATE_TEST_SUITE_P(
 // outputs and final states and every byte of the pool must agree bit for bit. The pool view
 // covers all but the last two slots of its buffer, so the first bad index lands in real memory
 // past the view, which must stay untouched (the padded run never writes there).
-struct PrefillGuardCase {
-  const char* name;
-  Shape shape;
-  bool kda;
-  DType act, state, index;
-};
-void PrintTo(const PrefillGuardCase& c, std::ostream* os) { *os << c.name; }
-
-class GpuPrefillGuard : public PrefillGpuTest,
-                        public ::testing::WithParamInterface<PrefillGuardCase> {};
+class GpuPrefillGuard : public PrefillGpuTest, public ::testing::WithParamInterface<GuardCase> {};
 
 std::string prefill_range_text(bool kda, const char* name, int64_t row, int64_t index,
                                int64_t slots, const char* negative) {
@@ -654,7 +645,7 @@ std::string prefill_range_text(bool kda, const char* name, int64_t row, int64_t 
 }
 
 TEST_P(GpuPrefillGuard, BadSlotsSkipTheirSequenceAndAreReported) {
-  const PrefillGuardCase& gc = GetParam();
+  const GuardCase& gc = GetParam();
   clear_device_errors();
   GpuPrefillCase c;
   c.name = gc.name;
@@ -786,19 +777,16 @@ TEST_P(GpuPrefillGuard, BadSlotsSkipTheirSequenceAndAreReported) {
   EXPECT_NO_THROW(deltastate::chunk_prefill(a));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda, GpuPrefillGuard,
-                         ::testing::Values(
-                             // the tensor-core kernel
-                             PrefillGuardCase{"gdn_qwen_bf16_f32pool_i32", kQwen3Next, false,
-                                              DType::bf16, DType::f32, DType::i32},
-                             PrefillGuardCase{"kda_kimi_bf16_bf16pool_i64", kKimi, true,
-                                              DType::bf16, DType::bf16, DType::i64},
-                             // the fallback (K != V; fp32 inputs)
-                             PrefillGuardCase{"fallback_gdn_odd_bf16_i64", kOdd, false, DType::bf16,
-                                              DType::f32, DType::i64},
-                             PrefillGuardCase{"fallback_kda_qwen_f32_i32", kQwen3Next, true,
-                                              DType::f32, DType::f32, DType::i32}),
-                         case_name<PrefillGuardCase>);
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuPrefillGuard,
+    ::testing::Values(
+        // the tensor-core kernel
+        GuardCase{"gdn_qwen_bf16_f32pool_i32", kQwen3Next, false, f32, bf16, DType::i32},
+        GuardCase{"kda_kimi_bf16_bf16pool_i64", kKimi, true, bf16, bf16, DType::i64},
+        // the fallback (K != V; fp32 inputs)
+        GuardCase{"fallback_gdn_odd_bf16_i64", kOdd, false, f32, bf16, DType::i64},
+        GuardCase{"fallback_kda_qwen_f32_i32", kQwen3Next, true, f32, f32, DType::i32}),
+    case_name<GuardCase>);
 
 // ---- CUDA graphs ----------------------------------------------------------------------------
 struct ScopedStream {

@@ -1042,14 +1042,6 @@ void expect_rows_guarded(const Tensor& out, const Tensor& ref_out, int64_t B, in
   }
 }
 
-struct GuardCase {
-  const char* name;
-  Shape shape;
-  bool kda;
-  DType state, act, index;
-};
-void PrintTo(const GuardCase& c, std::ostream* os) { *os << c.name; }
-
 class GpuPackedGuard : public GpuParamTest<GuardCase> {};
 
 // Packed decode (the decode kernels: register, staged, streaming, as forced by
