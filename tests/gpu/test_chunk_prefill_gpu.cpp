@@ -668,6 +668,9 @@ TEST_P(GpuPrefillGuard, BadSlotsSkipTheirSequenceAndAreReported) {
   for (int64_t i = 0; i < total; ++i) ck[i] = i % 3 == 2 ? -1 : 2 * N + i;
   ASSERT_LT(2 * N + total, slots);
   fill_live_slots(run.pool.view(), in, rng);
+  // Finite before the call, so that the NaN of a skipped sequence is a store (a padded one's 0).
+  run.rb.out.fill_all(7.0);
+  run.final_state.fill_all(7.0);
   const int64_t far = far_index(gc.index);
   // The sequence of checkpoint row 1 (sequence 0 has one checkpoint: it is sequence 1's first).
   ASSERT_EQ(run.cu_starts[1], 1);
