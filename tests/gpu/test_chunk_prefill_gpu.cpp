@@ -633,7 +633,8 @@ INSTANTIATE_TEST_SUITE_P(
 // outputs and final states and every byte of the pool must agree bit for bit. The pool view
 // covers all but the last two slots of its buffer, so the first bad index lands in real memory
 // past the view, which must stay untouched (the padded run never writes there).
-class GpuPrefillGuard : public PrefillGpuTest, public ::testing::WithParamInterface<GuardCase> {};
+class GpuChunkPrefillGuard : public PrefillGpuTest,
+                             public ::testing::WithParamInterface<GuardCase> {};
 
 std::string prefill_range_text(bool kda, const char* name, int64_t row, int64_t index,
                                int64_t slots, const char* negative) {
@@ -644,7 +645,7 @@ std::string prefill_range_text(bool kda, const char* name, int64_t row, int64_t 
          "); its sequence was skipped (no pool slot written) and its outputs are NaN";
 }
 
-TEST_P(GpuPrefillGuard, BadSlotsSkipTheirSequenceAndAreReported) {
+TEST_P(GpuChunkPrefillGuard, BadSlotsSkipTheirSequenceAndAreReported) {
   const GuardCase& gc = GetParam();
   clear_device_errors();
   GpuPrefillCase c;
@@ -781,7 +782,7 @@ TEST_P(GpuPrefillGuard, BadSlotsSkipTheirSequenceAndAreReported) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Cuda, GpuPrefillGuard,
+    Cuda, GpuChunkPrefillGuard,
     ::testing::Values(
         // the tensor-core kernel
         GuardCase{"gdn_qwen_bf16_f32pool_i32", kQwen3Next, false, f32, bf16, DType::i32},
