@@ -1069,7 +1069,6 @@ def test_kda_chunk_return_intermediate_states(device, dtype):
     g = torch.randn(B, T, H, D, dtype=dtype, device=device)
     beta = torch.rand(B, T, H, dtype=dtype, device=device)
     with torch.inference_mode():
-        with pytest.raises((NotImplementedError, TypeError, ValueError),
-                           match="checkpoint_every_n_tokens"):
+        with pytest.raises(NotImplementedError, match="checkpoint_every_n_tokens"):
             fn(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, output_final_state=True,
                return_intermediate_states=True, disable_recompute=False, state_v_first=True)
