@@ -91,10 +91,11 @@ __device__ __forceinline__ int64_t output_slot(const ChunkPrefillProblem& p, con
 // The cold path of a bad sequence (one thread): records its first slot past the pool, in the
 // validator's order (initial, final, checkpoints). It takes scalars, not the problem: a
 // reference to the kernel parameter would give the parameter an address (a local copy of it).
-__device__ __noinline__ void record_bad_sequence(detail::DeviceErrorRecord* errors, int op,
-                                                 int64_t slots, int64_t n, int64_t slot,
-                                                 int64_t out, const void* ck_slots, DType ck_dtype,
-                                                 int64_t first, int64_t count) {
+__device__ inline __noinline__ void record_bad_sequence(detail::DeviceErrorRecord* errors, int op,
+                                                        int64_t slots, int64_t n, int64_t slot,
+                                                        int64_t out, const void* ck_slots,
+                                                        DType ck_dtype, int64_t first,
+                                                        int64_t count) {
   if (slot >= slots) {
     record_bad_row(errors, op, detail::kErrInitialSlot, n, slot, slots);
     return;
