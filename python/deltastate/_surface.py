@@ -47,7 +47,8 @@ FLOAT = Kind("float", "float", "a number", "float")
 OPT_FLOAT = Kind("float?", "float?", "a number or None", "Optional[float]")
 BOOL = Kind("bool", "bool", "a bool", "bool")
 # Bounds-check slot indices: None = the backend default (on for CPU tensors, checked before
-# anything is written; off for CUDA tensors, where it traps the kernel on an out-of-range index).
+# anything is written; off for CUDA tensors, whose kernels skip a row with an out-of-range index
+# and record it for check_errors; on there, the op synchronizes and raises after its launch).
 # The binding and the torch op take it as an int: -1 = the default, 0 = off, 1 = on.
 CHECK = Kind("check", "int", "an int", "Optional[bool]")
 INT64 = Kind("int64", "int", "an int", "int")  # an integer count (module.cpp's Kind<int64_t>)

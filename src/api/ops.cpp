@@ -74,7 +74,7 @@ void chunk_prefill(const ChunkPrefillArgs& args) {
       detail::validate_chunk_prefill(args, chunk_prefill_workspace_bytes(args));
   if (p.N == 0) return;
   if (p.device.type == DeviceType::cpu) cpu::run_chunk_prefill(p);
-  else cuda_backend::run_chunk_prefill(p, args.stream);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_chunk_prefill);
 }
 
 }  // namespace deltastate

@@ -82,8 +82,21 @@ struct DeviceErrorRecord {
   long long index;  // the bad value (slot index or cursor)
   long long limit;  // the pool's slots (or the ring length L)
 };
-enum DeviceErrorOp : int { kErrOpRecurrent = 1, kErrOpReplay = 2 };
-enum DeviceErrorKind : int { kErrSlot = 1, kErrCursor = 2 };
+enum DeviceErrorOp : int {
+  kErrOpRecurrent = 1,
+  kErrOpReplay = 2,
+  kErrOpChunkGdn = 3,  // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,  // chunk_prefill, KDA (chunk_kda)
+};
+// kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
+// then the entry's position in that array.
+enum DeviceErrorKind : int {
+  kErrSlot = 1,
+  kErrCursor = 2,
+  kErrInitialSlot = 3,     // initial_state_indices
+  kErrOutputSlot = 4,      // output_state_indices
+  kErrCheckpointSlot = 5,  // checkpoint_slot_indices
+};
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
 struct RecurrentProblem {
@@ -173,8 +186,9 @@ struct ChunkPrefillProblem {
   DType checkpoint_slot_dtype = DType::i32;
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
-  bool check_indices = false;  // CUDA: trap on an index >= num_slots
-  bool pdl = false;            // CUDA: programmatic dependent launch (ops.h)
+  bool check_indices = false;           // as RecurrentProblem
+  bool pdl = false;                     // CUDA: programmatic dependent launch (ops.h)
+  DeviceErrorRecord* errors = nullptr;  // as RecurrentProblem
   Device device{};
 
   DS_HD bool pooled() const { return initial_indices != nullptr; }

@@ -39,16 +39,34 @@ detail::DeviceErrorRecord* used_record(int device) {
   return g_records[device].load(std::memory_order_acquire);
 }
 
+// The validator's text of an out-of-range slot (contracts/chunk_prefill.cpp, contract.cpp).
+std::string out_of_range(const char* name, const detail::DeviceErrorRecord& r,
+                         const char* negative) {
+  return std::string("`") + name + "`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
+         " is out of range for a state pool of " + std::to_string(r.limit) + " slots (valid: 0.." +
+         std::to_string(r.limit - 1) + "; < 0 " + negative + ")";
+}
+
+// A chunked-prefill sequence that names a slot past the pool (any of its three slot arrays).
+std::string prefill_message(const detail::DeviceErrorRecord& r) {
+  std::string m = r.op == detail::kErrOpChunkKda ? "chunk_kda: " : "chunk_gated_delta_rule: ";
+  if (r.kind == detail::kErrOutputSlot)
+    m += out_of_range("output_state_indices", r, "stores no final state");
+  else if (r.kind == detail::kErrCheckpointSlot)
+    m += out_of_range("checkpoint_slot_indices", r, "skips the checkpoint");
+  else m += out_of_range("initial_state_indices", r, "marks a padded row");
+  return m + "; its sequence was skipped (no pool slot written) and its outputs are NaN";
+}
+
 std::string message(const detail::DeviceErrorRecord& r) {
+  if (r.op == detail::kErrOpChunkGdn || r.op == detail::kErrOpChunkKda) return prefill_message(r);
   const char* op = r.op == detail::kErrOpReplay ? "replayssm_decode" : "recurrent";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
   } else {
-    m += "`ssm_state_indices`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
-         " is out of range for a state pool of " + std::to_string(r.limit) + " slots (valid: 0.." +
-         std::to_string(r.limit - 1) + "; < 0 marks a padded row)";
+    m += out_of_range("ssm_state_indices", r, "marks a padded row");
   }
   return m + "; the row was skipped (state, rings and cursor untouched) and its output is NaN";
 }
