@@ -40,15 +40,20 @@ detail::DeviceErrorRecord* used_record(int device) {
 }
 
 std::string message(const detail::DeviceErrorRecord& r) {
-  const char* op = r.op == detail::kErrOpReplay ? "replayssm_decode" : "recurrent";
+  const char* op = r.op == detail::kErrOpReplay      ? "replayssm_decode"
+                   : r.op == detail::kErrOpConv      ? "causal_conv1d_update"
+                   : r.op == detail::kErrOpFusedStep ? "fused_decode_step"
+                                                     : "recurrent";
+  const char* index_name = r.op == detail::kErrOpConv ? "conv_state_indices" : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
   } else {
-    m += "`ssm_state_indices`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
-         " is out of range for a state pool of " + std::to_string(r.limit) + " slots (valid: 0.." +
-         std::to_string(r.limit - 1) + "; < 0 marks a padded row)";
+    m += "`" + std::string(index_name) + "`[" + std::to_string(r.row) +
+         "]=" + std::to_string(r.index) + " is out of range for a state pool of " +
+         std::to_string(r.limit) + " slots (valid: 0.." + std::to_string(r.limit - 1) +
+         "; < 0 marks a padded row)";
   }
   return m + "; the row was skipped (state, rings and cursor untouched) and its output is NaN";
 }
