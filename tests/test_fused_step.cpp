@@ -52,7 +52,8 @@ TEST_P(ConvUpdateVsReference, PaddedIndexedRows) {
   bias.fill_uniform(rng, -0.3, 0.3);
   Tensor cs = index_tensor({3, 0, 9, 1, 2});
   Tensor ind = index_tensor(idx);
-  Tensor out = c.T == 0 ? Tensor::contiguous(c.dtype, {B, dim}) : Tensor::contiguous(c.dtype, {B, dim, T});
+  Tensor out =
+      c.T == 0 ? Tensor::contiguous(c.dtype, {B, dim}) : Tensor::contiguous(c.dtype, {B, dim, T});
   out.fill_all(std::nan(""));
 
   // the reference on every live row
@@ -65,8 +66,8 @@ TEST_P(ConvUpdateVsReference, PaddedIndexedRows) {
     ws = w.values();
     if (c.bias) bs = bias.values();
     const int cache = c.circular ? static_cast<int>(index_values(cs)[r]) : -1;
-    want_out[r] = ref::conv_update(win, xs, ws, bs, static_cast<int>(dim), L, T, c.width, c.silu,
-                                   cache);
+    want_out[r] =
+        ref::conv_update(win, xs, ws, bs, static_cast<int>(dim), L, T, c.width, c.silu, cache);
     want_win[r] = win;
   }
 
@@ -101,17 +102,16 @@ TEST_P(ConvUpdateVsReference, PaddedIndexedRows) {
 
 INSTANTIATE_TEST_SUITE_P(
     Conv, ConvUpdateVsReference,
-    ::testing::Values(
-        ConvCase{"f32_w4", f32, 4, 0, 0, false, false, true, true},
-        ConvCase{"bf16_w4", bf16, 4, 0, 0, false, false, true, true},
-        ConvCase{"f16_w3_nobias", f16, 3, 0, 0, false, false, false, true},
-        ConvCase{"f32_w2_noact", f32, 2, 0, 0, false, false, true, false},
-        ConvCase{"bf16_w4_vllm", bf16, 4, 0, 0, false, true, true, true},
-        ConvCase{"f32_w4_longstate", f32, 4, 3, 0, false, false, true, true},
-        ConvCase{"f32_w4_T3", f32, 4, 0, 3, false, false, true, true},
-        ConvCase{"bf16_w4_T5_longstate_vllm", bf16, 4, 2, 5, false, true, true, true},
-        ConvCase{"f32_w4_circular", f32, 4, 2, 0, true, false, true, true},
-        ConvCase{"f32_w3_circular_T2", f32, 3, 3, 2, true, false, false, true}),
+    ::testing::Values(ConvCase{"f32_w4", f32, 4, 0, 0, false, false, true, true},
+                      ConvCase{"bf16_w4", bf16, 4, 0, 0, false, false, true, true},
+                      ConvCase{"f16_w3_nobias", f16, 3, 0, 0, false, false, false, true},
+                      ConvCase{"f32_w2_noact", f32, 2, 0, 0, false, false, true, false},
+                      ConvCase{"bf16_w4_vllm", bf16, 4, 0, 0, false, true, true, true},
+                      ConvCase{"f32_w4_longstate", f32, 4, 3, 0, false, false, true, true},
+                      ConvCase{"f32_w4_T3", f32, 4, 0, 3, false, false, true, true},
+                      ConvCase{"bf16_w4_T5_longstate_vllm", bf16, 4, 2, 5, false, true, true, true},
+                      ConvCase{"f32_w4_circular", f32, 4, 2, 0, true, false, true, true},
+                      ConvCase{"f32_w3_circular_T2", f32, 3, 3, 2, true, false, false, true}),
     case_name<ConvCase>);
 
 // T tokens in one call give the outputs and the window of T calls of one token, bit for bit.
@@ -255,16 +255,32 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{{"gdn_f32", kGdnSmall, false, kNoLb, f32, f32}, f32},
         LayerCase{{"gdn_bf16state_bf16", kGdnSmall, false, kNoLb, bf16, bf16}, bf16},
         LayerCase{{"gdn_f32state_bf16_vllm", kGdnSmall, false, kNoLb, f32, bf16}, bf16, 4, true},
-        LayerCase{{"gdn_f16_w3_nobias_nonorm", kGdnSmall, false, kNoLb, f16, f16}, f16, 3, false,
-                  false, false, false},
-        LayerCase{{"gdn_f32_nonorm_pad", kGdnSmall, false, kNoLb, f32, f32}, f32, 4, false, false,
-                  true, false, 40},
+        LayerCase{{"gdn_f16_w3_nobias_nonorm", kGdnSmall, false, kNoLb, f16, f16},
+                  f16,
+                  3,
+                  false,
+                  false,
+                  false,
+                  false},
+        LayerCase{{"gdn_f32_nonorm_pad", kGdnSmall, false, kNoLb, f32, f32},
+                  f32,
+                  4,
+                  false,
+                  false,
+                  true,
+                  false,
+                  40},
         LayerCase{{"qwen3next_bf16", kQwen3Next, false, kNoLb, bf16, bf16}, bf16},
         LayerCase{{"kda_f32_split", kKdaSmall, true, kNoLb, f32, f32}, f32, 4, false, true},
-        LayerCase{{"kda_bf16_lb_split_vllm", kKdaSmall, true, kLb, bf16, bf16}, bf16, 4, true,
-                  true},
-        LayerCase{{"kda_f32_packed_nonorm", kKdaSmall, true, kNoLb, f32, f32}, f32, 2, false,
-                  false, true, false}),
+        LayerCase{
+            {"kda_bf16_lb_split_vllm", kKdaSmall, true, kLb, bf16, bf16}, bf16, 4, true, true},
+        LayerCase{{"kda_f32_packed_nonorm", kKdaSmall, true, kNoLb, f32, f32},
+                  f32,
+                  2,
+                  false,
+                  false,
+                  true,
+                  false}),
     case_name<LayerCase>);
 
 // A StatePool's conv windows and envelope layer states as the fused step's views.
@@ -294,8 +310,9 @@ TEST(FusedStep, StatePoolEnvelopeViews) {
     set_slot_values(b.state.view(), sl, slot_values(st, sl));
     for (int64_t ch = 0; ch < win.shape[1]; ++ch)
       for (int64_t i = 0; i < win.shape[2]; ++i)
-        b.win[0].set({sl, ch, i}, load_value(win.data, f32,
-                                             sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2]));
+        b.win[0].set(
+            {sl, ch, i},
+            load_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2]));
   }
   Snapshot before;
   before.add(pool.data(), pool.total_bytes());
@@ -312,8 +329,9 @@ TEST(FusedStep, StatePoolEnvelopeViews) {
     EXPECT_EQ(slot_values(st, sl), slot_values(b.state.view(), sl)) << "slot " << sl;
     for (int64_t ch = 0; ch < win.shape[1]; ++ch)
       for (int64_t i = 0; i < win.shape[2]; ++i)
-        ASSERT_EQ(load_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2]),
-                  b.win[0].get({sl, ch, i}));
+        ASSERT_EQ(
+            load_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2]),
+            b.win[0].get({sl, ch, i}));
   }
   EXPECT_TRUE(before.unchanged_except(written)) << "pool memory outside the live slots' layer 1";
 }
@@ -351,7 +369,8 @@ TEST(ConvUpdateContract, EveryErrorText) {
   CausalConv1dUpdateArgs a = f.args();
   Tensor x4 = Tensor::contiguous(f32, {2, 8, 1, 1});
   a.x = x4.view();
-  expect_error(run(a), "`x` must have shape [batch, dim] or [batch, dim, seqlen] (got (2, 8, 1, 1)).");
+  expect_error(run(a),
+               "`x` must have shape [batch, dim] or [batch, dim, seqlen] (got (2, 8, 1, 1)).");
   a = f.args();
   Tensor xi = Tensor::contiguous(DType::i32, {2, 8});
   a.x = xi.view();
@@ -399,8 +418,8 @@ TEST(ConvUpdateContract, EveryErrorText) {
   a = f.args();
   Tensor st9 = Tensor::contiguous(f32, {4, 9, 3});
   a.conv_state = st9.view();
-  expect_error(run(a),
-               "`conv_state` must have shape [entries, dim, state_len] with dim=8 (got (4, 9, 3)).");
+  expect_error(
+      run(a), "`conv_state` must have shape [entries, dim, state_len] with dim=8 (got (4, 9, 3)).");
   a = f.args();
   a.conv_state_indices.reset();
   expect_error(run(a),
@@ -430,13 +449,15 @@ TEST(ConvUpdateContract, EveryErrorText) {
   a = f.args();
   Tensor bad = index_tensor({1, 4});
   a.conv_state_indices = bad.view();
-  expect_error(run(a),
-               "`conv_state_indices`[1]=4 is out of range for a state pool of 4 slots (valid: 0..3; "
-               "< 0 marks a padded row)");
+  expect_error(
+      run(a),
+      "`conv_state_indices`[1]=4 is out of range for a state pool of 4 slots (valid: 0..3; "
+      "< 0 marks a padded row)");
   Tensor dup = index_tensor({2, 2});
   a.conv_state_indices = dup.view();
-  expect_error(run(a),
-               "`conv_state_indices` uses slot 2 for rows 0 and 1; each live row needs its own slot");
+  expect_error(
+      run(a),
+      "`conv_state_indices` uses slot 2 for rows 0 and 1; each live row needs its own slot");
 }
 
 TEST(FusedStepContract, EveryErrorText) {
@@ -476,8 +497,7 @@ TEST(FusedStepContract, EveryErrorText) {
   a = base;
   Tensor wk = Tensor::contiguous(f32, {4, 64, 3});
   a.conv_state_k = wk.view();
-  expect_error(run(a),
-               "`conv_state_k` and `conv_state_v` go together (separate q, k, v windows).");
+  expect_error(run(a), "`conv_state_k` and `conv_state_v` go together (separate q, k, v windows).");
   Tensor wq = Tensor::contiguous(f32, {4, 64, 3}), wv = Tensor::contiguous(f32, {4, 63, 3});
   a.conv_state = wq.view();
   a.conv_state_v = wv.view();
@@ -489,7 +509,8 @@ TEST(FusedStepContract, EveryErrorText) {
   expect_error(run(a), "`conv_state`, `conv_state_k` and `conv_state_v` must have one state_len.");
   a = base;
   a.z.reset();
-  expect_error(run(a), "`norm_weight` and `z` go together: both for the gated RMSNorm, or neither.");
+  expect_error(run(a),
+               "`norm_weight` and `z` go together: both for the gated RMSNorm, or neither.");
   a = base;
   Tensor nw = Tensor::contiguous(f32, {15});
   a.norm_weight = nw.view();

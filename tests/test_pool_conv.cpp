@@ -93,8 +93,7 @@ TEST_P(PoolConv, ViewsDisjointClearedForked) {
       }
       if (pc.layout == PoolLayout::envelope)
         EXPECT_EQ(v.stride[0], pool.layer_state(0).stride[0] * 4 / 2) << "the entry's pitch";
-      else
-        EXPECT_EQ(v.stride[0], stored_dim * 3);
+      else EXPECT_EQ(v.stride[0], stored_dim * 3);
       add_disjoint(v, "conv part " + std::to_string(part) + " of layer " + std::to_string(l));
     }
     if (!pc.split) {
@@ -146,15 +145,18 @@ TEST_P(PoolConv, ViewsDisjointClearedForked) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, PoolConv,
-    ::testing::Values(
-        PoolConvCase{"per_layer_sglang", PoolLayout::per_layer, ConvLayout::window_contiguous, false},
-        PoolConvCase{"per_layer_vllm", PoolLayout::per_layer, ConvLayout::dim_contiguous, false},
-        PoolConvCase{"per_layer_split", PoolLayout::per_layer, ConvLayout::window_contiguous, true},
-        PoolConvCase{"envelope_sglang", PoolLayout::envelope, ConvLayout::window_contiguous, false},
-        PoolConvCase{"envelope_vllm_split", PoolLayout::envelope, ConvLayout::dim_contiguous, true}),
-    case_name<PoolConvCase>);
+INSTANTIATE_TEST_SUITE_P(Layouts, PoolConv,
+                         ::testing::Values(PoolConvCase{"per_layer_sglang", PoolLayout::per_layer,
+                                                        ConvLayout::window_contiguous, false},
+                                           PoolConvCase{"per_layer_vllm", PoolLayout::per_layer,
+                                                        ConvLayout::dim_contiguous, false},
+                                           PoolConvCase{"per_layer_split", PoolLayout::per_layer,
+                                                        ConvLayout::window_contiguous, true},
+                                           PoolConvCase{"envelope_sglang", PoolLayout::envelope,
+                                                        ConvLayout::window_contiguous, false},
+                                           PoolConvCase{"envelope_vllm_split", PoolLayout::envelope,
+                                                        ConvLayout::dim_contiguous, true}),
+                         case_name<PoolConvCase>);
 
 TEST(PoolConvAccounting, CountsTheWindows) {
   for (PoolLayout layout : {PoolLayout::per_layer, PoolLayout::envelope}) {

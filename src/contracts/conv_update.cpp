@@ -61,8 +61,8 @@ ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
   c.floating("x", x);
   c.device("x", x);
   if (st.ndim != 3)
-    fail(format("`conv_state` must be a 3D tensor [batch, dim, state_len] (got ndim=%d).",
-                st.ndim));
+    fail(
+        format("`conv_state` must be a 3D tensor [batch, dim, state_len] (got ndim=%d).", st.ndim));
   if (st.dtype != x.dtype)
     fail(format("`conv_state` must have the dtype of `x` (%s; got %s).", dtype_name(x.dtype),
                 dtype_name(st.dtype)));
@@ -72,8 +72,8 @@ ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
   p.conv = check_conv_params(c, args.weight, args.bias, dim, args.silu, "weight", "bias");
   const int64_t state_len = st.shape[2];
   if (state_len < p.conv.width - 1)
-    fail(format("`conv_state` must have state_len >= width - 1 = %d (got %lld).",
-                p.conv.width - 1, static_cast<long long>(state_len)));
+    fail(format("`conv_state` must have state_len >= width - 1 = %d (got %lld).", p.conv.width - 1,
+                static_cast<long long>(state_len)));
   if (args.conv_state_indices) {
     const TensorView& idx = *args.conv_state_indices;
     c.dtype("conv_state_indices", idx, {DType::i32});
@@ -111,6 +111,10 @@ ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
 
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
+  if (!on_cpu && dim >= (int64_t{1} << 23))  // the CUDA grid: 128-channel blocks on grid.y
+    throw Error(ErrorKind::not_implemented,
+                format("causal_conv1d_update on CUDA supports dim < 8388608 (got %lld)",
+                       static_cast<long long>(dim)));
   if (on_cpu && check && p.indices)
     check_slot_indices_host("conv_state_indices", p.indices, DType::i32, B, 1, st.shape[0]);
 

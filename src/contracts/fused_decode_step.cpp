@@ -36,14 +36,12 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
     fail(format("`out` must be a contiguous [B, HV, V] tensor (got shape %s).",
                 shape_str(out).c_str()));
   // packed decode's `out` [B, 1, HV, V] over the same memory
-  TensorView out4 = TensorView::strided(out.data, out.dtype,
-                                        {out.shape[0], 1, out.shape[1], out.shape[2]},
-                                        {out.stride[0], out.stride[0], out.stride[1], 1},
-                                        out.device);
+  TensorView out4 =
+      TensorView::strided(out.data, out.dtype, {out.shape[0], 1, out.shape[1], out.shape[2]},
+                          {out.stride[0], out.stride[0], out.stride[1], 1}, out.device);
   Contract c;
-  const auto [B, H, HV, K, V] = check_packed_inputs(c, x, args.a, args.b, args.A_log,
-                                                    args.dt_bias, args.state, out4,
-                                                    args.state_indices, kda);
+  const auto [B, H, HV, K, V] = check_packed_inputs(c, x, args.a, args.b, args.A_log, args.dt_bias,
+                                                    args.state, out4, args.state_indices, kda);
   c.floating("mixed_qkv", x);
   c.floating("a", args.a);
   c.floating("b", args.b);

@@ -27,7 +27,9 @@ void run_conv_update(const ConvUpdateProblem& p) {
           channel_window(p.state, entry, c), p.state.state_len, p.T, p.cache_seqlens != nullptr,
           start, conv_taps(p.conv, c), p.conv.width, p.conv.silu,
           [&](int t) { return load_float(p.x, p.x_dtype, x_off + t * p.x_tok_stride); },
-          [&](int t, float y) { store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, y); });
+          [&](int t, float y) {
+            store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, y);
+          });
     }
   });
 }

@@ -75,8 +75,8 @@ void run_fused_decode_step(const FusedStepProblem& p) {
 
     for (int j = 0; j < group; ++j) {
       const int hv = h * group + j;
-      conv_part(p, 2, slot, n, 2 * HK + static_cast<int64_t>(hv) * V,
-                static_cast<int64_t>(hv) * V, V, sc.v.data());
+      conv_part(p, 2, slot, n, 2 * HK + static_cast<int64_t>(hv) * V, static_cast<int64_t>(hv) * V,
+                V, sc.v.data());
       gate_row(p.gate, p.a.ptr, p.a.dtype, head_offset(p.a, n, 0, hv), hv, K, sc.alpha.data());
       for (float& x : sc.alpha) x = expf(x);
       const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
@@ -99,10 +99,8 @@ void run_fused_decode_step(const FusedStepProblem& p) {
         const int64_t z_off = n * p.z_row_stride + hv * p.z_head_stride;
         const bool round_product = p.norm_weight_dtype == p.out.dtype;
         for (int vi = 0; vi < V; ++vi)
-          sc.o[vi] = gated_norm(sc.o[vi], inv,
-                                load_float(p.norm_weight, p.norm_weight_dtype, vi),
-                                load_float(p.z, p.z_dtype, z_off + vi), p.out.dtype,
-                                round_product);
+          sc.o[vi] = gated_norm(sc.o[vi], inv, load_float(p.norm_weight, p.norm_weight_dtype, vi),
+                                load_float(p.z, p.z_dtype, z_off + vi), p.out.dtype, round_product);
       }
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv), V, sc.o.data());
     }

@@ -68,10 +68,10 @@ class FusedStepGpu : public ::testing::TestWithParam<LayerCase> {
 TEST_P(FusedStepGpu, MatchesCpu) {
   const LayerCase& c = GetParam();
   Rng rng = test_rng();
-  const Shape& s = c.shape;
   for (int64_t B : {1, 3, 17}) {
     std::vector<int64_t> padded{1};
-    const std::vector<int64_t> idx = pick_slots(rng, B, B + 4, B > 1 ? padded : std::vector<int64_t>{});
+    const std::vector<int64_t> idx =
+        pick_slots(rng, B, B + 4, B > 1 ? padded : std::vector<int64_t>{});
     LayerBatch b = make_layer_batch(rng, c, idx, B + 4);
     DeviceCopies dev;
     for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
@@ -90,11 +90,10 @@ TEST_P(FusedStepGpu, MatchesCpu) {
     const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
     for (int64_t sl = 0; sl < b.slots; ++sl) {
       const bool live = std::find(idx.begin(), idx.end(), sl) != idx.end();
-      const std::vector<double> g = slot_values(state.view(), sl), h = slot_values(b.state.view(), sl);
-      if (live)
-        EXPECT_TRUE(all_close(g, h, st_tol, c.state, 2)) << "slot " << sl << ", B=" << B;
-      else
-        EXPECT_EQ(g, h) << "unused slot " << sl << " (sentinel), B=" << B;
+      const std::vector<double> g = slot_values(state.view(), sl),
+                                h = slot_values(b.state.view(), sl);
+      if (live) EXPECT_TRUE(all_close(g, h, st_tol, c.state, 2)) << "slot " << sl << ", B=" << B;
+      else EXPECT_EQ(g, h) << "unused slot " << sl << " (sentinel), B=" << B;
     }
   }
 }
@@ -104,12 +103,22 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         LayerCase{{"qwen3next_f32state_bf16", kQwen3Next, false, kNoLb, f32, bf16}, bf16},
         LayerCase{{"qwen3next_bf16", kQwen3Next, false, kNoLb, bf16, bf16}, bf16},
-        LayerCase{{"qwen3next_f32_nonorm_vllm", kQwen3Next, false, kNoLb, f32, f32}, f32, 4, true,
-                  false, true, false, 64},
+        LayerCase{{"qwen3next_f32_nonorm_vllm", kQwen3Next, false, kNoLb, f32, f32},
+                  f32,
+                  4,
+                  true,
+                  false,
+                  true,
+                  false,
+                  64},
         LayerCase{{"kimi_bf16_split", kKimi, true, kNoLb, bf16, bf16}, bf16, 4, false, true},
         LayerCase{{"kimi_f32_lb_packed", kKimi, true, kLb, f32, f32}, f32, 4, true},
-        LayerCase{{"gqa_odd_v_f16", Shape{"odd_v", 2, 4, 128, 48}, false, kNoLb, f16, f16}, f16, 3,
-                  false, false, false}),
+        LayerCase{{"gqa_odd_v_f16", Shape{"odd_v", 2, 4, 128, 48}, false, kNoLb, f16, f16},
+                  f16,
+                  3,
+                  false,
+                  false,
+                  false}),
     case_name<LayerCase>);
 
 // causal_conv1d_update on CUDA against the CPU (shifted, circular, seqlen 3, vLLM layout).
@@ -154,7 +163,7 @@ TEST(ConvUpdateGpu, MatchesCpu) {
 
 // A bad slot index on CUDA: the row is skipped (NaN output, nothing written) and check_errors
 // names it.
-TEST(FusedStepGpu, BadIndexIsReported) {
+TEST(FusedStepGpuErrors, BadIndexIsReported) {
   if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   const LayerCase c{{"bad", kQwen3Next, false, kNoLb, f32, bf16}, bf16};

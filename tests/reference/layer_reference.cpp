@@ -38,7 +38,8 @@ std::vector<double> conv_update(std::vector<double>& window, const std::vector<d
     if (cache_seqlen < 0) {
       for (int i = 0; i < state_len; ++i) nw[i] = seq[n - state_len + i];
     } else {
-      for (int t = 0; t < T; ++t) nw[(cache_seqlen + t) % state_len] = x[static_cast<size_t>(c) * T + t];
+      for (int t = 0; t < T; ++t)
+        nw[(cache_seqlen + t) % state_len] = x[static_cast<size_t>(c) * T + t];
     }
     for (int i = 0; i < state_len; ++i) window[static_cast<size_t>(c) * state_len + i] = nw[i];
   }

@@ -42,9 +42,7 @@ namespace {
 constexpr int kFusedMaxWarps = 16;  // 512 threads: up to 128 registers each
 
 // Shared memory floats of a CTA: q, k (K each), v and the outputs (group*V each).
-inline int fused_smem_floats(const FusedStepProblem& p) {
-  return 2 * p.K + 2 * (p.HV / p.H) * p.V;
-}
+inline int fused_smem_floats(const FusedStepProblem& p) { return 2 * p.K + 2 * (p.HV / p.H) * p.V; }
 
 template <class StateT, int K, int TPW>
 __global__ void __launch_bounds__(kFusedMaxWarps * 32, 1)
@@ -154,14 +152,15 @@ __global__ void __launch_bounds__(kFusedMaxWarps * 32, 1)
       graw[i] = p.gate.kda ? detail::load_float(p.a.ptr, p.a.dtype, a_off + kofs + i)
                            : (i == 0 ? detail::load_float(p.a.ptr, p.a.dtype, a_off) : 0.0f);
     token_gate(p.gate, gc, graw, g, alpha);
-    const float beta =
-        detail::beta_value(detail::load_float(p.b.ptr, p.b.dtype, detail::head_offset(p.b, n, 0, hv)),
-                           true, p.round_beta, p.b.dtype);
+    const float beta = detail::beta_value(
+        detail::load_float(p.b.ptr, p.b.dtype, detail::head_offset(p.b, n, 0, hv)), true,
+        p.round_beta, p.b.dtype);
     const bool v_here = idx < R && row0 + idx * RG < V;
     const float v = v_here ? xv[hl * V + row0 + idx * RG] : 0.0f;
     float u_here;
     const float red = delta_step_rows<G, R>(S[t], alpha, k, q, v, beta, lane, u_here, [&](int r) {
-      if (row0 + r * RG < V) store_state<StateT, EPL, true>(row_ptr(hl, row0 + r * RG), EPL, S[t][r]);
+      if (row0 + r * RG < V)
+        store_state<StateT, EPL, true>(row_ptr(hl, row0 + r * RG), EPL, S[t][r]);
     });
     finish_output_rows<G, R>(V, row0, RG, lane, red, u_here, kq, [&](int row, float o) {
       os[hl * V + row] = detail::round_to(p.out.dtype, o);
