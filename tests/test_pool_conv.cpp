@@ -121,28 +121,25 @@ TEST_P(PoolConv, ViewsDisjointClearedForked) {
   fill_sentinel(pool.data(), pool.total_bytes(), DType::f32);
   const int64_t a = pool.allocate(), b = pool.allocate();
   Rng rng = test_rng();
-  for (int64_t l = 0; l < cfg.layers; ++l)
-    for (int part = 0; part < 3; ++part) {
-      const TensorView v = pool.conv_state(l, part);
-      for (int64_t c = 0; c < v.shape[1]; ++c)
-        for (int64_t i = 0; i < 3; ++i) {
-          const int64_t off = c * v.stride[1] + i * v.stride[2];
-          EXPECT_EQ(load_value(v.data, v.dtype, a * v.stride[0] + off), 0.0) << "cleared";
-          store_value(v.data, v.dtype, a * v.stride[0] + off, rng.uniform(-1, 1));
-        }
-    }
+  // f(view, element offset within a slot) for every window element of every layer and part
+  auto each_element = [&](auto f) {
+    for (int64_t l = 0; l < cfg.layers; ++l)
+      for (int part = 0; part < 3; ++part) {
+        const TensorView v = pool.conv_state(l, part);
+        for (int64_t c = 0; c < v.shape[1]; ++c)
+          for (int64_t i = 0; i < 3; ++i) f(v, c * v.stride[1] + i * v.stride[2]);
+      }
+  };
+  each_element([&](const TensorView& v, int64_t off) {
+    EXPECT_EQ(load_value(v.data, v.dtype, a * v.stride[0] + off), 0.0) << "cleared";
+    store_value(v.data, v.dtype, a * v.stride[0] + off, rng.uniform(-1, 1));
+  });
   pool.fork(a, b);
-  for (int64_t l = 0; l < cfg.layers; ++l)
-    for (int part = 0; part < 3; ++part) {
-      const TensorView v = pool.conv_state(l, part);
-      for (int64_t c = 0; c < v.shape[1]; ++c)
-        for (int64_t i = 0; i < 3; ++i) {
-          const int64_t off = c * v.stride[1] + i * v.stride[2];
-          EXPECT_EQ(load_value(v.data, v.dtype, b * v.stride[0] + off),
-                    load_value(v.data, v.dtype, a * v.stride[0] + off))
-              << "forked, layer " << l << " part " << part;
-        }
-    }
+  each_element([&](const TensorView& v, int64_t off) {
+    EXPECT_EQ(load_value(v.data, v.dtype, b * v.stride[0] + off),
+              load_value(v.data, v.dtype, a * v.stride[0] + off))
+        << "forked";
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, PoolConv,
