@@ -211,12 +211,22 @@ TEST_P(FusedStepVsChain, TwoSteps) {
       b.z.fill_normal(rng, 1.0);
       b.poison_out();
     }
-    Snapshot inputs;
+    Snapshot inputs, pools;
     for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.weight, &b.bias, &b.z, &b.norm_w, &b.d.idx})
       inputs.add(*t);
+    pools.add(b.state);
+    for (const Tensor& w : b.win) pools.add(w);
+    std::vector<MemRange> live;  // the live slots' state and windows: all the step may write
+    for (int64_t sl : idx) {
+      if (sl < 0) continue;
+      live.push_back(slot_range(b.state.view(), sl));
+      for (const Tensor& w : b.win)
+        live.push_back(range_of(w.view(), sl * w.stride(0), w.size(1) * w.size(2)));
+    }
     b.run_fused(b.args(host_view));
     const Tensor o = run_chain(b, state2, win2);
     EXPECT_TRUE(inputs.unchanged()) << "inputs, step " << step;
+    EXPECT_TRUE(pools.unchanged_except(live)) << "unused slots and gaps, step " << step;
     // the state and the windows: bit for bit the chain's (sentinels included)
     EXPECT_EQ(b.state.bytes(), state2.bytes()) << "state pool, step " << step;
     for (size_t j = 0; j < b.win.size(); ++j)

@@ -78,7 +78,12 @@ TEST_P(FusedStepGpu, MatchesCpu) {
                             &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
       dev.put(*t);
     for (const Tensor& w : b.win) dev.put(w);
-    b.run_fused(b.args([&](const Tensor& t) { return dev.view(t); }));
+    try {
+      b.run_fused(b.args([&](const Tensor& t) { return dev.view(t); }));
+    } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
+      if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
+      throw;
+    }
     ok(cudaDeviceSynchronize());
     deltastate::check_errors();
     b.run_fused(b.args(host_view));  // the CPU twin on the host copies
@@ -113,6 +118,12 @@ INSTANTIATE_TEST_SUITE_P(
                   64},
         LayerCase{{"kimi_bf16_split", kKimi, true, kNoLb, bf16, bf16}, bf16, 4, false, true},
         LayerCase{{"kimi_f32_lb_packed", kKimi, true, kLb, f32, f32}, f32, 4, true},
+        LayerCase{{"k64_bf16", Shape{"k64", 2, 4, 64, 64}, false, kNoLb, bf16, bf16}, bf16},
+        LayerCase{{"k64_kda_f32", Shape{"k64kda", 4, 4, 64, 64}, true, kLb, f32, f32},
+                  f32,
+                  4,
+                  false,
+                  true},
         LayerCase{{"gqa_odd_v_f16", Shape{"odd_v", 2, 4, 128, 48}, false, kNoLb, f16, f16},
                   f16,
                   3,
