@@ -25,9 +25,6 @@ import torch.nn.functional as F
 
 from _peer_common import DEVICES, FULL, peer_op
 
-causal_conv1d_update = None  # resolved per test through peer_op
-
-
 def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None,
                              cache_seqlens=None):
     dtype_in = x.dtype
@@ -41,7 +38,8 @@ def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None,
         seq = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
         conv_state.copy_(seq[:, :, -state_len:])
     else:
-        offs = torch.arange(-(width - 1), 0, device=x.device).unsqueeze(0) + cache_seqlens.unsqueeze(1)
+        offs = (torch.arange(-(width - 1), 0, device=x.device).unsqueeze(0)
+                + cache_seqlens.unsqueeze(1))
         gather = torch.remainder(offs, state_len).unsqueeze(1).expand(-1, dim, -1)
         seq = torch.cat([conv_state.gather(2, gather), x], dim=-1).to(weight.dtype)
         put = torch.arange(seqlen, device=x.device).unsqueeze(0) + cache_seqlens.unsqueeze(1)
