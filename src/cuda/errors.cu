@@ -60,13 +60,17 @@ std::string prefill_message(const detail::DeviceErrorRecord& r) {
 
 std::string message(const detail::DeviceErrorRecord& r) {
   if (r.op == detail::kErrOpChunkGdn || r.op == detail::kErrOpChunkKda) return prefill_message(r);
-  const char* op = r.op == detail::kErrOpReplay ? "replayssm_decode" : "recurrent";
+  const char* op = r.op == detail::kErrOpReplay      ? "replayssm_decode"
+                   : r.op == detail::kErrOpConv      ? "causal_conv1d_update"
+                   : r.op == detail::kErrOpFusedStep ? "fused_decode_step"
+                                                     : "recurrent";
+  const char* index_name = r.op == detail::kErrOpConv ? "conv_state_indices" : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
   } else {
-    m += out_of_range("ssm_state_indices", r, "marks a padded row");
+    m += out_of_range(index_name, r, "marks a padded row");
   }
   return m + "; the row was skipped (state, rings and cursor untouched) and its output is NaN";
 }
