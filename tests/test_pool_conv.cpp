@@ -203,7 +203,9 @@ TEST(PoolConvContract, ErrorTexts) {
   StatePool noconv(nc);
   auto view_error = [](const std::function<void()>& f, const std::string& message) {
     const auto e = catch_error(f);
-    if (e) EXPECT_EQ(std::string(e->what()), message);
+    if (e) {
+      EXPECT_EQ(std::string(e->what()), message);
+    }
   };
   view_error([&] { noconv.conv_state(0); },
              "StatePool has no conv windows (configure conv_dim > 0 to create them)");
