@@ -685,22 +685,24 @@ _CHUNK_LAYOUT = ("the chunked prefill takes states V-first only ([.., HV, V, K],
                  "state behind the caller's back)")
 
 
-def _workspace_bytes(q, v, kda):
-    """chunk_prefill_workspace_bytes from the shapes and the device alone (fake tensors too)."""
+def _workspace_bytes(q, v, kda, cu_seqlens):
+    """chunk_prefill_workspace_bytes from the shapes and the device alone (fake tensors too):
+    N sequences (cu_seqlens' length - 1, else q's batch) of v's HV heads."""
     from ._lib import lib
 
     dev = getattr(q, "device", None)
     cuda = -1
     if dev is not None and getattr(dev, "type", "cpu") == "cuda":
         cuda = dev.index if dev.index is not None else 0
-    return int(lib.chunk_prefill_workspace_bytes(int(_shape(q)[3]), int(_shape(v)[3]), bool(kda),
-                                                 cuda))
+    n = int(_shape(cu_seqlens)[0]) - 1 if cu_seqlens is not None else int(_shape(q)[0])
+    return int(lib.chunk_prefill_workspace_bytes(int(_shape(q)[3]), int(_shape(v)[3]), max(n, 0),
+                                                 int(_shape(v)[2]), bool(kda), cuda))
 
 
-def _chunk_workspace(q, v, kda):
+def _chunk_workspace(q, v, kda, cu_seqlens):
     """A new workspace for the call, in q's framework and device (float32 elements: the binding
     takes no uint8)."""
-    return _empty(q, ((_workspace_bytes(q, v, kda) + 3) // 4,), "float32")
+    return _empty(q, ((_workspace_bytes(q, v, kda, cu_seqlens) + 3) // 4,), "float32")
 
 
 def _compiling(x) -> bool:
@@ -713,12 +715,12 @@ def _compiling(x) -> bool:
     return torch.compiler.is_compiling()
 
 
-def _chunk_impl_gdn(q, v, workspace):
-    return (_chunk_workspace(q, v, False) if workspace is None else workspace),
+def _chunk_impl_gdn(q, v, cu_seqlens, workspace):
+    return (_chunk_workspace(q, v, False, cu_seqlens) if workspace is None else workspace),
 
 
-def _chunk_impl_kda(q, v, workspace):
-    return (_chunk_workspace(q, v, True) if workspace is None else workspace),
+def _chunk_impl_kda(q, v, cu_seqlens, workspace):
+    return (_chunk_workspace(q, v, True, cu_seqlens) if workspace is None else workspace),
 
 
 def _as_index(x):
@@ -778,7 +780,7 @@ def _chunk_prepare(op, kda, q, k, v, g, beta, scale, initial_state, output_final
         n = (len(cu_seqlens) - 1) if cu_seqlens is not None else qs[0]
         final = _empty(q, (n, vs[2], vs[3], qs[3]), "float32")
     if workspace is None and len(qs) == 4 and len(vs) == 4 and not _compiling(q):
-        workspace = _chunk_workspace(q, v, kda)
+        workspace = _chunk_workspace(q, v, kda, cu_seqlens)
     return (beta, beta_is_logit, scale, A_log, dt_bias, lower_bound, _as_index(has_initial_state),
             output, final, workspace, final)
 

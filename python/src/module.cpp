@@ -552,20 +552,23 @@ constexpr auto kda_fused_decode_step = fused_step("kda_fused_decode_step", [](FS
   ds::kda_fused_decode_step(a);
 });
 
-// chunk_prefill_workspace_bytes from what it reads: K, V, the gate kind and the device (no
-// tensor), so that the Python side can size the workspace before it has the data, also while
-// torch.compile traces with fake tensors.
-int64_t chunk_prefill_workspace_bytes(int64_t K, int64_t V, bool kda, int64_t cuda_device) {
+// chunk_prefill_workspace_bytes from what it reads: K, V, the number of sequences N, the value
+// heads HV, the gate kind and the device (no tensor), so that the Python side can size the
+// workspace before it has the data, also while torch.compile traces with fake tensors.
+int64_t chunk_prefill_workspace_bytes(int64_t K, int64_t V, int64_t N, int64_t HV, bool kda,
+                                      int64_t cuda_device) {
   return guarded([&] {
     CP a;
     a.is_kda = kda;
     const ds::Device dev = cuda_device < 0 ? ds::Device::cpu() : ds::Device::cuda(cuda_device);
     for (auto [t, last] : {std::pair{&a.q, K}, std::pair{&a.v, V}}) {
       t->ndim = 4;
-      t->shape[0] = t->shape[1] = t->shape[2] = 1;
+      t->shape[0] = N;  // sequences: no cu_seqlens here
+      t->shape[1] = t->shape[2] = 1;
       t->shape[3] = last;
       t->device = dev;
     }
+    a.v.shape[2] = HV;
     return ds::chunk_prefill_workspace_bytes(a);
   });
 }

@@ -198,7 +198,7 @@ def test_workspace(fw, rng):
     d = make(rng, [70], True)
     from deltastate._surface import _workspace_bytes
 
-    nbytes = _workspace_bytes(fw.from64(d["q"]), fw.from64(d["v"]), True)
+    nbytes = _workspace_bytes(fw.from64(d["q"]), fw.from64(d["v"]), True, None)
     assert nbytes > 0
     ws = fw.from64(np.zeros(nbytes // 4 + 1), "float32")
     o, _ = call(ds.chunk_kda, fw, d, True, workspace=ws)

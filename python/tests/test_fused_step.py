@@ -55,7 +55,7 @@ def chain(L, idx, norm):
     y = torch.cat([ds.causal_conv1d_update(x[:, lo:hi], win, L["w"][lo:hi], L["bias"][lo:hi],
                                            activation="silu", conv_state_indices=idx)
                    for (lo, hi), win in zip(parts, L["wins"])], dim=1)
-    out = torch.empty(x.shape[0], 1, HV, V, dtype=x.dtype)
+    out = torch.empty(x.shape[0], 1, HV, V, dtype=x.dtype, device=x.device)
     op = (ds.fused_recurrent_kda_packed_decode if L["kda"]
           else ds.fused_recurrent_gated_delta_rule_packed_decode)
     op(y, L["a"], L["b"], L["A_log"], L["dt_bias"], None, L["state"], out, idx, True)

@@ -91,7 +91,14 @@ TEST_P(FusedStepGpu, MatchesCpu) {
     for (size_t j = 0; j < b.win.size(); ++j)
       EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", B=" << B;
     const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
-    EXPECT_TRUE(all_close(out.values(), b.out.values(), out_tol, c.act, 3)) << "out, B=" << B;
+    // Half-ulps of the activation dtype allowed beyond out_tol. Both backends round o to it
+    // before the norm (as the unfused chain stores o); their fp32 sums over K run in other
+    // orders, so o can round one ulp apart, and the norm's two further roundings (y = x * inv,
+    // then w * y) carry that flip to at most two ulps of the result (seen on the H200: 2 ulps
+    // in 3 of 69632 bf16 outputs). Without the norm o is the result: one rounding apart.
+    const int half_ulps = c.norm ? 5 : 3;
+    EXPECT_TRUE(all_close(out.values(), b.out.values(), out_tol, c.act, half_ulps))
+        << "out, B=" << B;
     const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
     for (int64_t sl = 0; sl < b.slots; ++sl) {
       const bool live = std::find(idx.begin(), idx.end(), sl) != idx.end();

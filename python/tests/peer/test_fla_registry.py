@@ -72,7 +72,8 @@ def _call(fn, device, **kw):
             return fn(**kw)
         if kw.get("initial_state") is not None:
             kw["initial_state"] = kw["initial_state"].transpose(-1, -2).contiguous()
-        o, ht = fn(state_v_first=True, **kw)
+        kw["state_v_first"] = True  # the caller's K-first (False or absent), passed V-first
+        o, ht = fn(**kw)
         return o, (None if ht is None else ht.transpose(-1, -2))
 
 
