@@ -5,6 +5,7 @@
 #include "cpu/simd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -53,7 +54,9 @@ namespace avx2 {
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(                                                    \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+    apply_to = function)
 #else
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -92,26 +95,40 @@ bool has_avx512() {
 #endif
 }
 
-Kernels choose() {
-  constexpr Kernels kPortable = portable::table();
+const Kernels* table_of(const std::string& isa) {
+  static constexpr Kernels kPortable = portable::table();
+  if (isa == "portable") return &kPortable;
 #if DS_SIMD_X86
-  constexpr Kernels kAvx2 = avx2::table();
-  constexpr Kernels kAvx512 = avx512::table();
-  const char* forced = std::getenv("DELTASTATE_CPU_ISA");
-  const std::string want = forced ? forced : "";
-  if (want == "portable") return kPortable;
-  if (want == "avx2" && has_avx2()) return kAvx2;
-  if ((want.empty() || want == "avx512") && has_avx512()) return kAvx512;
-  if (has_avx2()) return kAvx2;
+  static constexpr Kernels kAvx2 = avx2::table();
+  static constexpr Kernels kAvx512 = avx512::table();
+  if (isa == "avx2" && has_avx2()) return &kAvx2;
+  if (isa == "avx512" && has_avx512()) return &kAvx512;
 #endif
-  return kPortable;
+  return nullptr;
+}
+
+const Kernels* choose() {
+  const char* forced = std::getenv("DELTASTATE_CPU_ISA");
+  if (forced)
+    if (const Kernels* k = table_of(forced)) return k;
+  for (const char* isa : {"avx512", "avx2"})
+    if (const Kernels* k = table_of(isa)) return k;
+  return table_of("portable");
+}
+
+std::atomic<const Kernels*>& current() {
+  static std::atomic<const Kernels*> k{choose()};
+  return k;
 }
 
 }  // namespace
 
-const Kernels& kernels() {
-  static const Kernels k = choose();
-  return k;
+const Kernels& kernels() { return *current().load(std::memory_order_relaxed); }
+
+bool set_isa(const char* isa) {
+  const Kernels* k = table_of(isa);
+  if (k) current().store(k, std::memory_order_relaxed);
+  return k != nullptr;
 }
 
 }  // namespace deltastate::cpu::simd

@@ -37,8 +37,8 @@ struct Kernels {
   // One token of the delta rule on `rows` rows of length K at S (row stride K): per row
   // s *= alpha; sk = s.k; sq = s.q; u = beta*(v[r] - sk); s = fma(u, k, s);
   // o[r] = sq + u*kq (core/delta_math.h's decay_and_dots, delta_u, rank1_update, delta_output).
-  void (*delta_rows)(float* S, int rows, int K, const float* alpha, const float* k,
-                     const float* q, const float* v, float beta, float kq, float* o);
+  void (*delta_rows)(float* S, int rows, int K, const float* alpha, const float* k, const float* q,
+                     const float* v, float beta, float kq, float* o);
   // C[i*ldc + j] = dot(A + i*lda, B + j*ldb, n) for i < M, j < N; with `lower`, only for the
   // j <= i that C's caller reads (blocks wholly above the diagonal are skipped, others are
   // computed whole).
@@ -53,5 +53,9 @@ struct Kernels {
 };
 
 const Kernels& kernels();
+
+// Switches to the kernels of `isa` ("avx512", "avx2", "portable") if this CPU has it; false
+// otherwise. Not while an op runs; for tests and benchmarks that compare ISAs in one process.
+bool set_isa(const char* isa);
 
 }  // namespace deltastate::cpu::simd

@@ -1,0 +1,216 @@
+// The CPU backend's results are the same bits for any thread count, any batch composition and any
+// of the vector ISAs the CPU has (src/cpu/simd.h): one sequence run alone on one thread is the
+// baseline; the same sequence inside batches of other sequences (before and after it, of other
+// lengths), on 2, 3 and 7 threads (row blocks of 16 rows then split its heads) and with each ISA
+// must give identical output rows and states. Shapes with K and V not multiples of 16 exercise the
+// vector tails.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/simd.h"
+#include "cpu/thread_pool.h"
+#include "deltastate/deltastate.h"
+
+namespace {
+
+using namespace deltastate;
+
+constexpr int64_t kH = 2, kHV = 4, kK = 72, kV = 48;
+
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Bytes of one dtype, 64-byte aligned through a vector of uint64_t.
+struct Buf {
+  std::vector<uint64_t> mem;
+  DType dtype;
+  int64_t n;
+  Buf(DType d, int64_t count) : mem(static_cast<size_t>((count * dtype_size(d) + 7) / 8 + 8)), dtype(d), n(count) {}
+  void* data() { return mem.data(); }
+  TensorView view(std::initializer_list<int64_t> shape) {
+    return TensorView::contiguous(mem.data(), dtype, shape);
+  }
+  void set(int64_t i, float x) {
+    if (dtype == DType::bf16) static_cast<uint16_t*>(data())[i] = bf16_bits(x);
+    else if (dtype == DType::i32) static_cast<int32_t*>(data())[i] = static_cast<int32_t>(x);
+    else static_cast<float*>(data())[i] = x;
+  }
+  std::vector<uint8_t> bytes(int64_t first, int64_t count) const {
+    const auto* p = reinterpret_cast<const uint8_t*>(mem.data()) + first * dtype_size(dtype);
+    return std::vector<uint8_t>(p, p + count * dtype_size(dtype));
+  }
+};
+
+// Sequence `id`'s tokens: fixed by its id alone, whatever batch it is put in.
+struct Sequence {
+  int64_t len;
+  std::vector<float> q, k, v, g, beta, state;
+};
+
+Sequence make_sequence(int id, int64_t len, bool kda) {
+  std::mt19937_64 rng(1000 + id);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(-0.3f, 0.3f);
+  Sequence s;
+  s.len = len;
+  auto fill = [&](std::vector<float>& x, int64_t count, bool normal) {
+    x.resize(static_cast<size_t>(count));
+    for (float& e : x) e = normal ? n(rng) : u(rng);
+  };
+  fill(s.q, len * kH * kK, true);
+  fill(s.k, len * kH * kK, true);
+  fill(s.v, len * kHV * kV, false);
+  fill(s.g, len * kHV * (kda ? kK : 1), true);
+  fill(s.beta, len * kHV, true);
+  fill(s.state, kHV * kV * kK, false);
+  return s;
+}
+
+// What one sequence produced: its output rows and its state after the call.
+struct Result {
+  std::vector<uint8_t> out, state;
+  bool operator==(const Result& o) const { return out == o.out && state == o.state; }
+};
+
+enum class Op { recurrent, chunk_prefill };
+
+// Runs `op` on the sequences `seqs` as one varlen batch (slot i holds sequence i's state) and
+// returns the result of sequence `which`.
+Result run(Op op, bool kda, DType state_dtype, const std::vector<Sequence>& seqs, size_t which) {
+  const int64_t N = static_cast<int64_t>(seqs.size());
+  int64_t T = 0;
+  std::vector<int64_t> starts;
+  for (const Sequence& s : seqs) {
+    starts.push_back(T);
+    T += s.len;
+  }
+  const int64_t gw = kda ? kK : 1;
+  const DType act = DType::bf16;
+  Buf q(act, T * kH * kK), k(act, T * kH * kK), v(act, T * kHV * kV), g(act, T * kHV * gw),
+      beta(act, T * kHV), out(act, T * kHV * kV), A_log(DType::f32, kHV),
+      dt_bias(DType::f32, kHV * gw), state(state_dtype, N * kHV * kV * kK), cu(DType::i32, N + 1),
+      idx(DType::i32, N);
+  for (int64_t i = 0; i < kHV; ++i) A_log.set(i, -0.5f + 0.1f * static_cast<float>(i));
+  for (int64_t i = 0; i < kHV * gw; ++i) dt_bias.set(i, 0.01f * static_cast<float>(i % 7));
+  for (int64_t n = 0; n < N; ++n) {
+    const Sequence& s = seqs[n];
+    const int64_t t0 = starts[n];
+    auto put = [&](Buf& b, const std::vector<float>& x, int64_t per_token) {
+      for (int64_t i = 0; i < static_cast<int64_t>(x.size()); ++i) b.set(t0 * per_token + i, x[i]);
+    };
+    put(q, s.q, kH * kK);
+    put(k, s.k, kH * kK);
+    put(v, s.v, kHV * kV);
+    put(g, s.g, kHV * gw);
+    put(beta, s.beta, kHV);
+    for (int64_t i = 0; i < kHV * kV * kK; ++i) state.set(n * kHV * kV * kK + i, s.state[i]);
+    cu.set(n, static_cast<float>(t0));
+    idx.set(n, static_cast<float>(n));
+  }
+  cu.set(N, static_cast<float>(T));
+  const TensorView gv = kda ? g.view({1, T, kHV, kK}) : g.view({1, T, kHV});
+
+  if (op == Op::recurrent) {
+    RecurrentArgs r;
+    r.q = q.view({1, T, kH, kK});
+    r.k = k.view({1, T, kH, kK});
+    r.v = v.view({1, T, kHV, kV});
+    r.g = gv;
+    r.beta = beta.view({1, T, kHV});
+    r.out = out.view({1, T, kHV, kV});
+    r.A_log = A_log.view({kHV});
+    r.dt_bias = dt_bias.view({kHV * gw});
+    r.gate_in_kernel = true;
+    if (kda) r.lower_bound = -5.0;
+    r.beta_is_logit = true;
+    r.cu_seqlens = cu.view({N + 1});
+    r.state = state.view({N, kHV, kV, kK});
+    r.state_indices = idx.view({N});
+    if (kda) recurrent_kda(r);
+    else recurrent_gdn(r);
+  } else {
+    ChunkPrefillArgs c;
+    c.q = q.view({1, T, kH, kK});
+    c.k = k.view({1, T, kH, kK});
+    c.v = v.view({1, T, kHV, kV});
+    c.g = gv;
+    c.beta = beta.view({1, T, kHV});
+    c.out = out.view({1, T, kHV, kV});
+    c.is_kda = kda;
+    c.gate_in_kernel = true;
+    c.A_log = A_log.view({kHV});
+    c.dt_bias = dt_bias.view({kHV * gw});
+    if (kda) c.lower_bound = -5.0;
+    c.beta_is_logit = true;
+    c.cu_seqlens = cu.view({N + 1});
+    c.initial_state = state.view({N, kHV, kV, kK});
+    c.initial_state_indices = idx.view({N});
+    Buf ws(DType::f32, (chunk_prefill_workspace_bytes(c) + 3) / 4);
+    c.workspace = ws.view({ws.n});
+    chunk_prefill(c);
+  }
+  const Sequence& s = seqs[which];
+  return {out.bytes(starts[which] * kHV * kV, s.len * kHV * kV),
+          state.bytes(static_cast<int64_t>(which) * kHV * kV * kK, kHV * kV * kK)};
+}
+
+struct Case {
+  const char* name;
+  Op op;
+  bool kda;
+  DType state_dtype;
+  int64_t len;  // tokens of the sequence under test (1: decode)
+};
+
+class CpuDeterminism : public ::testing::TestWithParam<Case> {
+ protected:
+  void TearDown() override {
+    cpu::set_num_threads(0);
+    cpu::simd::set_isa(default_isa_.c_str());
+  }
+  std::string default_isa_ = cpu::simd::kernels().isa;
+};
+
+TEST_P(CpuDeterminism, SameBitsForAnyThreadsBatchAndIsa) {
+  const Case c = GetParam();
+  const Sequence target = make_sequence(0, c.len, c.kda);
+  const std::vector<Sequence> alone = {target};
+  const std::vector<Sequence> batch = {make_sequence(1, 37, c.kda), make_sequence(2, 1, c.kda),
+                                       target, make_sequence(3, 130, c.kda)};
+  cpu::set_num_threads(1);
+  const Result want = run(c.op, c.kda, c.state_dtype, alone, 0);
+  int checked = 0;
+  for (const char* isa : {"avx512", "avx2", "portable"}) {
+    if (!cpu::simd::set_isa(isa)) continue;
+    for (int threads : {1, 2, 3, 7}) {
+      cpu::set_num_threads(threads);
+      EXPECT_TRUE(run(c.op, c.kda, c.state_dtype, alone, 0) == want)
+          << "alone, " << threads << " threads, " << isa;
+      EXPECT_TRUE(run(c.op, c.kda, c.state_dtype, batch, 2) == want)
+          << "in a batch of 4, " << threads << " threads, " << isa;
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 4);  // the portable kernels at least
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ops, CpuDeterminism,
+    ::testing::Values(Case{"gdn_decode_f32", Op::recurrent, false, DType::f32, 1},
+                      Case{"kda_decode_bf16", Op::recurrent, true, DType::bf16, 1},
+                      Case{"gdn_recurrent_f32", Op::recurrent, false, DType::f32, 9},
+                      Case{"kda_recurrent_f32", Op::recurrent, true, DType::f32, 9},
+                      Case{"gdn_prefill_f32", Op::chunk_prefill, false, DType::f32, 150},
+                      Case{"kda_prefill_bf16", Op::chunk_prefill, true, DType::bf16, 150}),
+    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+}  // namespace
