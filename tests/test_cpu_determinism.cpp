@@ -29,15 +29,20 @@ uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Bytes of one dtype, 64-byte aligned through a vector of uint64_t.
+// Elements of one dtype, 256-byte aligned (the pools' stride contract wants 32).
 struct Buf {
-  std::vector<uint64_t> mem;
+  std::vector<uint8_t> mem;
+  uint8_t* base;
   DType dtype;
   int64_t n;
-  Buf(DType d, int64_t count) : mem(static_cast<size_t>((count * dtype_size(d) + 7) / 8 + 8)), dtype(d), n(count) {}
-  void* data() { return mem.data(); }
+  Buf(DType d, int64_t count)
+      : mem(static_cast<size_t>(count * dtype_size(d) + 256)), dtype(d), n(count) {
+    const auto addr = reinterpret_cast<uintptr_t>(mem.data());
+    base = mem.data() + (256 - addr % 256) % 256;
+  }
+  void* data() const { return base; }
   TensorView view(std::initializer_list<int64_t> shape) {
-    return TensorView::contiguous(mem.data(), dtype, shape);
+    return TensorView::contiguous(base, dtype, shape);
   }
   void set(int64_t i, float x) {
     if (dtype == DType::bf16) static_cast<uint16_t*>(data())[i] = bf16_bits(x);
@@ -45,7 +50,7 @@ struct Buf {
     else static_cast<float*>(data())[i] = x;
   }
   std::vector<uint8_t> bytes(int64_t first, int64_t count) const {
-    const auto* p = reinterpret_cast<const uint8_t*>(mem.data()) + first * dtype_size(dtype);
+    const uint8_t* p = base + first * dtype_size(dtype);
     return std::vector<uint8_t>(p, p + count * dtype_size(dtype));
   }
 };

@@ -216,14 +216,17 @@ void chunk_matrices(const ChunkPrefillProblem& p, int C, const Scratch& s) {
 }
 
 // T = (I + A)^{-1} for strictly lower A, by forward substitution on (I + A) T = I: row t is
-// e_t - sum_{j<t} A_tj T_j (unit lower triangular, zero above the diagonal).
+// e_t - sum_{j<t} A_tj T_j (unit lower triangular, zero above the diagonal), one blocked
+// vector-matrix product per row with A's row negated in place (nothing reads A afterwards).
 void invert_unit_lower(int C, const Scratch& s) {
   const simd::Kernels& vk = simd::kernels();
   std::fill(s.Tm, s.Tm + kC * kC, 0.0f);
   for (int t = 0; t < C; ++t) {
     float* Tt = s.Tm + t * kC;
+    float* At = s.A + t * kC;
+    for (int j = 0; j < t; ++j) At[j] = -At[j];
+    vk.gemm_acc(Tt, kC, At, 0, 1, s.Tm, kC, 1, t, t, /*lower=*/false);
     Tt[t] = 1.0f;
-    for (int j = 0; j < t; ++j) vk.axpy(Tt, -s.A[t * kC + j], s.Tm + j * kC, j + 1);
   }
 }
 
