@@ -343,10 +343,8 @@ Measurement bench_op(const OpSpec& op, const BenchOptions& o, ModelShape shape, 
       break;
     }
   }
-  if (op.prefill) {
-    m.tokens = static_cast<double>(B * T);
-    m.flops = static_cast<double>(B) * chunk_flops(shape, T);
-  }
+  if (op.prefill) m.tokens = static_cast<double>(B * T);
+  if (op.kind == OpKind::prefill) m.flops = static_cast<double>(B) * chunk_flops(shape, T);
   // The yardstick: the same state bytes, read and written in place by as many threads.
   float* states = static_cast<float*>(pool.layer_state(0).data);
   const int64_t floats = B * bytes.state_bytes() / 4;
