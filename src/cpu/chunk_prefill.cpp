@@ -168,6 +168,18 @@ void load_chunk(const ChunkPrefillProblem& p, const Task& t, int64_t c0, int C, 
   }
 }
 
+// Token `i` of the task's sequence: its q, k and v rows into L2 ahead of use (chunk_output asks
+// for the next chunk's rows one token at a time, spread over its work; always_inline, as
+// prefetch_row).
+[[gnu::always_inline]] inline void prefetch_token(const ChunkPrefillProblem& p, const Task& t,
+                                                  int64_t i) {
+  if (i >= t.len) return;
+  const int64_t tok = t.tok0 + i;
+  prefetch_row(p.q.ptr, p.q.dtype, head_offset(p.q, t.seq, tok, t.h), p.K);
+  prefetch_row(p.k.ptr, p.k.dtype, head_offset(p.k, t.seq, tok, t.h), p.K);
+  prefetch_row(p.v.ptr, p.v.dtype, head_offset(p.v, t.seq, tok, t.hv), p.V);
+}
+
 // out[c] = a x[c] e^{G1[c] - G0[c]} over K channels (G0 null: 0). GDN's decay is one value per
 // token (its G rows are one wide), so its factor is one exp.
 void decayed(const float* x, float a, const float* G1, const float* G0, bool kda, int K,
@@ -225,7 +237,9 @@ void invert_unit_lower(int C, const Scratch& s) {
     float* Tt = s.Tm + t * kC;
     float* At = s.A + t * kC;
     for (int j = 0; j < t; ++j) At[j] = -At[j];
-    vk.gemm_acc(Tt, kC, At, 0, 1, s.Tm, kC, 1, t, t, /*lower=*/false);
+    // Whole vectors of columns: those from t on stay +0 (rows j < t of T are zero past j).
+    const int cols = std::min(kC, (t + 15) / 16 * 16);
+    vk.gemm_acc(Tt, kC, At, 0, 1, s.Tm, kC, 1, cols, t, /*lower=*/false);
     Tt[t] = 1.0f;
   }
 }
@@ -265,9 +279,11 @@ void chunk_output(const ChunkPrefillProblem& p, const Task& tk, int64_t c0, int 
   std::fill(s.o, s.o + C * V, 0.0f);
   vk.gemm_acc(s.o, V, s.qe, K, 1, s.St, V, C, V, K, /*lower=*/false);
   vk.gemm_acc(s.o, V, s.P, kC, 1, s.vn, V, C, V, C, /*lower=*/true);
-  for (int t = 0; t < C; ++t)
+  for (int t = 0; t < C; ++t) {
     store_row(p.out.ptr, p.out.dtype, head_offset(p.out, tk.seq, tk.tok0 + c0 + t, tk.hv), V,
               s.o + t * V);
+    prefetch_token(p, tk, c0 + kC + t);
+  }
 }
 
 // S <- S diag(e^{G_L}) + v'^T (K * e^{G_L - G}), L the chunk's last token; in S^T's rows:

@@ -115,6 +115,11 @@ void run_recurrent(const RecurrentProblem& p) {
 
     for (int64_t t = 0; t < len; ++t) {
       const int64_t tok = tok0 + t;
+      if (t + 1 < len) {  // the next token's rows, while this one computes
+        prefetch_row(p.q.ptr, p.q.dtype, head_offset(p.q, seq, tok + 1, h), K);
+        prefetch_row(p.k.ptr, p.k.dtype, head_offset(p.k, seq, tok + 1, h), K);
+        prefetch_row(p.v.ptr, p.v.dtype, head_offset(p.v, seq, tok + 1, hv) + r0, rows);
+      }
       load_row(p.q.ptr, p.q.dtype, head_offset(p.q, seq, tok, h), K, sc.q.data());
       load_row(p.k.ptr, p.k.dtype, head_offset(p.k, seq, tok, h), K, sc.k.data());
       load_row(p.v.ptr, p.v.dtype, head_offset(p.v, seq, tok, hv) + r0, rows, sc.v.data());
