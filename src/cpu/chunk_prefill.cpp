@@ -181,7 +181,7 @@ void load_chunk(const ChunkPrefillProblem& p, const Task& t, int64_t c0, int C, 
 }
 
 // out[c] = a x[c] e^{G1[c] - G0[c]} over K channels (G0 null: 0). GDN's decay is one value per
-// token (its G rows are one wide), so its factor is one exp.
+// token (its G rows are one wide), so its factor is one expf; KDA's are simd.h's vector exp.
 void decayed(const float* x, float a, const float* G1, const float* G0, bool kda, int K,
              float* out) {
   if (!kda) {
@@ -189,7 +189,7 @@ void decayed(const float* x, float a, const float* G1, const float* G0, bool kda
     for (int c = 0; c < K; ++c) out[c] = f * x[c];
     return;
   }
-  for (int c = 0; c < K; ++c) out[c] = a * x[c] * expf(G1[c] - (G0 ? G0[c] : 0.0f));
+  simd::kernels().decayed_row(x, a, G1, G0, K, out);
 }
 
 // A (strictly lower) and P (lower with diagonal): the decayed k_t.k_s and q_t.k_s of every pair
@@ -208,12 +208,8 @@ void chunk_matrices(const ChunkPrefillProblem& p, int C, const Scratch& s) {
     for (int j = 0; j <= t; ++j) {
       float kk, qk;
       if (p.gate.kda) {
-        const float* Gt = s.G + t * K;
-        const float* Gj = s.G + j * K;
-        const float* kj = s.k + j * K;
-        for (int c = 0; c < K; ++c) s.grow[c] = kj[c] * expf(Gt[c] - Gj[c]);
-        kk = vk.dot(s.k + t * K, s.grow, K);
-        qk = vk.dot(s.q + t * K, s.grow, K);
+        vk.decayed_dots(s.k + t * K, s.q + t * K, s.k + j * K, s.G + t * K, s.G + j * K, K, &kk,
+                        &qk);
       } else {
         const float e = expf(s.G[t] - s.G[j]);
         kk = e * At[j];

@@ -39,6 +39,13 @@ struct Kernels {
   // o[r] = sq + u*kq (core/delta_math.h's decay_and_dots, delta_u, rank1_update, delta_output).
   void (*delta_rows)(float* S, int rows, int K, const float* alpha, const float* k, const float* q,
                      const float* v, float beta, float kq, float* o);
+  // KDA's decayed pair products: *kk = sum_c kt[c] kj[c] e^{Gt[c] - Gj[c]}, *qk likewise with
+  // qt; the factor kj[c] e^{...} is formed once for both, e^ by simd_impl.inc's vexp (within 3
+  // ulp of e^x, the same bits on every ISA), each sum in the dot products' lane order.
+  void (*decayed_dots)(const float* kt, const float* qt, const float* kj, const float* Gt,
+                       const float* Gj, int K, float* kk, float* qk);
+  // out[c] = (a x[c]) e^{G1[c] - G0[c]} (G0 null: e^{G1[c]}), e^ by vexp.
+  void (*decayed_row)(const float* x, float a, const float* G1, const float* G0, int K, float* out);
   // C[i*ldc + j] = dot(A + i*lda, B + j*ldb, n) for i < M, j < N; with `lower`, only for the
   // j <= i that C's caller reads (blocks wholly above the diagonal are skipped, others are
   // computed whole).
