@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/numeric.h"
 #include "cpu/simd.h"
 #include "cpu/thread_pool.h"
 #include "deltastate/deltastate.h"
@@ -21,13 +22,6 @@ namespace {
 using namespace deltastate;
 
 constexpr int64_t kH = 2, kHV = 4, kK = 72, kV = 48;
-
-uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // Elements of one dtype, 256-byte aligned (the pools' stride contract wants 32).
 struct Buf {
@@ -45,7 +39,7 @@ struct Buf {
     return TensorView::contiguous(base, dtype, shape);
   }
   void set(int64_t i, float x) {
-    if (dtype == DType::bf16) static_cast<uint16_t*>(data())[i] = bf16_bits(x);
+    if (dtype == DType::bf16) static_cast<uint16_t*>(data())[i] = detail::float_to_bf16(x);
     else if (dtype == DType::i32) static_cast<int32_t*>(data())[i] = static_cast<int32_t>(x);
     else static_cast<float*>(data())[i] = x;
   }
