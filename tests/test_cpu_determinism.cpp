@@ -2,7 +2,8 @@
 // of the vector ISAs the CPU has (src/cpu/simd.h): one sequence run alone on one thread is the
 // baseline; the same sequence inside batches of other sequences (before and after it, of other
 // lengths), on 2, 3 and 7 threads (row blocks of 16 rows then split its heads) and with each ISA
-// must give identical output rows and states. Shapes with K and V not multiples of 16 exercise the
+// must give identical output rows and states (ReplaySSM: its outputs over 11 steps of appends and
+// flushes, then its checkpoint and rings). Shapes with K and V not multiples of 16 exercise the
 // vector tails.
 #include <gtest/gtest.h>
 
@@ -160,6 +161,87 @@ Result run(Op op, bool kda, DType state_dtype, const std::vector<Sequence>& seqs
   const Sequence& s = seqs[which];
   return {out.bytes(starts[which] * kHV * kV, s.len * kHV * kV),
           state.bytes(static_cast<int64_t>(which) * kHV * kV * kK, kHV * kV * kK)};
+}
+
+// ReplaySSM over 4 slots (L = 4, 11 steps: appends and flushes): rows `slots` each step, slot s's
+// token of step i fixed by (s, i) alone. Returns slot 2's outputs over the steps, then its
+// checkpoint and rings after them.
+Result run_replay(bool kda, const std::vector<int>& slots) {
+  constexpr int64_t kSlots = 4, kL = 4, kSteps = 11;
+  const int64_t B = static_cast<int64_t>(slots.size());
+  const int64_t W = 2 * kH * kK + kHV * kV, gw = kda ? kK : 1;
+  Buf state(DType::f32, kSlots * kHV * kV * kK), d_cache(DType::f32, kSlots * kHV * kL * kV),
+      k_cache(DType::bf16, kSlots * kH * kL * kK), g_cache(DType::f32, kSlots * kHV * kL * gw),
+      qkv(DType::bf16, B * W), a(DType::bf16, B * kHV * gw), b(DType::bf16, B * kHV),
+      out(DType::bf16, B * kHV * kV), A_log(DType::f32, kHV), dt_bias(DType::f32, kHV * gw),
+      idx(DType::i32, B), pos(DType::i32, B);
+  std::mt19937_64 init(7);
+  std::uniform_real_distribution<float> u(-0.3f, 0.3f);
+  for (int64_t i = 0; i < state.n; ++i) state.set(i, u(init));
+  for (int64_t i = 0; i < kHV; ++i) A_log.set(i, -0.5f + 0.1f * static_cast<float>(i));
+  for (int64_t i = 0; i < kHV * gw; ++i) dt_bias.set(i, 0.01f * static_cast<float>(i % 7));
+  int64_t row_of_2 = -1;
+  for (int64_t r = 0; r < B; ++r) {
+    idx.set(r, static_cast<float>(slots[r]));
+    pos.set(r, 0.0f);
+    if (slots[r] == 2) row_of_2 = r;
+  }
+  ReplayDecodeArgs args;
+  args.mixed_qkv = qkv.view({B, W});
+  args.a = kda ? a.view({B, kHV * kK}) : a.view({B, kHV});
+  args.b = b.view({B, kHV});
+  args.A_log = A_log.view({kHV});
+  args.dt_bias = dt_bias.view({kHV * gw});
+  args.state = state.view({kSlots, kHV, kV, kK});
+  args.d_cache = d_cache.view({kSlots, kHV, kL, kV});
+  args.k_cache = k_cache.view({kSlots, kH, kL, kK});
+  args.g_cache = kda ? g_cache.view({kSlots, kHV, kL, kK}) : g_cache.view({kSlots, kHV, kL});
+  args.out = out.view({B, 1, kHV, kV});
+  args.state_indices = idx.view({B});
+  args.write_pos = pos.view({B});
+  args.is_kda = kda;
+  if (kda) args.lower_bound = -5.0;
+  args.advance_write_pos = true;
+  Result r;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    for (int64_t row = 0; row < B; ++row) {
+      std::mt19937_64 rng(100 * slots[row] + step);
+      std::normal_distribution<float> n(0.0f, 1.0f);
+      for (int64_t i = 0; i < W; ++i) qkv.set(row * W + i, i < 2 * kH * kK ? n(rng) : u(rng));
+      for (int64_t i = 0; i < kHV * gw; ++i) a.set(row * kHV * gw + i, n(rng));
+      for (int64_t i = 0; i < kHV; ++i) b.set(row * kHV + i, n(rng));
+    }
+    replayssm_decode(args);
+    const std::vector<uint8_t> o = out.bytes(row_of_2 * kHV * kV, kHV * kV);
+    r.out.insert(r.out.end(), o.begin(), o.end());
+  }
+  for (const Buf* x : {&state, &d_cache, &k_cache, &g_cache}) {
+    const int64_t per_slot = x->n / kSlots;
+    const std::vector<uint8_t> bytes = x->bytes(2 * per_slot, per_slot);
+    r.state.insert(r.state.end(), bytes.begin(), bytes.end());
+  }
+  return r;
+}
+
+TEST(CpuDeterminism, ReplaySameBitsForAnyThreadsBatchAndIsa) {
+  const std::string default_isa = cpu::simd::kernels().isa;
+  for (bool kda : {false, true}) {
+    cpu::set_num_threads(1);
+    cpu::simd::set_isa(default_isa.c_str());
+    const Result want = run_replay(kda, {2});
+    for (const char* isa : {"avx512", "avx2", "portable"}) {
+      if (!cpu::simd::set_isa(isa)) continue;
+      for (int threads : {1, 2, 3, 7}) {
+        cpu::set_num_threads(threads);
+        EXPECT_TRUE(run_replay(kda, {2}) == want)
+            << (kda ? "KDA" : "GDN") << " alone, " << threads << " threads, " << isa;
+        EXPECT_TRUE(run_replay(kda, {0, 3, 2, 1}) == want)
+            << (kda ? "KDA" : "GDN") << " in a batch of 4, " << threads << " threads, " << isa;
+      }
+    }
+  }
+  cpu::set_num_threads(0);
+  cpu::simd::set_isa(default_isa.c_str());
 }
 
 struct Case {
