@@ -22,7 +22,9 @@ namespace {
 
 using namespace deltastate;
 
-constexpr int64_t kH = 2, kHV = 4, kK = 72, kV = 48;
+constexpr int64_t kH = 2, kHV = 4, kV = 48;
+// K: 72 (vector tails) or 128 (the register-resident rows of K = 64 / 128); set by each test.
+int64_t kK = 72;
 
 // Elements of one dtype, 256-byte aligned (the pools' stride contract wants 32).
 struct Buf {
@@ -225,21 +227,25 @@ Result run_replay(bool kda, const std::vector<int>& slots) {
 
 TEST(CpuDeterminism, ReplaySameBitsForAnyThreadsBatchAndIsa) {
   const std::string default_isa = cpu::simd::kernels().isa;
-  for (bool kda : {false, true}) {
-    cpu::set_num_threads(1);
-    cpu::simd::set_isa(default_isa.c_str());
-    const Result want = run_replay(kda, {2});
-    for (const char* isa : {"avx512", "avx2", "portable"}) {
-      if (!cpu::simd::set_isa(isa)) continue;
-      for (int threads : {1, 2, 3, 7}) {
-        cpu::set_num_threads(threads);
-        EXPECT_TRUE(run_replay(kda, {2}) == want)
-            << (kda ? "KDA" : "GDN") << " alone, " << threads << " threads, " << isa;
-        EXPECT_TRUE(run_replay(kda, {0, 3, 2, 1}) == want)
-            << (kda ? "KDA" : "GDN") << " in a batch of 4, " << threads << " threads, " << isa;
+  for (int64_t K : {72, 128})
+    for (bool kda : {false, true}) {
+      kK = K;
+      cpu::set_num_threads(1);
+      cpu::simd::set_isa(default_isa.c_str());
+      const Result want = run_replay(kda, {2});
+      for (const char* isa : {"avx512", "avx2", "portable"}) {
+        if (!cpu::simd::set_isa(isa)) continue;
+        for (int threads : {1, 2, 3, 7}) {
+          cpu::set_num_threads(threads);
+          EXPECT_TRUE(run_replay(kda, {2}) == want) << (kda ? "KDA" : "GDN") << " K=" << K
+                                                    << " alone, " << threads << " threads, " << isa;
+          EXPECT_TRUE(run_replay(kda, {0, 3, 2, 1}) == want)
+              << (kda ? "KDA" : "GDN") << " K=" << K << " in a batch of 4, " << threads
+              << " threads, " << isa;
+        }
       }
     }
-  }
+  kK = 72;
   cpu::set_num_threads(0);
   cpu::simd::set_isa(default_isa.c_str());
 }
@@ -250,11 +256,13 @@ struct Case {
   bool kda;
   DType state_dtype;
   int64_t len;  // tokens of the sequence under test (1: decode)
+  int64_t K = 72;
 };
 
 class CpuDeterminism : public ::testing::TestWithParam<Case> {
  protected:
   void TearDown() override {
+    kK = 72;
     cpu::set_num_threads(0);
     cpu::simd::set_isa(default_isa_.c_str());
   }
@@ -263,6 +271,7 @@ class CpuDeterminism : public ::testing::TestWithParam<Case> {
 
 TEST_P(CpuDeterminism, SameBitsForAnyThreadsBatchAndIsa) {
   const Case c = GetParam();
+  kK = c.K;
   const Sequence target = make_sequence(0, c.len, c.kda);
   const std::vector<Sequence> alone = {target};
   const std::vector<Sequence> batch = {make_sequence(1, 37, c.kda), make_sequence(2, 1, c.kda),
@@ -287,6 +296,8 @@ TEST_P(CpuDeterminism, SameBitsForAnyThreadsBatchAndIsa) {
 INSTANTIATE_TEST_SUITE_P(
     Ops, CpuDeterminism,
     ::testing::Values(Case{"gdn_decode_f32", Op::recurrent, false, DType::f32, 1},
+                      Case{"gdn_decode_f32_k128", Op::recurrent, false, DType::f32, 1, 128},
+                      Case{"kda_recurrent_bf16_k128", Op::recurrent, true, DType::bf16, 5, 128},
                       Case{"kda_decode_bf16", Op::recurrent, true, DType::bf16, 1},
                       Case{"gdn_recurrent_f32", Op::recurrent, false, DType::f32, 9},
                       Case{"kda_recurrent_f32", Op::recurrent, true, DType::f32, 9},
