@@ -86,6 +86,11 @@ void ArgParser::add_choice(const char* name, std::string* value, std::vector<std
       [=](const std::string& text) { *value = parse_choice(flag, text, choices); });
 }
 
+void ArgParser::add_string(const char* name, std::string* value, const char* help) {
+  add(name, "TEXT", help, value->empty() ? "none" : *value,
+      [=](const std::string& text) { *value = text; });
+}
+
 void ArgParser::add_choice_list(const char* name, std::vector<std::string>* values,
                                 std::vector<std::string> choices, const char* help) {
   const std::string flag = std::string("--") + name;

@@ -35,6 +35,9 @@ class ArgParser {
   void add_choice_list(const char* name, std::vector<std::string>* values,
                        std::vector<std::string> choices, const char* help);
 
+  // Any text (a path).
+  void add_string(const char* name, std::string* value, const char* help);
+
   // Parses args (everything after the subcommand). Returns false when --help was given (the help
   // has been printed to stdout); throws UsageError for anything malformed.
   bool parse(const std::vector<std::string>& args);

@@ -21,9 +21,11 @@
 //   safe gate:     g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
 // GDN has one g per value head; KDA has a K-vector per value head.
 //
-// The CPU backend spreads (sequence, value head) pairs over a thread pool of
-// DELTASTATE_NUM_THREADS threads (default: the hardware concurrency), read when the first CPU op
-// runs.
+// The CPU backend spreads (sequence, value head) pairs (decode: and blocks of state rows) over a
+// thread pool of DELTASTATE_NUM_THREADS threads (default: the hardware concurrency), read when the
+// first CPU op runs. Its vector kernels (AVX-512, AVX2 or portable, chosen from the CPU;
+// DELTASTATE_CPU_ISA forces one) give the same bits for any thread count, batch composition and
+// ISA (docs/CPU.md).
 #pragma once
 
 #include <optional>

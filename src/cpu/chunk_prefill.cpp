@@ -31,8 +31,10 @@
 // Checkpoints fall on chunk ends (checkpoint_every_n_tokens is a multiple of 64).
 //
 // The task holds S transposed, S^T [K, V], so that every product with S (w S^T, the outputs'
-// S (q * e^G), the state update) runs along contiguous rows of length V as y += a x, which the
-// compiler vectorizes without reassociating a sum; it is transposed on load and store.
+// S (q * e^G), the state update) is a blocked product C += A B along contiguous rows of length V
+// (simd.h's gemm_acc: one fused multiply-add chain per element, in increasing inner index), and
+// K K^T, Q K^T are blocked dot products (simd.h's dots); it is transposed on load and store.
+// Every element's arithmetic is thus fixed by the problem alone, whatever the thread count.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -44,6 +46,7 @@
 #include "core/delta_math.h"
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
+#include "cpu/simd.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -165,8 +168,20 @@ void load_chunk(const ChunkPrefillProblem& p, const Task& t, int64_t c0, int C, 
   }
 }
 
+// Token `i` of the task's sequence: its q, k and v rows into L2 ahead of use (chunk_output asks
+// for the next chunk's rows one token at a time, spread over its work; always_inline, as
+// prefetch_row).
+[[gnu::always_inline]] inline void prefetch_token(const ChunkPrefillProblem& p, const Task& t,
+                                                  int64_t i) {
+  if (i >= t.len) return;
+  const int64_t tok = t.tok0 + i;
+  prefetch_row(p.q.ptr, p.q.dtype, head_offset(p.q, t.seq, tok, t.h), p.K);
+  prefetch_row(p.k.ptr, p.k.dtype, head_offset(p.k, t.seq, tok, t.h), p.K);
+  prefetch_row(p.v.ptr, p.v.dtype, head_offset(p.v, t.seq, tok, t.hv), p.V);
+}
+
 // out[c] = a x[c] e^{G1[c] - G0[c]} over K channels (G0 null: 0). GDN's decay is one value per
-// token (its G rows are one wide), so its factor is one exp.
+// token (its G rows are one wide), so its factor is one expf; KDA's are simd.h's vector exp.
 void decayed(const float* x, float a, const float* G1, const float* G0, bool kda, int K,
              float* out) {
   if (!kda) {
@@ -174,109 +189,102 @@ void decayed(const float* x, float a, const float* G1, const float* G0, bool kda
     for (int c = 0; c < K; ++c) out[c] = f * x[c];
     return;
   }
-  for (int c = 0; c < K; ++c) out[c] = a * x[c] * expf(G1[c] - (G0 ? G0[c] : 0.0f));
+  simd::kernels().decayed_row(x, a, G1, G0, K, out);
 }
 
 // A (strictly lower) and P (lower with diagonal): the decayed k_t.k_s and q_t.k_s of every pair
-// s <= t. KDA forms e^{G_t[c] - G_s[c]} per channel, once per pair for both.
+// s <= t, zero above. GDN: blocked dot products K K^T and Q K^T, each scaled by its pair's one
+// factor e^{G_t - G_s}. KDA forms e^{G_t[c] - G_s[c]} per channel, once per pair for both.
 void chunk_matrices(const ChunkPrefillProblem& p, int C, const Scratch& s) {
+  const simd::Kernels& vk = simd::kernels();
   const int K = p.K;
-  const bool kda = p.gate.kda;
-  std::fill(s.A, s.A + kC * kC, 0.0f);
-  std::fill(s.P, s.P + kC * kC, 0.0f);
+  if (!p.gate.kda) {
+    vk.dots(s.k, K, s.k, K, C, C, K, s.A, kC, /*lower=*/true);
+    vk.dots(s.q, K, s.k, K, C, C, K, s.P, kC, /*lower=*/true);
+  }
   for (int t = 0; t < C; ++t) {
-    const float* kt = s.k + t * K;
-    const float* qt = s.q + t * K;
+    float* At = s.A + t * kC;
+    float* Pt = s.P + t * kC;
     for (int j = 0; j <= t; ++j) {
-      const float* kj = s.k + j * K;
-      float kk = 0.0f, qk = 0.0f;
-      if (kda) {
-        const float* Gt = s.G + t * K;
-        const float* Gj = s.G + j * K;
-        for (int c = 0; c < K; ++c) {
-          const float e = expf(Gt[c] - Gj[c]);
-          kk += kt[c] * kj[c] * e;
-          qk += qt[c] * kj[c] * e;
-        }
+      float kk, qk;
+      if (p.gate.kda) {
+        vk.decayed_dots(s.k + t * K, s.q + t * K, s.k + j * K, s.G + t * K, s.G + j * K, K, &kk,
+                        &qk);
       } else {
         const float e = expf(s.G[t] - s.G[j]);
-        kk = e * dot(kt, kj, K);
-        qk = e * dot(qt, kj, K);
+        kk = e * At[j];
+        qk = e * Pt[j];
       }
-      if (j < t) s.A[t * kC + j] = s.beta[t] * kk;
-      s.P[t * kC + j] = qk;
+      At[j] = j < t ? s.beta[t] * kk : 0.0f;
+      Pt[j] = qk;
     }
+    std::fill(At + t + 1, At + kC, 0.0f);
+    std::fill(Pt + t + 1, Pt + kC, 0.0f);
   }
 }
 
 // T = (I + A)^{-1} for strictly lower A, by forward substitution on (I + A) T = I: row t is
-// e_t - sum_{j<t} A_tj T_j (unit lower triangular).
+// e_t - sum_{j<t} A_tj T_j (unit lower triangular, zero above the diagonal), one blocked
+// vector-matrix product per row with A's row negated in place (nothing reads A afterwards).
 void invert_unit_lower(int C, const Scratch& s) {
+  const simd::Kernels& vk = simd::kernels();
   std::fill(s.Tm, s.Tm + kC * kC, 0.0f);
   for (int t = 0; t < C; ++t) {
     float* Tt = s.Tm + t * kC;
+    float* At = s.A + t * kC;
+    for (int j = 0; j < t; ++j) At[j] = -At[j];
+    // Whole vectors of columns: those from t on stay +0 (rows j < t of T are zero past j).
+    const int cols = std::min(kC, (t + 15) / 16 * 16);
+    vk.gemm_acc(Tt, kC, At, 0, 1, s.Tm, kC, 1, cols, t, /*lower=*/false);
     Tt[t] = 1.0f;
-    for (int j = 0; j < t; ++j) {
-      const float a = s.A[t * kC + j];
-      const float* Tj = s.Tm + j * kC;
-      for (int i = 0; i <= j; ++i) Tt[i] -= a * Tj[i];
-    }
   }
 }
 
-// w = T (beta * K * e^G) and u = T (beta * V): the WY form of the chunk's updates.
+// w = T (beta * K * e^G) and u = T (beta * V): the WY form of the chunk's updates, as blocked
+// products with the lower triangular T (u's coefficients T_tj beta_j replace A, no longer used).
 void wy_terms(const ChunkPrefillProblem& p, int C, const Scratch& s) {
+  const simd::Kernels& vk = simd::kernels();
   const int K = p.K, V = p.V;
   const int Kg = p.gate.kda ? K : 1;
   for (int j = 0; j < C; ++j)
     decayed(s.k + j * K, s.beta[j], s.G + j * Kg, nullptr, p.gate.kda, K, s.kb + j * K);
-  for (int t = 0; t < C; ++t) {
-    float* wt = s.w + t * K;
-    float* ut = s.u + t * V;
-    std::fill(wt, wt + K, 0.0f);
-    std::fill(ut, ut + V, 0.0f);
-    for (int j = 0; j <= t; ++j) {
-      const float T = s.Tm[t * kC + j];
-      const float Tb = T * s.beta[j];
-      for (int c = 0; c < K; ++c) wt[c] += T * s.kb[j * K + c];
-      for (int e = 0; e < V; ++e) ut[e] += Tb * s.v[j * V + e];
-    }
-  }
+  for (int t = 0; t < C; ++t)
+    for (int j = 0; j < C; ++j) s.A[t * kC + j] = s.Tm[t * kC + j] * s.beta[j];
+  std::fill(s.w, s.w + C * K, 0.0f);
+  std::fill(s.u, s.u + C * V, 0.0f);
+  vk.gemm_acc(s.w, K, s.Tm, kC, 1, s.kb, K, C, K, C, /*lower=*/true);
+  vk.gemm_acc(s.u, V, s.A, kC, 1, s.v, V, C, V, C, /*lower=*/true);
 }
 
-// y += a * x over n elements.
-void add_scaled(float* y, const float* x, float a, int n) {
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// v' = u - w S^T: the values the state absorbs, with the chunk's initial state accounted for.
+// v' = u - w S^T: the values the state absorbs, with the chunk's initial state accounted for
+// (w is negated in place; nothing reads it afterwards).
 void new_values(const ChunkPrefillProblem& p, int C, const Scratch& s) {
   const int K = p.K, V = p.V;
-  for (int t = 0; t < C; ++t) {
-    float* vt = s.vn + t * V;
-    std::copy_n(s.u + t * V, V, vt);
-    for (int c = 0; c < K; ++c)
-      add_scaled(vt, s.St + static_cast<int64_t>(c) * V, -s.w[t * K + c], V);
-  }
+  std::copy_n(s.u, C * V, s.vn);
+  for (int i = 0; i < C * K; ++i) s.w[i] = -s.w[i];
+  simd::kernels().gemm_acc(s.vn, V, s.w, K, 1, s.St, V, C, V, K, /*lower=*/false);
 }
 
 // o_t = S (q_t * e^{G_t}) + sum_{j<=t} P_tj v'_j, stored row by row in the output dtype.
 void chunk_output(const ChunkPrefillProblem& p, const Task& tk, int64_t c0, int C,
                   const Scratch& s) {
+  const simd::Kernels& vk = simd::kernels();
   const int K = p.K, V = p.V, Kg = p.gate.kda ? K : 1;
+  for (int t = 0; t < C; ++t)
+    decayed(s.q + t * K, 1.0f, s.G + t * Kg, nullptr, p.gate.kda, K, s.qe + t * K);
+  std::fill(s.o, s.o + C * V, 0.0f);
+  vk.gemm_acc(s.o, V, s.qe, K, 1, s.St, V, C, V, K, /*lower=*/false);
+  vk.gemm_acc(s.o, V, s.P, kC, 1, s.vn, V, C, V, C, /*lower=*/true);
   for (int t = 0; t < C; ++t) {
-    float* qe = s.qe + t * K;
-    decayed(s.q + t * K, 1.0f, s.G + t * Kg, nullptr, p.gate.kda, K, qe);
-    float* ot = s.o + t * V;
-    std::fill(ot, ot + V, 0.0f);
-    for (int c = 0; c < K; ++c) add_scaled(ot, s.St + static_cast<int64_t>(c) * V, qe[c], V);
-    for (int j = 0; j <= t; ++j) add_scaled(ot, s.vn + j * V, s.P[t * kC + j], V);
-    store_row(p.out.ptr, p.out.dtype, head_offset(p.out, tk.seq, tk.tok0 + c0 + t, tk.hv), V, ot);
+    store_row(p.out.ptr, p.out.dtype, head_offset(p.out, tk.seq, tk.tok0 + c0 + t, tk.hv), V,
+              s.o + t * V);
+    prefetch_token(p, tk, c0 + kC + t);
   }
 }
 
 // S <- S diag(e^{G_L}) + v'^T (K * e^{G_L - G}), L the chunk's last token; in S^T's rows:
-// S^T[c] <- e^{G_L[c]} S^T[c] + sum_j k_j[c] e^{G_L[c] - G_j[c]} v'_j.
+// S^T[c] <- e^{G_L[c]} S^T[c] + sum_j k_j[c] e^{G_L[c] - G_j[c]} v'_j (a blocked product with
+// the transposed ke).
 void advance_state(const ChunkPrefillProblem& p, int C, const Scratch& s) {
   const int K = p.K, V = p.V;
   const bool kda = p.gate.kda;
@@ -288,8 +296,8 @@ void advance_state(const ChunkPrefillProblem& p, int C, const Scratch& s) {
     float* row = s.St + static_cast<int64_t>(c) * V;
     const float total = kda ? expf(GL[c]) : gdn_total;
     for (int e = 0; e < V; ++e) row[e] *= total;
-    for (int j = 0; j < C; ++j) add_scaled(row, s.vn + j * V, s.ke[j * K + c], V);
   }
+  simd::kernels().gemm_acc(s.St, V, s.ke, 1, K, s.vn, V, K, V, C, /*lower=*/false);
 }
 
 // ---- one task ---------------------------------------------------------------------------------

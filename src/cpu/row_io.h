@@ -1,11 +1,14 @@
-// Row-level helpers shared by the CPU kernels: load/store a run of elements as fp32, head
-// offsets, and q/k preparation (L2 norm, scale) from the shared math.
+// Row-level helpers shared by the CPU kernels: load/store a run of elements as fp32 (converted in
+// vector registers, cpu/simd.h), head offsets, and q/k preparation (L2 norm, scale) from the
+// shared math.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "core/delta_math.h"
+#include "cpu/simd.h"
+#include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
 
@@ -15,37 +18,43 @@ using detail::HeadOutput;
 
 // Load `n` consecutive elements starting at element offset `off` of a float tensor into fp32.
 inline void load_row(const void* base, DType dtype, int64_t off, int n, float* dst) {
-  if (dtype == DType::f32) {
-    std::copy_n(static_cast<const float*>(base) + off, n, dst);
-    return;
-  }
-  for (int i = 0; i < n; ++i) dst[i] = detail::load_float(base, dtype, off + i);
+  simd::kernels().load(base, dtype, off, n, dst);
 }
 
 inline void store_row(void* base, DType dtype, int64_t off, int n, const float* src) {
-  if (dtype == DType::f32) {
-    std::copy_n(src, n, static_cast<float*>(base) + off);
-    return;
-  }
-  for (int i = 0; i < n; ++i) detail::store_float(base, dtype, off + i, src[i]);
+  simd::kernels().store(base, dtype, off, n, src);
 }
 
-// Normalize (optionally) and scale one q or k vector in place.
+// Elements [off, off + n) of a tensor into L2 ahead of use: per-head rows of packed inputs lie a
+// packed row (kilobytes) apart, too far for the hardware prefetchers. always_inline: GCC otherwise
+// finds the function free of side effects and drops its calls.
+[[gnu::always_inline]] inline void prefetch_row(const void* base, DType dtype, int64_t off, int n) {
+  const char* a = static_cast<const char*>(base) + off * dtype_size(dtype);
+  const int64_t bytes = n * dtype_size(dtype);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(a + b, 0, 2);
+}
+
+inline float dot(const float* a, const float* b, int n) { return simd::kernels().dot(a, b, n); }
+
+// Normalize (optionally) and scale one q or k vector in place: the sum of squares is a dot
+// product (simd.h's lane order), each element then divided by the one denominator (IEEE
+// division, as the fp64 reference's form x / sqrt(sum x^2 + eps)).
 inline void prepare_qk(float* x, int n, bool l2norm, float scale) {
   if (l2norm) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; ++i) ss += x[i] * x[i];
-    const float den = detail::l2norm_denominator(ss);
+    const float den = detail::l2norm_denominator(dot(x, x, n));
     for (int i = 0; i < n; ++i) x[i] = x[i] / den;
   }
   if (scale != 1.0f)
     for (int i = 0; i < n; ++i) x[i] *= scale;
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  float s = 0.0f;
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+// Row blocks per head for the decode kernels' (sequence, head, row block) tasks: enough tasks for
+// every thread to get several (B = 1 included), blocks no thinner than 16 rows. The count changes
+// speed only, never results: a row's arithmetic does not depend on its block.
+inline int row_blocks(int64_t heads, int V) {
+  const int64_t want = 4 * static_cast<int64_t>(num_threads());
+  const int64_t most = std::max(1, V / 16);
+  return static_cast<int>(std::clamp<int64_t>((want + heads - 1) / heads, 1, most));
 }
 
 // Log-space decay g of one (token, value head) into g_out[0..K): the K-vector for KDA, one value

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -27,7 +28,7 @@ class Pool {
   }
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
-  void run(int64_t count, const std::function<void(int64_t)>& fn) {
+  void run(int64_t count, TaskFn fn) {
     if (count <= 0) return;
     if (workers_.empty() || count == 1) {
       for (int64_t i = 0; i < count; ++i) fn(i);
@@ -54,7 +55,7 @@ class Pool {
 
  private:
   struct Job {
-    const std::function<void(int64_t)>* fn = nullptr;
+    const TaskFn* fn = nullptr;
     int64_t count = 0;
     std::atomic<int64_t> next{0};
     int active = 0;  // workers inside drain(), guarded by mu_
@@ -113,15 +114,34 @@ int configured_threads() {
   return hw ? static_cast<int>(hw) : 1;
 }
 
-Pool& pool() {
-  static Pool p(configured_threads());
+std::unique_ptr<Pool>& pool_ptr() {
+  static std::unique_ptr<Pool> p;
   return p;
+}
+
+std::mutex& pool_mu() {
+  static std::mutex mu;
+  return mu;
+}
+
+Pool& pool() {
+  std::lock_guard<std::mutex> lk(pool_mu());  // the first CPU op may come from several threads
+  std::unique_ptr<Pool>& p = pool_ptr();
+  if (!p) p = std::make_unique<Pool>(configured_threads());
+  return *p;
 }
 
 }  // namespace
 
-void parallel_for(int64_t count, const std::function<void(int64_t)>& fn) { pool().run(count, fn); }
+void parallel_for(int64_t count, TaskFn fn) { pool().run(count, fn); }
 
 int num_threads() { return pool().size(); }
+
+void set_num_threads(int n) {
+  std::lock_guard<std::mutex> lk(pool_mu());
+  std::unique_ptr<Pool>& p = pool_ptr();
+  p.reset();
+  p = std::make_unique<Pool>(n > 0 ? n : configured_threads());
+}
 
 }  // namespace deltastate::cpu
