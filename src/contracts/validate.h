@@ -30,4 +30,8 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
 ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 
+// Speculative verify and its commit (contracts/verify.cpp).
+VerifyProblem validate_verify(const VerifyArgs& args);
+CommitProblem validate_commit(const CommitArgs& args);
+
 }  // namespace deltastate::detail

@@ -11,4 +11,8 @@ void run_replayssm_decode(const detail::ReplayProblem& p);  // replayssm_decode.
 void run_chunk_prefill(const detail::ChunkPrefillProblem& p);
 int64_t chunk_prefill_workspace_bytes(int K, int V, bool kda);
 
+// verify.cpp: speculative verify and its commit.
+void run_verify(const detail::VerifyProblem& p);
+void run_commit(const detail::CommitProblem& p);
+
 }  // namespace deltastate::cpu
