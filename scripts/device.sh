@@ -11,7 +11,7 @@
 #                                      profile-replay-source, profile-decode-source,
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
-#                                      sanitize-prefill, bench-prefill
+#                                      sanitize-prefill, bench-prefill, test-verify
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -133,6 +133,13 @@ for phase in "${phases[@]}"; do
       done
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
+      ;;
+    test-verify)  # verify, its commit and the recurrent op's multi-token sequences (GPU vs CPU),
+      # then the multi-token recurrent cases and every recurrent GPU test on the direct kernel
+      run test-verify gtest_sharded test-verify '*VerifyGpu*:*RecurrentMultiToken*:*VerifyCommit*:*VerifyAndCommit*'
+      DELTASTATE_CUDA_MULTI=direct run test-verify gtest_sharded test-verify '*RecurrentMultiToken*:*Recurrent*'
+      sanitized memcheck '*VerifyGpu*gdn_odd*:*VerifyGpu*kda_odd*:*VerifyAndCommit*'
+      sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
       ;;
     test-prefill)  # the chunk_prefill GPU tests, then again with the CUDA-core fallback forced
       run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"

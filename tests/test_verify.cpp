@@ -7,8 +7,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <tuple>
 #include <string>
+#include <tuple>
 
 #include "reference/verify_reference.h"
 #include "test_util.h"
@@ -120,7 +120,8 @@ TEST_P(VerifyVsReference, ScratchRowsThenCommit) {
   if (c.tree) a.parent_tokens = su.parents.view();
   std::vector<ref::VerifyResult> want(N);
   for (int64_t n = 0; n < N; ++n)
-    if (su.slots[n] >= 0) want[n] = reference_of(su, n, slot_values(su.pool.view(), su.slots[n]), c.tree);
+    if (su.slots[n] >= 0)
+      want[n] = reference_of(su, n, slot_values(su.pool.view(), su.slots[n]), c.tree);
 
   su.rb.poison_out();
   Snapshot pool_before, inter_before;
@@ -138,7 +139,8 @@ TEST_P(VerifyVsReference, ScratchRowsThenCommit) {
         continue;
       }
       EXPECT_TRUE(all_close(su.rb.out_token(n, t), want[n].out[t], kOutTol, c.act));
-      EXPECT_TRUE(all_close(inter_values(su, su.row_of[n], t), want[n].states[t], state_tol(c.state)));
+      EXPECT_TRUE(
+          all_close(inter_values(su, su.row_of[n], t), want[n].states[t], state_tol(c.state)));
       written.push_back(inter_range(su, su.row_of[n], t));
     }
   }
@@ -198,14 +200,17 @@ TEST_P(VerifyVsReference, EqualsPlainDecodeSteps) {
     one.T = 1;
     RecurrentBatch step = make_recurrent_batch(rng, one);
     for (int64_t n = 0; n < N; ++n)
-      for (const auto& [src, dst] : {std::pair{&su.rb.q, &step.q}, {&su.rb.k, &step.k},
-                                     {&su.rb.v, &step.v}, {&su.rb.g, &step.g},
+      for (const auto& [src, dst] : {std::pair{&su.rb.q, &step.q},
+                                     {&su.rb.k, &step.k},
+                                     {&su.rb.v, &step.v},
+                                     {&su.rb.g, &step.g},
                                      {&su.rb.beta, &step.beta}}) {
         const int64_t per = src->numel() / (N * T);
         for (int64_t e = 0; e < per; ++e)
           dst->set_linear(n * per + e, src->get_linear((n * T + t) * per + e));
       }
-    for (int64_t e = 0; e < su.rb.A_log.numel(); ++e) step.A_log.set_linear(e, su.rb.A_log.get_linear(e));
+    for (int64_t e = 0; e < su.rb.A_log.numel(); ++e)
+      step.A_log.set_linear(e, su.rb.A_log.get_linear(e));
     for (int64_t e = 0; e < su.rb.dt_bias.numel(); ++e)
       step.dt_bias.set_linear(e, su.rb.dt_bias.get_linear(e));
     deltastate::RecurrentArgs ra = step.args(host_view);
@@ -254,7 +259,7 @@ TEST_P(VerifyVsReference, PerTokenSlots) {
     const int64_t a = rng.integer(1, cols);
     accepted.set({n}, a);
     for (int64_t t = 0; t < cols; ++t) table.set({n, t}, n * cols + t);
-    if (n == 1 && N > 2) table.set({n, a - 1}, -1);  // padded
+    if (n == 1 && N > 2) table.set({n, a - 1}, -1);             // padded
     if (n == 0 && su.rb.seq_len(0) > 1) table.set({0, 0}, -1);  // a skipped token, if not the start
     start[n] = static_cast<int64_t>(table.get({n, a - 1}));
     if (start[n] >= 0) fill_slot(pool.view(), start[n], rng);
@@ -311,7 +316,8 @@ TEST_P(VerifyVsReference, OutputSlots) {
   a.output_state_indices = out_idx.view();
   std::vector<ref::VerifyResult> want(N);
   for (int64_t n = 0; n < N; ++n)
-    if (su.slots[n] >= 0) want[n] = reference_of(su, n, slot_values(su.pool.view(), su.slots[n]), false);
+    if (su.slots[n] >= 0)
+      want[n] = reference_of(su, n, slot_values(su.pool.view(), su.slots[n]), false);
   su.rb.poison_out();
   Snapshot before;
   before.add(su.pool);
@@ -319,8 +325,8 @@ TEST_P(VerifyVsReference, OutputSlots) {
   std::vector<MemRange> written;
   for (int64_t n = 0; n < N; ++n) {
     if (su.slots[n] < 0 || dst[n] < 0 || su.rb.seq_len(n) == 0) continue;
-    EXPECT_TRUE(all_close(slot_values(su.pool.view(), dst[n]), want[n].states.back(),
-                          state_tol(c.state)));
+    EXPECT_TRUE(
+        all_close(slot_values(su.pool.view(), dst[n]), want[n].states.back(), state_tol(c.state)));
     written.push_back(slot_range(su.pool.view(), dst[n]));
   }
   EXPECT_TRUE(before.unchanged_except(written));
@@ -339,7 +345,8 @@ const VerifyCase kCases[] = {
 INSTANTIATE_TEST_SUITE_P(Cases, VerifyVsReference, ::testing::ValuesIn(kCases),
                          case_name<VerifyCase>);
 
-// ---- errors --------------------------------------------------------------------------------------
+// ---- errors
+// --------------------------------------------------------------------------------------
 struct ErrorCase {
   const char* what;
   std::function<void(VerifyArgs&, VerifySetup&)> mutate;
@@ -367,51 +374,112 @@ TEST(VerifyContract, EveryErrorText) {
   t_par.fill_all(0);
   t_par.set({2, 3}, 3);
   const std::vector<ErrorCase> cases = {
-      {"GDN 4-D g", [](VerifyArgs& a, VerifySetup&) { a.g.ndim = 4; a.g.shape[3] = 32; a.g.stride[3] = 1; },
+      {"GDN 4-D g",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.g.ndim = 4;
+         a.g.shape[3] = 32;
+         a.g.stride[3] = 1;
+       },
        "verify: a GDN gate has one value per value head: `g` must be [B, T, HV]"},
       {"state ndim", [](VerifyArgs& a, VerifySetup&) { a.state = t_inter_short.view(); },
        "`state` must be a 4D tensor [slots, HV, V, K] (got ndim=5)."},
-      {"state inner dims", [](VerifyArgs& a, VerifySetup&) { a.state = t_inter4.view(); a.state.ndim = 4; a.state.shape[3] = 48; },
+      {"state inner dims",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.state = t_inter4.view();
+         a.state.ndim = 4;
+         a.state.shape[3] = 48;
+       },
        "`state` must have inner dims [HV, V, K]=(6, 48, 32); got (3, 6, 48, 48)"},
-      {"state strides", [](VerifyArgs& a, VerifySetup&) { a.state = t_inter_strided.view(); a.state.ndim = 4;
-         for (int d = 0; d < 4; ++d) { a.state.shape[d] = a.state.shape[d + 1]; a.state.stride[d] = a.state.stride[d + 1]; } },
-       "`state` must be contiguous in its [HV, V, K] inner dimensions; got strides (9216, 1536, 1, 48)"},
+      {"state strides",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.state = t_inter_strided.view();
+         a.state.ndim = 4;
+         for (int d = 0; d < 4; ++d) {
+           a.state.shape[d] = a.state.shape[d + 1];
+           a.state.stride[d] = a.state.stride[d + 1];
+         }
+       },
+       "`state` must be contiguous in its [HV, V, K] inner dimensions; got strides (9216, 1536, 1, "
+       "48)"},
       {"indices shape", [](VerifyArgs& a, VerifySetup&) { a.state_indices = t_short.view(); },
        "`state_indices` must have shape [N]=(3,); got (2,)"},
       {"indices dtype", [](VerifyArgs& a, VerifySetup&) { a.state_indices = t_float.view(); },
        "`state_indices` must have dtype int32 or int64; got float32"},
       {"slot range", [](VerifyArgs& a, VerifySetup&) { a.state_indices = t_big.view(); },
-       "`state_indices`[1]=99 is out of range for a state pool of 6 slots (valid: 0..5; < 0 marks a padded row)"},
+       "`state_indices`[1]=99 is out of range for a state pool of 6 slots (valid: 0..5; < 0 marks "
+       "a padded row)"},
       {"table shape", [](VerifyArgs& a, VerifySetup&) { a.token_state_indices = t_short.view(); },
        "`token_state_indices` must have shape [N, >= T]=(3, >= 1); got (2,)"},
       {"table columns", [](VerifyArgs& a, VerifySetup&) { a.token_state_indices = t_bad2d.view(); },
        "sequence 0 has 4 tokens but `token_state_indices` has 2 columns"},
-      {"accepted without table", [](VerifyArgs& a, VerifySetup&) { a.num_accepted_tokens = t_acc.view(); },
-       "`num_accepted_tokens` selects each sequence's starting slot from `token_state_indices`, which was not given"},
-      {"accepted and indices", [](VerifyArgs& a, VerifySetup&) { a.num_accepted_tokens = t_acc.view(); a.token_state_indices = t_tbl.view(); },
+      {"accepted without table",
+       [](VerifyArgs& a, VerifySetup&) { a.num_accepted_tokens = t_acc.view(); },
+       "`num_accepted_tokens` selects each sequence's starting slot from `token_state_indices`, "
+       "which was not given"},
+      {"accepted and indices",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.num_accepted_tokens = t_acc.view();
+         a.token_state_indices = t_tbl.view();
+       },
        "`state_indices` and `num_accepted_tokens` both choose the starting slot; give one"},
-      {"accepted range", [](VerifyArgs& a, VerifySetup&) { a.state_indices.reset(); a.num_accepted_tokens = t_acc.view(); a.token_state_indices = t_tbl.view(); },
+      {"accepted range",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.state_indices.reset();
+         a.num_accepted_tokens = t_acc.view();
+         a.token_state_indices = t_tbl.view();
+       },
        "`num_accepted_tokens`[1]=0 must be within [1, 5] (the columns of `token_state_indices`)"},
-      {"table slot range", [](VerifyArgs& a, VerifySetup&) { a.state_indices.reset(); a.token_state_indices = t_tbl.view(); },
-       "`token_state_indices`[1, 1]=6 is out of range for a state pool of 6 slots (valid: 0..5; < 0 marks a padded row)"},
-      {"output and table", [](VerifyArgs& a, VerifySetup&) { a.output_state_indices = t_acc.view(); a.token_state_indices = t_tbl.view(); },
-       "`output_state_indices` and `token_state_indices` both place states in the pool; with per-token slots the last token's slot holds the final state"},
+      {"table slot range",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.state_indices.reset();
+         a.token_state_indices = t_tbl.view();
+       },
+       "`token_state_indices`[1, 1]=6 is out of range for a state pool of 6 slots (valid: 0..5; < "
+       "0 marks a padded row)"},
+      {"output and table",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.output_state_indices = t_acc.view();
+         a.token_state_indices = t_tbl.view();
+       },
+       "`output_state_indices` and `token_state_indices` both place states in the pool; with "
+       "per-token slots the last token's slot holds the final state"},
       {"output range", [](VerifyArgs& a, VerifySetup&) { a.output_state_indices = t_big.view(); },
-       "`output_state_indices`[1]=99 is out of range for a state pool of 6 slots (valid: 0..5; < 0 marks a padded row)"},
-      {"output duplicate", [](VerifyArgs& a, VerifySetup&) { a.output_state_indices = t_acc.view(); },
+       "`output_state_indices`[1]=99 is out of range for a state pool of 6 slots (valid: 0..5; < 0 "
+       "marks a padded row)"},
+      {"output duplicate",
+       [](VerifyArgs& a, VerifySetup&) { a.output_state_indices = t_acc.view(); },
        "`output_state_indices` uses slot 1 for rows 0 and 2; each live row needs its own slot"},
-      {"rows without buffer", [](VerifyArgs& a, VerifySetup& su) { a.intermediate_states.reset(); a.intermediate_state_indices = su.rows.view(); },
+      {"rows without buffer",
+       [](VerifyArgs& a, VerifySetup& su) {
+         a.intermediate_states.reset();
+         a.intermediate_state_indices = su.rows.view();
+       },
        "`intermediate_state_indices` index an `intermediate_states` buffer, which was not given"},
-      {"rows count", [](VerifyArgs& a, VerifySetup&) { a.intermediate_state_indices = t_short.view(); },
-       "The number of intermediate state indices is expected to be equal to the number of input sequences, i.e., 3 != 2."},
-      {"row range", [](VerifyArgs& a, VerifySetup&) { a.intermediate_state_indices = t_rows_big.view(); },
-       "`intermediate_state_indices`[2]=7 is out of range for an intermediate-state buffer of 5 rows (valid: 0..4; < 0 marks a padded row)"},
-      {"buffer ndim", [](VerifyArgs& a, VerifySetup&) { a.intermediate_states = t_inter4.view(); a.intermediate_states->ndim = 4; },
+      {"rows count",
+       [](VerifyArgs& a, VerifySetup&) { a.intermediate_state_indices = t_short.view(); },
+       "The number of intermediate state indices is expected to be equal to the number of input "
+       "sequences, i.e., 3 != 2."},
+      {"row range",
+       [](VerifyArgs& a, VerifySetup&) { a.intermediate_state_indices = t_rows_big.view(); },
+       "`intermediate_state_indices`[2]=7 is out of range for an intermediate-state buffer of 5 "
+       "rows (valid: 0..4; < 0 marks a padded row)"},
+      {"buffer ndim",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.intermediate_states = t_inter4.view();
+         a.intermediate_states->ndim = 4;
+       },
        "`intermediate_states` must be a 5D tensor [N_scr, T_alloc, HV, V, K] (got ndim=4)."},
-      {"buffer steps", [](VerifyArgs& a, VerifySetup&) { a.intermediate_states = t_inter_short.view(); },
+      {"buffer steps",
+       [](VerifyArgs& a, VerifySetup&) { a.intermediate_states = t_inter_short.view(); },
        "sequence 0 has 4 tokens but `intermediate_states` holds 3 steps per row"},
-      {"tree without buffer", [](VerifyArgs& a, VerifySetup& su) { a.intermediate_states.reset(); a.intermediate_state_indices.reset(); a.parent_tokens = su.parents.view(); },
-       "`parent_tokens` (an EAGLE tree) needs `intermediate_states`: each token reads its parent's state back from there"},
+      {"tree without buffer",
+       [](VerifyArgs& a, VerifySetup& su) {
+         a.intermediate_states.reset();
+         a.intermediate_state_indices.reset();
+         a.parent_tokens = su.parents.view();
+       },
+       "`parent_tokens` (an EAGLE tree) needs `intermediate_states`: each token reads its parent's "
+       "state back from there"},
       {"parent order", [](VerifyArgs& a, VerifySetup&) { a.parent_tokens = t_par.view(); },
        "`parent_tokens`[2, 3]=3 must be an earlier token (< 3), or < 0 for the initial state"},
   };
@@ -438,8 +506,10 @@ TEST(CommitContract, EveryErrorText) {
   Tensor inter16 = Tensor::contiguous(bf16, {3, 2, s.HV, s.V, s.K});
   Tensor layered_pool = Tensor::contiguous(f32, {2, 4, s.HV, s.V, s.K});
   Tensor layered_inter = Tensor::contiguous(f32, {3, 3, 2, s.HV, s.V, s.K});
-  Tensor idx = index_tensor({0, 1, 2}), idx_big = index_tensor({0, 9, 2}), idx_dup = index_tensor({1, 1, 2});
-  Tensor acc = index_tensor({1, 2, 0}), acc_big = index_tensor({1, 3, 0}), short_idx = index_tensor({0});
+  Tensor idx = index_tensor({0, 1, 2}), idx_big = index_tensor({0, 9, 2}),
+         idx_dup = index_tensor({1, 1, 2});
+  Tensor acc = index_tensor({1, 2, 0}), acc_big = index_tensor({1, 3, 0}),
+         short_idx = index_tensor({0});
   Tensor rows_big = index_tensor({0, 1, 5});
   struct E {
     const char* what;
@@ -447,20 +517,34 @@ TEST(CommitContract, EveryErrorText) {
     std::string text;
   };
   const std::vector<E> cases = {
-      {"state ndim", [&](CommitArgs& a) { a.state = inter.view(); a.state.ndim = 3; },
+      {"state ndim",
+       [&](CommitArgs& a) {
+         a.state = inter.view();
+         a.state.ndim = 3;
+       },
        "`state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got ndim=3)."},
       {"buffer ndim", [&](CommitArgs& a) { a.intermediate_states = pool.view(); },
        "`intermediate_states` must be [N_scr, T_alloc, HV, V, K] (got ndim=4)."},
-      {"layers", [&](CommitArgs& a) { a.state = layered_pool.view(); a.intermediate_states = layered_inter.view(); },
+      {"layers",
+       [&](CommitArgs& a) {
+         a.state = layered_pool.view();
+         a.intermediate_states = layered_inter.view();
+       },
        "`intermediate_states` has 3 layers and `state` 2; they must match"},
       {"dtype", [&](CommitArgs& a) { a.intermediate_states = inter16.view(); },
        "`intermediate_states` must have the dtype of `state` (float32); got bfloat16"},
       {"accepted shape", [&](CommitArgs& a) { a.accepted = short_idx.view(); },
        "`accepted` must have shape [N]=(3,); got (1,)"},
       {"slot range", [&](CommitArgs& a) { a.state_indices = idx_big.view(); },
-       "`state_indices`[1]=9 is out of range for a state pool of 4 slots (valid: 0..3; < 0 marks a padded row)"},
-      {"row range", [&](CommitArgs& a) { a.intermediate_state_indices = rows_big.view(); a.accepted = idx.view(); },
-       "`intermediate_state_indices`[2]=5 is out of range for an intermediate-state buffer of 3 rows (valid: 0..2; < 0 marks a padded row)"},
+       "`state_indices`[1]=9 is out of range for a state pool of 4 slots (valid: 0..3; < 0 marks a "
+       "padded row)"},
+      {"row range",
+       [&](CommitArgs& a) {
+         a.intermediate_state_indices = rows_big.view();
+         a.accepted = idx.view();
+       },
+       "`intermediate_state_indices`[2]=5 is out of range for an intermediate-state buffer of 3 "
+       "rows (valid: 0..2; < 0 marks a padded row)"},
       {"step range", [&](CommitArgs& a) { a.accepted = acc_big.view(); },
        "`accepted`[1]=3 needs step 2 but `intermediate_states` holds 2 steps per row"},
       {"duplicate", [&](CommitArgs& a) { a.state_indices = idx_dup.view(); },

@@ -27,8 +27,7 @@ IndexTable index_table(Contract& c, const char* name, const TensorView& t, int64
                        int64_t min_cols) {
   if (t.ndim != 2 || t.shape[0] != n || t.shape[1] < min_cols)
     fail(format("`%s` must have shape [N, >= T]=(%lld, >= %lld); got %s", name,
-                static_cast<long long>(n), static_cast<long long>(min_cols),
-                shape_str(t).c_str()));
+                static_cast<long long>(n), static_cast<long long>(min_cols), shape_str(t).c_str()));
   c.index_dtype(name, t);
   c.device(name, t);
   return {t.data, t.dtype, t.stride[0], t.stride[1], t.shape[1]};
@@ -46,21 +45,22 @@ void check_state_block(Contract& c, const char* name, const TensorView& t, int l
                 static_cast<long long>(c.get("HV")), static_cast<long long>(c.get("V")),
                 static_cast<long long>(c.get("K")), shape_str(t).c_str()));
   if (t.stride[lead] != V * K || t.stride[lead + 1] != K || t.stride[lead + 2] != 1)
-    fail(format("`%s` must be contiguous in its [HV, V, K] inner dimensions; got strides %s",
-                name, stride_str(t).c_str()));
+    fail(format("`%s` must be contiguous in its [HV, V, K] inner dimensions; got strides %s", name,
+                stride_str(t).c_str()));
   c.floating(name, t);
   c.device(name, t);
 }
 
 [[noreturn]] void fail_range(const char* name, int64_t row, int64_t col, int64_t value,
                              const char* what, const char* unit, int64_t limit) {
-  const std::string at = col < 0 ? format("[%lld]", static_cast<long long>(row))
-                                 : format("[%lld, %lld]", static_cast<long long>(row),
-                                          static_cast<long long>(col));
-  fail(format("`%s`%s=%lld is out of range for %s of %lld %s (valid: 0..%lld; < 0 marks a padded "
-              "row)",
-              name, at.c_str(), static_cast<long long>(value), what, static_cast<long long>(limit),
-              unit, static_cast<long long>(limit - 1)));
+  const std::string at =
+      col < 0 ? format("[%lld]", static_cast<long long>(row))
+              : format("[%lld, %lld]", static_cast<long long>(row), static_cast<long long>(col));
+  fail(
+      format("`%s`%s=%lld is out of range for %s of %lld %s (valid: 0..%lld; < 0 marks a padded "
+             "row)",
+             name, at.c_str(), static_cast<long long>(value), what, static_cast<long long>(limit),
+             unit, static_cast<long long>(limit - 1)));
 }
 
 int64_t seq_len_host(const RecurrentProblem& r, int64_t n) {
@@ -79,12 +79,14 @@ void check_verify_host(const VerifyProblem& p) {
     if (p.num_accepted.ptr) {
       const int64_t a = p.num_accepted.at(n, 0);
       if (a < 1 || a > p.token_slots.cols)
-        fail(format("`num_accepted_tokens`[%lld]=%lld must be within [1, %lld] (the columns of "
-                    "`token_state_indices`)",
-                    static_cast<long long>(n), static_cast<long long>(a),
-                    static_cast<long long>(p.token_slots.cols)));
+        fail(
+            format("`num_accepted_tokens`[%lld]=%lld must be within [1, %lld] (the columns of "
+                   "`token_state_indices`)",
+                   static_cast<long long>(n), static_cast<long long>(a),
+                   static_cast<long long>(p.token_slots.cols)));
       start = p.token_slots.at(n, a - 1);
-      if (start >= slots) fail_range("token_state_indices", n, a - 1, start, "a state pool", "slots", slots);
+      if (start >= slots)
+        fail_range("token_state_indices", n, a - 1, start, "a state pool", "slots", slots);
     } else {
       start = r.indices ? index_at(r.indices, r.index_dtype, r.index_stride, n) : n;
       if (start >= slots) fail_range("state_indices", n, -1, start, "a state pool", "slots", slots);
@@ -111,10 +113,11 @@ void check_verify_host(const VerifyProblem& p) {
         fail_range(p.inter_indices.ptr ? "intermediate_state_indices" : "intermediate_states", n,
                    -1, row, "an intermediate-state buffer", "rows", p.inter_rows);
       if (row >= 0 && len > p.inter_steps)
-        fail(format("sequence %lld has %lld tokens but `intermediate_states` holds %lld steps "
-                    "per row",
-                    static_cast<long long>(n), static_cast<long long>(len),
-                    static_cast<long long>(p.inter_steps)));
+        fail(
+            format("sequence %lld has %lld tokens but `intermediate_states` holds %lld steps "
+                   "per row",
+                   static_cast<long long>(n), static_cast<long long>(len),
+                   static_cast<long long>(p.inter_steps)));
     }
     if (p.parents.ptr && row >= 0) {
       if (len > p.parents.cols)
@@ -124,10 +127,11 @@ void check_verify_host(const VerifyProblem& p) {
       for (int64_t t = 1; t < len; ++t) {
         const int64_t par = p.parents.at(n, t);
         if (par >= t)
-          fail(format("`parent_tokens`[%lld, %lld]=%lld must be an earlier token (< %lld), or "
-                      "< 0 for the initial state",
-                      static_cast<long long>(n), static_cast<long long>(t),
-                      static_cast<long long>(par), static_cast<long long>(t)));
+          fail(
+              format("`parent_tokens`[%lld, %lld]=%lld must be an earlier token (< %lld), or "
+                     "< 0 for the initial state",
+                     static_cast<long long>(n), static_cast<long long>(t),
+                     static_cast<long long>(par), static_cast<long long>(t)));
       }
     }
   }
@@ -179,8 +183,9 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   }
   if (args.num_accepted_tokens) {
     if (!args.token_state_indices)
-      fail("`num_accepted_tokens` selects each sequence's starting slot from "
-           "`token_state_indices`, which was not given");
+      fail(
+          "`num_accepted_tokens` selects each sequence's starting slot from "
+          "`token_state_indices`, which was not given");
     if (args.state_indices)
       fail("`state_indices` and `num_accepted_tokens` both choose the starting slot; give one");
     p.num_accepted = index_vector(c, "num_accepted_tokens", *args.num_accepted_tokens, N);
@@ -191,14 +196,16 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
     r.index_dtype = t.dtype;
     r.index_stride = t.row_stride;
   } else if (!args.num_accepted_tokens && args.state.shape[0] < N) {
-    fail(format("without `state_indices` sequence n starts from slot n: the pool needs at least "
-                "N=%lld slots (got %lld)",
-                static_cast<long long>(N), static_cast<long long>(args.state.shape[0])));
+    fail(
+        format("without `state_indices` sequence n starts from slot n: the pool needs at least "
+               "N=%lld slots (got %lld)",
+               static_cast<long long>(N), static_cast<long long>(args.state.shape[0])));
   }
   if (args.output_state_indices) {
     if (args.token_state_indices)
-      fail("`output_state_indices` and `token_state_indices` both place states in the pool; with "
-           "per-token slots the last token's slot holds the final state");
+      fail(
+          "`output_state_indices` and `token_state_indices` both place states in the pool; with "
+          "per-token slots the last token's slot holds the final state");
     p.output_indices = index_vector(c, "output_state_indices", *args.output_state_indices, N);
   }
   if (args.intermediate_states) {
@@ -213,20 +220,22 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   }
   if (args.intermediate_state_indices) {
     if (!args.intermediate_states)
-      fail("`intermediate_state_indices` index an `intermediate_states` buffer, which was not "
-           "given");
+      fail(
+          "`intermediate_state_indices` index an `intermediate_states` buffer, which was not "
+          "given");
     const TensorView& t = *args.intermediate_state_indices;
     if (t.ndim != 1 || t.shape[0] != N)
-      fail(format("The number of intermediate state indices is expected to be equal to the "
-                  "number of input sequences, i.e., %lld != %lld.",
-                  static_cast<long long>(N),
-                  static_cast<long long>(t.ndim == 1 ? t.shape[0] : t.numel())));
+      fail(format(
+          "The number of intermediate state indices is expected to be equal to the "
+          "number of input sequences, i.e., %lld != %lld.",
+          static_cast<long long>(N), static_cast<long long>(t.ndim == 1 ? t.shape[0] : t.numel())));
     p.inter_indices = index_vector(c, "intermediate_state_indices", t, N);
   }
   if (args.parent_tokens) {
     if (!args.intermediate_states)
-      fail("`parent_tokens` (an EAGLE tree) needs `intermediate_states`: each token reads its "
-           "parent's state back from there");
+      fail(
+          "`parent_tokens` (an EAGLE tree) needs `intermediate_states`: each token reads its "
+          "parent's state back from there");
     p.parents = index_table(c, "parent_tokens", *args.parent_tokens, N, 1);
   }
   c.check_devices("All inputs must be on the same device", true);
@@ -273,10 +282,10 @@ CommitProblem validate_commit(const CommitArgs& args) {
                 static_cast<long long>(in.shape[0]), static_cast<long long>(st.shape[0])));
   if (in.dtype != st.dtype)
     fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
-                dtype_mark(dtype_name(st.dtype)).c_str(), dtype_mark(dtype_name(in.dtype)).c_str()));
+                dtype_mark(dtype_name(st.dtype)).c_str(),
+                dtype_mark(dtype_name(in.dtype)).c_str()));
   const TensorView& idx = args.state_indices;
-  if (idx.ndim != 1)
-    fail(format("`state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
+  if (idx.ndim != 1) fail(format("`state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
   const int64_t B = idx.shape[0];
   CommitProblem p;
   p.slots = index_vector(c, "state_indices", idx, B);
@@ -310,15 +319,17 @@ CommitProblem validate_commit(const CommitArgs& args) {
       const int64_t slot = p.slots.at(b, 0);
       const int64_t row = p.rows.ptr ? p.rows.at(b, 0) : b;
       if (step < 0 || slot < 0 || row < 0) continue;  // nothing accepted, or padding
-      if (slot >= p.num_slots) fail_range("state_indices", b, -1, slot, "a state pool", "slots", p.num_slots);
+      if (slot >= p.num_slots)
+        fail_range("state_indices", b, -1, slot, "a state pool", "slots", p.num_slots);
       if (row >= p.inter_rows)
         fail_range(p.rows.ptr ? "intermediate_state_indices" : "intermediate_states", b, -1, row,
                    "an intermediate-state buffer", "rows", p.inter_rows);
       if (step >= p.inter_steps)
-        fail(format("`accepted`[%lld]=%lld needs step %lld but `intermediate_states` holds %lld "
-                    "steps per row",
-                    static_cast<long long>(b), static_cast<long long>(p.accepted.at(b, 0)),
-                    static_cast<long long>(step), static_cast<long long>(p.inter_steps)));
+        fail(
+            format("`accepted`[%lld]=%lld needs step %lld but `intermediate_states` holds %lld "
+                   "steps per row",
+                   static_cast<long long>(b), static_cast<long long>(p.accepted.at(b, 0)),
+                   static_cast<long long>(step), static_cast<long long>(p.inter_steps)));
     }
     check_slot_indices_host("state_indices", idx.data, idx.dtype, B, p.slots.row_stride,
                             p.num_slots);

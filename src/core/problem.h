@@ -82,7 +82,12 @@ struct DeviceErrorRecord {
   long long index;  // the bad value (slot index or cursor)
   long long limit;  // the pool's slots (or the ring length L)
 };
-enum DeviceErrorOp : int { kErrOpRecurrent = 1, kErrOpReplay = 2, kErrOpVerify = 3, kErrOpCommit = 4 };
+enum DeviceErrorOp : int {
+  kErrOpRecurrent = 1,
+  kErrOpReplay = 2,
+  kErrOpVerify = 3,
+  kErrOpCommit = 4
+};
 // kErrRow: a scratch row >= N_scr; kErrStep: a step or length past T_alloc or a table's columns,
 // num_accepted outside [1, columns], a parent token >= its token (verify and commit).
 enum DeviceErrorKind : int { kErrSlot = 1, kErrCursor = 2, kErrRow = 3, kErrStep = 4 };
@@ -196,16 +201,17 @@ struct IndexTable {  // [rows, cols] int32/int64, entry (r, c) at r*row_stride +
   }
 };
 struct VerifyProblem {
-  RecurrentProblem r;  // final_state is null; r.state is the pool (never null)
-  IndexTable output_indices;        // [N, 1]: final state's slot; null: the starting slot
-  void* inter = nullptr;            // [rows, steps, HV, V, K]
+  RecurrentProblem r;         // final_state is null; r.state is the pool (never null)
+  IndexTable output_indices;  // [N, 1]: final state's slot; null: the starting slot
+  void* inter = nullptr;      // [rows, steps, HV, V, K]
   DType inter_dtype = DType::f32;
   int64_t inter_row_stride = 0, inter_step_stride = 0;  // elements
   int64_t inter_rows = 0, inter_steps = 0;
-  IndexTable inter_indices;  // [N, 1] scratch row; null: row n
-  IndexTable parents;        // [N, cols]: tree
-  IndexTable token_slots;    // [N, cols]: pool slot of the state after token t
-  IndexTable num_accepted;   // [N, 1]: with token_slots, the starting slot's column + 1
+  IndexTable inter_indices;   // [N, 1] scratch row; null: row n
+  IndexTable parents;         // [N, cols]: tree
+  IndexTable token_slots;     // [N, cols]: pool slot of the state after token t
+  IndexTable num_accepted;    // [N, 1]: with token_slots, the starting slot's column + 1
+  int err_op = kErrOpVerify;  // the op a bad row is recorded under (the recurrent op runs here too)
 };
 
 // The commit after a verify (ops.h CommitArgs), every layer in one launch.

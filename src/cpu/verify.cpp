@@ -34,10 +34,10 @@ void run_verify(const VerifyProblem& p) {
     const int64_t seq = r.cu_seqlens ? 0 : n;
     const int64_t tok0 = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
     const int64_t len = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
-    const int64_t start = p.num_accepted.ptr
-                              ? p.token_slots.at(n, p.num_accepted.at(n, 0) - 1)
-                              : (r.indices ? index_at(r.indices, r.index_dtype, r.index_stride, n)
-                                           : n);
+    const int64_t start =
+        p.num_accepted.ptr
+            ? p.token_slots.at(n, p.num_accepted.at(n, 0) - 1)
+            : (r.indices ? index_at(r.indices, r.index_dtype, r.index_stride, n) : n);
     if (start < 0) {  // padded: output rows zeroed, nothing read or written
       std::fill(o.begin(), o.end(), 0.0f);
       for (int64_t t = 0; t < len; ++t)
@@ -96,8 +96,7 @@ void run_verify(const VerifyProblem& p) {
     if (r.update_state && !p.token_slots.ptr && len > 0) {
       const int64_t dst = p.output_indices.ptr ? p.output_indices.at(n, 0) : start;
       if (dst >= 0)
-        store_row(r.state.ptr, r.state.dtype, pool_at(dst), static_cast<int>(head_elems),
-                  S.data());
+        store_row(r.state.ptr, r.state.dtype, pool_at(dst), static_cast<int>(head_elems), S.data());
     }
   });
 }
@@ -111,10 +110,9 @@ void run_commit(const CommitProblem& p) {
     const int64_t row = p.rows.ptr ? p.rows.at(b, 0) : b;
     if (step < 0 || slot < 0 || row < 0) return;  // nothing accepted, or padding
     const int64_t es = dtype_size(p.dtype);
-    const char* src = static_cast<const char*>(p.inter) +
-                      (layer * p.inter_layer_stride + row * p.inter_row_stride +
-                       step * p.inter_step_stride) *
-                          es;
+    const char* src =
+        static_cast<const char*>(p.inter) +
+        (layer * p.inter_layer_stride + row * p.inter_row_stride + step * p.inter_step_stride) * es;
     char* dst = static_cast<char*>(p.state) +
                 (layer * p.state_layer_stride + slot * p.state_slot_stride) * es;
     std::memcpy(dst, src, static_cast<size_t>(bytes));

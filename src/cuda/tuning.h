@@ -24,6 +24,10 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 
+// Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
+// head's rows, 4 resident per SM (at most 128 registers per thread); tokens prepared 8 at a time.
+constexpr int kMultiWarps = 4, kMultiCtasPerSm = 4, kMultiChunk = 8;
+
 // ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
 // SMs; else 4.
@@ -90,6 +94,15 @@ inline PrefillChoice forced_prefill_kernel() {
                                                 : PrefillChoice::automatic;
   }();
   return forced;
+}
+// DELTASTATE_CUDA_MULTI=direct: the recurrent op's multi-token sequences on the direct kernel
+// instead of the multi-token kernel (tests run both; benchmarks compare them).
+inline bool multi_token_disabled() {
+  static const bool off = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_MULTI");
+    return e && std::strcmp(e, "direct") == 0;
+  }();
+  return off;
 }
 // DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).
 inline int forced_pdl_trigger() {
