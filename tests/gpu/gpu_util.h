@@ -101,4 +101,12 @@ class Mirror {
   std::map<const void*, Buf> bufs_;
 };
 
+// GPU vs CPU comparisons: each backend rounded its own fp32 result (tests/gpu/test_cuda_ops.cpp).
+inline constexpr Tol kFp32StateTol{1e-5, 1e-4};
+inline ::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu,
+                                               const std::vector<double>& cpu, Tol tol,
+                                               DType stored) {
+  return all_close(gpu, cpu, tol, stored, /*rounded=*/2);
+}
+
 }  // namespace dstest

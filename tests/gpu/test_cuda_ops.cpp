@@ -27,13 +27,6 @@ using deltastate::PackedDecodeArgs;
 using deltastate::RecurrentArgs;
 using deltastate::ReplayDecodeArgs;
 
-// GPU vs CPU comparisons (see the file comment).
-constexpr Tol kFp32StateTol{1e-5, 1e-4};
-::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu,
-                                        const std::vector<double>& cpu, Tol tol, DType stored) {
-  return all_close(gpu, cpu, tol, stored, /*rounded=*/2);
-}
-
 std::vector<MemRange> live_slot_ranges(const TensorView& pool, const std::vector<int64_t>& slots) {
   std::vector<MemRange> r;
   for (int64_t s : slots)

@@ -110,7 +110,7 @@ VerifyArgs verify_args(const VerifyInputs& in, Mode mode, ViewOf&& view_of) {
   return a;
 }
 
-Tol state_tol_gpu(DType t) { return t == DType::f32 ? Tol{1e-5, 1e-4} : state_tol(t); }
+Tol state_tol_gpu(DType t) { return t == DType::f32 ? kFp32StateTol : state_tol(t); }
 
 class VerifyGpuVsCpu : public GpuParamTest<GpuVerifyCase> {};
 
