@@ -1027,11 +1027,10 @@ def _sglang_verify_prepare(op, a, softplus_beta, softplus_threshold, q, k, v, b,
         state = _zeros_state(q, (max(n, 1), vs[2], vs[3], K))
         indices, update = None, False
     inter = intermediate_states_buffer
-    if inter is not None:
-        shape = _shape(inter)
-        steps = cache_steps if cache_steps is not None else (shape[1] if len(shape) == 5 else 1)
-        if len(shape) != 5 or shape[1] != steps:
-            inter = inter.reshape(-1, int(steps), *shape[-3:])
+    if inter is not None and len(_shape(inter)) != 5:  # a flat [N_scr * cache_steps, HV, V, K]
+        # SGLang's per-request pitch is the buffer's allocated steps (shape[1]) when it has that
+        # dim; a flat buffer is cut into rows of cache_steps.
+        inter = inter.reshape(-1, int(cache_steps or 1), *_shape(inter)[-3:])
     return g, beta, output, state, indices, update, inter, retrieve_parent_token
 
 
@@ -1039,8 +1038,10 @@ def _sglang_verify() -> Op:
     doc = """SGLang's ``fused_sigmoid_gating_delta_rule_update`` (decode, varlen and target
     verify, GDN and KDA) on the verify op. Returns a new ``o`` [B, T, HV, V] (q's dtype); the
     pool ``initial_state_source`` is updated in place unless disable_state_update;
-    intermediate_states_buffer [N_scr, cache_steps, HV, V, K] receives the state after each
-    token at row intermediate_state_indices[n] (< 0: none); retrieve_parent_token [N, T] makes
+    intermediate_states_buffer [N_scr, T_alloc, HV, V, K] receives the state after each token at
+    row intermediate_state_indices[n] (< 0: none), step t (the row pitch is T_alloc, as SGLang's;
+    cache_steps only cuts a flat [N_scr * cache_steps, HV, V, K] buffer); retrieve_parent_token
+    [N, T] makes
     each sequence an EAGLE tree. Differences: a sequence whose index is < 0 gets a zero output
     (SGLang computes one from a zero state); a parent < 0 at t > 0 starts from the initial state;
     softplus_beta / softplus_threshold other than 1 / 20 raise NotImplementedError."""
