@@ -11,7 +11,8 @@
 #                                      profile-replay-source, profile-decode-source,
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
-#                                      sanitize-prefill, bench-prefill, test-verify
+#                                      sanitize-prefill, bench-prefill, test-verify,
+#                                      bench-verify
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -213,6 +214,13 @@ for phase in "${phases[@]}"; do
       ;;
     bench-replay)
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}
+      ;;
+    bench-verify)  # the multi-token recurrent op and verify beside FLA (VERIFY_ARGS adds options:
+      # --models, --dtypes, --tokens, --batches, --modes, --no-peer, --flashinfer), then the
+      # recurrent op on the direct kernel (DELTASTATE_CUDA_MULTI=direct) for the before/after
+      run bench-verify python3 bench/bench_verify.py --json "$OUT/verify-h200.json" ${VERIFY_ARGS:-}
+      DELTASTATE_CUDA_MULTI=direct run bench-verify python3 bench/bench_verify.py --modes recurrent \
+        --no-peer --json "$OUT/verify-direct.json" ${VERIFY_ARGS:-}
       ;;
     bench-pdl)  # small batches with programmatic dependent launch (ours only; B <= 64), the
       # next grid let in by the launcher's rule (auto), early (1) or at exit (2), beside pdl=False
