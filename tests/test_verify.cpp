@@ -70,19 +70,7 @@ VerifySetup make_setup(Rng& rng, const VerifyCase& c) {
 }
 
 VerifyArgs base_args(const VerifySetup& su) {
-  const deltastate::RecurrentArgs ra = su.rb.args(host_view);
-  VerifyArgs a;
-  a.q = ra.q;
-  a.k = ra.k;
-  a.v = ra.v;
-  a.g = ra.g;
-  a.beta = ra.beta;
-  a.out = ra.out;
-  a.is_kda = su.rb.spec.kda;
-  a.A_log = ra.A_log;
-  a.dt_bias = ra.dt_bias;
-  a.lower_bound = ra.lower_bound;
-  a.cu_seqlens = ra.cu_seqlens;
+  VerifyArgs a = verify_inputs(su.rb.args(host_view), su.rb.spec.kda);
   a.state = su.pool.view();
   return a;
 }
@@ -367,6 +355,7 @@ TEST(VerifyContract, EveryErrorText) {
   static Tensor t_rows_big = index_tensor({0, 1, 7});
   static Tensor t_inter4 = Tensor::contiguous(DType::f32, {3, 6, 48, 32});
   static Tensor t_inter_short = Tensor::contiguous(DType::f32, {5, 3, 6, 48, 32});
+  static Tensor t_inter16 = Tensor::contiguous(DType::bf16, {5, 5, 6, 48, 32});
   static Tensor t_inter_strided =
       Tensor::strided(DType::f32, {5, 5, 6, 48, 32}, {5 * 9216, 9216, 1536, 1, 48});
   for (int64_t t = 0; t < 5; ++t)
@@ -469,6 +458,9 @@ TEST(VerifyContract, EveryErrorText) {
          a.intermediate_states->ndim = 4;
        },
        "`intermediate_states` must be a 5D tensor [N_scr, T_alloc, HV, V, K] (got ndim=4)."},
+      {"buffer dtype",
+       [](VerifyArgs& a, VerifySetup&) { a.intermediate_states = t_inter16.view(); },
+       "`intermediate_states` must have the dtype of `state` (float32); got bfloat16"},
       {"buffer steps",
        [](VerifyArgs& a, VerifySetup&) { a.intermediate_states = t_inter_short.view(); },
        "sequence 0 has 4 tokens but `intermediate_states` holds 3 steps per row"},

@@ -277,8 +277,8 @@ int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args);
 // [slots, HV, V, K] (compact inner strides, any slot stride); state_indices [N] the slot each
 // sequence starts from (< 0: padded: output rows zero, nothing read or written, no intermediate
 // or per-token state stored), unless num_accepted_tokens selects it from token_state_indices.
-// intermediate_states may have any strides in its first two dims and compact inner dims; its
-// dtype is free (each state rounded on store). Per-token slot entries < 0 are skipped.
+// intermediate_states has the state's dtype, any strides in its first two dims and compact inner
+// dims (each state rounded on store, as the pool's). Per-token slot entries < 0 are skipped.
 // A bad index (a slot >= slots, a scratch row >= N_scr, a sequence longer than T_alloc or than
 // a table's columns, num_accepted outside [1, columns], a parent >= t): on CPU tensors a
 // ValueError before anything is written; on CUDA the row is skipped as padded, its outputs NaN,

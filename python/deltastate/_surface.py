@@ -26,6 +26,7 @@ entry here.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
@@ -250,8 +251,9 @@ def _packed(kda: bool) -> Op:
 
 # ---- recurrent (B,T and varlen): FlashInfer's recurrent_kda surface ----------------------------
 _FLASHINFER_BACKENDS = ("auto", "cute-dsl", "cake")
-_SPEC = ("(speculative decode) is not implemented in deltastate yet (it arrives with the verify "
-         "op); pass None")
+_SPEC = ("(speculative decode) is not wired to recurrent_kda in deltastate; its per-token slots "
+         "and num_accepted_tokens run through deltastate.verify(token_state_indices=..., "
+         "num_accepted_tokens=...); pass None")
 _PREFILL = "(a FlashInfer prefill-backend option) is not implemented in deltastate; pass None"
 
 
@@ -952,37 +954,51 @@ _VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind S
     token_state_indices[n, num_accepted[n] - 1] (vLLM). Returns ``output``."""
 
 
+# Every argument of the verify binding, as the public functions take them; `_hidden` makes the
+# op-only ones of a peer's surface from it (filled by the entry's prepare step or defaulted).
+_VERIFY_ARGS = {a.name: a for a in (
+    Arg("q", TENSOR, dtypes=FLOATING),
+    Arg("k", TENSOR, dtypes=FLOATING),
+    Arg("v", TENSOR, dtypes=FLOATING),
+    Arg("g", TENSOR, dtypes=FLOATING),
+    Arg("beta", TENSOR, dtypes=FLOATING),
+    Arg("output", TENSOR, dtypes=FLOATING, mutated=True),
+    Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+    Arg("state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
+    Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
+    Arg("scale", OPT_FLOAT, None),
+    Arg("is_kda", BOOL, False),
+    Arg("use_gate_in_kernel", BOOL, True),
+    Arg("lower_bound", OPT_FLOAT, None),
+    Arg("beta_is_logit", BOOL, True),
+    Arg("use_qk_l2norm_in_kernel", BOOL, True),
+    Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("update_state", BOOL, True),
+    Arg("output_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("intermediate_states", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+    Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("parent_tokens", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("token_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("num_accepted_tokens", OPT_TENSOR, None, dtypes=INDEX),
+)}
+
+
+def _hidden(public_op_args, shown_as=(), **defaults) -> Tuple[Arg, ...]:
+    """The verify binding's arguments a peer's surface does not take itself, op-only: each with
+    the public argument it comes from (`shown_as`, in errors) and its default (`defaults`)."""
+    shown = dict(shown_as)
+    return tuple(dataclasses.replace(a, public=False, shown_as=shown.get(a.name),
+                                     default=defaults.get(a.name, a.default))
+                 for a in _VERIFY_ARGS.values() if a.name not in public_op_args)
+
+
 def _verify_core() -> Op:
     return Op(
         name="verify",
         public="verify",
         doc=_VERIFY_DOC,
-        args=(
-            Arg("q", TENSOR, dtypes=FLOATING),
-            Arg("k", TENSOR, dtypes=FLOATING),
-            Arg("v", TENSOR, dtypes=FLOATING),
-            Arg("g", TENSOR, dtypes=FLOATING),
-            Arg("beta", TENSOR, dtypes=FLOATING),
-            Arg("output", TENSOR, dtypes=FLOATING, mutated=True),
-            Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
-            Arg("state_indices", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
-            Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
-            Arg("scale", OPT_FLOAT, None),
-            Arg("is_kda", BOOL, False),
-            Arg("use_gate_in_kernel", BOOL, True),
-            Arg("lower_bound", OPT_FLOAT, None),
-            Arg("beta_is_logit", BOOL, True),
-            Arg("use_qk_l2norm_in_kernel", BOOL, True),
-            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("update_state", BOOL, True),
-            Arg("output_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("intermediate_states", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
-            Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("parent_tokens", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("token_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("num_accepted_tokens", OPT_TENSOR, None, dtypes=INDEX),
-        ) + _KEYWORDS,
+        args=tuple(_VERIFY_ARGS.values()) + _KEYWORDS,
         returns="output",
         op_order=_VERIFY_OP_ORDER,
         schema_defaults_from="state_indices",
@@ -1071,26 +1087,13 @@ def _sglang_verify() -> Op:
             Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
             Arg("cache_steps", ANY, None, op=False),
             Arg("retrieve_parent_token", ANY, None, op=False),
-        ) + _KEYWORDS + (
-            Arg("g", TENSOR, dtypes=FLOATING, public=False),
-            Arg("beta", TENSOR, dtypes=FLOATING, public=False),
-            Arg("output", TENSOR, dtypes=FLOATING, mutated=True, public=False),
-            Arg("state", TENSOR, dtypes=FLOATING, mutated=True, public=False,
-                shown_as="initial_state_source"),
-            Arg("state_indices", OPT_TENSOR, None, dtypes=INDEX, public=False,
-                shown_as="initial_state_indices"),
-            Arg("update_state", BOOL, True, public=False),
-            Arg("intermediate_states", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, public=False,
-                shown_as="intermediate_states_buffer"),
-            Arg("parent_tokens", OPT_TENSOR, None, dtypes=INDEX, public=False,
-                shown_as="retrieve_parent_token"),
-            Arg("use_gate_in_kernel", BOOL, True, public=False),
-            Arg("lower_bound", OPT_FLOAT, None, public=False),
-            Arg("beta_is_logit", BOOL, True, public=False),
-            Arg("output_state_indices", OPT_TENSOR, None, public=False),
-            Arg("token_state_indices", OPT_TENSOR, None, public=False),
-            Arg("num_accepted_tokens", OPT_TENSOR, None, public=False),
-        ),
+        ) + _KEYWORDS + _hidden(
+            ("A_log", "dt_bias", "q", "k", "v", "scale", "use_qk_l2norm_in_kernel", "cu_seqlens",
+             "is_kda", "intermediate_state_indices"),
+            shown_as=(("g", "a"), ("beta", "b"), ("state", "initial_state_source"),
+                      ("state_indices", "initial_state_indices"),
+                      ("intermediate_states", "intermediate_states_buffer"),
+                      ("parent_tokens", "retrieve_parent_token"))),
         returns="output",
         op_order=_VERIFY_OP_ORDER,
         schema_defaults_from="state_indices",
@@ -1170,28 +1173,12 @@ def _flashinfer_mtp() -> Op:
             Arg("disable_state_update", OPT_BOOL, None, op=False),
             Arg("use_qk_l2norm", BOOL, True, op=False),
             Arg("output_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-        ) + _KEYWORDS + (
-            Arg("g", TENSOR, dtypes=FLOATING, public=False, shown_as="a"),
-            Arg("beta", TENSOR, dtypes=FLOATING, public=False, shown_as="b"),
-            Arg("state", TENSOR, dtypes=FLOATING, mutated=True, public=False,
-                shown_as="initial_state"),
-            Arg("state_indices", OPT_TENSOR, None, dtypes=INDEX, public=False,
-                shown_as="initial_state_indices"),
-            Arg("update_state", BOOL, True, public=False),
-            Arg("intermediate_states", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, public=False,
-                shown_as="intermediate_states_buffer"),
-            Arg("token_state_indices", OPT_TENSOR, None, dtypes=INDEX, public=False,
-                shown_as="ssm_state_indices"),
-            Arg("use_qk_l2norm_in_kernel", BOOL, True, public=False),
-            Arg("is_kda", BOOL, False, public=False),
-            Arg("use_gate_in_kernel", BOOL, True, public=False),
-            Arg("lower_bound", OPT_FLOAT, None, public=False),
-            Arg("beta_is_logit", BOOL, True, public=False),
-            Arg("cu_seqlens", OPT_TENSOR, None, public=False),
-            Arg("intermediate_state_indices", OPT_TENSOR, None, public=False),
-            Arg("parent_tokens", OPT_TENSOR, None, public=False),
-            Arg("num_accepted_tokens", OPT_TENSOR, None, public=False),
-        ),
+        ) + _KEYWORDS + _hidden(
+            ("q", "k", "v", "A_log", "dt_bias", "scale", "output", "output_state_indices"),
+            shown_as=(("g", "a"), ("beta", "b"), ("state", "initial_state"),
+                      ("state_indices", "initial_state_indices"),
+                      ("intermediate_states", "intermediate_states_buffer"),
+                      ("token_state_indices", "ssm_state_indices"))),
         returns=("output", "state"),
         op_order=_VERIFY_OP_ORDER,
         schema_defaults_from="state_indices",

@@ -211,6 +211,10 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   if (args.intermediate_states) {
     const TensorView& b = *args.intermediate_states;
     check_state_block(c, "intermediate_states", b, 2, "N_scr, T_alloc");
+    if (b.dtype != args.state.dtype)
+      fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
+                  dtype_mark(dtype_name(args.state.dtype)).c_str(),
+                  dtype_mark(dtype_name(b.dtype)).c_str()));
     p.inter = b.data;
     p.inter_dtype = b.dtype;
     p.inter_row_stride = b.stride[0];

@@ -39,7 +39,7 @@ struct MultiLayout {
 };
 
 template <int KT, int RPC>
-struct MultiSmem {
+struct alignas(16) MultiSmem {  // 16-byte rows: a lane's slice of q, k, alpha in vector loads
   float q[kMultiChunk][KT], k[kMultiChunk][KT], alpha[kMultiChunk][KT];
   float v[kMultiChunk][RPC];
   float beta[kMultiChunk], kq[kMultiChunk];
