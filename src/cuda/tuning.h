@@ -25,8 +25,11 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 
 // Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
-// head's rows, 4 resident per SM (at most 128 registers per thread); tokens prepared 8 at a time.
-constexpr int kMultiWarps = 4, kMultiCtasPerSm = 4, kMultiChunk = 8;
+// head's rows, tokens prepared 8 at a time; 6 resident per SM (at most 80 registers per thread:
+// 24 warps per SM keep the state loads in flight, as the decode kernel's; ptxas fits the vector
+// instantiations without spills), 4 for the generic one (K <= 256, element accesses), which
+// spills at 80.
+constexpr int kMultiWarps = 4, kMultiCtasPerSm = 6, kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
 
 // ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more

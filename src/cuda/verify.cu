@@ -38,7 +38,7 @@ void launch_multi(const VerifyProblem& problem, cudaStream_t stream) {
   if (ctas > 0x7fffffffLL) throw Error(ErrorKind::value, "verify: too many tiles for one launch");
   if (ctas == 0) return;
   VerifyProblem p = problem;
-  p.r = with_pdl_trigger(problem.r, ctas, kMultiCtasPerSm);
+  p.r = with_pdl_trigger(problem.r, ctas, kMultiResident<VEC>);
   launch_kernel(multi_token_kernel<StateT, KT, VEC>, static_cast<unsigned>(ctas), kMultiWarps * 32,
                 0, stream, p.r.pdl, p, ctas_per_head);
 }

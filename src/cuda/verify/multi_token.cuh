@@ -99,8 +99,11 @@ __device__ __forceinline__ void load_rows(const StateT* head, int row0, int V, i
 }
 
 // One CTA: kMultiWarps warps over rows [block*RPC, (block+1)*RPC) of head (n, hv).
+template <bool VEC>
+constexpr int kMultiResident = VEC ? kMultiCtasPerSm : kMultiGenericCtasPerSm;
+
 template <class StateT, int KT, bool VEC>
-__global__ void __launch_bounds__(kMultiWarps * 32, kMultiCtasPerSm)
+__global__ void __launch_bounds__(kMultiWarps * 32, kMultiResident<VEC>)
     multi_token_kernel(const VerifyProblem vp, int ctas_per_head) {
   enter_grid(vp.r.pdl_trigger_early);
   using M = MultiLayout<StateT, KT>;
@@ -129,6 +132,15 @@ __global__ void __launch_bounds__(kMultiWarps * 32, kMultiCtasPerSm)
   } else {
     start = p.indices ? detail::index_at(p.indices, p.index_dtype, p.index_stride, n) : n;
   }
+  // The state rows are loaded as soon as the slot is known to lie in the pool, ahead of the other
+  // index checks (a verify's table reads), which they then overlap; a bad row discards them.
+  const int64_t head_elems = static_cast<int64_t>(V) * K;
+  StateT* pool = static_cast<StateT*>(p.state.ptr) + static_cast<int64_t>(hv) * head_elems;
+  StateT* inter = static_cast<StateT*>(vp.inter);
+  float S[R][EPL];
+  const bool in_pool = start >= 0 && start < p.state.num_slots;
+  load_rows<StateT, EPL, R, RG, VEC>(pool + (in_pool ? start : 0) * p.state.slot_stride, row0,
+                                     in_pool ? V : 0, K, kofs, valid, S);
   const int64_t row = vp.inter ? (vp.inter_indices.ptr ? vp.inter_indices.at(n, 0) : n) : -1;
   const BadIndex bad = find_bad_index(vp, n, len, start, row);
   if (start < 0 || bad.kind) {  // padded: zero outputs; a bad index: NaN outputs, recorded
@@ -141,12 +153,6 @@ __global__ void __launch_bounds__(kMultiWarps * 32, kMultiCtasPerSm)
     return;
   }
 
-  const int64_t head_elems = static_cast<int64_t>(V) * K;
-  StateT* pool = static_cast<StateT*>(p.state.ptr) + static_cast<int64_t>(hv) * head_elems;
-  StateT* inter = static_cast<StateT*>(vp.inter);
-  float S[R][EPL];
-  load_rows<StateT, EPL, R, RG, VEC>(pool + start * p.state.slot_stride, row0, V, K, kofs, valid,
-                                     S);
   const detail::GateParams& gp = p.gate;
   const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
   const bool final_store = p.update_state && !vp.token_slots.ptr;
