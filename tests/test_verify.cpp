@@ -356,6 +356,7 @@ TEST(VerifyContract, EveryErrorText) {
   static Tensor t_inter4 = Tensor::contiguous(DType::f32, {3, 6, 48, 32});
   static Tensor t_inter_short = Tensor::contiguous(DType::f32, {5, 3, 6, 48, 32});
   static Tensor t_inter16 = Tensor::contiguous(DType::bf16, {5, 5, 6, 48, 32});
+  static Tensor t_inter_two = Tensor::contiguous(DType::f32, {2, 5, 6, 48, 32});
   static Tensor t_inter_strided =
       Tensor::strided(DType::f32, {5, 5, 6, 48, 32}, {5 * 9216, 9216, 1536, 1, 48});
   for (int64_t t = 0; t < 5; ++t)
@@ -472,6 +473,28 @@ TEST(VerifyContract, EveryErrorText) {
        },
        "`parent_tokens` (an EAGLE tree) needs `intermediate_states`: each token reads its parent's "
        "state back from there"},
+      {"parent columns", [](VerifyArgs& a, VerifySetup&) { a.parent_tokens = t_bad2d.view(); },
+       "sequence 0 has 4 tokens but `parent_tokens` has 2 columns"},
+      {"batch rows",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.intermediate_state_indices.reset();
+         a.intermediate_states = t_inter_two.view();
+       },
+       "`intermediate_states`[2]=2 is out of range for an intermediate-state buffer of 2 rows "
+       "(valid: 0..1; < 0 marks a padded row)"},
+      {"pool for slot n",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.state_indices.reset();
+         a.state = t_inter_short.view();
+         a.state.ndim = 4;
+         for (int d = 0; d < 4; ++d) {
+           a.state.shape[d] = a.state.shape[d + 1];
+           a.state.stride[d] = a.state.stride[d + 1];
+         }
+         a.state.shape[0] = 2;
+       },
+       "without `state_indices` sequence n starts from slot n: the pool needs at least N=3 slots "
+       "(got 2)"},
       {"parent order", [](VerifyArgs& a, VerifySetup&) { a.parent_tokens = t_par.view(); },
        "`parent_tokens`[2, 3]=3 must be an earlier token (< 3), or < 0 for the initial state"},
   };
@@ -515,6 +538,8 @@ TEST(CommitContract, EveryErrorText) {
          a.state.ndim = 3;
        },
        "`state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got ndim=3)."},
+      {"indices ndim", [&](CommitArgs& a) { a.state_indices = inter.view(); },
+       "`state_indices` must be 1D [B] (got ndim=5)."},
       {"buffer ndim", [&](CommitArgs& a) { a.intermediate_states = pool.view(); },
        "`intermediate_states` must be [N_scr, T_alloc, HV, V, K] (got ndim=4)."},
       {"layers",
