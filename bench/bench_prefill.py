@@ -17,6 +17,12 @@ lower_bound -5, the safe gate) where both sides take those arguments.
   FLA  : fla.ops.gated_delta_rule.chunk_gated_delta_rule, fla.ops.kda.chunk_kda (fla-core), in
          their batched [N, T] form (no cu_seqlens, whose host-side chunk indexing would stop a
          CUDA-graph capture); q/k repeated to HV heads if FLA refuses GVA.
+  FlashInfer (--flashinfer, GDN only: its SM90 prefill has no KDA): flashinfer.gdn_prefill.
+         chunk_gated_delta_rule on the packed [N*T, H, D] tensors with cu_seqlens and
+         max_seqlen = T (its context-parallel path chosen by its own "auto" rule), the decay as
+         alpha = e^g and beta in fp32 (its dtypes), the fp32 [N, HV, V, K] state in and out (its
+         layout is ours). Loaded through ../shared/peers/flashinfer's fi_import on the GPU
+         machine (FI_OK=1).
 
 Two times per call and side:
   eager_ms: launched from Python as an engine would without graphs, L2 flushed (a 2x L2 write)
@@ -180,6 +186,47 @@ def call_ours(fn, x: Inputs, gate_in_kernel: bool, A_log, dt_bias):
     return fn(x.q, x.k, x.v, x.g, x.beta, **kw)
 
 
+def flashinfer_fn():
+    import os
+    if os.environ.get("FI_OK") != "1":
+        return None, "FlashInfer not staged (FI_OK != 1)"
+    try:
+        import fi_import
+        mods, info = fi_import.load(modules=["flashinfer.gdn_prefill"])
+        mod = mods.get("flashinfer.gdn_prefill")
+        if mod is None:
+            return None, f"flashinfer.gdn_prefill not importable: {info.get('errors')}"
+        return mod.chunk_gated_delta_rule, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"FlashInfer not importable: {type(e).__name__}: {e}"
+
+
+class FlashInferCall:
+    """FlashInfer's GDN prefill on one input set (packed tokens, alpha = e^g, fp32 beta)."""
+
+    def __init__(self, fn):
+        self.fn, self.cache = fn, {}
+
+    def packed(self, x: Inputs):
+        key = id(x)
+        if key not in self.cache:
+            N, T, H, _ = x.q.shape
+            HV = x.v.shape[2]
+            self.cache[key] = dict(
+                q=x.q.reshape(N * T, H, D), k=x.k.reshape(N * T, H, D),
+                v=x.v.reshape(N * T, HV, D), g=torch.exp(x.g).reshape(N * T, HV).float(),
+                beta=x.beta.reshape(N * T, HV).float(),
+                cu=torch.arange(0, N + 1, device=x.q.device, dtype=torch.int32) * T, T=T)
+        return self.cache[key]
+
+    def __call__(self, x: Inputs):
+        p = self.packed(x)
+        o, s = self.fn(p["q"], p["k"], p["v"], g=p["g"], beta=p["beta"], scale=D ** -0.5,
+                       initial_state=x.h0, output_final_state=True, cu_seqlens=p["cu"],
+                       use_qk_l2norm_in_kernel=True, use_cp="auto", max_seqlen=p["T"])
+        return o.view_as(x.v), s
+
+
 class FlaCall:
     """FLA's call on one input set; q/k repeated to HV heads when FLA refuses GVA."""
 
@@ -235,6 +282,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="eager calls per side and case")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also FlashInfer's SM90 GDN prefill (staged: FI_OK=1)")
     ap.add_argument("--cases", default="", help="only cases whose 'NxT' label is listed (1x8192,...)")
     args = ap.parse_args()
 
@@ -243,6 +292,17 @@ def main() -> int:
     copy_gbps = measure_copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     only = set(filter(None, args.cases.split(",")))
+
+    def save():  # after every row, so that a run stopped by a time limit keeps what it measured
+        write_results(args.json, copy_gbps,
+                      "equal-length sequences, bf16 q/k/v, q/k L2 norm in the op, log-space g (fp32) and "
+                      "beta (bf16) precomputed (KDA also gate in kernel, lower_bound -5), fp32 initial "
+                      "state in and final state out; eager_ms: median of CUDA-event times of single "
+                      "calls from Python with L2 flushed before each; graph_ms: CUDA-graph replay over "
+                      "rotated input sets (cold L2), median of replays / calls; tflops = flops / "
+                      "graph time, flops = 2 C^2 (3K + 2V) + 6 C K V per 64-token chunk and value head",
+                      rows)
+
     rows = []
     hdr = (f"{'op':4} {'model':15} {'NxT':>8} {'gate':6} {'ours eager':>10} {'graph':>8} {'TF/s':>6} "
            f"{'FLA eager':>10} {'graph':>8} {'TF/s':>6} {'x(graph)':>8} {'err o':>8} {'err S':>8}")
@@ -254,6 +314,11 @@ def main() -> int:
         peer, why_not_peer = (None, "--no-peer") if args.no_peer else fla_fn(op)
         if peer is None and not args.no_peer:
             print(f"# {why_not_peer}", flush=True)
+        fi, why_not_fi = (None, None)
+        if args.flashinfer and op == "gdn":
+            fi, why_not_fi = flashinfer_fn()
+            if fi is None:
+                print(f"# {why_not_fi}", flush=True)
         for label, H, HV, N, T in (KDA_CASES if op == "kda" else GDN_CASES):
             shape = f"{N}x{T}"
             if only and shape not in only:
@@ -294,6 +359,24 @@ def main() -> int:
                                                                            args.replays, fl).items()})
                         except Exception as e:  # noqa: BLE001
                             row["peer_error"] = f"{type(e).__name__}: {e}"
+                if fi is not None and not gate_in_kernel:
+                    fcall = FlashInferCall(fi)
+                    try:
+                        o_fi, s_fi = fcall(sets[0])
+                        row.update({f"flashinfer_{k}": v for k, v in run_side(
+                            "FlashInfer", fcall, sets, args.reps, args.replays, fl).items()})
+                        if o_ours is not None:
+                            row["rel_err_out_vs_flashinfer"] = rel(o_ours.float(), o_fi.float())
+                            row["rel_err_state_vs_flashinfer"] = rel(s_ours.float(), s_fi.float())
+                        print(f"#   FlashInfer: eager {row.get('flashinfer_eager_ms')} ms, graph "
+                              f"{row.get('flashinfer_graph_ms')} ms, "
+                              f"{row.get('flashinfer_tflops')} TF/s; ours vs FlashInfer: o "
+                              f"{row.get('rel_err_out_vs_flashinfer', float('nan')):.2e}, S "
+                              f"{row.get('rel_err_state_vs_flashinfer', float('nan')):.2e}",
+                              flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        row["flashinfer_error"] = f"{type(e).__name__}: {e}"
+                        print(f"#   flashinfer_error: {row['flashinfer_error']}", flush=True)
                 if o_ours is not None and o_peer is not None:
                     row["rel_err_out_vs_peer"] = rel(o_ours.float(), o_peer.float())
                     if s_ours is not None and s_peer is not None:
@@ -314,16 +397,9 @@ def main() -> int:
                     if k in row:
                         print(f"#   {k}: {row[k]}", flush=True)
                 rows.append(row)
+                save()
             del sets, probe
             torch.cuda.empty_cache()
-    write_results(args.json, copy_gbps,
-                  "equal-length sequences, bf16 q/k/v, q/k L2 norm in the op, log-space g (fp32) and "
-                  "beta (bf16) precomputed (KDA also gate in kernel, lower_bound -5), fp32 initial "
-                  "state in and final state out; eager_ms: median of CUDA-event times of single "
-                  "calls from Python with L2 flushed before each; graph_ms: CUDA-graph replay over "
-                  "rotated input sets (cold L2), median of replays / calls; tflops = flops / "
-                  "graph time, flops = 2 C^2 (3K + 2V) + 6 C K V per 64-token chunk and value head",
-                  rows)
     return 0
 
 

@@ -11,8 +11,9 @@
 #                                      profile-replay-source, profile-decode-source,
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
-#                                      sanitize-prefill, bench-prefill, test-verify,
-#                                      bench-verify
+#                                      sanitize-prefill, bench-prefill,
+#                                      test-layer, sanitize-layer, bench-layer,
+#                                      test-verify, bench-verify
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -86,6 +87,9 @@ sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's
 # fallback's odd shape: few CTAs, every kernel path).
 PREFILL_TESTS='*ChunkPrefill*:*PrefillGpuTest*'
 PREFILL_SMALL='*GpuChunkPrefill*gva*:*GpuChunkPrefill*k64*:*GpuChunkPrefill*fallback_gdn_odd*'
+
+# The conv update and the fused decode layer step's GPU tests.
+LAYER_TESTS='*FusedStepGpu*:*ConvUpdateGpu*'
 
 # The decode-shaped GPU tests (each decode kernel runs them forced).
 DECODE_TESTS='*Packed*:*4096*:*Graph*:*Pdl*'
@@ -301,6 +305,21 @@ for phase in "${phases[@]}"; do
       ;;
     overhead)
       run overhead python3 bench/measure_overhead.py
+      ;;
+    # ---- the conv update and the fused decode layer step ----
+    test-layer)  # the GPU tests, then the Python ones on CUDA tensors
+      run test-layer gtest_sharded test-layer "$LAYER_TESTS"
+      run test-layer python3 -m pytest -q python/tests/test_fused_step.py \
+        python/tests/peer/test_causal_conv1d_update.py
+      ;;
+    sanitize-layer)  # memcheck and racecheck (the CTA's shared conv outputs and barriers)
+      sanitized memcheck "$LAYER_TESTS"
+      sanitized racecheck '*FusedStepGpu*'
+      ;;
+    bench-layer)  # the fused step beside our unfused chain and the peer chain (LAYER_ARGS:
+      # --models, --dtypes, --batches, --no-peer, --pdl)
+      run bench-layer python3 bench/bench_layer_step.py --json "$OUT/layer-step-h200.json" \
+        ${LAYER_ARGS:-}
       ;;
     *)
       echo "unknown phase $phase" >&2; exit 2 ;;

@@ -50,6 +50,12 @@ if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ] && ! "$PY" -c "import torch" 2>/dev/nu
   say "installing torch (torch-CPU tests)"
   "$PY" -m pip install -q torch || echo "WARNING: torch could not be installed; the torch tests will be SKIPPED" >&2
 fi
+# The integration tests (python/tests/integrations, peer/test_fla_registry.py) need these, pinned
+# to the versions they were written against; without them those tests skip, loudly.
+if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ] && "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "transformers==5.23.0" "fla-core==0.6.0" "einops==0.8.2" ||
+    echo "WARNING: transformers / fla-core could not be installed; the integration tests will be SKIPPED" >&2
+fi
 say "pip install . (scikit-build-core over this CMake project; CUDA: ${DELTASTATE_CUDA:-AUTO})"
 # pip is verbose only so that the compiler's progress lines ([n/N]) can be shown as they come.
 set +o pipefail

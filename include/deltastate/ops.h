@@ -256,6 +256,79 @@ void chunk_prefill(const ChunkPrefillArgs& args);
 int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args);
 
 // ---------------------------------------------------------------------------------------------
+// The causal depthwise conv update of decode, causal-conv1d's `causal_conv1d_update` (the
+// package's signature and semantics, csrc/causal_conv1d.cpp and causal_conv1d_update_ref):
+//   x       [B, dim] or [B, dim, seqlen], any strides
+//   conv_state [batch, dim, state_len] (state_len >= width - 1), any strides (SGLang's
+//           [.., dim, W-1] and vLLM's dim-contiguous layout alike), its dtype x's; updated in
+//           place: the window becomes the last state_len values of [window, x], or, with
+//           cache_seqlens [B] int32, a circular buffer written from cache_seqlens[b] % state_len.
+//   weight  [dim, width], width 2..4; bias [dim] (weight's dtype) or absent; silu: SiLU after.
+//   conv_state_indices [B] int32 (contiguous) or absent (row b uses entry b): < 0 is a padded
+//           row (output zeros, window untouched); CPU: an index >= batch is a ValueError before
+//           anything is written; CUDA: the row is skipped, its output NaN, and recorded for
+//           check_errors (as PackedDecodeArgs::check_indices).
+//   out     x's shape and dtype (the op's result; the Python wrapper allocates it).
+// The conv accumulates in fp32 (bias, then the taps oldest first, fused multiply-adds) and
+// rounds once to out's dtype, as causal-conv1d's CUDA kernel does.
+struct CausalConv1dUpdateArgs {
+  TensorView x, conv_state, weight;
+  std::optional<TensorView> bias;
+  bool silu = false;
+  std::optional<TensorView> cache_seqlens, conv_state_indices;
+  TensorView out;
+  std::optional<bool> check_indices;
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
+
+// ---------------------------------------------------------------------------------------------
+// One decode step of a GDN (Qwen3-Next) or KDA (Kimi-Linear) layer's recurrent half in one
+// launch: the conv update of the projected row, q/k/v split, gates and beta, the q/k L2 norm,
+// the delta rule in place, and optionally the gated RMSNorm. The same math as the unfused chain
+// causal_conv1d_update (SiLU) -> packed decode -> Qwen3NextRMSNormGated, every intermediate
+// rounded where the chain stores it (the conv output to mixed_qkv's dtype, the attention output
+// to out's dtype).
+//   mixed_qkv   [B, conv_dim], conv_dim = 2*H*K + HV*V, rows [q | k | v] before the conv
+//   conv_weight [conv_dim, width] (width 2..4), conv_bias [conv_dim] or absent; conv_silu
+//   conv_state  [slots, conv_dim, state_len] (any strides, state_len >= width - 1), or with
+//               conv_state_k / conv_state_v the q part's window [slots, H*K, state_len] beside
+//               k's [slots, H*K, .] and v's [slots, HV*V, .] (Kimi-Linear's three convs); the
+//               conv weight stays packed [conv_dim, width]. Updated in place (shifted windows).
+//   a, b, A_log, dt_bias, scale, use_qk_l2norm, lower_bound, round_beta_to_input: as packed
+//               decode (KDA: a [B, HV*K]).
+//   state       [slots, HV, V, K] pool (compact inner strides, any slot stride), in place
+//   state_indices [B] int32/int64: one slot for the windows and the state (< 0: padded row:
+//               nothing read or written, output zeros); the windows and the state have the same
+//               number of slots. Bad indices as PackedDecodeArgs::check_indices.
+//   norm_weight [V] with z [B, HV, V] (V contiguous): out = Qwen3NextRMSNormGated(o, z) per value
+//               head (norm_eps); both absent: out = o.
+//   out         [B, HV, V] contiguous, the activation dtype
+// CUDA: K in {64, 128}, (HV/H) * V at most 256 rows per key head (one CTA per (row, key head)).
+struct FusedDecodeStepArgs {
+  TensorView mixed_qkv, conv_weight;
+  std::optional<TensorView> conv_bias;
+  bool conv_silu = true;
+  TensorView conv_state;
+  std::optional<TensorView> conv_state_k, conv_state_v;
+  TensorView a, b, A_log, dt_bias;
+  std::optional<double> scale;
+  TensorView state, state_indices;
+  std::optional<TensorView> norm_weight, z;
+  double norm_eps = 1e-6;
+  TensorView out;
+  bool use_qk_l2norm = true;
+  std::optional<double> lower_bound;
+  bool round_beta_to_input = false;
+  std::optional<bool> check_indices;
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void gdn_fused_decode_step(const FusedDecodeStepArgs& args);
+void kda_fused_decode_step(const FusedDecodeStepArgs& args);
+
+// ---------------------------------------------------------------------------------------------
 // Speculative verify (GDN and KDA): T draft tokens per sequence through the recurrent math, each
 // token's state kept where the engine wants it, so that any accepted prefix can be restored.
 // One op covers the engines' three conventions:

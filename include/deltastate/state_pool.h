@@ -1,12 +1,14 @@
 // deltastate: the state pool of a serving engine's linear-attention layers.
 //
 // One pool holds, for `slots` requests and `layers` layers, the recurrent state [HV, V, K] of each
-// (layer, slot), optionally the ReplaySSM rings, and one ReplaySSM cursor per slot (shared by all
-// layers, advanced once per forward). Memory is zero-initialized. Two layouts:
+// (layer, slot), optionally the conv windows of the short causal conv before the delta rule
+// (conv_dim > 0, below), optionally the ReplaySSM rings, and one ReplaySSM cursor per slot (shared
+// by all layers, advanced once per forward). Memory is zero-initialized. Two layouts:
 //   per_layer : state [layers, slots, HV, V, K]; a layer view has slot stride HV*V*K.
-//   envelope  : one entry per slot holds every layer's state (after `envelope_extra_bytes` of other
-//               per-slot data, e.g. conv windows), so a layer view has a slot stride of the whole
-//               entry, much larger than HV*V*K (SGLang's page-major "envelope" pools).
+//   envelope  : one entry per slot holds every layer's conv windows and state (after
+//               `envelope_extra_bytes` of other per-slot data), so a layer view has a slot stride
+//               of the whole entry, much larger than HV*V*K (SGLang's unified, page-major
+//               "envelope" pools).
 // Both layouts give views that every op accepts, with 64-bit offsets. Slots are 0..slots-1; a new
 // request takes a slot with allocate() and returns it with free().
 //
@@ -28,6 +30,12 @@
 namespace deltastate {
 
 enum class PoolLayout { per_layer, envelope };
+// The conv window's layout, both viewed as [slots, dim, conv_width - 1]:
+//   window_contiguous: the window of a channel is contiguous (SGLang's [layers, slots, conv_dim,
+//                      width-1]: strides (dim*(W-1), W-1, 1) per layer)
+//   dim_contiguous:    stride 1 along dim (vLLM's causal_conv1d layout, memory [slots, W-1, dim]:
+//                      strides (dim*(W-1), 1, dim))
+enum class ConvLayout { window_contiguous, dim_contiguous };
 
 struct StatePoolConfig {
   int64_t layers = 1;
@@ -49,6 +57,16 @@ struct StatePoolConfig {
   // Reserve slot 0 as a never-allocated null slot (see the top of this file); `slots` is then
   // the number of allocatable slots and the views have slots + 1 rows.
   bool null_slot = false;
+  // Conv windows, conv_dim = 0: none. Per (layer, slot) conv_dim channels of conv_width - 1
+  // entries of conv_dtype (GDN's packed row: conv_dim = 2*H*K + HV*V). conv_split_qkv keeps
+  // three windows, q [H*K], k [H*K] and v [HV*V] channels (Kimi-Linear's separate convs; needs H
+  // and conv_dim = 2*H*K + HV*V), each its own tensor; otherwise one packed window. allocate()
+  // zeroes a slot's windows with its state; fork() copies them.
+  int64_t conv_dim = 0;
+  int64_t conv_width = 4;
+  DType conv_dtype = DType::f32;
+  ConvLayout conv_layout = ConvLayout::window_contiguous;
+  bool conv_split_qkv = false;
 
   // Rows of every view: slots, plus one with null_slot.
   int64_t physical_slots() const { return slots + (null_slot ? 1 : 0); }
@@ -93,7 +111,8 @@ class StatePool {
   bool is_allocated(int64_t slot) const;  // false for the null slot
   int64_t num_free() const;               // allocatable slots not in use (null slot excluded)
 
-  // Prefix caching: copy every layer's state of `src` into `dst` (both allocated). The source
+  // Prefix caching: copy every layer's state (and conv windows) of `src` into `dst` (both
+  // allocated). The source
   // must be fully flushed (its ReplaySSM cursor 0; otherwise its checkpoint lags the tokens it
   // has seen); the destination's cursor is reset to 0. Rings are not copied. For CUDA pools the
   // cursor check reads one int from the device (a synchronization): not for the decode loop.
@@ -106,6 +125,10 @@ class StatePool {
   TensorView g_cache(int64_t layer) const;      // [slots, HV, L(, K)]    (float32)
   TensorView write_pos() const;                 // [slots] int32 cursors
   void* envelope_extra(int64_t slot) const;     // envelope: the entry's first extra bytes
+  // Conv windows [slots, dim, conv_width - 1] of one layer (strides per conv_layout; envelope: the
+  // entry's slot stride). part -1: the packed window (dim = conv_dim; not with conv_split_qkv);
+  // 0, 1, 2: the q, k, v windows (dims H*K, H*K, HV*V; of a packed window, its channel slices).
+  TensorView conv_state(int64_t layer, int part = -1) const;
 
   // Host-side cursor access (CUDA pools: a copy on `stream`, then a wait for that stream; pass
   // the stream the decode ops run on so the read is ordered after them).
@@ -113,7 +136,8 @@ class StatePool {
   void set_cursor(int64_t slot, int32_t value, Stream stream = nullptr);
 
   // --- accounting --------------------------------------------------------------------------
-  static int64_t bytes_per_slot(const StatePoolConfig& config);  // state + rings + cursor
+  // state + conv windows + rings + cursor
+  static int64_t bytes_per_slot(const StatePoolConfig& config);
   // Everything, with alignment (and the null slot's row when config.null_slot).
   static int64_t required_bytes(const StatePoolConfig& config);
   // How many slots fit in `budget_bytes` (the whole pool, alignment included; with
@@ -131,7 +155,23 @@ class StatePool {
     // (per_layer) or the one entry (envelope). Clearing and forking a slot copy these rows.
     int64_t slot_rows, slot_row_pitch;
     int64_t d_offset, k_offset, g_offset, cursor_offset, total;
+    // Conv windows: `conv_parts` windows (1 packed, 3 split) of conv_part_dim[j] channels; the
+    // block of one (layer, slot, part) is conv_block[j] bytes. per_layer: part j's blocks
+    // [layers, slots] from conv_offset[j]; envelope: inside the entry, a layer's blocks one after
+    // the other (each rounded up to 32 bytes), layers conv_layer_pitch bytes apart from
+    // extra_pad on, then the layers' states from extra_pad + conv_pad.
+    int conv_parts;
+    int64_t conv_part_dim[3], conv_block[3], conv_offset[3];
+    int64_t conv_layer_pitch, conv_pad;
   };
+  // Byte offset inside an envelope entry of (layer, part)'s conv block.
+  int64_t conv_entry_offset(int64_t layer, int part) const;
+  // A slot's memory as runs of `rows` rows of `bytes`, `pitch` apart, the first at
+  // offset + slot*slot_step: what clearing and forking a slot touch.
+  struct SlotRun {
+    int64_t offset, slot_step, rows, pitch, bytes;
+  };
+  std::vector<SlotRun> slot_runs() const;
   static Layout layout_of(const StatePoolConfig& c);
   static void check_config(const StatePoolConfig& c);
   void check_slot(int64_t slot, const char* what) const;

@@ -48,7 +48,8 @@ FLOAT = Kind("float", "float", "a number", "float")
 OPT_FLOAT = Kind("float?", "float?", "a number or None", "Optional[float]")
 BOOL = Kind("bool", "bool", "a bool", "bool")
 # Bounds-check slot indices: None = the backend default (on for CPU tensors, checked before
-# anything is written; off for CUDA tensors, where it traps the kernel on an out-of-range index).
+# anything is written; off for CUDA tensors, whose kernels skip a row with an out-of-range index
+# and record it for check_errors; on there, the op synchronizes and raises after its launch).
 # The binding and the torch op take it as an int: -1 = the default, 0 = off, 1 = on.
 CHECK = Kind("check", "int", "an int", "Optional[bool]")
 INT64 = Kind("int64", "int", "an int", "int")  # an integer count (module.cpp's Kind<int64_t>)
@@ -926,6 +927,100 @@ def _chunk(kda: bool) -> Op:
         impl_fills=("workspace",),
     )
 
+# ---- the conv update and the fused decode layer step ------------------------------------------
+_CONV_DOC = """causal-conv1d's ``causal_conv1d_update`` (the package's signature and semantics):
+    x [batch, dim] or [batch, dim, seqlen]; conv_state [batch, dim, state_len] (state_len >=
+    width - 1; x's dtype; any strides: SGLang's and vLLM's layouts), updated in place; weight
+    [dim, width] (width 2..4); bias [dim] or None; activation None, "silu" or "swish";
+    cache_seqlens [batch] int32 (circular buffer) or None; conv_state_indices [batch] int32 or
+    None (< 0: padded row, output zeros, window untouched). Returns the output, x's shape and
+    dtype, accumulated in fp32 as causal-conv1d's CUDA kernel does."""
+
+
+def _conv_prepare(op, x, activation):
+    _check_tensor(op, "x", x)
+    if activation not in (None, "silu", "swish"):
+        raise NotImplementedError("activation must be None, silu, or swish")
+    return activation in ("silu", "swish"), _empty(x, _shape(x))
+
+
+_CONV_UPDATE = Op(
+    name="causal_conv1d_update",
+    public="causal_conv1d_update",
+    doc=_CONV_DOC,
+    args=(
+        Arg("x", TENSOR, dtypes=FLOATING),
+        Arg("conv_state", TENSOR, dtypes=FLOATING, mutated=True),
+        Arg("weight", TENSOR, dtypes=FLOATING),
+        Arg("bias", OPT_TENSOR, None, dtypes=FLOATING),
+        Arg("activation", ANY, None, op=False),
+        Arg("cache_seqlens", OPT_TENSOR, None, dtypes=INT32),
+        Arg("conv_state_indices", OPT_TENSOR, None, dtypes=INT32),
+        Arg("check_indices", CHECK, None, keyword=True),
+        Arg("pdl", BOOL, False, keyword=True),
+        Arg("out", TENSOR, dtypes=FLOATING, mutated=True, public=False),
+        Arg("silu", BOOL, False, public=False),
+    ),
+    returns="out",
+    op_order=("x", "conv_state", "weight", "out", "bias", "silu", "cache_seqlens",
+              "conv_state_indices", "check_indices", "pdl"),
+    prepare=_conv_prepare,
+    fills=("silu", "out"),
+)
+
+_FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch: the conv update
+    of the projected row (SiLU when ``conv_silu``), q/k/v split, gates and beta, the q/k L2 norm,
+    the delta rule in place on ``initial_state``, and with ``norm_weight`` and ``z`` the gated
+    RMSNorm of Qwen3-Next (``Qwen3NextRMSNormGated``: per value head over V, ``norm_eps``,
+    weight, silu(z)). The same math as causal_conv1d_update -> {packed} -> the norm, every
+    intermediate rounded where that chain stores it. Returns ``(out, initial_state)``.
+
+    mixed_qkv [B, 2*H*K + HV*V] before the conv; conv_weight [conv_dim, width]; conv_bias
+    [conv_dim] or None; conv_state [slots, conv_dim, state_len] (any strides), or the q window
+    [slots, H*K, .] with conv_state_k [slots, H*K, .] and conv_state_v [slots, HV*V, .]; a{a};
+    b [B, HV]; A_log [HV]; dt_bias{dt}; initial_state [slots, HV, V, K]; ssm_state_indices [B]
+    (one slot for windows and state; < 0: padded row, nothing read or written, output zeros); z
+    [B, HV, V]; norm_weight [V]; out [B, HV, V] (the activation dtype)."""
+
+
+def _fused(kda: bool) -> Op:
+    return Op(
+        name="kda_fused_decode_step" if kda else "gdn_fused_decode_step",
+        public="kda_fused_decode_step" if kda else "gdn_fused_decode_step",
+        doc=_FUSED_DOC.format(
+            what="KDA (Kimi-Linear)" if kda else "GDN (Qwen3-Next)",
+            packed=("fused_recurrent_kda_packed_decode" if kda
+                    else "fused_recurrent_gated_delta_rule_packed_decode"),
+            a=" [B, HV*K]" if kda else " [B, HV]", dt=" [HV*K]" if kda else " [HV]"),
+        args=(
+            Arg("mixed_qkv", TENSOR, dtypes=FLOATING),
+            Arg("conv_weight", TENSOR, dtypes=FLOATING),
+            Arg("conv_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("a", TENSOR, dtypes=FLOATING),
+            Arg("b", TENSOR, dtypes=FLOATING),
+            Arg("A_log", TENSOR, dtypes=FLOATING),
+            Arg("dt_bias", TENSOR, dtypes=FLOATING),
+            Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("out", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("ssm_state_indices", TENSOR, dtypes=INDEX),
+            Arg("conv_bias", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("conv_silu", BOOL, True),
+            Arg("scale", OPT_FLOAT, None),  # None: K^-0.5
+            Arg("norm_weight", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("z", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("norm_eps", FLOAT, 1e-6),
+            Arg("use_qk_l2norm_in_kernel", BOOL, True),
+            Arg("lower_bound", OPT_FLOAT, None, public=kda),  # KDA: selects the safe gate
+            Arg("conv_state_k", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, keyword=True),
+            Arg("conv_state_v", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, keyword=True),
+            Arg("round_beta", BOOL, False, keyword=True),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns=("out", "initial_state"),
+    )
+
+
 # ---- speculative verify and its commit ----------------------------------------------------------
 # The binding's arguments (python/src/module.cpp `verify`), in its order.
 _VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt_bias",
@@ -1276,5 +1371,7 @@ def _sglang_scatter() -> Op:
 
 OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurrent(False),
                        _fla(False), _fla(True), _REPLAY, _HELION_REPLAY,
-                       _chunk(False), _chunk(True), _verify_core(), _sglang_verify(),
-                       _flashinfer_mtp(), _commit(), _sglang_scatter())
+                       _chunk(False), _chunk(True),
+                       _CONV_UPDATE, _fused(False), _fused(True),
+                       _verify_core(), _sglang_verify(), _flashinfer_mtp(), _commit(),
+                       _sglang_scatter())

@@ -55,12 +55,25 @@ def _ints(**values) -> None:
             raise TypeError(f"StatePool: `{name}` must be an int (got {type(v).__name__})") from None
 
 
+_CONV_LAYOUTS = ("sglang", "vllm")
+
+
+def _conv_args(conv_dim, conv_width, conv_dtype, conv_layout, conv_split_qkv):
+    """The conv-window part of a configuration (module order)."""
+    _ints(conv_dim=conv_dim, conv_width=conv_width)
+    if conv_layout not in _CONV_LAYOUTS:
+        raise ValueError(f"StatePool conv_layout must be 'sglang' (window contiguous) or 'vllm' "
+                         f"(dim contiguous); got {conv_layout!r}")
+    return (int(conv_dim), int(conv_width), _dtype_name(conv_dtype), conv_layout == "vllm",
+            bool(conv_split_qkv))
+
+
 def _config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes, replay_len, H,
-            ring_k_dtype, kda, slots=1, null_slot=False):
+            ring_k_dtype, kda, slots=1, null_slot=False, conv=(0, 4, "float32", False, False)):
     """The argument tuple the C++ module takes for a pool configuration."""
     return (layers, slots, HV, V, K, _dtype_name(state_dtype), layout == "envelope",
             envelope_extra_bytes, replay_len, H, _dtype_name(ring_k_dtype), bool(kda),
-            bool(null_slot))
+            bool(null_slot)) + tuple(conv)
 
 
 def _default_framework() -> str:
@@ -96,12 +109,22 @@ class StatePool:
     holds: every view then has ``physical_slots = slots + 1`` rows, slot 0 is zeroed and never
     allocated (``allocate()`` returns 1..slots), so padded rows aimed at index 0 never touch a live
     request; ``nbytes`` and the sizing helpers count the extra row.
+
+    Conv windows (``conv_dim`` > 0): per (layer, slot) the window of the short causal conv
+    before the delta rule, ``conv_dim`` channels of ``conv_width - 1`` entries of ``conv_dtype``
+    (GDN: conv_dim = 2*H*K + HV*V). ``conv_layout``: "sglang" ([layers, slots, conv_dim, W-1],
+    each window contiguous) or "vllm" (stride 1 along dim); ``conv_split_qkv``: three windows
+    q [H*K], k [H*K], v [HV*V] (Kimi-Linear; needs H), else one packed window. In the envelope
+    layout a slot's entry holds the windows and states of every layer. ``allocate`` zeroes the
+    windows, ``fork`` copies them, the accounting counts them. Views: :meth:`conv_state`.
     """
 
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
                  state_dtype="float32", layout: str = "per_layer", envelope_extra_bytes: int = 0,
                  replay_len: int = 0, H: int = 0, ring_k_dtype="float32", kda: bool = False,
-                 device="cpu", framework: Optional[str] = None, null_slot: bool = False):
+                 device="cpu", framework: Optional[str] = None, null_slot: bool = False,
+                 conv_dim: int = 0, conv_width: int = 4, conv_dtype="float32",
+                 conv_layout: str = "sglang", conv_split_qkv: bool = False):
         _ints(layers=layers, slots=slots, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         layers, slots, HV, V, K = int(layers), int(slots), int(HV), int(V), int(K)
@@ -123,9 +146,12 @@ class StatePool:
         self.layout = layout
         self.replay_len = replay_len
         self.framework = framework
+        conv = _conv_args(conv_dim, conv_width, conv_dtype, conv_layout, conv_split_qkv)
+        self.conv_dim, self.conv_width, self.conv_dtype = conv[0], conv[1], conv[2]
+        self.conv_layout, self.conv_split_qkv = conv_layout, conv[4]
         self._cfg = _config(layers, HV, V, K, self.state_dtype, layout, envelope_extra_bytes,
                             replay_len, H, self.ring_k_dtype, kda, slots=slots,
-                            null_slot=self.null_slot)
+                            null_slot=self.null_slot, conv=conv)
         nbytes = _sizes(self._cfg)[0]
         self.nbytes = nbytes
         if framework == "torch":
@@ -224,6 +250,16 @@ class StatePool:
         """[slots] int32 cursors, one per slot, shared by all layers."""
         return self._view("write_pos", 0, "int32")
 
+    def conv_state(self, layer: int, part: Optional[str] = None):
+        """[slots, dim, conv_width - 1] conv windows of one layer: ``part`` None the packed
+        window (dim = conv_dim), "q" / "k" / "v" one part's window (of a packed window, its
+        channel slice). Strides per ``conv_layout``; envelope pools: the entry's slot stride."""
+        names = {None: "conv_state", "q": "conv_q", "k": "conv_k", "v": "conv_v"}
+        if part not in names:
+            raise ValueError(f"StatePool.conv_state: part must be None, 'q', 'k' or 'v'; got "
+                             f"{part!r}")
+        return self._view(names[part], layer, self.conv_dtype)
+
     def _view(self, what: str, layer: int, dtype: str):
         key = (what, layer)
         v = self._views.get(key)
@@ -257,24 +293,30 @@ class StatePool:
     def bytes_per_slot(layers: int, HV: int, V: int, K: int, *, state_dtype="float32",
                        layout: str = "per_layer", envelope_extra_bytes: int = 0,
                        replay_len: int = 0, H: int = 0, ring_k_dtype="float32",
-                       kda: bool = False) -> int:
-        """Bytes one slot adds (state in every layer, rings, cursor); a null slot's row costs
-        the same."""
+                       kda: bool = False, conv_dim: int = 0, conv_width: int = 4,
+                       conv_dtype="float32", conv_layout: str = "sglang",
+                       conv_split_qkv: bool = False) -> int:
+        """Bytes one slot adds (state and conv windows in every layer, rings, cursor); a null
+        slot's row costs the same."""
         _ints(layers=layers, HV=HV, V=V, K=K, envelope_extra_bytes=envelope_extra_bytes,
               replay_len=replay_len, H=H)
+        conv = _conv_args(conv_dim, conv_width, conv_dtype, conv_layout, conv_split_qkv)
         return _sizes(_config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes,
-                              replay_len, H, ring_k_dtype, kda))[1]
+                              replay_len, H, ring_k_dtype, kda, conv=conv))[1]
 
     @staticmethod
     def slots_for_budget(budget_bytes: int, layers: int, HV: int, V: int, K: int, *,
                          state_dtype="float32", layout: str = "per_layer",
                          envelope_extra_bytes: int = 0, replay_len: int = 0, H: int = 0,
                          ring_k_dtype="float32", kda: bool = False,
-                         null_slot: bool = False) -> int:
+                         null_slot: bool = False, conv_dim: int = 0, conv_width: int = 4,
+                         conv_dtype="float32", conv_layout: str = "sglang",
+                         conv_split_qkv: bool = False) -> int:
         """How many slots (the ``slots`` argument of a pool) fit in ``budget_bytes``, the whole
         pool counted: alignment, and with ``null_slot`` the null slot's row."""
         _ints(budget_bytes=budget_bytes, layers=layers, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
+        conv = _conv_args(conv_dim, conv_width, conv_dtype, conv_layout, conv_split_qkv)
         return _sizes(_config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes,
-                              replay_len, H, ring_k_dtype, kda, null_slot=null_slot),
+                              replay_len, H, ring_k_dtype, kda, null_slot=null_slot, conv=conv),
                       budget_bytes)[2]

@@ -547,6 +547,67 @@ constexpr auto chunk_kda = chunk("chunk_kda", [](CP& a) {
   ds::chunk_prefill(a);
 });
 
+// ---- the conv update and the fused decode layer step -------------------------------------------
+using CU = ds::CausalConv1dUpdateArgs;
+constexpr auto causal_conv1d_update = bind(
+    "causal_conv1d_update",
+    +[](CU& a) {
+      a.stream = stream_for(a.x);
+      ds::causal_conv1d_update(a);
+    },
+    std::tuple{
+        Field<&CU::x>{"x"},
+        Field<&CU::conv_state>{"conv_state"},
+        Field<&CU::weight>{"weight"},
+        Field<&CU::bias>{"bias"},
+        Field<&CU::silu>{"silu"},
+        Field<&CU::cache_seqlens>{"cache_seqlens"},
+        Field<&CU::conv_state_indices>{"conv_state_indices"},
+        Field<&CU::out>{"out"},
+        Field<&CU::check_indices>{"check_indices"},
+        Field<&CU::pdl>{"pdl"},
+    });
+
+using FS = ds::FusedDecodeStepArgs;
+constexpr auto fused_step(const char* name, void (*run)(FS&)) {
+  return bind(name, run,
+              std::tuple{
+                  Field<&FS::mixed_qkv>{"mixed_qkv"},
+                  Field<&FS::conv_weight>{"conv_weight"},
+                  Field<&FS::conv_bias>{"conv_bias"},
+                  Field<&FS::conv_silu>{"conv_silu"},
+                  Field<&FS::conv_state>{"conv_state"},
+                  Field<&FS::conv_state_k>{"conv_state_k"},
+                  Field<&FS::conv_state_v>{"conv_state_v"},
+                  Field<&FS::a>{"a"},
+                  Field<&FS::b>{"b"},
+                  Field<&FS::A_log>{"A_log"},
+                  Field<&FS::dt_bias>{"dt_bias"},
+                  Field<&FS::scale>{"scale"},
+                  Field<&FS::state>{"initial_state"},
+                  Field<&FS::state_indices>{"ssm_state_indices"},
+                  Field<&FS::norm_weight>{"norm_weight"},
+                  Field<&FS::z>{"z"},
+                  Field<&FS::norm_eps>{"norm_eps"},
+                  Field<&FS::out>{"out"},
+                  Field<&FS::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                  Field<&FS::lower_bound>{"lower_bound"},
+                  Field<&FS::round_beta_to_input>{"round_beta"},
+                  Field<&FS::check_indices>{"check_indices"},
+                  Field<&FS::pdl>{"pdl"},
+              });
+}
+
+constexpr auto gdn_fused_decode_step = fused_step("gdn_fused_decode_step", [](FS& a) {
+  a.stream = stream_for(a.state);
+  ds::gdn_fused_decode_step(a);
+});
+
+constexpr auto kda_fused_decode_step = fused_step("kda_fused_decode_step", [](FS& a) {
+  a.stream = stream_for(a.state);
+  ds::kda_fused_decode_step(a);
+});
+
 // chunk_prefill_workspace_bytes from what it reads: K, V, the gate kind and the device (no
 // tensor), so that the Python side can size the workspace before it has the data, also while
 // torch.compile traces with fake tensors.
@@ -574,6 +635,9 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(replayssm_decode.name, signature(replayssm_decode));
   m.Set(chunk_gated_delta_rule.name, signature(chunk_gated_delta_rule));
   m.Set(chunk_kda.name, signature(chunk_kda));
+  m.Set(causal_conv1d_update.name, signature(causal_conv1d_update));
+  m.Set(gdn_fused_decode_step.name, signature(gdn_fused_decode_step));
+  m.Set(kda_fused_decode_step.name, signature(kda_fused_decode_step));
   m.Set(verify.name, signature(verify));
   m.Set(update_state_after_verify.name, signature(update_state_after_verify));
   return m;
@@ -603,7 +667,9 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
 ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
                                 const std::string& state_dtype, bool envelope,
                                 int64_t envelope_extra_bytes, int64_t replay_len, int64_t H,
-                                const std::string& ring_k_dtype, bool kda, bool null_slot) {
+                                const std::string& ring_k_dtype, bool kda, bool null_slot,
+                                int64_t conv_dim, int64_t conv_width, const std::string& conv_dtype,
+                                bool conv_dim_contiguous, bool conv_split_qkv) {
   ds::StatePoolConfig c;
   c.layers = layers;
   c.slots = slots;
@@ -618,6 +684,12 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
   c.ring_k_dtype = dtype_from_name(ring_k_dtype, "ring_k_dtype");
   c.kda = kda;
   c.null_slot = null_slot;
+  c.conv_dim = conv_dim;
+  c.conv_width = conv_width;
+  c.conv_dtype = dtype_from_name(conv_dtype, "conv_dtype");
+  c.conv_layout =
+      conv_dim_contiguous ? ds::ConvLayout::dim_contiguous : ds::ConvLayout::window_contiguous;
+  c.conv_split_qkv = conv_split_qkv;
   return c;
 }
 
@@ -634,10 +706,13 @@ ffi::Array<int64_t> describe(const ds::TensorView& v, const void* base) {
 ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
                                ffi::String state_dtype, bool envelope, int64_t extra,
                                int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda,
-                               bool null_slot, int64_t budget) {
+                               bool null_slot, int64_t conv_dim, int64_t conv_width,
+                               ffi::String conv_dtype, bool conv_dim_contiguous,
+                               bool conv_split_qkv, int64_t budget) {
   return guarded([&] {
-    const ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
-                                              replay_len, H, ring_k_dtype, kda, null_slot);
+    const ds::StatePoolConfig c = pool_config(
+        layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H, ring_k_dtype, kda,
+        null_slot, conv_dim, conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv);
     const std::vector<int64_t> v{ds::StatePool::required_bytes(c), ds::StatePool::bytes_per_slot(c),
                                  ds::StatePool::slots_for_budget(c, budget)};
     return ffi::Array<int64_t>(v.begin(), v.end());
@@ -645,14 +720,15 @@ ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_
 }
 
 // A pool over `storage` (a 256-byte aligned uint8 buffer of required_bytes on its device).
-ffi::Map<ffi::String, ffi::Function> pool_new(ffi::TensorView storage, int64_t layers,
-                                              int64_t slots, int64_t HV, int64_t V, int64_t K,
-                                              ffi::String state_dtype, bool envelope, int64_t extra,
-                                              int64_t replay_len, int64_t H,
-                                              ffi::String ring_k_dtype, bool kda, bool null_slot) {
+ffi::Map<ffi::String, ffi::Function> pool_new(
+    ffi::TensorView storage, int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
+    ffi::String state_dtype, bool envelope, int64_t extra, int64_t replay_len, int64_t H,
+    ffi::String ring_k_dtype, bool kda, bool null_slot, int64_t conv_dim, int64_t conv_width,
+    ffi::String conv_dtype, bool conv_dim_contiguous, bool conv_split_qkv) {
   return guarded([&] {
-    ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
-                                        replay_len, H, ring_k_dtype, kda, null_slot);
+    ds::StatePoolConfig c = pool_config(
+        layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H, ring_k_dtype, kda,
+        null_slot, conv_dim, conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv);
     const DLDevice dev = storage.device();
     c.device = dev.device_type == kDLCUDA ? ds::Device::cuda(dev.device_id) : ds::Device::cpu();
     void* base = static_cast<char*>(storage.data_ptr()) + storage.byte_offset();
@@ -690,6 +766,10 @@ ffi::Map<ffi::String, ffi::Function> pool_new(ffi::TensorView storage, int64_t l
               else if (w == "k_cache") v = pool->k_cache(layer);
               else if (w == "g_cache") v = pool->g_cache(layer);
               else if (w == "write_pos") v = pool->write_pos();
+              else if (w == "conv_state") v = pool->conv_state(layer, -1);
+              else if (w == "conv_q") v = pool->conv_state(layer, 0);
+              else if (w == "conv_k") v = pool->conv_state(layer, 1);
+              else if (w == "conv_v") v = pool->conv_state(layer, 2);
               else throw ds::Error(ds::ErrorKind::value, "unknown StatePool view " + w);
               return describe(v, pool->data());
             });
@@ -716,6 +796,9 @@ DELTASTATE_EXPORT_OP(recurrent_kda)
 DELTASTATE_EXPORT_OP(replayssm_decode)
 DELTASTATE_EXPORT_OP(chunk_gated_delta_rule)
 DELTASTATE_EXPORT_OP(chunk_kda)
+DELTASTATE_EXPORT_OP(causal_conv1d_update)
+DELTASTATE_EXPORT_OP(gdn_fused_decode_step)
+DELTASTATE_EXPORT_OP(kda_fused_decode_step)
 DELTASTATE_EXPORT_OP(verify)
 DELTASTATE_EXPORT_OP(update_state_after_verify)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);

@@ -33,3 +33,23 @@ def tfw():
     if torch is None:
         pytest.skip("torch is not installed")
     return Fw("torch")
+
+
+# ---- integrations: which deltastate ops an adapter called ----------------------------------
+@pytest.fixture
+def ds_op_calls(monkeypatch):
+    """Counts calls of deltastate's FLA-named ops by name (the integration adapters look
+    ``deltastate.<name>`` up per call), so a test can assert that deltastate ran."""
+    import deltastate
+
+    counts = {}
+    for name in ("chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_rule",
+                 "fused_recurrent_kda"):
+        original = getattr(deltastate, name)
+
+        def spy(*a, _original=original, _name=name, **kw):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*a, **kw)
+
+        monkeypatch.setattr(deltastate, name, spy)
+    return counts

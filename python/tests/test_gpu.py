@@ -701,16 +701,31 @@ def test_ops_run_on_torch_current_stream(rng):
 
 
 # ---- the out-of-range guard -------------------------------------------------------------------
+def _clear_device_errors():
+    try:
+        ds.check_errors()  # whatever an earlier test left
+    except ValueError:
+        pass
+
+
+def _expect_guarded(buf_bad, buf_ref, slots, text):
+    """The pool of a call with a bad index equals the call's with that row padded, bit for bit;
+    the 1e30 memory past the pool view is untouched; check_errors raises `text`, then passes."""
+    assert torch.equal(buf_bad.view(torch.int32), buf_ref.view(torch.int32))
+    assert (buf_bad[slots] == 1e30).all(), "the memory past the pool was written"
+    with pytest.raises(ValueError) as e:
+        ds.check_errors()
+    assert str(e.value) == text
+    ds.check_errors()  # cleared
+
+
 def test_check_errors_reports_a_skipped_row(rng):
     """An index >= slots on CUDA: the row is skipped (its slot memory past the pool view's end,
     sentinel-filled, stays bit-untouched), its output is NaN, the other rows are bit-identical to
     the same call with that row padded; ds.check_errors() raises ValueError naming it, then
     passes (cleared); check_indices=True raises from the op itself."""
     H, HV, K, V, B, slots = 2, 4, 128, 64, 3, 4
-    try:
-        ds.check_errors()  # whatever an earlier test left
-    except ValueError:
-        pass
+    _clear_device_errors()
     data = pool_data(rng, slots + 1, HV, V, K, scale=0.3)
     A_log, dt_bias = gate_params(rng, HV, K, False)
     x = materialize_packed(GPU, packed_data(rng, kda=False, B=B, H=H, HV=HV, K=K, V=V), "float32")
@@ -733,12 +748,7 @@ def test_check_errors_reports_a_skipped_row(rng):
     torch.cuda.synchronize()
     assert torch.isnan(out_bad[1]).all()
     assert torch.equal(out_bad[0::2].view(torch.int32), out_ref[0::2].view(torch.int32))
-    assert torch.equal(buf_bad.view(torch.int32), buf_ref.view(torch.int32))
-    assert (buf_bad[slots] == 1e30).all(), "the memory past the pool was written"
-    with pytest.raises(ValueError) as e:
-        ds.check_errors()
-    assert str(e.value) == text
-    ds.check_errors()  # cleared
+    _expect_guarded(buf_bad, buf_ref, slots, text)
     ds.check_errors(torch.cuda.current_stream())
 
     s = torch.cuda.Stream()
@@ -748,6 +758,53 @@ def test_check_errors_reports_a_skipped_row(rng):
         ds.check_errors(s)
     ds.check_errors(s)
 
+    with pytest.raises(ValueError) as e:
+        run([2, slots, 0], check_indices=True)
+    assert str(e.value) == text
+    ds.check_errors()
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_check_errors_reports_a_skipped_prefill_sequence(kda):
+    """chunk_gated_delta_rule / chunk_kda on CUDA with an initial_state_indices entry >= slots:
+    that sequence is skipped (no pool write: the slot past the pool view, 1e30-filled, stays
+    bit-untouched; outputs NaN), the others are bit-identical to the call with it padded;
+    ds.check_errors() raises the validator's text, then passes; check_indices=True raises from
+    the op itself."""
+    H, HV, K, slots = 2, 4, 128, 4
+    T = 65 + 130 + 7
+    _clear_device_errors()
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, T, H, K, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(1, T, H, K, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(1, T, HV, K, generator=g).to("cuda", torch.bfloat16)
+    gate = (torch.rand(1, T, HV, K, generator=g) if kda else torch.rand(1, T, HV, generator=g))
+    gate = torch.nn.functional.logsigmoid(gate).to("cuda")
+    beta = torch.rand(1, T, HV, generator=g).to("cuda")
+    cu = torch.tensor([0, 65, 195, 202], dtype=torch.int32, device="cuda")
+    init = torch.randn(slots, HV, K, K, generator=g) * 0.1
+    fn = ds.chunk_kda if kda else ds.chunk_gated_delta_rule
+    name = "chunk_kda" if kda else "chunk_gated_delta_rule"
+    text = (f"{name}: `initial_state_indices`[1]=4 is out of range for a state pool of 4 slots "
+            "(valid: 0..3; < 0 marks a padded row); its sequence was skipped (no pool slot "
+            "written) and its outputs are NaN")
+
+    def run(indices, **kw):
+        buf = torch.full((slots + 1, HV, K, K), 1e30, dtype=torch.float32, device="cuda")
+        buf[:slots].copy_(init)
+        o, _ = fn(q, k, v, gate, beta, initial_state=buf[:slots], state_v_first=True,
+                  cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                  initial_state_indices=torch.tensor(indices, dtype=torch.int32, device="cuda"),
+                  **kw)
+        return buf, o
+
+    buf_bad, o_bad = run([2, slots, 0])
+    buf_ref, o_ref = run([2, -1, 0])
+    torch.cuda.synchronize()
+    assert torch.isnan(o_bad[:, 65:195].float()).all()
+    for a, b in ((0, 65), (195, 202)):
+        assert torch.equal(o_bad[:, a:b].view(torch.int16), o_ref[:, a:b].view(torch.int16))
+    _expect_guarded(buf_bad, buf_ref, slots, text)
     with pytest.raises(ValueError) as e:
         run([2, slots, 0], check_indices=True)
     assert str(e.value) == text

@@ -137,6 +137,33 @@ SCHEMAS = {
 }
 
 
+# ---- the conv update and the fused decode layer step ----------------------------------------
+# causal-conv1d's signature, deltastate's options keyword-only after it.
+PUBLIC["causal_conv1d_update"] = (
+    "(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, "
+    "conv_state_indices=None, *, check_indices=None, pdl=False)")
+_FUSED_PUBLIC = (
+    "(mixed_qkv, conv_weight, conv_state, a, b, A_log, dt_bias, initial_state, out, "
+    "ssm_state_indices, conv_bias=None, conv_silu=True, scale=None, norm_weight=None, z=None, "
+    "norm_eps=1e-06, use_qk_l2norm_in_kernel=True, {lb}*, conv_state_k=None, conv_state_v=None, "
+    "round_beta=False, check_indices=None, pdl=False)")
+PUBLIC["gdn_fused_decode_step"] = _FUSED_PUBLIC.format(lb="")
+PUBLIC["kda_fused_decode_step"] = _FUSED_PUBLIC.format(lb="lower_bound=None, ")
+SCHEMAS["causal_conv1d_update"] = (
+    "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor(b!) out, "
+    "Tensor? bias=None, bool silu=False, Tensor? cache_seqlens=None, "
+    "Tensor? conv_state_indices=None, int check_indices=-1, bool pdl=False) -> ()")
+_FUSED_SCHEMA = (
+    "Tensor mixed_qkv, Tensor conv_weight, Tensor(a!) conv_state, Tensor a, Tensor b, "
+    "Tensor A_log, Tensor dt_bias, Tensor(b!) initial_state, Tensor(c!) out, "
+    "Tensor ssm_state_indices, Tensor? conv_bias=None, bool conv_silu=True, float? scale=None, "
+    "Tensor? norm_weight=None, Tensor? z=None, float norm_eps=1e-06, "
+    "bool use_qk_l2norm_in_kernel=True, float? lower_bound=None, Tensor(d!)? conv_state_k=None, "
+    "Tensor(e!)? conv_state_v=None, bool round_beta=False, int check_indices=-1, bool pdl=False")
+SCHEMAS["gdn_fused_decode_step"] = f"gdn_fused_decode_step({_FUSED_SCHEMA}) -> ()"
+SCHEMAS["kda_fused_decode_step"] = f"kda_fused_decode_step({_FUSED_SCHEMA}) -> ()"
+
+
 def plain(fn):
     """`fn`'s signature without annotations: names, order, defaults, keyword-only marker."""
     sig = inspect.signature(fn)

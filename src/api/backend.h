@@ -45,4 +45,9 @@ void copy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitc
 void copy_to_host(void* dst, const void* src, size_t bytes, int device, void* stream);
 void copy_to_device(void* dst, const void* src, size_t bytes, int device, void* stream);
 
+// The conv update and the fused decode layer step (src/cuda/conv_update.cu,
+// src/cuda/fused_decode_step.cu).
+void run_conv_update(const detail::ConvUpdateProblem& p, void* stream);
+void run_fused_decode_step(const detail::FusedStepProblem& p, void* stream);
+
 }  // namespace deltastate::cuda_backend

@@ -93,7 +93,31 @@ void chunk_prefill(const ChunkPrefillArgs& args) {
       detail::validate_chunk_prefill(args, chunk_prefill_workspace_bytes(args));
   if (p.N == 0) return;
   if (p.device.type == DeviceType::cpu) cpu::run_chunk_prefill(p);
-  else cuda_backend::run_chunk_prefill(p, args.stream);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_chunk_prefill);
+}
+
+// ---- the conv update and the fused decode layer step -------------------------------------------
+void causal_conv1d_update(const CausalConv1dUpdateArgs& args) {
+  const detail::ConvUpdateProblem p = detail::validate_conv_update(args);
+  if (p.B == 0 || p.dim == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_conv_update(p);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_conv_update);
+}
+
+namespace {
+void run_fused(const detail::FusedStepProblem& p, Stream stream) {
+  if (p.B == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_fused_decode_step(p);
+  else run_cuda_checked(p, stream, cuda_backend::run_fused_decode_step);
+}
+}  // namespace
+
+void gdn_fused_decode_step(const FusedDecodeStepArgs& args) {
+  run_fused(detail::validate_fused_decode_step(args, /*kda=*/false), args.stream);
+}
+
+void kda_fused_decode_step(const FusedDecodeStepArgs& args) {
+  run_fused(detail::validate_fused_decode_step(args, /*kda=*/true), args.stream);
 }
 
 }  // namespace deltastate

@@ -30,6 +30,15 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
 ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 
+// The conv update and the fused decode layer step (conv_update.cpp, fused_decode_step.cpp).
+// check_conv_params: weight [dim, width] (width 2..4) and bias [dim] of weight's dtype;
+// conv_window: a [slots, dim, state_len] window from channel `first_channel` on.
+ConvParams check_conv_params(Contract& c, const TensorView& weight,
+                             const std::optional<TensorView>& bias, int64_t dim, bool silu,
+                             const char* weight_name, const char* bias_name);
+ConvWindowRef conv_window(const TensorView& w, int64_t first_channel);
+ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args);
+FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, bool kda);
 // Speculative verify and its commit (contracts/verify.cpp).
 VerifyProblem validate_verify(const VerifyArgs& args);
 CommitProblem validate_commit(const CommitArgs& args);

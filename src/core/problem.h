@@ -85,12 +85,26 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpVerify = 3,
-  kErrOpCommit = 4
+  kErrOpChunkGdn = 3,   // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,   // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,       // causal_conv1d_update
+  kErrOpFusedStep = 6,  // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,     // verify
+  kErrOpCommit = 8      // update_state_after_verify
 };
-// kErrRow: a scratch row >= N_scr; kErrStep: a step or length past T_alloc or a table's columns,
-// num_accepted outside [1, columns], a parent token >= its token (verify and commit).
-enum DeviceErrorKind : int { kErrSlot = 1, kErrCursor = 2, kErrRow = 3, kErrStep = 4 };
+// kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
+// then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
+// step or length past T_alloc or a table's columns, num_accepted outside [1, columns], a parent
+// token >= its token (verify and commit).
+enum DeviceErrorKind : int {
+  kErrSlot = 1,
+  kErrCursor = 2,
+  kErrInitialSlot = 3,     // initial_state_indices
+  kErrOutputSlot = 4,      // output_state_indices
+  kErrCheckpointSlot = 5,  // checkpoint_slot_indices
+  kErrRow = 6,
+  kErrStep = 7,
+};
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
 struct RecurrentProblem {
@@ -180,12 +194,97 @@ struct ChunkPrefillProblem {
   DType checkpoint_slot_dtype = DType::i32;
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
-  bool check_indices = false;  // CUDA: trap on an index >= num_slots
-  bool pdl = false;            // CUDA: programmatic dependent launch (ops.h)
+  bool check_indices = false;           // as RecurrentProblem
+  bool pdl = false;                     // CUDA: programmatic dependent launch (ops.h)
+  DeviceErrorRecord* errors = nullptr;  // as RecurrentProblem
   Device device{};
 
   DS_HD bool pooled() const { return initial_indices != nullptr; }
   DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
+};
+
+// ---- the conv window and the fused decode layer step (causal_conv1d_update, fused_decode_step) --
+// A conv window tensor [slots, dim, state_len], any strides: SGLang's [.., dim, W-1] (the window
+// contiguous) and vLLM's dim-contiguous layout are both plain strides here. `ptr` is channel 0's
+// window in slot 0.
+struct ConvWindowRef {
+  void* ptr = nullptr;
+  DType dtype = DType::f32;
+  int64_t slot_stride = 0, dim_stride = 0, tok_stride = 0;
+  int64_t num_slots = 0;
+  int32_t state_len = 0;
+};
+
+// The depthwise conv's parameters: weight [dim, width], optional bias [dim], optional SiLU.
+struct ConvParams {
+  const void* weight = nullptr;
+  DType weight_dtype = DType::f32;
+  int64_t weight_dim_stride = 0, weight_width_stride = 0;
+  const void* bias = nullptr;  // null: no bias
+  DType bias_dtype = DType::f32;
+  int64_t bias_stride = 0;
+  int32_t width = 0;
+  bool silu = false;
+};
+
+// causal_conv1d_update: x [B, dim, T] (T = 1 for a 2-D x) into out [B, dim, T], the window of
+// row b at entry indices[b] (null: entry b) of `state`, a circular buffer at cache_seqlens[b]
+// when that is given.
+struct ConvUpdateProblem {
+  int32_t B = 0, dim = 0, T = 1;
+  const void* x = nullptr;
+  DType x_dtype = DType::f32;
+  int64_t x_batch_stride = 0, x_dim_stride = 0, x_tok_stride = 0;
+  void* out = nullptr;
+  DType out_dtype = DType::f32;
+  int64_t out_batch_stride = 0, out_dim_stride = 0, out_tok_stride = 0;
+  ConvParams conv;
+  ConvWindowRef state;
+  const int32_t* cache_seqlens = nullptr;  // [B] or null
+  const int32_t* indices = nullptr;        // [B] or null
+  bool check_indices = false;
+  bool pdl = false;
+  bool pdl_trigger_early = false;
+  DeviceErrorRecord* errors = nullptr;
+  Device device{};
+};
+
+// fused_decode_step: one decode token per row through the whole recurrent half of a GDN / KDA
+// layer. The projected row x [B, conv_dim] = [q (H*K) | k (H*K) | v (HV*V)] before the conv;
+// window[0..2] are the q, k, v parts' windows (views into one packed window, or three tensors),
+// channel c of part j at window[j] channel c - first channel of part j. The recurrent state and
+// the conv windows share the slot index. z / norm_weight null: no norm, out is the attention
+// output.
+struct FusedStepProblem {
+  int32_t B = 0, H = 0, HV = 0, K = 0, V = 0;
+  const void* x = nullptr;
+  DType x_dtype = DType::f32;
+  int64_t x_row_stride = 0;
+  ConvParams conv;
+  ConvWindowRef window[3];
+  HeadInput a, b;  // a: GDN [B, HV] (head stride 1), KDA [B, HV*K] (head stride K)
+  GateParams gate;
+  bool round_beta = false;
+  bool l2norm = true;
+  float scale = 1.0f;
+  StatePoolRef state;
+  const void* indices = nullptr;  // [B]
+  DType index_dtype = DType::i32;
+  int64_t index_stride = 1;
+  const void* z = nullptr;  // [B, HV, V], V contiguous; null: no gated norm
+  DType z_dtype = DType::f32;
+  int64_t z_row_stride = 0, z_head_stride = 0;
+  const void* norm_weight = nullptr;  // [V]
+  DType norm_weight_dtype = DType::f32;
+  float norm_eps = 1e-6f;
+  HeadOutput out;  // [B, HV, V]
+  bool check_indices = false;
+  bool pdl = false;
+  bool pdl_trigger_early = false;
+  DeviceErrorRecord* errors = nullptr;
+  Device device{};
+
+  DS_HD int32_t conv_dim() const { return 2 * H * K + HV * V; }
 };
 
 // Speculative verify (ops.h VerifyArgs): the recurrent problem (its `indices` are the slots the

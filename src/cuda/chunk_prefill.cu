@@ -151,9 +151,11 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, bool 
   return E <= prefill::kFallbackSmemStateElems ? 0 : N * HV * E * 4;
 }
 
-void run_chunk_prefill(const ChunkPrefillProblem& p, void* stream) {
-  if (p.N == 0) return;
-  DeviceGuard guard(p.device.index);
+void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
+  if (problem.N == 0) return;
+  DeviceGuard guard(problem.device.index);
+  ChunkPrefillProblem p = problem;
+  p.errors = device_errors(p.device.index);  // where the kernels record a bad slot (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
   const int D = tc_head_size(p);
   const bool bf16 = p.q.dtype == DType::bf16;

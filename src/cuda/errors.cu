@@ -39,11 +39,34 @@ detail::DeviceErrorRecord* used_record(int device) {
   return g_records[device].load(std::memory_order_acquire);
 }
 
+// The validator's text of an out-of-range slot (contracts/chunk_prefill.cpp, contract.cpp).
+std::string out_of_range(const char* name, const detail::DeviceErrorRecord& r,
+                         const char* negative) {
+  return std::string("`") + name + "`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
+         " is out of range for a state pool of " + std::to_string(r.limit) + " slots (valid: 0.." +
+         std::to_string(r.limit - 1) + "; < 0 " + negative + ")";
+}
+
+// A chunked-prefill sequence that names a slot past the pool (any of its three slot arrays).
+std::string prefill_message(const detail::DeviceErrorRecord& r) {
+  std::string m = r.op == detail::kErrOpChunkKda ? "chunk_kda: " : "chunk_gated_delta_rule: ";
+  if (r.kind == detail::kErrOutputSlot)
+    m += out_of_range("output_state_indices", r, "stores no final state");
+  else if (r.kind == detail::kErrCheckpointSlot)
+    m += out_of_range("checkpoint_slot_indices", r, "skips the checkpoint");
+  else m += out_of_range("initial_state_indices", r, "marks a padded row");
+  return m + "; its sequence was skipped (no pool slot written) and its outputs are NaN";
+}
+
 std::string message(const detail::DeviceErrorRecord& r) {
-  const char* op = r.op == detail::kErrOpReplay   ? "replayssm_decode"
-                   : r.op == detail::kErrOpVerify ? "verify"
-                   : r.op == detail::kErrOpCommit ? "update_state_after_verify"
-                                                  : "recurrent";
+  if (r.op == detail::kErrOpChunkGdn || r.op == detail::kErrOpChunkKda) return prefill_message(r);
+  const char* op = r.op == detail::kErrOpReplay      ? "replayssm_decode"
+                   : r.op == detail::kErrOpConv      ? "causal_conv1d_update"
+                   : r.op == detail::kErrOpFusedStep ? "fused_decode_step"
+                   : r.op == detail::kErrOpVerify    ? "verify"
+                   : r.op == detail::kErrOpCommit    ? "update_state_after_verify"
+                                                     : "recurrent";
+  const char* index_name = r.op == detail::kErrOpConv ? "conv_state_indices" : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrRow) {
     m += "row " + std::to_string(r.row) + ": scratch row " + std::to_string(r.index) +
@@ -57,9 +80,7 @@ std::string message(const detail::DeviceErrorRecord& r) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
   } else {
-    m += "`ssm_state_indices`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
-         " is out of range for a state pool of " + std::to_string(r.limit) + " slots (valid: 0.." +
-         std::to_string(r.limit - 1) + "; < 0 marks a padded row)";
+    m += out_of_range(index_name, r, "marks a padded row");
   }
   return m + "; the row was skipped (state, rings and cursor untouched) and its output is NaN";
 }

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdio>
 
 #include "core/problem.h"
 
@@ -42,18 +41,6 @@ __device__ __forceinline__ void record_bad_row(detail::DeviceErrorRecord* e, int
     e->limit = static_cast<long long>(limit);
     __threadfence();
   }
-}
-
-// The former debug report (message, then trap: the CUDA context is lost). Kept for kernels not
-// yet moved to record_bad_row; new kernels use record_bad_row.
-__device__ __forceinline__ void trap_bad_slot(const char* op, int64_t row, int64_t slot,
-                                              int64_t num_slots) {
-  printf(
-      "deltastate %s: ssm_state_indices[%lld]=%lld is out of range for a state pool of %lld "
-      "slots\n",
-      op, static_cast<long long>(row), static_cast<long long>(slot),
-      static_cast<long long>(num_slots));
-  __trap();
 }
 
 }  // namespace deltastate::cuda_backend

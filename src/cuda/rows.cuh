@@ -136,17 +136,24 @@ __device__ __forceinline__ float delta_step_rows(float (&S)[R][EPL], const float
 
 // The other finish (register decode kernels): after transpose_reduce<G, 2R>, the lane holding
 // sk_r has u_r = beta*(v_r - sk_r) in `u_here`; the lane holding sq_r (first of its copies)
-// takes u_r from it and stores o_r = sq_r + u_r*kq at out[o_off + row0 + r*rg] (rows below V).
-template <int G, int R>
-__device__ __forceinline__ void store_output_rows(const detail::HeadOutput& out, int64_t o_off,
-                                                  int V, int row0, int rg, int lane, float red,
-                                                  float u_here, float kq) {
+// takes u_r from it and hands o_r = sq_r + u_r*kq to sink(row0 + r*rg) (rows below V).
+template <int G, int R, class Sink>
+__device__ __forceinline__ void finish_output_rows(int V, int row0, int rg, int lane, float red,
+                                                   float u_here, float kq, Sink sink) {
   const int sq_r = reduced_index<G, 2 * R>(lane) - R;  // this lane's row, if it holds sq
   const float u_o = __shfl_sync(0xffffffffu, u_here, holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r), G);
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
   if (sq_r >= 0 && first_copy && row0 + sq_r * rg < V)
-    detail::store_float(out.ptr, out.dtype, o_off + row0 + sq_r * rg,
-                        detail::delta_output(red, u_o, kq));
+    sink(row0 + sq_r * rg, detail::delta_output(red, u_o, kq));
+}
+// finish_output_rows into out[o_off + row].
+template <int G, int R>
+__device__ __forceinline__ void store_output_rows(const detail::HeadOutput& out, int64_t o_off,
+                                                  int V, int row0, int rg, int lane, float red,
+                                                  float u_here, float kq) {
+  finish_output_rows<G, R>(V, row0, rg, lane, red, u_here, kq, [&](int row, float o) {
+    detail::store_float(out.ptr, out.dtype, o_off + row, o);
+  });
 }
 
 // A lane's R rows of a state tile (rows row, row + rg, ...; `row_src(r, row + r*rg)` points at

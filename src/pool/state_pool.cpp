@@ -37,6 +37,22 @@ void StatePool::check_config(const StatePoolConfig& c) {
                 dtype_name(c.state_dtype)));
   if (c.envelope_extra_bytes < 0 || (c.envelope_extra_bytes && c.layout != PoolLayout::envelope))
     fail("StatePool envelope_extra_bytes applies to the envelope layout only and must be >= 0");
+  if (c.conv_dim < 0) fail(format("StatePool conv_dim must be >= 0; got %lld", ll(c.conv_dim)));
+  if (c.conv_dim > 0) {
+    if (c.conv_width < 2 || c.conv_width > 4)
+      fail(format("StatePool conv_width must be 2..4 (causal_conv1d's widths); got %lld",
+                  ll(c.conv_width)));
+    if (!is_floating(c.conv_dtype))
+      fail(format("StatePool conv_dtype must be float32, bfloat16 or float16; got %s",
+                  dtype_name(c.conv_dtype)));
+    if (c.conv_split_qkv && (c.H < 1 || c.conv_dim != 2 * c.H * c.K + c.HV * c.V))
+      fail(
+          format("StatePool conv_split_qkv needs H >= 1 and conv_dim = 2*H*K + HV*V; got H=%lld, "
+                 "conv_dim=%lld (2*H*K + HV*V = %lld)",
+                 ll(c.H), ll(c.conv_dim), ll(2 * c.H * c.K + c.HV * c.V)));
+  } else if (c.conv_split_qkv) {
+    fail("StatePool conv_split_qkv needs conv_dim > 0");
+  }
   if (c.replay_len < 0) fail("ReplaySSM cache length must be at least 1.");
   if (c.replay_len > 0) {
     if (c.H < 1 || c.HV % c.H != 0)
@@ -56,11 +72,25 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   const int64_t head_bytes = c.HV * c.V * c.K * isz;  // one (layer, slot) state
   const int64_t n = c.physical_slots();               // rows of every view (null slot included)
   l.state_offset = 0;
+  // Conv windows: one packed part or three (q, k, v).
+  const int64_t csz = dtype_size(c.conv_dtype), W1 = c.conv_width - 1;
+  l.conv_parts = c.conv_dim == 0 ? 0 : c.conv_split_qkv ? 3 : 1;
+  l.conv_layer_pitch = 0;
+  for (int j = 0; j < 3; ++j) {
+    l.conv_part_dim[j] = l.conv_parts == 3               ? (j < 2 ? c.H * c.K : c.HV * c.V)
+                         : (j == 0 && l.conv_parts == 1) ? c.conv_dim
+                                                         : 0;
+    l.conv_block[j] = l.conv_part_dim[j] * W1 * csz;
+    l.conv_offset[j] = 0;
+    l.conv_layer_pitch += round_up(l.conv_block[j], 32);
+  }
+  l.conv_pad =
+      c.layout == PoolLayout::envelope ? round_up(c.layers * l.conv_layer_pitch, kAlign) : 0;
   // A slot's state in every layer is `slot_rows` rows of entry_bytes, slot_row_pitch apart: its
   // one entry (envelope) or one row per layer (per_layer).
   if (c.layout == PoolLayout::envelope) {
     l.extra_pad = round_up(c.envelope_extra_bytes, kAlign);
-    l.entry_bytes = round_up(l.extra_pad + c.layers * envelope_layer_pitch(c), kAlign);
+    l.entry_bytes = round_up(l.extra_pad + l.conv_pad + c.layers * envelope_layer_pitch(c), kAlign);
     l.state_bytes = n * l.entry_bytes;
     l.slot_rows = 1;
     l.slot_row_pitch = l.entry_bytes;
@@ -72,6 +102,12 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
     l.slot_row_pitch = n * l.entry_bytes;
   }
   int64_t off = round_up(l.state_bytes, kAlign);
+  if (c.layout == PoolLayout::per_layer) {
+    for (int j = 0; j < l.conv_parts; ++j) {
+      l.conv_offset[j] = off;
+      off = round_up(off + c.layers * n * l.conv_block[j], kAlign);
+    }
+  }
   const int64_t L = c.replay_len;
   l.d_offset = off;
   off = round_up(off + c.layers * n * c.HV * L * c.V * isz, kAlign);
@@ -164,14 +200,32 @@ int64_t StatePool::num_free() const {
   return std::count(allocated_.begin() + first_slot(cfg_), allocated_.end(), 0);
 }
 
+std::vector<StatePool::SlotRun> StatePool::slot_runs() const {
+  std::vector<SlotRun> runs;
+  // The state in every layer: the layers' rows (per_layer) or the one entry (envelope, which
+  // holds the conv windows too).
+  runs.push_back(
+      {lay_.state_offset, lay_.entry_bytes, lay_.slot_rows, lay_.slot_row_pitch, lay_.entry_bytes});
+  if (cfg_.layout == PoolLayout::per_layer) {
+    const int64_t n = cfg_.physical_slots();
+    for (int j = 0; j < lay_.conv_parts; ++j)
+      runs.push_back({lay_.conv_offset[j], lay_.conv_block[j], cfg_.layers, n * lay_.conv_block[j],
+                      lay_.conv_block[j]});
+  }
+  return runs;
+}
+
 void StatePool::clear_slot(int64_t slot, Stream stream) {
-  char* first = at(lay_.state_offset + slot * lay_.entry_bytes);
-  const int64_t row = lay_.entry_bytes, rows = lay_.slot_rows, pitch = lay_.slot_row_pitch;
-  if (on_cuda(cfg_)) {
-    cuda_backend::memset_2d_async(first, static_cast<size_t>(pitch), 0, static_cast<size_t>(row),
-                                  static_cast<size_t>(rows), cfg_.device.index, stream);
-  } else {
-    for (int64_t r = 0; r < rows; ++r) std::memset(first + r * pitch, 0, static_cast<size_t>(row));
+  for (const SlotRun& r : slot_runs()) {
+    char* first = at(r.offset + slot * r.slot_step);
+    if (on_cuda(cfg_)) {
+      cuda_backend::memset_2d_async(first, static_cast<size_t>(r.pitch), 0,
+                                    static_cast<size_t>(r.bytes), static_cast<size_t>(r.rows),
+                                    cfg_.device.index, stream);
+    } else {
+      for (int64_t i = 0; i < r.rows; ++i)
+        std::memset(first + i * r.pitch, 0, static_cast<size_t>(r.bytes));
+    }
   }
 }
 
@@ -191,16 +245,17 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
         format("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got %d for "
                "src %lld",
                wp, ll(src)));
-  const int64_t rows = lay_.slot_rows, pitch = lay_.slot_row_pitch;
-  const char* from = at(lay_.state_offset + src * lay_.entry_bytes);
-  char* to = at(lay_.state_offset + dst * lay_.entry_bytes);
-  if (on_cuda(cfg_)) {
-    cuda_backend::copy_2d_async(to, static_cast<size_t>(pitch), from, static_cast<size_t>(pitch),
-                                static_cast<size_t>(lay_.entry_bytes), static_cast<size_t>(rows),
-                                cfg_.device.index, stream);
-  } else {
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(to + r * pitch, from + r * pitch, static_cast<size_t>(lay_.entry_bytes));
+  for (const SlotRun& r : slot_runs()) {
+    const char* from = at(r.offset + src * r.slot_step);
+    char* to = at(r.offset + dst * r.slot_step);
+    if (on_cuda(cfg_)) {
+      cuda_backend::copy_2d_async(to, static_cast<size_t>(r.pitch), from,
+                                  static_cast<size_t>(r.pitch), static_cast<size_t>(r.bytes),
+                                  static_cast<size_t>(r.rows), cfg_.device.index, stream);
+    } else {
+      for (int64_t i = 0; i < r.rows; ++i)
+        std::memcpy(to + i * r.pitch, from + i * r.pitch, static_cast<size_t>(r.bytes));
+    }
   }
   set_cursor(dst, 0, stream);
 }
@@ -213,7 +268,8 @@ TensorView StatePool::layer_state(int64_t layer) const {
   const int64_t head = cfg_.HV * cfg_.V * cfg_.K;
   int64_t offset, slot_stride;
   if (cfg_.layout == PoolLayout::envelope) {
-    offset = lay_.state_offset + lay_.extra_pad + layer * envelope_layer_pitch(cfg_);
+    offset =
+        lay_.state_offset + lay_.extra_pad + lay_.conv_pad + layer * envelope_layer_pitch(cfg_);
     slot_stride = lay_.entry_bytes / isz;
   } else {
     offset = lay_.state_offset + layer * cfg_.physical_slots() * head * isz;
@@ -222,6 +278,55 @@ TensorView StatePool::layer_state(int64_t layer) const {
   return TensorView::strided(at(offset), cfg_.state_dtype,
                              {cfg_.physical_slots(), cfg_.HV, cfg_.V, cfg_.K},
                              {slot_stride, cfg_.V * cfg_.K, cfg_.K, 1}, cfg_.device);
+}
+
+int64_t StatePool::conv_entry_offset(int64_t layer, int part) const {
+  int64_t off = lay_.extra_pad + layer * lay_.conv_layer_pitch;
+  for (int j = 0; j < part; ++j) off += round_up(lay_.conv_block[j], 32);
+  return off;
+}
+
+TensorView StatePool::conv_state(int64_t layer, int part) const {
+  if (lay_.conv_parts == 0)
+    fail("StatePool has no conv windows (configure conv_dim > 0 to create them)");
+  if (layer < 0 || layer >= cfg_.layers)
+    fail(format("StatePool: layer %lld is out of range for a pool of %lld layers", ll(layer),
+                ll(cfg_.layers)));
+  if (part < -1 || part > 2)
+    fail(format("StatePool.conv_state: part must be -1 (packed), 0 (q), 1 (k) or 2 (v); got %d",
+                part));
+  if (part == -1 && lay_.conv_parts == 3)
+    fail(
+        "StatePool.conv_state: the pool keeps separate q, k, v windows (conv_split_qkv); pass "
+        "part 0, 1 or 2");
+  if (part >= 0 && lay_.conv_parts == 1 && 2 * cfg_.H * cfg_.K + cfg_.HV * cfg_.V != cfg_.conv_dim)
+    fail(
+        format("StatePool.conv_state: the q, k, v parts of a packed window need H with conv_dim "
+               "= 2*H*K + HV*V; got H=%lld, conv_dim=%lld",
+               ll(cfg_.H), ll(cfg_.conv_dim)));
+  const int64_t csz = dtype_size(cfg_.conv_dtype), W1 = cfg_.conv_width - 1;
+  const int64_t n = cfg_.physical_slots();
+  const int p = lay_.conv_parts == 3 ? part : 0;  // the stored window
+  const int64_t dim = lay_.conv_part_dim[p];
+  // channels of the view: the stored window's, or a packed window's q / k / v slice
+  int64_t first = 0, channels = dim;
+  if (lay_.conv_parts == 1 && part >= 0) {
+    const int64_t hk = cfg_.H * cfg_.K;
+    first = part == 0 ? 0 : part == 1 ? hk : 2 * hk;
+    channels = part == 2 ? cfg_.HV * cfg_.V : hk;
+  }
+  int64_t offset, slot_stride;
+  if (cfg_.layout == PoolLayout::envelope) {
+    offset = lay_.state_offset + conv_entry_offset(layer, p);
+    slot_stride = lay_.entry_bytes / csz;
+  } else {
+    offset = lay_.conv_offset[p] + layer * n * lay_.conv_block[p];
+    slot_stride = dim * W1;
+  }
+  const bool dim_major = cfg_.conv_layout == ConvLayout::dim_contiguous;
+  const int64_t dim_stride = dim_major ? 1 : W1, tok_stride = dim_major ? dim : 1;
+  return TensorView::strided(at(offset + first * dim_stride * csz), cfg_.conv_dtype,
+                             {n, channels, W1}, {slot_stride, dim_stride, tok_stride}, cfg_.device);
 }
 
 namespace {
@@ -296,8 +401,10 @@ int64_t StatePool::bytes_per_slot(const StatePoolConfig& c) {
   check_config(c);
   const int64_t isz = dtype_size(c.state_dtype);
   const int64_t L = c.replay_len;
-  const int64_t state = c.layout == PoolLayout::envelope ? layout_of(c).entry_bytes
-                                                         : c.layers * c.HV * c.V * c.K * isz;
+  const int64_t conv = c.conv_dim * (c.conv_width - 1) * dtype_size(c.conv_dtype);
+  const int64_t state = c.layout == PoolLayout::envelope
+                            ? layout_of(c).entry_bytes
+                            : c.layers * (c.HV * c.V * c.K * isz + (c.conv_dim > 0 ? conv : 0));
   const int64_t rings =
       c.layers * (c.HV * L * c.V * isz + c.H * L * c.K * dtype_size(c.ring_k_dtype) +
                   c.HV * L * (c.kda ? c.K : 1) * 4);

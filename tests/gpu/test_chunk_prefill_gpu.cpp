@@ -41,6 +41,7 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "gpu/gpu_errors.h"
 #include "test_util.h"
 
 namespace dstest {
@@ -621,6 +622,175 @@ INSTANTIATE_TEST_SUITE_P(
             c.fallback_only = true;
           })),
     case_name<GpuPrefillCase>);
+
+// ---- the slot guard ---------------------------------------------------------------------------
+// Every slot a sequence names (initial_state_indices, output_state_indices, its
+// checkpoint_slot_indices) is checked on the device before the sequence stores anything: a
+// sequence with one >= the pool's slots is skipped like a padded one (no pool access) with NaN
+// outputs (output rows, dense final state), the others run, and the first bad slot is recorded
+// for check_errors with the validator's text. Each scenario runs a batch with bad slots and the
+// same batch with those sequences padded, on two copies of the same memory: the good sequences'
+// outputs and final states and every byte of the pool must agree bit for bit. The pool view
+// covers all but the last two slots of its buffer, so the first bad index lands in real memory
+// past the view, which must stay untouched (the padded run never writes there).
+class GpuChunkPrefillGuard : public PrefillGpuTest,
+                             public ::testing::WithParamInterface<GuardCase> {};
+
+std::string prefill_range_text(bool kda, const char* name, int64_t row, int64_t index,
+                               int64_t slots, const char* negative) {
+  return std::string(kda ? "chunk_kda" : "chunk_gated_delta_rule") + ": `" + name + "`[" +
+         std::to_string(row) + "]=" + std::to_string(index) +
+         " is out of range for a state pool of " + std::to_string(slots) + " slots (valid: 0.." +
+         std::to_string(slots - 1) + "; < 0 " + negative +
+         "); its sequence was skipped (no pool slot written) and its outputs are NaN";
+}
+
+TEST_P(GpuChunkPrefillGuard, BadSlotsSkipTheirSequenceAndAreReported) {
+  const GuardCase& gc = GetParam();
+  clear_device_errors();
+  GpuPrefillCase c;
+  c.name = gc.name;
+  c.spec = varlen(gc.shape, gc.kda, gc.act, {65, 130, 1, 200, 64});
+  c.spec.index_dtype = gc.index;
+  c.state = gc.state;
+  c.padded = {2};
+  c.final_state = true;
+  c.ckpt = Ckpt::slots;
+  Rng rng = test_rng();
+  PrefillRun run(c, rng);
+  const int64_t N = run.N, total = run.total;
+  const int64_t buffer_slots = run.pool.shape()[0], slots = buffer_slots - 2;
+  // Slots in order: initial n, final N + n, checkpoint i at 2N + i (every third skipped).
+  std::vector<int64_t> in(N), out(N), ck(total);
+  for (int64_t n = 0; n < N; ++n) {
+    in[n] = run.padded(n) ? -1 : n;
+    out[n] = N + n;
+  }
+  for (int64_t i = 0; i < total; ++i) ck[i] = i % 3 == 2 ? -1 : 2 * N + i;
+  ASSERT_LT(2 * N + total, slots);
+  fill_live_slots(run.pool.view(), in, rng);
+  // Finite before the call, so that the NaN of a skipped sequence is a store (a padded one's 0).
+  run.rb.out.fill_all(7.0);
+  run.final_state.fill_all(7.0);
+  const int64_t far = far_index(gc.index);
+  // The sequence of checkpoint row 1 (sequence 0 has one checkpoint: it is sequence 1's first).
+  ASSERT_EQ(run.cu_starts[1], 1);
+
+  struct Scenario {
+    const char* what;
+    std::vector<int64_t> in, out, ck, bad;  // bad: the skipped sequences
+    std::vector<std::string> texts;
+  };
+  auto with = [](std::vector<int64_t> v, int64_t i, int64_t x) {
+    v[i] = x;
+    return v;
+  };
+  const char* padded_row = "marks a padded row";
+  const std::vector<Scenario> scenarios = {
+      {"initial slots",
+       with(with(in, 1, slots), 3, far),
+       out,
+       ck,
+       {1, 3},
+       {prefill_range_text(gc.kda, "initial_state_indices", 1, slots, slots, padded_row),
+        prefill_range_text(gc.kda, "initial_state_indices", 3, far, slots, padded_row)}},
+      {"output slot",
+       in,
+       with(out, 4, slots),
+       ck,
+       {4},
+       {prefill_range_text(gc.kda, "output_state_indices", 4, slots, slots,
+                           "stores no final state")}},
+      {"checkpoint slot",
+       in,
+       out,
+       with(ck, 1, far),
+       {1},
+       {prefill_range_text(gc.kda, "checkpoint_slot_indices", 1, far, slots,
+                           "skips the checkpoint")}},
+  };
+  const int64_t E = run.E;
+  for (const Scenario& sc : scenarios) {
+    SCOPED_TRACE(sc.what);
+    std::vector<int64_t> ref_in = sc.in;
+    for (int64_t n : sc.bad) ref_in[n] = -1;
+    const Tensor bad_in = index_tensor(sc.in, gc.index), bad_out = index_tensor(sc.out, gc.index),
+                 bad_ck = index_tensor(sc.ck, gc.index), ref_in_t = index_tensor(ref_in, gc.index),
+                 ref_out = index_tensor(out, gc.index), ref_ck = index_tensor(ck, gc.index);
+    Mirror bad_mem, ref_mem;
+    for (Mirror* m : {&bad_mem, &ref_mem})
+      for (const Tensor* t : run.tensors()) m->upload(*t);
+    bad_mem.upload_all(bad_in, bad_out, bad_ck);
+    ref_mem.upload_all(ref_in_t, ref_out, ref_ck);
+    auto args = [&](Mirror& m, const Tensor& i, const Tensor& o, const Tensor& k) {
+      ChunkPrefillArgs a = run.args(m.views());
+      a.initial_state->shape[0] = slots;
+      a.initial_state_indices = m.view(i);
+      a.output_state_indices = m.view(o);
+      a.checkpoint_slot_indices = m.view(k);
+      return a;
+    };
+    deltastate::chunk_prefill(args(bad_mem, bad_in, bad_out, bad_ck));  // reports nothing itself
+    deltastate::chunk_prefill(args(ref_mem, ref_in_t, ref_out, ref_ck));
+    sync();
+
+    const Tensor o_bad = bad_mem.download(run.rb.out), o_ref = ref_mem.download(run.rb.out);
+    const Tensor f_bad = bad_mem.download(run.final_state),
+                 f_ref = ref_mem.download(run.final_state);
+    for (int64_t n = 0; n < N; ++n) {
+      SCOPED_TRACE("sequence " + std::to_string(n));
+      const std::vector<double> fb = view_values(f_bad.view(), n * E, E),
+                                fr = view_values(f_ref.view(), n * E, E);
+      if (contains(sc.bad, n)) {
+        EXPECT_TRUE(all_nan(out_rows(o_bad, run.rb, n))) << "outputs";
+        EXPECT_TRUE(all_nan(fb)) << "final_state";
+      } else {
+        EXPECT_TRUE(same_bits(out_rows(o_bad, run.rb, n), out_rows(o_ref, run.rb, n))) << "outputs";
+        EXPECT_TRUE(same_bits(fb, fr)) << "final_state";
+      }
+    }
+    const Tensor pool = bad_mem.download(run.pool);
+    EXPECT_TRUE(bytes_equal(pool, ref_mem.download(run.pool)))
+        << "pool (bad slots vs padded sequences; the two slots past the view included)";
+    EXPECT_FALSE(bytes_equal(pool, run.pool)) << "the good sequences wrote their slots";
+    expect_reported(nullptr, sc.texts);
+  }
+
+  // check_indices=true on CUDA (the debug mode): the op synchronizes and raises itself.
+  Mirror m;
+  for (const Tensor* t : run.tensors()) m.upload(*t);
+  const Tensor bad_in = index_tensor(with(in, 3, slots + 1), gc.index),
+               out_t = index_tensor(out, gc.index), ck_t = index_tensor(ck, gc.index);
+  m.upload_all(bad_in, out_t, ck_t);
+  ChunkPrefillArgs a = run.args(m.views());
+  a.initial_state->shape[0] = slots;
+  a.initial_state_indices = m.view(bad_in);
+  a.output_state_indices = m.view(out_t);
+  a.checkpoint_slot_indices = m.view(ck_t);
+  a.check_indices = true;
+  const auto e = catch_error([&] { deltastate::chunk_prefill(a); });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->kind(), deltastate::ErrorKind::value);
+  EXPECT_EQ(std::string(e->what()),
+            prefill_range_text(gc.kda, "initial_state_indices", 3, slots + 1, slots, padded_row));
+  EXPECT_NO_THROW(deltastate::check_errors(nullptr));
+  // Good slots: no error.
+  const Tensor good_in = index_tensor(in, gc.index);
+  m.upload(good_in);
+  a.initial_state_indices = m.view(good_in);
+  EXPECT_NO_THROW(deltastate::chunk_prefill(a));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuChunkPrefillGuard,
+    ::testing::Values(
+        // the tensor-core kernel
+        GuardCase{"gdn_qwen_bf16_f32pool_i32", kQwen3Next, false, f32, bf16, DType::i32},
+        GuardCase{"kda_kimi_bf16_bf16pool_i64", kKimi, true, bf16, bf16, DType::i64},
+        // the fallback (K != V; fp32 inputs)
+        GuardCase{"fallback_gdn_odd_bf16_i64", kOdd, false, f32, bf16, DType::i64},
+        GuardCase{"fallback_kda_qwen_f32_i32", kQwen3Next, true, f32, f32, DType::i32}),
+    case_name<GuardCase>);
 
 // ---- CUDA graphs ----------------------------------------------------------------------------
 struct ScopedStream {

@@ -17,6 +17,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "gpu/gpu_errors.h"
 #include "gpu/gpu_util.h"
 #include "test_util.h"
 
@@ -910,58 +911,12 @@ TEST_F(GpuTest, PdlLaunchesMatchPlainLaunches) {
 // (DELTASTATE_CUDA_DECODE=direct|decode|stream) run them on every decode kernel.
 constexpr int64_t kGuardSlots = 10;
 
-int64_t far_index(DType index_dtype) {
-  return index_dtype == DType::i64 ? int64_t{1} << 40 : int64_t{2147483647};
-}
-
 std::string out_of_range_text(const char* op, int64_t row, int64_t index) {
   return std::string(op) + ": `ssm_state_indices`[" + std::to_string(row) +
          "]=" + std::to_string(index) + " is out of range for a state pool of " +
          std::to_string(kGuardSlots) + " slots (valid: 0.." + std::to_string(kGuardSlots - 1) +
          "; < 0 marks a padded row); the row was skipped (state, rings and cursor untouched) and "
          "its output is NaN";
-}
-
-// Clears what an earlier (failed) test may have left in the device's error record.
-void clear_device_errors() {
-  try {
-    deltastate::check_errors(nullptr);
-  } catch (const deltastate::Error&) {
-  }
-}
-
-// check_errors(stream) throws ErrorKind::value with one of `texts` (which bad row is recorded
-// first is up to the scheduler when there are several); a second call passes (cleared).
-void expect_reported(cudaStream_t stream, const std::vector<std::string>& texts) {
-  const auto e = catch_error([&] { deltastate::check_errors(stream); });
-  ASSERT_TRUE(e.has_value());
-  EXPECT_EQ(e->kind(), deltastate::ErrorKind::value);
-  EXPECT_NE(std::find(texts.begin(), texts.end(), std::string(e->what())), texts.end())
-      << "check_errors said: " << e->what();
-  EXPECT_NO_THROW(deltastate::check_errors(stream)) << "the record was not cleared";
-}
-
-::testing::AssertionResult bytes_equal(const Tensor& a, const Tensor& b) {
-  if (a.alloc_bytes() != b.alloc_bytes()) return ::testing::AssertionFailure() << "sizes differ";
-  if (std::memcmp(a.alloc_base(), b.alloc_base(), static_cast<size_t>(a.alloc_bytes())) != 0)
-    return ::testing::AssertionFailure() << "bytes differ";
-  return ::testing::AssertionSuccess();
-}
-
-// Element-wise bit identity of two value lists (doubles widened from the stored values: equal
-// bits in, equal bits out, signed zeros distinct).
-::testing::AssertionResult same_bits(const std::vector<double>& a, const std::vector<double>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0)
-      return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs " << b[i];
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult all_nan(const std::vector<double>& v) {
-  for (size_t i = 0; i < v.size(); ++i)
-    if (!std::isnan(v[i])) return ::testing::AssertionFailure() << "element " << i << " = " << v[i];
-  return ::testing::AssertionSuccess();
 }
 
 // The bytes of a [slots, ...] buffer past its first kGuardSlots slots are as in `host`.
@@ -992,14 +947,6 @@ void expect_rows_guarded(const Tensor& out, const Tensor& ref_out, int64_t B, in
     else EXPECT_TRUE(same_bits(got, slice(r, row * row_elems, row_elems))) << "row " << row;
   }
 }
-
-struct GuardCase {
-  const char* name;
-  Shape shape;
-  bool kda;
-  DType state, act, index;
-};
-void PrintTo(const GuardCase& c, std::ostream* os) { *os << c.name; }
 
 class GpuPackedGuard : public GpuParamTest<GuardCase> {};
 

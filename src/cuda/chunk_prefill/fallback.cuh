@@ -45,10 +45,7 @@ __global__ void __launch_bounds__(kFallbackThreads)
   const int64_t E = head_elems(p);
   const int64_t task = blockIdx.x;
   const Seq s = resolve_sequence(p, task);
-  if (s.padded) {
-    write_padded(p, s, tid, kFallbackThreads);
-    return;
-  }
+  if (skip_sequence(p, s, tid, kFallbackThreads)) return;
   const bool in_smem = E <= kFallbackSmemStateElems;
   float* const S = in_smem ? smem : static_cast<float*>(p.workspace) + task * E;
   float* const q = smem + (in_smem ? E : 0);

@@ -4,16 +4,19 @@
 // rounded to its destination's dtype as the CPU backend rounds it (core/numeric.h).
 //
 // Index arrays (cu_seqlens, slot indices, checkpoint counts) are read here, on the device: the
-// CUDA validator reads no device data (no host synchronization). check_indices traps on a slot
-// at or past the pool's end; cu_seqlens and the checkpoint counts are trusted, as by the
-// recurrent op and FlashInfer.
+// CUDA validator reads no device data (no host synchronization). Every slot a sequence names
+// (initial, final, checkpoints) is checked once per CTA before any store: a sequence with one at
+// or past the pool's end is skipped like a padded one (no pool access) with NaN outputs, and the
+// first such slot is recorded in the device's error record (grid.cuh record_bad_row, read by
+// check_errors). cu_seqlens and the checkpoint counts are trusted, as by the recurrent op and
+// FlashInfer.
 #pragma once
 
 #include <cstdint>
-#include <cstdio>
 
 #include "core/numeric.h"
 #include "core/problem.h"
+#include "cuda/grid.cuh"
 
 namespace deltastate::cuda_backend::prefill {
 
@@ -27,19 +30,6 @@ struct Seq {
   int hv, h;
   bool padded, reads_state;
 };
-
-__device__ __forceinline__ void trap_slot(const char* what, int64_t i, int64_t slot,
-                                          int64_t slots) {
-  printf("deltastate chunk_prefill: %s[%lld]=%lld is out of range for a state pool of %lld slots\n",
-         what, static_cast<long long>(i), static_cast<long long>(slot),
-         static_cast<long long>(slots));
-  __trap();
-}
-
-__device__ __forceinline__ void check_slot(const ChunkPrefillProblem& p, const char* what,
-                                           int64_t i, int64_t slot) {
-  if (p.check_indices && slot >= p.state.num_slots) trap_slot(what, i, slot, p.state.num_slots);
-}
 
 // The sum of x over the warp, in every lane.
 __device__ __forceinline__ float warp_sum(float x) {
@@ -62,7 +52,6 @@ __device__ __forceinline__ Seq resolve_sequence(const ChunkPrefillProblem& p, in
   s.padded = p.pooled() && s.slot < 0;
   const bool has = !p.has_initial || load_index(p.has_initial, p.has_initial_dtype, s.n) != 0;
   s.reads_state = p.state.ptr && !s.padded && has;
-  if (p.pooled() && !s.padded) check_slot(p, "initial_state_indices", s.n, s.slot);
   return s;
 }
 
@@ -70,27 +59,86 @@ __device__ __forceinline__ int64_t head_elems(const ChunkPrefillProblem& p) {
   return static_cast<int64_t>(p.V) * p.K;
 }
 
-// A padded sequence: its output rows and dense outputs (final state, checkpoint rows) are zero,
-// the pool is untouched. All `nthreads` threads of the CTA take part.
+// A skipped sequence: its output rows and dense outputs (final state, checkpoint rows) are
+// `fill` (0 padded, NaN for a bad slot), the pool is untouched. All `nthreads` threads of the
+// CTA take part.
 __device__ inline void write_padded(const ChunkPrefillProblem& p, const Seq& s, int tid,
-                                    int nthreads) {
+                                    int nthreads, float fill) {
   const int64_t V = p.V, E = head_elems(p);
   for (int64_t i = tid; i < s.len * V; i += nthreads) {
     const int64_t t = i / V, v = i - t * V;
     detail::store_float(p.out.ptr, p.out.dtype, head_offset(p.out, s.seq, s.tok0 + t, s.hv) + v,
-                        0.0f);
+                        fill);
   }
   if (p.final_state)
     for (int64_t i = tid; i < E; i += nthreads)
-      detail::store_float(p.final_state, p.final_dtype, (s.n * p.HV + s.hv) * E + i, 0.0f);
+      detail::store_float(p.final_state, p.final_dtype, (s.n * p.HV + s.hv) * E + i, fill);
   if (p.checkpoints && p.checkpoint_every > 0) {
     const int64_t count = s.len / p.checkpoint_every;
     const int64_t first = load_index(p.checkpoint_cu_starts, p.checkpoint_cu_dtype, s.n);
     for (int64_t j = 0; j < count; ++j)
       for (int64_t i = tid; i < E; i += nthreads)
         detail::store_float(p.checkpoints, p.checkpoint_dtype, ((first + j) * p.HV + s.hv) * E + i,
-                            0.0f);
+                            fill);
   }
+}
+
+// The final state's pool slot (output_state_indices, else in place; < 0: not stored).
+__device__ __forceinline__ int64_t output_slot(const ChunkPrefillProblem& p, const Seq& s) {
+  return p.output_indices ? load_index(p.output_indices, p.output_index_dtype, s.n) : s.slot;
+}
+
+// The cold path of a bad sequence (one thread): records its first slot past the pool, in the
+// validator's order (initial, final, checkpoints). It takes scalars, not the problem: a
+// reference to the kernel parameter would give the parameter an address (a local copy of it).
+__device__ inline __noinline__ void record_bad_sequence(detail::DeviceErrorRecord* errors, int op,
+                                                        int64_t slots, int64_t n, int64_t slot,
+                                                        int64_t out, const void* ck_slots,
+                                                        DType ck_dtype, int64_t first,
+                                                        int64_t count) {
+  if (slot >= slots) {
+    record_bad_row(errors, op, detail::kErrInitialSlot, n, slot, slots);
+    return;
+  }
+  if (out >= slots) {
+    record_bad_row(errors, op, detail::kErrOutputSlot, n, out, slots);
+    return;
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t c = load_index(ck_slots, ck_dtype, first + j);
+    if (c >= slots) {
+      record_bad_row(errors, op, detail::kErrCheckpointSlot, first + j, c, slots);
+      return;
+    }
+  }
+}
+
+// Whether the CTA skips its sequence: padded (zero outputs), or naming a pool slot past the
+// pool's end (NaN outputs, recorded by the CTA of value head 0). The check runs once per CTA
+// before anything is stored: thread 0 reads the initial and final slots, all `nthreads` threads
+// share the checkpoint slots, one barrier joins them (only pooled, live sequences name slots:
+// the condition is uniform over the CTA).
+__device__ __forceinline__ bool skip_sequence(const ChunkPrefillProblem& p, const Seq& s, int tid,
+                                              int nthreads) {
+  bool bad = false;
+  if (p.pooled() && !s.padded) {
+    const int64_t slots = p.state.num_slots;
+    const bool ck = p.checkpoint_slots && p.checkpoint_every > 0;
+    const int64_t first = ck ? load_index(p.checkpoint_cu_starts, p.checkpoint_cu_dtype, s.n) : 0;
+    const int64_t count = ck ? s.len / p.checkpoint_every : 0;
+    const int64_t out = output_slot(p, s);
+    if (tid == 0) bad = s.slot >= slots || out >= slots;
+    for (int64_t j = tid; j < count; j += nthreads)
+      bad |= load_index(p.checkpoint_slots, p.checkpoint_slot_dtype, first + j) >= slots;
+    bad = __syncthreads_or(bad) != 0;
+    if (bad && tid == 0 && s.hv == 0)
+      record_bad_sequence(p.errors, p.gate.kda ? detail::kErrOpChunkKda : detail::kErrOpChunkGdn,
+                          slots, s.n, s.slot, out, p.checkpoint_slots, p.checkpoint_slot_dtype,
+                          first, count);
+  }
+  if (!s.padded && !bad) return false;
+  write_padded(p, s, tid, nthreads, bad ? bad_row_output() : 0.0f);
+  return true;
 }
 
 // `store(base, dtype, element_offset)` writes this thread's part of the state head at that
@@ -101,12 +149,8 @@ __device__ __forceinline__ void store_final_states(const ChunkPrefillProblem& p,
                                                    Store&& store) {
   const int64_t E = head_elems(p);
   if (p.pooled()) {
-    const int64_t out =
-        p.output_indices ? load_index(p.output_indices, p.output_index_dtype, s.n) : s.slot;
-    if (out >= 0) {
-      check_slot(p, "output_state_indices", s.n, out);
-      store(p.state.ptr, p.state.dtype, out * p.state.slot_stride + s.hv * E);
-    }
+    const int64_t out = output_slot(p, s);
+    if (out >= 0) store(p.state.ptr, p.state.dtype, out * p.state.slot_stride + s.hv * E);
   }
   if (p.final_state) store(p.final_state, p.final_dtype, (s.n * p.HV + s.hv) * E);
 }
@@ -121,10 +165,7 @@ __device__ __forceinline__ void store_checkpoint(const ChunkPrefillProblem& p, c
     store(p.checkpoints, p.checkpoint_dtype, (pos * p.HV + s.hv) * E);
   } else {
     const int64_t slot = load_index(p.checkpoint_slots, p.checkpoint_slot_dtype, pos);
-    if (slot >= 0) {
-      check_slot(p, "checkpoint_slot_indices", pos, slot);
-      store(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + s.hv * E);
-    }
+    if (slot >= 0) store(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + s.hv * E);
   }
 }
 

@@ -56,7 +56,7 @@
 // are staged through shared memory (fp32) and written as 16-byte (fp32) or 8-byte rows.
 //
 // Occupancy (D = 128): GDN 186 KB of shared memory and 256 threads per CTA (KDA 216.5 KB), so
-// one CTA (8 warps) per SM; ptxas: 255 registers (KDA 238), no spills. The grid is B * HV CTAs
+// one CTA (8 warps) per SM; ptxas: 255 registers (KDA 239), no spills. The grid is B * HV CTAs
 // (Qwen3-Next 8 x 1024: 256 CTAs, two waves on 132 SMs; 1 x 8192: 32 CTAs, a quarter of the GPU:
 // a context-parallel path for few long sequences is the next step). D = 64: 122 KB, 128
 // threads, one CTA per SM.
@@ -436,10 +436,7 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g8 = lane >> 2, q4 = lane & 3;
   const Seq s = resolve_sequence(p, blockIdx.x);
-  if (s.padded) {
-    write_padded(p, s, tid, NT);
-    return;
-  }
+  if (skip_sequence(p, s, tid, NT)) return;
   const int V0 = 16 * warp;
   const int64_t E = static_cast<int64_t>(D) * D;
 

@@ -1,0 +1,240 @@
+"""deltastate's SGLang kernel objects, driven the way SGLang's GDN / KDA attention backends drive
+their kernel (python/sglang/srt/layers/attention/linear/gdn_backend.py, kda_backend.py,
+kernels/gdn_triton.py, kernels/kda_triton.py, kernels/kernel_backend.py as read at
+sgl-project/sglang 0a48af3a / 007d1d93 / 03a4a692): a pool ``[slots, HV, V, K]`` with slot 0
+reserved, a prefill (``extend``, varlen with ``query_start_loc``) for requests in scattered
+slots, then decode steps of a CUDA-graph-padded batch (index -1) alternating ``decode`` (split
+q/k/v views of ``mixed_qkv``) and ``packed_decode``. Checked every step against an independent
+fp64 recurrence written here; the reserved slot, the free slots and the padded rows' outputs are
+checked (1e30 sentinels bit-untouched, zeros)."""
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deltastate  # noqa: E402
+from deltastate.integrations.sglang import DeltastateGDNKernel, DeltastateKDAKernel  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and deltastate.cuda_available()
+                     else [])
+SENTINEL = 1e30
+H, HV, K, V = 2, 4, 32, 16  # GVA 2, K != V
+SLOTS = 8
+LENS = (7, 1, 19)  # prefill lengths
+REQ_SLOTS = (3, 5, 2)  # slot 0 is SGLang's reserved dummy slot; 1, 4, 6, 7 stay free
+STEPS = 6
+
+
+# ---- the independent reference (fp64, one token at a time) -------------------------------------
+def _l2(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _softplus(x):
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
+def _step(S, q, k, v, g, beta):
+    """One token for one sequence: S [HV, V, K]; q, k [H, K]; v [HV, V]; g [HV] or [HV, K]
+    (log decay); beta [HV]. Returns o [HV, V]."""
+    rep = HV // H
+    q = _l2(q).repeat_interleave(rep, 0) * K ** -0.5
+    k = _l2(k).repeat_interleave(rep, 0)
+    decay = torch.exp(g)
+    S *= decay[:, None, None] if decay.dim() == 1 else decay[:, None, :]
+    kv = torch.einsum("hvk,hk->hv", S, k)
+    S += beta[:, None, None] * torch.einsum("hv,hk->hvk", v - kv, k)
+    return torch.einsum("hvk,hk->hv", S, q)
+
+
+def _gate(kda, a, A_log, dt_bias, lower_bound=None):
+    """SGLang's gate from the raw input: GDN a [.., HV]; KDA a [.., HV*K] -> [.., HV, K]."""
+    A = A_log.double().reshape(-1)
+    if kda:
+        x = a.double().reshape(*a.shape[:-1], HV, K) + dt_bias.double().reshape(HV, K)
+        if lower_bound is not None:
+            return lower_bound * torch.sigmoid(torch.exp(A)[:, None] * x)
+        return -torch.exp(A)[:, None] * _softplus(x)
+    return -torch.exp(A) * _softplus(a.double() + dt_bias.double())
+
+
+# ---- the harness --------------------------------------------------------------------------------
+class Layer:
+    """One linear-attention layer's parameters and pool, as SGLang's backend holds them."""
+
+    def __init__(self, kda, device, dtype, gen):
+        def r(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+        self.kda = kda
+        self.A_log = (torch.rand(1, 1, HV, 1, generator=gen) * 2).log().to(device) if kda else \
+            (torch.rand(HV, generator=gen) * 2).log().to(device)
+        self.dt_bias = r(HV * K if kda else HV, scale=0.5)
+        self.pool = torch.full((SLOTS, HV, V, K), SENTINEL, device=device)
+        for s in REQ_SLOTS:  # SGLang's mamba pool zeroes a slot when it allocates it
+            self.pool[s].zero_()
+        self.ref = {s: torch.zeros(HV, V, K, dtype=torch.float64) for s in REQ_SLOTS}
+        self.r, self.dtype = r, dtype
+
+
+def _qkv(layer, T):
+    r = layer.r
+    mixed = r(T, 2 * H * K + HV * V).to(layer.dtype)
+    a = r(T, HV * K if layer.kda else HV)
+    b = r(T, HV)
+    return mixed, a, b
+
+
+def _split(mixed, T):
+    q = mixed[:, :H * K].view(1, T, H, K)
+    k = mixed[:, H * K:2 * H * K].view(1, T, H, K)
+    v = mixed[:, 2 * H * K:].view(1, T, HV, V)
+    return q, k, v
+
+
+def _reference_tokens(layer, slot, mixed, a, b, lower_bound=None):
+    T = mixed.shape[0]
+    q, k, v = (x[0].double().cpu() for x in _split(mixed, T))
+    g = _gate(layer.kda, a.cpu(), layer.A_log.cpu(), layer.dt_bias.cpu(), lower_bound)
+    beta = torch.sigmoid(b.double().cpu())
+    return torch.stack([_step(layer.ref[slot], q[t], k[t], v[t], g[t], beta[t])
+                        for t in range(T)])
+
+
+def _assert_pool(layer, atol):
+    pool = layer.pool.cpu()
+    for s in range(SLOTS):
+        if s in layer.ref:
+            torch.testing.assert_close(pool[s].double(), layer.ref[s], atol=atol, rtol=atol)
+        else:  # slot 0 (reserved) and the free slots: bit-untouched
+            assert torch.equal(pool[s], torch.full_like(pool[s], SENTINEL)), f"slot {s} written"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_harness_prefill_then_padded_decode(device, kda):
+    gen = torch.Generator().manual_seed(7 + kda)
+    dtype = torch.float32
+    layer = Layer(kda, device, dtype, gen)
+    kernel = DeltastateKDAKernel() if kda else DeltastateGDNKernel()
+    atol = 2e-4
+
+    # -- extend: one varlen batch, SGLang's tensors and keywords --
+    T = sum(LENS)
+    mixed, a, b = _qkv(layer, T)
+    q, k, v = _split(mixed, T)
+    qsl = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32,
+                       device=device)
+    cache_indices = torch.tensor(REQ_SLOTS, dtype=torch.int32, device=device)
+    if kda:  # the KDA backend hands the raw gate and sigmoid(b) with the layer's gate params
+        out = kernel.extend(q=q, k=k, v=v, g=a, beta=torch.sigmoid(b), ssm_states=layer.pool,
+                            cache_indices=cache_indices, query_start_loc=qsl,
+                            A_log=layer.A_log, dt_bias=layer.dt_bias, lower_bound=None)
+    else:  # the GDN backend gates first (fused_gdn_gating): g, beta [1, T, HV]
+        g = _gate(False, a, layer.A_log, layer.dt_bias).float().unsqueeze(0)
+        out, last, h = kernel.extend(q=q, k=k, v=v, g=g, beta=torch.sigmoid(b).unsqueeze(0),
+                                     ssm_states=layer.pool, cache_indices=cache_indices,
+                                     query_start_loc=qsl)
+        assert last is None and h is None
+    assert out.shape == (1, T, HV, V)
+    ref = []
+    for n, s in enumerate(REQ_SLOTS):
+        sl = slice(int(qsl[n]), int(qsl[n + 1]))
+        ref.append(_reference_tokens(layer, s, mixed[sl], a[sl], b[sl]))
+    torch.testing.assert_close(out[0].double().cpu(), torch.cat(ref), atol=atol, rtol=atol)
+    _assert_pool(layer, atol)
+
+    # -- decode: a batch of 4 padded for a CUDA graph (row 3: -1), both decode paths --
+    rows = [REQ_SLOTS[2], REQ_SLOTS[0], -1, REQ_SLOTS[1]]
+    B = len(rows)
+    idx = torch.tensor(rows, dtype=torch.int32, device=device)
+    for step in range(STEPS):
+        mixed, a, b = _qkv(layer, B)
+        if step % 2 == 0:
+            out = kernel.packed_decode(mixed_qkv=mixed, a=a, b=b, A_log=layer.A_log,
+                                       dt_bias=layer.dt_bias, scale=K ** -0.5,
+                                       ssm_states=layer.pool, cache_indices=idx,
+                                       num_v_heads=HV, head_v_dim=V)
+        else:
+            q, k, v = _split(mixed, B)
+            out = kernel.decode(q=q, k=k, v=v, a=a, b=b, A_log=layer.A_log,
+                                dt_bias=layer.dt_bias, ssm_states=layer.pool,
+                                cache_indices=idx,
+                                query_start_loc=torch.arange(B + 1, dtype=torch.int32,
+                                                             device=device))
+        assert out.shape == (1, B, HV, V)
+        for i, s in enumerate(rows):
+            got = out[0, i].double().cpu()
+            if s < 0:
+                assert torch.equal(got, torch.zeros_like(got)), "padded row's output not zero"
+                continue
+            want = _reference_tokens(layer, s, mixed[i:i + 1], a[i:i + 1], b[i:i + 1])[0]
+            torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+        _assert_pool(layer, atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gdn_extend_without_inplace_update_keeps_the_pool(device):
+    gen = torch.Generator().manual_seed(3)
+    layer = Layer(False, device, torch.float32, gen)
+    layer.pool[REQ_SLOTS[0]].normal_(generator=None)
+    before = layer.pool.clone()
+    T = 9
+    mixed, a, b = _qkv(layer, T)
+    q, k, v = _split(mixed, T)
+    g = _gate(False, a, layer.A_log, layer.dt_bias).float().unsqueeze(0)
+    args = dict(q=q, k=k, v=v, g=g, beta=torch.sigmoid(b).unsqueeze(0), ssm_states=layer.pool,
+                cache_indices=torch.tensor(REQ_SLOTS[:1], dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=device))
+    kernel = DeltastateGDNKernel()
+    o_scored, _, _ = kernel.extend(inplace_update=False, **args)
+    assert torch.equal(layer.pool, before)
+    o, _, _ = kernel.extend(**args)
+    torch.testing.assert_close(o_scored, o, atol=0, rtol=0)
+    assert not torch.equal(layer.pool, before)
+
+
+def test_target_verify_and_intermediate_states_are_not_implemented():
+    for cls in (DeltastateGDNKernel, DeltastateKDAKernel):
+        with pytest.raises(NotImplementedError, match=(
+                rf"^{cls.__name__}\.target_verify: deltastate has no verify op yet "
+                r"\(speculative decoding's per-draft-token intermediate states\); select "
+                r"another --linear-attn-decode-backend for speculative decoding$")):
+            cls().target_verify(None, None, None, None, None, None, None, ssm_states=None,
+                                cache_indices=None, query_start_loc=None)
+    with pytest.raises(NotImplementedError, match=r"return_intermediate_states \(SGLang's "
+                       r"per-chunk states h for prefix-cache tracking\) is not implemented"):
+        DeltastateKDAKernel().extend(None, None, None, None, None, ssm_states=None,
+                                     cache_indices=None, query_start_loc=None,
+                                     return_intermediate_states=True)
+
+
+# SGLang's surface (kernels/kernel_backend.py @ 03a4a692 and TritonGDNKernel.packed_decode @
+# 0a48af3a): parameter name, kind (P positional-or-keyword, K keyword-only, V **kwargs).
+SURFACE = {
+    "decode": "q:P k:P v:P a:P b:P A_log:K dt_bias:K ssm_states:K cache_indices:K "
+              "query_start_loc:K kwargs:V",
+    "extend": "q:P k:P v:P g:P beta:P ssm_states:K cache_indices:K query_start_loc:K",
+    "target_verify": "A_log:P dt_bias:P q:P k:P v:P a:P b:P ssm_states:K cache_indices:K "
+                     "query_start_loc:K kwargs:V",
+    "packed_decode": "mixed_qkv:P a:P b:P A_log:K dt_bias:K scale:K ssm_states:K "
+                     "cache_indices:K num_v_heads:K head_v_dim:K kwargs:V",
+}
+_KIND = {inspect.Parameter.POSITIONAL_OR_KEYWORD: "P", inspect.Parameter.KEYWORD_ONLY: "K",
+         inspect.Parameter.VAR_KEYWORD: "V"}
+
+
+@pytest.mark.parametrize("cls", [DeltastateGDNKernel, DeltastateKDAKernel])
+@pytest.mark.parametrize("method", sorted(SURFACE))
+def test_surface_is_sglangs(cls, method):
+    params = list(inspect.signature(getattr(cls, method)).parameters.values())[1:]  # no self
+    got = [f"{p.name}:{_KIND[p.kind]}" for p in params]
+    want = SURFACE[method].split()
+    if method == "extend":  # SGLang's subclasses add optional keywords before **kwargs
+        assert got[:len(want)] == want and got[-1] == "kwargs:V"
+        assert all(p.default is not inspect.Parameter.empty for p in params[len(want):-1])
+    else:
+        assert got == want
+    assert cls.supports_packed_decode is True and cls.uses_state_checkpoints is False

@@ -1,0 +1,156 @@
+// Contract of fused_decode_step (GDN and KDA): packed decode's checks and texts for the inputs
+// the two ops share (check_packed_inputs), the conv's (check_conv_params), then the windows, the
+// norm and the CUDA kernel's limits.
+#include <cmath>
+
+#include "contracts/contract.h"
+#include "contracts/problem_parts.h"
+#include "contracts/validate.h"
+
+namespace deltastate::detail {
+
+namespace {
+
+// One conv window [slots, channels, state_len] of the layer.
+void check_window(Contract& c, const char* name, const TensorView& w, int64_t slots,
+                  int64_t channels, int width) {
+  if (w.ndim != 3 || w.shape[1] != channels)
+    fail(format("`%s` must have shape [slots, %lld, state_len] (got %s).", name,
+                static_cast<long long>(channels), shape_str(w).c_str()));
+  if (w.shape[0] != slots)
+    fail(format("`%s` must have as many slots as `initial_state` (%lld; got %lld).", name,
+                static_cast<long long>(slots), static_cast<long long>(w.shape[0])));
+  if (w.shape[2] < width - 1)
+    fail(format("`%s` must have state_len >= width - 1 = %d (got %lld).", name, width - 1,
+                static_cast<long long>(w.shape[2])));
+  c.floating(name, w);
+  c.device(name, w);
+}
+
+}  // namespace
+
+FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, bool kda) {
+  const TensorView& x = args.mixed_qkv;
+  const TensorView& out = args.out;
+  if (out.ndim != 3 || !out.is_contiguous())
+    fail(format("`out` must be a contiguous [B, HV, V] tensor (got shape %s).",
+                shape_str(out).c_str()));
+  // packed decode's `out` [B, 1, HV, V] over the same memory
+  TensorView out4 =
+      TensorView::strided(out.data, out.dtype, {out.shape[0], 1, out.shape[1], out.shape[2]},
+                          {out.stride[0], out.stride[0], out.stride[1], 1}, out.device);
+  Contract c;
+  const auto [B, H, HV, K, V] = check_packed_inputs(c, x, args.a, args.b, args.A_log, args.dt_bias,
+                                                    args.state, out4, args.state_indices, kda);
+  c.floating("mixed_qkv", x);
+  c.floating("a", args.a);
+  c.floating("b", args.b);
+  c.floating("A_log", args.A_log);
+  c.floating("dt_bias", args.dt_bias);
+  c.floating("initial_state", args.state);
+  c.floating("out", out);
+  c.index_dtype("ssm_state_indices", args.state_indices);
+  const double scale = checked_scale(args.scale, K);
+  if (kda && args.lower_bound && !std::isfinite(*args.lower_bound))
+    fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
+
+  FusedStepProblem p;
+  const int64_t conv_dim = x.shape[1];
+  p.conv = check_conv_params(c, args.conv_weight, args.conv_bias, conv_dim, args.conv_silu,
+                             "conv_weight", "conv_bias");
+  const int64_t slots = args.state.shape[0];
+  const bool split = args.conv_state_k || args.conv_state_v;
+  if (split) {
+    if (!args.conv_state_k || !args.conv_state_v)
+      fail("`conv_state_k` and `conv_state_v` go together (separate q, k, v windows).");
+    check_window(c, "conv_state", args.conv_state, slots, H * K, p.conv.width);
+    check_window(c, "conv_state_k", *args.conv_state_k, slots, H * K, p.conv.width);
+    check_window(c, "conv_state_v", *args.conv_state_v, slots, HV * V, p.conv.width);
+    if (args.conv_state_k->shape[2] != args.conv_state.shape[2] ||
+        args.conv_state_v->shape[2] != args.conv_state.shape[2])
+      fail("`conv_state`, `conv_state_k` and `conv_state_v` must have one state_len.");
+    p.window[0] = conv_window(args.conv_state, 0);
+    p.window[1] = conv_window(*args.conv_state_k, 0);
+    p.window[2] = conv_window(*args.conv_state_v, 0);
+  } else {
+    check_window(c, "conv_state", args.conv_state, slots, conv_dim, p.conv.width);
+    p.window[0] = conv_window(args.conv_state, 0);
+    p.window[1] = conv_window(args.conv_state, H * K);
+    p.window[2] = conv_window(args.conv_state, 2 * H * K);
+  }
+
+  if (args.norm_weight.has_value() != args.z.has_value())
+    fail("`norm_weight` and `z` go together: both for the gated RMSNorm, or neither.");
+  if (args.norm_weight) {
+    const TensorView& w = *args.norm_weight;
+    const TensorView& z = *args.z;
+    if (w.ndim != 1 || w.shape[0] != V)
+      fail(format("`norm_weight` must have shape [V]=(%lld) (got %s).", static_cast<long long>(V),
+                  shape_str(w).c_str()));
+    if (z.ndim != 3 || z.shape[0] != B || z.shape[1] != HV || z.shape[2] != V)
+      fail(format("`z` must have shape [B, HV, V]=%s (got %s).", tuple_str({B, HV, V}).c_str(),
+                  shape_str(z).c_str()));
+    if (z.stride[2] != 1) fail("`z` must be contiguous in the last dim.");
+    if (!(args.norm_eps >= 0.0) || !std::isfinite(args.norm_eps))
+      fail(format("norm_eps must be finite and >= 0 (got %g)", args.norm_eps));
+    c.floating("norm_weight", w);
+    c.floating("z", z);
+    c.device("norm_weight", w);
+    c.device("z", z);
+    p.z = z.data;
+    p.z_dtype = z.dtype;
+    p.z_row_stride = z.stride[0];
+    p.z_head_stride = z.stride[1];
+    p.norm_weight = w.data;
+    p.norm_weight_dtype = w.dtype;
+    p.norm_eps = static_cast<float>(args.norm_eps);
+  }
+  c.check_devices("fused_decode_step: all tensors must be on the same device", true);
+
+  const TensorView& idx = args.state_indices;
+  const bool on_cpu = c.common_device().type == DeviceType::cpu;
+  const bool check = args.check_indices.value_or(on_cpu);
+  if (on_cpu && check)
+    check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0], slots);
+  if (!on_cpu) {
+    const int64_t rows = HV / H * V;
+    const int64_t esz = args.state.element_size();
+    if ((K != 64 && K != 128) || rows > 256)
+      throw Error(ErrorKind::not_implemented,
+                  format("fused_decode_step on CUDA supports K in {64, 128} and (HV/H)*V <= 256 "
+                         "(got K=%lld, (HV/H)*V=%lld)",
+                         static_cast<long long>(K), static_cast<long long>(rows)));
+    if (reinterpret_cast<uintptr_t>(args.state.data) % 16 != 0 ||
+        (args.state.stride[0] * esz) % 16 != 0)
+      throw Error(ErrorKind::not_implemented,
+                  "fused_decode_step on CUDA needs 16-byte aligned state rows (base address and "
+                  "slot stride)");
+  }
+
+  p.B = static_cast<int32_t>(B);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(HV);
+  p.K = static_cast<int32_t>(K);
+  p.V = static_cast<int32_t>(V);
+  p.x = x.data;
+  p.x_dtype = x.dtype;
+  p.x_row_stride = x.stride[0];
+  p.a = {args.a.data, args.a.dtype, args.a.stride[0], 0, kda ? K : 1};
+  p.b = {args.b.data, args.b.dtype, args.b.stride[0], 0, 1};
+  p.gate = gate_params(kda, (kda && args.lower_bound) ? GateMode::safe : GateMode::softplus,
+                       &args.A_log, &args.dt_bias, args.lower_bound);
+  p.round_beta = args.round_beta_to_input;
+  p.l2norm = args.use_qk_l2norm;
+  p.scale = static_cast<float>(scale);
+  p.state = {args.state.data, args.state.dtype, args.state.stride[0], slots};
+  p.indices = idx.data;
+  p.index_dtype = idx.dtype;
+  p.index_stride = B > 1 ? idx.stride[0] : 1;
+  p.out = {out.data, out.dtype, HV * V, 0, V};
+  p.check_indices = check;
+  p.pdl = args.pdl;
+  p.device = c.common_device();
+  return p;
+}
+
+}  // namespace deltastate::detail

@@ -1,0 +1,61 @@
+// causal_conv1d_update on CUDA: one thread per (row, channel), the window rolled in place by the
+// shared conv math (core/layer_math.h), as the CPU kernel does.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "api/backend.h"
+#include "core/layer_math.h"
+#include "core/problem.h"
+#include "cuda/grid.cuh"
+#include "cuda/launch.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::ConvUpdateProblem;
+
+namespace {
+
+constexpr int kConvThreads = 128;
+
+__global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpdateProblem p) {
+  enter_grid(p.pdl_trigger_early);
+  const int64_t b = blockIdx.x;
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x;
+  if (c >= p.dim) return;
+  const int64_t entry = p.indices ? p.indices[b] : b;
+  const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
+  const bool bad = entry >= p.state.num_slots;
+  if (entry < 0 || bad) {  // padded: zeros; a bad index: NaN, recorded once per row
+    if (bad && c == 0)
+      record_bad_row(p.errors, detail::kErrOpConv, detail::kErrSlot, b, entry, p.state.num_slots);
+    const float fill = bad ? bad_row_output() : 0.0f;
+    for (int t = 0; t < p.T; ++t)
+      detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, fill);
+    return;
+  }
+  const int start = p.cache_seqlens ? p.cache_seqlens[b] % p.state.state_len : 0;
+  const int64_t x_off = b * p.x_batch_stride + c * p.x_dim_stride;
+  detail::conv_channel_update(
+      detail::channel_window(p.state, entry, c), p.state.state_len, p.T, p.cache_seqlens != nullptr,
+      start, detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
+      [&](int t) { return detail::load_float(p.x, p.x_dtype, x_off + t * p.x_tok_stride); },
+      [&](int t, float y) {
+        detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, y);
+      });
+}
+
+}  // namespace
+
+void run_conv_update(const ConvUpdateProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  ConvUpdateProblem p = problem;
+  p.errors = device_errors(p.device.index);
+  // rows on x (up to 2^31 - 1), channel blocks on y (dim < 2^16 * kConvThreads)
+  const dim3 grid(static_cast<unsigned>(p.B), (p.dim + kConvThreads - 1) / kConvThreads);
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
+  launch_kernel(conv_update_kernel, grid, kConvThreads, 0, static_cast<cudaStream_t>(stream), p.pdl,
+                with_pdl_trigger(p, ctas, 2048 / kConvThreads));
+}
+
+}  // namespace deltastate::cuda_backend

@@ -1,0 +1,68 @@
+// fused_decode_step on CUDA: launch and dispatch of the fused decode layer step's kernel
+// (src/cuda/fused_decode_step/kernel.cuh): one CTA per (row, key head), one or two row tiles per
+// warp (two when the group has more than kFusedMaxWarps tiles), state dtype and K as template
+// parameters. The validator limits K to {64, 128} and (HV/H)*V to 256 rows.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "api/backend.h"
+#include "core/problem.h"
+#include "cuda/fused_decode_step/kernel.cuh"
+#include "cuda/launch.h"
+
+namespace deltastate::cuda_backend {
+
+namespace {
+
+template <class StateT, int K, int TPW>
+void launch_fused(const FusedStepProblem& p, cudaStream_t stream, int warps) {
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.H));
+  const int64_t ctas = static_cast<int64_t>(p.B) * p.H;
+  const size_t smem = static_cast<size_t>(fused_smem_floats(p)) * sizeof(float);
+  const int resident = kFusedMaxWarps / warps > 0 ? kFusedMaxWarps / warps : 1;
+  launch_kernel(fused_decode_step_kernel<StateT, K, TPW>, grid, warps * 32, smem, stream, p.pdl,
+                with_pdl_trigger(p, ctas, resident));
+}
+
+template <class StateT, int K>
+void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
+  constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
+  const int tiles = (p.HV / p.H) * ((p.V + kRows - 1) / kRows);
+  if (tiles > 2 * kFusedMaxWarps)  // the validator's (HV/H)*V <= 256 keeps this unreachable
+    throw Error(ErrorKind::not_implemented, "fused_decode_step: too many rows per key head");
+  if (tiles > kFusedMaxWarps) return launch_fused<StateT, K, 2>(p, stream, (tiles + 1) / 2);
+  launch_fused<StateT, K, 1>(p, stream, tiles);
+}
+
+template <class StateT>
+void dispatch(const FusedStepProblem& p, cudaStream_t stream) {
+#if DELTASTATE_CUDA_ALL_KERNELS
+  if (p.K == 64) return launch_k<StateT, 64>(p, stream);
+#endif
+  if (p.K == 128) return launch_k<StateT, 128>(p, stream);
+  throw Error(ErrorKind::not_implemented,
+              "fused_decode_step: K=" + std::to_string(p.K) +
+                  " is not compiled in this build (DELTASTATE_CUDA_ALL_KERNELS=OFF: K = 128 only)");
+}
+
+}  // namespace
+
+void run_fused_decode_step(const FusedStepProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  FusedStepProblem p = problem;
+  p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (p.state.dtype) {
+    case DType::bf16:
+      return dispatch<__nv_bfloat16>(p, s);
+    case DType::f16:
+      return dispatch<__half>(p, s);
+    default:
+      return dispatch<float>(p, s);
+  }
+}
+
+}  // namespace deltastate::cuda_backend

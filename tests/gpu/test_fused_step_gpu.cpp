@@ -1,0 +1,204 @@
+// The CUDA causal_conv1d_update and fused decode layer step against the CPU backend on the same
+// inputs. The windows store inputs only, so they must agree bit for bit; the conv outputs, states
+// and outputs within the GPU-vs-CPU tolerances of tests/gpu/test_cuda_ops.cpp (fp32 1e-4/1e-4 on
+// outputs, 1e-5/1e-4 on fp32 states, the state dtype's tolerance otherwise, plus one ulp of the
+// storage dtype on each side), the gated norm adding the fp32 reduction order (1e-4). Padded rows
+// are zeros, unused slots bit-untouched, and an out-of-range index is skipped and reported by
+// check_errors. Skips without a CUDA device.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+#include "layer_step_util.h"
+#include "test_util.h"
+
+namespace dstest {
+namespace {
+
+bool gpu_present() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+void ok(cudaError_t e) {
+  if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorString(e));
+}
+
+// One device buffer per host allocation (aliases stay aliases), views in the host layout.
+class DeviceCopies {
+ public:
+  ~DeviceCopies() {
+    for (auto& [host, ptr] : bufs_) cudaFree(ptr);
+  }
+  TensorView view(const Tensor& t) { return t.view_at(buf(t), Device::cuda(0)); }
+  void put(const Tensor& t) {
+    ok(cudaMemcpy(buf(t), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()),
+                  cudaMemcpyHostToDevice));
+  }
+  Tensor get(const Tensor& t) {
+    Tensor h = t.empty_like();
+    ok(cudaMemcpy(h.alloc_base(), buf(t), static_cast<size_t>(t.alloc_bytes()),
+                  cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+ private:
+  void* buf(const Tensor& t) {
+    void*& p = bufs_[t.alloc_base()];
+    if (!p) ok(cudaMalloc(&p, static_cast<size_t>(t.alloc_bytes())));
+    return p;
+  }
+  std::map<const void*, void*> bufs_;
+};
+
+class FusedStepGpu : public ::testing::TestWithParam<LayerCase> {
+ protected:
+  void SetUp() override {
+    if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(FusedStepGpu, MatchesCpu) {
+  const LayerCase& c = GetParam();
+  Rng rng = test_rng();
+  for (int64_t B : {1, 3, 17}) {
+    std::vector<int64_t> padded{1};
+    const std::vector<int64_t> idx =
+        pick_slots(rng, B, B + 4, B > 1 ? padded : std::vector<int64_t>{});
+    LayerBatch b = make_layer_batch(rng, c, idx, B + 4);
+    DeviceCopies dev;
+    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                            &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
+      dev.put(*t);
+    for (const Tensor& w : b.win) dev.put(w);
+    try {
+      b.run_fused(b.args([&](const Tensor& t) { return dev.view(t); }));
+    } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
+      if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
+      throw;
+    }
+    ok(cudaDeviceSynchronize());
+    deltastate::check_errors();
+    b.run_fused(b.args(host_view));  // the CPU twin on the host copies
+    const Tensor out = dev.get(b.out), state = dev.get(b.state);
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", B=" << B;
+    const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
+    EXPECT_TRUE(all_close(out.values(), b.out.values(), out_tol, c.act, 3)) << "out, B=" << B;
+    const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
+    for (int64_t sl = 0; sl < b.slots; ++sl) {
+      const bool live = std::find(idx.begin(), idx.end(), sl) != idx.end();
+      const std::vector<double> g = slot_values(state.view(), sl),
+                                h = slot_values(b.state.view(), sl);
+      if (live) EXPECT_TRUE(all_close(g, h, st_tol, c.state, 2)) << "slot " << sl << ", B=" << B;
+      else EXPECT_EQ(g, h) << "unused slot " << sl << " (sentinel), B=" << B;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layer, FusedStepGpu,
+    ::testing::Values(
+        LayerCase{{"qwen3next_f32state_bf16", kQwen3Next, false, kNoLb, f32, bf16}, bf16},
+        LayerCase{{"qwen3next_bf16", kQwen3Next, false, kNoLb, bf16, bf16}, bf16},
+        LayerCase{{"qwen3next_f32_nonorm_vllm", kQwen3Next, false, kNoLb, f32, f32},
+                  f32,
+                  4,
+                  true,
+                  false,
+                  true,
+                  false,
+                  64},
+        LayerCase{{"kimi_bf16_split", kKimi, true, kNoLb, bf16, bf16}, bf16, 4, false, true},
+        LayerCase{{"kimi_f32_lb_packed", kKimi, true, kLb, f32, f32}, f32, 4, true},
+        LayerCase{{"k64_bf16", Shape{"k64", 2, 4, 64, 64}, false, kNoLb, bf16, bf16}, bf16},
+        LayerCase{{"k64_kda_f32", Shape{"k64kda", 4, 4, 64, 64}, true, kLb, f32, f32},
+                  f32,
+                  4,
+                  false,
+                  true},
+        LayerCase{{"gqa_odd_v_f16", Shape{"odd_v", 2, 4, 128, 48}, false, kNoLb, f16, f16},
+                  f16,
+                  3,
+                  false,
+                  false,
+                  false}),
+    case_name<LayerCase>);
+
+// causal_conv1d_update on CUDA against the CPU (shifted, circular, seqlen 3, vLLM layout).
+TEST(ConvUpdateGpu, MatchesCpu) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  for (int variant = 0; variant < 4; ++variant) {
+    const DType dt = variant % 2 ? bf16 : f32;
+    const int64_t B = 5, dim = 300, T = variant >= 2 ? 3 : 1;
+    Tensor x = Tensor::contiguous(dt, {B, dim, T});
+    x.fill_normal(rng, 1.0);
+    Tensor st = make_window(dt, 8, dim, 4, variant == 1, 2);
+    for (int64_t e = 0; e < 8; ++e) fill_window(st, e, rng);
+    Tensor w = Tensor::contiguous(dt, {dim, 4}), bias = Tensor::contiguous(dt, {dim});
+    w.fill_uniform(rng, -0.7, 0.7);
+    bias.fill_uniform(rng, -0.2, 0.2);
+    Tensor idx = index_tensor({6, -1, 0, 3, 2}), cs = index_tensor({5, 1, 2, 9, 0});
+    Tensor out = Tensor::contiguous(dt, {B, dim, T});
+    out.fill_all(std::nan(""));
+    DeviceCopies dev;
+    for (const Tensor* t : {&x, &st, &w, &bias, &idx, &cs, &out}) dev.put(*t);
+    auto args = [&](auto&& view) {
+      deltastate::CausalConv1dUpdateArgs a;
+      a.x = view(x);
+      a.conv_state = view(st);
+      a.weight = view(w);
+      a.bias = view(bias);
+      a.silu = true;
+      a.conv_state_indices = view(idx);
+      if (variant == 3) a.cache_seqlens = view(cs);
+      a.out = view(out);
+      return a;
+    };
+    deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
+    ok(cudaDeviceSynchronize());
+    deltastate::causal_conv1d_update(args(host_view));
+    EXPECT_EQ(dev.get(st).bytes(), st.bytes()) << "windows, variant " << variant;
+    EXPECT_TRUE(all_close(dev.get(out).values(), out.values(), {1e-5, 1e-5}, dt, 2))
+        << "out, variant " << variant;
+  }
+}
+
+// A bad slot index on CUDA: the row is skipped (NaN output, nothing written) and check_errors
+// names it.
+TEST(FusedStepGpuErrors, BadIndexIsReported) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  const LayerCase c{{"bad", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
+  LayerBatch b = make_layer_batch(rng, c, {-1, 2}, 3);  // row 0 padded
+  b.d.idx.set({1}, 7);
+  DeviceCopies dev;
+  for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                          &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
+    dev.put(*t);
+  for (const Tensor& w : b.win) dev.put(w);
+  deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
+  a.check_indices = false;
+  b.run_fused(a);
+  const auto e = catch_error([] { deltastate::check_errors(); });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(std::string(e->what()),
+            "fused_decode_step: `ssm_state_indices`[1]=7 is out of range for a state pool of 3 "
+            "slots (valid: 0..2; < 0 marks a padded row); the row was skipped (state, rings and "
+            "cursor untouched) and its output is NaN");
+  const Tensor out = dev.get(b.out);
+  for (int64_t i = 0; i < 32 * 128; ++i) ASSERT_TRUE(std::isnan(out.get_linear(32 * 128 + i)));
+  EXPECT_EQ(dev.get(b.state).bytes(), b.state.bytes()) << "state untouched";
+  EXPECT_EQ(dev.get(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched";
+}
+
+}  // namespace
+}  // namespace dstest

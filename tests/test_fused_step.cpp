@@ -1,0 +1,574 @@
+// causal_conv1d_update against causal-conv1d's causal_conv1d_update_ref semantics (fp64
+// reference: shifted and circular windows, widths 2..4, state_len > width-1, seqlen > 1, both
+// window layouts, padded rows, sentinel entries bit-untouched), T tokens in one call against T
+// calls of one token (the conv part of a verify step), and the fused decode layer step against
+// the unfused chain of the same library (causal_conv1d_update -> packed decode, bit for bit) and
+// an fp64 gated RMSNorm (HF Qwen3NextRMSNormGated), with every error text of both contracts.
+#include <cmath>
+#include <cstring>
+
+#include "layer_step_util.h"
+#include "reference/layer_reference.h"
+#include "test_util.h"
+
+namespace dstest {
+namespace {
+
+using deltastate::CausalConv1dUpdateArgs;
+using deltastate::ErrorKind;
+using deltastate::FusedDecodeStepArgs;
+
+// ---- causal_conv1d_update against the reference --------------------------------------------
+struct ConvCase {
+  const char* name;
+  DType dtype;
+  int width;
+  int extra_len;  // state_len = width - 1 + extra_len
+  int T;          // 0: a 2-D x
+  bool circular, dim_contiguous, bias, silu;
+};
+inline void PrintTo(const ConvCase& c, std::ostream* os) { *os << c.name; }
+
+class ConvUpdateVsReference : public ::testing::TestWithParam<ConvCase> {};
+
+TEST_P(ConvUpdateVsReference, PaddedIndexedRows) {
+  const ConvCase& c = GetParam();
+  Rng rng = test_rng();
+  const int64_t dim = 40, entries = 7;
+  const std::vector<int64_t> idx{5, -1, 0, 3, 2};
+  const int64_t B = static_cast<int64_t>(idx.size());
+  const int T = c.T == 0 ? 1 : c.T;
+  const int L = c.width - 1 + c.extra_len;
+  Tensor x = c.T == 0 ? Tensor::strided(c.dtype, {B, dim}, {dim + 3, 1})
+                      : Tensor::strided(c.dtype, {B, dim, T}, {dim * T + 2, 1, dim});
+  x.fill_all(kSentinel);
+  x.fill_normal(rng, 1.0);
+  Tensor st = make_window(c.dtype, entries, dim, L, c.dim_contiguous, 4);
+  for (int64_t e : idx)
+    if (e >= 0) fill_window(st, e, rng);
+  Tensor w = Tensor::contiguous(c.dtype, {dim, c.width});
+  w.fill_uniform(rng, -0.7, 0.7);
+  Tensor bias = Tensor::contiguous(c.dtype, {dim});
+  bias.fill_uniform(rng, -0.3, 0.3);
+  Tensor cs = index_tensor({3, 0, 9, 1, 2});
+  Tensor ind = index_tensor(idx);
+  Tensor out =
+      c.T == 0 ? Tensor::contiguous(c.dtype, {B, dim}) : Tensor::contiguous(c.dtype, {B, dim, T});
+  out.fill_all(std::nan(""));
+
+  // the reference on every live row
+  std::vector<std::vector<double>> want_out(B), want_win(B);
+  for (int64_t r = 0; r < B; ++r) {
+    if (idx[r] < 0) continue;
+    std::vector<double> win = window_values(st, idx[r]), xs, ws, bs;
+    for (int64_t ch = 0; ch < dim; ++ch)
+      for (int t = 0; t < T; ++t) xs.push_back(c.T == 0 ? x.get({r, ch}) : x.get({r, ch, t}));
+    ws = w.values();
+    if (c.bias) bs = bias.values();
+    const int cache = c.circular ? static_cast<int>(index_values(cs)[r]) : -1;
+    want_out[r] =
+        ref::conv_update(win, xs, ws, bs, static_cast<int>(dim), L, T, c.width, c.silu, cache);
+    want_win[r] = win;
+  }
+
+  Snapshot before;
+  before.add(st).add(x).add(w);
+  CausalConv1dUpdateArgs a;
+  a.x = x.view();
+  a.conv_state = st.view();
+  a.weight = w.view();
+  if (c.bias) a.bias = bias.view();
+  a.silu = c.silu;
+  if (c.circular) a.cache_seqlens = cs.view();
+  a.conv_state_indices = ind.view();
+  a.out = out.view();
+  deltastate::causal_conv1d_update(a);
+
+  std::vector<MemRange> written;
+  for (int64_t r = 0; r < B; ++r) {
+    std::vector<double> got;
+    for (int64_t ch = 0; ch < dim; ++ch)
+      for (int t = 0; t < T; ++t) got.push_back(c.T == 0 ? out.get({r, ch}) : out.get({r, ch, t}));
+    if (idx[r] < 0) {
+      EXPECT_TRUE(all_zero(got)) << "padded row " << r;
+      continue;
+    }
+    EXPECT_TRUE(all_close(got, want_out[r], {1e-5, 1e-5}, c.dtype)) << "output of row " << r;
+    EXPECT_EQ(window_values(st, idx[r]), want_win[r]) << "window of row " << r;
+    written.push_back(range_of(st.view(), idx[r] * st.stride(0), st.stride(0) - 4));
+  }
+  EXPECT_TRUE(before.unchanged_except(written)) << "memory outside the live windows";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Conv, ConvUpdateVsReference,
+    ::testing::Values(ConvCase{"f32_w4", f32, 4, 0, 0, false, false, true, true},
+                      ConvCase{"bf16_w4", bf16, 4, 0, 0, false, false, true, true},
+                      ConvCase{"f16_w3_nobias", f16, 3, 0, 0, false, false, false, true},
+                      ConvCase{"f32_w2_noact", f32, 2, 0, 0, false, false, true, false},
+                      ConvCase{"bf16_w4_vllm", bf16, 4, 0, 0, false, true, true, true},
+                      ConvCase{"f32_w4_longstate", f32, 4, 3, 0, false, false, true, true},
+                      ConvCase{"f32_w4_T3", f32, 4, 0, 3, false, false, true, true},
+                      ConvCase{"bf16_w4_T5_longstate_vllm", bf16, 4, 2, 5, false, true, true, true},
+                      ConvCase{"f32_w4_circular", f32, 4, 2, 0, true, false, true, true},
+                      ConvCase{"f32_w3_circular_T2", f32, 3, 3, 2, true, false, false, true}),
+    case_name<ConvCase>);
+
+// T tokens in one call give the outputs and the window of T calls of one token, bit for bit.
+TEST(ConvUpdate, TTokensEqualTSingleSteps) {
+  Rng rng = test_rng();
+  const int64_t B = 3, dim = 24, T = 3;
+  for (DType dt : {f32, bf16}) {
+    Tensor x = Tensor::contiguous(dt, {B, dim, T});
+    x.fill_normal(rng, 1.0);
+    Tensor st = make_window(dt, B, dim, 3, false, 0);
+    for (int64_t e = 0; e < B; ++e) fill_window(st, e, rng);
+    Tensor st1 = clone(st);
+    Tensor w = Tensor::contiguous(dt, {dim, 4});
+    w.fill_uniform(rng, -0.7, 0.7);
+    Tensor out = Tensor::contiguous(dt, {B, dim, T});
+    CausalConv1dUpdateArgs a;
+    a.x = x.view();
+    a.conv_state = st.view();
+    a.weight = w.view();
+    a.silu = true;
+    a.out = out.view();
+    deltastate::causal_conv1d_update(a);
+    for (int64_t t = 0; t < T; ++t) {
+      Tensor xt = x.alias(dt, {B, dim}, {dim * T, T}, t);
+      Tensor ot = Tensor::contiguous(dt, {B, dim});
+      CausalConv1dUpdateArgs s = a;
+      s.x = xt.view();
+      s.conv_state = st1.view();
+      s.out = ot.view();
+      deltastate::causal_conv1d_update(s);
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t ch = 0; ch < dim; ++ch)
+          ASSERT_EQ(ot.get({r, ch}), out.get({r, ch, t})) << "token " << t;
+    }
+    EXPECT_EQ(st.bytes(), st1.bytes()) << "windows";
+  }
+}
+
+// ---- the fused step against the unfused chain -------------------------------------------------
+inline constexpr Shape kGdnSmall{"gdn_small", 2, 4, 32, 16};
+inline constexpr Shape kKdaSmall{"kda_small", 3, 3, 32, 32};
+
+// The unfused chain on copies: causal_conv1d_update of the row (per window part) into a packed
+// row y, packed decode of y; returns the attention output o [B, 1, HV, V].
+Tensor run_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>& win) {
+  const Shape& s = b.c.shape;
+  const int64_t B = b.d.B;
+  Tensor y = Tensor::contiguous(b.c.act, {B, b.conv_dim});
+  auto conv = [&](int64_t first, int64_t n, Tensor& window) {
+    CausalConv1dUpdateArgs a;
+    a.x = b.d.x.alias(b.c.act, {B, n}, {b.d.x.stride(0), 1}, first).view();
+    a.conv_state = window.view();
+    a.weight = b.weight.alias(b.c.act, {n, b.c.width}, {b.c.width, 1}, first * b.c.width).view();
+    if (b.c.bias) a.bias = b.bias.alias(b.c.act, {n}, {1}, first).view();
+    a.silu = true;
+    a.conv_state_indices = b.d.idx.view();
+    a.out = y.alias(b.c.act, {B, n}, {b.conv_dim, 1}, first).view();
+    deltastate::causal_conv1d_update(a);
+  };
+  if (b.c.split) {
+    conv(0, b.HK, win[0]);
+    conv(b.HK, b.HK, win[1]);
+    conv(2 * b.HK, static_cast<int64_t>(s.HV) * s.V, win[2]);
+  } else {
+    conv(0, b.conv_dim, win[0]);
+  }
+  Tensor o = Tensor::contiguous(b.c.act, {B, 1, s.HV, s.V});
+  deltastate::PackedDecodeArgs p;
+  p.mixed_qkv = y.view();
+  p.a = b.d.a.view();
+  p.b = b.d.b.view();
+  p.A_log = b.d.A_log.view();
+  p.dt_bias = b.d.dt_bias.view();
+  p.state = state.view();
+  p.out = o.view();
+  p.state_indices = b.d.idx.view();
+  p.lower_bound = b.c.lower_bound;
+  if (b.c.kda) deltastate::kda_packed_decode(p);
+  else deltastate::gdn_packed_decode(p);
+  return o;
+}
+
+class FusedStepVsChain : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(FusedStepVsChain, TwoSteps) {
+  const LayerCase& c = GetParam();
+  Rng rng = test_rng();
+  const Shape& s = c.shape;
+  const std::vector<int64_t> idx = pick_slots(rng, 5, 9, {1, 3});
+  LayerBatch b = make_layer_batch(rng, c, idx, 9);
+  Tensor state2 = clone(b.state);
+  std::vector<Tensor> win2;
+  for (const Tensor& w : b.win) win2.push_back(clone(w));
+  for (int step = 0; step < 2; ++step) {
+    if (step > 0) {
+      b.d.randomize(rng);
+      b.z.fill_normal(rng, 1.0);
+      b.poison_out();
+    }
+    Snapshot inputs, pools;
+    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.weight, &b.bias, &b.z, &b.norm_w, &b.d.idx})
+      inputs.add(*t);
+    pools.add(b.state);
+    for (const Tensor& w : b.win) pools.add(w);
+    std::vector<MemRange> live;  // the live slots' state and windows: all the step may write
+    for (int64_t sl : idx) {
+      if (sl < 0) continue;
+      live.push_back(slot_range(b.state.view(), sl));
+      for (const Tensor& w : b.win)
+        live.push_back(range_of(w.view(), sl * w.stride(0), w.size(1) * w.size(2)));
+    }
+    b.run_fused(b.args(host_view));
+    const Tensor o = run_chain(b, state2, win2);
+    EXPECT_TRUE(inputs.unchanged()) << "inputs, step " << step;
+    EXPECT_TRUE(pools.unchanged_except(live)) << "unused slots and gaps, step " << step;
+    // the state and the windows: bit for bit the chain's (sentinels included)
+    EXPECT_EQ(b.state.bytes(), state2.bytes()) << "state pool, step " << step;
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(b.win[j].bytes(), win2[j].bytes()) << "window " << j << ", step " << step;
+    for (int64_t r = 0; r < b.d.B; ++r) {
+      for (int hv = 0; hv < s.HV; ++hv) {
+        std::vector<double> got, oh, zh, wh;
+        for (int v = 0; v < s.V; ++v) {
+          got.push_back(b.out.get({r, hv, v}));
+          oh.push_back(o.get({r, 0, hv, v}));
+          zh.push_back(b.z.get({r, hv, v}));
+          wh.push_back(b.norm_w.get({v}));
+        }
+        if (idx[r] < 0) {
+          EXPECT_TRUE(all_zero(got)) << "padded row " << r;
+          continue;
+        }
+        if (!c.norm) {
+          EXPECT_EQ(got, oh) << "row " << r << " head " << hv << ": the chain's output";
+          continue;
+        }
+        const DType act = c.act;
+        const auto round_act = [act](double x) { return round_to(act, x); };
+        const std::vector<double> want =
+            ref::gated_rms_norm(oh, zh, wh, 1e-6, round_act, round_act);
+        EXPECT_TRUE(all_close(got, want, {1e-5, 1e-5}, act, 4))
+            << "row " << r << " head " << hv << ": the gated norm of the chain's output";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layer, FusedStepVsChain,
+    ::testing::Values(
+        LayerCase{{"gdn_f32", kGdnSmall, false, kNoLb, f32, f32}, f32},
+        LayerCase{{"gdn_bf16state_bf16", kGdnSmall, false, kNoLb, bf16, bf16}, bf16},
+        LayerCase{{"gdn_f32state_bf16_vllm", kGdnSmall, false, kNoLb, f32, bf16}, bf16, 4, true},
+        LayerCase{{"gdn_f16_w3_nobias_nonorm", kGdnSmall, false, kNoLb, f16, f16},
+                  f16,
+                  3,
+                  false,
+                  false,
+                  false,
+                  false},
+        LayerCase{{"gdn_f32_nonorm_pad", kGdnSmall, false, kNoLb, f32, f32},
+                  f32,
+                  4,
+                  false,
+                  false,
+                  true,
+                  false,
+                  40},
+        LayerCase{{"qwen3next_bf16", kQwen3Next, false, kNoLb, bf16, bf16}, bf16},
+        LayerCase{{"kda_f32_split", kKdaSmall, true, kNoLb, f32, f32}, f32, 4, false, true},
+        LayerCase{
+            {"kda_bf16_lb_split_vllm", kKdaSmall, true, kLb, bf16, bf16}, bf16, 4, true, true},
+        LayerCase{{"kda_f32_packed_nonorm", kKdaSmall, true, kNoLb, f32, f32},
+                  f32,
+                  2,
+                  false,
+                  false,
+                  true,
+                  false}),
+    case_name<LayerCase>);
+
+// A StatePool's conv windows and envelope layer states as the fused step's views.
+TEST(FusedStep, StatePoolEnvelopeViews) {
+  Rng rng = test_rng();
+  const Shape s = kGdnSmall;
+  deltastate::StatePoolConfig cfg = envelope_config(s, 3, 6, f32, 64);
+  cfg.conv_dim = s.width();
+  cfg.conv_dtype = f32;
+  deltastate::StatePool pool(cfg);
+  fill_sentinel(pool.data(), pool.total_bytes(), f32);
+  LayerCase c{{"pool", s, false, kNoLb, f32, f32}, f32};
+  const std::vector<int64_t> idx{4, -1, 0, 2};
+  LayerBatch b = make_layer_batch(rng, c, idx, 6);
+  const TensorView st = pool.layer_state(1), win = pool.conv_state(1);
+  for (int64_t sl : idx) {
+    if (sl < 0) continue;
+    fill_slot(st, sl, rng);
+    for (int64_t ch = 0; ch < win.shape[1]; ++ch)
+      for (int64_t i = 0; i < win.shape[2]; ++i)
+        store_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2],
+                    rng.uniform(-1, 1));
+  }
+  // the same values in test tensors for the chain
+  for (int64_t sl : idx) {
+    if (sl < 0) continue;
+    set_slot_values(b.state.view(), sl, slot_values(st, sl));
+    for (int64_t ch = 0; ch < win.shape[1]; ++ch)
+      for (int64_t i = 0; i < win.shape[2]; ++i)
+        b.win[0].set(
+            {sl, ch, i},
+            load_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2]));
+  }
+  Snapshot before;
+  before.add(pool.data(), pool.total_bytes());
+  FusedDecodeStepArgs a = b.args(host_view);
+  a.state = st;
+  a.conv_state = win;
+  b.run_fused(a);
+  const Tensor o = run_chain(b, b.state, b.win);
+  std::vector<MemRange> written;
+  for (int64_t sl : idx) {
+    if (sl < 0) continue;
+    written.push_back(slot_range(st, sl));
+    written.push_back(range_of(win, sl * win.stride[0], win.shape[1] * win.shape[2]));
+    EXPECT_EQ(slot_values(st, sl), slot_values(b.state.view(), sl)) << "slot " << sl;
+    for (int64_t ch = 0; ch < win.shape[1]; ++ch)
+      for (int64_t i = 0; i < win.shape[2]; ++i)
+        ASSERT_EQ(
+            load_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2]),
+            b.win[0].get({sl, ch, i}));
+  }
+  EXPECT_TRUE(before.unchanged_except(written)) << "pool memory outside the live slots' layer 1";
+}
+
+// ---- every error text ---------------------------------------------------------------------------
+void expect_error(const std::function<void()>& f, const std::string& message,
+                  ErrorKind kind = ErrorKind::value) {
+  const auto e = catch_error(f);
+  if (!e) return;
+  EXPECT_EQ(std::string(e->what()), message);
+  EXPECT_EQ(e->kind(), kind);
+}
+
+struct ConvErrorFixture {
+  Tensor x = Tensor::contiguous(f32, {2, 8});
+  Tensor st = Tensor::contiguous(f32, {4, 8, 3});
+  Tensor w = Tensor::contiguous(f32, {8, 4});
+  Tensor bias = Tensor::contiguous(f32, {8});
+  Tensor idx = index_tensor({1, 2});
+  Tensor out = Tensor::contiguous(f32, {2, 8});
+  CausalConv1dUpdateArgs args() const {
+    CausalConv1dUpdateArgs a;
+    a.x = x.view();
+    a.conv_state = st.view();
+    a.weight = w.view();
+    a.conv_state_indices = idx.view();
+    a.out = out.view();
+    return a;
+  }
+};
+
+TEST(ConvUpdateContract, EveryErrorText) {
+  ConvErrorFixture f;
+  auto run = [](CausalConv1dUpdateArgs a) { return [a] { deltastate::causal_conv1d_update(a); }; };
+  CausalConv1dUpdateArgs a = f.args();
+  Tensor x4 = Tensor::contiguous(f32, {2, 8, 1, 1});
+  a.x = x4.view();
+  expect_error(run(a),
+               "`x` must have shape [batch, dim] or [batch, dim, seqlen] (got (2, 8, 1, 1)).");
+  a = f.args();
+  Tensor xi = Tensor::contiguous(DType::i32, {2, 8});
+  a.x = xi.view();
+  expect_error(run(a), "`x` must have dtype float32, bfloat16 or float16; got int32");
+  a = f.args();
+  Tensor st2 = Tensor::contiguous(f32, {4, 8});
+  a.conv_state = st2.view();
+  expect_error(run(a), "`conv_state` must be a 3D tensor [batch, dim, state_len] (got ndim=2).");
+  a = f.args();
+  Tensor stb = Tensor::contiguous(bf16, {4, 8, 3});
+  a.conv_state = stb.view();
+  expect_error(run(a), "`conv_state` must have the dtype of `x` (float32; got bfloat16).");
+  a = f.args();
+  Tensor w7 = Tensor::contiguous(f32, {7, 4});
+  a.weight = w7.view();
+  expect_error(run(a), "`weight` must have shape [dim, width] with dim=8 (got (7, 4)).");
+  a = f.args();
+  Tensor w5 = Tensor::contiguous(f32, {8, 5});
+  a.weight = w5.view();
+  expect_error(run(a), "causal_conv1d only supports width between 2 and 4");
+  a = f.args();
+  Tensor bb = Tensor::contiguous(bf16, {8});
+  a.bias = bb.view();
+  expect_error(run(a), "`bias` must have the dtype of `weight` (float32; got bfloat16).");
+  a = f.args();
+  Tensor b7 = Tensor::contiguous(f32, {7});
+  a.bias = b7.view();
+  expect_error(run(a), "`bias` must have shape [dim] with dim=8 (got (7,)).");
+  a = f.args();
+  Tensor st1 = Tensor::contiguous(f32, {4, 8, 2});
+  a.conv_state = st1.view();
+  expect_error(run(a), "`conv_state` must have state_len >= width - 1 = 3 (got 2).");
+  a = f.args();
+  Tensor i64 = index_tensor({1, 2}, DType::i64);
+  a.conv_state_indices = i64.view();
+  expect_error(run(a), "`conv_state_indices` must have dtype int32; got int64");
+  a = f.args();
+  Tensor i3 = index_tensor({1, 2, 3});
+  a.conv_state_indices = i3.view();
+  expect_error(run(a), "`conv_state_indices` must have shape [batch]=(2) (got (3,)).");
+  a = f.args();
+  Tensor iw = index_tensor({1, 0, 2, 0});
+  a.conv_state_indices = iw.alias(DType::i32, {2}, {2}, 0).view();
+  expect_error(run(a), "`conv_state_indices` must be contiguous.");
+  a = f.args();
+  Tensor st9 = Tensor::contiguous(f32, {4, 9, 3});
+  a.conv_state = st9.view();
+  expect_error(
+      run(a), "`conv_state` must have shape [entries, dim, state_len] with dim=8 (got (4, 9, 3)).");
+  a = f.args();
+  a.conv_state_indices.reset();
+  expect_error(run(a),
+               "`conv_state` must have shape [batch, dim, state_len]=(2, 8, 3) (got (4, 8, 3)).");
+  a = f.args();
+  Tensor csl = index_tensor({1, 2}, DType::i64);
+  a.cache_seqlens = csl.view();
+  expect_error(run(a), "`cache_seqlens` must have dtype int32; got int64");
+  a = f.args();
+  Tensor cs1 = index_tensor({1});
+  a.cache_seqlens = cs1.view();
+  expect_error(run(a), "`cache_seqlens` must have shape [batch]=(2) (got (1,)).");
+  a = f.args();
+  Tensor csw = index_tensor({1, 0, 2, 0});
+  a.cache_seqlens = csw.alias(DType::i32, {2}, {2}, 0).view();
+  expect_error(run(a), "`cache_seqlens` must be contiguous.");
+  a = f.args();
+  Tensor ob = Tensor::contiguous(bf16, {2, 8});
+  a.out = ob.view();
+  expect_error(run(a),
+               "`out` must have the shape (2, 8) and dtype float32 of `x` (got (2, 8), bfloat16).");
+  a = f.args();
+  a.out.device = Device::cuda(0);
+  expect_error(run(a),
+               "causal_conv1d_update: all tensors must be on the same device: `x` is on cpu, "
+               "`out` is on cuda:0");
+  a = f.args();
+  Tensor bad = index_tensor({1, 4});
+  a.conv_state_indices = bad.view();
+  expect_error(
+      run(a),
+      "`conv_state_indices`[1]=4 is out of range for a state pool of 4 slots (valid: 0..3; "
+      "< 0 marks a padded row)");
+  Tensor dup = index_tensor({2, 2});
+  a.conv_state_indices = dup.view();
+  expect_error(
+      run(a),
+      "`conv_state_indices` uses slot 2 for rows 0 and 1; each live row needs its own slot");
+}
+
+TEST(FusedStepContract, EveryErrorText) {
+  Rng rng = test_rng();
+  const LayerCase c{{"err", kGdnSmall, false, kNoLb, f32, f32}, f32};
+  LayerBatch b = make_layer_batch(rng, c, {1, 2}, 4);
+  auto run = [&b](FusedDecodeStepArgs a) { return [&b, a] { b.run_fused(a); }; };
+  const FusedDecodeStepArgs base = b.args(host_view);
+  FusedDecodeStepArgs a = base;
+  Tensor o4 = Tensor::contiguous(f32, {2, 1, 4, 16});
+  a.out = o4.view();
+  expect_error(run(a), "`out` must be a contiguous [B, HV, V] tensor (got shape (2, 1, 4, 16)).");
+  a = base;
+  Tensor ow = Tensor::contiguous(f32, {2, 4, 15});
+  a.out = ow.view();
+  expect_error(run(a), "`out` must have shape (2, 1, 4, 16) (got out.shape=(2, 1, 4, 15)).");
+  a = base;
+  Tensor w7 = Tensor::contiguous(f32, {7, 4});
+  a.conv_weight = w7.view();
+  expect_error(run(a), "`conv_weight` must have shape [dim, width] with dim=192 (got (7, 4)).");
+  a = base;
+  Tensor wb = Tensor::contiguous(f32, {192});
+  a.conv_bias = wb.alias(f32, {100}, {1}, 0).view();
+  expect_error(run(a), "`conv_bias` must have shape [dim] with dim=192 (got (100,)).");
+  a = base;
+  Tensor win9 = Tensor::contiguous(f32, {4, 191, 3});
+  a.conv_state = win9.view();
+  expect_error(run(a), "`conv_state` must have shape [slots, 192, state_len] (got (4, 191, 3)).");
+  a = base;
+  Tensor win5 = Tensor::contiguous(f32, {5, 192, 3});
+  a.conv_state = win5.view();
+  expect_error(run(a), "`conv_state` must have as many slots as `initial_state` (4; got 5).");
+  a = base;
+  Tensor win2 = Tensor::contiguous(f32, {4, 192, 2});
+  a.conv_state = win2.view();
+  expect_error(run(a), "`conv_state` must have state_len >= width - 1 = 3 (got 2).");
+  a = base;
+  Tensor wk = Tensor::contiguous(f32, {4, 64, 3});
+  a.conv_state_k = wk.view();
+  expect_error(run(a), "`conv_state_k` and `conv_state_v` go together (separate q, k, v windows).");
+  Tensor wq = Tensor::contiguous(f32, {4, 64, 3}), wv = Tensor::contiguous(f32, {4, 63, 3});
+  a.conv_state = wq.view();
+  a.conv_state_v = wv.view();
+  expect_error(run(a), "`conv_state_v` must have shape [slots, 64, state_len] (got (4, 63, 3)).");
+  Tensor wk4 = Tensor::contiguous(f32, {4, 64, 4});
+  a.conv_state_k = wk4.view();
+  Tensor wv3 = Tensor::contiguous(f32, {4, 64, 3});
+  a.conv_state_v = wv3.view();
+  expect_error(run(a), "`conv_state`, `conv_state_k` and `conv_state_v` must have one state_len.");
+  a = base;
+  a.z.reset();
+  expect_error(run(a),
+               "`norm_weight` and `z` go together: both for the gated RMSNorm, or neither.");
+  a = base;
+  Tensor nw = Tensor::contiguous(f32, {15});
+  a.norm_weight = nw.view();
+  expect_error(run(a), "`norm_weight` must have shape [V]=(16) (got (15,)).");
+  a = base;
+  Tensor z3 = Tensor::contiguous(f32, {2, 3, 16});
+  a.z = z3.view();
+  expect_error(run(a), "`z` must have shape [B, HV, V]=(2, 4, 16) (got (2, 3, 16)).");
+  a = base;
+  Tensor zt = Tensor::contiguous(f32, {2, 16, 4});
+  a.z = zt.alias(f32, {2, 4, 16}, {64, 1, 4}, 0).view();
+  expect_error(run(a), "`z` must be contiguous in the last dim.");
+  a = base;
+  a.norm_eps = -1.0;
+  expect_error(run(a), "norm_eps must be finite and >= 0 (got -1)");
+  a = base;
+  a.z->device = Device::cuda(0);
+  expect_error(run(a),
+               "fused_decode_step: all tensors must be on the same device: `mixed_qkv` is on cpu, "
+               "`z` is on cuda:0");
+  a = base;
+  Tensor bad = index_tensor({1, 4});
+  a.state_indices = bad.view();
+  expect_error(run(a),
+               "`ssm_state_indices`[1]=4 is out of range for a state pool of 4 slots (valid: 0..3; "
+               "< 0 marks a padded row)");
+  // The CUDA kernel's limits, checked before any launch (views marked as CUDA tensors).
+  auto on_cuda = [](const Tensor& t) {
+    TensorView v = t.view();
+    v.device = Device::cuda(0);
+    return v;
+  };
+  const LayerCase wide{{"wide", Shape{"wide", 1, 4, 64, 128}, false, kNoLb, f32, f32}, f32};
+  LayerBatch w = make_layer_batch(rng, wide, {0}, 2);
+  expect_error([&] { w.run_fused(w.args(on_cuda)); },
+               "fused_decode_step on CUDA supports K in {64, 128} and (HV/H)*V <= 256 (got K=64, "
+               "(HV/H)*V=512)",
+               ErrorKind::not_implemented);
+  const LayerCase k128{{"k128", Shape{"k128", 1, 1, 128, 16}, false, kNoLb, f32, f32}, f32};
+  LayerBatch u_batch = make_layer_batch(rng, k128, {0}, 4);
+  FusedDecodeStepArgs u = u_batch.args(on_cuda);
+  Tensor pool = make_pool(f32, 4, k128.shape, 1);
+  u.state = on_cuda(pool);
+  expect_error([&] { u_batch.run_fused(u); },
+               "fused_decode_step on CUDA needs 16-byte aligned state rows (base address and slot "
+               "stride)",
+               ErrorKind::not_implemented);
+}
+
+}  // namespace
+}  // namespace dstest
