@@ -12,7 +12,8 @@
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
 #                                      sanitize-prefill, bench-prefill,
-#                                      test-layer, sanitize-layer, bench-layer
+#                                      test-layer, sanitize-layer, bench-layer,
+#                                      test-verify, bench-verify
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -138,6 +139,13 @@ for phase in "${phases[@]}"; do
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
+    test-verify)  # verify, its commit and the recurrent op's multi-token sequences (GPU vs CPU),
+      # then the multi-token recurrent cases and every recurrent GPU test on the direct kernel
+      run test-verify gtest_sharded test-verify '*VerifyGpu*:*RecurrentMultiToken*:*VerifyCommit*:*VerifyAndCommit*'
+      DELTASTATE_CUDA_MULTI=direct run test-verify gtest_sharded test-verify '*RecurrentMultiToken*:*Recurrent*'
+      sanitized memcheck '*VerifyGpu*gdn_odd*:*VerifyGpu*kda_odd*:*VerifyAndCommit*'
+      sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
+      ;;
     test-prefill)  # the chunk_prefill GPU tests, then again with the CUDA-core fallback forced
       run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
       DELTASTATE_CUDA_PREFILL=fallback run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
@@ -210,6 +218,13 @@ for phase in "${phases[@]}"; do
       ;;
     bench-replay)
       run bench-replay python3 bench/bench_replayssm.py --json "$OUT/replayssm-h200.json" ${REPLAY_ARGS:-}
+      ;;
+    bench-verify)  # the multi-token recurrent op and verify beside FLA (VERIFY_ARGS adds options:
+      # --models, --dtypes, --tokens, --batches, --modes, --no-peer, --flashinfer), then the
+      # recurrent op on the direct kernel (DELTASTATE_CUDA_MULTI=direct) for the before/after
+      run bench-verify python3 bench/bench_verify.py --json "$OUT/verify-h200.json" ${VERIFY_ARGS:-}
+      DELTASTATE_CUDA_MULTI=direct run bench-verify python3 bench/bench_verify.py --modes recurrent \
+        --no-peer --json "$OUT/verify-direct.json" ${VERIFY_ARGS:-}
       ;;
     bench-pdl)  # small batches with programmatic dependent launch (ours only; B <= 64), the
       # next grid let in by the launcher's rule (auto), early (1) or at exit (2), beside pdl=False

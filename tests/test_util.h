@@ -409,6 +409,23 @@ struct RecurrentBatch {
 };
 RecurrentBatch make_recurrent_batch(Rng& rng, const RecurrentSpec& spec);
 
+// Verify's token inputs and gate options from a recurrent batch's arguments (the rest unset).
+inline deltastate::VerifyArgs verify_inputs(const deltastate::RecurrentArgs& ra, bool kda) {
+  deltastate::VerifyArgs a;
+  a.q = ra.q;
+  a.k = ra.k;
+  a.v = ra.v;
+  a.g = ra.g;
+  a.beta = ra.beta;
+  a.out = ra.out;
+  a.is_kda = kda;
+  a.A_log = ra.A_log;
+  a.dt_bias = ra.dt_bias;
+  a.lower_bound = ra.lower_bound;
+  a.cu_seqlens = ra.cu_seqlens;
+  return a;
+}
+
 // Catches the deltastate::Error a call throws. Fails the test (and returns nullopt) if it throws
 // nothing or something else.
 template <class F>

@@ -330,4 +330,82 @@ struct FusedDecodeStepArgs {
 void gdn_fused_decode_step(const FusedDecodeStepArgs& args);
 void kda_fused_decode_step(const FusedDecodeStepArgs& args);
 
+// ---------------------------------------------------------------------------------------------
+// Speculative verify (GDN and KDA): T draft tokens per sequence through the recurrent math, each
+// token's state kept where the engine wants it, so that any accepted prefix can be restored.
+// One op covers the engines' three conventions:
+//   SGLang   intermediate_states [N_scr, T_alloc, HV, V, K] with intermediate_state_indices [N]
+//            (the scratch row of each sequence), update_state = false (disable_state_update);
+//            parent_tokens [N, T] (retrieve_parent_token) makes it an EAGLE tree: token t > 0
+//            starts from the state after token parent[t] (< 0: from the initial state), read
+//            back from its scratch row; a sequence without a scratch row runs as a chain.
+//   FlashInfer  intermediate_states [>= B, T_alloc, HV, V, K] indexed by batch row (no
+//            intermediate_state_indices); or token_state_indices [B, T] (its ssm_state_indices):
+//            the state after token t goes to pool slot token_state_indices[n, t] and the final
+//            write-back is skipped; output_state_indices [B] sends the final state elsewhere.
+//   vLLM     token_state_indices [N, >= T] (spec_state_indices) with num_accepted_tokens [N]:
+//            the initial state is read from slot token_state_indices[n, num_accepted[n] - 1],
+//            the state after token t is written to token_state_indices[n, t] (no commit copy).
+// Inputs and options as RecurrentArgs (q, k [B, T, H, K]; v, out [B, T, HV, V]; g, beta
+// [B, T, HV(, K)]; cu_seqlens for varlen; the gate in log space or raw with A_log/dt_bias; beta
+// as logit or probability), with `is_kda` choosing the gate's shape. state is the pool
+// [slots, HV, V, K] (compact inner strides, any slot stride); state_indices [N] the slot each
+// sequence starts from (< 0: padded: output rows zero, nothing read or written, no intermediate
+// or per-token state stored), unless num_accepted_tokens selects it from token_state_indices.
+// intermediate_states has the state's dtype, any strides in its first two dims and compact inner
+// dims (each state rounded on store, as the pool's). Per-token slot entries < 0 are skipped.
+// A bad index (a slot >= slots, a scratch row >= N_scr, a sequence longer than T_alloc or than
+// a table's columns, num_accepted outside [1, columns], a parent >= t): on CPU tensors a
+// ValueError before anything is written; on CUDA the row is skipped as padded, its outputs NaN,
+// and it is recorded for check_errors (ops.h below).
+struct VerifyArgs {
+  TensorView q, k, v, g, beta, out;
+  bool is_kda = false;
+  std::optional<TensorView> A_log, dt_bias;
+  bool gate_in_kernel = true;         // g is the raw gate input a (A_log required)
+  std::optional<double> lower_bound;  // safe gate (KDA)
+  bool beta_is_logit = true;
+  bool round_beta_to_input = false;  // as PackedDecodeArgs
+  std::optional<double> scale;       // unset: K^-0.5
+  bool use_qk_l2norm = true;
+  std::optional<TensorView> cu_seqlens;
+  TensorView state;
+  std::optional<TensorView> state_indices;         // [N]; absent: sequence n reads slot n
+  std::optional<TensorView> output_state_indices;  // [N] final state's slot (< 0: not stored)
+  bool update_state = true;  // store the final state (output_state_indices, else in place)
+  std::optional<TensorView> intermediate_states;         // [N_scr, T_alloc, HV, V, K]
+  std::optional<TensorView> intermediate_state_indices;  // [N] scratch row (< 0: none)
+  std::optional<TensorView> parent_tokens;               // [N, >= T] int32/int64
+  std::optional<TensorView> token_state_indices;         // [N, >= T] pool slot per token
+  std::optional<TensorView> num_accepted_tokens;         // [N] (with token_state_indices)
+  std::optional<bool> check_indices;                     // as PackedDecodeArgs
+  Stream stream = nullptr;
+  bool pdl = false;  // as PackedDecodeArgs
+};
+void verify(const VerifyArgs& args);
+
+// The commit after a verify (update_state_after_verify): for each request b with accepted
+// length a = accepted[b] > 0, copy intermediate_states[:, row_b, a - 1] into state[:, slot_b]
+// for every layer in one launch, where slot_b = state_indices[b] (< 0: skipped) and row_b =
+// intermediate_state_indices[b] (absent: b; < 0: skipped). With accepted_is_step the entries
+// are SGLang's last accepted step (a - 1; < 0: nothing), as update_mamba_state_after_mtp_verify
+// passes them (a tree's last accepted node).
+//   state               [layers, slots, HV, V, K] or one layer [slots, HV, V, K]: any layer and
+//                       slot strides (envelope pools), compact inner dims
+//   intermediate_states [layers, N_scr, T_alloc, HV, V, K] or [N_scr, T_alloc, HV, V, K]: any
+//                       strides in the leading dims, compact inner dims, state's dtype
+//   state_indices, accepted [B] int32/int64 (any stride); intermediate_state_indices [B]
+// Rejected drafts leave the pool bit-unchanged; no host synchronization (graph-safe). A bad
+// entry (slot >= slots, row >= N_scr, step >= T_alloc) is a ValueError on CPU tensors and a
+// skipped, recorded row on CUDA (check_errors).
+struct CommitArgs {
+  TensorView state, intermediate_states, state_indices, accepted;
+  std::optional<TensorView> intermediate_state_indices;
+  bool accepted_is_step = false;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void update_state_after_verify(const CommitArgs& args);
+
 }  // namespace deltastate

@@ -26,6 +26,7 @@ entry here.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
@@ -251,8 +252,9 @@ def _packed(kda: bool) -> Op:
 
 # ---- recurrent (B,T and varlen): FlashInfer's recurrent_kda surface ----------------------------
 _FLASHINFER_BACKENDS = ("auto", "cute-dsl", "cake")
-_SPEC = ("(speculative decode) is not implemented in deltastate yet (it arrives with the verify "
-         "op); pass None")
+_SPEC = ("(speculative decode) is not wired to recurrent_kda in deltastate; its per-token slots "
+         "and num_accepted_tokens run through deltastate.verify(token_state_indices=..., "
+         "num_accepted_tokens=...); pass None")
 _PREFILL = "(a FlashInfer prefill-backend option) is not implemented in deltastate; pass None"
 
 
@@ -1021,7 +1023,357 @@ def _fused(kda: bool) -> Op:
     )
 
 
+# ---- speculative verify and its commit ----------------------------------------------------------
+# The binding's arguments (python/src/module.cpp `verify`), in its order.
+_VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt_bias",
+                    "use_gate_in_kernel", "lower_bound", "beta_is_logit", "round_beta", "scale",
+                    "use_qk_l2norm_in_kernel", "cu_seqlens", "state", "state_indices",
+                    "output_state_indices", "update_state", "intermediate_states",
+                    "intermediate_state_indices", "parent_tokens", "token_state_indices",
+                    "num_accepted_tokens", "check_indices", "pdl")
+_KEYWORDS = (Arg("round_beta", BOOL, False, keyword=True),
+             Arg("check_indices", CHECK, None, keyword=True),
+             Arg("pdl", BOOL, False, keyword=True))
+
+_VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind SGLang's, FlashInfer's
+    and vLLM's verify functions): T draft tokens per sequence through the recurrent math, every
+    token's state kept for a later commit. q, k [B,T,H,K] (or [1,T_total,H,K] with cu_seqlens
+    [N+1]); v, output [B,T,HV,V]; g [B,T,HV] (GDN) or [B,T,HV,K] (KDA): the raw gate input with
+    use_gate_in_kernel (A_log, dt_bias), else the log decay; beta [B,T,HV] (a logit with
+    beta_is_logit). state: the pool [slots, HV, V, K] (any slot stride); state_indices [N] the
+    slots the sequences start from (< 0: padded: output zero, nothing read or written); the final
+    state is stored (update_state) at output_state_indices [N] (< 0: not stored) or in place.
+    intermediate_states [N_scr, T_alloc, HV, V, K] receives the state after token t at row
+    intermediate_state_indices[n] (absent: row n), step t; parent_tokens [N, >= T] makes the
+    sequence an EAGLE tree (token t starts from the state after its parent; < 0: the initial
+    state). token_state_indices [N, >= T] stores the state after token t in pool slot [n, t] (the
+    final write-back is then skipped); with num_accepted_tokens [N] the start slot is
+    token_state_indices[n, num_accepted[n] - 1] (vLLM). Returns ``output``."""
+
+
+# Every argument of the verify binding, as the public functions take them; `_hidden` makes the
+# op-only ones of a peer's surface from it (filled by the entry's prepare step or defaulted).
+_VERIFY_ARGS = {a.name: a for a in (
+    Arg("q", TENSOR, dtypes=FLOATING),
+    Arg("k", TENSOR, dtypes=FLOATING),
+    Arg("v", TENSOR, dtypes=FLOATING),
+    Arg("g", TENSOR, dtypes=FLOATING),
+    Arg("beta", TENSOR, dtypes=FLOATING),
+    Arg("output", TENSOR, dtypes=FLOATING, mutated=True),
+    Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+    Arg("state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
+    Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
+    Arg("scale", OPT_FLOAT, None),
+    Arg("is_kda", BOOL, False),
+    Arg("use_gate_in_kernel", BOOL, True),
+    Arg("lower_bound", OPT_FLOAT, None),
+    Arg("beta_is_logit", BOOL, True),
+    Arg("use_qk_l2norm_in_kernel", BOOL, True),
+    Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("update_state", BOOL, True),
+    Arg("output_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("intermediate_states", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+    Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("parent_tokens", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("token_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("num_accepted_tokens", OPT_TENSOR, None, dtypes=INDEX),
+)}
+
+
+def _hidden(public_op_args, shown_as=(), **defaults) -> Tuple[Arg, ...]:
+    """The verify binding's arguments a peer's surface does not take itself, op-only: each with
+    the public argument it comes from (`shown_as`, in errors) and its default (`defaults`)."""
+    shown = dict(shown_as)
+    return tuple(dataclasses.replace(a, public=False, shown_as=shown.get(a.name),
+                                     default=defaults.get(a.name, a.default))
+                 for a in _VERIFY_ARGS.values() if a.name not in public_op_args)
+
+
+def _verify_core() -> Op:
+    return Op(
+        name="verify",
+        public="verify",
+        doc=_VERIFY_DOC,
+        args=tuple(_VERIFY_ARGS.values()) + _KEYWORDS,
+        returns="output",
+        op_order=_VERIFY_OP_ORDER,
+        schema_defaults_from="state_indices",
+    )
+
+
+def _gate_view(x, B, T, kda, K, name):
+    """SGLang's `a` / `b` as the core's [B, T, HV(, K)]: 2-D [B*T, ...] or 3-D [B, T, ...] rows
+    (KDA's a [.., HV*K] split into [HV, K]); a reshape, a view of every contiguous input."""
+    shape = _shape(x)
+    width = shape[-1] if shape else 0
+    if kda and name == "a":
+        if len(shape) == 4:
+            return x
+        return x.reshape(B, T, width // K, K)
+    return x.reshape(B, T, width)
+
+
+def _sglang_verify_prepare(op, a, softplus_beta, softplus_threshold, q, k, v, b,
+                           initial_state_source, initial_state_indices, scale, cu_seqlens, is_kda,
+                           disable_state_update, intermediate_states_buffer, cache_steps,
+                           retrieve_parent_token):
+    """SGLang's fused_sigmoid_gating_delta_rule_update onto the verify op: the gate inputs as
+    [B, T, ...] views, a new output o (q's dtype, v's shape), the scratch buffer viewed as
+    [N_scr, cache_steps, HV, V, K], no initial state: zeros, nothing stored."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        _check_tensor(op, name, t)
+    if float(softplus_beta) != 1.0 or float(softplus_threshold) != 20.0:
+        raise NotImplementedError(
+            f"{op}: softplus_beta={softplus_beta}, softplus_threshold={softplus_threshold}: only "
+            "the gate's softplus with beta 1 and threshold 20 (what SGLang passes) is implemented")
+    if scale is not None and not float(scale) > 0:
+        raise AssertionError("scale must be positive")
+    qs, vs = _shape(q), _shape(v)
+    B, T, K = (qs[0], qs[1], qs[3]) if len(qs) == 4 else (0, 0, 1)
+    g = _gate_view(a, B, T, is_kda, K, "a")
+    beta = _gate_view(b, B, T, False, K, "b")
+    output = _empty(q, vs)
+    state, indices, update = initial_state_source, initial_state_indices, not disable_state_update
+    if state is None and len(vs) == 4:  # no initial state: every sequence from zeros, none stored
+        n = len(cu_seqlens) - 1 if cu_seqlens is not None else B
+        state = _zeros_state(q, (max(n, 1), vs[2], vs[3], K))
+        indices, update = None, False
+    inter = intermediate_states_buffer
+    if inter is not None and len(_shape(inter)) != 5:  # a flat [N_scr * cache_steps, HV, V, K]
+        # SGLang's per-request pitch is the buffer's allocated steps (shape[1]) when it has that
+        # dim; a flat buffer is cut into rows of cache_steps.
+        inter = inter.reshape(-1, int(cache_steps or 1), *_shape(inter)[-3:])
+    return g, beta, output, state, indices, update, inter, retrieve_parent_token
+
+
+def _sglang_verify() -> Op:
+    doc = """SGLang's ``fused_sigmoid_gating_delta_rule_update`` (decode, varlen and target
+    verify, GDN and KDA) on the verify op. Returns a new ``o`` [B, T, HV, V] (q's dtype); the
+    pool ``initial_state_source`` is updated in place unless disable_state_update;
+    intermediate_states_buffer [N_scr, T_alloc, HV, V, K] receives the state after each token at
+    row intermediate_state_indices[n] (< 0: none), step t (the row pitch is T_alloc, as SGLang's;
+    cache_steps only cuts a flat [N_scr * cache_steps, HV, V, K] buffer); retrieve_parent_token
+    [N, T] makes
+    each sequence an EAGLE tree. Differences: a sequence whose index is < 0 gets a zero output
+    (SGLang computes one from a zero state); a parent < 0 at t > 0 starts from the initial state;
+    softplus_beta / softplus_threshold other than 1 / 20 raise NotImplementedError."""
+    return Op(
+        name="sglang_verify",
+        public="fused_sigmoid_gating_delta_rule_update",
+        binding="verify",
+        doc=doc,
+        args=(
+            Arg("A_log", OPT_TENSOR, dtypes=FLOATING),
+            Arg("a", ANY, op=False),
+            Arg("dt_bias", OPT_TENSOR, dtypes=FLOATING),
+            Arg("softplus_beta", ANY, op=False),
+            Arg("softplus_threshold", ANY, op=False),
+            Arg("q", TENSOR, dtypes=FLOATING),
+            Arg("k", TENSOR, dtypes=FLOATING),
+            Arg("v", TENSOR, dtypes=FLOATING),
+            Arg("b", ANY, op=False),
+            Arg("initial_state_source", ANY, op=False),
+            Arg("initial_state_indices", ANY, op=False),
+            Arg("scale", OPT_FLOAT, None),
+            Arg("use_qk_l2norm_in_kernel", BOOL, False),
+            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("is_kda", BOOL, False),
+            Arg("disable_state_update", BOOL, False, op=False),
+            Arg("intermediate_states_buffer", ANY, None, op=False),
+            Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("cache_steps", ANY, None, op=False),
+            Arg("retrieve_parent_token", ANY, None, op=False),
+        ) + _KEYWORDS + _hidden(
+            ("A_log", "dt_bias", "q", "k", "v", "scale", "use_qk_l2norm_in_kernel", "cu_seqlens",
+             "is_kda", "intermediate_state_indices"),
+            shown_as=(("g", "a"), ("beta", "b"), ("state", "initial_state_source"),
+                      ("state_indices", "initial_state_indices"),
+                      ("intermediate_states", "intermediate_states_buffer"),
+                      ("parent_tokens", "retrieve_parent_token"))),
+        returns="output",
+        op_order=_VERIFY_OP_ORDER,
+        schema_defaults_from="state_indices",
+        prepare=_sglang_verify_prepare,
+        fills=("g", "beta", "output", "state", "state_indices", "update_state",
+               "intermediate_states", "parent_tokens"),
+    )
+
+
+def _flashinfer_mtp_prepare(op, q, v, initial_state, initial_state_indices, a, b, output,
+                            intermediate_states_buffer, ssm_state_indices, disable_state_update,
+                            use_qk_l2norm):
+    """FlashInfer's gated_delta_rule_mtp onto the verify op: its asserts on the speculative
+    arguments, the deprecated default of disable_state_update (True, with a warning), the output
+    allocated as zeros in q's dtype when not given."""
+    qs = _shape(q)
+    B, T = (qs[0], qs[1]) if len(qs) == 4 else (0, 0)
+    if disable_state_update is None:
+        warnings.warn(
+            "gated_delta_rule_mtp(): the 'disable_state_update' parameter currently defaults to "
+            "True, but this default will change to False in FlashInfer 0.7.0. Please pass "
+            "disable_state_update=True or disable_state_update=False explicitly to suppress this "
+            "warning.", stacklevel=3)
+        disable_state_update = True
+    if intermediate_states_buffer is not None:
+        shape = _shape(intermediate_states_buffer)
+        assert shape[0] >= B, (
+            f"intermediate_states_buffer first dim ({shape[0]}) must be at least B={B}: the "
+            f"kernel indexes it by batch (i_n in [0, B)), so a smaller buffer causes "
+            f"out-of-bounds writes.")
+        assert shape[1] >= T, (
+            f"intermediate_states_buffer second dimension (cache_steps={shape[1]}) must be at "
+            f"least T={T} to prevent out-of-bounds indexing")
+    if ssm_state_indices is not None:
+        assert intermediate_states_buffer is None, (
+            "ssm_state_indices and intermediate_states_buffer are mutually exclusive")
+        assert not disable_state_update, (
+            "ssm_state_indices requires state writes; disable_state_update must be False")
+        assert T >= 2, f"ssm_state_indices requires T >= 2 (got T={T})"
+        assert tuple(_shape(ssm_state_indices)) == (B, T), (
+            f"ssm_state_indices must have shape [B={B}, T={T}], got "
+            f"{tuple(_shape(ssm_state_indices))}")
+    if output is None:
+        output = _empty(q, _shape(v))
+        output[...] = 0
+    return (a, b, output, initial_state, initial_state_indices, not disable_state_update,
+            intermediate_states_buffer, ssm_state_indices, bool(use_qk_l2norm))
+
+
+def _flashinfer_mtp() -> Op:
+    doc = """FlashInfer's ``gated_delta_rule_mtp`` (multi-token verify, GDN) on the verify op:
+    q, k [B,T,H,K], v [B,T,HV,V], a, b [B,T,HV]; the pool initial_state [pool, HV, V, K] read at
+    initial_state_indices [B] (< 0: padded, output zero). intermediate_states_buffer [>= B, >= T,
+    HV, V, K] receives the state after token t at [b, t]; ssm_state_indices [B, T] stores it in
+    pool slot [b, t] instead (no final write-back); output_state_indices [B] sends the final
+    state elsewhere (< 0: not stored). Returns ``(output, initial_state)``. Looser than FlashInfer:
+    any float dtypes and K, V (FlashInfer: fp16/bf16 inputs, fp32 state and buffer, K, V >= 128)."""
+    return Op(
+        name="flashinfer_mtp",
+        public="gated_delta_rule_mtp",
+        binding="verify",
+        doc=doc,
+        args=(
+            Arg("q", TENSOR, dtypes=FLOATING),
+            Arg("k", TENSOR, dtypes=FLOATING),
+            Arg("v", TENSOR, dtypes=FLOATING),
+            Arg("initial_state", ANY, op=False),
+            Arg("initial_state_indices", ANY, op=False),
+            Arg("A_log", OPT_TENSOR, dtypes=FLOATING),
+            Arg("a", ANY, op=False),
+            Arg("dt_bias", OPT_TENSOR, dtypes=FLOATING),
+            Arg("b", ANY, op=False),
+            Arg("scale", OPT_FLOAT, None),
+            Arg("output", TENSOR, None, dtypes=FLOATING, mutated=True),
+            Arg("intermediate_states_buffer", ANY, None, op=False),
+            Arg("ssm_state_indices", ANY, None, op=False),
+            Arg("disable_state_update", OPT_BOOL, None, op=False),
+            Arg("use_qk_l2norm", BOOL, True, op=False),
+            Arg("output_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+        ) + _KEYWORDS + _hidden(
+            ("q", "k", "v", "A_log", "dt_bias", "scale", "output", "output_state_indices"),
+            shown_as=(("g", "a"), ("beta", "b"), ("state", "initial_state"),
+                      ("state_indices", "initial_state_indices"),
+                      ("intermediate_states", "intermediate_states_buffer"),
+                      ("token_state_indices", "ssm_state_indices"))),
+        returns=("output", "state"),
+        op_order=_VERIFY_OP_ORDER,
+        schema_defaults_from="state_indices",
+        prepare=_flashinfer_mtp_prepare,
+        fills=("g", "beta", "output", "state", "state_indices", "update_state",
+               "intermediate_states", "token_state_indices", "use_qk_l2norm_in_kernel"),
+    )
+
+
+_COMMIT_OP_ORDER = ("state", "intermediate_states", "state_indices", "accepted",
+                    "intermediate_state_indices", "accepted_is_step", "check_indices", "pdl")
+
+
+def _commit() -> Op:
+    doc = """The commit after a verify: for each request b with accepted[b] = a > 0, copies
+    intermediate_states[:, row_b, a - 1] into state[:, state_indices[b]] (every layer, one
+    launch); row_b = intermediate_state_indices[b] (absent: b). state [layers, slots, HV, V, K]
+    or [slots, HV, V, K] (any layer and slot strides); intermediate_states [layers, N_scr,
+    T_alloc, HV, V, K] or [N_scr, T_alloc, HV, V, K] of state's dtype. Index < 0: skipped. With
+    accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``."""
+    return Op(
+        name="update_state_after_verify",
+        public="update_state_after_verify",
+        doc=doc,
+        args=(
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("intermediate_states", TENSOR, dtypes=FLOATING),
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("accepted", TENSOR, dtypes=INDEX),
+            Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("accepted_is_step", BOOL, False),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns="state",
+        op_order=_COMMIT_OP_ORDER,
+    )
+
+
+def _scatter_prepare(op, dst, src, dst_indices_raw, step_indices_raw):
+    """SGLang's checks of fused_mamba_state_scatter_with_mask, with its texts."""
+    ds_, ss_ = _shape(dst), _shape(src)
+    if len(ds_) < 2 or len(ss_) < 3:
+        raise ValueError(f"Unexpected tensor ranks: dst.ndim={len(ds_)} src.ndim={len(ss_)}")
+    if ds_[0] != ss_[0]:
+        raise ValueError(f"Layer dimension mismatch: dst.shape[0]={ds_[0]} vs "
+                         f"src.shape[0]={ss_[0]}")
+    if tuple(ds_[2:]) != tuple(ss_[3:]):
+        raise ValueError(f"Trailing dims mismatch: dst.shape[2:]={tuple(ds_[2:])} vs "
+                         f"src.shape[3:]={tuple(ss_[3:])}")
+    di, si = _shape(dst_indices_raw), _shape(step_indices_raw)
+    if len(di) != 1 or len(si) != 1:
+        raise ValueError(f"indices must be 1D: dst_indices_raw.shape={di} "
+                         f"step_indices_raw.shape={si}")
+    if di[0] != si[0]:
+        raise ValueError(f"indices length mismatch: dst_indices_raw.shape[0]={di[0]} vs "
+                         f"step_indices_raw.shape[0]={si[0]}")
+    return dst, src, dst_indices_raw, step_indices_raw
+
+
+def _sglang_scatter() -> Op:
+    doc = """SGLang's ``fused_mamba_state_scatter_with_mask`` (the commit behind its
+    update_mamba_state_after_mtp_verify) on the commit op: for each request i with
+    step_indices_raw[i] >= 0, dst[:, dst_indices_raw[i]] = src[:, i, step_indices_raw[i]]. dst
+    [num_layers, cache_size, HV, V, K], src [num_layers, spec_size, draft_tokens, HV, V, K].
+    Returns None. Differences: strided (envelope) dst and src are taken (SGLang: contiguous
+    only), CPU tensors too; an out-of-range index is an error (CPU) or a recorded, skipped row
+    (CUDA, check_errors) where SGLang skips it silently."""
+    return Op(
+        name="sglang_state_scatter",
+        public="fused_mamba_state_scatter_with_mask",
+        binding="update_state_after_verify",
+        doc=doc,
+        args=(
+            Arg("dst", TENSOR, dtypes=FLOATING, mutated=True, op=False),
+            Arg("src", TENSOR, dtypes=FLOATING, op=False),
+            Arg("dst_indices_raw", TENSOR, dtypes=INDEX, op=False),
+            Arg("step_indices_raw", TENSOR, dtypes=INDEX, op=False),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True, public=False, shown_as="dst"),
+            Arg("intermediate_states", TENSOR, dtypes=FLOATING, public=False, shown_as="src"),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False, shown_as="dst_indices_raw"),
+            Arg("accepted", TENSOR, dtypes=INDEX, public=False, shown_as="step_indices_raw"),
+            Arg("intermediate_state_indices", OPT_TENSOR, None, public=False),
+            Arg("accepted_is_step", BOOL, True, public=False),
+        ),
+        returns=(),
+        op_order=_COMMIT_OP_ORDER,
+        schema_defaults_from="intermediate_state_indices",
+        prepare=_scatter_prepare,
+        fills=("state", "intermediate_states", "state_indices", "accepted"),
+    )
+
+
 OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurrent(False),
                        _fla(False), _fla(True), _REPLAY, _HELION_REPLAY,
                        _chunk(False), _chunk(True),
-                       _CONV_UPDATE, _fused(False), _fused(True))
+                       _CONV_UPDATE, _fused(False), _fused(True),
+                       _verify_core(), _sglang_verify(), _flashinfer_mtp(), _commit(),
+                       _sglang_scatter())

@@ -445,6 +445,62 @@ constexpr auto replayssm_decode = bind(
         Field<&RD::pdl>{"pdl"},
     });
 
+// Speculative verify and its commit (the peers' surfaces map onto these in _surface.py).
+using VA = ds::VerifyArgs;
+constexpr auto verify = bind(
+    "verify",
+    +[](VA& a) {
+      a.stream = stream_for(a.q);
+      ds::verify(a);
+    },
+    std::tuple{
+        Field<&VA::q>{"q"},
+        Field<&VA::k>{"k"},
+        Field<&VA::v>{"v"},
+        Field<&VA::g>{"g"},
+        Field<&VA::beta>{"beta"},
+        Field<&VA::out>{"output"},
+        Field<&VA::is_kda>{"is_kda"},
+        Field<&VA::A_log>{"A_log"},
+        Field<&VA::dt_bias>{"dt_bias"},
+        Field<&VA::gate_in_kernel>{"use_gate_in_kernel"},
+        Field<&VA::lower_bound>{"lower_bound"},
+        Field<&VA::beta_is_logit>{"beta_is_logit"},
+        Field<&VA::round_beta_to_input>{"round_beta"},
+        Field<&VA::scale>{"scale"},
+        Field<&VA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+        Field<&VA::cu_seqlens>{"cu_seqlens"},
+        Field<&VA::state>{"state"},
+        Field<&VA::state_indices>{"state_indices"},
+        Field<&VA::output_state_indices>{"output_state_indices"},
+        Field<&VA::update_state>{"update_state"},
+        Field<&VA::intermediate_states>{"intermediate_states"},
+        Field<&VA::intermediate_state_indices>{"intermediate_state_indices"},
+        Field<&VA::parent_tokens>{"parent_tokens"},
+        Field<&VA::token_state_indices>{"token_state_indices"},
+        Field<&VA::num_accepted_tokens>{"num_accepted_tokens"},
+        Field<&VA::check_indices>{"check_indices"},
+        Field<&VA::pdl>{"pdl"},
+    });
+
+using CA = ds::CommitArgs;
+constexpr auto update_state_after_verify = bind(
+    "update_state_after_verify",
+    +[](CA& a) {
+      a.stream = stream_for(a.state);
+      ds::update_state_after_verify(a);
+    },
+    std::tuple{
+        Field<&CA::state>{"state"},
+        Field<&CA::intermediate_states>{"intermediate_states"},
+        Field<&CA::state_indices>{"state_indices"},
+        Field<&CA::accepted>{"accepted"},
+        Field<&CA::intermediate_state_indices>{"intermediate_state_indices"},
+        Field<&CA::accepted_is_step>{"accepted_is_step"},
+        Field<&CA::check_indices>{"check_indices"},
+        Field<&CA::pdl>{"pdl"},
+    });
+
 // Chunked prefill (FLA's chunk_gated_delta_rule / chunk_kda), one module function per gate kind.
 using CP = ds::ChunkPrefillArgs;
 constexpr auto chunk(const char* name, void (*run)(CP&)) {
@@ -585,6 +641,8 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(causal_conv1d_update.name, signature(causal_conv1d_update));
   m.Set(gdn_fused_decode_step.name, signature(gdn_fused_decode_step));
   m.Set(kda_fused_decode_step.name, signature(kda_fused_decode_step));
+  m.Set(verify.name, signature(verify));
+  m.Set(update_state_after_verify.name, signature(update_state_after_verify));
   return m;
 }
 
@@ -744,6 +802,8 @@ DELTASTATE_EXPORT_OP(chunk_kda)
 DELTASTATE_EXPORT_OP(causal_conv1d_update)
 DELTASTATE_EXPORT_OP(gdn_fused_decode_step)
 DELTASTATE_EXPORT_OP(kda_fused_decode_step)
+DELTASTATE_EXPORT_OP(verify)
+DELTASTATE_EXPORT_OP(update_state_after_verify)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);

@@ -282,3 +282,39 @@ def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, 
                 mem.g[slot, hv, m] = gcur if kda else gcur[0]
         new_wp[n] = 0 if flush else m + 1
     return out, flushed, new_wp
+
+
+# ---- speculative verify ---------------------------------------------------------------------
+def verify_sequence(S0, q, k, v, g, beta, *, kda, A_log, dt_bias, scale=None, parents=None,
+                    lower_bound=None, use_qk_l2norm=True, state_dtype="float32"):
+    """One sequence of SGLang's target verify: q, k [T,H,K]; v [T,HV,V]; g the raw gate input
+    (GDN [T,HV], KDA [T,HV,K]); beta logits [T,HV]; S0 [HV,V,K]. A chain (parents None) runs the
+    tokens in order; in a tree token t > 0 starts from the state after token parents[t] (< 0: S0).
+    A parent's state other than the previous token's is read back from the scratch buffer, so it
+    is rounded to `state_dtype` first. Returns (o [T,HV,V], states [T,HV,V,K]: the state after
+    each token, unrounded)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    T, H, K = q.shape
+    HV = v.shape[1]
+    hmap = key_head_of(HV, H)
+    scale = K ** -0.5 if scale is None else scale
+    A = np.asarray(A_log, np.float64)
+    if kda:
+        gl = gate(g, A[:, None], np.asarray(dt_bias, np.float64).reshape(HV, K), lower_bound)
+    else:
+        gl = np.repeat(gate(g, A, np.asarray(dt_bias, np.float64))[..., None], K, axis=-1)
+    b = sigmoid(beta)
+    o = np.zeros((T, HV, v.shape[2]))
+    states = np.zeros((T,) + np.shape(S0))
+    for t in range(T):
+        if t == 0:
+            S = np.asarray(S0, np.float64)
+        elif parents is None:
+            S = states[t - 1]
+        else:
+            p = parents[t]
+            S = (np.asarray(S0, np.float64) if p < 0 else states[p] if p == t - 1
+                 else rd(states[p], state_dtype))
+        qt, kt = _prep_qk(q[t, hmap], k[t, hmap], scale, use_qk_l2norm)
+        states[t], o[t] = delta_step(S, qt, kt, v[t], np.exp(gl[t]), b[t])
+    return o, states

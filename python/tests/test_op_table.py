@@ -68,6 +68,17 @@ PUBLIC = {
     "helion_fused_recurrent_kda_replayssm_decode": _REPLAY_HEAD + (
         "use_qk_l2norm_in_kernel=False, lower_bound=None, *, round_beta=False, "
         "advance_write_pos=False, check_indices=None, pdl=False)"),
+    # speculative verify and its commit
+    "verify":
+        '(q, k, v, g, beta, output, state, state_indices=None, A_log=None, dt_bias=None, scale=None, is_kda=False, use_gate_in_kernel=True, lower_bound=None, beta_is_logit=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, update_state=True, output_state_indices=None, intermediate_states=None, intermediate_state_indices=None, parent_tokens=None, token_state_indices=None, num_accepted_tokens=None, *, round_beta=False, check_indices=None, pdl=False)',
+    "fused_sigmoid_gating_delta_rule_update":
+        '(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, initial_state_source, initial_state_indices, scale=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None, is_kda=False, disable_state_update=False, intermediate_states_buffer=None, intermediate_state_indices=None, cache_steps=None, retrieve_parent_token=None, *, round_beta=False, check_indices=None, pdl=False)',
+    "gated_delta_rule_mtp":
+        '(q, k, v, initial_state, initial_state_indices, A_log, a, dt_bias, b, scale=None, output=None, intermediate_states_buffer=None, ssm_state_indices=None, disable_state_update=None, use_qk_l2norm=True, output_state_indices=None, *, round_beta=False, check_indices=None, pdl=False)',
+    "update_state_after_verify":
+        '(state, intermediate_states, state_indices, accepted, intermediate_state_indices=None, accepted_is_step=False, *, check_indices=None, pdl=False)',
+    "fused_mamba_state_scatter_with_mask":
+        '(dst, src, dst_indices_raw, step_indices_raw, *, check_indices=None, pdl=False)',
 }
 
 _PACKED_SCHEMA = (
@@ -112,6 +123,17 @@ SCHEMAS = {
     "fla_kda": f"fla_kda({_RECURRENT_SCHEMA}) -> ()",
     "replayssm_decode": _replay_schema("replayssm_decode", False, False),
     "helion_kda_replayssm_decode": _replay_schema("helion_kda_replayssm_decode", True, True),
+    # speculative verify and its commit
+    "verify":
+        'verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, int check_indices=-1, bool pdl=False) -> ()',
+    "sglang_verify":
+        'sglang_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, int check_indices=-1, bool pdl=False) -> ()',
+    "flashinfer_mtp":
+        'flashinfer_mtp(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, int check_indices=-1, bool pdl=False) -> ()',
+    "update_state_after_verify":
+        'update_state_after_verify(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=False, int check_indices=-1, bool pdl=False) -> ()',
+    "sglang_state_scatter":
+        'sglang_state_scatter(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=True, int check_indices=-1, bool pdl=False) -> ()',
 }
 
 

@@ -48,6 +48,25 @@ void replayssm_decode(const ReplayDecodeArgs& args) {
   else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_decode);
 }
 
+// Speculative verify and its commit.
+void verify(const VerifyArgs& args) {
+  const detail::VerifyProblem p = detail::validate_verify(args);
+  if (p.r.N == 0) return;
+  if (p.r.device.type == DeviceType::cpu) {
+    cpu::run_verify(p);
+    return;
+  }
+  cuda_backend::run_verify(p, args.stream);
+  if (p.r.check_indices) cuda_backend::check_errors_after_op(args.stream);
+}
+
+void update_state_after_verify(const CommitArgs& args) {
+  const detail::CommitProblem p = detail::validate_commit(args);
+  if (p.B == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_commit(p);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_commit);
+}
+
 void check_errors(Stream stream) { cuda_backend::check_errors(stream); }
 
 bool cuda_available() { return cuda_backend::device_available(); }

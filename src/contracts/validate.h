@@ -39,5 +39,8 @@ ConvParams check_conv_params(Contract& c, const TensorView& weight,
 ConvWindowRef conv_window(const TensorView& w, int64_t first_channel);
 ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args);
 FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, bool kda);
+// Speculative verify and its commit (contracts/verify.cpp).
+VerifyProblem validate_verify(const VerifyArgs& args);
+CommitProblem validate_commit(const CommitArgs& args);
 
 }  // namespace deltastate::detail

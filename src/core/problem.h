@@ -85,19 +85,25 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpChunkGdn = 3,  // chunk_prefill, GDN (chunk_gated_delta_rule)
-  kErrOpChunkKda = 4,  // chunk_prefill, KDA (chunk_kda)
-  kErrOpConv = 5,      // causal_conv1d_update
-  kErrOpFusedStep = 6  // gdn_/kda_fused_decode_step
+  kErrOpChunkGdn = 3,   // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,   // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,       // causal_conv1d_update
+  kErrOpFusedStep = 6,  // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,     // verify
+  kErrOpCommit = 8      // update_state_after_verify
 };
 // kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
-// then the entry's position in that array.
+// then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
+// step or length past T_alloc or a table's columns, num_accepted outside [1, columns], a parent
+// token >= its token (verify and commit).
 enum DeviceErrorKind : int {
   kErrSlot = 1,
   kErrCursor = 2,
   kErrInitialSlot = 3,     // initial_state_indices
   kErrOutputSlot = 4,      // output_state_indices
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
+  kErrRow = 6,
+  kErrStep = 7,
 };
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
@@ -279,6 +285,51 @@ struct FusedStepProblem {
   Device device{};
 
   DS_HD int32_t conv_dim() const { return 2 * H * K + HV * V; }
+};
+
+// Speculative verify (ops.h VerifyArgs): the recurrent problem (its `indices` are the slots the
+// sequences start from, `update_state` the final write-back) plus where the per-token states go.
+// Index tables are read with index_at / load_index; null pointers mark absent arguments.
+struct IndexTable {  // [rows, cols] int32/int64, entry (r, c) at r*row_stride + c*col_stride
+  const void* ptr = nullptr;
+  DType dtype = DType::i32;
+  int64_t row_stride = 0, col_stride = 1;
+  int64_t cols = 0;
+  DS_HD int64_t at(int64_t r, int64_t c) const {
+    return load_index(ptr, dtype, r * row_stride + c * col_stride);
+  }
+};
+struct VerifyProblem {
+  RecurrentProblem r;         // final_state is null; r.state is the pool (never null)
+  IndexTable output_indices;  // [N, 1]: final state's slot; null: the starting slot
+  void* inter = nullptr;      // [rows, steps, HV, V, K]
+  DType inter_dtype = DType::f32;
+  int64_t inter_row_stride = 0, inter_step_stride = 0;  // elements
+  int64_t inter_rows = 0, inter_steps = 0;
+  IndexTable inter_indices;   // [N, 1] scratch row; null: row n
+  IndexTable parents;         // [N, cols]: tree
+  IndexTable token_slots;     // [N, cols]: pool slot of the state after token t
+  IndexTable num_accepted;    // [N, 1]: with token_slots, the starting slot's column + 1
+  int err_op = kErrOpVerify;  // the op a bad row is recorded under (the recurrent op runs here too)
+};
+
+// The commit after a verify (ops.h CommitArgs), every layer in one launch.
+struct CommitProblem {
+  int32_t B = 0, layers = 1;
+  int64_t head_elems = 0;  // HV*V*K, contiguous in both tensors
+  void* state = nullptr;
+  const void* inter = nullptr;
+  DType dtype = DType::f32;
+  int64_t state_layer_stride = 0, state_slot_stride = 0, num_slots = 0;
+  int64_t inter_layer_stride = 0, inter_row_stride = 0, inter_step_stride = 0;
+  int64_t inter_rows = 0, inter_steps = 0;
+  IndexTable slots, accepted, rows;  // [B, 1] each; rows null: row b
+  bool accepted_is_step = false;
+  bool check_indices = false;
+  bool pdl = false;
+  bool pdl_trigger_early = false;
+  DeviceErrorRecord* errors = nullptr;
+  Device device{};
 };
 
 }  // namespace deltastate::detail

@@ -63,10 +63,20 @@ std::string message(const detail::DeviceErrorRecord& r) {
   const char* op = r.op == detail::kErrOpReplay      ? "replayssm_decode"
                    : r.op == detail::kErrOpConv      ? "causal_conv1d_update"
                    : r.op == detail::kErrOpFusedStep ? "fused_decode_step"
+                   : r.op == detail::kErrOpVerify    ? "verify"
+                   : r.op == detail::kErrOpCommit    ? "update_state_after_verify"
                                                      : "recurrent";
   const char* index_name = r.op == detail::kErrOpConv ? "conv_state_indices" : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
-  if (r.kind == detail::kErrCursor) {
+  if (r.kind == detail::kErrRow) {
+    m += "row " + std::to_string(r.row) + ": scratch row " + std::to_string(r.index) +
+         " is out of range for an intermediate-state buffer of " + std::to_string(r.limit) +
+         " rows";
+  } else if (r.kind == detail::kErrStep) {
+    m += "row " + std::to_string(r.row) + ": a step, length, accepted count or parent (" +
+         std::to_string(r.index) + ") is outside its buffer or table (limit " +
+         std::to_string(r.limit) + ")";
+  } else if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
   } else {

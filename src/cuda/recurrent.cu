@@ -32,6 +32,7 @@
 #include "cuda/rows.cuh"
 #include "cuda/stream_trace.h"
 #include "cuda/tuning.h"
+#include "cuda/verify/launch.h"
 
 namespace deltastate::cuda_backend {
 
@@ -220,6 +221,8 @@ std::vector<long long> stream_trace_read() {
 
 void run_recurrent(const RecurrentProblem& problem, void* stream) {
   DeviceGuard guard(problem.device.index);
+  // Multi-token sequences in a pool: the multi-token kernel (src/cuda/verify.cu) where it applies.
+  if (run_recurrent_multi_token(problem, stream)) return;
   RecurrentProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernels record a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);

@@ -24,6 +24,13 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 
+// Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
+// head's rows, tokens prepared 8 at a time; 6 resident per SM (at most 80 registers per thread:
+// 24 warps per SM keep the state loads in flight, as the decode kernel's; ptxas fits the vector
+// instantiations without spills), 4 for the generic one (K <= 256, element accesses), which
+// spills at 80.
+constexpr int kMultiWarps = 4, kMultiCtasPerSm = 6, kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
+
 // ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
 // SMs; else 4.
@@ -90,6 +97,15 @@ inline PrefillChoice forced_prefill_kernel() {
                                                 : PrefillChoice::automatic;
   }();
   return forced;
+}
+// DELTASTATE_CUDA_MULTI=direct: the recurrent op's multi-token sequences on the direct kernel
+// instead of the multi-token kernel (tests run both; benchmarks compare them).
+inline bool multi_token_disabled() {
+  static const bool off = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_MULTI");
+    return e && std::strcmp(e, "direct") == 0;
+  }();
+  return off;
 }
 // DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).
 inline int forced_pdl_trigger() {

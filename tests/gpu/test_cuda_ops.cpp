@@ -18,6 +18,7 @@
 #include <stdexcept>
 
 #include "gpu/gpu_errors.h"
+#include "gpu/gpu_util.h"
 #include "test_util.h"
 
 namespace dstest {
@@ -26,101 +27,6 @@ namespace {
 using deltastate::PackedDecodeArgs;
 using deltastate::RecurrentArgs;
 using deltastate::ReplayDecodeArgs;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // do not leave the error for the next call's cudaGetLastError
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorName(e) + " (" +
-                             cudaGetErrorString(e) + ")");
-  }
-}
-#define CUDA_CHECK(expr) check((expr), #expr)
-
-// Waits for the device and surfaces any asynchronous kernel error.
-void sync() {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  CUDA_CHECK(cudaGetLastError());
-}
-
-bool have_gpu() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no device / no driver" error
-    return false;
-  }
-  return n > 0;
-}
-
-class GpuTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!have_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
-    ASSERT_TRUE(deltastate::cuda_available());
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error left over from an earlier test";
-  }
-};
-template <class P>
-class GpuParamTest : public GpuTest, public ::testing::WithParamInterface<P> {};
-
-// Device copies of host test tensors: one cudaMalloc'd buffer per host allocation, so aliases
-// (q/k/v inside one packed buffer) stay aliases. Views keep the host layout, on cuda:0. Buffers are
-// keyed by the host address; a tensor must be uploaded before its device view is used.
-class Mirror {
- public:
-  Mirror() = default;
-  Mirror(const Mirror&) = delete;
-  Mirror& operator=(const Mirror&) = delete;
-  ~Mirror() {
-    for (auto& [host, buf] : bufs_) EXPECT_EQ(cudaFree(buf.ptr), cudaSuccess);
-  }
-  TensorView view(const Tensor& t) { return t.view_at(buffer(t), Device::cuda(0)); }
-  auto views() {
-    return [this](const Tensor& t) { return view(t); };
-  }
-  void upload(const Tensor& t) {
-    CUDA_CHECK(cudaMemcpy(buffer(t), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()),
-                          cudaMemcpyHostToDevice));
-  }
-  template <class... Ts>
-  void upload_all(const Ts&... ts) {
-    (upload(ts), ...);
-  }
-  // The device contents, in a new host tensor of the same layout.
-  Tensor download(const Tensor& t) {
-    Tensor h = t.empty_like();
-    CUDA_CHECK(cudaMemcpy(h.alloc_base(), buffer(t), static_cast<size_t>(t.alloc_bytes()),
-                          cudaMemcpyDeviceToHost));
-    return h;
-  }
-
- private:
-  struct Buf {
-    void* ptr;
-    int64_t bytes;
-  };
-  void* buffer(const Tensor& t) {
-    auto it = bufs_.find(t.alloc_base());
-    // A freed host allocation's address may come back for a new tensor of another size.
-    if (it != bufs_.end() && it->second.bytes == t.alloc_bytes()) return it->second.ptr;
-    if (it != bufs_.end()) {
-      CUDA_CHECK(cudaFree(it->second.ptr));
-      bufs_.erase(it);
-    }
-    void* p = nullptr;
-    CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(t.alloc_bytes(), 1))));
-    bufs_[t.alloc_base()] = {p, t.alloc_bytes()};
-    return p;
-  }
-  std::map<const void*, Buf> bufs_;
-};
-
-// GPU vs CPU comparisons (see the file comment).
-constexpr Tol kFp32StateTol{1e-5, 1e-4};
-::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu,
-                                        const std::vector<double>& cpu, Tol tol, DType stored) {
-  return all_close(gpu, cpu, tol, stored, /*rounded=*/2);
-}
 
 std::vector<MemRange> live_slot_ranges(const TensorView& pool, const std::vector<int64_t>& slots) {
   std::vector<MemRange> r;

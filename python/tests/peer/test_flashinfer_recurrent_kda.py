@@ -22,9 +22,10 @@ What changed in the port:
   * FlashInfer's ``assert_close`` (NaN checks + torch.testing.assert_close, default atol = rtol =
     5e-3) is kept, as are all sizes, seeds, tolerances and assertions.
   * Not ported: the speculative-decode tests (test_spec_decode_*, test_t1_cu_seqlens_*,
-    test_kernel_schedule): deltastate's speculative verify arrives with the verify issue; until
-    then a non-default ``num_spec_tokens`` / ``num_accepted_tokens`` must be rejected clearly,
-    which test_surface_spec_arguments_rejected_clearly checks.
+    test_kernel_schedule): recurrent_kda's speculative arguments are not wired to deltastate's
+    verify op (which implements their per-token slots and num_accepted_tokens); a non-default
+    ``num_spec_tokens`` / ``num_accepted_tokens`` must be rejected clearly, which
+    test_surface_spec_arguments_rejected_clearly checks.
   * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
     read from its source (signature; in-place state; return values with and without indices;
     ``initial_state=None`` with indices allocating).

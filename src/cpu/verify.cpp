@@ -1,0 +1,122 @@
+// CPU kernels of speculative verify and of its commit. Verify: one task per (sequence, value
+// head); the state is held in fp32 across the sequence's tokens, each token's state stored where
+// the problem says (a scratch row's step, a per-token pool slot), the final state stored once.
+// The indices were checked by the validator (contracts/verify.cpp) before anything is written.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/delta_math.h"
+#include "cpu/kernels.h"
+#include "cpu/row_io.h"
+#include "cpu/thread_pool.h"
+
+namespace deltastate::cpu {
+
+using namespace deltastate::detail;
+
+void run_verify(const VerifyProblem& p) {
+  const RecurrentProblem& r = p.r;
+  const int K = r.K, V = r.V, HV = r.HV;
+  const int group = r.HV / r.H;
+  const int64_t head_elems = static_cast<int64_t>(V) * K;
+  parallel_for(r.num_heads_total(), [&](int64_t task) {
+    thread_local std::vector<float> S, q, k, v, alpha, o;
+    S.resize(head_elems);
+    q.resize(K);
+    k.resize(K);
+    alpha.resize(K);
+    v.resize(V);
+    o.resize(V);
+    const int64_t n = task / HV;
+    const int hv = static_cast<int>(task % HV);
+    const int h = hv / group;
+    const int64_t seq = r.cu_seqlens ? 0 : n;
+    const int64_t tok0 = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
+    const int64_t len = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
+    const int64_t start =
+        p.num_accepted.ptr
+            ? p.token_slots.at(n, p.num_accepted.at(n, 0) - 1)
+            : (r.indices ? index_at(r.indices, r.index_dtype, r.index_stride, n) : n);
+    if (start < 0) {  // padded: output rows zeroed, nothing read or written
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t t = 0; t < len; ++t)
+        store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok0 + t, hv), V, o.data());
+      return;
+    }
+    auto pool_at = [&](int64_t slot) { return slot * r.state.slot_stride + hv * head_elems; };
+    const int64_t row = p.inter ? (p.inter_indices.ptr ? p.inter_indices.at(n, 0) : n) : -1;
+    auto inter_at = [&](int64_t step) {
+      return row * p.inter_row_stride + step * p.inter_step_stride + hv * head_elems;
+    };
+
+    load_row(r.state.ptr, r.state.dtype, pool_at(start), static_cast<int>(head_elems), S.data());
+    for (int64_t t = 0; t < len; ++t) {
+      // A tree token starts from its parent's state (the initial state for a parent < 0), unless
+      // the parent is the previous token, whose state S already is.
+      if (p.parents.ptr && row >= 0 && t > 0) {
+        const int64_t parent = p.parents.at(n, t);
+        if (parent < 0)
+          load_row(r.state.ptr, r.state.dtype, pool_at(start), static_cast<int>(head_elems),
+                   S.data());
+        else if (parent != t - 1)
+          load_row(p.inter, p.inter_dtype, inter_at(parent), static_cast<int>(head_elems),
+                   S.data());
+      }
+      const int64_t tok = tok0 + t;
+      load_row(r.q.ptr, r.q.dtype, head_offset(r.q, seq, tok, h), K, q.data());
+      load_row(r.k.ptr, r.k.dtype, head_offset(r.k, seq, tok, h), K, k.data());
+      load_row(r.v.ptr, r.v.dtype, head_offset(r.v, seq, tok, hv), V, v.data());
+      prepare_qk(q.data(), K, r.l2norm, r.scale);
+      prepare_qk(k.data(), K, r.l2norm, 1.0f);
+      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, alpha.data());
+      for (float& x : alpha) x = expf(x);
+      const float beta =
+          beta_value(load_float(r.beta.ptr, r.beta.dtype, head_offset(r.beta, seq, tok, hv)),
+                     r.beta_is_logit, r.round_beta, r.beta.dtype);
+      const float kq = dot(k.data(), q.data(), K);
+      for (int vi = 0; vi < V; ++vi) {
+        float* srow = S.data() + static_cast<int64_t>(vi) * K;
+        float sk, sq;
+        decay_and_dots(srow, alpha.data(), k.data(), q.data(), K, sk, sq);
+        const float u = delta_u(v[vi], sk, beta);
+        rank1_update(srow, k.data(), K, u);
+        o[vi] = delta_output(sq, u, kq);
+      }
+      store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok, hv), V, o.data());
+      if (row >= 0)
+        store_row(p.inter, p.inter_dtype, inter_at(t), static_cast<int>(head_elems), S.data());
+      if (p.token_slots.ptr) {
+        const int64_t slot = p.token_slots.at(n, t);
+        if (slot >= 0)
+          store_row(r.state.ptr, r.state.dtype, pool_at(slot), static_cast<int>(head_elems),
+                    S.data());
+      }
+    }
+    if (r.update_state && !p.token_slots.ptr && len > 0) {
+      const int64_t dst = p.output_indices.ptr ? p.output_indices.at(n, 0) : start;
+      if (dst >= 0)
+        store_row(r.state.ptr, r.state.dtype, pool_at(dst), static_cast<int>(head_elems), S.data());
+    }
+  });
+}
+
+void run_commit(const CommitProblem& p) {
+  const int64_t bytes = p.head_elems * dtype_size(p.dtype);
+  parallel_for(static_cast<int64_t>(p.B) * p.layers, [&](int64_t task) {
+    const int64_t b = task / p.layers, layer = task % p.layers;
+    const int64_t step = p.accepted.at(b, 0) - (p.accepted_is_step ? 0 : 1);
+    const int64_t slot = p.slots.at(b, 0);
+    const int64_t row = p.rows.ptr ? p.rows.at(b, 0) : b;
+    if (step < 0 || slot < 0 || row < 0) return;  // nothing accepted, or padding
+    const int64_t es = dtype_size(p.dtype);
+    const char* src =
+        static_cast<const char*>(p.inter) +
+        (layer * p.inter_layer_stride + row * p.inter_row_stride + step * p.inter_step_stride) * es;
+    char* dst = static_cast<char*>(p.state) +
+                (layer * p.state_layer_stride + slot * p.state_slot_stride) * es;
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+  });
+}
+
+}  // namespace deltastate::cpu

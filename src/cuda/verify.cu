@@ -1,0 +1,129 @@
+// CUDA launch of speculative verify, of its commit, and of the recurrent op's multi-token
+// sequences (recurrent.cu hands them here): the multi-token kernel (verify/multi_token.cuh) and the
+// commit's copy kernel (verify/commit.cuh). No allocation, no host synchronization: graph-safe.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "api/backend.h"
+#include "core/problem.h"
+#include "cuda/launch.h"
+#include "cuda/tuning.h"
+#include "cuda/verify/commit.cuh"
+#include "cuda/verify/launch.h"
+#include "cuda/verify/multi_token.cuh"
+
+namespace deltastate::cuda_backend {
+
+using detail::CommitProblem;
+using detail::RecurrentProblem;
+using detail::VerifyProblem;
+
+namespace {
+
+template <class StateT>
+bool rows_aligned(const void* ptr, std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  for (const int64_t s : strides)
+    if ((s * static_cast<int64_t>(sizeof(StateT))) % 16 != 0) return false;
+  return true;
+}
+
+template <class StateT, int KT, bool VEC>
+void launch_multi(const VerifyProblem& problem, cudaStream_t stream) {
+  using M = MultiLayout<StateT, KT>;
+  const int ctas_per_head = (problem.r.V + M::RPC - 1) / M::RPC;
+  const int64_t ctas = problem.r.num_heads_total() * ctas_per_head;
+  if (ctas > 0x7fffffffLL) throw Error(ErrorKind::value, "verify: too many tiles for one launch");
+  if (ctas == 0) return;
+  VerifyProblem p = problem;
+  p.r = with_pdl_trigger(problem.r, ctas, kMultiResident<VEC>);
+  launch_kernel(multi_token_kernel<StateT, KT, VEC>, static_cast<unsigned>(ctas), kMultiWarps * 32,
+                0, stream, p.r.pdl, p, ctas_per_head);
+}
+
+// The vector instantiations (K = 64 or 128, 16-byte aligned rows of the pool and the scratch
+// buffer), else the generic one (any K <= 256, element accesses).
+template <class StateT>
+bool vector_rows(const VerifyProblem& p) {
+  return (p.r.K == 128
+#if DELTASTATE_CUDA_ALL_KERNELS
+          || p.r.K == 64
+#endif
+          ) &&
+         rows_aligned<StateT>(p.r.state.ptr, {p.r.state.slot_stride, p.r.K}) &&
+         (!p.inter || rows_aligned<StateT>(p.inter, {p.inter_row_stride, p.inter_step_stride}));
+}
+
+template <class StateT>
+void dispatch_multi(const VerifyProblem& p, cudaStream_t stream) {
+  if (vector_rows<StateT>(p)) {
+#if DELTASTATE_CUDA_ALL_KERNELS
+    if (p.r.K == 64) return launch_multi<StateT, 64, true>(p, stream);
+#endif
+    return launch_multi<StateT, 128, true>(p, stream);
+  }
+  launch_multi<StateT, 256, false>(p, stream);
+}
+
+void run_multi(const VerifyProblem& problem, void* stream) {
+  DeviceGuard guard(problem.r.device.index);
+  VerifyProblem p = problem;
+  p.r.errors = device_errors(p.r.device.index);
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (p.r.state.dtype) {
+    case DType::bf16:
+      return dispatch_multi<__nv_bfloat16>(p, s);
+    case DType::f16:
+      return dispatch_multi<__half>(p, s);
+    default:
+      return dispatch_multi<float>(p, s);
+  }
+}
+
+}  // namespace
+
+// The recurrent op's multi-token problems the multi-token kernel runs: a pool (V-first, scratch
+// buffers aside), no dense final state, vector rows (K = 64 or 128, 16-byte aligned).
+bool run_recurrent_multi_token(const RecurrentProblem& p, void* stream) {
+  if (multi_token_disabled()) return false;
+  if (!(p.T > 1 || p.cu_seqlens) || !p.state.ptr || p.final_state || p.state.k_first) return false;
+  VerifyProblem vp;
+  vp.r = p;
+  vp.err_op = detail::kErrOpRecurrent;
+  const bool vec = p.state.dtype == DType::f32    ? vector_rows<float>(vp)
+                   : p.state.dtype == DType::bf16 ? vector_rows<__nv_bfloat16>(vp)
+                                                  : vector_rows<__half>(vp);
+  if (!vec) return false;
+  run_multi(vp, stream);
+  return true;
+}
+
+void run_verify(const VerifyProblem& p, void* stream) { run_multi(p, stream); }
+
+void run_commit(const CommitProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  CommitProblem p = problem;
+  p.errors = device_errors(p.device.index);
+  const int64_t es = dtype_size(p.dtype);
+  const int64_t bytes = p.head_elems * es;
+  const bool vec = reinterpret_cast<uintptr_t>(p.state) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.inter) % 16 == 0 && bytes % 16 == 0 &&
+                   (p.state_layer_stride * es) % 16 == 0 && (p.state_slot_stride * es) % 16 == 0 &&
+                   (p.inter_layer_stride * es) % 16 == 0 && (p.inter_row_stride * es) % 16 == 0 &&
+                   (p.inter_step_stride * es) % 16 == 0;
+  const int64_t unit = vec ? 16 : 2;
+  const int64_t per_cta = static_cast<int64_t>(kCommitThreads) * kCommitUnitsPerThread * unit;
+  const int64_t chunks = (bytes + per_cta - 1) / per_cta;
+  if (chunks > 0x7fffffffLL || p.B > 65535 || p.layers > 65535)
+    throw Error(ErrorKind::value, "update_state_after_verify: too many states for one launch");
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.B),
+                  static_cast<unsigned>(p.layers));
+  p.pdl_trigger_early = false;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (vec) launch_kernel(commit_kernel<uint4>, grid, kCommitThreads, 0, s, p.pdl, p);
+  else launch_kernel(commit_kernel<uint16_t>, grid, kCommitThreads, 0, s, p.pdl, p);
+}
+
+}  // namespace deltastate::cuda_backend
