@@ -224,10 +224,12 @@ TEST_P(VerifyVsReference, EqualsPlainDecodeSteps) {
       }
     }
   }
-  for (int64_t n = 0; n < N; ++n)
-    if (su.slots[n] >= 0)
+  for (int64_t n = 0; n < N; ++n) {
+    if (su.slots[n] >= 0) {
       EXPECT_EQ(slot_values(su.pool.view(), su.slots[n]), inter_values(su, n, T - 1))
           << "the final state stored in place is the last intermediate state";
+    }
+  }
 }
 
 // FlashInfer's per-token slots (ssm_state_indices [B, T]) and vLLM's (spec_state_indices

@@ -12,6 +12,7 @@
 #include "core/layer_math.h"
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
+#include "cpu/simd.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -83,14 +84,10 @@ void run_fused_decode_step(const FusedStepProblem& p) {
                                     true, p.round_beta, p.b.dtype);
       const int64_t state_off = slot * p.state.slot_stride + hv * head_elems;
       load_row(p.state.ptr, p.state.dtype, state_off, K * V, sc.S.data());
-      for (int vi = 0; vi < V; ++vi) {
-        float* row = sc.S.data() + static_cast<int64_t>(vi) * K;
-        float sk, sq;
-        decay_and_dots(row, sc.alpha.data(), sc.k.data(), sc.q.data(), K, sk, sq);
-        const float u = delta_u(sc.v[vi], sk, beta);
-        rank1_update(row, sc.k.data(), K, u);
-        sc.o[vi] = round_to(p.out.dtype, delta_output(sq, u, kq));
-      }
+      // the packed decode's token step (the recurrent kernel's), bit for bit
+      simd::kernels().delta_rows(sc.S.data(), V, K, sc.alpha.data(), sc.k.data(), sc.q.data(),
+                                 sc.v.data(), beta, kq, sc.o.data());
+      for (int vi = 0; vi < V; ++vi) sc.o[vi] = round_to(p.out.dtype, sc.o[vi]);
       store_row(p.state.ptr, p.state.dtype, state_off, K * V, sc.S.data());
       if (p.z) {
         float ss = 0.0f;

@@ -9,6 +9,7 @@
 #include "core/delta_math.h"
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
+#include "cpu/simd.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -75,14 +76,9 @@ void run_verify(const VerifyProblem& p) {
           beta_value(load_float(r.beta.ptr, r.beta.dtype, head_offset(r.beta, seq, tok, hv)),
                      r.beta_is_logit, r.round_beta, r.beta.dtype);
       const float kq = dot(k.data(), q.data(), K);
-      for (int vi = 0; vi < V; ++vi) {
-        float* srow = S.data() + static_cast<int64_t>(vi) * K;
-        float sk, sq;
-        decay_and_dots(srow, alpha.data(), k.data(), q.data(), K, sk, sq);
-        const float u = delta_u(v[vi], sk, beta);
-        rank1_update(srow, k.data(), K, u);
-        o[vi] = delta_output(sq, u, kq);
-      }
+      // the recurrent kernel's token step, so that each step equals plain decode bit for bit
+      simd::kernels().delta_rows(S.data(), V, K, alpha.data(), k.data(), q.data(), v.data(), beta,
+                                 kq, o.data());
       store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok, hv), V, o.data());
       if (row >= 0)
         store_row(p.inter, p.inter_dtype, inter_at(t), static_cast<int>(head_elems), S.data());
