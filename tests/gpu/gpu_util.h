@@ -65,6 +65,7 @@ class Mirror {
     return [this](const Tensor& t) { return view(t); };
   }
   void upload(const Tensor& t) {
+    if (!t.alloc_base()) return;  // an absent optional tensor
     CUDA_CHECK(cudaMemcpy(buffer(t), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()),
                           cudaMemcpyHostToDevice));
   }

@@ -42,6 +42,7 @@
 #include <stdexcept>
 
 #include "gpu/gpu_errors.h"
+#include "gpu/gpu_util.h"
 #include "test_util.h"
 
 namespace dstest {
@@ -49,88 +50,7 @@ namespace {
 
 using deltastate::ChunkPrefillArgs;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorName(e) + " (" +
-                             cudaGetErrorString(e) + ")");
-  }
-}
-#define CUDA_CHECK(expr) check((expr), #expr)
-
-void sync() {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  CUDA_CHECK(cudaGetLastError());
-}
-
-bool have_gpu() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
-class PrefillGpuTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!have_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
-    ASSERT_TRUE(deltastate::cuda_available());
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error left over from an earlier test";
-  }
-};
-
-// Device copies of host test tensors, one cudaMalloc'd buffer per host allocation (aliases stay
-// aliases), views with the host layout on cuda:0 (as tests/gpu/test_cuda_ops.cpp's Mirror).
-class Mirror {
- public:
-  Mirror() = default;
-  Mirror(const Mirror&) = delete;
-  Mirror& operator=(const Mirror&) = delete;
-  ~Mirror() {
-    for (auto& [host, buf] : bufs_) EXPECT_EQ(cudaFree(buf.ptr), cudaSuccess);
-  }
-  TensorView view(const Tensor& t) { return t.view_at(buffer(t), Device::cuda(0)); }
-  auto views() {
-    return [this](const Tensor& t) { return view(t); };
-  }
-  void upload(const Tensor& t) {
-    if (!t.alloc_base()) return;
-    CUDA_CHECK(cudaMemcpy(buffer(t), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()),
-                          cudaMemcpyHostToDevice));
-  }
-  template <class... Ts>
-  void upload_all(const Ts&... ts) {
-    (upload(ts), ...);
-  }
-  Tensor download(const Tensor& t) {
-    Tensor h = t.empty_like();
-    CUDA_CHECK(cudaMemcpy(h.alloc_base(), buffer(t), static_cast<size_t>(t.alloc_bytes()),
-                          cudaMemcpyDeviceToHost));
-    return h;
-  }
-
- private:
-  struct Buf {
-    void* ptr;
-    int64_t bytes;
-  };
-  void* buffer(const Tensor& t) {
-    auto it = bufs_.find(t.alloc_base());
-    if (it != bufs_.end() && it->second.bytes == t.alloc_bytes()) return it->second.ptr;
-    if (it != bufs_.end()) {
-      CUDA_CHECK(cudaFree(it->second.ptr));
-      bufs_.erase(it);
-    }
-    void* p = nullptr;
-    CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(t.alloc_bytes(), 1))));
-    bufs_[t.alloc_base()] = {p, t.alloc_bytes()};
-    return p;
-  }
-  std::map<const void*, Buf> bufs_;
-};
+using PrefillGpuTest = GpuTest;
 
 // ---- tolerances (the file comment) ------------------------------------------------------------
 constexpr double kTensorCoreTol = 3e-3;
