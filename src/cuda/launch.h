@@ -3,6 +3,8 @@
 // dependent launch, and launch_kernel, through which every kernel is launched.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <array>
@@ -13,6 +15,7 @@
 #include <utility>
 
 #include "deltastate/error.h"
+#include "deltastate/tensor.h"
 
 namespace deltastate::cuda_backend {
 
@@ -100,6 +103,20 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   config.attrs = pdl ? attr : nullptr;
   config.numAttrs = pdl ? 1 : 0;
   DS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Calls f(T{}) with T the device type of a state of `dtype` (__nv_bfloat16, __half, else float):
+// the one switch from a state pool's dtype to the kernels' state type.
+template <class F>
+decltype(auto) with_state_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::bf16:
+      return f(__nv_bfloat16{});
+    case DType::f16:
+      return f(__half{});
+    default:
+      return f(float{});
+  }
 }
 
 }  // namespace deltastate::cuda_backend

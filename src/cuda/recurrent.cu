@@ -229,14 +229,7 @@ void run_recurrent(const RecurrentProblem& problem, void* stream) {
   // Without a state pool the kernel starts from zeros; the state dtype then only selects the
   // register layout, so use fp32.
   const DType sd = p.state.ptr ? p.state.dtype : DType::f32;
-  switch (sd) {
-    case DType::bf16:
-      return dispatch<__nv_bfloat16>(p, s);
-    case DType::f16:
-      return dispatch<__half>(p, s);
-    default:
-      return dispatch<float>(p, s);
-  }
+  with_state_type(sd, [&](auto state) { dispatch<decltype(state)>(p, s); });
 }
 
 }  // namespace deltastate::cuda_backend

@@ -124,14 +124,7 @@ void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
   ReplayProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
-  switch (p.state.dtype) {
-    case DType::bf16:
-      return dispatch<__nv_bfloat16>(p, s);
-    case DType::f16:
-      return dispatch<__half>(p, s);
-    default:
-      return dispatch<float>(p, s);
-  }
+  with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s); });
 }
 
 }  // namespace deltastate::cuda_backend
