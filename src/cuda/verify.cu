@@ -72,14 +72,7 @@ void run_multi(const VerifyProblem& problem, void* stream) {
   VerifyProblem p = problem;
   p.r.errors = device_errors(p.r.device.index);
   auto s = static_cast<cudaStream_t>(stream);
-  switch (p.r.state.dtype) {
-    case DType::bf16:
-      return dispatch_multi<__nv_bfloat16>(p, s);
-    case DType::f16:
-      return dispatch_multi<__half>(p, s);
-    default:
-      return dispatch_multi<float>(p, s);
-  }
+  with_state_type(p.r.state.dtype, [&](auto state) { dispatch_multi<decltype(state)>(p, s); });
 }
 
 }  // namespace
