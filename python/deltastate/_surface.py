@@ -790,7 +790,10 @@ def _chunk_prepare(op, kda, q, k, v, g, beta, scale, initial_state, output_final
 def _chunk_gdn_prepare(op, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                        transpose_state_layout, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
-                       has_initial_state, state_checkpoints, workspace):
+                       chunk_size, has_initial_state, state_checkpoints, workspace):
+    if chunk_size not in (16, 32, 64):  # FLA's check and text
+        raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got "
+                         f"{chunk_size}.")
     out = _chunk_prepare(op, False, q, k, v, g, beta, scale, initial_state, output_final_state,
                          use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, None,
                          state_v_first, transpose_state_layout, cu_seqlens, A_log, dt_bias,
@@ -801,7 +804,9 @@ def _chunk_gdn_prepare(op, q, k, v, g, beta, scale, initial_state, output_final_
 def _chunk_kda_prepare(op, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                        lower_bound, state_v_first, transpose_state_layout, cu_seqlens, A_log,
-                       dt_bias, has_initial_state, state_checkpoints, workspace):
+                       dt_bias, chunk_size, has_initial_state, state_checkpoints, workspace):
+    if chunk_size not in (32, 64):  # FLA's check and text
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError("`lower_bound` must be specified when `safe_gate=True` and "
@@ -842,7 +847,15 @@ _CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its 
     use_beta_sigmoid_in_kernel: beta holds logits; allow_neg_eigval (needs it): beta = 2 *
     sigmoid(beta). With use_gate_in_kernel g is the raw gate, -exp(A_log) * softplus(g +
     dt_bias){safe}. ``transpose_state_layout``: FLA's deprecated name of state_v_first.
-    FLA's graph / context-parallel options are not taken (TypeError)."""
+
+    FLA's host-side hints ({hints}) are taken in FLA's positions and not needed: on CUDA
+    deltastate launches one CTA per (sequence, head), N from cu_seqlens' length, and each CTA
+    reads its sequence's bounds and walks its chunks on the device, so it needs neither a host
+    copy of cu_seqlens nor a precomputed chunk list{graph}. ``chunk_size`` (FLA's **kwargs,
+    default 64) is checked as FLA checks it ({sizes}, FLA's ValueError) and the result computed
+    with 64-token chunks: every chunk size gives the same recurrence, up to rounding.
+    ``cp_context`` (context parallelism) other than None raises NotImplementedError."""
+_CP = "(FLA's context parallelism) is not implemented in deltastate; pass None"
 
 
 def _chunk(kda: bool) -> Op:
@@ -870,9 +883,14 @@ def _chunk(kda: bool) -> Op:
                 "the checkpoints (checkpoint_every_n_tokens)"),
             Arg("state_v_first", BOOL, False, op=False),
             Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("cu_seqlens_cpu", ANY, None, op=False),  # a host hint: not needed
+            Arg("cp_context", ANY, None, op=False, unsupported=_CP),
+            Arg("use_graph", BOOL, False, op=False),  # a host hint: not needed
+            Arg("max_num_seqs", OPT_INT, None, op=False),  # use_graph's bound: not needed
             # FLA takes these from **kwargs: keyword-only here.
             Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
             Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
+            Arg("chunk_size", INT, 64, keyword=True, op=False),
         )
     else:
         fla = (
@@ -880,10 +898,14 @@ def _chunk(kda: bool) -> Op:
             Arg("allow_neg_eigval", BOOL, False, op=False),
             Arg("state_v_first", BOOL, False, op=False),
             Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("cu_seqlens_cpu", ANY, None, op=False),  # a host hint: not needed
+            Arg("chunk_indices", ANY, None, op=False),  # a host hint: not needed
+            Arg("cp_context", ANY, None, op=False, unsupported=_CP),
             # FLA takes these from **kwargs: keyword-only here.
             Arg("use_gate_in_kernel", BOOL, False, keyword=True),
             Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
             Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING, keyword=True),
+            Arg("chunk_size", INT, 64, keyword=True, op=False),
         )
     pool = (
         Arg("transpose_state_layout", OPT_BOOL, None, keyword=True, op=False),
@@ -914,7 +936,12 @@ def _chunk(kda: bool) -> Op:
         g="[B,T,HV,K] (log decay per key channel)" if kda else "[B,T,HV] (log decay)",
         safe=("; with lower_bound the safe gate lower_bound * sigmoid(exp(A_log) * (g + "
               "dt_bias)), A_log=None meaning the factor 1 there (safe_gate only checks FLA's "
-              "range [-5, 0))") if kda else "")
+              "range [-5, 0))") if kda else "",
+        hints=("cu_seqlens_cpu, use_graph, max_num_seqs" if kda
+               else "cu_seqlens_cpu, chunk_indices"),
+        graph=(", and the launch is CUDA-graph capturable as it is (what FLA's use_graph and "
+               "max_num_seqs prepare a fixed-shape chunk list for)") if kda else "",
+        sizes="32 or 64" if kda else "16, 32 or 64")
     return Op(
         name="chunk_kda" if kda else "chunk_gated_delta_rule",
         public="chunk_kda" if kda else "chunk_gated_delta_rule",

@@ -22,7 +22,7 @@ FLA_CHUNK_GDN = [
     ("q", _R), ("k", _R), ("v", _R), ("g", _R), ("beta", _R), ("scale", None),
     ("initial_state", None), ("output_final_state", False), ("use_qk_l2norm_in_kernel", False),
     ("use_beta_sigmoid_in_kernel", False), ("allow_neg_eigval", False), ("state_v_first", False),
-    ("cu_seqlens", None),
+    ("cu_seqlens", None), ("cu_seqlens_cpu", None), ("chunk_indices", None), ("cp_context", None),
 ]
 FLA_CHUNK_KDA = [
     ("q", _R), ("k", _R), ("v", _R), ("g", _R), ("beta", _R), ("scale", None),
@@ -30,7 +30,8 @@ FLA_CHUNK_KDA = [
     ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
     ("allow_neg_eigval", False), ("safe_gate", False), ("lower_bound", None),
     ("disable_recompute", False), ("return_intermediate_states", False),
-    ("state_v_first", False), ("cu_seqlens", None),
+    ("state_v_first", False), ("cu_seqlens", None), ("cu_seqlens_cpu", None),
+    ("cp_context", None), ("use_graph", False), ("max_num_seqs", None),
 ]
 POOL_KEYWORDS = ["initial_state_indices", "has_initial_state", "output_state_indices",
                  "checkpoint_every_n_tokens", "checkpoint_cu_starts", "state_checkpoints",
@@ -47,7 +48,20 @@ def test_signature_matches_fla(fn, fla):
     rest = params[len(fla):]
     assert all(p.kind is p.KEYWORD_ONLY for p in rest)  # FLA's **kwargs ones and ours
     assert set(POOL_KEYWORDS) <= {p.name for p in rest}
-    assert {"A_log", "dt_bias"} <= {p.name for p in rest}
+    assert {"A_log", "dt_bias", "chunk_size"} <= {p.name for p in rest}
+
+
+@pytest.mark.parametrize("name", ["chunk_gated_delta_rule", "chunk_kda"])
+def test_positional_parameters_are_flas_installed(name):
+    """The same head read from the installed fla-core (0.6.0), when it is there."""
+    pytest.importorskip("fla")
+    import fla.ops.gated_delta_rule.chunk as gdn
+    import fla.ops.kda.chunk as kda
+
+    theirs = inspect.signature(getattr(kda if name == "chunk_kda" else gdn, name)).parameters
+    theirs = [(p.name, p.default) for p in theirs.values() if p.kind is not p.VAR_KEYWORD]
+    ours = list(inspect.signature(getattr(ds, name)).parameters.values())[:len(theirs)]
+    assert [(p.name, p.default) for p in ours] == theirs
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -182,6 +196,46 @@ def test_checkpoints(fw, rng, kda):
     np.testing.assert_allclose(got[4], want[0], rtol=TOL, atol=TOL)
     np.testing.assert_allclose(got[1], want[2], rtol=TOL, atol=TOL)
     assert not got[5].any()
+
+
+# ---- FLA's host hints, chunk_size and cp_context -------------------------------------------------
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_host_hints_and_chunk_size_give_the_same_result(rng, kda):
+    """cu_seqlens_cpu / chunk_indices (GDN) / use_graph, max_num_seqs (KDA) are accepted and not
+    needed; every chunk size FLA accepts gives the result of the default (64-token chunks)."""
+    fw = Fw("torch")
+    d = make(rng, [5, 70], kda)
+    o0, _ = call(fn_of(kda), fw, d, kda)
+    cu_cpu = fw.idx(d["cu"], "int64")
+    hints = (dict(cu_seqlens_cpu=cu_cpu, use_graph=True, max_num_seqs=2) if kda
+             else dict(cu_seqlens_cpu=cu_cpu, chunk_indices=torch.zeros(3, 2, dtype=torch.int64)))
+    for size in (32, 64) if kda else (16, 32, 64):
+        o, _ = call(fn_of(kda), fw, d, kda, chunk_size=size, **hints)
+        assert torch.equal(o, o0), size
+
+
+@pytest.mark.parametrize("kda, size, text", [
+    (False, 128, r"^`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got 128\.$"),
+    (False, 8, r"^`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got 8\.$"),
+    (True, 16, r"^`chunk_size` must be either 32 or 64 for KDA, got 16\.$"),
+    (True, 128, r"^`chunk_size` must be either 32 or 64 for KDA, got 128\.$"),
+], ids=["gdn-128", "gdn-8", "kda-16", "kda-128"])
+def test_chunk_size_outside_flas_set_is_flas_error(fw, rng, kda, size, text):
+    with pytest.raises(ValueError, match=text):
+        call(fn_of(kda), fw, make(rng, [5], kda), kda, chunk_size=size)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_cp_context_is_not_implemented(fw, rng, kda):
+    class FLACPContext:
+        def __repr__(self):
+            return "FLACPContext()"
+
+    name = "chunk_kda" if kda else "chunk_gated_delta_rule"
+    with pytest.raises(NotImplementedError, match=(
+            rf"^{name}: `cp_context`=FLACPContext\(\) \(FLA's context parallelism\) is not "
+            r"implemented in deltastate; pass None$")):
+        call(fn_of(kda), fw, make(rng, [5], kda), kda, cp_context=FLACPContext())
 
 
 # ---- the layout rule and the workspace ----------------------------------------------------------

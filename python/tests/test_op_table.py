@@ -31,14 +31,17 @@ PUBLIC = {
     "chunk_gated_delta_rule":
         "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
         "use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, "
-        "state_v_first=False, cu_seqlens=None, "
-        + _CHUNK_POOL.format(kw="use_gate_in_kernel=False, A_log=None, dt_bias=None, "),
+        "state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, "
+        "cp_context=None, "
+        + _CHUNK_POOL.format(kw="use_gate_in_kernel=False, A_log=None, dt_bias=None, "
+                                "chunk_size=64, "),
     "chunk_kda":
         "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
         "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, "
         "use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False, "
         "return_intermediate_states=False, state_v_first=False, cu_seqlens=None, "
-        + _CHUNK_POOL.format(kw="A_log=None, dt_bias=None, "),
+        "cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None, "
+        + _CHUNK_POOL.format(kw="A_log=None, dt_bias=None, chunk_size=64, "),
     "fused_recurrent_gated_delta_rule_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
         "use_qk_l2norm_in_kernel=False, *, round_beta=False, check_indices=None, pdl=False)",

@@ -22,8 +22,17 @@ exactly those calls, with SGLang's keyword arguments and conventions:
   ``fused_gdn_gating``; KDA: ``g`` the raw gate with ``A_log`` / ``dt_bias`` / ``lower_bound``,
   ``beta`` a probability). GDN returns SGLang's triple ``(o, None, None)`` (the state is updated
   in place; ``inplace_update=False`` leaves the pool unchanged), KDA returns ``o``.
-* ``target_verify``: NotImplementedError until deltastate has a verify op (speculative decoding's
-  per-draft-token states); keep another backend for ``--speculative-*`` runs.
+* ``target_verify``: speculative decoding's verify, as ``TritonGDNKernel`` /
+  ``TritonKDAKernel.target_verify`` (SGLang's ``fused_sigmoid_gating_delta_rule_update`` with
+  ``disable_state_update=True``): q, k ``[1, B*T, H, K]``, v ``[1, B*T, HV, V]``, raw ``a`` /
+  ``b`` as in ``decode``, ``query_start_loc`` ``[B+1]`` (T = ``cache_steps`` draft tokens per
+  request); each request reads its pool row (-1: padded, output zero, nothing read or written),
+  writes the state after draft token t to ``intermediate_states_buffer[intermediate_state_indices
+  [b], t]`` (SGLang's per-layer ``intermediate_ssm`` ``[spec, draft, HV, V, K]``) and leaves the
+  pool unchanged; ``retrieve_parent_token`` ``[B, T]`` (None: a chain) makes each request an
+  EAGLE tree. Returns ``[1, B*T, HV, V]``. The commit of the accepted step stays SGLang's
+  ``update_mamba_state_after_mtp_verify``, whose ``fused_mamba_state_scatter_with_mask`` is
+  ``deltastate.fused_mamba_state_scatter_with_mask``.
 
 Selecting it in SGLang: SGLang's ``GDNKernelDispatcher`` / ``KDAKernelDispatcher`` choose the
 kernel with an if/elif over ``--linear-attn-decode-backend`` / ``--linear-attn-prefill-backend``
@@ -41,10 +50,6 @@ try:  # the real base class when SGLang is installed, so isinstance checks hold
     )
 except Exception:  # SGLang absent (or not importable on this machine)
     _Base = object
-
-_VERIFY = ("{cls}.target_verify: deltastate has no verify op yet (speculative decoding's "
-           "per-draft-token intermediate states); select another --linear-attn-decode-backend "
-           "for speculative decoding")
 
 
 def _ds():
@@ -103,8 +108,28 @@ class _DeltastateKernel(_Base):
         return o
 
     def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices,
-                      query_start_loc, **kwargs):
-        raise NotImplementedError(_VERIFY.format(cls=type(self).__name__))
+                      query_start_loc, intermediate_states_buffer, intermediate_state_indices,
+                      cache_steps, retrieve_parent_token, **kwargs):
+        ds = _ds()
+        T, HV, V = v.shape[1], v.shape[2], v.shape[3]
+        K = q.shape[-1]
+        g = a.reshape(1, T, HV, K) if self.kda else a.reshape(1, T, HV)
+        dt_bias = dt_bias.reshape(HV, K) if self.kda else dt_bias.reshape(-1)
+        inter = intermediate_states_buffer
+        if inter is not None and inter.dim() != 5:
+            # SGLang's kernel cuts a flat [spec * cache_steps, HV, V, K] scratch into rows of
+            # cache_steps; a 5-D buffer keeps its allocated pitch (shape[1]).
+            inter = inter.reshape(-1, int(cache_steps), HV, V, K)
+        # The Triton verify reads no lower_bound; the safe gate is honored where a backend
+        # passes it, as in decode.
+        return ds.verify(
+            _rows(q), _rows(k), _rows(v), _rows(g), _rows(b.reshape(1, T, HV)),
+            q.new_empty(v.shape), ssm_states, cache_indices, A_log=A_log.reshape(-1),
+            dt_bias=dt_bias, is_kda=self.kda, use_gate_in_kernel=True,
+            lower_bound=kwargs.get("lower_bound"), beta_is_logit=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc, update_state=False,
+            intermediate_states=inter, intermediate_state_indices=intermediate_state_indices,
+            parent_tokens=retrieve_parent_token)
 
 
 class DeltastateGDNKernel(_DeltastateKernel):

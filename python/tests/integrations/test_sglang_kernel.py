@@ -4,9 +4,16 @@ kernels/gdn_triton.py, kernels/kda_triton.py, kernels/kernel_backend.py as read 
 sgl-project/sglang 0a48af3a / 007d1d93 / 03a4a692): a pool ``[slots, HV, V, K]`` with slot 0
 reserved, a prefill (``extend``, varlen with ``query_start_loc``) for requests in scattered
 slots, then decode steps of a CUDA-graph-padded batch (index -1) alternating ``decode`` (split
-q/k/v views of ``mixed_qkv``) and ``packed_decode``. Checked every step against an independent
-fp64 recurrence written here; the reserved slot, the free slots and the padded rows' outputs are
-checked (1e30 sentinels bit-untouched, zeros)."""
+q/k/v views of ``mixed_qkv``) and ``packed_decode``, then speculative rounds as SGLang's EAGLE /
+MTP runs them (gdn_backend.py's target-verify branch, hybrid_linear_attn_backend.py's
+``update_mamba_state_after_mtp_verify`` as read at sgl-project/sglang 0a48af3a): ``target_verify``
+of DRAFT tokens per request into the per-layer scratch ``intermediate_ssm`` (a chain, then an
+EAGLE tree through ``retrieve_parent_token``), the pool left unchanged, then the commit of each
+request's last accepted step with ``fused_mamba_state_scatter_with_mask`` over the
+``[layers, ...]`` pool and scratch, then a decode step from the committed states. Checked every
+step against an independent fp64 recurrence written here; the reserved slot, the free slots, the
+unused scratch rows and the padded rows' outputs are checked (1e30 sentinels bit-untouched,
+zeros)."""
 
 import inspect
 
@@ -25,6 +32,9 @@ SLOTS = 8
 LENS = (7, 1, 19)  # prefill lengths
 REQ_SLOTS = (3, 5, 2)  # slot 0 is SGLang's reserved dummy slot; 1, 4, 6, 7 stay free
 STEPS = 6
+DRAFT = 4  # draft tokens per request in a verify (SGLang's speculative_num_draft_tokens)
+SPEC = 6  # scratch rows (SGLang's intermediate_ssm has one per running request)
+TREE = (-1, 0, 0, 1)  # retrieve_parent_token of one request: token t's parent (-1: the root)
 
 
 # ---- the independent reference (fp64, one token at a time) -------------------------------------
@@ -72,7 +82,11 @@ class Layer:
         self.A_log = (torch.rand(1, 1, HV, 1, generator=gen) * 2).log().to(device) if kda else \
             (torch.rand(HV, generator=gen) * 2).log().to(device)
         self.dt_bias = r(HV * K if kda else HV, scale=0.5)
-        self.pool = torch.full((SLOTS, HV, V, K), SENTINEL, device=device)
+        # SGLang's mamba pool holds every layer: temporal [layers, slots, HV, V, K] and the
+        # verify scratch intermediate_ssm [layers, spec, draft, HV, V, K]; a layer sees [0].
+        self.temporal = torch.full((1, SLOTS, HV, V, K), SENTINEL, device=device)
+        self.scratch = torch.full((1, SPEC, DRAFT, HV, V, K), SENTINEL, device=device)
+        self.pool = self.temporal[0]
         for s in REQ_SLOTS:  # SGLang's mamba pool zeroes a slot when it allocates it
             self.pool[s].zero_()
         self.ref = {s: torch.zeros(HV, V, K, dtype=torch.float64) for s in REQ_SLOTS}
@@ -103,6 +117,67 @@ def _reference_tokens(layer, slot, mixed, a, b, lower_bound=None):
                         for t in range(T)])
 
 
+def _reference_verify(layer, slot, mixed, a, b, parents):
+    """A verify of one request: token t from the state after its parent (the committed state for
+    -1); the committed state is not changed. Returns (o [T, HV, V], states [T, HV, V, K])."""
+    T = mixed.shape[0]
+    q, k, v = (x[0].double().cpu() for x in _split(mixed, T))
+    g = _gate(layer.kda, a.cpu(), layer.A_log.cpu(), layer.dt_bias.cpu())
+    beta = torch.sigmoid(b.double().cpu())
+    outs, states = [], []
+    for t in range(T):
+        S = (layer.ref[slot] if parents[t] < 0 else states[parents[t]]).clone()
+        outs.append(_step(S, q[t], k[t], v[t], g[t], beta[t]))
+        states.append(S)
+    return torch.stack(outs), torch.stack(states)
+
+
+def _verify_and_commit(layer, kernel, rows, accepted, tree, atol):
+    """One speculative round of a batch (`rows`: slots, -1 padded) as SGLang runs it: the verify
+    forward, then the scatter of each request's last accepted step (`accepted`, -1: none)."""
+    device = layer.pool.device
+    B = len(rows)
+    mixed, a, b = _qkv(layer, B * DRAFT)
+    q, k, v = _split(mixed, B * DRAFT)
+    idx = torch.tensor(rows, dtype=torch.int32, device=device)
+    parents = TREE if tree else tuple(range(-1, DRAFT - 1))
+    retrieve = (torch.tensor([parents] * B, dtype=torch.int64, device=device) if tree
+                else None)  # SGLang passes None for a chain (topk 1)
+    before = layer.temporal.clone()
+    out = kernel.target_verify(
+        A_log=layer.A_log, dt_bias=layer.dt_bias, q=q, k=k, v=v, a=a, b=b,
+        ssm_states=layer.pool, cache_indices=idx,
+        query_start_loc=torch.arange(0, B * DRAFT + 1, DRAFT, dtype=torch.int32, device=device),
+        intermediate_states_buffer=layer.scratch[0],
+        intermediate_state_indices=torch.arange(B, dtype=torch.int32, device=device),
+        cache_steps=DRAFT, retrieve_parent_token=retrieve)
+    assert out.shape == (1, B * DRAFT, HV, V)
+    assert torch.equal(layer.temporal, before), "target_verify wrote the pool"
+    scratch = layer.scratch[0].cpu()
+    states = {}
+    for i, s in enumerate(rows):
+        got = out[0, i * DRAFT:(i + 1) * DRAFT].double().cpu()
+        if s < 0:
+            assert torch.equal(got, torch.zeros_like(got)), "padded request's output not zero"
+            assert torch.equal(scratch[i], torch.full_like(scratch[i], SENTINEL))
+            continue
+        sl = slice(i * DRAFT, (i + 1) * DRAFT)
+        want, states[s] = _reference_verify(layer, s, mixed[sl], a[sl], b[sl], parents)
+        torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+        torch.testing.assert_close(scratch[i].double(), states[s], atol=atol, rtol=atol)
+    for i in range(B, SPEC):  # scratch rows no request uses
+        assert torch.equal(scratch[i], torch.full_like(scratch[i], SENTINEL)), f"row {i} written"
+
+    # -- the commit: update_mamba_state_after_mtp_verify's scatter over every layer --
+    deltastate.fused_mamba_state_scatter_with_mask(
+        layer.temporal, layer.scratch, idx,
+        torch.tensor(accepted, dtype=torch.int64, device=device))
+    for s, step in zip(rows, accepted):
+        if s >= 0 and step >= 0:
+            layer.ref[s] = states[s][step].clone()
+    _assert_pool(layer, atol)
+
+
 def _assert_pool(layer, atol):
     pool = layer.pool.cpu()
     for s in range(SLOTS):
@@ -114,7 +189,7 @@ def _assert_pool(layer, atol):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_harness_prefill_then_padded_decode(device, kda):
+def test_harness_prefill_decode_verify_commit(device, kda):
     gen = torch.Generator().manual_seed(7 + kda)
     dtype = torch.float32
     layer = Layer(kda, device, dtype, gen)
@@ -174,6 +249,25 @@ def test_harness_prefill_then_padded_decode(device, kda):
             torch.testing.assert_close(got, want, atol=atol, rtol=atol)
         _assert_pool(layer, atol)
 
+    # -- speculative rounds on the same padded batch: a chain, then a tree --
+    # accepted: the last accepted draft step per request (SGLang's accept_length - 1); in the
+    # tree, step 3's path is 0 -> 1 -> 3.
+    _verify_and_commit(layer, kernel, rows, accepted=[2, 0, -1, DRAFT - 1], tree=False,
+                       atol=atol)
+    _verify_and_commit(layer, kernel, rows, accepted=[3, 2, -1, 0], tree=True, atol=atol)
+
+    # -- a decode step from the committed states --
+    mixed, a, b = _qkv(layer, B)
+    q, k, v = _split(mixed, B)
+    out = kernel.decode(q=q, k=k, v=v, a=a, b=b, A_log=layer.A_log, dt_bias=layer.dt_bias,
+                        ssm_states=layer.pool, cache_indices=idx,
+                        query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=device))
+    for i, s in enumerate(rows):
+        if s >= 0:
+            want = _reference_tokens(layer, s, mixed[i:i + 1], a[i:i + 1], b[i:i + 1])[0]
+            torch.testing.assert_close(out[0, i].double().cpu(), want, atol=atol, rtol=atol)
+    _assert_pool(layer, atol)
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gdn_extend_without_inplace_update_keeps_the_pool(device):
@@ -196,14 +290,47 @@ def test_gdn_extend_without_inplace_update_keeps_the_pool(device):
     assert not torch.equal(layer.pool, before)
 
 
-def test_target_verify_and_intermediate_states_are_not_implemented():
-    for cls in (DeltastateGDNKernel, DeltastateKDAKernel):
-        with pytest.raises(NotImplementedError, match=(
-                rf"^{cls.__name__}\.target_verify: deltastate has no verify op yet "
-                r"\(speculative decoding's per-draft-token intermediate states\); select "
-                r"another --linear-attn-decode-backend for speculative decoding$")):
-            cls().target_verify(None, None, None, None, None, None, None, ssm_states=None,
-                                cache_indices=None, query_start_loc=None)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_target_verify_flat_scratch_and_lower_bound(kda):
+    """A flat scratch [spec * cache_steps, HV, V, K] is cut into rows of cache_steps (SGLang's
+    kernel's pitch); KDA's lower_bound keyword (passed by SGLang's KDA backends) selects the safe
+    gate, as in decode."""
+    gen = torch.Generator().manual_seed(11)
+    layer = Layer(kda, "cpu", torch.float32, gen)
+    for s in REQ_SLOTS:
+        layer.pool[s].normal_(generator=gen)
+        layer.ref[s] = layer.pool[s].double().clone()
+    B = len(REQ_SLOTS)
+    mixed, a, b = _qkv(layer, B * DRAFT)
+    q, k, v = _split(mixed, B * DRAFT)
+    lower_bound = -5.0 if kda else None
+    flat = torch.full((SPEC * DRAFT, HV, V, K), SENTINEL)
+    out = (DeltastateKDAKernel() if kda else DeltastateGDNKernel()).target_verify(
+        layer.A_log, layer.dt_bias, q, k, v, a, b, ssm_states=layer.pool,
+        cache_indices=torch.tensor(REQ_SLOTS, dtype=torch.int32),
+        query_start_loc=torch.arange(0, B * DRAFT + 1, DRAFT, dtype=torch.int32),
+        intermediate_states_buffer=flat,
+        intermediate_state_indices=torch.tensor([2, 0, 5], dtype=torch.int32),
+        cache_steps=DRAFT, retrieve_parent_token=None, lower_bound=lower_bound)
+    for i, (s, row) in enumerate(zip(REQ_SLOTS, (2, 0, 5))):
+        sl = slice(i * DRAFT, (i + 1) * DRAFT)
+        T = DRAFT
+        qd, kd, vd = (x[0].double() for x in _split(mixed[sl], T))
+        g = _gate(kda, a[sl], layer.A_log, layer.dt_bias, lower_bound)
+        beta = torch.sigmoid(b[sl].double())
+        S = layer.ref[s].clone()
+        for t in range(T):
+            want = _step(S, qd[t], kd[t], vd[t], g[t], beta[t])
+            torch.testing.assert_close(out[0, i * DRAFT + t].double(), want, atol=2e-4,
+                                       rtol=2e-4)
+            torch.testing.assert_close(flat[row * DRAFT + t].double(), S, atol=2e-4, rtol=2e-4)
+    for row in (1, 3, 4):
+        assert torch.equal(flat[row * DRAFT:(row + 1) * DRAFT],
+                           torch.full((DRAFT, HV, V, K), SENTINEL)), f"scratch row {row} written"
+    _assert_pool(layer, 0)
+
+
+def test_intermediate_states_of_extend_are_not_implemented():
     with pytest.raises(NotImplementedError, match=r"return_intermediate_states \(SGLang's "
                        r"per-chunk states h for prefix-cache tracking\) is not implemented"):
         DeltastateKDAKernel().extend(None, None, None, None, None, ssm_states=None,
@@ -211,14 +338,16 @@ def test_target_verify_and_intermediate_states_are_not_implemented():
                                      return_intermediate_states=True)
 
 
-# SGLang's surface (kernels/kernel_backend.py @ 03a4a692 and TritonGDNKernel.packed_decode @
-# 0a48af3a): parameter name, kind (P positional-or-keyword, K keyword-only, V **kwargs).
+# SGLang's surface (kernels/kernel_backend.py @ 03a4a692; TritonGDNKernel.packed_decode and
+# .target_verify @ 0a48af3a, TritonKDAKernel.target_verify @ 007d1d93): parameter name, kind (P positional-or-keyword, K keyword-only, V **kwargs).
 SURFACE = {
     "decode": "q:P k:P v:P a:P b:P A_log:K dt_bias:K ssm_states:K cache_indices:K "
               "query_start_loc:K kwargs:V",
     "extend": "q:P k:P v:P g:P beta:P ssm_states:K cache_indices:K query_start_loc:K",
     "target_verify": "A_log:P dt_bias:P q:P k:P v:P a:P b:P ssm_states:K cache_indices:K "
-                     "query_start_loc:K kwargs:V",
+                     "query_start_loc:K intermediate_states_buffer:K "
+                     "intermediate_state_indices:K cache_steps:K retrieve_parent_token:K "
+                     "kwargs:V",
     "packed_decode": "mixed_qkv:P a:P b:P A_log:K dt_bias:K scale:K ssm_states:K "
                      "cache_indices:K num_v_heads:K head_v_dim:K kwargs:V",
 }

@@ -28,12 +28,11 @@ What changed in the port:
     asserted to raise that error, and the V-first result is compared with FLA's naive K-first
     reference at FLA's chunk-vs-naive ratio 0.005 (FLA's 1e-4 compares two runs of its own chunk
     kernel in the two layouts, a run deltastate cannot make).
-  * Arguments deltastate's surface does not take today (TypeError): FLA's ``cu_seqlens_cpu`` (a
-    host copy of cu_seqlens, passed by FLA's KDA varlen tests) and ``chunk_size`` (FLA: 16/32/64
-    for GDN, 32/64 for KDA; deltastate always uses 64-token chunks, the same function up to
-    rounding). ``fla_chunk`` checks them as FLA does (cu_seqlens_cpu equal to cu_seqlens,
-    chunk_size in FLA's set) and does not pass them on; test_chunk_invalid_chunk_size is kept as
-    an expected failure naming the gap.
+  * FLA's ``cu_seqlens_cpu`` (a host copy of cu_seqlens, passed by FLA's KDA varlen tests) and
+    ``chunk_size`` (FLA: 16/32/64 for GDN, 32/64 for KDA) go to deltastate as FLA's tests pass
+    them: deltastate takes the host copy and does not need it, checks chunk_size with FLA's
+    ValueError and computes with 64-token chunks (the same recurrence up to rounding), so FLA's
+    per-chunk-size cases hold at FLA's thresholds.
   * FLA's skips that concern its own backends (tilelang without GQA, Intel Alchemist, the
     default-config autotune cache) are not reproduced: every case runs.
   * ``device``: FLA's global device; here CPU and (when available) CUDA tensors.
@@ -72,23 +71,13 @@ def cpu_len(n: int, device: str) -> int:
     on CPU."""
     return n if device != "cpu" else min(n, CHUNK_CPU_MAX_T)
 
-_FLA_CHUNK_SIZES = {"chunk_gated_delta_rule": (16, 32, 64), "chunk_kda": (32, 64)}
-
 
 def fla_chunk(name):
-    """The FLA-named chunk op as FLA's tests call it: K-first states passed V-first (the error's
-    advice), ``cu_seqlens_cpu`` / ``chunk_size`` checked as FLA checks them and not passed on
-    (module docstring)."""
+    """The FLA-named chunk op as FLA's tests call it, every argument passed on; K-first states
+    passed V-first (the error's advice; module docstring)."""
     fn = peer_op(name)
 
     def call(*args, **kw):
-        cpu_cu = kw.pop("cu_seqlens_cpu", None)
-        if cpu_cu is not None:
-            assert torch.equal(cpu_cu.cpu(), kw["cu_seqlens"].cpu())
-        if "chunk_size" in kw:
-            cs = kw.pop("chunk_size")
-            if cs not in _FLA_CHUNK_SIZES[name]:
-                raise ValueError(f"`chunk_size` must be one of {_FLA_CHUNK_SIZES[name]}, got {cs}")
         if kw.get("state_v_first") or kw.get("transpose_state_layout"):
             return fn(*args, **kw)
         if kw.get("initial_state") is not None:
@@ -667,9 +656,6 @@ def test_gdn_chunk_gate_in_kernel_varlen(device, H, D, has_dt_bias, cu_seqlens, 
 
 # ==== tests/ops/test_kda.py =====================================================================
 @device_param
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="deltastate's chunk_kda does not take FLA's `chunk_size` keyword "
-                          "(module docstring)")
 def test_kda_chunk_invalid_chunk_size(device):
     fn = peer_op("chunk_kda")
     B, T, H, D = 1, 64, 1, 64
