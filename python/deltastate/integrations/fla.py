@@ -25,13 +25,15 @@ autograd (an input that requires grad while grad is enabled: deltastate is forwa
 K-first state (FLA's default layout) on CUDA tensors (deltastate runs K-first states on the CPU
 only and never transposes a state on the device behind the caller's back), CUDA tensors without a
 CUDA build, context parallelism (``cp_context``), ``gv``, a per-value-channel ``beta``, FLA's
-``return_intermediate_states`` / ``use_graph``, and KDA's pooled decode form of
+``return_intermediate_states``, and KDA's pooled decode form of
 ``fused_recurrent_kda_fwd`` (``inplace_final_state``, ``ssm_state_indices``,
 ``num_accepted_tokens``; deltastate's pool ops cover it under their own names).
 
 On CPU tensors the chunked ops take FLA's K-first states through one transposed copy in and one
 out (deltastate's chunked prefill is V-first); with ``state_v_first=True`` there is no copy.
-Keywords that FLA accepts and ignores are ignored here too.
+Keywords that FLA accepts and ignores are ignored here too, and so are FLA's host-side hints
+(``cu_seqlens_cpu``, ``chunk_indices``, ``use_graph``, ``max_num_seqs``): deltastate's chunked
+prefill reads each sequence's bounds on the device and is graph-capturable as it is.
 
 Kill switch: ``FLA_DELTASTATE=0`` (FLA's convention ``FLA_<BACKEND>``), or FLA's global
 ``FLA_DISABLE_BACKEND_DISPATCH=1``. Priority 4: after FLA's vendor backends FlashQLA / FlashKDA
@@ -104,8 +106,6 @@ def _common_reason(a: Dict[str, Any], chunked: bool) -> Optional[str]:
         return "a per-value-channel beta [B, T, HV, V] is not supported by deltastate"
     if chunked and a.get("return_intermediate_states"):
         return "return_intermediate_states is not implemented in deltastate"
-    if chunked and a.get("use_graph"):
-        return "FLA's use_graph is not taken by deltastate"
     return None
 
 
