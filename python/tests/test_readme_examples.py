@@ -1,0 +1,50 @@
+"""README.md's Python examples, executed verbatim, and what each promises checked afterwards
+(the transformers example runs in integrations/test_transformers.py)."""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def run_example(name):
+    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", README, re.S)
+    assert m, f"README.md lost its {name} example"
+    ns = {}
+    exec(compile(m.group(1), f"README.md ({name})", "exec"), ns)
+    return ns
+
+
+def test_decode_example():
+    ns = run_example("decode")
+    out, state, pool, slots = ns["out"], ns["state"], ns["pool"], ns["slots"]
+    assert out.shape == (ns["B"], 1, ns["HV"], ns["V"]) and torch.isfinite(out.float()).all()
+    assert state.data_ptr() == pool.layer_state(1).data_ptr()  # in place, the pool's own memory
+    live = set(slots.tolist())
+    for s in range(state.shape[0]):
+        if s not in live:  # untouched slots stay as allocated
+            assert not state[s].any()
+    assert all(state[s].abs().sum() > 0 for s in live)
+
+
+def test_verify_example():
+    ns = run_example("verify")
+    pool, scratch, slots, accepted = ns["pool"], ns["scratch"], ns["slots"], ns["accepted"]
+    for n, (slot, acc) in enumerate(zip(slots.tolist(), accepted.tolist())):
+        assert torch.equal(pool[slot], scratch[n, acc - 1])  # the state after the accepted tokens
+    others = [s for s in range(pool.shape[0]) if s not in slots.tolist()]
+    assert not pool[others].any()
+    # the verify's outputs equal plain decode steps from the same initial state (zeros)
+    ds = ns["ds"]
+    B, T, HV, V = ns["B"], ns["T"], ns["HV"], ns["V"]
+    pool2 = torch.zeros_like(pool)
+    out2 = torch.empty(B, T, HV, V, dtype=torch.bfloat16)
+    ds.verify(ns["q"], ns["k"], ns["v"], ns["a"], ns["b"], out2, pool2, slots, ns["A_log"],
+              ns["dt_bias"])
+    np.testing.assert_array_equal(out2.float().numpy(), ns["out"].float().numpy())
+    for n, slot in enumerate(slots.tolist()):
+        assert torch.equal(pool2[slot], scratch[n, T - 1])  # update_state: the last state
