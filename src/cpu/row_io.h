@@ -38,14 +38,10 @@ inline float dot(const float* a, const float* b, int n) { return simd::kernels()
 
 // Normalize (optionally) and scale one q or k vector in place: the sum of squares is a dot
 // product (simd.h's lane order), each element then divided by the one denominator (IEEE
-// division, as the fp64 reference's form x / sqrt(sum x^2 + eps)).
+// division, as the fp64 reference's form x / sqrt(sum x^2 + eps); simd.h's div_scale).
 inline void prepare_qk(float* x, int n, bool l2norm, float scale) {
-  if (l2norm) {
-    const float den = detail::l2norm_denominator(dot(x, x, n));
-    for (int i = 0; i < n; ++i) x[i] = x[i] / den;
-  }
-  if (scale != 1.0f)
-    for (int i = 0; i < n; ++i) x[i] *= scale;
+  const float den = l2norm ? detail::l2norm_denominator(dot(x, x, n)) : 1.0f;
+  if (den != 1.0f || scale != 1.0f) simd::kernels().div_scale(x, den, scale, n);
 }
 
 // Row blocks per head for the decode kernels' (sequence, head, row block) tasks: enough tasks for

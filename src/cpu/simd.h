@@ -53,6 +53,9 @@ struct Kernels {
   // exp). dt null: 0; g or alpha null: not written; g may be x.
   void (*gate)(detail::GateMode mode, const float* x, const float* dt, float A_log,
                float lower_bound, int n, float* g, float* alpha);
+  // x[i] = (x[i] / d) * m for i < n (IEEE division and product; d == 1 or m == 1: that step is
+  // skipped, as x / 1 and x * 1 are x).
+  void (*div_scale)(float* x, float d, float m, int n);
   // C[i*ldc + j] = dot(A + i*lda, B + j*ldb, n) for i < M, j < N; with `lower`, only for the
   // j <= i that C's caller reads (blocks wholly above the diagonal are skipped, others are
   // computed whole).
