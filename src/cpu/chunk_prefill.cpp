@@ -192,28 +192,58 @@ void decayed(const float* x, float a, const float* G1, const float* G0, bool kda
   simd::kernels().decayed_row(x, a, G1, G0, K, out);
 }
 
+// KDA's rows per reference block in chunk_matrices (see there).
+constexpr int kRefRows = 8;
+
 // A (strictly lower) and P (lower with diagonal): the decayed k_t.k_s and q_t.k_s of every pair
 // s <= t, zero above. GDN: blocked dot products K K^T and Q K^T, each scaled by its pair's one
-// factor e^{G_t - G_s}. KDA forms e^{G_t[c] - G_s[c]} per channel, once per pair for both.
+// factor e^{G_t - G_s}. KDA splits the rows into blocks of kRefRows with first row r: a pair s < r
+// factors through r, e^{G_t - G_s} = e^{G_t - G_r} e^{G_r - G_s}, both at most 1 for decays
+// g <= 0 (as the file's header requires), so the block's products are plain blocked dots of
+// (k_t, q_t) * e^{G_t - G_r} against k_s * e^{G_r - G_s}; the pairs within a block (r <= s <= t)
+// keep the pairwise factor (through r it would be above 1). A 64-token chunk then takes 624
+// K-vectors of exps (k_s factors 224, block rows 112, in-block pairs 288) instead of 2080.
 void chunk_matrices(const ChunkPrefillProblem& p, int C, const Scratch& s) {
   const simd::Kernels& vk = simd::kernels();
   const int K = p.K;
   if (!p.gate.kda) {
     vk.dots(s.k, K, s.k, K, C, C, K, s.A, kC, /*lower=*/true);
     vk.dots(s.q, K, s.k, K, C, C, K, s.P, kC, /*lower=*/true);
+  } else {
+    // Free until wy_terms / chunk_output / advance_state: ke holds the factored k_s, qe the
+    // block's factored k_t (rows 0..7) and q_t (rows 8..15).
+    float* F = s.ke;
+    float* Rk = s.qe;
+    float* Rq = s.qe + kRefRows * K;
+    for (int r = 0; r < C; r += kRefRows) {
+      if (r == 0) continue;  // the first block's pairs are all in-block
+      const int nb = std::min(kRefRows, C - r);
+      const float* Gr = s.G + r * K;
+      for (int j = 0; j < nb; ++j) {
+        vk.decayed_row(s.k + (r + j) * K, 1.0f, s.G + (r + j) * K, Gr, K, Rk + j * K);
+        vk.decayed_row(s.q + (r + j) * K, 1.0f, s.G + (r + j) * K, Gr, K, Rq + j * K);
+      }
+      for (int j = 0; j < r; ++j) vk.decayed_row(s.k + j * K, 1.0f, Gr, s.G + j * K, K, F + j * K);
+      vk.dots(Rk, K, F, K, nb, r, K, s.A + r * kC, kC, /*lower=*/false);
+      vk.dots(Rq, K, F, K, nb, r, K, s.P + r * kC, kC, /*lower=*/false);
+    }
   }
   for (int t = 0; t < C; ++t) {
     float* At = s.A + t * kC;
     float* Pt = s.P + t * kC;
+    const int r = t / kRefRows * kRefRows;  // KDA: pairs before r are done above
     for (int j = 0; j <= t; ++j) {
       float kk, qk;
-      if (p.gate.kda) {
-        vk.decayed_dots(s.k + t * K, s.q + t * K, s.k + j * K, s.G + t * K, s.G + j * K, K, &kk,
-                        &qk);
-      } else {
+      if (!p.gate.kda) {
         const float e = expf(s.G[t] - s.G[j]);
         kk = e * At[j];
         qk = e * Pt[j];
+      } else if (j < r) {
+        kk = At[j];
+        qk = Pt[j];
+      } else {
+        vk.decayed_dots(s.k + t * K, s.q + t * K, s.k + j * K, s.G + t * K, s.G + j * K, K, &kk,
+                        &qk);
       }
       At[j] = j < t ? s.beta[t] * kk : 0.0f;
       Pt[j] = qk;

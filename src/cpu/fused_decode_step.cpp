@@ -78,8 +78,8 @@ void run_fused_decode_step(const FusedStepProblem& p) {
       const int hv = h * group + j;
       conv_part(p, 2, slot, n, 2 * HK + static_cast<int64_t>(hv) * V, static_cast<int64_t>(hv) * V,
                 V, sc.v.data());
-      gate_row(p.gate, p.a.ptr, p.a.dtype, head_offset(p.a, n, 0, hv), hv, K, sc.alpha.data());
-      for (float& x : sc.alpha) x = expf(x);
+      gate_row(p.gate, p.a.ptr, p.a.dtype, head_offset(p.a, n, 0, hv), hv, K, nullptr,
+               sc.alpha.data());
       const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
                                     true, p.round_beta, p.b.dtype);
       const int64_t state_off = slot * p.state.slot_stride + hv * head_elems;

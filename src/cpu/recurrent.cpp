@@ -126,8 +126,8 @@ void run_recurrent(const RecurrentProblem& p) {
       prepare_qk(sc.q.data(), K, p.l2norm, p.scale);
       prepare_qk(sc.k.data(), K, p.l2norm, 1.0f);
 
-      gate_row(p.gate, p.g.ptr, p.g.dtype, head_offset(p.g, seq, tok, hv), hv, K, sc.alpha.data());
-      for (int i = 0; i < K; ++i) sc.alpha[i] = expf(sc.alpha[i]);
+      gate_row(p.gate, p.g.ptr, p.g.dtype, head_offset(p.g, seq, tok, hv), hv, K, nullptr,
+               sc.alpha.data());
       const float beta =
           beta_value(load_float(p.beta.ptr, p.beta.dtype, head_offset(p.beta, seq, tok, hv)),
                      p.beta_is_logit, p.round_beta, p.beta.dtype);

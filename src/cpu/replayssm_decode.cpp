@@ -85,9 +85,9 @@ void run_replayssm_decode(const ReplayProblem& p) {
     prepare_qk(sc.q.data(), K, p.l2norm, p.scale);
     prepare_qk(sc.k.data(), K, p.l2norm, 1.0f);
     const float kq = dot(sc.k.data(), sc.q.data(), K);
-    gate_row(p.gate, p.a.ptr, p.a.dtype, head_offset(p.a, n, 0, hv), hv, K, sc.g.data());
+    gate_row(p.gate, p.a.ptr, p.a.dtype, head_offset(p.a, n, 0, hv), hv, K, sc.g.data(),
+             sc.alpha.data());
     for (int i = 0; i < K; ++i) {
-      sc.alpha[i] = expf(sc.g[i]);
       sc.ak[i] = sc.alpha[i] * sc.k[i];
       sc.aq[i] = sc.alpha[i] * sc.q[i];
     }

@@ -38,14 +38,10 @@ inline float dot(const float* a, const float* b, int n) { return simd::kernels()
 
 // Normalize (optionally) and scale one q or k vector in place: the sum of squares is a dot
 // product (simd.h's lane order), each element then divided by the one denominator (IEEE
-// division, as the fp64 reference's form x / sqrt(sum x^2 + eps)).
+// division, as the fp64 reference's form x / sqrt(sum x^2 + eps); simd.h's div_scale).
 inline void prepare_qk(float* x, int n, bool l2norm, float scale) {
-  if (l2norm) {
-    const float den = detail::l2norm_denominator(dot(x, x, n));
-    for (int i = 0; i < n; ++i) x[i] = x[i] / den;
-  }
-  if (scale != 1.0f)
-    for (int i = 0; i < n; ++i) x[i] *= scale;
+  const float den = l2norm ? detail::l2norm_denominator(dot(x, x, n)) : 1.0f;
+  if (den != 1.0f || scale != 1.0f) simd::kernels().div_scale(x, den, scale, n);
 }
 
 // Row blocks per head for the decode kernels' (sequence, head, row block) tasks: enough tasks for
@@ -57,20 +53,29 @@ inline int row_blocks(int64_t heads, int V) {
   return static_cast<int>(std::clamp<int64_t>((want + heads - 1) / heads, 1, most));
 }
 
-// Log-space decay g of one (token, value head) into g_out[0..K): the K-vector for KDA, one value
-// broadcast for GDN. `off` is the element offset of the gate input (g or raw a) of this head.
+// Log-space decay g of one (token, value head) into g_out[0..K) and, with alpha_out, the decay
+// alpha = e^g into alpha_out[0..K): the K-vector for KDA, one value broadcast for GDN. `off` is
+// the element offset of the gate input (g or raw a) of this head. The math is simd.h's `gate`
+// (vector exp / softplus / sigmoid, the same bits on every ISA), so every CPU kernel that calls
+// this gets the same gates. g_out may be null.
 inline void gate_row(const detail::GateParams& gate, const void* in, DType in_dtype, int64_t off,
-                     int hv, int K, float* g_out) {
+                     int hv, int K, float* g_out, float* alpha_out = nullptr) {
+  const simd::Kernels& vk = simd::kernels();
   const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, hv) : 0.0f;
   const int count = gate.kda ? K : 1;
-  for (int i = 0; i < count; ++i) {
-    const int64_t dt_index = gate.kda ? static_cast<int64_t>(hv) * K + i : hv;
-    const float dt =
-        gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, dt_index) : 0.0f;
-    g_out[i] = detail::gate_value(gate.mode, detail::load_float(in, in_dtype, off + i), dt, A_log,
-                                  gate.lower_bound);
+  constexpr int kChunk = 64;  // on the stack: no allocation per call
+  float x[kChunk], dt[kChunk];
+  for (int c = 0; c < count; c += kChunk) {
+    const int n = std::min(kChunk, count - c);
+    load_row(in, in_dtype, off + c, n, x);
+    if (gate.dt_bias)
+      load_row(gate.dt_bias, gate.dt_bias_dtype, gate.kda ? int64_t{hv} * K + c : hv, n, dt);
+    vk.gate(gate.mode, x, gate.dt_bias ? dt : nullptr, A_log, gate.lower_bound, n,
+            g_out ? g_out + c : nullptr, alpha_out ? alpha_out + c : nullptr);
   }
-  if (!gate.kda) std::fill(g_out + 1, g_out + K, g_out[0]);
+  if (gate.kda) return;
+  if (g_out) std::fill(g_out + 1, g_out + K, g_out[0]);
+  if (alpha_out) std::fill(alpha_out + 1, alpha_out + K, alpha_out[0]);
 }
 
 }  // namespace deltastate::cpu

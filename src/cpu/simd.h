@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "core/problem.h"
 #include "deltastate/tensor.h"
 
 namespace deltastate::cpu::simd {
@@ -46,6 +47,15 @@ struct Kernels {
                        const float* Gj, int K, float* kk, float* qk);
   // out[c] = (a x[c]) e^{G1[c] - G0[c]} (G0 null: e^{G1[c]}), e^ by vexp.
   void (*decayed_row)(const float* x, float a, const float* G1, const float* G0, int K, float* out);
+  // One gate row: g[i] = core/delta_math.h's gate_value(mode, x[i], dt[i], A_log, lower_bound)
+  // with the vector exp, softplus and sigmoid of simd_impl.inc in place of libm's expf / log1pf
+  // (within a few ulp of them, the same bits on every ISA), alpha[i] = e^{g[i]} (the vector
+  // exp). dt null: 0; g or alpha null: not written; g may be x.
+  void (*gate)(detail::GateMode mode, const float* x, const float* dt, float A_log,
+               float lower_bound, int n, float* g, float* alpha);
+  // x[i] = (x[i] / d) * m for i < n (IEEE division and product; d == 1 or m == 1: that step is
+  // skipped, as x / 1 and x * 1 are x).
+  void (*div_scale)(float* x, float d, float m, int n);
   // C[i*ldc + j] = dot(A + i*lda, B + j*ldb, n) for i < M, j < N; with `lower`, only for the
   // j <= i that C's caller reads (blocks wholly above the diagonal are skipped, others are
   // computed whole).

@@ -70,8 +70,8 @@ void run_verify(const VerifyProblem& p) {
       load_row(r.v.ptr, r.v.dtype, head_offset(r.v, seq, tok, hv), V, v.data());
       prepare_qk(q.data(), K, r.l2norm, r.scale);
       prepare_qk(k.data(), K, r.l2norm, 1.0f);
-      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, alpha.data());
-      for (float& x : alpha) x = expf(x);
+      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, nullptr,
+               alpha.data());
       const float beta =
           beta_value(load_float(r.beta.ptr, r.beta.dtype, head_offset(r.beta, seq, tok, hv)),
                      r.beta_is_logit, r.round_beta, r.beta.dtype);
