@@ -120,4 +120,18 @@ void kda_fused_decode_step(const FusedDecodeStepArgs& args) {
   run_fused(detail::validate_fused_decode_step(args, /*kda=*/true), args.stream);
 }
 
+// ---- ReplaySSM speculative verify and its cursor commit (CPU only: the validators raise
+// not_implemented for CUDA tensors) -------------------------------------------------------------
+void replayssm_verify(const ReplayVerifyArgs& args) {
+  const detail::ReplayVerifyProblem p = detail::validate_replayssm_verify(args);
+  if (p.r.N == 0) return;
+  cpu::run_replayssm_verify(p);
+}
+
+void replayssm_commit(const ReplayCommitArgs& args) {
+  const detail::ReplayCommitProblem p = detail::validate_replayssm_commit(args);
+  if (p.B == 0) return;
+  cpu::run_replayssm_commit(p);
+}
+
 }  // namespace deltastate

@@ -43,4 +43,8 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
 VerifyProblem validate_verify(const VerifyArgs& args);
 CommitProblem validate_commit(const CommitArgs& args);
 
+// ReplaySSM speculative verify and its cursor commit (contracts/replayssm_verify.cpp).
+ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args);
+ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args);
+
 }  // namespace deltastate::detail

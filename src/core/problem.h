@@ -332,4 +332,33 @@ struct CommitProblem {
   Device device{};
 };
 
+// ReplaySSM speculative verify (ops.h ReplayVerifyArgs): the token inputs as the recurrent
+// problem (r.state is the checkpoint pool, r.indices the slots, update_state false) plus the
+// rings and the slot-keyed cursors.
+struct ReplayVerifyProblem {
+  RecurrentProblem r;
+  int32_t L = 0;
+  void* d_cache = nullptr;  // [slots, HV, L, V]
+  DType d_dtype = DType::f32;
+  void* k_cache = nullptr;  // [slots, H, L, K]
+  DType k_dtype = DType::f32;
+  float* g_cache = nullptr;             // [slots, HV, L(, K)]
+  const int32_t* write_pos = nullptr;   // [slots]
+  const int32_t* cache_base = nullptr;  // [slots]
+  const int32_t* is_flush = nullptr;    // [slots]
+  int64_t null_block_id = -1;           // a slot <= null_block_id marks a padded sequence
+};
+
+// The cursor commit after a ReplaySSM verify (ops.h ReplayCommitArgs).
+struct ReplayCommitProblem {
+  int32_t B = 0, L = 0, max_spec_len = 0;
+  int32_t* write_pos = nullptr;  // [slots]
+  int32_t* cache_base = nullptr;
+  int32_t* is_flush = nullptr;
+  int64_t num_slots = 0;
+  IndexTable accepted, slots;  // [B, 1]
+  int64_t null_block_id = -1;
+  Device device{};
+};
+
 }  // namespace deltastate::detail
