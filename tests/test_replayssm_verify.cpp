@@ -193,8 +193,8 @@ RefRun reference_run(const ref::Config& cfg, ref::State S, const ref::Ring& ring
 }
 
 // Values of sequence n's record at ring position p: d [HV*V], k [H*K], g [HV*gw].
-void record_at(const Sim& sim, int64_t s, int64_t p, std::vector<double>& d,
-               std::vector<double>& k, std::vector<double>& g) {
+void record_at(const Sim& sim, int64_t s, int64_t p, std::vector<double>& d, std::vector<double>& k,
+               std::vector<double>& g) {
   const ref::Ring r = ring_of_slot(sim.rings.d.view(), sim.rings.k.view(), sim.rings.g.view(), s);
   const Shape& sh = sim.c.shape;
   const int gw = sim.c.kda ? sh.K : 1, L = sim.c.L;
@@ -248,8 +248,8 @@ TEST_P(ReplayVerify, RandomStepsMatchIntermediateStateVerify) {
       if (s < 0 || !sim.flush[s]) continue;
       ++folds;
       // The fold: the checkpoint is now the committed state.
-      ASSERT_TRUE(all_close(slot_values(sim.ck.view(), s), slot_values(sim.plain.view(), s),
-                            cross_tol(c)))
+      ASSERT_TRUE(
+          all_close(slot_values(sim.ck.view(), s), slot_values(sim.plain.view(), s), cross_tol(c)))
           << "folded checkpoint, step " << step << " seq " << n;
     }
     std::vector<std::vector<double>> got(N);
@@ -361,10 +361,10 @@ TEST_P(ReplayVerify, MatchesFp64Reference) {
       std::vector<ref::Token> drafts;
       for (int64_t t = 0; t < rb.seq_len(n); ++t) drafts.push_back(rb.token(n, t));
       ck_before[n] = slot_values(sim.ck.view(), s);
-      want[n] = reference_run(
-          rb.config(scale), ck_before[n],
-          ring_of_slot(sim.rings.d.view(), sim.rings.k.view(), sim.rings.g.view(), s),
-          sim.base[s], sim.wp[s], drafts);
+      want[n] =
+          reference_run(rb.config(scale), ck_before[n],
+                        ring_of_slot(sim.rings.d.view(), sim.rings.k.view(), sim.rings.g.view(), s),
+                        sim.base[s], sim.wp[s], drafts);
     }
     rb.poison_out();
     deltastate::replayssm_verify(sim.args(rb));
@@ -386,8 +386,7 @@ TEST_P(ReplayVerify, MatchesFp64Reference) {
       const std::vector<double> now = slot_values(sim.ck.view(), s);
       if (sim.flush[s] && sim.wp[s] > 0)
         EXPECT_TRUE(all_close(now, want[n].folded, state_tol(c.state))) << "folded seq " << n;
-      else
-        EXPECT_EQ(now, ck_before[n]) << "an appending step writes no checkpoint";
+      else EXPECT_EQ(now, ck_before[n]) << "an appending step writes no checkpoint";
     }
     for (int64_t n = 0; n < N; ++n)
       if (sim.slots[n] >= 0) sim.commit_model(sim.slots[n], rng.integer(1, rb.seq_len(n)));
@@ -417,7 +416,8 @@ TEST(ReplayVerifyErrors, EveryText) {
   RecurrentBatch rb = sim.batch(rng);
   sim.push_cursors();
   const int64_t s0 = sim.slots[0];
-  auto expect = [&](const std::function<void(ReplayVerifyArgs&)>& mutate, const std::string& text,
+  auto expect = [&](
+                    const std::function<void(ReplayVerifyArgs&)>& mutate, const std::string& text,
                     const std::function<void()>& undo = [] {}) {
     ReplayVerifyArgs a = sim.args(rb);
     mutate(a);
@@ -436,8 +436,8 @@ TEST(ReplayVerifyErrors, EveryText) {
   Tensor gbad = Tensor::contiguous(f32, {sim.S, sh.HV, 16, sh.K});
   Tensor g16 = Tensor::contiguous(bf16, {sim.S, sh.HV, 16});
   Tensor dint = Tensor::contiguous(DType::i32, {sim.S, sh.HV, 16, sh.V});
-  Tensor dstrided = Tensor::strided(f32, {sim.S, sh.HV, 16, sh.V},
-                                    {sh.HV * 16 * sh.V * 2, 16 * sh.V, sh.V, 1});
+  Tensor dstrided =
+      Tensor::strided(f32, {sim.S, sh.HV, 16, sh.V}, {sh.HV * 16 * sh.V * 2, 16 * sh.V, sh.V, 1});
   Tensor wp64 = Tensor::contiguous(DType::i64, {sim.S});
   Tensor wpshort = Tensor::contiguous(DType::i32, {sim.S - 1});
   const std::string S = std::to_string(sim.S);
@@ -473,9 +473,7 @@ TEST(ReplayVerifyErrors, EveryText) {
   Tensor dup_idx = index_tensor({s0, -1, s0});
   expect([&](auto& a) { a.state_indices = dup_idx.view(); },
          "`state_indices`[2]=" + std::to_string(s0) + " repeats a live slot of this batch");
-  auto with_cursor = [&](Tensor& t, double v) {
-    return [&t, v, s0] { t.set({s0}, v); };
-  };
+  auto with_cursor = [&](Tensor& t, double v) { return [&t, v, s0] { t.set({s0}, v); }; };
   with_cursor(sim.write_pos, 17)();
   expect([](auto&) {}, "`write_pos`[" + std::to_string(s0) + "]=17 is outside the ring [0, L=16]",
          with_cursor(sim.write_pos, 0));

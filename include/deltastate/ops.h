@@ -471,6 +471,7 @@ struct ReplayCommitArgs {
   int64_t null_block_id = -1;
   std::optional<bool> check_indices;
   Stream stream = nullptr;
+  bool pdl = false;  // as PackedDecodeArgs
 };
 void replayssm_commit(const ReplayCommitArgs& args);
 

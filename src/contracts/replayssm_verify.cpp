@@ -142,12 +142,13 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
         fail(format("`write_pos`[%lld]=%lld is outside the ring [0, L=%lld]", ll(slot), ll(m),
                     ll(L)));
       if (base < 0 || base >= L)
-        fail(format("`cache_base`[%lld]=%lld is outside the ring [0, L-1=%lld]", ll(slot),
-                    ll(base), ll(L - 1)));
+        fail(format("`cache_base`[%lld]=%lld is outside the ring [0, L-1=%lld]", ll(slot), ll(base),
+                    ll(L - 1)));
       if (m + len > L)
-        fail(format("sequence %lld: write_pos=%lld plus %lld draft tokens overflows the ring of "
-                    "L=%lld (the commit's max_spec_len must cover the drafts)",
-                    ll(n), ll(m), ll(len), ll(L)));
+        fail(
+            format("sequence %lld: write_pos=%lld plus %lld draft tokens overflows the ring of "
+                   "L=%lld (the commit's max_spec_len must cover the drafts)",
+                   ll(n), ll(m), ll(len), ll(L)));
     }
   }
   return p;

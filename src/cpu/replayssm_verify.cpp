@@ -66,7 +66,7 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
     }
     const int m = p.write_pos[slot], base = p.cache_base[slot];
     const bool fold = p.is_flush[slot] != 0;
-    auto pos = [&](int64_t c) { return (base + c) % L; };  // logical record -> ring position
+    auto pos = [&](int64_t c) { return (base + c) % L; };   // logical record -> ring position
     const int64_t d_base = (slot * HV + hv) * L * V;        // d_cache[slot, hv, 0, 0]
     const int64_t k_base = (slot * H + h) * L * K;          // k_cache[slot, h, 0, 0]
     const int64_t g_base = (slot * HV + hv) * L * g_width;  // g_cache[slot, hv, 0(, 0)]
@@ -119,8 +119,7 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
       store_row(p.d_cache, p.d_dtype, d_base + c * V + r0, rows, sc.d.data());
       if (r0 == 0) {  // one writer per head for g, per key head for k
         for (int i = 0; i < g_width; ++i) p.g_cache[g_base + c * g_width + i] = sc.g[i];
-        if (hv % group == 0)
-          store_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
+        if (hv % group == 0) store_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
       }
     }
   });
