@@ -76,19 +76,7 @@ struct Sim {
     return make_recurrent_batch(rng, spec);
   }
   ReplayVerifyArgs args(const RecurrentBatch& rb) const {
-    const deltastate::VerifyArgs va = verify_inputs(rb.args(host_view), c.kda);
-    ReplayVerifyArgs a;
-    a.q = va.q;
-    a.k = va.k;
-    a.v = va.v;
-    a.g = va.g;
-    a.beta = va.beta;
-    a.out = va.out;
-    a.is_kda = c.kda;
-    a.A_log = va.A_log;
-    a.dt_bias = va.dt_bias;
-    a.lower_bound = va.lower_bound;
-    a.cu_seqlens = va.cu_seqlens;
+    ReplayVerifyArgs a = replay_verify_inputs(rb.args(host_view), c.kda);
     a.state = ck.view();
     a.state_indices = idx.view();
     a.d_cache = rings.d.view();

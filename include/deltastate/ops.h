@@ -431,7 +431,9 @@ void update_state_after_verify(const CommitArgs& args);
 // and draft tokens in one call bit for bit (for fp32 checkpoints, token-by-token plain decode
 // too). Every live sequence needs m + T <= L. A bad entry (a slot >= slots, a cursor outside
 // [0, L], m + T > L, a duplicated live slot): a ValueError on CPU tensors before anything is
-// written; CUDA: not implemented yet (NotImplementedError).
+// written; CUDA: the row is skipped (nothing written), its outputs NaN, and it is recorded for
+// check_errors (duplicates are not checked, as PackedDecodeArgs::check_indices says). The CUDA
+// kernel (src/cuda/replayssm/verify.cuh) computes the same math in its own reduction order.
 struct ReplayVerifyArgs {
   TensorView q, k, v, g, beta, out;
   bool is_kda = false;
@@ -464,7 +466,8 @@ void replayssm_verify(const ReplayVerifyArgs& args);
 // Rejected drafts are left behind the cursor (never read again). write_pos, cache_base,
 // is_flush [slots] int32; num_accepted, state_indices [B] int32/int64 (any stride); L = ring
 // length, max_spec_len >= 1 with 2 * max_spec_len <= L. An accepted count outside [0,
-// max_spec_len] or a slot >= slots: a ValueError on CPU tensors; CUDA: NotImplementedError.
+// max_spec_len] or a slot >= slots: a ValueError on CPU tensors; CUDA: one thread per row on the
+// device (no host synchronization), a bad row skipped and recorded for check_errors.
 struct ReplayCommitArgs {
   TensorView write_pos, cache_base, is_flush, num_accepted, state_indices;
   int64_t max_cache_len = 0, max_spec_len = 0;

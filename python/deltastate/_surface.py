@@ -1391,8 +1391,9 @@ _REPLAY_VERIFY_DOC = """ReplaySSM speculative verify (linear chains): the draft 
     rebuilt by replaying them in the recurrent op's order, the drafts run from it (their records
     appended at write_pos + t), and with is_flush[s] != 0 the rebuilt state is first folded into
     the checkpoint. With float32 rings the outputs and the folded checkpoint equal the recurrent
-    op over the same tokens bit for bit. Move the cursors with :func:`replayssm_commit`. CPU
-    tensors only for now (CUDA: NotImplementedError). Returns ``output``."""
+    op over the same tokens bit for bit. Move the cursors with :func:`replayssm_commit`. CUDA
+    tensors: a bad slot or cursor is skipped, its outputs NaN, and recorded for check_errors.
+    Returns ``output``."""
 
 
 def _replay_verify_core() -> Op:
@@ -1480,7 +1481,7 @@ def _gdn_spec() -> Op:
     the checkpoint's dtype), so the outputs and the folded checkpoint equal the recurrent op
     over the same tokens; is_flush is read as int32 (an int8 tensor is converted, as SGLang's
     wrapper converts to int8); every live sequence needs write_pos + draft tokens <= L (SGLang
-    drops the records beyond the ring). CPU tensors only for now."""
+    drops the records beyond the ring)."""
     return Op(
         name="gdn_replayssm_spec_decode",
         public="gdn_replayssm_spec_decode",
@@ -1532,6 +1533,11 @@ def _gdn_spec() -> Op:
     )
 
 
+# The commit's cursor tables (written in place) and accepted counts, as both surfaces take them.
+_CURSORS = (Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
+            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True),
+            Arg("is_flush", TENSOR, dtypes=INT32, mutated=True),
+            Arg("num_accepted", TENSOR, dtypes=INDEX))
 _REPLAY_COMMIT_OP_ORDER = ("write_pos", "cache_base", "is_flush", "num_accepted", "state_indices",
                            "max_cache_len", "max_spec_len", "null_block_id", "check_indices",
                            "pdl")
@@ -1544,16 +1550,13 @@ def _replay_commit() -> Op:
     cache_base[s] += write_pos[s] (mod max_cache_len); otherwise write_pos[s] += a; then is_flush[s]
     = write_pos[s] + 2 * max_spec_len > max_cache_len. Rejected drafts stay behind the cursor.
     write_pos, cache_base, is_flush [slots] int32; num_accepted, state_indices [B] int32/int64.
-    CPU tensors only for now (CUDA: NotImplementedError). Returns ``write_pos``."""
+    On CUDA the cursors move on the device (graph-safe). Returns ``write_pos``."""
     return Op(
         name="replayssm_commit",
         public="replayssm_commit",
         doc=doc,
         args=(
-            Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
-            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True),
-            Arg("is_flush", TENSOR, dtypes=INT32, mutated=True),
-            Arg("num_accepted", TENSOR, dtypes=INDEX),
+            *_CURSORS,
             Arg("state_indices", TENSOR, dtypes=INDEX),
             Arg("max_cache_len", INT64),
             Arg("max_spec_len", INT64),
@@ -1578,18 +1581,14 @@ def _gdn_spec_commit() -> Op:
     doc = """SGLang's ``commit_gdn_replayssm_spec`` on :func:`replayssm_commit`: its arguments in
     its order; the block-keyed cursors advanced by num_accepted (the bonus token included).
     Returns None. Differences: is_flush must be int32 (deltastate has no int8 tensors; SGLang's is
-    int8); cache_buf_len other than max_cache_len raises NotImplementedError. CPU tensors only
-    for now."""
+    int8); cache_buf_len other than max_cache_len raises NotImplementedError."""
     return Op(
         name="commit_gdn_replayssm_spec",
         public="commit_gdn_replayssm_spec",
         binding="replayssm_commit",
         doc=doc,
         args=(
-            Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
-            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True),
-            Arg("is_flush", TENSOR, dtypes=INT32, mutated=True),
-            Arg("num_accepted", TENSOR, dtypes=INDEX),
+            *_CURSORS,
             Arg("state_batch_indices", ANY, op=False),
             Arg("max_cache_len", INT64),
             Arg("max_spec_len", INT64),

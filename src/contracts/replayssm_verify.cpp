@@ -35,10 +35,6 @@ IndexTable index_entries(const char* name, const TensorView& t, int64_t B, const
   return {t.data, t.dtype, B > 1 ? t.stride[0] : 1, 1, 1};
 }
 
-[[noreturn]] void cuda_not_implemented(const char* op) {
-  throw Error(ErrorKind::not_implemented,
-              format("%s: the CUDA kernel is not implemented yet; run it on CPU tensors", op));
-}
 }  // namespace
 
 ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
@@ -78,25 +74,7 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
                 shape_str(dc).c_str()));
   const int64_t L = dc.shape[2];
   if (L < 1) fail("ReplaySSM cache length must be at least 1.");
-  if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous())
-    fail("ReplaySSM ring caches must be contiguous.");
-  if (dc.ndim != 4 || dc.shape[0] != S || dc.shape[1] != HV || dc.shape[3] != V)
-    fail(format("`d_cache` shape must be %s (got %s).", tuple_str({S, HV, L, V}).c_str(),
-                shape_str(dc).c_str()));
-  if (kc.ndim != 4 || kc.shape[0] != S || kc.shape[1] != H || kc.shape[2] != L || kc.shape[3] != K)
-    fail(format("`k_cache` shape must be %s (got %s).", tuple_str({S, H, L, K}).c_str(),
-                shape_str(kc).c_str()));
-  if (args.is_kda) {
-    if (gc.ndim != 4 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L ||
-        gc.shape[3] != K)
-      fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L, K}).c_str(),
-                  shape_str(gc).c_str()));
-  } else if (gc.ndim != 3 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L) {
-    fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L}).c_str(),
-                shape_str(gc).c_str()));
-  }
-  if (gc.dtype != DType::f32)
-    fail(format("`g_cache` must be float32 (got %s).", dtype_mark(dtype_name(gc.dtype)).c_str()));
+  check_replay_rings(dc, kc, gc, S, HV, H, V, K, L, args.is_kda);
   for (const TensorView* t : {&dc, &kc})
     if (!is_floating(t->dtype))
       fail(format("ReplaySSM ring caches must be floating point (got %s).",
@@ -119,10 +97,13 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   p.is_flush = static_cast<const int32_t*>(args.is_flush.data);
   p.null_block_id = args.null_block_id;
 
-  if (dev.type != DeviceType::cpu) cuda_not_implemented("replayssm_verify");
-  const bool check = args.check_indices.value_or(true);
+  // CPU tensors (default on): every slot and cursor checked before anything is written. CUDA
+  // tensors: the kernel checks them on the device (a bad row is skipped, NaN, and recorded);
+  // check_indices=true then synchronizes and raises after the launch.
+  const bool on_cpu = dev.type == DeviceType::cpu;
+  const bool check = args.check_indices.value_or(on_cpu);
   r.check_indices = check;
-  if (check) {
+  if (on_cpu && check) {
     std::vector<char> used(static_cast<size_t>(S), 0);
     for (int64_t n = 0; n < r.N; ++n) {
       const int64_t slot = index_at(r.indices, r.index_dtype, r.index_stride, n);
@@ -181,8 +162,10 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   p.num_slots = S;
   p.null_block_id = args.null_block_id;
   p.device = dev;
-  if (dev.type != DeviceType::cpu) cuda_not_implemented("replayssm_commit");
-  if (args.check_indices.value_or(true)) {
+  p.pdl = args.pdl;
+  const bool on_cpu = dev.type == DeviceType::cpu;
+  p.check_indices = args.check_indices.value_or(on_cpu);
+  if (on_cpu && p.check_indices) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = p.slots.at(b, 0);
       if (slot <= p.null_block_id) continue;

@@ -27,6 +27,11 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& mixed_qkv, const 
 double checked_scale(const std::optional<double>& scale, int64_t K);
 RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda);
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
+// The rings' contiguity, shapes ([S, HV, L, V], [S, H, L, K], [S, HV, L(, K)]) and g's float32,
+// with replayssm_decode's texts (shared by replayssm_verify).
+void check_replay_rings(const TensorView& d_cache, const TensorView& k_cache,
+                        const TensorView& g_cache, int64_t S, int64_t HV, int64_t H, int64_t V,
+                        int64_t K, int64_t L, bool kda);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
 ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 

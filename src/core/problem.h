@@ -85,12 +85,14 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpChunkGdn = 3,   // chunk_prefill, GDN (chunk_gated_delta_rule)
-  kErrOpChunkKda = 4,   // chunk_prefill, KDA (chunk_kda)
-  kErrOpConv = 5,       // causal_conv1d_update
-  kErrOpFusedStep = 6,  // gdn_/kda_fused_decode_step
-  kErrOpVerify = 7,     // verify
-  kErrOpCommit = 8      // update_state_after_verify
+  kErrOpChunkGdn = 3,      // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,      // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,          // causal_conv1d_update
+  kErrOpFusedStep = 6,     // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,        // verify
+  kErrOpCommit = 8,        // update_state_after_verify
+  kErrOpReplayVerify = 9,  // replayssm_verify
+  kErrOpReplayCommit = 10  // replayssm_commit
 };
 // kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
 // then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
@@ -104,6 +106,7 @@ enum DeviceErrorKind : int {
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
   kErrRow = 6,
   kErrStep = 7,
+  kErrRing = 8,  // ReplaySSM verify: write_pos + drafts past the ring, or a cursor outside it
 };
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
@@ -358,6 +361,9 @@ struct ReplayCommitProblem {
   int64_t num_slots = 0;
   IndexTable accepted, slots;  // [B, 1]
   int64_t null_block_id = -1;
+  bool check_indices = false;
+  bool pdl = false;
+  DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch
   Device device{};
 };
 
