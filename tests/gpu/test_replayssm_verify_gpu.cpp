@@ -3,8 +3,10 @@
 // strided checkpoint pool, circular rings with random origins) run on both, and after every step
 // the outputs, the checkpoint pool, the rings and the cursors are compared (cursors exactly;
 // values at the tolerances of tests/gpu/test_cuda_ops.cpp, the ring's d records as outputs);
-// a bad slot and a ring overflow are skipped, NaN, and recorded for check_errors.
+// a verify + commit loop in a CUDA graph replays bit-equal to eager; a bad slot and a ring
+// overflow are skipped, NaN, and recorded for check_errors.
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 
@@ -103,8 +105,8 @@ TEST_P(ReplayVerifyGpu, StepsMatchCpu) {
     deltastate::check_errors();
     ASSERT_TRUE(close_vs_cpu(dev.download(rb.out).values(), rb.out.values(), kOutTol, c.act))
         << "outputs, step " << step;
-    ASSERT_TRUE(close_vs_cpu(dev.download(st.ck).values(), st.ck.values(), gpu_state_tol(c.state),
-                             c.state))
+    ASSERT_TRUE(
+        close_vs_cpu(dev.download(st.ck).values(), st.ck.values(), gpu_state_tol(c.state), c.state))
         << "checkpoint pool, step " << step;
     ASSERT_TRUE(
         close_vs_cpu(dev.download(st.rings.d).values(), st.rings.d.values(), kOutTol, c.ring))
@@ -116,7 +118,8 @@ TEST_P(ReplayVerifyGpu, StepsMatchCpu) {
                              Tol{1e-6, 1e-5}, DType::f32))
         << "g ring, step " << step;
     std::vector<int64_t> accepted;
-    for (int64_t n = 0; n < N; ++n) accepted.push_back(rng.integer(rng.chance(0.05) ? 0 : 1, lens[n]));
+    for (int64_t n = 0; n < N; ++n)
+      accepted.push_back(rng.integer(rng.chance(0.05) ? 0 : 1, lens[n]));
     Tensor acc = index_tensor(accepted);
     dev.upload(acc);
     deltastate::replayssm_commit(commit_args(st, acc, c, host_view));
@@ -137,6 +140,52 @@ const GpuRvCase kGpuCases[] = {
 };
 INSTANTIATE_TEST_SUITE_P(Cases, ReplayVerifyGpu, ::testing::ValuesIn(kGpuCases),
                          case_name<GpuRvCase>);
+
+// A verify + commit loop captured into a CUDA graph replays bit-equal to the same calls eager:
+// the cursors move on the device, so every replay verifies from the cursors the last one left
+// (folds included: L = 8 with 3 drafts folds every other step).
+TEST_F(GpuTest, ReplayVerifyCommitGraphReplaysEager) {
+  Rng rng = test_rng();
+  const GpuRvCase c{{"graph", kQwen3Next, false, kNoLb, f32, bf16}, f32, 8, 3, 1};
+  RvState st = make_state(rng, c, 4);
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(c.shape, false, bf16, 4, c.T));
+  Tensor acc = index_tensor({3, 1, 2, 3});
+  Mirror eager, graph;
+  for (Mirror* m : {&eager, &graph}) {
+    m->upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, acc);
+    m->upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.wp, st.base, st.flush);
+  }
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  auto step = [&](Mirror& m) {
+    ReplayVerifyArgs a = rv_args(rb, st, false, m.views());
+    a.stream = stream;
+    a.pdl = true;
+    deltastate::replayssm_verify(a);
+    ReplayCommitArgs ca = commit_args(st, acc, c, m.views());
+    ca.stream = stream;
+    ca.pdl = true;
+    deltastate::replayssm_commit(ca);
+  };
+  for (int i = 0; i < 5; ++i) step(eager);
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step(graph);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  for (int i = 0; i < 5; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  deltastate::check_errors(stream);
+  for (const Tensor* t :
+       {&rb.out, &st.ck, &st.rings.d, &st.rings.k, &st.rings.g, &st.wp, &st.base, &st.flush}) {
+    const Tensor a = eager.download(*t), b = graph.download(*t);
+    EXPECT_EQ(std::memcmp(a.alloc_base(), b.alloc_base(), static_cast<size_t>(a.alloc_bytes())), 0);
+  }
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
 
 // A slot past the pool and a ring overflow: the rows are skipped (NaN outputs, nothing written)
 // and the first is recorded for check_errors; the commit's bad count likewise.
@@ -170,7 +219,7 @@ TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
   }
   EXPECT_EQ(dev.download(st.ck).bytes(), ck0.bytes());
   EXPECT_EQ(dev.download(st.rings.d).bytes(), d0.bytes());
-  Tensor acc = index_tensor({1, 9, 1});  // 9 > max_spec_len
+  Tensor acc = index_tensor({9, 1, 1});  // 9 > max_spec_len, on a live row
   Tensor good = index_tensor({st.slots[0] >= 0 ? st.slots[0] : 0, -1, st.slots[2]});
   dev.upload_all(acc, good);
   ReplayCommitArgs ca = commit_args(st, acc, c, dev.views());
@@ -179,8 +228,7 @@ TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
   sync();
   const auto err2 = catch_error([] { deltastate::check_errors(); });
   ASSERT_TRUE(err2);
-  EXPECT_NE(std::string(err2->what()).find("replayssm_commit"), std::string::npos)
-      << err2->what();
+  EXPECT_NE(std::string(err2->what()).find("replayssm_commit"), std::string::npos) << err2->what();
 }
 
 }  // namespace
