@@ -1401,13 +1401,7 @@ def _replay_verify_core() -> Op:
         name="replayssm_verify",
         public="replayssm_verify",
         doc=_REPLAY_VERIFY_DOC,
-        args=(
-            Arg("q", TENSOR, dtypes=FLOATING),
-            Arg("k", TENSOR, dtypes=FLOATING),
-            Arg("v", TENSOR, dtypes=FLOATING),
-            Arg("g", TENSOR, dtypes=FLOATING),
-            Arg("beta", TENSOR, dtypes=FLOATING),
-            Arg("output", TENSOR, dtypes=FLOATING, mutated=True),
+        args=tuple(_VERIFY_ARGS[n] for n in ("q", "k", "v", "g", "beta", "output")) + (
             Arg("checkpoint_state", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("state_indices", TENSOR, dtypes=INDEX),
             Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
@@ -1416,15 +1410,9 @@ def _replay_verify_core() -> Op:
             Arg("write_pos", TENSOR, dtypes=INT32),
             Arg("cache_base", TENSOR, dtypes=INT32),
             Arg("is_flush", TENSOR, dtypes=INT32),
-            Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
-            Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
-            Arg("scale", OPT_FLOAT, None),
-            Arg("is_kda", BOOL, False),
-            Arg("use_gate_in_kernel", BOOL, True),
-            Arg("lower_bound", OPT_FLOAT, None),
-            Arg("beta_is_logit", BOOL, True),
-            Arg("use_qk_l2norm_in_kernel", BOOL, True),
-            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
+        ) + tuple(_VERIFY_ARGS[n] for n in (
+            "A_log", "dt_bias", "scale", "is_kda", "use_gate_in_kernel", "lower_bound",
+            "beta_is_logit", "use_qk_l2norm_in_kernel", "cu_seqlens")) + (
             Arg("null_block_id", INT64, -1),
         ) + _KEYWORDS,
         returns="output",

@@ -75,6 +75,15 @@ void check_helion(const ReplayDecodeArgs& args) {
 }
 }  // namespace
 
+int64_t replay_ring_length(const TensorView& dc, int64_t S, int64_t HV, int64_t V) {
+  if (dc.ndim < 3)
+    fail(format("`d_cache` shape must be (%lld, %lld, L, %lld) (got %s).", ll(S), ll(HV), ll(V),
+                shape_str(dc).c_str()));
+  const int64_t L = dc.shape[2];
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  return L;
+}
+
 void check_replay_rings(const TensorView& dc, const TensorView& kc, const TensorView& gc, int64_t S,
                         int64_t HV, int64_t H, int64_t V, int64_t K, int64_t L, bool kda) {
   if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous())
@@ -153,11 +162,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const TensorView& dc = args.d_cache;
   const TensorView& kc = args.k_cache;
   const TensorView& gc = args.g_cache;
-  if (dc.ndim < 3)
-    fail(format("`d_cache` shape must be (%lld, %lld, L, %lld) (got %s).", ll(S), ll(HV), ll(V),
-                shape_str(dc).c_str()));
-  const int64_t L = dc.shape[2];
-  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  const int64_t L = replay_ring_length(dc, S, HV, V);
 
   if (kda) {
     // Beyond SGLang's Triton function: the flat forms [B, HV*K] / [HV*K] too (the Helion twin's).

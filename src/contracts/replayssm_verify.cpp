@@ -69,11 +69,7 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   const TensorView& dc = args.d_cache;
   const TensorView& kc = args.k_cache;
   const TensorView& gc = args.g_cache;
-  if (dc.ndim < 3)
-    fail(format("`d_cache` shape must be (%lld, %lld, L, %lld) (got %s).", ll(S), ll(HV), ll(V),
-                shape_str(dc).c_str()));
-  const int64_t L = dc.shape[2];
-  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  const int64_t L = replay_ring_length(dc, S, HV, V);
   check_replay_rings(dc, kc, gc, S, HV, H, V, K, L, args.is_kda);
   for (const TensorView* t : {&dc, &kc})
     if (!is_floating(t->dtype))

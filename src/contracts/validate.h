@@ -27,6 +27,9 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& mixed_qkv, const 
 double checked_scale(const std::optional<double>& scale, int64_t K);
 RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda);
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
+// The ring length L from d_cache [S, HV, L, V] (at least 3 dims, L >= 1), replayssm_decode's
+// texts.
+int64_t replay_ring_length(const TensorView& d_cache, int64_t S, int64_t HV, int64_t V);
 // The rings' contiguity, shapes ([S, HV, L, V], [S, H, L, K], [S, HV, L(, K)]) and g's float32,
 // with replayssm_decode's texts (shared by replayssm_verify).
 void check_replay_rings(const TensorView& d_cache, const TensorView& k_cache,

@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(kRvWarps * 32)
   const int K = r.K, V = r.V, L = p.L;
   const int64_t seq = r.cu_seqlens ? 0 : n;
   const int64_t tok0 = r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
-  const int64_t len = r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
+  const int64_t len =
+      r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
   const int64_t slot = detail::index_at(r.indices, r.index_dtype, r.index_stride, n);
   if (slot <= p.null_block_id) {  // padded: zero outputs, nothing else read or written
     rv_fill_outputs(r, seq, tok0, len, hv, row0, lane, 0.0f);
@@ -163,12 +164,11 @@ __global__ void __launch_bounds__(kRvWarps * 32)
     for (int e = 0; e < KP; ++e) {
       const int i = lane + 32 * e;
       const int gi = r.gate.kda ? (i < K ? i : 0) : 0;
-      const float dt = r.gate.dt_bias
-                           ? detail::load_float(r.gate.dt_bias, r.gate.dt_bias_dtype,
-                                                r.gate.kda ? int64_t{hv} * K + gi : hv)
-                           : 0.f;
-      g[e] = detail::gate_value(r.gate.mode, detail::load_float(r.g.ptr, r.g.dtype, g_off + gi),
-                                dt, A_log, r.gate.lower_bound);
+      const float dt = r.gate.dt_bias ? detail::load_float(r.gate.dt_bias, r.gate.dt_bias_dtype,
+                                                           r.gate.kda ? int64_t{hv} * K + gi : hv)
+                                      : 0.f;
+      g[e] = detail::gate_value(r.gate.mode, detail::load_float(r.g.ptr, r.g.dtype, g_off + gi), dt,
+                                A_log, r.gate.lower_bound);
       alpha[e] = expf(g[e]);
     }
     const float beta = detail::beta_value(
@@ -190,7 +190,8 @@ __global__ void __launch_bounds__(kRvWarps * 32)
       }
       sk = rv_warp_sum(sk);
       sq = rv_warp_sum(sq);
-      const float u = detail::delta_u(detail::load_float(r.v.ptr, r.v.dtype, v_off + row), sk, beta);
+      const float u =
+          detail::delta_u(detail::load_float(r.v.ptr, r.v.dtype, v_off + row), sk, beta);
 #pragma unroll
       for (int e = 0; e < KP; ++e) s[j][e] = fmaf(u, k[e], s[j][e]);
       if (lane == 0) {
@@ -221,8 +222,9 @@ __global__ void __launch_bounds__(kRvCommitThreads)
   const int64_t a = p.accepted.at(b, 0);
   if (slot >= p.num_slots || a < 0 || a > p.max_spec_len) {
     const bool bad_slot = slot >= p.num_slots;
-    record_bad_row(p.errors, detail::kErrOpReplayCommit, bad_slot ? detail::kErrSlot : detail::kErrStep,
-                   b, bad_slot ? slot : a, bad_slot ? p.num_slots : p.max_spec_len + 1);
+    record_bad_row(p.errors, detail::kErrOpReplayCommit,
+                   bad_slot ? detail::kErrSlot : detail::kErrStep, b, bad_slot ? slot : a,
+                   bad_slot ? p.num_slots : p.max_spec_len + 1);
     return;
   }
   int wp = p.write_pos[slot];
