@@ -13,7 +13,7 @@
 #                                      trace-stream, bench-bulk, test-prefill,
 #                                      sanitize-prefill, bench-prefill,
 #                                      test-layer, sanitize-layer, bench-layer,
-#                                      test-verify, bench-verify
+#                                      test-verify, bench-verify, test-replay-verify
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -145,6 +145,11 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_MULTI=direct run test-verify gtest_sharded test-verify '*RecurrentMultiToken*:*Recurrent*'
       sanitized memcheck '*VerifyGpu*gdn_odd*:*VerifyGpu*kda_odd*:*VerifyAndCommit*'
       sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
+      ;;
+    test-replay-verify)  # ReplaySSM verify and its cursor commit: GPU vs CPU over verify/commit
+      # steps, a graph-captured loop against eager, bad rows recorded; then memcheck
+      run test-replay-verify gtest_sharded test-replay-verify '*ReplayVerify*'
+      sanitized memcheck '*ReplayVerifyGpu*odd*:*ReplayVerifyGpuErrors*:*ReplayVerifyCommitGraph*'
       ;;
     test-prefill)  # the chunk_prefill GPU tests, then again with the CUDA-core fallback forced
       run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"

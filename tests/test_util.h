@@ -426,6 +426,26 @@ inline deltastate::VerifyArgs verify_inputs(const deltastate::RecurrentArgs& ra,
   return a;
 }
 
+// ReplaySSM verify's token inputs and gate options from a recurrent batch's arguments (the
+// checkpoint, rings and cursors unset).
+inline deltastate::ReplayVerifyArgs replay_verify_inputs(const deltastate::RecurrentArgs& ra,
+                                                         bool kda) {
+  const deltastate::VerifyArgs va = verify_inputs(ra, kda);
+  deltastate::ReplayVerifyArgs a;
+  a.q = va.q;
+  a.k = va.k;
+  a.v = va.v;
+  a.g = va.g;
+  a.beta = va.beta;
+  a.out = va.out;
+  a.is_kda = kda;
+  a.A_log = va.A_log;
+  a.dt_bias = va.dt_bias;
+  a.lower_bound = va.lower_bound;
+  a.cu_seqlens = va.cu_seqlens;
+  return a;
+}
+
 // Catches the deltastate::Error a call throws. Fails the test (and returns nullopt) if it throws
 // nothing or something else.
 template <class F>

@@ -408,4 +408,74 @@ struct CommitArgs {
 };
 void update_state_after_verify(const CommitArgs& args);
 
+// ---------------------------------------------------------------------------------------------
+// ReplaySSM speculative verify (linear chains; SGLang's gdn_replayssm_spec_decode scheme): the
+// T draft tokens of each sequence are verified from the checkpoint and the ring alone, no state
+// is written, and the commit is a cursor move.
+//   q, k, v, g, beta, out, the gate and beta options, scale, use_qk_l2norm, cu_seqlens: as
+//         VerifyArgs (q, k [B, T, H, K]; v, out [B, T, HV, V]; or B = 1 with cu_seqlens [N+1]).
+//   state [slots, HV, V, K] the checkpoint pool (compact inner dims, any slot stride), written
+//         only by a fold; state_indices [N] int32/int64: the slot of sequence n (an entry
+//         <= null_block_id marks a padded sequence: output rows zero, nothing read or written).
+//   d_cache [slots, HV, L, V], k_cache [slots, H, L, K] (floating), g_cache [slots, HV, L]
+//         (GDN) or [slots, HV, L, K] (KDA) fp32: the rings of replayssm_decode, circular:
+//         logical record c of slot s lies at position (cache_base[s] + c) % L.
+//   write_pos, cache_base, is_flush [slots] int32, keyed by slot: write_pos[s] committed records
+//         since the checkpoint; is_flush[s] != 0 folds them first (set by replayssm_commit).
+// Per live sequence with m = write_pos[s]: the state after the m records is rebuilt from the
+// checkpoint by replaying them in the recurrent op's order (per record s *= exp(g); s += d k^T,
+// the two operations of the recurrent step), the draft tokens run through the recurrent step
+// from it (each token's output row; its record (u, k, g) appended at logical position m + t),
+// and with is_flush the rebuilt state is stored into the checkpoint first (the fold). With fp32
+// rings the outputs and a folded checkpoint equal the recurrent op run over the same committed
+// and draft tokens in one call bit for bit (for fp32 checkpoints, token-by-token plain decode
+// too). Every live sequence needs m + T <= L. A bad entry (a slot >= slots, a cursor outside
+// [0, L], m + T > L, a duplicated live slot): a ValueError on CPU tensors before anything is
+// written; CUDA: the row is skipped (nothing written), its outputs NaN, and it is recorded for
+// check_errors (duplicates are not checked, as PackedDecodeArgs::check_indices says). The CUDA
+// kernel (src/cuda/replayssm/verify.cuh) computes the same math in its own reduction order.
+struct ReplayVerifyArgs {
+  TensorView q, k, v, g, beta, out;
+  bool is_kda = false;
+  std::optional<TensorView> A_log, dt_bias;
+  bool gate_in_kernel = true;
+  std::optional<double> lower_bound;
+  bool beta_is_logit = true;
+  bool round_beta_to_input = false;
+  std::optional<double> scale;
+  bool use_qk_l2norm = true;
+  std::optional<TensorView> cu_seqlens;
+  TensorView state, state_indices;
+  TensorView d_cache, k_cache, g_cache;
+  TensorView write_pos, cache_base, is_flush;
+  int64_t null_block_id = -1;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void replayssm_verify(const ReplayVerifyArgs& args);
+
+// The commit after a ReplaySSM verify (SGLang's commit_gdn_replayssm_spec), on the cursors'
+// device: for each row b with live slot s = state_indices[b] (> null_block_id) and a =
+// num_accepted[b] (the accepted drafts, the bonus token included):
+//   is_flush[s] != 0:  write_pos[s] = a; cache_base[s] = (cache_base[s] + write_pos[s]) % L
+//                      when a > 0 (the step's records follow the folded checkpoint)
+//   otherwise:         write_pos[s] += a
+//   then is_flush[s] = write_pos[s] + 2 * max_spec_len > L (SGLang's early fold: the next
+//   verify's records always fit).
+// Rejected drafts are left behind the cursor (never read again). write_pos, cache_base,
+// is_flush [slots] int32; num_accepted, state_indices [B] int32/int64 (any stride); L = ring
+// length, max_spec_len >= 1 with 2 * max_spec_len <= L. An accepted count outside [0,
+// max_spec_len] or a slot >= slots: a ValueError on CPU tensors; CUDA: one thread per row on the
+// device (no host synchronization), a bad row skipped and recorded for check_errors.
+struct ReplayCommitArgs {
+  TensorView write_pos, cache_base, is_flush, num_accepted, state_indices;
+  int64_t max_cache_len = 0, max_spec_len = 0;
+  int64_t null_block_id = -1;
+  std::optional<bool> check_indices;
+  Stream stream = nullptr;
+  bool pdl = false;  // as PackedDecodeArgs
+};
+void replayssm_commit(const ReplayCommitArgs& args);
+
 }  // namespace deltastate

@@ -1398,9 +1398,233 @@ def _sglang_scatter() -> Op:
     )
 
 
+# ---- ReplaySSM speculative verify and its cursor commit ----------------------------------------
+# The binding's arguments (python/src/module.cpp `replayssm_verify`), in its order.
+_REPLAY_VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias",
+                           "checkpoint_state", "state_indices", "d_cache", "k_cache", "g_cache",
+                           "write_pos", "cache_base", "is_flush", "is_kda", "use_gate_in_kernel",
+                           "lower_bound", "beta_is_logit", "round_beta", "scale",
+                           "use_qk_l2norm_in_kernel", "cu_seqlens", "null_block_id",
+                           "check_indices", "pdl")
+
+_REPLAY_VERIFY_DOC = """ReplaySSM speculative verify (linear chains): the draft tokens of each
+    sequence verified from the checkpoint and the ring alone, no state written. q, k [B,T,H,K]
+    (or [1,T_total,H,K] with cu_seqlens [N+1]); v, output [B,T,HV,V]; g [B,T,HV] (GDN) or
+    [B,T,HV,K] (KDA): the raw gate input with use_gate_in_kernel (A_log, dt_bias), else the log
+    decay; beta [B,T,HV]. checkpoint_state [slots, HV, V, K] (any slot stride); state_indices [N]
+    (<= null_block_id: padded, output zero); rings d_cache [slots, HV, L, V], k_cache [slots, H,
+    L, K], g_cache [slots, HV, L(, K)] float32, circular from cache_base; write_pos, cache_base,
+    is_flush [slots] int32, keyed by slot. The state after the write_pos[s] committed records is
+    rebuilt by replaying them in the recurrent op's order, the drafts run from it (their records
+    appended at write_pos + t), and with is_flush[s] != 0 the rebuilt state is first folded into
+    the checkpoint. With float32 rings the outputs and the folded checkpoint equal the recurrent
+    op over the same tokens bit for bit. Move the cursors with :func:`replayssm_commit`. CUDA
+    tensors: a bad slot or cursor is skipped, its outputs NaN, and recorded for check_errors.
+    Returns ``output``."""
+
+
+def _replay_verify_core() -> Op:
+    return Op(
+        name="replayssm_verify",
+        public="replayssm_verify",
+        doc=_REPLAY_VERIFY_DOC,
+        args=tuple(_VERIFY_ARGS[n] for n in ("q", "k", "v", "g", "beta", "output")) + (
+            Arg("checkpoint_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("k_cache", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("g_cache", TENSOR, dtypes=FLOAT32, mutated=True),
+            Arg("write_pos", TENSOR, dtypes=INT32),
+            Arg("cache_base", TENSOR, dtypes=INT32),
+            Arg("is_flush", TENSOR, dtypes=INT32),
+        ) + tuple(_VERIFY_ARGS[n] for n in (
+            "A_log", "dt_bias", "scale", "is_kda", "use_gate_in_kernel", "lower_bound",
+            "beta_is_logit", "use_qk_l2norm_in_kernel", "cu_seqlens")) + (
+            Arg("null_block_id", INT64, -1),
+        ) + _KEYWORDS,
+        returns="output",
+        op_order=_REPLAY_VERIFY_OP_ORDER,
+        schema_defaults_from="is_kda",
+    )
+
+
+# SGLang's Triton tuning keywords with its defaults: accepted, ignored.
+_SPEC_TUNING = (("block_v", 64), ("num_warps", 1), ("num_stages", 2), ("nk", 2), ("bs_min", 4),
+                ("block_v_flush", 64), ("num_warps_flush", 1), ("num_stages_flush", 2),
+                ("nk_flush", 2))
+
+
+def _gdn_spec_prepare(op, q, k, v, a, b, checkpoint_state, d_cache, out, query_start_loc,
+                      ssm_state_indices, is_flush, max_cache_len, max_spec_len, launch_mode):
+    """SGLang's gdn_replayssm_spec_decode onto the verify op: its asserts, the packed [T, ...]
+    token tensors as [1, T, ...] views, out viewed as the op's output; is_flush read as int32."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("out", out)):
+        _check_tensor(op, name, t)
+    if launch_mode != "both":
+        raise NotImplementedError(
+            f"{op}: `launch_mode`={launch_mode!r} is not implemented in deltastate: its one "
+            "launch folds and verifies every row (launch_mode='both')")
+    L = int(max_cache_len)
+    assert L & (L - 1) == 0, "circular cache requires power-of-two max_cache_len"
+    assert _shape(d_cache)[2] == L
+    if 2 * int(max_spec_len) > L:
+        raise ValueError(f"max_spec_len={max_spec_len} needs max_cache_len >= 2 * max_spec_len "
+                         f"(got {L})")
+    if str(getattr(is_flush, "dtype", "")).split(".")[-1] != "int32":
+        is_flush = is_flush.to(_torch_int32()) if _is_torch(is_flush) else is_flush.astype("int32")
+    T = _shape(q)[0]
+    view = lambda x: x.reshape(1, T, *_shape(x)[1:])  # noqa: E731
+    return (view(q), view(k), view(v), view(a), view(b), view(out), query_start_loc,
+            ssm_state_indices, is_flush)
+
+
+def _torch_int32():
+    import torch
+    return torch.int32
+
+
+def _gdn_spec() -> Op:
+    doc = """SGLang's ``gdn_replayssm_spec_decode`` (GDN, split q/k/v varlen, circular ring) on
+    :func:`replayssm_verify`: its arguments in its order. q, k [T_total, H, K]; v [T_total, HV,
+    V]; a, b [T_total, HV] (the raw gate and beta logits); checkpoint_state [slots, HV, V, K];
+    d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache [slots, HV, L] float32; out
+    [T_total, HV, V]; query_start_loc [B+1]; ssm_state_indices [B] (<= null_block_id: padded);
+    write_pos, cache_base, is_flush [slots], keyed by slot. Returns ``out``. The Triton tuning
+    keywords are accepted and ignored. Differences: one launch does the fold and the verify
+    (launch_mode other than 'both' raises NotImplementedError); the fold is the recurrent op's
+    order in fp32 (SGLang rebuilds the state with tensor-core products on operands rounded to
+    the checkpoint's dtype), so the outputs and the folded checkpoint equal the recurrent op
+    over the same tokens; is_flush is read as int32 (an int8 tensor is converted, as SGLang's
+    wrapper converts to int8); every live sequence needs write_pos + draft tokens <= L (SGLang
+    drops the records beyond the ring)."""
+    return Op(
+        name="gdn_replayssm_spec_decode",
+        public="gdn_replayssm_spec_decode",
+        binding="replayssm_verify",
+        doc=doc,
+        args=(
+            Arg("q", TENSOR, dtypes=FLOATING),
+            Arg("k", TENSOR, dtypes=FLOATING),
+            Arg("v", TENSOR, dtypes=FLOATING),
+            Arg("a", ANY, op=False),
+            Arg("b", ANY, op=False),
+            Arg("A_log", OPT_TENSOR, dtypes=FLOATING),
+            Arg("dt_bias", OPT_TENSOR, dtypes=FLOATING),
+            Arg("checkpoint_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("k_cache", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("g_cache", TENSOR, dtypes=FLOAT32, mutated=True),
+            Arg("out", ANY, op=False),
+            Arg("query_start_loc", ANY, op=False),
+            Arg("ssm_state_indices", ANY, op=False),
+            Arg("write_pos", TENSOR, dtypes=INT32),
+            Arg("cache_base", TENSOR, dtypes=INT32),
+            Arg("is_flush", TENSOR, dtypes=INT32),
+            Arg("max_cache_len", INT, op=False),
+            Arg("max_spec_len", INT, op=False),
+            Arg("scale", OPT_FLOAT, None),
+            Arg("use_qk_l2norm_in_kernel", BOOL, True),
+            Arg("null_block_id", INT64, 0),
+        ) + tuple(Arg(n, ANY, d, op=False) for n, d in _SPEC_TUNING) + (
+            Arg("launch_mode", STR, "both", op=False),
+        ) + _KEYWORDS + (
+            Arg("g", TENSOR, dtypes=FLOATING, public=False, shown_as="a"),
+            Arg("beta", TENSOR, dtypes=FLOATING, public=False, shown_as="b"),
+            Arg("output", TENSOR, dtypes=FLOATING, mutated=True, public=False, shown_as="out"),
+            Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX, public=False,
+                shown_as="query_start_loc"),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
+                shown_as="ssm_state_indices"),
+            Arg("is_kda", BOOL, False, public=False),
+            Arg("use_gate_in_kernel", BOOL, True, public=False),
+            Arg("lower_bound", OPT_FLOAT, None, public=False),
+            Arg("beta_is_logit", BOOL, True, public=False),
+        ),
+        returns="out",
+        op_order=_REPLAY_VERIFY_OP_ORDER,
+        schema_defaults_from="is_kda",
+        prepare=_gdn_spec_prepare,
+        fills=("q", "k", "v", "g", "beta", "output", "cu_seqlens", "state_indices", "is_flush"),
+    )
+
+
+# The commit's cursor tables (written in place) and accepted counts, as both surfaces take them.
+_CURSORS = (Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
+            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True),
+            Arg("is_flush", TENSOR, dtypes=INT32, mutated=True),
+            Arg("num_accepted", TENSOR, dtypes=INDEX))
+_REPLAY_COMMIT_OP_ORDER = ("write_pos", "cache_base", "is_flush", "num_accepted", "state_indices",
+                           "max_cache_len", "max_spec_len", "null_block_id", "check_indices",
+                           "pdl")
+
+
+def _replay_commit() -> Op:
+    doc = """The commit after :func:`replayssm_verify`, a cursor move (no state is copied): for
+    each row b with live slot s = state_indices[b] (> null_block_id) and a = num_accepted[b] (the
+    bonus token included): after a fold (is_flush[s] != 0) write_pos[s] = a and, when a > 0,
+    cache_base[s] += write_pos[s] (mod max_cache_len); otherwise write_pos[s] += a; then is_flush[s]
+    = write_pos[s] + 2 * max_spec_len > max_cache_len. Rejected drafts stay behind the cursor.
+    write_pos, cache_base, is_flush [slots] int32; num_accepted, state_indices [B] int32/int64.
+    On CUDA the cursors move on the device (graph-safe). Returns ``write_pos``."""
+    return Op(
+        name="replayssm_commit",
+        public="replayssm_commit",
+        doc=doc,
+        args=(
+            *_CURSORS,
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("max_cache_len", INT64),
+            Arg("max_spec_len", INT64),
+            Arg("null_block_id", INT64, -1),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns="write_pos",
+        op_order=_REPLAY_COMMIT_OP_ORDER,
+    )
+
+
+def _spec_commit_prepare(op, max_cache_len, cache_buf_len, state_batch_indices):
+    if cache_buf_len is not None and int(cache_buf_len) != int(max_cache_len):
+        raise NotImplementedError(
+            f"{op}: `cache_buf_len`={cache_buf_len} is not implemented in deltastate: the ring's "
+            "origin wraps at max_cache_len (cache_buf_len=None)")
+    return (state_batch_indices,)
+
+
+def _gdn_spec_commit() -> Op:
+    doc = """SGLang's ``commit_gdn_replayssm_spec`` on :func:`replayssm_commit`: its arguments in
+    its order; the block-keyed cursors advanced by num_accepted (the bonus token included).
+    Returns None. Differences: is_flush must be int32 (deltastate has no int8 tensors; SGLang's is
+    int8); cache_buf_len other than max_cache_len raises NotImplementedError."""
+    return Op(
+        name="commit_gdn_replayssm_spec",
+        public="commit_gdn_replayssm_spec",
+        binding="replayssm_commit",
+        doc=doc,
+        args=(
+            *_CURSORS,
+            Arg("state_batch_indices", ANY, op=False),
+            Arg("max_cache_len", INT64),
+            Arg("max_spec_len", INT64),
+            Arg("cache_buf_len", ANY, None, op=False),
+            Arg("null_block_id", INT64, 0),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
+                shown_as="state_batch_indices"),
+        ),
+        returns=(),
+        op_order=_REPLAY_COMMIT_OP_ORDER,
+        prepare=_spec_commit_prepare,
+        fills=("state_indices",),
+    )
+
+
 OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurrent(False),
                        _fla(False), _fla(True), _REPLAY, _HELION_REPLAY,
                        _chunk(False), _chunk(True),
                        _CONV_UPDATE, _fused(False), _fused(True),
                        _verify_core(), _sglang_verify(), _flashinfer_mtp(), _commit(),
-                       _sglang_scatter())
+                       _sglang_scatter(), _replay_verify_core(), _gdn_spec(), _replay_commit(),
+                       _gdn_spec_commit())

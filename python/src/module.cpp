@@ -629,6 +629,64 @@ int64_t chunk_prefill_workspace_bytes(int64_t K, int64_t V, int64_t N, int64_t H
   });
 }
 
+// ReplaySSM speculative verify and its cursor commit.
+using RVA = ds::ReplayVerifyArgs;
+constexpr auto replayssm_verify = bind(
+    "replayssm_verify",
+    +[](RVA& a) {
+      a.stream = stream_for(a.q);
+      ds::replayssm_verify(a);
+    },
+    std::tuple{
+        Field<&RVA::q>{"q"},
+        Field<&RVA::k>{"k"},
+        Field<&RVA::v>{"v"},
+        Field<&RVA::g>{"g"},
+        Field<&RVA::beta>{"beta"},
+        Field<&RVA::out>{"output"},
+        Field<&RVA::is_kda>{"is_kda"},
+        Field<&RVA::A_log>{"A_log"},
+        Field<&RVA::dt_bias>{"dt_bias"},
+        Field<&RVA::gate_in_kernel>{"use_gate_in_kernel"},
+        Field<&RVA::lower_bound>{"lower_bound"},
+        Field<&RVA::beta_is_logit>{"beta_is_logit"},
+        Field<&RVA::round_beta_to_input>{"round_beta"},
+        Field<&RVA::scale>{"scale"},
+        Field<&RVA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+        Field<&RVA::cu_seqlens>{"cu_seqlens"},
+        Field<&RVA::state>{"checkpoint_state"},
+        Field<&RVA::state_indices>{"state_indices"},
+        Field<&RVA::d_cache>{"d_cache"},
+        Field<&RVA::k_cache>{"k_cache"},
+        Field<&RVA::g_cache>{"g_cache"},
+        Field<&RVA::write_pos>{"write_pos"},
+        Field<&RVA::cache_base>{"cache_base"},
+        Field<&RVA::is_flush>{"is_flush"},
+        Field<&RVA::null_block_id>{"null_block_id"},
+        Field<&RVA::check_indices>{"check_indices"},
+        Field<&RVA::pdl>{"pdl"},
+    });
+
+using RCA = ds::ReplayCommitArgs;
+constexpr auto replayssm_commit = bind(
+    "replayssm_commit",
+    +[](RCA& a) {
+      a.stream = stream_for(a.write_pos);
+      ds::replayssm_commit(a);
+    },
+    std::tuple{
+        Field<&RCA::write_pos>{"write_pos"},
+        Field<&RCA::cache_base>{"cache_base"},
+        Field<&RCA::is_flush>{"is_flush"},
+        Field<&RCA::num_accepted>{"num_accepted"},
+        Field<&RCA::state_indices>{"state_indices"},
+        Field<&RCA::max_cache_len>{"max_cache_len"},
+        Field<&RCA::max_spec_len>{"max_spec_len"},
+        Field<&RCA::null_block_id>{"null_block_id"},
+        Field<&RCA::check_indices>{"check_indices"},
+        Field<&RCA::pdl>{"pdl"},
+    });
+
 ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   ffi::Map<ffi::String, ffi::Array<ffi::String>> m;
   m.Set(gdn_packed_decode.name, signature(gdn_packed_decode));
@@ -643,6 +701,8 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(kda_fused_decode_step.name, signature(kda_fused_decode_step));
   m.Set(verify.name, signature(verify));
   m.Set(update_state_after_verify.name, signature(update_state_after_verify));
+  m.Set(replayssm_verify.name, signature(replayssm_verify));
+  m.Set(replayssm_commit.name, signature(replayssm_commit));
   return m;
 }
 
@@ -804,6 +864,8 @@ DELTASTATE_EXPORT_OP(gdn_fused_decode_step)
 DELTASTATE_EXPORT_OP(kda_fused_decode_step)
 DELTASTATE_EXPORT_OP(verify)
 DELTASTATE_EXPORT_OP(update_state_after_verify)
+DELTASTATE_EXPORT_OP(replayssm_verify)
+DELTASTATE_EXPORT_OP(replayssm_commit)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);

@@ -82,6 +82,15 @@ PUBLIC = {
         '(state, intermediate_states, state_indices, accepted, intermediate_state_indices=None, accepted_is_step=False, *, check_indices=None, pdl=False)',
     "fused_mamba_state_scatter_with_mask":
         '(dst, src, dst_indices_raw, step_indices_raw, *, check_indices=None, pdl=False)',
+    # ReplaySSM speculative verify and its cursor commit
+    'replayssm_verify':
+        '(q, k, v, g, beta, output, checkpoint_state, state_indices, d_cache, k_cache, g_cache, write_pos, cache_base, is_flush, A_log=None, dt_bias=None, scale=None, is_kda=False, use_gate_in_kernel=True, lower_bound=None, beta_is_logit=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, null_block_id=-1, *, round_beta=False, check_indices=None, pdl=False)',
+    'gdn_replayssm_spec_decode':
+        "(q, k, v, a, b, A_log, dt_bias, checkpoint_state, d_cache, k_cache, g_cache, out, query_start_loc, ssm_state_indices, write_pos, cache_base, is_flush, max_cache_len, max_spec_len, scale=None, use_qk_l2norm_in_kernel=True, null_block_id=0, block_v=64, num_warps=1, num_stages=2, nk=2, bs_min=4, block_v_flush=64, num_warps_flush=1, num_stages_flush=2, nk_flush=2, launch_mode='both', *, round_beta=False, check_indices=None, pdl=False)",
+    'replayssm_commit':
+        '(write_pos, cache_base, is_flush, num_accepted, state_indices, max_cache_len, max_spec_len, null_block_id=-1, *, check_indices=None, pdl=False)',
+    'commit_gdn_replayssm_spec':
+        '(write_pos, cache_base, is_flush, num_accepted, state_batch_indices, max_cache_len, max_spec_len, cache_buf_len=None, null_block_id=0, *, check_indices=None, pdl=False)',
 }
 
 _PACKED_SCHEMA = (
@@ -137,6 +146,15 @@ SCHEMAS = {
         'update_state_after_verify(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=False, int check_indices=-1, bool pdl=False) -> ()',
     "sglang_state_scatter":
         'sglang_state_scatter(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=True, int check_indices=-1, bool pdl=False) -> ()',
+    # ReplaySSM speculative verify and its cursor commit
+    'replayssm_verify':
+        'replayssm_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, Tensor? A_log, Tensor? dt_bias, Tensor(b!) checkpoint_state, Tensor state_indices, Tensor(c!) d_cache, Tensor(d!) k_cache, Tensor(e!) g_cache, Tensor write_pos, Tensor cache_base, Tensor is_flush, bool is_kda=False, bool use_gate_in_kernel=True, float? lower_bound=None, bool beta_is_logit=True, bool round_beta=False, float? scale=None, bool use_qk_l2norm_in_kernel=True, Tensor? cu_seqlens=None, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',
+    'gdn_replayssm_spec_decode':
+        'gdn_replayssm_spec_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, Tensor? A_log, Tensor? dt_bias, Tensor(b!) checkpoint_state, Tensor state_indices, Tensor(c!) d_cache, Tensor(d!) k_cache, Tensor(e!) g_cache, Tensor write_pos, Tensor cache_base, Tensor is_flush, bool is_kda=False, bool use_gate_in_kernel=True, float? lower_bound=None, bool beta_is_logit=True, bool round_beta=False, float? scale=None, bool use_qk_l2norm_in_kernel=True, Tensor? cu_seqlens=None, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
+    'replayssm_commit':
+        'replayssm_commit(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor num_accepted, Tensor state_indices, int max_cache_len, int max_spec_len, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',
+    'commit_gdn_replayssm_spec':
+        'commit_gdn_replayssm_spec(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor num_accepted, Tensor state_indices, int max_cache_len, int max_spec_len, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
 }
 
 

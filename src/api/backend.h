@@ -21,6 +21,9 @@ void run_chunk_prefill(const detail::ChunkPrefillProblem& p, void* stream);
 // Speculative verify and its commit (src/cuda/verify.cu).
 void run_verify(const detail::VerifyProblem& p, void* stream);
 void run_commit(const detail::CommitProblem& p, void* stream);
+// ReplaySSM speculative verify and its cursor commit (src/cuda/replayssm_verify.cu).
+void run_replayssm_verify(const detail::ReplayVerifyProblem& p, void* stream);
+void run_replayssm_commit(const detail::ReplayCommitProblem& p, void* stream);
 // Workspace bytes of chunk_prefill on CUDA for these shapes (no device query, no allocation).
 int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, bool kda);
 

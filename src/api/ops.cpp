@@ -120,4 +120,23 @@ void kda_fused_decode_step(const FusedDecodeStepArgs& args) {
   run_fused(detail::validate_fused_decode_step(args, /*kda=*/true), args.stream);
 }
 
+// ---- ReplaySSM speculative verify and its cursor commit -----------------------------------------
+void replayssm_verify(const ReplayVerifyArgs& args) {
+  const detail::ReplayVerifyProblem p = detail::validate_replayssm_verify(args);
+  if (p.r.N == 0) return;
+  if (p.r.device.type == DeviceType::cpu) {
+    cpu::run_replayssm_verify(p);
+    return;
+  }
+  cuda_backend::run_replayssm_verify(p, args.stream);
+  if (p.r.check_indices) cuda_backend::check_errors_after_op(args.stream);
+}
+
+void replayssm_commit(const ReplayCommitArgs& args) {
+  const detail::ReplayCommitProblem p = detail::validate_replayssm_commit(args);
+  if (p.B == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_replayssm_commit(p);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_commit);
+}
+
 }  // namespace deltastate

@@ -75,6 +75,38 @@ void check_helion(const ReplayDecodeArgs& args) {
 }
 }  // namespace
 
+int64_t replay_ring_length(const TensorView& dc, int64_t S, int64_t HV, int64_t V) {
+  if (dc.ndim < 3)
+    fail(format("`d_cache` shape must be (%lld, %lld, L, %lld) (got %s).", ll(S), ll(HV), ll(V),
+                shape_str(dc).c_str()));
+  const int64_t L = dc.shape[2];
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  return L;
+}
+
+void check_replay_rings(const TensorView& dc, const TensorView& kc, const TensorView& gc, int64_t S,
+                        int64_t HV, int64_t H, int64_t V, int64_t K, int64_t L, bool kda) {
+  if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous())
+    fail("ReplaySSM ring caches must be contiguous.");
+  if (dc.ndim != 4 || dc.shape[0] != S || dc.shape[1] != HV || dc.shape[3] != V)
+    fail(format("`d_cache` shape must be %s (got %s).", tuple_str({S, HV, L, V}).c_str(),
+                shape_str(dc).c_str()));
+  if (kc.ndim != 4 || kc.shape[0] != S || kc.shape[1] != H || kc.shape[2] != L || kc.shape[3] != K)
+    fail(format("`k_cache` shape must be %s (got %s).", tuple_str({S, H, L, K}).c_str(),
+                shape_str(kc).c_str()));
+  if (kda) {
+    if (gc.ndim != 4 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L ||
+        gc.shape[3] != K)
+      fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L, K}).c_str(),
+                  shape_str(gc).c_str()));
+  } else if (gc.ndim != 3 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L) {
+    fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L}).c_str(),
+                shape_str(gc).c_str()));
+  }
+  if (gc.dtype != DType::f32)
+    fail(format("`g_cache` must be float32 (got %s).", dtype_mark(dtype_name(gc.dtype)).c_str()));
+}
+
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   if (args.helion) check_helion(args);
   const TensorView& x = args.mixed_qkv;
@@ -130,11 +162,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const TensorView& dc = args.d_cache;
   const TensorView& kc = args.k_cache;
   const TensorView& gc = args.g_cache;
-  if (dc.ndim < 3)
-    fail(format("`d_cache` shape must be (%lld, %lld, L, %lld) (got %s).", ll(S), ll(HV), ll(V),
-                shape_str(dc).c_str()));
-  const int64_t L = dc.shape[2];
-  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  const int64_t L = replay_ring_length(dc, S, HV, V);
 
   if (kda) {
     // Beyond SGLang's Triton function: the flat forms [B, HV*K] / [HV*K] too (the Helion twin's).
@@ -159,25 +187,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
       fail(format("GDN `dt_bias` must have shape %s (got %s).", tuple_str({HV}).c_str(),
                   shape_str(dt_bias).c_str()));
   }
-  if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous())
-    fail("ReplaySSM ring caches must be contiguous.");
-  if (dc.ndim != 4 || dc.shape[0] != S || dc.shape[1] != HV || dc.shape[3] != V)
-    fail(format("`d_cache` shape must be %s (got %s).", tuple_str({S, HV, L, V}).c_str(),
-                shape_str(dc).c_str()));
-  if (kc.ndim != 4 || kc.shape[0] != S || kc.shape[1] != H || kc.shape[2] != L || kc.shape[3] != K)
-    fail(format("`k_cache` shape must be %s (got %s).", tuple_str({S, H, L, K}).c_str(),
-                shape_str(kc).c_str()));
-  if (kda) {
-    if (gc.ndim != 4 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L ||
-        gc.shape[3] != K)
-      fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L, K}).c_str(),
-                  shape_str(gc).c_str()));
-  } else if (gc.ndim != 3 || gc.shape[0] != S || gc.shape[1] != HV || gc.shape[2] != L) {
-    fail(format("`g_cache` shape must be %s (got %s).", tuple_str({S, HV, L}).c_str(),
-                shape_str(gc).c_str()));
-  }
-  if (gc.dtype != DType::f32)
-    fail(format("`g_cache` must be float32 (got %s).", dtype_mark(dtype_name(gc.dtype)).c_str()));
+  check_replay_rings(dc, kc, gc, S, HV, H, V, K, L, kda);
   if (out.ndim != 4 || out.shape[0] != B || out.shape[1] != 1 || out.shape[2] != HV ||
       out.shape[3] != V)
     fail(format("`out` must have shape %s (got %s).", tuple_str({B, 1, HV, V}).c_str(),

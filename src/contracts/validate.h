@@ -27,6 +27,14 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& mixed_qkv, const 
 double checked_scale(const std::optional<double>& scale, int64_t K);
 RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda);
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args);
+// The ring length L from d_cache [S, HV, L, V] (at least 3 dims, L >= 1), replayssm_decode's
+// texts.
+int64_t replay_ring_length(const TensorView& d_cache, int64_t S, int64_t HV, int64_t V);
+// The rings' contiguity, shapes ([S, HV, L, V], [S, H, L, K], [S, HV, L(, K)]) and g's float32,
+// with replayssm_decode's texts (shared by replayssm_verify).
+void check_replay_rings(const TensorView& d_cache, const TensorView& k_cache,
+                        const TensorView& g_cache, int64_t S, int64_t HV, int64_t H, int64_t V,
+                        int64_t K, int64_t L, bool kda);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
 ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 
@@ -42,5 +50,9 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
 // Speculative verify and its commit (contracts/verify.cpp).
 VerifyProblem validate_verify(const VerifyArgs& args);
 CommitProblem validate_commit(const CommitArgs& args);
+
+// ReplaySSM speculative verify and its cursor commit (contracts/replayssm_verify.cpp).
+ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args);
+ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args);
 
 }  // namespace deltastate::detail

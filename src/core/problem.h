@@ -85,12 +85,14 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpChunkGdn = 3,   // chunk_prefill, GDN (chunk_gated_delta_rule)
-  kErrOpChunkKda = 4,   // chunk_prefill, KDA (chunk_kda)
-  kErrOpConv = 5,       // causal_conv1d_update
-  kErrOpFusedStep = 6,  // gdn_/kda_fused_decode_step
-  kErrOpVerify = 7,     // verify
-  kErrOpCommit = 8      // update_state_after_verify
+  kErrOpChunkGdn = 3,      // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,      // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,          // causal_conv1d_update
+  kErrOpFusedStep = 6,     // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,        // verify
+  kErrOpCommit = 8,        // update_state_after_verify
+  kErrOpReplayVerify = 9,  // replayssm_verify
+  kErrOpReplayCommit = 10  // replayssm_commit
 };
 // kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
 // then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
@@ -104,6 +106,7 @@ enum DeviceErrorKind : int {
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
   kErrRow = 6,
   kErrStep = 7,
+  kErrRing = 8,  // ReplaySSM verify: write_pos + drafts past the ring, or a cursor outside it
 };
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
@@ -329,6 +332,38 @@ struct CommitProblem {
   bool pdl = false;
   bool pdl_trigger_early = false;
   DeviceErrorRecord* errors = nullptr;
+  Device device{};
+};
+
+// ReplaySSM speculative verify (ops.h ReplayVerifyArgs): the token inputs as the recurrent
+// problem (r.state is the checkpoint pool, r.indices the slots, update_state false) plus the
+// rings and the slot-keyed cursors.
+struct ReplayVerifyProblem {
+  RecurrentProblem r;
+  int32_t L = 0;
+  void* d_cache = nullptr;  // [slots, HV, L, V]
+  DType d_dtype = DType::f32;
+  void* k_cache = nullptr;  // [slots, H, L, K]
+  DType k_dtype = DType::f32;
+  float* g_cache = nullptr;             // [slots, HV, L(, K)]
+  const int32_t* write_pos = nullptr;   // [slots]
+  const int32_t* cache_base = nullptr;  // [slots]
+  const int32_t* is_flush = nullptr;    // [slots]
+  int64_t null_block_id = -1;           // a slot <= null_block_id marks a padded sequence
+};
+
+// The cursor commit after a ReplaySSM verify (ops.h ReplayCommitArgs).
+struct ReplayCommitProblem {
+  int32_t B = 0, L = 0, max_spec_len = 0;
+  int32_t* write_pos = nullptr;  // [slots]
+  int32_t* cache_base = nullptr;
+  int32_t* is_flush = nullptr;
+  int64_t num_slots = 0;
+  IndexTable accepted, slots;  // [B, 1]
+  int64_t null_block_id = -1;
+  bool check_indices = false;
+  bool pdl = false;
+  DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch
   Device device{};
 };
 

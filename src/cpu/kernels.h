@@ -17,5 +17,8 @@ void run_fused_decode_step(const detail::FusedStepProblem& p);
 // verify.cpp: speculative verify and its commit.
 void run_verify(const detail::VerifyProblem& p);
 void run_commit(const detail::CommitProblem& p);
+// replayssm_verify.cpp: ReplaySSM speculative verify and its cursor commit.
+void run_replayssm_verify(const detail::ReplayVerifyProblem& p);
+void run_replayssm_commit(const detail::ReplayCommitProblem& p);
 
 }  // namespace deltastate::cpu

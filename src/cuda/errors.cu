@@ -60,12 +60,14 @@ std::string prefill_message(const detail::DeviceErrorRecord& r) {
 
 std::string message(const detail::DeviceErrorRecord& r) {
   if (r.op == detail::kErrOpChunkGdn || r.op == detail::kErrOpChunkKda) return prefill_message(r);
-  const char* op = r.op == detail::kErrOpReplay      ? "replayssm_decode"
-                   : r.op == detail::kErrOpConv      ? "causal_conv1d_update"
-                   : r.op == detail::kErrOpFusedStep ? "fused_decode_step"
-                   : r.op == detail::kErrOpVerify    ? "verify"
-                   : r.op == detail::kErrOpCommit    ? "update_state_after_verify"
-                                                     : "recurrent";
+  const char* op = r.op == detail::kErrOpReplay         ? "replayssm_decode"
+                   : r.op == detail::kErrOpConv         ? "causal_conv1d_update"
+                   : r.op == detail::kErrOpFusedStep    ? "fused_decode_step"
+                   : r.op == detail::kErrOpVerify       ? "verify"
+                   : r.op == detail::kErrOpCommit       ? "update_state_after_verify"
+                   : r.op == detail::kErrOpReplayVerify ? "replayssm_verify"
+                   : r.op == detail::kErrOpReplayCommit ? "replayssm_commit"
+                                                        : "recurrent";
   const char* index_name = r.op == detail::kErrOpConv ? "conv_state_indices" : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrRow) {
@@ -76,6 +78,9 @@ std::string message(const detail::DeviceErrorRecord& r) {
     m += "row " + std::to_string(r.row) + ": a step, length, accepted count or parent (" +
          std::to_string(r.index) + ") is outside its buffer or table (limit " +
          std::to_string(r.limit) + ")";
+  } else if (r.kind == detail::kErrRing) {
+    m += "sequence " + std::to_string(r.row) + ": its cursors and drafts reach ring position " +
+         std::to_string(r.index) + ", outside the ring of L=" + std::to_string(r.limit);
   } else if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";

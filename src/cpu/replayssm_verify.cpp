@@ -1,0 +1,145 @@
+// CPU kernels of ReplaySSM speculative verify and of its cursor commit (ops.h ReplayVerifyArgs):
+// one task per (sequence, value head, block of state rows). A task rebuilds its rows of the state
+// after the committed records from the checkpoint, replaying each record with the two operations
+// of the recurrent step (simd.h: s *= alpha, s = fma(d, k, s)), so the rebuilt rows equal the
+// recurrent op's state after the same tokens bit for bit; the drafts then run through
+// delta_rows, the recurrent op's token step. Nothing outside a task's own rows, and the ring
+// positions of its drafts, is written, and those positions lie past every record another task
+// reads, so results do not depend on blocking or thread count.
+#include <algorithm>
+#include <vector>
+
+#include "core/delta_math.h"
+#include "cpu/kernels.h"
+#include "cpu/row_io.h"
+#include "cpu/simd.h"
+#include "cpu/thread_pool.h"
+
+namespace deltastate::cpu {
+
+using namespace deltastate::detail;
+
+namespace {
+struct Scratch {
+  std::vector<float> S, x, q, k, v, g, alpha, d, o;
+  void resize(int K, int rows) {  // grows once per thread, then stays
+    auto grow = [](std::vector<float>& y, int64_t n) {
+      if (y.size() < static_cast<size_t>(n)) y.resize(static_cast<size_t>(n));
+    };
+    grow(S, static_cast<int64_t>(K) * rows);
+    for (auto* y : {&x, &q, &k, &g, &alpha}) grow(*y, K);
+    for (auto* y : {&v, &d, &o}) grow(*y, rows);
+  }
+};
+}  // namespace
+
+void run_replayssm_verify(const ReplayVerifyProblem& p) {
+  const RecurrentProblem& r = p.r;
+  const int K = r.K, V = r.V, HV = r.HV, H = r.H, L = p.L;
+  const int group = HV / H;
+  const int64_t head_elems = static_cast<int64_t>(V) * K;
+  const int g_width = r.gate.kda ? K : 1;  // floats per g record
+  const int blocks = row_blocks(r.num_heads_total(), V);
+  const int block_rows = (V + blocks - 1) / blocks;
+  const simd::Kernels& vk = simd::kernels();
+
+  parallel_for(r.num_heads_total() * blocks, [&](int64_t task) {
+    thread_local Scratch sc;
+    const int64_t head = task / blocks;
+    const int r0 = static_cast<int>(task % blocks) * block_rows;
+    const int rows = std::min(block_rows, V - r0);
+    if (rows <= 0) return;
+    sc.resize(K, rows);
+    const int64_t n = head / HV;
+    const int hv = static_cast<int>(head % HV);
+    const int h = hv / group;
+    const int64_t seq = r.cu_seqlens ? 0 : n;
+    const int64_t tok0 = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
+    const int64_t len = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
+    const int64_t slot = index_at(r.indices, r.index_dtype, r.index_stride, n);
+    if (slot <= p.null_block_id) {  // padded: output rows zero, nothing read or written
+      std::fill_n(sc.o.data(), rows, 0.0f);
+      for (int64_t t = 0; t < len; ++t)
+        store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok0 + t, hv) + r0, rows,
+                  sc.o.data());
+      return;
+    }
+    const int m = p.write_pos[slot], base = p.cache_base[slot];
+    const bool fold = p.is_flush[slot] != 0;
+    auto pos = [&](int64_t c) { return (base + c) % L; };   // logical record -> ring position
+    const int64_t d_base = (slot * HV + hv) * L * V;        // d_cache[slot, hv, 0, 0]
+    const int64_t k_base = (slot * H + h) * L * K;          // k_cache[slot, h, 0, 0]
+    const int64_t g_base = (slot * HV + hv) * L * g_width;  // g_cache[slot, hv, 0(, 0)]
+    const int64_t state_off = slot * r.state.slot_stride + hv * head_elems + int64_t{r0} * K;
+    float* S = sc.S.data();
+    load_row(r.state.ptr, r.state.dtype, state_off, rows * K, S);
+
+    // 1. The committed records, oldest first: per row s *= exp(g_j); s = fma(d_j, k_j, s).
+    for (int j = 0; j < m; ++j) {
+      const int64_t c = pos(j);
+      load_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
+      load_row(p.d_cache, p.d_dtype, d_base + c * V + r0, rows, sc.d.data());
+      const float* g = p.g_cache + g_base + c * g_width;
+      for (int i = 0; i < K; ++i) sc.alpha[i] = expf(g[r.gate.kda ? i : 0]);
+      for (int row = 0; row < rows; ++row) {
+        float* s = S + static_cast<int64_t>(row) * K;
+        vk.mul(s, sc.alpha.data(), K);
+        vk.axpy(s, sc.d[row], sc.k.data(), K);
+      }
+    }
+    // 2. The fold: the rebuilt state becomes the checkpoint (the commit then moves the ring's
+    //    origin past the folded records).
+    if (fold && m > 0) store_row(r.state.ptr, r.state.dtype, state_off, rows * K, S);
+
+    // 3. The drafts: the recurrent step on the rebuilt rows, each token's record (u, k, g)
+    //    appended at logical position m + t. u is the step's own beta*(v - s.k), with s.k taken
+    //    in the dot product's lane order from the decayed row, as delta_rows forms it.
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t tok = tok0 + t;
+      load_row(r.q.ptr, r.q.dtype, head_offset(r.q, seq, tok, h), K, sc.q.data());
+      load_row(r.k.ptr, r.k.dtype, head_offset(r.k, seq, tok, h), K, sc.k.data());
+      load_row(r.v.ptr, r.v.dtype, head_offset(r.v, seq, tok, hv) + r0, rows, sc.v.data());
+      prepare_qk(sc.q.data(), K, r.l2norm, r.scale);
+      prepare_qk(sc.k.data(), K, r.l2norm, 1.0f);
+      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, sc.g.data());
+      for (int i = 0; i < K; ++i) sc.alpha[i] = expf(sc.g[i]);
+      const float beta =
+          beta_value(load_float(r.beta.ptr, r.beta.dtype, head_offset(r.beta, seq, tok, hv)),
+                     r.beta_is_logit, r.round_beta, r.beta.dtype);
+      const float kq = dot(sc.k.data(), sc.q.data(), K);
+      for (int row = 0; row < rows; ++row) {
+        std::copy_n(S + static_cast<int64_t>(row) * K, K, sc.x.data());
+        vk.mul(sc.x.data(), sc.alpha.data(), K);
+        sc.d[row] = delta_u(sc.v[row], vk.dot(sc.x.data(), sc.k.data(), K), beta);
+      }
+      vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.q.data(), sc.v.data(), beta, kq,
+                    sc.o.data());
+      store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok, hv) + r0, rows, sc.o.data());
+      const int64_t c = pos(m + t);
+      store_row(p.d_cache, p.d_dtype, d_base + c * V + r0, rows, sc.d.data());
+      if (r0 == 0) {  // one writer per head for g, per key head for k
+        for (int i = 0; i < g_width; ++i) p.g_cache[g_base + c * g_width + i] = sc.g[i];
+        if (hv % group == 0) store_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
+      }
+    }
+  });
+}
+
+void run_replayssm_commit(const ReplayCommitProblem& p) {
+  // Serial: B small integer updates (a slot appears in one row of a step).
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t slot = p.slots.at(b, 0);
+    if (slot <= p.null_block_id) continue;
+    const int32_t a = static_cast<int32_t>(p.accepted.at(b, 0));
+    int32_t& wp = p.write_pos[slot];
+    if (p.is_flush[slot] != 0) {
+      if (a > 0) p.cache_base[slot] = static_cast<int32_t>((p.cache_base[slot] + wp) % p.L);
+      wp = a;
+    } else {
+      wp += a;
+    }
+    p.is_flush[slot] = wp + 2 * p.max_spec_len > p.L ? 1 : 0;
+  }
+}
+
+}  // namespace deltastate::cpu

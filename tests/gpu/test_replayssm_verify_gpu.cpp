@@ -1,0 +1,235 @@
+// ReplaySSM speculative verify and its cursor commit on the CUDA backend against the CPU backend:
+// the same random verify -> commit steps (forced folds, varlen drafts, a padded sequence, a
+// strided checkpoint pool, circular rings with random origins) run on both, and after every step
+// the outputs, the checkpoint pool, the rings and the cursors are compared (cursors exactly;
+// values at the tolerances of tests/gpu/test_cuda_ops.cpp, the ring's d records as outputs);
+// a verify + commit loop in a CUDA graph replays bit-equal to eager; a bad slot and a ring
+// overflow are skipped, NaN, and recorded for check_errors.
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "gpu/gpu_util.h"
+#include "test_util.h"
+
+namespace dstest {
+namespace {
+
+using deltastate::ReplayCommitArgs;
+using deltastate::ReplayVerifyArgs;
+
+struct GpuRvCase : OpCase {
+  DType ring;
+  int L, T, steps;
+};
+void PrintTo(const GpuRvCase& c, std::ostream* os) { *os << c.name; }
+
+struct RvState {
+  Tensor ck, idx, wp, base, flush;
+  Rings rings;
+  std::vector<int64_t> slots;
+};
+
+RvState make_state(Rng& rng, const GpuRvCase& c, int64_t N) {
+  RvState st;
+  const int64_t S = N + 3;
+  st.ck = make_pool(c.state, S, c.shape, /*slot_pad=*/c.shape.K == 128 ? 64 : 8, /*lead=*/32);
+  st.slots = pick_slots(rng, N, S, {N > 2 ? 1 : -1});
+  fill_live_slots(st.ck.view(), st.slots, rng);
+  st.idx = index_tensor(st.slots);
+  st.rings = make_rings(c.shape, c.kda, S, c.L, c.ring, c.ring);
+  std::vector<int64_t> base(S, 0);
+  for (int64_t s : st.slots)
+    if (s >= 0) base[s] = rng.integer(0, c.L - 1);
+  st.wp = index_tensor(std::vector<int64_t>(S, 0));
+  st.base = index_tensor(base);
+  st.flush = index_tensor(std::vector<int64_t>(S, 0));
+  return st;
+}
+
+template <class ViewOf>
+ReplayVerifyArgs rv_args(const RecurrentBatch& rb, const RvState& st, bool kda, ViewOf&& view_of) {
+  ReplayVerifyArgs a = replay_verify_inputs(rb.args(view_of), kda);
+  a.state = view_of(st.ck);
+  a.state_indices = view_of(st.idx);
+  a.d_cache = view_of(st.rings.d);
+  a.k_cache = view_of(st.rings.k);
+  a.g_cache = view_of(st.rings.g);
+  a.write_pos = view_of(st.wp);
+  a.cache_base = view_of(st.base);
+  a.is_flush = view_of(st.flush);
+  return a;
+}
+
+template <class ViewOf>
+ReplayCommitArgs commit_args(const RvState& st, const Tensor& acc, const GpuRvCase& c,
+                             ViewOf&& view_of) {
+  ReplayCommitArgs a;
+  a.write_pos = view_of(st.wp);
+  a.cache_base = view_of(st.base);
+  a.is_flush = view_of(st.flush);
+  a.num_accepted = view_of(acc);
+  a.state_indices = view_of(st.idx);
+  a.max_cache_len = c.L;
+  a.max_spec_len = c.T;
+  return a;
+}
+
+Tol gpu_state_tol(DType t) { return t == DType::f32 ? Tol{1e-4, 1e-3} : state_tol(t); }
+
+class ReplayVerifyGpu : public GpuParamTest<GpuRvCase> {};
+
+TEST_P(ReplayVerifyGpu, StepsMatchCpu) {
+  const GpuRvCase& c = GetParam();
+  Rng rng = test_rng();
+  const int64_t N = 4;
+  RvState st = make_state(rng, c, N);
+  Mirror dev;
+  dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.wp, st.base, st.flush);
+  for (int step = 0; step < c.steps; ++step) {
+    std::vector<int64_t> lens;
+    for (int64_t n = 0; n < N; ++n) lens.push_back(rng.integer(1, c.T));
+    RecurrentSpec spec = recurrent_spec(c.shape, c.kda, c.act, 1, c.T, lens);
+    spec.lower_bound = c.lower_bound;
+    RecurrentBatch rb = make_recurrent_batch(rng, spec);
+    // Forced folds: the same flags on both backends (the cursors agree after every commit).
+    for (int64_t s : st.slots)
+      if (s >= 0 && rng.chance(0.1)) st.flush.set({s}, 1);
+    dev.upload(st.flush);
+    rb.poison_out();
+    dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu);
+    deltastate::replayssm_verify(rv_args(rb, st, c.kda, host_view));
+    deltastate::replayssm_verify(rv_args(rb, st, c.kda, dev.views()));
+    sync();
+    deltastate::check_errors();
+    ASSERT_TRUE(close_vs_cpu(dev.download(rb.out).values(), rb.out.values(), kOutTol, c.act))
+        << "outputs, step " << step;
+    ASSERT_TRUE(
+        close_vs_cpu(dev.download(st.ck).values(), st.ck.values(), gpu_state_tol(c.state), c.state))
+        << "checkpoint pool, step " << step;
+    ASSERT_TRUE(
+        close_vs_cpu(dev.download(st.rings.d).values(), st.rings.d.values(), kOutTol, c.ring))
+        << "d ring, step " << step;
+    ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.k).values(), st.rings.k.values(),
+                             Tol{1e-6, 1e-5}, c.ring))
+        << "k ring, step " << step;
+    ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.g).values(), st.rings.g.values(),
+                             Tol{1e-6, 1e-5}, DType::f32))
+        << "g ring, step " << step;
+    std::vector<int64_t> accepted;
+    for (int64_t n = 0; n < N; ++n)
+      accepted.push_back(rng.integer(rng.chance(0.05) ? 0 : 1, lens[n]));
+    Tensor acc = index_tensor(accepted);
+    dev.upload(acc);
+    deltastate::replayssm_commit(commit_args(st, acc, c, host_view));
+    deltastate::replayssm_commit(commit_args(st, acc, c, dev.views()));
+    sync();
+    deltastate::check_errors();
+    for (const Tensor* t : {&st.wp, &st.base, &st.flush})
+      ASSERT_EQ(dev.download(*t).values(), t->values()) << "cursors, step " << step;
+  }
+}
+
+const GpuRvCase kGpuCases[] = {
+    {{"gdn_qwen3next_f32", kQwen3Next, false, kNoLb, f32, bf16}, f32, 16, 4, 40},
+    {{"gdn_qwen3next_bf16", kQwen3Next, false, kNoLb, bf16, bf16}, f32, 16, 4, 40},
+    {{"kda_kimi_f32_lb", kKimi, true, kLb, f32, bf16}, f32, 16, 4, 30},
+    {{"gdn_odd_bf16ring", kOdd, false, kNoLb, f32, f32}, bf16, 8, 4, 60},
+    {{"kda_KgtV_f32", kKgtV, true, kNoLb, f32, f32}, f32, 32, 8, 60},
+};
+INSTANTIATE_TEST_SUITE_P(Cases, ReplayVerifyGpu, ::testing::ValuesIn(kGpuCases),
+                         case_name<GpuRvCase>);
+
+// A verify + commit loop captured into a CUDA graph replays bit-equal to the same calls eager:
+// the cursors move on the device, so every replay verifies from the cursors the last one left
+// (folds included: L = 8 with 3 drafts folds every other step).
+TEST_F(GpuTest, ReplayVerifyCommitGraphReplaysEager) {
+  Rng rng = test_rng();
+  const GpuRvCase c{{"graph", kQwen3Next, false, kNoLb, f32, bf16}, f32, 8, 3, 1};
+  RvState st = make_state(rng, c, 4);
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(c.shape, false, bf16, 4, c.T));
+  Tensor acc = index_tensor({3, 1, 2, 3});
+  Mirror eager, graph;
+  for (Mirror* m : {&eager, &graph}) {
+    m->upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, acc);
+    m->upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.wp, st.base, st.flush);
+  }
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  auto step = [&](Mirror& m) {
+    ReplayVerifyArgs a = rv_args(rb, st, false, m.views());
+    a.stream = stream;
+    a.pdl = true;
+    deltastate::replayssm_verify(a);
+    ReplayCommitArgs ca = commit_args(st, acc, c, m.views());
+    ca.stream = stream;
+    ca.pdl = true;
+    deltastate::replayssm_commit(ca);
+  };
+  for (int i = 0; i < 5; ++i) step(eager);
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step(graph);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  for (int i = 0; i < 5; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  deltastate::check_errors(stream);
+  for (const Tensor* t :
+       {&rb.out, &st.ck, &st.rings.d, &st.rings.k, &st.rings.g, &st.wp, &st.base, &st.flush}) {
+    const Tensor a = eager.download(*t), b = graph.download(*t);
+    EXPECT_EQ(std::memcmp(a.alloc_base(), b.alloc_base(), static_cast<size_t>(a.alloc_bytes())), 0);
+  }
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// A slot past the pool and a ring overflow: the rows are skipped (NaN outputs, nothing written)
+// and the first is recorded for check_errors; the commit's bad count likewise.
+class ReplayVerifyGpuErrors : public GpuTest {};
+
+TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
+  Rng rng = test_rng();
+  const GpuRvCase c{{"err", kOdd, false, kNoLb, f32, f32}, f32, 16, 4, 1};
+  RvState st = make_state(rng, c, 3);
+  const int64_t S = st.ck.size(0);
+  st.idx = index_tensor({S + 2, -1, st.slots[2]});
+  st.wp.set({st.slots[2]}, 14);  // 14 + 4 drafts > 16
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(c.shape, false, f32, 3, c.T));
+  rb.poison_out();
+  Mirror dev;
+  dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.wp, st.base, st.flush);
+  dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias);
+  const Tensor ck0 = dev.download(st.ck), d0 = dev.download(st.rings.d);
+  deltastate::replayssm_verify(rv_args(rb, st, false, dev.views()));
+  sync();
+  const auto err = catch_error([] { deltastate::check_errors(); });
+  ASSERT_TRUE(err);
+  EXPECT_NE(std::string(err->what()).find("replayssm_verify"), std::string::npos) << err->what();
+  const Tensor out = dev.download(rb.out);
+  for (int64_t t = 0; t < c.T; ++t) {
+    for (int64_t n : {int64_t{0}, int64_t{2}})
+      for (int hv = 0; hv < c.shape.HV; ++hv)
+        for (int i = 0; i < c.shape.V; ++i) EXPECT_TRUE(std::isnan(out.get({n, t, hv, i})));
+    for (int hv = 0; hv < c.shape.HV; ++hv)
+      for (int i = 0; i < c.shape.V; ++i) EXPECT_EQ(out.get({1, t, hv, i}), 0.0);
+  }
+  EXPECT_EQ(dev.download(st.ck).bytes(), ck0.bytes());
+  EXPECT_EQ(dev.download(st.rings.d).bytes(), d0.bytes());
+  Tensor acc = index_tensor({9, 1, 1});  // 9 > max_spec_len, on a live row
+  Tensor good = index_tensor({st.slots[0] >= 0 ? st.slots[0] : 0, -1, st.slots[2]});
+  dev.upload_all(acc, good);
+  ReplayCommitArgs ca = commit_args(st, acc, c, dev.views());
+  ca.state_indices = dev.view(good);
+  deltastate::replayssm_commit(ca);
+  sync();
+  const auto err2 = catch_error([] { deltastate::check_errors(); });
+  ASSERT_TRUE(err2);
+  EXPECT_NE(std::string(err2->what()).find("replayssm_commit"), std::string::npos) << err2->what();
+}
+
+}  // namespace
+}  // namespace dstest

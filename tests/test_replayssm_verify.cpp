@@ -1,0 +1,556 @@
+// ReplaySSM speculative verify (replayssm_verify) and its cursor commit (replayssm_commit) on the
+// CPU: against the fp64 reference (the committed records replayed onto the checkpoint, then the
+// drafts through the delta rule, written plainly here on ref's gates and norms), and against
+// the intermediate-state verify (verify + update_state_after_verify) over 200 random
+// accept/reject steps with forced folds: bit for bit with fp32 checkpoints and rings, within
+// tolerance with bf16 checkpoints or 16-bit rings. Every step checks that the verify writes
+// nothing but the outputs, the drafts' ring records and (on a fold) the checkpoint: rejected
+// drafts leave the committed records and the checkpoint bit-unchanged, sentinel-filled slots and
+// envelope gaps stay untouched. Padded sequences, strided pools, circular rings with a random
+// origin, varlen batches, and every error text.
+#include <cmath>
+#include <functional>
+#include <string>
+
+#include "test_util.h"
+
+namespace dstest {
+namespace {
+
+using deltastate::ReplayCommitArgs;
+using deltastate::ReplayVerifyArgs;
+
+struct RvCase : OpCase {
+  DType ring;  // d_cache and k_cache
+  int L, T;    // ring length, most drafts per step
+  bool varlen;
+  int steps;
+  bool exact() const { return state == DType::f32 && ring == DType::f32; }
+};
+void PrintTo(const RvCase& c, std::ostream* os) { *os << c.name; }
+
+// The setup of a run: a strided checkpoint pool (sentinel outside the live slots), its twin for
+// the intermediate-state verify, rings, slot-keyed cursors with random ring origins.
+struct Sim {
+  RvCase c;
+  int64_t N = 0, S = 0;
+  std::vector<int64_t> slots;
+  Tensor ck, plain, idx, write_pos, cache_base, is_flush;
+  Rings rings;
+  // the cursors as the test expects them
+  std::vector<int64_t> wp, base, flush;
+
+  Sim(Rng& rng, const RvCase& cs, int64_t n) : c(cs), N(n), S(n + 3) {
+    ck = make_pool(c.state, S, c.shape, /*slot_pad=*/24, /*lead=*/8);
+    plain = make_pool(c.state, S, c.shape);
+    slots = pick_slots(rng, N, S, {N > 2 ? 1 : -1});
+    for (int64_t s : slots)
+      if (s >= 0) {
+        fill_slot(ck.view(), s, rng);
+        set_slot_values(plain.view(), s, slot_values(ck.view(), s));
+      }
+    idx = index_tensor(slots);
+    rings = make_rings(c.shape, c.kda, S, c.L, c.ring, c.ring);
+    wp.assign(S, 0);
+    base.assign(S, 0);
+    flush.assign(S, 0);
+    for (int64_t s : slots)
+      if (s >= 0) base[s] = rng.integer(0, c.L - 1);
+    write_pos = index_tensor(wp);
+    cache_base = index_tensor(base);
+    is_flush = index_tensor(flush);
+  }
+  void push_cursors() {
+    for (int64_t s = 0; s < S; ++s) {
+      write_pos.set({s}, static_cast<double>(wp[s]));
+      cache_base.set({s}, static_cast<double>(base[s]));
+      is_flush.set({s}, static_cast<double>(flush[s]));
+    }
+  }
+  RecurrentBatch batch(Rng& rng) const {
+    std::vector<int64_t> lens;
+    for (int64_t n = 0; n < N; ++n) lens.push_back(c.varlen ? rng.integer(1, c.T) : c.T);
+    RecurrentSpec spec = recurrent_spec(c.shape, c.kda, c.act, c.varlen ? 1 : N, c.T,
+                                        c.varlen ? lens : std::vector<int64_t>{});
+    spec.lower_bound = c.lower_bound;
+    return make_recurrent_batch(rng, spec);
+  }
+  ReplayVerifyArgs args(const RecurrentBatch& rb) const {
+    ReplayVerifyArgs a = replay_verify_inputs(rb.args(host_view), c.kda);
+    a.state = ck.view();
+    a.state_indices = idx.view();
+    a.d_cache = rings.d.view();
+    a.k_cache = rings.k.view();
+    a.g_cache = rings.g.view();
+    a.write_pos = write_pos.view();
+    a.cache_base = cache_base.view();
+    a.is_flush = is_flush.view();
+    return a;
+  }
+  int64_t pos(int64_t s, int64_t logical) const { return (base[s] + logical) % c.L; }
+  // What a verify may write for sequence n with `len` drafts: their ring records, and the
+  // checkpoint slot on a fold.
+  void writable(int64_t n, int64_t len, std::vector<MemRange>& out) const {
+    const int64_t s = slots[n];
+    const Shape& sh = c.shape;
+    const int gw = c.kda ? sh.K : 1;
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t p = pos(s, wp[s] + t);
+      for (int hv = 0; hv < sh.HV; ++hv) {
+        out.push_back(range_of(rings.d.view(), ((s * sh.HV + hv) * c.L + p) * sh.V, sh.V));
+        out.push_back(range_of(rings.g.view(), ((s * sh.HV + hv) * c.L + p) * gw, gw));
+      }
+      for (int h = 0; h < sh.H; ++h)
+        out.push_back(range_of(rings.k.view(), ((s * sh.H + h) * c.L + p) * sh.K, sh.K));
+    }
+    if (flush[s] && wp[s] > 0) out.push_back(slot_range(ck.view(), s));
+  }
+  // The cursor rule of the commit (ops.h ReplayCommitArgs).
+  void commit_model(int64_t s, int64_t a) {
+    if (flush[s]) {
+      if (a > 0) base[s] = (base[s] + wp[s]) % c.L;
+      wp[s] = a;
+    } else {
+      wp[s] += a;
+    }
+    flush[s] = wp[s] + 2 * c.T > c.L;
+  }
+};
+
+// The fp64 reference of one sequence: the checkpoint, the m committed records replayed oldest
+// first (S <- exp(g) S + d k^T per value head), the fold state, then each draft's step with its
+// record (u, k, g).
+struct RefRun {
+  ref::State folded;
+  std::vector<std::vector<double>> out, u, k, g;  // [t][HV*V], [t][HV*V], [t][H*K], [t][HV*gw]
+};
+RefRun reference_run(const ref::Config& cfg, ref::State S, const ref::Ring& ring, int64_t base,
+                     int64_t m, const std::vector<ref::Token>& drafts) {
+  const int HV = cfg.HV, H = cfg.H, K = cfg.K, V = cfg.V, L = ring.L, gw = cfg.gate_width();
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t p = (base + j) % L;
+    for (int hv = 0; hv < HV; ++hv) {
+      const int h = hv / cfg.group();
+      for (int r = 0; r < V; ++r)
+        for (int i = 0; i < K; ++i) {
+          double& x = S[(static_cast<int64_t>(hv) * V + r) * K + i];
+          const double g = ring.g[(static_cast<int64_t>(hv) * L + p) * gw + (cfg.kda ? i : 0)];
+          x = std::exp(g) * x + ring.d[(static_cast<int64_t>(hv) * L + p) * V + r] *
+                                    ring.k[(static_cast<int64_t>(h) * L + p) * K + i];
+        }
+    }
+  }
+  RefRun res;
+  res.folded = S;
+  for (const ref::Token& tok : drafts) {
+    std::vector<double> o(static_cast<size_t>(HV) * V), u(o.size()), gs;
+    std::vector<double> ks;
+    for (int h = 0; h < H; ++h) {
+      const std::vector<double> kh = ref::prepared_k(cfg, tok, h);
+      ks.insert(ks.end(), kh.begin(), kh.end());
+    }
+    for (int hv = 0; hv < HV; ++hv) {
+      const int h = hv / cfg.group();
+      const std::vector<double> q = ref::prepared_q(cfg, tok, h);
+      const std::vector<double> g = ref::log_decay(cfg, tok, hv);
+      const double beta = ref::beta_of(cfg, tok, hv);
+      for (int i = 0; i < gw; ++i) gs.push_back(g[i]);
+      for (int r = 0; r < V; ++r) {
+        double* row = &S[(static_cast<int64_t>(hv) * V + r) * K];
+        double sk = 0;
+        for (int i = 0; i < K; ++i) {
+          row[i] *= std::exp(g[i]);
+          sk += row[i] * ks[static_cast<size_t>(h) * K + i];
+        }
+        const double uu = beta * (tok.v[static_cast<size_t>(hv) * V + r] - sk);
+        double sq = 0;
+        for (int i = 0; i < K; ++i) {
+          row[i] += uu * ks[static_cast<size_t>(h) * K + i];
+          sq += row[i] * q[i];
+        }
+        u[static_cast<size_t>(hv) * V + r] = uu;
+        o[static_cast<size_t>(hv) * V + r] = sq;
+      }
+    }
+    res.out.push_back(o);
+    res.u.push_back(u);
+    res.k.push_back(ks);
+    res.g.push_back(gs);
+  }
+  return res;
+}
+
+// Values of sequence n's record at ring position p: d [HV*V], k [H*K], g [HV*gw].
+void record_at(const Sim& sim, int64_t s, int64_t p, std::vector<double>& d, std::vector<double>& k,
+               std::vector<double>& g) {
+  const ref::Ring r = ring_of_slot(sim.rings.d.view(), sim.rings.k.view(), sim.rings.g.view(), s);
+  const Shape& sh = sim.c.shape;
+  const int gw = sim.c.kda ? sh.K : 1, L = sim.c.L;
+  d.clear();
+  k.clear();
+  g.clear();
+  for (int hv = 0; hv < sh.HV; ++hv) {
+    for (int i = 0; i < sh.V; ++i) d.push_back(r.d[(static_cast<int64_t>(hv) * L + p) * sh.V + i]);
+    for (int i = 0; i < gw; ++i) g.push_back(r.g[(static_cast<int64_t>(hv) * L + p) * gw + i]);
+  }
+  for (int h = 0; h < sh.H; ++h)
+    for (int i = 0; i < sh.K; ++i) k.push_back(r.k[(static_cast<int64_t>(h) * L + p) * sh.K + i]);
+}
+
+// Tolerances against the intermediate-state verify where the two round differently: a bf16
+// checkpoint is rounded at every commit there and at folds only here; 16-bit rings round d and k.
+Tol cross_tol(const RvCase& c) { return c.exact() ? Tol{0, 0} : Tol{3e-3, 3e-3}; }
+
+class ReplayVerify : public ::testing::TestWithParam<RvCase> {};
+
+// 200 random steps (fewer for the model shapes): forced folds, random accepted counts (zero
+// included); the replay verify against the intermediate-state verify and its commit, every
+// write checked, the cursors against the rule.
+TEST_P(ReplayVerify, RandomStepsMatchIntermediateStateVerify) {
+  const RvCase& c = GetParam();
+  Rng rng = test_rng();
+  const int64_t N = c.shape.K >= 128 ? 2 : 4;
+  Sim sim(rng, c, N);
+  const Shape& sh = c.shape;
+  Tensor inter = Tensor::contiguous(c.state, {N, c.T, sh.HV, sh.V, sh.K});
+  int folds = 0, wraps = 0;
+  for (int step = 0; step < c.steps; ++step) {
+    RecurrentBatch rb = sim.batch(rng);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t s = sim.slots[n];
+      if (s >= 0 && rng.chance(0.08)) sim.flush[s] = 1;  // a forced fold
+    }
+    sim.push_cursors();
+    // 1. The replay verify: only the drafts' records and (on a fold) the checkpoint change.
+    rb.poison_out();
+    Snapshot before;
+    before.add(sim.ck).add(sim.rings.d).add(sim.rings.k).add(sim.rings.g);
+    before.add(sim.write_pos).add(sim.cache_base).add(sim.is_flush);
+    deltastate::replayssm_verify(sim.args(rb));
+    std::vector<MemRange> allowed;
+    for (int64_t n = 0; n < N; ++n)
+      if (sim.slots[n] >= 0) sim.writable(n, rb.seq_len(n), allowed);
+    ASSERT_TRUE(before.unchanged_except(allowed)) << "step " << step;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t s = sim.slots[n];
+      if (s < 0 || !sim.flush[s]) continue;
+      ++folds;
+      // The fold: the checkpoint is now the committed state.
+      ASSERT_TRUE(
+          all_close(slot_values(sim.ck.view(), s), slot_values(sim.plain.view(), s), cross_tol(c)))
+          << "folded checkpoint, step " << step << " seq " << n;
+    }
+    std::vector<std::vector<double>> got(N);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+        const std::vector<double> o = rb.out_token(n, t);
+        got[n].insert(got[n].end(), o.begin(), o.end());
+      }
+    // 2. The intermediate-state verify of the same tokens from the committed states.
+    rb.poison_out();
+    deltastate::VerifyArgs va = verify_inputs(rb.args(host_view), c.kda);
+    va.state = sim.plain.view();
+    va.state_indices = sim.idx.view();
+    va.update_state = false;
+    va.intermediate_states = inter.view();
+    deltastate::verify(va);
+    for (int64_t n = 0; n < N; ++n) {
+      std::vector<double> want;
+      for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+        const std::vector<double> o = rb.out_token(n, t);
+        want.insert(want.end(), o.begin(), o.end());
+      }
+      if (sim.slots[n] < 0) {
+        ASSERT_TRUE(all_zero(got[n])) << "padded sequence " << n;
+        continue;
+      }
+      ASSERT_TRUE(all_close(got[n], want, cross_tol(c), c.act, c.exact() ? 0 : 2))
+          << "outputs, step " << step << " seq " << n;
+    }
+    // With fp32 checkpoints and rings, also bit for bit the recurrent op (plain decode over the
+    // drafts) from the committed states.
+    if (c.exact()) {
+      rb.poison_out();
+      deltastate::RecurrentArgs ra = rb.args(host_view);
+      ra.state = sim.plain.view();
+      ra.state_indices = sim.idx.view();
+      ra.update_state = false;
+      ra.stride_contract = false;
+      if (c.kda) deltastate::recurrent_kda(ra);
+      else deltastate::recurrent_gdn(ra);
+      for (int64_t n = 0; n < N; ++n) {
+        if (sim.slots[n] < 0) continue;
+        std::vector<double> want;
+        for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+          const std::vector<double> o = rb.out_token(n, t);
+          want.insert(want.end(), o.begin(), o.end());
+        }
+        ASSERT_EQ(got[n], want) << "recurrent op, step " << step << " seq " << n;
+      }
+    }
+    // 3. Accept a random prefix (the bonus token included; sometimes none) and commit both.
+    std::vector<int64_t> accepted(N, 0);
+    for (int64_t n = 0; n < N; ++n)
+      accepted[n] = rng.chance(0.05) ? 0 : rng.integer(1, rb.seq_len(n));
+    Tensor acc = index_tensor(accepted, DType::i64);
+    ReplayCommitArgs ca;
+    ca.write_pos = sim.write_pos.view();
+    ca.cache_base = sim.cache_base.view();
+    ca.is_flush = sim.is_flush.view();
+    ca.num_accepted = acc.view();
+    ca.state_indices = sim.idx.view();
+    ca.max_cache_len = c.L;
+    ca.max_spec_len = c.T;
+    deltastate::replayssm_commit(ca);
+    deltastate::CommitArgs pc;
+    pc.state = sim.plain.view();
+    pc.intermediate_states = inter.view();
+    pc.state_indices = sim.idx.view();
+    pc.accepted = acc.view();
+    deltastate::update_state_after_verify(pc);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t s = sim.slots[n];
+      if (s < 0) continue;
+      const int64_t b0 = sim.base[s];
+      sim.commit_model(s, accepted[n]);
+      wraps += sim.base[s] < b0;
+    }
+    for (int64_t s = 0; s < sim.S; ++s) {
+      ASSERT_EQ(sim.write_pos.get({s}), sim.wp[s]) << "write_pos " << s << " step " << step;
+      ASSERT_EQ(sim.cache_base.get({s}), sim.base[s]) << "cache_base " << s;
+      ASSERT_EQ(sim.is_flush.get({s}), sim.flush[s]) << "is_flush " << s;
+    }
+  }
+  EXPECT_GT(folds, 0);
+  EXPECT_GT(wraps, 0) << "no ring origin wrapped around";
+}
+
+// A few committed steps, then one verify against the fp64 reference: every draft's output (so
+// every prefix), its ring record, and the folded checkpoint.
+TEST_P(ReplayVerify, MatchesFp64Reference) {
+  const RvCase& c = GetParam();
+  Rng rng = test_rng();
+  const int64_t N = 3;
+  Sim sim(rng, c, N);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
+  const int warm = 1 + static_cast<int>(rng.integer(0, 3));
+  for (int step = 0; step <= warm; ++step) {
+    RecurrentBatch rb = sim.batch(rng);
+    const bool last = step == warm;
+    if (last)  // fold one sequence, append on the others
+      for (int64_t n = 0; n < N; ++n)
+        if (sim.slots[n] >= 0) sim.flush[sim.slots[n]] = n == 0;
+    sim.push_cursors();
+    std::vector<RefRun> want(N);
+    std::vector<ref::State> ck_before(N);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t s = sim.slots[n];
+      if (s < 0) continue;
+      std::vector<ref::Token> drafts;
+      for (int64_t t = 0; t < rb.seq_len(n); ++t) drafts.push_back(rb.token(n, t));
+      ck_before[n] = slot_values(sim.ck.view(), s);
+      want[n] =
+          reference_run(rb.config(scale), ck_before[n],
+                        ring_of_slot(sim.rings.d.view(), sim.rings.k.view(), sim.rings.g.view(), s),
+                        sim.base[s], sim.wp[s], drafts);
+    }
+    rb.poison_out();
+    deltastate::replayssm_verify(sim.args(rb));
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t s = sim.slots[n];
+      if (s < 0) continue;
+      // Records hold fp32 values rounded to the ring's dtype; outputs, as the recurrent test.
+      const Tol rec_tol = c.ring == DType::f32 ? Tol{1e-5, 1e-4} : Tol{1e-3, 1e-2};
+      for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+        ASSERT_TRUE(all_close(rb.out_token(n, t), want[n].out[t],
+                              c.exact() ? kOutTol : Tol{2e-3, 1e-2}, c.act))
+            << "step " << step << " seq " << n << " token " << t;
+        std::vector<double> d, k, g;
+        record_at(sim, s, sim.pos(s, sim.wp[s] + t), d, k, g);
+        EXPECT_TRUE(all_close(d, want[n].u[t], rec_tol, c.ring)) << "record d " << t;
+        EXPECT_TRUE(all_close(k, want[n].k[t], rec_tol, c.ring)) << "record k " << t;
+        EXPECT_TRUE(all_close(g, want[n].g[t], Tol{1e-5, 1e-4})) << "record g " << t;
+      }
+      const std::vector<double> now = slot_values(sim.ck.view(), s);
+      if (sim.flush[s] && sim.wp[s] > 0)
+        EXPECT_TRUE(all_close(now, want[n].folded, state_tol(c.state))) << "folded seq " << n;
+      else EXPECT_EQ(now, ck_before[n]) << "an appending step writes no checkpoint";
+    }
+    for (int64_t n = 0; n < N; ++n)
+      if (sim.slots[n] >= 0) sim.commit_model(sim.slots[n], rng.integer(1, rb.seq_len(n)));
+  }
+}
+
+const RvCase kCases[] = {
+    {{"gdn_odd_f32", kOdd, false, kNoLb, f32, f32}, f32, 16, 4, true, 200},
+    {{"kda_odd_f32_lb", kOdd, true, kLb, f32, f32}, f32, 16, 4, true, 200},
+    {{"gdn_KgtV_bf16ckpt", kKgtV, false, kNoLb, bf16, bf16}, f32, 16, 3, false, 200},
+    {{"kda_KltV_bf16ring", kKltV, true, kNoLb, f32, bf16}, bf16, 8, 4, true, 200},
+    {{"gdn_qwen3next_f32", kQwen3Next, false, kNoLb, f32, bf16}, f32, 16, 4, false, 24},
+    {{"kda_kimi_bf16ckpt", kKimi, true, kNoLb, bf16, bf16}, f32, 16, 4, true, 12},
+};
+INSTANTIATE_TEST_SUITE_P(Cases, ReplayVerify, ::testing::ValuesIn(kCases), case_name<RvCase>);
+
+// ---- errors ---------------------------------------------------------------------------------
+std::string error_of(const std::function<void()>& f) {
+  auto e = catch_error(f);
+  return e ? std::string(e->what()) : std::string();
+}
+
+TEST(ReplayVerifyErrors, EveryText) {
+  Rng rng = test_rng();
+  const RvCase c{{"err", kOdd, false, kNoLb, f32, f32}, f32, 16, 4, false, 0};
+  Sim sim(rng, c, 3);
+  RecurrentBatch rb = sim.batch(rng);
+  sim.push_cursors();
+  const int64_t s0 = sim.slots[0];
+  auto expect = [&](
+                    const std::function<void(ReplayVerifyArgs&)>& mutate, const std::string& text,
+                    const std::function<void()>& undo = [] {}) {
+    ReplayVerifyArgs a = sim.args(rb);
+    mutate(a);
+    Snapshot snap;
+    snap.add(sim.ck).add(sim.rings.d).add(sim.rings.k).add(sim.rings.g);
+    const std::string what = error_of([&] { deltastate::replayssm_verify(a); });
+    EXPECT_NE(what.find(text), std::string::npos) << "got: " << what << "\nwant: " << text;
+    EXPECT_TRUE(snap.unchanged()) << text;
+    undo();
+  };
+  const Shape& sh = c.shape;
+  Tensor d3 = Tensor::contiguous(f32, {sim.S, sh.HV, 16});
+  Tensor d0 = Tensor::contiguous(f32, {sim.S, sh.HV, 0, sh.V});
+  Tensor dbad = Tensor::contiguous(f32, {sim.S, sh.HV, 16, sh.V + 1});
+  Tensor kbad = Tensor::contiguous(f32, {sim.S, sh.H, 8, sh.K});
+  Tensor gbad = Tensor::contiguous(f32, {sim.S, sh.HV, 16, sh.K});
+  Tensor g16 = Tensor::contiguous(bf16, {sim.S, sh.HV, 16});
+  Tensor dint = Tensor::contiguous(DType::i32, {sim.S, sh.HV, 16, sh.V});
+  Tensor dstrided =
+      Tensor::strided(f32, {sim.S, sh.HV, 16, sh.V}, {sh.HV * 16 * sh.V * 2, 16 * sh.V, sh.V, 1});
+  Tensor wp64 = Tensor::contiguous(DType::i64, {sim.S});
+  Tensor wpshort = Tensor::contiguous(DType::i32, {sim.S - 1});
+  const std::string S = std::to_string(sim.S);
+  Tensor d2 = Tensor::contiguous(f32, {sim.S, sh.HV});
+  expect([&](auto& a) { a.d_cache = d2.view(); },
+         "`d_cache` shape must be (" + S + ", 6, L, 48) (got (" + S + ", 6)).");
+  expect([&](auto& a) { a.d_cache = d3.view(); },
+         "`d_cache` shape must be (" + S + ", 6, 16, 48) (got (" + S + ", 6, 16)).");
+  expect([&](auto& a) { a.d_cache = d0.view(); }, "ReplaySSM cache length must be at least 1.");
+  expect([&](auto& a) { a.d_cache = dstrided.view(); },
+         "ReplaySSM ring caches must be contiguous.");
+  expect([&](auto& a) { a.d_cache = dbad.view(); },
+         "`d_cache` shape must be (" + S + ", 6, 16, 48) (got (" + S + ", 6, 16, 49)).");
+  expect([&](auto& a) { a.k_cache = kbad.view(); },
+         "`k_cache` shape must be (" + S + ", 3, 16, 32) (got (" + S + ", 3, 8, 32)).");
+  expect([&](auto& a) { a.g_cache = gbad.view(); },
+         "`g_cache` shape must be (" + S + ", 6, 16) (got (" + S + ", 6, 16, 32)).");
+  expect([&](auto& a) { a.g_cache = g16.view(); }, "`g_cache` must be float32 (got bfloat16).");
+  expect([&](auto& a) { a.d_cache = dint.view(); },
+         "ReplaySSM ring caches must be floating point (got int32).");
+  expect([&](auto& a) { a.write_pos = wp64.view(); },
+         "`write_pos` must be a contiguous 1D int32 tensor.");
+  expect([&](auto& a) { a.cache_base = wpshort.view(); },
+         "`cache_base` must have one entry per slot (" + S + "); got " + std::to_string(sim.S - 1));
+  expect([&](auto& a) { a.is_flush = wp64.view(); },
+         "`is_flush` must be a contiguous 1D int32 tensor.");
+  // The verify op's own checks run first (one sample; test_verify covers them).
+  expect([&](auto& a) { a.state = d3.view(); }, "`state` must be a 4D tensor");
+  // Slots and cursors.
+  Tensor bad_idx = index_tensor({sim.S, -1, -1});
+  expect([&](auto& a) { a.state_indices = bad_idx.view(); },
+         "`state_indices`[0]=" + S + " is out of range for a pool of " + S + " slots");
+  Tensor dup_idx = index_tensor({s0, -1, s0});
+  expect([&](auto& a) { a.state_indices = dup_idx.view(); },
+         "`state_indices`[2]=" + std::to_string(s0) + " repeats a live slot of this batch");
+  auto with_cursor = [&](Tensor& t, double v) { return [&t, v, s0] { t.set({s0}, v); }; };
+  with_cursor(sim.write_pos, 17)();
+  expect([](auto&) {}, "`write_pos`[" + std::to_string(s0) + "]=17 is outside the ring [0, L=16]",
+         with_cursor(sim.write_pos, 0));
+  with_cursor(sim.cache_base, 16)();
+  expect([](auto&) {},
+         "`cache_base`[" + std::to_string(s0) + "]=16 is outside the ring [0, L-1=15]",
+         with_cursor(sim.cache_base, 0));
+  with_cursor(sim.write_pos, 13)();
+  expect([](auto&) {},
+         "sequence 0: write_pos=13 plus 4 draft tokens overflows the ring of L=16 (the commit's "
+         "max_spec_len must cover the drafts)",
+         with_cursor(sim.write_pos, 0));
+  // null_block_id: the slot at or below it is padding (no cursor check, zero output).
+  with_cursor(sim.write_pos, 17)();
+  {
+    Tensor null_idx = index_tensor({0, -1, -1});
+    Tensor wp = Tensor::contiguous(DType::i32, {sim.S});
+    wp.fill_all(99);
+    ReplayVerifyArgs a = sim.args(rb);
+    a.state_indices = null_idx.view();
+    a.write_pos = wp.view();
+    a.null_block_id = 0;
+    rb.poison_out();
+    deltastate::replayssm_verify(a);
+    for (int64_t n = 0; n < 3; ++n)
+      for (int64_t t = 0; t < c.T; ++t) EXPECT_TRUE(all_zero(rb.out_token(n, t)));
+  }
+  with_cursor(sim.write_pos, 0)();
+}
+
+TEST(ReplayVerifyErrors, KdaGateRing) {
+  Rng rng = test_rng();
+  const RvCase c{{"err_kda", kOdd, true, kNoLb, f32, f32}, f32, 16, 4, false, 0};
+  Sim sim(rng, c, 2);
+  RecurrentBatch rb = sim.batch(rng);
+  sim.push_cursors();
+  Tensor g3 = Tensor::contiguous(f32, {sim.S, c.shape.HV, 16});
+  ReplayVerifyArgs a = sim.args(rb);
+  a.g_cache = g3.view();
+  const std::string S = std::to_string(sim.S);
+  const std::string what = error_of([&] { deltastate::replayssm_verify(a); });
+  EXPECT_EQ(what, "`g_cache` shape must be (" + S + ", 6, 16, 32) (got (" + S + ", 6, 16)).");
+}
+
+TEST(ReplayCommitErrors, EveryText) {
+  Tensor wp = Tensor::contiguous(DType::i32, {4}), base = Tensor::contiguous(DType::i32, {4}),
+         fl = Tensor::contiguous(DType::i32, {4});
+  Tensor idx = index_tensor({2, -1}), acc = index_tensor({1, 3});
+  auto args = [&] {
+    ReplayCommitArgs a;
+    a.write_pos = wp.view();
+    a.cache_base = base.view();
+    a.is_flush = fl.view();
+    a.num_accepted = acc.view();
+    a.state_indices = idx.view();
+    a.max_cache_len = 16;
+    a.max_spec_len = 4;
+    return a;
+  };
+  auto expect = [&](const std::function<void(ReplayCommitArgs&)>& mutate, const std::string& text) {
+    ReplayCommitArgs a = args();
+    mutate(a);
+    Snapshot snap;
+    snap.add(wp).add(base).add(fl);
+    const std::string what = error_of([&] { deltastate::replayssm_commit(a); });
+    EXPECT_NE(what.find(text), std::string::npos) << "got: " << what << "\nwant: " << text;
+    EXPECT_TRUE(snap.unchanged());
+  };
+  Tensor wp2 = Tensor::contiguous(DType::i32, {4, 1}), f5 = Tensor::contiguous(DType::i32, {5});
+  Tensor fidx = Tensor::contiguous(DType::f32, {2}), idx3 = index_tensor({1, 2, 3});
+  Tensor big = index_tensor({4, -1}), acc5 = index_tensor({5, 0}), accneg = index_tensor({-1, 0});
+  expect([&](auto& a) { a.write_pos = wp2.view(); },
+         "`write_pos` must be a contiguous 1D int32 tensor.");
+  expect([&](auto& a) { a.is_flush = f5.view(); },
+         "`is_flush` must have one entry per slot (4); got 5");
+  expect([&](auto& a) { a.state_indices = fidx.view(); },
+         "`state_indices` must be int32 or int64 (got float32)");
+  expect([&](auto& a) { a.num_accepted = idx3.view(); },
+         "`num_accepted` must have shape [B]=(2,); got (3,)");
+  expect([&](auto& a) { a.max_cache_len = 0; }, "max_cache_len must be in [1, 2^30] (got 0)");
+  expect([&](auto& a) { a.max_spec_len = 9; },
+         "max_spec_len must be >= 1 with 2 * max_spec_len <= max_cache_len=16 (got 9)");
+  expect([&](auto& a) { a.state_indices = big.view(); },
+         "`state_indices`[0]=4 is out of range for a pool of 4 slots");
+  expect([&](auto& a) { a.num_accepted = acc5.view(); },
+         "`num_accepted`[0]=5 is outside [0, max_spec_len=4]");
+  expect([&](auto& a) { a.num_accepted = accneg.view(); },
+         "`num_accepted`[0]=-1 is outside [0, max_spec_len=4]");
+}
+
+}  // namespace
+}  // namespace dstest
