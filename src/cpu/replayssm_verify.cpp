@@ -79,8 +79,11 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
       const int64_t c = pos(j);
       load_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
       load_row(p.d_cache, p.d_dtype, d_base + c * V + r0, rows, sc.d.data());
+      // alpha = e^g by the vector exp the recurrent step's gate_row uses (the same bits)
       const float* g = p.g_cache + g_base + c * g_width;
-      for (int i = 0; i < K; ++i) sc.alpha[i] = expf(g[r.gate.kda ? i : 0]);
+      vk.gate(detail::GateMode::log_decay, g, nullptr, 0.0f, 0.0f, r.gate.kda ? K : 1, nullptr,
+              sc.alpha.data());
+      if (!r.gate.kda) std::fill(sc.alpha.begin() + 1, sc.alpha.begin() + K, sc.alpha[0]);
       for (int row = 0; row < rows; ++row) {
         float* s = S + static_cast<int64_t>(row) * K;
         vk.mul(s, sc.alpha.data(), K);
@@ -101,8 +104,8 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
       load_row(r.v.ptr, r.v.dtype, head_offset(r.v, seq, tok, hv) + r0, rows, sc.v.data());
       prepare_qk(sc.q.data(), K, r.l2norm, r.scale);
       prepare_qk(sc.k.data(), K, r.l2norm, 1.0f);
-      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, sc.g.data());
-      for (int i = 0; i < K; ++i) sc.alpha[i] = expf(sc.g[i]);
+      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, sc.g.data(),
+               sc.alpha.data());
       const float beta =
           beta_value(load_float(r.beta.ptr, r.beta.dtype, head_offset(r.beta, seq, tok, hv)),
                      r.beta_is_logit, r.round_beta, r.beta.dtype);
