@@ -102,6 +102,25 @@ class Mirror {
   std::map<const void*, Buf> bufs_;
 };
 
+// Runs `step` `reps` times eagerly on the `eager` mirror, captures one `step` on the `graph`
+// mirror into a CUDA graph and replays it `reps` times on `stream`, then reads the device's error
+// record: both mirrors then hold `reps` steps' results, for a byte-for-byte comparison.
+template <class Step>
+void run_eager_and_graph(Step&& step, Mirror& eager, Mirror& graph, cudaStream_t stream, int reps) {
+  for (int i = 0; i < reps; ++i) step(eager);
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step(graph);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
+  deltastate::check_errors(stream);
+}
+
 // GPU vs CPU comparisons: each backend rounded its own fp32 result (tests/gpu/test_cuda_ops.cpp).
 inline constexpr Tol kFp32StateTol{1e-5, 1e-4};
 inline ::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu,

@@ -167,23 +167,12 @@ TEST_F(GpuTest, ReplayVerifyCommitGraphReplaysEager) {
     ca.pdl = true;
     deltastate::replayssm_commit(ca);
   };
-  for (int i = 0; i < 5; ++i) step(eager);
-  cudaGraph_t g;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step(graph);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  for (int i = 0; i < 5; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  deltastate::check_errors(stream);
+  run_eager_and_graph(step, eager, graph, stream, 5);
   for (const Tensor* t :
        {&rb.out, &st.ck, &st.rings.d, &st.rings.k, &st.rings.g, &st.wp, &st.base, &st.flush}) {
     const Tensor a = eager.download(*t), b = graph.download(*t);
     EXPECT_EQ(std::memcmp(a.alloc_base(), b.alloc_base(), static_cast<size_t>(a.alloc_bytes())), 0);
   }
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 

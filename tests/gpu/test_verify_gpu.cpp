@@ -224,22 +224,11 @@ TEST_F(GpuTest, VerifyCommitGraphReplaysEager) {
     ca.pdl = true;
     deltastate::update_state_after_verify(ca);
   };
-  for (int i = 0; i < 3; ++i) step(eager);
-  cudaGraph_t g;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step(graph);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  deltastate::check_errors(stream);
+  run_eager_and_graph(step, eager, graph, stream, 3);
   for (const Tensor* t : {&in.rb.out, &in.pool, &in.inter}) {
     const Tensor a = eager.download(*t), b = graph.download(*t);
     EXPECT_EQ(std::memcmp(a.alloc_base(), b.alloc_base(), static_cast<size_t>(a.alloc_bytes())), 0);
   }
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
