@@ -346,32 +346,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
   }
 
   ChunkPrefillProblem p;
-  p.N = static_cast<int32_t>(N);
-  p.H = static_cast<int32_t>(H);
-  p.HV = static_cast<int32_t>(HV);
-  p.K = static_cast<int32_t>(K);
-  p.V = static_cast<int32_t>(V);
-  p.T = static_cast<int32_t>(T);
-  if (args.cu_seqlens) {
-    p.cu_seqlens = args.cu_seqlens->data;
-    p.cu_dtype = args.cu_seqlens->dtype;
-  }
-  p.q = head_input(args.q);
-  p.k = head_input(args.k);
-  p.v = head_input(args.v);
-  p.g = head_input(args.g);
-  p.beta = head_input(args.beta);
-  p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1],
-           args.out.stride[2]};
-  p.gate = gate_params(kda,
-                       !args.gate_in_kernel ? GateMode::log_decay
-                       : args.lower_bound   ? GateMode::safe
-                                            : GateMode::softplus,
-                       args.A_log ? &*args.A_log : nullptr, args.dt_bias ? &*args.dt_bias : nullptr,
-                       args.lower_bound);
-  p.beta_is_logit = args.beta_is_logit;
-  p.l2norm = args.use_qk_l2norm;
-  p.scale = static_cast<float>(scale);
+  fill_token_part(p, args, N, H, HV, K, V, T, kda, scale);
   if (args.initial_state) {
     const TensorView& s = *args.initial_state;
     p.state = {s.data, s.dtype, s.stride[0], s.shape[0]};

@@ -199,33 +199,8 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   if (!on_cpu) require_cuda_k(K);
 
   RecurrentProblem p;
-  p.N = static_cast<int32_t>(N);
-  p.H = static_cast<int32_t>(H);
-  p.HV = static_cast<int32_t>(HV);
-  p.K = static_cast<int32_t>(K);
-  p.V = static_cast<int32_t>(V);
-  p.T = static_cast<int32_t>(T);
-  if (args.cu_seqlens) {
-    p.cu_seqlens = args.cu_seqlens->data;
-    p.cu_dtype = args.cu_seqlens->dtype;
-  }
-  p.q = head_input(args.q);
-  p.k = head_input(args.k);
-  p.v = head_input(args.v);
-  p.g = head_input(args.g);
-  p.beta = head_input(args.beta);
-  p.out = {args.out.data, args.out.dtype, args.out.stride[0], args.out.stride[1],
-           args.out.stride[2]};
-  p.gate = gate_params(per_k_gate,
-                       !args.gate_in_kernel ? GateMode::log_decay
-                       : args.lower_bound   ? GateMode::safe
-                                            : GateMode::softplus,
-                       args.A_log ? &*args.A_log : nullptr, args.dt_bias ? &*args.dt_bias : nullptr,
-                       args.lower_bound);
-  p.beta_is_logit = args.beta_is_logit;
+  fill_token_part(p, args, N, H, HV, K, V, T, per_k_gate, scale);
   p.round_beta = args.round_beta_to_input;
-  p.l2norm = args.use_qk_l2norm;
-  p.scale = static_cast<float>(scale);
   if (args.state) {
     p.state = {args.state->data, args.state->dtype, args.state->stride[0], args.state->shape[0]};
   }
