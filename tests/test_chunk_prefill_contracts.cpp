@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "test_util.h"
+#include "view_edits.h"
 
 namespace dstest {
 namespace {
@@ -17,33 +18,6 @@ using deltastate::ErrorKind;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-TensorView reshaped(const TensorView& t, std::initializer_list<int64_t> shape) {
-  return TensorView::contiguous(t.data, t.dtype, shape, t.device);
-}
-TensorView on_cuda(TensorView t) {
-  t.device = Device::cuda(0);
-  return t;
-}
-TensorView with_dtype(TensorView t, DType d) {
-  t.dtype = d;
-  return t;
-}
-TensorView with_stride(TensorView t, int dim, int64_t stride) {
-  t.stride[dim] = stride;
-  return t;
-}
-TensorView with_size(TensorView t, int dim, int64_t size) {
-  t.shape[dim] = size;
-  return t;
-}
-TensorView with_ndim(TensorView t, int ndim) {
-  for (int d = t.ndim; d < deltastate::kMaxDims; ++d) {
-    t.shape[d] = 1;
-    t.stride[d] = 1;
-  }
-  t.ndim = ndim;
-  return t;
-}
 void write_indices(const Tensor& idx, std::initializer_list<int64_t> values) {
   int64_t i = 0;
   for (int64_t v : values) idx.ptr<int32_t>()[i++] = static_cast<int32_t>(v);

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "test_util.h"
+#include "view_edits.h"
 
 namespace dstest {
 namespace {
@@ -21,37 +22,6 @@ using deltastate::ReplayDecodeArgs;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The same memory with other dims (dense strides).
-TensorView reshaped(const TensorView& t, std::initializer_list<int64_t> shape) {
-  return TensorView::contiguous(t.data, t.dtype, shape, t.device);
-}
-TensorView on_cuda(TensorView t) {
-  t.device = Device::cuda(0);
-  return t;
-}
-TensorView with_dtype(TensorView t, DType d) {
-  t.dtype = d;
-  return t;
-}
-TensorView with_stride(TensorView t, int dim, int64_t stride) {
-  t.stride[dim] = stride;
-  return t;
-}
-TensorView with_size(TensorView t, int dim, int64_t size) {
-  t.shape[dim] = size;
-  return t;
-}
-// ndim changed in place (extra dims of size 1, or dims dropped).
-TensorView with_ndim(TensorView t, int ndim) {
-  for (int d = 0; d < deltastate::kMaxDims; ++d) {
-    if (d >= t.ndim) {
-      t.shape[d] = 1;
-      t.stride[d] = 1;
-    }
-  }
-  t.ndim = ndim;
-  return t;
-}
 void write_indices(const TensorView& idx, std::initializer_list<int64_t> values) {
   int64_t i = 0;
   for (int64_t v : values)

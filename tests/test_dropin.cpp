@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "test_util.h"
+#include "view_edits.h"
 
 namespace dstest {
 namespace {
@@ -17,15 +18,6 @@ using deltastate::RecurrentArgs;
 using deltastate::StateLayout;
 
 constexpr Shape kSmall{"small", 2, 4, 16, 8};
-
-TensorView on_cuda(TensorView t) {
-  t.device = deltastate::Device::cuda(0);
-  return t;
-}
-TensorView with_dtype(TensorView t, DType d) {
-  t.dtype = d;
-  return t;
-}
 
 // [N, HV, V, K] values of `t` read as the K-first [N, HV, K, V] transpose of a V-first state.
 Tensor transposed_state(const Tensor& t) {
