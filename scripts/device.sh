@@ -250,6 +250,11 @@ for phase in "${phases[@]}"; do
         --no-peer --json "$OUT/verify-direct.json" ${VERIFY_ARGS:-}
       verify_variants
       ;;
+    bench-replay-verify)  # ReplaySSM verify + commit per step over whole cursor cycles (T = 4,
+      # L = 8 and 16, fp32 and bf16 checkpoints) beside the intermediate-state verify
+      run bench-replay-verify python3 bench/bench_replayssm_verify.py \
+        --json "$OUT/replayssm-verify-h200.json" ${REPLAY_VERIFY_ARGS:-}
+      ;;
     bench-verify-variants)  # only the A/B loop over the multi-token kernel's shapes (above)
       verify_variants
       ;;
