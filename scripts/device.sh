@@ -13,7 +13,8 @@
 #                                      trace-stream, bench-bulk, test-prefill,
 #                                      sanitize-prefill, bench-prefill,
 #                                      test-layer, sanitize-layer, bench-layer,
-#                                      test-verify, bench-verify, test-replay-verify
+#                                      test-verify, bench-verify, bench-verify-variants,
+#                                      test-replay-verify, bench-replay-verify
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
 # .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
@@ -76,6 +77,18 @@ decode_sass() {  # per-SASS-instruction counters of one plain decode launch (CSV
   ncu_launch recurrent 2 \
     --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
     python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-} > "$OUT/decode-sass.csv"
+}
+
+verify_variants() {  # the multi-token kernel's shapes side by side (tuning.h MultiVariant): T = 4,
+  # Qwen3-Next, one JSON per shape, "auto" the default choice
+  local v
+  for v in auto base stage two stage2; do
+    if [ "$v" = auto ]; then unset DELTASTATE_CUDA_MULTI_VARIANT
+    else export DELTASTATE_CUDA_MULTI_VARIANT=$v; fi
+    run bench-verify python3 bench/bench_verify.py --tokens 4 --batches 8,64,256 \
+      --dtypes f32,bf16 --models qwen3-next --no-peer --json "$OUT/verify-variant-$v.json"
+  done
+  unset DELTASTATE_CUDA_MULTI_VARIANT
 }
 
 sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's matching tests
@@ -143,6 +156,11 @@ for phase in "${phases[@]}"; do
       # then the multi-token recurrent cases and every recurrent GPU test on the direct kernel
       run test-verify gtest_sharded test-verify '*VerifyGpu*:*RecurrentMultiToken*:*VerifyCommit*:*VerifyAndCommit*'
       DELTASTATE_CUDA_MULTI=direct run test-verify gtest_sharded test-verify '*RecurrentMultiToken*:*Recurrent*'
+      for v in base stage two stage2; do  # each multi-token kernel shape forced
+        DELTASTATE_CUDA_MULTI_VARIANT=$v run test-verify gtest_sharded test-verify \
+          '*VerifyGpu*:*RecurrentMultiToken*:*VerifyAndCommit*'
+      done
+      DELTASTATE_CUDA_MULTI_VARIANT=stage2 sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
       sanitized memcheck '*VerifyGpu*gdn_odd*:*VerifyGpu*kda_odd*:*VerifyAndCommit*'
       sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
       ;;
@@ -230,6 +248,15 @@ for phase in "${phases[@]}"; do
       run bench-verify python3 bench/bench_verify.py --json "$OUT/verify-h200.json" ${VERIFY_ARGS:-}
       DELTASTATE_CUDA_MULTI=direct run bench-verify python3 bench/bench_verify.py --modes recurrent \
         --no-peer --json "$OUT/verify-direct.json" ${VERIFY_ARGS:-}
+      verify_variants
+      ;;
+    bench-replay-verify)  # ReplaySSM verify + commit per step over whole cursor cycles (T = 4,
+      # L = 8 and 16, fp32 and bf16 checkpoints) beside the intermediate-state verify
+      run bench-replay-verify python3 bench/bench_replayssm_verify.py \
+        --json "$OUT/replayssm-verify-h200.json" ${REPLAY_VERIFY_ARGS:-}
+      ;;
+    bench-verify-variants)  # only the A/B loop over the multi-token kernel's shapes (above)
+      verify_variants
       ;;
     bench-pdl)  # small batches with programmatic dependent launch (ours only; B <= 64), the
       # next grid let in by the launcher's rule (auto), early (1) or at exit (2), beside pdl=False

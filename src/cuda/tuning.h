@@ -30,6 +30,8 @@ constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 // instantiations without spills), 4 for the generic one (K <= 256, element accesses), which
 // spills at 80.
 constexpr int kMultiWarps = 4, kMultiCtasPerSm = 6, kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
+// Its two-tile shapes: 5 resident (at most 96 registers: the second tile's loop spills at 80).
+constexpr int kMultiTwoCtasPerSm = 5;
 
 // ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
@@ -48,6 +50,13 @@ constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
 // ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;
+// Multi-token kernel: two tiles per warp (the second one staged while the first one's tokens run)
+// by the register decode kernel's rule, over the one-tile grid's `ctas` and the GPU's `capacity`
+// of resident CTAs: a partial second wave, which two tiles halve, and 8 waves or more, where a
+// CTA's state load is long enough to hide another tile's tokens.
+constexpr bool multi_two_tiles(int64_t ctas, int64_t capacity) {
+  return decode_two_tiles(ctas, capacity);
+}
 // Programmatic dependent launch: a launch lets the next grid in early when it fills at most half
 // of the GPU's CTA slots (`cta_slots`). An early trigger slows a grid of a whole wave (the next
 // grid's CTAs take SM slots while they wait) and speeds up a small one.
@@ -106,6 +115,24 @@ inline bool multi_token_disabled() {
     return e && std::strcmp(e, "direct") == 0;
   }();
   return off;
+}
+// DELTASTATE_CUDA_MULTI_VARIANT=base|stage|two|stage2: the multi-token kernel's vector shape
+// (verify/multi_token.cuh, MultiShape): base (one tile, loaded into registers), stage (one tile,
+// copied into shared memory while the first chunk is prepared), two (two tiles per warp, the
+// second one staged), stage2 (two tiles, both staged); unset: two where multi_two_tiles says,
+// else stage.
+enum class MultiVariant { automatic, base, stage, two, stage2 };
+inline MultiVariant forced_multi_variant() {
+  static const MultiVariant forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_MULTI_VARIANT");
+    if (!e) return MultiVariant::automatic;
+    if (std::strcmp(e, "base") == 0) return MultiVariant::base;
+    if (std::strcmp(e, "stage") == 0) return MultiVariant::stage;
+    if (std::strcmp(e, "two") == 0) return MultiVariant::two;
+    if (std::strcmp(e, "stage2") == 0) return MultiVariant::stage2;
+    return MultiVariant::automatic;
+  }();
+  return forced;
 }
 // DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).
 inline int forced_pdl_trigger() {

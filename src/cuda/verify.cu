@@ -30,17 +30,47 @@ bool rows_aligned(const void* ptr, std::initializer_list<int64_t> strides) {
   return true;
 }
 
-template <class StateT, int KT, bool VEC>
-void launch_multi(const VerifyProblem& problem, cudaStream_t stream) {
+template <class StateT, int KT, bool VEC, class Shape>
+void launch_shape(const VerifyProblem& problem, cudaStream_t stream) {
   using M = MultiLayout<StateT, KT>;
-  const int ctas_per_head = (problem.r.V + M::RPC - 1) / M::RPC;
+  constexpr int rows = M::RPC * Shape::TPW;
+  constexpr int resident = VEC ? Shape::CTAS : kMultiGenericCtasPerSm;
+  const int ctas_per_head = (problem.r.V + rows - 1) / rows;
   const int64_t ctas = problem.r.num_heads_total() * ctas_per_head;
   if (ctas > 0x7fffffffLL) throw Error(ErrorKind::value, "verify: too many tiles for one launch");
   if (ctas == 0) return;
   VerifyProblem p = problem;
-  p.r = with_pdl_trigger(problem.r, ctas, kMultiResident<VEC>);
-  launch_kernel(multi_token_kernel<StateT, KT, VEC>, static_cast<unsigned>(ctas), kMultiWarps * 32,
-                0, stream, p.r.pdl, p, ctas_per_head);
+  p.r = with_pdl_trigger(problem.r, ctas, resident);
+  launch_kernel(multi_token_kernel<StateT, KT, VEC, Shape>, static_cast<unsigned>(ctas),
+                kMultiWarps * 32, 0, stream, p.r.pdl, p, ctas_per_head);
+}
+
+// The vector kernels' variant: DELTASTATE_CUDA_MULTI_VARIANT, else two tiles per warp where
+// multi_two_tiles says (tuning.h), one staged tile elsewhere.
+template <class StateT, int KT, bool VEC>
+void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
+  if constexpr (!VEC) {
+    launch_shape<StateT, KT, false, MultiBase>(p, stream);
+  } else {
+    switch (forced_multi_variant()) {
+      case MultiVariant::base:
+        return launch_shape<StateT, KT, true, MultiBase>(p, stream);
+      case MultiVariant::stage:
+        return launch_shape<StateT, KT, true, MultiShape<1, true, kMultiCtasPerSm>>(p, stream);
+      case MultiVariant::two:
+        return launch_shape<StateT, KT, true, MultiShape<2, false, kMultiTwoCtasPerSm>>(p, stream);
+      case MultiVariant::stage2:
+        return launch_shape<StateT, KT, true, MultiShape<2, true, kMultiTwoCtasPerSm>>(p, stream);
+      case MultiVariant::automatic:
+        break;
+    }
+    using M = MultiLayout<StateT, KT>;
+    const int64_t ctas1 = p.r.num_heads_total() * ((p.r.V + M::RPC - 1) / M::RPC);
+    const int64_t capacity = static_cast<int64_t>(kMultiCtasPerSm) * num_sms(p.r.device.index);
+    if (multi_two_tiles(ctas1, capacity))
+      return launch_shape<StateT, KT, true, MultiShape<2, false, kMultiTwoCtasPerSm>>(p, stream);
+    launch_shape<StateT, KT, true, MultiShape<1, true, kMultiCtasPerSm>>(p, stream);
+  }
 }
 
 // The vector instantiations (K = 64 or 128, 16-byte aligned rows of the pool and the scratch
