@@ -1,16 +1,21 @@
-// CUDA launch and dispatch of chunked prefill (GDN and KDA): two kernels over one validated
-// problem (core/problem.h ChunkPrefillProblem), picked per call from shapes, dtypes and
-// addresses only (no device data, no host synchronization: graph-capturable):
-//  * chunk_prefill_tc_kernel (chunk_prefill/tc_kernel.cuh, its design there): tensor cores
+// CUDA launch and dispatch of chunked prefill (GDN and KDA): kernels over one validated problem
+// (core/problem.h ChunkPrefillProblem), picked per call from shapes, dtypes, addresses and the
+// workspace size only (no device data, no host synchronization: graph-capturable):
+//  * the split kernels (chunk_prefill/split.cuh, its design there), GDN: an intra-chunk kernel
+//    and an output kernel parallel over (chunk, value head) around a sequential state pass over
+//    (sequence, value head, row tile), through the workspace. The default where the tensor-core
+//    kernels apply (kPrefillSplitByDefault, tuning.h) and the workspace holds their blocks.
+//  * chunk_prefill_tc_kernel (chunk_prefill/tc_kernel.cuh): the fused tensor-core kernel
 //    (mma.sync bf16/fp16, fp32 accumulation), one CTA per (sequence, value head) with the fp32
-//    state on chip across the sequence's chunks. Runs K = V = 128 (and 64 in the full build),
-//    q, k, v all bf16 or all fp16 with 16-byte aligned rows, outputs aligned to 4 elements.
+//    state on chip across the sequence's chunks: KDA, and GDN when the split path is not taken.
+//    Runs K = V = 128 (and 64 in the full build), q, k, v all bf16 or all fp16 with 16-byte
+//    aligned rows, outputs aligned to 4 elements (the split kernels' conditions too).
 //  * chunk_prefill_fallback_kernel (chunk_prefill/fallback.cuh): everything else (K != V, other
 //    sizes, fp32 or mixed q/k/v, unaligned rows, too little shared memory), the fp32 token
 //    recurrence on CUDA cores: exact to fp32, slow.
-// DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the tensor-core kernel for K = 128, bf16 only;
-// DELTASTATE_CUDA_PREFILL=fallback forces the fallback (tuning.h). Gates, decays and states of
-// every dtype and layout the problem describes run on both.
+// DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the tensor-core kernels for K = 128, bf16 only;
+// DELTASTATE_CUDA_PREFILL=split|fused|fallback forces one (tuning.h). Gates, decays and states of
+// every dtype and layout the problem describes run on all of them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
