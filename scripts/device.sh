@@ -169,13 +169,19 @@ for phase in "${phases[@]}"; do
       run test-replay-verify gtest_sharded test-replay-verify '*ReplayVerify*'
       sanitized memcheck '*ReplayVerifyGpu*odd*:*ReplayVerifyGpuErrors*:*ReplayVerifyCommitGraph*'
       ;;
-    test-prefill)  # the chunk_prefill GPU tests, then again with the CUDA-core fallback forced
+    test-prefill)  # the chunk_prefill GPU tests: default choice, then split, fused and the
+      # CUDA-core fallback forced
       run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
-      DELTASTATE_CUDA_PREFILL=fallback run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
+      for kernel in split fused fallback; do
+        DELTASTATE_CUDA_PREFILL=$kernel run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
+      done
       ;;
-    sanitize-prefill)  # memcheck and racecheck on the small chunk_prefill cases (both kernels)
-      sanitized memcheck "$PREFILL_SMALL"
-      sanitized racecheck "$PREFILL_SMALL"
+    sanitize-prefill)  # memcheck and racecheck on the small chunk_prefill cases (the split and
+      # the fused tensor-core kernels, the fallback's own case)
+      for kernel in split fused; do
+        DELTASTATE_CUDA_PREFILL=$kernel sanitized memcheck "$PREFILL_SMALL"
+        DELTASTATE_CUDA_PREFILL=$kernel sanitized racecheck "$PREFILL_SMALL"
+      done
       ;;
     test-replay)  # the ReplaySSM GPU tests only: default kernel choice, then each variant forced
       for bpc in 0 1 2; do
@@ -222,6 +228,11 @@ for phase in "${phases[@]}"; do
       ;;
     bench-prefill)  # chunked prefill beside FLA (PREFILL_ARGS: --ops, --cases, --reps, --no-peer)
       run bench-prefill python3 bench/bench_prefill.py --json "$OUT/prefill-h200.json" ${PREFILL_ARGS:-}
+      # PREFILL_VARIANTS="split fused": each kernel forced, without the peers (an A/B)
+      for kernel in ${PREFILL_VARIANTS:-}; do
+        DELTASTATE_CUDA_PREFILL=$kernel run bench-prefill python3 bench/bench_prefill.py \
+          --json "$OUT/prefill-h200-$kernel.json" --no-peer ${PREFILL_ARGS:-}
+      done
       ;;
     bench-variant)  # ours only, under the caller's environment (a forced kernel or variant), to
       # $OUT/$VARIANT.json (A/B comparisons within one call)

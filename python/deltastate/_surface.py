@@ -689,7 +689,7 @@ _CHUNK_LAYOUT = ("the chunked prefill takes states V-first only ([.., HV, V, K],
 
 def _workspace_bytes(q, v, kda, cu_seqlens):
     """chunk_prefill_workspace_bytes from the shapes and the device alone (fake tensors too):
-    N sequences (cu_seqlens' length - 1, else q's batch) of v's HV heads."""
+    N sequences (cu_seqlens' length - 1, else q's batch) of v's HV heads over q's B * T tokens."""
     from ._lib import lib
 
     dev = getattr(q, "device", None)
@@ -697,8 +697,9 @@ def _workspace_bytes(q, v, kda, cu_seqlens):
     if dev is not None and getattr(dev, "type", "cpu") == "cuda":
         cuda = dev.index if dev.index is not None else 0
     n = int(_shape(cu_seqlens)[0]) - 1 if cu_seqlens is not None else int(_shape(q)[0])
+    tokens = int(_shape(q)[0]) * int(_shape(q)[1])
     return int(lib.chunk_prefill_workspace_bytes(int(_shape(q)[3]), int(_shape(v)[3]), max(n, 0),
-                                                 int(_shape(v)[2]), bool(kda), cuda))
+                                                 int(_shape(v)[2]), bool(kda), cuda, tokens))
 
 
 def _chunk_workspace(q, v, kda, cu_seqlens):

@@ -609,10 +609,11 @@ constexpr auto kda_fused_decode_step = fused_step("kda_fused_decode_step", [](FS
 });
 
 // chunk_prefill_workspace_bytes from what it reads: K, V, the number of sequences N, the value
-// heads HV, the gate kind and the device (no tensor), so that the Python side can size the
-// workspace before it has the data, also while torch.compile traces with fake tensors.
+// heads HV, the gate kind, the device and the number of token rows of q (B * T; the CUDA split
+// kernels' workspace grows with the chunk count), no tensor, so that the Python side can size
+// the workspace before it has the data, also while torch.compile traces with fake tensors.
 int64_t chunk_prefill_workspace_bytes(int64_t K, int64_t V, int64_t N, int64_t HV, bool kda,
-                                      int64_t cuda_device) {
+                                      int64_t cuda_device, int64_t tokens) {
   return guarded([&] {
     CP a;
     a.is_kda = kda;
@@ -620,7 +621,9 @@ int64_t chunk_prefill_workspace_bytes(int64_t K, int64_t V, int64_t N, int64_t H
     for (auto [t, last] : {std::pair{&a.q, K}, std::pair{&a.v, V}}) {
       t->ndim = 4;
       t->shape[0] = N;  // sequences: no cu_seqlens here
-      t->shape[1] = t->shape[2] = 1;
+      // at least `tokens` rows in all: N rows of ceil(tokens / N) tokens
+      t->shape[1] = N > 0 ? (tokens + N - 1) / N : tokens;
+      t->shape[2] = 1;
       t->shape[3] = last;
       t->device = dev;
     }

@@ -25,7 +25,8 @@ void run_commit(const detail::CommitProblem& p, void* stream);
 void run_replayssm_verify(const detail::ReplayVerifyProblem& p, void* stream);
 void run_replayssm_commit(const detail::ReplayCommitProblem& p, void* stream);
 // Workspace bytes of chunk_prefill on CUDA for these shapes (no device query, no allocation).
-int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, bool kda);
+int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens,
+                                      bool kda);
 
 // The device's error record (src/cuda/errors.cu), for the launchers to pass to the kernels.
 detail::DeviceErrorRecord* device_errors(int device);

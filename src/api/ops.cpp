@@ -83,7 +83,9 @@ int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args) {
     int64_t N = args.q.shape[0];
     if (args.cu_seqlens && args.cu_seqlens->ndim == 1)
       N = args.cu_seqlens->shape[0] > 0 ? args.cu_seqlens->shape[0] - 1 : 0;
-    return cuda_backend::chunk_prefill_workspace_bytes(K, V, N, args.v.shape[2], args.is_kda);
+    const int64_t tokens = args.q.shape[0] * args.q.shape[1];
+    return cuda_backend::chunk_prefill_workspace_bytes(K, V, N, args.v.shape[2], tokens,
+                                                       args.is_kda);
   }
   return cpu::chunk_prefill_workspace_bytes(K, V, args.is_kda);
 }

@@ -1,16 +1,21 @@
-// CUDA launch and dispatch of chunked prefill (GDN and KDA): two kernels over one validated
-// problem (core/problem.h ChunkPrefillProblem), picked per call from shapes, dtypes and
-// addresses only (no device data, no host synchronization: graph-capturable):
-//  * chunk_prefill_tc_kernel (chunk_prefill/tc_kernel.cuh, its design there): tensor cores
+// CUDA launch and dispatch of chunked prefill (GDN and KDA): kernels over one validated problem
+// (core/problem.h ChunkPrefillProblem), picked per call from shapes, dtypes, addresses and the
+// workspace size only (no device data, no host synchronization: graph-capturable):
+//  * the split kernels (chunk_prefill/split.cuh, its design there), GDN: an intra-chunk kernel
+//    and an output kernel parallel over (chunk, value head) around a sequential state pass over
+//    (sequence, value head, row tile), through the workspace. The default where the tensor-core
+//    kernels apply (kPrefillSplitByDefault, tuning.h) and the workspace holds their blocks.
+//  * chunk_prefill_tc_kernel (chunk_prefill/tc_kernel.cuh): the fused tensor-core kernel
 //    (mma.sync bf16/fp16, fp32 accumulation), one CTA per (sequence, value head) with the fp32
-//    state on chip across the sequence's chunks. Runs K = V = 128 (and 64 in the full build),
-//    q, k, v all bf16 or all fp16 with 16-byte aligned rows, outputs aligned to 4 elements.
+//    state on chip across the sequence's chunks: KDA, and GDN when the split path is not taken.
+//    Runs K = V = 128 (and 64 in the full build), q, k, v all bf16 or all fp16 with 16-byte
+//    aligned rows, outputs aligned to 4 elements (the split kernels' conditions too).
 //  * chunk_prefill_fallback_kernel (chunk_prefill/fallback.cuh): everything else (K != V, other
 //    sizes, fp32 or mixed q/k/v, unaligned rows, too little shared memory), the fp32 token
 //    recurrence on CUDA cores: exact to fp32, slow.
-// DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the tensor-core kernel for K = 128, bf16 only;
-// DELTASTATE_CUDA_PREFILL=fallback forces the fallback (tuning.h). Gates, decays and states of
-// every dtype and layout the problem describes run on both.
+// DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the tensor-core kernels for K = 128, bf16 only;
+// DELTASTATE_CUDA_PREFILL=split|fused|fallback forces one (tuning.h). Gates, decays and states of
+// every dtype and layout the problem describes run on all of them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -21,6 +26,7 @@
 #include "core/error_text.h"
 #include "core/problem.h"
 #include "cuda/chunk_prefill/fallback.cuh"
+#include "cuda/chunk_prefill/split.cuh"
 #include "cuda/chunk_prefill/tc_kernel.cuh"
 #include "cuda/launch.h"
 #include "cuda/tuning.h"
@@ -116,6 +122,63 @@ bool try_tc(const ChunkPrefillProblem& p, cudaStream_t stream) {
   }
 }
 
+// The split kernels (chunk_prefill/split.cuh) for GDN where the tensor-core kernels apply, by
+// default (kPrefillSplitByDefault) or when forced, and the workspace holds their blocks (it does
+// when sized by chunk_prefill_workspace_bytes).
+bool use_split(const ChunkPrefillProblem& p) {
+  const PrefillChoice forced = forced_prefill_kernel();
+  if (p.gate.kda || forced == PrefillChoice::fused) return false;
+  return forced == PrefillChoice::split || kPrefillSplitByDefault;
+}
+
+int64_t split_bytes(int D, int64_t N, int64_t HV, int64_t slots) {
+  const int64_t block =
+      D == 128 ? prefill::SplitLayout<128>::BLOCK : prefill::SplitLayout<64>::BLOCK;
+  return prefill::split_status_bytes(N) + slots * HV * block;
+}
+
+template <int D, class In>
+bool try_split(const ChunkPrefillProblem& p, cudaStream_t stream) {
+#if !DELTASTATE_CUDA_ALL_KERNELS
+  if constexpr (D != 128 || !std::is_same_v<In, __nv_bfloat16>) {
+    return false;
+  } else
+#endif
+  {
+    using Lay = prefill::SplitLayout<D>;
+    const int64_t slots = prefill::split_chunk_slots(p);
+    if (!p.workspace || p.workspace_bytes < split_bytes(D, p.N, p.HV, slots)) return false;
+    if (Lay::Intra::SMEM > max_smem_optin(p.device.index) ||
+        Lay::State::SMEM > max_smem_optin(p.device.index))
+      return false;
+    if (slots > 0x7fffffffLL || p.HV > 65535 ||
+        p.num_heads_total() * (D / prefill::kSplitRows) > 0x7fffffffLL)
+      throw Error(ErrorKind::value, "chunk_prefill: too many chunks or heads for one launch");
+    auto intra = prefill::chunk_prefill_split_intra_kernel<D, In>;
+    auto state = prefill::chunk_prefill_split_state_kernel<D, In>;
+    auto out = prefill::chunk_prefill_split_output_kernel<D, In>;
+    static PerDeviceOnce per_sm;
+    const int resident = per_sm.get(p.device.index, [=] {
+      opt_in_and_occupancy(intra, Lay::Intra::SMEM, Lay::THREADS);
+      opt_in_and_occupancy(state, Lay::State::SMEM, Lay::State::THREADS);
+      return opt_in_and_occupancy(out, Lay::Out::SMEM, Lay::THREADS);
+    });
+    const dim3 chunk_grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.HV));
+    // Each kernel waits for the previous one in enter_grid; only the last lets the next op's
+    // grid in early.
+    if (slots > 0)
+      launch_kernel(intra, chunk_grid, dim3(Lay::THREADS), Lay::Intra::SMEM, stream, p.pdl, p);
+    const auto state_ctas = static_cast<unsigned>(p.num_heads_total() * (D / prefill::kSplitRows));
+    launch_kernel(state, dim3(state_ctas), dim3(Lay::State::THREADS), Lay::State::SMEM, stream,
+                  p.pdl, p);
+    if (slots > 0) {
+      const bool early = p.pdl && pdl_trigger_early(slots * p.HV, resident, p.device.index);
+      launch_kernel(out, chunk_grid, dim3(Lay::THREADS), Lay::Out::SMEM, stream, p.pdl, p, early);
+    }
+    return true;
+  }
+}
+
 void launch_fallback(const ChunkPrefillProblem& p, cudaStream_t stream) {
   auto kernel = prefill::chunk_prefill_fallback_kernel;
   const int64_t smem = prefill::fallback_smem_bytes(p.K, p.V);
@@ -144,11 +207,22 @@ void launch_fallback(const ChunkPrefillProblem& p, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, bool /*kda*/) {
-  // The tensor-core kernel keeps everything on chip; the fallback needs global memory only for
-  // states too large for its shared memory.
+int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens,
+                                      bool kda) {
+  // The fused tensor-core kernel keeps everything on chip; the fallback needs global memory only
+  // for states too large for its shared memory; the split kernels (GDN, the tensor-core kernels'
+  // head sizes) a block per (chunk slot, value head): tokens / 64 + N slots bound the chunks of
+  // any split of `tokens` into N sequences (split.cuh).
   const int64_t E = static_cast<int64_t>(K) * V;
-  return E <= prefill::kFallbackSmemStateElems ? 0 : N * HV * E * 4;
+  const int64_t fallback = E <= prefill::kFallbackSmemStateElems ? 0 : N * HV * E * 4;
+#if DELTASTATE_CUDA_ALL_KERNELS
+  const bool split_size = K == V && (K == 128 || K == 64);
+#else
+  const bool split_size = K == V && K == 128;
+#endif
+  if (kda || !split_size) return fallback;
+  const int64_t split = split_bytes(K, N, HV, tokens / ChunkPrefillProblem::kChunk + N);
+  return split > fallback ? split : fallback;
 }
 
 void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
@@ -159,6 +233,12 @@ void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   const int D = tc_head_size(p);
   const bool bf16 = p.q.dtype == DType::bf16;
+  if (D != 0 && use_split(p)) {
+    if (D == 128 && (bf16 ? try_split<128, __nv_bfloat16>(p, s) : try_split<128, __half>(p, s)))
+      return;
+    if (D == 64 && (bf16 ? try_split<64, __nv_bfloat16>(p, s) : try_split<64, __half>(p, s)))
+      return;
+  }
   if (D == 128) {
     if (bf16 ? try_tc<128, __nv_bfloat16>(p, s) : try_tc<128, __half>(p, s)) return;
   } else if (D == 64) {

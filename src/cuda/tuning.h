@@ -96,14 +96,22 @@ inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
   return forced;
 }
-// DELTASTATE_CUDA_PREFILL=fallback: chunk_prefill on its CUDA-core fallback kernel even where
-// the tensor-core kernel applies (tests run the GPU suite both ways).
-enum class PrefillChoice { automatic, fallback };
+// Chunked prefill on the split design (chunk_prefill/split.cuh: parallel intra-chunk and output
+// kernels around a sequential state pass) wherever it applies, instead of the fused tensor-core
+// kernel (one CTA per sequence and value head through all its chunks).
+constexpr bool kPrefillSplitByDefault = true;
+// DELTASTATE_CUDA_PREFILL=fallback|fused|split: chunk_prefill on its CUDA-core fallback kernel,
+// the fused tensor-core kernel or the split kernels, where that one applies (tests run the GPU
+// suite each way; benchmarks compare them).
+enum class PrefillChoice { automatic, fallback, fused, split };
 inline PrefillChoice forced_prefill_kernel() {
   static const PrefillChoice forced = [] {
     const char* e = std::getenv("DELTASTATE_CUDA_PREFILL");
-    return e && std::strcmp(e, "fallback") == 0 ? PrefillChoice::fallback
-                                                : PrefillChoice::automatic;
+    if (!e) return PrefillChoice::automatic;
+    if (std::strcmp(e, "fallback") == 0) return PrefillChoice::fallback;
+    if (std::strcmp(e, "fused") == 0) return PrefillChoice::fused;
+    if (std::strcmp(e, "split") == 0) return PrefillChoice::split;
+    return PrefillChoice::automatic;
   }();
   return forced;
 }
