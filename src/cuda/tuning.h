@@ -30,6 +30,10 @@ constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 // instantiations without spills), 4 for the generic one (K <= 256, element accesses), which
 // spills at 80.
 constexpr int kMultiWarps = 4, kMultiCtasPerSm = 6, kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
+// Fused decode step's cluster kernel: clusters of at most 8 CTAs (the portable cluster size), CTAs
+// of at most 4 warps (one decode-kernel row tile each), 6 resident per SM: at most 80 registers
+// per thread, as the register decode kernel, whose tile a warp runs.
+constexpr int kFusedClusterMaxCtas = 8, kFusedClusterMaxWarps = 4, kFusedClusterCtasPerSm = 6;
 
 // ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
@@ -106,6 +110,19 @@ inline bool multi_token_disabled() {
     return e && std::strcmp(e, "direct") == 0;
   }();
   return off;
+}
+// DELTASTATE_CUDA_FUSED=cta|cluster: the fused decode step on its one-CTA-per-key-head kernel, or
+// on its cluster kernel (the default; shapes a cluster does not fit run the CTA kernel either way).
+enum class FusedChoice { automatic, cta, cluster };
+inline FusedChoice forced_fused_kernel() {
+  static const FusedChoice forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_FUSED");
+    if (!e) return FusedChoice::automatic;
+    if (std::strcmp(e, "cta") == 0) return FusedChoice::cta;
+    if (std::strcmp(e, "cluster") == 0) return FusedChoice::cluster;
+    return FusedChoice::automatic;
+  }();
+  return forced;
 }
 // DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).
 inline int forced_pdl_trigger() {

@@ -4,7 +4,9 @@
 // outputs, 1e-5/1e-4 on fp32 states, the state dtype's tolerance otherwise, plus one ulp of the
 // storage dtype on each side), the gated norm adding the fp32 reduction order (1e-4). Padded rows
 // are zeros, unused slots bit-untouched, and an out-of-range index is skipped and reported by
-// check_errors. Skips without a CUDA device.
+// check_errors. The fused step has two kernels (a cluster per key head, or one CTA):
+// scripts/device.sh runs these tests with each forced (DELTASTATE_CUDA_FUSED=cluster | cta).
+// Skips without a CUDA device.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -136,7 +138,14 @@ INSTANTIATE_TEST_SUITE_P(
                   3,
                   false,
                   false,
-                  false}),
+                  false},
+        // The cluster kernel's other splits (cluster.cuh): four value heads of two CTAs each; a
+        // KDA cluster of four one-warp CTAs; and a group of 16 value heads, which no cluster of
+        // at most 8 CTAs holds (the CTA kernel, whichever DELTASTATE_CUDA_FUSED asks for).
+        LayerCase{{"group4_f32", Shape{"g4", 2, 8, 128, 64}, false, kNoLb, f32, bf16}, bf16},
+        LayerCase{{"kda_cluster4_bf16", Shape{"kda4", 4, 4, 128, 32}, true, kNoLb, bf16, bf16},
+                  bf16},
+        LayerCase{{"group16_f32", Shape{"g16", 1, 16, 128, 16}, false, kNoLb, f32, f32}, f32}),
     case_name<LayerCase>);
 
 // causal_conv1d_update on CUDA against the CPU (shifted, circular, seqlen 3, vLLM layout).

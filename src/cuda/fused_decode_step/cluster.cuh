@@ -1,0 +1,275 @@
+// The fused decode layer step's cluster kernel: one thread-block cluster (sm_90) per (row n, key
+// head h). Part of fused_decode_step.cu's translation unit (included there only), in its anonymous
+// namespace; kernel.cuh holds the one-CTA kernel for the shapes a cluster does not fit.
+//
+// Why a cluster: the CTA kernel owns a key head in one CTA so that each q/k conv window is read
+// and rolled by exactly one CTA, which leaves a batch of one row with only H CTAs for a state read
+// that needs the whole GPU's bandwidth. A cluster keeps the key head together (one barrier orders
+// the conv before the delta rule) while spreading its rows over up to kFusedClusterMaxCtas CTAs of
+// the packed decode kernel's tile size (RowLayout rows per warp, one tile per warp).
+//
+// The cluster of `ctas` = group * `tiles` CTAs (FusedCluster; group = HV/H value heads, tiles =
+// CTAs per value head): CTA rank r holds value head hl = r / tiles of the group and its run of
+// `warps` row tiles number r % tiles, rows [row_lo, row_hi). Ownership, so that every window is
+// read and rolled by one CTA and nothing in global memory is shared between CTAs:
+//   - the 2K q/k channels of head h, as one index j in [q | k], are split in chunks of `qk_chunk`
+//     (a multiple of 8, so a lane's EPL consecutive elements lie in one chunk): CTA r runs the
+//     conv of channels [r*qk_chunk, (r+1)*qk_chunk) and writes each output at xqk[j] of its own
+//     shared memory;
+//   - the v channels of CTA r's own rows: only CTA r reads them (xv).
+// Order inside a CTA (latency first: the state is the only large read):
+//   1. the gate and beta inputs of its value head (they depend on nothing), the slot, then every
+//      warp issues the loads of its state tile into registers;
+//   2. the conv update of the owned channels (core/layer_math.h, the CPU twin's function), outputs
+//      rounded to mixed_qkv's dtype into shared memory; cluster barrier 1 (arrive releases, wait
+//      acquires: every CTA's conv outputs are visible to every CTA of the cluster);
+//   3. each lane reads its K slice of q and k from the owning CTAs' shared memory (DSMEM), then
+//      prepares them (L2 norm, scale, k.q) and runs the delta step on its warp's tile (rows.cuh
+//      delta_step_rows), the state stored in place;
+//   4. without the norm: the outputs stored as computed; the CTA arrives at cluster barrier 2
+//      right after its DSMEM reads and waits on it before it exits, so no CTA's shared memory
+//      ends while a peer still reads it.
+//      With the gated RMSNorm (per value head over V, whose rows span `tiles` CTAs): the outputs,
+//      rounded to out's dtype, into shared memory; warp 0 sums the squares of the CTA's rows
+//      (lane-strided, then a butterfly) and stores that partial into slot r % tiles of every CTA
+//      of its value head (remote stores); cluster barrier 2; each CTA adds the `tiles` partials
+//      of its head in slot order and normalizes its rows. After barrier 2 no CTA touches another
+//      CTA's shared memory (its pushes precede its arrive), so it may exit at once.
+// The reduction order is fixed (no atomics): the same inputs give the same bits on every run. It
+// is not the CPU twin's (a sequential sum over V), nor the CTA kernel's (lane-strided over V):
+// all three are fp32 sums of the same V squares in other orders, which the GPU tests' norm
+// tolerance covers.
+// Padding and bad rows: every CTA of a cluster has the same row n, so the slot test is uniform
+// over the cluster; such a cluster skips both barriers together (no CTA touches DSMEM) and its
+// CTAs write their rows' zeros (NaN for a bad index) and exit.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include <cstdint>
+
+#include "core/delta_math.h"
+#include "core/layer_math.h"
+#include "core/problem.h"
+#include "cuda/grid.cuh"
+#include "cuda/loads.cuh"
+#include "cuda/async_copy.cuh"
+#include "cuda/reduce.cuh"
+#include "cuda/rows.cuh"
+#include "cuda/token.cuh"
+#include "cuda/tuning.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::FusedStepProblem;
+
+namespace {
+
+// The cluster's split of a key head (fused_cluster_shape; see the file comment).
+struct FusedCluster {
+  int ctas;      // CTAs per cluster: group * tiles (at most kFusedClusterMaxCtas)
+  int tiles;     // CTAs per value head
+  int warps;     // row tiles (one per warp) per CTA (at most kFusedClusterMaxWarps)
+  int qk_chunk;  // q/k channels whose conv one CTA runs (a multiple of 8)
+};
+
+// Shared memory bytes of a cluster CTA: each warp's state tile (RPW rows of K elements), then
+// floats: q|k (2K, the owned chunk written), v and the outputs of its rows, the partial sums of
+// squares of its value head (`tiles`).
+template <class StateT, int K, int RPW>
+size_t fused_cluster_smem_bytes(const FusedCluster& fc) {
+  const size_t floats = 2 * K + 2 * fc.warps * RPW + fc.tiles;
+  return static_cast<size_t>(fc.warps) * RPW * K * sizeof(StateT) + floats * sizeof(float);
+}
+
+// The halves of the cluster barrier (barrier.cluster): every thread of the cluster arrives; the
+// arrive releases and the wait acquires at cluster scope, so what a CTA wrote to any CTA's shared
+// memory before its arrive is visible to every thread of the cluster after its wait. `.aligned`:
+// whole warps execute them.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+template <class StateT, int K>
+__global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasPerSm)
+    fused_decode_step_cluster_kernel(const FusedStepProblem p, const FusedCluster fc) {
+  namespace cg = cooperative_groups;
+  enter_grid(p.pdl_trigger_early);
+  using Lay = RowLayout<StateT, K>;
+  constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  constexpr int RPW = RG * R;  // rows per tile
+  constexpr int kStateBytes = static_cast<int>(sizeof(StateT));
+  static_assert(EPL % 4 == 0 && 8 % EPL == 0, "a lane's slice is whole float4s of one chunk");
+  static_assert(RPW < 32, "a CTA has more threads than rows (the norm's one row per thread)");
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int n = static_cast<int>(blockIdx.x) / fc.ctas, h = static_cast<int>(blockIdx.y);
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+  const int group = p.HV / p.H, V = p.V;
+  const int hl = rank / fc.tiles, part = rank - hl * fc.tiles;
+  const int hv = h * group + hl;
+  const int row_lo = part * fc.warps * RPW;
+  const int row_hi = row_lo + fc.warps * RPW < V ? row_lo + fc.warps * RPW : V;
+  const int my_rows = row_hi - row_lo;  // > 0: fused_cluster_shape leaves no CTA empty
+  const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
+
+  // 1. the slot, the state tile of this warp into registers
+  const int kofs = (lane % G) * EPL;
+  const int64_t slot = detail::index_at(p.indices, p.index_dtype, p.index_stride, n);
+  const bool bad = slot >= p.state.num_slots;
+  if (slot < 0 || bad) {  // uniform over the cluster (one row n): no barrier is entered
+    if (bad && tid == 0 && rank == 0 && h == 0)
+      record_bad_row(p.errors, detail::kErrOpFusedStep, detail::kErrSlot, n, slot,
+                     p.state.num_slots);
+    const float fill = bad ? bad_row_output() : 0.0f;
+    for (int i = tid; i < my_rows; i += nthreads)
+      detail::store_float(p.out.ptr, p.out.dtype, o_base + row_lo + i, fill);
+    return;
+  }
+
+  const int tile0 = row_lo + warp * RPW;  // this warp's first row
+  const bool tile_live = tile0 < V;       // warp-uniform
+  const int row0 = tile0 + lane / G;      // this lane's first row
+  StateT* const pool = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride;
+  auto row_ptr = [&](int row) {
+    return pool + (static_cast<int64_t>(hv) * V + row) * K + kofs;
+  };
+  extern __shared__ uint4 fused_cluster_smem[];
+  uint4* const tile_smem = fused_cluster_smem + warp * (RPW * K * kStateBytes / 16) + lane;
+  if (tile_live)
+    stage_rows_async<StateT, EPL, R>(tile_smem, 32, row0, RG, V,
+                                     [&](int, int row) { return row_ptr(row); });
+
+  // 2. the conv update of the owned channels: the q/k chunk into xqk at its index, the v of this
+  // CTA's rows into xv
+  float* const xqk =  // 16-byte aligned: q, k are read as float4
+      reinterpret_cast<float*>(fused_cluster_smem + fc.warps * (RPW * K * kStateBytes / 16));
+  float* const xv = xqk + 2 * K;
+  float* const os = xv + fc.warps * RPW;  // the outputs, with the norm
+  float* const ss_part = os + fc.warps * RPW;
+  const int qk_lo = rank * fc.qk_chunk;
+  const int qk_n = qk_lo >= 2 * K ? 0 : (2 * K - qk_lo < fc.qk_chunk ? 2 * K - qk_lo : fc.qk_chunk);
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+  const int64_t x_row = static_cast<int64_t>(n) * p.x_row_stride;
+  for (int i = tid; i < qk_n + my_rows; i += nthreads) {
+    int part_j;
+    int64_t local;
+    float* dst;
+    if (i < qk_n) {
+      const int j = qk_lo + i;
+      part_j = j < K ? 0 : 1;
+      local = static_cast<int64_t>(h) * K + (j - part_j * K);
+      dst = xqk + j;
+    } else {
+      const int row = row_lo + (i - qk_n);
+      part_j = 2;
+      local = static_cast<int64_t>(hv) * V + row;
+      dst = xv + (row - row_lo);
+    }
+    const int64_t c = part_j * HK + local;  // the channel in the packed row
+    detail::conv_channel_update(
+        detail::channel_window(p.window[part_j], slot, local), p.window[part_j].state_len, 1,
+        false, 0, detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
+        [&](int) { return detail::load_float(p.x, p.x_dtype, x_row + c); },
+        [&](int, float y) { *dst = detail::round_to(p.x_dtype, y); });
+  }
+  cluster_arrive();  // barrier 1: every conv output of the cluster written
+  // The head's gate and beta inputs and the norm's inputs, issued while the barrier completes
+  // (issued before the conv, they would hold registers across it).
+  GateConsts<EPL> gc;
+  load_gate_consts(p.gate, hv, K, kofs, EPL, gc);
+  float graw[EPL];
+  const int64_t a_off = detail::head_offset(p.a, n, 0, hv);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i)
+    graw[i] = p.gate.kda ? detail::load_float(p.a.ptr, p.a.dtype, a_off + kofs + i)
+                         : (i == 0 ? detail::load_float(p.a.ptr, p.a.dtype, a_off) : 0.0f);
+  const float braw = detail::load_float(p.b.ptr, p.b.dtype, detail::head_offset(p.b, n, 0, hv));
+  // The norm's inputs of thread i's row row_lo + i (a CTA has more threads than rows: RPW < 32).
+  float z_in = 0.0f, w_in = 0.0f;
+  if (p.z && tid < my_rows) {
+    w_in = detail::load_float(p.norm_weight, p.norm_weight_dtype, row_lo + tid);
+    z_in = detail::load_float(p.z, p.z_dtype,
+                              static_cast<int64_t>(n) * p.z_row_stride +
+                                  static_cast<int64_t>(hv) * p.z_head_stride + row_lo + tid);
+  }
+
+  cluster_wait();
+
+  // 3. q and k from the owning CTAs (DSMEM), prepared; the delta step on this warp's tile
+  float q[EPL], k[EPL];
+  {
+    const float4* qs = reinterpret_cast<const float4*>(
+        cluster.map_shared_rank(xqk + kofs, static_cast<unsigned>(kofs / fc.qk_chunk)));
+    const float4* ks = reinterpret_cast<const float4*>(
+        cluster.map_shared_rank(xqk + K + kofs, static_cast<unsigned>((K + kofs) / fc.qk_chunk)));
+#pragma unroll
+    for (int c = 0; c < EPL / 4; ++c) {
+      const float4 a = qs[c], b = ks[c];
+      q[4 * c] = a.x;
+      q[4 * c + 1] = a.y;
+      q[4 * c + 2] = a.z;
+      q[4 * c + 3] = a.w;
+      k[4 * c] = b.x;
+      k[4 * c + 1] = b.y;
+      k[4 * c + 2] = b.z;
+      k[4 * c + 3] = b.w;
+    }
+  }
+  if (!p.z) cluster_arrive();  // barrier 2 without the norm: this CTA's DSMEM reads are done
+  const float kq = prepare_qk<EPL, G>(q, k, p.l2norm, p.scale, lane);
+  float g[EPL], alpha[EPL];
+  token_gate(p.gate, gc, graw, g, alpha);
+  const float beta = detail::beta_value(braw, true, p.round_beta, p.b.dtype);
+  if (tile_live) {
+    float S[R][EPL];
+    load_staged_rows<StateT, EPL, R>(tile_smem, 32, row0, RG, V, S);
+    const int idx = reduced_index<G, 2 * R>(lane);
+    const bool v_here = idx < R && row0 + idx * RG < V;
+    const float v = v_here ? xv[row0 + idx * RG - row_lo] : 0.0f;
+    float u_here;
+    const float red = delta_step_rows<G, R>(S, alpha, k, q, v, beta, lane, u_here, [&](int r) {
+      if (row0 + r * RG < V) store_state<StateT, EPL, true>(row_ptr(row0 + r * RG), EPL, S[r]);
+    });
+    finish_output_rows<G, R>(V, row0, RG, lane, red, u_here, kq, [&](int row, float o) {
+      const float y = detail::round_to(p.out.dtype, o);
+      if (p.z) os[row - row_lo] = y;
+      else detail::store_float(p.out.ptr, p.out.dtype, o_base + row, y);
+    });
+  }
+  if (!p.z) {
+    cluster_wait();  // no peer reads this CTA's shared memory any more
+    return;
+  }
+
+  // 4. the gated RMSNorm: the head's sum of squares from its CTAs' partials
+  __syncthreads();
+  if (warp == 0) {
+    float ss = 0.0f;
+    for (int i = lane; i < my_rows; i += 32) ss += os[i] * os[i];
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
+    if (lane < fc.tiles)  // into slot `part` of every CTA of this value head
+      *cluster.map_shared_rank(ss_part + part, static_cast<unsigned>(hl * fc.tiles + lane)) = ss;
+  }
+  cluster_arrive();  // barrier 2: every partial pushed
+  cluster_wait();
+  float ss = 0.0f;
+  for (int j = 0; j < fc.tiles; ++j) ss += ss_part[j];
+  const float inv = detail::rms_inverse(ss, V, p.norm_eps);
+  if (tid < my_rows)
+    detail::store_float(p.out.ptr, p.out.dtype, o_base + row_lo + tid,
+                        detail::gated_norm(os[tid], inv, w_in, z_in, p.out.dtype,
+                                           p.norm_weight_dtype == p.out.dtype));
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend
