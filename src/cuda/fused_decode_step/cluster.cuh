@@ -18,23 +18,25 @@
 //     shared memory;
 //   - the v channels of CTA r's own rows: only CTA r reads them (xv).
 // Order inside a CTA (latency first: the state is the only large read):
-//   1. the gate and beta inputs of its value head (they depend on nothing), the slot, then every
-//      warp issues the loads of its state tile into registers;
+//   1. the gate and beta inputs of its value head and the norm's inputs of its rows (they
+//      depend on nothing), the slot, then every warp copies its state tile into its own shared
+//      memory (cp.async, each lane its own words: no barrier; held in registers across the conv,
+//      the tile would spill at the 80-register cap);
 //   2. the conv update of the owned channels (core/layer_math.h, the CPU twin's function), outputs
 //      rounded to mixed_qkv's dtype into shared memory; cluster barrier 1 (arrive releases, wait
 //      acquires: every CTA's conv outputs are visible to every CTA of the cluster);
 //   3. each lane reads its K slice of q and k from the owning CTAs' shared memory (DSMEM), then
-//      prepares them (L2 norm, scale, k.q) and runs the delta step on its warp's tile (rows.cuh
-//      delta_step_rows), the state stored in place;
+//      prepares them (L2 norm, scale, k.q), takes its rows from the staged tile and runs the delta
+//      step (rows.cuh delta_step_rows), the state stored in place;
 //   4. without the norm: the outputs stored as computed; the CTA arrives at cluster barrier 2
-//      right after its DSMEM reads and waits on it before it exits, so no CTA's shared memory
-//      ends while a peer still reads it.
-//      With the gated RMSNorm (per value head over V, whose rows span `tiles` CTAs): the outputs,
-//      rounded to out's dtype, into shared memory; warp 0 sums the squares of the CTA's rows
-//      (lane-strided, then a butterfly) and stores that partial into slot r % tiles of every CTA
-//      of its value head (remote stores); cluster barrier 2; each CTA adds the `tiles` partials
-//      of its head in slot order and normalizes its rows. After barrier 2 no CTA touches another
-//      CTA's shared memory (its pushes precede its arrive), so it may exit at once.
+//      once it has used what it read from DSMEM and waits on it before it exits, so no CTA's shared
+//      memory ends while a peer still reads it. With the gated RMSNorm (per value head over V,
+//      whose rows span `tiles` CTAs): the outputs, rounded to out's dtype, into shared memory; warp
+//      0 sums the squares of the CTA's rows (lane-strided, then a butterfly) and stores that
+//      partial into slot r % tiles of every CTA of its value head (remote stores); cluster barrier
+//      2; each CTA adds the `tiles` partials of its head in slot order and normalizes its rows.
+//      After barrier 2 no CTA touches another CTA's shared memory (its pushes precede its arrive),
+//      so it may exit at once.
 // The reduction order is fixed (no atomics): the same inputs give the same bits on every run. It
 // is not the CPU twin's (a sequential sum over V), nor the CTA kernel's (lane-strided over V):
 // all three are fp32 sums of the same V squares in other orders, which the GPU tests' norm
@@ -51,9 +53,9 @@
 #include "core/delta_math.h"
 #include "core/layer_math.h"
 #include "core/problem.h"
+#include "cuda/async_copy.cuh"
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
-#include "cuda/async_copy.cuh"
 #include "cuda/reduce.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/token.cuh"
@@ -85,7 +87,8 @@ size_t fused_cluster_smem_bytes(const FusedCluster& fc) {
 // The halves of the cluster barrier (barrier.cluster): every thread of the cluster arrives; the
 // arrive releases and the wait acquires at cluster scope, so what a CTA wrote to any CTA's shared
 // memory before its arrive is visible to every thread of the cluster after its wait. `.aligned`:
-// whole warps execute them.
+// whole converged warps execute them (callers __syncwarp after lane-divergent code). The wait
+// also orders the CTA's own threads, as __syncthreads would.
 __device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
@@ -121,8 +124,28 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
   const int my_rows = row_hi - row_lo;  // > 0: fused_cluster_shape leaves no CTA empty
   const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
 
-  // 1. the slot, the state tile of this warp into registers
+  // 1. the inputs that depend on nothing, the slot, the state tile of this warp into its shared
+  // memory
   const int kofs = (lane % G) * EPL;
+  // The head's gate and beta inputs and the norm's inputs (independent of the slot and the conv)
+  GateConsts<EPL> gc;
+  load_gate_consts(p.gate, hv, K, kofs, EPL, gc);
+  float graw[EPL];
+  const int64_t a_off = detail::head_offset(p.a, n, 0, hv);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i)
+    graw[i] = p.gate.kda ? detail::load_float(p.a.ptr, p.a.dtype, a_off + kofs + i)
+                         : (i == 0 ? detail::load_float(p.a.ptr, p.a.dtype, a_off) : 0.0f);
+  const float braw = detail::load_float(p.b.ptr, p.b.dtype, detail::head_offset(p.b, n, 0, hv));
+  // The norm's inputs of thread i's row row_lo + i (a CTA has more threads than rows: RPW < 32).
+  float z_in = 0.0f, w_in = 0.0f;
+  if (p.z && tid < my_rows) {
+    w_in = detail::load_float(p.norm_weight, p.norm_weight_dtype, row_lo + tid);
+    z_in = detail::load_float(p.z, p.z_dtype,
+                              static_cast<int64_t>(n) * p.z_row_stride +
+                                  static_cast<int64_t>(hv) * p.z_head_stride + row_lo + tid);
+  }
+
   const int64_t slot = detail::index_at(p.indices, p.index_dtype, p.index_stride, n);
   const bool bad = slot >= p.state.num_slots;
   if (slot < 0 || bad) {  // uniform over the cluster (one row n): no barrier is entered
@@ -139,9 +162,7 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
   const bool tile_live = tile0 < V;       // warp-uniform
   const int row0 = tile0 + lane / G;      // this lane's first row
   StateT* const pool = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride;
-  auto row_ptr = [&](int row) {
-    return pool + (static_cast<int64_t>(hv) * V + row) * K + kofs;
-  };
+  auto row_ptr = [&](int row) { return pool + (static_cast<int64_t>(hv) * V + row) * K + kofs; };
   extern __shared__ uint4 fused_cluster_smem[];
   uint4* const tile_smem = fused_cluster_smem + warp * (RPW * K * kStateBytes / 16) + lane;
   if (tile_live)
@@ -176,32 +197,13 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
     }
     const int64_t c = part_j * HK + local;  // the channel in the packed row
     detail::conv_channel_update(
-        detail::channel_window(p.window[part_j], slot, local), p.window[part_j].state_len, 1,
-        false, 0, detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
+        detail::channel_window(p.window[part_j], slot, local), p.window[part_j].state_len, 1, false,
+        0, detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
         [&](int) { return detail::load_float(p.x, p.x_dtype, x_row + c); },
         [&](int, float y) { *dst = detail::round_to(p.x_dtype, y); });
   }
+  __syncwarp();      // converged for the .aligned barrier after the lane-divergent loop
   cluster_arrive();  // barrier 1: every conv output of the cluster written
-  // The head's gate and beta inputs and the norm's inputs, issued while the barrier completes
-  // (issued before the conv, they would hold registers across it).
-  GateConsts<EPL> gc;
-  load_gate_consts(p.gate, hv, K, kofs, EPL, gc);
-  float graw[EPL];
-  const int64_t a_off = detail::head_offset(p.a, n, 0, hv);
-#pragma unroll
-  for (int i = 0; i < EPL; ++i)
-    graw[i] = p.gate.kda ? detail::load_float(p.a.ptr, p.a.dtype, a_off + kofs + i)
-                         : (i == 0 ? detail::load_float(p.a.ptr, p.a.dtype, a_off) : 0.0f);
-  const float braw = detail::load_float(p.b.ptr, p.b.dtype, detail::head_offset(p.b, n, 0, hv));
-  // The norm's inputs of thread i's row row_lo + i (a CTA has more threads than rows: RPW < 32).
-  float z_in = 0.0f, w_in = 0.0f;
-  if (p.z && tid < my_rows) {
-    w_in = detail::load_float(p.norm_weight, p.norm_weight_dtype, row_lo + tid);
-    z_in = detail::load_float(p.z, p.z_dtype,
-                              static_cast<int64_t>(n) * p.z_row_stride +
-                                  static_cast<int64_t>(hv) * p.z_head_stride + row_lo + tid);
-  }
-
   cluster_wait();
 
   // 3. q and k from the owning CTAs (DSMEM), prepared; the delta step on this warp's tile
@@ -224,8 +226,9 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
       k[4 * c + 3] = b.w;
     }
   }
-  if (!p.z) cluster_arrive();  // barrier 2 without the norm: this CTA's DSMEM reads are done
   const float kq = prepare_qk<EPL, G>(q, k, p.l2norm, p.scale, lane);
+  // Barrier 2 without the norm: q and k have been used, so this CTA's DSMEM reads are complete.
+  if (!p.z) cluster_arrive();
   float g[EPL], alpha[EPL];
   token_gate(p.gate, gc, graw, g, alpha);
   const float beta = detail::beta_value(braw, true, p.round_beta, p.b.dtype);
@@ -246,6 +249,7 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
     });
   }
   if (!p.z) {
+    __syncwarp();
     cluster_wait();  // no peer reads this CTA's shared memory any more
     return;
   }
@@ -260,6 +264,7 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
     if (lane < fc.tiles)  // into slot `part` of every CTA of this value head
       *cluster.map_shared_rank(ss_part + part, static_cast<unsigned>(hl * fc.tiles + lane)) = ss;
   }
+  __syncwarp();
   cluster_arrive();  // barrier 2: every partial pushed
   cluster_wait();
   float ss = 0.0f;
