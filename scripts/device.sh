@@ -317,6 +317,7 @@ for phase in "${phases[@]}"; do
     test-layer)  # the GPU tests with each fused-step kernel, then the Python ones on CUDA tensors
       DELTASTATE_CUDA_FUSED=cluster run test-layer gtest_sharded test-layer "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED=cta run test-layer gtest_sharded test-layer "$LAYER_TESTS"
+      DELTASTATE_CUDA_FUSED_TPW=2 run test-layer gtest_sharded test-layer '*FusedStepGpu*'
       run test-layer python3 -m pytest -q python/tests/test_fused_step.py \
         python/tests/peer/test_causal_conv1d_update.py
       ;;
@@ -326,6 +327,8 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_FUSED=cta sanitized memcheck "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED=cta sanitized racecheck '*FusedStepGpu*'
       DELTASTATE_CUDA_FUSED=cluster sanitized racecheck "$LAYER_SMALL"
+      DELTASTATE_CUDA_FUSED_TPW=2 sanitized memcheck "$LAYER_SMALL"
+      DELTASTATE_CUDA_FUSED_TPW=2 sanitized racecheck "$LAYER_SMALL"
       ;;
     bench-layer)  # the fused step beside our unfused chain and the peer chain (LAYER_ARGS:
       # --models, --dtypes, --batches, --no-peer, --pdl)
@@ -334,6 +337,9 @@ for phase in "${phases[@]}"; do
       # the fused step on its CTA kernel (the A/B of the cluster kernel; no peer chain)
       DELTASTATE_CUDA_FUSED=cta run bench-layer python3 bench/bench_layer_step.py --no-peer \
         --json "$OUT/layer-step-cta-h200.json" ${LAYER_ARGS:-}
+      # the cluster kernel with two tiles per warp at the batches where packed decode takes two
+      DELTASTATE_CUDA_FUSED_TPW=2 run bench-layer python3 bench/bench_layer_step.py --no-peer \
+        --batches 8,64,256 --json "$OUT/layer-step-tpw2-h200.json" ${LAYER_TPW2_ARGS:-}
       ;;
     *)
       echo "unknown phase $phase" >&2; exit 2 ;;

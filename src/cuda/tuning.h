@@ -124,6 +124,12 @@ inline FusedChoice forced_fused_kernel() {
   }();
   return forced;
 }
+// DELTASTATE_CUDA_FUSED_TPW=1|2: row tiles per warp of the fused step's cluster kernel (one unless
+// forced; fused_decode_step.cu says why).
+inline int forced_fused_tiles_per_warp() {
+  static const int forced = env_override("DELTASTATE_CUDA_FUSED_TPW", {1, 2});
+  return forced;
+}
 // DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).
 inline int forced_pdl_trigger() {
   static const int forced = env_override("DELTASTATE_CUDA_PDL_TRIGGER", {1, 2});

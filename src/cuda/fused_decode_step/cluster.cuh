@@ -6,11 +6,11 @@
 // and rolled by exactly one CTA, which leaves a batch of one row with only H CTAs for a state read
 // that needs the whole GPU's bandwidth. A cluster keeps the key head together (one barrier orders
 // the conv before the delta rule) while spreading its rows over up to kFusedClusterMaxCtas CTAs of
-// the packed decode kernel's tile size (RowLayout rows per warp, one tile per warp).
+// the packed decode kernel's tile size (RowLayout rows per tile, TPW = one or two tiles per warp).
 //
 // The cluster of `ctas` = group * `tiles` CTAs (FusedCluster; group = HV/H value heads, tiles =
 // CTAs per value head): CTA rank r holds value head hl = r / tiles of the group and its run of
-// `warps` row tiles number r % tiles, rows [row_lo, row_hi). Ownership, so that every window is
+// warps*TPW row tiles number r % tiles, rows [row_lo, row_hi). Ownership, so that every window is
 // read and rolled by one CTA and nothing in global memory is shared between CTAs:
 //   - the 2K q/k channels of head h, as one index j in [q | k], are split in chunks of `qk_chunk`
 //     (a multiple of 8, so a lane's EPL consecutive elements lie in one chunk): CTA r runs the
@@ -19,15 +19,16 @@
 //   - the v channels of CTA r's own rows: only CTA r reads them (xv).
 // Order inside a CTA (latency first: the state is the only large read):
 //   1. the gate and beta inputs of its value head and the norm's inputs of its rows (they
-//      depend on nothing), the slot, then every warp copies its state tile into its own shared
+//      depend on nothing), the slot, then every warp copies its state tiles into its own shared
 //      memory (cp.async, each lane its own words: no barrier; held in registers across the conv,
-//      the tile would spill at the 80-register cap);
+//      a tile would spill at the 80-register cap);
 //   2. the conv update of the owned channels (core/layer_math.h, the CPU twin's function), outputs
-//      rounded to mixed_qkv's dtype into shared memory; cluster barrier 1 (arrive releases, wait
-//      acquires: every CTA's conv outputs are visible to every CTA of the cluster);
+//      rounded to mixed_qkv's dtype into shared memory, and the norm's inputs moved from registers
+//      to shared memory; cluster barrier 1 (arrive releases, wait acquires: every CTA's conv
+//      outputs are visible to every CTA of the cluster);
 //   3. each lane reads its K slice of q and k from the owning CTAs' shared memory (DSMEM), then
-//      prepares them (L2 norm, scale, k.q), takes its rows from the staged tile and runs the delta
-//      step (rows.cuh delta_step_rows), the state stored in place;
+//      prepares them (L2 norm, scale, k.q), then per tile takes its rows from the staged tile and
+//      runs the delta step (rows.cuh delta_step_rows), the state stored in place;
 //   4. without the norm: the outputs stored as computed; the CTA arrives at cluster barrier 2
 //      once it has used what it read from DSMEM and waits on it before it exits, so no CTA's shared
 //      memory ends while a peer still reads it. With the gated RMSNorm (per value head over V,
@@ -71,17 +72,18 @@ namespace {
 struct FusedCluster {
   int ctas;      // CTAs per cluster: group * tiles (at most kFusedClusterMaxCtas)
   int tiles;     // CTAs per value head
-  int warps;     // row tiles (one per warp) per CTA (at most kFusedClusterMaxWarps)
+  int warps;     // warps per CTA (at most kFusedClusterMaxWarps), TPW row tiles each
   int qk_chunk;  // q/k channels whose conv one CTA runs (a multiple of 8)
 };
 
-// Shared memory bytes of a cluster CTA: each warp's state tile (RPW rows of K elements), then
-// floats: q|k (2K, the owned chunk written), v and the outputs of its rows, the partial sums of
-// squares of its value head (`tiles`).
-template <class StateT, int K, int RPW>
+// Shared memory bytes of a cluster CTA: its warps' state tiles (RPW rows of K elements each, TPW
+// per warp), then floats: q|k (2K, the owned chunk written), v, the outputs, z and the norm
+// weight of its rows, the partial sums of squares of its value head (`tiles`).
+template <class StateT, int K, int RPW, int TPW>
 size_t fused_cluster_smem_bytes(const FusedCluster& fc) {
-  const size_t floats = 2 * K + 2 * fc.warps * RPW + fc.tiles;
-  return static_cast<size_t>(fc.warps) * RPW * K * sizeof(StateT) + floats * sizeof(float);
+  const size_t rows = static_cast<size_t>(fc.warps) * TPW * RPW;
+  const size_t floats = 2 * K + 4 * rows + fc.tiles;
+  return rows * K * sizeof(StateT) + floats * sizeof(float);
 }
 
 // The halves of the cluster barrier (barrier.cluster): every thread of the cluster arrives; the
@@ -100,7 +102,7 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-template <class StateT, int K>
+template <class StateT, int K, int TPW>
 __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasPerSm)
     fused_decode_step_cluster_kernel(const FusedStepProblem p, const FusedCluster fc) {
   namespace cg = cooperative_groups;
@@ -110,7 +112,10 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
   constexpr int RPW = RG * R;  // rows per tile
   constexpr int kStateBytes = static_cast<int>(sizeof(StateT));
   static_assert(EPL % 4 == 0 && 8 % EPL == 0, "a lane's slice is whole float4s of one chunk");
-  static_assert(RPW < 32, "a CTA has more threads than rows (the norm's one row per thread)");
+  static_assert(TPW == 1 || TPW == 2, "one or two tiles per warp");
+  static_assert(TPW * RPW <= 32,
+                "a CTA has as many threads as rows or more (the norm's one row "
+                "per thread)");
   const cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int n = static_cast<int>(blockIdx.x) / fc.ctas, h = static_cast<int>(blockIdx.y);
@@ -119,8 +124,9 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
   const int group = p.HV / p.H, V = p.V;
   const int hl = rank / fc.tiles, part = rank - hl * fc.tiles;
   const int hv = h * group + hl;
-  const int row_lo = part * fc.warps * RPW;
-  const int row_hi = row_lo + fc.warps * RPW < V ? row_lo + fc.warps * RPW : V;
+  const int span = fc.warps * TPW * RPW;  // rows per CTA
+  const int row_lo = part * span;
+  const int row_hi = row_lo + span < V ? row_lo + span : V;
   const int my_rows = row_hi - row_lo;  // > 0: fused_cluster_shape leaves no CTA empty
   const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
 
@@ -137,7 +143,7 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
     graw[i] = p.gate.kda ? detail::load_float(p.a.ptr, p.a.dtype, a_off + kofs + i)
                          : (i == 0 ? detail::load_float(p.a.ptr, p.a.dtype, a_off) : 0.0f);
   const float braw = detail::load_float(p.b.ptr, p.b.dtype, detail::head_offset(p.b, n, 0, hv));
-  // The norm's inputs of thread i's row row_lo + i (a CTA has more threads than rows: RPW < 32).
+  // The norm's inputs of thread i's row row_lo + i (a CTA has no more rows than threads).
   float z_in = 0.0f, w_in = 0.0f;
   if (p.z && tid < my_rows) {
     w_in = detail::load_float(p.norm_weight, p.norm_weight_dtype, row_lo + tid);
@@ -158,24 +164,29 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
     return;
   }
 
-  const int tile0 = row_lo + warp * RPW;  // this warp's first row
-  const bool tile_live = tile0 < V;       // warp-uniform
-  const int row0 = tile0 + lane / G;      // this lane's first row
+  // Tile t of this warp: rows row_lo + (warp + t*warps)*RPW .. (the CTA's first warps*RPW rows
+  // are every warp's tile 0, so a partial last CTA leaves tiles 1 empty first).
+  auto tile_first = [&](int t) { return row_lo + (warp + t * fc.warps) * RPW; };
   StateT* const pool = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride;
   auto row_ptr = [&](int row) { return pool + (static_cast<int64_t>(hv) * V + row) * K + kofs; };
+  constexpr int kTileWords = RPW * K * kStateBytes / 16;  // uint4 words of one tile
   extern __shared__ uint4 fused_cluster_smem[];
-  uint4* const tile_smem = fused_cluster_smem + warp * (RPW * K * kStateBytes / 16) + lane;
-  if (tile_live)
-    stage_rows_async<StateT, EPL, R>(tile_smem, 32, row0, RG, V,
-                                     [&](int, int row) { return row_ptr(row); });
+  uint4* const tile_smem = fused_cluster_smem + warp * TPW * kTileWords + lane;
+#pragma unroll
+  for (int t = 0; t < TPW; ++t)
+    if (tile_first(t) < V)  // warp-uniform
+      stage_rows_async<StateT, EPL, R>(tile_smem + t * kTileWords, 32, tile_first(t) + lane / G, RG,
+                                       V, [&](int, int row) { return row_ptr(row); });
 
   // 2. the conv update of the owned channels: the q/k chunk into xqk at its index, the v of this
   // CTA's rows into xv
   float* const xqk =  // 16-byte aligned: q, k are read as float4
-      reinterpret_cast<float*>(fused_cluster_smem + fc.warps * (RPW * K * kStateBytes / 16));
+      reinterpret_cast<float*>(fused_cluster_smem + fc.warps * TPW * kTileWords);
   float* const xv = xqk + 2 * K;
-  float* const os = xv + fc.warps * RPW;  // the outputs, with the norm
-  float* const ss_part = os + fc.warps * RPW;
+  float* const os = xv + span;  // the outputs, with the norm
+  float* const zs = os + span;  // the norm's z and weight of the CTA's rows
+  float* const ws = zs + span;
+  float* const ss_part = ws + span;
   const int qk_lo = rank * fc.qk_chunk;
   const int qk_n = qk_lo >= 2 * K ? 0 : (2 * K - qk_lo < fc.qk_chunk ? 2 * K - qk_lo : fc.qk_chunk);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
@@ -202,11 +213,15 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
         [&](int) { return detail::load_float(p.x, p.x_dtype, x_row + c); },
         [&](int, float y) { *dst = detail::round_to(p.x_dtype, y); });
   }
-  __syncwarp();      // converged for the .aligned barrier after the lane-divergent loop
+  if (p.z && tid < my_rows) {  // out of registers before the delta step
+    zs[tid] = z_in;
+    ws[tid] = w_in;
+  }
+  __syncwarp();      // converged for the .aligned barrier after the lane-divergent code
   cluster_arrive();  // barrier 1: every conv output of the cluster written
   cluster_wait();
 
-  // 3. q and k from the owning CTAs (DSMEM), prepared; the delta step on this warp's tile
+  // 3. q and k from the owning CTAs (DSMEM), prepared; the delta step on this warp's tiles
   float q[EPL], k[EPL];
   {
     const float4* qs = reinterpret_cast<const float4*>(
@@ -232,9 +247,13 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
   float g[EPL], alpha[EPL];
   token_gate(p.gate, gc, graw, g, alpha);
   const float beta = detail::beta_value(braw, true, p.round_beta, p.b.dtype);
-  if (tile_live) {
+  // One tile's rows in registers at a time (unrolled, the two tiles overlap and spill).
+#pragma unroll 1
+  for (int t = 0; t < TPW; ++t) {
+    if (tile_first(t) >= V) break;              // warp-uniform
+    const int row0 = tile_first(t) + lane / G;  // this lane's first row of the tile
     float S[R][EPL];
-    load_staged_rows<StateT, EPL, R>(tile_smem, 32, row0, RG, V, S);
+    load_staged_rows<StateT, EPL, R>(tile_smem + t * kTileWords, 32, row0, RG, V, S);
     const int idx = reduced_index<G, 2 * R>(lane);
     const bool v_here = idx < R && row0 + idx * RG < V;
     const float v = v_here ? xv[row0 + idx * RG - row_lo] : 0.0f;
@@ -272,7 +291,7 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
   const float inv = detail::rms_inverse(ss, V, p.norm_eps);
   if (tid < my_rows)
     detail::store_float(p.out.ptr, p.out.dtype, o_base + row_lo + tid,
-                        detail::gated_norm(os[tid], inv, w_in, z_in, p.out.dtype,
+                        detail::gated_norm(os[tid], inv, ws[tid], zs[tid], p.out.dtype,
                                            p.norm_weight_dtype == p.out.dtype));
 }
 
