@@ -31,8 +31,8 @@ constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 // spills at 80.
 constexpr int kMultiWarps = 4, kMultiCtasPerSm = 6, kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
 // Fused decode step's cluster kernel: clusters of at most 8 CTAs (the portable cluster size), CTAs
-// of at most 4 warps (one decode-kernel row tile each), 6 resident per SM: at most 80 registers
-// per thread, as the register decode kernel, whose tile a warp runs.
+// of at most 4 warps (one or two decode-kernel row tiles each), 6 resident per SM: at most 80
+// registers per thread, as the register decode kernel, whose tile a warp runs.
 constexpr int kFusedClusterMaxCtas = 8, kFusedClusterMaxWarps = 4, kFusedClusterCtasPerSm = 6;
 
 // ---- kernel and variant choice ------------------------------------------------------------------
