@@ -101,8 +101,10 @@ sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's
 PREFILL_TESTS='*ChunkPrefill*:*PrefillGpuTest*'
 PREFILL_SMALL='*GpuChunkPrefill*gva*:*GpuChunkPrefill*k64*:*GpuChunkPrefill*fallback_gdn_odd*'
 
-# The conv update and the fused decode layer step's GPU tests.
+# The conv update and the fused decode layer step's GPU tests (each fused-step kernel runs them
+# forced), and the cluster kernel's small cases for racecheck (clusters of 8, 4 and 6 CTAs).
 LAYER_TESTS='*FusedStepGpu*:*ConvUpdateGpu*'
+LAYER_SMALL='*FusedStepGpu*group4*:*FusedStepGpu*kda_cluster4*:*FusedStepGpu*odd_v*'
 
 # The decode-shaped GPU tests (each decode kernel runs them forced).
 DECODE_TESTS='*Packed*:*4096*:*Graph*:*Pdl*'
@@ -350,19 +352,32 @@ for phase in "${phases[@]}"; do
       run overhead python3 bench/measure_overhead.py
       ;;
     # ---- the conv update and the fused decode layer step ----
-    test-layer)  # the GPU tests, then the Python ones on CUDA tensors
-      run test-layer gtest_sharded test-layer "$LAYER_TESTS"
+    test-layer)  # the GPU tests with each fused-step kernel, then the Python ones on CUDA tensors
+      DELTASTATE_CUDA_FUSED=cluster run test-layer gtest_sharded test-layer "$LAYER_TESTS"
+      DELTASTATE_CUDA_FUSED=cta run test-layer gtest_sharded test-layer "$LAYER_TESTS"
+      DELTASTATE_CUDA_FUSED_TPW=2 run test-layer gtest_sharded test-layer '*FusedStepGpu*'
       run test-layer python3 -m pytest -q python/tests/test_fused_step.py \
         python/tests/peer/test_causal_conv1d_update.py
       ;;
-    sanitize-layer)  # memcheck and racecheck (the CTA's shared conv outputs and barriers)
-      sanitized memcheck "$LAYER_TESTS"
-      sanitized racecheck '*FusedStepGpu*'
+    sanitize-layer)  # memcheck with each fused-step kernel; racecheck (the CTA kernel's shared
+      # conv outputs and barriers; the cluster kernel's DSMEM and cluster barriers, small cases)
+      DELTASTATE_CUDA_FUSED=cluster sanitized memcheck "$LAYER_TESTS"
+      DELTASTATE_CUDA_FUSED=cta sanitized memcheck "$LAYER_TESTS"
+      DELTASTATE_CUDA_FUSED=cta sanitized racecheck '*FusedStepGpu*'
+      DELTASTATE_CUDA_FUSED=cluster sanitized racecheck "$LAYER_SMALL"
+      DELTASTATE_CUDA_FUSED_TPW=2 sanitized memcheck "$LAYER_SMALL"
+      DELTASTATE_CUDA_FUSED_TPW=2 sanitized racecheck "$LAYER_SMALL"
       ;;
     bench-layer)  # the fused step beside our unfused chain and the peer chain (LAYER_ARGS:
       # --models, --dtypes, --batches, --no-peer, --pdl)
       run bench-layer python3 bench/bench_layer_step.py --json "$OUT/layer-step-h200.json" \
         ${LAYER_ARGS:-}
+      # the fused step on its CTA kernel (the A/B of the cluster kernel; no peer chain)
+      DELTASTATE_CUDA_FUSED=cta run bench-layer python3 bench/bench_layer_step.py --no-peer \
+        --json "$OUT/layer-step-cta-h200.json" ${LAYER_ARGS:-}
+      # the cluster kernel with two tiles per warp at the batches where packed decode takes two
+      DELTASTATE_CUDA_FUSED_TPW=2 run bench-layer python3 bench/bench_layer_step.py --no-peer \
+        --batches 8,64,256 --json "$OUT/layer-step-tpw2-h200.json" ${LAYER_TPW2_ARGS:-}
       ;;
     *)
       echo "unknown phase $phase" >&2; exit 2 ;;

@@ -1,7 +1,11 @@
-// fused_decode_step on CUDA: launch and dispatch of the fused decode layer step's kernel
-// (src/cuda/fused_decode_step/kernel.cuh): one CTA per (row, key head), one or two row tiles per
-// warp (two when the group has more than kFusedMaxWarps tiles), state dtype and K as template
-// parameters. The validator limits K to {64, 128} and (HV/H)*V to 256 rows.
+// fused_decode_step on CUDA: launch and dispatch of the fused decode layer step's kernels, state
+// dtype and K as template parameters. The cluster kernel (src/cuda/fused_decode_step/cluster.cuh:
+// one thread-block cluster per (row, key head), one or two row tiles per warp) runs every shape
+// whose key head's rows fit a cluster of kFusedClusterMaxCtas CTAs of kFusedClusterMaxWarps
+// warps; the others run the CTA kernel (src/cuda/fused_decode_step/kernel.cuh: one CTA per (row,
+// key head), one or two row tiles per warp, two when the group has more than kFusedMaxWarps
+// tiles). DELTASTATE_CUDA_FUSED=cta forces the CTA kernel (tuning.h). The validator limits K to
+// {64, 128} and (HV/H)*V to 256 rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -10,8 +14,10 @@
 
 #include "api/backend.h"
 #include "core/problem.h"
+#include "cuda/fused_decode_step/cluster.cuh"
 #include "cuda/fused_decode_step/kernel.cuh"
 #include "cuda/launch.h"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 
@@ -27,8 +33,57 @@ void launch_fused(const FusedStepProblem& p, cudaStream_t stream, int warps) {
                 with_pdl_trigger(p, ctas, resident));
 }
 
+// The cluster split of a key head's rows (FusedCluster) with TPW row tiles per warp, or false
+// where none fits: at most kFusedClusterMaxCtas / group CTAs per value head, each the fewest row
+// tiles that reach all of them in that many CTAs, and no CTA without rows.
+template <class StateT, int K>
+bool fused_cluster_shape(const FusedStepProblem& p, int tpw, FusedCluster& fc) {
+  constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
+  const int group = p.HV / p.H;
+  if (group > kFusedClusterMaxCtas) return false;
+  const int tiles_per_head = (p.V + kRows - 1) / kRows;
+  const int most = kFusedClusterMaxCtas / group;
+  const int tiles_per_cta = (tiles_per_head + most - 1) / most;
+  fc.warps = (tiles_per_cta + tpw - 1) / tpw;
+  if (fc.warps > kFusedClusterMaxWarps) return false;
+  fc.tiles = (tiles_per_head + fc.warps * tpw - 1) / (fc.warps * tpw);
+  fc.ctas = group * fc.tiles;
+  const int chunk = (2 * K + fc.ctas - 1) / fc.ctas;
+  fc.qk_chunk = (chunk + 7) / 8 * 8;
+  return true;
+}
+
+template <class StateT, int K, int TPW>
+void launch_cluster(const FusedStepProblem& p, cudaStream_t stream, const FusedCluster& fc) {
+  constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
+  const dim3 grid(static_cast<unsigned>(p.B) * static_cast<unsigned>(fc.ctas),
+                  static_cast<unsigned>(p.H));
+  const int64_t ctas = static_cast<int64_t>(p.B) * p.H * fc.ctas;
+  const size_t smem = fused_cluster_smem_bytes<StateT, K, kRows, TPW>(fc);
+  const int resident = kFusedClusterCtasPerSm * kFusedClusterMaxWarps / fc.warps;
+  launch_cluster_kernel(fused_decode_step_cluster_kernel<StateT, K, TPW>, grid, fc.warps * 32, smem,
+                        stream, p.pdl, static_cast<unsigned>(fc.ctas),
+                        with_pdl_trigger(p, ctas, resident), fc);
+}
+
+// The cluster kernel where a cluster holds the key head's rows; false elsewhere. One tile per
+// warp unless DELTASTATE_CUDA_FUSED_TPW=2 asks for two, the packed decode kernel's shape from a
+// few waves up (the second tile shares the token's preparation and doubles the state in flight
+// per warp), which the fused kernel does not take by itself: at the 80-register cap its tile
+// loop spills a few registers.
+template <class StateT, int K>
+bool launch_cluster_k(const FusedStepProblem& p, cudaStream_t stream) {
+  FusedCluster fc{};
+  if (forced_fused_tiles_per_warp() == 2 && fused_cluster_shape<StateT, K>(p, 2, fc))
+    return launch_cluster<StateT, K, 2>(p, stream, fc), true;
+  if (!fused_cluster_shape<StateT, K>(p, 1, fc)) return false;
+  launch_cluster<StateT, K, 1>(p, stream, fc);
+  return true;
+}
+
 template <class StateT, int K>
 void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
+  if (forced_fused_kernel() != FusedChoice::cta && launch_cluster_k<StateT, K>(p, stream)) return;
   constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
   const int tiles = (p.HV / p.H) * ((p.V + kRows - 1) / kRows);
   if (tiles > 2 * kFusedMaxWarps)  // the validator's (HV/H)*V <= 256 keeps this unreachable

@@ -87,22 +87,40 @@ Problem with_pdl_trigger(Problem p, int64_t ctas, int resident_per_sm) {
 }
 
 // Launches `kernel` on `stream`, with programmatic stream serialization when `pdl` (the grid may
-// be scheduled while the stream's previous kernel is still running; enter_grid orders memory).
-// Kernel parameters are passed by value, as with <<<...>>>.
+// be scheduled while the stream's previous kernel is still running; enter_grid orders memory),
+// and as clusters of `cluster_x` x 1 x 1 CTAs when cluster_x > 0 (sm_90 thread-block clusters;
+// grid.x a multiple of it). Kernel parameters are passed by value, as with <<<...>>>.
 template <class... Params, class... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                   cudaStream_t stream, bool pdl, Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+void launch_cluster_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                           cudaStream_t stream, bool pdl, unsigned cluster_x, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (pdl) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  if (cluster_x > 0) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = cluster_x;
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  config.attrs = pdl ? attr : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.attrs = num_attrs > 0 ? attr : nullptr;
+  config.numAttrs = num_attrs;
   DS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                   cudaStream_t stream, bool pdl, Args&&... args) {
+  launch_cluster_kernel(kernel, grid, block, smem_bytes, stream, pdl, 0u,
+                        std::forward<Args>(args)...);
 }
 
 // Calls f(T{}) with T the device type of a state of `dtype` (__nv_bfloat16, __half, else float):

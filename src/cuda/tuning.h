@@ -32,6 +32,10 @@ constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 constexpr int kMultiWarps = 4, kMultiCtasPerSm = 6, kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
 // Its two-tile shapes: 5 resident (at most 96 registers: the second tile's loop spills at 80).
 constexpr int kMultiTwoCtasPerSm = 5;
+// Fused decode step's cluster kernel: clusters of at most 8 CTAs (the portable cluster size), CTAs
+// of at most 4 warps (one or two decode-kernel row tiles each), 6 resident per SM: at most 80
+// registers per thread, as the register decode kernel, whose tile a warp runs.
+constexpr int kFusedClusterMaxCtas = 8, kFusedClusterMaxWarps = 4, kFusedClusterCtasPerSm = 6;
 
 // ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
@@ -140,6 +144,25 @@ inline MultiVariant forced_multi_variant() {
     if (std::strcmp(e, "stage2") == 0) return MultiVariant::stage2;
     return MultiVariant::automatic;
   }();
+  return forced;
+}
+// DELTASTATE_CUDA_FUSED=cta|cluster: the fused decode step on its one-CTA-per-key-head kernel, or
+// on its cluster kernel (the default; shapes a cluster does not fit run the CTA kernel either way).
+enum class FusedChoice { automatic, cta, cluster };
+inline FusedChoice forced_fused_kernel() {
+  static const FusedChoice forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_FUSED");
+    if (!e) return FusedChoice::automatic;
+    if (std::strcmp(e, "cta") == 0) return FusedChoice::cta;
+    if (std::strcmp(e, "cluster") == 0) return FusedChoice::cluster;
+    return FusedChoice::automatic;
+  }();
+  return forced;
+}
+// DELTASTATE_CUDA_FUSED_TPW=1|2: row tiles per warp of the fused step's cluster kernel (one unless
+// forced; fused_decode_step.cu says why).
+inline int forced_fused_tiles_per_warp() {
+  static const int forced = env_override("DELTASTATE_CUDA_FUSED_TPW", {1, 2});
   return forced;
 }
 // DELTASTATE_CUDA_PDL_TRIGGER=1|2: let the next PDL grid in early (1) or as the CTAs exit (2).

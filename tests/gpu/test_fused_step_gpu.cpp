@@ -4,7 +4,9 @@
 // outputs, 1e-5/1e-4 on fp32 states, the state dtype's tolerance otherwise, plus one ulp of the
 // storage dtype on each side), the gated norm adding the fp32 reduction order (1e-4). Padded rows
 // are zeros, unused slots bit-untouched, and an out-of-range index is skipped and reported by
-// check_errors. Skips without a CUDA device.
+// check_errors. The fused step has two kernels (a cluster per key head, or one CTA):
+// scripts/device.sh runs these tests with each forced (DELTASTATE_CUDA_FUSED=cluster | cta).
+// Skips without a CUDA device.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -136,8 +138,76 @@ INSTANTIATE_TEST_SUITE_P(
                   3,
                   false,
                   false,
-                  false}),
+                  false},
+        // The cluster kernel's other splits (cluster.cuh): four value heads of two CTAs each; a
+        // KDA cluster of four one-warp CTAs; and a group of 16 value heads, which no cluster of
+        // at most 8 CTAs holds (the CTA kernel, whichever DELTASTATE_CUDA_FUSED asks for).
+        LayerCase{{"group4_f32", Shape{"g4", 2, 8, 128, 64}, false, kNoLb, f32, bf16}, bf16},
+        LayerCase{{"kda_cluster4_bf16", Shape{"kda4", 4, 4, 128, 32}, true, kNoLb, bf16, bf16},
+                  bf16},
+        LayerCase{{"group16_f32", Shape{"g16", 1, 16, 128, 16}, false, kNoLb, f32, f32}, f32}),
     case_name<LayerCase>);
+
+// Two fused steps with PDL captured in a CUDA graph on a stream and replayed (each kernel's launch
+// attributes, the cluster's among them, inside a graph; a padded row) against two CPU steps. fp32
+// states: a 16-bit state's one-ulp flips of the first step would compound in the second beyond
+// the one-step tolerances.
+TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  const LayerCase cases[] = {
+      LayerCase{{"qwen3next_f32state_bf16", kQwen3Next, false, kNoLb, f32, bf16}, bf16},
+      LayerCase{{"kimi_f32state_nonorm", kKimi, true, kNoLb, f32, bf16},
+                bf16,
+                4,
+                false,
+                false,
+                true,
+                false}};
+  for (const LayerCase& c : cases) {
+    const std::vector<int64_t> idx{2, -1, 0};
+    LayerBatch b = make_layer_batch(rng, c, idx, 4);
+    DeviceCopies dev;
+    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                            &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
+      dev.put(*t);
+    for (const Tensor& w : b.win) dev.put(w);
+    cudaStream_t stream = nullptr;
+    ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
+    a.stream = stream;
+    a.pdl = true;
+    a.check_indices = false;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    b.run_fused(a);
+    b.run_fused(a);
+    ok(cudaStreamEndCapture(stream, &graph));
+    ok(cudaGraphInstantiate(&exec, graph, 0));
+    ok(cudaGraphLaunch(exec, stream));
+    ok(cudaStreamSynchronize(stream));
+    ok(cudaGraphExecDestroy(exec));
+    ok(cudaGraphDestroy(graph));
+    ok(cudaStreamDestroy(stream));
+    deltastate::check_errors();
+    b.run_fused(b.args(host_view));
+    b.run_fused(b.args(host_view));
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << c.name << ", window " << j;
+    const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
+    EXPECT_TRUE(all_close(dev.get(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 5 : 3))
+        << c.name << ", out";
+    const Tensor state = dev.get(b.state);
+    const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
+    for (int64_t sl = 0; sl < b.slots; ++sl) {
+      const std::vector<double> g = slot_values(state.view(), sl),
+                                h = slot_values(b.state.view(), sl);
+      if (sl == 0 || sl == 2) EXPECT_TRUE(all_close(g, h, st_tol, c.state, 2)) << c.name << sl;
+      else EXPECT_EQ(g, h) << c.name << ", unused slot " << sl;
+    }
+  }
+}
 
 // causal_conv1d_update on CUDA against the CPU (shifted, circular, seqlen 3, vLLM layout).
 TEST(ConvUpdateGpu, MatchesCpu) {
