@@ -3,8 +3,9 @@
 // workspace size only (no device data, no host synchronization: graph-capturable):
 //  * the split kernels (chunk_prefill/split.cuh, its design there), GDN: an intra-chunk kernel
 //    and an output kernel parallel over (chunk, value head) around a sequential state pass over
-//    (sequence, value head, row tile), through the workspace. The default where the tensor-core
-//    kernels apply (kPrefillSplitByDefault, tuning.h) and the workspace holds their blocks.
+//    (sequence, value head, row tile), through the workspace. Taken where the tensor-core
+//    kernels apply, the fused kernel's grid would fill less than half of the GPU
+//    (prefill_split_pays, tuning.h) and the workspace holds their blocks.
 //  * chunk_prefill_tc_kernel (chunk_prefill/tc_kernel.cuh): the fused tensor-core kernel
 //    (mma.sync bf16/fp16, fp32 accumulation), one CTA per (sequence, value head) with the fp32
 //    state on chip across the sequence's chunks: KDA, and GDN when the split path is not taken.
@@ -122,13 +123,14 @@ bool try_tc(const ChunkPrefillProblem& p, cudaStream_t stream) {
   }
 }
 
-// The split kernels (chunk_prefill/split.cuh) for GDN where the tensor-core kernels apply, by
-// default (kPrefillSplitByDefault) or when forced, and the workspace holds their blocks (it does
-// when sized by chunk_prefill_workspace_bytes).
+// The split kernels (chunk_prefill/split.cuh) for GDN where the tensor-core kernels apply, when
+// the fused kernel's grid would leave most SMs idle (prefill_split_pays) or when forced, and the
+// workspace holds their blocks (it does when sized by chunk_prefill_workspace_bytes).
 bool use_split(const ChunkPrefillProblem& p) {
   const PrefillChoice forced = forced_prefill_kernel();
   if (p.gate.kda || forced == PrefillChoice::fused) return false;
-  return forced == PrefillChoice::split || kPrefillSplitByDefault;
+  return forced == PrefillChoice::split ||
+         prefill_split_pays(p.num_heads_total(), num_sms(p.device.index));
 }
 
 int64_t split_bytes(int D, int64_t N, int64_t HV, int64_t slots) {

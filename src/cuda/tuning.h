@@ -101,9 +101,13 @@ inline int forced_replay_blocks_per_cta() {
   return forced;
 }
 // Chunked prefill on the split design (chunk_prefill/split.cuh: parallel intra-chunk and output
-// kernels around a sequential state pass) wherever it applies, instead of the fused tensor-core
-// kernel (one CTA per sequence and value head through all its chunks).
-constexpr bool kPrefillSplitByDefault = true;
+// kernels around a sequential state pass) instead of the fused tensor-core kernel (one CTA per
+// sequence and value head through all its chunks, one resident per SM) where the fused grid of
+// `fused_ctas` CTAs leaves more than half of the `sms` SMs idle. The split path's time follows the
+// token count (its state pass runs one CTA per SM through every chunk of the batch), the fused
+// kernel's the chunks per wave, so the fused one wins from about half a wave up (measured on the
+// H200: bench/results/prefill-h200.json).
+constexpr bool prefill_split_pays(int64_t fused_ctas, int64_t sms) { return 2 * fused_ctas < sms; }
 // DELTASTATE_CUDA_PREFILL=fallback|fused|split: chunk_prefill on its CUDA-core fallback kernel,
 // the fused tensor-core kernel or the split kernels, where that one applies (tests run the GPU
 // suite each way; benchmarks compare them).

@@ -184,6 +184,9 @@ struct PrefillRun {
   int64_t N = 0, E = 0, every = 0, total = 0;
   std::vector<int64_t> cu_starts{0}, in_slot, out_slot, ck_slot;
   Tensor pool, idx, out_idx, ck_idx, has_initial, final_state, ckpts, cu_starts_t;
+  // The workspace of the CUDA calls, made at the size the first one asks for (calls with the
+  // same arguments ask for the same size; each Mirror gives it its own device buffer).
+  mutable Tensor cuda_ws;
 
   PrefillRun(const GpuPrefillCase& cs, Rng& rng) : c(cs), rb(make_recurrent_batch(rng, cs.spec)) {
     vary_decay(rb, rng);
@@ -255,6 +258,13 @@ struct PrefillRun {
       a.checkpoint_cu_starts = view_of(cu_starts_t);
       if (c.ckpt == Ckpt::dense) a.state_checkpoints = view_of(ckpts);
       else a.checkpoint_slot_indices = view_of(ck_idx);
+    }
+    if (a.q.device.type == deltastate::DeviceType::cuda) {
+      const int64_t bytes = deltastate::chunk_prefill_workspace_bytes(a);
+      if (bytes > 0) {
+        if (!cuda_ws.alloc_base()) cuda_ws = workspace_for(a);
+        a.workspace = view_of(cuda_ws);
+      }
     }
     return a;
   }
