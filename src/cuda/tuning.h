@@ -50,12 +50,14 @@ constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
 // ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;
-// Multi-token kernel: two tiles per warp (the second one staged while the first one's tokens run)
-// by the register decode kernel's rule, over the one-tile grid's `ctas` and the GPU's `capacity`
-// of resident CTAs: a partial second wave, which two tiles halve, and 8 waves or more, where a
-// CTA's state load is long enough to hide another tile's tokens.
-constexpr bool multi_two_tiles(int64_t ctas, int64_t capacity) {
-  return decode_two_tiles(ctas, capacity);
+// Multi-token kernel, vector shapes, as measured faster on the H200 (bench/results): fp32 states
+// take two tiles per warp (the second one staged) where the two-tile grid (half the one-tile
+// grid's `ctas`) fits in one wave of two-tile CTAs (`two_capacity` resident on the GPU), where the
+// second tile's loads overlap the first one's tokens on SMs that would otherwise wait on a partial
+// wave; above it, one tile per warp in registers, whose lower register cap keeps more CTAs
+// resident. 16-bit states take two tiles, both staged, at every batch.
+constexpr bool multi_two_tiles(int64_t ctas, int64_t two_capacity) {
+  return (ctas + 1) / 2 <= two_capacity;
 }
 // Programmatic dependent launch: a launch lets the next grid in early when it fills at most half
 // of the GPU's CTA slots (`cta_slots`). An early trigger slows a grid of a whole wave (the next
@@ -119,8 +121,8 @@ inline bool multi_token_disabled() {
 // DELTASTATE_CUDA_MULTI_VARIANT=base|stage|two|stage2: the multi-token kernel's vector shape
 // (verify/multi_token.cuh, MultiShape): base (one tile, loaded into registers), stage (one tile,
 // copied into shared memory while the first chunk is prepared), two (two tiles per warp, the
-// second one staged), stage2 (two tiles, both staged); unset: two where multi_two_tiles says,
-// else stage.
+// second one staged), stage2 (two tiles, both staged); unset: fp32 states two where
+// multi_two_tiles says, else base; 16-bit states stage2.
 enum class MultiVariant { automatic, base, stage, two, stage2 };
 inline MultiVariant forced_multi_variant() {
   static const MultiVariant forced = [] {
