@@ -23,6 +23,9 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // ReplaySSM: 8-warp CTAs, so that the per-head ring work and the token are shared by 8 warps'
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
+// ReplaySSM verify: 8-warp CTAs for the same reason (the records and the drafts are prepared once
+// per CTA for 8 warps' rows); 3 resident per SM (at most 80 registers per thread).
+constexpr int kReplayVerifyWarps = 8, kReplayVerifyCtasPerSm = 2;
 
 // Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
 // head's rows, tokens prepared 8 at a time; 6 resident per SM (at most 80 registers per thread:
