@@ -9,6 +9,7 @@
 #include "core/problem.h"
 #include "cuda/launch.h"
 #include "cuda/replayssm/verify.cuh"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 
@@ -21,12 +22,36 @@ bool rows_aligned(const detail::ReplayVerifyProblem& p) {
          (p.r.state.slot_stride * es) % 16 == 0 && (p.r.K * es) % 16 == 0;
 }
 
-template <class StateT, int KT, bool VEC>
-void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+template <class StateT, int KT, bool VEC, int CTAS>
+void launch_ctas(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   constexpr int rows = RvLayout<StateT, KT>::ROWS;
   const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
                   static_cast<unsigned>((p.r.V + rows - 1) / rows));
-  launch_kernel(replay_verify_kernel<StateT, KT, VEC>, grid, kRvWarps * 32, 0, s, p.r.pdl, p);
+  constexpr int smem = VEC ? rv_stage_bytes<StateT, KT>() : 0;
+  if constexpr (smem > 0) {  // with the static part past 48 KB: opt in once per device
+    static PerDeviceOnce opted;
+    opted.get(p.r.device.index, [] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_verify_kernel<StateT, KT, VEC, CTAS>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      return 1;
+    });
+  }
+  launch_kernel(replay_verify_kernel<StateT, KT, VEC, CTAS>, grid, kRvWarps * 32, smem, s, p.r.pdl,
+                p);
+}
+
+// Resident CTAs per SM of the vector kernel: DELTASTATE_CUDA_REPLAY_VERIFY_CTAS, else
+// kReplayVerifyCtasPerSm (tuning.h).
+template <class StateT, int KT, bool VEC>
+void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+  if constexpr (!VEC) {
+    launch_ctas<StateT, KT, false, kReplayVerifyGenericCtasPerSm>(p, s);
+  } else {
+    const int forced = forced_replay_verify_ctas();
+    if ((forced ? forced : kReplayVerifyCtasPerSm) == 3)
+      return launch_ctas<StateT, KT, true, 3>(p, s);
+    launch_ctas<StateT, KT, true, 2>(p, s);
+  }
 }
 
 // The vector kernel: K = 128 (and K = 64 with every kernel built), 16-byte aligned checkpoint

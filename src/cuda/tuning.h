@@ -24,8 +24,11 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 // ReplaySSM verify: 8-warp CTAs for the same reason (the records and the drafts are prepared once
-// per CTA for 8 warps' rows); 3 resident per SM (at most 80 registers per thread).
-constexpr int kReplayVerifyWarps = 8, kReplayVerifyCtasPerSm = 2;
+// per CTA for 8 warps' rows). The vector kernel: 2 resident per SM (at most 128 registers per
+// thread), where ptxas fits it without spills; a 3-CTA instantiation (80 registers, a few spilled
+// values in the token loop) is there for the override below. The generic kernel (K <= 256,
+// element accesses): 2.
+constexpr int kReplayVerifyWarps = 8, kReplayVerifyCtasPerSm = 2, kReplayVerifyGenericCtasPerSm = 2;
 
 // Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
 // head's rows, tokens prepared 8 at a time; 6 resident per SM (at most 80 registers per thread:
@@ -99,6 +102,11 @@ inline int forced_decode_tiles_per_warp() {
 // DELTASTATE_CUDA_REPLAY_BPC=1|2: row blocks per ReplaySSM CTA (2 only where the shape allows).
 inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
+  return forced;
+}
+// DELTASTATE_CUDA_REPLAY_VERIFY_CTAS=2|3: resident CTAs per SM of the vector ReplaySSM verify.
+inline int forced_replay_verify_ctas() {
+  static const int forced = env_override("DELTASTATE_CUDA_REPLAY_VERIFY_CTAS", {2, 3});
   return forced;
 }
 // DELTASTATE_CUDA_PREFILL=fallback: chunk_prefill on its CUDA-core fallback kernel even where

@@ -130,13 +130,23 @@ __device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProbl
   }
 }
 
-template <class StateT, int KT, bool VEC>
-__global__ void __launch_bounds__(kRvWarps * 32, kReplayVerifyCtasPerSm)
+// Dynamic shared memory of the vector kernel: the CTA's checkpoint rows, each thread's R*W 16-byte
+// words at (r*W + c)*threads + thread (rows.cuh stage_rows_async).
+template <class StateT, int KT>
+constexpr int rv_stage_bytes() {
+  using M = RvLayout<StateT, KT>;
+  return kRvWarps * 32 * M::R * (M::EPL * static_cast<int>(sizeof(StateT)) / 16) * 16;
+}
+
+// CTAS: resident CTAs per SM, the register cap (tuning.h).
+template <class StateT, int KT, bool VEC, int CTAS>
+__global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     replay_verify_kernel(const detail::ReplayVerifyProblem p) {
   using M = RvLayout<StateT, KT>;
   constexpr int G = M::G, EPL = M::EPL, RG = M::RG, R = M::R, RPW = M::RPW, ROWS = M::ROWS;
   constexpr int PE = M::PE, RC = M::RC, kThreads = kRvWarps * 32;
   __shared__ RvSmem<KT, ROWS, RC> sm;
+  extern __shared__ __align__(16) unsigned char rv_dynamic[];
   const detail::RecurrentProblem& r = p.r;
   enter_grid(r.pdl_trigger_early);
   const int n = blockIdx.x, hv = blockIdx.y;
@@ -182,16 +192,26 @@ __global__ void __launch_bounds__(kRvWarps * 32, kReplayVerifyCtasPerSm)
   StateT* ck = static_cast<StateT*>(r.state.ptr) + slot * r.state.slot_stride +
                static_cast<int64_t>(hv) * V * K;
 
-  // The checkpoint rows first (every load in flight at once), then the staging overlaps them.
+  // The checkpoint rows first. The vector kernel copies them into shared memory (cp.async, each
+  // thread its own words: no barrier), so their bytes are in flight without holding registers
+  // while the records are staged and the first drafts prepared; the generic kernel loads them
+  // into registers (every load in flight at once).
   float S[R][EPL];
+  uint4* stage_mine = reinterpret_cast<uint4*>(rv_dynamic) + threadIdx.x;
+  if constexpr (VEC) {
+    stage_rows_async<StateT, EPL, R>(stage_mine, kThreads, row0, RG, V, [&](int, int row) {
+      return ck + static_cast<int64_t>(row) * K + kofs;
+    });
+  } else {
 #pragma unroll
-  for (int j = 0; j < R; ++j) {
-    const int row = row0 + j * RG;
-    if (row < V) {
-      load_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
-    } else {
+    for (int j = 0; j < R; ++j) {
+      const int row = row0 + j * RG;
+      if (row < V) {
+        load_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) S[j][i] = 0.0f;
+        for (int i = 0; i < EPL; ++i) S[j][i] = 0.0f;
+      }
     }
   }
   const bool g_writer = blockIdx.z == 0, k_writer = g_writer && hv % group == 0;
@@ -238,6 +258,9 @@ __global__ void __launch_bounds__(kRvWarps * 32, kReplayVerifyCtasPerSm)
     stage_records(c0, cn);
     if (c0 == 0) prepare_tokens(0, tn0);
     __syncthreads();
+    if constexpr (VEC) {
+      if (c0 == 0) load_staged_rows<StateT, EPL, R>(stage_mine, kThreads, row0, RG, V, S);
+    }
     for (int j = 0; j < cn; ++j) {
       float kj[EPL], aj[EPL];
       smem_slice<EPL>(sm.rk[j], kofs, kj);
