@@ -22,35 +22,43 @@ bool rows_aligned(const detail::ReplayVerifyProblem& p) {
          (p.r.state.slot_stride * es) % 16 == 0 && (p.r.K * es) % 16 == 0;
 }
 
-template <class StateT, int KT, bool VEC, int CTAS>
-void launch_ctas(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
-  constexpr int rows = RvLayout<StateT, KT>::ROWS;
+template <class StateT, int KT, bool VEC, int CTAS, int BPC>
+void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+  constexpr int rows = RvLayout<StateT, KT>::ROWS * BPC;
   const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
                   static_cast<unsigned>((p.r.V + rows - 1) / rows));
-  constexpr int smem = VEC ? rv_stage_bytes<StateT, KT>() : 0;
+  constexpr int smem = VEC ? rv_stage_bytes<StateT, KT, BPC>() : 0;
   if constexpr (smem > 0) {  // with the static part past 48 KB: opt in once per device
     static PerDeviceOnce opted;
     opted.get(p.r.device.index, [] {
-      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_verify_kernel<StateT, KT, VEC, CTAS>,
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       return 1;
     });
   }
-  launch_kernel(replay_verify_kernel<StateT, KT, VEC, CTAS>, grid, kRvWarps * 32, smem, s, p.r.pdl,
-                p);
+  launch_kernel(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC>, grid, kRvWarps * 32, smem, s,
+                p.r.pdl, p);
 }
 
-// Resident CTAs per SM of the vector kernel: DELTASTATE_CUDA_REPLAY_VERIFY_CTAS, else
-// kReplayVerifyCtasPerSm (tuning.h).
+// The vector kernel's shape: two row blocks per CTA (tuning.h replay_verify_two_blocks, or
+// DELTASTATE_CUDA_REPLAY_VERIFY_BPC) where V is a whole number of pairs of blocks, else one, with
+// kReplayVerifyCtasPerSm resident (or DELTASTATE_CUDA_REPLAY_VERIFY_CTAS; two blocks: 2, their
+// shared memory's limit).
 template <class StateT, int KT, bool VEC>
 void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   if constexpr (!VEC) {
-    launch_ctas<StateT, KT, false, kReplayVerifyGenericCtasPerSm>(p, s);
+    launch_shape<StateT, KT, false, kReplayVerifyGenericCtasPerSm, 1>(p, s);
   } else {
+    constexpr int rows = RvLayout<StateT, KT>::ROWS;
+    const int forced_bpc = forced_replay_verify_blocks_per_cta();
+    const int64_t ctas1 = p.r.N * p.r.HV * ((p.r.V + rows - 1) / rows);
+    const bool two =
+        forced_bpc ? forced_bpc == 2 : replay_verify_two_blocks(ctas1, num_sms(p.r.device.index));
+    if (two && p.r.V % (2 * rows) == 0) return launch_shape<StateT, KT, true, 2, 2>(p, s);
     const int forced = forced_replay_verify_ctas();
     if ((forced ? forced : kReplayVerifyCtasPerSm) == 3)
-      return launch_ctas<StateT, KT, true, 3>(p, s);
-    launch_ctas<StateT, KT, true, 2>(p, s);
+      return launch_shape<StateT, KT, true, 3, 1>(p, s);
+    launch_shape<StateT, KT, true, 2, 1>(p, s);
   }
 }
 

@@ -56,6 +56,12 @@ constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
 // ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;
+// ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
+// second block's checkpoint rows copied while the first runs) by the same rule, over the
+// one-block grid's `ctas`.
+constexpr bool replay_verify_two_blocks(int64_t ctas, int sms) {
+  return ctas >= kReplayTwoBlockWaves * sms;
+}
 // Multi-token kernel, vector shapes, as measured faster on the H200 (bench/results): fp32 states
 // take two tiles per warp (the second one staged) where the two-tile grid (half the one-tile
 // grid's `ctas`) fits in one wave of two-tile CTAs (`two_capacity` resident on the GPU), where the
@@ -104,7 +110,14 @@ inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
   return forced;
 }
-// DELTASTATE_CUDA_REPLAY_VERIFY_CTAS=2|3: resident CTAs per SM of the vector ReplaySSM verify.
+// DELTASTATE_CUDA_REPLAY_VERIFY_BPC=1|2: row blocks per CTA of the vector ReplaySSM verify (2
+// only where V is a whole number of pairs of blocks).
+inline int forced_replay_verify_blocks_per_cta() {
+  static const int forced = env_override("DELTASTATE_CUDA_REPLAY_VERIFY_BPC", {1, 2});
+  return forced;
+}
+// DELTASTATE_CUDA_REPLAY_VERIFY_CTAS=2|3: resident CTAs per SM of the one-block vector ReplaySSM
+// verify.
 inline int forced_replay_verify_ctas() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_VERIFY_CTAS", {2, 3});
   return forced;

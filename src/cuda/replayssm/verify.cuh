@@ -130,30 +130,38 @@ __device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProbl
   }
 }
 
-// Dynamic shared memory of the vector kernel: the CTA's checkpoint rows, each thread's R*W 16-byte
-// words at (r*W + c)*threads + thread (rows.cuh stage_rows_async).
+// Dynamic shared memory of the vector kernel: the CTA's checkpoint rows, block by block, each
+// thread's R*W 16-byte words of a block at (r*W + c)*threads + thread (rows.cuh
+// stage_rows_async).
 template <class StateT, int KT>
-constexpr int rv_stage_bytes() {
+constexpr int rv_stage_words() {
   using M = RvLayout<StateT, KT>;
-  return kRvWarps * 32 * M::R * (M::EPL * static_cast<int>(sizeof(StateT)) / 16) * 16;
+  return kRvWarps * 32 * M::R * (M::EPL * static_cast<int>(sizeof(StateT)) / 16);
+}
+template <class StateT, int KT, int BPC>
+constexpr int rv_stage_bytes() {
+  return BPC * rv_stage_words<StateT, KT>() * 16;
 }
 
-// CTAS: resident CTAs per SM, the register cap (tuning.h).
-template <class StateT, int KT, bool VEC, int CTAS>
+// CTAS: resident CTAs per SM, the register cap (tuning.h). BPC: row blocks per CTA (vector kernel
+// only; V a multiple of BPC blocks' rows): the records and the drafts are staged once for all of
+// them, and the later blocks' checkpoint rows are copied into shared memory while the first one
+// runs.
+template <class StateT, int KT, bool VEC, int CTAS, int BPC>
 __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     replay_verify_kernel(const detail::ReplayVerifyProblem p) {
   using M = RvLayout<StateT, KT>;
   constexpr int G = M::G, EPL = M::EPL, RG = M::RG, R = M::R, RPW = M::RPW, ROWS = M::ROWS;
-  constexpr int PE = M::PE, RC = M::RC, kThreads = kRvWarps * 32;
-  __shared__ RvSmem<KT, ROWS, RC> sm;
+  constexpr int RC = M::RC, kThreads = kRvWarps * 32, CROWS = BPC * ROWS;  // rows per CTA
+  static_assert(BPC == 1 || VEC, "several row blocks per CTA: vector kernel only");
+  __shared__ RvSmem<KT, CROWS, RC> sm;
   extern __shared__ __align__(16) unsigned char rv_dynamic[];
   const detail::RecurrentProblem& r = p.r;
   enter_grid(r.pdl_trigger_early);
   const int n = blockIdx.x, hv = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row_base = blockIdx.z * ROWS;
-  const int local0 = warp * RPW + lane / G;  // this lane's row 0 within the CTA's rows
-  const int row0 = row_base + local0;        // rows row0 + r * RG
+  const int cta_row0 = blockIdx.z * CROWS;
+  const int local0 = warp * RPW + lane / G;  // this lane's row 0 within a block's rows
   const int group = r.HV / r.H, h = hv / group;
   const int K = VEC ? KT : r.K, V = r.V, L = p.L;
   const int kofs = (lane % G) * EPL;
@@ -164,7 +172,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
   const int64_t slot = detail::index_at(r.indices, r.index_dtype, r.index_stride, n);
   if (slot <= p.null_block_id) {  // padded: zero outputs, nothing else read or written
-    rv_fill_outputs<ROWS>(r, seq, tok0, len, hv, row_base, 0.0f);
+    rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, 0.0f);
     return;
   }
   int kind = 0;
@@ -181,7 +189,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   if (kind) {
     if (hv == 0 && blockIdx.z == 0 && threadIdx.x == 0)
       record_bad_row(r.errors, detail::kErrOpReplayVerify, kind, n, bad, limit);
-    rv_fill_outputs<ROWS>(r, seq, tok0, len, hv, row_base, bad_row_output());
+    rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, bad_row_output());
     return;
   }
   const bool fold = p.is_flush[slot] != 0;
@@ -193,19 +201,22 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
                static_cast<int64_t>(hv) * V * K;
 
   // The checkpoint rows first. The vector kernel copies them into shared memory (cp.async, each
-  // thread its own words: no barrier), so their bytes are in flight without holding registers
-  // while the records are staged and the first drafts prepared; the generic kernel loads them
-  // into registers (every load in flight at once).
+  // thread its own words: no barrier; one copy group per block), so their bytes are in flight
+  // without holding registers while the records are staged and the first drafts prepared; the
+  // generic kernel loads them into registers (every load in flight at once).
   float S[R][EPL];
-  uint4* stage_mine = reinterpret_cast<uint4*>(rv_dynamic) + threadIdx.x;
+  const uint4* stage_mine = reinterpret_cast<const uint4*>(rv_dynamic) + threadIdx.x;
   if constexpr (VEC) {
-    stage_rows_async<StateT, EPL, R>(stage_mine, kThreads, row0, RG, V, [&](int, int row) {
-      return ck + static_cast<int64_t>(row) * K + kofs;
-    });
+#pragma unroll
+    for (int b = 0; b < BPC; ++b)
+      stage_rows_async<StateT, EPL, R>(
+          reinterpret_cast<uint4*>(rv_dynamic) + b * rv_stage_words<StateT, KT>() + threadIdx.x,
+          kThreads, cta_row0 + b * ROWS + local0, RG, V,
+          [&](int, int row) { return ck + static_cast<int64_t>(row) * K + kofs; });
   } else {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      const int row = row0 + j * RG;
+      const int row = cta_row0 + local0 + j * RG;
       if (row < V) {
         load_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
       } else {
@@ -216,7 +227,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   }
   const bool g_writer = blockIdx.z == 0, k_writer = g_writer && hv % group == 0;
 
-  // One round of records [c0, c0 + cn) into shared memory.
+  // One round of records [c0, c0 + cn) into shared memory: k, alpha, d of the CTA's rows.
   auto stage_records = [&](int c0, int cn) {
     for (int i = threadIdx.x; i < cn * KT; i += kThreads) {
       const int j = i / KT, c = i - j * KT;
@@ -225,23 +236,24 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       sm.rk[j][c] = in ? detail::load_float(p.k_cache, p.k_dtype, k_base + pos * K + c) : 0.0f;
       sm.ra[j][c] = in ? expf(p.g_cache[g_base + pos * gw + (r.gate.kda ? c : 0)]) : 1.0f;
     }
-    for (int i = threadIdx.x; i < cn * ROWS; i += kThreads) {
-      const int j = i / ROWS, lr = i - j * ROWS;
+    for (int i = threadIdx.x; i < cn * CROWS; i += kThreads) {
+      const int j = i / CROWS, lr = i - j * CROWS;
       const int64_t pos = (base + c0 + j) % L;
-      sm.rd[j][lr] = row_base + lr < V ? detail::load_float(p.d_cache, p.d_dtype,
-                                                            d_base + pos * V + row_base + lr)
+      sm.rd[j][lr] = cta_row0 + lr < V ? detail::load_float(p.d_cache, p.d_dtype,
+                                                            d_base + pos * V + cta_row0 + lr)
                                        : 0.0f;
     }
   };
-  // One round of draft tokens [t0, t0 + tn) into shared memory, one warp per token.
+  // One round of draft tokens [t0, t0 + tn) into shared memory, one warp per token, with v of the
+  // CTA's rows.
   auto prepare_tokens = [&](int64_t t0, int tn) {
     for (int j = warp; j < tn; j += kRvWarps) {
       const int64_t pos = (base + m + t0 + j) % L;
-      rv_prepare_token<KT, ROWS, RC>(p, seq, tok0 + t0 + j, h, hv, lane, j, g_base + pos * gw,
-                                     k_base + pos * K, g_writer, k_writer, sm);
+      rv_prepare_token<KT, CROWS, RC>(p, seq, tok0 + t0 + j, h, hv, lane, j, g_base + pos * gw,
+                                      k_base + pos * K, g_writer, k_writer, sm);
     }
-    for (int i = threadIdx.x; i < tn * ROWS; i += kThreads) {
-      const int j = i / ROWS, lr = i - j * ROWS, vrow = row_base + lr;
+    for (int i = threadIdx.x; i < tn * CROWS; i += kThreads) {
+      const int j = i / CROWS, lr = i - j * CROWS, vrow = cta_row0 + lr;
       sm.tv[j][lr] =
           vrow < V ? detail::load_float(r.v.ptr, r.v.dtype,
                                         detail::head_offset(r.v, seq, tok0 + t0 + j, hv) + vrow)
@@ -249,67 +261,83 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     }
   };
   const int tn0 = static_cast<int>(len < kRvTokChunk ? len : kRvTokChunk);
-
-  // 1. The committed records, oldest first (the recurrent step's two operations per element);
-  //    the first round of tokens is prepared alongside the first round of records.
-  for (int c0 = 0; c0 < m || c0 == 0; c0 += RC) {
-    const int cn = m - c0 < RC ? m - c0 : RC;
-    if (c0 > 0) __syncthreads();  // the previous round's records are replayed
-    stage_records(c0, cn);
-    if (c0 == 0) prepare_tokens(0, tn0);
-    __syncthreads();
-    if constexpr (VEC) {
-      if (c0 == 0) load_staged_rows<StateT, EPL, R>(stage_mine, kThreads, row0, RG, V, S);
-    }
-    for (int j = 0; j < cn; ++j) {
-      float kj[EPL], aj[EPL];
-      smem_slice<EPL>(sm.rk[j], kofs, kj);
-      smem_slice<EPL>(sm.ra[j], kofs, aj);
-#pragma unroll
-      for (int rr = 0; rr < R; ++rr) {
-        const float dj = sm.rd[j][local0 + rr * RG];
-#pragma unroll
-        for (int i = 0; i < EPL; ++i) S[rr][i] = fmaf(dj, kj[i], S[rr][i] * aj[i]);
-      }
-    }
-  }
-  // 2. The fold: the rebuilt state becomes the checkpoint.
-  if (fold && m > 0) {
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int row = row0 + j * RG;
-      if (row < V)
-        store_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
-    }
-  }
-
-  // 3. The drafts: the delta-rule step on the rebuilt rows, each draft's output and d record.
+  // Every record and draft staged in one round each: the later blocks reuse the shared memory as
+  // the first one left it; else each block stages its rounds again.
+  const bool one_round = m <= RC && len <= kRvTokChunk;
   const int idx = reduced_index<G, 2 * R>(lane);  // the dot this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
-  const int vl = local0 + (idx < R ? idx : 0) * RG;  // the row whose sk this lane holds
-  for (int64_t t0 = 0; t0 < len; t0 += kRvTokChunk) {
-    const int tn = static_cast<int>(len - t0 < kRvTokChunk ? len - t0 : kRvTokChunk);
-    if (t0 > 0) {
-      __syncthreads();  // the previous round's tokens are done with the shared memory
-      prepare_tokens(t0, tn);
-      __syncthreads();
+
+#pragma unroll 1
+  for (int b = 0; b < BPC; ++b) {
+    const int lrow0 = b * ROWS + local0;  // this lane's row 0 within the CTA's rows
+    const int row0 = cta_row0 + lrow0;    // rows row0 + r * RG
+    const bool stage = b == 0 || !one_round;
+
+    // 1. The committed records, oldest first (the recurrent step's two operations per element);
+    //    the first round of drafts is prepared alongside the first round of records.
+    for (int c0 = 0; c0 < m || c0 == 0; c0 += RC) {
+      const int cn = m - c0 < RC ? m - c0 : RC;
+      if (stage) {
+        if (c0 > 0 || b > 0) __syncthreads();  // the shared memory's last readers are done
+        stage_records(c0, cn);
+        if (c0 == 0) prepare_tokens(0, tn0);
+        __syncthreads();
+      }
+      if constexpr (VEC) {
+        if (c0 == 0) {  // this block's checkpoint rows (its copy group and the earlier ones)
+          const uint4* src = stage_mine + b * rv_stage_words<StateT, KT>();
+          if (b + 1 < BPC) load_staged_rows<StateT, EPL, R, true, 1>(src, kThreads, row0, RG, V, S);
+          else load_staged_rows<StateT, EPL, R, true, 0>(src, kThreads, row0, RG, V, S);
+        }
+      }
+      for (int j = 0; j < cn; ++j) {
+        float kj[EPL], aj[EPL];
+        smem_slice<EPL>(sm.rk[j], kofs, kj);
+        smem_slice<EPL>(sm.ra[j], kofs, aj);
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+          const float dj = sm.rd[j][lrow0 + rr * RG];
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) S[rr][i] = fmaf(dj, kj[i], S[rr][i] * aj[i]);
+        }
+      }
     }
-    for (int j = 0; j < tn; ++j) {
-      const int64_t t = t0 + j;
-      float q[EPL], k[EPL], alpha[EPL];
-      smem_slice<EPL>(sm.tq[j], kofs, q);
-      smem_slice<EPL>(sm.tk[j], kofs, k);
-      smem_slice<EPL>(sm.ta[j], kofs, alpha);
-      const float v_here = idx < R ? sm.tv[j][vl] : 0.0f;
-      float u_here;
-      const float red =
-          delta_step_rows<G, R>(S, alpha, k, q, v_here, sm.tbeta[j], lane, u_here, [](int) {});
-      store_output_rows<G, R>(r.out, detail::head_offset(r.out, seq, tok0 + t, hv), V, row0, RG,
-                              lane, red, u_here, sm.tkq[j]);
-      const int vrow = row_base + vl;
-      if (idx < R && first_copy && vrow < V) {
-        const int64_t pos = (base + m + t) % L;
-        detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u_here);
+    // 2. The fold: the rebuilt state becomes the checkpoint.
+    if (fold && m > 0) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        const int row = row0 + j * RG;
+        if (row < V)
+          store_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
+      }
+    }
+
+    // 3. The drafts: the delta-rule step on the rebuilt rows, each draft's output and d record.
+    const int vl = lrow0 + (idx < R ? idx : 0) * RG;  // the row whose sk this lane holds
+    for (int64_t t0 = 0; t0 < len; t0 += kRvTokChunk) {
+      const int tn = static_cast<int>(len - t0 < kRvTokChunk ? len - t0 : kRvTokChunk);
+      if (t0 > 0) {
+        __syncthreads();  // the previous round's tokens are done with the shared memory
+        prepare_tokens(t0, tn);
+        __syncthreads();
+      }
+      for (int j = 0; j < tn; ++j) {
+        const int64_t t = t0 + j;
+        float q[EPL], k[EPL], alpha[EPL];
+        smem_slice<EPL>(sm.tq[j], kofs, q);
+        smem_slice<EPL>(sm.tk[j], kofs, k);
+        smem_slice<EPL>(sm.ta[j], kofs, alpha);
+        const float v_here = idx < R ? sm.tv[j][vl] : 0.0f;
+        float u_here;
+        const float red =
+            delta_step_rows<G, R>(S, alpha, k, q, v_here, sm.tbeta[j], lane, u_here, [](int) {});
+        store_output_rows<G, R>(r.out, detail::head_offset(r.out, seq, tok0 + t, hv), V, row0, RG,
+                                lane, red, u_here, sm.tkq[j]);
+        const int vrow = cta_row0 + vl;
+        if (idx < R && first_copy && vrow < V) {
+          const int64_t pos = (base + m + t) % L;
+          detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u_here);
+        }
       }
     }
   }
