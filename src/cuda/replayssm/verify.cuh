@@ -1,23 +1,28 @@
 // ReplaySSM speculative verify and its cursor commit on the GPU (ops.h ReplayVerifyArgs,
 // ReplayCommitArgs). Part of replayssm_verify.cu's translation unit (included there only).
 //
-// Verify. A CTA owns a block of state rows of one (sequence n, value head hv): kRvWarps warps,
-// each holding its rows in registers in the register kernels' lane layout (rows.cuh RowLayout: a
-// row over G lanes, EPL consecutive elements each, R rows per thread), so the checkpoint is read
-// with one 16-byte load per row and lane on the vector path. The per-head work is done once per
-// CTA, by all its threads, into shared memory, and every warp's rows then run from there:
-//  1. The committed records, kRvRecChunk at a time (ring positions (base + c) % L): k and
+// Verify. A CTA owns one or two blocks of state rows of one (sequence n, value head hv): kRvWarps
+// warps, each holding its rows of a block in registers in the register kernels' lane layout
+// (rows.cuh RowLayout: a row over G lanes, EPL consecutive elements each, R rows per thread). The
+// per-head work is done once per CTA, by all its threads, into shared memory, and every warp's
+// rows then run from there:
+//  0. The vector kernel first copies each thread's checkpoint rows of every block into shared
+//     memory (cp.async, one copy group per block), so they are in flight without holding
+//     registers during phases 1 and 2; the generic kernel loads its one block into registers.
+//  1. The committed records, rv_rec_chunk at a time (ring positions (base + c) % L): k and
 //     alpha = e^g over the K tile (GDN's scalar alpha broadcast over it), and d of the CTA's rows,
-//     converted to fp32. Their loads leave after the checkpoint rows' loads, which they overlap.
+//     converted to fp32.
 //  2. The first kRvTokChunk draft tokens, one warp per token, in the same phase: q and k
 //     normalized (q scaled), k.q, the gate (log decay and alpha) and beta, with the CTA's rows of
 //     v; the token's g and k records are written to the ring from here (the head's first row
 //     block writes g, and of it the key head's first value head k).
-//  3. Each warp replays the records onto its rows with the recurrent step's two operations per
-//     element (s = fma(d, k, s * alpha), the CPU twin's order), stores them into the checkpoint
-//     on a fold, then runs the drafts through the delta-rule step (delta_step_rows: decay, dots,
-//     one transposed reduction, u, rank-1 update), writing each output row and the draft's d
-//     record (the lanes holding sk).
+//  3. After one barrier, each warp replays the records onto its rows with the recurrent step's two
+//     operations per element (s = fma(d, k, s * alpha), the CPU twin's order), stores them into
+//     the checkpoint on a fold, then runs the drafts through the delta-rule step
+//     (delta_step_rows: decay, dots, one transposed reduction, u, rank-1 update), writing each
+//     output row and the draft's d record (the lanes holding sk). A second block then takes its
+//     rows from its copies and repeats phase 3 on the same shared memory (or, when the records or
+//     drafts took more than one round, stages its rounds again).
 // The replay is element-wise, so the rebuilt and folded rows do not depend on the lane layout.
 // A bad slot or cursor is recorded (record_bad_row) and its rows get NaN outputs. The cursors are
 // read only; the commit kernel moves them, one thread per batch row.
