@@ -299,12 +299,22 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
         float kj[EPL], aj[EPL];
         smem_slice<EPL>(sm.rk[j], kofs, kj);
         smem_slice<EPL>(sm.ra[j], kofs, aj);
+        float dj[R];
+        // One row per lane group: the thread's rows are consecutive from a multiple of R.
+        if constexpr (RG == 1 && R % 4 == 0) {
 #pragma unroll
-        for (int rr = 0; rr < R; ++rr) {
-          const float dj = sm.rd[j][lrow0 + rr * RG];
+          for (int rr = 0; rr < R; rr += 4) {
+            const float4 d4 = *reinterpret_cast<const float4*>(&sm.rd[j][lrow0 + rr]);
+            dj[rr] = d4.x, dj[rr + 1] = d4.y, dj[rr + 2] = d4.z, dj[rr + 3] = d4.w;
+          }
+        } else {
 #pragma unroll
-          for (int i = 0; i < EPL; ++i) S[rr][i] = fmaf(dj, kj[i], S[rr][i] * aj[i]);
+          for (int rr = 0; rr < R; ++rr) dj[rr] = sm.rd[j][lrow0 + rr * RG];
         }
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr)
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) S[rr][i] = fmaf(dj[rr], kj[i], S[rr][i] * aj[i]);
       }
     }
     // 2. The fold: the rebuilt state becomes the checkpoint.
