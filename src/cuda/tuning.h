@@ -25,9 +25,9 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
 // ReplaySSM verify: 8-warp CTAs for the same reason (the records and the drafts are prepared once
 // per CTA for 8 warps' rows). The vector kernel: 2 resident per SM (at most 128 registers per
-// thread), where ptxas fits it without spills; a 3-CTA instantiation (80 registers, a few spilled
-// values in the token loop) is there for the override below. The generic kernel (K <= 256,
-// element accesses): 2.
+// thread), where ptxas fits one row block without spills and two with few; a 3-CTA one-block
+// instantiation (80 registers, which spills) is there for the override below. The generic kernel
+// (K <= 256, element accesses): 2.
 constexpr int kReplayVerifyWarps = 8, kReplayVerifyCtasPerSm = 2, kReplayVerifyGenericCtasPerSm = 2;
 
 // Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
