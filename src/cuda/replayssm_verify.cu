@@ -1,13 +1,81 @@
 // CUDA launch of ReplaySSM speculative verify and of its cursor commit (replayssm/verify.cuh).
 // No allocation, no host synchronization: graph-safe.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "api/backend.h"
 #include "core/problem.h"
 #include "cuda/launch.h"
 #include "cuda/replayssm/verify.cuh"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
+
+namespace {
+
+template <class StateT>
+bool rows_aligned(const detail::ReplayVerifyProblem& p) {
+  const int64_t es = static_cast<int64_t>(sizeof(StateT));
+  return reinterpret_cast<uintptr_t>(p.r.state.ptr) % 16 == 0 &&
+         (p.r.state.slot_stride * es) % 16 == 0 && (p.r.K * es) % 16 == 0;
+}
+
+template <class StateT, int KT, bool VEC, int CTAS, int BPC>
+void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+  constexpr int rows = RvLayout<StateT, KT>::ROWS * BPC;
+  const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
+                  static_cast<unsigned>((p.r.V + rows - 1) / rows));
+  constexpr int smem = VEC ? rv_stage_bytes<StateT, KT, BPC>() : 0;
+  if constexpr (smem > 0) {  // with the static part past 48 KB: opt in once per device
+    static PerDeviceOnce opted;
+    opted.get(p.r.device.index, [] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      return 1;
+    });
+  }
+  launch_kernel(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC>, grid, kRvWarps * 32, smem, s,
+                p.r.pdl, p);
+}
+
+// The vector kernel's shape: two row blocks per CTA (tuning.h replay_verify_two_blocks, or
+// DELTASTATE_CUDA_REPLAY_VERIFY_BPC) where V is a whole number of pairs of blocks, else one, with
+// kReplayVerifyCtasPerSm resident (or DELTASTATE_CUDA_REPLAY_VERIFY_CTAS; two blocks: 2, their
+// shared memory's limit).
+template <class StateT, int KT, bool VEC>
+void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+  if constexpr (!VEC) {
+    launch_shape<StateT, KT, false, kReplayVerifyGenericCtasPerSm, 1>(p, s);
+  } else {
+    constexpr int rows = RvLayout<StateT, KT>::ROWS;
+    const int forced_bpc = forced_replay_verify_blocks_per_cta();
+    const int64_t ctas1 = p.r.N * p.r.HV * ((p.r.V + rows - 1) / rows);
+    const bool two =
+        forced_bpc ? forced_bpc == 2 : replay_verify_two_blocks(ctas1, num_sms(p.r.device.index));
+    if (two && p.r.V % (2 * rows) == 0) return launch_shape<StateT, KT, true, 2, 2>(p, s);
+    const int forced = forced_replay_verify_ctas();
+    if ((forced ? forced : kReplayVerifyCtasPerSm) == 3)
+      return launch_shape<StateT, KT, true, 3, 1>(p, s);
+    launch_shape<StateT, KT, true, 2, 1>(p, s);
+  }
+}
+
+// The vector kernel: K = 128 (and K = 64 with every kernel built), 16-byte aligned checkpoint
+// rows; else the generic one (K <= 256, the validator's CUDA limit; element accesses).
+template <class StateT>
+void dispatch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+  if (rows_aligned<StateT>(p)) {
+    if (p.r.K == 128) return launch<StateT, 128, true>(p, s);
+#if DELTASTATE_CUDA_ALL_KERNELS
+    if (p.r.K == 64) return launch<StateT, 64, true>(p, s);
+#endif
+  }
+  launch<StateT, 256, false>(p, s);
+}
+
+}  // namespace
 
 void run_replayssm_verify(const detail::ReplayVerifyProblem& problem, void* stream) {
   DeviceGuard guard(problem.r.device.index);
@@ -16,14 +84,8 @@ void run_replayssm_verify(const detail::ReplayVerifyProblem& problem, void* stre
   p.r.pdl_trigger_early = false;
   if (p.r.N > 0x7fffffff || p.r.HV > 65535)
     throw Error(ErrorKind::value, "replayssm_verify: too many sequences or heads for one launch");
-  const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
-                  static_cast<unsigned>((p.r.V + kRvRows - 1) / kRvRows));
   auto s = static_cast<cudaStream_t>(stream);
-  // K <= 256 (the validator's CUDA limit): lane l holds elements l, l + 32, ... of a row.
-  if (p.r.K <= 64) launch_kernel(replay_verify_kernel<2>, grid, kRvWarps * 32, 0, s, p.r.pdl, p);
-  else if (p.r.K <= 128)
-    launch_kernel(replay_verify_kernel<4>, grid, kRvWarps * 32, 0, s, p.r.pdl, p);
-  else launch_kernel(replay_verify_kernel<8>, grid, kRvWarps * 32, 0, s, p.r.pdl, p);
+  with_state_type(p.r.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s); });
 }
 
 void run_replayssm_commit(const detail::ReplayCommitProblem& problem, void* stream) {

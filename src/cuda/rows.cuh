@@ -180,12 +180,13 @@ __device__ __forceinline__ void stage_rows_async(uint4* dst, unsigned stride, in
   }
   cp_async_commit();
 }
-template <class StateT, int EPL, int R, bool kCheckRows = true>
+// kPending: copy groups of this thread issued after this tile's that may still be in flight.
+template <class StateT, int EPL, int R, bool kCheckRows = true, int kPending = 0>
 __device__ __forceinline__ void load_staged_rows(const uint4* src, unsigned stride, int row, int rg,
                                                  int V, float (&S)[R][EPL]) {
   constexpr int W = EPL * static_cast<int>(sizeof(StateT)) / 16;
   constexpr int kPer16 = 16 / static_cast<int>(sizeof(StateT));
-  cp_async_wait<0>();
+  cp_async_wait<kPending>();
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll

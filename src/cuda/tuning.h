@@ -23,6 +23,12 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // ReplaySSM: 8-warp CTAs, so that the per-head ring work and the token are shared by 8 warps'
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
+// ReplaySSM verify: 8-warp CTAs for the same reason (the records and the drafts are prepared once
+// per CTA for 8 warps' rows). The vector kernel: 2 resident per SM (at most 128 registers per
+// thread), where ptxas fits one row block without spills and two with few; a 3-CTA one-block
+// instantiation (80 registers, which spills) is there for the override below. The generic kernel
+// (K <= 256, element accesses): 2.
+constexpr int kReplayVerifyWarps = 8, kReplayVerifyCtasPerSm = 2, kReplayVerifyGenericCtasPerSm = 2;
 
 // Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
 // head's rows, tokens prepared 8 at a time; 6 resident per SM (at most 80 registers per thread:
@@ -54,12 +60,20 @@ constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
 // ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;
-// Multi-token kernel: two tiles per warp (the second one staged while the first one's tokens run)
-// by the register decode kernel's rule, over the one-tile grid's `ctas` and the GPU's `capacity`
-// of resident CTAs: a partial second wave, which two tiles halve, and 8 waves or more, where a
-// CTA's state load is long enough to hide another tile's tokens.
-constexpr bool multi_two_tiles(int64_t ctas, int64_t capacity) {
-  return decode_two_tiles(ctas, capacity);
+// ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
+// second block's checkpoint rows copied while the first runs) by the same rule, over the
+// one-block grid's `ctas`.
+constexpr bool replay_verify_two_blocks(int64_t ctas, int sms) {
+  return ctas >= kReplayTwoBlockWaves * sms;
+}
+// Multi-token kernel, vector shapes, as measured faster on the H200 (bench/results): fp32 states
+// take two tiles per warp (the second one staged) where the two-tile grid (half the one-tile
+// grid's `ctas`) fits in one wave of two-tile CTAs (`two_capacity` resident on the GPU), where the
+// second tile's loads overlap the first one's tokens on SMs that would otherwise wait on a partial
+// wave; above it, one tile per warp in registers, whose lower register cap keeps more CTAs
+// resident. 16-bit states take two tiles, both staged, at every batch.
+constexpr bool multi_two_tiles(int64_t ctas, int64_t two_capacity) {
+  return (ctas + 1) / 2 <= two_capacity;
 }
 // Programmatic dependent launch: a launch lets the next grid in early when it fills at most half
 // of the GPU's CTA slots (`cta_slots`). An early trigger slows a grid of a whole wave (the next
@@ -100,6 +114,18 @@ inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
   return forced;
 }
+// DELTASTATE_CUDA_REPLAY_VERIFY_BPC=1|2: row blocks per CTA of the vector ReplaySSM verify (2
+// only where V is a whole number of pairs of blocks).
+inline int forced_replay_verify_blocks_per_cta() {
+  static const int forced = env_override("DELTASTATE_CUDA_REPLAY_VERIFY_BPC", {1, 2});
+  return forced;
+}
+// DELTASTATE_CUDA_REPLAY_VERIFY_CTAS=2|3: resident CTAs per SM of the one-block vector ReplaySSM
+// verify.
+inline int forced_replay_verify_ctas() {
+  static const int forced = env_override("DELTASTATE_CUDA_REPLAY_VERIFY_CTAS", {2, 3});
+  return forced;
+}
 // Chunked prefill on the split design (chunk_prefill/split.cuh: parallel intra-chunk and output
 // kernels around a sequential state pass) instead of the fused tensor-core kernel (one CTA per
 // sequence and value head through all its chunks, one resident per SM) where the fused grid of
@@ -135,8 +161,8 @@ inline bool multi_token_disabled() {
 // DELTASTATE_CUDA_MULTI_VARIANT=base|stage|two|stage2: the multi-token kernel's vector shape
 // (verify/multi_token.cuh, MultiShape): base (one tile, loaded into registers), stage (one tile,
 // copied into shared memory while the first chunk is prepared), two (two tiles per warp, the
-// second one staged), stage2 (two tiles, both staged); unset: two where multi_two_tiles says,
-// else stage.
+// second one staged), stage2 (two tiles, both staged); unset: fp32 states two where
+// multi_two_tiles says, else base; 16-bit states stage2.
 enum class MultiVariant { automatic, base, stage, two, stage2 };
 inline MultiVariant forced_multi_variant() {
   static const MultiVariant forced = [] {

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "api/backend.h"
 #include "core/problem.h"
@@ -45,10 +46,13 @@ void launch_shape(const VerifyProblem& problem, cudaStream_t stream) {
                 kMultiWarps * 32, 0, stream, p.r.pdl, p, ctas_per_head);
 }
 
-// The vector kernels' variant: DELTASTATE_CUDA_MULTI_VARIANT, else two tiles per warp where
-// multi_two_tiles says (tuning.h), one staged tile elsewhere.
+// The vector kernels' variant: DELTASTATE_CUDA_MULTI_VARIANT, else by the state type (tuning.h,
+// multi_two_tiles): fp32 two tiles per warp for a grid of at most one two-tile wave, one tile in
+// registers above it; 16-bit both tiles staged.
 template <class StateT, int KT, bool VEC>
 void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
+  using Two = MultiShape<2, false, kMultiTwoCtasPerSm>;
+  using Stage2 = MultiShape<2, true, kMultiTwoCtasPerSm>;
   if constexpr (!VEC) {
     launch_shape<StateT, KT, false, MultiBase>(p, stream);
   } else {
@@ -58,18 +62,23 @@ void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
       case MultiVariant::stage:
         return launch_shape<StateT, KT, true, MultiShape<1, true, kMultiCtasPerSm>>(p, stream);
       case MultiVariant::two:
-        return launch_shape<StateT, KT, true, MultiShape<2, false, kMultiTwoCtasPerSm>>(p, stream);
+        return launch_shape<StateT, KT, true, Two>(p, stream);
       case MultiVariant::stage2:
-        return launch_shape<StateT, KT, true, MultiShape<2, true, kMultiTwoCtasPerSm>>(p, stream);
+        return launch_shape<StateT, KT, true, Stage2>(p, stream);
       case MultiVariant::automatic:
         break;
     }
-    using M = MultiLayout<StateT, KT>;
-    const int64_t ctas1 = p.r.num_heads_total() * ((p.r.V + M::RPC - 1) / M::RPC);
-    const int64_t capacity = static_cast<int64_t>(kMultiCtasPerSm) * num_sms(p.r.device.index);
-    if (multi_two_tiles(ctas1, capacity))
-      return launch_shape<StateT, KT, true, MultiShape<2, false, kMultiTwoCtasPerSm>>(p, stream);
-    launch_shape<StateT, KT, true, MultiShape<1, true, kMultiCtasPerSm>>(p, stream);
+    if constexpr (!std::is_same_v<StateT, float>) {
+      launch_shape<StateT, KT, true, Stage2>(p, stream);
+    } else {
+      using M = MultiLayout<StateT, KT>;
+      const int64_t ctas1 = p.r.num_heads_total() * ((p.r.V + M::RPC - 1) / M::RPC);
+      const int64_t two_capacity =
+          static_cast<int64_t>(kMultiTwoCtasPerSm) * num_sms(p.r.device.index);
+      if (multi_two_tiles(ctas1, two_capacity))
+        return launch_shape<StateT, KT, true, Two>(p, stream);
+      launch_shape<StateT, KT, true, MultiBase>(p, stream);
+    }
   }
 }
 

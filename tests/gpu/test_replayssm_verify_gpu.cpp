@@ -137,6 +137,9 @@ const GpuRvCase kGpuCases[] = {
     {{"kda_kimi_f32_lb", kKimi, true, kLb, f32, bf16}, f32, 16, 4, 30},
     {{"gdn_odd_bf16ring", kOdd, false, kNoLb, f32, f32}, bf16, 8, 4, 60},
     {{"kda_KgtV_f32", kKgtV, true, kNoLb, f32, f32}, f32, 32, 8, 60},
+    // More drafts than one preparation round and more records than one staging round.
+    {{"gdn_qwen3next_long", kQwen3Next, false, kNoLb, f32, bf16}, f32, 40, 12, 20},
+    {{"kda_kimi_bf16_long", kKimi, true, kLb, bf16, bf16}, f32, 40, 10, 20},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, ReplayVerifyGpu, ::testing::ValuesIn(kGpuCases),
                          case_name<GpuRvCase>);

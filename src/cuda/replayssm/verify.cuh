@@ -1,14 +1,31 @@
 // ReplaySSM speculative verify and its cursor commit on the GPU (ops.h ReplayVerifyArgs,
-// ReplayCommitArgs). Verify: CTA (sequence, value head, block of kRvRows state rows); each warp
-// holds kRvRowsPerWarp rows in registers, lane l holding elements l, l + 32, ... of a row (KP of
-// them, K <= 32 KP). A warp replays the committed records onto its rows (s = fma(d, k, s * e^g)),
-// stores them into the checkpoint on a fold, then runs the drafts through the delta rule on them,
-// writing each output row and the draft's d record; the CTA of the head's first row block writes
-// the draft's g record, and that of the key head's first value head its k record. Every warp
-// prepares the token itself (norms and gate: warp reductions), so the CTA needs no shared memory
-// and no barrier. A bad slot or cursor is recorded (record_bad_row) and its rows get NaN outputs.
-// The cursors are read only; the commit kernel moves them, one thread per batch row.
-// Part of replayssm_verify.cu's translation unit (included there only).
+// ReplayCommitArgs). Part of replayssm_verify.cu's translation unit (included there only).
+//
+// Verify. A CTA owns one or two blocks of state rows of one (sequence n, value head hv): kRvWarps
+// warps, each holding its rows of a block in registers in the register kernels' lane layout
+// (rows.cuh RowLayout: a row over G lanes, EPL consecutive elements each, R rows per thread). The
+// per-head work is done once per CTA, by all its threads, into shared memory, and every warp's
+// rows then run from there:
+//  0. The vector kernel first copies each thread's checkpoint rows of every block into shared
+//     memory (cp.async, one copy group per block), so they are in flight without holding
+//     registers during phases 1 and 2; the generic kernel loads its one block into registers.
+//  1. The committed records, rv_rec_chunk at a time (ring positions (base + c) % L): k and
+//     alpha = e^g over the K tile (GDN's scalar alpha broadcast over it), and d of the CTA's rows,
+//     converted to fp32.
+//  2. The first kRvTokChunk draft tokens, one warp per token, in the same phase: q and k
+//     normalized (q scaled), k.q, the gate (log decay and alpha) and beta, with the CTA's rows of
+//     v; the token's g and k records are written to the ring from here (the head's first row
+//     block writes g, and of it the key head's first value head k).
+//  3. After one barrier, each warp replays the records onto its rows with the recurrent step's two
+//     operations per element (s = fma(d, k, s * alpha), the CPU twin's order), stores them into
+//     the checkpoint on a fold, then runs the drafts through the delta-rule step
+//     (delta_step_rows: decay, dots, one transposed reduction, u, rank-1 update), writing each
+//     output row and the draft's d record (the lanes holding sk). A second block then takes its
+//     rows from its copies and repeats phase 3 on the same shared memory (or, when the records or
+//     drafts took more than one round, stages its rounds again).
+// The replay is element-wise, so the rebuilt and folded rows do not depend on the lane layout.
+// A bad slot or cursor is recorded (record_bad_row) and its rows get NaN outputs. The cursors are
+// read only; the commit kernel moves them, one thread per batch row.
 #pragma once
 
 #include <cstdint>
@@ -17,49 +34,150 @@
 #include "core/numeric.h"
 #include "core/problem.h"
 #include "cuda/grid.cuh"
+#include "cuda/loads.cuh"
+#include "cuda/reduce.cuh"
+#include "cuda/rows.cuh"
+#include "cuda/token.cuh"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 
-constexpr int kRvWarps = 4, kRvRowsPerWarp = 4, kRvRows = kRvWarps * kRvRowsPerWarp;
+constexpr int kRvWarps = kReplayVerifyWarps;
 constexpr int kRvCommitThreads = 256;
+// Records staged per round: every record of an L <= 16 ring in one round for K <= 128; the
+// generic kernel (K tile 256) stages half as many, to stay within 48 KB of static shared memory.
+template <int KT>
+constexpr int rv_rec_chunk() {
+  return KT <= 128 ? 16 : 8;
+}
+constexpr int kRvTokChunk = 8;  // draft tokens prepared per round
 
 namespace {
 
-__device__ __forceinline__ float rv_warp_sum(float x) {
+template <class StateT, int KT>
+struct RvLayout {
+  using Lay = RowLayout<StateT, KT>;
+  static constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  static constexpr int RPW = RG * R;           // rows per warp
+  static constexpr int ROWS = RPW * kRvWarps;  // rows per CTA
+  static constexpr int PE = KT / 32;           // K elements per lane in the token preparation
+  static constexpr int RC = rv_rec_chunk<KT>();
+};
+
+template <int KT, int ROWS, int RC>
+struct alignas(16) RvSmem {      // 16-byte rows: a lane's slice of a K row in vector loads
+  float rk[RC][KT], ra[RC][KT];  // record k, alpha = e^g (zero k, unit alpha past K)
+  float rd[RC][ROWS];            // record d of the CTA's rows
+  float tq[kRvTokChunk][KT], tk[kRvTokChunk][KT], ta[kRvTokChunk][KT];  // token q, k, alpha
+  float tv[kRvTokChunk][ROWS];
+  float tbeta[kRvTokChunk], tkq[kRvTokChunk];
+};
+
+// The lane's EPL floats of a shared K row (16-byte loads where EPL allows).
+template <int EPL>
+__device__ __forceinline__ void smem_slice(const float* row, int kofs, float (&x)[EPL]) {
+  if constexpr (EPL % 4 == 0) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
+    for (int i = 0; i < EPL; i += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(row + kofs + i);
+      x[i] = a.x, x[i + 1] = a.y, x[i + 2] = a.z, x[i + 3] = a.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) x[i] = row[kofs + i];
+  }
 }
 
-// The drafts' outputs of this warp's rows for a padded (0) or bad (NaN) sequence.
+// The drafts' outputs of the CTA's rows for a padded (0) or bad (NaN) sequence.
+template <int ROWS>
 __device__ __forceinline__ void rv_fill_outputs(const detail::RecurrentProblem& r, int64_t seq,
-                                                int64_t tok0, int64_t len, int hv, int row0,
-                                                int lane, float value) {
-  if (lane >= kRvRowsPerWarp) return;
-  const int row = row0 + lane;
-  if (row >= r.V) return;
-  for (int64_t t = 0; t < len; ++t)
-    detail::store_float(r.out.ptr, r.out.dtype, detail::head_offset(r.out, seq, tok0 + t, hv) + row,
-                        value);
+                                                int64_t tok0, int64_t len, int hv, int row_base,
+                                                float value) {
+  for (int64_t i = threadIdx.x; i < len * ROWS; i += blockDim.x) {
+    const int64_t t = i / ROWS;
+    const int row = row_base + static_cast<int>(i - t * ROWS);
+    if (row < r.V)
+      detail::store_float(r.out.ptr, r.out.dtype,
+                          detail::head_offset(r.out, seq, tok0 + t, hv) + row, value);
+  }
 }
 
-template <int KP>
-__global__ void __launch_bounds__(kRvWarps * 32)
+// Draft token j of the round (token tok) by one warp into shared memory: the lane's PE elements
+// from lane * PE; its g and k records written to ring position pos by the head's writers.
+template <int KT, int ROWS, int RC>
+__device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProblem& p, int64_t seq,
+                                                 int64_t tok, int h, int hv, int lane, int j,
+                                                 int64_t g_rec, int64_t k_rec, bool g_writer,
+                                                 bool k_writer, RvSmem<KT, ROWS, RC>& sm) {
+  constexpr int PE = KT / 32;
+  const detail::RecurrentProblem& r = p.r;
+  const int e0 = lane * PE, valid = max(0, min(PE, r.K - e0));
+  GateConsts<PE> gc;  // loaded here, not held across the record replay
+  load_gate_consts(r.gate, hv, r.K, e0, valid, gc);
+  TokenHeadInputs<PE> x;
+  load_token_head<AnyInput>(r, r.g, r.beta, seq, tok, h, hv, e0, valid, x);
+  const float kq = prepare_qk<PE, 32>(x.q, x.k, r.l2norm, r.scale, lane);
+  float g[PE], alpha[PE];
+  token_gate(r.gate, gc, x.g, g, alpha);
+#pragma unroll
+  for (int i = 0; i < PE; ++i) {
+    const bool in = i < valid;
+    sm.tq[j][e0 + i] = in ? x.q[i] : 0.0f;
+    sm.tk[j][e0 + i] = in ? x.k[i] : 0.0f;
+    sm.ta[j][e0 + i] = in ? alpha[i] : 1.0f;
+    if (in && g_writer && r.gate.kda) p.g_cache[g_rec + e0 + i] = g[i];
+    if (in && k_writer) detail::store_float(p.k_cache, p.k_dtype, k_rec + e0 + i, x.k[i]);
+  }
+  if (lane == 0) {
+    if (g_writer && !r.gate.kda) p.g_cache[g_rec] = g[0];
+    sm.tkq[j] = kq;
+    sm.tbeta[j] = detail::beta_value(x.b, r.beta_is_logit, r.round_beta, r.beta.dtype);
+  }
+}
+
+// Dynamic shared memory of the vector kernel: the CTA's checkpoint rows, block by block, each
+// thread's R*W 16-byte words of a block at (r*W + c)*threads + thread (rows.cuh
+// stage_rows_async).
+template <class StateT, int KT>
+constexpr int rv_stage_words() {
+  using M = RvLayout<StateT, KT>;
+  return kRvWarps * 32 * M::R * (M::EPL * static_cast<int>(sizeof(StateT)) / 16);
+}
+template <class StateT, int KT, int BPC>
+constexpr int rv_stage_bytes() {
+  return BPC * rv_stage_words<StateT, KT>() * 16;
+}
+
+// CTAS: resident CTAs per SM, the register cap (tuning.h). BPC: row blocks per CTA (vector kernel
+// only; V a multiple of BPC blocks' rows): the records and the drafts are staged once for all of
+// them, and the later blocks' checkpoint rows are copied into shared memory while the first one
+// runs.
+template <class StateT, int KT, bool VEC, int CTAS, int BPC>
+__global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     replay_verify_kernel(const detail::ReplayVerifyProblem p) {
+  using M = RvLayout<StateT, KT>;
+  constexpr int G = M::G, EPL = M::EPL, RG = M::RG, R = M::R, RPW = M::RPW, ROWS = M::ROWS;
+  constexpr int RC = M::RC, kThreads = kRvWarps * 32, CROWS = BPC * ROWS;  // rows per CTA
+  static_assert(BPC == 1 || VEC, "several row blocks per CTA: vector kernel only");
+  __shared__ RvSmem<KT, CROWS, RC> sm;
+  extern __shared__ __align__(16) unsigned char rv_dynamic[];
   const detail::RecurrentProblem& r = p.r;
   enter_grid(r.pdl_trigger_early);
   const int n = blockIdx.x, hv = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row0 = blockIdx.z * kRvRows + warp * kRvRowsPerWarp;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int cta_row0 = blockIdx.z * CROWS;
+  const int local0 = warp * RPW + lane / G;  // this lane's row 0 within a block's rows
   const int group = r.HV / r.H, h = hv / group;
-  const int K = r.K, V = r.V, L = p.L;
+  const int K = VEC ? KT : r.K, V = r.V, L = p.L;
+  const int kofs = (lane % G) * EPL;
+  const int valid = VEC ? EPL : max(0, min(EPL, K - kofs));
   const int64_t seq = r.cu_seqlens ? 0 : n;
   const int64_t tok0 = r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
   const int64_t len =
       r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
   const int64_t slot = detail::index_at(r.indices, r.index_dtype, r.index_stride, n);
   if (slot <= p.null_block_id) {  // padded: zero outputs, nothing else read or written
-    rv_fill_outputs(r, seq, tok0, len, hv, row0, lane, 0.0f);
+    rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, 0.0f);
     return;
   }
   int kind = 0;
@@ -76,136 +194,165 @@ __global__ void __launch_bounds__(kRvWarps * 32)
   if (kind) {
     if (hv == 0 && blockIdx.z == 0 && threadIdx.x == 0)
       record_bad_row(r.errors, detail::kErrOpReplayVerify, kind, n, bad, limit);
-    rv_fill_outputs(r, seq, tok0, len, hv, row0, lane, bad_row_output());
+    rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, bad_row_output());
     return;
   }
   const bool fold = p.is_flush[slot] != 0;
-  const int g_width = r.gate.kda ? K : 1;
+  const int gw = r.gate.kda ? K : 1;
   const int64_t d_base = (slot * r.HV + hv) * L * V;
   const int64_t k_base = (slot * r.H + h) * L * K;
-  const int64_t g_base = (slot * r.HV + hv) * L * g_width;
-  const int64_t head_off = slot * r.state.slot_stride + static_cast<int64_t>(hv) * V * K;
+  const int64_t g_base = (slot * r.HV + hv) * L * gw;
+  StateT* ck = static_cast<StateT*>(r.state.ptr) + slot * r.state.slot_stride +
+               static_cast<int64_t>(hv) * V * K;
 
-  float s[kRvRowsPerWarp][KP];
+  // The checkpoint rows first. The vector kernel copies them into shared memory (cp.async, each
+  // thread its own words: no barrier; one copy group per block), so their bytes are in flight
+  // without holding registers while the records are staged and the first drafts prepared; the
+  // generic kernel loads them into registers (every load in flight at once).
+  float S[R][EPL];
+  const uint4* stage_mine = reinterpret_cast<const uint4*>(rv_dynamic) + threadIdx.x;
+  if constexpr (VEC) {
 #pragma unroll
-  for (int j = 0; j < kRvRowsPerWarp; ++j)
+    for (int b = 0; b < BPC; ++b)
+      stage_rows_async<StateT, EPL, R>(
+          reinterpret_cast<uint4*>(rv_dynamic) + b * rv_stage_words<StateT, KT>() + threadIdx.x,
+          kThreads, cta_row0 + b * ROWS + local0, RG, V,
+          [&](int, int row) { return ck + static_cast<int64_t>(row) * K + kofs; });
+  } else {
 #pragma unroll
-    for (int e = 0; e < KP; ++e) {
-      const int row = row0 + j, i = lane + 32 * e;
-      s[j][e] = row < V && i < K ? detail::load_float(r.state.ptr, r.state.dtype,
-                                                      head_off + static_cast<int64_t>(row) * K + i)
-                                 : 0.0f;
-    }
-
-  // 1. The committed records, oldest first (the recurrent step's two operations per element).
-  for (int c = 0; c < m; ++c) {
-    const int pos = (base + c) % L;
-    float kj[KP], aj[KP];
+    for (int j = 0; j < R; ++j) {
+      const int row = cta_row0 + local0 + j * RG;
+      if (row < V) {
+        load_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
+      } else {
 #pragma unroll
-    for (int e = 0; e < KP; ++e) {
-      const int i = lane + 32 * e;
-      kj[e] = i < K ? detail::load_float(p.k_cache, p.k_dtype, k_base + int64_t{pos} * K + i) : 0.f;
-      aj[e] = expf(p.g_cache[g_base + int64_t{pos} * g_width + (r.gate.kda && i < K ? i : 0)]);
-    }
-#pragma unroll
-    for (int j = 0; j < kRvRowsPerWarp; ++j) {
-      const int row = row0 + j;
-      if (row >= V) continue;
-      const float dj = detail::load_float(p.d_cache, p.d_dtype, d_base + int64_t{pos} * V + row);
-#pragma unroll
-      for (int e = 0; e < KP; ++e) s[j][e] = fmaf(dj, kj[e], s[j][e] * aj[e]);
+        for (int i = 0; i < EPL; ++i) S[j][i] = 0.0f;
+      }
     }
   }
-  // 2. The fold: the rebuilt state becomes the checkpoint.
-  if (fold && m > 0) {
-#pragma unroll
-    for (int j = 0; j < kRvRowsPerWarp; ++j)
-#pragma unroll
-      for (int e = 0; e < KP; ++e) {
-        const int row = row0 + j, i = lane + 32 * e;
-        if (row < V && i < K)
-          detail::store_float(r.state.ptr, r.state.dtype,
-                              head_off + static_cast<int64_t>(row) * K + i, s[j][e]);
-      }
-  }
+  const bool g_writer = blockIdx.z == 0, k_writer = g_writer && hv % group == 0;
 
-  // 3. The drafts.
-  const float A_log = r.gate.A_log ? detail::load_float(r.gate.A_log, r.gate.A_log_dtype, hv) : 0.f;
-  const bool head_writer = blockIdx.z == 0 && warp == 0;
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t tok = tok0 + t;
-    const int64_t qk_off = detail::head_offset(r.q, seq, tok, h);
-    const int64_t kk_off = detail::head_offset(r.k, seq, tok, h);
-    float q[KP], k[KP], alpha[KP], g[KP];
-    float qq = 0.f, kk = 0.f;
-#pragma unroll
-    for (int e = 0; e < KP; ++e) {
-      const int i = lane + 32 * e;
-      q[e] = i < K ? detail::load_float(r.q.ptr, r.q.dtype, qk_off + i) : 0.f;
-      k[e] = i < K ? detail::load_float(r.k.ptr, r.k.dtype, kk_off + i) : 0.f;
-      qq = fmaf(q[e], q[e], qq);
-      kk = fmaf(k[e], k[e], kk);
+  // One round of records [c0, c0 + cn) into shared memory: k, alpha, d of the CTA's rows.
+  auto stage_records = [&](int c0, int cn) {
+    for (int i = threadIdx.x; i < cn * KT; i += kThreads) {
+      const int j = i / KT, c = i - j * KT;
+      const int64_t pos = (base + c0 + j) % L;
+      const bool in = c < K;
+      sm.rk[j][c] = in ? detail::load_float(p.k_cache, p.k_dtype, k_base + pos * K + c) : 0.0f;
+      sm.ra[j][c] = in ? expf(p.g_cache[g_base + pos * gw + (r.gate.kda ? c : 0)]) : 1.0f;
     }
-    if (r.l2norm) {
-      const float dq = detail::l2norm_denominator(rv_warp_sum(qq));
-      const float dk = detail::l2norm_denominator(rv_warp_sum(kk));
-#pragma unroll
-      for (int e = 0; e < KP; ++e) q[e] = q[e] / dq, k[e] = k[e] / dk;
+    for (int i = threadIdx.x; i < cn * CROWS; i += kThreads) {
+      const int j = i / CROWS, lr = i - j * CROWS;
+      const int64_t pos = (base + c0 + j) % L;
+      sm.rd[j][lr] = cta_row0 + lr < V ? detail::load_float(p.d_cache, p.d_dtype,
+                                                            d_base + pos * V + cta_row0 + lr)
+                                       : 0.0f;
     }
-    float kq = 0.f;
-#pragma unroll
-    for (int e = 0; e < KP; ++e) {
-      q[e] *= r.scale;
-      kq = fmaf(k[e], q[e], kq);
+  };
+  // One round of draft tokens [t0, t0 + tn) into shared memory, one warp per token, with v of the
+  // CTA's rows.
+  auto prepare_tokens = [&](int64_t t0, int tn) {
+    for (int j = warp; j < tn; j += kRvWarps) {
+      const int64_t pos = (base + m + t0 + j) % L;
+      rv_prepare_token<KT, CROWS, RC>(p, seq, tok0 + t0 + j, h, hv, lane, j, g_base + pos * gw,
+                                      k_base + pos * K, g_writer, k_writer, sm);
     }
-    kq = rv_warp_sum(kq);
-    const int64_t g_off = detail::head_offset(r.g, seq, tok, hv);
-#pragma unroll
-    for (int e = 0; e < KP; ++e) {
-      const int i = lane + 32 * e;
-      const int gi = r.gate.kda ? (i < K ? i : 0) : 0;
-      const float dt = r.gate.dt_bias ? detail::load_float(r.gate.dt_bias, r.gate.dt_bias_dtype,
-                                                           r.gate.kda ? int64_t{hv} * K + gi : hv)
-                                      : 0.f;
-      g[e] = detail::gate_value(r.gate.mode, detail::load_float(r.g.ptr, r.g.dtype, g_off + gi), dt,
-                                A_log, r.gate.lower_bound);
-      alpha[e] = expf(g[e]);
+    for (int i = threadIdx.x; i < tn * CROWS; i += kThreads) {
+      const int j = i / CROWS, lr = i - j * CROWS, vrow = cta_row0 + lr;
+      sm.tv[j][lr] =
+          vrow < V ? detail::load_float(r.v.ptr, r.v.dtype,
+                                        detail::head_offset(r.v, seq, tok0 + t0 + j, hv) + vrow)
+                   : 0.0f;
     }
-    const float beta = detail::beta_value(
-        detail::load_float(r.beta.ptr, r.beta.dtype, detail::head_offset(r.beta, seq, tok, hv)),
-        r.beta_is_logit, r.round_beta, r.beta.dtype);
-    const int pos = static_cast<int>((base + m + t) % L);
-    const int64_t out_off = detail::head_offset(r.out, seq, tok, hv);
-    const int64_t v_off = detail::head_offset(r.v, seq, tok, hv);
-#pragma unroll
-    for (int j = 0; j < kRvRowsPerWarp; ++j) {
-      const int row = row0 + j;
-      if (row >= V) continue;  // warp-uniform
-      float sk = 0.f, sq = 0.f;
-#pragma unroll
-      for (int e = 0; e < KP; ++e) {
-        s[j][e] *= alpha[e];
-        sk = fmaf(s[j][e], k[e], sk);
-        sq = fmaf(s[j][e], q[e], sq);
+  };
+  const int tn0 = static_cast<int>(len < kRvTokChunk ? len : kRvTokChunk);
+  // Every record and draft staged in one round each: the later blocks reuse the shared memory as
+  // the first one left it; else each block stages its rounds again.
+  const bool one_round = m <= RC && len <= kRvTokChunk;
+  const int idx = reduced_index<G, 2 * R>(lane);  // the dot this lane holds after the reduction
+  const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
+
+#pragma unroll 1
+  for (int b = 0; b < BPC; ++b) {
+    const int lrow0 = b * ROWS + local0;  // this lane's row 0 within the CTA's rows
+    const int row0 = cta_row0 + lrow0;    // rows row0 + r * RG
+    const bool stage = b == 0 || !one_round;
+
+    // 1. The committed records, oldest first (the recurrent step's two operations per element);
+    //    the first round of drafts is prepared alongside the first round of records.
+    for (int c0 = 0; c0 < m || c0 == 0; c0 += RC) {
+      const int cn = m - c0 < RC ? m - c0 : RC;
+      if (stage) {
+        if (c0 > 0 || b > 0) __syncthreads();  // the shared memory's last readers are done
+        stage_records(c0, cn);
+        if (c0 == 0) prepare_tokens(0, tn0);
+        __syncthreads();
       }
-      sk = rv_warp_sum(sk);
-      sq = rv_warp_sum(sq);
-      const float u =
-          detail::delta_u(detail::load_float(r.v.ptr, r.v.dtype, v_off + row), sk, beta);
+      if constexpr (VEC) {
+        if (c0 == 0) {  // this block's checkpoint rows (its copy group and the earlier ones)
+          const uint4* src = stage_mine + b * rv_stage_words<StateT, KT>();
+          if (b + 1 < BPC) load_staged_rows<StateT, EPL, R, true, 1>(src, kThreads, row0, RG, V, S);
+          else load_staged_rows<StateT, EPL, R, true, 0>(src, kThreads, row0, RG, V, S);
+        }
+      }
+      for (int j = 0; j < cn; ++j) {
+        float kj[EPL], aj[EPL];
+        smem_slice<EPL>(sm.rk[j], kofs, kj);
+        smem_slice<EPL>(sm.ra[j], kofs, aj);
+        float dj[R];
+        // One row per lane group: the thread's rows are consecutive from a multiple of R.
+        if constexpr (RG == 1 && R % 4 == 0) {
 #pragma unroll
-      for (int e = 0; e < KP; ++e) s[j][e] = fmaf(u, k[e], s[j][e]);
-      if (lane == 0) {
-        detail::store_float(r.out.ptr, r.out.dtype, out_off + row, detail::delta_output(sq, u, kq));
-        detail::store_float(p.d_cache, p.d_dtype, d_base + int64_t{pos} * V + row, u);
+          for (int rr = 0; rr < R; rr += 4) {
+            const float4 d4 = *reinterpret_cast<const float4*>(&sm.rd[j][lrow0 + rr]);
+            dj[rr] = d4.x, dj[rr + 1] = d4.y, dj[rr + 2] = d4.z, dj[rr + 3] = d4.w;
+          }
+        } else {
+#pragma unroll
+          for (int rr = 0; rr < R; ++rr) dj[rr] = sm.rd[j][lrow0 + rr * RG];
+        }
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr)
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) S[rr][i] = fmaf(dj[rr], kj[i], S[rr][i] * aj[i]);
       }
     }
-    if (head_writer) {
+    // 2. The fold: the rebuilt state becomes the checkpoint.
+    if (fold && m > 0) {
 #pragma unroll
-      for (int e = 0; e < KP; ++e) {
-        const int i = lane + 32 * e;
-        if (i < g_width) p.g_cache[g_base + int64_t{pos} * g_width + i] = g[e];
-        if (hv % group == 0 && i < K)
-          detail::store_float(p.k_cache, p.k_dtype, k_base + int64_t{pos} * K + i, k[e]);
+      for (int j = 0; j < R; ++j) {
+        const int row = row0 + j * RG;
+        if (row < V)
+          store_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
+      }
+    }
+
+    // 3. The drafts: the delta-rule step on the rebuilt rows, each draft's output and d record.
+    const int vl = lrow0 + (idx < R ? idx : 0) * RG;  // the row whose sk this lane holds
+    for (int64_t t0 = 0; t0 < len; t0 += kRvTokChunk) {
+      const int tn = static_cast<int>(len - t0 < kRvTokChunk ? len - t0 : kRvTokChunk);
+      if (t0 > 0) {
+        __syncthreads();  // the previous round's tokens are done with the shared memory
+        prepare_tokens(t0, tn);
+        __syncthreads();
+      }
+      for (int j = 0; j < tn; ++j) {
+        const int64_t t = t0 + j;
+        float q[EPL], k[EPL], alpha[EPL];
+        smem_slice<EPL>(sm.tq[j], kofs, q);
+        smem_slice<EPL>(sm.tk[j], kofs, k);
+        smem_slice<EPL>(sm.ta[j], kofs, alpha);
+        const float v_here = idx < R ? sm.tv[j][vl] : 0.0f;
+        float u_here;
+        const float red =
+            delta_step_rows<G, R>(S, alpha, k, q, v_here, sm.tbeta[j], lane, u_here, [](int) {});
+        store_output_rows<G, R>(r.out, detail::head_offset(r.out, seq, tok0 + t, hv), V, row0, RG,
+                                lane, red, u_here, sm.tkq[j]);
+        const int vrow = cta_row0 + vl;
+        if (idx < R && first_copy && vrow < V) {
+          const int64_t pos = (base + m + t) % L;
+          detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u_here);
+        }
       }
     }
   }
