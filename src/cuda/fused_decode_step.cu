@@ -1,11 +1,11 @@
 // fused_decode_step on CUDA: launch and dispatch of the fused decode layer step's kernels, state
 // dtype and K as template parameters. The cluster kernel (src/cuda/fused_decode_step/cluster.cuh:
-// one thread-block cluster per (row, key head), one or two row tiles per warp) runs every shape
-// whose key head's rows fit a cluster of kFusedClusterMaxCtas CTAs of kFusedClusterMaxWarps
-// warps; the others run the CTA kernel (src/cuda/fused_decode_step/kernel.cuh: one CTA per (row,
-// key head), one or two row tiles per warp, two when the group has more than kFusedMaxWarps
-// tiles). DELTASTATE_CUDA_FUSED=cta forces the CTA kernel (tuning.h). The validator limits K to
-// {64, 128} and (HV/H)*V to 256 rows.
+// one thread-block cluster per (row, key head), one or two row tiles per warp) runs the small
+// batches (fused_cluster_pays, tuning.h) whose key head's rows fit a cluster of
+// kFusedClusterMaxCtas CTAs of kFusedClusterMaxWarps warps; the others run the CTA kernel
+// (src/cuda/fused_decode_step/kernel.cuh: one CTA per (row, key head), one or two row tiles per
+// warp, two when the group has more than kFusedMaxWarps tiles). DELTASTATE_CUDA_FUSED=cta|cluster
+// forces either (tuning.h). The validator limits K to {64, 128} and (HV/H)*V to 256 rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -83,7 +83,12 @@ bool launch_cluster_k(const FusedStepProblem& p, cudaStream_t stream) {
 
 template <class StateT, int K>
 void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
-  if (forced_fused_kernel() != FusedChoice::cta && launch_cluster_k<StateT, K>(p, stream)) return;
+  const FusedChoice forced = forced_fused_kernel();
+  const bool cluster =
+      forced == FusedChoice::cluster ||
+      (forced == FusedChoice::automatic &&
+       fused_cluster_pays(static_cast<int64_t>(p.B) * p.H, num_sms(p.device.index)));
+  if (cluster && launch_cluster_k<StateT, K>(p, stream)) return;
   constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
   const int tiles = (p.HV / p.H) * ((p.V + kRows - 1) / kRows);
   if (tiles > 2 * kFusedMaxWarps)  // the validator's (HV/H)*V <= 256 keeps this unreachable

@@ -42,6 +42,14 @@ constexpr int kMultiTwoCtasPerSm = 5;
 // of at most 4 warps (one or two decode-kernel row tiles each), 6 resident per SM: at most 80
 // registers per thread, as the register decode kernel, whose tile a warp runs.
 constexpr int kFusedClusterMaxCtas = 8, kFusedClusterMaxWarps = 4, kFusedClusterCtasPerSm = 6;
+// The fused step's cluster kernel where the CTA kernel's grid (one CTA per row and key head,
+// `cta_kernel_ctas`) fills at most half of the `sms` SMs: there the CTA kernel leaves the state
+// read to a few SMs, and the cluster kernel spreads it over the GPU; from about a wave up the CTA
+// kernel, whose state tiles stay in registers, is the faster one (measured on the H200,
+// bench/results/layer-step-h200.json).
+constexpr bool fused_cluster_pays(int64_t cta_kernel_ctas, int64_t sms) {
+  return 2 * cta_kernel_ctas <= sms;
+}
 
 // ---- kernel and variant choice ------------------------------------------------------------------
 // Direct kernel: one warp per CTA below 8 tiles per SM, which spreads a small batch over more
@@ -177,7 +185,8 @@ inline MultiVariant forced_multi_variant() {
   return forced;
 }
 // DELTASTATE_CUDA_FUSED=cta|cluster: the fused decode step on its one-CTA-per-key-head kernel, or
-// on its cluster kernel (the default; shapes a cluster does not fit run the CTA kernel either way).
+// on its cluster kernel (unset: fused_cluster_pays; shapes a cluster does not fit run the CTA
+// kernel either way).
 enum class FusedChoice { automatic, cta, cluster };
 inline FusedChoice forced_fused_kernel() {
   static const FusedChoice forced = [] {
