@@ -234,6 +234,13 @@ def main() -> int:
     print(f"{'model':12} {'state':5} {'B':>4} {'fused':>8} {'unfused':>8} {'decode':>8} "
           f"{'peer':>8} {'x_peer':>6} {'x_unf':>6} {'%dec':>6}  peer chain")
     rows = []
+
+    def save():  # after every row, so that a run stopped by a time limit keeps what it measured
+        write_results(args.json, copy_gbps,
+                      "cold L2 (rotating inputs, slot sets and caches > 4x L2), CUDA-graph replay "
+                      "of whole steps, median over replays", rows,
+                      launch_floor_us=round(floor_us, 2))
+
     for name in args.models.split(","):
         m = MODELS[name]
         for dname in args.dtypes.split(","):
@@ -265,9 +272,8 @@ def main() -> int:
                       flush=True)
                 del case
                 torch.cuda.empty_cache()
-    write_results(args.json, copy_gbps,
-                  "cold L2 (rotating inputs, slot sets and caches > 4x L2), CUDA-graph replay of "
-                  "whole steps, median over replays", rows, launch_floor_us=round(floor_us, 2))
+                save()
+    save()
     return 0
 
 

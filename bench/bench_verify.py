@@ -170,6 +170,15 @@ def main() -> int:
           f"{'GB/s':>7} {'%copy':>6} {'copy_us':>8} {'peer':>24} {'peer_us':>9}")
     rows = []
     modes = args.modes.split(",")
+
+    def save():  # after every case, so that a run stopped by a time limit keeps what it measured
+        write_results(args.json, copy_gbps,
+                      "cold L2 (rotating slot sets, inputs and scratch buffers over > 4x L2), "
+                      "CUDA-graph replay, median of graph replays / launches per replay; bytes = "
+                      "state read + states written (recurrent: 1, verify: T) + inputs + outputs; "
+                      "copy_us: an in-place pass over half those state bytes (read + written), "
+                      "same method", rows, launch_floor_us=round(floor_us, 2))
+
     for name in args.models.split(","):
         m = MODELS[name]
         for dname in args.dtypes.split(","):
@@ -207,12 +216,8 @@ def main() -> int:
                               f"{'-' if peer_us is None else f'{peer_us:.2f}':>9}", flush=True)
                     del case
                     torch.cuda.empty_cache()
-    write_results(args.json, copy_gbps,
-                  "cold L2 (rotating slot sets, inputs and scratch buffers over > 4x L2), "
-                  "CUDA-graph replay, median of graph replays / launches per replay; bytes = "
-                  "state read + states written (recurrent: 1, verify: T) + inputs + outputs; "
-                  "copy_us: an in-place pass over half those state bytes (read + written), same "
-                  "method", rows, launch_floor_us=round(floor_us, 2))
+                    save()
+    save()
     return 0
 
 
