@@ -123,13 +123,12 @@ bool try_tc(const ChunkPrefillProblem& p, cudaStream_t stream) {
   }
 }
 
-// The split kernels (chunk_prefill/split.cuh) where the tensor-core kernels apply, when the fused
-// kernel's grid would leave most SMs idle (prefill_split_pays; GDN only) or when forced, and the
-// workspace holds their blocks (it does when sized by chunk_prefill_workspace_bytes).
+// The split kernels (chunk_prefill/split.cuh, GDN and KDA) where the tensor-core kernels apply,
+// when the fused kernel's grid would leave most SMs idle (prefill_split_pays) or when forced, and
+// the workspace holds their blocks (it does when sized by chunk_prefill_workspace_bytes).
 bool use_split(const ChunkPrefillProblem& p) {
   const PrefillChoice forced = forced_prefill_kernel();
   if (forced == PrefillChoice::fused) return false;
-  if (p.gate.kda) return forced == PrefillChoice::split;
   return forced == PrefillChoice::split ||
          prefill_split_pays(p.num_heads_total(), num_sms(p.device.index));
 }
