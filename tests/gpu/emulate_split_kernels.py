@@ -4,12 +4,18 @@
 
 1. The chunk slots: off(n) = cu_seqlens[n] // 64 + n gives every chunk of every sequence its own
    slot below T // 64 + N, and split_locate's binary search finds (n, ci) back (holes: none).
-2. One chunk (K = V = 128, 50 tokens, GDN) through the three kernels, transcribed lane by lane
-   from split.cuh with emulate_tc_kernel.py's ldmatrix / mma emulation: the U^T and W products
-   of kernel 1, the chunk-start state, v'^T and the state update of kernel 2 (every row tile), the
-   outputs of kernel 3, against the chunk algebra in fp64. With bf16 rounding off it must agree
-   to fp32 (~1e-7): that checks every fragment index of the transcription; with it on, the error
-   is the fused kernel's kind.
+2. One chunk (K = V = 128 and 64, 50 tokens, GDN and KDA) through the three kernels, transcribed
+   lane by lane from split.cuh with emulate_tc_kernel.py's ldmatrix / mma emulation: the U^T and
+   W products of kernel 1 (KDA: A and P by the fused kernel's factored pairwise tiles, its blocked
+   inverse, the decayed operands, P's copy to the workspace), the chunk-start state, v'^T and the
+   state update of kernel 2 (every row tile; KDA: the decay per column, the stored keys), the
+   outputs of kernel 3, against the chunk algebra in fp64 (KDA: per-channel decays). With bf16
+   rounding off it must agree to fp32 (~1e-7): that checks every fragment index of the
+   transcription; with it on, the error is the fused kernel's kind.
+3. KDA over several chunks (the state carried from kernel 2 to the next chunk), the in-kernel
+   gate (softplus, or lower_bound's sigmoid) and beta from a logit, against the fp64 token
+   recurrence: rounding off ~1e-7; on, the fused kernel's emulated errors (emulate_tc_kernel.py
+   section 3) on the same inputs.
 A change to split.cuh's fragment code should be mirrored here and checked before it goes to a GPU.
 """
 
@@ -379,10 +385,16 @@ def sequence(L_, lb=None, seed=1):
     return rel(out, o_ref), rel(S, S_ref)
 
 
+def set_head_size(d):
+    global D, LDI
+    D, LDI = d, d + 8
+
+
 if __name__ == "__main__":
     check_slots()
-    for kda in (False, True):
-        name = "KDA" if kda else "GDN"
+    for d, kda in ((128, False), (128, True), (64, False), (64, True)):
+        set_head_size(d)
+        name = ("KDA" if kda else "GDN") + f" D={d}"
         et.EXACT = True
         eo, es, eu, ew = chunk(kda)
         print(f"2. {name} chunk, rounding off: out {eo:.1e} state {es:.1e} U {eu:.1e} W {ew:.1e}")
@@ -390,6 +402,7 @@ if __name__ == "__main__":
         et.EXACT = False
         eo, es, eu, ew = chunk(kda)
         print(f"   {name} chunk, bf16 operands: out {eo:.2e} state {es:.2e} U {eu:.2e} W {ew:.2e}")
+    set_head_size(128)
     for kw in (dict(L_=400), dict(lb=-5.0, L_=400, seed=3), dict(L_=130, seed=4)):
         for exact in (True, False):
             et.EXACT = exact
