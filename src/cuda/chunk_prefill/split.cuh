@@ -1,6 +1,6 @@
-// The split design of tensor-core chunked prefill (GDN), K = V = D in {64, 128}, q/k/v all bf16
-// or all fp16: three kernels, of which only the middle one walks a sequence's chunks in order.
-// Part of chunk_prefill.cu's translation unit; the math helpers are tc_kernel.cuh's.
+// The split design of tensor-core chunked prefill (GDN and KDA), K = V = D in {64, 128}, q/k/v
+// all bf16 or all fp16: three kernels, of which only the middle one walks a sequence's chunks in
+// order. Part of chunk_prefill.cu's translation unit; the math helpers are tc_kernel.cuh's.
 //
 // ---- design ------------------------------------------------------------------------------------
 // The fused kernel (tc_kernel.cuh) runs one CTA per (sequence, value head) through every chunk,
