@@ -339,20 +339,26 @@ __global__ void __launch_bounds__(D / 16 * 32, KDA ? 1 : 2)
     }
   }
   if constexpr (KDA) {
-    if (tid < D) {  // channel c = tid: G[t][c] for the chunk, sequentially (the fused kernel's)
+    if (tid < D) {  // channel c = tid: G[t][c] for the chunk, sequentially (the fused kernel's;
+      // the raw values first, so that the loads are in flight together)
       const int c = tid;
       const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype,
                                                          static_cast<int64_t>(s.hv) * D + c)
                                     : 0.0f;
-      float run = 0.0f;
+      uint32_t raw[C];
+#pragma unroll
       for (int t = 0; t < C; ++t) {
-        if (t < cv) {
-          const int64_t tok = s.tok0 + c0 + t;
-          run += detail::gate_value(
-              gate.mode,
-              detail::load_float(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c), dt,
-              A_log, gate.lower_bound);
-        }
+        const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
+        raw[t] = t < cv
+                     ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c)
+                     : 0u;
+      }
+      float run = 0.0f;
+#pragma unroll
+      for (int t = 0; t < C; ++t) {
+        if (t < cv)
+          run += detail::gate_value(gate.mode, float_of_bits(raw[t], p.g.dtype), dt, A_log,
+                                    gate.lower_bound);
         GT[c * LDG + t] = run;
       }
       sEL[c] = expf(run);
