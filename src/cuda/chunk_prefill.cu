@@ -1,14 +1,14 @@
 // CUDA launch and dispatch of chunked prefill (GDN and KDA): kernels over one validated problem
 // (core/problem.h ChunkPrefillProblem), picked per call from shapes, dtypes, addresses and the
 // workspace size only (no device data, no host synchronization: graph-capturable):
-//  * the split kernels (chunk_prefill/split.cuh, its design there), GDN: an intra-chunk kernel
-//    and an output kernel parallel over (chunk, value head) around a sequential state pass over
-//    (sequence, value head, row tile), through the workspace. Taken where the tensor-core
-//    kernels apply, the fused kernel's grid would fill less than half of the GPU
+//  * the split kernels (chunk_prefill/split.cuh, its design there), GDN and KDA: an intra-chunk
+//    kernel and an output kernel parallel over (chunk, value head) around a sequential state
+//    pass over (sequence, value head, row tile), through the workspace. Taken where the
+//    tensor-core kernels apply, the fused kernel's grid would fill less than half of the GPU
 //    (prefill_split_pays, tuning.h) and the workspace holds their blocks.
 //  * chunk_prefill_tc_kernel (chunk_prefill/tc_kernel.cuh): the fused tensor-core kernel
 //    (mma.sync bf16/fp16, fp32 accumulation), one CTA per (sequence, value head) with the fp32
-//    state on chip across the sequence's chunks: KDA, and GDN when the split path is not taken.
+//    state on chip across the sequence's chunks, when the split path is not taken.
 //    Runs K = V = 128 (and 64 in the full build), q, k, v all bf16 or all fp16 with 16-byte
 //    aligned rows, outputs aligned to 4 elements (the split kernels' conditions too).
 //  * chunk_prefill_fallback_kernel (chunk_prefill/fallback.cuh): everything else (K != V, other
@@ -123,23 +123,25 @@ bool try_tc(const ChunkPrefillProblem& p, cudaStream_t stream) {
   }
 }
 
-// The split kernels (chunk_prefill/split.cuh) for GDN where the tensor-core kernels apply, when
-// the fused kernel's grid would leave most SMs idle (prefill_split_pays) or when forced, and the
-// workspace holds their blocks (it does when sized by chunk_prefill_workspace_bytes).
+// The split kernels (chunk_prefill/split.cuh, GDN and KDA) where the tensor-core kernels apply,
+// when the fused kernel's grid would leave most SMs idle (prefill_split_pays) or when forced, and
+// the workspace holds their blocks (it does when sized by chunk_prefill_workspace_bytes).
 bool use_split(const ChunkPrefillProblem& p) {
   const PrefillChoice forced = forced_prefill_kernel();
-  if (p.gate.kda || forced == PrefillChoice::fused) return false;
+  if (forced == PrefillChoice::fused) return false;
   return forced == PrefillChoice::split ||
          prefill_split_pays(p.num_heads_total(), num_sms(p.device.index));
 }
 
-int64_t split_bytes(int D, int64_t N, int64_t HV, int64_t slots) {
+int64_t split_bytes(int D, bool kda, int64_t N, int64_t HV, int64_t slots) {
   const int64_t block =
-      D == 128 ? prefill::SplitLayout<128>::BLOCK : prefill::SplitLayout<64>::BLOCK;
+      kda ? (D == 128 ? prefill::SplitLayout<128, true>::BLOCK
+                      : prefill::SplitLayout<64, true>::BLOCK)
+          : (D == 128 ? prefill::SplitLayout<128>::BLOCK : prefill::SplitLayout<64>::BLOCK);
   return prefill::split_status_bytes(N) + slots * HV * block;
 }
 
-template <int D, class In>
+template <int D, class In, bool KDA>
 bool try_split(const ChunkPrefillProblem& p, cudaStream_t stream) {
 #if !DELTASTATE_CUDA_ALL_KERNELS
   if constexpr (D != 128 || !std::is_same_v<In, __nv_bfloat16>) {
@@ -147,18 +149,18 @@ bool try_split(const ChunkPrefillProblem& p, cudaStream_t stream) {
   } else
 #endif
   {
-    using Lay = prefill::SplitLayout<D>;
+    using Lay = prefill::SplitLayout<D, KDA>;
     const int64_t slots = prefill::split_chunk_slots(p);
-    if (!p.workspace || p.workspace_bytes < split_bytes(D, p.N, p.HV, slots)) return false;
+    if (!p.workspace || p.workspace_bytes < split_bytes(D, KDA, p.N, p.HV, slots)) return false;
     if (Lay::Intra::SMEM > max_smem_optin(p.device.index) ||
         Lay::State::SMEM > max_smem_optin(p.device.index))
       return false;
     if (slots > 0x7fffffffLL || p.HV > 65535 ||
         p.num_heads_total() * (D / prefill::kSplitRows) > 0x7fffffffLL)
       throw Error(ErrorKind::value, "chunk_prefill: too many chunks or heads for one launch");
-    auto intra = prefill::chunk_prefill_split_intra_kernel<D, In>;
-    auto state = prefill::chunk_prefill_split_state_kernel<D, In>;
-    auto out = prefill::chunk_prefill_split_output_kernel<D, In>;
+    auto intra = prefill::chunk_prefill_split_intra_kernel<D, In, KDA>;
+    auto state = prefill::chunk_prefill_split_state_kernel<D, In, KDA>;
+    auto out = prefill::chunk_prefill_split_output_kernel<D, In, KDA>;
     static PerDeviceOnce per_sm;
     const int resident = per_sm.get(p.device.index, [=] {
       opt_in_and_occupancy(intra, Lay::Intra::SMEM, Lay::THREADS);
@@ -179,6 +181,11 @@ bool try_split(const ChunkPrefillProblem& p, cudaStream_t stream) {
     }
     return true;
   }
+}
+
+template <int D, class In>
+bool try_split_gate(const ChunkPrefillProblem& p, cudaStream_t stream) {
+  return p.gate.kda ? try_split<D, In, true>(p, stream) : try_split<D, In, false>(p, stream);
 }
 
 void launch_fallback(const ChunkPrefillProblem& p, cudaStream_t stream) {
@@ -212,9 +219,9 @@ void launch_fallback(const ChunkPrefillProblem& p, cudaStream_t stream) {
 int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens,
                                       bool kda) {
   // The fused tensor-core kernel keeps everything on chip; the fallback needs global memory only
-  // for states too large for its shared memory; the split kernels (GDN, the tensor-core kernels'
-  // head sizes) a block per (chunk slot, value head): tokens / 64 + N slots bound the chunks of
-  // any split of `tokens` into N sequences (split.cuh).
+  // for states too large for its shared memory; the split kernels (the tensor-core kernels' head
+  // sizes; KDA's blocks are the larger) a block per (chunk slot, value head): tokens / 64 + N
+  // slots bound the chunks of any split of `tokens` into N sequences (split.cuh).
   const int64_t E = static_cast<int64_t>(K) * V;
   const int64_t fallback = E <= prefill::kFallbackSmemStateElems ? 0 : N * HV * E * 4;
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -222,8 +229,8 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
 #else
   const bool split_size = K == V && K == 128;
 #endif
-  if (kda || !split_size) return fallback;
-  const int64_t split = split_bytes(K, N, HV, tokens / ChunkPrefillProblem::kChunk + N);
+  if (!split_size) return fallback;
+  const int64_t split = split_bytes(K, kda, N, HV, tokens / ChunkPrefillProblem::kChunk + N);
   return split > fallback ? split : fallback;
 }
 
@@ -236,9 +243,11 @@ void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
   const int D = tc_head_size(p);
   const bool bf16 = p.q.dtype == DType::bf16;
   if (D != 0 && use_split(p)) {
-    if (D == 128 && (bf16 ? try_split<128, __nv_bfloat16>(p, s) : try_split<128, __half>(p, s)))
+    if (D == 128 &&
+        (bf16 ? try_split_gate<128, __nv_bfloat16>(p, s) : try_split_gate<128, __half>(p, s)))
       return;
-    if (D == 64 && (bf16 ? try_split<64, __nv_bfloat16>(p, s) : try_split<64, __half>(p, s)))
+    if (D == 64 &&
+        (bf16 ? try_split_gate<64, __nv_bfloat16>(p, s) : try_split_gate<64, __half>(p, s)))
       return;
   }
   if (D == 128) {

@@ -1,6 +1,6 @@
-// The split design of tensor-core chunked prefill (GDN), K = V = D in {64, 128}, q/k/v all bf16
-// or all fp16: three kernels, of which only the middle one walks a sequence's chunks in order.
-// Part of chunk_prefill.cu's translation unit; the math helpers are tc_kernel.cuh's.
+// The split design of tensor-core chunked prefill (GDN and KDA), K = V = D in {64, 128}, q/k/v
+// all bf16 or all fp16: three kernels, of which only the middle one walks a sequence's chunks in
+// order. Part of chunk_prefill.cu's translation unit; the math helpers are tc_kernel.cuh's.
 //
 // ---- design ------------------------------------------------------------------------------------
 // The fused kernel (tc_kernel.cuh) runs one CTA per (sequence, value head) through every chunk,
@@ -31,12 +31,27 @@
 //     staged through shared memory and stored in the output dtype.
 // Every rounding point is the fused kernel's, so its error bounds apply unchanged.
 //
+// KDA (template parameter KDA; tc_kernel.cuh's KDA paragraph has the formulas): per-channel G
+// [C][D] (fp32, the fused kernel's sequential scan per channel), and
+//  1. A_ts = beta_t sum_c k^_t k^_s e^{G_t - G_s} and P_ts = sum_c q^_t k^_s e^{G_t - G_s}
+//     pairwise on CUDA cores (the fused kernel's kda_pairs: factored 4x4 tiles, no factor above
+//     1), T as for GDN, U^T as for GDN, W = T diag(beta) (k^ e^{G}) (A = T diag(beta) hi + lo,
+//     B = bf16(k^ e^{G}), the fused kernel's S K^T operand); stored besides: bf16(k^ e^{G_L - G})
+//     and bf16(q^ e^{G}) [C][D] (rounded once, as the fused kernel rounds them), bf16(P) [C][C]
+//     and e^{G_L} [D]. P is made here, not in kernel 3: kda_pairs computes each pair's
+//     exponentials once for both A and P (the exponentials bound it), and kernel 3 then needs
+//     neither G nor the transposed k^, q^ (three fp32 [D][C] arrays in shared memory).
+//  2. S = S diag(e^{G_L}) + bf16(v')^T bf16(k^ e^{G_L - G}) (d = 1; the decay per column).
+//  3. o^T = S_c bf16(q^ e^{G})^T + bf16(v'^T) P^T (qf = 1).
+// Kernel 1 holds q, k, v and the transposed G, k^, q^: one CTA per SM at D = 128.
+//
 // Chunk slots. A sequence's chunks occupy consecutive slots from off(n) = cu_seqlens[n] / C + n
 // (without cu_seqlens: n * ceil(T / C)); off(n+1) - off(n) >= ceil(len_n / C), so the slots
 // [0, T / C + N) hold every chunk, a few of them holes (their CTAs return at once). Kernels 1 and
 // 3 find their sequence by a binary search of off() over cu_seqlens on the device; no index data
-// is read on the host. Workspace (split_workspace_bytes): a status word per sequence, then one
-// block per (chunk slot, value head) of Wh, Wl, U^T, v'^T, S_c and the scalars.
+// is read on the host. Workspace (split_bytes, chunk_prefill.cu): a status word per sequence,
+// then one block per (chunk slot, value head) of Wh, Wl, U^T, v'^T, S_c and the scalars (KDA:
+// and the decayed keys and queries, and P).
 #pragma once
 
 #include <cstdint>
@@ -48,34 +63,45 @@ namespace deltastate::cuda_backend::prefill {
 // State rows per state-pass CTA (two warps): D / kSplitRows CTAs per (sequence, value head).
 constexpr int kSplitRows = 32;
 
-template <int D>
+template <int D, bool KDA = false>
 struct SplitLayout {
   static constexpr int C = detail::ChunkPrefillProblem::kChunk;  // 64
   static constexpr int NW = D / 16;                              // warps of kernels 1 and 3
   static constexpr int THREADS = NW * 32;
   static constexpr int NJ = D / 8, NK = D / 16;
-  static constexpr int LDI = D + 8, LDT = C + 4, LDB = C + 8, LDO = D + 4, LDX = 36;
+  static constexpr int LDI = D + 8, LDT = C + 4, LDB = C + 8, LDO = D + 4, LDX = 36, LDG = C + 1;
   // ---- workspace block of one (chunk slot, value head), bytes
   static constexpr int64_t WS_W = int64_t{C} * D * 2;   // Wh, Wl: [C][D] 16-bit each
   static constexpr int64_t WS_U = int64_t{D} * C * 4;   // U^T [D][C] fp32
   static constexpr int64_t WS_VN = int64_t{D} * C * 2;  // v'^T [D][C] 16-bit
   static constexpr int64_t WS_S = int64_t{D} * D * 2;   // S_c [D][D] 16-bit
-  static constexpr int64_t WS_SC = 4 * C * 4;           // fp32 [4][C]: G, rk, d, e^{G_L}
+  // fp32 [4][C]: G, rk, d, e^{G_L} (GDN); KDA: e^{G_L} [D] from row 2 (D <= 2C)
+  static constexpr int64_t WS_SC = 4 * C * 4;
   static constexpr int64_t B_WH = 0, B_WL = WS_W, B_U = 2 * WS_W, B_VN = B_U + WS_U,
-                           B_S = B_VN + WS_VN, B_SC = B_S + WS_S, BLOCK = B_SC + WS_SC;
-  static_assert(BLOCK % 16 == 0, "16-byte aligned blocks");
-  // ---- kernel 1 shared memory
+                           B_S = B_VN + WS_VN, B_SC = B_S + WS_S, GDN_BLOCK = B_SC + WS_SC;
+  // KDA: the decayed keys of the update k^ e^{G_L - G} and queries q^ e^{G} [C][D], P [C][C],
+  // all 16-bit
+  static constexpr int64_t B_KD = GDN_BLOCK, B_QG = B_KD + WS_W, B_P = B_QG + WS_W,
+                           BLOCK = KDA ? B_P + int64_t{C} * C * 2 : GDN_BLOCK;
+  static_assert(BLOCK % 16 == 0 && GDN_BLOCK % 16 == 0, "16-byte aligned blocks");
+  static_assert(D <= 2 * C, "KDA's e^{G_L} fits rows 2 and 3 of the scalars");
+  // ---- kernel 1 shared memory (KDA: Pb in GDN's Tkh, and q, the transposed G, k^, q^ after the
+  // per-token scalars)
   struct Intra {
-    static constexpr int LDT = SplitLayout::LDT, LDX = SplitLayout::LDX,
-                         THREADS = SplitLayout::THREADS;  // invert_unit_lower's names
+    static constexpr int LDT = SplitLayout::LDT, LDX = SplitLayout::LDX, LDB = SplitLayout::LDB,
+                         LDG = SplitLayout::LDG, NJ = SplitLayout::NJ,
+                         THREADS = SplitLayout::THREADS;  // invert_unit_lower's, kda_pairs' names
     static constexpr int OFF_K = 0, OFF_V = OFF_K + C * LDI * 2, OFF_TF = OFF_V + C * LDI * 2,
                          OFF_X = OFF_TF + C * LDT * 4, OFF_TB = OFF_X + 32 * LDX * 4,
                          OFF_TL = OFF_TB + C * LDB * 2, OFF_TKH = OFF_TL + C * LDB * 2,
                          OFF_TKL = OFF_TKH + C * LDB * 2, OFF_SC = OFF_TKL + C * LDB * 2,
-                         SMEM = OFF_SC + 8 * C * 4;
+                         OFF_Q = OFF_SC + (KDA ? 10 : 8) * C * 4,
+                         OFF_GT = OFF_Q + (KDA ? C * LDI * 2 : 0),
+                         SMEM = OFF_GT + (KDA ? 3 * D * LDG * 4 : 0);
+    static_assert(OFF_Q % 16 == 0 && OFF_GT % 16 == 0, "16-byte aligned regions");
   };
-  // ---- kernel 2 shared memory (two buffers of: Wh, Wl, k [C][LDI] 16-bit; U^T rows [R][LDU]
-  // fp32; d and e^{G_L} [2][C] fp32)
+  // ---- kernel 2 shared memory (two buffers of: Wh, Wl, k (KDA: k^ e^{G_L - G}) [C][LDI] 16-bit;
+  // U^T rows [R][LDU] fp32; d and e^{G_L} [2][C] fp32 (KDA: e^{G_L} [D]))
   struct State {
     static constexpr int R = kSplitRows, SW = R / 16, THREADS = SW * 32, LDU = C + 4;
     static constexpr int OFF_WH = 0, OFF_WL = C * LDI * 2, OFF_K = 2 * C * LDI * 2,
@@ -83,14 +109,15 @@ struct SplitLayout {
                          BUF = OFF_D + 2 * C * 4, SMEM = 2 * BUF;
     static_assert(BUF % 16 == 0 && OFF_U % 16 == 0, "16-byte aligned regions");
   };
-  // ---- kernel 3 shared memory: q, k [C][LDI]; P [C][LDB]; output staging [C][LDO] fp32;
-  // G, rk, rq, qf [C]
+  // ---- kernel 3 shared memory: q (KDA: q^ e^{G}), k [C][LDI]; P [C][LDB]; output staging
+  // [C][LDO] fp32; G, rk, rq, qf [C]
   struct Out {
     static constexpr int OFF_Q = 0, OFF_K = C * LDI * 2, OFF_P = 2 * C * LDI * 2,
                          OFF_O = OFF_P + C * LDB * 2, OFF_SC = OFF_O + C * LDO * 4,
                          SMEM = OFF_SC + 4 * C * 4;
   };
-  static_assert(Intra::OFF_TF % 16 == 0 && Intra::OFF_TB % 16 == 0 && Out::OFF_O % 16 == 0,
+  static_assert(Intra::OFF_TF % 16 == 0 && Intra::OFF_TB % 16 == 0 && Intra::OFF_TKH % 16 == 0 &&
+                    Out::OFF_P % 16 == 0 && Out::OFF_O % 16 == 0,
                 "16-byte aligned regions");
 };
 
@@ -137,11 +164,11 @@ __device__ __forceinline__ SplitChunk split_locate(const ChunkPrefillProblem& p,
   return {n, ci};
 }
 
-template <int D>
+template <int D, bool KDA>
 __device__ __forceinline__ unsigned char* split_block(const ChunkPrefillProblem& p, int64_t j,
                                                       int hv) {
   return static_cast<unsigned char*>(p.workspace) + split_status_bytes(p.N) +
-         (j * p.HV + hv) * SplitLayout<D>::BLOCK;
+         (j * p.HV + hv) * SplitLayout<D, KDA>::BLOCK;
 }
 
 // The 16-row strip r of K K^T (P = false: A into Tf, fp32) or Q K^T (P = true: P into Pb,
@@ -210,15 +237,31 @@ __device__ __forceinline__ void split_load_rows(In* dst, const Head& t, const In
   }
 }
 
+// A [rows][cols] 16-bit matrix stored contiguously at src (global) into dst [rows][ld] (shared),
+// 16-byte cp.async pieces over `nt` threads; no commit.
+template <int ROWS, int COLS, int LD>
+__device__ __forceinline__ void split_copy_matrix(void* dst, const void* src, int tid, int nt) {
+  constexpr int CH = COLS / 8;
+  for (int i = tid; i < ROWS * CH; i += nt) {
+    const int r = i / CH, c = i - r * CH;
+    cp_async16_zfill(static_cast<unsigned char*>(dst) + (r * LD + c * 8) * 2,
+                     static_cast<const unsigned char*>(src) + (r * COLS + c * 8) * 2, true);
+  }
+}
+
 // ---- kernel 1: per chunk, G, rk, A, T and the WY factors ---------------------------------------
-template <int D, class In>
-__global__ void __launch_bounds__(D / 16 * 32, 2)
+// KDA (tc_kernel.cuh's KDA paragraph): G per channel, A and P pairwise on CUDA cores (kda_pairs,
+// which shares each pair's exponentials between A and P: that is why P is made here, not in
+// kernel 3), and the decayed operands rounded once as the fused kernel rounds them: k^ e^{G} (W's
+// B operand, in place of k), k^ e^{G_L - G} and q^ e^{G} (to the workspace).
+template <int D, class In, bool KDA>
+__global__ void __launch_bounds__(D / 16 * 32, KDA ? 1 : 2)
     chunk_prefill_split_intra_kernel(const ChunkPrefillProblem p) {
-  using Lay = SplitLayout<D>;
+  using Lay = SplitLayout<D, KDA>;
   using Ly = typename Lay::Intra;
   using M = Mma<In>;
   constexpr int C = Lay::C, NW = Lay::NW, NT = Lay::THREADS, LDI = Lay::LDI, LDT = Lay::LDT,
-                LDB = Lay::LDB;
+                LDB = Lay::LDB, LDG = Lay::LDG;
   enter_grid(false);
   const SplitChunk ch = split_locate(p, blockIdx.x);
   if (ch.n < 0) return;
@@ -234,12 +277,19 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
   In* const Tl = reinterpret_cast<In*>(smem + Ly::OFF_TL);
   In* const Tkh = reinterpret_cast<In*>(smem + Ly::OFF_TKH);
   In* const Tkl = reinterpret_cast<In*>(smem + Ly::OFF_TKL);
+  In* const Pb = Tkh;  // KDA: P (GDN's T diag(beta kf) is not made)
+  In* const Qs = reinterpret_cast<In*>(smem + Ly::OFF_Q);         // KDA
+  float* const GT = reinterpret_cast<float*>(smem + Ly::OFF_GT);  // KDA: [D][LDG] G, k^, q^
+  float* const KT = GT + D * LDG;
+  float* const QT = KT + D * LDG;
   float* const sG = reinterpret_cast<float*>(smem + Ly::OFF_SC);
   float* const sBeta = sG + C;
   float* const sRk = sG + 2 * C;
   float* const sKf = sG + 3 * C;  // rk_t e^{G_t}
   float* const sDf = sG + 4 * C;  // rk_s e^{G_L - G_s}
   float* const sDecL = sG + 5 * C;
+  float* const sRq = sG + 6 * C;  // KDA
+  float* const sEL = sG + 8 * C;  // KDA: e^{G_L} [D]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g8 = lane >> 2, q4 = lane & 3;
   const int64_t c0 = ch.ci * C;
@@ -247,12 +297,14 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
 
   split_load_rows<D>(Ks, p.k, static_cast<const In*>(p.k.ptr), s, s.h, c0, cv, tid, NT);
   split_load_rows<D>(Vs, p.v, static_cast<const In*>(p.v.ptr), s, s.hv, c0, cv, tid, NT);
+  if constexpr (KDA)
+    split_load_rows<D>(Qs, p.q, static_cast<const In*>(p.q.ptr), s, s.h, c0, cv, tid, NT);
   cp_async_commit_group();
-  if (warp == 0) {  // beta and the inclusive scan of g over the chunk (tokens 2 lane, 2 lane + 1)
-    const detail::GateParams& gate = p.gate;
-    const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
+  const detail::GateParams& gate = p.gate;
+  const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
+  if (warp == 0) {  // beta and (GDN) the inclusive scan of g over the chunk (tokens 2 lane, +1)
     const float dt =
-        gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, s.hv) : 0.0f;
+        !KDA && gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, s.hv) : 0.0f;
     float g2[2], b2[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -263,31 +315,59 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
                                                             head_offset(p.beta, s.seq, tok, s.hv)),
                                          p.beta_is_logit, false, p.beta.dtype)
                     : 0.0f;
-      g2[e] = valid ? detail::gate_value(gate.mode,
-                                         detail::load_float(p.g.ptr, p.g.dtype,
-                                                            head_offset(p.g, s.seq, tok, s.hv)),
-                                         dt, A_log, gate.lower_bound)
-                    : 0.0f;
+      g2[e] = !KDA && valid
+                  ? detail::gate_value(
+                        gate.mode,
+                        detail::load_float(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv)),
+                        dt, A_log, gate.lower_bound)
+                  : 0.0f;
     }
-    const float pair = g2[0] + g2[1];
-    float incl = pair;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += y;
-    }
-    const float G0 = (incl - pair) + g2[0], G1 = G0 + g2[1];
-    sG[2 * lane] = G0;
-    sG[2 * lane + 1] = G1;
     sBeta[2 * lane] = b2[0];
     sBeta[2 * lane + 1] = b2[1];
-    if (lane == 31) sDecL[0] = G1;  // g = 0 past the sequence: G_63 = G_{cv-1}
+    if constexpr (!KDA) {
+      const float pair = g2[0] + g2[1];
+      float incl = pair;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += y;
+      }
+      const float G0 = (incl - pair) + g2[0], G1 = G0 + g2[1];
+      sG[2 * lane] = G0;
+      sG[2 * lane + 1] = G1;
+      if (lane == 31) sDecL[0] = G1;  // g = 0 past the sequence: G_63 = G_{cv-1}
+    }
+  }
+  if constexpr (KDA) {
+    if (tid < D) {  // channel c = tid: G[t][c] for the chunk, sequentially (the fused kernel's;
+      // the raw values first, so that the loads are in flight together)
+      const int c = tid;
+      const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype,
+                                                         static_cast<int64_t>(s.hv) * D + c)
+                                    : 0.0f;
+      uint32_t raw[C];
+#pragma unroll
+      for (int t = 0; t < C; ++t) {
+        const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
+        raw[t] = t < cv
+                     ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c)
+                     : 0u;
+      }
+      float run = 0.0f;
+#pragma unroll
+      for (int t = 0; t < C; ++t) {
+        if (t < cv)
+          run += detail::gate_value(gate.mode, float_of_bits(raw[t], p.g.dtype), dt, A_log,
+                                    gate.lower_bound);
+        GT[c * LDG + t] = run;
+      }
+      sEL[c] = expf(run);
+    }
   }
   cp_async_wait_group<0>();
   __syncthreads();
-  {  // rk and the per-token factors (a warp per token)
+  {  // rk (KDA: and rq) and the per-token factors (a warp per token)
     constexpr int EPL = D / 32;
-    const float GL = sDecL[0];
     for (int t = warp; t < C; t += NW) {
       float xk[EPL];
       load_row_part<In, EPL>(Ks + t * LDI + lane * EPL, xk);
@@ -296,30 +376,81 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
       for (int e = 0; e < EPL; ++e) sk = fmaf(xk[e], xk[e], sk);
       sk = warp_sum(sk);
       const float rk = t >= cv ? 0.0f : p.l2norm ? 1.0f / detail::l2norm_denominator(sk) : 1.0f;
-      if (lane == 0) {
-        sRk[t] = rk;
-        sKf[t] = rk * expf(sG[t]);
-        sDf[t] = rk * expf(GL - sG[t]);
+      if constexpr (KDA) {
+        float xq[EPL];
+        load_row_part<In, EPL>(Qs + t * LDI + lane * EPL, xq);
+        float sq = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) sq = fmaf(xq[e], xq[e], sq);
+        sq = warp_sum(sq);
+        const float rq = t >= cv    ? 0.0f
+                         : p.l2norm ? p.scale / detail::l2norm_denominator(sq)
+                                    : p.scale;
+        if (lane == 0) {
+          sRk[t] = rk;
+          sRq[t] = rq;
+        }
+      } else {
+        const float GL = sDecL[0];
+        if (lane == 0) {
+          sRk[t] = rk;
+          sKf[t] = rk * expf(sG[t]);
+          sDf[t] = rk * expf(GL - sG[t]);
+        }
       }
     }
   }
   __syncthreads();
-  if (warp < 4) split_strip<Lay, In, false>(Ks, Ks, warp, sG, sRk, sBeta, Tf, nullptr, lane);
-  __syncthreads();
+  unsigned char* const blk = split_block<D, KDA>(p, blockIdx.x, hv);
+  if constexpr (KDA) {
+    // k^, q^ transposed for the pairwise products
+    for (int i = tid; i < C * D; i += NT) {
+      const int t = i / D, c = i - t * D;
+      KT[c * LDG + t] = in_to_float(Ks[t * LDI + c]) * sRk[t];
+      QT[c * LDG + t] = in_to_float(Qs[t * LDI + c]) * sRq[t];
+    }
+    __syncthreads();
+    kda_pairs<Ly, In>(GT, KT, QT, sBeta, Tf, Pb, tid);
+    // the decayed operands (as the fused kernel makes them): k^ e^{G} in place (W's operand),
+    // k^ e^{G_L - G} and q^ e^{G} to the workspace
+    In* const Kdg = reinterpret_cast<In*>(blk + Lay::B_KD);
+    In* const Qgg = reinterpret_cast<In*>(blk + Lay::B_QG);
+    for (int i = tid; i < C * D; i += NT) {
+      const int t = i / D, c = i - t * D;
+      const float gt = GT[c * LDG + t], gl = GT[c * LDG + C - 1];
+      const float k = in_to_float(Ks[t * LDI + c]) * sRk[t];
+      const float q = in_to_float(Qs[t * LDI + c]) * sRq[t];
+      // (__expf: these operands are rounded to 16 bits next; its ~1e-6 error does not show)
+      Ks[t * LDI + c] = from_float<In>(k * __expf(gt));
+      Kdg[t * D + c] = from_float<In>(k * __expf(gl - gt));
+      Qgg[t * D + c] = from_float<In>(q * __expf(gt));
+    }
+    __syncthreads();  // A (Tf) and P complete
+    uint4* const Pg = reinterpret_cast<uint4*>(blk + Lay::B_P);
+    for (int i = tid; i < C * (C / 8); i += NT) {
+      const int t = i / (C / 8), c = i - t * (C / 8);
+      Pg[i] = *reinterpret_cast<const uint4*>(Pb + t * LDB + 8 * c);
+    }
+  } else {
+    if (warp < 4) split_strip<Lay, In, false>(Ks, Ks, warp, sG, sRk, sBeta, Tf, nullptr, lane);
+    __syncthreads();
+  }
   invert_unit_lower<Ly>(Tf, Xs, warp, lane, tid);
   for (int i = tid; i < C * C; i += NT) {
     const int t = i >> 6, sj = i & 63;
     const float x = sj <= t ? Tf[t * LDT + sj] * sBeta[sj] : 0.0f;
-    const float y = x * sKf[sj];
-    const In xh = from_float<In>(x), yh = from_float<In>(y);
+    const In xh = from_float<In>(x);
     Tb[t * LDB + sj] = xh;
     Tl[t * LDB + sj] = from_float<In>(x - in_to_float(xh));
-    Tkh[t * LDB + sj] = yh;
-    Tkl[t * LDB + sj] = from_float<In>(y - in_to_float(yh));
+    if constexpr (!KDA) {
+      const float y = x * sKf[sj];
+      const In yh = from_float<In>(y);
+      Tkh[t * LDB + sj] = yh;
+      Tkl[t * LDB + sj] = from_float<In>(y - in_to_float(yh));
+    }
   }
   __syncthreads();
 
-  unsigned char* const blk = split_block<D>(p, blockIdx.x, hv);
   {  // U^T rows 16 warp.. (v as M): A = V^T from v (ldmatrix.trans), B = Tb hi, lo
     const int V0 = 16 * warp;
     float* const Ug = reinterpret_cast<float*>(blk + Lay::B_U);
@@ -351,7 +482,10 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
     }
   }
   {  // W (t as M): warp = token strip r (4) x 64 channels; A = T diag(beta kf) hi, lo, B = k
+    // (KDA: A = T diag(beta) hi, lo, B = k^ e^{G})
     const int r = warp & 3, cb = 64 * (warp >> 2);
+    const In* const Ah = KDA ? Tb : Tkh;
+    const In* const Al = KDA ? Tl : Tkl;
     uint32_t* const Wh = reinterpret_cast<uint32_t*>(blk + Lay::B_WH);
     uint32_t* const Wl = reinterpret_cast<uint32_t*>(blk + Lay::B_WL);
     float acc[8][4];
@@ -361,8 +495,8 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
     for (int kk = 0; kk < 4; ++kk) {
       if (kk <= r) {  // T diag(.)[t][s] = 0 for s > t
         uint32_t ah[4], al[4];
-        ldsm_x4(ah, Tkh + a_tile(lane, 16 * r, 16 * kk, LDB));
-        ldsm_x4(al, Tkl + a_tile(lane, 16 * r, 16 * kk, LDB));
+        ldsm_x4(ah, Ah + a_tile(lane, 16 * r, 16 * kk, LDB));
+        ldsm_x4(al, Al + a_tile(lane, 16 * r, 16 * kk, LDB));
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           uint32_t b[4];
@@ -385,21 +519,27 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
         Wl[(t * D + c) / 2] = lo;
       }
   }
-  {  // G, rk, d, e^{G_L}
+  {  // G, rk, d, e^{G_L} (KDA: e^{G_L} [D] from row 2, where kernel 2 reads d and e^{G_L})
     float* const sc = reinterpret_cast<float*>(blk + Lay::B_SC);
-    for (int i = tid; i < 3 * C; i += NT) {
-      const int row = i / C, t = i - row * C;
-      sc[i] = row == 0 ? sG[t] : row == 1 ? sRk[t] : sDf[t];
+    if constexpr (KDA) {
+      for (int c = tid; c < D; c += NT) sc[2 * C + c] = sEL[c];
+    } else {
+      for (int i = tid; i < 3 * C; i += NT) {
+        const int row = i / C, t = i - row * C;
+        sc[i] = row == 0 ? sG[t] : row == 1 ? sRk[t] : sDf[t];
+      }
+      if (tid == 0) sc[3 * C] = expf(sDecL[0]);
     }
-    if (tid == 0) sc[3 * C] = expf(sDecL[0]);
   }
 }
 
 // ---- kernel 2: the sequential state pass ------------------------------------------------------
-template <int D, class In>
+// KDA: the update's keys are kernel 1's k^ e^{G_L - G} (d = 1) and the decay e^{G_L} is per
+// column (the fused kernel's KDA update).
+template <int D, class In, bool KDA>
 __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
     chunk_prefill_split_state_kernel(const ChunkPrefillProblem p) {
-  using Lay = SplitLayout<D>;
+  using Lay = SplitLayout<D, KDA>;
   using Ly = typename Lay::State;
   using M = Mma<In>;
   constexpr int C = Lay::C, NT = Ly::THREADS, NJ = Lay::NJ, NK = Lay::NK, LDI = Lay::LDI,
@@ -430,10 +570,10 @@ __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
   const int64_t j0 = split_chunk_offset(p, s.n);
   const In* const kg = static_cast<const In*>(p.k.ptr);
 
-  // chunk ci's W, k, U^T rows, d, e^{G_L} into buffer b, one group
+  // chunk ci's W, k (KDA: k^ e^{G_L - G}), U^T rows, d, e^{G_L} into buffer b, one group
   auto issue_loads = [&](int64_t ci, int b) {
     unsigned char* const buf = smem + b * Ly::BUF;
-    const unsigned char* const blk = split_block<D>(p, j0 + ci, s.hv);
+    const unsigned char* const blk = split_block<D, KDA>(p, j0 + ci, s.hv);
     const int64_t c0 = ci * C;
     const int64_t cv = s.len - c0 < C ? s.len - c0 : C;
     constexpr int CH = D / 8;
@@ -442,13 +582,16 @@ __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
       cp_async16_zfill(buf + (m ? Ly::OFF_WL : Ly::OFF_WH) + (t * LDI + c * 8) * 2,
                        blk + (m ? Lay::B_WL : Lay::B_WH) + (t * D + c * 8) * 2, true);
     }
-    split_load_rows<D>(reinterpret_cast<In*>(buf + Ly::OFF_K), p.k, kg, s, s.h, c0, cv, tid, NT);
+    if constexpr (KDA) split_copy_matrix<C, D, LDI>(buf + Ly::OFF_K, blk + Lay::B_KD, tid, NT);
+    else
+      split_load_rows<D>(reinterpret_cast<In*>(buf + Ly::OFF_K), p.k, kg, s, s.h, c0, cv, tid, NT);
     for (int i = tid; i < R * (C / 4); i += NT) {
       const int v = i / (C / 4), c = i - v * (C / 4);
       cp_async16_zfill(buf + Ly::OFF_U + (v * LDU + c * 4) * 4,
                        blk + Lay::B_U + ((R * tile + v) * C + c * 4) * 4, true);
     }
-    for (int i = tid; i < 2 * (C / 4); i += NT)  // rows 2 (d) and 3 (e^{G_L}) of the scalars
+    // rows 2 (d) and 3 (e^{G_L}) of the scalars (KDA: e^{G_L} [D])
+    for (int i = tid; i < 2 * (C / 4); i += NT)
       cp_async16_zfill(buf + Ly::OFF_D + i * 16, blk + Lay::B_SC + (2 * C) * 4 + i * 16, true);
     cp_async_commit_group();
   };
@@ -473,7 +616,7 @@ __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
     }
     __syncthreads();  // this chunk's operands are in
 
-    unsigned char* const blk = split_block<D>(p, j0 + ci, s.hv);
+    unsigned char* const blk = split_block<D, KDA>(p, j0 + ci, s.hv);
     uint32_t Sa[NK][4];  // S_c = bf16(S), stored for kernel 3
     {
       uint32_t* const Sg = reinterpret_cast<uint32_t*>(blk + Lay::B_S);
@@ -520,20 +663,37 @@ __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
           const float y0 = u1.x - ak[jj][2], y1 = u1.y - ak[jj][3];
           VNg[((V0 + g8) * C + t) / 2] = M::pack(x0, x1);
           VNg[((V0 + g8 + 8) * C + t) / 2] = M::pack(y0, y1);
-          const float d0 = sD[t], d1 = sD[t + 1];
-          Ud[jp][2 * jj] = M::pack(x0 * d0, x1 * d1);
-          Ud[jp][2 * jj + 1] = M::pack(y0 * d0, y1 * d1);
+          if constexpr (KDA) {  // bf16(v'), as the fused kernel's KDA update
+            Ud[jp][2 * jj] = M::pack(x0, x1);
+            Ud[jp][2 * jj + 1] = M::pack(y0, y1);
+          } else {
+            const float d0 = sD[t], d1 = sD[t + 1];
+            Ud[jp][2 * jj] = M::pack(x0 * d0, x1 * d1);
+            Ud[jp][2 * jj + 1] = M::pack(y0 * d0, y1 * d1);
+          }
         }
       }
     }
-    {  // S = S e^{G_L} + (v' d)^T K
-      const float dec = sD[C];
+    {  // S = S e^{G_L} + (v' d)^T K (KDA: S diag(e^{G_L}) + v'^T (k^ e^{G_L - G}))
+      if constexpr (KDA) {
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        S[j][0] *= dec;
-        S[j][1] *= dec;
-        S[j][2] *= dec;
-        S[j][3] *= dec;
+        for (int j = 0; j < NJ; ++j) {
+          const int c = 8 * j + 2 * q4;
+          const float d0 = sD[c], d1 = sD[c + 1];
+          S[j][0] *= d0;
+          S[j][1] *= d1;
+          S[j][2] *= d0;
+          S[j][3] *= d1;
+        }
+      } else {
+        const float dec = sD[C];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          S[j][0] *= dec;
+          S[j][1] *= dec;
+          S[j][2] *= dec;
+          S[j][3] *= dec;
+        }
       }
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -554,10 +714,11 @@ __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
 }
 
 // ---- kernel 3: the outputs --------------------------------------------------------------------
-template <int D, class In>
+// KDA: o^T = S_c (q^ e^{G})^T + bf16(v'^T) P^T with kernel 1's decayed queries and P (qf = 1).
+template <int D, class In, bool KDA>
 __global__ void __launch_bounds__(D / 16 * 32, 2)
     chunk_prefill_split_output_kernel(const ChunkPrefillProblem p, bool trigger_early) {
-  using Lay = SplitLayout<D>;
+  using Lay = SplitLayout<D, KDA>;
   using Ly = typename Lay::Out;
   using M = Mma<In>;
   constexpr int C = Lay::C, NW = Lay::NW, NT = Lay::THREADS, NK = Lay::NK, LDI = Lay::LDI,
@@ -581,18 +742,25 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
   const int g8 = lane >> 2, q4 = lane & 3;
   const int64_t c0 = ch.ci * C;
   const int cv = static_cast<int>(s.len - c0 < C ? s.len - c0 : C);
-  const unsigned char* const blk = split_block<D>(p, blockIdx.x, hv);
+  const unsigned char* const blk = split_block<D, KDA>(p, blockIdx.x, hv);
 
-  split_load_rows<D>(Qs, p.q, static_cast<const In*>(p.q.ptr), s, s.h, c0, cv, tid, NT);
-  split_load_rows<D>(Ks, p.k, static_cast<const In*>(p.k.ptr), s, s.h, c0, cv, tid, NT);
-  cp_async_commit_group();
-  {
-    const float* const sc = reinterpret_cast<const float*>(blk + Lay::B_SC);
-    for (int i = tid; i < 2 * C; i += NT) sG[i] = sc[i];  // G, rk
-  }
-  cp_async_wait_group<0>();
-  __syncthreads();
-  {  // rq, qf = rq e^{G} (a warp per token)
+  if constexpr (KDA) {
+    split_copy_matrix<C, D, LDI>(Qs, blk + Lay::B_QG, tid, NT);
+    split_copy_matrix<C, C, LDB>(Pb, blk + Lay::B_P, tid, NT);
+    cp_async_commit_group();
+    cp_async_wait_group<0>();
+    __syncthreads();
+  } else {
+    split_load_rows<D>(Qs, p.q, static_cast<const In*>(p.q.ptr), s, s.h, c0, cv, tid, NT);
+    split_load_rows<D>(Ks, p.k, static_cast<const In*>(p.k.ptr), s, s.h, c0, cv, tid, NT);
+    cp_async_commit_group();
+    {
+      const float* const sc = reinterpret_cast<const float*>(blk + Lay::B_SC);
+      for (int i = tid; i < 2 * C; i += NT) sG[i] = sc[i];  // G, rk
+    }
+    cp_async_wait_group<0>();
+    __syncthreads();
+    // rq, qf = rq e^{G} (a warp per token)
     constexpr int EPL = D / 32;
     for (int t = warp; t < C; t += NW) {
       float xq[EPL];
@@ -609,10 +777,11 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
         sQf[t] = rq * expf(sG[t]);
       }
     }
+    __syncthreads();
+    if (warp < 4) split_strip<Lay, In, true>(Qs, Ks, warp, sG, sRk, sRq, nullptr, Pb, lane);
   }
-  __syncthreads();
-  if (warp < 4) split_strip<Lay, In, true>(Qs, Ks, warp, sG, sRk, sRq, nullptr, Pb, lane);
-  // O1^T = S_c Q^T (A = S_c rows from the workspace), scaled by qf per column
+  // O1^T = S_c Q^T (A = S_c rows from the workspace), scaled by qf per column (KDA: qf = 1, the
+  // decay is in q^ e^{G})
   const int V0 = 16 * warp;
   float ao[8][4];
   {
@@ -637,14 +806,16 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
         M::mma(ao[2 * jp], Sa[kk], b[0], b[1]);
         M::mma(ao[2 * jp + 1], Sa[kk], b[2], b[3]);
       }
+    if constexpr (!KDA) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int t = 8 * j + 2 * q4;
-      const float f0 = sQf[t], f1 = sQf[t + 1];
-      ao[j][0] *= f0;
-      ao[j][1] *= f1;
-      ao[j][2] *= f0;
-      ao[j][3] *= f1;
+      for (int j = 0; j < 8; ++j) {
+        const int t = 8 * j + 2 * q4;
+        const float f0 = sQf[t], f1 = sQf[t + 1];
+        ao[j][0] *= f0;
+        ao[j][1] *= f1;
+        ao[j][2] *= f0;
+        ao[j][3] *= f1;
+      }
     }
   }
   {  // o^T += bf16(v'^T) P^T (A = v'^T rows from the workspace)
