@@ -253,10 +253,11 @@ void chunk_prefill(const ChunkPrefillArgs& args);
 // the gate kind (never tensor data), so it can run before the inputs hold data. CPU: one scratch
 // block per thread of the CPU thread pool (the fp32 state and one chunk's q, k, v, gates, A, T, w,
 // u, v' and outputs), num_threads * per-thread bytes, a function of K, V, the gate kind and
-// DELTASTATE_NUM_THREADS only. CUDA: for GDN with K = V = 128 (and 64 where the tensor-core
-// kernels are built for it) the split kernels' blocks, about (B * T / 64 + N) * HV * 7 K * V
-// bytes (their W, U, v' and chunk-start states); else 0 (the kernels keep their scratch on chip)
-// up to K * V = 16384, beyond that N * HV * K * V * 4 (the fallback kernel's fp32 states).
+// DELTASTATE_NUM_THREADS only. CUDA: where the split kernels run (K = V = 128, and 64 where the
+// tensor-core kernels are built for it, and N * HV below half the device's SM count), their
+// blocks, about (B * T / 64 + N) * HV * 7 K * V bytes for GDN (W, U, v', chunk-start states) and
+// 9.5 K * V for KDA (also the decayed q, k and P); else 0 (the kernels keep their scratch on
+// chip) up to K * V = 16384, beyond that N * HV * K * V * 4 (the fallback kernel's fp32 states).
 int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args);
 
 // ---------------------------------------------------------------------------------------------

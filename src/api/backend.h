@@ -24,9 +24,10 @@ void run_commit(const detail::CommitProblem& p, void* stream);
 // ReplaySSM speculative verify and its cursor commit (src/cuda/replayssm_verify.cu).
 void run_replayssm_verify(const detail::ReplayVerifyProblem& p, void* stream);
 void run_replayssm_commit(const detail::ReplayCommitProblem& p, void* stream);
-// Workspace bytes of chunk_prefill on CUDA for these shapes (no device query, no allocation).
-int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens,
-                                      bool kda);
+// Workspace bytes of chunk_prefill on CUDA for these shapes on this device (its SM count, cached,
+// picks the kernel; no allocation).
+int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens, bool kda,
+                                      int device);
 
 // The device's error record (src/cuda/errors.cu), for the launchers to pass to the kernels.
 detail::DeviceErrorRecord* device_errors(int device);

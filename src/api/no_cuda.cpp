@@ -21,7 +21,9 @@ void run_verify(const detail::VerifyProblem&, void*) { not_built(); }
 void run_commit(const detail::CommitProblem&, void*) { not_built(); }
 void run_replayssm_verify(const detail::ReplayVerifyProblem&, void*) { not_built(); }
 void run_replayssm_commit(const detail::ReplayCommitProblem&, void*) { not_built(); }
-int64_t chunk_prefill_workspace_bytes(int, int, int64_t, int64_t, int64_t, bool) { not_built(); }
+int64_t chunk_prefill_workspace_bytes(int, int, int64_t, int64_t, int64_t, bool, int) {
+  not_built();
+}
 detail::DeviceErrorRecord* device_errors(int) { not_built(); }
 void check_errors(void*) {}  // no CUDA: no kernel has run, nothing to report
 void check_errors_after_op(void*) {}

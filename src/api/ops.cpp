@@ -85,7 +85,7 @@ int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args) {
       N = args.cu_seqlens->shape[0] > 0 ? args.cu_seqlens->shape[0] - 1 : 0;
     const int64_t tokens = args.q.shape[0] * args.q.shape[1];
     return cuda_backend::chunk_prefill_workspace_bytes(K, V, N, args.v.shape[2], tokens,
-                                                       args.is_kda);
+                                                       args.is_kda, args.q.device.index);
   }
   return cpu::chunk_prefill_workspace_bytes(K, V, args.is_kda);
 }

@@ -216,8 +216,8 @@ void launch_fallback(const ChunkPrefillProblem& p, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens,
-                                      bool kda) {
+int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens, bool kda,
+                                      int device) {
   // The fused tensor-core kernel keeps everything on chip; the fallback needs global memory only
   // for states too large for its shared memory; the split kernels (the tensor-core kernels' head
   // sizes; KDA's blocks are the larger) a block per (chunk slot, value head): tokens / 64 + N
@@ -229,7 +229,13 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
 #else
   const bool split_size = K == V && K == 128;
 #endif
-  if (!split_size) return fallback;
+  // Only a call the dispatch sends down the split path (use_split's rule on the same N, HV and
+  // device) asks for its blocks: the fused kernel's grids need none of them.
+  const PrefillChoice forced = forced_prefill_kernel();
+  const bool split_path =
+      forced == PrefillChoice::split ||
+      (forced == PrefillChoice::automatic && prefill_split_pays(N * HV, num_sms(device)));
+  if (!split_size || !split_path) return fallback;
   const int64_t split = split_bytes(K, kda, N, HV, tokens / ChunkPrefillProblem::kChunk + N);
   return split > fallback ? split : fallback;
 }
