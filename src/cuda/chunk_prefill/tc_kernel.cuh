@@ -58,8 +58,9 @@
 // Occupancy (D = 128): GDN 186 KB of shared memory and 256 threads per CTA (KDA 216.5 KB), so
 // one CTA (8 warps) per SM; ptxas: 255 registers (KDA 239), no spills. The grid is B * HV CTAs
 // (Qwen3-Next 8 x 1024: 256 CTAs, two waves on 132 SMs; 1 x 8192: 32 CTAs, a quarter of the GPU:
-// split.cuh's kernels are the path for few long sequences: GDN and KDA take them by default,
-// chunk_prefill.cu). D = 64: 122 KB, 128 threads, one CTA per SM.
+// split.cuh's kernels are the path for few long sequences: GDN and KDA take them where this
+// grid would fill less than half of the GPU, chunk_prefill.cu). D = 64: 122 KB, 128 threads, one
+// CTA per SM.
 #pragma once
 
 #include <cstdint>

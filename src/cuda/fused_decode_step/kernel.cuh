@@ -1,9 +1,10 @@
 // The fused decode layer step's CTA kernel: one CTA per (row n, key head h). Part of
 // fused_decode_step.cu's translation unit (included there only), in its anonymous namespace.
-// It runs the shapes whose key head no cluster of kFusedClusterMaxCtas CTAs holds (more value
-// heads per key head than that, or more row tiles per CTA than kFusedClusterMaxWarps) and
-// DELTASTATE_CUDA_FUSED=cta; cluster.cuh's kernel, which spreads the key head's rows over a
-// cluster, runs the others.
+// It runs batches whose grid (B * H CTAs) fills more than half of the GPU, the shapes whose key
+// head no cluster of kFusedClusterMaxCtas CTAs holds (more value heads per key head than that, or
+// more row tiles per CTA than kFusedClusterMaxWarps) and DELTASTATE_CUDA_FUSED=cta;
+// cluster.cuh's kernel, which spreads the key head's rows over a cluster, runs the others
+// (fused_cluster_pays, tuning.h).
 //
 // Why one CTA per key head: the conv windows of head h's q and k channels feed every value head
 // of its group and every row tile of those heads, and each window must be read before it is
