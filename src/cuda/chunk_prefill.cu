@@ -230,12 +230,14 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
   const bool split_size = K == V && K == 128;
 #endif
   // Only a call the dispatch sends down the split path (use_split's rule on the same N, HV and
-  // device) asks for its blocks: the fused kernel's grids need none of them.
+  // device) asks for its blocks: the fused kernel's grids need none of them. Without a device to
+  // ask (no driver: the contract checks still run, the launch would fail) no split is planned.
   const PrefillChoice forced = forced_prefill_kernel();
-  const bool split_path =
-      forced == PrefillChoice::split ||
-      (forced == PrefillChoice::automatic && prefill_split_pays(N * HV, num_sms(device)));
-  if (!split_size || !split_path) return fallback;
+  if (!split_size || forced == PrefillChoice::fused || forced == PrefillChoice::fallback)
+    return fallback;
+  const bool split_path = forced == PrefillChoice::split ||
+                          (device_available() && prefill_split_pays(N * HV, num_sms(device)));
+  if (!split_path) return fallback;
   const int64_t split = split_bytes(K, kda, N, HV, tokens / ChunkPrefillProblem::kChunk + N);
   return split > fallback ? split : fallback;
 }
