@@ -27,22 +27,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulate_tc_kernel as et  # noqa: E402
 from emulate_tc_kernel import (G8, Q4, a_tile, b_pair, b_pair_trans, bf16, bf16_input,  # noqa: E402
-                               c_pair_trans, ldsm, mma)
+                               c_pair_trans, ldsm, mma, pack, split_pack)
 
 f32 = np.float32
 D, C = 128, 64
 LDI, LDB = D + 8, C + 8
 R = 32  # kSplitRows
 LDU = C + 4
-
-
-def pack(x, y):
-    return np.stack([bf16(x), bf16(y)], -1).astype(np.float64)
-
-
-def split_pack(x, y):
-    h = pack(x, y)
-    return h, pack(x - h[:, 0], y - h[:, 1])
 
 
 # ---- 1. chunk slots ------------------------------------------------------------------------------
@@ -354,24 +345,9 @@ def sequence(L_, lb=None, seed=1):
     """KDA over L_ tokens (several chunks, the kernels' state carried), with the in-kernel gate
     (softplus, or lower_bound's sigmoid) and beta as a logit, against the fp64 token recurrence;
     -> (output, final state) relative norm errors."""
-    rng = np.random.default_rng(seed)
-    q, k = bf16_input(rng.standard_normal((L_, D))), bf16_input(rng.standard_normal((L_, D)))
-    v = bf16_input(rng.uniform(-0.5, 0.5, (L_, D)))
-    A_log = rng.uniform(-8, 0.5)
-    a = bf16_input(rng.normal(0, 1.5, (L_, D)))
-    dt = rng.uniform(-1, 1, D)
-    g = (-np.exp(A_log) * et.softplus(a + dt) if lb is None
-         else lb / (1 + np.exp(-np.exp(A_log) * (a + dt)))).astype(f32)
-    beta = (1 / (1 + np.exp(-bf16_input(rng.normal(0, 1.5, L_))))).astype(f32)
-    S0, scale = rng.uniform(-0.3, 0.3, (D, D)), D ** -0.5
-    qh = q / np.sqrt((q.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6) * scale
-    kh = k / np.sqrt((k.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6)
-    S, o_ref = S0.copy(), np.zeros((L_, D))
-    for t in range(L_):
-        S = S * np.exp(g[t].astype(np.float64))[None, :]
-        S = S + np.outer(beta[t] * (v[t] - S @ kh[t]), kh[t])
-        o_ref[t] = S @ qh[t]
-    S_ref, S, out = S, S0.astype(f32), np.zeros((L_, D))
+    q, k, v, g, beta, S0, scale = et.sequence_inputs(L_, True, lb, seed, D)
+    o_ref, S_ref = et.recurrence(q, k, v, g, beta, S0, scale)
+    S, out = S0.astype(f32), np.zeros((L_, D))
     for c0 in range(0, L_, C):
         cv = min(C, L_ - c0)
         Q, K_, V_ = (np.zeros((C, D), f32) for _ in range(3))

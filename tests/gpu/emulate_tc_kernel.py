@@ -346,28 +346,43 @@ def softplus(x):
     return np.where(x <= 20, np.log1p(np.exp(np.minimum(x, 20))), x)
 
 
-def sequence(L_, kda=False, lb=None, seed=1):
-    """The kernel's arithmetic (bf16 at its rounding points) over L_ tokens, from a random state,
-    against the fp64 recurrence; returns the (output, final state) relative norm errors."""
+def sequence_inputs(L_, kda, lb, seed, d=None):
+    """Random inputs over L_ tokens at head size d (default D): bf16 q, k, v; the in-kernel gate
+    (softplus, or lower_bound's sigmoid) per token (GDN) or per channel (KDA); beta from a logit;
+    a random state; the scale."""
+    d = d or D
     rng = np.random.default_rng(seed)
-    q, k = bf16_input(rng.standard_normal((L_, D))), bf16_input(rng.standard_normal((L_, D)))
-    v = bf16_input(rng.uniform(-0.5, 0.5, (L_, D)))
+    q, k = bf16_input(rng.standard_normal((L_, d))), bf16_input(rng.standard_normal((L_, d)))
+    v = bf16_input(rng.uniform(-0.5, 0.5, (L_, d)))
     A_log = rng.uniform(-8, 0.5)
-    gw = D if kda else 1
+    gw = d if kda else 1
     a = bf16_input(rng.normal(0, 1.5, (L_, gw)))
     dt = rng.uniform(-1, 1, gw)
     g = (-np.exp(A_log) * softplus(a + dt) if lb is None
          else lb / (1 + np.exp(-np.exp(A_log) * (a + dt)))).astype(f32)
     beta = (1 / (1 + np.exp(-bf16_input(rng.normal(0, 1.5, L_))))).astype(f32)
-    S0, scale = rng.uniform(-0.3, 0.3, (D, D)), D ** -0.5
+    return q, k, v, g, beta, rng.uniform(-0.3, 0.3, (d, d)), d ** -0.5
+
+
+def recurrence(q, k, v, g, beta, S0, scale):
+    """The fp64 token recurrence (q, k L2-normalized): -> (outputs, final state)."""
     qh = q / np.sqrt((q.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6) * scale
     kh = k / np.sqrt((k.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6)
-    S, o_ref = S0.copy(), np.zeros((L_, D))
-    for t in range(L_):
+    S, o = S0.copy(), np.zeros(v.shape)
+    for t in range(len(q)):
         S = S * np.exp(g[t].astype(np.float64))[None, :]
         S = S + np.outer(beta[t] * (v[t] - S @ kh[t]), kh[t])
-        o_ref[t] = S @ qh[t]
-    S_ref, S, out = S, S0.astype(f32), np.zeros((L_, D))
+        o[t] = S @ qh[t]
+    return o, S
+
+
+def sequence(L_, kda=False, lb=None, seed=1):
+    """The kernel's arithmetic (bf16 at its rounding points) over L_ tokens, from a random state,
+    against the fp64 recurrence; returns the (output, final state) relative norm errors."""
+    q, k, v, g, beta, S0, scale = sequence_inputs(L_, kda, lb, seed)
+    gw = g.shape[1]
+    o_ref, S_ref = recurrence(q, k, v, g, beta, S0, scale)
+    S, out = S0.astype(f32), np.zeros((L_, D))
     for c0 in range(0, L_, C):
         cv = min(C, L_ - c0)
         Q, K_, V_ = (np.zeros((C, D), f32) for _ in range(3))
