@@ -942,6 +942,39 @@ def _kda_varlen_reference(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, use_
     return torch.cat(ref, 1), torch.cat(ref_ht, 0)
 
 
+def _kda_varlen_check(device, H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel, safe_gate,
+                      disable_recompute, **chunk_kw):
+    """The body FLA's test_chunk_varlen and test_chunk_varlen_prefill share: chunk_kda on one
+    varlen batch against the token-by-token reference, o and the final states at 0.005."""
+    op = fla_chunk("chunk_kda")
+    cu_seqlens = _trim_cu(cu_seqlens, device)
+    manual_seed(42)
+    q, k, v, g, beta, h0, A_log, dt_bias = _kda_varlen_case(
+        H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel, safe_gate, device)
+    cu = torch.LongTensor(cu_seqlens).to(device)
+    tri, tri_ht = op(
+        q=F.normalize(q.clone(), p=2, dim=-1),
+        k=k.clone(),  # k is already normalized
+        v=v.clone(),
+        g=g.clone(),
+        beta=beta.clone(),
+        A_log=(A_log.clone() if use_gate_in_kernel else None),
+        dt_bias=(dt_bias.clone() if use_gate_in_kernel else None),
+        initial_state=h0.clone(),
+        output_final_state=True,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu.cpu(),
+        use_gate_in_kernel=use_gate_in_kernel,
+        safe_gate=safe_gate,
+        disable_recompute=disable_recompute,
+        **chunk_kw,
+    )
+    ref, ref_ht = _kda_varlen_reference(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
+                                        use_gate_in_kernel)
+    fla_assert_close("o", ref, tri, 0.005)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+
+
 @device_param
 @pytest.mark.parametrize(
     ("H", "D", "mask_p", "cu_seqlens", "dtype", "use_gate_in_kernel", "safe_gate",
@@ -966,33 +999,8 @@ def _kda_varlen_reference(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, use_
 )
 def test_kda_chunk_varlen(device, H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel, safe_gate,
                           disable_recompute, chunk_size):
-    op = fla_chunk("chunk_kda")
-    cu_seqlens = _trim_cu(cu_seqlens, device)
-    manual_seed(42)
-    q, k, v, g, beta, h0, A_log, dt_bias = _kda_varlen_case(
-        H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel, safe_gate, device)
-    cu = torch.LongTensor(cu_seqlens).to(device)
-    tri, tri_ht = op(
-        q=F.normalize(q.clone(), p=2, dim=-1),
-        k=k.clone(),  # k is already normalized
-        v=v.clone(),
-        g=g.clone(),
-        beta=beta.clone(),
-        A_log=(A_log.clone() if use_gate_in_kernel else None),
-        dt_bias=(dt_bias.clone() if use_gate_in_kernel else None),
-        initial_state=h0.clone(),
-        output_final_state=True,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu.cpu(),
-        use_gate_in_kernel=use_gate_in_kernel,
-        safe_gate=safe_gate,
-        disable_recompute=disable_recompute,
-        chunk_size=chunk_size,
-    )
-    ref, ref_ht = _kda_varlen_reference(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
-                                        use_gate_in_kernel)
-    fla_assert_close("o", ref, tri, 0.005)
-    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+    _kda_varlen_check(device, H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel, safe_gate,
+                      disable_recompute, chunk_size=chunk_size)
 
 
 @device_param
@@ -1012,32 +1020,8 @@ def test_kda_chunk_varlen(device, H, D, mask_p, cu_seqlens, dtype, use_gate_in_k
 @torch.inference_mode()
 def test_kda_chunk_varlen_prefill(device, H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel,
                                   safe_gate, disable_recompute):
-    op = fla_chunk("chunk_kda")
-    cu_seqlens = _trim_cu(cu_seqlens, device)
-    manual_seed(42)
-    q, k, v, g, beta, h0, A_log, dt_bias = _kda_varlen_case(
-        H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel, safe_gate, device)
-    cu = torch.LongTensor(cu_seqlens).to(device)
-    tri, tri_ht = op(
-        q=F.normalize(q.clone(), p=2, dim=-1),
-        k=k.clone(),  # k is already normalized
-        v=v.clone(),
-        g=g.clone(),
-        beta=beta.clone(),
-        A_log=(A_log.clone() if use_gate_in_kernel else None),
-        dt_bias=(dt_bias.clone() if use_gate_in_kernel else None),
-        initial_state=h0.clone(),
-        output_final_state=True,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu.cpu(),
-        use_gate_in_kernel=use_gate_in_kernel,
-        safe_gate=safe_gate,
-        disable_recompute=disable_recompute
-    )
-    ref, ref_ht = _kda_varlen_reference(q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
-                                        use_gate_in_kernel)
-    fla_assert_close("o", ref, tri, 0.005)
-    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+    _kda_varlen_check(device, H, D, mask_p, cu_seqlens, dtype, use_gate_in_kernel, safe_gate,
+                      disable_recompute)
 
 
 @device_param
