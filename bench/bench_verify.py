@@ -9,9 +9,9 @@ batch B, it times
               + inputs + outputs;
   verify    : verify with SGLang's convention (scratch rows [B, T, HV, V, K], no state update):
               bytes = state read + T states written + inputs + outputs;
-  FLA       : GDN fused_recurrent_gated_delta_rule_fwd (its best case: a gathered [B, HV, V, K]
-              initial state, a fresh final state, state_v_first) and KDA fused_recurrent_kda_fwd
-              (in place with ssm_state_indices, varlen), the recurrent op's work;
+  FLA       : GDN fused_recurrent_gated_delta_rule_fwd and KDA fused_recurrent_kda_fwd (varlen),
+              each in its best case: a gathered [B, HV, V, K] initial state, a fresh final
+              state, state_v_first; the recurrent op's work;
   copy_us   : an in-place pass over the case's state bytes (harness.copy_time), the yardstick;
 cold L2 and CUDA-graph replay (bench/harness.py). Rows {mode, model, state_dtype, T, B, us,
 bytes, GBps, pct_copy, copy_us, peer, peer_us}; prints a table; writes
@@ -109,19 +109,23 @@ def fla_launches(case: Case):
         return launches, keep
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
+    # A gathered initial state and a fresh final state, as for GDN: FLA's in-place path
+    # (ssm_state_indices) reads one slot index per token (vLLM's [N, T] spec slots), so a 1-D
+    # index of one slot per sequence would be read past its end for T > 1.
     cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.int64)
     for r in range(case.nr):
         q, k, v = (x.reshape(1, B * T, *x.shape[2:]) for x in (case.q[r], case.k[r], case.v[r]))
         g = case.g[r].reshape(1, B * T, m.HV, m.K)
         beta = case.beta[r].reshape(1, B * T, m.HV)
         out = torch.empty_like(v)
-        keep.append((q, k, v, g, beta, out))
+        h0 = case.pool[case.idx[r].long()].contiguous()
+        keep.append((q, k, v, g, beta, out, h0))
 
-        def run(q=q, k=k, v=v, g=g, beta=beta, out=out, idx=case.idx[r]):
+        def run(q=q, k=k, v=v, g=g, beta=beta, out=out, h0=h0):
             return fused_recurrent_kda_fwd(
                 q=q, k=k, v=v, g=g, beta=beta, A_log=case.A_log, dt_bias=case.dt_bias,
-                initial_state=case.pool, scale=case.scale, inplace_final_state=True,
-                state_v_first=True, cu_seqlens=cu, ssm_state_indices=idx,
+                initial_state=h0, scale=case.scale, output_final_state=True,
+                inplace_final_state=False, state_v_first=True, cu_seqlens=cu,
                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                 use_beta_sigmoid_in_kernel=True, out=out)
         launches.append(run)
