@@ -193,7 +193,7 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
       b.poison_out();
       std::vector<int64_t> force;
       for (int64_t r = 0; r < B; ++r) force.push_back(step > 0 && rng.chance(0.15) ? 1 : 0);
-      const Tensor ff = index_tensor(force);
+      Tensor ff = index_tensor(force);
       for (const Tensor* t :
            {&b.d.x, &b.d.a, &b.d.b, &b.z, &b.out, &ff, &b.state, &rings.d, &rings.k, &rings.g})
         dev.put(*t);
