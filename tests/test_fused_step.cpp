@@ -346,6 +346,326 @@ TEST(FusedStep, StatePoolEnvelopeViews) {
   EXPECT_TRUE(before.unchanged_except(written)) << "pool memory outside the live slots' layer 1";
 }
 
+// ---- the ReplaySSM fused step against the unfused chain --------------------------------------
+// A ReplaySSM case: the layer case, the ring length, the rings' dtypes, the in-kernel cursor
+// advance.
+struct ReplayLayerCase {
+  LayerCase layer;
+  int L = 4;
+  DType d_dtype = DType::f32, k_dtype = DType::f32;
+  bool advance = false;
+};
+inline void PrintTo(const ReplayLayerCase& c, std::ostream* os) { *os << c.layer.name; }
+
+// Random ring records at every position of a live slot's rings (so any cursor reads defined
+// records): d and k small, g a log decay in [-0.5, 0].
+void fill_ring_slot(Rings& r, int64_t slot, Rng& rng) {
+  auto fill = [&](Tensor& t, double lo, double hi) {
+    int64_t per = 1;
+    for (int i = 1; i < t.ndim(); ++i) per *= t.size(i);
+    for (int64_t e = 0; e < per; ++e) t.set_linear(slot * per + e, rng.uniform(lo, hi));
+  };
+  fill(r.d, -0.2, 0.2);
+  fill(r.k, -0.3, 0.3);
+  fill(r.g, -0.5, 0.0);
+}
+Rings clone_rings(const Rings& r) { return Rings{r.L, clone(r.d), clone(r.k), clone(r.g)}; }
+
+// The unfused ReplaySSM chain on copies: causal_conv1d_update of each window part into a packed
+// row y, replayssm_decode of y (with a contiguous copy of `a`, its contract's form); returns the
+// attention output o [B, 1, HV, V].
+Tensor run_replay_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>& win, Rings& rings,
+                        Tensor& wp, const Tensor* ff, bool advance) {
+  const Shape& s = b.c.shape;
+  const int64_t B = b.d.B;
+  Tensor y = Tensor::contiguous(b.c.act, {B, b.conv_dim});
+  y.fill_all(0.0);
+  auto conv = [&](int64_t first, int64_t n, Tensor& window) {
+    CausalConv1dUpdateArgs a;
+    a.x = b.d.x.alias(b.c.act, {B, n}, {b.d.x.stride(0), 1}, first).view();
+    a.conv_state = window.view();
+    a.weight = b.weight.alias(b.c.act, {n, b.c.width}, {b.c.width, 1}, first * b.c.width).view();
+    if (b.c.bias) a.bias = b.bias.alias(b.c.act, {n}, {1}, first).view();
+    a.silu = true;
+    a.conv_state_indices = b.d.idx.view();
+    a.out = y.alias(b.c.act, {B, n}, {b.conv_dim, 1}, first).view();
+    deltastate::causal_conv1d_update(a);
+  };
+  if (b.c.split) {
+    conv(0, b.HK, win[0]);
+    conv(b.HK, b.HK, win[1]);
+    conv(2 * b.HK, static_cast<int64_t>(s.HV) * s.V, win[2]);
+  } else {
+    conv(0, b.conv_dim, win[0]);
+  }
+  const int64_t gw = b.c.kda ? static_cast<int64_t>(s.HV) * s.K : s.HV;
+  Tensor a = Tensor::contiguous(b.c.act, {B, gw});
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t i = 0; i < gw; ++i) a.set({r, i}, b.d.a.get({r, i}));
+  Tensor o = Tensor::contiguous(b.c.act, {B, 1, s.HV, s.V});
+  deltastate::ReplayDecodeArgs p;
+  p.mixed_qkv = y.view();
+  p.a = a.view();
+  p.b = b.d.b.view();
+  p.A_log = b.d.A_log.view();
+  p.dt_bias = b.d.dt_bias.view();
+  p.state = state.view();
+  p.d_cache = rings.d.view();
+  p.k_cache = rings.k.view();
+  p.g_cache = rings.g.view();
+  p.out = o.view();
+  p.state_indices = b.d.idx.view();
+  p.write_pos = wp.view();
+  if (ff) p.force_flush = ff->view();
+  p.is_kda = b.c.kda;
+  p.lower_bound = b.c.lower_bound;
+  p.advance_write_pos = advance;
+  deltastate::replayssm_decode(p);
+  return o;
+}
+
+void add_replay(FusedDecodeStepArgs& a, Rings& r, Tensor& wp, const Tensor* ff, bool advance) {
+  a.d_cache = r.d.view();
+  a.k_cache = r.k.view();
+  a.g_cache = r.g.view();
+  a.write_pos = wp.view();
+  if (ff) a.force_flush = ff->view();
+  a.advance_write_pos = advance;
+}
+
+class FusedReplayVsChain : public ::testing::TestWithParam<ReplayLayerCase> {};
+
+// Several steps from random cursors, rows flushing at L-1 and on force_flush: outputs (without
+// the norm), checkpoints, rings, cursors and windows bit for bit the chain's; the norm against
+// the fp64 gated norm of the chain's output; unused slots and padded rows bit-untouched.
+TEST_P(FusedReplayVsChain, Steps) {
+  const ReplayLayerCase& rc = GetParam();
+  const LayerCase& c = rc.layer;
+  Rng rng = test_rng();
+  const Shape& s = c.shape;
+  const int64_t slots = 9;
+  const std::vector<int64_t> idx = pick_slots(rng, 5, slots, {1, 3});
+  LayerBatch b = make_layer_batch(rng, c, idx, slots);
+  Rings rings = make_rings(s, c.kda, slots, rc.L, rc.d_dtype, rc.k_dtype);
+  for (int64_t sl : idx)
+    if (sl >= 0) fill_ring_slot(rings, sl, rng);
+  Tensor state2 = clone(b.state);
+  std::vector<Tensor> win2;
+  for (const Tensor& w : b.win) win2.push_back(clone(w));
+  Rings rings2 = clone_rings(rings);
+  std::vector<int64_t> cursors;
+  for (int64_t r = 0; r < b.d.B; ++r) cursors.push_back(rng.integer(0, rc.L - 1));
+  cursors[1] = 7;  // a padded row's cursor: never read, never advanced
+  int flushes_natural = 0, flushes_forced = 0, appends = 0;
+  for (int step = 0; step < 2 * rc.L + 1; ++step) {
+    if (step > 0) {
+      b.d.randomize(rng);
+      b.z.fill_normal(rng, 1.0);
+      b.poison_out();
+    }
+    Tensor wp = index_tensor(cursors), wp2 = index_tensor(cursors);
+    std::vector<int64_t> force;
+    for (int64_t r = 0; r < b.d.B; ++r) force.push_back(rng.uniform(0, 1) < 0.2 ? 1 : 0);
+    const Tensor ff = index_tensor(force);
+    for (int64_t r = 0; r < b.d.B; ++r) {
+      if (idx[r] < 0) continue;
+      if (cursors[r] == rc.L - 1) ++flushes_natural;
+      else if (force[r]) ++flushes_forced;
+      else ++appends;
+    }
+    Snapshot pools;
+    pools.add(b.state).add(rings.d).add(rings.k).add(rings.g);
+    for (const Tensor& w : b.win) pools.add(w);
+    std::vector<MemRange> live;
+    for (int64_t sl : idx) {
+      if (sl < 0) continue;
+      live.push_back(slot_range(b.state.view(), sl));
+      for (const Tensor& w : b.win)
+        live.push_back(range_of(w.view(), sl * w.stride(0), w.size(1) * w.size(2)));
+      for (const Tensor* t : {&rings.d, &rings.k, &rings.g})
+        live.push_back(range_of(t->view(), sl * t->stride(0), t->stride(0)));
+    }
+    FusedDecodeStepArgs a = b.args(host_view);
+    add_replay(a, rings, wp, &ff, rc.advance);
+    b.run_fused(a);
+    const Tensor o = run_replay_chain(b, state2, win2, rings2, wp2, &ff, rc.advance);
+    EXPECT_TRUE(pools.unchanged_except(live)) << "unused slots and gaps, step " << step;
+    EXPECT_EQ(b.state.bytes(), state2.bytes()) << "checkpoints, step " << step;
+    EXPECT_EQ(rings.d.bytes(), rings2.d.bytes()) << "d ring, step " << step;
+    EXPECT_EQ(rings.k.bytes(), rings2.k.bytes()) << "k ring, step " << step;
+    EXPECT_EQ(rings.g.bytes(), rings2.g.bytes()) << "g ring, step " << step;
+    EXPECT_EQ(index_values(wp), index_values(wp2)) << "cursors, step " << step;
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(b.win[j].bytes(), win2[j].bytes()) << "window " << j << ", step " << step;
+    for (int64_t r = 0; r < b.d.B; ++r) {
+      for (int hv = 0; hv < s.HV; ++hv) {
+        std::vector<double> got, oh, zh, wh;
+        for (int v = 0; v < s.V; ++v) {
+          got.push_back(b.out.get({r, hv, v}));
+          oh.push_back(o.get({r, 0, hv, v}));
+          zh.push_back(b.z.get({r, hv, v}));
+          wh.push_back(b.norm_w.get({v}));
+        }
+        if (idx[r] < 0) {
+          EXPECT_TRUE(all_zero(got)) << "padded row " << r;
+          continue;
+        }
+        if (!c.norm) {
+          EXPECT_EQ(got, oh) << "row " << r << " head " << hv << ", step " << step;
+          continue;
+        }
+        const DType act = c.act;
+        const auto round_act = [act](double x) { return round_to(act, x); };
+        const std::vector<double> want =
+            ref::gated_rms_norm(oh, zh, wh, 1e-6, round_act, round_act);
+        EXPECT_TRUE(all_close(got, want, {1e-5, 1e-5}, act, 4))
+            << "row " << r << " head " << hv << ", step " << step << ": the gated norm";
+      }
+    }
+    // the cursors of the next step
+    const std::vector<int64_t> moved = index_values(wp);
+    for (int64_t r = 0; r < b.d.B; ++r) {
+      const bool flushed = cursors[r] == rc.L - 1 || force[r] != 0;
+      const int64_t want = idx[r] < 0 ? cursors[r] : flushed ? 0 : cursors[r] + 1;
+      if (rc.advance) EXPECT_EQ(moved[r], want) << "advanced cursor of row " << r;
+      else EXPECT_EQ(moved[r], cursors[r]) << "cursor of row " << r << " left as given";
+      cursors[r] = want;
+    }
+  }
+  EXPECT_GT(flushes_natural, 0) << "no row flushed at L-1";
+  EXPECT_GT(flushes_forced, 0) << "no forced flush";
+  EXPECT_GT(appends, 0) << "no appending step";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layer, FusedReplayVsChain,
+    ::testing::Values(
+        ReplayLayerCase{LayerCase{{"gdn_f32", kGdnSmall, false, kNoLb, f32, f32}, f32}, 4},
+        ReplayLayerCase{LayerCase{{"gdn_f32_nonorm_pad_advance", kGdnSmall, false, kNoLb, f32, f32},
+                                  f32,
+                                  4,
+                                  false,
+                                  false,
+                                  true,
+                                  false,
+                                  40},
+                        5, f32, f32, true},
+        ReplayLayerCase{
+            LayerCase{{"gdn_bf16state_bf16rings_vllm", kGdnSmall, false, kNoLb, bf16, bf16},
+                      bf16,
+                      4,
+                      true},
+            4, bf16, bf16},
+        ReplayLayerCase{
+            LayerCase{{"gdn_f32state_bf16_kring_bf16_nonorm", kGdnSmall, false, kNoLb, f32, bf16},
+                      bf16,
+                      3,
+                      false,
+                      false,
+                      true,
+                      false},
+            3, f32, bf16, true},
+        ReplayLayerCase{LayerCase{{"kda_f32_split_nonorm", kKdaSmall, true, kNoLb, f32, f32},
+                                  f32,
+                                  4,
+                                  false,
+                                  true,
+                                  true,
+                                  false,
+                                  24},
+                        4, f32, f32, true},
+        ReplayLayerCase{
+            LayerCase{
+                {"kda_bf16_lb_split", kKdaSmall, true, kLb, bf16, bf16}, bf16, 4, false, true},
+            6, bf16, f32},
+        ReplayLayerCase{
+            LayerCase{
+                {"kda_f32state_bf16_packed_f16dring", kKdaSmall, true, kNoLb, f32, bf16}, bf16, 2},
+            3, DType::f16, bf16}),
+    [](const ::testing::TestParamInfo<ReplayLayerCase>& i) {
+      return std::string(i.param.layer.name);
+    });
+
+// A StatePool envelope pool (layer states with the slot stride of the whole envelope) as the
+// checkpoint pool, with its conv windows, against the chain on the same pool views.
+TEST(FusedReplay, StatePoolEnvelopeViews) {
+  Rng rng = test_rng();
+  const Shape s = kGdnSmall;
+  deltastate::StatePoolConfig cfg = envelope_config(s, 2, 6, f32, 64);
+  cfg.conv_dim = s.width();
+  cfg.conv_dtype = f32;
+  deltastate::StatePool pool(cfg), pool2(cfg);
+  fill_sentinel(pool.data(), pool.total_bytes(), f32);
+  const LayerCase c{{"pool", s, false, kNoLb, f32, f32}, f32, 4, false, false, true, false};
+  const std::vector<int64_t> idx{4, -1, 0, 2};
+  LayerBatch b = make_layer_batch(rng, c, idx, 6);
+  const TensorView st = pool.layer_state(1), win = pool.conv_state(1);
+  for (int64_t sl : idx) {
+    if (sl < 0) continue;
+    fill_slot(st, sl, rng);
+    for (int64_t ch = 0; ch < win.shape[1]; ++ch)
+      for (int64_t i = 0; i < win.shape[2]; ++i)
+        store_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2],
+                    rng.uniform(-1, 1));
+  }
+  std::memcpy(pool2.data(), pool.data(), static_cast<size_t>(pool.total_bytes()));
+  Rings rings = make_rings(s, false, 6, 4, f32, f32);
+  for (int64_t sl : idx)
+    if (sl >= 0) fill_ring_slot(rings, sl, rng);
+  Rings rings2 = clone_rings(rings);
+  for (int step = 0; step < 5; ++step) {
+    if (step > 0) b.d.randomize(rng);
+    Tensor wp = index_tensor({step % 4, 0, (step + 1) % 4, 3}), wp2 = clone(wp);
+    FusedDecodeStepArgs a = b.args(host_view);
+    a.state = st;
+    a.conv_state = win;
+    add_replay(a, rings, wp, nullptr, false);
+    b.run_fused(a);
+    // the chain on the second pool's views
+    const TensorView st_b = pool2.layer_state(1), win_b = pool2.conv_state(1);
+    Tensor o = Tensor::contiguous(f32, {b.d.B, 1, s.HV, s.V});
+    {
+      Tensor y = Tensor::contiguous(f32, {b.d.B, b.conv_dim});
+      CausalConv1dUpdateArgs ca;
+      ca.x = b.d.x.view();
+      ca.conv_state = win_b;
+      ca.weight = b.weight.view();
+      ca.bias = b.bias.view();
+      ca.silu = true;
+      ca.conv_state_indices = b.d.idx.view();
+      ca.out = y.view();
+      deltastate::causal_conv1d_update(ca);
+      Tensor ac = Tensor::contiguous(f32, {b.d.B, s.HV});
+      for (int64_t r = 0; r < b.d.B; ++r)
+        for (int64_t i = 0; i < s.HV; ++i) ac.set({r, i}, b.d.a.get({r, i}));
+      deltastate::ReplayDecodeArgs p;
+      p.mixed_qkv = y.view();
+      p.a = ac.view();
+      p.b = b.d.b.view();
+      p.A_log = b.d.A_log.view();
+      p.dt_bias = b.d.dt_bias.view();
+      p.state = st_b;
+      p.d_cache = rings2.d.view();
+      p.k_cache = rings2.k.view();
+      p.g_cache = rings2.g.view();
+      p.out = o.view();
+      p.state_indices = b.d.idx.view();
+      p.write_pos = wp2.view();
+      deltastate::replayssm_decode(p);
+    }
+    EXPECT_EQ(std::memcmp(pool.data(), pool2.data(), static_cast<size_t>(pool.total_bytes())), 0)
+        << "the envelope pool (checkpoints, windows, sentinels), step " << step;
+    EXPECT_EQ(rings.d.bytes(), rings2.d.bytes()) << "d ring, step " << step;
+    EXPECT_EQ(rings.k.bytes(), rings2.k.bytes()) << "k ring, step " << step;
+    EXPECT_EQ(rings.g.bytes(), rings2.g.bytes()) << "g ring, step " << step;
+    for (int64_t r = 0; r < b.d.B; ++r)
+      for (int hv = 0; hv < s.HV; ++hv)
+        for (int v = 0; v < s.V; ++v)
+          ASSERT_EQ(b.out.get({r, hv, v}), idx[r] < 0 ? 0.0 : o.get({r, 0, hv, v}))
+              << "row " << r << " head " << hv << ", step " << step;
+  }
+}
+
 // ---- every error text ---------------------------------------------------------------------------
 void expect_error(const std::function<void()>& f, const std::string& message,
                   ErrorKind kind = ErrorKind::value) {
@@ -567,6 +887,117 @@ TEST(FusedStepContract, EveryErrorText) {
   expect_error([&] { u_batch.run_fused(u); },
                "fused_decode_step on CUDA needs 16-byte aligned state rows (base address and slot "
                "stride)",
+               ErrorKind::not_implemented);
+}
+
+// Every error of the ReplaySSM mode, and a rejected call leaves every tensor bit-unchanged.
+TEST(FusedReplayContract, EveryErrorText) {
+  Rng rng = test_rng();
+  const LayerCase c{{"err", kGdnSmall, false, kNoLb, f32, f32}, f32};
+  LayerBatch b = make_layer_batch(rng, c, {1, 2}, 4);
+  Rings rings = make_rings(c.shape, false, 4, 4, f32, f32);
+  Tensor wp = index_tensor({0, 3}), ff = index_tensor({0, 1});
+  auto run = [&b](FusedDecodeStepArgs a) { return [&b, a] { b.run_fused(a); }; };
+  FusedDecodeStepArgs base = b.args(host_view);
+  add_replay(base, rings, wp, &ff, true);
+  auto missing = [](const char* name) {
+    return std::string("fused_decode_step (ReplaySSM): `") + name +
+           "` is missing; `d_cache`, `k_cache`, `g_cache` and `write_pos` go together "
+           "(force_flush and advance_write_pos need them).";
+  };
+  FusedDecodeStepArgs a = base;
+  a.k_cache.reset();
+  expect_error(run(a), missing("k_cache"));
+  a = base;
+  a.g_cache.reset();
+  expect_error(run(a), missing("g_cache"));
+  a = base;
+  a.write_pos.reset();
+  expect_error(run(a), missing("write_pos"));
+  a = b.args(host_view);
+  a.force_flush = ff.view();
+  expect_error(run(a), missing("d_cache"));
+  a = b.args(host_view);
+  a.advance_write_pos = true;
+  expect_error(run(a), missing("d_cache"));
+  a = base;
+  Tensor wp64 = index_tensor({0, 3}, DType::i64);
+  a.write_pos = wp64.view();
+  expect_error(run(a), "`write_pos` must be a contiguous 1D int32 tensor.");
+  a = base;
+  Tensor ff64 = index_tensor({0, 1}, DType::i64);
+  a.force_flush = ff64.view();
+  expect_error(run(a), "`force_flush` must be a contiguous 1D int32 tensor or None.");
+  a = base;
+  Tensor d2 = Tensor::contiguous(f32, {4, 4});
+  a.d_cache = d2.view();
+  expect_error(run(a), "`d_cache` shape must be (4, 4, L, 16) (got (4, 4)).");
+  a = base;
+  Tensor d0 = Tensor::contiguous(f32, {4, 4, 0, 16});
+  a.d_cache = d0.view();
+  expect_error(run(a), "ReplaySSM cache length must be at least 1.");
+  a = base;
+  a.d_cache = rings.d.alias(f32, {4, 4, 2, 16}, {256, 64, 32, 1}, 0).view();
+  expect_error(run(a), "ReplaySSM ring caches must be contiguous.");
+  a = base;
+  Tensor d5 = Tensor::contiguous(f32, {4, 4, 4, 15});
+  a.d_cache = d5.view();
+  expect_error(run(a), "`d_cache` shape must be (4, 4, 4, 16) (got (4, 4, 4, 15)).");
+  a = base;
+  Tensor k5 = Tensor::contiguous(f32, {4, 2, 4, 31});
+  a.k_cache = k5.view();
+  expect_error(run(a), "`k_cache` shape must be (4, 2, 4, 32) (got (4, 2, 4, 31)).");
+  a = base;
+  Tensor g4 = Tensor::contiguous(f32, {4, 4, 4, 32});
+  a.g_cache = g4.view();
+  expect_error(run(a), "`g_cache` shape must be (4, 4, 4) (got (4, 4, 4, 32)).");
+  a = base;
+  Tensor gb = Tensor::contiguous(bf16, {4, 4, 4});
+  a.g_cache = gb.view();
+  expect_error(run(a), "`g_cache` must be float32 (got bfloat16).");
+  a = base;
+  Tensor i64 = index_tensor({1, 2}, DType::i64);
+  a.state_indices = i64.view();
+  expect_error(run(a), "`ssm_state_indices` must be a 1D int32 tensor.");
+  a = base;
+  Tensor wp3 = index_tensor({0, 1, 2});
+  a.write_pos = wp3.view();
+  expect_error(run(a), "`write_pos` and `ssm_state_indices` must both have length B=2 (got 3, 2).");
+  a = base;
+  Tensor ff3 = index_tensor({0, 1, 0});
+  a.force_flush = ff3.view();
+  expect_error(run(a), "`force_flush` must have length B=2.");
+  a = base;
+  Tensor di = Tensor::contiguous(DType::i32, {4, 4, 4, 16});
+  a.d_cache = di.view();
+  expect_error(run(a), "`d_cache` must have dtype float32, bfloat16 or float16; got int32");
+  a = base;
+  a.g_cache->device = Device::cuda(0);
+  expect_error(run(a),
+               "fused_decode_step: all tensors must be on the same device: `mixed_qkv` is on cpu, "
+               "`g_cache` is on cuda:0");
+  a = base;
+  Tensor wp_bad = index_tensor({0, 4});
+  a.write_pos = wp_bad.view();
+  Snapshot before;
+  before.add(b.state).add(rings.d).add(rings.k).add(rings.g).add(wp_bad).add(b.out);
+  for (const Tensor& w : b.win) before.add(w);
+  expect_error(run(a), "`write_pos`[1]=4 is outside the ring [0, L-1=3]");
+  EXPECT_TRUE(before.unchanged()) << "a rejected call wrote memory";
+  // The CUDA kernel's ring length limit, checked before any launch.
+  auto on_cuda = [](const Tensor& t) {
+    TensorView v = t.view();
+    v.device = Device::cuda(0);
+    return v;
+  };
+  Rings long_rings = make_rings(c.shape, false, 4, 4097, f32, f32);
+  FusedDecodeStepArgs u = b.args(on_cuda);
+  u.d_cache = on_cuda(long_rings.d);
+  u.k_cache = on_cuda(long_rings.k);
+  u.g_cache = on_cuda(long_rings.g);
+  u.write_pos = on_cuda(wp);
+  expect_error([&] { b.run_fused(u); },
+               "fused_decode_step: ring length L=4097 is above the CUDA kernel's limit of 4096",
                ErrorKind::not_implemented);
 }
 

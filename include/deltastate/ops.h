@@ -310,6 +310,22 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
 //   norm_weight [V] with z [B, HV, V] (V contiguous): out = Qwen3NextRMSNormGated(o, z) per value
 //               head (norm_eps); both absent: out = o.
 //   out         [B, HV, V] contiguous, the activation dtype
+// ReplaySSM (d_cache given; then k_cache, g_cache and write_pos are required too, and
+// state_indices must be int32): `state` is the checkpoint pool and the delta rule is
+// replayssm_decode's step on the conv output: the chain causal_conv1d_update (SiLU) ->
+// replayssm_decode -> Qwen3NextRMSNormGated. The rings, cursors and flags have
+// ReplayDecodeArgs' names, shapes, dtypes and semantics:
+//   d_cache [slots, HV, L, V], k_cache [slots, H, L, K] (any float dtype each), g_cache
+//               [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32; rings contiguous, with
+//               the state pool's number of slots
+//   write_pos   [B] int32; force_flush [B] int32 or absent; a row flushes (writes its
+//               checkpoint) when write_pos == L-1 or force_flush != 0, otherwise appends the
+//               record (d, k, g) at write_pos; advance_write_pos advances each live row's
+//               cursor (flushed ? 0 : write_pos + 1) on the device (padded rows keep theirs).
+//   CPU: a live row's write_pos outside [0, L-1] is a ValueError before anything is written;
+//   CUDA: such a row is skipped (windows, checkpoint, rings and cursor untouched), its output
+//   NaN, and recorded for check_errors, as a bad slot index. CUDA: L <= 4096 and the ring of a
+//   key head within the GPU's shared memory per block (not_implemented otherwise).
 // CUDA: K in {64, 128}, (HV/H) * V at most 256 rows per key head (one CTA per (row, key head)).
 struct FusedDecodeStepArgs {
   TensorView mixed_qkv, conv_weight;
@@ -326,6 +342,9 @@ struct FusedDecodeStepArgs {
   bool use_qk_l2norm = true;
   std::optional<double> lower_bound;
   bool round_beta_to_input = false;
+  // ReplaySSM (see above); all absent: the plain delta rule in place on `state`.
+  std::optional<TensorView> d_cache, k_cache, g_cache, write_pos, force_flush;
+  bool advance_write_pos = false;
   std::optional<bool> check_indices;
   Stream stream = nullptr;
   bool pdl = false;

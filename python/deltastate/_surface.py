@@ -1010,7 +1010,13 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     [slots, H*K, .] with conv_state_k [slots, H*K, .] and conv_state_v [slots, HV*V, .]; a{a};
     b [B, HV]; A_log [HV]; dt_bias{dt}; initial_state [slots, HV, V, K]; ssm_state_indices [B]
     (one slot for windows and state; < 0: padded row, nothing read or written, output zeros); z
-    [B, HV, V]; norm_weight [V]; out [B, HV, V] (the activation dtype)."""
+    [B, HV, V]; norm_weight [V]; out [B, HV, V] (the activation dtype).
+
+    ReplaySSM (keyword-only, all of d_cache, k_cache, g_cache and write_pos): initial_state is
+    the checkpoint pool and the step is causal_conv1d_update -> replayssm_decode -> the norm, with
+    replayssm_decode's rings d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache
+    [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
+    int32 or None and advance_write_pos; ssm_state_indices must then be int32."""
 
 
 def _fused(kda: bool) -> Op:
@@ -1046,6 +1052,13 @@ def _fused(kda: bool) -> Op:
             Arg("round_beta", BOOL, False, keyword=True),
             Arg("check_indices", CHECK, None, keyword=True),
             Arg("pdl", BOOL, False, keyword=True),
+            # ReplaySSM: initial_state is the checkpoint pool (replayssm_decode's rings)
+            Arg("d_cache", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, keyword=True),
+            Arg("k_cache", OPT_TENSOR, None, dtypes=FLOATING, mutated=True, keyword=True),
+            Arg("g_cache", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True, keyword=True),
+            Arg("write_pos", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
+            Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
+            Arg("advance_write_pos", BOOL, False, keyword=True),
         ),
         returns=("out", "initial_state"),
     )

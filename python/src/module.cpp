@@ -595,6 +595,12 @@ constexpr auto fused_step(const char* name, void (*run)(FS&)) {
                   Field<&FS::round_beta_to_input>{"round_beta"},
                   Field<&FS::check_indices>{"check_indices"},
                   Field<&FS::pdl>{"pdl"},
+                  Field<&FS::d_cache>{"d_cache"},
+                  Field<&FS::k_cache>{"k_cache"},
+                  Field<&FS::g_cache>{"g_cache"},
+                  Field<&FS::write_pos>{"write_pos"},
+                  Field<&FS::force_flush>{"force_flush"},
+                  Field<&FS::advance_write_pos>{"advance_write_pos"},
               });
 }
 

@@ -224,3 +224,62 @@ def test_pool_split_windows_feed_the_fused_step():
     assert torch.equal(pool.layer_state(1), C["state"])
     for j, part in enumerate("qkv"):
         assert torch.equal(pool.conv_state(1, part), C["wins"][j])
+
+
+@pytest.mark.parametrize("kda,advance,sdt", [(False, True, "float32"), (False, False, "bfloat16"),
+                                             (True, True, "float32")],
+                         ids=["gdn-advance", "gdn-bf16state", "kda-advance"])
+def test_fused_step_replayssm_matches_chain(kda, advance, sdt):
+    """ReplaySSM mode (keyword-only rings and cursors) on the CPU: over L + 2 steps from cursor 0
+    (a forced flush, flushes at L-1), bit for bit the chain causal_conv1d_update ->
+    fused_recurrent_linear_replayssm_decode: outputs, checkpoints, rings, cursors, windows."""
+    H, HV, K, V, B, slots, L = 2, 4, 32, 16, 4, 6, 3
+    gen = torch.Generator().manual_seed(11)
+    Ly = make_layer(gen, kda=kda, H=H, HV=HV, K=K, V=V, B=B, slots=slots, dtype=torch.float32,
+                    state_dtype=getattr(torch, sdt))
+    rings = [torch.zeros(slots, HV, L, V, dtype=getattr(torch, sdt)),
+             torch.zeros(slots, H, L, K, dtype=torch.float32),
+             torch.zeros(*((slots, HV, L, K) if kda else (slots, HV, L)), dtype=torch.float32)]
+    C, Crings = clone_layer(Ly), [r.clone() for r in rings]
+    idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
+    wp, wp2 = torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32)
+    op = ds.kda_fused_decode_step if kda else ds.gdn_fused_decode_step
+    for step in range(L + 2):
+        ff = torch.tensor([0, 0, 1 if step == 1 else 0, 0], dtype=torch.int32)
+        out = torch.full((B, HV, V), float("nan"))
+        op(Ly["x"], Ly["w"], Ly["wins"][0], Ly["a"], Ly["b"], Ly["A_log"], Ly["dt_bias"],
+           Ly["state"], out, idx, conv_bias=Ly["bias"], d_cache=rings[0], k_cache=rings[1],
+           g_cache=rings[2], write_pos=wp, force_flush=ff, advance_write_pos=advance)
+        y = ds.causal_conv1d_update(C["x"], C["wins"][0], C["w"], C["bias"], activation="silu",
+                                    conv_state_indices=idx)
+        want = torch.empty(B, 1, HV, V)
+        ds.fused_recurrent_linear_replayssm_decode(
+            y, C["a"], C["b"], C["A_log"], C["dt_bias"], None, C["state"], Crings[0], Crings[1],
+            Crings[2], want, idx, wp2, ff, None, True, kda, advance_write_pos=advance)
+        assert torch.equal(out, want[:, 0]), f"out, step {step}"
+        assert torch.equal(Ly["state"], C["state"]), f"checkpoints, step {step}"
+        for r, cr in zip(rings, Crings):
+            assert torch.equal(r, cr), f"rings, step {step}"
+        assert torch.equal(Ly["wins"][0], C["wins"][0]), f"windows, step {step}"
+        assert torch.equal(wp, wp2), f"cursors, step {step}"
+        if not advance:  # the caller moves both cursors
+            flushed = (wp == L - 1) | (ff != 0)
+            nxt = torch.where(flushed, torch.zeros_like(wp), wp + 1)
+            nxt[idx < 0] = wp[idx < 0]
+            wp.copy_(nxt)
+            wp2.copy_(nxt)
+    assert torch.all(out[1] == 0) and int(wp[1]) == 0
+
+
+def test_fused_step_replayssm_partial_rings_error():
+    gen = torch.Generator().manual_seed(3)
+    Ly = make_layer(gen, kda=False, H=2, HV=4, K=32, V=16, B=2, slots=3, dtype=torch.float32,
+                    state_dtype=torch.float32)
+    idx = torch.tensor([0, 2], dtype=torch.int32)
+    out = torch.empty(2, 4, 16)
+    with pytest.raises(ValueError, match="`k_cache` is missing"):
+        ds.gdn_fused_decode_step(Ly["x"], Ly["w"], Ly["wins"][0], Ly["a"], Ly["b"], Ly["A_log"],
+                                 Ly["dt_bias"], Ly["state"], out, idx,
+                                 d_cache=torch.zeros(3, 4, 2, 16),
+                                 g_cache=torch.zeros(3, 4, 2),
+                                 write_pos=torch.zeros(2, dtype=torch.int32))

@@ -1,7 +1,9 @@
 // Contract of fused_decode_step (GDN and KDA): packed decode's checks and texts for the inputs
 // the two ops share (check_packed_inputs), the conv's (check_conv_params), then the windows, the
-// norm and the CUDA kernel's limits.
+// norm, ReplaySSM's rings and cursors (replayssm_decode's checks, shared with it) and the CUDA
+// kernel's limits.
 #include <cmath>
+#include <utility>
 
 #include "contracts/contract.h"
 #include "contracts/problem_parts.h"
@@ -105,13 +107,52 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
     p.norm_weight_dtype = w.dtype;
     p.norm_eps = static_cast<float>(args.norm_eps);
   }
+  // ReplaySSM: the rings and cursors with replayssm_decode's checks and texts.
+  const TensorView& idx = args.state_indices;
+  const bool replay = args.d_cache || args.k_cache || args.g_cache || args.write_pos ||
+                      args.force_flush || args.advance_write_pos;
+  int64_t L = 0;
+  if (replay) {
+    const std::pair<const char*, bool> parts[] = {{"d_cache", args.d_cache.has_value()},
+                                                  {"k_cache", args.k_cache.has_value()},
+                                                  {"g_cache", args.g_cache.has_value()},
+                                                  {"write_pos", args.write_pos.has_value()}};
+    for (const auto& [name, given] : parts)
+      if (!given)
+        fail(
+            format("fused_decode_step (ReplaySSM): `%s` is missing; `d_cache`, `k_cache`, "
+                   "`g_cache` and `write_pos` go together (force_flush and advance_write_pos "
+                   "need them).",
+                   name));
+    const TensorView &dc = *args.d_cache, &kc = *args.k_cache, &gc = *args.g_cache;
+    const TensorView& wp = *args.write_pos;
+    check_replay_cursor_tensors(wp, args.force_flush);
+    L = replay_ring_length(dc, slots, HV, V);
+    check_replay_rings(dc, kc, gc, slots, HV, H, V, K, L, kda);
+    check_replay_rows(idx, wp, args.force_flush, B);
+    check_replay_ring_parts(c, dc, kc, gc, wp, args.force_flush);
+    check_replay_ring_dtypes(c, dc, kc);
+    p.replay.L = static_cast<int32_t>(L);
+    p.replay.d_cache = dc.data;
+    p.replay.d_dtype = dc.dtype;
+    p.replay.k_cache = kc.data;
+    p.replay.k_dtype = kc.dtype;
+    p.replay.g_cache = static_cast<float*>(gc.data);
+    p.replay.write_pos = static_cast<int32_t*>(wp.data);
+    p.replay.force_flush =
+        args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
+    p.replay.advance_write_pos = args.advance_write_pos;
+  }
   c.check_devices("fused_decode_step: all tensors must be on the same device", true);
 
-  const TensorView& idx = args.state_indices;
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
-  if (on_cpu && check)
+  const int64_t index_stride = B > 1 ? idx.stride[0] : 1;
+  if (on_cpu && check) {
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0], slots);
+    if (replay) check_replay_cursors_host(idx, index_stride, *args.write_pos, B, L);
+  }
+  if (!on_cpu && replay) check_replay_cuda_ring("fused_decode_step", L);
   if (!on_cpu) {
     const int64_t rows = HV / H * V;
     const int64_t esz = args.state.element_size();
@@ -145,7 +186,7 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   p.state = {args.state.data, args.state.dtype, args.state.stride[0], slots};
   p.indices = idx.data;
   p.index_dtype = idx.dtype;
-  p.index_stride = B > 1 ? idx.stride[0] : 1;
+  p.index_stride = index_stride;
   p.out = {out.data, out.dtype, HV * V, 0, V};
   p.check_indices = check;
   p.pdl = args.pdl;

@@ -107,6 +107,59 @@ void check_replay_rings(const TensorView& dc, const TensorView& kc, const Tensor
     fail(format("`g_cache` must be float32 (got %s).", dtype_mark(dtype_name(gc.dtype)).c_str()));
 }
 
+void check_replay_cursor_tensors(const TensorView& wp, const std::optional<TensorView>& ff) {
+  if (wp.ndim != 1 || wp.dtype != DType::i32 || !wp.is_contiguous())
+    fail("`write_pos` must be a contiguous 1D int32 tensor.");
+  if (ff && (ff->ndim != 1 || ff->dtype != DType::i32 || !ff->is_contiguous()))
+    fail("`force_flush` must be a contiguous 1D int32 tensor or None.");
+}
+
+void check_replay_rows(const TensorView& idx, const TensorView& wp,
+                       const std::optional<TensorView>& ff, int64_t B) {
+  if (idx.ndim != 1 || idx.dtype != DType::i32)
+    fail("`ssm_state_indices` must be a 1D int32 tensor.");
+  if (wp.shape[0] != B || idx.shape[0] != B)
+    fail(
+        format("`write_pos` and `ssm_state_indices` must both have length B=%lld (got %lld, %lld).",
+               ll(B), ll(wp.shape[0]), ll(idx.shape[0])));
+  if (ff && ff->shape[0] != B) fail(format("`force_flush` must have length B=%lld.", ll(B)));
+}
+
+void check_replay_ring_parts(Contract& c, const TensorView& dc, const TensorView& kc,
+                             const TensorView& gc, const TensorView& wp,
+                             const std::optional<TensorView>& ff) {
+  c.device("d_cache", dc);
+  c.device("k_cache", kc);
+  c.device("g_cache", gc);
+  c.device("write_pos", wp);
+  if (ff) c.device("force_flush", *ff);
+}
+
+void check_replay_ring_dtypes(Contract& c, const TensorView& dc, const TensorView& kc) {
+  c.floating("d_cache", dc);
+  c.floating("k_cache", kc);
+}
+
+void check_replay_cursors_host(const TensorView& idx, int64_t index_stride, const TensorView& wp,
+                               int64_t B, int64_t L) {
+  const auto* w = static_cast<const int32_t*>(wp.data);
+  const auto* ix = static_cast<const int32_t*>(idx.data);
+  for (int64_t i = 0; i < B; ++i) {
+    if (ix[i * index_stride] >= 0 && (w[i] < 0 || w[i] >= L))
+      fail(
+          format("`write_pos`[%lld]=%d is outside the ring [0, L-1=%lld]", ll(i), w[i], ll(L - 1)));
+  }
+}
+
+void check_replay_cuda_ring(const char* op, int64_t L) {
+  // The CUDA kernels keep the cursor in the low 16 bits of write_pos during a launch, and their
+  // shared-memory layouts are int arithmetic (the CPU kernels take any L).
+  if (L > 4096)
+    throw Error(
+        ErrorKind::not_implemented,
+        format("%s: ring length L=%lld is above the CUDA kernel's limit of 4096", op, ll(L)));
+}
+
 ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   if (args.helion) check_helion(args);
   const TensorView& x = args.mixed_qkv;
@@ -126,13 +179,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   if (A_log.ndim != 1) fail("`A_log` must be a 1D tensor.");
   if (state.ndim != 4) fail(format("`initial_state` must be 4D (got ndim=%d).", state.ndim));
   if (!out.is_contiguous()) fail("`out` must be contiguous.");
-  if (wp.ndim != 1 || wp.dtype != DType::i32 || !wp.is_contiguous())
-    fail("`write_pos` must be a contiguous 1D int32 tensor.");
-  if (args.force_flush) {
-    const TensorView& ff = *args.force_flush;
-    if (ff.ndim != 1 || ff.dtype != DType::i32 || !ff.is_contiguous())
-      fail("`force_flush` must be a contiguous 1D int32 tensor or None.");
-  }
+  check_replay_cursor_tensors(wp, args.force_flush);
   if (!inner_strides_compact(state)) {
     fail(
         "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
@@ -192,14 +239,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
       out.shape[3] != V)
     fail(format("`out` must have shape %s (got %s).", tuple_str({B, 1, HV, V}).c_str(),
                 shape_str(out).c_str()));
-  if (idx.ndim != 1 || idx.dtype != DType::i32)
-    fail("`ssm_state_indices` must be a 1D int32 tensor.");
-  if (wp.shape[0] != B || idx.shape[0] != B)
-    fail(
-        format("`write_pos` and `ssm_state_indices` must both have length B=%lld (got %lld, %lld).",
-               ll(B), ll(wp.shape[0]), ll(idx.shape[0])));
-  if (args.force_flush && args.force_flush->shape[0] != B)
-    fail(format("`force_flush` must have length B=%lld.", ll(B)));
+  check_replay_rows(idx, wp, args.force_flush, B);
 
   Contract c;
   c.device("mixed_qkv", x);
@@ -208,13 +248,9 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   c.device("A_log", A_log);
   c.device("dt_bias", dt_bias);
   c.device("initial_state", state);
-  c.device("d_cache", dc);
-  c.device("k_cache", kc);
-  c.device("g_cache", gc);
   c.device("out", out);
   c.device("ssm_state_indices", idx);
-  c.device("write_pos", wp);
-  if (args.force_flush) c.device("force_flush", *args.force_flush);
+  check_replay_ring_parts(c, dc, kc, gc, wp, args.force_flush);
   c.check_devices("ReplaySSM inputs must be on the same device.", false);
 
   // Beyond SGLang: dtypes, scale, slot bounds, cursor range.
@@ -224,8 +260,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   c.floating("A_log", A_log);
   c.floating("dt_bias", dt_bias);
   c.floating("initial_state", state);
-  c.floating("d_cache", dc);
-  c.floating("k_cache", kc);
+  check_replay_ring_dtypes(c, dc, kc);
   c.floating("out", out);
   const double scale = checked_scale(args.scale, K);
   if (args.lower_bound && !std::isfinite(*args.lower_bound))
@@ -235,23 +270,11 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const bool check = args.check_indices.value_or(on_cpu);
   if (on_cpu && check) {
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, index_stride, S);
-    const auto* w = static_cast<const int32_t*>(wp.data);
-    const auto* ix = static_cast<const int32_t*>(idx.data);
-    for (int64_t i = 0; i < B; ++i) {
-      if (ix[i * index_stride] >= 0 && (w[i] < 0 || w[i] >= L))
-        fail(format("`write_pos`[%lld]=%d is outside the ring [0, L-1=%lld]", ll(i), w[i],
-                    ll(L - 1)));
-    }
+    check_replay_cursors_host(idx, index_stride, wp, B, L);
   }
   if (!on_cpu) {
     require_cuda_k(K);
-    // The CUDA kernel keeps the cursor in the low 16 bits of write_pos during a launch, and its
-    // shared-memory layout is int arithmetic (the CPU kernel takes any L).
-    if (L > 4096)
-      throw Error(ErrorKind::not_implemented,
-                  format("replayssm_decode: ring length L=%lld is above the CUDA kernel's limit of "
-                         "4096",
-                         ll(L)));
+    check_replay_cuda_ring("replayssm_decode", L);
   }
 
   ReplayProblem p;

@@ -35,6 +35,22 @@ int64_t replay_ring_length(const TensorView& d_cache, int64_t S, int64_t HV, int
 void check_replay_rings(const TensorView& d_cache, const TensorView& k_cache,
                         const TensorView& g_cache, int64_t S, int64_t HV, int64_t H, int64_t V,
                         int64_t K, int64_t L, bool kda);
+// The rest of replayssm_decode's ReplaySSM checks, shared by the fused decode step's ReplaySSM
+// mode, with replayssm_decode's texts: write_pos (and force_flush) contiguous 1-D int32; the
+// state indices int32 and every row tensor of length B; the rings' and cursors' devices
+// (registered in `c`); the rings' float dtypes; on the host, every live row's cursor inside
+// [0, L-1]; the CUDA kernels' ring length limit (not_implemented, naming `op`).
+void check_replay_cursor_tensors(const TensorView& write_pos,
+                                 const std::optional<TensorView>& force_flush);
+void check_replay_rows(const TensorView& state_indices, const TensorView& write_pos,
+                       const std::optional<TensorView>& force_flush, int64_t B);
+void check_replay_ring_parts(Contract& c, const TensorView& d_cache, const TensorView& k_cache,
+                             const TensorView& g_cache, const TensorView& write_pos,
+                             const std::optional<TensorView>& force_flush);
+void check_replay_ring_dtypes(Contract& c, const TensorView& d_cache, const TensorView& k_cache);
+void check_replay_cursors_host(const TensorView& state_indices, int64_t index_stride,
+                               const TensorView& write_pos, int64_t B, int64_t L);
+void check_replay_cuda_ring(const char* op, int64_t L);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
 ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 

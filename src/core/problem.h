@@ -252,6 +252,20 @@ struct ConvUpdateProblem {
   Device device{};
 };
 
+// The rings and cursors of a ReplaySSM step (ReplayProblem's fields of the same names), for the
+// fused decode layer step in ReplaySSM mode. d_cache null: no ReplaySSM.
+struct ReplayRings {
+  int32_t L = 0;
+  void* d_cache = nullptr;  // [slots, HV, L, V], records stored in d_dtype
+  DType d_dtype = DType::f32;
+  void* k_cache = nullptr;  // [slots, H, L, K], records stored in k_dtype
+  DType k_dtype = DType::f32;
+  float* g_cache = nullptr;              // [slots, HV, L] or [slots, HV, L, K]
+  int32_t* write_pos = nullptr;          // [B]
+  const int32_t* force_flush = nullptr;  // [B] or null
+  bool advance_write_pos = false;
+};
+
 // fused_decode_step: one decode token per row through the whole recurrent half of a GDN / KDA
 // layer. The projected row x [B, conv_dim] = [q (H*K) | k (H*K) | v (HV*V)] before the conv;
 // window[0..2] are the q, k, v parts' windows (views into one packed window, or three tensors),
@@ -280,7 +294,8 @@ struct FusedStepProblem {
   const void* norm_weight = nullptr;  // [V]
   DType norm_weight_dtype = DType::f32;
   float norm_eps = 1e-6f;
-  HeadOutput out;  // [B, HV, V]
+  HeadOutput out;      // [B, HV, V]
+  ReplayRings replay;  // replay.d_cache set: `state` is the checkpoint pool (indices int32)
   bool check_indices = false;
   bool pdl = false;
   bool pdl_trigger_early = false;
@@ -288,6 +303,7 @@ struct FusedStepProblem {
   Device device{};
 
   DS_HD int32_t conv_dim() const { return 2 * H * K + HV * V; }
+  DS_HD bool is_replay() const { return replay.d_cache != nullptr; }
 };
 
 // Speculative verify (ops.h VerifyArgs): the recurrent problem (its `indices` are the slots the

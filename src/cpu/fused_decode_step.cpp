@@ -4,7 +4,8 @@
 // channels (rounded to mixed_qkv's dtype, as the unfused chain stores the conv output), q and k
 // prepared once, then per value head of the group the gate, beta, the delta rule on the state
 // and the output (rounded to out's dtype), optionally through the gated RMSNorm. All formulas
-// come from core/delta_math.h and core/layer_math.h.
+// come from core/delta_math.h and core/layer_math.h. In ReplaySSM mode the step is the unfused
+// chain run in three passes (run_replay_fused): the conv, replayssm_decode's kernel, the norm.
 #include <algorithm>
 #include <vector>
 
@@ -47,9 +48,93 @@ void conv_part(const FusedStepProblem& p, int part, int64_t slot, int64_t row, i
   }
 }
 
+// The gated RMSNorm of one value head's attention output o[0..V) (already rounded to out's
+// dtype, as the unfused chain stores it), in place.
+void gated_norm_row(const FusedStepProblem& p, int64_t n, int hv, float* o) {
+  const int V = p.V;
+  float ss = 0.0f;
+  for (int vi = 0; vi < V; ++vi) ss += o[vi] * o[vi];
+  const float inv = rms_inverse(ss, V, p.norm_eps);
+  const int64_t z_off = n * p.z_row_stride + hv * p.z_head_stride;
+  const bool round_product = p.norm_weight_dtype == p.out.dtype;
+  for (int vi = 0; vi < V; ++vi)
+    o[vi] = gated_norm(o[vi], inv, load_float(p.norm_weight, p.norm_weight_dtype, vi),
+                       load_float(p.z, p.z_dtype, z_off + vi), p.out.dtype, round_product);
+}
+
+// ReplaySSM mode: the unfused chain itself, in three passes over the batch. The conv update of
+// every live row into a packed fp32 row (each value rounded to mixed_qkv's dtype, so the ReplaySSM
+// step reads exactly what the chain's conv output holds); replayssm_decode's CPU kernel on it,
+// with the fused step's gate, beta, rings and cursors; the gated norm of its outputs in place.
+void run_replay_fused(const FusedStepProblem& p) {
+  const int K = p.K, V = p.V, H = p.H, HV = p.HV;
+  const int group = HV / H;
+  const int64_t HK = static_cast<int64_t>(H) * K;
+  const int64_t conv_dim = p.conv_dim();
+  const auto* indices = static_cast<const int32_t*>(p.indices);  // int32 (the validator's rule)
+  std::vector<float> y(static_cast<size_t>(p.B) * conv_dim, 0.0f);
+  parallel_for(static_cast<int64_t>(p.B) * H, [&](int64_t task) {
+    const int64_t n = task / H;
+    const int h = static_cast<int>(task % H);
+    const int64_t slot = indices[n * p.index_stride];
+    if (slot < 0) return;  // padded: the window untouched (replayssm_decode zeros the output)
+    float* row = y.data() + n * conv_dim;
+    const int64_t hk = static_cast<int64_t>(h) * K, hvv = static_cast<int64_t>(h) * group * V;
+    conv_part(p, 0, slot, n, hk, hk, K, row + hk);
+    conv_part(p, 1, slot, n, HK + hk, hk, K, row + HK + hk);
+    conv_part(p, 2, slot, n, 2 * HK + hvv, hvv, group * V, row + 2 * HK + hvv);
+  });
+
+  ReplayProblem r;
+  r.B = p.B;
+  r.H = H;
+  r.HV = HV;
+  r.K = K;
+  r.V = V;
+  r.L = p.replay.L;
+  r.q = {y.data(), DType::f32, conv_dim, 0, K};
+  r.k = {y.data() + HK, DType::f32, conv_dim, 0, K};
+  r.v = {y.data() + 2 * HK, DType::f32, conv_dim, 0, V};
+  r.a = p.a;
+  r.b = p.b;
+  r.out = p.out;
+  r.gate = p.gate;
+  r.round_beta = p.round_beta;
+  r.l2norm = p.l2norm;
+  r.scale = p.scale;
+  r.state = p.state;
+  r.d_cache = p.replay.d_cache;
+  r.d_dtype = p.replay.d_dtype;
+  r.k_cache = p.replay.k_cache;
+  r.k_dtype = p.replay.k_dtype;
+  r.g_cache = p.replay.g_cache;
+  r.indices = indices;
+  r.index_stride = p.index_stride;
+  r.write_pos = p.replay.write_pos;
+  r.force_flush = p.replay.force_flush;
+  r.advance_write_pos = p.replay.advance_write_pos;
+  r.check_indices = p.check_indices;
+  r.device = p.device;
+  run_replayssm_decode(r);
+
+  if (!p.z) return;
+  parallel_for(static_cast<int64_t>(p.B) * HV, [&](int64_t task) {
+    thread_local std::vector<float> o;
+    o.resize(V);
+    const int64_t n = task / HV;
+    const int hv = static_cast<int>(task % HV);
+    if (indices[n * p.index_stride] < 0) return;  // padded: zeros, as the plain step
+    const int64_t off = head_offset(p.out, n, 0, hv);
+    load_row(p.out.ptr, p.out.dtype, off, V, o.data());
+    gated_norm_row(p, n, hv, o.data());
+    store_row(p.out.ptr, p.out.dtype, off, V, o.data());
+  });
+}
+
 }  // namespace
 
 void run_fused_decode_step(const FusedStepProblem& p) {
+  if (p.is_replay()) return run_replay_fused(p);
   const int K = p.K, V = p.V, H = p.H, HV = p.HV;
   const int group = HV / H;
   const int64_t HK = static_cast<int64_t>(H) * K;
@@ -89,16 +174,7 @@ void run_fused_decode_step(const FusedStepProblem& p) {
                                  sc.v.data(), beta, kq, sc.o.data());
       for (int vi = 0; vi < V; ++vi) sc.o[vi] = round_to(p.out.dtype, sc.o[vi]);
       store_row(p.state.ptr, p.state.dtype, state_off, K * V, sc.S.data());
-      if (p.z) {
-        float ss = 0.0f;
-        for (int vi = 0; vi < V; ++vi) ss += sc.o[vi] * sc.o[vi];
-        const float inv = rms_inverse(ss, V, p.norm_eps);
-        const int64_t z_off = n * p.z_row_stride + hv * p.z_head_stride;
-        const bool round_product = p.norm_weight_dtype == p.out.dtype;
-        for (int vi = 0; vi < V; ++vi)
-          sc.o[vi] = gated_norm(sc.o[vi], inv, load_float(p.norm_weight, p.norm_weight_dtype, vi),
-                                load_float(p.z, p.z_dtype, z_off + vi), p.out.dtype, round_product);
-      }
+      if (p.z) gated_norm_row(p, n, hv, sc.o.data());
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv), V, sc.o.data());
     }
   });

@@ -5,7 +5,9 @@
 // kFusedClusterMaxCtas CTAs of kFusedClusterMaxWarps warps; the others run the CTA kernel
 // (src/cuda/fused_decode_step/kernel.cuh: one CTA per (row, key head), one or two row tiles per
 // warp, two when the group has more than kFusedMaxWarps tiles). DELTASTATE_CUDA_FUSED=cta|cluster
-// forces either (tuning.h). The validator limits K to {64, 128} and (HV/H)*V to 256 rows.
+// forces either (tuning.h). ReplaySSM calls run src/cuda/fused_decode_step/replay.cuh's kernel
+// (the CTA kernel's structure with replayssm_decode's step). The validator limits K to {64, 128}
+// and (HV/H)*V to 256 rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -16,6 +18,7 @@
 #include "core/problem.h"
 #include "cuda/fused_decode_step/cluster.cuh"
 #include "cuda/fused_decode_step/kernel.cuh"
+#include "cuda/fused_decode_step/replay.cuh"
 #include "cuda/launch.h"
 #include "cuda/tuning.h"
 
@@ -30,6 +33,37 @@ void launch_fused(const FusedStepProblem& p, cudaStream_t stream, int warps) {
   const size_t smem = static_cast<size_t>(fused_smem_floats(p)) * sizeof(float);
   const int resident = kFusedMaxWarps / warps > 0 ? kFusedMaxWarps / warps : 1;
   launch_kernel(fused_decode_step_kernel<StateT, K, TPW>, grid, warps * 32, smem, stream, p.pdl,
+                with_pdl_trigger(p, ctas, resident));
+}
+
+// The ReplaySSM kernel (replay.cuh), one CTA per (row, key head) as launch_fused. Its shared
+// memory grows with the ring: opted in beyond 48 KB (once per device), and a ring the GPU's
+// per-block maximum does not hold is rejected before the launch.
+template <class StateT, int K, int TPW>
+void launch_replay(const FusedStepProblem& p, cudaStream_t stream, int warps) {
+  // The key heads of a row count themselves in the cursor's high 16 bits (advance_row_cursor),
+  // which must not reach the sign bit.
+  if (p.H >= (1 << 15))
+    throw Error(ErrorKind::not_implemented,
+                "fused_decode_step: H must stay below 2^15 for the in-kernel cursor advance");
+  const size_t smem = static_cast<size_t>(fused_replay_smem(p).floats) * sizeof(float);
+  const int max_smem = max_smem_optin(p.device.index);
+  if (smem > static_cast<size_t>(max_smem))
+    throw Error(ErrorKind::not_implemented,
+                "fused_decode_step: ReplaySSM ring length L=" + std::to_string(p.replay.L) +
+                    " needs more shared memory than this GPU offers");
+  if (smem > 48 * 1024) {
+    static PerDeviceOnce opted;
+    opted.get(p.device.index, [&p, max_smem] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(fused_replay_step_kernel<StateT, K, TPW>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
+      return 1;
+    });
+  }
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.H));
+  const int64_t ctas = static_cast<int64_t>(p.B) * p.H;
+  const int resident = kFusedMaxWarps / warps > 0 ? kFusedMaxWarps / warps : 1;
+  launch_kernel(fused_replay_step_kernel<StateT, K, TPW>, grid, warps * 32, smem, stream, p.pdl,
                 with_pdl_trigger(p, ctas, resident));
 }
 
@@ -83,16 +117,20 @@ bool launch_cluster_k(const FusedStepProblem& p, cudaStream_t stream) {
 
 template <class StateT, int K>
 void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
+  constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
+  const int tiles = (p.HV / p.H) * ((p.V + kRows - 1) / kRows);
+  if (tiles > 2 * kFusedMaxWarps)  // the validator's (HV/H)*V <= 256 keeps this unreachable
+    throw Error(ErrorKind::not_implemented, "fused_decode_step: too many rows per key head");
+  if (p.is_replay()) {  // the CTA kernel's structure, whatever DELTASTATE_CUDA_FUSED asks for
+    if (tiles > kFusedMaxWarps) return launch_replay<StateT, K, 2>(p, stream, (tiles + 1) / 2);
+    return launch_replay<StateT, K, 1>(p, stream, tiles);
+  }
   const FusedChoice forced = forced_fused_kernel();
   const bool cluster =
       forced == FusedChoice::cluster ||
       (forced == FusedChoice::automatic &&
        fused_cluster_pays(static_cast<int64_t>(p.B) * p.H, num_sms(p.device.index)));
   if (cluster && launch_cluster_k<StateT, K>(p, stream)) return;
-  constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
-  const int tiles = (p.HV / p.H) * ((p.V + kRows - 1) / kRows);
-  if (tiles > 2 * kFusedMaxWarps)  // the validator's (HV/H)*V <= 256 keeps this unreachable
-    throw Error(ErrorKind::not_implemented, "fused_decode_step: too many rows per key head");
   if (tiles > kFusedMaxWarps) return launch_fused<StateT, K, 2>(p, stream, (tiles + 1) / 2);
   launch_fused<StateT, K, 1>(p, stream, tiles);
 }

@@ -148,6 +148,218 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{{"group16_f32", Shape{"g16", 1, 16, 128, 16}, false, kNoLb, f32, f32}, f32}),
     case_name<LayerCase>);
 
+// ---- the ReplaySSM fused step (its own kernel, replay.cuh) ------------------------------------
+struct ReplayGpuCase {
+  LayerCase layer;
+  int L = 8;
+  DType d_dtype = DType::f32, k_dtype = DType::f32;
+  bool advance = true;
+};
+inline void PrintTo(const ReplayGpuCase& c, std::ostream* os) { *os << c.layer.name; }
+
+class FusedReplayGpu : public ::testing::TestWithParam<ReplayGpuCase> {
+ protected:
+  void SetUp() override {
+    if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// L + 3 steps from cursor 0 (forced flushes on some rows, every live row reaching L-1): each
+// step starts CUDA from the CPU twin's checkpoints and rings (so each comparison is one step from
+// the same inputs, with the one-step tolerances), then compares windows bit for bit, outputs,
+// checkpoints and ring records within the tolerances, and the cursors exactly.
+TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
+  const ReplayGpuCase& rc = GetParam();
+  const LayerCase& c = rc.layer;
+  Rng rng = test_rng();
+  for (int64_t B : {1, 5, 40}) {
+    const int64_t slots = B + 3;
+    const std::vector<int64_t> idx =
+        pick_slots(rng, B, slots, B > 1 ? std::vector<int64_t>{1} : std::vector<int64_t>{});
+    LayerBatch b = make_layer_batch(rng, c, idx, slots);
+    Rings rings = make_rings(c.shape, c.kda, slots, rc.L, rc.d_dtype, rc.k_dtype);
+    std::vector<int64_t> zeros(static_cast<size_t>(B), 0);
+    Tensor wp = index_tensor(zeros);
+    DeviceCopies dev;
+    for (const Tensor* t : {&b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.norm_w,
+                            &b.state, &rings.d, &rings.k, &rings.g, &wp})
+      dev.put(*t);
+    for (const Tensor& w : b.win) dev.put(w);
+    for (int step = 0; step < rc.L + 3; ++step) {
+      if (step > 0) {
+        b.d.randomize(rng);
+        b.z.fill_normal(rng, 1.0);
+      }
+      b.poison_out();
+      std::vector<int64_t> force;
+      for (int64_t r = 0; r < B; ++r) force.push_back(step > 0 && rng.chance(0.15) ? 1 : 0);
+      Tensor ff = index_tensor(force);
+      for (const Tensor* t :
+           {&b.d.x, &b.d.a, &b.d.b, &b.z, &b.out, &ff, &b.state, &rings.d, &rings.k, &rings.g})
+        dev.put(*t);
+      if (!rc.advance) dev.put(wp);  // the host moves the cursors
+      auto args = [&](auto&& view) {
+        deltastate::FusedDecodeStepArgs a = b.args(view);
+        a.d_cache = view(rings.d);
+        a.k_cache = view(rings.k);
+        a.g_cache = view(rings.g);
+        a.write_pos = view(wp);
+        a.force_flush = view(ff);
+        a.advance_write_pos = rc.advance;
+        return a;
+      };
+      try {
+        b.run_fused(args([&](const Tensor& t) { return dev.view(t); }));
+      } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
+        if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
+        throw;
+      }
+      ok(cudaDeviceSynchronize());
+      deltastate::check_errors();
+      const std::vector<int64_t> cursors = index_values(wp);
+      b.run_fused(args(host_view));
+      const std::string at = "B=" + std::to_string(B) + ", step " + std::to_string(step);
+      for (size_t j = 0; j < b.win.size(); ++j)
+        EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", " << at;
+      const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
+      EXPECT_TRUE(
+          all_close(dev.get(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 5 : 3))
+          << "out, " << at;
+      const Tensor state = dev.get(b.state);
+      const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
+      for (int64_t sl = 0; sl < slots; ++sl) {
+        const bool live = std::find(idx.begin(), idx.end(), sl) != idx.end();
+        const std::vector<double> g = slot_values(state.view(), sl),
+                                  h = slot_values(b.state.view(), sl);
+        if (live) EXPECT_TRUE(all_close(g, h, st_tol, c.state, 2)) << "slot " << sl << ", " << at;
+        else EXPECT_EQ(g, h) << "unused slot " << sl << " (sentinel), " << at;
+      }
+      // Ring records: d within the outputs' tolerance in its dtype; k and g as the CPU's (the
+      // same normalization and gate formulas, other fp32 reduction orders).
+      const Tol d_tol = rc.d_dtype == f32 ? Tol{1e-4, 1e-4} : state_tol(rc.d_dtype);
+      EXPECT_TRUE(all_close(dev.get(rings.d).values(), rings.d.values(), d_tol, rc.d_dtype, 3))
+          << "d ring, " << at;
+      EXPECT_TRUE(
+          all_close(dev.get(rings.k).values(), rings.k.values(), {1e-5, 1e-5}, rc.k_dtype, 2))
+          << "k ring, " << at;
+      EXPECT_TRUE(all_close(dev.get(rings.g).values(), rings.g.values(), {1e-5, 1e-5}, f32, 2))
+          << "g ring, " << at;
+      EXPECT_EQ(index_values(dev.get(wp)), index_values(wp)) << "cursors, " << at;
+      if (!rc.advance) {  // the caller's advance
+        std::vector<int64_t> next = cursors;
+        for (int64_t r = 0; r < B; ++r)
+          if (idx[r] >= 0) next[r] = cursors[r] == rc.L - 1 || force[r] ? 0 : cursors[r] + 1;
+        wp = index_tensor(next);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layer, FusedReplayGpu,
+    ::testing::Values(
+        ReplayGpuCase{
+            LayerCase{{"qwen3next_f32state_bf16", kQwen3Next, false, kNoLb, f32, bf16}, bf16}, 8,
+            f32, f32, true},
+        ReplayGpuCase{
+            LayerCase{{"qwen3next_f32_nonorm_vllm_pad", kQwen3Next, false, kNoLb, f32, f32},
+                      f32,
+                      4,
+                      true,
+                      false,
+                      true,
+                      false,
+                      64},
+            6, f32, f32, false},
+        ReplayGpuCase{
+            LayerCase{{"qwen3next_bf16_bf16rings", kQwen3Next, false, kNoLb, bf16, bf16}, bf16}, 4,
+            bf16, bf16, true},
+        ReplayGpuCase{
+            LayerCase{
+                {"kimi_f32state_bf16_split", kKimi, true, kNoLb, f32, bf16}, bf16, 4, false, true},
+            8, f32, f32, true},
+        ReplayGpuCase{LayerCase{{"kimi_f32_lb_packed_nonorm", kKimi, true, kLb, f32, f32},
+                                f32,
+                                4,
+                                true,
+                                false,
+                                true,
+                                false},
+                      5, f32, f32, false},
+        ReplayGpuCase{LayerCase{{"k64_kda_f32", Shape{"k64kda", 4, 4, 64, 64}, true, kLb, f32, f32},
+                                f32,
+                                4,
+                                false,
+                                true},
+                      6, f32, f32, true},
+        // two tiles per warp (4 value heads x 8 tiles of 8 rows over 16 warps) and a ring whose
+        // shared memory passes 48 KB (the opt-in)
+        ReplayGpuCase{
+            LayerCase{{"group4_f32_long", Shape{"g4", 2, 8, 128, 64}, false, kNoLb, f32, f32}, f32},
+            40, f32, f32, true}),
+    [](const ::testing::TestParamInfo<ReplayGpuCase>& i) {
+      return std::string(i.param.layer.name);
+    });
+
+// A bad cursor and a bad slot on CUDA: the rows are skipped (NaN output; windows, checkpoint,
+// rings and cursor untouched) and check_errors names the first.
+TEST(FusedReplayGpuErrors, BadCursorIsReported) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  const LayerCase c{{"bad", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
+  LayerBatch b = make_layer_batch(rng, c, {-1, 2, 0}, 3);  // row 0 padded
+  Rings rings = make_rings(c.shape, false, 3, 4, f32, f32);
+  Tensor wp = index_tensor({9, 4, 0});  // row 1's cursor past the ring; row 0 padded
+  DeviceCopies dev;
+  for (const Tensor* t :
+       {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
+        &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
+    dev.put(*t);
+  for (const Tensor& w : b.win) dev.put(w);
+  deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
+  a.d_cache = dev.view(rings.d);
+  a.k_cache = dev.view(rings.k);
+  a.g_cache = dev.view(rings.g);
+  a.write_pos = dev.view(wp);
+  a.advance_write_pos = true;
+  a.check_indices = false;
+  b.run_fused(a);
+  const auto e = catch_error([] { deltastate::check_errors(); });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(std::string(e->what()),
+            "fused_decode_step: `write_pos`[1]=4 is outside the ring [0, L-1=3]; the row was "
+            "skipped (state, rings and cursor untouched) and its output is NaN");
+  const Tensor out = dev.get(b.out);
+  for (int64_t i = 0; i < 32 * 128; ++i) {
+    ASSERT_EQ(out.get_linear(i), 0.0) << "padded row";
+    ASSERT_TRUE(std::isnan(out.get_linear(32 * 128 + i))) << "bad row";
+  }
+  // row 2 ran: its slot 0 was written, and its cursor advanced; the bad row's stayed
+  EXPECT_EQ(index_values(dev.get(wp)), (std::vector<int64_t>{9, 4, 1}));
+  const Tensor state = dev.get(b.state);
+  EXPECT_EQ(slot_values(state.view(), 2), slot_values(b.state.view(), 2)) << "slot 2 untouched";
+  // the bad row's slot 2 in the windows and rings untouched
+  const Tensor win = dev.get(b.win[0]);
+  EXPECT_EQ(window_values(win, 2), window_values(b.win[0], 2)) << "windows of slot 2";
+  const Tensor d = dev.get(rings.d);
+  EXPECT_EQ(view_values(d.view(), 2 * 32 * 4 * 128, 32 * 4 * 128),
+            view_values(rings.d.view(), 2 * 32 * 4 * 128, 32 * 4 * 128))
+      << "d ring of slot 2";
+  // a bad slot on another call
+  b.d.idx.set({1}, 7);
+  dev.put(b.d.idx);
+  Tensor wp2 = index_tensor({0, 0, 0});
+  dev.put(wp2);
+  a.write_pos = dev.view(wp2);
+  b.run_fused(a);
+  const auto e2 = catch_error([] { deltastate::check_errors(); });
+  ASSERT_TRUE(e2.has_value());
+  EXPECT_EQ(std::string(e2->what()),
+            "fused_decode_step: `ssm_state_indices`[1]=7 is out of range for a state pool of 3 "
+            "slots (valid: 0..2; < 0 marks a padded row); the row was skipped (state, rings and "
+            "cursor untouched) and its output is NaN");
+}
+
 // Two fused steps with PDL captured in a CUDA graph on a stream and replayed (each kernel's launch
 // attributes, the cluster's among them, inside a graph; a padded row) against two CPU steps. fp32
 // states: a 16-bit state's one-ulp flips of the first step would compound in the second beyond

@@ -49,6 +49,70 @@ constexpr int kFusedMaxWarps = 16;  // 512 threads: up to 128 registers each
 // Shared memory floats of a CTA: q, k (K each), v and the outputs (group*V each).
 inline int fused_smem_floats(const FusedStepProblem& p) { return 2 * p.K + 2 * (p.HV / p.H) * p.V; }
 
+// Step 2, shared with the ReplaySSM kernel (replay.cuh): the conv update of the channels CTA (n,
+// h) owns, [q_h | k_h | v of the group's value heads], into x[0 .. 2K + group*V), each output
+// rounded to mixed_qkv's dtype (as the unfused chain stores it). The CTA's threads share the
+// channels; the caller's barrier publishes x.
+template <int K>
+__device__ __forceinline__ void fused_conv_owned(const FusedStepProblem& p, int n, int h,
+                                                 int64_t slot, float* x) {
+  const int rows = (p.HV / p.H) * p.V;
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+  const int64_t x_row = static_cast<int64_t>(n) * p.x_row_stride;
+  for (int i = static_cast<int>(threadIdx.x); i < 2 * K + rows; i += static_cast<int>(blockDim.x)) {
+    int part;
+    int64_t local;
+    if (i < K) {
+      part = 0;
+      local = static_cast<int64_t>(h) * K + i;
+    } else if (i < 2 * K) {
+      part = 1;
+      local = static_cast<int64_t>(h) * K + (i - K);
+    } else {
+      part = 2;
+      local = static_cast<int64_t>(h) * rows + (i - 2 * K);
+    }
+    const int64_t c = part * HK + local;  // the channel in the packed row
+    detail::conv_channel_update(
+        detail::channel_window(p.window[part], slot, local), p.window[part].state_len, 1, false, 0,
+        detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
+        [&](int) { return detail::load_float(p.x, p.x_dtype, x_row + c); },
+        [&](int, float y) { x[i] = detail::round_to(p.x_dtype, y); });
+  }
+}
+
+// Step 4, shared with the ReplaySSM kernel: out of CTA (n, h) from the outputs os [group*V]
+// (rounded to out's dtype), through the gated RMSNorm when it is asked for (one warp per value
+// head), else as they are. After the barrier that publishes os.
+__device__ __forceinline__ void fused_store_outputs(const FusedStepProblem& p, const float* os,
+                                                    int n, int h, int64_t o_base) {
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  const int group = p.HV / p.H, V = p.V;
+  const int rows = group * V;
+  if (p.z) {
+    const bool round_product = p.norm_weight_dtype == p.out.dtype;
+    for (int hl = warp; hl < group; hl += warps) {
+      float ss = 0.0f;
+      for (int i = lane; i < V; i += 32) ss += os[hl * V + i] * os[hl * V + i];
+#pragma unroll
+      for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
+      const float inv = detail::rms_inverse(ss, V, p.norm_eps);
+      const int64_t z_off = static_cast<int64_t>(n) * p.z_row_stride +
+                            static_cast<int64_t>(h * group + hl) * p.z_head_stride;
+      for (int i = lane; i < V; i += 32) {
+        const float y = detail::gated_norm(
+            os[hl * V + i], inv, detail::load_float(p.norm_weight, p.norm_weight_dtype, i),
+            detail::load_float(p.z, p.z_dtype, z_off + i), p.out.dtype, round_product);
+        detail::store_float(p.out.ptr, p.out.dtype, o_base + hl * V + i, y);
+      }
+    }
+  } else {
+    for (int i = static_cast<int>(threadIdx.x); i < rows; i += static_cast<int>(blockDim.x))
+      detail::store_float(p.out.ptr, p.out.dtype, o_base + i, os[i]);
+  }
+}
+
 template <class StateT, int K, int TPW>
 __global__ void __launch_bounds__(kFusedMaxWarps * 32, 1)
     fused_decode_step_kernel(const FusedStepProblem p) {
@@ -110,28 +174,7 @@ __global__ void __launch_bounds__(kFusedMaxWarps * 32, 1)
   float* const xk = xq + K;
   float* const xv = xk + K;
   float* const os = xv + rows;
-  const int64_t HK = static_cast<int64_t>(p.H) * K;
-  const int64_t x_row = static_cast<int64_t>(n) * p.x_row_stride;
-  for (int i = static_cast<int>(threadIdx.x); i < 2 * K + rows; i += static_cast<int>(blockDim.x)) {
-    int part;
-    int64_t local;
-    if (i < K) {
-      part = 0;
-      local = static_cast<int64_t>(h) * K + i;
-    } else if (i < 2 * K) {
-      part = 1;
-      local = static_cast<int64_t>(h) * K + (i - K);
-    } else {
-      part = 2;
-      local = static_cast<int64_t>(h) * rows + (i - 2 * K);
-    }
-    const int64_t c = part * HK + local;  // the channel in the packed row
-    detail::conv_channel_update(
-        detail::channel_window(p.window[part], slot, local), p.window[part].state_len, 1, false, 0,
-        detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
-        [&](int) { return detail::load_float(p.x, p.x_dtype, x_row + c); },
-        [&](int, float y) { fused_smem[i] = detail::round_to(p.x_dtype, y); });
-  }
+  fused_conv_owned<K>(p, n, h, slot, fused_smem);
   __syncthreads();
 
   // 3. q, k prepared once per warp; the delta step per tile
@@ -174,27 +217,7 @@ __global__ void __launch_bounds__(kFusedMaxWarps * 32, 1)
   __syncthreads();
 
   // 4. the gated RMSNorm (one warp per value head) or the plain output
-  if (p.z) {
-    const bool round_product = p.norm_weight_dtype == p.out.dtype;
-    for (int hl = warp; hl < group; hl += warps) {
-      float ss = 0.0f;
-      for (int i = lane; i < V; i += 32) ss += os[hl * V + i] * os[hl * V + i];
-#pragma unroll
-      for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
-      const float inv = detail::rms_inverse(ss, V, p.norm_eps);
-      const int64_t z_off = static_cast<int64_t>(n) * p.z_row_stride +
-                            static_cast<int64_t>(h * group + hl) * p.z_head_stride;
-      for (int i = lane; i < V; i += 32) {
-        const float y = detail::gated_norm(
-            os[hl * V + i], inv, detail::load_float(p.norm_weight, p.norm_weight_dtype, i),
-            detail::load_float(p.z, p.z_dtype, z_off + i), p.out.dtype, round_product);
-        detail::store_float(p.out.ptr, p.out.dtype, o_base + hl * V + i, y);
-      }
-    }
-  } else {
-    for (int i = static_cast<int>(threadIdx.x); i < rows; i += static_cast<int>(blockDim.x))
-      detail::store_float(p.out.ptr, p.out.dtype, o_base + i, os[i]);
-  }
+  fused_store_outputs(p, os, n, h, o_base);
 }
 
 }  // namespace

@@ -45,6 +45,7 @@
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/replayssm/ring.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
@@ -104,17 +105,6 @@ __host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_blk,
   return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, sizeof(typename S::K), sizeof(typename S::D),
                     blocks * rows_blk,
                     (blocks - 1) * rows_blk * KT * static_cast<int>(sizeof(StateT)));
-}
-
-// The generic path's staging: `rows` rows of `cols` elements (source pitch src_pitch elements),
-// converted to float (any dtypes, any alignment).
-__device__ __forceinline__ void stage_rows_float(float* dst, int dst_pitch_floats, const void* src,
-                                                 DType dtype, int64_t src_off, int64_t src_pitch,
-                                                 int rows, int cols) {
-  for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
-    const int r = i / cols, c = i - r * cols;
-    dst[r * dst_pitch_floats + c] = detail::load_float(src, dtype, src_off + r * src_pitch + c);
-  }
 }
 
 // Element e (a compile-time index after unrolling) of values of type T packed in 16-byte words.
@@ -316,10 +306,8 @@ struct ReplayCta {
   // Every thread of this CTA has read the cursor (its value decided the staging, before the
   // barrier); now this CTA counts itself, and the last one stores the new cursor.
   __device__ __forceinline__ void advance_cursor(const ReplayProblem& p, int m, bool flush) const {
-    if (p.advance_write_pos && threadIdx.x == 0) {
-      const int old = atomicAdd(p.write_pos + n, 1 << 16);
-      if ((old >> 16) == p.HV * static_cast<int>(gridDim.z) - 1) p.write_pos[n] = flush ? 0 : m + 1;
-    }
+    if (p.advance_write_pos && threadIdx.x == 0)
+      advance_row_cursor(p.write_pos, n, p.HV * static_cast<int>(gridDim.z), m, flush);
   }
 
   // One record's contribution: kw = W*k (KDA, per column) or k (GDN, W = w_j scalar); for a
@@ -332,18 +320,7 @@ struct ReplayCta {
         if (col0 + c < K) s_kw[j * KT + col0 + c] = kw[c];
       if (lane == 0) s_w[j] = wj;
     } else {
-      float part[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int c = 0; c < CPL; ++c) {
-        if (col0 + c < K) {
-          const float alpha = s_alpha[col0 + c];  // alpha*k, alpha*q as the CPU forms them
-          part[0] += kw[c] * (alpha * s_kn[col0 + c]);
-          part[1] += kw[c] * (alpha * s_qn[col0 + c]);
-        }
-      }
-      const float red = transpose_reduce<32, 2>(part, lane);
-      if (lane == holder_lane<32, 2>(0)) s_ck[j] = wj * red;
-      if (lane == holder_lane<32, 2>(1)) s_cq[j] = wj * red;
+      record_coefficients<CPL>(kw, col0, K, s_alpha, s_kn, s_qn, wj, lane, s_ck + j, s_cq + j);
     }
   }
   __device__ __forceinline__ void record_k(int j, int col0, float (&kr)[CPL]) const {
@@ -355,24 +332,7 @@ struct ReplayCta {
   // 3a's dots of S0 with e*alpha*k and e*alpha*q over the lane's slice.
   __device__ __forceinline__ void checkpoint_dots(int m, const float (&S)[R][EPL],
                                                   float (&dots)[2 * R]) const {
-    float ek[EPL], eq[EPL];
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float e = m > 0 && i < valid ? s_e[kofs + i] : 1.0f;
-      ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
-      eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        sk += S[r][i] * ek[i];
-        sq += S[r][i] * eq[i];
-      }
-      dots[r] = sk;
-      dots[R + r] = sq;
-    }
+    cuda_backend::checkpoint_dots<R, EPL>(S, m > 0, s_e, s_alpha, s_kn, s_qn, kofs, valid, dots);
   }
   // 3f's token slices: alpha, k and q of the lane's K slice.
   __device__ __forceinline__ void token_slice(float (&alpha)[EPL], float (&kn)[EPL],
@@ -477,7 +437,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   // the same low 16 bits of the cursor (the device advance changes only the high bits until the
   // row's last CTA, which is never reached for a skipped row), so all of them skip it.
   // With the device advance the high 16 bits count the CTAs of this launch that have read it.
-  const int m = p.advance_write_pos ? (cursor & 0xffff) : cursor;
+  const int m = replay_cursor(cursor, p.advance_write_pos);
   const bool bad_index = slot >= p.state.num_slots;
   if (bad_index || cursor < 0 || m >= L) {
     if (threadIdx.x == 0 && hv == 0 && blockIdx.z == 0)
