@@ -45,6 +45,7 @@
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/replayssm/factor.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
@@ -341,9 +342,7 @@ struct ReplayCta {
           part[1] += kw[c] * (alpha * s_qn[col0 + c]);
         }
       }
-      const float red = transpose_reduce<32, 2>(part, lane);
-      if (lane == holder_lane<32, 2>(0)) s_ck[j] = wj * red;
-      if (lane == holder_lane<32, 2>(1)) s_cq[j] = wj * red;
+      store_factor_pair(part, lane, wj, s_ck + j, s_cq + j);
     }
   }
   __device__ __forceinline__ void record_k(int j, int col0, float (&kr)[CPL]) const {
@@ -362,17 +361,7 @@ struct ReplayCta {
       ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
       eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        sk += S[r][i] * ek[i];
-        sq += S[r][i] * eq[i];
-      }
-      dots[r] = sk;
-      dots[R + r] = sq;
-    }
+    factor_row_dots(S, ek, eq, dots);
   }
   // 3f's token slices: alpha, k and q of the lane's K slice.
   __device__ __forceinline__ void token_slice(float (&alpha)[EPL], float (&kn)[EPL],
