@@ -16,13 +16,24 @@
 //     normalized (q scaled), k.q, the gate (log decay and alpha) and beta, with the CTA's rows of
 //     v; the token's g and k records are written to the ring from here (the head's first row
 //     block writes g, and of it the key head's first value head k).
-//  3. After one barrier, each warp replays the records onto its rows with the recurrent step's two
-//     operations per element (s = fma(d, k, s * alpha), the CPU twin's order), stores them into
-//     the checkpoint on a fold, then runs the drafts through the delta-rule step
-//     (delta_step_rows: decay, dots, one transposed reduction, u, rank-1 update), writing each
-//     output row and the draft's d record (the lanes holding sk). A second block then takes its
-//     rows from its copies and repeats phase 3 on the same shared memory (or, when the records or
-//     drafts took more than one round, stages its rounds again).
+//  3. (The replay kernel.) After one barrier, each warp replays the records onto its rows with
+//     the recurrent step's two operations per element (s = fma(d, k, s * alpha), the CPU twin's
+//     order), stores them into the checkpoint on a fold, then runs the drafts through the
+//     delta-rule step (delta_step_rows: decay, dots, one transposed reduction, u, rank-1 update),
+//     writing each output row and the draft's d record (the lanes holding sk). A second block then
+//     takes its rows from its copies and repeats phase 3 on the same shared memory (or, when the
+//     records or drafts took more than one round, stages its rounds again).
+//  3f. The factored kernel (FACTOR, the default; docs/REPLAYSSM.md) never updates the rows for a
+//     draft. After the first barrier each warp walks from record j = warp - 1 (-1: the rows)
+//     forward over the records and drafts, summing their log decays; at draft t it has the
+//     exponent of A_jt (a sum of g) and stores E_t = A_{-1,t} (over the drafts' alpha, unused
+//     here) or the pair's coefficients ck[j][t] = (A_jt*k_j).k_t, cq[j][t] = (A_jt*k_j).q_t.
+//     After a second barrier each draft's row dots S.(E_t*k_t), S.(E_t*q_t), plus the factored
+//     committed records' d_j*ck, d_j*cq, finish in one transposed reduction per draft; the lanes
+//     holding sk then add the earlier drafts' terms in order and form u_t, the lanes holding sq
+//     take u_t by shuffle for o_t. The rows are the checkpoint on an appending step whose records
+//     fit one staging round (those records factored); on a fold or with more records they are
+//     replayed first, exactly as in 3. More drafts than one preparation round take 3's loop.
 // The replay is element-wise, so the rebuilt and folded rows do not depend on the lane layout.
 // A bad slot or cursor is recorded (record_bad_row) and its rows get NaN outputs. The cursors are
 // read only; the commit kernel moves them, one thread per batch row.
