@@ -169,7 +169,16 @@ for phase in "${phases[@]}"; do
     test-replay-verify)  # ReplaySSM verify and its cursor commit: GPU vs CPU over verify/commit
       # steps, a graph-captured loop against eager, bad rows recorded; then memcheck
       run test-replay-verify gtest_sharded test-replay-verify '*ReplayVerify*'
+      for kernel in replay factor; do  # each verify kernel forced (default: factor)
+        DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=$kernel run test-replay-verify gtest_sharded \
+          test-replay-verify '*ReplayVerify*'
+      done
+      DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=factor DELTASTATE_CUDA_REPLAY_VERIFY_BPC=2 \
+        run test-replay-verify gtest_sharded test-replay-verify '*ReplayVerify*'
       sanitized memcheck '*ReplayVerifyGpu*odd*:*ReplayVerifyGpuErrors*:*ReplayVerifyCommitGraph*'
+      DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=replay sanitized memcheck \
+        '*ReplayVerifyGpu*odd*:*ReplayVerifyGpuErrors*:*ReplayVerifyCommitGraph*'
+      sanitized racecheck '*ReplayVerifyGpu*odd*:*ReplayVerifyGpu*KgtV*'
       ;;
     test-prefill)  # the chunk_prefill GPU tests: default choice, then split, fused and the
       # CUDA-core fallback forced

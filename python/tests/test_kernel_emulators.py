@@ -1,8 +1,10 @@
-"""The numpy emulations of the tensor-core prefill kernels (tests/gpu/emulate_*.py), run on the CPU
-so that CI checks what they check without a GPU: every ldmatrix / mma fragment index of the fused
+"""The numpy emulations of the tensor-core prefill kernels and of ReplaySSM verify
+(tests/gpu/emulate_*.py), run on the CPU so that CI checks what they check without a GPU: every ldmatrix / mma fragment index of the fused
 kernel, the split kernels' chunk slots and fragment transcription (GDN and KDA, K = V = 128 and
 64) against the fp64 chunk algebra with rounding off, and the split kernels' chunk chain against
-the fp64 token recurrence. Each script asserts those and exits non-zero on a mismatch."""
+the fp64 token recurrence; and the factored ReplaySSM verify kernel's per-row algebra against the
+fp64 recurrence (GDN and KDA, every committed-record count, folds, random accept sequences).
+Each script asserts those and exits non-zero on a mismatch."""
 
 import pathlib
 import subprocess
@@ -15,7 +17,8 @@ pytest.importorskip("numpy")
 GPU_TESTS = pathlib.Path(__file__).resolve().parents[2] / "tests" / "gpu"
 
 
-@pytest.mark.parametrize("script", ["emulate_tc_kernel.py", "emulate_split_kernels.py"])
+@pytest.mark.parametrize(
+    "script", ["emulate_tc_kernel.py", "emulate_split_kernels.py", "emulate_replay_verify.py"])
 def test_emulation_matches_the_algebra(script):
     run = subprocess.run([sys.executable, str(GPU_TESTS / script)], capture_output=True, text=True,
                          timeout=600)

@@ -22,22 +22,27 @@ bool rows_aligned(const detail::ReplayVerifyProblem& p) {
          (p.r.state.slot_stride * es) % 16 == 0 && (p.r.K * es) % 16 == 0;
 }
 
-template <class StateT, int KT, bool VEC, int CTAS, int BPC>
+template <class StateT, int KT, bool VEC, int CTAS, int BPC, bool FACTOR>
 void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   constexpr int rows = RvLayout<StateT, KT>::ROWS * BPC;
   const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
                   static_cast<unsigned>((p.r.V + rows - 1) / rows));
-  constexpr int smem = VEC ? rv_stage_bytes<StateT, KT, BPC>() : 0;
+  constexpr int smem = rv_dynamic_bytes<StateT, KT, VEC, BPC, FACTOR>();
   if constexpr (smem > 0) {  // with the static part past 48 KB: opt in once per device
     static PerDeviceOnce opted;
     opted.get(p.r.device.index, [] {
-      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC>,
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC, FACTOR>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       return 1;
     });
   }
-  launch_kernel(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC>, grid, kRvWarps * 32, smem, s,
-                p.r.pdl, p);
+  launch_kernel(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC, FACTOR>, grid, kRvWarps * 32, smem,
+                s, p.r.pdl, p);
+}
+template <class StateT, int KT, bool VEC, int CTAS, int BPC>
+void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+  if (replay_verify_factored()) return launch_shape<StateT, KT, VEC, CTAS, BPC, true>(p, s);
+  launch_shape<StateT, KT, VEC, CTAS, BPC, false>(p, s);
 }
 
 // The vector kernel's shape: two row blocks per CTA (tuning.h replay_verify_two_blocks, or

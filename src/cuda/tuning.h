@@ -134,6 +134,16 @@ inline int forced_replay_verify_ctas() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_VERIFY_CTAS", {2, 3});
   return forced;
 }
+// DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=replay|factor: the ReplaySSM verify kernel's draft step,
+// factored on the checkpoint (the default) or the replay of the records onto the rows followed
+// by the recurrent step per draft (replayssm/verify.cuh).
+inline bool replay_verify_factored() {
+  static const bool factored = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL");
+    return !(e && std::strcmp(e, "replay") == 0);
+  }();
+  return factored;
+}
 // Chunked prefill on the split design (chunk_prefill/split.cuh: parallel intra-chunk and output
 // kernels around a sequential state pass) instead of the fused tensor-core kernel (one CTA per
 // sequence and value head through all its chunks, one resident per SM) where the fused grid of

@@ -11,6 +11,7 @@
 #include "core/numeric.h"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/replayssm/factor.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -61,9 +62,7 @@ __device__ __forceinline__ void record_coefficients(const float (&kw)[CPL], int 
       part[1] += kw[c] * (alpha * s_qn[col0 + c]);
     }
   }
-  const float red = transpose_reduce<32, 2>(part, lane);
-  if (lane == holder_lane<32, 2>(0)) *ck = wj * red;
-  if (lane == holder_lane<32, 2>(1)) *cq = wj * red;
+  store_factor_pair(part, lane, wj, ck, cq);
 }
 
 // An appending step's partial dots of a lane's R checkpoint rows (its K slice from kofs, `valid`
@@ -81,17 +80,7 @@ __device__ __forceinline__ void checkpoint_dots(const float (&S)[R][EPL], bool h
     ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
     eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      sk += S[r][i] * ek[i];
-      sq += S[r][i] * eq[i];
-    }
-    dots[r] = sk;
-    dots[R + r] = sq;
-  }
+  factor_row_dots(S, ek, eq, dots);
 }
 
 }  // namespace

@@ -16,13 +16,24 @@
 //     normalized (q scaled), k.q, the gate (log decay and alpha) and beta, with the CTA's rows of
 //     v; the token's g and k records are written to the ring from here (the head's first row
 //     block writes g, and of it the key head's first value head k).
-//  3. After one barrier, each warp replays the records onto its rows with the recurrent step's two
-//     operations per element (s = fma(d, k, s * alpha), the CPU twin's order), stores them into
-//     the checkpoint on a fold, then runs the drafts through the delta-rule step
-//     (delta_step_rows: decay, dots, one transposed reduction, u, rank-1 update), writing each
-//     output row and the draft's d record (the lanes holding sk). A second block then takes its
-//     rows from its copies and repeats phase 3 on the same shared memory (or, when the records or
-//     drafts took more than one round, stages its rounds again).
+//  3. (The replay kernel.) After one barrier, each warp replays the records onto its rows with
+//     the recurrent step's two operations per element (s = fma(d, k, s * alpha), the CPU twin's
+//     order), stores them into the checkpoint on a fold, then runs the drafts through the
+//     delta-rule step (delta_step_rows: decay, dots, one transposed reduction, u, rank-1 update),
+//     writing each output row and the draft's d record (the lanes holding sk). A second block then
+//     takes its rows from its copies and repeats phase 3 on the same shared memory (or, when the
+//     records or drafts took more than one round, stages its rounds again).
+//  3f. The factored kernel (FACTOR, the default; docs/REPLAYSSM.md) never updates the rows for a
+//     draft. After the first barrier each warp walks from record j = warp - 1 (-1: the rows)
+//     forward over the records and drafts, summing their log decays; at draft t it has the
+//     exponent of A_jt (a sum of g) and stores E_t = A_{-1,t} (over the drafts' alpha, unused
+//     here) or the pair's coefficients ck[j][t] = (A_jt*k_j).k_t, cq[j][t] = (A_jt*k_j).q_t.
+//     After a second barrier each draft's row dots S.(E_t*k_t), S.(E_t*q_t), plus the factored
+//     committed records' d_j*ck, d_j*cq, finish in one transposed reduction per draft; the lanes
+//     holding sk then add the earlier drafts' terms in order and form u_t, the lanes holding sq
+//     take u_t by shuffle for o_t. The rows are the checkpoint on an appending step whose records
+//     fit one staging round (those records factored); on a fold or with more records they are
+//     replayed first, exactly as in 3. More drafts than one preparation round take 3's loop.
 // The replay is element-wise, so the rebuilt and folded rows do not depend on the lane layout.
 // A bad slot or cursor is recorded (record_bad_row) and its rows get NaN outputs. The cursors are
 // read only; the commit kernel moves them, one thread per batch row.
@@ -36,6 +47,7 @@
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/replayssm/factor.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
@@ -51,6 +63,12 @@ constexpr int rv_rec_chunk() {
   return KT <= 128 ? 16 : 8;
 }
 constexpr int kRvTokChunk = 8;  // draft tokens prepared per round
+// Combined records of the factored kernel: the committed ones of one staging round, then the
+// drafts of one preparation round.
+template <int KT>
+constexpr int rv_factor_records() {
+  return rv_rec_chunk<KT>() + kRvTokChunk;
+}
 
 namespace {
 
@@ -71,6 +89,15 @@ struct alignas(16) RvSmem {      // 16-byte rows: a lane's slice of a K row in v
   float tq[kRvTokChunk][KT], tk[kRvTokChunk][KT], ta[kRvTokChunk][KT];  // token q, k, alpha
   float tv[kRvTokChunk][ROWS];
   float tbeta[kRvTokChunk], tkq[kRvTokChunk];
+};
+
+// The factored kernel's own shared memory (dynamic, after the checkpoint copies): the drafts' log
+// decays and the coefficients of every (record j, draft t) pair, ck[j][t] = (A_jt*k_j).k_t and
+// cq[j][t] = (A_jt*k_j).q_t (A_jt the decay from after record j through draft t's own).
+template <int KT>
+struct alignas(16) RvFactorSmem {
+  float tg[kRvTokChunk][KT];  // draft g (zero past K)
+  float ck[rv_factor_records<KT>()][kRvTokChunk], cq[rv_factor_records<KT>()][kRvTokChunk];
 };
 
 // The lane's EPL floats of a shared K row (16-byte loads where EPL allows).
@@ -108,7 +135,8 @@ template <int KT, int ROWS, int RC>
 __device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProblem& p, int64_t seq,
                                                  int64_t tok, int h, int hv, int lane, int j,
                                                  int64_t g_rec, int64_t k_rec, bool g_writer,
-                                                 bool k_writer, RvSmem<KT, ROWS, RC>& sm) {
+                                                 bool k_writer, RvSmem<KT, ROWS, RC>& sm,
+                                                 float* tg) {
   constexpr int PE = KT / 32;
   const detail::RecurrentProblem& r = p.r;
   const int e0 = lane * PE, valid = max(0, min(PE, r.K - e0));
@@ -125,6 +153,7 @@ __device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProbl
     sm.tq[j][e0 + i] = in ? x.q[i] : 0.0f;
     sm.tk[j][e0 + i] = in ? x.k[i] : 0.0f;
     sm.ta[j][e0 + i] = in ? alpha[i] : 1.0f;
+    if (tg) tg[e0 + i] = in ? g[i] : 0.0f;
     if (in && g_writer && r.gate.kda) p.g_cache[g_rec + e0 + i] = g[i];
     if (in && k_writer) detail::store_float(p.k_cache, p.k_dtype, k_rec + e0 + i, x.k[i]);
   }
@@ -147,20 +176,44 @@ template <class StateT, int KT, int BPC>
 constexpr int rv_stage_bytes() {
   return BPC * rv_stage_words<StateT, KT>() * 16;
 }
+// All of a CTA's dynamic shared memory: the vector kernel's checkpoint copies, then the factored
+// kernel's RvFactorSmem.
+template <class StateT, int KT, bool VEC, int BPC, bool FACTOR>
+constexpr int rv_dynamic_bytes() {
+  return (VEC ? rv_stage_bytes<StateT, KT, BPC>() : 0) +
+         (FACTOR ? static_cast<int>(sizeof(RvFactorSmem<KT>)) : 0);
+}
+// The H200's (sm_90) shared memory per SM and the 1 KB the hardware reserves per resident CTA:
+// CTAS resident CTAs of a shape must fit in it.
+constexpr int kRvSmemPerSm = 228 * 1024, kRvSmemReservedPerCta = 1024;
+template <class StateT, int KT, bool VEC, int BPC, bool FACTOR>
+constexpr int rv_cta_smem_bytes() {
+  using M = RvLayout<StateT, KT>;
+  return static_cast<int>(sizeof(RvSmem<KT, BPC * M::ROWS, M::RC>)) +
+         rv_dynamic_bytes<StateT, KT, VEC, BPC, FACTOR>();
+}
 
 // CTAS: resident CTAs per SM, the register cap (tuning.h). BPC: row blocks per CTA (vector kernel
 // only; V a multiple of BPC blocks' rows): the records and the drafts are staged once for all of
 // them, and the later blocks' checkpoint rows are copied into shared memory while the first one
 // runs.
-template <class StateT, int KT, bool VEC, int CTAS, int BPC>
+template <class StateT, int KT, bool VEC, int CTAS, int BPC, bool FACTOR>
 __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     replay_verify_kernel(const detail::ReplayVerifyProblem p) {
   using M = RvLayout<StateT, KT>;
   constexpr int G = M::G, EPL = M::EPL, RG = M::RG, R = M::R, RPW = M::RPW, ROWS = M::ROWS;
   constexpr int RC = M::RC, kThreads = kRvWarps * 32, CROWS = BPC * ROWS;  // rows per CTA
   static_assert(BPC == 1 || VEC, "several row blocks per CTA: vector kernel only");
+  static_assert(sizeof(RvSmem<KT, CROWS, RC>) <= 48 * 1024, "static shared memory within 48 KB");
+  static_assert(
+      CTAS * (rv_cta_smem_bytes<StateT, KT, VEC, BPC, FACTOR>() + kRvSmemReservedPerCta) <=
+          kRvSmemPerSm,
+      "CTAS resident CTAs within an SM's shared memory");
+  static_assert(2 * R <= G, "a row group holds the 2R dots of a draft after its reduction");
   __shared__ RvSmem<KT, CROWS, RC> sm;
   extern __shared__ __align__(16) unsigned char rv_dynamic[];
+  RvFactorSmem<KT>* const fac = reinterpret_cast<RvFactorSmem<KT>*>(
+      rv_dynamic + (VEC ? rv_stage_bytes<StateT, KT, BPC>() : 0));
   const detail::RecurrentProblem& r = p.r;
   enter_grid(r.pdl_trigger_early);
   const int n = blockIdx.x, hv = blockIdx.y;
@@ -198,6 +251,12 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     return;
   }
   const bool fold = p.is_flush[slot] != 0;
+  // The factored kernel: drafts of one preparation round factored on the rows in registers, which
+  // hold the checkpoint (appending steps with one staging round of records: those records are
+  // factored too) or the state rebuilt by the replay (folds, longer rings).
+  const bool fdrafts = FACTOR && len <= kRvTokChunk;
+  const bool frecs = fdrafts && !fold && m <= RC;
+  const int mf = frecs ? m : 0;  // committed records factored
   const int gw = r.gate.kda ? K : 1;
   const int64_t d_base = (slot * r.HV + hv) * L * V;
   const int64_t k_base = (slot * r.H + h) * L * K;
@@ -239,7 +298,10 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       const int64_t pos = (base + c0 + j) % L;
       const bool in = c < K;
       sm.rk[j][c] = in ? detail::load_float(p.k_cache, p.k_dtype, k_base + pos * K + c) : 0.0f;
-      sm.ra[j][c] = in ? expf(p.g_cache[g_base + pos * gw + (r.gate.kda ? c : 0)]) : 1.0f;
+      // factored records keep g itself (their decays are exponentiated per pair), replayed ones
+      // alpha = e^g
+      const float g = in ? p.g_cache[g_base + pos * gw + (r.gate.kda ? c : 0)] : 0.0f;
+      sm.ra[j][c] = frecs ? g : in ? expf(g) : 1.0f;
     }
     for (int i = threadIdx.x; i < cn * CROWS; i += kThreads) {
       const int j = i / CROWS, lr = i - j * CROWS;
@@ -255,7 +317,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     for (int j = warp; j < tn; j += kRvWarps) {
       const int64_t pos = (base + m + t0 + j) % L;
       rv_prepare_token<KT, CROWS, RC>(p, seq, tok0 + t0 + j, h, hv, lane, j, g_base + pos * gw,
-                                      k_base + pos * K, g_writer, k_writer, sm);
+                                      k_base + pos * K, g_writer, k_writer, sm,
+                                      fdrafts ? fac->tg[j] : nullptr);
     }
     for (int i = threadIdx.x; i < tn * CROWS; i += kThreads) {
       const int j = i / CROWS, lr = i - j * CROWS, vrow = cta_row0 + lr;
@@ -271,6 +334,58 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   const bool one_round = m <= RC && len <= kRvTokChunk;
   const int idx = reduced_index<G, 2 * R>(lane);  // the dot this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
+  // Record j's d of this lane's R rows from lrow0 (one row per lane group: the thread's rows are
+  // then consecutive from a multiple of R).
+  auto record_d = [&](int j, int lrow0, float(&dj)[R]) {
+    if constexpr (RG == 1 && R % 4 == 0) {
+#pragma unroll
+      for (int rr = 0; rr < R; rr += 4) {
+        const float4 d4 = *reinterpret_cast<const float4*>(&sm.rd[j][lrow0 + rr]);
+        dj[rr] = d4.x, dj[rr + 1] = d4.y, dj[rr + 2] = d4.z, dj[rr + 3] = d4.w;
+      }
+    } else {
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) dj[rr] = sm.rd[j][lrow0 + rr * RG];
+    }
+  };
+  // The factored kernel's per-head pass: the pair coefficients and the drafts' checkpoint decays
+  // (phase 3f below).
+  auto factor_pass = [&](int tn) {
+    constexpr int CPL = KT / 32;  // columns per lane
+    const int col0 = lane * CPL, nrec = mf + tn;
+    // Warp w walks from record j = w - 1 (j = -1: the checkpoint) forward, summing the log
+    // decays of the records after j; at draft t's own it has the exponent of A_jt, a sum of g
+    // (never a difference of prefix sums: no cancellation, and <= 0 for decaying gates).
+    for (int j = warp - 1; j < nrec - 1; j += kRvWarps) {
+      float kj[CPL], s[CPL];
+      const float* krow = j < 0 ? nullptr : j < mf ? sm.rk[j] : sm.tk[j - mf];
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) {
+        kj[c] = j < 0 ? 0.0f : krow[col0 + c];
+        s[c] = 0.0f;
+      }
+      for (int rr = j + 1; rr < nrec; ++rr) {
+        const float* grow = rr < mf ? sm.ra[rr] : fac->tg[rr - mf];
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) s[c] += grow[col0 + c];
+        if (rr < mf) continue;
+        const int t = rr - mf;
+        if (j < 0) {  // E_t, the checkpoint's decay up to draft t's (alpha over its place)
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) sm.ta[t][col0 + c] = expf(s[c]);
+        } else {
+          float part[2] = {0.0f, 0.0f};
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            const float w = expf(s[c]) * kj[c];
+            part[0] += w * sm.tk[t][col0 + c];
+            part[1] += w * sm.tq[t][col0 + c];
+          }
+          store_factor_pair(part, lane, 1.0f, &fac->ck[j][t], &fac->cq[j][t]);
+        }
+      }
+    }
+  };
 
 #pragma unroll 1
   for (int b = 0; b < BPC; ++b) {
@@ -295,22 +410,13 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
           else load_staged_rows<StateT, EPL, R, true, 0>(src, kThreads, row0, RG, V, S);
         }
       }
-      for (int j = 0; j < cn; ++j) {
+      const int cr = frecs ? 0 : cn;  // factored records are not replayed
+      for (int j = 0; j < cr; ++j) {
         float kj[EPL], aj[EPL];
         smem_slice<EPL>(sm.rk[j], kofs, kj);
         smem_slice<EPL>(sm.ra[j], kofs, aj);
         float dj[R];
-        // One row per lane group: the thread's rows are consecutive from a multiple of R.
-        if constexpr (RG == 1 && R % 4 == 0) {
-#pragma unroll
-          for (int rr = 0; rr < R; rr += 4) {
-            const float4 d4 = *reinterpret_cast<const float4*>(&sm.rd[j][lrow0 + rr]);
-            dj[rr] = d4.x, dj[rr + 1] = d4.y, dj[rr + 2] = d4.z, dj[rr + 3] = d4.w;
-          }
-        } else {
-#pragma unroll
-          for (int rr = 0; rr < R; ++rr) dj[rr] = sm.rd[j][lrow0 + rr * RG];
-        }
+        record_d(j, lrow0, dj);
 #pragma unroll
         for (int rr = 0; rr < R; ++rr)
 #pragma unroll
@@ -327,8 +433,91 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       }
     }
 
-    // 3. The drafts: the delta-rule step on the rebuilt rows, each draft's output and d record.
     const int vl = lrow0 + (idx < R ? idx : 0) * RG;  // the row whose sk this lane holds
+    const int vrow = cta_row0 + vl;
+    if (fdrafts) {
+      // 3f. The factored drafts (tn = len <= kRvTokChunk, all prepared in round 0): the rows in
+      //     registers (S0, or the rebuilt state) are never updated. Per draft t and row:
+      //       sk_t = S.(E_t*k_t) + sum_{j < mf} d_j ck[j][t] + sum_{i < t} u_i ck[mf + i][t]
+      //       sq_t = S.(E_t*q_t) + sum_{j < mf} d_j cq[j][t] + sum_{i < t} u_i cq[mf + i][t]
+      //       u_t = beta_t (v_t - sk_t),   o_t = sq_t + u_t (k_t.q_t)
+      //     The S and committed-record terms of every draft first (lane l of a row group adds
+      //     records l, l + G, ..., as decode does; one transposed reduction per draft), then the
+      //     drafts' own terms in order on the lanes holding sk, u_t broadcast to those holding sq.
+      const int tn = static_cast<int>(len);
+      if (stage) {
+        factor_pass(tn);
+        __syncthreads();  // the coefficients and E_t are published
+      }
+      float red[kRvTokChunk];
+#pragma unroll
+      for (int t = 0; t < kRvTokChunk; ++t) {
+        red[t] = 0.0f;
+        if (t < tn) {
+          float e[EPL], ek[EPL], eq[EPL];
+          smem_slice<EPL>(sm.ta[t], kofs, e);
+          smem_slice<EPL>(sm.tk[t], kofs, ek);
+          smem_slice<EPL>(sm.tq[t], kofs, eq);
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) {
+            ek[i] *= e[i];
+            eq[i] *= e[i];
+          }
+          float dots[2 * R];
+          factor_row_dots(S, ek, eq, dots);
+          for (int j = lane % G; j < mf; j += G) {
+            const float ckj = fac->ck[j][t], cqj = fac->cq[j][t];
+            float dj[R];
+            record_d(j, lrow0, dj);
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) {
+              dots[rr] += dj[rr] * ckj;
+              dots[R + rr] += dj[rr] * cqj;
+            }
+          }
+          red[t] = transpose_reduce<G, 2 * R>(dots, lane);
+        }
+      }
+      // u_t on the lanes holding sk (the others compute a value they do not use).
+      float u[kRvTokChunk];
+#pragma unroll
+      for (int t = 0; t < kRvTokChunk; ++t) {
+        u[t] = 0.0f;
+        if (t < tn) {
+          float sk = red[t];
+#pragma unroll
+          for (int i = 0; i < t; ++i) sk += u[i] * fac->ck[mf + i][t];
+          u[t] = detail::delta_u(idx < R ? sm.tv[t][vl] : 0.0f, sk, sm.tbeta[t]);
+        }
+      }
+      // The outputs on the lanes holding sq (u of their row from its sk holder), the d records
+      // on those holding sk.
+      const int sq_r = idx - R;  // this lane's row, if it holds sq
+      const int u_src = holder_lane<G, 2 * R>(sq_r < 0 ? 0 : sq_r);
+      const int orow = row0 + (sq_r < 0 ? 0 : sq_r) * RG;
+      float uo[kRvTokChunk];
+#pragma unroll
+      for (int t = 0; t < kRvTokChunk; ++t) {
+        uo[t] = 0.0f;
+        if (t < tn) {
+          uo[t] = __shfl_sync(0xffffffffu, u[t], u_src, G);
+          float sq = red[t];
+#pragma unroll
+          for (int i = 0; i < t; ++i) sq += uo[i] * fac->cq[mf + i][t];
+          if (sq_r >= 0 && first_copy && orow < V)
+            detail::store_float(r.out.ptr, r.out.dtype,
+                                detail::head_offset(r.out, seq, tok0 + t, hv) + orow,
+                                detail::delta_output(sq, uo[t], sm.tkq[t]));
+          if (idx < R && first_copy && vrow < V) {
+            const int64_t pos = (base + m + t) % L;
+            detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u[t]);
+          }
+        }
+      }
+      continue;
+    }
+
+    // 3. The drafts: the delta-rule step on the rebuilt rows, each draft's output and d record.
     for (int64_t t0 = 0; t0 < len; t0 += kRvTokChunk) {
       const int tn = static_cast<int>(len - t0 < kRvTokChunk ? len - t0 : kRvTokChunk);
       if (t0 > 0) {
@@ -348,7 +537,6 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
             delta_step_rows<G, R>(S, alpha, k, q, v_here, sm.tbeta[j], lane, u_here, [](int) {});
         store_output_rows<G, R>(r.out, detail::head_offset(r.out, seq, tok0 + t, hv), V, row0, RG,
                                 lane, red, u_here, sm.tkq[j]);
-        const int vrow = cta_row0 + vl;
         if (idx < R && first_copy && vrow < V) {
           const int64_t pos = (base + m + t) % L;
           detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u_here);
