@@ -18,7 +18,10 @@ bf16) and batch B, in the same run:
 Cold L2 and CUDA-graph replay of whole steps (bench/harness.py): every launch set rotates over
 inputs and slot sets whose total exceeds 4x L2. Writes bench/results/layer-step-h200.json rows
 {model, state_dtype, B, fused_us, unfused_us, decode_us, peer, peer_us, x_peer, x_unfused,
-pct_of_decode, max_err_vs_unfused (B = 8)} and prints a table.
+pct_of_decode, max_err_vs_unfused (B = 8)} and prints a table. With --replay-lens L,..: also the
+fused step in ReplaySSM mode and our ReplaySSM chain (conv update -> replayssm_decode -> the norm)
+on rings of length L, per step over whole cursor cycles as bench_replayssm.py times them
+(replay<L>_fused_us, replay<L>_unfused_us).
 """
 
 from __future__ import annotations
@@ -97,6 +100,45 @@ class Case:
         self.idx = slot_sets(self.slots, B, self.nr, gen)
         self.scale = m.K ** -0.5
         self.fla_norm = _fla_norm()
+        self.L = 0
+
+    def add_rings(self, L: int):
+        """ReplaySSM rings over the same pool (the checkpoint) and per-rotation cursors."""
+        m, S = self.m, self.slots
+        self.L = L
+        self.d = torch.zeros(S, m.HV, L, m.V, device="cuda", dtype=self.dtype)
+        self.k = torch.zeros(S, m.H, L, m.K, device="cuda", dtype=ACT)
+        gshape = (S, m.HV, L, m.K) if self.kda else (S, m.HV, L)
+        self.g = torch.zeros(gshape, device="cuda", dtype=torch.float32)
+        self.wp = [torch.zeros(self.B, device="cuda", dtype=torch.int32) for _ in range(self.nr)]
+        a_shape = (self.B, m.HV, m.K) if self.kda else (self.B, m.HV)
+        self.a3 = [a.reshape(a_shape) for a in self.a]
+        self.dt3 = self.dt_bias.reshape(m.HV, m.K) if self.kda else self.dt_bias
+        self.idx32 = [i.to(torch.int32) for i in self.idx]
+
+    def fused_replay(self, r):
+        """The fused step in ReplaySSM mode, cursors advanced on the device."""
+        fn = ds.kda_fused_decode_step if self.kda else ds.gdn_fused_decode_step
+        norm = dict(norm_weight=self.nw, z=self.z[r]) if self.norm else {}
+        return lambda: fn(self.x[r], self.w, self.win, self.a[r], self.b[r], self.A_log,
+                          self.dt_bias, self.pool, self.out[r], self.idx32[r], scale=self.scale,
+                          **norm, pdl=self.pdl, d_cache=self.d, k_cache=self.k, g_cache=self.g,
+                          write_pos=self.wp[r], advance_write_pos=True)
+
+    def unfused_replay(self, r):
+        """Our ReplaySSM chain: the conv op, replayssm_decode on its output, then the norm."""
+        norm = self.norm_fn(r) if self.norm else None
+
+        def step():
+            y = ds.causal_conv1d_update(self.x[r], self.win, self.w, None, "silu", None,
+                                        self.idx[r], pdl=self.pdl)
+            ds.fused_recurrent_linear_replayssm_decode(
+                y, self.a3[r], self.b[r], self.A_log, self.dt3, self.scale, self.pool, self.d,
+                self.k, self.g, self.out4[r], self.idx32[r], self.wp[r], None, is_kda=self.kda,
+                use_qk_l2norm_in_kernel=True, advance_write_pos=True, pdl=self.pdl)
+            if norm is not None:
+                norm()
+        return step
 
     def fused(self, r):
         fn = ds.kda_fused_decode_step if self.kda else ds.gdn_fused_decode_step
@@ -224,6 +266,9 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--pdl", action="store_true", help="launch ours with pdl=True")
+    ap.add_argument("--replay-lens", default="",
+                    help="also time the ReplaySSM fused step and our ReplaySSM chain at these ring "
+                         "lengths (per step over whole cursor cycles), e.g. 16")
     args = ap.parse_args()
 
     gen = torch.Generator().manual_seed(1234)
@@ -257,19 +302,31 @@ def main() -> int:
                     if pl is not None:
                         peer_t = time_graph(pl, replays=args.replays)
                 err = check_against_unfused(case) if B == 8 else None
+                replay = {}
+                for L in [int(x) for x in args.replay_lens.split(",") if x]:
+                    # L steps of every rotation, step-major, as bench_replayssm.py: whole cursor
+                    # cycles, so every graph replay starts each rotation at cursor 0 again.
+                    case.add_rings(L)
+                    for key, fn in (("fused", case.fused_replay), ("unfused", case.unfused_replay)):
+                        for w in case.wp:
+                            w.zero_()
+                        t = time_graph([fn(r) for _ in range(L) for r in range(case.nr)],
+                                       replays=args.replays, warmup=0)
+                        assert all(int(w.max()) == 0 for w in case.wp), "cursors left their cycle"
+                        replay[f"replay{L}_{key}_us"] = round(t * 1e6, 2)
                 row = dict(model=m.name, state_dtype=dname, B=B, fused_us=round(fused * 1e6, 2),
                            unfused_us=round(unfused * 1e6, 2), decode_us=round(decode * 1e6, 2),
                            peer=peer, peer_us=round(peer_t * 1e6, 2) if peer_t else None,
                            x_peer=round(peer_t / fused, 2) if peer_t else None,
                            x_unfused=round(unfused / fused, 2),
                            pct_of_decode=round(100 * decode / fused, 1),
-                           max_err_vs_unfused=err)
+                           max_err_vs_unfused=err, **replay)
                 rows.append(row)
                 print(f"{m.name:12} {dname:5} {B:4} {row['fused_us']:8.2f} "
                       f"{row['unfused_us']:8.2f} {row['decode_us']:8.2f} "
                       f"{row['peer_us'] or float('nan'):8.2f} {row['x_peer'] or float('nan'):6.2f} "
-                      f"{row['x_unfused']:6.2f} {row['pct_of_decode']:6.1f}  {peer or '-'}",
-                      flush=True)
+                      f"{row['x_unfused']:6.2f} {row['pct_of_decode']:6.1f}  {peer or '-'}"
+                      + "".join(f"  {k} {v:.2f}" for k, v in replay.items()), flush=True)
                 del case
                 torch.cuda.empty_cache()
                 save()
