@@ -371,7 +371,7 @@ TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
     // enough rows that 2 * B * H exceeds the SMs (fused_cluster_pays is false), one padded
     const int64_t B = std::max<int64_t>(8, sm_count() / c.shape.H + 1);
     std::vector<int64_t> idx;
-    for (int64_t i = 0; i < B; ++i) idx.push_back(i == 2 ? -1 : (i * 5) % (B + 3));
+    for (int64_t i = 0; i < B; ++i) idx.push_back(i == 2 ? -1 : B + 2 - i);  // distinct slots
     LayerBatch b = make_layer_batch(rng, c, idx, B + 3);
     DeviceCopies dev;
     auto put_all = [&] {
