@@ -361,9 +361,12 @@ for phase in "${phases[@]}"; do
       run overhead python3 bench/measure_overhead.py
       ;;
     # ---- the conv update and the fused decode layer step ----
-    test-layer)  # the GPU tests with each fused-step kernel, then the Python ones on CUDA tensors
+    test-layer)  # the GPU tests with each fused-step plan forced and with the default choice
+      # (which FusedStepGpuPlans needs), then the Python ones on CUDA tensors
       DELTASTATE_CUDA_FUSED=cluster run test-layer gtest_sharded test-layer "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED=cta run test-layer gtest_sharded test-layer "$LAYER_TESTS"
+      DELTASTATE_CUDA_FUSED=chain run test-layer gtest_sharded test-layer "$LAYER_TESTS"
+      run test-layer gtest_sharded test-layer "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED_TPW=2 run test-layer gtest_sharded test-layer '*FusedStepGpu*'
       run test-layer python3 -m pytest -q python/tests/test_fused_step.py \
         python/tests/peer/test_causal_conv1d_update.py
@@ -372,6 +375,7 @@ for phase in "${phases[@]}"; do
       # conv outputs and barriers; the cluster kernel's DSMEM and cluster barriers, small cases)
       DELTASTATE_CUDA_FUSED=cluster sanitized memcheck "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED=cta sanitized memcheck "$LAYER_TESTS"
+      DELTASTATE_CUDA_FUSED=chain sanitized memcheck "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED=cta sanitized racecheck '*FusedStepGpu*'
       DELTASTATE_CUDA_FUSED=cluster sanitized racecheck "$LAYER_SMALL"
       DELTASTATE_CUDA_FUSED_TPW=2 sanitized memcheck "$LAYER_SMALL"

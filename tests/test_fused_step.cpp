@@ -1001,5 +1001,53 @@ TEST(FusedReplayContract, EveryErrorText) {
                ErrorKind::not_implemented);
 }
 
+// The workspace: a contiguous, 16-byte aligned 1-D tensor on the tensors' device. On the CPU the
+// plan needs none (the query says 0) and a given one of any size is accepted and not used. The
+// CUDA side (too small; a forced chain without one; the query where the cluster kernel runs) is
+// in tests/gpu/test_fused_step_gpu.cpp.
+TEST(FusedStepContract, Workspace) {
+  Rng rng = test_rng();
+  const LayerCase c{{"ws", kGdnSmall, false, kNoLb, f32, f32}, f32};
+  LayerBatch b = make_layer_batch(rng, c, {1, -1, 2}, 4);
+  auto run = [&b](FusedDecodeStepArgs a) { return [&b, a] { b.run_fused(a); }; };
+  const FusedDecodeStepArgs base = b.args(host_view);
+  EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(base), 0);
+  Tensor ws = Tensor::contiguous(f32, {2, 8});
+  FusedDecodeStepArgs a = base;
+  a.workspace = ws.view();
+  expect_error(run(a), "`workspace` must be a contiguous 1-D tensor (got shape (2, 8)).");
+  Tensor flat = Tensor::contiguous(f32, {16});
+  a.workspace = flat.alias(f32, {4}, {2}, 0).view();
+  expect_error(run(a), "`workspace` must be a contiguous 1-D tensor (got shape (4,)).");
+  a.workspace = flat.alias(f32, {4}, {1}, 1).view();
+  expect_error(run(a),
+               "`workspace` must be 16-byte aligned; its address is 4 bytes past a multiple of 16");
+  a.workspace = flat.view();
+  a.workspace->device = Device::cuda(0);
+  expect_error(run(a),
+               "fused_decode_step: all tensors must be on the same device: `mixed_qkv` is on cpu, "
+               "`workspace` is on cuda:0");
+  Tensor bad_x = Tensor::contiguous(f32, {3, 4, 5});
+  a = base;
+  a.mixed_qkv = bad_x.view();
+  expect_error([&] { deltastate::fused_decode_step_workspace_bytes(a); },
+               "fused_decode_step_workspace_bytes needs `mixed_qkv` [B, conv_dim] and "
+               "`initial_state` [slots, HV, V, K] (got shapes (3, 4, 5) and (4, 4, 16, 32))");
+
+  // A CPU workspace (here 4 bytes) changes nothing: the same bits as without one.
+  LayerBatch with = b;
+  with.state = clone(b.state);
+  with.out = clone(b.out);
+  with.win = {clone(b.win[0])};
+  b.run_fused(base);
+  Tensor tiny = Tensor::contiguous(f32, {1});
+  FusedDecodeStepArgs w = with.args(host_view);
+  w.workspace = tiny.view();
+  with.run_fused(w);
+  EXPECT_EQ(with.out.bytes(), b.out.bytes());
+  EXPECT_EQ(with.state.bytes(), b.state.bytes());
+  EXPECT_EQ(with.win[0].bytes(), b.win[0].bytes());
+}
+
 }  // namespace
 }  // namespace dstest

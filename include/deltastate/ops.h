@@ -326,7 +326,17 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
 //   CUDA: such a row is skipped (windows, checkpoint, rings and cursor untouched), its output
 //   NaN, and recorded for check_errors, as a bad slot index. CUDA: L <= 4096 and the ring of a
 //   key head within the GPU's shared memory per block (not_implemented otherwise).
-// CUDA: K in {64, 128}, (HV/H) * V at most 256 rows per key head (one CTA per (row, key head)).
+//   workspace   optional scratch on the state's device: a contiguous 1-D tensor of at least
+//               fused_decode_step_workspace_bytes(args) bytes (numel * element size, any dtype),
+//               16-byte aligned; fewer is an error naming it. The op allocates nothing.
+// CUDA: K in {64, 128}, (HV/H) * V at most 256 rows per key head. Three plans, one result (every
+// intermediate rounded where the unfused chain stores it; docs/LAYER_STEP.md): small batches
+// whose one-CTA-per-(row, key head) grid fills at most half of the SMs run one cluster kernel;
+// the others, given a workspace, run the chain plan: the conv kernel into the workspace, the
+// packed decode kernels, and the gated-norm kernel, on `stream` in sequence (no allocation, no
+// host synchronization, `pdl` on each launch); without a workspace one CTA per (row, key head),
+// one launch, slower there. ReplaySSM calls run one launch, one CTA per (row, key head), and
+// need no workspace.
 struct FusedDecodeStepArgs {
   TensorView mixed_qkv, conv_weight;
   std::optional<TensorView> conv_bias;
@@ -348,9 +358,16 @@ struct FusedDecodeStepArgs {
   std::optional<bool> check_indices;
   Stream stream = nullptr;
   bool pdl = false;
+  std::optional<TensorView> workspace;
 };
 void gdn_fused_decode_step(const FusedDecodeStepArgs& args);
 void kda_fused_decode_step(const FusedDecodeStepArgs& args);
+// The workspace the fused step's plan needs for these arguments on this device. Reads only the
+// shapes of mixed_qkv and state, their dtypes and the device (never tensor data), so it can run
+// before the inputs hold data. CPU and ReplaySSM calls (d_cache given): 0. CUDA: 0 where the
+// cluster kernel runs (and under DELTASTATE_CUDA_FUSED=cta); elsewhere the chain plan's conv
+// output, B * conv_dim elements of mixed_qkv's dtype rounded up to 16 bytes.
+int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args);
 
 // ---------------------------------------------------------------------------------------------
 // Speculative verify (GDN and KDA): T draft tokens per sequence through the recurrent math, each

@@ -1010,13 +1010,58 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     [slots, H*K, .] with conv_state_k [slots, H*K, .] and conv_state_v [slots, HV*V, .]; a{a};
     b [B, HV]; A_log [HV]; dt_bias{dt}; initial_state [slots, HV, V, K]; ssm_state_indices [B]
     (one slot for windows and state; < 0: padded row, nothing read or written, output zeros); z
-    [B, HV, V]; norm_weight [V]; out [B, HV, V] (the activation dtype).
+    [B, HV, V]; norm_weight [V]; out [B, HV, V] (the activation dtype). ``workspace``: scratch
+    of fused_decode_step_workspace_bytes on the state's device (on CUDA the batches the cluster
+    kernel does not take run the conv, packed decode and norm kernels in sequence through it);
+    when None and the call needs one, it is allocated in mixed_qkv's framework and device.
 
     ReplaySSM (keyword-only, all of d_cache, k_cache, g_cache and write_pos): initial_state is
     the checkpoint pool and the step is causal_conv1d_update -> replayssm_decode -> the norm, with
     replayssm_decode's rings d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache
     [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
-    int32 or None and advance_write_pos; ssm_state_indices must then be int32."""
+    int32 or None and advance_write_pos; ssm_state_indices must then be int32
+    (one launch, no workspace)."""
+
+
+def _fused_workspace(mixed_qkv, initial_state):
+    """A new workspace for the fused step's plan, in mixed_qkv's framework and device (float32
+    elements: the binding takes no uint8), or None where the plan needs none (the CPU, the
+    cluster kernel's batches). Reads the shapes, dtypes and device only (fake tensors too)."""
+    from ._lib import lib
+    from .pool import _dtype_name
+
+    xs, ss = _shape(mixed_qkv), _shape(initial_state)
+    if len(xs) != 2 or len(ss) != 4:
+        return None  # the op's validator names the shape
+    dev = getattr(initial_state, "device", None)
+    if dev is None or getattr(dev, "type", "cpu") != "cuda":
+        return None
+    cuda = dev.index if dev.index is not None else 0
+    nbytes = int(lib.fused_decode_step_workspace_bytes(
+        int(xs[0]), int(xs[1]), int(ss[1]), int(ss[2]), int(ss[3]),
+        _dtype_name(mixed_qkv.dtype), _dtype_name(initial_state.dtype), cuda))
+    return _empty(mixed_qkv, ((nbytes + 3) // 4,), "float32") if nbytes > 0 else None
+
+
+def _fused_prepare(op, mixed_qkv, initial_state, workspace, d_cache):
+    if workspace is None and d_cache is None and not _compiling(mixed_qkv):
+        workspace = _fused_workspace(mixed_qkv, initial_state)
+    return workspace,
+
+
+def _fused_impl(mixed_qkv, initial_state, workspace, d_cache):
+    if workspace is None and d_cache is None:  # ReplaySSM calls run without one
+        workspace = _fused_workspace(mixed_qkv, initial_state)
+    return workspace,
+
+
+# The torch op's arguments: the public order with `pdl` last, as every op takes it.
+_FUSED_OP_ORDER = ("mixed_qkv", "conv_weight", "conv_state", "a", "b", "A_log", "dt_bias",
+                   "initial_state", "out", "ssm_state_indices", "conv_bias", "conv_silu", "scale",
+                   "norm_weight", "z", "norm_eps", "use_qk_l2norm_in_kernel", "lower_bound",
+                   "conv_state_k", "conv_state_v", "round_beta", "check_indices", "d_cache",
+                   "k_cache", "g_cache", "write_pos", "force_flush", "advance_write_pos",
+                   "workspace", "pdl")
 
 
 def _fused(kda: bool) -> Op:
@@ -1059,8 +1104,14 @@ def _fused(kda: bool) -> Op:
             Arg("write_pos", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
             Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("advance_write_pos", BOOL, False, keyword=True),
+            Arg("workspace", OPT_TENSOR, None, mutated=True, keyword=True),
         ),
         returns=("out", "initial_state"),
+        op_order=_FUSED_OP_ORDER,
+        prepare=_fused_prepare,
+        fills=("workspace",),
+        impl_prepare=_fused_impl,
+        impl_fills=("workspace",),
     )
 
 

@@ -601,6 +601,7 @@ constexpr auto fused_step(const char* name, void (*run)(FS&)) {
                   Field<&FS::write_pos>{"write_pos"},
                   Field<&FS::force_flush>{"force_flush"},
                   Field<&FS::advance_write_pos>{"advance_write_pos"},
+                  Field<&FS::workspace>{"workspace"},
               });
 }
 
@@ -734,6 +735,30 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
                                             " must be float32, bfloat16 or "
                                             "float16; got " +
                                             s);
+}
+
+// fused_decode_step_workspace_bytes from what it reads: the shapes of mixed_qkv [B, conv_dim]
+// and of the state's [HV, V, K], their dtypes and the device, no tensor (fake tensors too).
+int64_t fused_decode_step_workspace_bytes(int64_t B, int64_t conv_dim, int64_t HV, int64_t V,
+                                          int64_t K, const std::string& x_dtype,
+                                          const std::string& state_dtype, int64_t cuda_device) {
+  return guarded([&] {
+    FS a;
+    const ds::Device dev = cuda_device < 0 ? ds::Device::cpu() : ds::Device::cuda(cuda_device);
+    a.mixed_qkv.ndim = 2;
+    a.mixed_qkv.shape[0] = B;
+    a.mixed_qkv.shape[1] = conv_dim;
+    a.mixed_qkv.dtype = dtype_from_name(x_dtype, "mixed_qkv's dtype");
+    a.mixed_qkv.device = dev;
+    a.state.ndim = 4;
+    a.state.shape[0] = 1;
+    a.state.shape[1] = HV;
+    a.state.shape[2] = V;
+    a.state.shape[3] = K;
+    a.state.dtype = dtype_from_name(state_dtype, "initial_state's dtype");
+    a.state.device = dev;
+    return ds::fused_decode_step_workspace_bytes(a);
+  });
 }
 
 ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
@@ -876,6 +901,7 @@ DELTASTATE_EXPORT_OP(update_state_after_verify)
 DELTASTATE_EXPORT_OP(replayssm_verify)
 DELTASTATE_EXPORT_OP(replayssm_commit)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_decode_step_workspace_bytes, fused_decode_step_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_errors, check_errors);

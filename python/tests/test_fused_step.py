@@ -283,3 +283,24 @@ def test_fused_step_replayssm_partial_rings_error():
                                  d_cache=torch.zeros(3, 4, 2, 16),
                                  g_cache=torch.zeros(3, 4, 2),
                                  write_pos=torch.zeros(2, dtype=torch.int32))
+
+
+def test_workspace_query_and_keyword():
+    """The fused step's workspace: the last keyword of both functions; the query the wrapper asks
+    is 0 on the CPU (and for shapes it cannot read), so no workspace is allocated there; a
+    workspace the caller gives is passed through (on the CPU any size, unused)."""
+    import inspect
+
+    import deltastate as ds
+    from deltastate import _surface
+    from deltastate._lib import lib
+
+    for fn in (ds.gdn_fused_decode_step, ds.kda_fused_decode_step):
+        last = list(inspect.signature(fn).parameters.values())[-1]
+        assert (last.name, last.default, last.kind) == ("workspace", None, last.KEYWORD_ONLY)
+    assert lib.fused_decode_step_workspace_bytes(8, 192, 4, 16, 32, "float32", "float32", -1) == 0
+    x, st = np.zeros((8, 192), np.float32), np.zeros((4, 4, 16, 32), np.float32)
+    assert _surface._fused_workspace(x, st) is None
+    assert _surface._fused_prepare("gdn_fused_decode_step", x, st, None, None) == (None,)
+    given = np.zeros(4, np.float32)
+    assert _surface._fused_prepare("gdn_fused_decode_step", x, st, given, None)[0] is given

@@ -168,7 +168,7 @@ _FUSED_PUBLIC = (
     "ssm_state_indices, conv_bias=None, conv_silu=True, scale=None, norm_weight=None, z=None, "
     "norm_eps=1e-06, use_qk_l2norm_in_kernel=True, {lb}*, conv_state_k=None, conv_state_v=None, "
     "round_beta=False, check_indices=None, pdl=False, d_cache=None, k_cache=None, g_cache=None, "
-    "write_pos=None, force_flush=None, advance_write_pos=False)")
+    "write_pos=None, force_flush=None, advance_write_pos=False, workspace=None)")
 PUBLIC["gdn_fused_decode_step"] = _FUSED_PUBLIC.format(lb="")
 PUBLIC["kda_fused_decode_step"] = _FUSED_PUBLIC.format(lb="lower_bound=None, ")
 SCHEMAS["causal_conv1d_update"] = (
@@ -181,9 +181,10 @@ _FUSED_SCHEMA = (
     "Tensor ssm_state_indices, Tensor? conv_bias=None, bool conv_silu=True, float? scale=None, "
     "Tensor? norm_weight=None, Tensor? z=None, float norm_eps=1e-06, "
     "bool use_qk_l2norm_in_kernel=True, float? lower_bound=None, Tensor(d!)? conv_state_k=None, "
-    "Tensor(e!)? conv_state_v=None, bool round_beta=False, int check_indices=-1, bool pdl=False, "
+    "Tensor(e!)? conv_state_v=None, bool round_beta=False, int check_indices=-1, "
     "Tensor(f!)? d_cache=None, Tensor(g!)? k_cache=None, Tensor(h!)? g_cache=None, "
-    "Tensor(i!)? write_pos=None, Tensor? force_flush=None, bool advance_write_pos=False")
+    "Tensor(i!)? write_pos=None, Tensor? force_flush=None, bool advance_write_pos=False, "
+    "Tensor(j!)? workspace=None, bool pdl=False")
 SCHEMAS["gdn_fused_decode_step"] = f"gdn_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 SCHEMAS["kda_fused_decode_step"] = f"kda_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 

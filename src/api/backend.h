@@ -54,5 +54,8 @@ void copy_to_device(void* dst, const void* src, size_t bytes, int device, void* 
 // src/cuda/fused_decode_step.cu).
 void run_conv_update(const detail::ConvUpdateProblem& p, void* stream);
 void run_fused_decode_step(const detail::FusedStepProblem& p, void* stream);
+// The workspace bytes of the fused step's plan for p's shapes, dtypes and device when a workspace
+// is given: the chain's where it would run, else 0 (src/cuda/fused_decode_step.cu).
+int64_t fused_decode_step_workspace_bytes(const detail::FusedStepProblem& p);
 
 }  // namespace deltastate::cuda_backend

@@ -36,5 +36,6 @@ void copy_to_device(void*, const void*, size_t, int, void*) { not_built(); }
 
 void run_conv_update(const detail::ConvUpdateProblem&, void*) { not_built(); }
 void run_fused_decode_step(const detail::FusedStepProblem&, void*) { not_built(); }
+int64_t fused_decode_step_workspace_bytes(const detail::FusedStepProblem&) { not_built(); }
 
 }  // namespace deltastate::cuda_backend

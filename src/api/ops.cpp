@@ -109,10 +109,36 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args) {
 namespace {
 void run_fused(const detail::FusedStepProblem& p, Stream stream) {
   if (p.B == 0) return;
-  if (p.device.type == DeviceType::cpu) cpu::run_fused_decode_step(p);
-  else run_cuda_checked(p, stream, cuda_backend::run_fused_decode_step);
+  if (p.device.type == DeviceType::cpu) return cpu::run_fused_decode_step(p);
+  detail::check_fused_step_workspace(p, cuda_backend::fused_decode_step_workspace_bytes(p));
+  run_cuda_checked(p, stream, cuda_backend::run_fused_decode_step);
 }
 }  // namespace
+
+int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args) {
+  const TensorView& x = args.mixed_qkv;
+  const TensorView& st = args.state;
+  if (x.ndim != 2 || st.ndim != 4)  // the shapes it reads, before the validator's own checks
+    detail::fail(detail::format(
+        "fused_decode_step_workspace_bytes needs `mixed_qkv` [B, conv_dim] and `initial_state` "
+        "[slots, HV, V, K] (got shapes %s and %s)",
+        shape_str(x).c_str(), shape_str(st).c_str()));
+  // The CPU runs no plan with a workspace, nor does a ReplaySSM call (its own one-launch kernel).
+  if (st.device.type == DeviceType::cpu || args.d_cache) return 0;
+  detail::FusedStepProblem p;
+  p.HV = static_cast<int32_t>(st.shape[1]);
+  p.V = static_cast<int32_t>(st.shape[2]);
+  p.K = static_cast<int32_t>(st.shape[3]);
+  const int64_t qk = x.shape[1] - st.shape[1] * st.shape[2];  // 2*H*K
+  if (p.K <= 0 || qk <= 0 || qk % (2 * p.K) != 0) return 0;   // a shape the validator rejects
+  p.H = static_cast<int32_t>(qk / (2 * p.K));
+  if (p.HV % p.H != 0) return 0;
+  p.B = static_cast<int32_t>(x.shape[0]);
+  p.x_dtype = x.dtype;
+  p.state.dtype = st.dtype;
+  p.device = st.device;
+  return cuda_backend::fused_decode_step_workspace_bytes(p);
+}
 
 void gdn_fused_decode_step(const FusedDecodeStepArgs& args) {
   run_fused(detail::validate_fused_decode_step(args, /*kda=*/false), args.stream);

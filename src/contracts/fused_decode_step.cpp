@@ -143,6 +143,20 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
         args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
     p.replay.advance_write_pos = args.advance_write_pos;
   }
+  if (args.workspace) {  // a byte buffer: any dtype, counted as numel * element size
+    const TensorView& w = *args.workspace;
+    if (w.ndim != 1 || !w.is_contiguous())
+      fail(format("`workspace` must be a contiguous 1-D tensor (got shape %s).",
+                  shape_str(w).c_str()));
+    c.device("workspace", w);
+    if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0)
+      fail(
+          format("`workspace` must be 16-byte aligned; its address is %lld bytes past a "
+                 "multiple of 16",
+                 static_cast<long long>(reinterpret_cast<uintptr_t>(w.data) % 16)));
+    p.workspace = w.data;
+    p.workspace_bytes = w.numel() * w.element_size();
+  }
   c.check_devices("fused_decode_step: all tensors must be on the same device", true);
 
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
@@ -192,6 +206,14 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   p.pdl = args.pdl;
   p.device = c.common_device();
   return p;
+}
+
+void check_fused_step_workspace(const FusedStepProblem& p, int64_t needed) {
+  if (p.workspace && p.workspace_bytes < needed)
+    fail(
+        format("`workspace` has %lld bytes; fused_decode_step needs %lld "
+               "(fused_decode_step_workspace_bytes)",
+               static_cast<long long>(p.workspace_bytes), static_cast<long long>(needed)));
 }
 
 }  // namespace deltastate::detail

@@ -63,6 +63,9 @@ ConvParams check_conv_params(Contract& c, const TensorView& weight,
 ConvWindowRef conv_window(const TensorView& w, int64_t first_channel);
 ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args);
 FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, bool kda);
+// A given workspace of fewer than `needed` bytes (fused_decode_step_workspace_bytes of the call)
+// is an error naming it; none given runs a plan that needs none.
+void check_fused_step_workspace(const FusedStepProblem& p, int64_t needed);
 // Speculative verify and its commit (contracts/verify.cpp).
 VerifyProblem validate_verify(const VerifyArgs& args);
 CommitProblem validate_commit(const CommitArgs& args);

@@ -250,6 +250,17 @@ struct ConvUpdateProblem {
   bool pdl_trigger_early = false;
   DeviceErrorRecord* errors = nullptr;
   Device device{};
+  // fused_decode_step's chain plan (CUDA) runs its conv through this problem: the slot of row b
+  // from `slots` (any index dtype and stride; `indices` is null then), bad rows recorded as
+  // `err_op`'s, and with split_k > 0 the channels from split_k on in window_k (channel
+  // c - split_k) and from split_v on in window_v (Kimi-Linear's separate k and v windows; `state`
+  // holds the channels below split_k). The causal_conv1d_update validator leaves them unset.
+  const void* slots = nullptr;
+  DType slot_dtype = DType::i32;
+  int64_t slot_stride = 1;
+  int err_op = kErrOpConv;
+  int32_t split_k = 0, split_v = 0;
+  ConvWindowRef window_k, window_v;
 };
 
 // The rings and cursors of a ReplaySSM step (ReplayProblem's fields of the same names), for the
@@ -301,6 +312,10 @@ struct FusedStepProblem {
   bool pdl_trigger_early = false;
   DeviceErrorRecord* errors = nullptr;
   Device device{};
+  // CUDA: the caller's scratch for the chain plan (ops.h fused_decode_step_workspace_bytes);
+  // null: none given.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
 
   DS_HD int32_t conv_dim() const { return 2 * H * K + HV * V; }
   DS_HD bool is_replay() const { return replay.d_cache != nullptr; }

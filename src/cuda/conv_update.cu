@@ -13,6 +13,7 @@
 namespace deltastate::cuda_backend {
 
 using detail::ConvUpdateProblem;
+using detail::ConvWindowRef;
 
 namespace {
 
@@ -23,12 +24,14 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
   const int64_t b = blockIdx.x;
   const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x;
   if (c >= p.dim) return;
-  const int64_t entry = p.indices ? p.indices[b] : b;
+  const int64_t entry = p.slots     ? detail::index_at(p.slots, p.slot_dtype, p.slot_stride, b)
+                        : p.indices ? p.indices[b]
+                                    : b;
   const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
   const bool bad = entry >= p.state.num_slots;
   if (entry < 0 || bad) {  // padded: zeros; a bad index: NaN, recorded once per row
     if (bad && c == 0)
-      record_bad_row(p.errors, detail::kErrOpConv, detail::kErrSlot, b, entry, p.state.num_slots);
+      record_bad_row(p.errors, p.err_op, detail::kErrSlot, b, entry, p.state.num_slots);
     const float fill = bad ? bad_row_output() : 0.0f;
     for (int t = 0; t < p.T; ++t)
       detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, fill);
@@ -36,8 +39,15 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
   }
   const int start = p.cache_seqlens ? p.cache_seqlens[b] % p.state.state_len : 0;
   const int64_t x_off = b * p.x_batch_stride + c * p.x_dim_stride;
+  // the window of channel c: `state`, or with split_k the k or v part's own window
+  const ConvWindowRef& win = p.split_k == 0 || c < p.split_k ? p.state
+                             : c < p.split_v                 ? p.window_k
+                                                             : p.window_v;
+  const int64_t wc = p.split_k == 0 || c < p.split_k ? c
+                     : c < p.split_v                 ? c - p.split_k
+                                                     : c - p.split_v;
   detail::conv_channel_update(
-      detail::channel_window(p.state, entry, c), p.state.state_len, p.T, p.cache_seqlens != nullptr,
+      detail::channel_window(win, entry, wc), p.state.state_len, p.T, p.cache_seqlens != nullptr,
       start, detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
       [&](int t) { return detail::load_float(p.x, p.x_dtype, x_off + t * p.x_tok_stride); },
       [&](int t, float y) {

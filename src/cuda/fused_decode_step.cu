@@ -4,10 +4,13 @@
 // batches (fused_cluster_pays, tuning.h) whose key head's rows fit a cluster of
 // kFusedClusterMaxCtas CTAs of kFusedClusterMaxWarps warps; the others run the CTA kernel
 // (src/cuda/fused_decode_step/kernel.cuh: one CTA per (row, key head), one or two row tiles per
-// warp, two when the group has more than kFusedMaxWarps tiles). DELTASTATE_CUDA_FUSED=cta|cluster
-// forces either (tuning.h). ReplaySSM calls run src/cuda/fused_decode_step/replay.cuh's kernel
-// (the CTA kernel's structure with replayssm_decode's step). The validator limits K to {64, 128}
-// and (HV/H)*V to 256 rows.
+// warp, two when the group has more than kFusedMaxWarps tiles), or, where the caller gives a
+// workspace, the chain plan (src/cuda/fused_decode_step/chain.cuh: the conv, packed decode and
+// norm kernels in sequence), which is faster than the CTA kernel there. DELTASTATE_CUDA_FUSED=
+// cta|cluster|chain forces one (tuning.h). ReplaySSM calls always run
+// src/cuda/fused_decode_step/replay.cuh's kernel (the CTA kernel's structure with
+// replayssm_decode's step) and need no workspace. The validator limits K to {64, 128} and
+// (HV/H)*V to 256 rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -16,6 +19,7 @@
 
 #include "api/backend.h"
 #include "core/problem.h"
+#include "cuda/fused_decode_step/chain.cuh"
 #include "cuda/fused_decode_step/cluster.cuh"
 #include "cuda/fused_decode_step/kernel.cuh"
 #include "cuda/fused_decode_step/replay.cuh"
@@ -115,22 +119,60 @@ bool launch_cluster_k(const FusedStepProblem& p, cudaStream_t stream) {
   return true;
 }
 
+// Whether launch_cluster_k finds a cluster shape for the key head's rows.
 template <class StateT, int K>
-void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
-  constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
-  const int tiles = (p.HV / p.H) * ((p.V + kRows - 1) / kRows);
-  if (tiles > 2 * kFusedMaxWarps)  // the validator's (HV/H)*V <= 256 keeps this unreachable
-    throw Error(ErrorKind::not_implemented, "fused_decode_step: too many rows per key head");
-  if (p.is_replay()) {  // the CTA kernel's structure, whatever DELTASTATE_CUDA_FUSED asks for
-    if (tiles > kFusedMaxWarps) return launch_replay<StateT, K, 2>(p, stream, (tiles + 1) / 2);
-    return launch_replay<StateT, K, 1>(p, stream, tiles);
-  }
+bool cluster_fits(const FusedStepProblem& p) {
+  FusedCluster fc{};
+  return (forced_fused_tiles_per_warp() == 2 && fused_cluster_shape<StateT, K>(p, 2, fc)) ||
+         fused_cluster_shape<StateT, K>(p, 1, fc);
+}
+
+// The plan of a call (`workspace`: whether the caller gives one): ReplaySSM's own kernel for a
+// ReplaySSM call; the cluster kernel where it pays and fits; else the chain where a workspace is
+// given; else the CTA kernel. DELTASTATE_CUDA_FUSED forces one of the last three (a forced
+// cluster that does not fit runs the CTA kernel; a forced chain is the chain, with or without a
+// workspace: launch_k refuses it without one). fused_decode_step_workspace_bytes asks the same
+// function.
+enum class FusedPlan { replay, cluster, chain, cta };
+template <class StateT, int K>
+FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
+  if (p.is_replay()) return FusedPlan::replay;
   const FusedChoice forced = forced_fused_kernel();
   const bool cluster =
       forced == FusedChoice::cluster ||
       (forced == FusedChoice::automatic &&
        fused_cluster_pays(static_cast<int64_t>(p.B) * p.H, num_sms(p.device.index)));
-  if (cluster && launch_cluster_k<StateT, K>(p, stream)) return;
+  if (cluster && cluster_fits<StateT, K>(p)) return FusedPlan::cluster;
+  if (forced == FusedChoice::chain || (forced == FusedChoice::automatic && workspace))
+    return FusedPlan::chain;
+  return FusedPlan::cta;
+}
+
+template <class StateT, int K>
+void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
+  const FusedPlan plan = fused_plan<StateT, K>(p, p.workspace != nullptr);
+  if (plan == FusedPlan::cluster && launch_cluster_k<StateT, K>(p, stream)) return;
+  if (plan == FusedPlan::chain) {
+    const int64_t need = fused_chain_workspace_bytes(p);
+    if (!p.workspace)
+      throw Error(ErrorKind::value,
+                  "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +
+                      std::to_string(need) +
+                      " bytes (fused_decode_step_workspace_bytes); none was given");
+    if (p.workspace_bytes < need)  // the entry point checks it first; a direct caller here too
+      throw Error(ErrorKind::value, "`workspace` has " + std::to_string(p.workspace_bytes) +
+                                        " bytes; fused_decode_step needs " + std::to_string(need) +
+                                        " (fused_decode_step_workspace_bytes)");
+    return run_fused_chain(p, stream);
+  }
+  constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
+  const int tiles = (p.HV / p.H) * ((p.V + kRows - 1) / kRows);
+  if (tiles > 2 * kFusedMaxWarps)  // the validator's (HV/H)*V <= 256 keeps this unreachable
+    throw Error(ErrorKind::not_implemented, "fused_decode_step: too many rows per key head");
+  if (plan == FusedPlan::replay) {
+    if (tiles > kFusedMaxWarps) return launch_replay<StateT, K, 2>(p, stream, (tiles + 1) / 2);
+    return launch_replay<StateT, K, 1>(p, stream, tiles);
+  }
   if (tiles > kFusedMaxWarps) return launch_fused<StateT, K, 2>(p, stream, (tiles + 1) / 2);
   launch_fused<StateT, K, 1>(p, stream, tiles);
 }
@@ -146,7 +188,22 @@ void dispatch(const FusedStepProblem& p, cudaStream_t stream) {
                   " is not compiled in this build (DELTASTATE_CUDA_ALL_KERNELS=OFF: K = 128 only)");
 }
 
+// The plan's workspace for K (the row layouts of every K the validator allows, compiled or not).
+template <class StateT>
+int64_t workspace_bytes_of(const FusedStepProblem& p) {
+  FusedPlan plan = FusedPlan::cta;
+  if (p.K == 128) plan = fused_plan<StateT, 128>(p, true);
+  else if (p.K == 64) plan = fused_plan<StateT, 64>(p, true);
+  else return 0;  // the validator rejects other K on CUDA
+  return plan == FusedPlan::chain ? fused_chain_workspace_bytes(p) : 0;
+}
+
 }  // namespace
+
+int64_t fused_decode_step_workspace_bytes(const FusedStepProblem& p) {
+  return with_state_type(p.state.dtype,
+                         [&](auto state) { return workspace_bytes_of<decltype(state)>(p); });
+}
 
 void run_fused_decode_step(const FusedStepProblem& problem, void* stream) {
   DeviceGuard guard(problem.device.index);

@@ -44,9 +44,10 @@ constexpr int kMultiTwoCtasPerSm = 5;
 constexpr int kFusedClusterMaxCtas = 8, kFusedClusterMaxWarps = 4, kFusedClusterCtasPerSm = 6;
 // The fused step's cluster kernel where the CTA kernel's grid (one CTA per row and key head,
 // `cta_kernel_ctas`) fills at most half of the `sms` SMs: there the CTA kernel leaves the state
-// read to a few SMs, and the cluster kernel spreads it over the GPU; from about a wave up the CTA
-// kernel, whose state tiles stay in registers, is the faster one (measured on the H200,
-// bench/results/layer-step-h200.json).
+// read to a few SMs, and the cluster kernel spreads it over the GPU, faster than the unfused
+// chain. Above it the CTA kernel is latency-bound and slower than the unfused chain (measured on
+// the H200, bench/results/layer-step-h200.json): there the chain plan runs where the caller gives
+// a workspace (docs/LAYER_STEP.md).
 constexpr bool fused_cluster_pays(int64_t cta_kernel_ctas, int64_t sms) {
   return 2 * cta_kernel_ctas <= sms;
 }
@@ -194,16 +195,19 @@ inline MultiVariant forced_multi_variant() {
   }();
   return forced;
 }
-// DELTASTATE_CUDA_FUSED=cta|cluster: the fused decode step on its one-CTA-per-key-head kernel, or
-// on its cluster kernel (unset: fused_cluster_pays; shapes a cluster does not fit run the CTA
-// kernel either way).
-enum class FusedChoice { automatic, cta, cluster };
+// DELTASTATE_CUDA_FUSED=cta|cluster|chain: the fused decode step on its one-CTA-per-key-head
+// kernel, on its cluster kernel, or as its chain plan (the conv, packed decode and norm kernels
+// through the caller's workspace; an error without one). Unset: the cluster kernel where
+// fused_cluster_pays, else the chain where a workspace is given, else the CTA kernel; shapes a
+// cluster does not fit never run the cluster kernel.
+enum class FusedChoice { automatic, cta, cluster, chain };
 inline FusedChoice forced_fused_kernel() {
   static const FusedChoice forced = [] {
     const char* e = std::getenv("DELTASTATE_CUDA_FUSED");
     if (!e) return FusedChoice::automatic;
     if (std::strcmp(e, "cta") == 0) return FusedChoice::cta;
     if (std::strcmp(e, "cluster") == 0) return FusedChoice::cluster;
+    if (std::strcmp(e, "chain") == 0) return FusedChoice::chain;
     return FusedChoice::automatic;
   }();
   return forced;

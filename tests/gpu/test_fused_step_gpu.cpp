@@ -4,15 +4,22 @@
 // outputs, 1e-5/1e-4 on fp32 states, the state dtype's tolerance otherwise, plus one ulp of the
 // storage dtype on each side), the gated norm adding the fp32 reduction order (1e-4). Padded rows
 // are zeros, unused slots bit-untouched, and an out-of-range index is skipped and reported by
-// check_errors. The fused step has two kernels (a cluster per key head, or one CTA):
-// scripts/device.sh runs these tests with each forced (DELTASTATE_CUDA_FUSED=cluster | cta).
-// Skips without a CUDA device.
+// check_errors. The fused step has three plans (a cluster per key head, one CTA per key head, or
+// the chain of conv, packed decode and norm kernels through the workspace, which these tests
+// pass whenever the call's plan asks for one): scripts/device.sh runs these tests with each
+// forced (DELTASTATE_CUDA_FUSED=cluster | cta | chain) and with the default choice, and
+// FusedStepGpuPlans compares the plans with each other bit for bit. Skips without a CUDA device.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "layer_step_util.h"
 #include "test_util.h"
@@ -60,6 +67,39 @@ class DeviceCopies {
   std::map<const void*, void*> bufs_;
 };
 
+// The workspace the call's plan asks for (fused_decode_step_workspace_bytes), on the device, set
+// in the arguments; none where the plan needs none.
+class DeviceWorkspace {
+ public:
+  DeviceWorkspace() = default;
+  DeviceWorkspace(const DeviceWorkspace&) = delete;
+  DeviceWorkspace& operator=(const DeviceWorkspace&) = delete;
+  ~DeviceWorkspace() { cudaFree(ptr_); }
+  // `bytes` < 0: the query's size; else exactly `bytes` (rounded down to whole floats).
+  void attach(deltastate::FusedDecodeStepArgs& a, int64_t bytes = -1) {
+    const int64_t need = deltastate::fused_decode_step_workspace_bytes(a);
+    if (bytes < 0) bytes = need;
+    if (bytes <= 0) return;
+    if (!ptr_) ok(cudaMalloc(&ptr_, static_cast<size_t>(need > bytes ? need : bytes)));
+    a.workspace = TensorView::contiguous(ptr_, DType::f32, {bytes / 4}, Device::cuda(0));
+  }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+void expect_error_text(const std::function<void()>& f, const std::string& message) {
+  const auto e = catch_error(f);
+  ASSERT_TRUE(e.has_value()) << "no error; expected: " << message;
+  EXPECT_EQ(std::string(e->what()), message);
+}
+
+inline bool fused_forced() { return std::getenv("DELTASTATE_CUDA_FUSED") != nullptr; }
+inline std::string fused_forced_as() {
+  const char* e = std::getenv("DELTASTATE_CUDA_FUSED");
+  return e ? e : "";
+}
+
 class FusedStepGpu : public ::testing::TestWithParam<LayerCase> {
  protected:
   void SetUp() override {
@@ -80,8 +120,11 @@ TEST_P(FusedStepGpu, MatchesCpu) {
                             &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
       dev.put(*t);
     for (const Tensor& w : b.win) dev.put(w);
+    DeviceWorkspace ws;
     try {
-      b.run_fused(b.args([&](const Tensor& t) { return dev.view(t); }));
+      deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
+      ws.attach(a);
+      b.run_fused(a);
     } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
       if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
       throw;
@@ -390,6 +433,8 @@ TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
     a.stream = stream;
     a.pdl = true;
     a.check_indices = false;
+    DeviceWorkspace ws;
+    ws.attach(a);
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -476,6 +521,8 @@ TEST(FusedStepGpuErrors, BadIndexIsReported) {
   for (const Tensor& w : b.win) dev.put(w);
   deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
   a.check_indices = false;
+  DeviceWorkspace ws;
+  ws.attach(a);
   b.run_fused(a);
   const auto e = catch_error([] { deltastate::check_errors(); });
   ASSERT_TRUE(e.has_value());
@@ -487,6 +534,150 @@ TEST(FusedStepGpuErrors, BadIndexIsReported) {
   for (int64_t i = 0; i < 32 * 128; ++i) ASSERT_TRUE(std::isnan(out.get_linear(32 * 128 + i)));
   EXPECT_EQ(dev.get(b.state).bytes(), b.state.bytes()) << "state untouched";
   EXPECT_EQ(dev.get(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched";
+}
+
+// Row r of a view whose dim 0 is the batch, as a batch of one.
+TensorView row_of(TensorView v, int64_t r) {
+  v.data = static_cast<char*>(v.data) + r * v.stride[0] * v.element_size();
+  v.shape[0] = 1;
+  return v;
+}
+
+int sm_count() {
+  int sms = 0;
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return sms;
+}
+
+// The three plans on the same inputs, each from the same starting pool: the chain (a batch the
+// cluster kernel does not take, with the workspace), the CTA kernel (the same batch without it)
+// and the cluster kernel (each row as a batch of one). The windows and the state agree bit for
+// bit; so does the output without the norm, and with it between the chain and the CTA kernel
+// (the same sum of squares; the cluster kernel adds its CTAs' partial sums in another order).
+// fp32 states: the register decode kernel runs the chain's decode, whose row layout is the fused
+// kernels'. The plans come from the default choice only: skipped when DELTASTATE_CUDA_FUSED
+// forces one.
+TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (fused_forced()) GTEST_SKIP() << "DELTASTATE_CUDA_FUSED forces one plan";
+  Rng rng = test_rng();
+  const LayerCase cases[] = {
+      LayerCase{{"qwen3next_f32", kQwen3Next, false, kNoLb, f32, f32}, f32},
+      LayerCase{{"qwen3next_f32state_bf16_nonorm", kQwen3Next, false, kNoLb, f32, bf16},
+                bf16,
+                4,
+                false,
+                false,
+                true,
+                false},
+      LayerCase{{"kimi_f32_lb_split_nonorm", kKimi, true, kLb, f32, f32},
+                f32,
+                4,
+                false,
+                true,
+                true,
+                false},
+      LayerCase{{"kimi_bf16act_packed", kKimi, true, kNoLb, f32, bf16}, bf16},
+  };
+  for (const LayerCase& c : cases) {
+    // enough rows that 2 * B * H exceeds the SMs (fused_cluster_pays is false), one padded
+    const int64_t B = std::max<int64_t>(8, sm_count() / c.shape.H + 1);
+    std::vector<int64_t> idx;
+    for (int64_t i = 0; i < B; ++i) idx.push_back(i == 2 ? -1 : B + 2 - i);  // distinct slots
+    LayerBatch b = make_layer_batch(rng, c, idx, B + 3);
+    DeviceCopies dev;
+    auto put_all = [&] {
+      for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                              &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
+        dev.put(*t);
+      for (const Tensor& w : b.win) dev.put(w);
+    };
+    struct Result {
+      std::vector<uint8_t> out, state;
+      std::vector<std::vector<uint8_t>> win;
+    };
+    auto result = [&] {
+      ok(cudaDeviceSynchronize());
+      deltastate::check_errors();
+      Result r{dev.get(b.out).bytes(), dev.get(b.state).bytes(), {}};
+      for (const Tensor& w : b.win) r.win.push_back(dev.get(w).bytes());
+      return r;
+    };
+    const auto view = [&](const Tensor& t) { return dev.view(t); };
+
+    put_all();
+    deltastate::FusedDecodeStepArgs a = b.args(view);
+    DeviceWorkspace ws;
+    ASSERT_GT(deltastate::fused_decode_step_workspace_bytes(a), 0) << c.name << ": the chain";
+    ws.attach(a);
+    b.run_fused(a);
+    const Result chain = result();
+
+    put_all();
+    b.run_fused(b.args(view));  // no workspace: the CTA kernel
+    const Result cta = result();
+
+    put_all();
+    for (int64_t r = 0; r < B; ++r) {
+      deltastate::FusedDecodeStepArgs one = b.args(view);
+      for (TensorView* t : {&one.mixed_qkv, &one.a, &one.b, &one.state_indices, &one.out})
+        *t = row_of(*t, r);
+      if (one.z) one.z = row_of(*one.z, r);
+      ASSERT_EQ(deltastate::fused_decode_step_workspace_bytes(one), 0) << c.name << ": cluster";
+      b.run_fused(one);
+    }
+    const Result cluster = result();
+
+    EXPECT_EQ(chain.state, cta.state) << c.name << ": state, chain vs CTA";
+    EXPECT_EQ(cluster.state, cta.state) << c.name << ": state, cluster vs CTA";
+    EXPECT_EQ(chain.win, cta.win) << c.name << ": windows, chain vs CTA";
+    EXPECT_EQ(cluster.win, cta.win) << c.name << ": windows, cluster vs CTA";
+    EXPECT_EQ(chain.out, cta.out) << c.name << ": out, chain vs CTA";
+    if (!c.norm) EXPECT_EQ(cluster.out, cta.out) << c.name << ": out, cluster vs CTA";
+  }
+}
+
+// The workspace on CUDA: the query says 0 where the cluster kernel runs and the chain's bytes
+// where the chain does; a workspace too small is an error naming it before anything is written;
+// a chain forced without one is an error saying so.
+TEST(FusedStepGpuPlans, Workspace) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  const LayerCase c{{"ws", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
+  const std::string forced = fused_forced_as();
+  const int64_t big = std::max<int64_t>(8, sm_count() / c.shape.H + 1);
+  for (const int64_t B : {int64_t{1}, big}) {
+    std::vector<int64_t> idx;
+    for (int64_t i = 0; i < B; ++i) idx.push_back(i);
+    LayerBatch b = make_layer_batch(rng, c, idx, B + 1);
+    DeviceCopies dev;
+    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                            &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
+      dev.put(*t);
+    for (const Tensor& w : b.win) dev.put(w);
+    deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
+    const int64_t chain_bytes = (B * b.conv_dim * 2 + 15) / 16 * 16;  // bf16 conv output
+    const bool chain = forced == "chain" || (forced.empty() && B == big);
+    EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(a), chain ? chain_bytes : 0)
+        << "B=" << B << ", DELTASTATE_CUDA_FUSED=" << forced;
+    if (!chain) continue;
+    DeviceWorkspace ws;
+    ws.attach(a, chain_bytes - 16);
+    expect_error_text([&] { b.run_fused(a); },
+                      "`workspace` has " + std::to_string(chain_bytes - 16) +
+                          " bytes; fused_decode_step needs " + std::to_string(chain_bytes) +
+                          " (fused_decode_step_workspace_bytes)");
+    if (forced == "chain") {
+      a.workspace.reset();
+      expect_error_text([&] { b.run_fused(a); },
+                        "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +
+                            std::to_string(chain_bytes) +
+                            " bytes (fused_decode_step_workspace_bytes); none was given");
+    }
+    ok(cudaDeviceSynchronize());
+    EXPECT_EQ(dev.get(b.state).bytes(), b.state.bytes()) << "state untouched, B=" << B;
+    EXPECT_EQ(dev.get(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched, B=" << B;
+  }
 }
 
 }  // namespace

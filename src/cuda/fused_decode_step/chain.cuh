@@ -1,0 +1,165 @@
+// The fused decode layer step's chain plan: the step as the backend's own kernels in sequence on
+// the caller's stream, through the caller's workspace. Part of fused_decode_step.cu's
+// translation unit (included there only), in its anonymous namespace.
+//
+// Why a chain inside the fused op: from about a wave of the CTA kernel's grid up (one CTA per
+// (row, key head), 1 resident per SM), the CTA kernel is latency-bound (each CTA keeps its state
+// tile resident through the conv and the norm, so few state bytes are in flight per SM), and the
+// separate kernels, each shaped for its own part, are faster in sequence (docs/LAYER_STEP.md has
+// the figures). The chain:
+//   1. the conv update (conv_update.cu's kernel, one launch over the three parts' channels; with
+//      Kimi-Linear's separate windows through its split_k / split_v parts), the conv output
+//      rounded to mixed_qkv's dtype into the workspace [B, conv_dim], as the unfused chain stores
+//      it and as the fused kernels round it into shared memory;
+//   2. the packed decode on the workspace (recurrent.cu's dispatch: the kernels and the kernel
+//      choice of packed decode), the attention output into `out` in out's dtype;
+//   3. with the norm, fused_chain_norm_kernel in place on `out`: one warp per (row, value head),
+//      the CTA kernel's sum of squares (same lanes, same order, same butterfly) and its
+//      layer_math.h functions over the rounded outputs, so the result has the CTA kernel's bits.
+// Every intermediate is rounded where the fused kernels round it, so the plans agree bit for bit
+// on the windows and the state, and on the output wherever the decode kernel's register layout is
+// the CTA kernel's (the register decode kernel; the streaming kernel of 16-bit states at large
+// batches reduces over K in another order).
+//
+// Rows: a padded row (slot < 0) and a bad one (slot >= slots) are skipped by each kernel (zeros,
+// NaN); the conv, which runs first and meets every row the decode meets, records a bad one as
+// the fused step's (err_op), so check_errors names the fused step. The norm kernel leaves both
+// kinds of rows as the decode wrote them (the norm of a zero row need not be +0).
+#pragma once
+
+#include <cstdint>
+
+#include "api/backend.h"
+#include "core/layer_math.h"
+#include "core/problem.h"
+#include "cuda/grid.cuh"
+#include "cuda/launch.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::FusedStepProblem;
+
+namespace {
+
+constexpr int kChainNormWarps = 4;  // warps per CTA of the norm kernel, one (row, value head) each
+
+// The workspace the chain needs: the conv output [B, conv_dim] in mixed_qkv's dtype, rounded up
+// to 16 bytes.
+inline int64_t fused_chain_workspace_bytes(const FusedStepProblem& p) {
+  const int64_t bytes =
+      static_cast<int64_t>(p.B) * p.conv_dim() * static_cast<int64_t>(dtype_size(p.x_dtype));
+  return (bytes + 15) / 16 * 16;
+}
+
+__global__ void __launch_bounds__(kChainNormWarps * 32)
+    fused_chain_norm_kernel(const FusedStepProblem p) {
+  enter_grid(p.pdl_trigger_early);
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kChainNormWarps + (threadIdx.x >> 5);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if (w >= static_cast<int64_t>(p.B) * p.HV) return;  // warp-uniform
+  const int64_t n = w / p.HV;
+  const int hv = static_cast<int>(w - n * p.HV);
+  const int64_t slot = detail::index_at(p.indices, p.index_dtype, p.index_stride, n);
+  if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
+  const int V = p.V;
+  const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
+  // kernel.cuh step 4 over this head's outputs as stored (out's dtype)
+  float ss = 0.0f;
+  for (int i = lane; i < V; i += 32) {
+    const float o = detail::load_float(p.out.ptr, p.out.dtype, o_base + i);
+    ss += o * o;
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
+  const float inv = detail::rms_inverse(ss, V, p.norm_eps);
+  const bool round_product = p.norm_weight_dtype == p.out.dtype;
+  const int64_t z_off = n * p.z_row_stride + static_cast<int64_t>(hv) * p.z_head_stride;
+  for (int i = lane; i < V; i += 32) {  // each lane rewrites only the elements it read
+    const float y = detail::gated_norm(detail::load_float(p.out.ptr, p.out.dtype, o_base + i), inv,
+                                       detail::load_float(p.norm_weight, p.norm_weight_dtype, i),
+                                       detail::load_float(p.z, p.z_dtype, z_off + i), p.out.dtype,
+                                       round_product);
+    detail::store_float(p.out.ptr, p.out.dtype, o_base + i, y);
+  }
+}
+
+// The chain on `stream`: no allocation, no host synchronization (graph-capturable); `pdl` on
+// every launch, as the unfused chain's ops take it. The caller has checked the workspace's size.
+void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
+  const int64_t HK = static_cast<int64_t>(p.H) * p.K;
+  const int64_t conv_dim = p.conv_dim();
+
+  // 1. the conv update into the workspace
+  detail::ConvUpdateProblem c;
+  c.B = p.B;
+  c.dim = static_cast<int32_t>(conv_dim);
+  c.T = 1;
+  c.x = p.x;
+  c.x_dtype = p.x_dtype;
+  c.x_batch_stride = p.x_row_stride;
+  c.x_dim_stride = 1;
+  c.x_tok_stride = 0;
+  c.out = p.workspace;
+  c.out_dtype = p.x_dtype;
+  c.out_batch_stride = conv_dim;
+  c.out_dim_stride = 1;
+  c.out_tok_stride = 0;
+  c.conv = p.conv;
+  c.state = p.window[0];  // the q part: channels [0, HK)
+  c.window_k = p.window[1];
+  c.window_v = p.window[2];
+  c.split_k = static_cast<int32_t>(HK);
+  c.split_v = static_cast<int32_t>(2 * HK);
+  c.slots = p.indices;
+  c.slot_dtype = p.index_dtype;
+  c.slot_stride = p.index_stride;
+  c.err_op = detail::kErrOpFusedStep;
+  c.check_indices = false;  // the fused step's entry point checks after the chain
+  c.pdl = p.pdl;
+  c.device = p.device;
+  run_conv_update(c, stream);
+
+  // 2. the packed decode on the workspace: packed_decode.cpp's problem over a contiguous
+  // [B, conv_dim] mixed_qkv
+  const size_t esz = dtype_size(p.x_dtype);
+  const char* ws = static_cast<const char*>(p.workspace);
+  detail::RecurrentProblem r;
+  r.N = p.B;
+  r.H = p.H;
+  r.HV = p.HV;
+  r.K = p.K;
+  r.V = p.V;
+  r.T = 1;
+  r.q = {ws, p.x_dtype, conv_dim, 0, p.K};
+  r.k = {ws + HK * esz, p.x_dtype, conv_dim, 0, p.K};
+  r.v = {ws + 2 * HK * esz, p.x_dtype, conv_dim, 0, p.V};
+  r.g = p.a;
+  r.beta = p.b;
+  r.out = p.out;
+  r.gate = p.gate;
+  r.beta_is_logit = true;
+  r.round_beta = p.round_beta;
+  r.l2norm = p.l2norm;
+  r.scale = p.scale;
+  r.state = p.state;
+  r.indices = p.indices;
+  r.index_dtype = p.index_dtype;
+  r.index_stride = p.index_stride;
+  r.update_state = true;
+  r.check_indices = false;
+  r.pdl = p.pdl;
+  r.device = p.device;
+  run_recurrent(r, stream);
+
+  // 3. the gated RMSNorm in place on out
+  if (!p.z) return;
+  const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
+  const int64_t ctas = (warps + kChainNormWarps - 1) / kChainNormWarps;
+  if (ctas > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "fused_decode_step: too many rows for one launch");
+  launch_kernel(fused_chain_norm_kernel, static_cast<unsigned>(ctas), kChainNormWarps * 32, 0,
+                stream, p.pdl, with_pdl_trigger(p, ctas, 2048 / (kChainNormWarps * 32)));
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend
