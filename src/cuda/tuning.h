@@ -136,12 +136,15 @@ inline int forced_replay_verify_ctas() {
   return forced;
 }
 // DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=replay|factor: the ReplaySSM verify kernel's draft step,
-// factored on the checkpoint (the default) or the replay of the records onto the rows followed
-// by the recurrent step per draft (replayssm/verify.cuh).
+// the replay of the records onto the rows followed by the recurrent step per draft (the default)
+// or factored on the checkpoint (replayssm/verify.cuh). Measured on the H200 at T = 4, fp32,
+// Qwen3-Next, the factored step is no faster (B = 64: 178.8 vs 173.6 µs at L = 8, 188.8 vs
+// 176.6 at L = 16; bench/results/README.md): the step is bound by its per-CTA chain (staging,
+// the per-pair coefficient pass, barriers), not by the element-wise replay it removes.
 inline bool replay_verify_factored() {
   static const bool factored = [] {
     const char* e = std::getenv("DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL");
-    return !(e && std::strcmp(e, "replay") == 0);
+    return e && std::strcmp(e, "factor") == 0;
   }();
   return factored;
 }

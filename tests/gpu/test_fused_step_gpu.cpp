@@ -243,6 +243,14 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
       if (!rc.advance) dev.put(wp);  // the host moves the cursors
       auto args = [&](auto&& view) {
         deltastate::FusedDecodeStepArgs a = b.args(view);
+        // No SiLU here: the CPU's libm expf and CUDA's expf differ by an ulp at times, which
+        // flips the conv output's rounding to the activation dtype in a few of the ~5 M conv
+        // outputs this test makes (the k ring, fp32, then differs by an ulp of bf16, and the
+        // state column it feeds follows; seen on the H200). Without it the conv is the same
+        // fused multiply-adds on both, and every comparison below keeps the one-step ReplaySSM
+        // tolerances. The SiLU conv (the same device function) is FusedStepGpu's and
+        // ConvUpdateGpu's, with their ulp bounds.
+        a.conv_silu = false;
         a.d_cache = view(rings.d);
         a.k_cache = view(rings.k);
         a.g_cache = view(rings.g);
