@@ -272,9 +272,15 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
       const std::string at = "B=" + std::to_string(B) + ", step " + std::to_string(step);
       for (size_t j = 0; j < b.win.size(); ++j)
         EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", " << at;
+      // o is rounded to the activation dtype before the norm; its fp32 dots (over K and the
+      // ring's terms) sum in other orders here, so o can round one ulp apart. A one-ulp flip is
+      // up to 2^-7 relative in bf16, i.e. up to two ulps of the normalized result, and the
+      // norm's three roundings (y = o * inv, w * y, then * silu(z) on the store) add half an ulp
+      // each: 3.5 ulps (seen on the H200: 3 ulps in one of 20480 outputs). Without the norm o
+      // is the result: one rounding apart.
       const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
       EXPECT_TRUE(
-          all_close(dev.get(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 5 : 3))
+          all_close(dev.get(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 7 : 3))
           << "out, " << at;
       const Tensor state = dev.get(b.state);
       const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
