@@ -154,12 +154,13 @@ TEST(ConvUpdate, TTokensEqualTSingleSteps) {
 inline constexpr Shape kGdnSmall{"gdn_small", 2, 4, 32, 16};
 inline constexpr Shape kKdaSmall{"kda_small", 3, 3, 32, 32};
 
-// The unfused chain on copies: causal_conv1d_update of the row (per window part) into a packed
-// row y, packed decode of y; returns the attention output o [B, 1, HV, V].
-Tensor run_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>& win) {
+// The unfused chain's conv on copies: causal_conv1d_update of the row (per window part) into a
+// packed row y [B, conv_dim] (padded rows zero).
+Tensor run_chain_conv(const LayerBatch& b, std::vector<Tensor>& win) {
   const Shape& s = b.c.shape;
   const int64_t B = b.d.B;
   Tensor y = Tensor::contiguous(b.c.act, {B, b.conv_dim});
+  y.fill_all(0.0);
   auto conv = [&](int64_t first, int64_t n, Tensor& window) {
     CausalConv1dUpdateArgs a;
     a.x = b.d.x.alias(b.c.act, {B, n}, {b.d.x.stride(0), 1}, first).view();
@@ -178,6 +179,15 @@ Tensor run_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>& win) {
   } else {
     conv(0, b.conv_dim, win[0]);
   }
+  return y;
+}
+
+// The unfused chain on copies: the conv (run_chain_conv), packed decode of its row y; returns the
+// attention output o [B, 1, HV, V].
+Tensor run_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>& win) {
+  const Shape& s = b.c.shape;
+  const int64_t B = b.d.B;
+  Tensor y = run_chain_conv(b, win);
   Tensor o = Tensor::contiguous(b.c.act, {B, 1, s.HV, s.V});
   deltastate::PackedDecodeArgs p;
   p.mixed_qkv = y.view();
@@ -378,26 +388,7 @@ Tensor run_replay_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>&
                         Tensor& wp, const Tensor* ff, bool advance) {
   const Shape& s = b.c.shape;
   const int64_t B = b.d.B;
-  Tensor y = Tensor::contiguous(b.c.act, {B, b.conv_dim});
-  y.fill_all(0.0);
-  auto conv = [&](int64_t first, int64_t n, Tensor& window) {
-    CausalConv1dUpdateArgs a;
-    a.x = b.d.x.alias(b.c.act, {B, n}, {b.d.x.stride(0), 1}, first).view();
-    a.conv_state = window.view();
-    a.weight = b.weight.alias(b.c.act, {n, b.c.width}, {b.c.width, 1}, first * b.c.width).view();
-    if (b.c.bias) a.bias = b.bias.alias(b.c.act, {n}, {1}, first).view();
-    a.silu = true;
-    a.conv_state_indices = b.d.idx.view();
-    a.out = y.alias(b.c.act, {B, n}, {b.conv_dim, 1}, first).view();
-    deltastate::causal_conv1d_update(a);
-  };
-  if (b.c.split) {
-    conv(0, b.HK, win[0]);
-    conv(b.HK, b.HK, win[1]);
-    conv(2 * b.HK, static_cast<int64_t>(s.HV) * s.V, win[2]);
-  } else {
-    conv(0, b.conv_dim, win[0]);
-  }
+  Tensor y = run_chain_conv(b, win);
   const int64_t gw = b.c.kda ? static_cast<int64_t>(s.HV) * s.K : s.HV;
   Tensor a = Tensor::contiguous(b.c.act, {B, gw});
   for (int64_t r = 0; r < B; ++r)
