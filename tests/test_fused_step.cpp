@@ -154,6 +154,39 @@ TEST(ConvUpdate, TTokensEqualTSingleSteps) {
 inline constexpr Shape kGdnSmall{"gdn_small", 2, 4, 32, 16};
 inline constexpr Shape kKdaSmall{"kda_small", 3, 3, 32, 32};
 
+// The fused step's outputs (b.out) against the chain's attention output o [B, 1, HV, V]: zeros on
+// padded rows; without the norm o itself, bit for bit; with it the gated norm of o (the fp64
+// reference, rounded where the chain rounds).
+void expect_chain_outputs(const LayerBatch& b, const Tensor& o, const std::vector<int64_t>& idx,
+                          const std::string& at) {
+  const Shape& s = b.c.shape;
+  for (int64_t r = 0; r < b.d.B; ++r) {
+    for (int hv = 0; hv < s.HV; ++hv) {
+      std::vector<double> got, oh, zh, wh;
+      for (int v = 0; v < s.V; ++v) {
+        got.push_back(b.out.get({r, hv, v}));
+        oh.push_back(o.get({r, 0, hv, v}));
+        zh.push_back(b.z.get({r, hv, v}));
+        wh.push_back(b.norm_w.get({v}));
+      }
+      if (idx[r] < 0) {
+        EXPECT_TRUE(all_zero(got)) << "padded row " << r << ", " << at;
+        continue;
+      }
+      if (!b.c.norm) {
+        EXPECT_EQ(got, oh) << "row " << r << " head " << hv << ", " << at << ": the chain's output";
+        continue;
+      }
+      const DType act = b.c.act;
+      const auto round_act = [act](double x) { return round_to(act, x); };
+      const std::vector<double> want = ref::gated_rms_norm(oh, zh, wh, 1e-6, round_act, round_act);
+      EXPECT_TRUE(all_close(got, want, {1e-5, 1e-5}, act, 4))
+          << "row " << r << " head " << hv << ", " << at
+          << ": the gated norm of the chain's output";
+    }
+  }
+}
+
 // The unfused chain's conv on copies: causal_conv1d_update of the row (per window part) into a
 // packed row y [B, conv_dim] (padded rows zero).
 Tensor run_chain_conv(const LayerBatch& b, std::vector<Tensor>& win) {
@@ -209,7 +242,6 @@ class FusedStepVsChain : public ::testing::TestWithParam<LayerCase> {};
 TEST_P(FusedStepVsChain, TwoSteps) {
   const LayerCase& c = GetParam();
   Rng rng = test_rng();
-  const Shape& s = c.shape;
   const std::vector<int64_t> idx = pick_slots(rng, 5, 9, {1, 3});
   LayerBatch b = make_layer_batch(rng, c, idx, 9);
   Tensor state2 = clone(b.state);
@@ -241,31 +273,7 @@ TEST_P(FusedStepVsChain, TwoSteps) {
     EXPECT_EQ(b.state.bytes(), state2.bytes()) << "state pool, step " << step;
     for (size_t j = 0; j < b.win.size(); ++j)
       EXPECT_EQ(b.win[j].bytes(), win2[j].bytes()) << "window " << j << ", step " << step;
-    for (int64_t r = 0; r < b.d.B; ++r) {
-      for (int hv = 0; hv < s.HV; ++hv) {
-        std::vector<double> got, oh, zh, wh;
-        for (int v = 0; v < s.V; ++v) {
-          got.push_back(b.out.get({r, hv, v}));
-          oh.push_back(o.get({r, 0, hv, v}));
-          zh.push_back(b.z.get({r, hv, v}));
-          wh.push_back(b.norm_w.get({v}));
-        }
-        if (idx[r] < 0) {
-          EXPECT_TRUE(all_zero(got)) << "padded row " << r;
-          continue;
-        }
-        if (!c.norm) {
-          EXPECT_EQ(got, oh) << "row " << r << " head " << hv << ": the chain's output";
-          continue;
-        }
-        const DType act = c.act;
-        const auto round_act = [act](double x) { return round_to(act, x); };
-        const std::vector<double> want =
-            ref::gated_rms_norm(oh, zh, wh, 1e-6, round_act, round_act);
-        EXPECT_TRUE(all_close(got, want, {1e-5, 1e-5}, act, 4))
-            << "row " << r << " head " << hv << ": the gated norm of the chain's output";
-      }
-    }
+    expect_chain_outputs(b, o, idx, "step " + std::to_string(step));
   }
 }
 
@@ -488,31 +496,7 @@ TEST_P(FusedReplayVsChain, Steps) {
     EXPECT_EQ(index_values(wp), index_values(wp2)) << "cursors, step " << step;
     for (size_t j = 0; j < b.win.size(); ++j)
       EXPECT_EQ(b.win[j].bytes(), win2[j].bytes()) << "window " << j << ", step " << step;
-    for (int64_t r = 0; r < b.d.B; ++r) {
-      for (int hv = 0; hv < s.HV; ++hv) {
-        std::vector<double> got, oh, zh, wh;
-        for (int v = 0; v < s.V; ++v) {
-          got.push_back(b.out.get({r, hv, v}));
-          oh.push_back(o.get({r, 0, hv, v}));
-          zh.push_back(b.z.get({r, hv, v}));
-          wh.push_back(b.norm_w.get({v}));
-        }
-        if (idx[r] < 0) {
-          EXPECT_TRUE(all_zero(got)) << "padded row " << r;
-          continue;
-        }
-        if (!c.norm) {
-          EXPECT_EQ(got, oh) << "row " << r << " head " << hv << ", step " << step;
-          continue;
-        }
-        const DType act = c.act;
-        const auto round_act = [act](double x) { return round_to(act, x); };
-        const std::vector<double> want =
-            ref::gated_rms_norm(oh, zh, wh, 1e-6, round_act, round_act);
-        EXPECT_TRUE(all_close(got, want, {1e-5, 1e-5}, act, 4))
-            << "row " << r << " head " << hv << ", step " << step << ": the gated norm";
-      }
-    }
+    expect_chain_outputs(b, o, idx, "step " + std::to_string(step));
     // the cursors of the next step
     const std::vector<int64_t> moved = index_values(wp);
     for (int64_t r = 0; r < b.d.B; ++r) {
