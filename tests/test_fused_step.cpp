@@ -312,6 +312,20 @@ INSTANTIATE_TEST_SUITE_P(
     case_name<LayerCase>);
 
 // A StatePool's conv windows and envelope layer states as the fused step's views.
+// Random values in the live slots (idx >= 0) of a pool layer's state and fp32 conv windows; the
+// rest keeps its sentinel.
+void fill_live_slots(Rng& rng, const TensorView& st, const TensorView& win,
+                     const std::vector<int64_t>& idx) {
+  for (int64_t sl : idx) {
+    if (sl < 0) continue;
+    fill_slot(st, sl, rng);
+    for (int64_t ch = 0; ch < win.shape[1]; ++ch)
+      for (int64_t i = 0; i < win.shape[2]; ++i)
+        store_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2],
+                    rng.uniform(-1, 1));
+  }
+}
+
 TEST(FusedStep, StatePoolEnvelopeViews) {
   Rng rng = test_rng();
   const Shape s = kGdnSmall;
@@ -324,14 +338,7 @@ TEST(FusedStep, StatePoolEnvelopeViews) {
   const std::vector<int64_t> idx{4, -1, 0, 2};
   LayerBatch b = make_layer_batch(rng, c, idx, 6);
   const TensorView st = pool.layer_state(1), win = pool.conv_state(1);
-  for (int64_t sl : idx) {
-    if (sl < 0) continue;
-    fill_slot(st, sl, rng);
-    for (int64_t ch = 0; ch < win.shape[1]; ++ch)
-      for (int64_t i = 0; i < win.shape[2]; ++i)
-        store_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2],
-                    rng.uniform(-1, 1));
-  }
+  fill_live_slots(rng, st, win, idx);
   // the same values in test tensors for the chain
   for (int64_t sl : idx) {
     if (sl < 0) continue;
@@ -575,14 +582,7 @@ TEST(FusedReplay, StatePoolEnvelopeViews) {
   const std::vector<int64_t> idx{4, -1, 0, 2};
   LayerBatch b = make_layer_batch(rng, c, idx, 6);
   const TensorView st = pool.layer_state(1), win = pool.conv_state(1);
-  for (int64_t sl : idx) {
-    if (sl < 0) continue;
-    fill_slot(st, sl, rng);
-    for (int64_t ch = 0; ch < win.shape[1]; ++ch)
-      for (int64_t i = 0; i < win.shape[2]; ++i)
-        store_value(win.data, f32, sl * win.stride[0] + ch * win.stride[1] + i * win.stride[2],
-                    rng.uniform(-1, 1));
-  }
+  fill_live_slots(rng, st, win, idx);
   std::memcpy(pool2.data(), pool.data(), static_cast<size_t>(pool.total_bytes()));
   Rings rings = make_rings(s, false, 6, 4, f32, f32);
   for (int64_t sl : idx)
