@@ -86,33 +86,7 @@ def copy_matrix(src, rows, cols, ld):
 def kda_pairs(G, KT, QT, beta):
     """kda_pairs of tc_kernel.cuh (the factored 4x4 tiles, fp32 sums) -> Tf [C][LDT], Pb [C][LDB]."""
     Tf, Pb = np.full((C, C + 4), np.nan, f32), np.full((C, LDB), np.nan, f32)
-    GT = G.T
-    for item in range(136):  # off-diagonal tiles 0..119, diagonal 120..135
-        diagonal = item >= 120
-        if diagonal:
-            tb = sb = item - 120
-        else:
-            tb = 1
-            while (tb + 1) * tb // 2 <= item:
-                tb += 1
-            sb = item - tb * (tb - 1) // 2
-        t0, s0 = 4 * tb, 4 * sb
-        ti, si = t0 + np.arange(4)[:, None], s0 + np.arange(4)[None, :]
-        gt, gs = GT[:, t0:t0 + 4], GT[:, s0:s0 + 4]
-        if diagonal:
-            e = np.where((si <= ti)[None], np.exp(gt[:, :, None] - gs[:, None, :]), 0)
-        else:
-            ea = np.exp(gt - gt[:, :1])
-            eb = np.exp(gt[:, :1] - gs[:, 3:]) * np.exp(gs[:, 3:] - gs)
-            e = ea[:, :, None] * eb[:, None, :]
-        e = e.astype(f32)
-        kk = np.einsum("ci,cj,cij->ij", KT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e).astype(f32)
-        qk = np.einsum("ci,cj,cij->ij", QT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e).astype(f32)
-        Tf[t0:t0 + 4, s0:s0 + 4] = np.where(si < ti, beta[t0:t0 + 4, None] * kk, 0)
-        Pb[t0:t0 + 4, s0:s0 + 4] = bf16(np.where(si <= ti, qk, 0))
-        if not diagonal:
-            Tf[s0:s0 + 4, t0:t0 + 4] = 0
-            Pb[s0:s0 + 4, t0:t0 + 4] = 0
+    et.kda_pairs(G, KT, QT, beta, Tf, Pb)
     Pb[:, C:] = 0
     return Tf, Pb.reshape(-1)
 

@@ -159,6 +159,39 @@ def invert(Tf):
     return T2
 
 
+def kda_pairs(G, KT, QT, beta, Tf, Pb):
+    """kda_pairs of tc_kernel.cuh (shared by the split kernels' intra-chunk kernel): the decayed
+    K K^T and Q K^T over the 136 4x4 tiles of the lower triangle, fp32 sums, written into Tf
+    [C][LDT] (beta * k k^T, strictly lower) and Pb [C][LDB] (q k^T, lower, bf16), their upper
+    tiles zeroed; the padding columns are left as they were."""
+    for item in range(136):  # off-diagonal tiles 0..119, diagonal 120..135
+        diagonal = item >= 120
+        if diagonal:
+            tb = sb = item - 120
+        else:
+            tb = 1
+            while (tb + 1) * tb // 2 <= item:
+                tb += 1
+            sb = item - tb * (tb - 1) // 2
+        t0, s0 = 4 * tb, 4 * sb
+        ti, si = t0 + np.arange(4)[:, None], s0 + np.arange(4)[None, :]
+        gt, gs = G.T[:, t0:t0 + 4], G.T[:, s0:s0 + 4]  # [c][4]
+        if diagonal:
+            e = np.where((si <= ti)[None], np.exp(gt[:, :, None] - gs[:, None, :]), 0)
+        else:  # e^{G_t - G_t0} e^{G_t0 - G_s3} e^{G_s3 - G_s}, each factor <= 1
+            ea = np.exp(gt - gt[:, :1])
+            eb = np.exp(gt[:, :1] - gs[:, 3:]) * np.exp(gs[:, 3:] - gs)
+            e = ea[:, :, None] * eb[:, None, :]
+        e = e.astype(f32)
+        kk = np.einsum("ci,cj,cij->ij", KT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e).astype(f32)
+        qk = np.einsum("ci,cj,cij->ij", QT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e).astype(f32)
+        Tf[t0:t0 + 4, s0:s0 + 4] = np.where(si < ti, beta[t0:t0 + 4, None] * kk, 0)
+        Pb[t0:t0 + 4, s0:s0 + 4] = bf16(np.where(si <= ti, qk, 0))
+        if not diagonal:
+            Tf[s0:s0 + 4, t0:t0 + 4] = 0
+            Pb[s0:s0 + 4, t0:t0 + 4] = 0
+
+
 def chunk(kda, cv=50, seed=7):
     """Runs one chunk as the kernel does; returns (out, state) errors against fp64 algebra."""
     rng = np.random.default_rng(seed)
@@ -217,31 +250,7 @@ def chunk(kda, cv=50, seed=7):
         sKf = sQf = sDf = np.ones(C, f32)
         decL = np.exp(G[-1])
         KT, QT = (k * rk[:, None]).T, (q * rq[:, None]).T
-        for item in range(136):  # kda_pairs: off-diagonal tiles 0..119, diagonal 120..135
-            diagonal = item >= 120
-            if diagonal:
-                tb = sb = item - 120
-            else:
-                tb = 1
-                while (tb + 1) * tb // 2 <= item:
-                    tb += 1
-                sb = item - tb * (tb - 1) // 2
-            t0, s0 = 4 * tb, 4 * sb
-            ti, si = t0 + np.arange(4)[:, None], s0 + np.arange(4)[None, :]
-            gt, gs = G.T[:, t0:t0 + 4], G.T[:, s0:s0 + 4]  # [c][4]
-            if diagonal:
-                e = np.where((si <= ti)[None], np.exp(gt[:, :, None] - gs[:, None, :]), 0)
-            else:  # e^{G_t - G_t0} e^{G_t0 - G_s3} e^{G_s3 - G_s}, each factor <= 1
-                ea = np.exp(gt - gt[:, :1])
-                eb = np.exp(gt[:, :1] - gs[:, 3:]) * np.exp(gs[:, 3:] - gs)
-                e = ea[:, :, None] * eb[:, None, :]
-            kk = np.einsum("ci,cj,cij->ij", KT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e)
-            qk = np.einsum("ci,cj,cij->ij", QT[:, t0:t0 + 4], KT[:, s0:s0 + 4], e)
-            Tf[t0:t0 + 4, s0:s0 + 4] = np.where(si < ti, beta[t0:t0 + 4, None] * kk, 0)
-            Pb[t0:t0 + 4, s0:s0 + 4] = bf16(np.where(si <= ti, qk, 0))
-            if not diagonal:
-                Tf[s0:s0 + 4, t0:t0 + 4] = 0
-                Pb[s0:s0 + 4, t0:t0 + 4] = 0
+        kda_pairs(G, KT, QT, beta, Tf, Pb)
         Kf = pad(bf16(k * rk[:, None] * np.exp(G)))       # k^ e^G in place of k
         Qf = pad(bf16(q * rq[:, None] * np.exp(G)))       # q^ e^G in place of q
         Kx = pad(bf16(k * rk[:, None] * np.exp(G[-1][None] - G)))
