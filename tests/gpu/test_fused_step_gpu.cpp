@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/gpu_util.h"
 #include "layer_step_util.h"
 #include "test_util.h"
 
@@ -100,12 +101,7 @@ inline std::string fused_forced_as() {
   return e ? e : "";
 }
 
-class FusedStepGpu : public ::testing::TestWithParam<LayerCase> {
- protected:
-  void SetUp() override {
-    if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
-  }
-};
+class FusedStepGpu : public GpuParamTest<LayerCase> {};
 
 TEST_P(FusedStepGpu, MatchesCpu) {
   const LayerCase& c = GetParam();
@@ -200,12 +196,7 @@ struct ReplayGpuCase {
 };
 inline void PrintTo(const ReplayGpuCase& c, std::ostream* os) { *os << c.layer.name; }
 
-class FusedReplayGpu : public ::testing::TestWithParam<ReplayGpuCase> {
- protected:
-  void SetUp() override {
-    if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
-  }
-};
+class FusedReplayGpu : public GpuParamTest<ReplayGpuCase> {};
 
 // L + 3 steps from cursor 0 (forced flushes on some rows, every live row reaching L-1): each
 // step starts CUDA from the CPU twin's checkpoints and rings (so each comparison is one step from
