@@ -159,10 +159,8 @@ void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
                   "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +
                       std::to_string(need) +
                       " bytes (fused_decode_step_workspace_bytes); none was given");
-    if (p.workspace_bytes < need)  // the entry point checks it first; a direct caller here too
-      throw Error(ErrorKind::value, "`workspace` has " + std::to_string(p.workspace_bytes) +
-                                        " bytes; fused_decode_step needs " + std::to_string(need) +
-                                        " (fused_decode_step_workspace_bytes)");
+    // A given workspace's size was checked by the entry point (check_fused_step_workspace, with
+    // the same query).
     return run_fused_chain(p, stream);
   }
   constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
