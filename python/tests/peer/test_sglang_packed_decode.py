@@ -28,7 +28,8 @@ What changed in the port:
 """
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from _peer_common import (NO_DEFAULT, P, check_signature, device_param, manual_seed, peer_op,
                           sglang_packed_decode_reference)

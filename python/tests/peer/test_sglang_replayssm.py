@@ -40,7 +40,8 @@ What changed in the port:
 """
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from _peer_common import (FULL, NO_DEFAULT, P, check_signature, device_param, manual_seed,
                           peer_op)
