@@ -276,11 +276,32 @@ int64_t chunk_prefill_workspace_bytes(const ChunkPrefillArgs& args);
 //   out     x's shape and dtype (the op's result; the Python wrapper allocates it).
 // The conv accumulates in fp32 (bias, then the taps oldest first, fused multiply-adds) and
 // rounds once to out's dtype, as causal-conv1d's CUDA kernel does.
+//
+// Speculative verify: SGLang's causal_conv1d_update options (same names and semantics; x then
+// holds each row's seqlen = T draft tokens; none combines with cache_seqlens):
+//   intermediate_conv_window [N_scr, >= T, dim, width - 1] (conv_state's dtype, any strides:
+//           SGLang's deduplicated overlapping view too) with intermediate_state_indices [B]
+//           (absent: row b; < 0: none): the window after each draft token t is stored at
+//           [row, t], for the commit (update_conv_state_after_verify) to copy the accepted one;
+//   num_accept_tokens [B] (vLLM's and SGLang's in-place scheme): conv_state holds width - 2
+//           older entries and the previous step's drafts (state_len >= width - 2 + T); row b's
+//           window is its entries a-1 .. a+width-3 for a = num_accept_tokens[b] in [1,
+//           state_len - width + 2], and the update writes [entries a .. a+width-3, x] from entry 0;
+//   retrieve_next_token, retrieve_next_sibling [B, >= T] (an EAGLE tree: each token's first
+//           child and next sibling, -1: none; both later tokens) and retrieve_parent_token
+//           [B, >= T] (written: each token's parent, 0 for token 0): token t convolves its path
+//           token 0, ..., parent(t), t after the window, and its stored window is that path's.
+//   Without num_accept_tokens the window rolls by the T tokens as above (the commit overwrites
+//   it). T <= 64 with a tree. Bad entries (num_accept_tokens out of range, a row >= N_scr, a
+//   tree table naming an earlier token or one past T) as a bad conv_state_indices entry: a
+//   ValueError on CPU tensors, a skipped and recorded row on CUDA.
 struct CausalConv1dUpdateArgs {
   TensorView x, conv_state, weight;
   std::optional<TensorView> bias;
   bool silu = false;
   std::optional<TensorView> cache_seqlens, conv_state_indices;
+  std::optional<TensorView> num_accept_tokens, intermediate_conv_window, intermediate_state_indices;
+  std::optional<TensorView> retrieve_next_token, retrieve_next_sibling, retrieve_parent_token;
   TensorView out;
   std::optional<bool> check_indices;
   Stream stream = nullptr;

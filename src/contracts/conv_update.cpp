@@ -3,6 +3,7 @@
 // and the conv parameters shared with fused_decode_step.
 #include "contracts/contract.h"
 #include "contracts/validate.h"
+#include "core/layer_math.h"
 
 namespace deltastate::detail {
 
@@ -49,6 +50,127 @@ ConvWindowRef conv_window(const TensorView& w, int64_t first_channel) {
   r.state_len = static_cast<int32_t>(w.shape[2]);
   return r;
 }
+
+namespace {
+
+// A [batch] index vector (int32/int64, any stride) of the speculative options.
+IndexTable conv_index_vector(Contract& c, const char* name, const TensorView& t, int64_t B) {
+  if (t.ndim != 1 || t.shape[0] != B)
+    fail(format("`%s` must have shape [batch]=(%lld) (got %s).", name, static_cast<long long>(B),
+                shape_str(t).c_str()));
+  c.index_dtype(name, t);
+  c.device(name, t);
+  return {t.data, t.dtype, B > 1 ? t.stride[0] : 1, 1, 1};
+}
+
+// A [batch, >= seqlen] table of the EAGLE tree.
+IndexTable conv_index_table(Contract& c, const char* name, const TensorView& t, int64_t B,
+                            int64_t T) {
+  if (t.ndim != 2 || t.shape[0] != B || t.shape[1] < T)
+    fail(format("`%s` must have shape [batch, >= seqlen]=(%lld, >= %lld) (got %s).", name,
+                static_cast<long long>(B), static_cast<long long>(T), shape_str(t).c_str()));
+  c.index_dtype(name, t);
+  c.device(name, t);
+  return {t.data, t.dtype, t.stride[0], t.stride[1], t.shape[1]};
+}
+
+// SGLang's speculative options (ops.h), checked after the package's arguments.
+void check_conv_verify(Contract& c, const CausalConv1dUpdateArgs& args, ConvUpdateProblem& p,
+                       int64_t B, int64_t dim, int64_t T, int64_t state_len) {
+  const bool tree =
+      args.retrieve_next_token || args.retrieve_next_sibling || args.retrieve_parent_token;
+  if ((args.num_accept_tokens || args.intermediate_conv_window || tree) && args.cache_seqlens)
+    fail(
+        "`cache_seqlens` (a circular window) cannot be combined with `num_accept_tokens`, "
+        "`intermediate_conv_window` or the `retrieve_*` tree tables.");
+  const int W1 = p.conv.width - 1;
+  if (args.num_accept_tokens) {
+    p.num_accept = conv_index_vector(c, "num_accept_tokens", *args.num_accept_tokens, B);
+    if (state_len < W1 - 1 + T)
+      fail(
+          format("`conv_state` must have state_len >= width - 2 + seqlen = %lld with "
+                 "`num_accept_tokens` (got %lld).",
+                 static_cast<long long>(W1 - 1 + T), static_cast<long long>(state_len)));
+    p.accept_limit = state_len - W1 + 1;
+  }
+  if (args.intermediate_state_indices && !args.intermediate_conv_window)
+    fail("`intermediate_state_indices` needs `intermediate_conv_window`.");
+  if (args.intermediate_conv_window) {
+    const TensorView& w = *args.intermediate_conv_window;
+    if (w.ndim != 4 || w.shape[1] < T || w.shape[2] != dim || w.shape[3] != W1)
+      fail(
+          format("`intermediate_conv_window` must have shape [N_scr, >= seqlen, dim, width - 1]="
+                 "(N_scr, >= %lld, %lld, %d) (got %s).",
+                 static_cast<long long>(T), static_cast<long long>(dim), W1, shape_str(w).c_str()));
+    if (w.dtype != args.conv_state.dtype)
+      fail(format("`intermediate_conv_window` must have the dtype of `conv_state` (%s; got %s).",
+                  dtype_name(args.conv_state.dtype), dtype_name(w.dtype)));
+    c.device("intermediate_conv_window", w);
+    p.inter = w.data;
+    p.inter_row_stride = w.stride[0];
+    p.inter_step_stride = w.stride[1];
+    p.inter_dim_stride = w.stride[2];
+    p.inter_win_stride = w.stride[3];
+    p.inter_rows = w.shape[0];
+    if (args.intermediate_state_indices)
+      p.inter_indices =
+          conv_index_vector(c, "intermediate_state_indices", *args.intermediate_state_indices, B);
+  }
+  if (tree) {
+    if (!args.retrieve_next_token || !args.retrieve_next_sibling || !args.retrieve_parent_token)
+      fail(
+          "`retrieve_next_token`, `retrieve_next_sibling` and `retrieve_parent_token` go together "
+          "(the EAGLE tree's child and sibling tables and the parents the op writes).");
+    p.next_token = conv_index_table(c, "retrieve_next_token", *args.retrieve_next_token, B, T);
+    p.next_sibling =
+        conv_index_table(c, "retrieve_next_sibling", *args.retrieve_next_sibling, B, T);
+    const IndexTable parents =
+        conv_index_table(c, "retrieve_parent_token", *args.retrieve_parent_token, B, T);
+    p.parent_out = args.retrieve_parent_token->data;
+    p.parent_dtype = parents.dtype;
+    p.parent_row_stride = parents.row_stride;
+    p.parent_col_stride = parents.col_stride;
+    if (T > kMaxTreeTokens)
+      throw Error(ErrorKind::not_implemented,
+                  format("causal_conv1d_update supports trees of up to %d draft tokens (got "
+                         "seqlen=%lld)",
+                         kMaxTreeTokens, static_cast<long long>(T)));
+  }
+}
+
+// Every speculative entry a CPU call follows, checked before anything is written.
+void check_conv_verify_host(const ConvUpdateProblem& p) {
+  int parent[kMaxTreeTokens];
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t entry = p.indices ? p.indices[b] : b;
+    if (entry < 0) continue;  // padded row
+    const ConvVerifyRow r = conv_verify_row(p, b, parent);
+    if (r.kind == kErrStep && p.num_accept.ptr &&
+        (p.num_accept.at(b, 0) < 1 || p.num_accept.at(b, 0) > p.accept_limit))
+      fail(
+          format("`num_accept_tokens`[%lld]=%lld is outside [1, %lld] (the window's first entry "
+                 "is num_accept_tokens - 1 of a conv_state of %d entries)",
+                 static_cast<long long>(b), static_cast<long long>(r.value),
+                 static_cast<long long>(p.accept_limit), p.state.state_len));
+    if (r.kind == kErrRow)
+      fail(
+          format("`intermediate_state_indices`[%lld]=%lld is out of range for an "
+                 "intermediate_conv_window of %lld rows (valid: 0..%lld; < 0 stores no window)",
+                 static_cast<long long>(b), static_cast<long long>(r.value),
+                 static_cast<long long>(p.inter_rows), static_cast<long long>(p.inter_rows - 1)));
+    if (r.kind == kErrStep) {
+      const int64_t t = r.value, child = p.next_token.at(b, t);
+      const bool bad_child = child != -1 && (child <= t || child >= p.T);
+      fail(format("`%s`[%lld, %lld]=%lld must name a later draft token (%lld..%d) or be -1",
+                  bad_child ? "retrieve_next_token" : "retrieve_next_sibling",
+                  static_cast<long long>(b), static_cast<long long>(t),
+                  static_cast<long long>(bad_child ? child : p.next_sibling.at(b, t)),
+                  static_cast<long long>(t + 1), p.T - 1));
+    }
+  }
+}
+
+}  // namespace
 
 ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
   const TensorView& x = args.x;
@@ -101,6 +223,7 @@ ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
     if (B > 1 && cs.stride[0] != 1) fail("`cache_seqlens` must be contiguous.");
     p.cache_seqlens = static_cast<const int32_t*>(cs.data);
   }
+  check_conv_verify(c, args, p, B, dim, T, state_len);
   if (out.ndim != x.ndim || out.shape[0] != B || out.shape[1] != dim ||
       (x.ndim == 3 && out.shape[2] != T) || out.dtype != x.dtype)
     fail(format("`out` must have the shape %s and dtype %s of `x` (got %s, %s).",
@@ -133,6 +256,7 @@ ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
   p.out_tok_stride = out.ndim == 3 ? out.stride[2] : 0;
   p.state = conv_window(st, 0);
   p.check_indices = check;
+  if (on_cpu && check && p.speculative()) check_conv_verify_host(p);
   p.pdl = args.pdl;
   p.device = c.common_device();
   return p;

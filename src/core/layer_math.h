@@ -110,6 +110,119 @@ DS_HD void conv_channel_update(const ConvChannelWindow& win, int state_len, int 
   }
 }
 
+// ---- speculative verify (SGLang's causal_conv1d_update options) --------------------------------
+constexpr int kMaxTreeTokens = 64;  // draft tokens of an EAGLE tree per row
+
+// The parents of an EAGLE tree from its first-child and next-sibling tables (next(t), sibling(t):
+// a token index, -1: none), as SGLang's conv kernel derives them in token order: token t's child
+// gets parent t, its next sibling t's parent; token 0 (and a token nothing names) keeps 0. Returns
+// -1, or the first token whose child or sibling is not a later token of the T (parent[t] < t then
+// holds for every t >= 1).
+template <class Next, class Sibling>
+DS_HD int eagle_parents(int T, Next next, Sibling sibling, int* parent) {
+  for (int t = 0; t < T; ++t) parent[t] = 0;
+  for (int t = 0; t < T; ++t) {
+    const int64_t c = next(t), s = sibling(t);
+    if ((c != -1 && (c <= t || c >= T)) || (s != -1 && (s <= t || s >= T))) return t;
+    if (c != -1) parent[c] = t;
+    if (s != -1) parent[s] = parent[t];
+  }
+  return -1;
+}
+
+// What row b of a speculative causal_conv1d_update reads and writes: the window's first entry
+// (num_accept - 1; -1: the window's last width-1 entries), the intermediate row (< 0: none) and,
+// for a tree, the parents (into `parent`). kind != 0 names a bad entry (DeviceErrorKind, its
+// value and limit): the row is skipped.
+struct ConvVerifyRow {
+  int kind = 0;
+  int64_t value = 0, limit = 0;
+  int accept_offset = -1;
+  int64_t inter_row = -1;
+  const int* parent = nullptr;  // null: a chain
+};
+DS_HD ConvVerifyRow conv_verify_row(const ConvUpdateProblem& p, int64_t b, int* parent) {
+  ConvVerifyRow r;
+  if (p.num_accept.ptr) {
+    const int64_t a = p.num_accept.at(b, 0);
+    if (a < 1 || a > p.accept_limit) {
+      r.kind = kErrStep, r.value = a, r.limit = p.accept_limit;
+      return r;
+    }
+    r.accept_offset = static_cast<int>(a - 1);
+  }
+  if (p.inter) {
+    r.inter_row = p.inter_indices.ptr ? p.inter_indices.at(b, 0) : b;
+    if (r.inter_row >= p.inter_rows) {
+      r.kind = kErrRow, r.value = r.inter_row, r.limit = p.inter_rows;
+      return r;
+    }
+  }
+  if (p.next_token.ptr) {
+    const int bad = eagle_parents(
+        p.T, [&](int t) { return p.next_token.at(b, t); },
+        [&](int t) { return p.next_sibling.at(b, t); }, parent);
+    if (bad >= 0) {
+      r.kind = kErrStep, r.value = bad, r.limit = p.T;
+      return r;
+    }
+    r.parent = parent;
+  }
+  return r;
+}
+
+// Element i of a window held in registers (i < kMaxConvWidth - 1), without a dynamic index.
+DS_HD float window_entry(const float* h, int i) {
+  float v = h[0];
+  DS_UNROLL
+  for (int k = 1; k < kMaxConvWidth - 1; ++k)
+    if (k == i) v = h[k];
+  return v;
+}
+
+// One channel's conv over the T draft tokens of a speculative verify, with SGLang's options.
+// Token t convolves its path, oldest first: the window's entries, then the tokens down to t (a
+// chain: 0..t; a tree: token 0, ..., parent(t), t), so a chain's outputs are
+// conv_channel_update's bit for bit. The window's update in place:
+//   accept_offset < 0: as conv_channel_update (the last state_len values of [window, x]); the
+//     conv reads the window's last width-1 entries;
+//   accept_offset = a - 1 >= 0 (num_accept_tokens a): the window is [width-2 older entries, the
+//     previous step's drafts]; the conv reads entries a-1 .. a+width-3 (the window after the a
+//     accepted drafts) and the update writes [those entries from a on, x] from entry 0.
+// inter(t, i, v) receives entry i (0 = oldest) of the window after token t: its path's last
+// width-1 values.
+template <class Input, class Output, class Inter>
+DS_HD void conv_channel_verify(const ConvChannelWindow& win, int state_len, int T,
+                               int accept_offset, const int* parent, const ConvTaps& taps,
+                               int width, bool act, Input x, Output out, Inter inter) {
+  const int L = state_len, W1 = width - 1;
+  const int first = accept_offset >= 0 ? accept_offset : L - W1;
+  float h[kMaxConvWidth - 1];
+  DS_UNROLL
+  for (int i = 0; i < kMaxConvWidth - 1; ++i) h[i] = i < W1 ? win.load(first + i) : 0.0f;
+  if (accept_offset >= 0) {  // each read is of an entry above the one written
+    for (int i = 0; i + 1 < W1; ++i) win.store(i, win.load(accept_offset + 1 + i));
+    for (int t = 0; t < T; ++t) win.store(W1 - 1 + t, x(t));
+  } else {
+    for (int i = 0; i < L; ++i) win.store(i, i + T < L ? win.load(i + T) : x(i + T - L));
+  }
+  for (int t = 0; t < T; ++t) {
+    float v[kMaxConvWidth];
+    v[kMaxConvWidth - 1] = x(t);
+    int idx = t;
+    DS_UNROLL
+    for (int j = kMaxConvWidth - 2; j >= 0; --j) {  // the path back from t, newest first
+      if (j < kMaxConvWidth - 1 - W1) break;
+      idx = idx > 0 && parent ? parent[idx] : idx - 1;
+      v[j] = idx >= 0 ? x(idx) : window_entry(h, W1 + idx);
+    }
+    // the path's last `width` values start at v[kMaxConvWidth - width]
+    const float* s = v + (kMaxConvWidth - width);
+    out(t, conv_output(taps.w, s, width, taps.bias, act));
+    for (int i = 0; i < W1; ++i) inter(t, i, s[i + 1]);
+  }
+}
+
 // Qwen3NextRMSNormGated over one value head's V outputs x (as stored in the activation dtype
 // `act`): inv = 1/sqrt(mean(x^2) + eps) in fp32; y = round_act(x*inv); t = w*y, rounded to act
 // when the weight has the activation dtype (torch's promotion: otherwise fp32); result t*silu(z)

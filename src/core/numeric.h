@@ -124,6 +124,12 @@ DS_HD int64_t load_index(const void* p, DType t, int64_t i) {
                          : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// Store v as element i of an int32/int64 tensor.
+DS_HD void store_index(void* p, DType t, int64_t i, int64_t v) {
+  if (t == DType::i64) static_cast<int64_t*>(p)[i] = v;
+  else static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+}
+
 // n / d for 0 <= n, d < 2^15 without a division instruction (kernels that derive an index from
 // the grid, such as the key head hv / (HV / H) of a value head): n * m >> 31 with
 // m = ceil(2^31 / d), chosen once per launch on the host. Exact: the error term

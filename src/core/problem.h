@@ -206,6 +206,16 @@ struct ChunkPrefillProblem {
   DS_HD int64_t num_heads_total() const { return static_cast<int64_t>(N) * HV; }
 };
 
+struct IndexTable {  // [rows, cols] int32/int64, entry (r, c) at r*row_stride + c*col_stride
+  const void* ptr = nullptr;
+  DType dtype = DType::i32;
+  int64_t row_stride = 0, col_stride = 1;
+  int64_t cols = 0;
+  DS_HD int64_t at(int64_t r, int64_t c) const {
+    return load_index(ptr, dtype, r * row_stride + c * col_stride);
+  }
+};
+
 // ---- the conv window and the fused decode layer step (causal_conv1d_update, fused_decode_step) --
 // A conv window tensor [slots, dim, state_len], any strides: SGLang's [.., dim, W-1] (the window
 // contiguous) and vLLM's dim-contiguous layout are both plain strides here. `ptr` is channel 0's
@@ -261,6 +271,23 @@ struct ConvUpdateProblem {
   int err_op = kErrOpConv;
   int32_t split_k = 0, split_v = 0;
   ConvWindowRef window_k, window_v;
+  // SGLang's speculative-verify options of causal_conv1d_update (ops.h): with num_accept
+  // ([B, 1]) row b's window starts at entry num_accept - 1 of `state` (accept_limit: its largest
+  // value the window holds); with inter, the window after each draft token t goes to
+  // inter[row, t] (row: inter_indices[b], or b; < 0: none), in `state`'s dtype; with next_token /
+  // next_sibling ([B, >= T], EAGLE's first child and next sibling) the drafts are a tree, its
+  // parents written to parent_out [B, >= T]. The fused step leaves them unset.
+  IndexTable num_accept;
+  int64_t accept_limit = 0;
+  void* inter = nullptr;
+  int64_t inter_row_stride = 0, inter_step_stride = 0, inter_dim_stride = 0, inter_win_stride = 0;
+  int64_t inter_rows = 0;
+  IndexTable inter_indices;
+  IndexTable next_token, next_sibling;
+  void* parent_out = nullptr;
+  DType parent_dtype = DType::i32;
+  int64_t parent_row_stride = 0, parent_col_stride = 1;
+  DS_HD bool speculative() const { return num_accept.ptr || inter || next_token.ptr; }
 };
 
 // The rings and cursors of a ReplaySSM step (ReplayProblem's fields of the same names), for the
@@ -324,15 +351,6 @@ struct FusedStepProblem {
 // Speculative verify (ops.h VerifyArgs): the recurrent problem (its `indices` are the slots the
 // sequences start from, `update_state` the final write-back) plus where the per-token states go.
 // Index tables are read with index_at / load_index; null pointers mark absent arguments.
-struct IndexTable {  // [rows, cols] int32/int64, entry (r, c) at r*row_stride + c*col_stride
-  const void* ptr = nullptr;
-  DType dtype = DType::i32;
-  int64_t row_stride = 0, col_stride = 1;
-  int64_t cols = 0;
-  DS_HD int64_t at(int64_t r, int64_t c) const {
-    return load_index(ptr, dtype, r * row_stride + c * col_stride);
-  }
-};
 struct VerifyProblem {
   RecurrentProblem r;         // final_state is null; r.state is the pool (never null)
   IndexTable output_indices;  // [N, 1]: final state's slot; null: the starting slot

@@ -55,6 +55,48 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
       });
 }
 
+// SGLang's speculative options (ops.h): the same grid, each thread resolving its row (the tree's
+// parents in local memory) and running the shared verify conv of its channel; channel 0 records
+// a bad row and writes the row's parents.
+__global__ void __launch_bounds__(kConvThreads) conv_verify_kernel(const ConvUpdateProblem p) {
+  enter_grid(p.pdl_trigger_early);
+  const int64_t b = blockIdx.x;
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x;
+  if (c >= p.dim) return;
+  const int64_t entry = p.indices ? p.indices[b] : b;
+  const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
+  int parent[detail::kMaxTreeTokens];
+  detail::ConvVerifyRow r;
+  if (entry >= p.state.num_slots)
+    r.kind = detail::kErrSlot, r.value = entry, r.limit = p.state.num_slots;
+  else if (entry >= 0) r = detail::conv_verify_row(p, b, parent);
+  if (entry < 0 || r.kind) {  // padded: zeros; a bad entry: NaN, recorded once per row
+    if (r.kind && c == 0) record_bad_row(p.errors, p.err_op, r.kind, b, r.value, r.limit);
+    const float fill = r.kind ? bad_row_output() : 0.0f;
+    for (int t = 0; t < p.T; ++t)
+      detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, fill);
+    return;
+  }
+  if (r.parent && c == 0)
+    for (int t = 0; t < p.T; ++t)
+      detail::store_index(p.parent_out, p.parent_dtype,
+                          b * p.parent_row_stride + t * p.parent_col_stride, r.parent[t]);
+  const int64_t x_off = b * p.x_batch_stride + c * p.x_dim_stride;
+  const int64_t i_off = r.inter_row * p.inter_row_stride + c * p.inter_dim_stride;
+  detail::conv_channel_verify(
+      detail::channel_window(p.state, entry, c), p.state.state_len, p.T, r.accept_offset, r.parent,
+      detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
+      [&](int t) { return detail::load_float(p.x, p.x_dtype, x_off + t * p.x_tok_stride); },
+      [&](int t, float y) {
+        detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, y);
+      },
+      [&](int t, int i, float v) {
+        if (r.inter_row >= 0)
+          detail::store_float(p.inter, p.state.dtype,
+                              i_off + t * p.inter_step_stride + i * p.inter_win_stride, v);
+      });
+}
+
 }  // namespace
 
 void run_conv_update(const ConvUpdateProblem& problem, void* stream) {
@@ -64,8 +106,13 @@ void run_conv_update(const ConvUpdateProblem& problem, void* stream) {
   // rows on x (up to 2^31 - 1), channel blocks on y (dim < 2^16 * kConvThreads)
   const dim3 grid(static_cast<unsigned>(p.B), (p.dim + kConvThreads - 1) / kConvThreads);
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
-  launch_kernel(conv_update_kernel, grid, kConvThreads, 0, static_cast<cudaStream_t>(stream), p.pdl,
-                with_pdl_trigger(p, ctas, 2048 / kConvThreads));
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.speculative())
+    launch_kernel(conv_verify_kernel, grid, kConvThreads, 0, s, p.pdl,
+                  with_pdl_trigger(p, ctas, 2048 / kConvThreads));
+  else
+    launch_kernel(conv_update_kernel, grid, kConvThreads, 0, s, p.pdl,
+                  with_pdl_trigger(p, ctas, 2048 / kConvThreads));
 }
 
 }  // namespace deltastate::cuda_backend

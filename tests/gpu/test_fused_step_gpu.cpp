@@ -511,6 +511,119 @@ TEST(ConvUpdateGpu, MatchesCpu) {
   }
 }
 
+// causal_conv1d_update's speculative options on CUDA against the CPU: a chain with scratch
+// windows, an EAGLE tree, num_accept_tokens with a tree, bf16 in vLLM's layout. Windows, scratch
+// windows and parents bit for bit; outputs too without SiLU (the same fused multiply-adds), within
+// the conv tolerance with it (expf differs by an ulp between libm and CUDA).
+TEST(ConvVerifyGpu, MatchesCpu) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  for (int variant = 0; variant < 4; ++variant) {
+    const DType dt = variant == 3 ? bf16 : f32;
+    const bool tree = variant == 1 || variant == 2, accept = variant == 2, silu = variant != 1;
+    const int64_t B = 5, dim = 300, T = 4, W1 = 3;
+    const int L = accept ? static_cast<int>(W1 - 1 + T) : static_cast<int>(W1);
+    Tensor x = Tensor::contiguous(dt, {B, dim, T});
+    x.fill_normal(rng, 1.0);
+    Tensor st = make_window(dt, 8, dim, L, variant == 3, 2);
+    for (int64_t e = 0; e < 8; ++e) fill_window(st, e, rng);
+    Tensor w = Tensor::contiguous(dt, {dim, 4}), bias = Tensor::contiguous(dt, {dim});
+    w.fill_uniform(rng, -0.7, 0.7);
+    bias.fill_uniform(rng, -0.2, 0.2);
+    Tensor idx = index_tensor({6, -1, 0, 3, 2}), rows = index_tensor({3, 0, -1, 1, 4});
+    Tensor acc = index_tensor({1, 2, 3, 2, 1}, DType::i64);
+    Tensor inter = Tensor::contiguous(dt, {5, T, dim, W1});
+    inter.fill_all(kSentinel);
+    Tensor next = Tensor::contiguous(DType::i32, {B, T}), sib = next.empty_like();
+    next.fill_all(-1);
+    sib.fill_all(-1);
+    for (int64_t b = 0; b < B; ++b) {  // 0 -> 1 -> 3, 0 -> 2 (row 0: a chain)
+      next.set({b, 0}, 1);
+      next.set({b, 1}, b == 0 ? 2 : 3);
+      if (b == 0) next.set({b, 2}, 3);
+      else sib.set({b, 1}, 2);
+    }
+    Tensor parents = Tensor::contiguous(DType::i32, {B, T});
+    parents.fill_all(-7);
+    Tensor out = Tensor::contiguous(dt, {B, dim, T});
+    out.fill_all(std::nan(""));
+    DeviceCopies dev;
+    for (const Tensor* t :
+         {&x, &st, &w, &bias, &idx, &rows, &acc, &inter, &next, &sib, &parents, &out})
+      dev.put(*t);
+    auto args = [&](auto&& view) {
+      deltastate::CausalConv1dUpdateArgs a;
+      a.x = view(x);
+      a.conv_state = view(st);
+      a.weight = view(w);
+      a.bias = view(bias);
+      a.silu = silu;
+      a.conv_state_indices = view(idx);
+      a.intermediate_conv_window = view(inter);
+      a.intermediate_state_indices = view(rows);
+      if (accept) a.num_accept_tokens = view(acc);
+      if (tree) {
+        a.retrieve_next_token = view(next);
+        a.retrieve_next_sibling = view(sib);
+        a.retrieve_parent_token = view(parents);
+      }
+      a.out = view(out);
+      return a;
+    };
+    deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
+    ok(cudaDeviceSynchronize());
+    deltastate::causal_conv1d_update(args(host_view));
+    EXPECT_EQ(dev.get(st).bytes(), st.bytes()) << "windows, variant " << variant;
+    EXPECT_EQ(dev.get(inter).bytes(), inter.bytes()) << "scratch windows, variant " << variant;
+    EXPECT_EQ(dev.get(parents).bytes(), parents.bytes()) << "parents, variant " << variant;
+    if (silu)
+      EXPECT_TRUE(all_close(dev.get(out).values(), out.values(), {1e-5, 1e-5}, dt, 2))
+          << "out, variant " << variant;
+    else EXPECT_EQ(dev.get(out).bytes(), out.bytes()) << "out, variant " << variant;
+  }
+}
+
+// A num_accept_tokens entry outside the window on CUDA: the row is skipped (NaN output, nothing
+// written) and check_errors names it.
+TEST(ConvVerifyGpu, BadEntryIsReported) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  const int64_t B = 2, dim = 40, T = 3;
+  Tensor x = Tensor::contiguous(f32, {B, dim, T});
+  x.fill_normal(rng, 1.0);
+  Tensor st = make_window(f32, 3, dim, 5, false, 0);
+  for (int64_t e = 0; e < 3; ++e) fill_window(st, e, rng);
+  Tensor w = Tensor::contiguous(f32, {dim, 4});
+  w.fill_uniform(rng, -0.7, 0.7);
+  Tensor idx = index_tensor({2, 0}), acc = index_tensor({1, 4});
+  Tensor inter = Tensor::contiguous(f32, {2, T, dim, 3});
+  inter.fill_all(kSentinel);
+  Tensor out = Tensor::contiguous(f32, {B, dim, T});
+  DeviceCopies dev;
+  for (const Tensor* t : {&x, &st, &w, &idx, &acc, &inter, &out}) dev.put(*t);
+  deltastate::CausalConv1dUpdateArgs a;
+  a.x = dev.view(x);
+  a.conv_state = dev.view(st);
+  a.weight = dev.view(w);
+  a.conv_state_indices = dev.view(idx);
+  a.num_accept_tokens = dev.view(acc);
+  a.intermediate_conv_window = dev.view(inter);
+  a.out = dev.view(out);
+  deltastate::causal_conv1d_update(a);
+  const auto e = catch_error([] { deltastate::check_errors(); });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(std::string(e->what()),
+            "causal_conv1d_update: row 1: a step, length, accepted count or parent (4) is outside "
+            "its buffer or table (limit 3); the row was skipped (state, rings and cursor "
+            "untouched) and its output is NaN");
+  const Tensor got = dev.get(out);
+  for (int64_t i = 0; i < dim * T; ++i) ASSERT_TRUE(std::isnan(got.get_linear(dim * T + i)));
+  const Tensor win = dev.get(st), scratch = dev.get(inter);
+  EXPECT_EQ(window_values(win, 0), window_values(st, 0)) << "the bad row's window untouched";
+  for (int64_t i = 0; i < T * dim * 3; ++i)
+    ASSERT_EQ(scratch.get_linear(T * dim * 3 + i), round_to(f32, kSentinel)) << "its scratch row";
+}
+
 // A bad slot index on CUDA: the row is skipped (NaN output, nothing written) and check_errors
 // names it.
 TEST(FusedStepGpuErrors, BadIndexIsReported) {

@@ -1,5 +1,6 @@
 #include "reference/layer_reference.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace ref {
@@ -42,6 +43,46 @@ std::vector<double> conv_update(std::vector<double>& window, const std::vector<d
         nw[(cache_seqlen + t) % state_len] = x[static_cast<size_t>(c) * T + t];
     }
     for (int i = 0; i < state_len; ++i) window[static_cast<size_t>(c) * state_len + i] = nw[i];
+  }
+  return out;
+}
+
+std::vector<double> conv_verify(std::vector<double>& window, const std::vector<double>& x,
+                                const std::vector<double>& weight, const std::vector<double>& bias,
+                                int dim, int state_len, int T, int width, bool silu, int accept,
+                                const std::vector<int>& parent, std::vector<double>& windows) {
+  const int W1 = width - 1;
+  std::vector<double> out(static_cast<size_t>(dim) * T);
+  windows.assign(static_cast<size_t>(T) * dim * W1, 0.0);
+  for (int c = 0; c < dim; ++c) {
+    double* w = &window[static_cast<size_t>(c) * state_len];
+    const double* xc = &x[static_cast<size_t>(c) * T];
+    const int first = accept >= 1 ? accept - 1 : state_len - W1;
+    const std::vector<double> hist(w + first, w + first + W1);
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> ancestors{t};  // t, its parent, ..., token 0
+      while (ancestors.back() > 0)
+        ancestors.push_back(parent.empty() ? ancestors.back() - 1 : parent[ancestors.back()]);
+      std::vector<double> seq = hist;
+      for (auto it = ancestors.rbegin(); it != ancestors.rend(); ++it) seq.push_back(xc[*it]);
+      const size_t n = seq.size();
+      double acc = bias.empty() ? 0.0 : bias[c];
+      for (int j = 0; j < width; ++j)
+        acc += weight[static_cast<size_t>(c) * width + j] * seq[n - width + j];
+      out[static_cast<size_t>(c) * T + t] = silu ? silu_of(acc) : acc;
+      for (int i = 0; i < W1; ++i)
+        windows[(static_cast<size_t>(t) * dim + c) * W1 + i] = seq[n - W1 + i];
+    }
+    if (accept >= 1) {
+      std::vector<double> nw(w, w + state_len);
+      for (int i = 0; i + 1 < W1; ++i) nw[i] = w[accept + i];
+      for (int t = 0; t < T; ++t) nw[W1 - 1 + t] = xc[t];
+      std::copy(nw.begin(), nw.end(), w);
+    } else {
+      std::vector<double> all(w, w + state_len);
+      all.insert(all.end(), xc, xc + T);
+      std::copy(all.end() - state_len, all.end(), w);
+    }
   }
   return out;
 }

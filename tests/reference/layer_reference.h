@@ -17,6 +17,18 @@ std::vector<double> conv_update(std::vector<double>& window, const std::vector<d
                                 int dim, int state_len, int T, int width, bool silu,
                                 int cache_seqlen = -1);
 
+// One batch row of SGLang's speculative causal_conv1d_update (intermediate windows,
+// num_accept_tokens, an EAGLE tree), written from its semantics: token t's inputs are the window
+// (entries accept-1 .. accept+width-3 with `accept` >= 1, else the last width-1) followed by x at
+// t's ancestors, root first (`parent` empty: the chain 0..t); its window is their last width-1
+// values, stored in `windows` [T][dim][width-1]. The window [dim][state_len] is updated in place:
+// with accept, entries 0..width-3 take entries accept.., then x; else the last state_len values
+// of [window, x]. Returns out [dim][T].
+std::vector<double> conv_verify(std::vector<double>& window, const std::vector<double>& x,
+                                const std::vector<double>& weight, const std::vector<double>& bias,
+                                int dim, int state_len, int T, int width, bool silu, int accept,
+                                const std::vector<int>& parent, std::vector<double>& windows);
+
 // Qwen3NextRMSNormGated over one head: x [n] (as stored), z [n], weight [n]; `round_act` rounds
 // to the activation dtype (hidden_states.to(input_dtype)), `round_product` the product
 // weight * normalized when the weight has that dtype (identity otherwise).
