@@ -964,7 +964,17 @@ _CONV_DOC = """causal-conv1d's ``causal_conv1d_update`` (the package's signature
     [dim, width] (width 2..4); bias [dim] or None; activation None, "silu" or "swish";
     cache_seqlens [batch] int32 (circular buffer) or None; conv_state_indices [batch] int32 or
     None (< 0: padded row, output zeros, window untouched). Returns the output, x's shape and
-    dtype, accumulated in fp32 as causal-conv1d's CUDA kernel does."""
+    dtype, accumulated in fp32 as causal-conv1d's CUDA kernel does.
+
+    SGLang's speculative-verify arguments, in its order (x holds seqlen = T draft tokens per row):
+    num_accept_tokens [batch] (conv_state holds width - 2 older entries and the previous step's
+    drafts, state_len >= width - 2 + T; the window is entries a-1 .. a+width-3, a =
+    num_accept_tokens[b]); intermediate_conv_window [N_scr, >= T, dim, width - 1] with
+    intermediate_state_indices [batch] (None: row b; < 0: none): the window after each draft
+    token, for update_conv_state_after_verify; retrieve_next_token, retrieve_next_sibling [batch,
+    >= T] (an EAGLE tree) with retrieve_parent_token [batch, >= T], written with each token's
+    parent: token t convolves its path through the tree. pad_slot_id must be -1 (every index < 0
+    pads); metadata and validate_data are accepted and unused (every call is validated)."""
 
 
 def _conv_prepare(op, x, activation):
@@ -986,6 +996,16 @@ _CONV_UPDATE = Op(
         Arg("activation", ANY, None, op=False),
         Arg("cache_seqlens", OPT_TENSOR, None, dtypes=INT32),
         Arg("conv_state_indices", OPT_TENSOR, None, dtypes=INT32),
+        Arg("num_accept_tokens", OPT_TENSOR, None, dtypes=INDEX),
+        Arg("intermediate_conv_window", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+        Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+        Arg("retrieve_next_token", OPT_TENSOR, None, dtypes=INDEX),
+        Arg("retrieve_next_sibling", OPT_TENSOR, None, dtypes=INDEX),
+        Arg("retrieve_parent_token", OPT_TENSOR, None, dtypes=INDEX, mutated=True),
+        Arg("pad_slot_id", ANY, -1, op=False,
+            unsupported="(SGLang's pad marker) must be -1: every index < 0 pads a row"),
+        Arg("metadata", ANY, None, op=False),
+        Arg("validate_data", ANY, False, op=False),
         Arg("check_indices", CHECK, None, keyword=True),
         Arg("pdl", BOOL, False, keyword=True),
         Arg("out", TENSOR, dtypes=FLOATING, mutated=True, public=False),
@@ -993,7 +1013,9 @@ _CONV_UPDATE = Op(
     ),
     returns="out",
     op_order=("x", "conv_state", "weight", "out", "bias", "silu", "cache_seqlens",
-              "conv_state_indices", "check_indices", "pdl"),
+              "conv_state_indices", "num_accept_tokens", "intermediate_conv_window",
+              "intermediate_state_indices", "retrieve_next_token", "retrieve_next_sibling",
+              "retrieve_parent_token", "check_indices", "pdl"),
     prepare=_conv_prepare,
     fills=("silu", "out"),
 )

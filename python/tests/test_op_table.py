@@ -159,10 +159,14 @@ SCHEMAS = {
 
 
 # ---- the conv update and the fused decode layer step ----------------------------------------
-# causal-conv1d's signature, deltastate's options keyword-only after it.
+# causal-conv1d's signature, SGLang's speculative arguments after it in SGLang's order,
+# deltastate's options keyword-only.
 PUBLIC["causal_conv1d_update"] = (
     "(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, "
-    "conv_state_indices=None, *, check_indices=None, pdl=False)")
+    "conv_state_indices=None, num_accept_tokens=None, intermediate_conv_window=None, "
+    "intermediate_state_indices=None, retrieve_next_token=None, retrieve_next_sibling=None, "
+    "retrieve_parent_token=None, pad_slot_id=-1, metadata=None, validate_data=False, *, "
+    "check_indices=None, pdl=False)")
 _FUSED_PUBLIC = (
     "(mixed_qkv, conv_weight, conv_state, a, b, A_log, dt_bias, initial_state, out, "
     "ssm_state_indices, conv_bias=None, conv_silu=True, scale=None, norm_weight=None, z=None, "
@@ -174,7 +178,10 @@ PUBLIC["kda_fused_decode_step"] = _FUSED_PUBLIC.format(lb="lower_bound=None, ")
 SCHEMAS["causal_conv1d_update"] = (
     "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor(b!) out, "
     "Tensor? bias=None, bool silu=False, Tensor? cache_seqlens=None, "
-    "Tensor? conv_state_indices=None, int check_indices=-1, bool pdl=False) -> ()")
+    "Tensor? conv_state_indices=None, Tensor? num_accept_tokens=None, "
+    "Tensor(c!)? intermediate_conv_window=None, Tensor? intermediate_state_indices=None, "
+    "Tensor? retrieve_next_token=None, Tensor? retrieve_next_sibling=None, "
+    "Tensor(d!)? retrieve_parent_token=None, int check_indices=-1, bool pdl=False) -> ()")
 _FUSED_SCHEMA = (
     "Tensor mixed_qkv, Tensor conv_weight, Tensor(a!) conv_state, Tensor a, Tensor b, "
     "Tensor A_log, Tensor dt_bias, Tensor(b!) initial_state, Tensor(c!) out, "
