@@ -1,7 +1,8 @@
 // StatePool's conv windows: the views of both layouts (SGLang's window-contiguous, vLLM's
 // dim-contiguous), packed and split q/k/v windows, the envelope entry holding conv windows and
 // states of every layer without overlap, allocate zeroing and fork copying the windows, the byte
-// accounting, and the error texts.
+// accounting, and the error texts. The speculative-verify scratch (intermediate states and conv
+// windows) beside them, and the every-layer views the commits take.
 #include <cstring>
 #include <set>
 
@@ -222,6 +223,183 @@ TEST(PoolConvContract, ErrorTexts) {
   view_error([&] { oddp.conv_state(0, 0); },
              "StatePool.conv_state: the q, k, v parts of a packed window need H with conv_dim = "
              "2*H*K + HV*V; got H=2, conv_dim=50");
+}
+
+// ---- the speculative-verify scratch and the every-layer views ---------------------------------
+// A view of `v` with its leading dimension fixed at i.
+TensorView sub(const TensorView& v, int64_t i) {
+  TensorView r;
+  r.data = static_cast<char*>(v.data) + i * v.stride[0] * v.element_size();
+  r.dtype = v.dtype;
+  r.device = v.device;
+  r.ndim = v.ndim - 1;
+  for (int d = 0; d < r.ndim; ++d) r.shape[d] = v.shape[d + 1], r.stride[d] = v.stride[d + 1];
+  return r;
+}
+void expect_same_view(const TensorView& a, const TensorView& b, const std::string& what) {
+  EXPECT_EQ(a.data, b.data) << what;
+  EXPECT_EQ(a.dtype, b.dtype) << what;
+  ASSERT_EQ(a.ndim, b.ndim) << what;
+  for (int d = 0; d < a.ndim; ++d) {
+    EXPECT_EQ(a.shape[d], b.shape[d]) << what << ", dim " << d;
+    EXPECT_EQ(a.stride[d], b.stride[d]) << what << ", dim " << d;
+  }
+}
+
+class PoolSpec : public ::testing::TestWithParam<PoolConvCase> {};
+
+TEST_P(PoolSpec, ScratchViewsDisjointUntouchedBySlots) {
+  const PoolConvCase& pc = GetParam();
+  StatePoolConfig cfg = conv_config(pc.layout, pc.conv, pc.split);
+  cfg.spec_rows = 3;
+  cfg.spec_steps = 5;
+  StatePool pool(cfg);
+  const int64_t dims[3] = {16, 16, 64};
+  const std::vector<int> parts = pc.split ? std::vector<int>{0, 1, 2} : std::vector<int>{-1};
+  // the every-layer views are the layer views stacked
+  for (int64_t l = 0; l < cfg.layers; ++l) {
+    expect_same_view(sub(pool.states(), l), pool.layer_state(l), "states() layer");
+    expect_same_view(sub(pool.intermediate_states(), l), pool.intermediate_states(l),
+                     "intermediate_states() layer");
+    for (int part : {-1, 0, 1, 2}) {
+      if (pc.split && part < 0) continue;
+      expect_same_view(sub(pool.conv_states(part), l), pool.conv_state(l, part),
+                       "conv_states(" + std::to_string(part) + ") layer");
+      expect_same_view(sub(pool.intermediate_conv_windows(part), l),
+                       pool.intermediate_conv_window(l, part),
+                       "intermediate_conv_windows(" + std::to_string(part) + ") layer");
+    }
+  }
+  // shapes, dtypes, strides: the scratch windows in the pool's conv layout
+  const TensorView is = pool.intermediate_states(1);
+  EXPECT_EQ(is.ndim, 5);
+  EXPECT_EQ(is.shape[0], 3);
+  EXPECT_EQ(is.shape[1], 5);
+  EXPECT_EQ(is.stride[1], 4 * 16 * 8);
+  EXPECT_EQ(is.stride[0], 5 * 4 * 16 * 8);
+  for (int part = 0; part < 3; ++part) {
+    const TensorView w = pool.intermediate_conv_window(2, part);
+    EXPECT_EQ(w.ndim, 4);
+    EXPECT_EQ(w.shape[0], 3);
+    EXPECT_EQ(w.shape[1], 5);
+    EXPECT_EQ(w.shape[2], dims[part]);
+    EXPECT_EQ(w.shape[3], 3);
+    EXPECT_EQ(w.dtype, DType::bf16);
+    const int64_t stored_dim = pc.split ? dims[part] : 96;
+    EXPECT_EQ(w.stride[1], stored_dim * 3);
+    EXPECT_EQ(w.stride[2], pc.conv == ConvLayout::dim_contiguous ? 1 : 3);
+    EXPECT_EQ(w.stride[3], pc.conv == ConvLayout::dim_contiguous ? stored_dim : 1);
+  }
+  // every view disjoint from every other, all inside the pool
+  std::set<const char*> seen;
+  auto add_disjoint = [&](const TensorView& v, const std::string& what) {
+    for (const char* p : bytes_of(v)) {
+      ASSERT_TRUE(seen.insert(p).second) << what << " overlaps another view";
+      ASSERT_GE(p, static_cast<const char*>(pool.data()));
+      ASSERT_LT(p, static_cast<const char*>(pool.data()) + pool.total_bytes());
+    }
+  };
+  add_disjoint(pool.states(), "states");
+  for (int part : parts) add_disjoint(pool.conv_states(part), "conv_states");
+  add_disjoint(pool.intermediate_states(), "intermediate_states");
+  for (int part : parts) add_disjoint(pool.intermediate_conv_windows(part), "intermediate windows");
+  add_disjoint(pool.write_pos(), "write_pos");
+  // allocate (clear) and fork leave the scratch alone
+  Rng rng = test_rng();
+  auto fill = [&](const TensorView& v) {
+    for (const char* p : bytes_of(v)) *const_cast<char*>(p) = static_cast<char>(rng.integer(1, 99));
+  };
+  fill(pool.intermediate_states());
+  for (int part : parts) fill(pool.intermediate_conv_windows(part));
+  Snapshot before;
+  const TensorView first = pool.intermediate_states();
+  const int64_t spec = StatePool::spec_bytes(cfg);
+  before.add(first.data, spec);
+  const int64_t a = pool.allocate(), b = pool.allocate();
+  pool.fork(a, b);
+  EXPECT_TRUE(before.unchanged()) << "the scratch after allocate and fork";
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, PoolSpec,
+                         ::testing::Values(PoolConvCase{"per_layer_sglang", PoolLayout::per_layer,
+                                                        ConvLayout::window_contiguous, false},
+                                           PoolConvCase{"per_layer_vllm_split",
+                                                        PoolLayout::per_layer,
+                                                        ConvLayout::dim_contiguous, true},
+                                           PoolConvCase{"envelope_sglang", PoolLayout::envelope,
+                                                        ConvLayout::window_contiguous, false},
+                                           PoolConvCase{"envelope_vllm_split", PoolLayout::envelope,
+                                                        ConvLayout::dim_contiguous, true}),
+                         case_name<PoolConvCase>);
+
+TEST(PoolSpecAccounting, CountsTheScratchOnce) {
+  for (PoolLayout layout : {PoolLayout::per_layer, PoolLayout::envelope}) {
+    StatePoolConfig without = conv_config(layout, ConvLayout::window_contiguous, false);
+    StatePoolConfig with = without;
+    with.spec_rows = 3;
+    with.spec_steps = 5;
+    const int64_t states = 3 * 3 * 5 * 4 * 16 * 8 * 4;  // layers*rows*steps*HV*V*K*fp32
+    const int64_t windows = 3 * 3 * 5 * 96 * 3 * 2;     // layers*rows*steps*conv_dim*(W-1)*bf16
+    EXPECT_EQ(StatePool::spec_bytes(without), 0);
+    EXPECT_GE(StatePool::spec_bytes(with), states + windows);
+    EXPECT_LT(StatePool::spec_bytes(with), states + windows + 4 * 256);  // alignment only
+    EXPECT_EQ(StatePool::required_bytes(with) - StatePool::required_bytes(without),
+              StatePool::spec_bytes(with));
+    EXPECT_EQ(StatePool::bytes_per_slot(with), StatePool::bytes_per_slot(without))
+        << "the scratch is not per slot";
+    // a budget that holds the pool without the scratch holds fewer slots with it
+    StatePoolConfig big = without;
+    big.slots = 40;
+    StatePoolConfig big_spec = big;
+    big_spec.spec_rows = 3;
+    big_spec.spec_steps = 5;
+    const int64_t budget = StatePool::required_bytes(big);
+    EXPECT_EQ(StatePool::slots_for_budget(big, budget), 40);
+    const int64_t fit = StatePool::slots_for_budget(big_spec, budget);
+    EXPECT_LT(fit, 40);
+    big_spec.slots = fit;
+    EXPECT_LE(StatePool::required_bytes(big_spec), budget);
+    big_spec.slots = fit + 1;
+    EXPECT_GT(StatePool::required_bytes(big_spec), budget);
+  }
+}
+
+TEST(PoolSpecContract, ErrorTexts) {
+  StatePoolConfig c = conv_config(PoolLayout::per_layer, ConvLayout::window_contiguous, false);
+  c.spec_rows = 2;
+  const auto e = catch_error([&] { StatePool p(c); });
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(std::string(e->what()),
+            "StatePool spec_rows and spec_steps go together (both >= 1 for a speculative-verify "
+            "scratch, both 0 for none); got spec_rows=2, spec_steps=0");
+  c.spec_steps = -1;
+  EXPECT_TRUE(catch_error([&] { StatePool p(c); }).has_value());
+  StatePool plain(conv_config(PoolLayout::per_layer, ConvLayout::window_contiguous, false));
+  auto view_error = [](const std::function<void()>& f, const std::string& message) {
+    const auto err = catch_error(f);
+    if (err) EXPECT_EQ(std::string(err->what()), message);
+  };
+  const std::string none =
+      "StatePool has no speculative-verify scratch (configure spec_rows and spec_steps >= 1 to "
+      "create it)";
+  view_error([&] { plain.intermediate_states(); }, none);
+  view_error([&] { plain.intermediate_states(0); }, none);
+  view_error([&] { plain.intermediate_conv_window(0); }, none);
+  c.spec_steps = 4;
+  c.conv_dim = 0;
+  StatePool noconv(c);
+  view_error([&] { noconv.intermediate_conv_windows(); },
+             "StatePool has no conv windows (configure conv_dim > 0 to create them)");
+  view_error([&] { noconv.conv_states(); },
+             "StatePool has no conv windows (configure conv_dim > 0 to create them)");
+  view_error([&] { noconv.intermediate_states(3); },
+             "StatePool: layer 3 is out of range for a pool of 3 layers");
+  StatePoolConfig sc = conv_config(PoolLayout::per_layer, ConvLayout::window_contiguous, true);
+  sc.spec_rows = sc.spec_steps = 2;
+  StatePool split(sc);
+  view_error([&] { split.intermediate_conv_window(0); },
+             "StatePool.intermediate_conv_window: the pool keeps separate q, k, v windows "
+             "(conv_split_qkv); pass part 0, 1 or 2");
 }
 
 }  // namespace

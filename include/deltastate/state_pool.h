@@ -68,6 +68,14 @@ struct StatePoolConfig {
   ConvLayout conv_layout = ConvLayout::window_contiguous;
   bool conv_split_qkv = false;
 
+  // Speculative-verify scratch (SGLang's SpeculativeState), spec_rows = spec_steps = 0: none.
+  // spec_rows scratch rows (one per batch row of a verify) of spec_steps draft positions: per
+  // layer the state after each draft [spec_rows, spec_steps, HV, V, K] (state dtype, the verify
+  // op's intermediate_states) and, with conv windows, the window after each draft [spec_rows,
+  // spec_steps, dim, W-1] per conv part (conv dtype and layout; causal_conv1d_update's
+  // intermediate_conv_window). Not per slot: one block, not cleared or forked with slots.
+  int64_t spec_rows = 0, spec_steps = 0;
+
   // Rows of every view: slots, plus one with null_slot.
   int64_t physical_slots() const { return slots + (null_slot ? 1 : 0); }
 
@@ -129,6 +137,17 @@ class StatePool {
   // entry's slot stride). part -1: the packed window (dim = conv_dim; not with conv_split_qkv);
   // 0, 1, 2: the q, k, v windows (dims H*K, H*K, HV*V; of a packed window, its channel slices).
   TensorView conv_state(int64_t layer, int part = -1) const;
+  // Every layer at once, for the ops that take them in one launch (the commits after a verify):
+  // [layers, slots, HV, V, K] and [layers, slots, dim, conv_width - 1].
+  TensorView states() const;
+  TensorView conv_states(int part = -1) const;
+  // The speculative-verify scratch (spec_rows > 0): one layer's [spec_rows, spec_steps, HV, V, K]
+  // and [spec_rows, spec_steps, dim, conv_width - 1] (part as conv_state), or every layer's with a
+  // leading [layers] dimension.
+  TensorView intermediate_states(int64_t layer) const;
+  TensorView intermediate_states() const;
+  TensorView intermediate_conv_window(int64_t layer, int part = -1) const;
+  TensorView intermediate_conv_windows(int part = -1) const;
 
   // Host-side cursor access (CUDA pools: a copy on `stream`, then a wait for that stream; pass
   // the stream the decode ops run on so the read is ordered after them).
@@ -136,8 +155,10 @@ class StatePool {
   void set_cursor(int64_t slot, int32_t value, Stream stream = nullptr);
 
   // --- accounting --------------------------------------------------------------------------
-  // state + conv windows + rings + cursor
+  // state + conv windows + rings + cursor (the speculative scratch is not per slot)
   static int64_t bytes_per_slot(const StatePoolConfig& config);
+  // The speculative-verify scratch: states and conv windows of every layer, alignment included.
+  static int64_t spec_bytes(const StatePoolConfig& config);
   // Everything, with alignment (and the null slot's row when config.null_slot).
   static int64_t required_bytes(const StatePoolConfig& config);
   // How many slots fit in `budget_bytes` (the whole pool, alignment included; with
@@ -155,6 +176,9 @@ class StatePool {
     // (per_layer) or the one entry (envelope). Clearing and forking a slot copy these rows.
     int64_t slot_rows, slot_row_pitch;
     int64_t d_offset, k_offset, g_offset, cursor_offset, total;
+    // The speculative scratch: states [layers, rows, steps, HV, V, K] from spec_state_offset,
+    // conv part j's windows [layers, rows, steps, dim_j, W-1] from spec_conv_offset[j].
+    int64_t spec_state_offset, spec_conv_offset[3], spec_end;
     // Conv windows: `conv_parts` windows (1 packed, 3 split) of conv_part_dim[j] channels; the
     // block of one (layer, slot, part) is conv_block[j] bytes. per_layer: part j's blocks
     // [layers, slots] from conv_offset[j]; envelope: inside the entry, a layer's blocks one after
@@ -166,6 +190,12 @@ class StatePool {
   };
   // Byte offset inside an envelope entry of (layer, part)'s conv block.
   int64_t conv_entry_offset(int64_t layer, int part) const;
+  // The window view of `part` (-1 packed, 0/1/2 q/k/v) of the stored part block `p` at byte
+  // `offset` with leading dims `lead` of element strides `lead_strides` (the channel slice of a
+  // packed window for part >= 0).
+  TensorView conv_view(int64_t offset, int p, int part, std::vector<int64_t> lead,
+                       std::vector<int64_t> lead_strides) const;
+  int stored_conv_part(int part, const char* what) const;  // checks `part`; the stored part
   // A slot's memory as runs of `rows` rows of `bytes`, `pitch` apart, the first at
   // offset + slot*slot_step: what clearing and forking a slot touch.
   struct SlotRun {

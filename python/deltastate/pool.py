@@ -69,11 +69,13 @@ def _conv_args(conv_dim, conv_width, conv_dtype, conv_layout, conv_split_qkv):
 
 
 def _config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes, replay_len, H,
-            ring_k_dtype, kda, slots=1, null_slot=False, conv=(0, 4, "float32", False, False)):
+            ring_k_dtype, kda, slots=1, null_slot=False, conv=(0, 4, "float32", False, False),
+            spec=(0, 0)):
     """The argument tuple the C++ module takes for a pool configuration."""
+    _ints(spec_rows=spec[0], spec_steps=spec[1])
     return (layers, slots, HV, V, K, _dtype_name(state_dtype), layout == "envelope",
             envelope_extra_bytes, replay_len, H, _dtype_name(ring_k_dtype), bool(kda),
-            bool(null_slot)) + tuple(conv)
+            bool(null_slot)) + tuple(conv) + (int(spec[0]), int(spec[1]))
 
 
 def _default_framework() -> str:
@@ -86,7 +88,8 @@ def _default_framework() -> str:
 
 
 def _sizes(cfg, budget_bytes: int = 0):
-    """[required bytes, bytes per slot, slots that fit budget_bytes] of a configuration."""
+    """[required bytes, bytes per slot, slots that fit budget_bytes, speculative-scratch bytes]
+    of a configuration."""
     return [int(x) for x in lib.pool_sizes(*cfg, int(budget_bytes))]
 
 
@@ -117,6 +120,14 @@ class StatePool:
     q [H*K], k [H*K], v [HV*V] (Kimi-Linear; needs H), else one packed window. In the envelope
     layout a slot's entry holds the windows and states of every layer. ``allocate`` zeroes the
     windows, ``fork`` copies them, the accounting counts them. Views: :meth:`conv_state`.
+
+    Speculative-verify scratch (``spec_rows`` and ``spec_steps`` >= 1; SGLang's
+    SpeculativeState): ``spec_rows`` rows (one per batch row of a verify) of ``spec_steps``
+    draft positions, per layer the state after each draft and, with conv windows, the window
+    after each draft: :meth:`intermediate_states`, :meth:`intermediate_conv_window` (the verify
+    op's ``intermediate_states`` and causal_conv1d_update's ``intermediate_conv_window``).
+    One block, not per slot (``spec_nbytes``; ``nbytes`` includes it), untouched by allocate and
+    fork. :meth:`states` and :meth:`conv_states` view every layer at once, for the commits.
     """
 
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
@@ -124,7 +135,8 @@ class StatePool:
                  replay_len: int = 0, H: int = 0, ring_k_dtype="float32", kda: bool = False,
                  device="cpu", framework: Optional[str] = None, null_slot: bool = False,
                  conv_dim: int = 0, conv_width: int = 4, conv_dtype="float32",
-                 conv_layout: str = "sglang", conv_split_qkv: bool = False):
+                 conv_layout: str = "sglang", conv_split_qkv: bool = False,
+                 spec_rows: int = 0, spec_steps: int = 0):
         _ints(layers=layers, slots=slots, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         layers, slots, HV, V, K = int(layers), int(slots), int(HV), int(V), int(K)
@@ -151,9 +163,12 @@ class StatePool:
         self.conv_layout, self.conv_split_qkv = conv_layout, conv[4]
         self._cfg = _config(layers, HV, V, K, self.state_dtype, layout, envelope_extra_bytes,
                             replay_len, H, self.ring_k_dtype, kda, slots=slots,
-                            null_slot=self.null_slot, conv=conv)
-        nbytes = _sizes(self._cfg)[0]
+                            null_slot=self.null_slot, conv=conv, spec=(spec_rows, spec_steps))
+        self.spec_rows, self.spec_steps = int(spec_rows), int(spec_steps)
+        sizes = _sizes(self._cfg)
+        nbytes = sizes[0]
         self.nbytes = nbytes
+        self.spec_nbytes = sizes[3]
         if framework == "torch":
             try:
                 import torch
@@ -260,6 +275,34 @@ class StatePool:
                              f"{part!r}")
         return self._view(names[part], layer, self.conv_dtype)
 
+    def states(self):
+        """[layers, slots, HV, V, K]: every layer's states (the commit's ``state``)."""
+        return self._view("states", 0, self.state_dtype)
+
+    def conv_states(self, part: Optional[str] = None):
+        """[layers, slots, dim, conv_width - 1]: every layer's conv windows (``part`` as in
+        :meth:`conv_state`)."""
+        return self._view("conv_states" + self._conv_suffix(part), 0, self.conv_dtype)
+
+    def intermediate_states(self, layer: Optional[int] = None):
+        """[spec_rows, spec_steps, HV, V, K] scratch states of one layer, or with ``layer``
+        None every layer's, [layers, spec_rows, spec_steps, HV, V, K]."""
+        return self._view("inter_states", -1 if layer is None else int(layer), self.state_dtype)
+
+    def intermediate_conv_window(self, layer: Optional[int] = None, part: Optional[str] = None):
+        """[spec_rows, spec_steps, dim, conv_width - 1] scratch conv windows of one layer (the
+        pool's conv layout; ``part`` as in :meth:`conv_state`), or with ``layer`` None every
+        layer's, [layers, spec_rows, spec_steps, dim, conv_width - 1]."""
+        return self._view("inter_conv" + self._conv_suffix(part), -1 if layer is None else
+                          int(layer), self.conv_dtype)
+
+    @staticmethod
+    def _conv_suffix(part: Optional[str]) -> str:
+        suffixes = {None: "", "q": "_q", "k": "_k", "v": "_v"}
+        if part not in suffixes:
+            raise ValueError(f"StatePool: conv part must be None, 'q', 'k' or 'v'; got {part!r}")
+        return suffixes[part]
+
     def _view(self, what: str, layer: int, dtype: str):
         key = (what, layer)
         v = self._views.get(key)
@@ -311,12 +354,15 @@ class StatePool:
                          ring_k_dtype="float32", kda: bool = False,
                          null_slot: bool = False, conv_dim: int = 0, conv_width: int = 4,
                          conv_dtype="float32", conv_layout: str = "sglang",
-                         conv_split_qkv: bool = False) -> int:
+                         conv_split_qkv: bool = False, spec_rows: int = 0,
+                         spec_steps: int = 0) -> int:
         """How many slots (the ``slots`` argument of a pool) fit in ``budget_bytes``, the whole
-        pool counted: alignment, and with ``null_slot`` the null slot's row."""
+        pool counted: alignment, with ``null_slot`` the null slot's row, and the speculative
+        scratch."""
         _ints(budget_bytes=budget_bytes, layers=layers, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         conv = _conv_args(conv_dim, conv_width, conv_dtype, conv_layout, conv_split_qkv)
         return _sizes(_config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes,
-                              replay_len, H, ring_k_dtype, kda, null_slot=null_slot, conv=conv),
+                              replay_len, H, ring_k_dtype, kda, null_slot=null_slot, conv=conv,
+                              spec=(spec_rows, spec_steps)),
                       budget_bytes)[2]

@@ -772,7 +772,8 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
                                 int64_t envelope_extra_bytes, int64_t replay_len, int64_t H,
                                 const std::string& ring_k_dtype, bool kda, bool null_slot,
                                 int64_t conv_dim, int64_t conv_width, const std::string& conv_dtype,
-                                bool conv_dim_contiguous, bool conv_split_qkv) {
+                                bool conv_dim_contiguous, bool conv_split_qkv, int64_t spec_rows,
+                                int64_t spec_steps) {
   ds::StatePoolConfig c;
   c.layers = layers;
   c.slots = slots;
@@ -793,6 +794,8 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
   c.conv_layout =
       conv_dim_contiguous ? ds::ConvLayout::dim_contiguous : ds::ConvLayout::window_contiguous;
   c.conv_split_qkv = conv_split_qkv;
+  c.spec_rows = spec_rows;
+  c.spec_steps = spec_steps;
   return c;
 }
 
@@ -805,21 +808,32 @@ ffi::Array<int64_t> describe(const ds::TensorView& v, const void* base) {
   return ffi::Array<int64_t>(out.begin(), out.end());
 }
 
-// [required_bytes, bytes_per_slot, slots_for_budget(budget)] of a configuration.
+// [required_bytes, bytes_per_slot, slots_for_budget(budget), spec_bytes] of a configuration.
 ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
                                ffi::String state_dtype, bool envelope, int64_t extra,
                                int64_t replay_len, int64_t H, ffi::String ring_k_dtype, bool kda,
                                bool null_slot, int64_t conv_dim, int64_t conv_width,
                                ffi::String conv_dtype, bool conv_dim_contiguous,
-                               bool conv_split_qkv, int64_t budget) {
+                               bool conv_split_qkv, int64_t spec_rows, int64_t spec_steps,
+                               int64_t budget) {
   return guarded([&] {
-    const ds::StatePoolConfig c = pool_config(
-        layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H, ring_k_dtype, kda,
-        null_slot, conv_dim, conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv);
+    const ds::StatePoolConfig c =
+        pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H,
+                    ring_k_dtype, kda, null_slot, conv_dim, conv_width, conv_dtype,
+                    conv_dim_contiguous, conv_split_qkv, spec_rows, spec_steps);
     const std::vector<int64_t> v{ds::StatePool::required_bytes(c), ds::StatePool::bytes_per_slot(c),
-                                 ds::StatePool::slots_for_budget(c, budget)};
+                                 ds::StatePool::slots_for_budget(c, budget),
+                                 ds::StatePool::spec_bytes(c)};
     return ffi::Array<int64_t>(v.begin(), v.end());
   });
+}
+
+// The conv part a view name ends in: _q, _k, _v (0, 1, 2), else the packed window (-1).
+int conv_part(const std::string& w) {
+  const auto ends = [&](const char* e) {
+    return w.size() > 2 && w.compare(w.size() - 2, 2, e) == 0;
+  };
+  return ends("_q") ? 0 : ends("_k") ? 1 : ends("_v") ? 2 : -1;
 }
 
 // A pool over `storage` (a 256-byte aligned uint8 buffer of required_bytes on its device).
@@ -827,11 +841,13 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
     ffi::TensorView storage, int64_t layers, int64_t slots, int64_t HV, int64_t V, int64_t K,
     ffi::String state_dtype, bool envelope, int64_t extra, int64_t replay_len, int64_t H,
     ffi::String ring_k_dtype, bool kda, bool null_slot, int64_t conv_dim, int64_t conv_width,
-    ffi::String conv_dtype, bool conv_dim_contiguous, bool conv_split_qkv) {
+    ffi::String conv_dtype, bool conv_dim_contiguous, bool conv_split_qkv, int64_t spec_rows,
+    int64_t spec_steps) {
   return guarded([&] {
-    ds::StatePoolConfig c = pool_config(
-        layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H, ring_k_dtype, kda,
-        null_slot, conv_dim, conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv);
+    ds::StatePoolConfig c =
+        pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H,
+                    ring_k_dtype, kda, null_slot, conv_dim, conv_width, conv_dtype,
+                    conv_dim_contiguous, conv_split_qkv, spec_rows, spec_steps);
     const DLDevice dev = storage.device();
     c.device = dev.device_type == kDLCUDA ? ds::Device::cuda(dev.device_id) : ds::Device::cpu();
     void* base = static_cast<char*>(storage.data_ptr()) + storage.byte_offset();
@@ -873,6 +889,13 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
               else if (w == "conv_q") v = pool->conv_state(layer, 0);
               else if (w == "conv_k") v = pool->conv_state(layer, 1);
               else if (w == "conv_v") v = pool->conv_state(layer, 2);
+              else if (w == "states") v = pool->states();
+              else if (w == "inter_states")
+                v = layer < 0 ? pool->intermediate_states() : pool->intermediate_states(layer);
+              else if (w.rfind("conv_states", 0) == 0) v = pool->conv_states(conv_part(w));
+              else if (w.rfind("inter_conv", 0) == 0)
+                v = layer < 0 ? pool->intermediate_conv_windows(conv_part(w))
+                              : pool->intermediate_conv_window(layer, conv_part(w));
               else throw ds::Error(ds::ErrorKind::value, "unknown StatePool view " + w);
               return describe(v, pool->data());
             });

@@ -53,6 +53,11 @@ void StatePool::check_config(const StatePoolConfig& c) {
   } else if (c.conv_split_qkv) {
     fail("StatePool conv_split_qkv needs conv_dim > 0");
   }
+  if (c.spec_rows < 0 || c.spec_steps < 0 || (c.spec_rows == 0) != (c.spec_steps == 0))
+    fail(
+        format("StatePool spec_rows and spec_steps go together (both >= 1 for a speculative-verify "
+               "scratch, both 0 for none); got spec_rows=%lld, spec_steps=%lld",
+               ll(c.spec_rows), ll(c.spec_steps)));
   if (c.replay_len < 0) fail("ReplaySSM cache length must be at least 1.");
   if (c.replay_len > 0) {
     if (c.H < 1 || c.HV % c.H != 0)
@@ -115,6 +120,14 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   off = round_up(off + c.layers * n * c.H * L * c.K * dtype_size(c.ring_k_dtype), kAlign);
   l.g_offset = off;
   off = round_up(off + c.layers * n * c.HV * L * (c.kda ? c.K : 1) * 4, kAlign);
+  const int64_t drafts = c.layers * c.spec_rows * c.spec_steps;
+  l.spec_state_offset = off;
+  off = round_up(off + drafts * head_bytes, kAlign);
+  for (int j = 0; j < 3; ++j) {
+    l.spec_conv_offset[j] = off;
+    off = round_up(off + drafts * l.conv_block[j], kAlign);
+  }
+  l.spec_end = off;
   l.cursor_offset = off;
   l.total = round_up(off + n * 4, kAlign);
   return l;
@@ -260,10 +273,27 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
   set_cursor(dst, 0, stream);
 }
 
-TensorView StatePool::layer_state(int64_t layer) const {
-  if (layer < 0 || layer >= cfg_.layers)
+namespace {
+void check_layer(const StatePoolConfig& c, int64_t layer) {
+  if (layer < 0 || layer >= c.layers)
     fail(format("StatePool: layer %lld is out of range for a pool of %lld layers", ll(layer),
-                ll(cfg_.layers)));
+                ll(c.layers)));
+}
+// A view of up to kMaxDims dims from shape and strides built at run time.
+TensorView view_of(void* data, DType dtype, const std::vector<int64_t>& shape,
+                   const std::vector<int64_t>& strides, Device device) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  v.ndim = static_cast<int>(shape.size());
+  for (int d = 0; d < v.ndim; ++d) v.shape[d] = shape[d], v.stride[d] = strides[d];
+  return v;
+}
+}  // namespace
+
+TensorView StatePool::layer_state(int64_t layer) const {
+  check_layer(cfg_, layer);
   const int64_t isz = dtype_size(cfg_.state_dtype);
   const int64_t head = cfg_.HV * cfg_.V * cfg_.K;
   int64_t offset, slot_stride;
@@ -286,27 +316,28 @@ int64_t StatePool::conv_entry_offset(int64_t layer, int part) const {
   return off;
 }
 
-TensorView StatePool::conv_state(int64_t layer, int part) const {
+int StatePool::stored_conv_part(int part, const char* what) const {
   if (lay_.conv_parts == 0)
     fail("StatePool has no conv windows (configure conv_dim > 0 to create them)");
-  if (layer < 0 || layer >= cfg_.layers)
-    fail(format("StatePool: layer %lld is out of range for a pool of %lld layers", ll(layer),
-                ll(cfg_.layers)));
   if (part < -1 || part > 2)
-    fail(format("StatePool.conv_state: part must be -1 (packed), 0 (q), 1 (k) or 2 (v); got %d",
+    fail(format("StatePool.%s: part must be -1 (packed), 0 (q), 1 (k) or 2 (v); got %d", what,
                 part));
   if (part == -1 && lay_.conv_parts == 3)
     fail(
-        "StatePool.conv_state: the pool keeps separate q, k, v windows (conv_split_qkv); pass "
-        "part 0, 1 or 2");
+        format("StatePool.%s: the pool keeps separate q, k, v windows (conv_split_qkv); pass "
+               "part 0, 1 or 2",
+               what));
   if (part >= 0 && lay_.conv_parts == 1 && 2 * cfg_.H * cfg_.K + cfg_.HV * cfg_.V != cfg_.conv_dim)
     fail(
-        format("StatePool.conv_state: the q, k, v parts of a packed window need H with conv_dim "
+        format("StatePool.%s: the q, k, v parts of a packed window need H with conv_dim "
                "= 2*H*K + HV*V; got H=%lld, conv_dim=%lld",
-               ll(cfg_.H), ll(cfg_.conv_dim)));
+               what, ll(cfg_.H), ll(cfg_.conv_dim)));
+  return lay_.conv_parts == 3 ? part : 0;
+}
+
+TensorView StatePool::conv_view(int64_t offset, int p, int part, std::vector<int64_t> lead,
+                                std::vector<int64_t> lead_strides) const {
   const int64_t csz = dtype_size(cfg_.conv_dtype), W1 = cfg_.conv_width - 1;
-  const int64_t n = cfg_.physical_slots();
-  const int p = lay_.conv_parts == 3 ? part : 0;  // the stored window
   const int64_t dim = lay_.conv_part_dim[p];
   // channels of the view: the stored window's, or a packed window's q / k / v slice
   int64_t first = 0, channels = dim;
@@ -315,27 +346,103 @@ TensorView StatePool::conv_state(int64_t layer, int part) const {
     first = part == 0 ? 0 : part == 1 ? hk : 2 * hk;
     channels = part == 2 ? cfg_.HV * cfg_.V : hk;
   }
-  int64_t offset, slot_stride;
-  if (cfg_.layout == PoolLayout::envelope) {
-    offset = lay_.state_offset + conv_entry_offset(layer, p);
-    slot_stride = lay_.entry_bytes / csz;
-  } else {
-    offset = lay_.conv_offset[p] + layer * n * lay_.conv_block[p];
-    slot_stride = dim * W1;
-  }
   const bool dim_major = cfg_.conv_layout == ConvLayout::dim_contiguous;
   const int64_t dim_stride = dim_major ? 1 : W1, tok_stride = dim_major ? dim : 1;
-  return TensorView::strided(at(offset + first * dim_stride * csz), cfg_.conv_dtype,
-                             {n, channels, W1}, {slot_stride, dim_stride, tok_stride}, cfg_.device);
+  lead.push_back(channels);
+  lead.push_back(W1);
+  lead_strides.push_back(dim_stride);
+  lead_strides.push_back(tok_stride);
+  return view_of(at(offset + first * dim_stride * csz), cfg_.conv_dtype, lead, lead_strides,
+                 cfg_.device);
+}
+
+TensorView StatePool::states() const {
+  const int64_t isz = dtype_size(cfg_.state_dtype);
+  const TensorView first = layer_state(0);
+  const int64_t layer_stride = cfg_.layout == PoolLayout::envelope
+                                   ? envelope_layer_pitch(cfg_) / isz
+                                   : cfg_.physical_slots() * cfg_.HV * cfg_.V * cfg_.K;
+  return view_of(first.data, cfg_.state_dtype,
+                 {cfg_.layers, cfg_.physical_slots(), cfg_.HV, cfg_.V, cfg_.K},
+                 {layer_stride, first.stride[0], cfg_.V * cfg_.K, cfg_.K, 1}, cfg_.device);
+}
+
+TensorView StatePool::conv_states(int part) const {
+  const int p = stored_conv_part(part, "conv_states");
+  const int64_t csz = dtype_size(cfg_.conv_dtype), n = cfg_.physical_slots();
+  const int64_t W1 = cfg_.conv_width - 1;
+  if (cfg_.layout == PoolLayout::envelope)
+    return conv_view(lay_.state_offset + conv_entry_offset(0, p), p, part, {cfg_.layers, n},
+                     {lay_.conv_layer_pitch / csz, lay_.entry_bytes / csz});
+  const int64_t block = lay_.conv_part_dim[p] * W1;
+  return conv_view(lay_.conv_offset[p], p, part, {cfg_.layers, n}, {n * block, block});
+}
+
+namespace {
+void require_spec(const StatePoolConfig& c) {
+  if (c.spec_rows <= 0)
+    fail(
+        "StatePool has no speculative-verify scratch (configure spec_rows and spec_steps >= 1 "
+        "to create it)");
+}
+}  // namespace
+
+TensorView StatePool::intermediate_states() const {
+  require_spec(cfg_);
+  const int64_t head = cfg_.HV * cfg_.V * cfg_.K, R = cfg_.spec_rows, S = cfg_.spec_steps;
+  return view_of(at(lay_.spec_state_offset), cfg_.state_dtype,
+                 {cfg_.layers, R, S, cfg_.HV, cfg_.V, cfg_.K},
+                 {R * S * head, S * head, head, cfg_.V * cfg_.K, cfg_.K, 1}, cfg_.device);
+}
+
+TensorView StatePool::intermediate_states(int64_t layer) const {
+  require_spec(cfg_);
+  check_layer(cfg_, layer);
+  TensorView all = intermediate_states();
+  TensorView v =
+      view_of(static_cast<char*>(all.data) + layer * all.stride[0] * dtype_size(cfg_.state_dtype),
+              cfg_.state_dtype, {all.shape[1], all.shape[2], cfg_.HV, cfg_.V, cfg_.K},
+              {all.stride[1], all.stride[2], all.stride[3], all.stride[4], 1}, cfg_.device);
+  return v;
+}
+
+TensorView StatePool::intermediate_conv_windows(int part) const {
+  require_spec(cfg_);
+  const int p = stored_conv_part(part, "intermediate_conv_windows");
+  const int64_t block = lay_.conv_part_dim[p] * (cfg_.conv_width - 1);
+  const int64_t R = cfg_.spec_rows, S = cfg_.spec_steps;
+  return conv_view(lay_.spec_conv_offset[p], p, part, {cfg_.layers, R, S},
+                   {R * S * block, S * block, block});
+}
+
+TensorView StatePool::intermediate_conv_window(int64_t layer, int part) const {
+  require_spec(cfg_);
+  check_layer(cfg_, layer);
+  const int p = stored_conv_part(part, "intermediate_conv_window");
+  const int64_t block = lay_.conv_part_dim[p] * (cfg_.conv_width - 1);
+  const int64_t R = cfg_.spec_rows, S = cfg_.spec_steps;
+  return conv_view(lay_.spec_conv_offset[p] + layer * R * S * block * dtype_size(cfg_.conv_dtype),
+                   p, part, {R, S}, {S * block, block});
+}
+
+TensorView StatePool::conv_state(int64_t layer, int part) const {
+  if (lay_.conv_parts == 0)
+    fail("StatePool has no conv windows (configure conv_dim > 0 to create them)");
+  check_layer(cfg_, layer);
+  const int p = stored_conv_part(part, "conv_state");
+  const int64_t csz = dtype_size(cfg_.conv_dtype), n = cfg_.physical_slots();
+  if (cfg_.layout == PoolLayout::envelope)
+    return conv_view(lay_.state_offset + conv_entry_offset(layer, p), p, part, {n},
+                     {lay_.entry_bytes / csz});
+  const int64_t block = lay_.conv_part_dim[p] * (cfg_.conv_width - 1);
+  return conv_view(lay_.conv_offset[p] + layer * n * lay_.conv_block[p], p, part, {n}, {block});
 }
 
 namespace {
 void require_rings(const StatePoolConfig& c, int64_t layer) {
   if (c.replay_len <= 0)
     fail("StatePool has no ReplaySSM rings (configure replay_len >= 1 to create them)");
-  if (layer < 0 || layer >= c.layers)
-    fail(format("StatePool: layer %lld is out of range for a pool of %lld layers", ll(layer),
-                ll(c.layers)));
+  check_layer(c, layer);
 }
 }  // namespace
 
@@ -409,6 +516,12 @@ int64_t StatePool::bytes_per_slot(const StatePoolConfig& c) {
       c.layers * (c.HV * L * c.V * isz + c.H * L * c.K * dtype_size(c.ring_k_dtype) +
                   c.HV * L * (c.kda ? c.K : 1) * 4);
   return state + rings + 4;
+}
+
+int64_t StatePool::spec_bytes(const StatePoolConfig& c) {
+  check_config(c);
+  const Layout l = layout_of(c);
+  return l.spec_end - l.spec_state_offset;
 }
 
 int64_t StatePool::required_bytes(const StatePoolConfig& c) {
