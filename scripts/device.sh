@@ -154,16 +154,17 @@ for phase in "${phases[@]}"; do
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
-    test-verify)  # verify, its commit and the recurrent op's multi-token sequences (GPU vs CPU),
-      # then the multi-token recurrent cases and every recurrent GPU test on the direct kernel
-      run test-verify gtest_sharded test-verify '*VerifyGpu*:*RecurrentMultiToken*:*VerifyCommit*:*VerifyAndCommit*'
+    test-verify)  # verify, its commits (states, conv windows) and the recurrent op's multi-token
+      # sequences (GPU vs CPU), then the multi-token recurrent cases and every recurrent GPU test on
+      # the direct kernel
+      run test-verify gtest_sharded test-verify '*VerifyGpu*:*RecurrentMultiToken*:*VerifyCommit*:*VerifyAndCommit*:*ConvCommit*'
       DELTASTATE_CUDA_MULTI=direct run test-verify gtest_sharded test-verify '*RecurrentMultiToken*:*Recurrent*'
       for v in base stage two stage2; do  # each multi-token kernel shape forced
         DELTASTATE_CUDA_MULTI_VARIANT=$v run test-verify gtest_sharded test-verify \
           '*VerifyGpu*:*RecurrentMultiToken*:*VerifyAndCommit*'
       done
       DELTASTATE_CUDA_MULTI_VARIANT=stage2 sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
-      sanitized memcheck '*VerifyGpu*gdn_odd*:*VerifyGpu*kda_odd*:*VerifyAndCommit*'
+      sanitized memcheck '*VerifyGpu*gdn_odd*:*VerifyGpu*kda_odd*:*VerifyAndCommit*:*ConvCommit*'
       sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
       ;;
     test-replay-verify)  # ReplaySSM verify and its cursor commit: GPU vs CPU over verify/commit

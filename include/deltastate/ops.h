@@ -468,6 +468,32 @@ struct CommitArgs {
 };
 void update_state_after_verify(const CommitArgs& args);
 
+// The commit of the conv windows after a verify (update_conv_state_after_verify): the windows'
+// twin of update_state_after_verify, with CommitArgs' index conventions (accepted a > 0 copies
+// step a - 1; with accepted_is_step the entry is the step, < 0: nothing; slot < 0 or row < 0:
+// skipped; a bad entry is a ValueError on CPU tensors before anything is written, and a skipped,
+// recorded row on CUDA). For each such request b, intermediate_conv_window[:, row_b, step_b] is
+// copied into conv_state[:, slot_b], every layer in one launch.
+//   conv_state [layers, slots, dim, W1] or [slots, dim, W1], any strides: SGLang's
+//              window-contiguous windows, vLLM's dim-contiguous ones, envelope slot strides.
+//              Written in place; its windows must not overlap each other (not checked).
+//   intermediate_conv_window [layers, N_scr, T_alloc, dim, W1] or [N_scr, T_alloc, dim, W1],
+//              conv_state's dtype, any strides, overlapping views included (it is only read):
+//              SGLang's deduplicated view, one [dim, T_alloc + W1 - 1] buffer per row whose step
+//              t is the window at column t (step stride = the window's column stride).
+//   state_indices, accepted [B] int32/int64 (any stride); intermediate_state_indices [B]
+// A window is copied as one contiguous range where both windows are one dense block with the
+// same strides (SGLang's pools and dense scratch), element by element otherwise.
+struct ConvCommitArgs {
+  TensorView conv_state, intermediate_conv_window, state_indices, accepted;
+  std::optional<TensorView> intermediate_state_indices;
+  bool accepted_is_step = false;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void update_conv_state_after_verify(const ConvCommitArgs& args);
+
 // ---------------------------------------------------------------------------------------------
 // ReplaySSM speculative verify (linear chains; SGLang's gdn_replayssm_spec_decode scheme): the
 // T draft tokens of each sequence are verified from the checkpoint and the ring alone, no state

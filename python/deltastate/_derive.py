@@ -131,8 +131,9 @@ def _unsupported(a: Arg) -> str:
 
 def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, Any]):
     """The public function of `op`: the table's signature; the rejection of unsupported options;
-    `op.prepare` (if any); the scalars converted; then, while torch.compile traces, the torch custom
-    op (``_tops.ops.<name>``), else the binding `ffi`, whose type errors are re-raised naming the
+    `op.prepare` (if any); `op.route` (if any: a call it routes goes to the public function
+    `op.route_to`); the scalars converted; then, while torch.compile traces, the torch custom op
+    (``_tops.ops.<name>``), else the binding `ffi`, whose type errors are re-raised naming the
     public argument and whose messages print dtypes as the arguments' framework does.
 
     `namespace` (the globals of :mod:`deltastate.ops`) provides ``_is_compiling``, ``_tops``,
@@ -151,10 +152,18 @@ def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, An
         call_prepare = f"_prepare(_op, {', '.join(inputs)})"
         body.append(f"{', '.join(op.fills)}, = {call_prepare}" if op.fills else call_prepare)
         closure["_prepare"] = op.prepare
+    returns = op.returns if isinstance(op.returns, str) else ", ".join(op.returns)
+    if op.route is not None:  # the target is a global of the namespace, resolved at call time
+        assert op.route_to, f"{op.name}: a route needs route_to"
+        inputs = list(inspect.signature(op.route).parameters)[1:]
+        body += [f"_routed = _route(_op, {', '.join(inputs)})",
+                 "if _routed is not None:",
+                 f"    {op.route_to}(*_routed[0], **_routed[1])",
+                 f"    return {returns}"]
+        closure["_route"] = op.route
     body += [s for s in (_convert(a) for a in public if a.op) if s]
     body += [f"{a.name} = {_op_value(a, a.default)!r}" for a in op.op_args
              if not a.public and a.name not in op.fills]
-    returns = op.returns if isinstance(op.returns, str) else ", ".join(op.returns)
     call = ", ".join(a.name for a in binding)
     body += [
         "if _is_compiling():",

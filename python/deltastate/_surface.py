@@ -115,6 +115,12 @@ class Op:
     # function of the op arguments its parameters name, returning the values of `impl_fills`.
     impl_prepare: Optional[Callable[..., tuple]] = None
     impl_fills: Tuple[str, ...] = ()
+    # The op's own dispatch to another public function, after `prepare`: a function of the op's
+    # public name and of the public arguments its parameters name, returning None (the call goes
+    # on to this op's binding) or ``(args, kwargs)``: the call goes to the public function
+    # `route_to` with them instead, and returns what this op returns.
+    route: Optional[Callable[..., Optional[Tuple[tuple, dict]]]] = None
+    route_to: Optional[str] = None
 
     @property
     def binding_name(self) -> str:
@@ -1429,6 +1435,17 @@ def _commit() -> Op:
     )
 
 
+def _scatter_indices(dst_indices_raw, step_indices_raw):
+    """SGLang's checks of the scatters' index vectors, with its texts."""
+    di, si = _shape(dst_indices_raw), _shape(step_indices_raw)
+    if len(di) != 1 or len(si) != 1:
+        raise ValueError(f"indices must be 1D: dst_indices_raw.shape={di} "
+                         f"step_indices_raw.shape={si}")
+    if di[0] != si[0]:
+        raise ValueError(f"indices length mismatch: dst_indices_raw.shape[0]={di[0]} vs "
+                         f"step_indices_raw.shape[0]={si[0]}")
+
+
 def _scatter_prepare(op, dst, src, dst_indices_raw, step_indices_raw):
     """SGLang's checks of fused_mamba_state_scatter_with_mask, with its texts."""
     ds_, ss_ = _shape(dst), _shape(src)
@@ -1440,24 +1457,37 @@ def _scatter_prepare(op, dst, src, dst_indices_raw, step_indices_raw):
     if tuple(ds_[2:]) != tuple(ss_[3:]):
         raise ValueError(f"Trailing dims mismatch: dst.shape[2:]={tuple(ds_[2:])} vs "
                          f"src.shape[3:]={tuple(ss_[3:])}")
-    di, si = _shape(dst_indices_raw), _shape(step_indices_raw)
-    if len(di) != 1 or len(si) != 1:
-        raise ValueError(f"indices must be 1D: dst_indices_raw.shape={di} "
-                         f"step_indices_raw.shape={si}")
-    if di[0] != si[0]:
-        raise ValueError(f"indices length mismatch: dst_indices_raw.shape[0]={di[0]} vs "
-                         f"step_indices_raw.shape[0]={si[0]}")
+    _scatter_indices(dst_indices_raw, step_indices_raw)
     return dst, src, dst_indices_raw, step_indices_raw
+
+
+def _scatter_route(op, dst, src, dst_indices_raw, step_indices_raw, check_indices, pdl):
+    """SGLang's scatter copies each entry's trailing dims whatever their rank; the state commit
+    takes [layers, slots, HV, V, K] states. Conv windows (a 4-D dst [layers, slots, dim, W1]) and
+    flat entries (a 3-D dst [layers, slots, E], viewed as windows of one row) go to the conv
+    commit, SGLang's fused_conv_window_scatter_with_mask."""
+    nd, ns = len(_shape(dst)), len(_shape(src))
+    if (nd, ns) == (4, 5):
+        views = (dst, src)
+    elif (nd, ns) == (3, 4):
+        views = (dst[:, :, None], src[:, :, :, None])
+    else:
+        return None
+    return (views + (dst_indices_raw, step_indices_raw),
+            {"accepted_is_step": True, "check_indices": check_indices, "pdl": pdl})
 
 
 def _sglang_scatter() -> Op:
     doc = """SGLang's ``fused_mamba_state_scatter_with_mask`` (the commit behind its
-    update_mamba_state_after_mtp_verify) on the commit op: for each request i with
+    update_mamba_state_after_mtp_verify) on the commit ops: for each request i with
     step_indices_raw[i] >= 0, dst[:, dst_indices_raw[i]] = src[:, i, step_indices_raw[i]]. dst
-    [num_layers, cache_size, HV, V, K], src [num_layers, spec_size, draft_tokens, HV, V, K].
-    Returns None. Differences: strided (envelope) dst and src are taken (SGLang: contiguous
-    only), CPU tensors too; an out-of-range index is an error (CPU) or a recorded, skipped row
-    (CUDA, check_errors) where SGLang skips it silently."""
+    [num_layers, cache_size, HV, V, K], src [num_layers, spec_size, draft_tokens, HV, V, K]: the
+    state commit; dst [num_layers, cache_size, dim, W1] (conv windows) or [num_layers,
+    cache_size, E], src [num_layers, spec_size, draft_tokens, <dst's trailing dims>]: the conv
+    commit (:func:`update_conv_state_after_verify`, any strides). Returns None. Differences:
+    strided (envelope) dst and src are taken (SGLang: contiguous only), CPU tensors too; an
+    out-of-range index is an error (CPU) or a recorded, skipped row (CUDA, check_errors) where
+    SGLang skips it silently."""
     return Op(
         name="sglang_state_scatter",
         public="fused_mamba_state_scatter_with_mask",
@@ -1482,6 +1512,98 @@ def _sglang_scatter() -> Op:
         schema_defaults_from="intermediate_state_indices",
         prepare=_scatter_prepare,
         fills=("state", "intermediate_states", "state_indices", "accepted"),
+        route=_scatter_route,
+        route_to="update_conv_state_after_verify",
+    )
+
+
+# The conv windows' commit: the binding's arguments (python/src/module.cpp
+# `update_conv_state_after_verify`), in its order.
+_CONV_COMMIT_OP_ORDER = ("conv_state", "intermediate_conv_window", "state_indices", "accepted",
+                         "intermediate_state_indices", "accepted_is_step", "check_indices", "pdl")
+
+
+def _conv_commit() -> Op:
+    doc = """The commit of the conv windows after a verify, the windows' twin of
+    :func:`update_state_after_verify` with its index conventions: for each request b with
+    accepted[b] = a > 0, copies intermediate_conv_window[:, row_b, a - 1] into
+    conv_state[:, state_indices[b]] (every layer, one launch); row_b =
+    intermediate_state_indices[b] (absent: b). conv_state [layers, slots, dim, W1] or [slots,
+    dim, W1], any strides (window- or dim-contiguous windows, envelope slots);
+    intermediate_conv_window [layers, N_scr, T_alloc, dim, W1] or [N_scr, T_alloc, dim, W1] of
+    conv_state's dtype, any strides (SGLang's overlapping, deduplicated view too: it is only
+    read). Index < 0: skipped. With accepted_is_step, accepted holds the last accepted step
+    (a - 1; < 0: none). Returns ``conv_state``."""
+    return Op(
+        name="update_conv_state_after_verify",
+        public="update_conv_state_after_verify",
+        doc=doc,
+        args=(
+            Arg("conv_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("intermediate_conv_window", TENSOR, dtypes=FLOATING),
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("accepted", TENSOR, dtypes=INDEX),
+            Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("accepted_is_step", BOOL, False),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns="conv_state",
+        op_order=_CONV_COMMIT_OP_ORDER,
+    )
+
+
+def _conv_scatter_prepare(op, dst, src, dst_indices_raw, step_indices_raw):
+    """SGLang's checks of fused_conv_window_scatter_with_mask, with its texts."""
+    ds_, ss_ = _shape(dst), _shape(src)
+    if len(ds_) != 4 or len(ss_) != 5:
+        raise ValueError(f"Unexpected ranks: dst.ndim={len(ds_)} (want 4) "
+                         f"src.ndim={len(ss_)} (want 5)")
+    if ds_[0] != ss_[0]:
+        raise ValueError(f"Layer dim mismatch: dst.shape[0]={ds_[0]} vs src.shape[0]={ss_[0]}")
+    if tuple(ds_[2:]) != tuple(ss_[3:]):
+        raise ValueError(f"Window dims mismatch: dst.shape[2:]={tuple(ds_[2:])} vs "
+                         f"src.shape[3:]={tuple(ss_[3:])}")
+    _scatter_indices(dst_indices_raw, step_indices_raw)
+    return dst, src, dst_indices_raw, step_indices_raw
+
+
+def _sglang_conv_scatter() -> Op:
+    doc = """SGLang's ``fused_conv_window_scatter_with_mask`` (the conv windows' commit after a
+    verify, for its deduplicated sliding-window scratch) on :func:`update_conv_state_after_verify`:
+    for each request i with step_indices_raw[i] >= 0, dst[:, dst_indices_raw[i]] = src[:, i,
+    step_indices_raw[i]]. dst: the conv windows [num_layers, cache_size, dim, W1]; src [num_layers,
+    spec_size, draft_tokens, dim, W1], read through its strides (the overlapping as_strided view
+    over one [dim, draft_tokens + W1 - 1] buffer per request, or a dense scratch). Returns None.
+    Differences: dst with any strides is taken (SGLang: contiguous windows), CPU tensors too; an
+    out-of-range index is an error (CPU) or a recorded, skipped row (CUDA, check_errors) where
+    SGLang skips it silently."""
+    return Op(
+        name="sglang_conv_window_scatter",
+        public="fused_conv_window_scatter_with_mask",
+        binding="update_conv_state_after_verify",
+        doc=doc,
+        args=(
+            Arg("dst", TENSOR, dtypes=FLOATING, mutated=True, op=False),
+            Arg("src", TENSOR, dtypes=FLOATING, op=False),
+            Arg("dst_indices_raw", TENSOR, dtypes=INDEX, op=False),
+            Arg("step_indices_raw", TENSOR, dtypes=INDEX, op=False),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+            Arg("conv_state", TENSOR, dtypes=FLOATING, mutated=True, public=False,
+                shown_as="dst"),
+            Arg("intermediate_conv_window", TENSOR, dtypes=FLOATING, public=False,
+                shown_as="src"),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False, shown_as="dst_indices_raw"),
+            Arg("accepted", TENSOR, dtypes=INDEX, public=False, shown_as="step_indices_raw"),
+            Arg("intermediate_state_indices", OPT_TENSOR, None, public=False),
+            Arg("accepted_is_step", BOOL, True, public=False),
+        ),
+        returns=(),
+        op_order=_CONV_COMMIT_OP_ORDER,
+        schema_defaults_from="intermediate_state_indices",
+        prepare=_conv_scatter_prepare,
+        fills=("conv_state", "intermediate_conv_window", "state_indices", "accepted"),
     )
 
 
@@ -1713,5 +1835,5 @@ OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurre
                        _chunk(False), _chunk(True),
                        _CONV_UPDATE, _fused(False), _fused(True),
                        _verify_core(), _sglang_verify(), _flashinfer_mtp(), _commit(),
-                       _sglang_scatter(), _replay_verify_core(), _gdn_spec(), _replay_commit(),
-                       _gdn_spec_commit())
+                       _sglang_scatter(), _conv_commit(), _sglang_conv_scatter(),
+                       _replay_verify_core(), _gdn_spec(), _replay_commit(), _gdn_spec_commit())

@@ -501,6 +501,24 @@ constexpr auto update_state_after_verify = bind(
         Field<&CA::pdl>{"pdl"},
     });
 
+using CCA = ds::ConvCommitArgs;
+constexpr auto update_conv_state_after_verify = bind(
+    "update_conv_state_after_verify",
+    +[](CCA& a) {
+      a.stream = stream_for(a.conv_state);
+      ds::update_conv_state_after_verify(a);
+    },
+    std::tuple{
+        Field<&CCA::conv_state>{"conv_state"},
+        Field<&CCA::intermediate_conv_window>{"intermediate_conv_window"},
+        Field<&CCA::state_indices>{"state_indices"},
+        Field<&CCA::accepted>{"accepted"},
+        Field<&CCA::intermediate_state_indices>{"intermediate_state_indices"},
+        Field<&CCA::accepted_is_step>{"accepted_is_step"},
+        Field<&CCA::check_indices>{"check_indices"},
+        Field<&CCA::pdl>{"pdl"},
+    });
+
 // Chunked prefill (FLA's chunk_gated_delta_rule / chunk_kda), one module function per gate kind.
 using CP = ds::ChunkPrefillArgs;
 constexpr auto chunk(const char* name, void (*run)(CP&)) {
@@ -717,6 +735,7 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(kda_fused_decode_step.name, signature(kda_fused_decode_step));
   m.Set(verify.name, signature(verify));
   m.Set(update_state_after_verify.name, signature(update_state_after_verify));
+  m.Set(update_conv_state_after_verify.name, signature(update_conv_state_after_verify));
   m.Set(replayssm_verify.name, signature(replayssm_verify));
   m.Set(replayssm_commit.name, signature(replayssm_commit));
   return m;
@@ -927,6 +946,7 @@ DELTASTATE_EXPORT_OP(gdn_fused_decode_step)
 DELTASTATE_EXPORT_OP(kda_fused_decode_step)
 DELTASTATE_EXPORT_OP(verify)
 DELTASTATE_EXPORT_OP(update_state_after_verify)
+DELTASTATE_EXPORT_OP(update_conv_state_after_verify)
 DELTASTATE_EXPORT_OP(replayssm_verify)
 DELTASTATE_EXPORT_OP(replayssm_commit)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);

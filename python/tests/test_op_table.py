@@ -82,6 +82,10 @@ PUBLIC = {
         '(state, intermediate_states, state_indices, accepted, intermediate_state_indices=None, accepted_is_step=False, *, check_indices=None, pdl=False)',
     "fused_mamba_state_scatter_with_mask":
         '(dst, src, dst_indices_raw, step_indices_raw, *, check_indices=None, pdl=False)',
+    "update_conv_state_after_verify":
+        '(conv_state, intermediate_conv_window, state_indices, accepted, intermediate_state_indices=None, accepted_is_step=False, *, check_indices=None, pdl=False)',
+    "fused_conv_window_scatter_with_mask":
+        '(dst, src, dst_indices_raw, step_indices_raw, *, check_indices=None, pdl=False)',
     # ReplaySSM speculative verify and its cursor commit
     'replayssm_verify':
         '(q, k, v, g, beta, output, checkpoint_state, state_indices, d_cache, k_cache, g_cache, write_pos, cache_base, is_flush, A_log=None, dt_bias=None, scale=None, is_kda=False, use_gate_in_kernel=True, lower_bound=None, beta_is_logit=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, null_block_id=-1, *, round_beta=False, check_indices=None, pdl=False)',
@@ -146,6 +150,10 @@ SCHEMAS = {
         'update_state_after_verify(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=False, int check_indices=-1, bool pdl=False) -> ()',
     "sglang_state_scatter":
         'sglang_state_scatter(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=True, int check_indices=-1, bool pdl=False) -> ()',
+    "update_conv_state_after_verify":
+        'update_conv_state_after_verify(Tensor(a!) conv_state, Tensor intermediate_conv_window, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=False, int check_indices=-1, bool pdl=False) -> ()',
+    "sglang_conv_window_scatter":
+        'sglang_conv_window_scatter(Tensor(a!) conv_state, Tensor intermediate_conv_window, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=True, int check_indices=-1, bool pdl=False) -> ()',
     # ReplaySSM speculative verify and its cursor commit
     'replayssm_verify':
         'replayssm_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, Tensor? A_log, Tensor? dt_bias, Tensor(b!) checkpoint_state, Tensor state_indices, Tensor(c!) d_cache, Tensor(d!) k_cache, Tensor(e!) g_cache, Tensor write_pos, Tensor cache_base, Tensor is_flush, bool is_kda=False, bool use_gate_in_kernel=True, float? lower_bound=None, bool beta_is_logit=True, bool round_beta=False, float? scale=None, bool use_qk_l2norm_in_kernel=True, Tensor? cu_seqlens=None, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',

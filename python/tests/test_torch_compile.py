@@ -179,6 +179,36 @@ def test_compile_fla_names(rng):
         assert torch.equal(e, c)
 
 
+def test_compile_conv_commit(rng):
+    """The conv windows' commit under torch.compile(fullgraph=True): SGLang's conv scatter and its
+    state scatter routed to the conv commit (4-D windows), over SGLang's deduplicated scratch (an
+    overlapping as_strided view), and the core op on dim-contiguous windows: eager's bits."""
+    backend_or_skip("aot_eager")
+    torch._dynamo.reset()
+    L, C, dim, W1, R, D = 2, 6, 5, 3, 3, 4
+    shared = torch.from_numpy(rng.standard_normal((L, R, dim, D + W1 - 1)).astype(np.float32))
+    src = shared.as_strided((L, R, D, dim, W1),
+                            (shared.stride(0), shared.stride(1), 1, shared.stride(2), 1))
+    idx, steps = torch.tensor([4, 1, 0], dtype=torch.int32), torch.tensor([3, -1, 0])
+
+    def f(a, b, c, src):
+        ds.fused_conv_window_scatter_with_mask(a, src, idx, steps)
+        ds.fused_mamba_state_scatter_with_mask(b, src, idx, steps)
+        ds.update_conv_state_after_verify(c.transpose(2, 3), src, idx, steps + 1)
+        return a * 1.0, b * 1.0, c * 1.0
+
+    def pools():
+        return (torch.full((L, C, dim, W1), 1e30), torch.full((L, C, dim, W1), 1e30),
+                torch.full((L, C, W1, dim), 1e30))
+
+    eager = f(*pools(), src)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*pools(), src)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+    assert torch.equal(eager[0][:, 4], src[:, 0, 3]) and torch.equal(eager[1], eager[0])
+    assert torch.equal(eager[2].transpose(2, 3), eager[0])
+
+
 def test_custom_ops_opcheck(rng):
     """torch.library.opcheck: schemas (mutation annotations), fake tensors, AOT dispatch."""
     if not hasattr(torch.library, "opcheck"):
@@ -214,6 +244,11 @@ def test_custom_ops_opcheck(rng):
          (xk["mixed_qkv"], xk["a"], xk["b"], i["A_log_k"], i["dt_bias_k"], 0.25, i["pool"],
           torch.zeros(6, HV, 2, V), torch.zeros(6, H, 2, K), torch.zeros(6, HV, 2, K), i["out"],
           i["idx"], torch.zeros(B, dtype=torch.int32), None, -5.0, True)),
+        (torch.ops.deltastate.update_conv_state_after_verify.default,
+         (torch.zeros(2, 6, 5, 3).transpose(2, 3), torch.rand(2, 3, 4, 3, 5), i["idx"],
+          torch.tensor([2, 0, 4]))),
+        (torch.ops.deltastate.sglang_conv_window_scatter.default,
+         (torch.zeros(2, 6, 5, 3), torch.rand(2, 3, 4, 5, 3), i["idx"], torch.tensor([1, 0, 3]))),
     ]
     for op, args in cases:
         for kwargs in ({}, {"pdl": True}):

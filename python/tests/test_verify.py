@@ -1,9 +1,13 @@
-"""Speculative verify and its commit through the Python surface against the numpy float64
+"""Speculative verify and its commits through the Python surface against the numpy float64
 reference (reference.verify_sequence): the core `verify` / `update_state_after_verify`, SGLang's
 `fused_sigmoid_gating_delta_rule_update` (scratch rows, EAGLE trees, disable_state_update) and
 `fused_mamba_state_scatter_with_mask`, FlashInfer's `gated_delta_rule_mtp` (batch rows, per-token
 slots, output slots), vLLM's per-token slots with num_accepted_tokens; fp32 and bf16 states,
-padded sequences, envelope pools with sentinel slots left bit-untouched, NaN-poisoned outputs."""
+padded sequences, envelope pools with sentinel slots left bit-untouched, NaN-poisoned outputs.
+The conv windows' commit `update_conv_state_after_verify` (and SGLang's
+`fused_conv_window_scatter_with_mask`, and `fused_mamba_state_scatter_with_mask` routed to it)
+against a plain numpy copy: window- and dim-contiguous envelope pools, dense and SGLang's
+overlapping deduplicated scratch, padding rows, lengths and steps, the error texts."""
 
 import numpy as np
 import pytest
@@ -11,7 +15,8 @@ import pytest
 import deltastate as ds
 import reference as ref
 from cases import gate_logits, gate_params
-from helpers import SENTINEL, TOL_OUT, TOL_STATE, PoolBuf, assert_close, poison, to64
+from helpers import (SENTINEL, TOL_OUT, TOL_STATE, PoolBuf, assert_close, bits, poison,
+                     sentinel_for, to64)
 
 H, HV, K, V = 2, 4, 32, 16
 
@@ -241,3 +246,147 @@ def test_sglang_varlen_without_initial_state(rng, fw):
         sub = {k: v[:, s0:s1] if k not in ("A_log", "dt_bias") else v for k, v in r.items()}
         wo, _ = _want(sub, zero, 0, 0, kda=False)
         assert_close(to64(o)[0, s0:s1], wo, TOL_OUT)
+
+
+# ---- the conv windows' commit (update_conv_state_after_verify) -------------------------------
+CL, CSLOTS, CDIM, CW1, CROWS, CSTEPS = 2, 6, 5, 3, 5, 4
+
+
+def _conv_pool(fw, dtype, layout, layers=CL):
+    """The windows [layers, slots, dim, W1] in a page-major envelope of sentinels (slot j of
+    layer l at 2 + j*(layers*dim*W1 + 5) + l*dim*W1), window- (SGLang) or dim-contiguous (vLLM).
+    Returns (pool view, the whole buffer, the buffer offsets of element [l, s, i, j])."""
+    win = CDIM * CW1
+    ss = layers * win + 5
+    flat = fw.flat(CSLOTS * ss + 4, dtype, sentinel_for(dtype))
+    rs, cs = (CW1, 1) if layout == "sglang" else (1, CDIM)
+    pool = fw.as_strided(flat, (layers, CSLOTS, CDIM, CW1), (win, ss, rs, cs), 2)
+    l, s, i, j = np.meshgrid(*(np.arange(n) for n in (layers, CSLOTS, CDIM, CW1)), indexing="ij")
+    return pool, flat, 2 + l * win + s * ss + i * rs + j * cs
+
+
+def _conv_scratch(fw, dtype, rng, layout, layers=CL):
+    """The scratch [layers, rows, steps, dim, W1]: dense (window-contiguous), dense with
+    dim-contiguous windows, or SGLang's deduplicated view (an overlapping as_strided view over one
+    [dim, steps + W1 - 1] buffer per row: step t is the window at column t)."""
+    if layout == "dedup":
+        P = CSTEPS + CW1 - 1
+        shared = fw.from64(rng.standard_normal((layers, CROWS, CDIM, P)), dtype)
+        return fw.as_strided(shared.reshape(-1), (layers, CROWS, CSTEPS, CDIM, CW1),
+                             (CROWS * CDIM * P, CDIM * P, 1, P, 1))
+    if layout == "vllm":
+        x = fw.from64(rng.standard_normal((layers, CROWS, CSTEPS, CW1, CDIM)), dtype)
+        return x.swapaxes(3, 4) if fw.name == "numpy" else x.transpose(3, 4)
+    return fw.from64(rng.standard_normal((layers, CROWS, CSTEPS, CDIM, CW1)), dtype)
+
+
+def _conv_commit_ref(pool64, scratch64, slots, rows, accepted, is_step):
+    """The commit, plainly: pool[:, slot_b] = scratch[:, row_b, step_b] for every request with a
+    step, a slot and a row >= 0."""
+    out = pool64.copy()
+    for b, slot in enumerate(slots):
+        step = accepted[b] - (0 if is_step else 1)
+        row = b if rows is None else rows[b]
+        if step < 0 or slot < 0 or row < 0:
+            continue
+        out[:, slot] = scratch64[:, row, step]
+    return out
+
+
+def _check_commit(pool, flat, where, before_bits, want, written_slots):
+    """The pool equals `want`; every buffer element outside the written slots' windows (the other
+    slots, the envelope gaps) is bit-untouched."""
+    np.testing.assert_array_equal(to64(pool), want)
+    untouched = np.ones(bits(flat).shape, dtype=bool)
+    untouched[where[:, written_slots].ravel()] = False
+    assert np.array_equal(bits(flat)[untouched], before_bits[untouched])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("pool_layout", ["sglang", "vllm"])
+@pytest.mark.parametrize("scratch_layout", ["dense", "vllm", "dedup"])
+@pytest.mark.parametrize("is_step", [False, True], ids=["lengths", "steps"])
+def test_conv_commit_layouts(rng, fw, dtype, pool_layout, scratch_layout, is_step):
+    if not fw.supports(dtype):
+        pytest.skip("numpy has no bfloat16")
+    pool, flat, where = _conv_pool(fw, dtype, pool_layout)
+    scratch = _conv_scratch(fw, dtype, rng, scratch_layout)
+    slots, rows, lengths = [4, -1, 0, 5, 2], [3, 1, -1, 0, 4], [2, 3, 4, 0, 4]
+    accepted = [a - 1 for a in lengths] if is_step else lengths
+    before, before_bits = to64(pool), bits(flat)
+    scratch_bits = bits(scratch)
+    ret = ds.update_conv_state_after_verify(pool, scratch, fw.idx(slots, "int64"),
+                                            fw.idx(accepted), fw.idx(rows),
+                                            accepted_is_step=is_step)
+    assert ret is pool
+    want = _conv_commit_ref(before, to64(scratch), slots, rows, accepted, is_step)
+    assert not np.array_equal(want, before)
+    _check_commit(pool, flat, where, before_bits, want, [4, 2])  # not: row -1, nothing accepted
+    assert np.array_equal(bits(scratch), scratch_bits)
+    # One layer, no scratch-row table (request b reads row b).
+    pool1, flat1, where1 = _conv_pool(fw, dtype, pool_layout, layers=1)
+    scratch1 = _conv_scratch(fw, dtype, rng, scratch_layout, layers=1)
+    before1, bits1 = to64(pool1), bits(flat1)
+    ds.update_conv_state_after_verify(pool1[0], scratch1[0], fw.idx(slots), fw.idx(accepted),
+                                      accepted_is_step=is_step)
+    want1 = _conv_commit_ref(before1, to64(scratch1), slots, None, accepted, is_step)
+    _check_commit(pool1, flat1, where1, bits1, want1, [4, 0, 2])
+
+
+def test_conv_commit_sglang_names(rng, fw):
+    """SGLang's fused_conv_window_scatter_with_mask, and fused_mamba_state_scatter_with_mask
+    routed to the conv commit for 4-D windows and 3-D flat entries: request i's row is i,
+    step_indices the last accepted step (-1: none); both return None."""
+    idx, steps = [4, 1, 0], [3, -1, 0]
+    for name in ("fused_conv_window_scatter_with_mask", "fused_mamba_state_scatter_with_mask"):
+        pool, flat, where = _conv_pool(fw, "float32", "vllm")
+        scratch = _conv_scratch(fw, "float32", rng, "dedup")
+        before, before_bits = to64(pool), bits(flat)
+        assert getattr(ds, name)(pool, scratch, fw.idx(idx), fw.idx(steps, "int64")) is None
+        want = _conv_commit_ref(before, to64(scratch), idx, None, steps, True)
+        _check_commit(pool, flat, where, before_bits, want, [4, 0])
+    dst = fw.full((CL, CSLOTS, 7), SENTINEL)
+    src = fw.from64(rng.standard_normal((CL, 3, CSTEPS, 7)))
+    before = to64(dst)
+    ds.fused_mamba_state_scatter_with_mask(dst, src, fw.idx(idx), fw.idx(steps))
+    np.testing.assert_array_equal(to64(dst),
+                                  _conv_commit_ref(before, to64(src), idx, None, steps, True))
+
+
+def test_conv_commit_errors(rng, fw):
+    pool, _, _ = _conv_pool(fw, "float32", "sglang")
+    scratch = _conv_scratch(fw, "float32", rng, "dedup")
+    before = bits(pool)
+    i3, s3 = fw.idx([0, 1, 2]), fw.idx([0, 1, 2])
+    with pytest.raises(ValueError, match=r"^`state_indices`\[1\]=9 is out of range for a state "
+                                         r"pool of 6 slots"):
+        ds.update_conv_state_after_verify(pool, scratch, fw.idx([0, 9, 2]), s3)
+    with pytest.raises(ValueError, match=r"^`accepted`\[2\]=5 needs step 4 but "
+                                         r"`intermediate_conv_window` holds 4 steps per row$"):
+        ds.update_conv_state_after_verify(pool, scratch, i3, fw.idx([1, 1, 5]))
+    with pytest.raises(ValueError, match=r"^`intermediate_conv_window` must have the dtype of "
+                                         r"`conv_state` \((torch\.)?float32\); got "
+                                         r"(torch\.)?float16$"):
+        ds.update_conv_state_after_verify(pool, fw.from64(to64(scratch), "float16"), i3, s3)
+    # SGLang's texts (its checks come first), then the core's through the SGLang names.
+    for name in ("fused_conv_window_scatter_with_mask", "fused_mamba_state_scatter_with_mask"):
+        f = getattr(ds, name)
+        with pytest.raises(ValueError, match=r"^indices length mismatch: "
+                                             r"dst_indices_raw.shape\[0\]=3 vs "
+                                             r"step_indices_raw.shape\[0\]=2$"):
+            f(pool, scratch, i3, fw.idx([0, 1]))
+        with pytest.raises(ValueError, match=r"^`state_indices`\[0\]=99 is out of range"):
+            f(pool, scratch, fw.idx([99, 1, 2]), s3)
+    with pytest.raises(ValueError, match=r"^Unexpected ranks: dst.ndim=3 \(want 4\) "
+                                         r"src.ndim=5 \(want 5\)$"):
+        ds.fused_conv_window_scatter_with_mask(pool[0], scratch, i3, s3)
+    with pytest.raises(ValueError, match=r"^Layer dim mismatch: dst.shape\[0\]=1 vs "
+                                         r"src.shape\[0\]=2$"):
+        ds.fused_conv_window_scatter_with_mask(pool[:1], scratch, i3, s3)
+    with pytest.raises(ValueError, match=r"^Window dims mismatch: dst.shape\[2:\]=\(5, 2\) vs "
+                                         r"src.shape\[3:\]=\(5, 3\)$"):
+        ds.fused_conv_window_scatter_with_mask(pool[:, :, :, :2], scratch, i3, s3)
+    with pytest.raises(ValueError, match=r"^Trailing dims mismatch: dst.shape\[2:\]=\(5, 2\) vs "
+                                         r"src.shape\[3:\]=\(5, 3\)$"):
+        ds.fused_mamba_state_scatter_with_mask(pool[:, :, :, :2], scratch, i3, s3)
+    assert np.array_equal(bits(pool), before)

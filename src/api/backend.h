@@ -18,7 +18,7 @@ bool device_available();
 void run_recurrent(const detail::RecurrentProblem& p, void* stream);
 void run_replayssm_decode(const detail::ReplayProblem& p, void* stream);
 void run_chunk_prefill(const detail::ChunkPrefillProblem& p, void* stream);
-// Speculative verify and its commit (src/cuda/verify.cu).
+// Speculative verify and its commits, of states and of conv windows (src/cuda/verify.cu).
 void run_verify(const detail::VerifyProblem& p, void* stream);
 void run_commit(const detail::CommitProblem& p, void* stream);
 // ReplaySSM speculative verify and its cursor commit (src/cuda/replayssm_verify.cu).

@@ -48,7 +48,7 @@ void replayssm_decode(const ReplayDecodeArgs& args) {
   else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_decode);
 }
 
-// Speculative verify and its commit.
+// Speculative verify and its commits (states, conv windows).
 void verify(const VerifyArgs& args) {
   const detail::VerifyProblem p = detail::validate_verify(args);
   if (p.r.N == 0) return;
@@ -63,6 +63,13 @@ void verify(const VerifyArgs& args) {
 void update_state_after_verify(const CommitArgs& args) {
   const detail::CommitProblem p = detail::validate_commit(args);
   if (p.B == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_commit(p);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_commit);
+}
+
+void update_conv_state_after_verify(const ConvCommitArgs& args) {
+  const detail::CommitProblem p = detail::validate_conv_commit(args);
+  if (p.B == 0 || p.head_elems == 0) return;
   if (p.device.type == DeviceType::cpu) cpu::run_commit(p);
   else run_cuda_checked(p, args.stream, cuda_backend::run_commit);
 }

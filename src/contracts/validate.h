@@ -69,6 +69,7 @@ void check_fused_step_workspace(const FusedStepProblem& p, int64_t needed);
 // Speculative verify and its commit (contracts/verify.cpp).
 VerifyProblem validate_verify(const VerifyArgs& args);
 CommitProblem validate_commit(const CommitArgs& args);
+CommitProblem validate_conv_commit(const ConvCommitArgs& args);
 
 // ReplaySSM speculative verify and its cursor commit (contracts/replayssm_verify.cpp).
 ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args);

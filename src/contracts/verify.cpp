@@ -1,7 +1,8 @@
-// Contracts of speculative verify and of its commit (update_state_after_verify). The token inputs,
-// the gate and beta options are the recurrent op's, checked by its validator; this file checks
-// what verify adds: the pool and its index tables, the intermediate-state buffer, the tree's
-// parent table, and (CPU tensors) every index's range before anything is written.
+// Contracts of speculative verify and of its commits (update_state_after_verify, and
+// update_conv_state_after_verify for the conv windows). The token inputs, the gate and beta
+// options are the recurrent op's, checked by its validator; this file checks what verify adds:
+// the pool and its index tables, the intermediate-state buffer, the tree's parent table, and
+// (CPU tensors) every index's range before anything is written.
 #include <cstdint>
 #include <string>
 
@@ -135,6 +136,36 @@ void check_verify_host(const VerifyProblem& p) {
       }
     }
   }
+}
+
+// The commits' indices, followed on the host before anything is written (CPU tensors); the same
+// conditions are the CUDA kernels' bad rows. `buffer` names the scratch tensor in the texts.
+void check_commit_host(const CommitProblem& p, const char* buffer, const char* buffer_what) {
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t step = p.accepted.at(b, 0) - (p.accepted_is_step ? 0 : 1);
+    const int64_t slot = p.slots.at(b, 0);
+    const int64_t row = p.rows.ptr ? p.rows.at(b, 0) : b;
+    if (step < 0 || slot < 0 || row < 0) continue;  // nothing accepted, or padding
+    if (slot >= p.num_slots)
+      fail_range("state_indices", b, -1, slot, "a state pool", "slots", p.num_slots);
+    if (row >= p.inter_rows)
+      fail_range(p.rows.ptr ? "intermediate_state_indices" : buffer, b, -1, row, buffer_what,
+                 "rows", p.inter_rows);
+    if (step >= p.inter_steps)
+      fail(format("`accepted`[%lld]=%lld needs step %lld but `%s` holds %lld steps per row",
+                  static_cast<long long>(b), static_cast<long long>(p.accepted.at(b, 0)),
+                  static_cast<long long>(step), buffer, static_cast<long long>(p.inter_steps)));
+  }
+  check_slot_indices_host("state_indices", p.slots.ptr, p.slots.dtype, p.B, p.slots.row_stride,
+                          p.num_slots);
+}
+
+// A [rows, cols] block with these element strides is one dense range of rows * cols elements
+// (row- or column-major; a dim of size 1 has no stride that matters).
+bool dense_block(int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
+  if (rows <= 1) return cols <= 1 || col_stride == 1;
+  if (cols <= 1) return row_stride == 1;
+  return (col_stride == 1 && row_stride == cols) || (row_stride == 1 && col_stride == rows);
 }
 
 }  // namespace
@@ -301,6 +332,7 @@ CommitProblem validate_commit(const CommitArgs& args) {
   p.B = static_cast<int32_t>(B);
   p.layers = layered ? static_cast<int32_t>(st.shape[0]) : 1;
   p.head_elems = st.shape[lead + 1] * st.shape[lead + 2] * st.shape[lead + 3];
+  p.inner_cols = p.head_elems;  // one dense row: flat
   p.state = st.data;
   p.inter = in.data;
   p.dtype = st.dtype;
@@ -317,27 +349,83 @@ CommitProblem validate_commit(const CommitArgs& args) {
   p.device = c.common_device();
   const bool on_cpu = p.device.type == DeviceType::cpu;
   p.check_indices = args.check_indices.value_or(on_cpu);
-  if (on_cpu && p.check_indices) {
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t step = p.accepted.at(b, 0) - (p.accepted_is_step ? 0 : 1);
-      const int64_t slot = p.slots.at(b, 0);
-      const int64_t row = p.rows.ptr ? p.rows.at(b, 0) : b;
-      if (step < 0 || slot < 0 || row < 0) continue;  // nothing accepted, or padding
-      if (slot >= p.num_slots)
-        fail_range("state_indices", b, -1, slot, "a state pool", "slots", p.num_slots);
-      if (row >= p.inter_rows)
-        fail_range(p.rows.ptr ? "intermediate_state_indices" : "intermediate_states", b, -1, row,
-                   "an intermediate-state buffer", "rows", p.inter_rows);
-      if (step >= p.inter_steps)
-        fail(
-            format("`accepted`[%lld]=%lld needs step %lld but `intermediate_states` holds %lld "
-                   "steps per row",
-                   static_cast<long long>(b), static_cast<long long>(p.accepted.at(b, 0)),
-                   static_cast<long long>(step), static_cast<long long>(p.inter_steps)));
-    }
-    check_slot_indices_host("state_indices", idx.data, idx.dtype, B, p.slots.row_stride,
-                            p.num_slots);
-  }
+  if (on_cpu && p.check_indices)
+    check_commit_host(p, "intermediate_states", "an intermediate-state buffer");
+  return p;
+}
+
+CommitProblem validate_conv_commit(const ConvCommitArgs& args) {
+  const TensorView& st = args.conv_state;
+  const TensorView& in = args.intermediate_conv_window;
+  const bool layered = st.ndim == 4;
+  if (st.ndim != 3 && st.ndim != 4)
+    fail(format("`conv_state` must be [layers, slots, dim, W1] or [slots, dim, W1] (got ndim=%d).",
+                st.ndim));
+  if (in.ndim != st.ndim + 1)
+    fail(format("`intermediate_conv_window` must be %s (got ndim=%d).",
+                layered ? "[layers, N_scr, T_alloc, dim, W1]" : "[N_scr, T_alloc, dim, W1]",
+                in.ndim));
+  const int lead = layered ? 1 : 0;
+  const int64_t dim = st.shape[lead + 1], W1 = st.shape[lead + 2];
+  if (in.shape[lead + 2] != dim || in.shape[lead + 3] != W1)
+    fail(
+        format("`intermediate_conv_window` must have windows [dim, W1]=(%lld, %lld), those of "
+               "`conv_state`; got %s",
+               static_cast<long long>(dim), static_cast<long long>(W1), shape_str(in).c_str()));
+  if (layered && in.shape[0] != st.shape[0])
+    fail(format("`intermediate_conv_window` has %lld layers and `conv_state` %lld; they must match",
+                static_cast<long long>(in.shape[0]), static_cast<long long>(st.shape[0])));
+  Contract c;
+  c.floating("conv_state", st);
+  c.device("conv_state", st);
+  c.floating("intermediate_conv_window", in);
+  c.device("intermediate_conv_window", in);
+  if (in.dtype != st.dtype)
+    fail(format("`intermediate_conv_window` must have the dtype of `conv_state` (%s); got %s",
+                dtype_mark(dtype_name(st.dtype)).c_str(),
+                dtype_mark(dtype_name(in.dtype)).c_str()));
+  const TensorView& idx = args.state_indices;
+  if (idx.ndim != 1) fail(format("`state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
+  const int64_t B = idx.shape[0];
+  CommitProblem p;
+  p.slots = index_vector(c, "state_indices", idx, B);
+  p.accepted = index_vector(c, "accepted", args.accepted, B);
+  if (args.intermediate_state_indices)
+    p.rows = index_vector(c, "intermediate_state_indices", *args.intermediate_state_indices, B);
+  c.check_devices("All inputs must be on the same device", true);
+
+  p.B = static_cast<int32_t>(B);
+  p.layers = layered ? static_cast<int32_t>(st.shape[0]) : 1;
+  p.head_elems = dim * W1;
+  p.inner_rows = dim;
+  p.inner_cols = W1;
+  p.state_inner_row_stride = st.stride[lead + 1];
+  p.state_inner_col_stride = st.stride[lead + 2];
+  p.inter_inner_row_stride = in.stride[lead + 2];
+  p.inter_inner_col_stride = in.stride[lead + 3];
+  p.flat = dense_block(dim, W1, p.state_inner_row_stride, p.state_inner_col_stride) &&
+           dense_block(dim, W1, p.inter_inner_row_stride, p.inter_inner_col_stride) &&
+           (dim <= 1 || p.state_inner_row_stride == p.inter_inner_row_stride) &&
+           (W1 <= 1 || p.state_inner_col_stride == p.inter_inner_col_stride);
+  p.state = st.data;
+  p.inter = in.data;
+  p.dtype = st.dtype;
+  p.state_layer_stride = layered ? st.stride[0] : 0;
+  p.state_slot_stride = st.stride[lead];
+  p.num_slots = st.shape[lead];
+  p.inter_layer_stride = layered ? in.stride[0] : 0;
+  p.inter_row_stride = in.stride[lead];
+  p.inter_step_stride = in.stride[lead + 1];
+  p.inter_rows = in.shape[lead];
+  p.inter_steps = in.shape[lead + 1];
+  p.accepted_is_step = args.accepted_is_step;
+  p.pdl = args.pdl;
+  p.err_op = kErrOpConvCommit;
+  p.device = c.common_device();
+  const bool on_cpu = p.device.type == DeviceType::cpu;
+  p.check_indices = args.check_indices.value_or(on_cpu);
+  if (on_cpu && p.check_indices)
+    check_commit_host(p, "intermediate_conv_window", "an intermediate conv-window buffer");
   return p;
 }
 

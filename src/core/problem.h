@@ -85,14 +85,15 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpChunkGdn = 3,      // chunk_prefill, GDN (chunk_gated_delta_rule)
-  kErrOpChunkKda = 4,      // chunk_prefill, KDA (chunk_kda)
-  kErrOpConv = 5,          // causal_conv1d_update
-  kErrOpFusedStep = 6,     // gdn_/kda_fused_decode_step
-  kErrOpVerify = 7,        // verify
-  kErrOpCommit = 8,        // update_state_after_verify
-  kErrOpReplayVerify = 9,  // replayssm_verify
-  kErrOpReplayCommit = 10  // replayssm_commit
+  kErrOpChunkGdn = 3,       // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,       // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,           // causal_conv1d_update
+  kErrOpFusedStep = 6,      // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,         // verify
+  kErrOpCommit = 8,         // update_state_after_verify
+  kErrOpReplayVerify = 9,   // replayssm_verify
+  kErrOpReplayCommit = 10,  // replayssm_commit
+  kErrOpConvCommit = 11     // update_conv_state_after_verify
 };
 // kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
 // then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
@@ -365,10 +366,18 @@ struct VerifyProblem {
   int err_op = kErrOpVerify;  // the op a bad row is recorded under (the recurrent op runs here too)
 };
 
-// The commit after a verify (ops.h CommitArgs), every layer in one launch.
+// The commit after a verify, every layer in one launch: of the states (ops.h CommitArgs) and of
+// the conv windows (ConvCommitArgs). One entry (a state, a window) is a [inner_rows, inner_cols]
+// block of head_elems elements, element (r, c) at r * row stride + c * col stride from the
+// entry's start in each tensor. flat: both blocks are the same dense range [0, head_elems) (a
+// state always is), so an entry is one contiguous copy.
 struct CommitProblem {
   int32_t B = 0, layers = 1;
-  int64_t head_elems = 0;  // HV*V*K, contiguous in both tensors
+  int64_t head_elems = 0;  // HV*V*K, or dim*W1
+  bool flat = true;
+  int64_t inner_rows = 1, inner_cols = 0;
+  int64_t state_inner_row_stride = 0, state_inner_col_stride = 1;
+  int64_t inter_inner_row_stride = 0, inter_inner_col_stride = 1;
   void* state = nullptr;
   const void* inter = nullptr;
   DType dtype = DType::f32;
@@ -381,6 +390,7 @@ struct CommitProblem {
   bool pdl = false;
   bool pdl_trigger_early = false;
   DeviceErrorRecord* errors = nullptr;
+  int err_op = kErrOpCommit;  // the op a bad row is recorded under
   Device device{};
 };
 

@@ -14,7 +14,7 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, bool kda);
 // conv_update.cpp: causal_conv1d_update; fused_decode_step.cpp: the fused decode layer step.
 void run_conv_update(const detail::ConvUpdateProblem& p);
 void run_fused_decode_step(const detail::FusedStepProblem& p);
-// verify.cpp: speculative verify and its commit.
+// verify.cpp: speculative verify and its commits (states and conv windows).
 void run_verify(const detail::VerifyProblem& p);
 void run_commit(const detail::CommitProblem& p);
 // replayssm_verify.cpp: ReplaySSM speculative verify and its cursor commit.

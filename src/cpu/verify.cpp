@@ -1,6 +1,8 @@
-// CPU kernels of speculative verify and of its commit. Verify: one task per (sequence, value
+// CPU kernels of speculative verify and of its commits. Verify: one task per (sequence, value
 // head); the state is held in fp32 across the sequence's tokens, each token's state stored where
 // the problem says (a scratch row's step, a per-token pool slot), the final state stored once.
+// The commits (states and conv windows): one task per (request, layer), a memcpy of the entry
+// where both tensors hold it as the same dense range, else an element-wise strided copy.
 // The indices were checked by the validator (contracts/verify.cpp) before anything is written.
 #include <algorithm>
 #include <cstring>
@@ -97,6 +99,19 @@ void run_verify(const VerifyProblem& p) {
   });
 }
 
+namespace {
+
+// One entry of a non-flat commit, element by element (ES: the dtype's bytes).
+template <int64_t ES>
+void copy_block(const CommitProblem& p, char* dst, const char* src) {
+  for (int64_t r = 0; r < p.inner_rows; ++r)
+    for (int64_t c = 0; c < p.inner_cols; ++c)
+      std::memcpy(dst + (r * p.state_inner_row_stride + c * p.state_inner_col_stride) * ES,
+                  src + (r * p.inter_inner_row_stride + c * p.inter_inner_col_stride) * ES, ES);
+}
+
+}  // namespace
+
 void run_commit(const CommitProblem& p) {
   const int64_t bytes = p.head_elems * dtype_size(p.dtype);
   parallel_for(static_cast<int64_t>(p.B) * p.layers, [&](int64_t task) {
@@ -111,7 +126,9 @@ void run_commit(const CommitProblem& p) {
         (layer * p.inter_layer_stride + row * p.inter_row_stride + step * p.inter_step_stride) * es;
     char* dst = static_cast<char*>(p.state) +
                 (layer * p.state_layer_stride + slot * p.state_slot_stride) * es;
-    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    if (p.flat) std::memcpy(dst, src, static_cast<size_t>(bytes));
+    else if (es == 4) copy_block<4>(p, dst, src);
+    else copy_block<2>(p, dst, src);
   });
 }
 

@@ -67,8 +67,11 @@ std::string message(const detail::DeviceErrorRecord& r) {
                    : r.op == detail::kErrOpCommit       ? "update_state_after_verify"
                    : r.op == detail::kErrOpReplayVerify ? "replayssm_verify"
                    : r.op == detail::kErrOpReplayCommit ? "replayssm_commit"
+                   : r.op == detail::kErrOpConvCommit   ? "update_conv_state_after_verify"
                                                         : "recurrent";
-  const char* index_name = r.op == detail::kErrOpConv ? "conv_state_indices" : "ssm_state_indices";
+  const char* index_name = r.op == detail::kErrOpConv         ? "conv_state_indices"
+                           : r.op == detail::kErrOpConvCommit ? "state_indices"
+                                                              : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrRow) {
     m += "row " + std::to_string(r.row) + ": scratch row " + std::to_string(r.index) +

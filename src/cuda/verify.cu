@@ -1,10 +1,11 @@
-// CUDA launch of speculative verify, of its commit, and of the recurrent op's multi-token
+// CUDA launch of speculative verify, of its commits, and of the recurrent op's multi-token
 // sequences (recurrent.cu hands them here): the multi-token kernel (verify/multi_token.cuh) and the
-// commit's copy kernel (verify/commit.cuh). No allocation, no host synchronization: graph-safe.
+// commits' copy kernels (verify/commit.cuh). No allocation, no host synchronization: graph-safe.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "api/backend.h"
@@ -134,10 +135,29 @@ bool run_recurrent_multi_token(const RecurrentProblem& p, void* stream) {
 
 void run_verify(const VerifyProblem& p, void* stream) { run_multi(p, stream); }
 
+// Both commits: a flat entry (every state; a conv window held as the same dense range in both
+// tensors) by commit_kernel's unit copies, any other window element by element.
 void run_commit(const CommitProblem& problem, void* stream) {
   DeviceGuard guard(problem.device.index);
   CommitProblem p = problem;
   p.errors = device_errors(p.device.index);
+  p.pdl_trigger_early = false;
+  auto s = static_cast<cudaStream_t>(stream);
+  const std::string too_many =
+      p.err_op == detail::kErrOpConvCommit
+          ? "update_conv_state_after_verify: too many windows for one launch"
+          : "update_state_after_verify: too many states for one launch";
+  if (!p.flat) {
+    const int64_t chunks = (p.head_elems + kCommitThreads - 1) / kCommitThreads;
+    if (chunks > 0x7fffffffLL || p.B > 65535 || p.layers > 65535)
+      throw Error(ErrorKind::value, too_many);
+    const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.B),
+                    static_cast<unsigned>(p.layers));
+    if (dtype_size(p.dtype) == 4)
+      launch_kernel(commit_strided_kernel<uint32_t>, grid, kCommitThreads, 0, s, p.pdl, p);
+    else launch_kernel(commit_strided_kernel<uint16_t>, grid, kCommitThreads, 0, s, p.pdl, p);
+    return;
+  }
   const int64_t es = dtype_size(p.dtype);
   const int64_t bytes = p.head_elems * es;
   const bool vec = reinterpret_cast<uintptr_t>(p.state) % 16 == 0 &&
@@ -149,11 +169,9 @@ void run_commit(const CommitProblem& problem, void* stream) {
   const int64_t per_cta = static_cast<int64_t>(kCommitThreads) * kCommitUnitsPerThread * unit;
   const int64_t chunks = (bytes + per_cta - 1) / per_cta;
   if (chunks > 0x7fffffffLL || p.B > 65535 || p.layers > 65535)
-    throw Error(ErrorKind::value, "update_state_after_verify: too many states for one launch");
+    throw Error(ErrorKind::value, too_many);
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.B),
                   static_cast<unsigned>(p.layers));
-  p.pdl_trigger_early = false;
-  auto s = static_cast<cudaStream_t>(stream);
   if (vec) launch_kernel(commit_kernel<uint4>, grid, kCommitThreads, 0, s, p.pdl, p);
   else launch_kernel(commit_kernel<uint16_t>, grid, kCommitThreads, 0, s, p.pdl, p);
 }

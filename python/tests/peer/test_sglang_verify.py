@@ -1,14 +1,24 @@
-"""SGLang's target-verify tests, ported to ``deltastate.fused_sigmoid_gating_delta_rule_update``
-and ``deltastate.fused_mamba_state_scatter_with_mask``.
+"""SGLang's target-verify tests, ported to ``deltastate.fused_sigmoid_gating_delta_rule_update``,
+``deltastate.fused_mamba_state_scatter_with_mask`` and
+``deltastate.fused_conv_window_scatter_with_mask``.
 
-Source (sgl-project/sglang): the kernel test of ``fused_sigmoid_gating_delta_rule_update`` in its
-GDN target_verify mode ("Tests for fused sigmoid gating delta rule MTP kernel (GDN
-target_verify)", under test/registered/kernels, as stored in the public index in December 2026;
-it imports ``sglang.kernels.ops.attention.fla``). Ported: test_fused_gdn_mtp_precision,
-test_qwen35_tp4_fused_gdn_mtp_precision, test_sm90_verify_launch_is_bit_exact (its tree and
-chain cases), test_mtp_single_step_decode, test_verify_scratch_pitch_uses_allocated_steps.
-Function: python/sglang/srt/layers/attention/fla/fused_sigmoid_gating_recurrent.py and
-python/sglang/srt/layers/attention/mamba/mamba_state_scatter_triton.py (see docs/PEERS.md).
+Sources (sgl-project/sglang):
+  * the kernel test of ``fused_sigmoid_gating_delta_rule_update`` in its GDN target_verify mode
+    ("Tests for fused sigmoid gating delta rule MTP kernel (GDN target_verify)", under
+    test/registered/kernels, as stored in the public index in December 2026; it imports
+    ``sglang.kernels.ops.attention.fla``). Ported: test_fused_gdn_mtp_precision,
+    test_qwen35_tp4_fused_gdn_mtp_precision, test_sm90_verify_launch_is_bit_exact (its tree and
+    chain cases), test_mtp_single_step_decode, test_verify_scratch_pitch_uses_allocated_steps.
+  * the kernel test of mamba_state_scatter_triton.py (it imports
+    ``sglang.kernels.ops.mamba.mamba_state_scatter_triton`` and
+    ``sglang.srt.mem_cache.layout.page_major``; classes TestMambaStateScatterCorrectness,
+    TestScatterDstLayoutContract, TestMambaStateScatterEnvelopeDst, TestCopyMambaStateRows), as
+    stored in the public index in December 2026; the index gave its text but not its path in the
+    repository. Ported: test_fused_matches_reference and test_fused_scatter_envelope_strided_dst.
+Functions: python/sglang/srt/layers/attention/fla/fused_sigmoid_gating_recurrent.py and
+python/sglang/kernels/ops/mamba/mamba_state_scatter_triton.py
+@ 01a7b8946ccf78fef3cb11bf92b50ef7f0d64d75 (``fused_mamba_state_scatter_with_mask``,
+``fused_conv_window_scatter_with_mask``; see docs/PEERS.md).
 
 What changed in the port:
   * SGLang's oracle is its own two-step Triton path (``fused_gdn_gating`` then
@@ -21,9 +31,21 @@ What changed in the port:
     asserts that two runs are bit-equal and that both match the tree reference.
   * The launch-config tests (test_*_launch_config_is_narrow) have no counterpart (no Triton
     launch configs here) and are not ported.
+  * The scatter tests keep SGLang's advanced-indexing references, sizes, seeds and
+    torch.testing.assert_close. test_fused_matches_reference scatters [L, C, E] entries (3-D dst),
+    which deltastate's fused_mamba_state_scatter_with_mask sends to the conv commit as windows of
+    one row. test_fused_scatter_envelope_strided_dst builds its envelope-strided views with SGLang's
+    page-major pool helpers; the port builds views of the same kind itself (one byte buffer of
+    per-slot entries, each holding every layer's conv window and temporal state, so the slot
+    stride is the entry), keeping the test's precondition that neither view is contiguous.
+  * TestScatterDstLayoutContract tests SGLang's private ``_require_entry_contiguous_dst``, whose
+    rejection of a dst with strided entry dims deltastate does not share (it takes any dst
+    strides: test_verify.py::test_conv_commit_layouts commits into dim-contiguous windows); its
+    envelope views are test_fused_scatter_envelope_strided_dst's. TestCopyMambaStateRows /
+    TestCopyMambaStateExtendRows test other functions. None of these is ported.
   * Devices: CPU tensors always, CUDA tensors when present (SGLang: CUDA only). On CPU the batch
     sizes above 16 (above 3 in the 32-case bit-exact test) are skipped to keep the suite short;
-    CUDA runs use SGLang's sizes.
+    CUDA runs use SGLang's sizes; the scatter tests use SGLang's sizes on both.
   * test_commit_scatter_after_verify is not an SGLang test: it pins the scatter's contract (row =
     request, step >= 0 copied) read from mamba_state_scatter_triton.py.
 """
@@ -205,3 +227,121 @@ def test_commit_scatter_after_verify(device):
     assert torch.equal(dst[:, 4], src[:, 0, 3])
     assert torch.equal(dst[:, 0], src[:, 2, 0])
     assert torch.equal(dst[:, [1, 2, 3, 5]], before[:, [1, 2, 3, 5]])
+
+
+# ---- mamba_state_scatter_triton.py: the commit scatters -----------------------------------
+def _scatter_ref(dst, src, dst_rows, src_rows, steps):
+    """SGLang's reference: advanced indexing, dst[:, d] = src[:, s, t]."""
+    dst[:, dst_rows] = src[:, src_rows, steps].to(dst.dtype, copy=False)
+
+
+def _commit_ref(ssm, inter_ssm, conv, inter_conv, dst_rows, steps, track_rows=None,
+                track_steps=None):
+    """The reference commit: request i's scratch row is i; the accepted steps, then the track
+    scatter (its own mask)."""
+    rows = torch.arange(steps.shape[0], dtype=torch.int32, device=steps.device)
+    for d, t in ((dst_rows, steps), (track_rows, track_steps)):
+        if d is None:
+            continue
+        live = t >= 0
+        if not live.any():
+            continue
+        for dst, src in ((ssm, inter_ssm), (conv, inter_conv)):
+            _scatter_ref(dst, src, d[live].to(torch.int64), rows[live].to(torch.int64),
+                         t[live].to(torch.int64))
+
+
+def _commit_fused(ssm, inter_ssm, conv, inter_conv, dst_rows, steps, track_rows=None,
+                  track_steps=None):
+    """The same through fused_mamba_state_scatter_with_mask (the mask applied in the op)."""
+    for d, t in ((dst_rows, steps), (track_rows, track_steps)):
+        if d is None:
+            continue
+        ds.fused_mamba_state_scatter_with_mask(ssm, inter_ssm, d, t)
+        ds.fused_mamba_state_scatter_with_mask(conv, inter_conv, d, t)
+
+
+@device_param
+def test_fused_matches_reference(device):
+    torch.manual_seed(42)
+    L, B, C, D = 8, 32, 49, 5
+    ssm_elems, conv_elems = 1024, 512
+    ssm0 = torch.randn((L, C, ssm_elems), device=device, dtype=torch.bfloat16)
+    conv0 = torch.randn((L, C, conv_elems), device=device, dtype=torch.bfloat16)
+    inter_ssm = torch.randn((L, B, D, ssm_elems), device=device, dtype=torch.bfloat16)
+    inter_conv = torch.randn((L, B, D, conv_elems), device=device, dtype=torch.bfloat16)
+    # distinct cache lines: one write per line
+    dst_rows = torch.randperm(C, device=device, dtype=torch.int64)[:B].to(torch.int32)
+    steps = torch.randint(0, D, (B,), device=device, dtype=torch.int64)
+    steps[torch.rand((B,), device=device) < 0.1] = -1  # about 10% rejected
+    track_rows = torch.randperm(C, device=device, dtype=torch.int64)[:B]
+    track_steps = torch.randint(0, D, (B,), device=device, dtype=torch.int64)
+    track_steps[torch.rand((B,), device=device) < 0.7] = -1
+    ssm_ref, conv_ref = ssm0.clone(), conv0.clone()
+    ssm_fused, conv_fused = ssm0.clone(), conv0.clone()
+    _commit_ref(ssm_ref, inter_ssm, conv_ref, inter_conv, dst_rows, steps, track_rows,
+                track_steps)
+    _commit_fused(ssm_fused, inter_ssm, conv_fused, inter_conv, dst_rows, steps, track_rows,
+                  track_steps)
+    torch.testing.assert_close(ssm_fused, ssm_ref)
+    torch.testing.assert_close(conv_fused, conv_ref)
+
+
+def _page_major_views(device, layers=2, slots=16, temporal_shape=(2, 4, 4), conv_shape=(8, 3),
+                      conv_dtype=torch.bfloat16, temporal_dtype=torch.float32):
+    """Envelope-strided conv and temporal views [layers, slots, *inner] over one byte buffer of
+    per-slot entries: entry j holds every layer's conv window, then every layer's temporal state
+    (so each view's slot stride is the entry, its layer stride one layer's inner block)."""
+    conv_bytes = conv_shape[0] * conv_shape[1] * conv_dtype.itemsize
+    t_elems = temporal_shape[0] * temporal_shape[1] * temporal_shape[2]
+    t_bytes = t_elems * temporal_dtype.itemsize
+    entry = -(-(layers * (conv_bytes + t_bytes)) // 16) * 16
+    raw = torch.zeros(slots * entry, dtype=torch.uint8, device=device)
+    c_item, t_item = conv_dtype.itemsize, temporal_dtype.itemsize
+    conv = raw.view(conv_dtype).as_strided(
+        (layers, slots) + tuple(conv_shape),
+        (conv_bytes // c_item, entry // c_item, conv_shape[1], 1))
+    inner = (temporal_shape[1] * temporal_shape[2], temporal_shape[2], 1)
+    temporal = raw.view(temporal_dtype).as_strided(
+        (layers, slots) + tuple(temporal_shape), (t_elems, entry // t_item) + inner,
+        layers * conv_bytes // t_item)
+    return [conv], temporal
+
+
+@device_param
+def test_fused_scatter_envelope_strided_dst(device):
+    torch.manual_seed(7)
+    conv_views, temporal = _page_major_views(device)
+    layers, slots = temporal.shape[0], temporal.shape[1]
+    temporal_shape = tuple(temporal.shape[2:])
+    dim, km1 = conv_views[0].shape[2], conv_views[0].shape[3]
+    # Precondition: the views really are envelope-strided (else the test proves nothing).
+    assert not temporal.is_contiguous()
+    assert not conv_views[0].is_contiguous()
+    B, D = 5, 3
+    temporal[:] = torch.randn_like(temporal)
+    conv_views[0][:] = torch.randn_like(conv_views[0])
+    temporal_before, conv_before = temporal.clone(), conv_views[0].clone()
+    # The dense per-step SSM scratch.
+    src_ssm = torch.randn((layers, B, D) + temporal_shape, device=device, dtype=temporal.dtype)
+    # The conv scratch: SGLang's overlapping view over one [dim, D+K-2] buffer per (layer, row),
+    # step t's window = shared[:, t:t+K-1].
+    shared = torch.randn((layers, B, dim, D + km1 - 1), device=device, dtype=conv_views[0].dtype)
+    src_conv = shared.as_strided((layers, B, D, dim, km1),
+                                 (shared.stride(0), shared.stride(1), 1, shared.stride(2), 1))
+    dst_rows = torch.randperm(slots, device=device, dtype=torch.int64)[:B].to(torch.int32)
+    steps = torch.randint(0, D, (B,), device=device, dtype=torch.int64)
+    steps[0] = -1  # a rejected row, skipped
+    ds.fused_mamba_state_scatter_with_mask(temporal, src_ssm, dst_rows, steps)
+    ds.fused_conv_window_scatter_with_mask(conv_views[0], src_conv, dst_rows, steps)
+    # The reference: advanced indexing, whatever the layouts.
+    live = steps >= 0
+    d = dst_rows[live].long()
+    s = torch.arange(B, device=device)[live]
+    t = steps[live]
+    expect_temporal = temporal_before.clone()
+    expect_temporal[:, d] = src_ssm[:, s, t]
+    expect_conv = conv_before.clone()
+    expect_conv[:, d] = src_conv[:, s, t]
+    torch.testing.assert_close(temporal, expect_temporal)
+    torch.testing.assert_close(conv_views[0], expect_conv)
