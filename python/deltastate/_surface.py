@@ -165,6 +165,17 @@ def _empty(ref, shape, dtype=None):
     return np.empty(tuple(shape), dtype=np.dtype(dtype) if dtype else ref.dtype)
 
 
+def _empty_like(ref):
+    """A new uninitialized array with `ref`'s shape, dtype, device and (dense) layout."""
+    if _is_torch(ref):
+        import torch
+
+        return torch.empty_like(ref)
+    import numpy as np
+
+    return np.empty_like(ref)
+
+
 def _zeros_state(ref, shape):
     """A new zero state of `ref`'s framework and device, as FlashInfer allocates one: bfloat16
     (float32 for numpy, which has no bfloat16), its base 256-byte aligned (recurrent_kda's stride
@@ -987,7 +998,9 @@ def _conv_prepare(op, x, activation):
     _check_tensor(op, "x", x)
     if activation not in (None, "silu", "swish"):
         raise NotImplementedError("activation must be None, silu, or swish")
-    return activation in ("silu", "swish"), _empty(x, _shape(x))
+    # out like x (causal-conv1d's and SGLang's torch.empty_like(x)): a transposed [B, T, dim]
+    # x gives an out whose transpose back is contiguous again, as SGLang's verify path views it
+    return activation in ("silu", "swish"), _empty_like(x)
 
 
 _CONV_UPDATE = Op(

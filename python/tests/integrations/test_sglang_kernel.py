@@ -13,7 +13,9 @@ request's last accepted step with ``fused_mamba_state_scatter_with_mask`` over t
 ``[layers, ...]`` pool and scratch, then a decode step from the committed states. Checked every
 step against an independent fp64 recurrence written here; the reserved slot, the free slots, the
 unused scratch rows and the padded rows' outputs are checked (1e30 sentinels bit-untouched,
-zeros)."""
+zeros). A second test runs SGLang's target-verify branch with deltastate's causal_conv1d_update
+in place of SGLang's conv (its reshapes, per-draft windows and EAGLE tree tables), and commits
+states and conv windows with SGLang's scatter."""
 
 import inspect
 
@@ -267,6 +269,111 @@ def test_harness_prefill_decode_verify_commit(device, kda):
             want = _reference_tokens(layer, s, mixed[i:i + 1], a[i:i + 1], b[i:i + 1])[0]
             torch.testing.assert_close(out[0, i].double().cpu(), want, atol=atol, rtol=atol)
     _assert_pool(layer, atol)
+
+
+def _conv_path_ref(window, xs, w, bias):
+    """float64: the conv output of the last input in `xs` [n, dim] after `window` [dim, W-1]
+    (SiLU), and the window after it."""
+    seq = torch.cat([window.double(), xs.double().T], 1)
+    y = (seq[:, -w.shape[1]:] * w.double()).sum(1) + bias.double()
+    return y / (1 + torch.exp(-y)), seq[:, -(w.shape[1] - 1):]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_verify_with_the_conv_as_sglang_calls_it(device):
+    """SGLang's GDN target-verify branch with deltastate's causal_conv1d_update in place of its
+    own (gdn_backend.py's forward: mixed_qkv.view(B, draft, -1).transpose(1, 2) into the conv
+    with the mamba pool's conv_states and intermediate_conv_window, the EAGLE tree's
+    retrieve_next_token / retrieve_next_sibling / retrieve_parent_token, the output
+    .transpose(1, 2).view(seq_len, -1) split into q, k, v), then target_verify with the parents
+    the conv wrote, then update_mamba_state_after_mtp_verify's two scatters (states and conv
+    windows). Against float64 along each token's path: conv outputs, attention outputs, and the
+    committed states and windows; free slots and unused scratch rows untouched."""
+    gen = torch.Generator().manual_seed(23)
+    layer = Layer(False, device, torch.float32, gen)
+    W = 4
+    dim = 2 * H * K + HV * V
+    conv_w = layer.r(dim, W, scale=0.5)
+    conv_b = layer.r(dim, scale=0.1)
+    conv_states = torch.full((1, SLOTS, dim, W - 1), SENTINEL, device=device)  # conv[0]
+    conv_scratch = torch.full((1, SPEC, DRAFT, dim, W - 1), SENTINEL, device=device)
+    for s in REQ_SLOTS:
+        conv_states[0, s] = layer.r(dim, W - 1)
+        layer.pool[s] = layer.r(HV, V, K, scale=0.1)
+        layer.ref[s] = layer.pool[s].double().cpu()
+    ref_win = {s: conv_states[0, s].double().cpu() for s in REQ_SLOTS}
+    rows = [REQ_SLOTS[2], -1, REQ_SLOTS[0], REQ_SLOTS[1]]
+    B = len(rows)
+    idx = torch.tensor(rows, dtype=torch.int32, device=device)
+    # one tree for every request: 0 -> {1, 2}, 1 -> 3 (next token / next sibling, SGLang's)
+    nxt = torch.tensor([[1, 3, -1, -1]] * B, dtype=torch.int64, device=device)
+    sib = torch.tensor([[-1, 2, -1, -1]] * B, dtype=torch.int64, device=device)
+    parent_of = (0, 0, 0, 1)  # what SGLang's conv derives (token 0's entry stays 0)
+    retrieve_parent_token = torch.full((B, DRAFT), -5, dtype=torch.int64, device=device)
+    inter_idx = torch.arange(B, dtype=torch.int32, device=device)
+
+    raw, a, b = _qkv(layer, B * DRAFT)  # the projected rows, before the conv
+    seq_len = B * DRAFT
+    mixed_qkv_reshaped = raw.view(B, DRAFT, -1).transpose(1, 2)
+    mixed_qkv_processed = deltastate.causal_conv1d_update(
+        mixed_qkv_reshaped, conv_states[0], conv_w, conv_b, "silu",
+        conv_state_indices=idx, intermediate_conv_window=conv_scratch[0],
+        intermediate_state_indices=inter_idx, retrieve_next_token=nxt,
+        retrieve_next_sibling=sib, retrieve_parent_token=retrieve_parent_token)
+    mixed_qkv = mixed_qkv_processed.transpose(1, 2).view(seq_len, -1)
+    q, k, v = _split(mixed_qkv, seq_len)
+    before = layer.temporal.clone()
+    out = DeltastateGDNKernel().target_verify(
+        A_log=layer.A_log, dt_bias=layer.dt_bias, q=q, k=k, v=v, a=a, b=b,
+        ssm_states=layer.pool, cache_indices=idx,
+        query_start_loc=torch.arange(0, seq_len + 1, DRAFT, dtype=torch.int32, device=device),
+        intermediate_states_buffer=layer.scratch[0], intermediate_state_indices=inter_idx,
+        cache_steps=DRAFT, retrieve_parent_token=retrieve_parent_token)
+    assert torch.equal(layer.temporal, before), "target_verify wrote the pool"
+
+    parents = (-1, 0, 0, 1)  # the harness reference's form of the same tree
+    states, wins = {}, {}
+    for i, s in enumerate(rows):
+        sl = slice(i * DRAFT, (i + 1) * DRAFT)
+        if s < 0:
+            assert torch.equal(out[0, sl], torch.zeros_like(out[0, sl]))
+            assert torch.equal(retrieve_parent_token[i], torch.full_like(retrieve_parent_token[i],
+                                                                         -5))
+            continue
+        assert retrieve_parent_token[i].tolist() == list(parent_of)
+        x = raw[sl].cpu()
+        wins[s] = []
+        for t in range(DRAFT):
+            path = [t]
+            while path[-1] > 0:
+                path.append(parent_of[path[-1]])
+            y, win = _conv_path_ref(ref_win[s], x[path[::-1]], conv_w.cpu(), conv_b.cpu())
+            torch.testing.assert_close(mixed_qkv[i * DRAFT + t].double().cpu(), y, atol=1e-5,
+                                       rtol=1e-5)
+            torch.testing.assert_close(conv_scratch[0, i, t].double().cpu(), win, atol=0, rtol=0)
+            wins[s].append(win)
+        want, states[s] = _reference_verify(layer, s, mixed_qkv[sl], a[sl], b[sl], parents)
+        torch.testing.assert_close(out[0, sl].double().cpu(), want, atol=2e-4, rtol=2e-4)
+
+    # update_mamba_state_after_mtp_verify: the last accepted step of each request
+    accepted_steps = torch.tensor([3, -1, 2, 0], dtype=torch.int64, device=device)
+    deltastate.fused_mamba_state_scatter_with_mask(layer.temporal, layer.scratch, idx,
+                                                   accepted_steps)
+    deltastate.fused_mamba_state_scatter_with_mask(conv_states, conv_scratch, idx, accepted_steps)
+    for s, step in zip(rows, accepted_steps.tolist()):
+        if s >= 0:
+            layer.ref[s] = states[s][step].clone()
+            ref_win[s] = wins[s][step]
+    _assert_pool(layer, 2e-4)
+    got = conv_states[0].cpu()
+    for sl in range(SLOTS):
+        if sl in ref_win:
+            torch.testing.assert_close(got[sl].double(), ref_win[sl], atol=0, rtol=0)
+        else:
+            assert torch.equal(got[sl], torch.full_like(got[sl], SENTINEL)), f"slot {sl}"
+    for r in range(B, SPEC):
+        assert torch.equal(conv_scratch[0, r].cpu(), torch.full_like(conv_scratch[0, r].cpu(),
+                                                                     SENTINEL))
 
 
 @pytest.mark.parametrize("device", DEVICES)
