@@ -48,3 +48,21 @@ def test_verify_example():
     np.testing.assert_array_equal(out2.float().numpy(), ns["out"].float().numpy())
     for n, slot in enumerate(slots.tolist()):
         assert torch.equal(pool2[slot], scratch[n, T - 1])  # update_state: the last state
+
+
+def test_layer_verify_example():
+    ns = run_example("layer-verify")
+    pool, slots, accepted, rows = ns["pool"], ns["slots"], ns["accepted"], ns["rows"]
+    inter, win = pool.intermediate_states(), pool.intermediate_conv_window()
+    for layer in range(2):
+        for n, (slot, acc) in enumerate(zip(slots.tolist(), accepted.tolist())):
+            assert torch.equal(pool.layer_state(layer)[slot], inter[layer, n, acc - 1])
+            assert torch.equal(pool.conv_state(layer)[slot], win[layer, n, acc - 1])
+    # the last layer's windows hold the accepted drafts' inputs: the window after draft a - 1 is
+    # the last W - 1 inputs up to it, all drafts of x here (T >= W - 1)
+    mixed, W = ns["mixed"], ns["W"]
+    for n, (slot, acc) in enumerate(zip(slots.tolist(), accepted.tolist())):
+        if acc >= W - 1:
+            assert torch.equal(pool.conv_state(1)[slot], mixed[n, acc - (W - 1):acc].T)
+    assert ns["y"].is_contiguous()  # out follows x's layout, so the transpose back is dense
+    assert torch.isfinite(ns["out"]).all()
