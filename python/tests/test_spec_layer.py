@@ -205,3 +205,42 @@ def test_speculative_rounds_equal_plain_decode(tree):
             np.testing.assert_array_equal(pool.conv_state(layer)[rows], ref_win[layer][rows])
         np.testing.assert_array_equal(pool.states()[:, free], SENTINEL)
         np.testing.assert_array_equal(pool.conv_states()[:, free], SENTINEL)
+
+
+def test_vllm_rounds_without_a_commit():
+    """vLLM's scheme, no scratch and no commit copy: the conv state holds width-2 older entries
+    and the last round's drafts (num_accept_tokens picks the window after the accepted ones),
+    and verify writes the state after each draft t to its own pool slot token_state_indices[n, t]
+    and starts from slot [n, num_accepted - 1]. Every round's outputs equal plain single-token
+    decode from the state and window the accepted drafts of the earlier rounds leave."""
+    rng = np.random.default_rng(77)
+    B, T, slots_per_row = 3, 4, 5
+    L = Layer(rng)
+    state = np.zeros((B * slots_per_row + 1, HV, V, K), np.float32)  # one row of T + 1 slots each
+    table = np.arange(B * slots_per_row, dtype=np.int32).reshape(B, slots_per_row)[:, :T]
+    win = np.zeros((B, CONV_DIM, W - 2 + T), np.float32)  # vLLM's spec conv state
+    ref_state = np.zeros((B, HV, V, K), np.float32)
+    ref_win = rng.uniform(-1, 1, (B, CONV_DIM, W - 1)).astype(np.float32)
+    win[:, :, :W - 1] = ref_win
+    for r in range(B):
+        state[table[r, 0]] = ref_state[r] = rng.uniform(-0.3, 0.3, (HV, V, K))
+    accepted = np.ones(B, np.int32)  # the first round starts from column 0
+    for _ in range(4):
+        x = rng.standard_normal((B, CONV_DIM, T)).astype(np.float32)
+        a = rng.standard_normal((B, T, HV)).astype(np.float32)
+        b = rng.standard_normal((B, T, HV)).astype(np.float32)
+        y = ds.causal_conv1d_update(x, win, L.w, L.bias, "silu", None, None, accepted)
+        q, k, v = split_qkv(y)
+        out = np.full((B, T, HV, V), np.nan, np.float32)
+        ds.verify(q, k, v, a, b, out, state, A_log=L.A_log, dt_bias=L.dt_bias,
+                  token_state_indices=table, num_accepted_tokens=accepted)
+        for r in range(B):  # plain decode of every draft from the committed state and window
+            st, wn = ref_state.copy(), ref_win.copy()
+            for t in range(T):
+                o = L.plain_step(st, wn, r, x[r, :, t], a[r, t], b[r, t])
+                np.testing.assert_allclose(out[r, t], o, rtol=1e-6, atol=1e-6)
+                np.testing.assert_array_equal(state[table[r, t]], st[r])  # the slot of draft t
+        accepted = rng.integers(1, T + 1, size=B).astype(np.int32)
+        for r in range(B):  # the plain decoder keeps the accepted drafts only
+            for t in range(accepted[r]):
+                L.plain_step(ref_state, ref_win, r, x[r, :, t], a[r, t], b[r, t])
