@@ -103,7 +103,7 @@ PREFILL_SMALL='*GpuChunkPrefill*gva*:*GpuChunkPrefill*k64*:*GpuChunkPrefill*fall
 
 # The conv update and the fused decode layer step's GPU tests (each fused-step kernel runs them
 # forced), and the cluster kernel's small cases for racecheck (clusters of 8, 4 and 6 CTAs).
-LAYER_TESTS='*FusedStepGpu*:*FusedReplay*:*ConvUpdateGpu*'
+LAYER_TESTS='*FusedStepGpu*:*FusedReplay*:*ConvUpdateGpu*:*ConvVerifyGpu*'
 LAYER_SMALL='*FusedStepGpu*group4*:*FusedStepGpu*kda_cluster4*:*FusedStepGpu*odd_v*'
 
 # The decode-shaped GPU tests (each decode kernel runs them forced).

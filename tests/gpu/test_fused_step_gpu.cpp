@@ -28,46 +28,6 @@
 namespace dstest {
 namespace {
 
-bool gpu_present() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
-void ok(cudaError_t e) {
-  if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorString(e));
-}
-
-// One device buffer per host allocation (aliases stay aliases), views in the host layout.
-class DeviceCopies {
- public:
-  ~DeviceCopies() {
-    for (auto& [host, ptr] : bufs_) cudaFree(ptr);
-  }
-  TensorView view(const Tensor& t) { return t.view_at(buf(t), Device::cuda(0)); }
-  void put(const Tensor& t) {
-    ok(cudaMemcpy(buf(t), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()),
-                  cudaMemcpyHostToDevice));
-  }
-  Tensor get(const Tensor& t) {
-    Tensor h = t.empty_like();
-    ok(cudaMemcpy(h.alloc_base(), buf(t), static_cast<size_t>(t.alloc_bytes()),
-                  cudaMemcpyDeviceToHost));
-    return h;
-  }
-
- private:
-  void* buf(const Tensor& t) {
-    void*& p = bufs_[t.alloc_base()];
-    if (!p) ok(cudaMalloc(&p, static_cast<size_t>(t.alloc_bytes())));
-    return p;
-  }
-  std::map<const void*, void*> bufs_;
-};
-
 // The workspace the call's plan asks for (fused_decode_step_workspace_bytes), on the device, set
 // in the arguments; none where the plan needs none.
 class DeviceWorkspace {
@@ -81,7 +41,7 @@ class DeviceWorkspace {
     const int64_t need = deltastate::fused_decode_step_workspace_bytes(a);
     if (bytes < 0) bytes = need;
     if (bytes <= 0) return;
-    if (!ptr_) ok(cudaMalloc(&ptr_, static_cast<size_t>(need > bytes ? need : bytes)));
+    if (!ptr_) CUDA_CHECK(cudaMalloc(&ptr_, static_cast<size_t>(need > bytes ? need : bytes)));
     a.workspace = TensorView::contiguous(ptr_, DType::f32, {bytes / 4}, Device::cuda(0));
   }
 
@@ -111,11 +71,11 @@ TEST_P(FusedStepGpu, MatchesCpu) {
     const std::vector<int64_t> idx =
         pick_slots(rng, B, B + 4, B > 1 ? padded : std::vector<int64_t>{});
     LayerBatch b = make_layer_batch(rng, c, idx, B + 4);
-    DeviceCopies dev;
+    Mirror dev;
     for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
                             &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-      dev.put(*t);
-    for (const Tensor& w : b.win) dev.put(w);
+      dev.upload(*t);
+    for (const Tensor& w : b.win) dev.upload(w);
     DeviceWorkspace ws;
     try {
       deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
@@ -125,12 +85,12 @@ TEST_P(FusedStepGpu, MatchesCpu) {
       if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
       throw;
     }
-    ok(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaDeviceSynchronize());
     deltastate::check_errors();
     b.run_fused(b.args(host_view));  // the CPU twin on the host copies
-    const Tensor out = dev.get(b.out), state = dev.get(b.state);
+    const Tensor out = dev.download(b.out), state = dev.download(b.state);
     for (size_t j = 0; j < b.win.size(); ++j)
-      EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", B=" << B;
+      EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", B=" << B;
     const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
     // Half-ulps of the activation dtype allowed beyond out_tol. Both backends round o to it
     // before the norm (as the unfused chain stores o); their fp32 sums over K run in other
@@ -214,11 +174,11 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
     Rings rings = make_rings(c.shape, c.kda, slots, rc.L, rc.d_dtype, rc.k_dtype);
     std::vector<int64_t> zeros(static_cast<size_t>(B), 0);
     Tensor wp = index_tensor(zeros);
-    DeviceCopies dev;
+    Mirror dev;
     for (const Tensor* t : {&b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.norm_w,
                             &b.state, &rings.d, &rings.k, &rings.g, &wp})
-      dev.put(*t);
-    for (const Tensor& w : b.win) dev.put(w);
+      dev.upload(*t);
+    for (const Tensor& w : b.win) dev.upload(w);
     for (int step = 0; step < rc.L + 3; ++step) {
       if (step > 0) {
         b.d.randomize(rng);
@@ -230,8 +190,8 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
       Tensor ff = index_tensor(force);
       for (const Tensor* t :
            {&b.d.x, &b.d.a, &b.d.b, &b.z, &b.out, &ff, &b.state, &rings.d, &rings.k, &rings.g})
-        dev.put(*t);
-      if (!rc.advance) dev.put(wp);  // the host moves the cursors
+        dev.upload(*t);
+      if (!rc.advance) dev.upload(wp);  // the host moves the cursors
       auto args = [&](auto&& view) {
         deltastate::FusedDecodeStepArgs a = b.args(view);
         // No SiLU here: the CPU's libm expf and CUDA's expf differ by an ulp at times, which
@@ -256,13 +216,13 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
         if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
         throw;
       }
-      ok(cudaDeviceSynchronize());
+      CUDA_CHECK(cudaDeviceSynchronize());
       deltastate::check_errors();
       const std::vector<int64_t> cursors = index_values(wp);
       b.run_fused(args(host_view));
       const std::string at = "B=" + std::to_string(B) + ", step " + std::to_string(step);
       for (size_t j = 0; j < b.win.size(); ++j)
-        EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", " << at;
+        EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j << ", " << at;
       // o is rounded to the activation dtype before the norm; its fp32 dots (over K and the
       // ring's terms) sum in other orders here, so o can round one ulp apart. A one-ulp flip is
       // up to 2^-7 relative in bf16, i.e. up to two ulps of the normalized result, and the
@@ -271,9 +231,9 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
       // is the result: one rounding apart.
       const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
       EXPECT_TRUE(
-          all_close(dev.get(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 7 : 3))
+          all_close(dev.download(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 7 : 3))
           << "out, " << at;
-      const Tensor state = dev.get(b.state);
+      const Tensor state = dev.download(b.state);
       const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
       for (int64_t sl = 0; sl < slots; ++sl) {
         const bool live = std::find(idx.begin(), idx.end(), sl) != idx.end();
@@ -285,14 +245,14 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
       // Ring records: d within the outputs' tolerance in its dtype; k and g as the CPU's (the
       // same normalization and gate formulas, other fp32 reduction orders).
       const Tol d_tol = rc.d_dtype == f32 ? Tol{1e-4, 1e-4} : state_tol(rc.d_dtype);
-      EXPECT_TRUE(all_close(dev.get(rings.d).values(), rings.d.values(), d_tol, rc.d_dtype, 3))
+      EXPECT_TRUE(all_close(dev.download(rings.d).values(), rings.d.values(), d_tol, rc.d_dtype, 3))
           << "d ring, " << at;
       EXPECT_TRUE(
-          all_close(dev.get(rings.k).values(), rings.k.values(), {1e-5, 1e-5}, rc.k_dtype, 2))
+          all_close(dev.download(rings.k).values(), rings.k.values(), {1e-5, 1e-5}, rc.k_dtype, 2))
           << "k ring, " << at;
-      EXPECT_TRUE(all_close(dev.get(rings.g).values(), rings.g.values(), {1e-5, 1e-5}, f32, 2))
+      EXPECT_TRUE(all_close(dev.download(rings.g).values(), rings.g.values(), {1e-5, 1e-5}, f32, 2))
           << "g ring, " << at;
-      EXPECT_EQ(index_values(dev.get(wp)), index_values(wp)) << "cursors, " << at;
+      EXPECT_EQ(index_values(dev.download(wp)), index_values(wp)) << "cursors, " << at;
       if (!rc.advance) {  // the caller's advance
         std::vector<int64_t> next = cursors;
         for (int64_t r = 0; r < B; ++r)
@@ -352,18 +312,18 @@ INSTANTIATE_TEST_SUITE_P(
 // A bad cursor and a bad slot on CUDA: the rows are skipped (NaN output; windows, checkpoint,
 // rings and cursor untouched) and check_errors names the first.
 TEST(FusedReplayGpuErrors, BadCursorIsReported) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   const LayerCase c{{"bad", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
   LayerBatch b = make_layer_batch(rng, c, {-1, 2, 0}, 3);  // row 0 padded
   Rings rings = make_rings(c.shape, false, 3, 4, f32, f32);
   Tensor wp = index_tensor({9, 4, 0});  // row 1's cursor past the ring; row 0 padded
-  DeviceCopies dev;
+  Mirror dev;
   for (const Tensor* t :
        {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
         &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
-    dev.put(*t);
-  for (const Tensor& w : b.win) dev.put(w);
+    dev.upload(*t);
+  for (const Tensor& w : b.win) dev.upload(w);
   deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
   a.d_cache = dev.view(rings.d);
   a.k_cache = dev.view(rings.k);
@@ -377,27 +337,27 @@ TEST(FusedReplayGpuErrors, BadCursorIsReported) {
   EXPECT_EQ(std::string(e->what()),
             "fused_decode_step: `write_pos`[1]=4 is outside the ring [0, L-1=3]; the row was "
             "skipped (state, rings and cursor untouched) and its output is NaN");
-  const Tensor out = dev.get(b.out);
+  const Tensor out = dev.download(b.out);
   for (int64_t i = 0; i < 32 * 128; ++i) {
     ASSERT_EQ(out.get_linear(i), 0.0) << "padded row";
     ASSERT_TRUE(std::isnan(out.get_linear(32 * 128 + i))) << "bad row";
   }
   // row 2 ran: its slot 0 was written, and its cursor advanced; the bad row's stayed
-  EXPECT_EQ(index_values(dev.get(wp)), (std::vector<int64_t>{9, 4, 1}));
-  const Tensor state = dev.get(b.state);
+  EXPECT_EQ(index_values(dev.download(wp)), (std::vector<int64_t>{9, 4, 1}));
+  const Tensor state = dev.download(b.state);
   EXPECT_EQ(slot_values(state.view(), 2), slot_values(b.state.view(), 2)) << "slot 2 untouched";
   // the bad row's slot 2 in the windows and rings untouched
-  const Tensor win = dev.get(b.win[0]);
+  const Tensor win = dev.download(b.win[0]);
   EXPECT_EQ(window_values(win, 2), window_values(b.win[0], 2)) << "windows of slot 2";
-  const Tensor d = dev.get(rings.d);
+  const Tensor d = dev.download(rings.d);
   EXPECT_EQ(view_values(d.view(), 2 * 32 * 4 * 128, 32 * 4 * 128),
             view_values(rings.d.view(), 2 * 32 * 4 * 128, 32 * 4 * 128))
       << "d ring of slot 2";
   // a bad slot on another call
   b.d.idx.set({1}, 7);
-  dev.put(b.d.idx);
+  dev.upload(b.d.idx);
   Tensor wp2 = index_tensor({0, 0, 0});
-  dev.put(wp2);
+  dev.upload(wp2);
   a.write_pos = dev.view(wp2);
   b.run_fused(a);
   const auto e2 = catch_error([] { deltastate::check_errors(); });
@@ -413,7 +373,7 @@ TEST(FusedReplayGpuErrors, BadCursorIsReported) {
 // states: a 16-bit state's one-ulp flips of the first step would compound in the second beyond
 // the one-step tolerances.
 TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   const LayerCase cases[] = {
       LayerCase{{"qwen3next_f32state_bf16", kQwen3Next, false, kNoLb, f32, bf16}, bf16},
@@ -427,13 +387,13 @@ TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
   for (const LayerCase& c : cases) {
     const std::vector<int64_t> idx{2, -1, 0};
     LayerBatch b = make_layer_batch(rng, c, idx, 4);
-    DeviceCopies dev;
+    Mirror dev;
     for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
                             &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-      dev.put(*t);
-    for (const Tensor& w : b.win) dev.put(w);
+      dev.upload(*t);
+    for (const Tensor& w : b.win) dev.upload(w);
     cudaStream_t stream = nullptr;
-    ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
     a.stream = stream;
     a.pdl = true;
@@ -442,25 +402,26 @@ TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
     ws.attach(a);
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     b.run_fused(a);
     b.run_fused(a);
-    ok(cudaStreamEndCapture(stream, &graph));
-    ok(cudaGraphInstantiate(&exec, graph, 0));
-    ok(cudaGraphLaunch(exec, stream));
-    ok(cudaStreamSynchronize(stream));
-    ok(cudaGraphExecDestroy(exec));
-    ok(cudaGraphDestroy(graph));
-    ok(cudaStreamDestroy(stream));
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    CUDA_CHECK(cudaStreamDestroy(stream));
     deltastate::check_errors();
     b.run_fused(b.args(host_view));
     b.run_fused(b.args(host_view));
     for (size_t j = 0; j < b.win.size(); ++j)
-      EXPECT_EQ(dev.get(b.win[j]).bytes(), b.win[j].bytes()) << c.name << ", window " << j;
+      EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << c.name << ", window " << j;
     const Tol out_tol = c.norm ? Tol{2e-4, 2e-4} : Tol{1e-4, 1e-4};
-    EXPECT_TRUE(all_close(dev.get(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 5 : 3))
+    EXPECT_TRUE(
+        all_close(dev.download(b.out).values(), b.out.values(), out_tol, c.act, c.norm ? 5 : 3))
         << c.name << ", out";
-    const Tensor state = dev.get(b.state);
+    const Tensor state = dev.download(b.state);
     const Tol st_tol = c.state == f32 ? Tol{1e-5, 1e-4} : state_tol(c.state);
     for (int64_t sl = 0; sl < b.slots; ++sl) {
       const std::vector<double> g = slot_values(state.view(), sl),
@@ -473,7 +434,7 @@ TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
 
 // causal_conv1d_update on CUDA against the CPU (shifted, circular, seqlen 3, vLLM layout).
 TEST(ConvUpdateGpu, MatchesCpu) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   for (int variant = 0; variant < 4; ++variant) {
     const DType dt = variant % 2 ? bf16 : f32;
@@ -488,8 +449,8 @@ TEST(ConvUpdateGpu, MatchesCpu) {
     Tensor idx = index_tensor({6, -1, 0, 3, 2}), cs = index_tensor({5, 1, 2, 9, 0});
     Tensor out = Tensor::contiguous(dt, {B, dim, T});
     out.fill_all(std::nan(""));
-    DeviceCopies dev;
-    for (const Tensor* t : {&x, &st, &w, &bias, &idx, &cs, &out}) dev.put(*t);
+    Mirror dev;
+    for (const Tensor* t : {&x, &st, &w, &bias, &idx, &cs, &out}) dev.upload(*t);
     auto args = [&](auto&& view) {
       deltastate::CausalConv1dUpdateArgs a;
       a.x = view(x);
@@ -503,10 +464,10 @@ TEST(ConvUpdateGpu, MatchesCpu) {
       return a;
     };
     deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
-    ok(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaDeviceSynchronize());
     deltastate::causal_conv1d_update(args(host_view));
-    EXPECT_EQ(dev.get(st).bytes(), st.bytes()) << "windows, variant " << variant;
-    EXPECT_TRUE(all_close(dev.get(out).values(), out.values(), {1e-5, 1e-5}, dt, 2))
+    EXPECT_EQ(dev.download(st).bytes(), st.bytes()) << "windows, variant " << variant;
+    EXPECT_TRUE(all_close(dev.download(out).values(), out.values(), {1e-5, 1e-5}, dt, 2))
         << "out, variant " << variant;
   }
 }
@@ -516,7 +477,7 @@ TEST(ConvUpdateGpu, MatchesCpu) {
 // windows and parents bit for bit; outputs too without SiLU (the same fused multiply-adds), within
 // the conv tolerance with it (expf differs by an ulp between libm and CUDA).
 TEST(ConvVerifyGpu, MatchesCpu) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   for (int variant = 0; variant < 4; ++variant) {
     const DType dt = variant == 3 ? bf16 : f32;
@@ -547,10 +508,10 @@ TEST(ConvVerifyGpu, MatchesCpu) {
     parents.fill_all(-7);
     Tensor out = Tensor::contiguous(dt, {B, dim, T});
     out.fill_all(std::nan(""));
-    DeviceCopies dev;
+    Mirror dev;
     for (const Tensor* t :
          {&x, &st, &w, &bias, &idx, &rows, &acc, &inter, &next, &sib, &parents, &out})
-      dev.put(*t);
+      dev.upload(*t);
     auto args = [&](auto&& view) {
       deltastate::CausalConv1dUpdateArgs a;
       a.x = view(x);
@@ -571,22 +532,22 @@ TEST(ConvVerifyGpu, MatchesCpu) {
       return a;
     };
     deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
-    ok(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaDeviceSynchronize());
     deltastate::causal_conv1d_update(args(host_view));
-    EXPECT_EQ(dev.get(st).bytes(), st.bytes()) << "windows, variant " << variant;
-    EXPECT_EQ(dev.get(inter).bytes(), inter.bytes()) << "scratch windows, variant " << variant;
-    EXPECT_EQ(dev.get(parents).bytes(), parents.bytes()) << "parents, variant " << variant;
+    EXPECT_EQ(dev.download(st).bytes(), st.bytes()) << "windows, variant " << variant;
+    EXPECT_EQ(dev.download(inter).bytes(), inter.bytes()) << "scratch windows, variant " << variant;
+    EXPECT_EQ(dev.download(parents).bytes(), parents.bytes()) << "parents, variant " << variant;
     if (silu)
-      EXPECT_TRUE(all_close(dev.get(out).values(), out.values(), {1e-5, 1e-5}, dt, 2))
+      EXPECT_TRUE(all_close(dev.download(out).values(), out.values(), {1e-5, 1e-5}, dt, 2))
           << "out, variant " << variant;
-    else EXPECT_EQ(dev.get(out).bytes(), out.bytes()) << "out, variant " << variant;
+    else EXPECT_EQ(dev.download(out).bytes(), out.bytes()) << "out, variant " << variant;
   }
 }
 
 // A num_accept_tokens entry outside the window on CUDA: the row is skipped (NaN output, nothing
 // written) and check_errors names it.
 TEST(ConvVerifyGpu, BadEntryIsReported) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   const int64_t B = 2, dim = 40, T = 3;
   Tensor x = Tensor::contiguous(f32, {B, dim, T});
@@ -599,8 +560,8 @@ TEST(ConvVerifyGpu, BadEntryIsReported) {
   Tensor inter = Tensor::contiguous(f32, {2, T, dim, 3});
   inter.fill_all(kSentinel);
   Tensor out = Tensor::contiguous(f32, {B, dim, T});
-  DeviceCopies dev;
-  for (const Tensor* t : {&x, &st, &w, &idx, &acc, &inter, &out}) dev.put(*t);
+  Mirror dev;
+  for (const Tensor* t : {&x, &st, &w, &idx, &acc, &inter, &out}) dev.upload(*t);
   deltastate::CausalConv1dUpdateArgs a;
   a.x = dev.view(x);
   a.conv_state = dev.view(st);
@@ -616,9 +577,9 @@ TEST(ConvVerifyGpu, BadEntryIsReported) {
             "causal_conv1d_update: row 1: a step, length, accepted count or parent (4) is outside "
             "its buffer or table (limit 3); the row was skipped (state, rings and cursor "
             "untouched) and its output is NaN");
-  const Tensor got = dev.get(out);
+  const Tensor got = dev.download(out);
   for (int64_t i = 0; i < dim * T; ++i) ASSERT_TRUE(std::isnan(got.get_linear(dim * T + i)));
-  const Tensor win = dev.get(st), scratch = dev.get(inter);
+  const Tensor win = dev.download(st), scratch = dev.download(inter);
   EXPECT_EQ(window_values(win, 0), window_values(st, 0)) << "the bad row's window untouched";
   for (int64_t i = 0; i < T * dim * 3; ++i)
     ASSERT_EQ(scratch.get_linear(T * dim * 3 + i), round_to(f32, kSentinel)) << "its scratch row";
@@ -627,16 +588,16 @@ TEST(ConvVerifyGpu, BadEntryIsReported) {
 // A bad slot index on CUDA: the row is skipped (NaN output, nothing written) and check_errors
 // names it.
 TEST(FusedStepGpuErrors, BadIndexIsReported) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   const LayerCase c{{"bad", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
   LayerBatch b = make_layer_batch(rng, c, {-1, 2}, 3);  // row 0 padded
   b.d.idx.set({1}, 7);
-  DeviceCopies dev;
+  Mirror dev;
   for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
                           &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-    dev.put(*t);
-  for (const Tensor& w : b.win) dev.put(w);
+    dev.upload(*t);
+  for (const Tensor& w : b.win) dev.upload(w);
   deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
   a.check_indices = false;
   DeviceWorkspace ws;
@@ -648,10 +609,10 @@ TEST(FusedStepGpuErrors, BadIndexIsReported) {
             "fused_decode_step: `ssm_state_indices`[1]=7 is out of range for a state pool of 3 "
             "slots (valid: 0..2; < 0 marks a padded row); the row was skipped (state, rings and "
             "cursor untouched) and its output is NaN");
-  const Tensor out = dev.get(b.out);
+  const Tensor out = dev.download(b.out);
   for (int64_t i = 0; i < 32 * 128; ++i) ASSERT_TRUE(std::isnan(out.get_linear(32 * 128 + i)));
-  EXPECT_EQ(dev.get(b.state).bytes(), b.state.bytes()) << "state untouched";
-  EXPECT_EQ(dev.get(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched";
+  EXPECT_EQ(dev.download(b.state).bytes(), b.state.bytes()) << "state untouched";
+  EXPECT_EQ(dev.download(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched";
 }
 
 // Row r of a view whose dim 0 is the batch, as a batch of one.
@@ -663,7 +624,7 @@ TensorView row_of(TensorView v, int64_t r) {
 
 int sm_count() {
   int sms = 0;
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   return sms;
 }
 
@@ -676,7 +637,7 @@ int sm_count() {
 // kernels'. The plans come from the default choice only: skipped when DELTASTATE_CUDA_FUSED
 // forces one.
 TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (fused_forced()) GTEST_SKIP() << "DELTASTATE_CUDA_FUSED forces one plan";
   Rng rng = test_rng();
   const LayerCase cases[] = {
@@ -703,22 +664,22 @@ TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
     std::vector<int64_t> idx;
     for (int64_t i = 0; i < B; ++i) idx.push_back(i == 2 ? -1 : B + 2 - i);  // distinct slots
     LayerBatch b = make_layer_batch(rng, c, idx, B + 3);
-    DeviceCopies dev;
+    Mirror dev;
     auto put_all = [&] {
       for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
                               &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-        dev.put(*t);
-      for (const Tensor& w : b.win) dev.put(w);
+        dev.upload(*t);
+      for (const Tensor& w : b.win) dev.upload(w);
     };
     struct Result {
       std::vector<uint8_t> out, state;
       std::vector<std::vector<uint8_t>> win;
     };
     auto result = [&] {
-      ok(cudaDeviceSynchronize());
+      CUDA_CHECK(cudaDeviceSynchronize());
       deltastate::check_errors();
-      Result r{dev.get(b.out).bytes(), dev.get(b.state).bytes(), {}};
-      for (const Tensor& w : b.win) r.win.push_back(dev.get(w).bytes());
+      Result r{dev.download(b.out).bytes(), dev.download(b.state).bytes(), {}};
+      for (const Tensor& w : b.win) r.win.push_back(dev.download(w).bytes());
       return r;
     };
     const auto view = [&](const Tensor& t) { return dev.view(t); };
@@ -759,7 +720,7 @@ TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
 // where the chain does; a workspace too small is an error naming it before anything is written;
 // a chain forced without one is an error saying so.
 TEST(FusedStepGpuPlans, Workspace) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   const LayerCase c{{"ws", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
   const std::string forced = fused_forced_as();
@@ -768,11 +729,11 @@ TEST(FusedStepGpuPlans, Workspace) {
     std::vector<int64_t> idx;
     for (int64_t i = 0; i < B; ++i) idx.push_back(i);
     LayerBatch b = make_layer_batch(rng, c, idx, B + 1);
-    DeviceCopies dev;
+    Mirror dev;
     for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
                             &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-      dev.put(*t);
-    for (const Tensor& w : b.win) dev.put(w);
+      dev.upload(*t);
+    for (const Tensor& w : b.win) dev.upload(w);
     deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
     const int64_t chain_bytes = (B * b.conv_dim * 2 + 15) / 16 * 16;  // bf16 conv output
     const bool chain = forced == "chain" || (forced.empty() && B == big);
@@ -792,9 +753,9 @@ TEST(FusedStepGpuPlans, Workspace) {
                             std::to_string(chain_bytes) +
                             " bytes (fused_decode_step_workspace_bytes); none was given");
     }
-    ok(cudaDeviceSynchronize());
-    EXPECT_EQ(dev.get(b.state).bytes(), b.state.bytes()) << "state untouched, B=" << B;
-    EXPECT_EQ(dev.get(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched, B=" << B;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(dev.download(b.state).bytes(), b.state.bytes()) << "state untouched, B=" << B;
+    EXPECT_EQ(dev.download(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched, B=" << B;
   }
 }
 
