@@ -293,6 +293,46 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   return p;
 }
 
+namespace {
+
+// What both commits check and fill alike, after their tensors' own checks: the index vectors
+// (the devices last), the outer dims of the pool `st` [layers?, slots, ...] and of the scratch
+// `in` [layers?, rows, steps, ...], the flags. The entry's shape is the caller's.
+template <class Args>
+CommitProblem commit_problem(Contract& c, const Args& args, const TensorView& st,
+                             const TensorView& in, bool layered) {
+  const int lead = layered ? 1 : 0;
+  const TensorView& idx = args.state_indices;
+  if (idx.ndim != 1) fail(format("`state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
+  const int64_t B = idx.shape[0];
+  CommitProblem p;
+  p.slots = index_vector(c, "state_indices", idx, B);
+  p.accepted = index_vector(c, "accepted", args.accepted, B);
+  if (args.intermediate_state_indices)
+    p.rows = index_vector(c, "intermediate_state_indices", *args.intermediate_state_indices, B);
+  c.check_devices("All inputs must be on the same device", true);
+  p.B = static_cast<int32_t>(B);
+  p.layers = layered ? static_cast<int32_t>(st.shape[0]) : 1;
+  p.state = st.data;
+  p.inter = in.data;
+  p.dtype = st.dtype;
+  p.state_layer_stride = layered ? st.stride[0] : 0;
+  p.state_slot_stride = st.stride[lead];
+  p.num_slots = st.shape[lead];
+  p.inter_layer_stride = layered ? in.stride[0] : 0;
+  p.inter_row_stride = in.stride[lead];
+  p.inter_step_stride = in.stride[lead + 1];
+  p.inter_rows = in.shape[lead];
+  p.inter_steps = in.shape[lead + 1];
+  p.accepted_is_step = args.accepted_is_step;
+  p.pdl = args.pdl;
+  p.device = c.common_device();
+  p.check_indices = args.check_indices.value_or(p.device.type == DeviceType::cpu);
+  return p;
+}
+
+}  // namespace
+
 CommitProblem validate_commit(const CommitArgs& args) {
   const TensorView& st = args.state;
   const TensorView& in = args.intermediate_states;
@@ -319,37 +359,10 @@ CommitProblem validate_commit(const CommitArgs& args) {
     fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
                 dtype_mark(dtype_name(st.dtype)).c_str(),
                 dtype_mark(dtype_name(in.dtype)).c_str()));
-  const TensorView& idx = args.state_indices;
-  if (idx.ndim != 1) fail(format("`state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
-  const int64_t B = idx.shape[0];
-  CommitProblem p;
-  p.slots = index_vector(c, "state_indices", idx, B);
-  p.accepted = index_vector(c, "accepted", args.accepted, B);
-  if (args.intermediate_state_indices)
-    p.rows = index_vector(c, "intermediate_state_indices", *args.intermediate_state_indices, B);
-  c.check_devices("All inputs must be on the same device", true);
-
-  p.B = static_cast<int32_t>(B);
-  p.layers = layered ? static_cast<int32_t>(st.shape[0]) : 1;
+  CommitProblem p = commit_problem(c, args, st, in, layered);
   p.head_elems = st.shape[lead + 1] * st.shape[lead + 2] * st.shape[lead + 3];
   p.inner_cols = p.head_elems;  // one dense row: flat
-  p.state = st.data;
-  p.inter = in.data;
-  p.dtype = st.dtype;
-  p.state_layer_stride = layered ? st.stride[0] : 0;
-  p.state_slot_stride = st.stride[lead];
-  p.num_slots = st.shape[lead];
-  p.inter_layer_stride = layered ? in.stride[0] : 0;
-  p.inter_row_stride = in.stride[lead];
-  p.inter_step_stride = in.stride[lead + 1];
-  p.inter_rows = in.shape[lead];
-  p.inter_steps = in.shape[lead + 1];
-  p.accepted_is_step = args.accepted_is_step;
-  p.pdl = args.pdl;
-  p.device = c.common_device();
-  const bool on_cpu = p.device.type == DeviceType::cpu;
-  p.check_indices = args.check_indices.value_or(on_cpu);
-  if (on_cpu && p.check_indices)
+  if (p.device.type == DeviceType::cpu && p.check_indices)
     check_commit_host(p, "intermediate_states", "an intermediate-state buffer");
   return p;
 }
@@ -384,18 +397,7 @@ CommitProblem validate_conv_commit(const ConvCommitArgs& args) {
     fail(format("`intermediate_conv_window` must have the dtype of `conv_state` (%s); got %s",
                 dtype_mark(dtype_name(st.dtype)).c_str(),
                 dtype_mark(dtype_name(in.dtype)).c_str()));
-  const TensorView& idx = args.state_indices;
-  if (idx.ndim != 1) fail(format("`state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
-  const int64_t B = idx.shape[0];
-  CommitProblem p;
-  p.slots = index_vector(c, "state_indices", idx, B);
-  p.accepted = index_vector(c, "accepted", args.accepted, B);
-  if (args.intermediate_state_indices)
-    p.rows = index_vector(c, "intermediate_state_indices", *args.intermediate_state_indices, B);
-  c.check_devices("All inputs must be on the same device", true);
-
-  p.B = static_cast<int32_t>(B);
-  p.layers = layered ? static_cast<int32_t>(st.shape[0]) : 1;
+  CommitProblem p = commit_problem(c, args, st, in, layered);
   p.head_elems = dim * W1;
   p.inner_rows = dim;
   p.inner_cols = W1;
@@ -407,24 +409,8 @@ CommitProblem validate_conv_commit(const ConvCommitArgs& args) {
            dense_block(dim, W1, p.inter_inner_row_stride, p.inter_inner_col_stride) &&
            (dim <= 1 || p.state_inner_row_stride == p.inter_inner_row_stride) &&
            (W1 <= 1 || p.state_inner_col_stride == p.inter_inner_col_stride);
-  p.state = st.data;
-  p.inter = in.data;
-  p.dtype = st.dtype;
-  p.state_layer_stride = layered ? st.stride[0] : 0;
-  p.state_slot_stride = st.stride[lead];
-  p.num_slots = st.shape[lead];
-  p.inter_layer_stride = layered ? in.stride[0] : 0;
-  p.inter_row_stride = in.stride[lead];
-  p.inter_step_stride = in.stride[lead + 1];
-  p.inter_rows = in.shape[lead];
-  p.inter_steps = in.shape[lead + 1];
-  p.accepted_is_step = args.accepted_is_step;
-  p.pdl = args.pdl;
   p.err_op = kErrOpConvCommit;
-  p.device = c.common_device();
-  const bool on_cpu = p.device.type == DeviceType::cpu;
-  p.check_indices = args.check_indices.value_or(on_cpu);
-  if (on_cpu && p.check_indices)
+  if (p.device.type == DeviceType::cpu && p.check_indices)
     check_commit_host(p, "intermediate_conv_window", "an intermediate conv-window buffer");
   return p;
 }
