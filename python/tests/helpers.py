@@ -231,3 +231,20 @@ def poison(fw: Fw, shape, dtype):
     """An output buffer filled with NaN, so an element the op forgets to write shows."""
     return fw.full(shape, float("nan"), dtype)
 
+
+
+def eagle_tree(rng, T: int):
+    """A random tree over T draft tokens in token order (parent < child), with EAGLE's tables:
+    (parent [T] int64 with parent[0] = 0, first child [T] int32, next sibling [T] int32; -1: none)."""
+    parent = np.zeros(T, dtype=np.int64)
+    for t in range(1, T):
+        parent[t] = rng.integers(0, t)
+    nxt = np.full(T, -1, dtype=np.int32)
+    sib = np.full(T, -1, dtype=np.int32)
+    for p in range(T):
+        kids = [c for c in range(1, T) if parent[c] == p]
+        if kids:
+            nxt[p] = kids[0]
+            for a, b in zip(kids, kids[1:]):
+                sib[a] = b
+    return parent, nxt, sib

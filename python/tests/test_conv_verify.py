@@ -13,30 +13,13 @@ import numpy as np
 import pytest
 
 import deltastate as ds
-from helpers import torch
+from helpers import eagle_tree, torch
 
 SENTINEL = np.float32(1e30)
 
 
 def silu(y):
     return y / (1.0 + np.exp(-y))
-
-
-def random_tree(rng, T):
-    """A random tree over T tokens in token order (parent < child), as EAGLE's tables: the
-    parents, each token's first child and next sibling (-1: none)."""
-    parent = np.zeros(T, dtype=np.int64)
-    for t in range(1, T):
-        parent[t] = rng.integers(0, t)
-    nxt = np.full(T, -1, dtype=np.int64)
-    sib = np.full(T, -1, dtype=np.int64)
-    for p in range(T):
-        kids = [c for c in range(1, T) if parent[c] == p]
-        if kids:
-            nxt[p] = kids[0]
-            for a, b in zip(kids, kids[1:]):
-                sib[a] = b
-    return parent, nxt, sib
 
 
 def ref_row(hist, x, w, bias, act, parent):
@@ -110,9 +93,9 @@ def test_eagle_tree(W):
     B, dim, T, slots = 5, 9, 7, 6
     x, st, w, bias = make(rng, B, dim, T, W, slots, W - 1)
     idx = np.array([2, 0, -1, 5, 1], dtype=np.int32)
-    trees = [random_tree(rng, T) for _ in range(B)]
-    nxt = np.stack([t[1] for t in trees])
-    sib = np.stack([t[2] for t in trees]).astype(np.int32)
+    trees = [eagle_tree(rng, T) for _ in range(B)]
+    nxt = np.stack([t[1] for t in trees]).astype(np.int64)  # int64 beside int32 tables
+    sib = np.stack([t[2] for t in trees])
     parents = np.full((B, T + 2), -7, dtype=np.int64)  # wider than T: the tail is untouched
     inter = np.full((B, T, dim, W - 1), SENTINEL, dtype=np.float32)
     before = st.copy()
@@ -168,7 +151,7 @@ def test_num_accept_with_intermediate_windows_and_a_tree():
     x, st, w, bias = make(rng, B, dim, T, W, slots, L)
     idx = np.array([2, 0], dtype=np.int32)
     accept = np.array([3, 1], dtype=np.int64)
-    trees = [random_tree(rng, T) for _ in range(B)]
+    trees = [eagle_tree(rng, T) for _ in range(B)]
     nxt = np.stack([t[1] for t in trees]).astype(np.int32)
     sib = np.stack([t[2] for t in trees]).astype(np.int32)
     parents = np.zeros((B, T), dtype=np.int32)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import deltastate as ds
+from helpers import eagle_tree
 
 H, HV, K, V, W = 1, 2, 8, 8, 4
 CONV_DIM = 2 * H * K + HV * V
@@ -91,21 +92,6 @@ class Layer:
         return out[0, 0]
 
 
-def random_tree(rng, T):
-    parent = np.zeros(T, np.int64)
-    for t in range(1, T):
-        parent[t] = rng.integers(0, t)
-    nxt = np.full(T, -1, np.int32)
-    sib = np.full(T, -1, np.int32)
-    for p in range(T):
-        kids = [c for c in range(1, T) if parent[c] == p]
-        if kids:
-            nxt[p] = kids[0]
-            for c0, c1 in zip(kids, kids[1:]):
-                sib[c0] = c1
-    return parent, nxt, sib
-
-
 def path_to(parent, t):
     path = [t]
     while path[-1] > 0:
@@ -137,7 +123,7 @@ def test_speculative_rounds_equal_plain_decode(tree):
         x = rng.standard_normal((layers, B, CONV_DIM, T)).astype(np.float32)
         a = rng.standard_normal((layers, B, T, HV)).astype(np.float32)
         b = rng.standard_normal((layers, B, T, HV)).astype(np.float32)
-        trees = [random_tree(rng, T) for _ in range(B)] if tree else None
+        trees = [eagle_tree(rng, T) for _ in range(B)] if tree else None
         parents = np.zeros((B, T), np.int32)
         outs = []
         committed_before = (pool.states().copy(), pool.conv_states().copy())
