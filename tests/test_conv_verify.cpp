@@ -207,14 +207,6 @@ TEST(ConvVerify, ChainWindowsEqualSingleSteps) {
 }
 
 // ---- every error text -------------------------------------------------------------------------
-void expect_error(const std::function<void()>& f, const std::string& message,
-                  ErrorKind kind = ErrorKind::value) {
-  const auto e = catch_error(f);
-  ASSERT_TRUE(e.has_value()) << "no error; expected: " << message;
-  EXPECT_EQ(std::string(e->what()), message);
-  EXPECT_EQ(e->kind(), kind);
-}
-
 struct VerifyErrorFixture {
   Tensor x = Tensor::contiguous(f32, {2, 8, 3});
   Tensor st = Tensor::contiguous(f32, {4, 8, 5});

@@ -642,14 +642,6 @@ TEST(FusedReplay, StatePoolEnvelopeViews) {
 }
 
 // ---- every error text ---------------------------------------------------------------------------
-void expect_error(const std::function<void()>& f, const std::string& message,
-                  ErrorKind kind = ErrorKind::value) {
-  const auto e = catch_error(f);
-  if (!e) return;
-  EXPECT_EQ(std::string(e->what()), message);
-  EXPECT_EQ(e->kind(), kind);
-}
-
 struct ConvErrorFixture {
   Tensor x = Tensor::contiguous(f32, {2, 8});
   Tensor st = Tensor::contiguous(f32, {4, 8, 3});

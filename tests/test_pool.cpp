@@ -18,13 +18,6 @@ using deltastate::PoolLayout;
 using deltastate::StatePool;
 using deltastate::StatePoolConfig;
 
-void expect_error(const std::function<void()>& f, const std::string& message) {
-  const auto e = catch_error(f);
-  if (!e) return;
-  EXPECT_EQ(std::string(e->what()), message);
-  EXPECT_EQ(e->kind(), ErrorKind::value);
-}
-
 // layers=2, HV=4, V=16, K=8, fp32 states; ReplaySSM rings L=4, H=2, bf16 keys (GDN).
 StatePoolConfig small_config(PoolLayout layout, int64_t slots = 3) {
   StatePoolConfig c;

@@ -462,4 +462,14 @@ std::optional<deltastate::Error> catch_error(F&& f) {
   return std::nullopt;
 }
 
+// `f` throws a deltastate::Error of this text and kind (a failure of the test otherwise).
+template <class F>
+void expect_error(F&& f, const std::string& message,
+                  deltastate::ErrorKind kind = deltastate::ErrorKind::value) {
+  const auto e = catch_error(f);
+  if (!e) return;  // catch_error has reported it
+  EXPECT_EQ(std::string(e->what()), message);
+  EXPECT_EQ(e->kind(), kind);
+}
+
 }  // namespace dstest
