@@ -544,6 +544,69 @@ TEST(ConvVerifyGpu, MatchesCpu) {
   }
 }
 
+// A conv verify (per-draft windows of an EAGLE tree) and the commit of the accepted windows,
+// captured into a CUDA graph and replayed, give the bytes of the same calls eager: no host
+// synchronization, allocation or host-side branch on device data in either op.
+TEST(ConvVerifyGpu, VerifyAndCommitReplayInAGraph) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  const int64_t B = 3, dim = 256, T = 4, W1 = 3, slots = 6;
+  Tensor x = Tensor::contiguous(bf16, {B, dim, T});
+  x.fill_normal(rng, 1.0);
+  Tensor st = make_window(bf16, slots, dim, W1, false, 0);
+  for (int64_t e = 0; e < slots; ++e) fill_window(st, e, rng);
+  Tensor w = Tensor::contiguous(bf16, {dim, 4});
+  w.fill_uniform(rng, -0.7, 0.7);
+  Tensor idx = index_tensor({4, -1, 1}), rows = index_tensor({2, 0, 1});
+  Tensor steps = index_tensor({3, -1, 1}, DType::i64);
+  Tensor inter = Tensor::contiguous(bf16, {B, T, dim, W1});
+  inter.fill_all(kSentinel);
+  Tensor next = Tensor::contiguous(DType::i32, {B, T}), sib = next.empty_like();
+  next.fill_all(-1);
+  sib.fill_all(-1);
+  for (int64_t b = 0; b < B; ++b) {  // 0 -> {1, 2}, 1 -> 3
+    next.set({b, 0}, 1);
+    next.set({b, 1}, 3);
+    sib.set({b, 1}, 2);
+  }
+  Tensor parents = Tensor::contiguous(DType::i32, {B, T});
+  Tensor out = Tensor::contiguous(bf16, {B, dim, T});
+  Mirror eager, graph;
+  for (Mirror* m : {&eager, &graph})
+    m->upload_all(x, st, w, idx, rows, steps, inter, next, sib, parents, out);
+  cudaStream_t stream = nullptr;
+  auto step = [&](Mirror& m) {
+    deltastate::CausalConv1dUpdateArgs a;
+    a.x = m.view(x);
+    a.conv_state = m.view(st);
+    a.weight = m.view(w);
+    a.silu = true;
+    a.conv_state_indices = m.view(idx);
+    a.intermediate_conv_window = m.view(inter);
+    a.intermediate_state_indices = m.view(rows);
+    a.retrieve_next_token = m.view(next);
+    a.retrieve_next_sibling = m.view(sib);
+    a.retrieve_parent_token = m.view(parents);
+    a.out = m.view(out);
+    a.stream = stream;
+    deltastate::causal_conv1d_update(a);
+    deltastate::ConvCommitArgs c;
+    c.conv_state = m.view(st);
+    c.intermediate_conv_window = m.view(inter);
+    c.state_indices = m.view(idx);
+    c.accepted = m.view(steps);
+    c.intermediate_state_indices = m.view(rows);
+    c.accepted_is_step = true;
+    c.stream = stream;
+    deltastate::update_conv_state_after_verify(c);
+  };
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  run_eager_and_graph(step, eager, graph, stream, 3);
+  for (const Tensor* t : {&st, &inter, &parents, &out})
+    EXPECT_EQ(eager.download(*t).bytes(), graph.download(*t).bytes());
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // A num_accept_tokens entry outside the window on CUDA: the row is skipped (NaN output, nothing
 // written) and check_errors names it.
 TEST(ConvVerifyGpu, BadEntryIsReported) {
