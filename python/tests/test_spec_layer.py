@@ -230,3 +230,82 @@ def test_vllm_rounds_without_a_commit():
         for r in range(B):  # the plain decoder keeps the accepted drafts only
             for t in range(accepted[r]):
                 L.plain_step(ref_state, ref_win, r, x[r, :, t], a[r, t], b[r, t])
+
+
+def test_kda_round_with_split_windows():
+    """Kimi-Linear's layout: three conv windows (q, k, v) per layer in the pool, each with its own
+    scratch windows and commit, the KDA gate per key channel. Two rounds of a chain, committed
+    over every layer per part; states and windows equal plain single-token decode bit for bit."""
+    rng = np.random.default_rng(99)
+    Hk = HVk = 2
+    T, layers = 3, 2
+    dims = {"q": Hk * K, "k": Hk * K, "v": HVk * V}
+    pool = ds.StatePool(layers, 4, HVk, V, K, H=Hk, conv_dim=sum(dims.values()), conv_width=W,
+                        conv_split_qkv=True, spec_rows=3, spec_steps=T, framework="numpy")
+    live = [pool.allocate() for _ in range(2)]
+    idx = np.array([live[1], -1, live[0]], np.int32)
+    rows = np.arange(3, dtype=np.int32)
+    B = len(idx)
+    w = [{p: (rng.standard_normal((d, W)) * 0.5).astype(np.float32) for p, d in dims.items()}
+         for _ in range(layers)]
+    A_log = [(rng.random(HVk) * 2 - 1).astype(np.float32) for _ in range(layers)]
+    dt_bias = [(rng.random(HVk * K) - 0.5).astype(np.float32) for _ in range(layers)]
+    for layer in range(layers):
+        pool.layer_state(layer)[live] = rng.uniform(-0.3, 0.3, (2, HVk, V, K))
+        for p, d in dims.items():
+            pool.conv_state(layer, p)[live] = rng.uniform(-1, 1, (2, d, W - 1))
+    ref_state = [pool.layer_state(layer).copy() for layer in range(layers)]
+    ref_win = [{p: pool.conv_state(layer, p).copy() for p in dims} for layer in range(layers)]
+
+    def qkv(ys, T_):
+        q = np.ascontiguousarray(ys["q"].transpose(0, 2, 1)).reshape(-1, T_, Hk, K)
+        k = np.ascontiguousarray(ys["k"].transpose(0, 2, 1)).reshape(-1, T_, Hk, K)
+        v = np.ascontiguousarray(ys["v"].transpose(0, 2, 1)).reshape(-1, T_, HVk, V)
+        return q, k, v
+
+    def plain_step(layer, s, xs, a, b):  # one token of slot s on the reference copies
+        ys = {p: ds.causal_conv1d_update(xs[p][None, :], ref_win[layer][p], w[layer][p], None,
+                                         "silu", None, np.array([s], np.int32))[:, :, None]
+              for p in dims}
+        q, k, v = qkv(ys, 1)
+        out = np.zeros((1, 1, HVk, V), np.float32)
+        ds.verify(q, k, v, a[None, None], b[None, None], out, ref_state[layer],
+                  np.array([s], np.int32), A_log=A_log[layer], dt_bias=dt_bias[layer],
+                  is_kda=True)
+        return out[0, 0]
+
+    for _ in range(2):
+        steps = np.array([rng.integers(0, T), -1, rng.integers(0, T)], np.int64)
+        for layer in range(layers):
+            x = {p: rng.standard_normal((B, d, T)).astype(np.float32) for p, d in dims.items()}
+            a = rng.standard_normal((B, T, HVk, K)).astype(np.float32)
+            b = rng.standard_normal((B, T, HVk)).astype(np.float32)
+            ys = {p: ds.causal_conv1d_update(x[p], pool.conv_state(layer, p), w[layer][p], None,
+                                             "silu", None, idx, None,
+                                             pool.intermediate_conv_window(layer, p), rows)
+                  for p in dims}
+            q, k, v = qkv(ys, T)
+            out = np.full((B, T, HVk, V), np.nan, np.float32)
+            ds.verify(q, k, v, a, b, out, pool.layer_state(layer), idx, A_log=A_log[layer],
+                      dt_bias=dt_bias[layer], is_kda=True, update_state=False,
+                      intermediate_states=pool.intermediate_states(layer),
+                      intermediate_state_indices=rows)
+            for r in range(B):  # plain decode of the accepted chain, checking each output
+                if idx[r] < 0:
+                    assert np.all(out[r] == 0)
+                    continue
+                for t in range(int(steps[r]) + 1):
+                    o = plain_step(layer, idx[r], {p: x[p][r, :, t] for p in dims}, a[r, t],
+                                   b[r, t])
+                    np.testing.assert_allclose(out[r, t], o, rtol=1e-6, atol=1e-6)
+        ds.update_state_after_verify(pool.states(), pool.intermediate_states(), idx, steps, rows,
+                                     accepted_is_step=True)
+        for p in dims:
+            ds.update_conv_state_after_verify(pool.conv_states(p),
+                                              pool.intermediate_conv_window(None, p), idx, steps,
+                                              rows, accepted_is_step=True)
+        for layer in range(layers):
+            np.testing.assert_array_equal(pool.layer_state(layer)[live], ref_state[layer][live])
+            for p in dims:
+                np.testing.assert_array_equal(pool.conv_state(layer, p)[live],
+                                              ref_win[layer][p][live])
