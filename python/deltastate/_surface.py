@@ -269,15 +269,14 @@ def _packed(kda: bool) -> Op:
 
 # ---- recurrent (B,T and varlen): FlashInfer's recurrent_kda surface ----------------------------
 _FLASHINFER_BACKENDS = ("auto", "cute-dsl", "cake")
-_SPEC = ("(speculative decode) is not wired to recurrent_kda in deltastate; its per-token slots "
-         "and num_accepted_tokens run through deltastate.verify(token_state_indices=..., "
-         "num_accepted_tokens=...); pass None")
+_SPEC = ("(FlashInfer's separate read-only committed pool for token 0) is not implemented in "
+         "deltastate; keep the committed state in the slots ssm_state_indices names; pass None")
 _PREFILL = "(a FlashInfer prefill-backend option) is not implemented in deltastate; pass None"
 
 
 def _flashinfer_prepare(op, q, k, v, g, beta, A_log, initial_state, output_final_state,
                         use_gate_in_kernel, lower_bound, cu_seqlens, ssm_state_indices, output,
-                        backend):
+                        backend, num_spec_tokens):
     """FlashInfer's recurrent_kda rules: the state is updated in place (with ssm_state_indices the
     pool's rows); returned when output_final_state: the pool, or without cu_seqlens but with
     indices the gathered [N, HV, V, K] rows; `initial_state=None` allocates a zero bfloat16 state
@@ -301,6 +300,15 @@ def _flashinfer_prepare(op, q, k, v, g, beta, A_log, initial_state, output_final
     if output is None:
         output = _empty(q, vs)  # q's dtype, as FlashInfer
     pool = initial_state
+    if num_spec_tokens is not None:  # the pool receives every draft's state (_spec_route)
+        if pool is None and len(qs) == 4 and len(vs) == 4:
+            if ssm_state_indices is not None:
+                live = [int(i) for i in _flat_ints(ssm_state_indices) if int(i) >= 0]
+                n = max(live) + 1 if live else 1
+            else:  # the batched shim's slots 0 .. B*T-1
+                n = qs[0] * qs[1]
+            pool = _zeros_state(q, (n, vs[2], vs[3], qs[3]))
+        return output, None, pool, ssm_state_indices, None, pool if output_final_state else None
     if pool is None and len(qs) == 4 and len(vs) == 4:  # otherwise the core rejects q / v
         shape_tail = (vs[2], vs[3], qs[3])
         if cu_seqlens is not None:
@@ -324,6 +332,79 @@ def _flashinfer_prepare(op, q, k, v, g, beta, A_log, initial_state, output_final
     return output, None, pool, ssm_state_indices, final, returned
 
 
+def _flat_ints(t):
+    """The entries of an index tensor or array as a flat Python list."""
+    return t.reshape(-1).tolist()
+
+
+def _spec_route(op: str, q, k, v, g, beta, output, A_log, dt_bias, scale, state_pool,
+                use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, cu_seqlens,
+                ssm_state_indices, num_spec_tokens, num_accepted_tokens, beta_is_logit,
+                round_beta, check_indices, pdl):
+    """FlashInfer's speculative decode (num_spec_tokens = S: 1 + S tokens per sequence) on
+    deltastate's verify: the start state from slot ssm_state_indices[n, num_accepted - 1]
+    (column 0 without num_accepted_tokens; values clamped to [1, 1 + S] as FlashInfer's kernel
+    does), the state after token t into slot ssm_state_indices[n, t], the pool updated in place.
+    Batched calls without cu_seqlens and without indices use slots arange(B * (1 + S)), as
+    FlashInfer's shim. FlashInfer's checks and texts, in its order."""
+    if num_spec_tokens is None:
+        return None
+    S = int(num_spec_tokens)
+    qs = _shape(q)
+    if cu_seqlens is not None and ssm_state_indices is None:
+        raise ValueError("ssm_state_indices is required when num_spec_tokens is set with "
+                         "cu_seqlens")
+    T = 1 + S
+    torch_in = _is_torch(q)
+    if cu_seqlens is None and len(qs) == 4:
+        if T != qs[1]:
+            raise ValueError(f"q.shape[1]={qs[1]} must equal 1+num_spec_tokens={T} when "
+                             f"cu_seqlens is not provided")
+        B = qs[0]
+        if ssm_state_indices is None:
+            if _shape(state_pool)[0] < B * T:
+                raise ValueError("initial_state must have at least B*(1+num_spec_tokens) slots "
+                                 "when batched spec decode auto-generates ssm_state_indices")
+            if torch_in:
+                import torch
+
+                ssm_state_indices = torch.arange(B * T, dtype=torch.int32,
+                                                 device=q.device).reshape(B, T)
+            else:
+                import numpy as np
+
+                ssm_state_indices = np.arange(B * T, dtype=np.int32).reshape(B, T)
+        N = B
+    else:
+        if len(qs) == 4 and qs[0] != 1:
+            raise ValueError(f"Batch size must be 1 with cu_seqlens, got B={qs[0]}")
+        N = _shape(cu_seqlens)[0] - 1
+    if S <= 0:
+        raise ValueError(f"num_spec_tokens must be >= 1, got {S}. Use num_spec_tokens=None for "
+                         f"standard decode.")
+    si = _shape(ssm_state_indices)
+    if len(si) != 2 or si[1] != T:
+        raise ValueError(f"ssm_state_indices must be 2D [N, {T}] in spec mode, got shape "
+                         f"{list(si)}")
+    if si[0] != N:
+        raise ValueError(f"ssm_state_indices.shape[0]={si[0]} must equal N={N} "
+                         f"(cu_seqlens.shape[0]-1)")
+    kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, is_kda=op == "recurrent_kda",
+              use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+              beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+              cu_seqlens=cu_seqlens, token_state_indices=ssm_state_indices,
+              round_beta=round_beta, check_indices=check_indices, pdl=pdl)
+    if num_accepted_tokens is None:
+        kw["state_indices"] = ssm_state_indices[:, 0]
+    elif torch_in:
+        kw["num_accepted_tokens"] = num_accepted_tokens.clamp(1, T)
+    else:
+        import numpy as np
+
+        kw["num_accepted_tokens"] = np.clip(num_accepted_tokens, 1, T)
+    return (q, k, v, g, beta, output, state_pool), kw
+
+
 def _recurrent(kda: bool) -> Op:
     kda_doc = """Recurrent KDA over a pool, FlashInfer's ``recurrent_kda``: q, k [B,T,H,K] (or
     [1,T_total,H,K] with cu_seqlens [N+1]), v [B,T,HV,V], g [B,T,HV,K] (log decay; the raw gate
@@ -337,10 +418,17 @@ def _recurrent(kda: bool) -> Op:
     The output, allocated when not given, has q's dtype and v's shape. The state must meet the
     compiled stride contract (slot stride a multiple of 16 elements, base 32-byte aligned).
 
-    Not implemented yet, rejected with NotImplementedError when not None: the speculative-decode
-    arguments (num_spec_tokens, num_accepted_tokens, initial_state_source,
-    initial_state_indices) and FlashInfer's prefill-backend options (seq_order,
-    prefill_workspace, state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens != 0).
+    Speculative decode (num_spec_tokens = S, FlashInfer's rules): 1 + S tokens per sequence
+    ([B, 1+S, ...], or [1, N*(1+S), ...] with cu_seqlens), ssm_state_indices [N, 1+S] (batched
+    without it: slots arange(B*(1+S))): sequence n starts from slot ssm_state_indices[n,
+    num_accepted_tokens[n] - 1] (column 0 without num_accepted_tokens; values clamped to
+    [1, 1+S]) and the state after token t is written to slot ssm_state_indices[n, t] (< 0:
+    skipped; a row starting at < 0 is padded, output zero); runs deltastate.verify.
+
+    Not implemented, rejected with NotImplementedError when not None: initial_state_source /
+    initial_state_indices (a separate committed pool for token 0) and FlashInfer's
+    prefill-backend options (seq_order, prefill_workspace, state_checkpoints,
+    checkpoint_cu_starts, checkpoint_every_n_tokens != 0).
     ``backend`` is checked against FlashInfer's names and otherwise ignored (one backend here).
     ``round_beta``: round beta to its input dtype (off: fp32, as every op)."""
     gdn_doc = """Recurrent GDN: as :func:`recurrent_kda` with g [B,T,HV] (one decay per value
@@ -367,8 +455,8 @@ def _recurrent(kda: bool) -> Op:
             Arg("lower_bound", OPT_FLOAT, None),
             Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
             Arg("ssm_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("num_spec_tokens", OPT_INT, None, op=False, unsupported=_SPEC),
-            Arg("num_accepted_tokens", ANY, None, op=False, unsupported=_SPEC),
+            Arg("num_spec_tokens", OPT_INT, None, op=False),
+            Arg("num_accepted_tokens", ANY, None, op=False),
             Arg("output", TENSOR, None, dtypes=FLOATING, mutated=True),  # None: allocated
             Arg("initial_state_source", ANY, None, op=False, unsupported=_SPEC),
             Arg("initial_state_indices", ANY, None, op=False, unsupported=_SPEC),
@@ -397,6 +485,8 @@ def _recurrent(kda: bool) -> Op:
         prepare=_flashinfer_prepare,
         fills=("output", "initial_state", "state_pool", "ssm_state_indices", "final_state",
                "returned_state"),
+        route=_spec_route,
+        route_to="verify",
     )
 
 

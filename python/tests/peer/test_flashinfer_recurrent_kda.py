@@ -1,7 +1,8 @@
 """FlashInfer's ``recurrent_kda`` tests, ported to ``deltastate.recurrent_kda``.
 
 Source (flashinfer-ai/flashinfer): tests/kda/test_recurrent_kda.py
-@ 3c9da4747db034d97e2d235b0fa008c9bddef1bc. Ported: test_recurrent_kda_vs_naive,
+@ 3c9da4747db034d97e2d235b0fa008c9bddef1bc (the speculative tests
+@ fb28d7242b3506a2348265962041acc1fb56cca4). Ported: test_recurrent_kda_vs_naive,
 test_recurrent_kda_vs_fla, test_vllm_decode, test_standard_decode_state_indices_update_pool,
 test_vllm_padded_cuda_graph, test_non_compact_state_stride, test_non_contiguous_gate_stride.
 Function: flashinfer/kda.py::recurrent_kda (the ``flashinfer.recurrent_kda`` facade) and
@@ -21,11 +22,18 @@ What changed in the port:
     FLA's naive reference with the same inputs (in-kernel L2 norm done on the reference's input).
   * FlashInfer's ``assert_close`` (NaN checks + torch.testing.assert_close, default atol = rtol =
     5e-3) is kept, as are all sizes, seeds, tolerances and assertions.
-  * Not ported: the speculative-decode tests (test_spec_decode_*, test_t1_cu_seqlens_*,
-    test_kernel_schedule): recurrent_kda's speculative arguments are not wired to deltastate's
-    verify op (which implements their per-token slots and num_accepted_tokens); a non-default
-    ``num_spec_tokens`` / ``num_accepted_tokens`` must be rejected clearly, which
-    test_surface_spec_arguments_rejected_clearly checks.
+  * Speculative decode (recurrent_kda with num_spec_tokens runs deltastate's verify): ported
+    test_spec_decode_basic, test_spec_decode_num_accepted_tokens (with its clamping of values
+    above 1 + S) and the helpers make_spec_decode_inputs / spec_decode_naive_reference /
+    assert_spec_states (the naive reference is _peer_common's FLA one, as above), same sizes,
+    seeds, tolerances and assertions; test_spec_decode_batched_auto_ssi and
+    test_spec_decode_shape_validation are written from the source's shim and checks (their
+    FlashInfer bodies were not read). Not ported: the tests of FlashInfer's separate committed
+    pool (initial_state_source, rejected: test_surface_separate_source_rejected_clearly), of its
+    kernel schedule and CUDA-graph padding specifics (test_kernel_schedule,
+    test_spec_decode_padded_cuda_graph, test_t1_cu_seqlens_*), and the remaining
+    test_spec_decode_* variants (gate modes, heterogeneous nat, padding, non-compact states,
+    slot collisions), left for a later port.
   * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
     read from its source (signature; in-place state; return values with and without indices;
     ``initial_state=None`` with indices allocating).
@@ -576,12 +584,198 @@ def test_surface_none_state_with_indices_allocates(device):
 
 
 @device_param
-@pytest.mark.parametrize("arg", ["num_spec_tokens", "num_accepted_tokens"])
-def test_surface_spec_arguments_rejected_clearly(device, arg):
-    """Speculative decode is not implemented yet: a non-default value is a clear error naming the
-    argument (never a TypeError for an unknown keyword, never silently ignored)."""
+@pytest.mark.parametrize("arg", ["initial_state_source", "initial_state_indices"])
+def test_surface_separate_source_rejected_clearly(device, arg):
+    """FlashInfer's separate committed pool for token 0 is not implemented: a non-default value
+    is a clear error naming the argument (never a TypeError, never silently ignored)."""
     q, k, v, g, beta = _decode_inputs(device)
     h0 = torch.zeros(3, 2, 64, 64, dtype=torch.bfloat16, device=device)
-    value = 1 if arg == "num_spec_tokens" else torch.ones(3, dtype=torch.int32, device=device)
-    with pytest.raises((ValueError, NotImplementedError), match=arg):
+    value = (h0.clone() if arg == "initial_state_source"
+             else torch.zeros(3, dtype=torch.int32, device=device))
+    with pytest.raises(NotImplementedError, match=arg):
         recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, **{arg: value})
+
+
+# ---- speculative decode (FlashInfer's "Speculative decoding tests") ----------------------------
+def make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device, dtype=torch.bfloat16):
+    """Packed spec-decode inputs: q, k, v, g, beta [1, N*T, ...], cu_seqlens [0, T, ..., N*T],
+    ssm_state_indices [N, T] (sequence i: slots i*T .. i*T+T-1), a pool of N*T + 5 slots."""
+    T = 1 + num_spec_tokens
+    total_tokens = N * T
+    ssm_state_indices = torch.stack([torch.arange(i * T, i * T + T, dtype=torch.int32,
+                                                  device=device) for i in range(N)])
+    n_pool = N * T + 5
+    state_pool = torch.randn(n_pool, HV, D, D, dtype=dtype, device=device) * 0.1
+    cu_seqlens = torch.arange(0, total_tokens + 1, step=T, dtype=torch.int32, device=device)
+    scale = D ** -0.5
+    q = torch.rand(1, total_tokens, H, D, dtype=dtype, device=device)
+    k = torch.rand(1, total_tokens, H, D, dtype=dtype, device=device)
+    v = torch.rand(1, total_tokens, HV, D, dtype=dtype, device=device)
+    g = F.logsigmoid(torch.randn(1, total_tokens, HV, D, device=device)).to(dtype)
+    beta = torch.rand(1, total_tokens, HV, dtype=dtype, device=device).sigmoid()
+    return q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, T
+
+
+def spec_decode_naive_reference(q, k, v, g, beta, ssm_state_indices, state_pool, scale, N, T, H,
+                                HV, num_accepted_tokens=None, use_qk_l2norm_in_kernel=True):
+    """T sequential naive tokens per sequence from slot ssm_state_indices[b, nat[b] - 1] (column
+    0 without num_accepted_tokens). Returns the output [1, N*T, HV, D] and each token's state
+    [HV, K, V]."""
+    D = q.shape[-1]
+    ref_out = torch.zeros(1, N * T, HV, D, dtype=torch.float32, device=q.device)
+    ref_states = []
+    gqa_ratio = HV // H
+    for b in range(N):
+        init_col = (max(int(num_accepted_tokens[b]) - 1, 0) if num_accepted_tokens is not None
+                    else 0)
+        init_slot = int(ssm_state_indices[b, init_col].item())
+        current = state_pool[init_slot].float().transpose(-1, -2).unsqueeze(0)
+        b_states = []
+        for t in range(T):
+            i = b * T + t
+            q_t, k_t = q[:, i:i + 1, :H, :], k[:, i:i + 1, :H, :]
+            if gqa_ratio > 1:
+                q_t = q_t.repeat_interleave(gqa_ratio, dim=2)
+                k_t = k_t.repeat_interleave(gqa_ratio, dim=2)
+            o_t, ht = naive_recurrent_kda(
+                q=maybe_l2norm(q_t, use_qk_l2norm_in_kernel),
+                k=maybe_l2norm(k_t, use_qk_l2norm_in_kernel), v=v[:, i:i + 1, :HV, :].float(),
+                g=g[:, i:i + 1, :HV, :].float(), beta=beta[:, i:i + 1, :HV].float(),
+                scale=scale, initial_state=current.clone(), output_final_state=True)
+            ref_out[0, i] = o_t[0, 0]
+            current = ht
+            b_states.append(ht[0].clone())
+        ref_states.append(b_states)
+    return ref_out, ref_states
+
+
+def assert_spec_states(state_pool, ssm_state_indices, ref_states, N, T, atol=1e-1, rtol=5e-2,
+                       num_accepted_tokens=None):
+    """Each per-token slot against the reference (from nat[b] - 1 on with num_accepted_tokens)."""
+    for b in range(N):
+        start_t = (max(int(num_accepted_tokens[b]) - 1, 0) if num_accepted_tokens is not None
+                   else 0)
+        for t in range(start_t, T):
+            slot = int(ssm_state_indices[b, t].item())
+            assert_close(f"spec_state[b={b}, t={t}]", ref_states[b][t],
+                         state_pool[slot].float().transpose(-1, -2), atol=atol, rtol=rtol)
+
+
+_SPEC_BASIC = [
+    pytest.param(4, 8, 8, 64, 1, True, id="N4-H8-D64-S1"),
+    pytest.param(4, 8, 8, 64, 3, True, id="N4-H8-D64-S3"),
+    pytest.param(4, 8, 8, 64, 1, False, id="N4-H8-D64-S1-no-qk-l2"),
+    pytest.param(8, 16, 16, 128, 2, True, id="N8-H16-D128-S2"),
+    pytest.param(8, 16, 16, 128, 4, True, id="N8-H16-D128-S4"),
+    pytest.param(8, 16, 16, 128, 2, False, id="N8-H16-D128-S2-no-qk-l2"),
+    pytest.param(4, 4, 8, 64, 2, True, id="N4-H4-HV8-D64-S2-GQA"),
+    pytest.param(4, 8, 8, 128, 3, True, id="N4-H8-D128-S3"),
+]
+
+
+@device_param
+@pytest.mark.parametrize(("N", "H", "HV", "D", "num_spec_tokens", "use_qk_l2norm_in_kernel"),
+                         _SPEC_BASIC)
+def test_spec_decode_basic(device, N, H, HV, D, num_spec_tokens, use_qk_l2norm_in_kernel):
+    """Single spec-decode call matches T sequential naive calls."""
+    manual_seed(42)
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, T = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device))
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g, beta, ssm_state_indices, state_pool, scale, N, T, H, HV,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    tri_state_pool = state_pool.clone()
+    tri_out, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                               initial_state=tri_state_pool, cu_seqlens=cu_seqlens,
+                               ssm_state_indices=ssm_state_indices,
+                               num_spec_tokens=num_spec_tokens,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    assert_close("spec_output", ref_out.bfloat16().float(), tri_out.float(), atol=1e-1,
+                 rtol=5e-2)
+    assert_spec_states(tri_state_pool, ssm_state_indices, ref_states, N, T, atol=1e-1,
+                       rtol=5e-2)
+
+
+@device_param
+def test_spec_decode_num_accepted_tokens(device):
+    """num_accepted_tokens selects initial state checkpoint; kernel outputs differ by nat."""
+    manual_seed(42)
+    N, H, HV, D, num_spec_tokens = 4, 8, 8, 64, 2
+    T = 1 + num_spec_tokens
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, _ = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device, torch.bfloat16))
+    common = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, cu_seqlens=cu_seqlens,
+                  ssm_state_indices=ssm_state_indices, num_spec_tokens=num_spec_tokens)
+    nat_1 = torch.ones(N, dtype=torch.int32, device=device)
+    tri_pool_none = state_pool.clone()
+    out_none, _ = recurrent_kda(initial_state=tri_pool_none, num_accepted_tokens=None, **common)
+    tri_pool_1 = state_pool.clone()
+    out_1, _ = recurrent_kda(initial_state=tri_pool_1, num_accepted_tokens=nat_1, **common)
+    assert_close("nat1_vs_none_out", out_none, out_1, atol=0, rtol=0)
+
+    nat_T = torch.full((N,), T, dtype=torch.int32, device=device)
+    tri_pool_T = state_pool.clone()
+    out_T, _ = recurrent_kda(initial_state=tri_pool_T, num_accepted_tokens=nat_T, **common)
+    ref_out_T, ref_states_T = spec_decode_naive_reference(
+        q, k, v, g, beta, ssm_state_indices, state_pool, scale, N, T, H, HV,
+        num_accepted_tokens=nat_T)
+    for b in range(N):
+        for t in range(T - 1, T):
+            i = b * T + t
+            assert_close(f"nat_T_out[b={b},t={t}]", ref_out_T[0, i], out_T[0, i].float(),
+                         atol=1e-1, rtol=5e-2)
+    assert_spec_states(tri_pool_T, ssm_state_indices, ref_states_T, N, T,
+                       num_accepted_tokens=nat_T)
+
+    # Values above T clamp to the final checkpoint instead of indexing the next row.
+    nat_over = torch.full((N,), T + 2, dtype=torch.int32, device=device)
+    tri_pool_over = state_pool.clone()
+    out_over, _ = recurrent_kda(initial_state=tri_pool_over, num_accepted_tokens=nat_over,
+                                **common)
+    assert_close("nat_over_vs_T_out", out_over, out_T, atol=0, rtol=0)
+    assert_close("nat_over_vs_T_state", tri_pool_over, tri_pool_T, atol=0, rtol=0)
+
+
+@device_param
+def test_spec_decode_batched_auto_ssi(device):
+    """Batched [B, 1+S, ...] without cu_seqlens or ssm_state_indices: slots arange(B*T) of the
+    pool, output [B, 1+S, HV, V], the same as the packed call with those indices."""
+    manual_seed(7)
+    N, H, HV, D, S = 3, 4, 4, 64, 2
+    q, k, v, g, beta, cu_seqlens, ssi, pool, scale, T = make_spec_decode_inputs(
+        N, H, HV, D, S, device)
+    packed_pool = pool.clone()
+    out_packed, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                                  initial_state=packed_pool, cu_seqlens=cu_seqlens,
+                                  ssm_state_indices=ssi, num_spec_tokens=S)
+    batched_pool = pool.clone()
+    out_b, state = recurrent_kda(q=q.view(N, T, H, D), k=k.view(N, T, H, D),
+                                 v=v.view(N, T, HV, D), g=g.view(N, T, HV, D),
+                                 beta=beta.view(N, T, HV), scale=scale,
+                                 initial_state=batched_pool, num_spec_tokens=S,
+                                 output_final_state=True)
+    assert out_b.shape == (N, T, HV, D) and state is batched_pool
+    assert_close("batched_vs_packed_out", out_packed.view(N, T, HV, D), out_b, atol=0, rtol=0)
+    assert_close("batched_vs_packed_state", packed_pool, batched_pool, atol=0, rtol=0)
+
+
+@device_param
+def test_spec_decode_shape_validation(device):
+    """FlashInfer's spec-mode checks, with its texts."""
+    q, k, v, g, beta, cu_seqlens, ssi, pool, scale, T = make_spec_decode_inputs(
+        2, 4, 4, 64, 2, device)
+    base = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=pool)
+    with pytest.raises(ValueError, match="ssm_state_indices is required when num_spec_tokens"):
+        recurrent_kda(cu_seqlens=cu_seqlens, num_spec_tokens=2, **base)
+    with pytest.raises(ValueError, match=r"ssm_state_indices must be 2D \[N, 3\] in spec mode"):
+        recurrent_kda(cu_seqlens=cu_seqlens, ssm_state_indices=ssi[:, :2], num_spec_tokens=2,
+                      **base)
+    with pytest.raises(ValueError, match=r"ssm_state_indices.shape\[0\]=1 must equal N=2"):
+        recurrent_kda(cu_seqlens=cu_seqlens, ssm_state_indices=ssi[:1], num_spec_tokens=2,
+                      **base)
+    batched = dict(base, q=q.view(2, T, 4, 64), k=k.view(2, T, 4, 64), v=v.view(2, T, 4, 64),
+                   g=g.view(2, T, 4, 64), beta=beta.view(2, T, 4))
+    with pytest.raises(ValueError, match=r"q.shape\[1\]=3 must equal 1\+num_spec_tokens=4"):
+        recurrent_kda(num_spec_tokens=3, **batched)
+    with pytest.raises(ValueError, match=r"initial_state must have at least B\*\(1\+num_spec"):
+        recurrent_kda(num_spec_tokens=2, **dict(batched, initial_state=pool[:5]))
