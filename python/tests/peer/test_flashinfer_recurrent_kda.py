@@ -24,7 +24,8 @@ What changed in the port:
     5e-3) is kept, as are all sizes, seeds, tolerances and assertions.
   * Speculative decode (recurrent_kda with num_spec_tokens runs deltastate's verify): ported
     test_spec_decode_basic, test_spec_decode_num_accepted_tokens (with its clamping of values
-    above 1 + S) and the helpers make_spec_decode_inputs / spec_decode_naive_reference /
+    above 1 + S), test_spec_decode_nat_heterogeneous, test_spec_decode_nat_with_padding and the
+    helpers make_spec_decode_inputs / spec_decode_naive_reference /
     assert_spec_states (the naive reference is _peer_common's FLA one, as above), same sizes,
     seeds, tolerances and assertions; test_spec_decode_batched_auto_ssi and
     test_spec_decode_shape_validation are written from the source's shim and checks (their
@@ -32,8 +33,8 @@ What changed in the port:
     pool (initial_state_source, rejected: test_surface_separate_source_rejected_clearly), of its
     kernel schedule and CUDA-graph padding specifics (test_kernel_schedule,
     test_spec_decode_padded_cuda_graph, test_t1_cu_seqlens_*), and the remaining
-    test_spec_decode_* variants (gate modes, heterogeneous nat, padding, non-compact states,
-    slot collisions), left for a later port.
+    test_spec_decode_* variants (gate modes, non-compact states, slot collisions, all padded,
+    batched vs cu_seqlens), left for a later port.
   * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
     read from its source (signature; in-place state; return values with and without indices;
     ``initial_state=None`` with indices allocating).
@@ -779,3 +780,77 @@ def test_spec_decode_shape_validation(device):
         recurrent_kda(num_spec_tokens=3, **batched)
     with pytest.raises(ValueError, match=r"initial_state must have at least B\*\(1\+num_spec"):
         recurrent_kda(num_spec_tokens=2, **dict(batched, initial_state=pool[:5]))
+
+
+@device_param
+@pytest.mark.parametrize("D", [64, 128], ids=["D64", "D128"])
+def test_spec_decode_nat_heterogeneous(device, D):
+    """Different nat values per sequence in the same batch."""
+    manual_seed(77)
+    H = HV = 8 if D == 64 else 16
+    N, num_spec_tokens = 6, 3
+    T = 1 + num_spec_tokens
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, _ = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device))
+    nat_values = [1, 2, 3, T, 1, 2]
+    nat = torch.tensor(nat_values, dtype=torch.int32, device=device)
+    tri_pool = state_pool.clone()
+    tri_out, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                               initial_state=tri_pool, cu_seqlens=cu_seqlens,
+                               ssm_state_indices=ssm_state_indices,
+                               num_spec_tokens=num_spec_tokens, num_accepted_tokens=nat)
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g, beta, ssm_state_indices, state_pool, scale, N, T, H, HV,
+        num_accepted_tokens=nat)
+    for b in range(N):
+        for t in range(nat_values[b] - 1, T):
+            i = b * T + t
+            assert_close(f"hetero_out[b={b},t={t}]", ref_out[0, i], tri_out[0, i].float(),
+                         atol=1e-1, rtol=5e-2)
+    assert_spec_states(tri_pool, ssm_state_indices, ref_states, N, T, num_accepted_tokens=nat)
+
+
+@device_param
+def test_spec_decode_nat_with_padding(device):
+    """Mixed active (varying nat) + padded (-1) sequences."""
+    manual_seed(99)
+    N_active, N_padded = 3, 2
+    N = N_active + N_padded
+    H, HV, D, num_spec_tokens = 8, 8, 64, 2
+    T = 1 + num_spec_tokens
+    dtype = torch.bfloat16
+    ssm_active = torch.stack([torch.arange(1 + i * T, 1 + i * T + T, dtype=torch.int32,
+                                           device=device) for i in range(N_active)])
+    ssm_padded = torch.full((N_padded, T), -1, dtype=torch.int32, device=device)
+    ssm_state_indices = torch.cat([ssm_active, ssm_padded], dim=0)
+    n_pool = N_active * T + 1 + 5
+    state_pool = torch.randn(n_pool, HV, D, D, dtype=dtype, device=device) * 0.1
+    scale = D ** -0.5
+    q = torch.rand(1, N_active * T, H, D, dtype=dtype, device=device)
+    k = torch.rand(1, N_active * T, H, D, dtype=dtype, device=device)
+    v = torch.rand(1, N_active * T, HV, D, dtype=dtype, device=device)
+    g = F.logsigmoid(torch.randn(1, N_active * T, HV, D, device=device)).to(dtype)
+    beta = torch.rand(1, N_active * T, HV, dtype=dtype, device=device).sigmoid()
+    pad = lambda x, *inner: torch.cat(  # noqa: E731
+        [x, torch.zeros(1, N_padded * T, *inner, dtype=dtype, device=device)], dim=1)
+    q_full, k_full, v_full = pad(q, H, D), pad(k, H, D), pad(v, HV, D)
+    g_full, beta_full = pad(g, HV, D), pad(beta, HV)
+    cu_seqlens = torch.arange(0, N * T + 1, step=T, dtype=torch.int32, device=device)
+    nat_active = torch.tensor([1, 2, T], dtype=torch.int32, device=device)
+    nat = torch.cat([nat_active, torch.ones(N_padded, dtype=torch.int32, device=device)])
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g, beta, ssm_active, state_pool, scale, N_active, T, H, HV,
+        num_accepted_tokens=nat_active)
+    state_pool_kernel = state_pool.clone()
+    slot0_before = state_pool_kernel[0].clone()
+    tri_out, _ = recurrent_kda(q=q_full, k=k_full, v=v_full, g=g_full, beta=beta_full,
+                               scale=scale, initial_state=state_pool_kernel,
+                               cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+                               num_spec_tokens=num_spec_tokens, num_accepted_tokens=nat)
+    assert_spec_states(state_pool_kernel, ssm_active, ref_states, N_active, T,
+                       num_accepted_tokens=nat_active)
+    padded_out = tri_out[:, N_active * T:]
+    assert padded_out.abs().max().item() == 0.0, (
+        f"Padded output should be zero, max={padded_out.abs().max().item()}")
+    assert_close("slot0_not_corrupted", slot0_before.float().transpose(-1, -2),
+                 state_pool_kernel[0].float().transpose(-1, -2), atol=1e-3, rtol=1e-3)
