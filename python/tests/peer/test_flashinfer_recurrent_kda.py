@@ -24,8 +24,8 @@ What changed in the port:
     5e-3) is kept, as are all sizes, seeds, tolerances and assertions.
   * Speculative decode (recurrent_kda with num_spec_tokens runs deltastate's verify): ported
     test_spec_decode_basic, test_spec_decode_num_accepted_tokens (with its clamping of values
-    above 1 + S), test_spec_decode_nat_heterogeneous, test_spec_decode_nat_with_padding and the
-    helpers make_spec_decode_inputs / spec_decode_naive_reference /
+    above 1 + S), test_spec_decode_nat_heterogeneous, test_spec_decode_nat_with_padding,
+    test_spec_decode_gate_modes, test_spec_decode_all_padded and the helpers make_spec_decode_inputs / spec_decode_naive_reference /
     assert_spec_states (the naive reference is _peer_common's FLA one, as above), same sizes,
     seeds, tolerances and assertions; test_spec_decode_batched_auto_ssi and
     test_spec_decode_shape_validation are written from the source's shim and checks (their
@@ -33,8 +33,8 @@ What changed in the port:
     pool (initial_state_source, rejected: test_surface_separate_source_rejected_clearly), of its
     kernel schedule and CUDA-graph padding specifics (test_kernel_schedule,
     test_spec_decode_padded_cuda_graph, test_t1_cu_seqlens_*), and the remaining
-    test_spec_decode_* variants (gate modes, non-compact states, slot collisions, all padded,
-    batched vs cu_seqlens), left for a later port.
+    test_spec_decode_* variants (non-compact states, slot collisions, batched vs cu_seqlens),
+    left for a later port.
   * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
     read from its source (signature; in-place state; return values with and without indices;
     ``initial_state=None`` with indices allocating).
@@ -854,3 +854,66 @@ def test_spec_decode_nat_with_padding(device):
         f"Padded output should be zero, max={padded_out.abs().max().item()}")
     assert_close("slot0_not_corrupted", slot0_before.float().transpose(-1, -2),
                  state_pool_kernel[0].float().transpose(-1, -2), atol=1e-3, rtol=1e-3)
+
+
+@device_param
+@pytest.mark.parametrize("gate_mode", ["precomputed", "softplus", "lower_bound"])
+def test_spec_decode_gate_modes(device, gate_mode):
+    """All 3 gate modes work correctly with spec decode."""
+    manual_seed(42)
+    N, H, HV, D, num_spec_tokens = 4, 16, 16, 128, 2
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, T = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device, torch.bfloat16))
+    if gate_mode == "precomputed":
+        use_gate_in_kernel, lower_bound, A_log, dt_bias = False, None, None, None
+        g_ref = g.float()
+    elif gate_mode == "softplus":
+        use_gate_in_kernel, lower_bound, dt_bias = True, None, None
+        A_log = torch.log(torch.rand(H, device=device, dtype=torch.float32) + 1).squeeze()
+        g_ref = naive_kda_gate(g, A_log).float()
+    else:
+        use_gate_in_kernel, lower_bound = True, -5.0
+        A_log = torch.log(torch.rand(H, device=device, dtype=torch.float32) + 1).squeeze()
+        dt_bias = torch.randn(H * D, dtype=torch.float32, device=device)
+        g_ref = naive_kda_lowerbound_gate(g, A_log, dt_bias).float()
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g_ref.bfloat16(), beta, ssm_state_indices, state_pool, scale, N, T, H, HV)
+    tri_state_pool = state_pool.clone()
+    tri_out, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                               initial_state=tri_state_pool, cu_seqlens=cu_seqlens,
+                               ssm_state_indices=ssm_state_indices,
+                               num_spec_tokens=num_spec_tokens,
+                               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                               dt_bias=dt_bias, lower_bound=lower_bound)
+    assert_close("spec_output_gate", ref_out.bfloat16().float(), tri_out.float(), atol=1e-1,
+                 rtol=5e-2)
+    assert_spec_states(tri_state_pool, ssm_state_indices, ref_states, N, T, atol=1e-1,
+                       rtol=5e-2)
+
+
+@device_param
+def test_spec_decode_all_padded(device):
+    """All-padded spec batch: output=0, state pool slot 0 not corrupted."""
+    manual_seed(42)
+    N, H, HV, D, num_spec_tokens = 4, 8, 8, 64, 2
+    T = 1 + num_spec_tokens
+    dtype = torch.bfloat16
+    total_tokens = N * T
+    cu_seqlens = torch.arange(0, total_tokens + 1, step=T, dtype=torch.int32, device=device)
+    ssm_state_indices = torch.full((N, T), -1, dtype=torch.int32, device=device)
+    q = torch.rand(1, total_tokens, H, D, dtype=dtype, device=device)
+    k = torch.rand(1, total_tokens, H, D, dtype=dtype, device=device)
+    v = torch.rand(1, total_tokens, HV, D, dtype=dtype, device=device)
+    g = torch.zeros(1, total_tokens, HV, D, dtype=dtype, device=device)
+    beta = torch.ones(1, total_tokens, HV, dtype=dtype, device=device) * 0.1
+    scale = D ** -0.5
+    state_pool = torch.randn(1, HV, D, D, dtype=dtype, device=device) * 0.5
+    slot0_before = state_pool[0].clone()
+    tri_out, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                               initial_state=state_pool, cu_seqlens=cu_seqlens,
+                               ssm_state_indices=ssm_state_indices,
+                               num_spec_tokens=num_spec_tokens)
+    assert tri_out.abs().max().item() == 0.0, (
+        f"All-padded output should be zero, max={tri_out.abs().max().item()}")
+    assert_close("allpad_slot0", slot0_before.float().transpose(-1, -2),
+                 state_pool[0].float().transpose(-1, -2), atol=1e-3, rtol=1e-3)
