@@ -25,16 +25,18 @@ What changed in the port:
   * Speculative decode (recurrent_kda with num_spec_tokens runs deltastate's verify): ported
     test_spec_decode_basic, test_spec_decode_num_accepted_tokens (with its clamping of values
     above 1 + S), test_spec_decode_nat_heterogeneous, test_spec_decode_nat_with_padding,
-    test_spec_decode_gate_modes, test_spec_decode_all_padded and the helpers make_spec_decode_inputs / spec_decode_naive_reference /
+    test_spec_decode_gate_modes, test_spec_decode_all_padded, test_spec_decode_batched_auto_ssi,
+    test_spec_decode_batched_vs_cuseqlens, test_spec_decode_non_compact_state and the helpers make_spec_decode_inputs / spec_decode_naive_reference /
     assert_spec_states (the naive reference is _peer_common's FLA one, as above), same sizes,
-    seeds, tolerances and assertions; test_spec_decode_batched_auto_ssi and
-    test_spec_decode_shape_validation are written from the source's shim and checks (their
-    FlashInfer bodies were not read). Not ported: the tests of FlashInfer's separate committed
+    seeds, tolerances and assertions, and test_spec_decode_shape_validation; the surface test
+    test_surface_spec_decode_shim_slots_text pins one more text read from the source. Not ported: the tests of FlashInfer's separate committed
     pool (initial_state_source, rejected: test_surface_separate_source_rejected_clearly), of its
     kernel schedule and CUDA-graph padding specifics (test_kernel_schedule,
     test_spec_decode_padded_cuda_graph, test_t1_cu_seqlens_*), and the remaining
-    test_spec_decode_* variants (non-compact states, slot collisions, batched vs cu_seqlens),
-    left for a later port.
+    test_spec_decode_validate_slots_collision (FlashInfer's own slot-collision validator) and
+    test_spec_decode_checkpoint_correctness / _nat_equals_one_matches_no_nat / _nat_gate_modes /
+    _separate_source_and_beta_logits, left for a later port (the last needs the separate
+    source).
   * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
     read from its source (signature; in-place state; return values with and without indices;
     ``initial_state=None`` with indices allocating).
@@ -739,47 +741,127 @@ def test_spec_decode_num_accepted_tokens(device):
 
 @device_param
 def test_spec_decode_batched_auto_ssi(device):
-    """Batched [B, 1+S, ...] without cu_seqlens or ssm_state_indices: slots arange(B*T) of the
-    pool, output [B, 1+S, HV, V], the same as the packed call with those indices."""
-    manual_seed(7)
-    N, H, HV, D, S = 3, 4, 4, 64, 2
-    q, k, v, g, beta, cu_seqlens, ssi, pool, scale, T = make_spec_decode_inputs(
-        N, H, HV, D, S, device)
-    packed_pool = pool.clone()
-    out_packed, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
-                                  initial_state=packed_pool, cu_seqlens=cu_seqlens,
-                                  ssm_state_indices=ssi, num_spec_tokens=S)
-    batched_pool = pool.clone()
-    out_b, state = recurrent_kda(q=q.view(N, T, H, D), k=k.view(N, T, H, D),
-                                 v=v.view(N, T, HV, D), g=g.view(N, T, HV, D),
-                                 beta=beta.view(N, T, HV), scale=scale,
-                                 initial_state=batched_pool, num_spec_tokens=S,
-                                 output_final_state=True)
-    assert out_b.shape == (N, T, HV, D) and state is batched_pool
-    assert_close("batched_vs_packed_out", out_packed.view(N, T, HV, D), out_b, atol=0, rtol=0)
-    assert_close("batched_vs_packed_state", packed_pool, batched_pool, atol=0, rtol=0)
+    """ssm_state_indices=None: auto-generates sequential slots 0,1,...,B*T-1."""
+    manual_seed(42)
+    dtype = torch.bfloat16
+    B, H, HV, D, S = 4, 8, 8, 64, 1
+    T = 1 + S
+    scale = D ** -0.5
+    q = torch.rand(B, T, H, D, dtype=dtype, device=device)
+    k = torch.rand(B, T, H, D, dtype=dtype, device=device)
+    v = torch.rand(B, T, HV, D, dtype=dtype, device=device)
+    g = F.logsigmoid(torch.randn(B, T, HV, D, device=device)).to(dtype)
+    beta = torch.rand(B, T, HV, dtype=dtype, device=device).sigmoid()
+    n_pool = B * T + 5
+    state_pool = torch.randn(n_pool, HV, D, D, dtype=dtype, device=device) * 0.1
+    tri_state_pool = state_pool.clone()
+    tri_out, final_state = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                                         initial_state=tri_state_pool, output_final_state=True,
+                                         num_spec_tokens=S, ssm_state_indices=None)
+    assert tri_out.shape == (B, T, HV, D), (
+        f"Expected [{B},{T},{HV},{D}], got {list(tri_out.shape)}")
+    expected_ssi = torch.arange(B * T, dtype=torch.int32, device=device).reshape(B, T)
+    ref_out, ref_states = spec_decode_naive_reference(
+        q.reshape(1, B * T, H, D), k.reshape(1, B * T, H, D), v.reshape(1, B * T, HV, D),
+        g.reshape(1, B * T, HV, D), beta.reshape(1, B * T, HV), expected_ssi, state_pool, scale,
+        B, T, H, HV)
+    assert_close("auto_ssi_out", ref_out.reshape(B, T, HV, D).bfloat16().float(),
+                 tri_out.float(), atol=1e-1, rtol=5e-2)
+    assert_spec_states(tri_state_pool, expected_ssi, ref_states, B, T, atol=1e-1, rtol=5e-2)
+    assert final_state is tri_state_pool
+    assert final_state.shape == (n_pool, HV, D, D)
+
+
+@device_param
+def test_spec_decode_batched_vs_cuseqlens(device):
+    """Batched shim and cu_seqlens path produce identical results."""
+    manual_seed(42)
+    B, H, HV, D, S = 4, 8, 8, 64, 2
+    T = 1 + S
+    scale = D ** -0.5
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, _, _ = (
+        make_spec_decode_inputs(B, H, HV, D, S, device, torch.bfloat16))
+    state_pool_csl = state_pool.clone()
+    out_csl, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                               initial_state=state_pool_csl, cu_seqlens=cu_seqlens,
+                               ssm_state_indices=ssm_state_indices, num_spec_tokens=S)
+    state_pool_bat = state_pool.clone()
+    out_bat, _ = recurrent_kda(q=q.reshape(B, T, H, D), k=k.reshape(B, T, H, D),
+                               v=v.reshape(B, T, HV, D), g=g.reshape(B, T, HV, D),
+                               beta=beta.reshape(B, T, HV), scale=scale,
+                               initial_state=state_pool_bat,
+                               ssm_state_indices=ssm_state_indices, num_spec_tokens=S)
+    assert_close("batched_vs_csl_out", out_csl.reshape(B, T, HV, D).float(), out_bat.float(),
+                 atol=0, rtol=0)
+    assert_close("batched_vs_csl_state", state_pool_csl.float(), state_pool_bat.float(),
+                 atol=0, rtol=0)
+
+
+@device_param
+def test_spec_decode_non_compact_state(device):
+    """Non-compact stride[0] state pool (vLLM's paged cache) works with spec decode."""
+    manual_seed(42)
+    N, H, HV, D, num_spec_tokens = 4, 8, 8, 64, 2
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, T = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device, torch.bfloat16))
+    n_slots = state_pool.shape[0]
+    padded_stride = HV * D * D + 32
+    backing = torch.zeros(n_slots * padded_stride, dtype=torch.bfloat16, device=device)
+    state_nc = backing.as_strided(size=(n_slots, HV, D, D), stride=(padded_stride, D * D, D, 1))
+    state_nc.copy_(state_pool)
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g, beta, ssm_state_indices, state_pool, scale, N, T, H, HV)
+    tri_out, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                               initial_state=state_nc, cu_seqlens=cu_seqlens,
+                               ssm_state_indices=ssm_state_indices,
+                               num_spec_tokens=num_spec_tokens)
+    assert_close("nc_output", ref_out.bfloat16().float(), tri_out.float(), atol=1e-1, rtol=5e-2)
+    for b in range(N):
+        for t in range(T):
+            slot = int(ssm_state_indices[b, t].item())
+            assert_close(f"nc_state[b={b},t={t}]", ref_states[b][t],
+                         state_nc[slot].float().transpose(-1, -2), atol=1e-1, rtol=5e-2)
 
 
 @device_param
 def test_spec_decode_shape_validation(device):
-    """FlashInfer's spec-mode checks, with its texts."""
+    """ValueError raised for invalid inputs in spec mode."""
+    manual_seed(42)
+    N, H, HV, D, num_spec_tokens = 4, 8, 8, 64, 2
+    T = 3
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, _ = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device, torch.bfloat16))
+
+    def try_call(**overrides):
+        kw = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state_pool.clone(),
+                  cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+                  num_spec_tokens=num_spec_tokens)
+        kw.update(overrides)
+        return recurrent_kda(**kw)
+
+    with pytest.raises(ValueError, match="num_spec_tokens must be >= 1"):
+        try_call(num_spec_tokens=0)
+    with pytest.raises(ValueError, match="ssm_state_indices is required"):
+        try_call(ssm_state_indices=None)
+    with pytest.raises(ValueError, match="2D"):
+        try_call(ssm_state_indices=torch.arange(N, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="2D"):
+        try_call(ssm_state_indices=torch.zeros(N, T + 1, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="must equal 1\\+num_spec_tokens"):
+        try_call(cu_seqlens=None)
+    with pytest.raises(ValueError, match="shape\\[0\\]"):
+        try_call(ssm_state_indices=torch.zeros(N + 1, T, dtype=torch.int32, device=device))
+
+
+@device_param
+def test_surface_spec_decode_shim_slots_text(device):
+    """The batched shim's slot-count check, FlashInfer's text (run_recurrent_kda)."""
     q, k, v, g, beta, cu_seqlens, ssi, pool, scale, T = make_spec_decode_inputs(
         2, 4, 4, 64, 2, device)
-    base = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=pool)
-    with pytest.raises(ValueError, match="ssm_state_indices is required when num_spec_tokens"):
-        recurrent_kda(cu_seqlens=cu_seqlens, num_spec_tokens=2, **base)
-    with pytest.raises(ValueError, match=r"ssm_state_indices must be 2D \[N, 3\] in spec mode"):
-        recurrent_kda(cu_seqlens=cu_seqlens, ssm_state_indices=ssi[:, :2], num_spec_tokens=2,
-                      **base)
-    with pytest.raises(ValueError, match=r"ssm_state_indices.shape\[0\]=1 must equal N=2"):
-        recurrent_kda(cu_seqlens=cu_seqlens, ssm_state_indices=ssi[:1], num_spec_tokens=2,
-                      **base)
-    batched = dict(base, q=q.view(2, T, 4, 64), k=k.view(2, T, 4, 64), v=v.view(2, T, 4, 64),
-                   g=g.view(2, T, 4, 64), beta=beta.view(2, T, 4))
-    with pytest.raises(ValueError, match=r"q.shape\[1\]=3 must equal 1\+num_spec_tokens=4"):
-        recurrent_kda(num_spec_tokens=3, **batched)
     with pytest.raises(ValueError, match=r"initial_state must have at least B\*\(1\+num_spec"):
-        recurrent_kda(num_spec_tokens=2, **dict(batched, initial_state=pool[:5]))
+        recurrent_kda(q=q.view(2, T, 4, 64), k=k.view(2, T, 4, 64), v=v.view(2, T, 4, 64),
+                      g=g.view(2, T, 4, 64), beta=beta.view(2, T, 4), scale=scale,
+                      initial_state=pool[:5], num_spec_tokens=2)
 
 
 @device_param
