@@ -209,6 +209,58 @@ def test_compile_conv_commit(rng):
     assert torch.equal(eager[2].transpose(2, 3), eager[0])
 
 
+def test_compile_conv_verify_and_spec_recurrent_kda(rng):
+    """torch.compile(fullgraph=True) over causal_conv1d_update with SGLang's speculative
+    arguments (per-draft windows, an EAGLE tree, the parents it writes) and over recurrent_kda's
+    speculative route (num_spec_tokens, num_accepted_tokens on verify): eager's bits."""
+    backend_or_skip("aot_eager")
+    torch._dynamo.reset()
+    Bc, dim, T, W = 3, 10, 4, 4
+    x = torch.from_numpy(rng.standard_normal((Bc, dim, T)).astype(np.float32))
+    w = torch.from_numpy(rng.standard_normal((dim, W)).astype(np.float32))
+    win0 = torch.from_numpy(rng.standard_normal((5, dim, W - 1)).astype(np.float32))
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    nxt = torch.tensor([[1, 3, -1, -1]] * Bc, dtype=torch.int32)
+    sib = torch.tensor([[-1, 2, -1, -1]] * Bc, dtype=torch.int32)
+
+    def conv(win, inter, parents):
+        y = ds.causal_conv1d_update(x, win, w, None, "silu", None, idx, None, inter, None, nxt,
+                                    sib, parents)
+        return y * 1.0, win * 1.0, inter * 1.0, parents * 1
+
+    def conv_args():
+        return (win0.clone(), torch.full((Bc, T, dim, W - 1), 1e30),
+                torch.zeros(Bc, T, dtype=torch.int32))
+
+    eager = conv(*conv_args())
+    compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")(*conv_args())
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+    assert eager[3][0].tolist() == [0, 0, 0, 1]
+
+    Ns, S = 2, 2
+    Ts = 1 + S
+    q = torch.from_numpy(rng.standard_normal((Ns, Ts, H, K)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((Ns, Ts, H, K)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((Ns, Ts, HV, V)).astype(np.float32))
+    g = -torch.rand(Ns, Ts, HV, K)
+    beta = torch.rand(Ns, Ts, HV)
+    table = torch.arange(Ns * Ts, dtype=torch.int32).reshape(Ns, Ts)
+    nat = torch.tensor([2, 5], dtype=torch.int32)  # 5 clamps to 1 + S
+    pool0 = torch.rand(Ns * Ts, HV, V, K) * 0.1
+
+    def spec(pool):
+        o, _ = ds.recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool,
+                                ssm_state_indices=table, num_spec_tokens=S,
+                                num_accepted_tokens=nat)
+        return o * 1.0, pool * 1.0
+
+    eager = spec(pool0.clone())
+    compiled = torch.compile(spec, fullgraph=True, backend="aot_eager")(pool0.clone())
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
 def test_custom_ops_opcheck(rng):
     """torch.library.opcheck: schemas (mutation annotations), fake tensors, AOT dispatch."""
     if not hasattr(torch.library, "opcheck"):
@@ -247,6 +299,12 @@ def test_custom_ops_opcheck(rng):
         (torch.ops.deltastate.update_conv_state_after_verify.default,
          (torch.zeros(2, 6, 5, 3).transpose(2, 3), torch.rand(2, 3, 4, 3, 5), i["idx"],
           torch.tensor([2, 0, 4]))),
+        (torch.ops.deltastate.causal_conv1d_update.default,  # per-draft windows of a tree
+         (torch.rand(3, 8, 4), torch.rand(5, 8, 3), torch.rand(8, 4), torch.empty(3, 8, 4), None,
+          True, None, i["idx"], None, torch.zeros(3, 4, 8, 3), None,
+          torch.tensor([[1, 3, -1, -1]] * 3, dtype=torch.int32),
+          torch.tensor([[-1, 2, -1, -1]] * 3, dtype=torch.int32),
+          torch.zeros(3, 4, dtype=torch.int32))),
         (torch.ops.deltastate.sglang_conv_window_scatter.default,
          (torch.zeros(2, 6, 5, 3), torch.rand(2, 3, 4, 5, 3), i["idx"], torch.tensor([1, 0, 3]))),
     ]
