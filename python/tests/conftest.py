@@ -44,7 +44,7 @@ def ds_op_calls(monkeypatch):
 
     counts = {}
     for name in ("chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_rule",
-                 "fused_recurrent_kda"):
+                 "fused_recurrent_kda", "causal_conv1d_update"):
         original = getattr(deltastate, name)
 
         def spy(*a, _original=original, _name=name, **kw):

@@ -1,6 +1,6 @@
 """deltastate under HF transformers' Qwen3-Next and Kimi-Linear linear-attention layers.
 
-transformers (5.x) routes the delta-rule math of these layers through four module-level
+transformers (5.x) routes the delta-rule math and the conv of these layers through module-level
 functions, each built by its kernel-function mapping (``use_kernel_func_from_hub_with_fallback``)
 and listed on the layer by ``use_kernelized_func``:
 
@@ -11,13 +11,14 @@ qwen3_next                     ``torch_chunk_gated_delta_rule`` (prefill)   chun
 qwen3_next                     ``torch_recurrent_gated_delta_rule`` (T=1)   fused_recurrent_gated_delta_rule
 kimi_linear                    ``chunk_kimi_delta_attention`` (prefill)     chunk_kda
 kimi_linear                    ``recurrent_kimi_delta_attention`` (T=1)     fused_recurrent_kda
+both                           ``causal_conv1d_update`` (cached decode)     causal_conv1d_update
 =============================  ===========================================  =====================
 
-:func:`set_backend` ("deltastate", "torch", "default") rebinds those four names in the two
-modeling modules: the local form of that mapping, without network access, without the
-``kernels`` package and without fla-core. The layers look the names up at call time, so models
-already built switch too. ``causal_conv1d_fn`` / ``causal_conv1d_update`` and the gated RMSNorm
-stay on transformers' path (deltastate has no conv or norm op).
+:func:`set_backend` ("deltastate", "torch", "default") rebinds those names in the two modeling
+modules: the local form of that mapping, without network access, without the ``kernels`` package
+and without fla-core. The layers look the names up at call time, so models already built switch
+too. ``causal_conv1d_fn`` (the prefill conv; deltastate has none) and the gated RMSNorm (deltastate
+has it inside its fused decode step only) stay on transformers' path.
 
 With deltastate the recurrent state in transformers' cache is V-first ``[B, HV, V, K]`` (the
 cache is layout-agnostic: it copies whatever state the layer returns), so neither CPU nor CUDA
@@ -94,11 +95,23 @@ def kda_recurrent(query, key, value, g, beta, initial_state=None, output_final_s
                 output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
+def conv_update(hidden_states, conv_state, weight, bias=None, activation=None):
+    """The layers' ``causal_conv1d_update`` (the cached single-token decode's conv, in place on
+    the cache's window [B, dim, state_len]) on deltastate's op of that name: the same
+    semantics (the last state_len values of [window, x]), accumulated in fp32 and rounded once
+    to x's dtype (transformers' torch function convolves in the weight's dtype)."""
+    import deltastate as ds
+
+    return ds.causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)
+
+
 _TABLE = {
     "qwen3_next": {"torch_chunk_gated_delta_rule": gdn_chunk,
-                   "torch_recurrent_gated_delta_rule": gdn_recurrent},
+                   "torch_recurrent_gated_delta_rule": gdn_recurrent,
+                   "causal_conv1d_update": conv_update},
     "kimi_linear": {"chunk_kimi_delta_attention": kda_chunk,
-                    "recurrent_kimi_delta_attention": kda_recurrent},
+                    "recurrent_kimi_delta_attention": kda_recurrent,
+                    "causal_conv1d_update": conv_update},
 }
 
 
