@@ -26,15 +26,17 @@ What changed in the port:
     test_spec_decode_basic, test_spec_decode_num_accepted_tokens (with its clamping of values
     above 1 + S), test_spec_decode_nat_heterogeneous, test_spec_decode_nat_with_padding,
     test_spec_decode_gate_modes, test_spec_decode_all_padded, test_spec_decode_batched_auto_ssi,
-    test_spec_decode_batched_vs_cuseqlens, test_spec_decode_non_compact_state and the helpers make_spec_decode_inputs / spec_decode_naive_reference /
+    test_spec_decode_batched_vs_cuseqlens, test_spec_decode_non_compact_state,
+    test_spec_decode_nat_equals_one_matches_no_nat, test_spec_decode_checkpoint_correctness and
+    the helpers make_spec_decode_inputs / spec_decode_naive_reference /
     assert_spec_states (the naive reference is _peer_common's FLA one, as above), same sizes,
     seeds, tolerances and assertions, and test_spec_decode_shape_validation; the surface test
     test_surface_spec_decode_shim_slots_text pins one more text read from the source. Not ported: the tests of FlashInfer's separate committed
     pool (initial_state_source, rejected: test_surface_separate_source_rejected_clearly), of its
     kernel schedule and CUDA-graph padding specifics (test_kernel_schedule,
     test_spec_decode_padded_cuda_graph, test_t1_cu_seqlens_*), and the remaining
-    test_spec_decode_validate_slots_collision (FlashInfer's own slot-collision validator) and
-    test_spec_decode_checkpoint_correctness / _nat_equals_one_matches_no_nat / _nat_gate_modes /
+    test_spec_decode_validate_slots_collision (FlashInfer's own slot-collision validator),
+    _cu_seqlens_validation (a shape check only), and _nat_gate_modes /
     _separate_source_and_beta_logits, left for a later port (the last needs the separate
     source).
   * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
@@ -999,3 +1001,42 @@ def test_spec_decode_all_padded(device):
         f"All-padded output should be zero, max={tri_out.abs().max().item()}")
     assert_close("allpad_slot0", slot0_before.float().transpose(-1, -2),
                  state_pool[0].float().transpose(-1, -2), atol=1e-3, rtol=1e-3)
+
+
+@device_param
+def test_spec_decode_nat_equals_one_matches_no_nat(device):
+    """nat=1 for all sequences produces bit-identical output to nat=None."""
+    manual_seed(123)
+    for D in [64, 128]:
+        H = HV = 8 if D == 64 else 16
+        N, num_spec_tokens = 4, 2
+        q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, _ = (
+            make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device))
+        pool_a, pool_b = state_pool.clone(), state_pool.clone()
+        common = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, cu_seqlens=cu_seqlens,
+                      ssm_state_indices=ssm_state_indices, num_spec_tokens=num_spec_tokens)
+        out_none, _ = recurrent_kda(initial_state=pool_a, **common)
+        nat_1 = torch.ones(N, dtype=torch.int32, device=device)
+        out_1, _ = recurrent_kda(initial_state=pool_b, num_accepted_tokens=nat_1, **common)
+        assert_close(f"nat1_compat_D{D}_out", out_none, out_1, atol=0, rtol=0)
+        assert_close(f"nat1_compat_D{D}_state", pool_a, pool_b, atol=0, rtol=0)
+
+
+@device_param
+def test_spec_decode_checkpoint_correctness(device):
+    """Stress test: N=8, H=16, D=128, S=4 -- all T checkpoint slots correct."""
+    manual_seed(42)
+    N, H, HV, D, num_spec_tokens = 8, 16, 16, 128, 4
+    q, k, v, g, beta, cu_seqlens, ssm_state_indices, state_pool, scale, T = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device, torch.bfloat16))
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g, beta, ssm_state_indices, state_pool, scale, N, T, H, HV)
+    tri_state_pool = state_pool.clone()
+    tri_out, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                               initial_state=tri_state_pool, cu_seqlens=cu_seqlens,
+                               ssm_state_indices=ssm_state_indices,
+                               num_spec_tokens=num_spec_tokens)
+    assert_close("checkpoint_out", ref_out.bfloat16().float(), tri_out.float(), atol=1e-1,
+                 rtol=5e-2)
+    assert_spec_states(tri_state_pool, ssm_state_indices, ref_states, N, T, atol=1e-1,
+                       rtol=5e-2)
