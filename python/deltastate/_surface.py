@@ -1512,20 +1512,16 @@ _COMMIT_OP_ORDER = ("state", "intermediate_states", "state_indices", "accepted",
                     "intermediate_state_indices", "accepted_is_step", "check_indices", "pdl")
 
 
-def _commit() -> Op:
-    doc = """The commit after a verify: for each request b with accepted[b] = a > 0, copies
-    intermediate_states[:, row_b, a - 1] into state[:, state_indices[b]] (every layer, one
-    launch); row_b = intermediate_state_indices[b] (absent: b). state [layers, slots, HV, V, K]
-    or [slots, HV, V, K] (any layer and slot strides); intermediate_states [layers, N_scr,
-    T_alloc, HV, V, K] or [N_scr, T_alloc, HV, V, K] of state's dtype. Index < 0: skipped. With
-    accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``."""
+def _commit_op(name: str, pool: str, scratch: str, doc: str) -> Op:
+    """The plain commit op over `pool` [layers?, slots, ...] from `scratch` [layers?, N_scr,
+    T_alloc, ...]: the states' and the conv windows' share every argument but those two."""
     return Op(
-        name="update_state_after_verify",
-        public="update_state_after_verify",
+        name=name,
+        public=name,
         doc=doc,
         args=(
-            Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
-            Arg("intermediate_states", TENSOR, dtypes=FLOATING),
+            Arg(pool, TENSOR, dtypes=FLOATING, mutated=True),
+            Arg(scratch, TENSOR, dtypes=FLOATING),
             Arg("state_indices", TENSOR, dtypes=INDEX),
             Arg("accepted", TENSOR, dtypes=INDEX),
             Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
@@ -1533,9 +1529,21 @@ def _commit() -> Op:
             Arg("check_indices", CHECK, None, keyword=True),
             Arg("pdl", BOOL, False, keyword=True),
         ),
-        returns="state",
-        op_order=_COMMIT_OP_ORDER,
+        returns=pool,
+        op_order=(pool, scratch) + _COMMIT_OP_ORDER[2:],
     )
+
+
+_COMMIT_DOC = """The commit after a verify: for each request b with accepted[b] = a > 0, copies
+    intermediate_states[:, row_b, a - 1] into state[:, state_indices[b]] (every layer, one
+    launch); row_b = intermediate_state_indices[b] (absent: b). state [layers, slots, HV, V, K]
+    or [slots, HV, V, K] (any layer and slot strides); intermediate_states [layers, N_scr,
+    T_alloc, HV, V, K] or [N_scr, T_alloc, HV, V, K] of state's dtype. Index < 0: skipped. With
+    accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``."""
+
+
+def _commit() -> Op:
+    return _commit_op("update_state_after_verify", "state", "intermediate_states", _COMMIT_DOC)
 
 
 def _scatter_indices(dst_indices_raw, step_indices_raw):
@@ -1622,12 +1630,10 @@ def _sglang_scatter() -> Op:
 
 # The conv windows' commit: the binding's arguments (python/src/module.cpp
 # `update_conv_state_after_verify`), in its order.
-_CONV_COMMIT_OP_ORDER = ("conv_state", "intermediate_conv_window", "state_indices", "accepted",
-                         "intermediate_state_indices", "accepted_is_step", "check_indices", "pdl")
+_CONV_COMMIT_OP_ORDER = ("conv_state", "intermediate_conv_window") + _COMMIT_OP_ORDER[2:]
 
 
-def _conv_commit() -> Op:
-    doc = """The commit of the conv windows after a verify, the windows' twin of
+_CONV_COMMIT_DOC = """The commit of the conv windows after a verify, the windows' twin of
     :func:`update_state_after_verify` with its index conventions: for each request b with
     accepted[b] = a > 0, copies intermediate_conv_window[:, row_b, a - 1] into
     conv_state[:, state_indices[b]] (every layer, one launch); row_b =
@@ -1637,23 +1643,11 @@ def _conv_commit() -> Op:
     conv_state's dtype, any strides (SGLang's overlapping, deduplicated view too: it is only
     read). Index < 0: skipped. With accepted_is_step, accepted holds the last accepted step
     (a - 1; < 0: none). Returns ``conv_state``."""
-    return Op(
-        name="update_conv_state_after_verify",
-        public="update_conv_state_after_verify",
-        doc=doc,
-        args=(
-            Arg("conv_state", TENSOR, dtypes=FLOATING, mutated=True),
-            Arg("intermediate_conv_window", TENSOR, dtypes=FLOATING),
-            Arg("state_indices", TENSOR, dtypes=INDEX),
-            Arg("accepted", TENSOR, dtypes=INDEX),
-            Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-            Arg("accepted_is_step", BOOL, False),
-            Arg("check_indices", CHECK, None, keyword=True),
-            Arg("pdl", BOOL, False, keyword=True),
-        ),
-        returns="conv_state",
-        op_order=_CONV_COMMIT_OP_ORDER,
-    )
+
+
+def _conv_commit() -> Op:
+    return _commit_op("update_conv_state_after_verify", "conv_state", "intermediate_conv_window",
+                      _CONV_COMMIT_DOC)
 
 
 def _conv_scatter_prepare(op, dst, src, dst_indices_raw, step_indices_raw):
