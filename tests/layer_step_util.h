@@ -51,6 +51,53 @@ inline Tensor clone(const Tensor& t) {
   return c;
 }
 
+// causal_conv1d_update's arguments over host test tensors: x, the windows, the weight, each row's
+// window index, out (the error-text fixtures start from these).
+inline deltastate::CausalConv1dUpdateArgs conv_args(const Tensor& x, const Tensor& st,
+                                                    const Tensor& w, const Tensor& idx,
+                                                    const Tensor& out) {
+  deltastate::CausalConv1dUpdateArgs a;
+  a.x = x.view();
+  a.conv_state = st.view();
+  a.weight = w.view();
+  a.conv_state_indices = idx.view();
+  a.out = out.view();
+  return a;
+}
+
+// An EAGLE tree over T draft tokens (causal_conv1d_update's speculative options): a random one in
+// token order (parent < child; parent[0] = 0), and its first-child / next-sibling tables.
+inline std::vector<int> random_parents(Rng& rng, int T) {
+  std::vector<int> p(T, 0);
+  for (int t = 1; t < T; ++t) p[t] = static_cast<int>(rng.integer(0, t - 1));
+  return p;
+}
+struct TreeTables {
+  Tensor next, sibling;  // [B, cols] int32, -1 where a token has no child / next sibling
+};
+// Row b holds the tree of parents[b] (an empty row: no tree, all -1).
+inline TreeTables tree_tables(int64_t cols, const std::vector<std::vector<int>>& parents) {
+  const int64_t B = static_cast<int64_t>(parents.size());
+  TreeTables t{Tensor::contiguous(DType::i32, {B, cols}),
+               Tensor::contiguous(DType::i32, {B, cols})};
+  t.next.fill_all(-1);
+  t.sibling.fill_all(-1);
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<int>& parent = parents[static_cast<size_t>(b)];
+    const int T = static_cast<int>(parent.size());
+    for (int p = 0; p < T; ++p) {
+      int prev = -1;
+      for (int c = 1; c < T; ++c) {
+        if (parent[c] != p) continue;
+        if (prev < 0) t.next.set({b, p}, c);
+        else t.sibling.set({b, prev}, c);
+        prev = c;
+      }
+    }
+  }
+  return t;
+}
+
 struct LayerBatch {
   LayerCase c;
   DecodeBatch d;  // x = the projected row before the conv; a, b, A_log, dt_bias, idx

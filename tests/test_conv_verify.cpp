@@ -25,28 +25,6 @@ struct ConvVerifyCase {
 };
 inline void PrintTo(const ConvVerifyCase& c, std::ostream* os) { *os << c.name; }
 
-// A random tree over T tokens in token order (parent < child).
-std::vector<int> random_parents(Rng& rng, int T) {
-  std::vector<int> p(T, 0);
-  for (int t = 1; t < T; ++t) p[t] = static_cast<int>(rng.integer(0, t - 1));
-  return p;
-}
-
-// EAGLE's tables of a tree: first child and next sibling of each token (-1: none), in row b of
-// `next` and `sibling` ([B, cols] int32, cols >= T; the rest -1).
-void set_tables(Tensor& next, Tensor& sibling, int64_t b, const std::vector<int>& parent) {
-  const int T = static_cast<int>(parent.size());
-  for (int p = 0; p < T; ++p) {
-    int prev = -1;
-    for (int c = 1; c < T; ++c) {
-      if (parent[c] != p) continue;
-      if (prev < 0) next.set({b, p}, c);
-      else sibling.set({b, prev}, c);
-      prev = c;
-    }
-  }
-}
-
 class ConvVerifyVsReference : public ::testing::TestWithParam<ConvVerifyCase> {};
 
 TEST_P(ConvVerifyVsReference, PaddedRowsAndSentinels) {
@@ -73,17 +51,13 @@ TEST_P(ConvVerifyVsReference, PaddedRowsAndSentinels) {
   Tensor accept = index_tensor(acc, DType::i64);
   Tensor inter = Tensor::contiguous(c.dtype, {N_scr, T + 1, dim, W1});
   inter.fill_all(kSentinel);
-  Tensor next = Tensor::contiguous(DType::i32, {B, T + 1}), sib = next.empty_like();
-  next.fill_all(-1);
-  sib.fill_all(-1);
   Tensor parents = Tensor::contiguous(DType::i64, {B, T + 1});
   parents.fill_all(-7);
   std::vector<std::vector<int>> tree(B);
   if (c.tree)
-    for (int64_t b = 0; b < B; ++b) {
-      tree[b] = random_parents(rng, T);
-      set_tables(next, sib, b, tree[b]);
-    }
+    for (auto& row : tree) row = random_parents(rng, T);
+  const TreeTables tables = tree_tables(T + 1, tree);  // one column more than T: never read
+  const Tensor &next = tables.next, &sib = tables.sibling;
   Tensor out = Tensor::contiguous(c.dtype, {B, dim, T});
   out.fill_all(std::nan(""));
 
@@ -215,15 +189,7 @@ struct VerifyErrorFixture {
   Tensor out = Tensor::contiguous(f32, {2, 8, 3});
   Tensor inter = Tensor::contiguous(f32, {2, 3, 8, 3});
   Tensor tab = Tensor::contiguous(DType::i32, {2, 3});
-  CausalConv1dUpdateArgs args() const {
-    CausalConv1dUpdateArgs a;
-    a.x = x.view();
-    a.conv_state = st.view();
-    a.weight = w.view();
-    a.conv_state_indices = idx.view();
-    a.out = out.view();
-    return a;
-  }
+  CausalConv1dUpdateArgs args() const { return conv_args(x, st, w, idx, out); }
 };
 
 TEST(ConvVerifyContract, EveryErrorText) {

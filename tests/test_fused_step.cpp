@@ -649,15 +649,7 @@ struct ConvErrorFixture {
   Tensor bias = Tensor::contiguous(f32, {8});
   Tensor idx = index_tensor({1, 2});
   Tensor out = Tensor::contiguous(f32, {2, 8});
-  CausalConv1dUpdateArgs args() const {
-    CausalConv1dUpdateArgs a;
-    a.x = x.view();
-    a.conv_state = st.view();
-    a.weight = w.view();
-    a.conv_state_indices = idx.view();
-    a.out = out.view();
-    return a;
-  }
+  CausalConv1dUpdateArgs args() const { return conv_args(x, st, w, idx, out); }
 };
 
 TEST(ConvUpdateContract, EveryErrorText) {

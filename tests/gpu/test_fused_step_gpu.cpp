@@ -495,23 +495,17 @@ TEST(ConvVerifyGpu, MatchesCpu) {
     Tensor acc = index_tensor({1, 2, 3, 2, 1}, DType::i64);
     Tensor inter = Tensor::contiguous(dt, {5, T, dim, W1});
     inter.fill_all(kSentinel);
-    Tensor next = Tensor::contiguous(DType::i32, {B, T}), sib = next.empty_like();
-    next.fill_all(-1);
-    sib.fill_all(-1);
-    for (int64_t b = 0; b < B; ++b) {  // 0 -> 1 -> 3, 0 -> 2 (row 0: a chain)
-      next.set({b, 0}, 1);
-      next.set({b, 1}, b == 0 ? 2 : 3);
-      if (b == 0) next.set({b, 2}, 3);
-      else sib.set({b, 1}, 2);
-    }
+    // row 0 a chain, the others 0 -> {1, 2}, 1 -> 3
+    std::vector<std::vector<int>> trees(B, std::vector<int>{0, 0, 0, 1});
+    trees[0] = {0, 0, 1, 2};
+    const TreeTables tables = tree_tables(T, trees);
+    const Tensor &next = tables.next, &sib = tables.sibling;
     Tensor parents = Tensor::contiguous(DType::i32, {B, T});
     parents.fill_all(-7);
     Tensor out = Tensor::contiguous(dt, {B, dim, T});
     out.fill_all(std::nan(""));
     Mirror dev;
-    for (const Tensor* t :
-         {&x, &st, &w, &bias, &idx, &rows, &acc, &inter, &next, &sib, &parents, &out})
-      dev.upload(*t);
+    dev.upload_all(x, st, w, bias, idx, rows, acc, inter, next, sib, parents, out);
     auto args = [&](auto&& view) {
       deltastate::CausalConv1dUpdateArgs a;
       a.x = view(x);
@@ -561,14 +555,8 @@ TEST(ConvVerifyGpu, VerifyAndCommitReplayInAGraph) {
   Tensor steps = index_tensor({3, -1, 1}, DType::i64);
   Tensor inter = Tensor::contiguous(bf16, {B, T, dim, W1});
   inter.fill_all(kSentinel);
-  Tensor next = Tensor::contiguous(DType::i32, {B, T}), sib = next.empty_like();
-  next.fill_all(-1);
-  sib.fill_all(-1);
-  for (int64_t b = 0; b < B; ++b) {  // 0 -> {1, 2}, 1 -> 3
-    next.set({b, 0}, 1);
-    next.set({b, 1}, 3);
-    sib.set({b, 1}, 2);
-  }
+  const TreeTables tables = tree_tables(T, std::vector<std::vector<int>>(B, {0, 0, 0, 1}));
+  const Tensor &next = tables.next, &sib = tables.sibling;  // 0 -> {1, 2}, 1 -> 3
   Tensor parents = Tensor::contiguous(DType::i32, {B, T});
   Tensor out = Tensor::contiguous(bf16, {B, dim, T});
   Mirror eager, graph;
