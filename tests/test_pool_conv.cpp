@@ -143,18 +143,16 @@ TEST_P(PoolConv, ViewsDisjointClearedForked) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, PoolConv,
-                         ::testing::Values(PoolConvCase{"per_layer_sglang", PoolLayout::per_layer,
-                                                        ConvLayout::window_contiguous, false},
-                                           PoolConvCase{"per_layer_vllm", PoolLayout::per_layer,
-                                                        ConvLayout::dim_contiguous, false},
-                                           PoolConvCase{"per_layer_split", PoolLayout::per_layer,
-                                                        ConvLayout::window_contiguous, true},
-                                           PoolConvCase{"envelope_sglang", PoolLayout::envelope,
-                                                        ConvLayout::window_contiguous, false},
-                                           PoolConvCase{"envelope_vllm_split", PoolLayout::envelope,
-                                                        ConvLayout::dim_contiguous, true}),
-                         case_name<PoolConvCase>);
+// Both window layouts, packed and split windows, both pool layouts.
+const auto kPoolConvCases = ::testing::Values(
+    PoolConvCase{"per_layer_sglang", PoolLayout::per_layer, ConvLayout::window_contiguous, false},
+    PoolConvCase{"per_layer_vllm", PoolLayout::per_layer, ConvLayout::dim_contiguous, false},
+    PoolConvCase{"per_layer_split", PoolLayout::per_layer, ConvLayout::window_contiguous, true},
+    PoolConvCase{"per_layer_vllm_split", PoolLayout::per_layer, ConvLayout::dim_contiguous, true},
+    PoolConvCase{"envelope_sglang", PoolLayout::envelope, ConvLayout::window_contiguous, false},
+    PoolConvCase{"envelope_vllm_split", PoolLayout::envelope, ConvLayout::dim_contiguous, true});
+
+INSTANTIATE_TEST_SUITE_P(Layouts, PoolConv, kPoolConvCases, case_name<PoolConvCase>);
 
 TEST(PoolConvAccounting, CountsTheWindows) {
   for (PoolLayout layout : {PoolLayout::per_layer, PoolLayout::envelope}) {
@@ -320,17 +318,7 @@ TEST_P(PoolSpec, ScratchViewsDisjointUntouchedBySlots) {
   EXPECT_TRUE(before.unchanged()) << "the scratch after allocate and fork";
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, PoolSpec,
-                         ::testing::Values(PoolConvCase{"per_layer_sglang", PoolLayout::per_layer,
-                                                        ConvLayout::window_contiguous, false},
-                                           PoolConvCase{"per_layer_vllm_split",
-                                                        PoolLayout::per_layer,
-                                                        ConvLayout::dim_contiguous, true},
-                                           PoolConvCase{"envelope_sglang", PoolLayout::envelope,
-                                                        ConvLayout::window_contiguous, false},
-                                           PoolConvCase{"envelope_vllm_split", PoolLayout::envelope,
-                                                        ConvLayout::dim_contiguous, true}),
-                         case_name<PoolConvCase>);
+INSTANTIATE_TEST_SUITE_P(Layouts, PoolSpec, kPoolConvCases, case_name<PoolConvCase>);
 
 TEST(PoolSpecAccounting, CountsTheScratchOnce) {
   for (PoolLayout layout : {PoolLayout::per_layer, PoolLayout::envelope}) {
