@@ -51,6 +51,13 @@ inline int64_t fused_chain_workspace_bytes(const FusedStepProblem& p) {
   return (bytes + 15) / 16 * 16;
 }
 
+// One lane holds at most this many of a head's V outputs: V <= 256 (the validator's rows per key
+// head).
+constexpr int kChainNormPerLane = 8;
+
+// The head's outputs, weights and gates are loaded into registers in one pass, issued beside the
+// slot's load (every row's outputs are valid to read: the decode wrote them, zeros or NaN for
+// padded and bad rows), so the kernel waits on memory once; the slot decides only the store.
 __global__ void __launch_bounds__(kChainNormWarps * 32)
     fused_chain_norm_kernel(const FusedStepProblem p) {
   enter_grid(p.pdl_trigger_early);
@@ -60,26 +67,34 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   const int64_t n = w / p.HV;
   const int hv = static_cast<int>(w - n * p.HV);
   const int64_t slot = detail::index_at(p.indices, p.index_dtype, p.index_stride, n);
-  if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
   const int V = p.V;
   const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
-  // kernel.cuh step 4 over this head's outputs as stored (out's dtype)
-  float ss = 0.0f;
-  for (int i = lane; i < V; i += 32) {
-    const float o = detail::load_float(p.out.ptr, p.out.dtype, o_base + i);
-    ss += o * o;
+  const int64_t z_off = n * p.z_row_stride + static_cast<int64_t>(hv) * p.z_head_stride;
+  float o[kChainNormPerLane], nw[kChainNormPerLane], z[kChainNormPerLane];
+#pragma unroll
+  for (int j = 0; j < kChainNormPerLane; ++j) {
+    const int i = lane + 32 * j;
+    o[j] = i < V ? detail::load_float(p.out.ptr, p.out.dtype, o_base + i) : 0.0f;
+    nw[j] = i < V ? detail::load_float(p.norm_weight, p.norm_weight_dtype, i) : 0.0f;
+    z[j] = i < V ? detail::load_float(p.z, p.z_dtype, z_off + i) : 0.0f;
   }
+  if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
+  // kernel.cuh step 4 over this head's outputs as stored (out's dtype): the same lanes, the same
+  // order of the sum of squares, the same butterfly
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChainNormPerLane; ++j)
+    if (lane + 32 * j < V) ss += o[j] * o[j];
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
   const float inv = detail::rms_inverse(ss, V, p.norm_eps);
   const bool round_product = p.norm_weight_dtype == p.out.dtype;
-  const int64_t z_off = n * p.z_row_stride + static_cast<int64_t>(hv) * p.z_head_stride;
-  for (int i = lane; i < V; i += 32) {  // each lane rewrites only the elements it read
-    const float y = detail::gated_norm(detail::load_float(p.out.ptr, p.out.dtype, o_base + i), inv,
-                                       detail::load_float(p.norm_weight, p.norm_weight_dtype, i),
-                                       detail::load_float(p.z, p.z_dtype, z_off + i), p.out.dtype,
-                                       round_product);
-    detail::store_float(p.out.ptr, p.out.dtype, o_base + i, y);
+#pragma unroll
+  for (int j = 0; j < kChainNormPerLane; ++j) {  // each lane rewrites only the elements it read
+    const int i = lane + 32 * j;
+    if (i < V)
+      detail::store_float(p.out.ptr, p.out.dtype, o_base + i,
+                          detail::gated_norm(o[j], inv, nw[j], z[j], p.out.dtype, round_product));
   }
 }
 
