@@ -163,6 +163,9 @@ struct ReplayProblem {
   bool pdl_trigger_early = false;
   DeviceErrorRecord* errors = nullptr;  // as RecurrentProblem
   Device device{};
+  // The op a bad row is recorded under: fused_decode_step's ReplaySSM chain runs these kernels as
+  // its decode, and check_errors names the op the caller called.
+  int err_op = kErrOpReplay;
 };
 
 // Chunked prefill (GDN and KDA) over varlen sequences, 64 tokens per chunk (ops.h
