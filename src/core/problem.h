@@ -264,6 +264,13 @@ struct ConvUpdateProblem {
   int err_op = kErrOpConv;
   int32_t split_k = 0, split_v = 0;
   ConvWindowRef window_k, window_v;
+  // The fused step's ReplaySSM chain: with `cursors` ([B], read as the ReplaySSM kernels read them
+  // with `cursor_advance` = advance_write_pos), a row whose cursor is outside [0, cursor_limit)
+  // is bad too (kErrCursor): skipped as the ReplaySSM decode skips it, so the chain rolls no
+  // window of a row whose state, rings and cursor it leaves untouched.
+  const int32_t* cursors = nullptr;
+  int32_t cursor_limit = 0;
+  bool cursor_advance = false;
 };
 
 // The rings and cursors of a ReplaySSM step (ReplayProblem's fields of the same names), for the
