@@ -274,7 +274,7 @@ struct ConvUpdateProblem {
 };
 
 // The rings and cursors of a ReplaySSM step (ReplayProblem's fields of the same names), for the
-// fused decode layer step in ReplaySSM mode. d_cache null: no ReplaySSM.
+// fused decode layer step in ReplaySSM mode. L = 0: no ReplaySSM (the validator's L is >= 1).
 struct ReplayRings {
   int32_t L = 0;
   void* d_cache = nullptr;  // [slots, HV, L, V], records stored in d_dtype
@@ -316,7 +316,7 @@ struct FusedStepProblem {
   DType norm_weight_dtype = DType::f32;
   float norm_eps = 1e-6f;
   HeadOutput out;      // [B, HV, V]
-  ReplayRings replay;  // replay.d_cache set: `state` is the checkpoint pool (indices int32)
+  ReplayRings replay;  // replay.L > 0: `state` is the checkpoint pool (indices int32)
   bool check_indices = false;
   bool pdl = false;
   bool pdl_trigger_early = false;
@@ -328,7 +328,9 @@ struct FusedStepProblem {
   int64_t workspace_bytes = 0;
 
   DS_HD int32_t conv_dim() const { return 2 * H * K + HV * V; }
-  DS_HD bool is_replay() const { return replay.d_cache != nullptr; }
+  // By L, not by d_cache's address: a ring of no slots may have none, and the workspace query
+  // marks the mode without tensors.
+  DS_HD bool is_replay() const { return replay.L > 0; }
 };
 
 // Speculative verify (ops.h VerifyArgs): the recurrent problem (its `indices` are the slots the
