@@ -103,7 +103,7 @@ PREFILL_SMALL='*GpuChunkPrefill*gva*:*GpuChunkPrefill*k64*:*GpuChunkPrefill*fall
 
 # The conv update and the fused decode layer step's GPU tests (each fused-step kernel runs them
 # forced), and the cluster kernel's small cases for racecheck (clusters of 8, 4 and 6 CTAs).
-LAYER_TESTS='*FusedStepGpu*:*ConvUpdateGpu*'
+LAYER_TESTS='*FusedStepGpu*:*FusedReplay*:*ConvUpdateGpu*'
 LAYER_SMALL='*FusedStepGpu*group4*:*FusedStepGpu*kda_cluster4*:*FusedStepGpu*odd_v*'
 
 # The decode-shaped GPU tests (each decode kernel runs them forced).
@@ -368,6 +368,9 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_FUSED=chain run test-layer gtest_sharded test-layer "$LAYER_TESTS"
       run test-layer gtest_sharded test-layer "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED_TPW=2 run test-layer gtest_sharded test-layer '*FusedStepGpu*'
+      # the ReplaySSM chain's decode with two row blocks per CTA (the default picks by grid size)
+      DELTASTATE_CUDA_FUSED=chain DELTASTATE_CUDA_REPLAY_BPC=2 \
+        run test-layer gtest_sharded test-layer '*FusedReplay*'
       run test-layer python3 -m pytest -q python/tests/test_fused_step.py \
         python/tests/peer/test_causal_conv1d_update.py
       ;;
