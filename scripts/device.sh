@@ -369,6 +369,9 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_FUSED=chain run test-layer gtest_sharded test-layer "$LAYER_TESTS"
       run test-layer gtest_sharded test-layer "$LAYER_TESTS"
       DELTASTATE_CUDA_FUSED_TPW=2 run test-layer gtest_sharded test-layer '*FusedStepGpu*'
+      # the ReplaySSM chain's decode with two row blocks per CTA (the default picks by grid size)
+      DELTASTATE_CUDA_FUSED=chain DELTASTATE_CUDA_REPLAY_BPC=2 \
+        run test-layer gtest_sharded test-layer '*FusedReplay*'
       run test-layer python3 -m pytest -q python/tests/test_fused_step.py \
         python/tests/peer/test_causal_conv1d_update.py
       ;;

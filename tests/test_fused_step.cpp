@@ -5,7 +5,10 @@
 // the unfused chain of the same library (causal_conv1d_update -> packed decode, bit for bit) and
 // an fp64 gated RMSNorm (HF Qwen3NextRMSNormGated), with every error text of both contracts.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "layer_step_util.h"
 #include "reference/layer_reference.h"
@@ -1006,6 +1009,70 @@ TEST(FusedStepContract, Workspace) {
   EXPECT_EQ(with.out.bytes(), b.out.bytes());
   EXPECT_EQ(with.state.bytes(), b.state.bytes());
   EXPECT_EQ(with.win[0].bytes(), b.win[0].bytes());
+}
+
+// The workspace query in ReplaySSM mode. On the CPU: 0, and a given workspace changes nothing.
+// On CUDA views it asks the backend's plan as the plain mode does (ReplaySSM's plan reads no
+// device property, so a CUDA build answers without a GPU): without CUDA built, the same
+// not_implemented error as the plain mode's; with it, 0 for the one-launch kernel and, under
+// DELTASTATE_CUDA_FUSED=chain, the chain's B * conv_dim elements of mixed_qkv's dtype.
+TEST(FusedReplayContract, WorkspaceQuery) {
+  Rng rng = test_rng();
+  const LayerCase c{{"ws", Shape{"ws", 2, 4, 128, 64}, false, kNoLb, f32, bf16}, bf16};
+  LayerBatch b = make_layer_batch(rng, c, {1, -1, 2}, 4);
+  Rings rings = make_rings(c.shape, false, 4, 4, f32, f32);
+  Tensor wp = index_tensor({0, 0, 3});
+  FusedDecodeStepArgs base = b.args(host_view);
+  add_replay(base, rings, wp, nullptr, true);
+  EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(base), 0) << "CPU, ReplaySSM";
+
+  auto on_cuda = [](const Tensor& t) {
+    TensorView v = t.view();
+    v.device = Device::cuda(0);
+    return v;
+  };
+  FusedDecodeStepArgs plain = b.args(on_cuda);
+  FusedDecodeStepArgs replay = plain;
+  replay.d_cache = on_cuda(rings.d);
+  replay.k_cache = on_cuda(rings.k);
+  replay.g_cache = on_cuda(rings.g);
+  replay.write_pos = on_cuda(wp);
+  if (!deltastate::cuda_built()) {
+    for (const FusedDecodeStepArgs* a : {&plain, &replay}) {
+      const auto e = catch_error([a] { deltastate::fused_decode_step_workspace_bytes(*a); });
+      ASSERT_TRUE(e.has_value()) << (a == &replay ? "ReplaySSM" : "plain");
+      EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
+    }
+  } else {
+    const char* forced = std::getenv("DELTASTATE_CUDA_FUSED");
+    const bool chain = forced && std::string(forced) == "chain";
+    const int64_t chain_bytes = (3 * b.conv_dim * 2 + 15) / 16 * 16;  // bf16 conv output, B = 3
+    EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(replay), chain ? chain_bytes : 0);
+  }
+
+  // A CPU workspace in ReplaySSM mode changes nothing: the same bits as without one.
+  const Tensor state0 = clone(b.state), out0 = clone(b.out), win0 = clone(b.win[0]);
+  const Tensor d0 = clone(rings.d), k0 = clone(rings.k), g0 = clone(rings.g), wp0 = clone(wp);
+  b.run_fused(base);
+  const Tensor state1 = clone(b.state), out1 = clone(b.out), win1 = clone(b.win[0]);
+  const Tensor d1 = clone(rings.d), k1 = clone(rings.k), g1 = clone(rings.g), wp1 = clone(wp);
+  using Restore = std::pair<Tensor*, const Tensor*>;
+  for (const Restore& r :
+       {Restore{&b.state, &state0}, Restore{&b.out, &out0}, Restore{&b.win[0], &win0},
+        Restore{&rings.d, &d0}, Restore{&rings.k, &k0}, Restore{&rings.g, &g0}, Restore{&wp, &wp0}})
+    std::memcpy(r.first->alloc_base(), r.second->alloc_base(),
+                static_cast<size_t>(r.second->alloc_bytes()));
+  Tensor tiny = Tensor::contiguous(f32, {1});
+  FusedDecodeStepArgs w = base;
+  w.workspace = tiny.view();
+  b.run_fused(w);
+  EXPECT_EQ(b.out.bytes(), out1.bytes());
+  EXPECT_EQ(b.state.bytes(), state1.bytes());
+  EXPECT_EQ(b.win[0].bytes(), win1.bytes());
+  EXPECT_EQ(rings.d.bytes(), d1.bytes());
+  EXPECT_EQ(rings.k.bytes(), k1.bytes());
+  EXPECT_EQ(rings.g.bytes(), g1.bytes());
+  EXPECT_EQ(wp.bytes(), wp1.bytes());
 }
 
 }  // namespace

@@ -345,8 +345,8 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
 //               cursor (flushed ? 0 : write_pos + 1) on the device (padded rows keep theirs).
 //   CPU: a live row's write_pos outside [0, L-1] is a ValueError before anything is written;
 //   CUDA: such a row is skipped (windows, checkpoint, rings and cursor untouched), its output
-//   NaN, and recorded for check_errors, as a bad slot index. CUDA: L <= 4096 and the ring of a
-//   key head within the GPU's shared memory per block (not_implemented otherwise).
+//   NaN, and recorded for check_errors, as a bad slot index. CUDA: L <= 4096 and the ring within
+//   the GPU's shared memory per block of the plan's kernel (not_implemented otherwise).
 //   workspace   optional scratch on the state's device: a contiguous 1-D tensor of at least
 //               fused_decode_step_workspace_bytes(args) bytes (numel * element size, any dtype),
 //               16-byte aligned; fewer is an error naming it. The op allocates nothing.
@@ -356,8 +356,10 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
 // the others, given a workspace, run the chain plan: the conv kernel into the workspace, the
 // packed decode kernels, and the gated-norm kernel, on `stream` in sequence (no allocation, no
 // host synchronization, `pdl` on each launch); without a workspace one CTA per (row, key head),
-// one launch, slower there. ReplaySSM calls run one launch, one CTA per (row, key head), and
-// need no workspace.
+// one launch, slower there. ReplaySSM calls run one launch, one CTA per (row, key head), with no
+// workspace; under DELTASTATE_CUDA_FUSED=chain (not yet the default: unmeasured on the GPU) they
+// run the ReplaySSM chain instead: the conv kernel into the workspace, replayssm_decode's
+// kernels, the gated-norm kernel, the same result (docs/LAYER_STEP.md).
 struct FusedDecodeStepArgs {
   TensorView mixed_qkv, conv_weight;
   std::optional<TensorView> conv_bias;
@@ -385,9 +387,10 @@ void gdn_fused_decode_step(const FusedDecodeStepArgs& args);
 void kda_fused_decode_step(const FusedDecodeStepArgs& args);
 // The workspace the fused step's plan needs for these arguments on this device. Reads only the
 // shapes of mixed_qkv and state, their dtypes and the device (never tensor data), so it can run
-// before the inputs hold data. CPU and ReplaySSM calls (d_cache given): 0. CUDA: 0 where the
-// cluster kernel runs (and under DELTASTATE_CUDA_FUSED=cta); elsewhere the chain plan's conv
-// output, B * conv_dim elements of mixed_qkv's dtype rounded up to 16 bytes.
+// before the inputs hold data; in ReplaySSM mode only whether d_cache is given. CPU: 0. CUDA: 0
+// where the cluster kernel runs (and under DELTASTATE_CUDA_FUSED=cta), and for ReplaySSM calls
+// unless DELTASTATE_CUDA_FUSED=chain; elsewhere the chain plan's conv output, B * conv_dim
+// elements of mixed_qkv's dtype rounded up to 16 bytes.
 int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args);
 
 // ---------------------------------------------------------------------------------------------

@@ -763,10 +763,12 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
 }
 
 // fused_decode_step_workspace_bytes from what it reads: the shapes of mixed_qkv [B, conv_dim]
-// and of the state's [HV, V, K], their dtypes and the device, no tensor (fake tensors too).
+// and of the state's [HV, V, K], their dtypes, the device and whether the call is in ReplaySSM
+// mode (d_cache given), no tensor (fake tensors too).
 int64_t fused_decode_step_workspace_bytes(int64_t B, int64_t conv_dim, int64_t HV, int64_t V,
                                           int64_t K, const std::string& x_dtype,
-                                          const std::string& state_dtype, int64_t cuda_device) {
+                                          const std::string& state_dtype, int64_t cuda_device,
+                                          bool replay) {
   return guarded([&] {
     FS a;
     const ds::Device dev = cuda_device < 0 ? ds::Device::cpu() : ds::Device::cuda(cuda_device);
@@ -782,6 +784,7 @@ int64_t fused_decode_step_workspace_bytes(int64_t B, int64_t conv_dim, int64_t H
     a.state.shape[3] = K;
     a.state.dtype = dtype_from_name(state_dtype, "initial_state's dtype");
     a.state.device = dev;
+    if (replay) a.d_cache.emplace();  // the query reads only that it is given
     return ds::fused_decode_step_workspace_bytes(a);
   });
 }

@@ -287,8 +287,9 @@ def test_fused_step_replayssm_partial_rings_error():
 
 def test_workspace_query_and_keyword():
     """The fused step's workspace: the last keyword of both functions; the query the wrapper asks
-    is 0 on the CPU (and for shapes it cannot read), so no workspace is allocated there; a
-    workspace the caller gives is passed through (on the CPU any size, unused)."""
+    is 0 on the CPU (ReplaySSM calls too, and for shapes it cannot read), so no workspace is
+    allocated there; a workspace the caller gives is passed through (on the CPU any size,
+    unused)."""
     import inspect
 
     import deltastate as ds
@@ -298,9 +299,15 @@ def test_workspace_query_and_keyword():
     for fn in (ds.gdn_fused_decode_step, ds.kda_fused_decode_step):
         last = list(inspect.signature(fn).parameters.values())[-1]
         assert (last.name, last.default, last.kind) == ("workspace", None, last.KEYWORD_ONLY)
-    assert lib.fused_decode_step_workspace_bytes(8, 192, 4, 16, 32, "float32", "float32", -1) == 0
+    for replay in (False, True):
+        assert lib.fused_decode_step_workspace_bytes(8, 192, 4, 16, 32, "float32", "float32", -1,
+                                                     replay) == 0
     x, st = np.zeros((8, 192), np.float32), np.zeros((4, 4, 16, 32), np.float32)
     assert _surface._fused_workspace(x, st) is None
     assert _surface._fused_prepare("gdn_fused_decode_step", x, st, None, None) == (None,)
+    ring = np.zeros((4, 4, 2, 16), np.float32)  # ReplaySSM mode: the query asked, 0 on the CPU
+    assert _surface._fused_workspace(x, st, ring) is None
+    assert _surface._fused_prepare("gdn_fused_decode_step", x, st, None, ring) == (None,)
+    assert _surface._fused_impl(x, st, None, ring) == (None,)
     given = np.zeros(4, np.float32)
     assert _surface._fused_prepare("gdn_fused_decode_step", x, st, given, None)[0] is given

@@ -17,6 +17,10 @@ bool device_available();
 // Ops: launch on `stream` (a cudaStream_t), no allocation, no host synchronization.
 void run_recurrent(const detail::RecurrentProblem& p, void* stream);
 void run_replayssm_decode(const detail::ReplayProblem& p, void* stream);
+// The errors run_replayssm_decode would throw before its launch (the kernel's limits on HV, V and
+// the ring's shared memory), thrown without launching: the fused step's ReplaySSM chain asks
+// before its first kernel, so a call it rejects has written nothing.
+void check_replayssm_decode_launch(const detail::ReplayProblem& p);
 void run_chunk_prefill(const detail::ChunkPrefillProblem& p, void* stream);
 // Speculative verify and its commits, of states and of conv windows (src/cuda/verify.cu).
 void run_verify(const detail::VerifyProblem& p, void* stream);

@@ -130,9 +130,11 @@ int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args) {
         "fused_decode_step_workspace_bytes needs `mixed_qkv` [B, conv_dim] and `initial_state` "
         "[slots, HV, V, K] (got shapes %s and %s)",
         shape_str(x).c_str(), shape_str(st).c_str()));
-  // The CPU runs no plan with a workspace, nor does a ReplaySSM call (its own one-launch kernel).
-  if (st.device.type == DeviceType::cpu || args.d_cache) return 0;
+  if (st.device.type == DeviceType::cpu) return 0;  // the CPU runs no plan with a workspace
   detail::FusedStepProblem p;
+  // ReplaySSM mode (d_cache given): the plan asks only whether it is on (its one-launch kernel
+  // needs no workspace, its chain the plain chain's); the rings' sizes change neither.
+  if (args.d_cache) p.replay.L = 1;
   p.HV = static_cast<int32_t>(st.shape[1]);
   p.V = static_cast<int32_t>(st.shape[2]);
   p.K = static_cast<int32_t>(st.shape[3]);

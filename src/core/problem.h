@@ -164,6 +164,9 @@ struct ReplayProblem {
   bool pdl_trigger_early = false;
   DeviceErrorRecord* errors = nullptr;  // as RecurrentProblem
   Device device{};
+  // The op a bad row is recorded under: fused_decode_step's ReplaySSM chain runs these kernels as
+  // its decode, and check_errors names the op the caller called.
+  int err_op = kErrOpReplay;
 };
 
 // Chunked prefill (GDN and KDA) over varlen sequences, 64 tokens per chunk (ops.h
@@ -289,10 +292,17 @@ struct ConvUpdateProblem {
   DType parent_dtype = DType::i32;
   int64_t parent_row_stride = 0, parent_col_stride = 1;
   DS_HD bool speculative() const { return num_accept.ptr || inter || next_token.ptr; }
+  // The fused step's ReplaySSM chain: with `cursors` ([B], read as the ReplaySSM kernels read them
+  // with `cursor_advance` = advance_write_pos), a row whose cursor is outside [0, cursor_limit)
+  // is bad too (kErrCursor): skipped as the ReplaySSM decode skips it, so the chain rolls no
+  // window of a row whose state, rings and cursor it leaves untouched.
+  const int32_t* cursors = nullptr;
+  int32_t cursor_limit = 0;
+  bool cursor_advance = false;
 };
 
 // The rings and cursors of a ReplaySSM step (ReplayProblem's fields of the same names), for the
-// fused decode layer step in ReplaySSM mode. d_cache null: no ReplaySSM.
+// fused decode layer step in ReplaySSM mode. L = 0: no ReplaySSM (the validator's L is >= 1).
 struct ReplayRings {
   int32_t L = 0;
   void* d_cache = nullptr;  // [slots, HV, L, V], records stored in d_dtype
@@ -334,7 +344,7 @@ struct FusedStepProblem {
   DType norm_weight_dtype = DType::f32;
   float norm_eps = 1e-6f;
   HeadOutput out;      // [B, HV, V]
-  ReplayRings replay;  // replay.d_cache set: `state` is the checkpoint pool (indices int32)
+  ReplayRings replay;  // replay.L > 0: `state` is the checkpoint pool (indices int32)
   bool check_indices = false;
   bool pdl = false;
   bool pdl_trigger_early = false;
@@ -346,7 +356,9 @@ struct FusedStepProblem {
   int64_t workspace_bytes = 0;
 
   DS_HD int32_t conv_dim() const { return 2 * H * K + HV * V; }
-  DS_HD bool is_replay() const { return replay.d_cache != nullptr; }
+  // By L, not by d_cache's address: a ring of no slots may have none, and the workspace query
+  // marks the mode without tensors.
+  DS_HD bool is_replay() const { return replay.L > 0; }
 };
 
 // Speculative verify (ops.h VerifyArgs): the recurrent problem (its `indices` are the slots the

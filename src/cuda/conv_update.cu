@@ -9,6 +9,7 @@
 #include "core/problem.h"
 #include "cuda/grid.cuh"
 #include "cuda/launch.h"
+#include "cuda/replayssm/ring.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -29,10 +30,21 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
                                     : b;
   const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
   const bool bad = entry >= p.state.num_slots;
-  if (entry < 0 || bad) {  // padded: zeros; a bad index: NaN, recorded once per row
-    if (bad && c == 0)
-      record_bad_row(p.errors, p.err_op, detail::kErrSlot, b, entry, p.state.num_slots);
-    const float fill = bad ? bad_row_output() : 0.0f;
+  // A live row's ReplaySSM cursor (the fused step's ReplaySSM chain only), as the decode reads it.
+  int cursor = 0, m = 0;
+  if (p.cursors && entry >= 0 && !bad) {
+    cursor = p.cursors[b];
+    m = replay_cursor(cursor, p.cursor_advance);
+  }
+  const bool bad_cursor = cursor < 0 || m >= (p.cursors ? p.cursor_limit : 1);
+  if (entry < 0 || bad || bad_cursor) {  // padded: zeros; a bad row: NaN, recorded once per row
+    if ((bad || bad_cursor) && c == 0) {
+      if (bad) record_bad_row(p.errors, p.err_op, detail::kErrSlot, b, entry, p.state.num_slots);
+      else
+        record_bad_row(p.errors, p.err_op, detail::kErrCursor, b, cursor < 0 ? cursor : m,
+                       p.cursor_limit);
+    }
+    const float fill = entry < 0 ? 0.0f : bad_row_output();
     for (int t = 0; t < p.T; ++t)
       detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, fill);
     return;

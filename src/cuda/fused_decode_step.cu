@@ -7,10 +7,11 @@
 // warp, two when the group has more than kFusedMaxWarps tiles), or, where the caller gives a
 // workspace, the chain plan (src/cuda/fused_decode_step/chain.cuh: the conv, packed decode and
 // norm kernels in sequence), which is faster than the CTA kernel there. DELTASTATE_CUDA_FUSED=
-// cta|cluster|chain forces one (tuning.h). ReplaySSM calls always run
+// cta|cluster|chain forces one (tuning.h). ReplaySSM calls run
 // src/cuda/fused_decode_step/replay.cuh's kernel (the CTA kernel's structure with
-// replayssm_decode's step) and need no workspace. The validator limits K to {64, 128} and
-// (HV/H)*V to 256 rows.
+// replayssm_decode's step, no workspace), or under DELTASTATE_CUDA_FUSED=chain the ReplaySSM
+// chain (chain.cuh: the conv, replayssm_decode's and the norm kernels through the workspace).
+// The validator limits K to {64, 128} and (HV/H)*V to 256 rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -127,17 +128,26 @@ bool cluster_fits(const FusedStepProblem& p) {
          fused_cluster_shape<StateT, K>(p, 1, fc);
 }
 
-// The plan of a call (`workspace`: whether the caller gives one): ReplaySSM's own kernel for a
-// ReplaySSM call; the cluster kernel where it pays and fits; else the chain where a workspace is
-// given; else the CTA kernel. DELTASTATE_CUDA_FUSED forces one of the last three (a forced
-// cluster that does not fit runs the CTA kernel; a forced chain is the chain, with or without a
-// workspace: launch_k refuses it without one). fused_decode_step_workspace_bytes asks the same
-// function.
-enum class FusedPlan { replay, cluster, chain, cta };
+// The plan of a call (`workspace`: whether the caller gives one). A ReplaySSM call: its own
+// one-launch kernel, or its chain where DELTASTATE_CUDA_FUSED=chain forces it (the other forced
+// plans do not apply to it). Otherwise the cluster kernel where it pays and fits; else the chain
+// where a workspace is given; else the CTA kernel; DELTASTATE_CUDA_FUSED forces one of these
+// three (a forced cluster that does not fit runs the CTA kernel). A forced chain is the chain
+// with or without a workspace: launch_k refuses it without one. fused_decode_step_workspace_bytes
+// asks the same function.
+enum class FusedPlan { replay, replay_chain, cluster, chain, cta };
 template <class StateT, int K>
 FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
-  if (p.is_replay()) return FusedPlan::replay;
   const FusedChoice forced = forced_fused_kernel();
+  if (p.is_replay()) {
+    // The ReplaySSM chain by default where a workspace is given, as the plain step's chain: not
+    // yet, until it is measured against the one-launch kernel on the GPU. Taking it is this
+    // constant set to true (the workspace query follows the plan).
+    constexpr bool kReplayChainByDefault = false;
+    const bool chain = forced == FusedChoice::chain ||
+                       (kReplayChainByDefault && forced == FusedChoice::automatic && workspace);
+    return chain ? FusedPlan::replay_chain : FusedPlan::replay;
+  }
   const bool cluster =
       forced == FusedChoice::cluster ||
       (forced == FusedChoice::automatic &&
@@ -152,15 +162,18 @@ template <class StateT, int K>
 void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
   const FusedPlan plan = fused_plan<StateT, K>(p, p.workspace != nullptr);
   if (plan == FusedPlan::cluster && launch_cluster_k<StateT, K>(p, stream)) return;
-  if (plan == FusedPlan::chain) {
+  if (plan == FusedPlan::chain || plan == FusedPlan::replay_chain) {
     const int64_t need = fused_chain_workspace_bytes(p);
     if (!p.workspace)
       throw Error(ErrorKind::value,
                   "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +
                       std::to_string(need) +
                       " bytes (fused_decode_step_workspace_bytes); none was given");
-    // A given workspace's size was checked by the entry point (check_fused_step_workspace, with
-    // the same query).
+    if (p.workspace_bytes < need)  // the entry point checks it first; a direct caller here too
+      throw Error(ErrorKind::value, "`workspace` has " + std::to_string(p.workspace_bytes) +
+                                        " bytes; fused_decode_step needs " + std::to_string(need) +
+                                        " (fused_decode_step_workspace_bytes)");
+    if (plan == FusedPlan::replay_chain) return run_fused_replay_chain(p, stream);
     return run_fused_chain(p, stream);
   }
   constexpr int kRows = RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS;
@@ -193,7 +206,9 @@ int64_t workspace_bytes_of(const FusedStepProblem& p) {
   if (p.K == 128) plan = fused_plan<StateT, 128>(p, true);
   else if (p.K == 64) plan = fused_plan<StateT, 64>(p, true);
   else return 0;  // the validator rejects other K on CUDA
-  return plan == FusedPlan::chain ? fused_chain_workspace_bytes(p) : 0;
+  return plan == FusedPlan::chain || plan == FusedPlan::replay_chain
+             ? fused_chain_workspace_bytes(p)
+             : 0;
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "api/backend.h"
@@ -45,11 +46,18 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
                 with_pdl_trigger(p, ctas, kReplayCtasPerSm), detail::SmallDivider::of(p.HV / p.H));
 }
 
+// The op the caller called, for the launch's errors: replayssm_decode, or the fused step whose
+// ReplaySSM chain runs these kernels as its decode (err_op).
+const char* op_name(const ReplayProblem& p) {
+  return p.err_op == detail::kErrOpFusedStep ? "fused_decode_step" : "replayssm_decode";
+}
+
 // Warps per CTA: 8 (the ring work and the token shared by 8 warps' rows), fewer only when V has
 // fewer row tiles. Small batches too: they are latency-bound, and the per-CTA chain (token, ring
 // records spread over the warps, two barriers) is shortest with the most warps per CTA.
+// `run` false: only the checks that throw before the launch (check_replayssm_decode_launch).
 template <class StateT, int KT, bool VEC, class In>
-void launch(const ReplayProblem& p, cudaStream_t stream) {
+void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
   using Lay = RowLayout<StateT, KT>;
   const int rows_per_warp = Lay::RG * Lay::ROWS;
   const int warps_needed = (p.V + rows_per_warp - 1) / rows_per_warp;
@@ -59,8 +67,8 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
   // themselves in the high bits, which must not reach the sign bit.
   if (static_cast<int64_t>(p.HV) * vblocks >= (1 << 15))
     throw Error(ErrorKind::not_implemented,
-                "replayssm_decode: HV * V-blocks must stay below 2^15 for the in-kernel cursor "
-                "advance");
+                std::string(op_name(p)) +
+                    ": HV * V-blocks must stay below 2^15 for the in-kernel cursor advance");
   const int rows_blk = warps * rows_per_warp;
   const int max_smem = max_smem_optin(p.device.index);
   if constexpr (VEC) {
@@ -70,16 +78,18 @@ void launch(const ReplayProblem& p, cudaStream_t stream) {
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
     if (two && warps == kReplayWarps && p.V % (2 * rows_blk) == 0) {
       const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 2);
-      if (sm2.bytes <= max_smem)
-        return launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
+      if (sm2.bytes <= max_smem) {
+        if (run) launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
+        return;
+      }
     }
   }
   const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 1);
   if (sm.bytes > max_smem)
-    throw Error(ErrorKind::not_implemented,
-                "replayssm_decode: ring length L=" + std::to_string(p.L) +
-                    " needs more shared memory than this GPU offers");
-  launch_blocks<StateT, KT, VEC, In, 1>(p, stream, warps, vblocks, sm);
+    throw Error(ErrorKind::not_implemented, std::string(op_name(p)) +
+                                                ": ring length L=" + std::to_string(p.L) +
+                                                " needs more shared memory than this GPU offers");
+  if (run) launch_blocks<StateT, KT, VEC, In, 1>(p, stream, warps, vblocks, sm);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -99,22 +109,22 @@ bool vector_path_ok(const ReplayProblem& p) {
 }
 
 template <class StateT, class In>
-bool launch_fast(const ReplayProblem& p, cudaStream_t stream) {
+bool launch_fast(const ReplayProblem& p, cudaStream_t stream, bool run) {
   if (!inputs_are<typename In::type>(p) || !vector_path_ok<StateT>(p)) return false;
-  if (p.K == 128) return launch<StateT, 128, true, In>(p, stream), true;
-  if (p.K == 64) return launch<StateT, 64, true, In>(p, stream), true;
+  if (p.K == 128) return launch<StateT, 128, true, In>(p, stream, run), true;
+  if (p.K == 64) return launch<StateT, 64, true, In>(p, stream, run), true;
   return false;
 }
 #endif
 
 // Kernel choice as for the recurrent op (src/cuda/recurrent.cu).
 template <class StateT>
-void dispatch(const ReplayProblem& p, cudaStream_t stream) {
+void dispatch(const ReplayProblem& p, cudaStream_t stream, bool run) {
 #if DELTASTATE_CUDA_ALL_KERNELS
-  if (launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream)) return;
-  if (launch_fast<StateT, TypedInput<float>>(p, stream)) return;
+  if (launch_fast<StateT, TypedInput<__nv_bfloat16>>(p, stream, run)) return;
+  if (launch_fast<StateT, TypedInput<float>>(p, stream, run)) return;
 #endif
-  launch<StateT, 256, false, AnyInput>(p, stream);
+  launch<StateT, 256, false, AnyInput>(p, stream, run);
 }
 
 }  // namespace
@@ -124,7 +134,12 @@ void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
   ReplayProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
-  with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s); });
+  with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s, true); });
+}
+
+void check_replayssm_decode_launch(const ReplayProblem& p) {
+  DeviceGuard guard(p.device.index);
+  with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, nullptr, false); });
 }
 
 }  // namespace deltastate::cuda_backend

@@ -202,7 +202,8 @@ inline MultiVariant forced_multi_variant() {
 // kernel, on its cluster kernel, or as its chain plan (the conv, packed decode and norm kernels
 // through the caller's workspace; an error without one). Unset: the cluster kernel where
 // fused_cluster_pays, else the chain where a workspace is given, else the CTA kernel; shapes a
-// cluster does not fit never run the cluster kernel.
+// cluster does not fit never run the cluster kernel. ReplaySSM calls: `chain` runs their chain
+// (replayssm_decode's kernels in the middle), anything else their one-launch kernel.
 enum class FusedChoice { automatic, cta, cluster, chain };
 inline FusedChoice forced_fused_kernel() {
   static const FusedChoice forced = [] {

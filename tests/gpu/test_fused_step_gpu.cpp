@@ -8,7 +8,10 @@
 // the chain of conv, packed decode and norm kernels through the workspace, which these tests
 // pass whenever the call's plan asks for one): scripts/device.sh runs these tests with each
 // forced (DELTASTATE_CUDA_FUSED=cluster | cta | chain) and with the default choice, and
-// FusedStepGpuPlans compares the plans with each other bit for bit. Skips without a CUDA device.
+// FusedStepGpuPlans compares the plans with each other bit for bit. ReplaySSM calls run their
+// one-launch kernel, or under DELTASTATE_CUDA_FUSED=chain the ReplaySSM chain through the
+// workspace the query asks for (these tests attach it); FusedReplayGpuPlans compares the fused
+// ReplaySSM step with our unfused ReplaySSM chain bit for bit. Skips without a CUDA device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -147,7 +150,7 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{{"group16_f32", Shape{"g16", 1, 16, 128, 16}, false, kNoLb, f32, f32}, f32}),
     case_name<LayerCase>);
 
-// ---- the ReplaySSM fused step (its own kernel, replay.cuh) ------------------------------------
+// ---- the ReplaySSM fused step (its one-launch kernel, replay.cuh, or its chain) ---------------
 struct ReplayGpuCase {
   LayerCase layer;
   int L = 8;
@@ -179,6 +182,7 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
                             &b.state, &rings.d, &rings.k, &rings.g, &wp})
       dev.upload(*t);
     for (const Tensor& w : b.win) dev.upload(w);
+    DeviceWorkspace ws;
     for (int step = 0; step < rc.L + 3; ++step) {
       if (step > 0) {
         b.d.randomize(rng);
@@ -211,7 +215,9 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
         return a;
       };
       try {
-        b.run_fused(args([&](const Tensor& t) { return dev.view(t); }));
+        deltastate::FusedDecodeStepArgs a = args([&](const Tensor& t) { return dev.view(t); });
+        ws.attach(a);  // the chain's under DELTASTATE_CUDA_FUSED=chain, else none
+        b.run_fused(a);
       } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
         if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
         throw;
@@ -331,6 +337,8 @@ TEST(FusedReplayGpuErrors, BadCursorIsReported) {
   a.write_pos = dev.view(wp);
   a.advance_write_pos = true;
   a.check_indices = false;
+  DeviceWorkspace ws;
+  ws.attach(a);  // the chain's under DELTASTATE_CUDA_FUSED=chain, else none
   b.run_fused(a);
   const auto e = catch_error([] { deltastate::check_errors(); });
   ASSERT_TRUE(e.has_value());
@@ -808,6 +816,222 @@ TEST(FusedStepGpuPlans, Workspace) {
     EXPECT_EQ(dev.download(b.state).bytes(), b.state.bytes()) << "state untouched, B=" << B;
     EXPECT_EQ(dev.download(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched, B=" << B;
   }
+}
+
+// ---- the ReplaySSM chain plan against the one-launch kernel -------------------------------------
+#if defined(DELTASTATE_TEST_ALL_KERNELS)
+constexpr bool kAllKernels = true;
+#else
+constexpr bool kAllKernels = false;
+#endif
+
+struct ReplayPlanCase {
+  LayerCase layer;
+  DType d_dtype, k_dtype;
+};
+
+// Whether replayssm_decode takes its vector path (replayssm_decode.cu launch_fast) on the chain's
+// decode: the full build; the conv output (mixed_qkv's dtype), a, b and the k ring all fp32 or
+// all bf16; the d ring in the state dtype; V a multiple of 8 (the rows here are aligned).
+bool replay_vector_path(const ReplayPlanCase& rc) {
+  const LayerCase& c = rc.layer;
+  const bool inputs = (c.act == f32 || c.act == bf16) && rc.k_dtype == c.act;
+  return kAllKernels && inputs && rc.d_dtype == c.state && c.shape.V % 8 == 0 &&
+         (c.shape.K == 64 || c.shape.K == 128);
+}
+
+// The ReplaySSM fused step against our unfused ReplaySSM chain (causal_conv1d_update into a
+// [B, conv_dim] buffer, then replayssm_decode into [B, 1, HV, V]) on the same inputs over L + 2
+// steps (appends, flushes at L-1, forced flushes, a padded row), each side on its own copies of
+// the windows, checkpoints, rings and cursors. No norm: the unfused chain has no norm op.
+//  - The windows and the cursors agree bit for bit on every plan (the same conv device function,
+//    the same flush rule).
+//  - Under DELTASTATE_CUDA_FUSED=chain the fused step's ReplaySSM chain runs the unfused chain's
+//    own kernels through the same dispatch: the checkpoints, ring records and outputs agree bit
+//    for bit too, on every case.
+//  - On the one-launch kernel (the default) they agree bit for bit where replayssm_decode takes
+//    its vector path (replay_vector_path): its rows then have the one-launch kernel's
+//    RowLayout<StateT, K> and every fp32 sum runs in the same order (the q/k norms and k.q by
+//    prepare_qk, the per-record pass's G_j and Gtot in record order with the same lane columns,
+//    the checkpoint dots, the ring terms of lane l's records l, l + G, .., one transposed
+//    reduction, the flush's rebuild in record order). Its generic kernel (the only one of
+//    DELTASTATE_CUDA_ALL_KERNELS=OFF builds, and of mixed dtypes) is RowLayout<StateT, 256>: K
+//    splits over the lanes in other slices, so those sums run in other orders and only the
+//    windows and cursors are compared (the values within tolerance: FusedReplayGpu).
+// scripts/device.sh test-layer runs this in both modes, so together they compare the chain with
+// the one-launch kernel. With the norm the two plans also agree on the vector path: the chain's
+// norm kernel is the plain chain's, whose bits FusedStepGpuPlans shows equal to the CTA kernel's
+// norm (fused_store_outputs), which the one-launch ReplaySSM kernel runs.
+TEST(FusedReplayGpuPlans, SameBitsAsUnfusedChain) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  const std::string forced = fused_forced_as();
+  if (!forced.empty() && forced != "chain")
+    GTEST_SKIP() << "ReplaySSM has no " << forced << " plan";
+  const bool chain = forced == "chain";
+  Rng rng = test_rng();
+  const ReplayPlanCase cases[] = {
+      {LayerCase{{"qwen3next_f32_nonorm", kQwen3Next, false, kNoLb, f32, f32},
+                 f32,
+                 4,
+                 false,
+                 false,
+                 true,
+                 false},
+       f32, f32},
+      {LayerCase{{"kimi_bf16_bf16rings_nonorm", kKimi, true, kNoLb, bf16, bf16},
+                 bf16,
+                 4,
+                 false,
+                 false,
+                 true,
+                 false},
+       bf16, bf16},
+      {LayerCase{{"qwen3next_f32state_bf16_nonorm", kQwen3Next, false, kNoLb, f32, bf16},
+                 bf16,
+                 4,
+                 false,
+                 false,
+                 true,
+                 false},
+       f32, f32},
+  };
+  const int L = 4;
+  for (const ReplayPlanCase& rc : cases) {
+    const LayerCase& c = rc.layer;
+    const Shape& s = c.shape;
+    const bool all_bits = chain || replay_vector_path(rc);
+    const int64_t B = 24, slots = B + 3;
+    const std::vector<int64_t> idx = pick_slots(rng, B, slots, std::vector<int64_t>{1});
+    LayerBatch b = make_layer_batch(rng, c, idx, slots);
+    Rings rings = make_rings(s, c.kda, slots, L, rc.d_dtype, rc.k_dtype);
+    Tensor wp = index_tensor(std::vector<int64_t>(static_cast<size_t>(B), 0));
+    // the unfused chain's own copies, its conv output and its contiguous `a`
+    Tensor state2 = clone(b.state), win2 = clone(b.win[0]), wp2 = clone(wp);
+    Rings rings2{L, clone(rings.d), clone(rings.k), clone(rings.g)};
+    Tensor y = Tensor::contiguous(c.act, {B, b.conv_dim});
+    const int64_t gw = c.kda ? static_cast<int64_t>(s.HV) * s.K : s.HV;
+    Tensor a2 = Tensor::contiguous(c.act, {B, gw});
+    Tensor o2 = Tensor::contiguous(c.act, {B, 1, s.HV, s.V});
+    DeviceCopies dev;
+    for (const Tensor* t :
+         {&b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.state, &b.win[0], &rings.d,
+          &rings.k, &rings.g, &wp, &state2, &win2, &rings2.d, &rings2.k, &rings2.g, &wp2, &y})
+      dev.put(*t);
+    const auto view = [&](const Tensor& t) { return dev.view(t); };
+    DeviceWorkspace ws;
+    for (int step = 0; step < L + 2; ++step) {
+      if (step > 0) b.d.randomize(rng);
+      std::vector<int64_t> force;
+      for (int64_t r = 0; r < B; ++r) force.push_back(step > 0 && rng.chance(0.2) ? 1 : 0);
+      Tensor ff = index_tensor(force);
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t i = 0; i < gw; ++i) a2.set({r, i}, b.d.a.get({r, i}));
+      b.poison_out();
+      o2.fill_all(std::nan(""));
+      for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.out, &ff, &a2, &o2}) dev.put(*t);
+
+      deltastate::FusedDecodeStepArgs fa = b.args(view);
+      fa.d_cache = view(rings.d);
+      fa.k_cache = view(rings.k);
+      fa.g_cache = view(rings.g);
+      fa.write_pos = view(wp);
+      fa.force_flush = view(ff);
+      fa.advance_write_pos = true;
+      ws.attach(fa);
+      if (chain) {
+        ASSERT_NE(fa.workspace, std::nullopt) << c.name << ": the chain's workspace";
+      } else {
+        ASSERT_EQ(fa.workspace, std::nullopt) << c.name << ": the one-launch kernel needs none";
+      }
+      b.run_fused(fa);
+
+      deltastate::CausalConv1dUpdateArgs ca;
+      ca.x = view(b.d.x);
+      ca.conv_state = view(win2);
+      ca.weight = view(b.weight);
+      if (c.bias) ca.bias = view(b.bias);
+      ca.silu = fa.conv_silu;
+      ca.conv_state_indices = view(b.d.idx);
+      ca.out = view(y);
+      deltastate::causal_conv1d_update(ca);
+      deltastate::ReplayDecodeArgs ra;
+      ra.mixed_qkv = view(y);
+      ra.a = view(a2);
+      ra.b = view(b.d.b);
+      ra.A_log = view(b.d.A_log);
+      ra.dt_bias = view(b.d.dt_bias);
+      ra.state = view(state2);
+      ra.d_cache = view(rings2.d);
+      ra.k_cache = view(rings2.k);
+      ra.g_cache = view(rings2.g);
+      ra.out = view(o2);
+      ra.state_indices = view(b.d.idx);
+      ra.write_pos = view(wp2);
+      ra.force_flush = view(ff);
+      ra.is_kda = c.kda;
+      ra.lower_bound = c.lower_bound;
+      ra.advance_write_pos = true;
+      deltastate::replayssm_decode(ra);
+      ok(cudaDeviceSynchronize());
+      deltastate::check_errors();
+
+      const std::string at = std::string(c.name) + ", step " + std::to_string(step);
+      EXPECT_EQ(dev.get(b.win[0]).bytes(), dev.get(win2).bytes()) << "windows, " << at;
+      EXPECT_EQ(index_values(dev.get(wp)), index_values(dev.get(wp2))) << "cursors, " << at;
+      if (!all_bits) continue;
+      EXPECT_EQ(dev.get(b.out).bytes(), dev.get(o2).bytes()) << "out, " << at;
+      EXPECT_EQ(dev.get(b.state).bytes(), dev.get(state2).bytes()) << "checkpoints, " << at;
+      EXPECT_EQ(dev.get(rings.d).bytes(), dev.get(rings2.d).bytes()) << "d ring, " << at;
+      EXPECT_EQ(dev.get(rings.k).bytes(), dev.get(rings2.k).bytes()) << "k ring, " << at;
+      EXPECT_EQ(dev.get(rings.g).bytes(), dev.get(rings2.g).bytes()) << "g ring, " << at;
+    }
+  }
+}
+
+// The ReplaySSM workspace on CUDA: the query says 0 for the one-launch kernel (the default) and
+// the chain's bytes under DELTASTATE_CUDA_FUSED=chain, where a workspace too small is an error
+// naming it and none at all the plain mode's error, each before anything is written.
+TEST(FusedReplayGpuPlans, Workspace) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  const LayerCase c{{"ws", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
+  const bool chain = fused_forced_as() == "chain";
+  const int64_t B = 3;
+  LayerBatch b = make_layer_batch(rng, c, {0, -1, 2}, 4);
+  Rings rings = make_rings(c.shape, false, 4, 4, f32, f32);
+  Tensor wp = index_tensor({0, 0, 3});
+  DeviceCopies dev;
+  for (const Tensor* t :
+       {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
+        &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
+    dev.put(*t);
+  for (const Tensor& w : b.win) dev.put(w);
+  deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
+  a.d_cache = dev.view(rings.d);
+  a.k_cache = dev.view(rings.k);
+  a.g_cache = dev.view(rings.g);
+  a.write_pos = dev.view(wp);
+  a.advance_write_pos = true;
+  const int64_t chain_bytes = (B * b.conv_dim * 2 + 15) / 16 * 16;  // bf16 conv output
+  EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(a), chain ? chain_bytes : 0)
+      << "DELTASTATE_CUDA_FUSED=" << fused_forced_as();
+  if (!chain) return;
+  DeviceWorkspace ws;
+  ws.attach(a, chain_bytes - 16);
+  expect_error_text([&] { b.run_fused(a); }, "`workspace` has " + std::to_string(chain_bytes - 16) +
+                                                 " bytes; fused_decode_step needs " +
+                                                 std::to_string(chain_bytes) +
+                                                 " (fused_decode_step_workspace_bytes)");
+  a.workspace.reset();
+  expect_error_text([&] { b.run_fused(a); },
+                    "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +
+                        std::to_string(chain_bytes) +
+                        " bytes (fused_decode_step_workspace_bytes); none was given");
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(dev.get(b.state).bytes(), b.state.bytes()) << "checkpoints untouched";
+  EXPECT_EQ(dev.get(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched";
+  EXPECT_EQ(dev.get(rings.d).bytes(), rings.d.bytes()) << "d ring untouched";
+  EXPECT_EQ(index_values(dev.get(wp)), index_values(wp)) << "cursors untouched";
 }
 
 }  // namespace

@@ -25,6 +25,14 @@
 // NaN); the conv, which runs first and meets every row the decode meets, records a bad one as
 // the fused step's (err_op), so check_errors names the fused step. The norm kernel leaves both
 // kinds of rows as the decode wrote them (the norm of a zero row need not be +0).
+//
+// The ReplaySSM chain (run_fused_replay_chain) is the same with replayssm_decode.cu's dispatch
+// (its kernels and kernel choice) as step 2, on the checkpoint pool, rings and cursors: the
+// unfused ReplaySSM chain conv -> replayssm_decode -> norm, through the workspace. A row whose
+// cursor is outside the ring is a bad row too: the conv reads the cursor as the ReplaySSM decode
+// does, skips the row (its window not rolled, as the one-launch kernel leaves it) and records
+// it as the fused step's; the decode skips it by its own check, recording as the fused step's
+// too (err_op), and the norm kernel leaves it as the decode wrote it.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +42,7 @@
 #include "core/problem.h"
 #include "cuda/grid.cuh"
 #include "cuda/launch.h"
+#include "cuda/replayssm/ring.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -79,6 +88,12 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
     z[j] = i < V ? detail::load_float(p.z, p.z_dtype, z_off + i) : 0.0f;
   }
   if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
+  if (p.is_replay()) {
+    // A bad cursor: as the decode wrote it. The decode has advanced every cursor it accepted to
+    // one inside the ring and left a bad one as it was, so the check after it sees the same rows.
+    const int cursor = p.replay.write_pos[n];
+    if (cursor < 0 || replay_cursor(cursor, p.replay.advance_write_pos) >= p.replay.L) return;
+  }
   // kernel.cuh step 4 over this head's outputs as stored (out's dtype): the same lanes, the same
   // order of the sum of squares, the same butterfly
   float ss = 0.0f;
@@ -98,13 +113,10 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   }
 }
 
-// The chain on `stream`: no allocation, no host synchronization (graph-capturable); `pdl` on
-// every launch, as the unfused chain's ops take it. The caller has checked the workspace's size.
-void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
+// Step 1: the conv update into the workspace; in ReplaySSM mode with the cursors' check.
+void run_chain_conv(const FusedStepProblem& p, cudaStream_t stream) {
   const int64_t HK = static_cast<int64_t>(p.H) * p.K;
   const int64_t conv_dim = p.conv_dim();
-
-  // 1. the conv update into the workspace
   detail::ConvUpdateProblem c;
   c.B = p.B;
   c.dim = static_cast<int32_t>(conv_dim);
@@ -130,9 +142,41 @@ void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
   c.slot_stride = p.index_stride;
   c.err_op = detail::kErrOpFusedStep;
   c.check_indices = false;  // the fused step's entry point checks after the chain
+  if (p.is_replay()) {
+    c.cursors = p.replay.write_pos;
+    c.cursor_limit = p.replay.L;
+    c.cursor_advance = p.replay.advance_write_pos;
+  }
   c.pdl = p.pdl;
   c.device = p.device;
   run_conv_update(c, stream);
+}
+
+// Step 3: with the norm, the gated RMSNorm in place on out.
+void run_chain_norm(const FusedStepProblem& p, cudaStream_t stream) {
+  if (!p.z) return;
+  const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
+  const int64_t ctas = (warps + kChainNormWarps - 1) / kChainNormWarps;
+  launch_kernel(fused_chain_norm_kernel, static_cast<unsigned>(ctas), kChainNormWarps * 32, 0,
+                stream, p.pdl, with_pdl_trigger(p, ctas, 2048 / (kChainNormWarps * 32)));
+}
+
+// The norm's grid, checked before the chain's first launch.
+void check_chain_norm_grid(const FusedStepProblem& p) {
+  const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
+  if (p.z && (warps + kChainNormWarps - 1) / kChainNormWarps > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "fused_decode_step: too many rows for one launch");
+}
+
+// The chain on `stream`: no allocation, no host synchronization (graph-capturable); `pdl` on
+// every launch, as the unfused chain's ops take it. The caller has checked the workspace's size.
+void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
+  const int64_t HK = static_cast<int64_t>(p.H) * p.K;
+  const int64_t conv_dim = p.conv_dim();
+  check_chain_norm_grid(p);
+
+  // 1. the conv update into the workspace
+  run_chain_conv(p, stream);
 
   // 2. the packed decode on the workspace: packed_decode.cpp's problem over a contiguous
   // [B, conv_dim] mixed_qkv
@@ -167,13 +211,62 @@ void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
   run_recurrent(r, stream);
 
   // 3. the gated RMSNorm in place on out
-  if (!p.z) return;
-  const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
-  const int64_t ctas = (warps + kChainNormWarps - 1) / kChainNormWarps;
-  if (ctas > 0x7fffffffLL)
-    throw Error(ErrorKind::value, "fused_decode_step: too many rows for one launch");
-  launch_kernel(fused_chain_norm_kernel, static_cast<unsigned>(ctas), kChainNormWarps * 32, 0,
-                stream, p.pdl, with_pdl_trigger(p, ctas, 2048 / (kChainNormWarps * 32)));
+  run_chain_norm(p, stream);
+}
+
+// replayssm_decode.cpp's problem for the ReplaySSM chain's decode: the workspace as a contiguous
+// [B, conv_dim] mixed_qkv, the fused step's gate, beta, checkpoint pool, rings and cursors, out
+// ([B, HV, V] contiguous, replayssm_decode's [B, 1, HV, V] over the same memory), bad rows
+// recorded as the fused step's.
+detail::ReplayProblem chain_replay_problem(const FusedStepProblem& p) {
+  const int64_t HK = static_cast<int64_t>(p.H) * p.K;
+  const int64_t conv_dim = p.conv_dim();
+  const size_t esz = dtype_size(p.x_dtype);
+  const char* ws = static_cast<const char*>(p.workspace);
+  detail::ReplayProblem r;
+  r.B = p.B;
+  r.H = p.H;
+  r.HV = p.HV;
+  r.K = p.K;
+  r.V = p.V;
+  r.L = p.replay.L;
+  r.q = {ws, p.x_dtype, conv_dim, 0, p.K};
+  r.k = {ws + HK * esz, p.x_dtype, conv_dim, 0, p.K};
+  r.v = {ws + 2 * HK * esz, p.x_dtype, conv_dim, 0, p.V};
+  r.a = p.a;
+  r.b = p.b;
+  r.out = p.out;
+  r.gate = p.gate;
+  r.round_beta = p.round_beta;
+  r.l2norm = p.l2norm;
+  r.scale = p.scale;
+  r.state = p.state;
+  r.d_cache = p.replay.d_cache;
+  r.d_dtype = p.replay.d_dtype;
+  r.k_cache = p.replay.k_cache;
+  r.k_dtype = p.replay.k_dtype;
+  r.g_cache = p.replay.g_cache;
+  r.indices = static_cast<const int32_t*>(p.indices);  // int32: the validator's rule
+  r.index_stride = p.index_stride;
+  r.write_pos = p.replay.write_pos;
+  r.force_flush = p.replay.force_flush;
+  r.advance_write_pos = p.replay.advance_write_pos;
+  r.check_indices = false;  // the fused step's entry point checks after the chain
+  r.pdl = p.pdl;
+  r.device = p.device;
+  r.err_op = detail::kErrOpFusedStep;
+  return r;
+}
+
+// The ReplaySSM chain on `stream`, as run_fused_chain. The decode's launch limits are checked
+// before the conv's launch, so a call it rejects has written nothing.
+void run_fused_replay_chain(const FusedStepProblem& p, cudaStream_t stream) {
+  const detail::ReplayProblem r = chain_replay_problem(p);
+  check_replayssm_decode_launch(r);
+  check_chain_norm_grid(p);
+  run_chain_conv(p, stream);        // 1. the conv update into the workspace
+  run_replayssm_decode(r, stream);  // 2. the ReplaySSM decode on it, into out
+  run_chain_norm(p, stream);        // 3. the gated RMSNorm in place on out
 }
 
 }  // namespace

@@ -441,8 +441,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const bool bad_index = slot >= p.state.num_slots;
   if (bad_index || cursor < 0 || m >= L) {
     if (threadIdx.x == 0 && hv == 0 && blockIdx.z == 0)
-      record_bad_row(p.errors, detail::kErrOpReplay,
-                     bad_index ? detail::kErrSlot : detail::kErrCursor, n,
+      record_bad_row(p.errors, p.err_op, bad_index ? detail::kErrSlot : detail::kErrCursor, n,
                      bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
                      bad_index ? p.state.num_slots : static_cast<int64_t>(L));
     cta.zero_output(p, bad_row_output());
