@@ -1151,15 +1151,15 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     replayssm_decode's rings d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache
     [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
     int32 or None and advance_write_pos; ssm_state_indices must then be int32
-    (one launch, no workspace; under DELTASTATE_CUDA_FUSED=chain the conv, replayssm_decode and
-    norm kernels in sequence through ``workspace``)."""
+    (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
+    launch without one, or under DELTASTATE_CUDA_FUSED=cta)."""
 
 
 def _fused_workspace(mixed_qkv, initial_state, d_cache=None):
     """A new workspace for the fused step's plan, in mixed_qkv's framework and device (float32
     elements: the binding takes no uint8), or None where the plan needs none (the CPU, the
-    cluster kernel's batches, ReplaySSM's one-launch kernel). Reads the shapes, dtypes and device
-    only, and of d_cache only whether it is given (fake tensors too)."""
+    cluster kernel's batches, ReplaySSM's one-launch kernel where it is forced). Reads the
+    shapes, dtypes and device only, and of d_cache only whether it is given (fake tensors too)."""
     from ._lib import lib
     from .pool import _dtype_name
 
@@ -1177,8 +1177,8 @@ def _fused_workspace(mixed_qkv, initial_state, d_cache=None):
     return _empty(mixed_qkv, ((nbytes + 3) // 4,), "float32") if nbytes > 0 else None
 
 
-# The query decides for ReplaySSM calls too (d_cache given): 0 for the one-launch kernel, the
-# chain's bytes where DELTASTATE_CUDA_FUSED=chain takes the ReplaySSM chain.
+# The query decides for ReplaySSM calls too (d_cache given): the ReplaySSM chain's bytes, 0
+# where DELTASTATE_CUDA_FUSED=cta or =cluster forces the one-launch kernel.
 def _fused_prepare(op, mixed_qkv, initial_state, workspace, d_cache):
     if workspace is None and not _compiling(mixed_qkv):
         workspace = _fused_workspace(mixed_qkv, initial_state, d_cache)

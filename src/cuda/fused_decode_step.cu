@@ -128,11 +128,12 @@ bool cluster_fits(const FusedStepProblem& p) {
          fused_cluster_shape<StateT, K>(p, 1, fc);
 }
 
-// The plan of a call (`workspace`: whether the caller gives one). A ReplaySSM call: its own
-// one-launch kernel, or its chain where DELTASTATE_CUDA_FUSED=chain forces it (the other forced
-// plans do not apply to it). Otherwise the cluster kernel where it pays and fits; else the chain
-// where a workspace is given; else the CTA kernel; DELTASTATE_CUDA_FUSED forces one of these
-// three (a forced cluster that does not fit runs the CTA kernel). A forced chain is the chain
+// The plan of a call (`workspace`: whether the caller gives one). A ReplaySSM call: its chain
+// where a workspace is given or DELTASTATE_CUDA_FUSED=chain forces it, else its one-launch kernel
+// (which DELTASTATE_CUDA_FUSED=cta or =cluster forces). Otherwise the cluster kernel where it
+// pays and fits; else the chain where a workspace is given; else the CTA kernel;
+// DELTASTATE_CUDA_FUSED forces one of these three (a forced cluster that does not fit runs the
+// CTA kernel). A forced chain is the chain
 // with or without a workspace: launch_k refuses it without one. fused_decode_step_workspace_bytes
 // asks the same function.
 enum class FusedPlan { replay, replay_chain, cluster, chain, cta };
@@ -140,12 +141,11 @@ template <class StateT, int K>
 FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
   const FusedChoice forced = forced_fused_kernel();
   if (p.is_replay()) {
-    // The ReplaySSM chain by default where a workspace is given, as the plain step's chain: not
-    // yet, until it is measured against the one-launch kernel on the GPU. Taking it is this
-    // constant set to true (the workspace query follows the plan).
-    constexpr bool kReplayChainByDefault = false;
+    // The ReplaySSM chain by default where a workspace is given: faster than the one-launch
+    // kernel at every batch measured (bench/results/layer-step-chain-h200.json; the workspace
+    // query follows the plan).
     const bool chain = forced == FusedChoice::chain ||
-                       (kReplayChainByDefault && forced == FusedChoice::automatic && workspace);
+                       (forced == FusedChoice::automatic && workspace);
     return chain ? FusedPlan::replay_chain : FusedPlan::replay;
   }
   const bool cluster =

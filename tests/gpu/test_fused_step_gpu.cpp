@@ -771,7 +771,9 @@ TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
     EXPECT_EQ(chain.win, cta.win) << c.name << ": windows, chain vs CTA";
     EXPECT_EQ(cluster.win, cta.win) << c.name << ": windows, cluster vs CTA";
     EXPECT_EQ(chain.out, cta.out) << c.name << ": out, chain vs CTA";
-    if (!c.norm) EXPECT_EQ(cluster.out, cta.out) << c.name << ": out, cluster vs CTA";
+    if (!c.norm) {
+      EXPECT_EQ(cluster.out, cta.out) << c.name << ": out, cluster vs CTA";
+    }
   }
 }
 
@@ -846,10 +848,10 @@ bool replay_vector_path(const ReplayPlanCase& rc) {
 // the windows, checkpoints, rings and cursors. No norm: the unfused chain has no norm op.
 //  - The windows and the cursors agree bit for bit on every plan (the same conv device function,
 //    the same flush rule).
-//  - Under DELTASTATE_CUDA_FUSED=chain the fused step's ReplaySSM chain runs the unfused chain's
-//    own kernels through the same dispatch: the checkpoints, ring records and outputs agree bit
-//    for bit too, on every case.
-//  - On the one-launch kernel (the default) they agree bit for bit where replayssm_decode takes
+//  - On the fused step's ReplaySSM chain (the default; DELTASTATE_CUDA_FUSED=chain) it runs the
+//    unfused chain's own kernels through the same dispatch: the checkpoints, ring records and
+//    outputs agree bit for bit too, on every case.
+//  - On the one-launch kernel (DELTASTATE_CUDA_FUSED=cta) they agree bit for bit where replayssm_decode takes
 //    its vector path (replay_vector_path): its rows then have the one-launch kernel's
 //    RowLayout<StateT, K> and every fp32 sum runs in the same order (the q/k norms and k.q by
 //    prepare_qk, the per-record pass's G_j and Gtot in record order with the same lane columns,
@@ -863,11 +865,10 @@ bool replay_vector_path(const ReplayPlanCase& rc) {
 // norm kernel is the plain chain's, whose bits FusedStepGpuPlans shows equal to the CTA kernel's
 // norm (fused_store_outputs), which the one-launch ReplaySSM kernel runs.
 TEST(FusedReplayGpuPlans, SameBitsAsUnfusedChain) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string forced = fused_forced_as();
-  if (!forced.empty() && forced != "chain")
-    GTEST_SKIP() << "ReplaySSM has no " << forced << " plan";
-  const bool chain = forced == "chain";
+  if (forced == "cluster") GTEST_SKIP() << "ReplaySSM's forced cluster is the forced CTA run's";
+  const bool chain = forced != "cta";  // the chain by default; the one-launch kernel forced
   Rng rng = test_rng();
   const ReplayPlanCase cases[] = {
       {LayerCase{{"qwen3next_f32_nonorm", kQwen3Next, false, kNoLb, f32, f32},
@@ -912,11 +913,11 @@ TEST(FusedReplayGpuPlans, SameBitsAsUnfusedChain) {
     const int64_t gw = c.kda ? static_cast<int64_t>(s.HV) * s.K : s.HV;
     Tensor a2 = Tensor::contiguous(c.act, {B, gw});
     Tensor o2 = Tensor::contiguous(c.act, {B, 1, s.HV, s.V});
-    DeviceCopies dev;
+    Mirror dev;
     for (const Tensor* t :
          {&b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.state, &b.win[0], &rings.d,
           &rings.k, &rings.g, &wp, &state2, &win2, &rings2.d, &rings2.k, &rings2.g, &wp2, &y})
-      dev.put(*t);
+      dev.upload(*t);
     const auto view = [&](const Tensor& t) { return dev.view(t); };
     DeviceWorkspace ws;
     for (int step = 0; step < L + 2; ++step) {
@@ -928,7 +929,7 @@ TEST(FusedReplayGpuPlans, SameBitsAsUnfusedChain) {
         for (int64_t i = 0; i < gw; ++i) a2.set({r, i}, b.d.a.get({r, i}));
       b.poison_out();
       o2.fill_all(std::nan(""));
-      for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.out, &ff, &a2, &o2}) dev.put(*t);
+      for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.out, &ff, &a2, &o2}) dev.upload(*t);
 
       deltastate::FusedDecodeStepArgs fa = b.args(view);
       fa.d_cache = view(rings.d);
@@ -972,40 +973,44 @@ TEST(FusedReplayGpuPlans, SameBitsAsUnfusedChain) {
       ra.lower_bound = c.lower_bound;
       ra.advance_write_pos = true;
       deltastate::replayssm_decode(ra);
-      ok(cudaDeviceSynchronize());
+      CUDA_CHECK(cudaDeviceSynchronize());
       deltastate::check_errors();
 
       const std::string at = std::string(c.name) + ", step " + std::to_string(step);
-      EXPECT_EQ(dev.get(b.win[0]).bytes(), dev.get(win2).bytes()) << "windows, " << at;
-      EXPECT_EQ(index_values(dev.get(wp)), index_values(dev.get(wp2))) << "cursors, " << at;
+      EXPECT_EQ(dev.download(b.win[0]).bytes(), dev.download(win2).bytes()) << "windows, " << at;
+      EXPECT_EQ(index_values(dev.download(wp)), index_values(dev.download(wp2))) << "cursors, " << at;
       if (!all_bits) continue;
-      EXPECT_EQ(dev.get(b.out).bytes(), dev.get(o2).bytes()) << "out, " << at;
-      EXPECT_EQ(dev.get(b.state).bytes(), dev.get(state2).bytes()) << "checkpoints, " << at;
-      EXPECT_EQ(dev.get(rings.d).bytes(), dev.get(rings2.d).bytes()) << "d ring, " << at;
-      EXPECT_EQ(dev.get(rings.k).bytes(), dev.get(rings2.k).bytes()) << "k ring, " << at;
-      EXPECT_EQ(dev.get(rings.g).bytes(), dev.get(rings2.g).bytes()) << "g ring, " << at;
+      EXPECT_EQ(dev.download(b.out).bytes(), dev.download(o2).bytes()) << "out, " << at;
+      EXPECT_EQ(dev.download(b.state).bytes(), dev.download(state2).bytes()) << "checkpoints, " << at;
+      EXPECT_EQ(dev.download(rings.d).bytes(), dev.download(rings2.d).bytes()) << "d ring, " << at;
+      EXPECT_EQ(dev.download(rings.k).bytes(), dev.download(rings2.k).bytes()) << "k ring, " << at;
+      EXPECT_EQ(dev.download(rings.g).bytes(), dev.download(rings2.g).bytes()) << "g ring, " << at;
     }
   }
 }
 
-// The ReplaySSM workspace on CUDA: the query says 0 for the one-launch kernel (the default) and
-// the chain's bytes under DELTASTATE_CUDA_FUSED=chain, where a workspace too small is an error
-// naming it and none at all the plain mode's error, each before anything is written.
+// The ReplaySSM workspace on CUDA: the query says the chain's bytes by default and under
+// DELTASTATE_CUDA_FUSED=chain and 0 for the one-launch kernel (=cta, =cluster); a workspace too
+// small is an error naming it and, with the chain forced, none at all the plain mode's error,
+// each before anything is written.
 TEST(FusedReplayGpuPlans, Workspace) {
-  if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Rng rng = test_rng();
   const LayerCase c{{"ws", kQwen3Next, false, kNoLb, f32, bf16}, bf16};
-  const bool chain = fused_forced_as() == "chain";
+  // The chain by default and where forced; DELTASTATE_CUDA_FUSED=cta or =cluster: the one-launch
+  // kernel, no workspace.
+  const std::string forced = fused_forced_as();
+  const bool chain = forced.empty() || forced == "chain";
   const int64_t B = 3;
   LayerBatch b = make_layer_batch(rng, c, {0, -1, 2}, 4);
   Rings rings = make_rings(c.shape, false, 4, 4, f32, f32);
   Tensor wp = index_tensor({0, 0, 3});
-  DeviceCopies dev;
+  Mirror dev;
   for (const Tensor* t :
        {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
         &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
-    dev.put(*t);
-  for (const Tensor& w : b.win) dev.put(w);
+    dev.upload(*t);
+  for (const Tensor& w : b.win) dev.upload(w);
   deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
   a.d_cache = dev.view(rings.d);
   a.k_cache = dev.view(rings.k);
@@ -1023,15 +1028,17 @@ TEST(FusedReplayGpuPlans, Workspace) {
                                                  std::to_string(chain_bytes) +
                                                  " (fused_decode_step_workspace_bytes)");
   a.workspace.reset();
-  expect_error_text([&] { b.run_fused(a); },
-                    "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +
-                        std::to_string(chain_bytes) +
-                        " bytes (fused_decode_step_workspace_bytes); none was given");
-  ok(cudaDeviceSynchronize());
-  EXPECT_EQ(dev.get(b.state).bytes(), b.state.bytes()) << "checkpoints untouched";
-  EXPECT_EQ(dev.get(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched";
-  EXPECT_EQ(dev.get(rings.d).bytes(), rings.d.bytes()) << "d ring untouched";
-  EXPECT_EQ(index_values(dev.get(wp)), index_values(wp)) << "cursors untouched";
+  if (forced == "chain") {  // by default, no workspace is the one-launch kernel
+    expect_error_text([&] { b.run_fused(a); },
+                      "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +
+                          std::to_string(chain_bytes) +
+                          " bytes (fused_decode_step_workspace_bytes); none was given");
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(dev.download(b.state).bytes(), b.state.bytes()) << "checkpoints untouched";
+  EXPECT_EQ(dev.download(b.win[0]).bytes(), b.win[0].bytes()) << "windows untouched";
+  EXPECT_EQ(dev.download(rings.d).bytes(), rings.d.bytes()) << "d ring untouched";
+  EXPECT_EQ(index_values(dev.download(wp)), index_values(wp)) << "cursors untouched";
 }
 
 }  // namespace
