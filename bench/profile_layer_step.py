@@ -1,0 +1,67 @@
+"""Per-kernel device times of one layer step (bench_layer_step.py's cases) under torch.profiler.
+
+For each --cases entry (model:dtype:B), runs the fused step (the dispatch's plan, or the one
+DELTASTATE_CUDA_FUSED forces), our unfused chain and, with --replay L, both in ReplaySSM mode,
+each --reps times eagerly on rotating inputs, and prints every kernel's mean device time (µs) and
+count per step. What it answers: which launch of a chain carries the time that the graph-replay
+benchmark shows as a whole.
+
+    python bench/profile_layer_step.py --cases qwen3-next:f32:1,qwen3-next:f32:256 --replay 16
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_layer_step import Case
+from harness import DTYPES, MODELS
+
+
+def kernel_times(steps, reps: int) -> list[tuple[str, float, float]]:
+    """(kernel name, mean µs per step, launches per step) over `reps` rounds of `steps`."""
+    for s in steps:  # warm up: first-call costs (module loads, autotuning) out of the profile
+        s()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for s in steps:
+                s()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time
+            count[e.name] += 1
+    n = reps * len(steps)
+    return sorted(((k, total[k] / n, count[k] / n) for k in total), key=lambda r: -r[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="qwen3-next:f32:1,qwen3-next:f32:256")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--replay", type=int, default=0, help="also the ReplaySSM mode, ring length L")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(1234)
+    for spec in args.cases.split(","):
+        name, dname, b = spec.split(":")
+        case = Case(MODELS[name], DTYPES[dname], int(b), gen, False)
+        variants = {"fused": case.fused, "unfused": case.unfused}
+        if args.replay:
+            case.add_rings(args.replay)
+            variants.update(replay_fused=case.fused_replay, replay_unfused=case.unfused_replay)
+        for label, make in variants.items():
+            rows = kernel_times([make(r) for r in range(case.nr)], args.reps)
+            step = sum(t for _, t, _ in rows)
+            print(f"== {spec} {label}: {step:.2f} µs of kernels per step")
+            for k, t, c in rows:
+                print(f"   {t:8.2f} µs  x{c:4.2f}  {k[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
