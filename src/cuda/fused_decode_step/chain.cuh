@@ -42,6 +42,7 @@
 #include "core/problem.h"
 #include "cuda/grid.cuh"
 #include "cuda/launch.h"
+#include "cuda/loads.cuh"
 #include "cuda/replayssm/ring.cuh"
 
 namespace deltastate::cuda_backend {
@@ -67,8 +68,14 @@ constexpr int kChainNormPerLane = 8;
 // The head's outputs, weights and gates are loaded into registers in one pass, issued beside the
 // slot's load (every row's outputs are valid to read: the decode wrote them, zeros or NaN for
 // padded and bad rows), so the kernel waits on memory once; the slot decides only the store.
+// In: TypedInput<A> where out, z and norm_weight share the element type A (run_chain_norm): the
+// elements are loaded unconverted, each at an index clamped into the head so that no load waits
+// behind a bounds branch, and converted where they are used (a conversion right after each load
+// would make the warp wait for it, one load after another); else AnyInput (the dtype switch).
+template <class In>
 __global__ void __launch_bounds__(kChainNormWarps * 32)
     fused_chain_norm_kernel(const FusedStepProblem p) {
+  using Elem = typename In::wide_type;
   enter_grid(p.pdl_trigger_early);
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kChainNormWarps + (threadIdx.x >> 5);
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -79,13 +86,13 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   const int V = p.V;
   const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
   const int64_t z_off = n * p.z_row_stride + static_cast<int64_t>(hv) * p.z_head_stride;
-  float o[kChainNormPerLane], nw[kChainNormPerLane], z[kChainNormPerLane];
+  Elem ro[kChainNormPerLane], rw[kChainNormPerLane], rz[kChainNormPerLane];
 #pragma unroll
   for (int j = 0; j < kChainNormPerLane; ++j) {
-    const int i = lane + 32 * j;
-    o[j] = i < V ? detail::load_float(p.out.ptr, p.out.dtype, o_base + i) : 0.0f;
-    nw[j] = i < V ? detail::load_float(p.norm_weight, p.norm_weight_dtype, i) : 0.0f;
-    z[j] = i < V ? detail::load_float(p.z, p.z_dtype, z_off + i) : 0.0f;
+    const int i = min(lane + 32 * j, V - 1);  // lanes past V reread the head's last element
+    ro[j] = load_input<In, Elem>(p.out.ptr, p.out.dtype, o_base + i);
+    rw[j] = load_input<In, Elem>(p.norm_weight, p.norm_weight_dtype, i);
+    rz[j] = load_input<In, Elem>(p.z, p.z_dtype, z_off + i);
   }
   if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
   if (p.is_replay()) {
@@ -96,10 +103,13 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   }
   // kernel.cuh step 4 over this head's outputs as stored (out's dtype): the same lanes, the same
   // order of the sum of squares, the same butterfly
+  float o[kChainNormPerLane];
   float ss = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kChainNormPerLane; ++j)
+  for (int j = 0; j < kChainNormPerLane; ++j) {
+    o[j] = to_float(ro[j]);
     if (lane + 32 * j < V) ss += o[j] * o[j];
+  }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
   const float inv = detail::rms_inverse(ss, V, p.norm_eps);
@@ -109,7 +119,8 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
     const int i = lane + 32 * j;
     if (i < V)
       detail::store_float(p.out.ptr, p.out.dtype, o_base + i,
-                          detail::gated_norm(o[j], inv, nw[j], z[j], p.out.dtype, round_product));
+                          detail::gated_norm(o[j], inv, to_float(rw[j]), to_float(rz[j]),
+                                             p.out.dtype, round_product));
   }
 }
 
@@ -157,8 +168,15 @@ void run_chain_norm(const FusedStepProblem& p, cudaStream_t stream) {
   if (!p.z) return;
   const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
   const int64_t ctas = (warps + kChainNormWarps - 1) / kChainNormWarps;
-  launch_kernel(fused_chain_norm_kernel, static_cast<unsigned>(ctas), kChainNormWarps * 32, 0,
-                stream, p.pdl, with_pdl_trigger(p, ctas, 2048 / (kChainNormWarps * 32)));
+  const DType a = p.out.dtype;
+  void (*kernel)(FusedStepProblem) = fused_chain_norm_kernel<AnyInput>;
+  if (p.z_dtype == a && p.norm_weight_dtype == a) {
+    if (a == DType::bf16) kernel = fused_chain_norm_kernel<TypedInput<__nv_bfloat16>>;
+    else if (a == DType::f16) kernel = fused_chain_norm_kernel<TypedInput<__half>>;
+    else kernel = fused_chain_norm_kernel<TypedInput<float>>;
+  }
+  launch_kernel(kernel, static_cast<unsigned>(ctas), kChainNormWarps * 32, 0, stream, p.pdl,
+                with_pdl_trigger(p, ctas, 2048 / (kChainNormWarps * 32)));
 }
 
 // The norm's grid, checked before the chain's first launch.
