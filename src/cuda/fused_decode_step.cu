@@ -144,8 +144,8 @@ FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
     // The ReplaySSM chain by default where a workspace is given: faster than the one-launch
     // kernel at every batch measured (bench/results/layer-step-chain-h200.json; the workspace
     // query follows the plan).
-    const bool chain = forced == FusedChoice::chain ||
-                       (forced == FusedChoice::automatic && workspace);
+    const bool chain =
+        forced == FusedChoice::chain || (forced == FusedChoice::automatic && workspace);
     return chain ? FusedPlan::replay_chain : FusedPlan::replay;
   }
   const bool cluster =

@@ -851,7 +851,8 @@ bool replay_vector_path(const ReplayPlanCase& rc) {
 //  - On the fused step's ReplaySSM chain (the default; DELTASTATE_CUDA_FUSED=chain) it runs the
 //    unfused chain's own kernels through the same dispatch: the checkpoints, ring records and
 //    outputs agree bit for bit too, on every case.
-//  - On the one-launch kernel (DELTASTATE_CUDA_FUSED=cta) they agree bit for bit where replayssm_decode takes
+//  - On the one-launch kernel (DELTASTATE_CUDA_FUSED=cta) they agree bit for bit where
+//  replayssm_decode takes
 //    its vector path (replay_vector_path): its rows then have the one-launch kernel's
 //    RowLayout<StateT, K> and every fp32 sum runs in the same order (the q/k norms and k.q by
 //    prepare_qk, the per-record pass's G_j and Gtot in record order with the same lane columns,
@@ -978,10 +979,12 @@ TEST(FusedReplayGpuPlans, SameBitsAsUnfusedChain) {
 
       const std::string at = std::string(c.name) + ", step " + std::to_string(step);
       EXPECT_EQ(dev.download(b.win[0]).bytes(), dev.download(win2).bytes()) << "windows, " << at;
-      EXPECT_EQ(index_values(dev.download(wp)), index_values(dev.download(wp2))) << "cursors, " << at;
+      EXPECT_EQ(index_values(dev.download(wp)), index_values(dev.download(wp2)))
+          << "cursors, " << at;
       if (!all_bits) continue;
       EXPECT_EQ(dev.download(b.out).bytes(), dev.download(o2).bytes()) << "out, " << at;
-      EXPECT_EQ(dev.download(b.state).bytes(), dev.download(state2).bytes()) << "checkpoints, " << at;
+      EXPECT_EQ(dev.download(b.state).bytes(), dev.download(state2).bytes())
+          << "checkpoints, " << at;
       EXPECT_EQ(dev.download(rings.d).bytes(), dev.download(rings2.d).bytes()) << "d ring, " << at;
       EXPECT_EQ(dev.download(rings.k).bytes(), dev.download(rings2.k).bytes()) << "k ring, " << at;
       EXPECT_EQ(dev.download(rings.g).bytes(), dev.download(rings2.g).bytes()) << "g ring, " << at;
