@@ -1014,8 +1014,9 @@ TEST(FusedStepContract, Workspace) {
 // The workspace query in ReplaySSM mode. On the CPU: 0, and a given workspace changes nothing.
 // On CUDA views it asks the backend's plan as the plain mode does (ReplaySSM's plan reads no
 // device property, so a CUDA build answers without a GPU): without CUDA built, the same
-// not_implemented error as the plain mode's; with it, 0 for the one-launch kernel and, under
-// DELTASTATE_CUDA_FUSED=chain, the chain's B * conv_dim elements of mixed_qkv's dtype.
+// not_implemented error as the plain mode's; with it, the ReplaySSM chain's B * conv_dim
+// elements of mixed_qkv's dtype (by default and under DELTASTATE_CUDA_FUSED=chain), 0 where
+// =cta or =cluster forces the one-launch kernel.
 TEST(FusedReplayContract, WorkspaceQuery) {
   Rng rng = test_rng();
   const LayerCase c{{"ws", Shape{"ws", 2, 4, 128, 64}, false, kNoLb, f32, bf16}, bf16};
@@ -1044,8 +1045,10 @@ TEST(FusedReplayContract, WorkspaceQuery) {
       EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
     }
   } else {
+    // the ReplaySSM chain by default and where forced; =cta or =cluster: the one-launch kernel
     const char* forced = std::getenv("DELTASTATE_CUDA_FUSED");
-    const bool chain = forced && std::string(forced) == "chain";
+    const std::string plan = forced ? forced : "";
+    const bool chain = plan.empty() || plan == "chain";
     const int64_t chain_bytes = (3 * b.conv_dim * 2 + 15) / 16 * 16;  // bf16 conv output, B = 3
     EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(replay), chain ? chain_bytes : 0);
   }
