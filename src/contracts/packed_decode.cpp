@@ -161,10 +161,10 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   p.K = static_cast<int32_t>(K);
   p.V = static_cast<int32_t>(V);
   p.T = 1;
-  const int64_t row = x.stride[0];
-  p.q = {x.data, x.dtype, row, 0, K};
-  p.k = {static_cast<const char*>(x.data) + H * K * x.element_size(), x.dtype, row, 0, K};
-  p.v = {static_cast<const char*>(x.data) + 2 * H * K * x.element_size(), x.dtype, row, 0, V};
+  const PackedQkv in = packed_qkv(x.data, x.dtype, x.stride[0], H, K, V);
+  p.q = in.q;
+  p.k = in.k;
+  p.v = in.v;
   p.g = {a.data, a.dtype, a.stride[0], 0, kda ? K : 1};
   p.beta = {b.data, b.dtype, b.stride[0], 0, 1};
   p.out = {out.data, out.dtype, HV * V, 0, V};

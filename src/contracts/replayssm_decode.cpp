@@ -284,11 +284,10 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.K = static_cast<int32_t>(K);
   p.V = static_cast<int32_t>(V);
   p.L = static_cast<int32_t>(L);
-  const int64_t row = x.stride[0];
-  const int64_t es = x.element_size();
-  p.q = {x.data, x.dtype, row, 0, K};
-  p.k = {static_cast<const char*>(x.data) + H * K * es, x.dtype, row, 0, K};
-  p.v = {static_cast<const char*>(x.data) + 2 * H * K * es, x.dtype, row, 0, V};
+  const PackedQkv in = packed_qkv(x.data, x.dtype, x.stride[0], H, K, V);
+  p.q = in.q;
+  p.k = in.k;
+  p.v = in.v;
   p.a = {a.data, a.dtype, kda ? HV * K : HV, 0, kda ? K : 1};
   p.b = {b.data, b.dtype, b.stride[0], 0, 1};
   p.out = {out.data, out.dtype, HV * V, 0, V};

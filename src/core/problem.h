@@ -29,6 +29,21 @@ struct HeadOutput {
   int64_t head_stride = 0;
 };
 
+// The q, k and v of a packed mixed_qkv [B, 2*H*K + HV*V] (q at 0, k at H*K, v at 2*H*K; `row`
+// elements between rows), one token per sequence: the packed decode ops' and the fused step's
+// decode inputs.
+struct PackedQkv {
+  HeadInput q, k, v;
+};
+inline PackedQkv packed_qkv(const void* x, DType dtype, int64_t row, int64_t H, int64_t K,
+                            int64_t V) {
+  const char* base = static_cast<const char*>(x);
+  const int64_t es = dtype_size(dtype);
+  return {{base, dtype, row, 0, K},
+          {base + H * K * es, dtype, row, 0, K},
+          {base + 2 * H * K * es, dtype, row, 0, V}};
+}
+
 enum class GateMode : uint8_t {
   log_decay,  // g is given: alpha = exp(g)
   softplus,   // g = -exp(A_log) * softplus(a + dt_bias)
@@ -360,6 +375,46 @@ struct FusedStepProblem {
   // marks the mode without tensors.
   DS_HD bool is_replay() const { return replay.L > 0; }
 };
+
+// The ReplaySSM decode of a fused step in ReplaySSM mode, on its conv output `qkv` (a contiguous
+// [B, conv_dim] packed row of dtype `qkv_dtype`): replayssm_decode's problem with the step's
+// gate, beta, checkpoint pool, rings, cursors and `out` ([B, HV, V], replayssm_decode's
+// [B, 1, HV, V] over the same memory). The CPU twin and the CUDA chain plan both run it.
+inline ReplayProblem fused_replay_problem(const FusedStepProblem& p, const void* qkv,
+                                          DType qkv_dtype) {
+  ReplayProblem r;
+  r.B = p.B;
+  r.H = p.H;
+  r.HV = p.HV;
+  r.K = p.K;
+  r.V = p.V;
+  r.L = p.replay.L;
+  const PackedQkv in = packed_qkv(qkv, qkv_dtype, p.conv_dim(), p.H, p.K, p.V);
+  r.q = in.q;
+  r.k = in.k;
+  r.v = in.v;
+  r.a = p.a;
+  r.b = p.b;
+  r.out = p.out;
+  r.gate = p.gate;
+  r.round_beta = p.round_beta;
+  r.l2norm = p.l2norm;
+  r.scale = p.scale;
+  r.state = p.state;
+  r.d_cache = p.replay.d_cache;
+  r.d_dtype = p.replay.d_dtype;
+  r.k_cache = p.replay.k_cache;
+  r.k_dtype = p.replay.k_dtype;
+  r.g_cache = p.replay.g_cache;
+  r.indices = static_cast<const int32_t*>(p.indices);  // int32: the validator's rule
+  r.index_stride = p.index_stride;
+  r.write_pos = p.replay.write_pos;
+  r.force_flush = p.replay.force_flush;
+  r.advance_write_pos = p.replay.advance_write_pos;
+  r.check_indices = p.check_indices;
+  r.device = p.device;
+  return r;
+}
 
 // Speculative verify (ops.h VerifyArgs): the recurrent problem (its `indices` are the slots the
 // sequences start from, `update_state` the final write-back) plus where the per-token states go.

@@ -85,37 +85,7 @@ void run_replay_fused(const FusedStepProblem& p) {
     conv_part(p, 2, slot, n, 2 * HK + hvv, hvv, group * V, row + 2 * HK + hvv);
   });
 
-  ReplayProblem r;
-  r.B = p.B;
-  r.H = H;
-  r.HV = HV;
-  r.K = K;
-  r.V = V;
-  r.L = p.replay.L;
-  r.q = {y.data(), DType::f32, conv_dim, 0, K};
-  r.k = {y.data() + HK, DType::f32, conv_dim, 0, K};
-  r.v = {y.data() + 2 * HK, DType::f32, conv_dim, 0, V};
-  r.a = p.a;
-  r.b = p.b;
-  r.out = p.out;
-  r.gate = p.gate;
-  r.round_beta = p.round_beta;
-  r.l2norm = p.l2norm;
-  r.scale = p.scale;
-  r.state = p.state;
-  r.d_cache = p.replay.d_cache;
-  r.d_dtype = p.replay.d_dtype;
-  r.k_cache = p.replay.k_cache;
-  r.k_dtype = p.replay.k_dtype;
-  r.g_cache = p.replay.g_cache;
-  r.indices = indices;
-  r.index_stride = p.index_stride;
-  r.write_pos = p.replay.write_pos;
-  r.force_flush = p.replay.force_flush;
-  r.advance_write_pos = p.replay.advance_write_pos;
-  r.check_indices = p.check_indices;
-  r.device = p.device;
-  run_replayssm_decode(r);
+  run_replayssm_decode(fused_replay_problem(p, y.data(), DType::f32));
 
   if (!p.z) return;
   parallel_for(static_cast<int64_t>(p.B) * HV, [&](int64_t task) {

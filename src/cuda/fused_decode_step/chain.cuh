@@ -189,8 +189,6 @@ void check_chain_norm_grid(const FusedStepProblem& p) {
 // The chain on `stream`: no allocation, no host synchronization (graph-capturable); `pdl` on
 // every launch, as the unfused chain's ops take it. The caller has checked the workspace's size.
 void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
-  const int64_t HK = static_cast<int64_t>(p.H) * p.K;
-  const int64_t conv_dim = p.conv_dim();
   check_chain_norm_grid(p);
 
   // 1. the conv update into the workspace
@@ -198,8 +196,8 @@ void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
 
   // 2. the packed decode on the workspace: packed_decode.cpp's problem over a contiguous
   // [B, conv_dim] mixed_qkv
-  const size_t esz = dtype_size(p.x_dtype);
-  const char* ws = static_cast<const char*>(p.workspace);
+  const detail::PackedQkv in =
+      detail::packed_qkv(p.workspace, p.x_dtype, p.conv_dim(), p.H, p.K, p.V);
   detail::RecurrentProblem r;
   r.N = p.B;
   r.H = p.H;
@@ -207,9 +205,9 @@ void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
   r.K = p.K;
   r.V = p.V;
   r.T = 1;
-  r.q = {ws, p.x_dtype, conv_dim, 0, p.K};
-  r.k = {ws + HK * esz, p.x_dtype, conv_dim, 0, p.K};
-  r.v = {ws + 2 * HK * esz, p.x_dtype, conv_dim, 0, p.V};
+  r.q = in.q;
+  r.k = in.k;
+  r.v = in.v;
   r.g = p.a;
   r.beta = p.b;
   r.out = p.out;
@@ -232,46 +230,13 @@ void run_fused_chain(const FusedStepProblem& p, cudaStream_t stream) {
   run_chain_norm(p, stream);
 }
 
-// replayssm_decode.cpp's problem for the ReplaySSM chain's decode: the workspace as a contiguous
-// [B, conv_dim] mixed_qkv, the fused step's gate, beta, checkpoint pool, rings and cursors, out
-// ([B, HV, V] contiguous, replayssm_decode's [B, 1, HV, V] over the same memory), bad rows
-// recorded as the fused step's.
+// replayssm_decode.cpp's problem for the ReplaySSM chain's decode: the fused step's
+// (fused_replay_problem) on the workspace as a contiguous [B, conv_dim] mixed_qkv, bad rows
+// recorded as the fused step's, the indices checked by the entry point after the chain.
 detail::ReplayProblem chain_replay_problem(const FusedStepProblem& p) {
-  const int64_t HK = static_cast<int64_t>(p.H) * p.K;
-  const int64_t conv_dim = p.conv_dim();
-  const size_t esz = dtype_size(p.x_dtype);
-  const char* ws = static_cast<const char*>(p.workspace);
-  detail::ReplayProblem r;
-  r.B = p.B;
-  r.H = p.H;
-  r.HV = p.HV;
-  r.K = p.K;
-  r.V = p.V;
-  r.L = p.replay.L;
-  r.q = {ws, p.x_dtype, conv_dim, 0, p.K};
-  r.k = {ws + HK * esz, p.x_dtype, conv_dim, 0, p.K};
-  r.v = {ws + 2 * HK * esz, p.x_dtype, conv_dim, 0, p.V};
-  r.a = p.a;
-  r.b = p.b;
-  r.out = p.out;
-  r.gate = p.gate;
-  r.round_beta = p.round_beta;
-  r.l2norm = p.l2norm;
-  r.scale = p.scale;
-  r.state = p.state;
-  r.d_cache = p.replay.d_cache;
-  r.d_dtype = p.replay.d_dtype;
-  r.k_cache = p.replay.k_cache;
-  r.k_dtype = p.replay.k_dtype;
-  r.g_cache = p.replay.g_cache;
-  r.indices = static_cast<const int32_t*>(p.indices);  // int32: the validator's rule
-  r.index_stride = p.index_stride;
-  r.write_pos = p.replay.write_pos;
-  r.force_flush = p.replay.force_flush;
-  r.advance_write_pos = p.replay.advance_write_pos;
-  r.check_indices = false;  // the fused step's entry point checks after the chain
+  detail::ReplayProblem r = detail::fused_replay_problem(p, p.workspace, p.x_dtype);
+  r.check_indices = false;
   r.pdl = p.pdl;
-  r.device = p.device;
   r.err_op = detail::kErrOpFusedStep;
   return r;
 }
