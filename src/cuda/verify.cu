@@ -93,6 +93,7 @@ bool vector_rows(const VerifyProblem& p) {
 #endif
           ) &&
          rows_aligned<StateT>(p.r.state.ptr, {p.r.state.slot_stride, p.r.K}) &&
+         (!p.source.ptr || rows_aligned<StateT>(p.source.ptr, {p.source.slot_stride})) &&
          (!p.inter || rows_aligned<StateT>(p.inter, {p.inter_row_stride, p.inter_step_stride}));
 }
 
