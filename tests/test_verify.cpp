@@ -322,6 +322,140 @@ TEST_P(VerifyVsReference, OutputSlots) {
   EXPECT_TRUE(before.unchanged_except(written));
 }
 
+// FlashInfer's initial_state_source: a read-only source pool [N + 2, HV, V, K] (an envelope of
+// sentinels, its own slot stride) with live rows in random order, one sequence padded by a row
+// < 0, its row indices a strided int64 view (every other entry of a [N, 2] table).
+struct SourceSetup {
+  Tensor pool, table;
+  std::vector<int64_t> row_of;
+  std::vector<ref::State> rows;  // every row's values, for the reference
+  TensorView indices() const {
+    const TensorView t = table.view();
+    return TensorView::strided(t.data, t.dtype, {t.shape[0]}, {t.stride[0]});
+  }
+};
+
+SourceSetup make_source(Rng& rng, const VerifyCase& c, int64_t N) {
+  SourceSetup src;
+  src.pool = make_pool(c.state, N + 2, c.shape, /*slot_pad=*/40, /*lead=*/16);
+  src.row_of = pick_slots(rng, N, N + 2, {N - 1});
+  fill_live_slots(src.pool.view(), src.row_of, rng);
+  src.table = Tensor::contiguous(DType::i64, {N, 2});
+  for (int64_t n = 0; n < N; ++n) {
+    src.table.set({n, 0}, src.row_of[n]);
+    src.table.set({n, 1}, 1000 + n);  // never read
+  }
+  for (int64_t r = 0; r < N + 2; ++r) src.rows.push_back(slot_values(src.pool.view(), r));
+  return src;
+}
+
+ref::VerifyResult reference_from(const VerifySetup& su, int64_t n, const SourceSetup& src,
+                                 bool tree) {
+  std::vector<ref::Token> tokens;
+  for (int64_t t = 0; t < su.rb.seq_len(n); ++t) tokens.push_back(su.rb.token(n, t));
+  std::vector<int> parents;
+  if (tree) parents.assign(su.parent_of[n].begin(), su.parent_of[n].begin() + tokens.size());
+  const DType stored = su.inter.view().dtype;  // a tree's parent states are read back as stored
+  return ref::verify_from_pool(su.rb.config(su.scale), tokens, src.rows, src.row_of[n], parents,
+                               [stored](double x) { return round_to(stored, x); });
+}
+
+// FlashInfer's speculative decode with initial_state_source: each sequence starts from its row
+// of the read-only source pool (never from the pool, which holds only sentinels here), the state
+// after token t goes to pool slot [n, t] (< 0: skipped); the source stays bit-untouched.
+TEST_P(VerifyVsReference, SourcePoolPerTokenSlots) {
+  const VerifyCase& c = GetParam();
+  if (c.tree) GTEST_SKIP() << "chains";
+  Rng rng = test_rng();
+  VerifySetup su = make_setup(rng, c);
+  const int64_t N = su.rb.N, cols = su.T_alloc;
+  Tensor pool = make_pool(c.state, N * cols + 2, c.shape, 8, 4);
+  Tensor table = Tensor::contiguous(DType::i32, {N, cols});
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t t = 0; t < cols; ++t) table.set({n, t}, n * cols + t + 1);
+  if (su.rb.seq_len(0) > 1) table.set({0, 1}, -1);  // a skipped token
+  const SourceSetup src = make_source(rng, c, N);
+  VerifyArgs a = base_args(su);
+  a.state = pool.view();
+  a.token_state_indices = table.view();
+  a.source_state = src.pool.view();
+  a.source_state_indices = src.indices();
+  std::vector<ref::VerifyResult> want(N);
+  for (int64_t n = 0; n < N; ++n) want[n] = reference_from(su, n, src, false);
+  su.rb.poison_out();
+  Snapshot before, source_before;
+  before.add(pool);
+  source_before.add(src.pool).add(src.table);
+  deltastate::verify(a);
+  EXPECT_TRUE(source_before.unchanged()) << "the read-only source pool";
+  std::vector<MemRange> written;
+  for (int64_t n = 0; n < N; ++n) {
+    SCOPED_TRACE("sequence " + std::to_string(n));
+    for (int64_t t = 0; t < su.rb.seq_len(n); ++t) {
+      SCOPED_TRACE("token " + std::to_string(t));
+      if (src.row_of[n] < 0) {
+        EXPECT_TRUE(all_zero(su.rb.out_token(n, t)));
+        continue;
+      }
+      EXPECT_TRUE(all_close(su.rb.out_token(n, t), want[n].out[t], kOutTol, c.act));
+      const int64_t slot = static_cast<int64_t>(table.get({n, t}));
+      if (slot < 0) continue;
+      EXPECT_TRUE(all_close(slot_values(pool.view(), slot), want[n].states[t], state_tol(c.state)));
+      written.push_back(slot_range(pool.view(), slot));
+    }
+  }
+  EXPECT_TRUE(before.unchanged_except(written)) << "pool memory outside the per-token slots";
+}
+
+// A source pool with scratch rows (trees reload the initial state from the source for a parent
+// < 0) and the final state stored in place at state_indices (FlashInfer's standard decode): the
+// pool's live slots are never read (their values differ from the source's), a sequence whose
+// state_indices entry is < 0 runs but stores no final state, one padded by its source row < 0
+// stores nothing at all.
+TEST_P(VerifyVsReference, SourcePoolScratchRowsAndHomeSlot) {
+  const VerifyCase& c = GetParam();
+  Rng rng = test_rng();
+  VerifySetup su = make_setup(rng, c);
+  const int64_t N = su.rb.N;
+  const SourceSetup src = make_source(rng, c, N);
+  VerifyArgs a = base_args(su);
+  a.state_indices = su.idx.view();
+  a.update_state = true;
+  a.intermediate_states = su.inter.view();
+  a.intermediate_state_indices = su.rows.view();
+  if (c.tree) a.parent_tokens = su.parents.view();
+  a.source_state = src.pool.view();
+  a.source_state_indices = src.indices();
+  std::vector<ref::VerifyResult> want(N);
+  for (int64_t n = 0; n < N; ++n) want[n] = reference_from(su, n, src, c.tree);
+  su.rb.poison_out();
+  Snapshot pool_before, inter_before, source_before;
+  pool_before.add(su.pool);
+  inter_before.add(su.inter);
+  source_before.add(src.pool).add(src.table);
+  deltastate::verify(a);
+  EXPECT_TRUE(source_before.unchanged()) << "the read-only source pool";
+  std::vector<MemRange> steps, homes;
+  for (int64_t n = 0; n < N; ++n) {
+    SCOPED_TRACE("sequence " + std::to_string(n));
+    const int64_t len = su.rb.seq_len(n);
+    for (int64_t t = 0; t < len; ++t) {
+      SCOPED_TRACE("token " + std::to_string(t));
+      EXPECT_TRUE(all_close(su.rb.out_token(n, t), want[n].out[t], kOutTol, c.act));
+      if (src.row_of[n] < 0) continue;
+      EXPECT_TRUE(
+          all_close(inter_values(su, su.row_of[n], t), want[n].states[t], state_tol(c.state)));
+      steps.push_back(inter_range(su, su.row_of[n], t));
+    }
+    if (src.row_of[n] < 0 || su.slots[n] < 0 || len == 0) continue;
+    EXPECT_TRUE(all_close(slot_values(su.pool.view(), su.slots[n]), want[n].states.back(),
+                          state_tol(c.state)));
+    homes.push_back(slot_range(su.pool.view(), su.slots[n]));
+  }
+  EXPECT_TRUE(inter_before.unchanged_except(steps)) << "scratch memory outside the written steps";
+  EXPECT_TRUE(pool_before.unchanged_except(homes)) << "pool memory outside the final slots";
+}
+
 const VerifyCase kCases[] = {
     {{"gdn_qwen3next_f32", kQwen3Next, false, kNoLb, f32, bf16}, 3, 4, {}},
     {{"gdn_qwen3next_bf16_state", kQwen3Next, false, kNoLb, bf16, bf16}, 3, 4, {}},
@@ -361,6 +495,10 @@ TEST(VerifyContract, EveryErrorText) {
   static Tensor t_inter_two = Tensor::contiguous(DType::f32, {2, 5, 6, 48, 32});
   static Tensor t_inter_strided =
       Tensor::strided(DType::f32, {5, 5, 6, 48, 32}, {5 * 9216, 9216, 1536, 1, 48});
+  static Tensor t_src = Tensor::contiguous(DType::f32, {4, 6, 48, 32});
+  static Tensor t_src16 = Tensor::contiguous(DType::bf16, {4, 6, 48, 32});
+  static Tensor t_src_rows = index_tensor({2, -1, 0}, DType::i64);
+  static Tensor t_src_all = index_tensor({0, 1, 2});
   for (int64_t t = 0; t < 5; ++t)
     for (int64_t n = 0; n < 3; ++n) t_tbl.set({n, t}, n * 5 + t);
   t_par.fill_all(0);
@@ -499,6 +637,99 @@ TEST(VerifyContract, EveryErrorText) {
        "(got 2)"},
       {"parent order", [](VerifyArgs& a, VerifySetup&) { a.parent_tokens = t_par.view(); },
        "`parent_tokens`[2, 3]=3 must be an earlier token (< 3), or < 0 for the initial state"},
+      {"source without its indices",
+       [](VerifyArgs& a, VerifySetup&) { a.source_state = t_src.view(); },
+       "`source_state` and `source_state_indices` must be given together: the start pool and "
+       "each sequence's row in it"},
+      {"source indices without the source",
+       [](VerifyArgs& a, VerifySetup&) { a.source_state_indices = t_src_rows.view(); },
+       "`source_state` and `source_state_indices` must be given together: the start pool and "
+       "each sequence's row in it"},
+      {"source and accepted",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.state_indices.reset();
+         a.num_accepted_tokens = t_acc.view();
+         a.token_state_indices = t_tbl.view();
+         a.source_state = t_src.view();
+         a.source_state_indices = t_src_rows.view();
+       },
+       "`source_state_indices` and `num_accepted_tokens` both choose the starting state; give "
+       "one"},
+      {"source ndim",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.source_state = t_inter_short.view();
+         a.source_state_indices = t_src_rows.view();
+       },
+       "`source_state` must be a 4D tensor [N0, HV, V, K] (got ndim=5)."},
+      {"source inner dims",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.source_state = t_inter4.view();
+         a.source_state->ndim = 4;
+         a.source_state->shape[3] = 48;
+         a.source_state_indices = t_src_rows.view();
+       },
+       "`source_state` must have inner dims [HV, V, K]=(6, 48, 32); got (3, 6, 48, 48)"},
+      {"source strides",
+       [](VerifyArgs& a, VerifySetup&) {
+         TensorView v = t_inter_strided.view();
+         v.ndim = 4;
+         for (int d = 0; d < 4; ++d) {
+           v.shape[d] = v.shape[d + 1];
+           v.stride[d] = v.stride[d + 1];
+         }
+         a.source_state = v;
+         a.source_state_indices = t_src_rows.view();
+       },
+       "`source_state` must be contiguous in its [HV, V, K] inner dimensions; got strides (9216, "
+       "1536, 1, 48)"},
+      {"source dtype",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.source_state = t_src16.view();
+         a.source_state_indices = t_src_rows.view();
+       },
+       "`source_state` must have the dtype of `state` (float32); got bfloat16"},
+      {"source indices shape",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.source_state = t_src.view();
+         a.source_state_indices = t_short.view();
+       },
+       "`source_state_indices` must have shape [N]=(3,); got (2,)"},
+      {"source indices dtype",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.source_state = t_src.view();
+         a.source_state_indices = t_float.view();
+       },
+       "`source_state_indices` must have dtype int32 or int64; got float32"},
+      {"source row range",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.source_state = t_src.view();
+         a.source_state_indices = t_big.view();
+       },
+       "`source_state_indices`[1]=99 is out of range for a source state pool of 4 rows (valid: "
+       "0..3; < 0 marks a padded row)"},
+      {"final slot range with a source",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.source_state = t_src.view();
+         a.source_state_indices = t_src_all.view();
+         a.state_indices = t_big.view();
+       },
+       "`state_indices`[1]=99 is out of range for a state pool of 6 slots (valid: 0..5; < 0 marks "
+       "a padded row)"},
+      {"pool for slot n with a source",
+       [](VerifyArgs& a, VerifySetup&) {
+         a.state_indices.reset();
+         a.state = t_inter_short.view();
+         a.state.ndim = 4;
+         for (int d = 0; d < 4; ++d) {
+           a.state.shape[d] = a.state.shape[d + 1];
+           a.state.stride[d] = a.state.stride[d + 1];
+         }
+         a.state.shape[0] = 2;
+         a.source_state = t_src.view();
+         a.source_state_indices = t_src_rows.view();
+       },
+       "without `state_indices` sequence n stores its final state to slot n: the pool needs at "
+       "least N=3 slots (got 2)"},
   };
   for (const ErrorCase& e : cases) {
     SCOPED_TRACE(e.what);
@@ -508,7 +739,7 @@ TEST(VerifyContract, EveryErrorText) {
     a.intermediate_state_indices = su.rows.view();
     e.mutate(a, su);
     Snapshot before;
-    before.add(su.pool).add(su.inter);
+    before.add(su.pool).add(su.inter).add(t_src);
     const auto err = catch_error([&] { deltastate::verify(a); });
     ASSERT_TRUE(err.has_value());
     EXPECT_EQ(std::string(err->what()), e.text);

@@ -417,6 +417,13 @@ int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args);
 // or per-token state stored), unless num_accepted_tokens selects it from token_state_indices.
 // intermediate_states has the state's dtype, any strides in its first two dims and compact inner
 // dims (each state rounded on store, as the pool's). Per-token slot entries < 0 are skipped.
+// source_state [N0, HV, V, K] (FlashInfer's initial_state_source): a read-only pool the start
+// states come from instead (the state's dtype, HV, V, K; compact inner dims, any slot stride):
+// sequence n starts from its row source_state_indices[n] (< 0: padded as above; FlashInfer reads
+// row 0 instead), and num_accepted_tokens is not given. The pool `state` is then only written:
+// the per-token slots, or the final state at output_state_indices[n], else in place at
+// state_indices[n] (absent: slot n; < 0: not stored). source_state is never written; it must not
+// overlap the slots the call writes (not checked).
 // A bad index (a slot >= slots, a scratch row >= N_scr, a sequence longer than T_alloc or than
 // a table's columns, num_accepted outside [1, columns], a parent >= t): on CPU tensors a
 // ValueError before anything is written; on CUDA the row is skipped as padded, its outputs NaN,
@@ -441,6 +448,8 @@ struct VerifyArgs {
   std::optional<TensorView> parent_tokens;               // [N, >= T] int32/int64
   std::optional<TensorView> token_state_indices;         // [N, >= T] pool slot per token
   std::optional<TensorView> num_accepted_tokens;         // [N] (with token_state_indices)
+  std::optional<TensorView> source_state;                // [N0, HV, V, K] read-only start pool
+  std::optional<TensorView> source_state_indices;        // [N] its row per sequence (< 0: pad)
   std::optional<bool> check_indices;                     // as PackedDecodeArgs
   Stream stream = nullptr;
   bool pdl = false;  // as PackedDecodeArgs

@@ -269,8 +269,6 @@ def _packed(kda: bool) -> Op:
 
 # ---- recurrent (B,T and varlen): FlashInfer's recurrent_kda surface ----------------------------
 _FLASHINFER_BACKENDS = ("auto", "cute-dsl", "cake")
-_SPEC = ("(FlashInfer's separate read-only committed pool for token 0) is not implemented in "
-         "deltastate; keep the committed state in the slots ssm_state_indices names; pass None")
 _PREFILL = "(a FlashInfer prefill-backend option) is not implemented in deltastate; pass None"
 
 
@@ -337,17 +335,47 @@ def _flat_ints(t):
     return t.reshape(-1).tolist()
 
 
+def _check_source(op, q, v, state_pool, initial_state_source, initial_state_indices):
+    """FlashInfer's checks of initial_state_source / initial_state_indices, its texts, in its
+    order; the dtype rule is deltastate's: any floating dtype, the pool's (FlashInfer: bfloat16,
+    as every one of its states)."""
+    if (initial_state_source is None) != (initial_state_indices is None):
+        raise ValueError("initial_state_source and initial_state_indices must be provided "
+                         "together")
+    if initial_state_source is None:
+        return
+    ii = _shape(initial_state_indices)
+    if len(ii) != 1:
+        raise ValueError(f"initial_state_indices must be 1D, got shape {list(ii)}")
+    _check_tensor(op, "initial_state_source", initial_state_source)
+    if state_pool is not None and initial_state_source.dtype != state_pool.dtype:
+        raise ValueError(f"initial_state_source must have the dtype of initial_state "
+                         f"({state_pool.dtype}), got {initial_state_source.dtype}")
+    qs, vs, ss = _shape(q), _shape(v), _shape(initial_state_source)
+    want = (vs[2], vs[3], qs[3]) if len(qs) == 4 and len(vs) == 4 else None
+    if want is not None and tuple(ss[1:]) != want:
+        raise ValueError(f"initial_state_source must have trailing shape "
+                         f"[{want[0]}, {want[1]}, {want[2]}], got {list(ss)}")
+
+
 def _spec_route(op: str, q, k, v, g, beta, output, A_log, dt_bias, scale, state_pool,
                 use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, cu_seqlens,
-                ssm_state_indices, num_spec_tokens, num_accepted_tokens, beta_is_logit,
-                round_beta, check_indices, pdl):
+                ssm_state_indices, num_spec_tokens, num_accepted_tokens, initial_state_source,
+                initial_state_indices, beta_is_logit, round_beta, check_indices, pdl):
     """FlashInfer's speculative decode (num_spec_tokens = S: 1 + S tokens per sequence) on
     deltastate's verify: the start state from slot ssm_state_indices[n, num_accepted - 1]
     (column 0 without num_accepted_tokens; values clamped to [1, 1 + S] as FlashInfer's kernel
-    does), the state after token t into slot ssm_state_indices[n, t], the pool updated in place.
+    does), or with initial_state_source from its row initial_state_indices[n] (the verify op's
+    read-only source_state; num_accepted_tokens is then not read, as in FlashInfer's kernel);
+    the state after token t into slot ssm_state_indices[n, t], the pool updated in place.
     Batched calls without cu_seqlens and without indices use slots arange(B * (1 + S)), as
     FlashInfer's shim. FlashInfer's checks and texts, in its order."""
+    _check_source(op, q, v, state_pool, initial_state_source, initial_state_indices)
     if num_spec_tokens is None:
+        if initial_state_source is not None:
+            raise NotImplementedError(
+                f"{op}: `initial_state_source` outside speculative decode (num_spec_tokens=None) "
+                "is not implemented in deltastate; it is supported with num_spec_tokens set")
         return None
     S = int(num_spec_tokens)
     qs = _shape(q)
@@ -394,7 +422,14 @@ def _spec_route(op: str, q, k, v, g, beta, output, A_log, dt_bias, scale, state_
               beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
               cu_seqlens=cu_seqlens, token_state_indices=ssm_state_indices,
               round_beta=round_beta, check_indices=check_indices, pdl=pdl)
-    if num_accepted_tokens is None:
+    if initial_state_source is not None:
+        n_idx = _shape(initial_state_indices)[0]
+        if n_idx < N:
+            raise ValueError(f"initial_state_indices must contain one entry per sequence, got "
+                             f"{n_idx} entries for N={N}")
+        kw["source_state"] = initial_state_source
+        kw["source_state_indices"] = initial_state_indices[:N]
+    elif num_accepted_tokens is None:
         kw["state_indices"] = ssm_state_indices[:, 0]
     elif torch_in:
         kw["num_accepted_tokens"] = num_accepted_tokens.clamp(1, T)
@@ -424,9 +459,15 @@ def _recurrent(kda: bool) -> Op:
     num_accepted_tokens[n] - 1] (column 0 without num_accepted_tokens; values clamped to
     [1, 1+S]) and the state after token t is written to slot ssm_state_indices[n, t] (< 0:
     skipped; a row starting at < 0 is padded, output zero); runs deltastate.verify.
+    initial_state_source [N0, HV, V, K] with initial_state_indices [>= N] (int32/int64, any
+    stride; FlashInfer's read-only committed pool): token 0 starts from row
+    initial_state_indices[n] of it instead (num_accepted_tokens is then not read, as in
+    FlashInfer's kernel); it is never written. Beyond FlashInfer (bfloat16 only): any floating
+    dtype, initial_state's. Differences: a row < 0 marks a padded sequence (output zero, nothing
+    written; FlashInfer reads row 0), and the source outside speculative decode
+    (num_spec_tokens=None, which FlashInfer also takes) raises NotImplementedError.
 
-    Not implemented, rejected with NotImplementedError when not None: initial_state_source /
-    initial_state_indices (a separate committed pool for token 0) and FlashInfer's
+    Not implemented, rejected with NotImplementedError when not None: FlashInfer's
     prefill-backend options (seq_order, prefill_workspace, state_checkpoints,
     checkpoint_cu_starts, checkpoint_every_n_tokens != 0).
     ``backend`` is checked against FlashInfer's names and otherwise ignored (one backend here).
@@ -458,8 +499,8 @@ def _recurrent(kda: bool) -> Op:
             Arg("num_spec_tokens", OPT_INT, None, op=False),
             Arg("num_accepted_tokens", ANY, None, op=False),
             Arg("output", TENSOR, None, dtypes=FLOATING, mutated=True),  # None: allocated
-            Arg("initial_state_source", ANY, None, op=False, unsupported=_SPEC),
-            Arg("initial_state_indices", ANY, None, op=False, unsupported=_SPEC),
+            Arg("initial_state_source", ANY, None, op=False),
+            Arg("initial_state_indices", ANY, None, op=False),
             Arg("beta_is_logit", BOOL, False),
             Arg("seq_order", ANY, None, op=False, unsupported=_PREFILL),
             Arg("prefill_workspace", ANY, None, op=False, unsupported=_PREFILL),
@@ -1258,7 +1299,8 @@ _VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt
                     "use_qk_l2norm_in_kernel", "cu_seqlens", "state", "state_indices",
                     "output_state_indices", "update_state", "intermediate_states",
                     "intermediate_state_indices", "parent_tokens", "token_state_indices",
-                    "num_accepted_tokens", "check_indices", "pdl")
+                    "num_accepted_tokens", "source_state", "source_state_indices",
+                    "check_indices", "pdl")
 _KEYWORDS = (Arg("round_beta", BOOL, False, keyword=True),
              Arg("check_indices", CHECK, None, keyword=True),
              Arg("pdl", BOOL, False, keyword=True))
@@ -1276,7 +1318,12 @@ _VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind S
     sequence an EAGLE tree (token t starts from the state after its parent; < 0: the initial
     state). token_state_indices [N, >= T] stores the state after token t in pool slot [n, t] (the
     final write-back is then skipped); with num_accepted_tokens [N] the start slot is
-    token_state_indices[n, num_accepted[n] - 1] (vLLM). Returns ``output``."""
+    token_state_indices[n, num_accepted[n] - 1] (vLLM). source_state [N0, HV, V, K] (state's
+    dtype, any slot stride; FlashInfer's initial_state_source) with source_state_indices [N]: a
+    read-only pool the start states come from instead, sequence n from row
+    source_state_indices[n] (< 0: padded; not with num_accepted_tokens); the pool is then only
+    written (per-token slots, output_state_indices, else in place at state_indices, absent:
+    slot n). Returns ``output``."""
 
 
 # Every argument of the verify binding, as the public functions take them; `_hidden` makes the
@@ -1306,6 +1353,8 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("parent_tokens", OPT_TENSOR, None, dtypes=INDEX),
     Arg("token_state_indices", OPT_TENSOR, None, dtypes=INDEX),
     Arg("num_accepted_tokens", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("source_state", OPT_TENSOR, None, dtypes=FLOATING),
+    Arg("source_state_indices", OPT_TENSOR, None, dtypes=INDEX),
 )}
 
 

@@ -479,6 +479,8 @@ constexpr auto verify = bind(
         Field<&VA::parent_tokens>{"parent_tokens"},
         Field<&VA::token_state_indices>{"token_state_indices"},
         Field<&VA::num_accepted_tokens>{"num_accepted_tokens"},
+        Field<&VA::source_state>{"source_state"},
+        Field<&VA::source_state_indices>{"source_state_indices"},
         Field<&VA::check_indices>{"check_indices"},
         Field<&VA::pdl>{"pdl"},
     });

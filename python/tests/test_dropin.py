@@ -442,9 +442,24 @@ def test_flashinfer_none_state_without_cu_seqlens_allocates_b_rows():
     assert isinstance(stn, np.ndarray) and stn.dtype == np.float32 and stn.ctypes.data % 32 == 0
 
 
+def test_flashinfer_source_outside_spec_decode():
+    """FlashInfer's initial_state_source runs with num_spec_tokens (the verify op's source pool);
+    alone it is FlashInfer's ValueError, in standard decode a NotImplementedError; the state is
+    left untouched either way."""
+    q, k, v, g, beta = _fi_inputs()
+    h0 = torch.zeros(3, 2, 16, 16)
+    src, rows = torch.zeros(3, 2, 16, 16), torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^initial_state_source and initial_state_indices must "
+                       "be provided together$"):
+        ds.recurrent_kda(q, k, v, g, beta, initial_state=h0, initial_state_source=src)
+    with pytest.raises(NotImplementedError, match=r"^recurrent_kda: `initial_state_source` "
+                       r"outside speculative decode \(num_spec_tokens=None\)"):
+        ds.recurrent_kda(q, k, v, g, beta, initial_state=h0, initial_state_source=src,
+                         initial_state_indices=rows)
+    assert (h0 == 0).all()
+
+
 @pytest.mark.parametrize("arg,value", [
-    ("initial_state_source", torch.zeros(1) if torch is not None else None),
-    ("initial_state_indices", torch.zeros(1) if torch is not None else None),
     ("seq_order", torch.zeros(1) if torch is not None else None),
     ("prefill_workspace", object()), ("state_checkpoints", torch.zeros(1) if torch else None),
     ("checkpoint_cu_starts", torch.zeros(1) if torch is not None else None),

@@ -77,7 +77,12 @@ void check_verify_host(const VerifyProblem& p) {
   for (int64_t n = 0; n < r.N; ++n) {
     const int64_t len = seq_len_host(r, n);
     int64_t start;
-    if (p.num_accepted.ptr) {
+    if (p.source.ptr) {
+      start = p.source_indices.at(n, 0);
+      if (start >= p.source.num_slots)
+        fail_range("source_state_indices", n, -1, start, "a source state pool", "rows",
+                   p.source.num_slots);
+    } else if (p.num_accepted.ptr) {
       const int64_t a = p.num_accepted.at(n, 0);
       if (a < 1 || a > p.token_slots.cols)
         fail(
@@ -96,6 +101,10 @@ void check_verify_host(const VerifyProblem& p) {
     if (p.output_indices.ptr) {
       const int64_t o = p.output_indices.at(n, 0);
       if (o >= slots) fail_range("output_state_indices", n, -1, o, "a state pool", "slots", slots);
+    } else if (p.source.ptr && r.update_state && !p.token_slots.ptr && r.indices) {
+      // with a source pool, state_indices only name where the final state is stored
+      const int64_t home = index_at(r.indices, r.index_dtype, r.index_stride, n);
+      if (home >= slots) fail_range("state_indices", n, -1, home, "a state pool", "slots", slots);
     }
     if (p.token_slots.ptr) {
       if (len > p.token_slots.cols)
@@ -221,15 +230,39 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
       fail("`state_indices` and `num_accepted_tokens` both choose the starting slot; give one");
     p.num_accepted = index_vector(c, "num_accepted_tokens", *args.num_accepted_tokens, N);
   }
+  if (args.source_state || args.source_state_indices) {
+    if (!args.source_state || !args.source_state_indices)
+      fail(
+          "`source_state` and `source_state_indices` must be given together: the start pool and "
+          "each sequence's row in it");
+    if (args.num_accepted_tokens)
+      fail(
+          "`source_state_indices` and `num_accepted_tokens` both choose the starting state; give "
+          "one");
+    const TensorView& src = *args.source_state;
+    check_state_block(c, "source_state", src, 1, "N0");
+    if (src.dtype != args.state.dtype)
+      fail(format("`source_state` must have the dtype of `state` (%s); got %s",
+                  dtype_mark(dtype_name(args.state.dtype)).c_str(),
+                  dtype_mark(dtype_name(src.dtype)).c_str()));
+    p.source = {src.data, src.dtype, src.stride[0], src.shape[0]};
+    p.source_indices = index_vector(c, "source_state_indices", *args.source_state_indices, N);
+  }
+  // Without state_indices sequence n follows slot n: its start, or with a source pool the slot
+  // its final state is stored to in place (when it is).
+  const bool slot_n_followed = args.source_state ? args.update_state && !args.token_state_indices &&
+                                                       !args.output_state_indices
+                                                 : !args.num_accepted_tokens;
   if (args.state_indices) {
     const IndexTable t = index_vector(c, "state_indices", *args.state_indices, N);
     r.indices = t.ptr;
     r.index_dtype = t.dtype;
     r.index_stride = t.row_stride;
-  } else if (!args.num_accepted_tokens && args.state.shape[0] < N) {
+  } else if (slot_n_followed && args.state.shape[0] < N) {
     fail(
-        format("without `state_indices` sequence n starts from slot n: the pool needs at least "
-               "N=%lld slots (got %lld)",
+        format("without `state_indices` sequence n %s slot n: the pool needs at least N=%lld slots "
+               "(got %lld)",
+               args.source_state ? "stores its final state to" : "starts from",
                static_cast<long long>(N), static_cast<long long>(args.state.shape[0])));
   }
   if (args.output_state_indices) {

@@ -430,6 +430,8 @@ struct VerifyProblem {
   IndexTable parents;         // [N, cols]: tree
   IndexTable token_slots;     // [N, cols]: pool slot of the state after token t
   IndexTable num_accepted;    // [N, 1]: with token_slots, the starting slot's column + 1
+  StatePoolRef source;        // read-only start pool (ptr null: none); r.state's dtype
+  IndexTable source_indices;  // [N, 1]: with source, the start row (r.indices: the final slot)
   int err_op = kErrOpVerify;  // the op a bad row is recorded under (the recurrent op runs here too)
 };
 

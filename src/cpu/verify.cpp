@@ -37,10 +37,12 @@ void run_verify(const VerifyProblem& p) {
     const int64_t seq = r.cu_seqlens ? 0 : n;
     const int64_t tok0 = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
     const int64_t len = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
-    const int64_t start =
-        p.num_accepted.ptr
-            ? p.token_slots.at(n, p.num_accepted.at(n, 0) - 1)
-            : (r.indices ? index_at(r.indices, r.index_dtype, r.index_stride, n) : n);
+    // home: the sequence's slot (state_indices, else n); start: the row its state starts from,
+    // of the source pool when one is given (home then only receives the final state).
+    const int64_t home = r.indices ? index_at(r.indices, r.index_dtype, r.index_stride, n) : n;
+    const int64_t start = p.source.ptr         ? p.source_indices.at(n, 0)
+                          : p.num_accepted.ptr ? p.token_slots.at(n, p.num_accepted.at(n, 0) - 1)
+                                               : home;
     if (start < 0) {  // padded: output rows zeroed, nothing read or written
       std::fill(o.begin(), o.end(), 0.0f);
       for (int64_t t = 0; t < len; ++t)
@@ -53,15 +55,18 @@ void run_verify(const VerifyProblem& p) {
       return row * p.inter_row_stride + step * p.inter_step_stride + hv * head_elems;
     };
 
-    load_row(r.state.ptr, r.state.dtype, pool_at(start), static_cast<int>(head_elems), S.data());
+    // the start state: a row of the read-only source pool, else of the pool
+    const void* init_base = p.source.ptr ? p.source.ptr : r.state.ptr;
+    const int64_t init_at =
+        p.source.ptr ? start * p.source.slot_stride + hv * head_elems : pool_at(start);
+    load_row(init_base, r.state.dtype, init_at, static_cast<int>(head_elems), S.data());
     for (int64_t t = 0; t < len; ++t) {
       // A tree token starts from its parent's state (the initial state for a parent < 0), unless
       // the parent is the previous token, whose state S already is.
       if (p.parents.ptr && row >= 0 && t > 0) {
         const int64_t parent = p.parents.at(n, t);
         if (parent < 0)
-          load_row(r.state.ptr, r.state.dtype, pool_at(start), static_cast<int>(head_elems),
-                   S.data());
+          load_row(init_base, r.state.dtype, init_at, static_cast<int>(head_elems), S.data());
         else if (parent != t - 1)
           load_row(p.inter, p.inter_dtype, inter_at(parent), static_cast<int>(head_elems),
                    S.data());
@@ -92,7 +97,7 @@ void run_verify(const VerifyProblem& p) {
       }
     }
     if (r.update_state && !p.token_slots.ptr && len > 0) {
-      const int64_t dst = p.output_indices.ptr ? p.output_indices.at(n, 0) : start;
+      const int64_t dst = p.output_indices.ptr ? p.output_indices.at(n, 0) : home;
       if (dst >= 0)
         store_row(r.state.ptr, r.state.dtype, pool_at(dst), static_cast<int>(head_elems), S.data());
     }

@@ -84,10 +84,12 @@ void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
 }
 
 // The vector instantiations (K = 64 or 128, 16-byte aligned rows of the pool and the scratch
-// buffer), else the generic one (any K <= 256, element accesses).
+// buffer, no source pool), else the generic one (any K <= 256, element accesses; a source pool's
+// start rows: the vector kernels, at their register caps, would spill with its code).
 template <class StateT>
 bool vector_rows(const VerifyProblem& p) {
-  return (p.r.K == 128
+  return !p.source.ptr &&
+         (p.r.K == 128
 #if DELTASTATE_CUDA_ALL_KERNELS
           || p.r.K == 64
 #endif

@@ -16,7 +16,18 @@ namespace {
 using deltastate::CommitArgs;
 using deltastate::VerifyArgs;
 
-enum class Mode { scratch_rows, tree, batch_rows_in_place, per_token_accepted, output_slots };
+// source_*: FlashInfer's initial_state_source, the start states from a read-only source pool
+// (one sequence padded by a source row < 0): per-token slots (its speculative decode), or a tree
+// over scratch rows with the final state stored in place at state_indices.
+enum class Mode {
+  scratch_rows,
+  tree,
+  batch_rows_in_place,
+  per_token_accepted,
+  output_slots,
+  source_per_token,
+  source_tree_in_place
+};
 
 struct GpuVerifyCase : OpCase {
   int64_t B, T;
@@ -28,7 +39,7 @@ void PrintTo(const GpuVerifyCase& c, std::ostream* os) { *os << c.name; }
 // Everything one verify call touches, built once; `run` calls the op on CPU or CUDA views.
 struct VerifyInputs {
   RecurrentBatch rb;
-  Tensor pool, inter, idx, rows, parents, table, accepted, out_idx;
+  Tensor pool, inter, idx, rows, parents, table, accepted, out_idx, source, source_rows;
   int64_t N = 0;
 };
 
@@ -65,6 +76,10 @@ VerifyInputs make_inputs(Rng& rng, const GpuVerifyCase& c) {
   std::vector<int64_t> dst;
   for (int64_t n = 0; n < N; ++n) dst.push_back(n == 0 ? -1 : slots - 1 - n);
   in.out_idx = index_tensor(dst);
+  // The source pool: its own slot stride, every row filled, sequence N - 1 padded (row < 0).
+  in.source = make_pool(c.state, N + 2, s, c.shape.K == 128 ? 32 : 6, c.shape.K == 128 ? 64 : 2);
+  for (int64_t r = 0; r < N + 2; ++r) fill_slot(in.source.view(), r, rng);
+  in.source_rows = index_tensor(pick_slots(rng, N, N + 2, {N - 1}), DType::i64);
   return in;
 }
 
@@ -94,6 +109,19 @@ VerifyArgs verify_args(const VerifyInputs& in, Mode mode, ViewOf&& view_of) {
       a.state_indices = view_of(in.idx);
       a.output_state_indices = view_of(in.out_idx);
       break;
+    case Mode::source_per_token:
+      a.token_state_indices = view_of(in.table);
+      a.source_state = view_of(in.source);
+      a.source_state_indices = view_of(in.source_rows);
+      break;
+    case Mode::source_tree_in_place:
+      a.state_indices = view_of(in.idx);
+      a.intermediate_states = view_of(in.inter);
+      a.intermediate_state_indices = view_of(in.rows);
+      a.parent_tokens = view_of(in.parents);
+      a.source_state = view_of(in.source);
+      a.source_state_indices = view_of(in.source_rows);
+      break;
   }
   return a;
 }
@@ -110,7 +138,8 @@ TEST_P(VerifyGpuVsCpu, Run) {
   Mirror dev;
   dev.upload_all(in.rb.q, in.rb.k, in.rb.v, in.rb.g, in.rb.beta, in.rb.out, in.rb.A_log,
                  in.rb.dt_bias, in.rb.cu, in.pool, in.inter, in.idx, in.rows, in.parents, in.table,
-                 in.accepted, in.out_idx);
+                 in.accepted, in.out_idx, in.source, in.source_rows);
+  const std::vector<double> source_before = in.source.values();
   deltastate::verify(verify_args(in, c.mode, dev.views()));
   sync();
   deltastate::check_errors();
@@ -123,6 +152,7 @@ TEST_P(VerifyGpuVsCpu, Run) {
   EXPECT_TRUE(close_vs_cpu(dev.download(in.inter).values(), in.inter.values(),
                            state_tol_gpu(c.state), c.state))
       << "intermediate states";
+  EXPECT_EQ(dev.download(in.source).values(), source_before) << "the read-only source pool";
 }
 
 const GpuVerifyCase kGpuCases[] = {
@@ -146,6 +176,21 @@ const GpuVerifyCase kGpuCases[] = {
      Mode::scratch_rows},
     {{"kda_odd_output_slots", kOdd, true, kNoLb, bf16, f32}, 4, 5, {}, Mode::output_slots},
     {{"gdn_KgtV_T8_in_place", kKgtV, false, kNoLb, f32, f16}, 6, 8, {}, Mode::batch_rows_in_place},
+    {{"kda_kimi_bf16_source_per_token", kKimi, true, kNoLb, bf16, bf16},
+     5,
+     4,
+     {},
+     Mode::source_per_token},
+    {{"gdn_qwen3next_f32_source_tree", kQwen3Next, false, kNoLb, f32, bf16},
+     4,
+     5,
+     {},
+     Mode::source_tree_in_place},
+    {{"kda_odd_varlen_source_tree", kOdd, true, kNoLb, f32, f32},
+     1,
+     0,
+     {3, 1, 6},
+     Mode::source_tree_in_place},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, VerifyGpuVsCpu, ::testing::ValuesIn(kGpuCases),
                          case_name<GpuVerifyCase>);

@@ -27,24 +27,29 @@ What changed in the port:
     above 1 + S), test_spec_decode_nat_heterogeneous, test_spec_decode_nat_with_padding,
     test_spec_decode_gate_modes, test_spec_decode_all_padded, test_spec_decode_batched_auto_ssi,
     test_spec_decode_batched_vs_cuseqlens, test_spec_decode_non_compact_state,
-    test_spec_decode_nat_equals_one_matches_no_nat, test_spec_decode_checkpoint_correctness and
+    test_spec_decode_nat_equals_one_matches_no_nat, test_spec_decode_checkpoint_correctness,
+    test_spec_decode_separate_source_and_beta_logits (the separate read-only source pool,
+    initial_state_source / initial_state_indices; its strided source and index views kept) and
     the helpers make_spec_decode_inputs / spec_decode_naive_reference /
     assert_spec_states (the naive reference is _peer_common's FLA one, as above), same sizes,
     seeds, tolerances and assertions, and test_spec_decode_shape_validation; the surface test
-    test_surface_spec_decode_shim_slots_text pins one more text read from the source. Not ported: the tests of FlashInfer's separate committed
-    pool (initial_state_source, rejected: test_surface_separate_source_rejected_clearly), of its
-    kernel schedule and CUDA-graph padding specifics (test_kernel_schedule,
-    test_spec_decode_padded_cuda_graph, test_t1_cu_seqlens_*), and the remaining
-    test_spec_decode_validate_slots_collision (FlashInfer's own slot-collision validator),
-    _cu_seqlens_validation (a shape check only), and _nat_gate_modes /
-    _separate_source_and_beta_logits, left for a later port (the last needs the separate
-    source).
+    test_surface_spec_decode_shim_slots_text pins one more text read from the source, and
+    test_surface_separate_source_texts / test_surface_separate_source_padded_row_and_nat pin
+    the separate source's checks (FlashInfer's texts, deltastate's dtype rule, the rejection
+    outside speculative decode) and deltastate's rules (a source row < 0 is padding; FlashInfer
+    reads row 0; num_accepted_tokens not read with a source, as FlashInfer's kernel). Not
+    ported: the tests of its kernel schedule and CUDA-graph padding specifics
+    (test_kernel_schedule, test_spec_decode_padded_cuda_graph, test_t1_cu_seqlens_*), and the
+    remaining test_spec_decode_validate_slots_collision (FlashInfer's own slot-collision
+    validator), _cu_seqlens_validation (a shape check only), and _nat_gate_modes, left for a
+    later port.
   * "Surface" tests at the end are not FlashInfer tests: they pin FlashInfer call-surface facts
     read from its source (signature; in-place state; return values with and without indices;
     ``initial_state=None`` with indices allocating).
 """
 
 import inspect
+import re
 
 import pytest
 
@@ -588,19 +593,6 @@ def test_surface_none_state_with_indices_allocates(device):
     assert torch.count_nonzero(o[:, 1]).item() == 0
 
 
-@device_param
-@pytest.mark.parametrize("arg", ["initial_state_source", "initial_state_indices"])
-def test_surface_separate_source_rejected_clearly(device, arg):
-    """FlashInfer's separate committed pool for token 0 is not implemented: a non-default value
-    is a clear error naming the argument (never a TypeError, never silently ignored)."""
-    q, k, v, g, beta = _decode_inputs(device)
-    h0 = torch.zeros(3, 2, 64, 64, dtype=torch.bfloat16, device=device)
-    value = (h0.clone() if arg == "initial_state_source"
-             else torch.zeros(3, dtype=torch.int32, device=device))
-    with pytest.raises(NotImplementedError, match=arg):
-        recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, **{arg: value})
-
-
 # ---- speculative decode (FlashInfer's "Speculative decoding tests") ----------------------------
 def make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device, dtype=torch.bfloat16):
     """Packed spec-decode inputs: q, k, v, g, beta [1, N*T, ...], cu_seqlens [0, T, ..., N*T],
@@ -864,6 +856,138 @@ def test_surface_spec_decode_shim_slots_text(device):
         recurrent_kda(q=q.view(2, T, 4, 64), k=k.view(2, T, 4, 64), v=v.view(2, T, 4, 64),
                       g=g.view(2, T, 4, 64), beta=beta.view(2, T, 4), scale=scale,
                       initial_state=pool[:5], num_spec_tokens=2)
+
+
+@device_param
+@pytest.mark.parametrize("D", [64, 128], ids=["D64", "D128"])
+def test_spec_decode_separate_source_and_beta_logits(device, D):
+    """Committed state is read in-kernel and beta logits are activated there."""
+    manual_seed(42)
+    N, H, HV, num_spec_tokens = 4, 8, 8, 3
+
+    q, k, v, g, _, cu_seqlens, ssm_state_indices, scratch, scale, T = (
+        make_spec_decode_inputs(N, H, HV, D, num_spec_tokens, device))
+    beta_logits = torch.randn(1, N * T, HV, dtype=torch.bfloat16, device=device)
+    beta = beta_logits.sigmoid()
+    source_values = torch.randn(N + 3, HV, D, D, dtype=torch.bfloat16, device=device)
+    source_stride = HV * D * D + 32
+    source_backing = torch.zeros((N + 3) * source_stride, dtype=torch.bfloat16, device=device)
+    source = source_backing.as_strided(size=(N + 3, HV, D, D),
+                                       stride=(source_stride, D * D, D, 1))
+    source.copy_(source_values)
+    source_backing_before = source_backing.clone()
+    source_indices_storage = torch.tensor([3, -1, 1, -1, 5, -1, 0, -1], dtype=torch.int32,
+                                          device=device)
+    source_indices = source_indices_storage[::2]
+    assert not source_indices.is_contiguous()
+
+    reference_pool = scratch.clone()
+    for batch_idx in range(N):
+        reference_pool[ssm_state_indices[batch_idx, 0]] = source[source_indices[batch_idx]]
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g, beta, ssm_state_indices, reference_pool, scale, N, T, H, HV)
+
+    output_pool = scratch.clone()
+    out, _ = recurrent_kda(q=q, k=k, v=v, g=g, beta=beta_logits, beta_is_logit=True, scale=scale,
+                           initial_state=output_pool, initial_state_source=source,
+                           initial_state_indices=source_indices, cu_seqlens=cu_seqlens,
+                           ssm_state_indices=ssm_state_indices, num_spec_tokens=num_spec_tokens)
+
+    assert_close("separate_source_output", ref_out.bfloat16().float(), out.float(), atol=1e-1,
+                 rtol=5e-2)
+    assert_spec_states(output_pool, ssm_state_indices, ref_states, N, T, atol=1e-1, rtol=5e-2)
+    assert torch.equal(source_backing, source_backing_before)
+
+
+@device_param
+def test_surface_separate_source_texts(device):
+    """FlashInfer's checks of the separate source, its texts (run_recurrent_kda), and
+    deltastate's dtype rule (any floating dtype, the pool's; FlashInfer: bfloat16 only)."""
+    N, S = 3, 2
+    q, k, v, g, beta, cu_seqlens, ssi, pool, scale, T = make_spec_decode_inputs(
+        N, 2, 2, 64, S, device)
+    src = torch.randn(N, 2, 64, 64, dtype=torch.bfloat16, device=device)
+    rows = torch.arange(N, dtype=torch.int32, device=device)
+
+    def call(**overrides):
+        kw = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=pool.clone(),
+                  cu_seqlens=cu_seqlens, ssm_state_indices=ssi, num_spec_tokens=S,
+                  initial_state_source=src, initial_state_indices=rows)
+        kw.update(overrides)
+        return recurrent_kda(**kw)
+
+    together = "initial_state_source and initial_state_indices must be provided together"
+    with pytest.raises(ValueError, match=together):
+        call(initial_state_indices=None)
+    with pytest.raises(ValueError, match=together):
+        call(initial_state_source=None)
+    with pytest.raises(ValueError, match=re.escape("initial_state_indices must be 1D, got shape "
+                                                   "[3, 1]")):
+        call(initial_state_indices=rows.view(N, 1))
+    with pytest.raises(ValueError, match=re.escape(
+            "initial_state_source must have the dtype of initial_state (torch.bfloat16), got "
+            "torch.float32")):
+        call(initial_state_source=src.float())
+    with pytest.raises(ValueError, match=re.escape(
+            "initial_state_source must have trailing shape [2, 64, 64], got [3, 2, 64, 32]")):
+        call(initial_state_source=src[..., :32])
+    with pytest.raises(ValueError, match=re.escape(
+            "initial_state_indices must contain one entry per sequence, got 2 entries for N=3")):
+        call(initial_state_indices=rows[:2])
+    # Extra entries are not read (FlashInfer's rule: at least one per sequence).
+    out, _ = call(initial_state_indices=torch.arange(N + 2, dtype=torch.int32, device=device))
+    ref, _ = call()
+    assert torch.equal(out, ref)
+    # Outside speculative decode FlashInfer takes the source too: not implemented here.
+    with pytest.raises(NotImplementedError, match="initial_state_source.*num_spec_tokens=None"):
+        qd, kd, vd, gd, bd = _decode_inputs(device)
+        recurrent_kda(q=qd, k=kd, v=vd, g=gd, beta=bd,
+                      initial_state=torch.zeros(3, 2, 64, 64, dtype=torch.bfloat16,
+                                                device=device),
+                      initial_state_source=src, initial_state_indices=rows)
+
+
+@device_param
+def test_surface_separate_source_padded_row_and_nat(device):
+    """deltastate's rules with a source: a source row < 0 marks a padded sequence (output zero,
+    no slot written; FlashInfer reads row 0 instead), every other sequence starts from its
+    source row whatever num_accepted_tokens says (FlashInfer's kernel does not read it with a
+    source), the state after token t lands in slot ssm_state_indices[n, t], the source and every
+    other slot stay bit-untouched. A float32 pool and source (FlashInfer: bfloat16 only)."""
+    manual_seed(7)
+    N, H, HV, D, S = 3, 2, 4, 64, 2
+    q, k, v, g, beta, cu_seqlens, ssi, pool, scale, T = make_spec_decode_inputs(
+        N, H, HV, D, S, device)
+    pool = pool.float()
+    source = torch.randn(N + 1, HV, D, D, dtype=torch.float32, device=device) * 0.1
+    source_before = source.clone()
+    rows = torch.tensor([2, -1, 0], dtype=torch.int64, device=device)
+    nat = torch.tensor([3, 2, 2], dtype=torch.int32, device=device)
+    reference_pool = pool.clone()
+    for b in (0, 2):
+        reference_pool[ssi[b, 0]] = source[rows[b]]
+    ref_out, ref_states = spec_decode_naive_reference(
+        q, k, v, g, beta, ssi, reference_pool, scale, N, T, H, HV)
+    out_pool = pool.clone()
+    out = torch.full((1, N * T, HV, D), float("nan"), dtype=q.dtype, device=device)
+    recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=out_pool,
+                  cu_seqlens=cu_seqlens, ssm_state_indices=ssi, num_spec_tokens=S,
+                  num_accepted_tokens=nat, initial_state_source=source,
+                  initial_state_indices=rows, output=out)
+    assert torch.equal(source, source_before)
+    assert torch.count_nonzero(out[0, T:2 * T]).item() == 0  # the padded sequence
+    live = torch.cat([torch.arange(0, T), torch.arange(2 * T, 3 * T)]).to(device)
+    assert_close("source_output", ref_out[0, live].bfloat16().float(), out[0, live].float(),
+                 atol=1e-1, rtol=5e-2)
+    for b in (0, 2):
+        for t in range(T):
+            slot = int(ssi[b, t])
+            assert_close(f"source_state[b={b}, t={t}]", ref_states[b][t],
+                         out_pool[slot].transpose(-1, -2), atol=1e-1, rtol=5e-2)
+    written = {int(ssi[b, t]) for b in (0, 2) for t in range(T)}
+    for slot in range(pool.shape[0]):
+        if slot not in written:
+            assert torch.equal(out_pool[slot], pool[slot]), f"slot {slot} changed"
 
 
 @device_param

@@ -56,19 +56,24 @@ struct BadIndex {
   int kind = 0;
   int64_t value = 0, limit = 0;
 };
+// `source`: the start row is of the read-only source pool (vp.source; the generic kernel only).
 __device__ __forceinline__ BadIndex find_bad_index(const VerifyProblem& vp, int64_t n, int64_t len,
-                                                   int64_t start, int64_t row) {
+                                                   int64_t start, int64_t row, bool source) {
   const RecurrentProblem& p = vp.r;
   const int64_t slots = p.state.num_slots;
   if (vp.num_accepted.ptr) {
     const int64_t a = vp.num_accepted.at(n, 0);
     if (a < 1 || a > vp.token_slots.cols) return {detail::kErrStep, a, vp.token_slots.cols};
   }
-  if (start >= slots) return {detail::kErrSlot, start, slots};
+  const int64_t start_limit = source ? vp.source.num_slots : slots;  // start's own pool
+  if (start >= start_limit) return {detail::kErrSlot, start, start_limit};
   if (start < 0) return {};
   if (vp.output_indices.ptr) {
     const int64_t o = vp.output_indices.at(n, 0);
     if (o >= slots) return {detail::kErrSlot, o, slots};
+  } else if (source && p.update_state && !vp.token_slots.ptr && p.indices) {
+    const int64_t home = detail::index_at(p.indices, p.index_dtype, p.index_stride, n);
+    if (home >= slots) return {detail::kErrSlot, home, slots};
   }
   if (vp.token_slots.ptr) {
     if (len > vp.token_slots.cols) return {detail::kErrStep, len, vp.token_slots.cols};
@@ -227,12 +232,21 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
   const int64_t len =
       p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, n + 1) - tok0 : p.T;
 
+  // home: the sequence's slot; start: the row its state starts from, of the read-only source
+  // pool when one is given (home then only receives the final state).
+  const int64_t home =
+      p.indices ? detail::index_at(p.indices, p.index_dtype, p.index_stride, n) : n;
+  // A source pool runs on the generic kernel only (vector_rows): the vector kernels, at their
+  // register caps, compile without its code.
+  const bool source = !VEC && vp.source.ptr != nullptr;
   int64_t start;
-  if (vp.num_accepted.ptr) {
+  if (source) {
+    start = vp.source_indices.at(n, 0);
+  } else if (vp.num_accepted.ptr) {
     const int64_t a = vp.num_accepted.at(n, 0);
     start = a >= 1 && a <= vp.token_slots.cols ? vp.token_slots.at(n, a - 1) : 0;
   } else {
-    start = p.indices ? detail::index_at(p.indices, p.index_dtype, p.index_stride, n) : n;
+    start = home;
   }
   // The state rows are loaded (or their copies issued) as soon as the slot is known to lie in the
   // pool, ahead of the other index checks (a verify's table reads), which they then overlap; a bad
@@ -241,8 +255,11 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
   StateT* pool = static_cast<StateT*>(p.state.ptr) + static_cast<int64_t>(hv) * head_elems;
   StateT* inter = static_cast<StateT*>(vp.inter);
   float S[R][EPL];
-  const bool in_pool = start >= 0 && start < p.state.num_slots;
-  const StateT* init = pool + (in_pool ? start : 0) * p.state.slot_stride;
+  const detail::StatePoolRef& init_pool = source ? vp.source : p.state;
+  const StateT* init_head =
+      static_cast<const StateT*>(init_pool.ptr) + static_cast<int64_t>(hv) * head_elems;
+  const bool in_pool = start >= 0 && start < init_pool.num_slots;
+  const StateT* init = init_head + (in_pool ? start : 0) * init_pool.slot_stride;
   const int v_pool = in_pool ? V : 0;
   if constexpr (!Shape::stage0)
     load_rows<StateT, EPL, R, RG, VEC>(init, cta_row0 + local0, v_pool, K, kofs, valid, S);
@@ -256,7 +273,7 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
     }
   }
   const int64_t row = vp.inter ? (vp.inter_indices.ptr ? vp.inter_indices.at(n, 0) : n) : -1;
-  const BadIndex bad = find_bad_index(vp, n, len, start, row);
+  const BadIndex bad = find_bad_index(vp, n, len, start, row, source);
   if (start < 0 || bad.kind) {  // padded: zero outputs; a bad index: NaN outputs, recorded
     if (bad.kind && hv == 0 && block == 0 && threadIdx.x == 0)
       record_bad_row(p.errors, vp.err_op, bad.kind, n, bad.value, bad.limit);
@@ -274,7 +291,8 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
       p.gate.A_log ? detail::load_float(p.gate.A_log, p.gate.A_log_dtype, hv) : 0.0f;
   const bool final_store = p.update_state && !vp.token_slots.ptr;
   const int64_t final_slot =
-      final_store ? (vp.output_indices.ptr ? vp.output_indices.at(n, 0) : start) : -1;
+      final_store ? (vp.output_indices.ptr ? vp.output_indices.at(n, 0) : (source ? home : start))
+                  : -1;
   const int idx = reduced_index<G, 2 * R>(lane);  // the dot this lane holds after the reduction
   // A sequence of one chunk is prepared once for all the tiles; a longer one once per tile.
   const bool prepare_once = len <= kMultiChunk;
@@ -314,7 +332,10 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
         if (vp.parents.ptr && row >= 0 && t > 0) {
           const int64_t parent = vp.parents.at(n, t);
           if (parent != t - 1) {
-            const StateT* src = parent < 0 ? pool + start * p.state.slot_stride
+            // the start row (init); the vector kernels recompute it from the pool (never a
+            // source there) rather than keep a pointer live across the tokens
+            const StateT* start_row = VEC ? pool + start * p.state.slot_stride : init;
+            const StateT* src = parent < 0 ? start_row
                                            : inter + row * vp.inter_row_stride +
                                                  parent * vp.inter_step_stride +
                                                  static_cast<int64_t>(hv) * head_elems;
