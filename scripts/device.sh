@@ -4,7 +4,8 @@
 #
 #   scripts/device.sh [phase ...]      phases: build test check sanitize bench-decode
 #                                      bench-replay overhead (default: all, in that order);
-#                                      also build-lib, bench-direct, bench-tpw, bench-variant,
+#                                      also prebuilt, build-lib, bench-direct, bench-tpw,
+#                                      bench-variant,
 #                                      bench-pdl,
 #                                      bench-replay-bpc1, profile, test-replay,
 #                                      profile-replay, profile-source,
@@ -134,6 +135,13 @@ for phase in "${phases[@]}"; do
       run build nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
       configure
       run build cmake --build "$BUILD" -j "$(nproc)"
+      ;;
+    prebuilt)  # instead of build, with BUILD=.devrun/prebuilt: unpack the binaries that
+      # scripts/prebuild.sh packed on the CPU machine (the Python module, the GPU tests; no CPU
+      # tests, CLI or benchmark builds, so not for `test`, `check` or `bench-bulk`)
+      run build cat "$BUILD/COMMIT"
+      run build find "$BUILD" -name '*.xz' -exec xz -d {} +
+      run build chmod +x "$BUILD/tests/deltastate_gpu_tests"
       ;;
     build-lib)  # the library and the Python module only (benchmarks, checks)
       configure
