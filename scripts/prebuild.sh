@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build the GPU machine's binaries on this machine and pack them for the device tool's `carry`:
 # the Python module and the GPU test binary of a CUDA build (every kernel specialization unless
-# ALL_KERNELS=OFF), stripped and xz-compressed (~25 MB) into $PREBUILT_OUT (default
-# .devrun/prebuilt, ignored), with the commit and the state of the tree they were built from.
+# ALL_KERNELS=OFF), stripped and xz-compressed (~50 MB; ~20 MB with ALL_KERNELS=OFF) into
+# $PREBUILT_OUT (default .devrun/prebuilt, ignored), with the commit and the state of the tree
+# they were built from. About 4.5 minutes on this 2-core machine. The carry limit is 64 MiB with
+# the tree and the wheels (~8 MB): carry nothing else in .devrun beside it.
 # On the GPU machine `BUILD=.devrun/prebuilt scripts/device.sh prebuilt test-layer bench-layer`
 # then unpacks them and skips the ~200 s build (docs/DEVICE.md). Needs nvcc, the Python whose
 # apache-tvm-ffi matches the carried wheel (PYTHON) and GoogleTest's sources in .deps/googletest.
