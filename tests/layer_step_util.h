@@ -177,4 +177,17 @@ inline LayerBatch make_layer_batch(Rng& rng, const LayerCase& c, const std::vect
   return b;
 }
 
+// The fused step's ReplaySSM arguments on `a` through `view_of`: the rings, the cursors `wp`,
+// force_flush `ff` (null: none) and advance_write_pos.
+template <class ViewOf>
+void add_replay(deltastate::FusedDecodeStepArgs& a, ViewOf&& view_of, const Rings& r,
+                const Tensor& wp, const Tensor* ff, bool advance) {
+  a.d_cache = view_of(r.d);
+  a.k_cache = view_of(r.k);
+  a.g_cache = view_of(r.g);
+  a.write_pos = view_of(wp);
+  if (ff) a.force_flush = view_of(*ff);
+  a.advance_write_pos = advance;
+}
+
 }  // namespace dstest

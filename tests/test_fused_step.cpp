@@ -433,15 +433,6 @@ Tensor run_replay_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>&
   return o;
 }
 
-void add_replay(FusedDecodeStepArgs& a, Rings& r, Tensor& wp, const Tensor* ff, bool advance) {
-  a.d_cache = r.d.view();
-  a.k_cache = r.k.view();
-  a.g_cache = r.g.view();
-  a.write_pos = wp.view();
-  if (ff) a.force_flush = ff->view();
-  a.advance_write_pos = advance;
-}
-
 class FusedReplayVsChain : public ::testing::TestWithParam<ReplayLayerCase> {};
 
 // Several steps from random cursors, rows flushing at L-1 and on force_flush: outputs (without
@@ -495,7 +486,7 @@ TEST_P(FusedReplayVsChain, Steps) {
         live.push_back(range_of(t->view(), sl * t->stride(0), t->stride(0)));
     }
     FusedDecodeStepArgs a = b.args(host_view);
-    add_replay(a, rings, wp, &ff, rc.advance);
+    add_replay(a, host_view, rings, wp, &ff, rc.advance);
     b.run_fused(a);
     const Tensor o = run_replay_chain(b, state2, win2, rings2, wp2, &ff, rc.advance);
     EXPECT_TRUE(pools.unchanged_except(live)) << "unused slots and gaps, step " << step;
@@ -597,7 +588,7 @@ TEST(FusedReplay, StatePoolEnvelopeViews) {
     FusedDecodeStepArgs a = b.args(host_view);
     a.state = st;
     a.conv_state = win;
-    add_replay(a, rings, wp, nullptr, false);
+    add_replay(a, host_view, rings, wp, nullptr, false);
     b.run_fused(a);
     // the chain on the second pool's views
     const TensorView st_b = pool2.layer_state(1), win_b = pool2.conv_state(1);
@@ -861,7 +852,7 @@ TEST(FusedReplayContract, EveryErrorText) {
   Tensor wp = index_tensor({0, 3}), ff = index_tensor({0, 1});
   auto run = [&b](FusedDecodeStepArgs a) { return [&b, a] { b.run_fused(a); }; };
   FusedDecodeStepArgs base = b.args(host_view);
-  add_replay(base, rings, wp, &ff, true);
+  add_replay(base, host_view, rings, wp, &ff, true);
   auto missing = [](const char* name) {
     return std::string("fused_decode_step (ReplaySSM): `") + name +
            "` is missing; `d_cache`, `k_cache`, `g_cache` and `write_pos` go together "
@@ -1024,7 +1015,7 @@ TEST(FusedReplayContract, WorkspaceQuery) {
   Rings rings = make_rings(c.shape, false, 4, 4, f32, f32);
   Tensor wp = index_tensor({0, 0, 3});
   FusedDecodeStepArgs base = b.args(host_view);
-  add_replay(base, rings, wp, nullptr, true);
+  add_replay(base, host_view, rings, wp, nullptr, true);
   EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(base), 0) << "CPU, ReplaySSM";
 
   auto on_cuda = [](const Tensor& t) {

@@ -206,12 +206,7 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
         // tolerances. The SiLU conv (the same device function) is FusedStepGpu's and
         // ConvUpdateGpu's, with their ulp bounds.
         a.conv_silu = false;
-        a.d_cache = view(rings.d);
-        a.k_cache = view(rings.k);
-        a.g_cache = view(rings.g);
-        a.write_pos = view(wp);
-        a.force_flush = view(ff);
-        a.advance_write_pos = rc.advance;
+        add_replay(a, view, rings, wp, &ff, rc.advance);
         return a;
       };
       try {
@@ -315,6 +310,21 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(i.param.layer.name);
     });
 
+// A ReplaySSM fused step's batch, rings and cursors uploaded to `dev`, and its arguments on the
+// device copies (cursors advanced on the device).
+deltastate::FusedDecodeStepArgs replay_step_on_device(Mirror& dev, LayerBatch& b,
+                                                      const Rings& rings, const Tensor& wp) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{
+           &b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
+           &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
+    dev.upload(*t);
+  for (const Tensor& w : b.win) dev.upload(w);
+  const auto view = [&](const Tensor& t) { return dev.view(t); };
+  deltastate::FusedDecodeStepArgs a = b.args(view);
+  add_replay(a, view, rings, wp, nullptr, true);
+  return a;
+}
+
 // A bad cursor and a bad slot on CUDA: the rows are skipped (NaN output; windows, checkpoint,
 // rings and cursor untouched) and check_errors names the first.
 TEST(FusedReplayGpuErrors, BadCursorIsReported) {
@@ -325,17 +335,7 @@ TEST(FusedReplayGpuErrors, BadCursorIsReported) {
   Rings rings = make_rings(c.shape, false, 3, 4, f32, f32);
   Tensor wp = index_tensor({9, 4, 0});  // row 1's cursor past the ring; row 0 padded
   Mirror dev;
-  for (const Tensor* t :
-       {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
-        &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
-    dev.upload(*t);
-  for (const Tensor& w : b.win) dev.upload(w);
-  deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
-  a.d_cache = dev.view(rings.d);
-  a.k_cache = dev.view(rings.k);
-  a.g_cache = dev.view(rings.g);
-  a.write_pos = dev.view(wp);
-  a.advance_write_pos = true;
+  deltastate::FusedDecodeStepArgs a = replay_step_on_device(dev, b, rings, wp);
   a.check_indices = false;
   DeviceWorkspace ws;
   ws.attach(a);  // the chain's under DELTASTATE_CUDA_FUSED=chain, else none
@@ -933,12 +933,7 @@ TEST(FusedReplayGpuPlans, SameBitsAsUnfusedChain) {
       for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.out, &ff, &a2, &o2}) dev.upload(*t);
 
       deltastate::FusedDecodeStepArgs fa = b.args(view);
-      fa.d_cache = view(rings.d);
-      fa.k_cache = view(rings.k);
-      fa.g_cache = view(rings.g);
-      fa.write_pos = view(wp);
-      fa.force_flush = view(ff);
-      fa.advance_write_pos = true;
+      add_replay(fa, view, rings, wp, &ff, true);
       ws.attach(fa);
       if (chain) {
         ASSERT_NE(fa.workspace, std::nullopt) << c.name << ": the chain's workspace";
@@ -1009,17 +1004,7 @@ TEST(FusedReplayGpuPlans, Workspace) {
   Rings rings = make_rings(c.shape, false, 4, 4, f32, f32);
   Tensor wp = index_tensor({0, 0, 3});
   Mirror dev;
-  for (const Tensor* t :
-       {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
-        &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
-    dev.upload(*t);
-  for (const Tensor& w : b.win) dev.upload(w);
-  deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
-  a.d_cache = dev.view(rings.d);
-  a.k_cache = dev.view(rings.k);
-  a.g_cache = dev.view(rings.g);
-  a.write_pos = dev.view(wp);
-  a.advance_write_pos = true;
+  deltastate::FusedDecodeStepArgs a = replay_step_on_device(dev, b, rings, wp);
   const int64_t chain_bytes = (B * b.conv_dim * 2 + 15) / 16 * 16;  // bf16 conv output
   EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(a), chain ? chain_bytes : 0)
       << "DELTASTATE_CUDA_FUSED=" << fused_forced_as();
