@@ -225,15 +225,6 @@ TEST(PoolConvContract, ErrorTexts) {
 
 // ---- the speculative-verify scratch and the every-layer views ---------------------------------
 // A view of `v` with its leading dimension fixed at i.
-TensorView sub(const TensorView& v, int64_t i) {
-  TensorView r;
-  r.data = static_cast<char*>(v.data) + i * v.stride[0] * v.element_size();
-  r.dtype = v.dtype;
-  r.device = v.device;
-  r.ndim = v.ndim - 1;
-  for (int d = 0; d < r.ndim; ++d) r.shape[d] = v.shape[d + 1], r.stride[d] = v.stride[d + 1];
-  return r;
-}
 void expect_same_view(const TensorView& a, const TensorView& b, const std::string& what) {
   EXPECT_EQ(a.data, b.data) << what;
   EXPECT_EQ(a.dtype, b.dtype) << what;
@@ -256,14 +247,14 @@ TEST_P(PoolSpec, ScratchViewsDisjointUntouchedBySlots) {
   const std::vector<int> parts = pc.split ? std::vector<int>{0, 1, 2} : std::vector<int>{-1};
   // the every-layer views are the layer views stacked
   for (int64_t l = 0; l < cfg.layers; ++l) {
-    expect_same_view(sub(pool.states(), l), pool.layer_state(l), "states() layer");
-    expect_same_view(sub(pool.intermediate_states(), l), pool.intermediate_states(l),
+    expect_same_view(sub_view(pool.states(), l), pool.layer_state(l), "states() layer");
+    expect_same_view(sub_view(pool.intermediate_states(), l), pool.intermediate_states(l),
                      "intermediate_states() layer");
     for (int part : {-1, 0, 1, 2}) {
       if (pc.split && part < 0) continue;
-      expect_same_view(sub(pool.conv_states(part), l), pool.conv_state(l, part),
+      expect_same_view(sub_view(pool.conv_states(part), l), pool.conv_state(l, part),
                        "conv_states(" + std::to_string(part) + ") layer");
-      expect_same_view(sub(pool.intermediate_conv_windows(part), l),
+      expect_same_view(sub_view(pool.intermediate_conv_windows(part), l),
                        pool.intermediate_conv_window(l, part),
                        "intermediate_conv_windows(" + std::to_string(part) + ") layer");
     }

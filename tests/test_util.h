@@ -266,6 +266,17 @@ std::vector<int64_t> pick_slots(Rng& rng, int64_t rows, int64_t slots,
 // ---- op inputs --------------------------------------------------------------------------------
 // Views of test tensors: on the CPU (host_view) or through a device mirror (GPU tests).
 inline TensorView host_view(const Tensor& t) { return t.view(); }
+// Entry i of a view's leading dim, as a view of the remaining dims (a pool's slot, a layer of an
+// every-layer view, a scratch row's block as a 4-D pool).
+inline TensorView sub_view(const TensorView& v, int64_t i) {
+  TensorView r;
+  r.data = static_cast<char*>(v.data) + i * v.stride[0] * v.element_size();
+  r.dtype = v.dtype;
+  r.device = v.device;
+  r.ndim = v.ndim - 1;
+  for (int d = 0; d < r.ndim; ++d) r.shape[d] = v.shape[d + 1], r.stride[d] = v.stride[d + 1];
+  return r;
+}
 
 // One decode step's inputs for B rows (packed decode and ReplaySSM): mixed_qkv [B, width] with
 // row stride width + row_pad, a [B, HV or HV*K] and b [B, HV] with row stride + row_pad, A_log,

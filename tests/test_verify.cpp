@@ -521,14 +521,7 @@ TEST(VerifyContract, EveryErrorText) {
        },
        "`state` must have inner dims [HV, V, K]=(6, 48, 32); got (3, 6, 48, 48)"},
       {"state strides",
-       [](VerifyArgs& a, VerifySetup&) {
-         a.state = t_inter_strided.view();
-         a.state.ndim = 4;
-         for (int d = 0; d < 4; ++d) {
-           a.state.shape[d] = a.state.shape[d + 1];
-           a.state.stride[d] = a.state.stride[d + 1];
-         }
-       },
+       [](VerifyArgs& a, VerifySetup&) { a.state = sub_view(t_inter_strided.view(), 0); },
        "`state` must be contiguous in its [HV, V, K] inner dimensions; got strides (9216, 1536, 1, "
        "48)"},
       {"indices shape", [](VerifyArgs& a, VerifySetup&) { a.state_indices = t_short.view(); },
@@ -625,12 +618,7 @@ TEST(VerifyContract, EveryErrorText) {
       {"pool for slot n",
        [](VerifyArgs& a, VerifySetup&) {
          a.state_indices.reset();
-         a.state = t_inter_short.view();
-         a.state.ndim = 4;
-         for (int d = 0; d < 4; ++d) {
-           a.state.shape[d] = a.state.shape[d + 1];
-           a.state.stride[d] = a.state.stride[d + 1];
-         }
+         a.state = sub_view(t_inter_short.view(), 0);
          a.state.shape[0] = 2;
        },
        "without `state_indices` sequence n starts from slot n: the pool needs at least N=3 slots "
@@ -671,13 +659,7 @@ TEST(VerifyContract, EveryErrorText) {
        "`source_state` must have inner dims [HV, V, K]=(6, 48, 32); got (3, 6, 48, 48)"},
       {"source strides",
        [](VerifyArgs& a, VerifySetup&) {
-         TensorView v = t_inter_strided.view();
-         v.ndim = 4;
-         for (int d = 0; d < 4; ++d) {
-           v.shape[d] = v.shape[d + 1];
-           v.stride[d] = v.stride[d + 1];
-         }
-         a.source_state = v;
+         a.source_state = sub_view(t_inter_strided.view(), 0);
          a.source_state_indices = t_src_rows.view();
        },
        "`source_state` must be contiguous in its [HV, V, K] inner dimensions; got strides (9216, "
@@ -718,12 +700,7 @@ TEST(VerifyContract, EveryErrorText) {
       {"pool for slot n with a source",
        [](VerifyArgs& a, VerifySetup&) {
          a.state_indices.reset();
-         a.state = t_inter_short.view();
-         a.state.ndim = 4;
-         for (int d = 0; d < 4; ++d) {
-           a.state.shape[d] = a.state.shape[d + 1];
-           a.state.stride[d] = a.state.stride[d + 1];
-         }
+         a.state = sub_view(t_inter_short.view(), 0);
          a.state.shape[0] = 2;
          a.source_state = t_src.view();
          a.source_state_indices = t_src_rows.view();
