@@ -356,7 +356,8 @@ TEST(PoolSpecContract, ErrorTexts) {
   StatePool plain(conv_config(PoolLayout::per_layer, ConvLayout::window_contiguous, false));
   auto view_error = [](const std::function<void()>& f, const std::string& message) {
     const auto err = catch_error(f);
-    if (err) EXPECT_EQ(std::string(err->what()), message);
+    ASSERT_TRUE(err.has_value()) << "no error; expected: " << message;
+    EXPECT_EQ(std::string(err->what()), message);
   };
   const std::string none =
       "StatePool has no speculative-verify scratch (configure spec_rows and spec_steps >= 1 to "
