@@ -56,9 +56,11 @@ struct BadIndex {
   int kind = 0;
   int64_t value = 0, limit = 0;
 };
-// `source`: the start row is of the read-only source pool (vp.source; the generic kernel only).
+// `source`: the start row is of the read-only source pool (vp.source; the generic kernel only),
+// and `home` (the sequence's slot, the kernel's) then only receives the final state.
 __device__ __forceinline__ BadIndex find_bad_index(const VerifyProblem& vp, int64_t n, int64_t len,
-                                                   int64_t start, int64_t row, bool source) {
+                                                   int64_t start, int64_t row, bool source,
+                                                   int64_t home) {
   const RecurrentProblem& p = vp.r;
   const int64_t slots = p.state.num_slots;
   if (vp.num_accepted.ptr) {
@@ -72,7 +74,6 @@ __device__ __forceinline__ BadIndex find_bad_index(const VerifyProblem& vp, int6
     const int64_t o = vp.output_indices.at(n, 0);
     if (o >= slots) return {detail::kErrSlot, o, slots};
   } else if (source && p.update_state && !vp.token_slots.ptr && p.indices) {
-    const int64_t home = detail::index_at(p.indices, p.index_dtype, p.index_stride, n);
     if (home >= slots) return {detail::kErrSlot, home, slots};
   }
   if (vp.token_slots.ptr) {
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
     }
   }
   const int64_t row = vp.inter ? (vp.inter_indices.ptr ? vp.inter_indices.at(n, 0) : n) : -1;
-  const BadIndex bad = find_bad_index(vp, n, len, start, row, source);
+  const BadIndex bad = find_bad_index(vp, n, len, start, row, source, home);
   if (start < 0 || bad.kind) {  // padded: zero outputs; a bad index: NaN outputs, recorded
     if (bad.kind && hv == 0 && block == 0 && threadIdx.x == 0)
       record_bad_row(p.errors, vp.err_op, bad.kind, n, bad.value, bad.limit);
