@@ -66,23 +66,25 @@ DS_HD ConvTaps conv_taps(const ConvParams& p, int64_t c) {
 //     start, start+1, ... (mod state_len) and the conv reads the width-1 entries before start.
 // out(t, y) receives each token's output y; the window stores round to its dtype, the conv uses
 // the inputs as given. Each output reads only the window and earlier inputs of the same call, so
-// the T tokens of a speculative verify step run through it unchanged.
-template <class Input, class Output>
-DS_HD void conv_channel_update(const ConvChannelWindow& win, int state_len, int T, bool circular,
-                               int start, const ConvTaps& taps, int width, bool act, Input x,
-                               Output out) {
+// the T tokens of a speculative verify step run through it unchanged. Window: ConvChannelWindow,
+// or a type with its load(i) / store(i, v) (the CUDA kernels' prefetched window, conv_loads.cuh).
+template <class Window, class Input, class Output>
+DS_HD void conv_channel_update(const Window& win, int state_len, int T, bool circular, int start,
+                               const ConvTaps& taps, int width, bool act, Input x, Output out) {
   float s[kMaxConvWidth];
   const int L = state_len, W1 = width - 1;
   int pos = 0;  // circular: the next entry written
   if (!circular) {
     for (int i = 0; i + T + W1 < L; ++i) win.store(i, win.load(i + T));  // shift left by T
+    // the last width-1 entries, all read before any is moved (each store lands below every
+    // entry read after it, so the order does not change what is read)
+    DS_UNROLL
+    for (int i = 0; i < kMaxConvWidth - 1; ++i)
+      if (i < W1) s[i] = win.load(L - W1 + i);
     DS_UNROLL
     for (int i = 0; i < kMaxConvWidth - 1; ++i) {
-      if (i >= W1) break;
-      const float v = win.load(L - W1 + i);
       const int dst = L - T - W1 + i;
-      if (dst >= 0) win.store(dst, v);
-      s[i] = v;
+      if (i < W1 && dst >= 0) win.store(dst, s[i]);
     }
   } else {
     pos = start - W1;
@@ -102,7 +104,9 @@ DS_HD void conv_channel_update(const ConvChannelWindow& win, int state_len, int 
       win.store(pos, v);
       pos = pos + 1 >= L ? pos + 1 - L : pos + 1;
     }
-    s[W1] = v;
+    DS_UNROLL
+    for (int i = 0; i < kMaxConvWidth; ++i)  // s[W1] = v at constant indices: s stays in registers
+      if (i == W1) s[i] = v;
     out(t, conv_output(taps.w, s, width, taps.bias, act));
     DS_UNROLL
     for (int i = 0; i < kMaxConvWidth - 1; ++i)
