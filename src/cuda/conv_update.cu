@@ -1,5 +1,6 @@
 // causal_conv1d_update on CUDA: one thread per (row, channel), the window rolled in place by the
-// shared conv math (core/layer_math.h), as the CPU kernel does.
+// shared conv math (core/layer_math.h), as the CPU kernel does, its inputs loaded ahead
+// (conv_loads.cuh).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -7,6 +8,7 @@
 #include "api/backend.h"
 #include "core/layer_math.h"
 #include "core/problem.h"
+#include "cuda/conv_loads.cuh"
 #include "cuda/grid.cuh"
 #include "cuda/launch.h"
 #include "cuda/replayssm/ring.cuh"
@@ -29,6 +31,10 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
                         : p.indices ? p.indices[b]
                                     : b;
   const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
+  const int64_t x_off = b * p.x_batch_stride + c * p.x_dim_stride;
+  // the taps and the first input do not depend on the row's slot: issued beside its load
+  const ConvTapBits tap_bits = load_conv_tap_bits(p.conv, c);
+  const uint32_t x0 = load_float_bits(p.x, p.x_dtype, x_off);
   const bool bad = entry >= p.state.num_slots;
   // A live row's ReplaySSM cursor (the fused step's ReplaySSM chain only), as the decode reads it.
   int cursor = 0, m = 0;
@@ -49,8 +55,6 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
       detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, fill);
     return;
   }
-  const int start = p.cache_seqlens ? p.cache_seqlens[b] % p.state.state_len : 0;
-  const int64_t x_off = b * p.x_batch_stride + c * p.x_dim_stride;
   // the window of channel c: `state`, or with split_k the k or v part's own window
   const ConvWindowRef& win = p.split_k == 0 || c < p.split_k ? p.state
                              : c < p.split_v                 ? p.window_k
@@ -58,13 +62,24 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
   const int64_t wc = p.split_k == 0 || c < p.split_k ? c
                      : c < p.split_v                 ? c - p.split_k
                                                      : c - p.split_v;
-  detail::conv_channel_update(
-      detail::channel_window(win, entry, wc), p.state.state_len, p.T, p.cache_seqlens != nullptr,
-      start, detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
-      [&](int t) { return detail::load_float(p.x, p.x_dtype, x_off + t * p.x_tok_stride); },
-      [&](int t, float y) {
-        detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, y);
-      });
+  const detail::ConvChannelWindow window = detail::channel_window(win, entry, wc);
+  const auto x = [&](int t) {
+    return t == 0 ? float_of_bits(x0, p.x_dtype)
+                  : detail::load_float(p.x, p.x_dtype, x_off + t * p.x_tok_stride);
+  };
+  const auto out = [&](int t, float y) {
+    detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, y);
+  };
+  if (p.cache_seqlens) {  // circular windows: the entries read depend on the row's position
+    const int start = p.cache_seqlens[b] % p.state.state_len;
+    detail::conv_channel_update(window, p.state.state_len, p.T, true, start,
+                                conv_taps_of(tap_bits, p.conv), p.conv.width, p.conv.silu, x, out);
+    return;
+  }
+  // shifted windows: the last width-1 entries issued with the taps and the input
+  const PrefetchedConvWindow prefetched(window, p.state.state_len, p.conv.width);
+  detail::conv_channel_update(prefetched, p.state.state_len, p.T, false, 0,
+                              conv_taps_of(tap_bits, p.conv), p.conv.width, p.conv.silu, x, out);
 }
 
 // SGLang's speculative options (ops.h): the same grid, each thread resolving its row (the tree's

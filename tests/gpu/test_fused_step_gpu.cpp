@@ -480,6 +480,59 @@ TEST(ConvUpdateGpu, MatchesCpu) {
   }
 }
 
+// causal_conv1d_update on CUDA against the CPU on the shapes whose inputs the kernel loads ahead
+// with clamped indices (conv_loads.cuh): widths 2, 3 and 4, windows of width - 1 entries
+// (SGLang's) and longer ones, no bias, the weights in another dtype than the window and input,
+// one and two tokens. Windows bit for bit; the outputs within SiLU's ulps.
+TEST(ConvUpdateGpu, LoadedAheadShapes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  struct Shape {
+    int width, state_len;
+    bool bias;
+    DType x, weight;  // the window has x's dtype (the validator's rule)
+    int64_t T;
+  };
+  const Shape shapes[] = {{2, 1, false, bf16, bf16, 1}, {3, 2, true, f32, bf16, 1},
+                          {4, 3, false, f16, f32, 1},   {4, 3, true, bf16, f32, 2},
+                          {3, 5, false, bf16, f16, 1},  {2, 3, true, f32, f32, 2}};
+  for (const Shape& sh : shapes) {
+    const int64_t B = 4, dim = 260;
+    const std::string at = "width " + std::to_string(sh.width) + ", state_len " +
+                           std::to_string(sh.state_len) + ", T " + std::to_string(sh.T);
+    Tensor x = Tensor::contiguous(sh.x, {B, dim, sh.T});
+    x.fill_normal(rng, 1.0);
+    Tensor st = make_window(sh.x, 6, dim, sh.state_len, false, 2);
+    for (int64_t e = 0; e < 6; ++e) fill_window(st, e, rng);
+    Tensor w = Tensor::contiguous(sh.weight, {dim, sh.width});
+    Tensor bias = Tensor::contiguous(sh.weight, {dim});
+    w.fill_uniform(rng, -0.7, 0.7);
+    bias.fill_uniform(rng, -0.2, 0.2);
+    Tensor idx = index_tensor({5, -1, 0, 3});
+    Tensor out = Tensor::contiguous(sh.x, {B, dim, sh.T});
+    out.fill_all(std::nan(""));
+    Mirror dev;
+    for (const Tensor* t : {&x, &st, &w, &bias, &idx, &out}) dev.upload(*t);
+    auto args = [&](auto&& view) {
+      deltastate::CausalConv1dUpdateArgs a;
+      a.x = view(x);
+      a.conv_state = view(st);
+      a.weight = view(w);
+      if (sh.bias) a.bias = view(bias);
+      a.silu = true;
+      a.conv_state_indices = view(idx);
+      a.out = view(out);
+      return a;
+    };
+    deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    deltastate::causal_conv1d_update(args(host_view));
+    EXPECT_EQ(dev.download(st).bytes(), st.bytes()) << "windows, " << at;
+    EXPECT_TRUE(all_close(dev.download(out).values(), out.values(), {1e-5, 1e-5}, sh.x, 2))
+        << "out, " << at;
+  }
+}
+
 // causal_conv1d_update's speculative options on CUDA against the CPU: a chain with scratch
 // windows, an EAGLE tree, num_accept_tokens with a tree, bf16 in vLLM's layout. Windows, scratch
 // windows and parents bit for bit; outputs too without SiLU (the same fused multiply-adds), within

@@ -55,6 +55,7 @@
 #include "core/layer_math.h"
 #include "core/problem.h"
 #include "cuda/async_copy.cuh"
+#include "cuda/conv_loads.cuh"
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
@@ -207,11 +208,9 @@ __global__ void __launch_bounds__(kFusedClusterMaxWarps * 32, kFusedClusterCtasP
       dst = xv + (row - row_lo);
     }
     const int64_t c = part_j * HK + local;  // the channel in the packed row
-    detail::conv_channel_update(
-        detail::channel_window(p.window[part_j], slot, local), p.window[part_j].state_len, 1, false,
-        0, detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
-        [&](int) { return detail::load_float(p.x, p.x_dtype, x_row + c); },
-        [&](int, float y) { *dst = detail::round_to(p.x_dtype, y); });
+    conv_channel_step(detail::channel_window(p.window[part_j], slot, local),
+                      p.window[part_j].state_len, p.conv, c, p.x, p.x_dtype, x_row + c,
+                      [&](int, float y) { *dst = detail::round_to(p.x_dtype, y); });
   }
   if (p.z && tid < my_rows) {  // out of registers before the delta step
     zs[tid] = z_in;

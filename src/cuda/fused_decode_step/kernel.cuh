@@ -32,6 +32,7 @@
 #include "core/delta_math.h"
 #include "core/layer_math.h"
 #include "core/problem.h"
+#include "cuda/conv_loads.cuh"
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
@@ -73,11 +74,9 @@ __device__ __forceinline__ void fused_conv_owned(const FusedStepProblem& p, int 
       local = static_cast<int64_t>(h) * rows + (i - 2 * K);
     }
     const int64_t c = part * HK + local;  // the channel in the packed row
-    detail::conv_channel_update(
-        detail::channel_window(p.window[part], slot, local), p.window[part].state_len, 1, false, 0,
-        detail::conv_taps(p.conv, c), p.conv.width, p.conv.silu,
-        [&](int) { return detail::load_float(p.x, p.x_dtype, x_row + c); },
-        [&](int, float y) { x[i] = detail::round_to(p.x_dtype, y); });
+    conv_channel_step(detail::channel_window(p.window[part], slot, local), p.window[part].state_len,
+                      p.conv, c, p.x, p.x_dtype, x_row + c,
+                      [&](int, float y) { x[i] = detail::round_to(p.x_dtype, y); });
   }
 }
 
