@@ -36,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "api/backend.h"
 #include "core/layer_math.h"
@@ -62,7 +63,8 @@ inline int64_t fused_chain_workspace_bytes(const FusedStepProblem& p) {
 }
 
 // One lane holds at most this many of a head's V outputs: V <= 256 (the validator's rows per key
-// head).
+// head). Heads of V <= 128 (both models) take a kernel of half as many, so that no lane loads
+// past the head four times over.
 constexpr int kChainNormPerLane = 8;
 
 // The head's outputs, weights and gates are loaded into registers in one pass, issued beside the
@@ -72,7 +74,8 @@ constexpr int kChainNormPerLane = 8;
 // elements are loaded unconverted, each at an index clamped into the head so that no load waits
 // behind a bounds branch, and converted where they are used (a conversion right after each load
 // would make the warp wait for it, one load after another); else AnyInput (the dtype switch).
-template <class In>
+// PER: the elements per lane, 32 * PER >= V.
+template <class In, int PER>
 __global__ void __launch_bounds__(kChainNormWarps * 32)
     fused_chain_norm_kernel(const FusedStepProblem p) {
   using Elem = typename In::wide_type;
@@ -86,9 +89,9 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   const int V = p.V;
   const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
   const int64_t z_off = n * p.z_row_stride + static_cast<int64_t>(hv) * p.z_head_stride;
-  Elem ro[kChainNormPerLane], rw[kChainNormPerLane], rz[kChainNormPerLane];
+  Elem ro[PER], rw[PER], rz[PER];
 #pragma unroll
-  for (int j = 0; j < kChainNormPerLane; ++j) {
+  for (int j = 0; j < PER; ++j) {
     const int i = min(lane + 32 * j, V - 1);  // lanes past V reread the head's last element
     ro[j] = load_input<In, Elem>(p.out.ptr, p.out.dtype, o_base + i);
     rw[j] = load_input<In, Elem>(p.norm_weight, p.norm_weight_dtype, i);
@@ -103,10 +106,10 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   }
   // kernel.cuh step 4 over this head's outputs as stored (out's dtype): the same lanes, the same
   // order of the sum of squares, the same butterfly
-  float o[kChainNormPerLane];
+  float o[PER];
   float ss = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kChainNormPerLane; ++j) {
+  for (int j = 0; j < PER; ++j) {
     o[j] = to_float(ro[j]);
     if (lane + 32 * j < V) ss += o[j] * o[j];
   }
@@ -115,7 +118,7 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   const float inv = detail::rms_inverse(ss, V, p.norm_eps);
   const bool round_product = p.norm_weight_dtype == p.out.dtype;
 #pragma unroll
-  for (int j = 0; j < kChainNormPerLane; ++j) {  // each lane rewrites only the elements it read
+  for (int j = 0; j < PER; ++j) {  // each lane rewrites only the elements it read
     const int i = lane + 32 * j;
     if (i < V)
       detail::store_float(p.out.ptr, p.out.dtype, o_base + i,
@@ -169,12 +172,17 @@ void run_chain_norm(const FusedStepProblem& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
   const int64_t ctas = (warps + kChainNormWarps - 1) / kChainNormWarps;
   const DType a = p.out.dtype;
-  void (*kernel)(FusedStepProblem) = fused_chain_norm_kernel<AnyInput>;
-  if (p.z_dtype == a && p.norm_weight_dtype == a) {
-    if (a == DType::bf16) kernel = fused_chain_norm_kernel<TypedInput<__nv_bfloat16>>;
-    else if (a == DType::f16) kernel = fused_chain_norm_kernel<TypedInput<__half>>;
-    else kernel = fused_chain_norm_kernel<TypedInput<float>>;
-  }
+  const bool typed = p.z_dtype == a && p.norm_weight_dtype == a;
+  const auto pick = [&](auto per) -> void (*)(FusedStepProblem) {
+    constexpr int PER = decltype(per)::value;
+    if (!typed) return fused_chain_norm_kernel<AnyInput, PER>;
+    if (a == DType::bf16) return fused_chain_norm_kernel<TypedInput<__nv_bfloat16>, PER>;
+    if (a == DType::f16) return fused_chain_norm_kernel<TypedInput<__half>, PER>;
+    return fused_chain_norm_kernel<TypedInput<float>, PER>;
+  };
+  void (*kernel)(FusedStepProblem) =
+      p.V <= 128 ? pick(std::integral_constant<int, kChainNormPerLane / 2>{})
+                 : pick(std::integral_constant<int, kChainNormPerLane>{});
   launch_kernel(kernel, static_cast<unsigned>(ctas), kChainNormWarps * 32, 0, stream, p.pdl,
                 with_pdl_trigger(p, ctas, 2048 / (kChainNormWarps * 32)));
 }
