@@ -71,7 +71,7 @@ DS_HD ConvTaps conv_taps(const ConvParams& p, int64_t c) {
 template <class Window, class Input, class Output>
 DS_HD void conv_channel_update(const Window& win, int state_len, int T, bool circular, int start,
                                const ConvTaps& taps, int width, bool act, Input x, Output out) {
-  float s[kMaxConvWidth];
+  float s[kMaxConvWidth] = {};  // zeroed: gcc cannot see that only entries below width are read
   const int L = state_len, W1 = width - 1;
   int pos = 0;  // circular: the next entry written
   if (!circular) {
