@@ -13,7 +13,7 @@
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
 #                                      sanitize-prefill, bench-prefill,
-#                                      test-layer, sanitize-layer, bench-layer,
+#                                      test-layer, sanitize-layer, bench-layer, profile-layer,
 #                                      test-verify, bench-verify, bench-verify-variants,
 #                                      test-replay-verify, bench-replay-verify
 #
@@ -380,6 +380,12 @@ for phase in "${phases[@]}"; do
       # the ReplaySSM chain's decode with two row blocks per CTA (the default picks by grid size)
       DELTASTATE_CUDA_FUSED=chain DELTASTATE_CUDA_REPLAY_BPC=2 \
         run test-layer gtest_sharded test-layer '*FusedReplay*'
+      # the conv on its vector kernel wherever that applies (the default takes it for grids of
+      # two CTAs per SM up, which few of the suite's cases are) and on its scalar kernel
+      for conv in vector scalar; do
+        DELTASTATE_CUDA_CONV=$conv run test-layer gtest_sharded test-layer \
+          '*ConvUpdateGpu*:*FusedStepGpu*:*FusedReplay*'
+      done
       run test-layer python3 -m pytest -q python/tests/test_fused_step.py \
         python/tests/peer/test_causal_conv1d_update.py
       ;;
@@ -392,6 +398,10 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_FUSED=cluster sanitized racecheck "$LAYER_SMALL"
       DELTASTATE_CUDA_FUSED_TPW=2 sanitized memcheck "$LAYER_SMALL"
       DELTASTATE_CUDA_FUSED_TPW=2 sanitized racecheck "$LAYER_SMALL"
+      ;;
+    profile-layer)  # each kernel's device time per layer step (torch.profiler; PROFILE_LAYER_ARGS)
+      run profile-layer python3 bench/profile_layer_step.py ${PROFILE_LAYER_ARGS:---cases \
+        qwen3-next:f32:1,qwen3-next:f32:8,qwen3-next:bf16:256,kimi-linear:bf16:256 --peer}
       ;;
     bench-layer)  # the fused step beside our unfused chain and the peer chain (LAYER_ARGS:
       # --models, --dtypes, --batches, --no-peer, --pdl)

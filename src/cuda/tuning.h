@@ -84,6 +84,13 @@ constexpr bool replay_verify_two_blocks(int64_t ctas, int sms) {
 constexpr bool multi_two_tiles(int64_t ctas, int64_t two_capacity) {
   return (ctas + 1) / 2 <= two_capacity;
 }
+// The conv's vector kernel (8 channels per thread) where its grid of `vec_ctas` CTAs has at
+// least two per SM; below that each SM runs one or two CTAs whose threads go through their 8
+// channels one after another, slower than the scalar kernel's 8x more threads. Measured on the H200
+// (bench/results/layer-step-h200.json, conv + norm of the unfused chain): vector slower at 1.0 and
+// 1.5 CTAs per SM (Qwen3-Next B = 16: 11.3 vs 8.0 us; Kimi-Linear B = 16: 9.5 vs 7.6), faster at
+// 3.9 and 5.8 (Qwen3-Next B = 64: 17.6 vs 19.2; Kimi-Linear B = 64: 16.0 vs 20.5).
+constexpr bool conv_vector_pays(int64_t vec_ctas, int64_t sms) { return vec_ctas >= 2 * sms; }
 // Programmatic dependent launch: a launch lets the next grid in early when it fills at most half
 // of the GPU's CTA slots (`cta_slots`). An early trigger slows a grid of a whole wave (the next
 // grid's CTAs take SM slots while they wait) and speeds up a small one.
@@ -116,6 +123,20 @@ inline DecodeChoice forced_decode_kernel() {
 // DELTASTATE_CUDA_DECODE_TPW=1|2: tiles per warp of the register decode kernel.
 inline int forced_decode_tiles_per_warp() {
   static const int forced = env_override("DELTASTATE_CUDA_DECODE_TPW", {1, 2});
+  return forced;
+}
+// DELTASTATE_CUDA_CONV=scalar|vector: causal_conv1d_update (and the fused step's chain conv) on
+// its one-thread-per-channel kernel, or on its vector kernel wherever that one applies
+// (conv_update.cu; tests run both).
+enum class ConvChoice { automatic, scalar, vector };
+inline ConvChoice forced_conv_kernel() {
+  static const ConvChoice forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_CONV");
+    if (!e) return ConvChoice::automatic;
+    if (std::strcmp(e, "scalar") == 0) return ConvChoice::scalar;
+    if (std::strcmp(e, "vector") == 0) return ConvChoice::vector;
+    return ConvChoice::automatic;
+  }();
   return forced;
 }
 // DELTASTATE_CUDA_REPLAY_BPC=1|2: row blocks per ReplaySSM CTA (2 only where the shape allows).

@@ -533,6 +533,63 @@ TEST(ConvUpdateGpu, LoadedAheadShapes) {
   }
 }
 
+// causal_conv1d_update on CUDA against the CPU on the shapes the vector kernel takes (one token,
+// width 4 on 3-entry windows, 16-byte aligned rows, dim a multiple of 8; conv_update.cu): SGLang's
+// entries-contiguous and vLLM's channels-contiguous windows, 16- and 32-bit windows and weights,
+// with and without bias and SiLU, padded rows, slots past the batch's. Windows (and the sentinel
+// slots) bit for bit; the outputs bit for bit without SiLU, within its ulps with it. A batch this
+// small takes the scalar kernel by default: the GPU run forces each, DELTASTATE_CUDA_CONV=vector
+// and =scalar (scripts/device.sh test-layer).
+TEST(ConvUpdateGpu, VectorShapes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Rng rng = test_rng();
+  struct Shape {
+    DType x, weight;  // the window has x's dtype (the validator's rule)
+    bool dim_contiguous, bias, silu;
+  };
+  const Shape shapes[] = {{bf16, bf16, false, true, true}, {bf16, f32, true, false, true},
+                          {f32, f32, false, true, false},  {f16, bf16, true, true, true},
+                          {f32, bf16, true, false, false}, {bf16, bf16, false, false, false}};
+  for (const Shape& sh : shapes) {
+    const int64_t B = 5, dim = 264;  // 33 groups of 8 channels: one partial CTA
+    const std::string at = std::string("x ") + dtype_name(sh.x) + ", weight " +
+                           dtype_name(sh.weight) + (sh.dim_contiguous ? ", vLLM" : ", SGLang") +
+                           " layout";
+    Tensor x = Tensor::contiguous(sh.x, {B, dim});
+    x.fill_normal(rng, 1.0);
+    Tensor st = make_window(sh.x, 8, dim, 3, sh.dim_contiguous, 8);
+    for (int64_t e = 0; e < 7; ++e) fill_window(st, e, rng);  // slot 7 keeps its sentinel
+    Tensor w = Tensor::contiguous(sh.weight, {dim, 4});
+    Tensor bias = Tensor::contiguous(sh.weight, {dim});
+    w.fill_uniform(rng, -0.7, 0.7);
+    bias.fill_uniform(rng, -0.2, 0.2);
+    Tensor idx = index_tensor({6, -1, 0, 3, 2});
+    Tensor out = Tensor::contiguous(sh.x, {B, dim});
+    out.fill_all(std::nan(""));
+    Mirror dev;
+    for (const Tensor* t : {&x, &st, &w, &bias, &idx, &out}) dev.upload(*t);
+    auto args = [&](auto&& view) {
+      deltastate::CausalConv1dUpdateArgs a;
+      a.x = view(x);
+      a.conv_state = view(st);
+      a.weight = view(w);
+      if (sh.bias) a.bias = view(bias);
+      a.silu = sh.silu;
+      a.conv_state_indices = view(idx);
+      a.out = view(out);
+      return a;
+    };
+    deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    deltastate::causal_conv1d_update(args(host_view));
+    EXPECT_EQ(dev.download(st).bytes(), st.bytes()) << "windows, " << at;
+    if (sh.silu)
+      EXPECT_TRUE(all_close(dev.download(out).values(), out.values(), {1e-5, 1e-5}, sh.x, 2))
+          << "out, " << at;
+    else EXPECT_EQ(dev.download(out).bytes(), out.bytes()) << "out, " << at;
+  }
+}
+
 // causal_conv1d_update's speculative options on CUDA against the CPU: a chain with scratch
 // windows, an EAGLE tree, num_accept_tokens with a tree, bf16 in vLLM's layout. Windows, scratch
 // windows and parents bit for bit; outputs too without SiLU (the same fused multiply-adds), within
