@@ -23,46 +23,69 @@ namespace {
 
 constexpr int kConvThreads = 128;
 
-__global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpdateProblem p) {
-  enter_grid(p.pdl_trigger_early);
-  const int64_t b = blockIdx.x;
-  const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x;
-  if (c >= p.dim) return;
-  const int64_t entry = p.slots     ? detail::index_at(p.slots, p.slot_dtype, p.slot_stride, b)
-                        : p.indices ? p.indices[b]
-                                    : b;
-  const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
-  const int64_t x_off = b * p.x_batch_stride + c * p.x_dim_stride;
-  // the taps and the first input do not depend on the row's slot: issued beside its load
-  const ConvTapBits tap_bits = load_conv_tap_bits(p.conv, c);
-  const uint32_t x0 = load_float_bits(p.x, p.x_dtype, x_off);
+// Row b's window entry (its slot): `slots` (the fused step's), `indices`, or b.
+__device__ __forceinline__ int64_t conv_row_entry(const ConvUpdateProblem& p, int64_t b) {
+  return p.slots     ? detail::index_at(p.slots, p.slot_dtype, p.slot_stride, b)
+         : p.indices ? p.indices[b]
+                     : b;
+}
+// Whether row b (at `entry`) is live: not padded, its entry inside the pool and, in the fused
+// step's ReplaySSM chain, its cursor as the decode reads it inside the ring. Else `fill` is its
+// output (padded: zeros; bad: NaN, recorded once per row by the thread with `record`).
+__device__ __forceinline__ bool conv_row_live(const ConvUpdateProblem& p, int64_t b, int64_t entry,
+                                              bool record, float& fill) {
   const bool bad = entry >= p.state.num_slots;
-  // A live row's ReplaySSM cursor (the fused step's ReplaySSM chain only), as the decode reads it.
   int cursor = 0, m = 0;
   if (p.cursors && entry >= 0 && !bad) {
     cursor = p.cursors[b];
     m = replay_cursor(cursor, p.cursor_advance);
   }
   const bool bad_cursor = cursor < 0 || m >= (p.cursors ? p.cursor_limit : 1);
-  if (entry < 0 || bad || bad_cursor) {  // padded: zeros; a bad row: NaN, recorded once per row
-    if ((bad || bad_cursor) && c == 0) {
-      if (bad) record_bad_row(p.errors, p.err_op, detail::kErrSlot, b, entry, p.state.num_slots);
-      else
-        record_bad_row(p.errors, p.err_op, detail::kErrCursor, b, cursor < 0 ? cursor : m,
-                       p.cursor_limit);
-    }
-    const float fill = entry < 0 ? 0.0f : bad_row_output();
+  if (entry >= 0 && !bad && !bad_cursor) return true;
+  if ((bad || bad_cursor) && record) {
+    if (bad) record_bad_row(p.errors, p.err_op, detail::kErrSlot, b, entry, p.state.num_slots);
+    else
+      record_bad_row(p.errors, p.err_op, detail::kErrCursor, b, cursor < 0 ? cursor : m,
+                     p.cursor_limit);
+  }
+  fill = entry < 0 ? 0.0f : bad_row_output();
+  return false;
+}
+// The window that holds channel c, and c's channel in it (`wc`): `state`, or with split_k the k
+// or v part's own window.
+__device__ __forceinline__ const ConvWindowRef& conv_channel_window(const ConvUpdateProblem& p,
+                                                                    int64_t c, int64_t& wc) {
+  if (p.split_k == 0 || c < p.split_k) {
+    wc = c;
+    return p.state;
+  }
+  if (c < p.split_v) {
+    wc = c - p.split_k;
+    return p.window_k;
+  }
+  wc = c - p.split_v;
+  return p.window_v;
+}
+
+__global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpdateProblem p) {
+  enter_grid(p.pdl_trigger_early);
+  const int64_t b = blockIdx.x;
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x;
+  if (c >= p.dim) return;
+  const int64_t entry = conv_row_entry(p, b);
+  const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
+  const int64_t x_off = b * p.x_batch_stride + c * p.x_dim_stride;
+  // the taps and the first input do not depend on the row's slot: issued beside its load
+  const ConvTapBits tap_bits = load_conv_tap_bits(p.conv, c);
+  const uint32_t x0 = load_float_bits(p.x, p.x_dtype, x_off);
+  float fill;
+  if (!conv_row_live(p, b, entry, c == 0, fill)) {
     for (int t = 0; t < p.T; ++t)
       detail::store_float(p.out, p.out_dtype, o_off + t * p.out_tok_stride, fill);
     return;
   }
-  // the window of channel c: `state`, or with split_k the k or v part's own window
-  const ConvWindowRef& win = p.split_k == 0 || c < p.split_k ? p.state
-                             : c < p.split_v                 ? p.window_k
-                                                             : p.window_v;
-  const int64_t wc = p.split_k == 0 || c < p.split_k ? c
-                     : c < p.split_v                 ? c - p.split_k
-                                                     : c - p.split_v;
+  int64_t wc;
+  const ConvWindowRef& win = conv_channel_window(p, c, wc);
   const detail::ConvChannelWindow window = detail::channel_window(win, entry, wc);
   const auto x = [&](int t) {
     return t == 0 ? float_of_bits(x0, p.x_dtype)
@@ -150,44 +173,25 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_vec_kernel(const Con
   const int64_t b = blockIdx.x;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * C;
   if (c >= p.dim) return;
-  const int64_t entry = p.slots     ? detail::index_at(p.slots, p.slot_dtype, p.slot_stride, b)
-                        : p.indices ? p.indices[b]
-                                    : b;
+  const int64_t entry = conv_row_entry(p, b);
   const int64_t o_off = b * p.out_batch_stride + c;
   // the taps, bias and input do not depend on the row's slot: issued beside its load
   uint4 taps[kTapWords], bias[kBiasWords], x[kXWords];
   load_words(static_cast<const char*>(p.conv.weight) + c * WW * GB, taps);
   if (p.conv.bias) load_words(static_cast<const char*>(p.conv.bias) + c * GB, bias);
   load_words(static_cast<const char*>(p.x) + (b * p.x_batch_stride + c) * XB, x);
-  const bool bad = entry >= p.state.num_slots;
-  int cursor = 0, m = 0;  // as conv_update_kernel's
-  if (p.cursors && entry >= 0 && !bad) {
-    cursor = p.cursors[b];
-    m = replay_cursor(cursor, p.cursor_advance);
-  }
-  const bool bad_cursor = cursor < 0 || m >= (p.cursors ? p.cursor_limit : 1);
   uint4 out[kXWords];
-  if (entry < 0 || bad || bad_cursor) {  // padded: zeros; a bad row: NaN, recorded once per row
-    if ((bad || bad_cursor) && c == 0) {
-      if (bad) record_bad_row(p.errors, p.err_op, detail::kErrSlot, b, entry, p.state.num_slots);
-      else
-        record_bad_row(p.errors, p.err_op, detail::kErrCursor, b, cursor < 0 ? cursor : m,
-                       p.cursor_limit);
-    }
-    const uint32_t fill = bits_of_float(entry < 0 ? 0.0f : bad_row_output(), p.out_dtype);
+  float fill;
+  if (!conv_row_live(p, b, entry, c == 0, fill)) {
+    const uint32_t bits = bits_of_float(fill, p.out_dtype);
 #pragma unroll
-    for (int j = 0; j < C; ++j) set_bits_at<XB>(out, j, fill);
+    for (int j = 0; j < C; ++j) set_bits_at<XB>(out, j, bits);
     store_words<kXWords>(static_cast<char*>(p.out) + o_off * XB, out);
     return;
   }
-  // the window of these channels: `state`, or with split_k the k or v part's own window (the
-  // split points are multiples of C: every channel of the thread is in one window)
-  const ConvWindowRef& win = p.split_k == 0 || c < p.split_k ? p.state
-                             : c < p.split_v                 ? p.window_k
-                                                             : p.window_v;
-  const int64_t wc = p.split_k == 0 || c < p.split_k ? c
-                     : c < p.split_v                 ? c - p.split_k
-                                                     : c - p.split_v;
+  // the split points are multiples of C: every channel of the thread is in one window
+  int64_t wc;
+  const ConvWindowRef& win = conv_channel_window(p, c, wc);
   char* wp = static_cast<char*>(win.ptr) + (entry * win.slot_stride + wc * win.dim_stride) * WB;
   // one code path per layout, so that every element index is a constant (registers, not a stack)
   if (win.dim_stride != 1) conv_vec_channels<WB, XB, GB, true>(p, win, wp, taps, bias, x, out);
