@@ -480,6 +480,38 @@ TEST(ConvUpdateGpu, MatchesCpu) {
   }
 }
 
+// causal_conv1d_update from the same inputs on CUDA and on the CPU (bias optional, `out` poisoned
+// by the caller): the windows, with their padding and sentinel slots, bit for bit; the outputs bit
+// for bit without SiLU (the same fused multiply-adds) and within its ulps with it (expf differs by
+// an ulp between libm and CUDA).
+void expect_conv_update_matches_cpu(Tensor& x, Tensor& st, const Tensor& w, const Tensor* bias,
+                                    const Tensor& idx, Tensor& out, bool silu,
+                                    const std::string& at) {
+  Mirror dev;
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &st, &w, &idx, &out})
+    dev.upload(*t);
+  if (bias) dev.upload(*bias);
+  auto args = [&](auto&& view) {
+    deltastate::CausalConv1dUpdateArgs a;
+    a.x = view(x);
+    a.conv_state = view(st);
+    a.weight = view(w);
+    if (bias) a.bias = view(*bias);
+    a.silu = silu;
+    a.conv_state_indices = view(idx);
+    a.out = view(out);
+    return a;
+  };
+  deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  deltastate::causal_conv1d_update(args(host_view));
+  EXPECT_EQ(dev.download(st).bytes(), st.bytes()) << "windows, " << at;
+  if (silu)
+    EXPECT_TRUE(all_close(dev.download(out).values(), out.values(), {1e-5, 1e-5}, x.dtype(), 2))
+        << "out, " << at;
+  else EXPECT_EQ(dev.download(out).bytes(), out.bytes()) << "out, " << at;
+}
+
 // causal_conv1d_update on CUDA against the CPU on the shapes whose inputs the kernel loads ahead
 // with clamped indices (conv_loads.cuh): widths 2, 3 and 4, windows of width - 1 entries
 // (SGLang's) and longer ones, no bias, the weights in another dtype than the window and input,
@@ -511,25 +543,7 @@ TEST(ConvUpdateGpu, LoadedAheadShapes) {
     Tensor idx = index_tensor({5, -1, 0, 3});
     Tensor out = Tensor::contiguous(sh.x, {B, dim, sh.T});
     out.fill_all(std::nan(""));
-    Mirror dev;
-    for (const Tensor* t : {&x, &st, &w, &bias, &idx, &out}) dev.upload(*t);
-    auto args = [&](auto&& view) {
-      deltastate::CausalConv1dUpdateArgs a;
-      a.x = view(x);
-      a.conv_state = view(st);
-      a.weight = view(w);
-      if (sh.bias) a.bias = view(bias);
-      a.silu = true;
-      a.conv_state_indices = view(idx);
-      a.out = view(out);
-      return a;
-    };
-    deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
-    CUDA_CHECK(cudaDeviceSynchronize());
-    deltastate::causal_conv1d_update(args(host_view));
-    EXPECT_EQ(dev.download(st).bytes(), st.bytes()) << "windows, " << at;
-    EXPECT_TRUE(all_close(dev.download(out).values(), out.values(), {1e-5, 1e-5}, sh.x, 2))
-        << "out, " << at;
+    expect_conv_update_matches_cpu(x, st, w, sh.bias ? &bias : nullptr, idx, out, true, at);
   }
 }
 
@@ -566,27 +580,7 @@ TEST(ConvUpdateGpu, VectorShapes) {
     Tensor idx = index_tensor({6, -1, 0, 3, 2});
     Tensor out = Tensor::contiguous(sh.x, {B, dim});
     out.fill_all(std::nan(""));
-    Mirror dev;
-    for (const Tensor* t : {&x, &st, &w, &bias, &idx, &out}) dev.upload(*t);
-    auto args = [&](auto&& view) {
-      deltastate::CausalConv1dUpdateArgs a;
-      a.x = view(x);
-      a.conv_state = view(st);
-      a.weight = view(w);
-      if (sh.bias) a.bias = view(bias);
-      a.silu = sh.silu;
-      a.conv_state_indices = view(idx);
-      a.out = view(out);
-      return a;
-    };
-    deltastate::causal_conv1d_update(args([&](const Tensor& t) { return dev.view(t); }));
-    CUDA_CHECK(cudaDeviceSynchronize());
-    deltastate::causal_conv1d_update(args(host_view));
-    EXPECT_EQ(dev.download(st).bytes(), st.bytes()) << "windows, " << at;
-    if (sh.silu)
-      EXPECT_TRUE(all_close(dev.download(out).values(), out.values(), {1e-5, 1e-5}, sh.x, 2))
-          << "out, " << at;
-    else EXPECT_EQ(dev.download(out).bytes(), out.bytes()) << "out, " << at;
+    expect_conv_update_matches_cpu(x, st, w, sh.bias ? &bias : nullptr, idx, out, sh.silu, at);
   }
 }
 
