@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <utility>
 
 namespace deltastate::cuda_backend {
 
@@ -107,17 +108,24 @@ inline int env_override(const char* name, std::initializer_list<int> allowed) {
   return 0;
 }
 
+// The value that environment variable `name` names among `names` ({text, value}), else
+// `fallback` (unset, or another text). Callers read it once (a static).
+template <class E>
+E env_choice(const char* name, std::initializer_list<std::pair<const char*, E>> names, E fallback) {
+  if (const char* e = std::getenv(name))
+    for (const auto& [text, value] : names)
+      if (std::strcmp(e, text) == 0) return value;
+  return fallback;
+}
+
 // DELTASTATE_CUDA_DECODE=direct|decode|stream: the kernel of a decode-shaped call.
 enum class DecodeChoice { automatic, direct, decode, stream };
 inline DecodeChoice forced_decode_kernel() {
-  static const DecodeChoice forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_DECODE");
-    if (!e) return DecodeChoice::automatic;
-    if (std::strcmp(e, "direct") == 0) return DecodeChoice::direct;
-    if (std::strcmp(e, "decode") == 0) return DecodeChoice::decode;
-    if (std::strcmp(e, "stream") == 0) return DecodeChoice::stream;
-    return DecodeChoice::automatic;
-  }();
+  static const DecodeChoice forced = env_choice<DecodeChoice>("DELTASTATE_CUDA_DECODE",
+                                                              {{"direct", DecodeChoice::direct},
+                                                               {"decode", DecodeChoice::decode},
+                                                               {"stream", DecodeChoice::stream}},
+                                                              DecodeChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_DECODE_TPW=1|2: tiles per warp of the register decode kernel.
@@ -130,13 +138,9 @@ inline int forced_decode_tiles_per_warp() {
 // (conv_update.cu; tests run both).
 enum class ConvChoice { automatic, scalar, vector };
 inline ConvChoice forced_conv_kernel() {
-  static const ConvChoice forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_CONV");
-    if (!e) return ConvChoice::automatic;
-    if (std::strcmp(e, "scalar") == 0) return ConvChoice::scalar;
-    if (std::strcmp(e, "vector") == 0) return ConvChoice::vector;
-    return ConvChoice::automatic;
-  }();
+  static const ConvChoice forced = env_choice<ConvChoice>(
+      "DELTASTATE_CUDA_CONV", {{"scalar", ConvChoice::scalar}, {"vector", ConvChoice::vector}},
+      ConvChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_REPLAY_BPC=1|2: row blocks per ReplaySSM CTA (2 only where the shape allows).
@@ -163,10 +167,8 @@ inline int forced_replay_verify_ctas() {
 // 176.6 at L = 16; bench/results/README.md): the step is bound by its per-CTA chain (staging,
 // the per-pair coefficient pass, barriers), not by the element-wise replay it removes.
 inline bool replay_verify_factored() {
-  static const bool factored = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL");
-    return e && std::strcmp(e, "factor") == 0;
-  }();
+  static const bool factored =
+      env_choice<bool>("DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL", {{"factor", true}}, false);
   return factored;
 }
 // Chunked prefill on the split design (chunk_prefill/split.cuh: parallel intra-chunk and output
@@ -182,23 +184,18 @@ constexpr bool prefill_split_pays(int64_t fused_ctas, int64_t sms) { return 2 * 
 // suite each way; benchmarks compare them).
 enum class PrefillChoice { automatic, fallback, fused, split };
 inline PrefillChoice forced_prefill_kernel() {
-  static const PrefillChoice forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_PREFILL");
-    if (!e) return PrefillChoice::automatic;
-    if (std::strcmp(e, "fallback") == 0) return PrefillChoice::fallback;
-    if (std::strcmp(e, "fused") == 0) return PrefillChoice::fused;
-    if (std::strcmp(e, "split") == 0) return PrefillChoice::split;
-    return PrefillChoice::automatic;
-  }();
+  static const PrefillChoice forced =
+      env_choice<PrefillChoice>("DELTASTATE_CUDA_PREFILL",
+                                {{"fallback", PrefillChoice::fallback},
+                                 {"fused", PrefillChoice::fused},
+                                 {"split", PrefillChoice::split}},
+                                PrefillChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_MULTI=direct: the recurrent op's multi-token sequences on the direct kernel
 // instead of the multi-token kernel (tests run both; benchmarks compare them).
 inline bool multi_token_disabled() {
-  static const bool off = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_MULTI");
-    return e && std::strcmp(e, "direct") == 0;
-  }();
+  static const bool off = env_choice<bool>("DELTASTATE_CUDA_MULTI", {{"direct", true}}, false);
   return off;
 }
 // DELTASTATE_CUDA_MULTI_VARIANT=base|stage|two|stage2: the multi-token kernel's vector shape
@@ -208,15 +205,12 @@ inline bool multi_token_disabled() {
 // multi_two_tiles says, else base; 16-bit states stage2.
 enum class MultiVariant { automatic, base, stage, two, stage2 };
 inline MultiVariant forced_multi_variant() {
-  static const MultiVariant forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_MULTI_VARIANT");
-    if (!e) return MultiVariant::automatic;
-    if (std::strcmp(e, "base") == 0) return MultiVariant::base;
-    if (std::strcmp(e, "stage") == 0) return MultiVariant::stage;
-    if (std::strcmp(e, "two") == 0) return MultiVariant::two;
-    if (std::strcmp(e, "stage2") == 0) return MultiVariant::stage2;
-    return MultiVariant::automatic;
-  }();
+  static const MultiVariant forced = env_choice<MultiVariant>("DELTASTATE_CUDA_MULTI_VARIANT",
+                                                              {{"base", MultiVariant::base},
+                                                               {"stage", MultiVariant::stage},
+                                                               {"two", MultiVariant::two},
+                                                               {"stage2", MultiVariant::stage2}},
+                                                              MultiVariant::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_FUSED=cta|cluster|chain: the fused decode step on its one-CTA-per-key-head
@@ -227,14 +221,10 @@ inline MultiVariant forced_multi_variant() {
 // (replayssm_decode's kernels in the middle), anything else their one-launch kernel.
 enum class FusedChoice { automatic, cta, cluster, chain };
 inline FusedChoice forced_fused_kernel() {
-  static const FusedChoice forced = [] {
-    const char* e = std::getenv("DELTASTATE_CUDA_FUSED");
-    if (!e) return FusedChoice::automatic;
-    if (std::strcmp(e, "cta") == 0) return FusedChoice::cta;
-    if (std::strcmp(e, "cluster") == 0) return FusedChoice::cluster;
-    if (std::strcmp(e, "chain") == 0) return FusedChoice::chain;
-    return FusedChoice::automatic;
-  }();
+  static const FusedChoice forced = env_choice<FusedChoice>(
+      "DELTASTATE_CUDA_FUSED",
+      {{"cta", FusedChoice::cta}, {"cluster", FusedChoice::cluster}, {"chain", FusedChoice::chain}},
+      FusedChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_FUSED_TPW=1|2: row tiles per warp of the fused step's cluster kernel (one unless
