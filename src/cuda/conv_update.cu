@@ -129,14 +129,11 @@ __device__ __forceinline__ void conv_vec_channels(const ConvUpdateProblem& p,
   constexpr int C = kConvVecChannels, E = kConvVecEntries, WW = kConvVecWidth;
   constexpr int kWinWords = C * E * WB / 16, kEntryWords = C * WB / 16;
   constexpr auto at = [](int j, int i) { return kEntriesInner ? j * E + i : i * C + j; };
+  // E blocks of kEntryWords words: back to back (entries contiguous) or one per entry
+  const int64_t block_bytes = kEntriesInner ? kEntryWords * 16 : win.tok_stride * WB;
   uint4 w[kWinWords];
-  if constexpr (kEntriesInner) {
-    load_words_cs<kWinWords>(wp, w);
-  } else {
 #pragma unroll
-    for (int i = 0; i < E; ++i)
-      load_words_cs<kEntryWords>(wp + i * win.tok_stride * WB, w + i * kEntryWords);
-  }
+  for (int i = 0; i < E; ++i) load_words_cs<kEntryWords>(wp + i * block_bytes, w + i * kEntryWords);
   uint4 next[kWinWords];
 #pragma unroll
   for (int j = 0; j < C; ++j) {
@@ -155,13 +152,9 @@ __device__ __forceinline__ void conv_vec_channels(const ConvUpdateProblem& p,
 #pragma unroll
     for (int i = 0; i < E; ++i) set_bits_at<WB>(next, at(j, i), bits_of_float(s[i + 1], win.dtype));
   }
-  if constexpr (kEntriesInner) {
-    store_words<kWinWords>(wp, next);
-  } else {
 #pragma unroll
-    for (int i = 0; i < E; ++i)
-      store_words<kEntryWords>(wp + i * win.tok_stride * WB, next + i * kEntryWords);
-  }
+  for (int i = 0; i < E; ++i)
+    store_words<kEntryWords>(wp + i * block_bytes, next + i * kEntryWords);
 }
 
 // WB, XB, GB: element bytes of the windows, of x and out, of the weight and bias (2 or 4).
@@ -207,7 +200,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_verify_kernel(const ConvUpd
   const int64_t b = blockIdx.x;
   const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x;
   if (c >= p.dim) return;
-  const int64_t entry = p.indices ? p.indices[b] : b;
+  const int64_t entry = p.indices ? p.indices[b] : b;  // the fused step never verifies: no slots
   const int64_t o_off = b * p.out_batch_stride + c * p.out_dim_stride;
   int parent[detail::kMaxTreeTokens];
   detail::ConvVerifyRow r;
@@ -241,16 +234,16 @@ __global__ void __launch_bounds__(kConvThreads) conv_verify_kernel(const ConvUpd
       });
 }
 
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 // Whether a window's rows suit the vector kernel: width 4 on its 3 entries, entries or channels
 // contiguous, 16-byte aligned.
 bool conv_vec_window(const ConvWindowRef& w, DType dtype, bool entries_inner) {
   const int64_t eb = dtype_size(w.dtype);
   const bool layout = entries_inner ? w.dim_stride == kConvVecEntries && w.tok_stride == 1
                                     : w.dim_stride == 1 && (w.tok_stride * eb) % 16 == 0;
-  return w.dtype == dtype && w.state_len == kConvVecEntries && layout &&
-         reinterpret_cast<uintptr_t>(w.ptr) % 16 == 0 && (w.slot_stride * eb) % 16 == 0;
+  return w.dtype == dtype && w.state_len == kConvVecEntries && layout && aligned16(w.ptr) &&
+         (w.slot_stride * eb) % 16 == 0;
 }
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The decode step's shape that conv_update_vec_kernel takes (its comment); others run on
 // conv_update_kernel.
