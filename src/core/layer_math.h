@@ -227,6 +227,13 @@ DS_HD void conv_channel_verify(const ConvChannelWindow& win, int state_len, int 
   }
 }
 
+// The order of the sum of squares where one warp normalizes a head on the GPU (the chain's norm
+// kernel and the CTA kernels' outputs, which must agree bit for bit): lane l adds the squares of
+// its consecutive elements [l*C, l*C + C) below V in order, C = norm_lane_elements(V), then the
+// warp adds the lanes' sums in a butterfly. Consecutive elements let the chain's kernel read a
+// lane's share of a 128- or 256-wide head as whole words.
+DS_HD int norm_lane_elements(int V) { return (V + 31) / 32; }
+
 // Qwen3NextRMSNormGated over one value head's V outputs x (as stored in the activation dtype
 // `act`): inv = 1/sqrt(mean(x^2) + eps) in fp32; y = round_act(x*inv); t = w*y, rounded to act
 // when the weight has the activation dtype (torch's promotion: otherwise fp32); result t*silu(z)
@@ -234,11 +241,17 @@ DS_HD void conv_channel_verify(const ConvChannelWindow& win, int state_len, int 
 DS_HD float rms_inverse(float sum_sq, int n, float eps) {
   return 1.0f / sqrtf(sum_sq / static_cast<float>(n) + eps);
 }
-DS_HD float gated_norm(float x, float inv, float w, float z, DType act, bool round_product) {
+// gated_norm_of_silu takes silu(z) computed beforehand (a kernel computes it while the sum of
+// squares is reduced); the same bits.
+DS_HD float gated_norm_of_silu(float x, float inv, float w, float silu_z, DType act,
+                               bool round_product) {
   const float y = round_to(act, x * inv);
   float t = w * y;
   if (round_product) t = round_to(act, t);
-  return t * silu(z);
+  return t * silu_z;
+}
+DS_HD float gated_norm(float x, float inv, float w, float z, DType act, bool round_product) {
+  return gated_norm_of_silu(x, inv, w, silu(z), act, round_product);
 }
 
 }  // namespace deltastate::detail

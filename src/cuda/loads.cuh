@@ -26,6 +26,14 @@ __device__ __forceinline__ T from_float(float x) {
   else return __float2half_rn(x);
 }
 
+// The DType of an element type.
+template <class T>
+__host__ __device__ constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::f32;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::bf16;
+  else return DType::f16;
+}
+
 // A 16-bit input element loaded zero-extended into a 32-bit register. Held as the type itself,
 // nvcc packs two of them into one register, and the packing (a PRMT) waits for the load: a
 // kernel loading ahead then waits at the load (in the streaming kernel's producer, a third of its

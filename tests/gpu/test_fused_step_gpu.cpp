@@ -820,6 +820,10 @@ TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
                 true,
                 false},
       LayerCase{{"kimi_bf16act_packed", kKimi, true, kNoLb, f32, bf16}, bf16},
+      // the chain's norm kernel reading its share of a head as one 8-byte word (bf16, V = 128),
+      // and element by element (V = 48: 2 elements per lane, f16, the width-3 conv)
+      LayerCase{{"qwen3next_bf16act_norm", kQwen3Next, false, kNoLb, f32, bf16}, bf16},
+      LayerCase{{"odd_v_f16_norm", Shape{"odd_v", 2, 4, 128, 48}, false, kNoLb, f32, f16}, f16, 3},
   };
   for (const LayerCase& c : cases) {
     // enough rows that 2 * B * H exceeds the SMs (fused_cluster_pays is false), one padded

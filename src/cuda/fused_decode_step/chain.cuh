@@ -64,66 +64,161 @@ inline int64_t fused_chain_workspace_bytes(const FusedStepProblem& p) {
 
 // One lane holds at most this many of a head's V outputs: V <= 256 (the validator's rows per key
 // head). Heads of V <= 128 (both models) take a kernel of half as many, so that no lane loads
-// past the head four times over.
+// past its share four times over.
 constexpr int kChainNormPerLane = 8;
+
+// PER consecutive elements of type T read as whole words (PER * sizeof(T) bytes: 8, 16 or 32),
+// converted where they are used.
+template <class T, int PER>
+struct NormWords {
+  static constexpr int kBytes = PER * static_cast<int>(sizeof(T));
+  static_assert(kBytes == 8 || kBytes % 16 == 0, "a lane's share: 8 bytes or whole 16-byte words");
+  static constexpr int kWords = kBytes / 4;
+  uint32_t w[kWords];
+  __device__ __forceinline__ void load(const void* base, int64_t i) {
+    const T* p = static_cast<const T*>(base) + i;
+    if constexpr (kBytes == 8) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = u.x;
+      w[1] = u.y;
+    } else {
+#pragma unroll
+      for (int c = 0; c < kBytes / 16; ++c) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + c);
+        w[4 * c] = u.x;
+        w[4 * c + 1] = u.y;
+        w[4 * c + 2] = u.z;
+        w[4 * c + 3] = u.w;
+      }
+    }
+  }
+  __device__ __forceinline__ float at(int j) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[j]);
+    } else {
+      const uint32_t b = j % 2 ? w[j / 2] >> 16 : w[j / 2] & 0xffffu;
+      return to_float(Wide<T>{b});
+    }
+  }
+};
 
 // The head's outputs, weights and gates are loaded into registers in one pass, issued beside the
 // slot's load (every row's outputs are valid to read: the decode wrote them, zeros or NaN for
 // padded and bad rows), so the kernel waits on memory once; the slot decides only the store.
-// In: TypedInput<A> where out, z and norm_weight share the element type A (run_chain_norm): the
-// elements are loaded unconverted, each at an index clamped into the head so that no load waits
-// behind a bounds branch, and converted where they are used (a conversion right after each load
-// would make the warp wait for it, one load after another); else AnyInput (the dtype switch).
-// PER: the elements per lane, 32 * PER >= V.
-template <class In, int PER>
+// Lane l holds the head's elements [l*C, l*C + C), C = norm_lane_elements(V), and sums their
+// squares in that order (the CTA kernels' order, so the plans agree bit for bit).
+// In: TypedInput<A> where out, z and norm_weight share the element type A (run_chain_norm); else
+// AnyInput (the dtype switch). PER: the elements per lane, PER >= C.
+// VEC (typed inputs only): V == 32 * PER and every lane's share starts on a multiple of its size
+// in bytes in all three tensors (run_chain_norm checks), so a lane reads each tensor as one
+// 8-byte word or whole 16-byte words; else each element is loaded at an index clamped into the
+// head (no load waits behind a bounds branch) and converted where it is used.
+template <class In, int PER, bool VEC>
 __global__ void __launch_bounds__(kChainNormWarps * 32)
     fused_chain_norm_kernel(const FusedStepProblem p) {
   using Elem = typename In::wide_type;
   enter_grid(p.pdl_trigger_early);
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kChainNormWarps + (threadIdx.x >> 5);
+  // The grid is (B, value-head groups): no division
+  const int64_t n = blockIdx.x;
+  const int hv =
+      static_cast<int>(blockIdx.y) * kChainNormWarps + static_cast<int>(threadIdx.x >> 5);
   const int lane = static_cast<int>(threadIdx.x & 31);
-  if (w >= static_cast<int64_t>(p.B) * p.HV) return;  // warp-uniform
-  const int64_t n = w / p.HV;
-  const int hv = static_cast<int>(w - n * p.HV);
+  if (hv >= p.HV) return;  // warp-uniform
   const int64_t slot = detail::index_at(p.indices, p.index_dtype, p.index_stride, n);
   const int V = p.V;
+  const int per = VEC ? PER : detail::norm_lane_elements(V);
+  const int i0 = lane * per;
   const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
   const int64_t z_off = n * p.z_row_stride + static_cast<int64_t>(hv) * p.z_head_stride;
-  Elem ro[PER], rw[PER], rz[PER];
+  float o[PER], wt[PER], zt[PER];
+  if constexpr (VEC) {
+    using T = typename In::type;
+    NormWords<T, PER> ro, rw, rz;
+    ro.load(p.out.ptr, o_base + i0);
+    rw.load(p.norm_weight, i0);
+    rz.load(p.z, z_off + i0);
+    if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
 #pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = min(lane + 32 * j, V - 1);  // lanes past V reread the head's last element
-    ro[j] = load_input<In, Elem>(p.out.ptr, p.out.dtype, o_base + i);
-    rw[j] = load_input<In, Elem>(p.norm_weight, p.norm_weight_dtype, i);
-    rz[j] = load_input<In, Elem>(p.z, p.z_dtype, z_off + i);
+    for (int j = 0; j < PER; ++j) {
+      o[j] = ro.at(j);
+      wt[j] = rw.at(j);
+      zt[j] = rz.at(j);
+    }
+  } else {
+    Elem ro[PER], rw[PER], rz[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      // elements past the lane's share or past V reread its last one (no bounds branch)
+      const int i = min(i0 + min(j, per - 1), V - 1);
+      ro[j] = load_input<In, Elem>(p.out.ptr, p.out.dtype, o_base + i);
+      rw[j] = load_input<In, Elem>(p.norm_weight, p.norm_weight_dtype, i);
+      rz[j] = load_input<In, Elem>(p.z, p.z_dtype, z_off + i);
+    }
+    if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      o[j] = to_float(ro[j]);
+      wt[j] = to_float(rw[j]);
+      zt[j] = to_float(rz[j]);
+    }
   }
-  if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
   if (p.is_replay()) {
     // A bad cursor: as the decode wrote it. The decode has advanced every cursor it accepted to
     // one inside the ring and left a bad one as it was, so the check after it sees the same rows.
     const int cursor = p.replay.write_pos[n];
     if (cursor < 0 || replay_cursor(cursor, p.replay.advance_write_pos) >= p.replay.L) return;
   }
-  // kernel.cuh step 4 over this head's outputs as stored (out's dtype): the same lanes, the same
-  // order of the sum of squares, the same butterfly
-  float o[PER];
+  // kernel.cuh step 4 over this head's outputs as stored (out's dtype): the same elements per
+  // lane, the same order of the sum of squares, the same butterfly
+  // (silu(z) first: it does not wait for the reduction)
+  float sz[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) sz[j] = detail::silu(zt[j]);
   float ss = 0.0f;
 #pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    o[j] = to_float(ro[j]);
-    if (lane + 32 * j < V) ss += o[j] * o[j];
-  }
+  for (int j = 0; j < PER; ++j)
+    if (j < per && i0 + j < V) ss += o[j] * o[j];
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
   const float inv = detail::rms_inverse(ss, V, p.norm_eps);
-  const bool round_product = p.norm_weight_dtype == p.out.dtype;
+  // Typed inputs: out, z and the weight share In's type (run_chain_norm), known here, so the
+  // roundings compile to their own conversion instead of a switch over the three dtypes.
+  constexpr bool kTyped = !std::is_same_v<In, AnyInput>;
+  const DType act = kTyped ? dtype_of<typename In::type>() : p.out.dtype;
+  const bool round_product = kTyped || p.norm_weight_dtype == p.out.dtype;
+  float y[PER];
 #pragma unroll
-  for (int j = 0; j < PER; ++j) {  // each lane rewrites only the elements it read
-    const int i = lane + 32 * j;
-    if (i < V)
-      detail::store_float(p.out.ptr, p.out.dtype, o_base + i,
-                          detail::gated_norm(o[j], inv, to_float(rw[j]), to_float(rz[j]),
-                                             p.out.dtype, round_product));
+  for (int j = 0; j < PER; ++j)
+    y[j] = detail::gated_norm_of_silu(o[j], inv, wt[j], sz[j], act, round_product);
+  if constexpr (VEC) {  // the lane's share as the words it was read as
+    using T = typename In::type;
+    T* dst = static_cast<T*>(p.out.ptr) + o_base + i0;
+    constexpr int kBytes = PER * static_cast<int>(sizeof(T));
+    uint32_t u[kBytes / 4];
+#pragma unroll
+    for (int c = 0; c < kBytes / 4; ++c) {
+      if constexpr (sizeof(T) == 4) {
+        u[c] = __float_as_uint(y[c]);
+      } else {
+        // store_float's conversions, so that both paths write the same bits (NaN included)
+        const auto bits = [](float x) -> uint32_t {
+          return std::is_same_v<T, __half> ? detail::float_to_f16(x) : detail::float_to_bf16(x);
+        };
+        u[c] = bits(y[2 * c]) | bits(y[2 * c + 1]) << 16;
+      }
+    }
+    if constexpr (kBytes == 8) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(u[0], u[1]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kBytes / 16; ++c)
+        reinterpret_cast<uint4*>(dst)[c] =
+            make_uint4(u[4 * c], u[4 * c + 1], u[4 * c + 2], u[4 * c + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER; ++j)  // each lane rewrites only the elements of its share
+      if (j < per && i0 + j < V) detail::store_float(p.out.ptr, act, o_base + i0 + j, y[j]);
   }
 }
 
@@ -166,31 +261,47 @@ void run_chain_conv(const FusedStepProblem& p, cudaStream_t stream) {
   run_conv_update(c, stream);
 }
 
+// Whether a lane's share of PER elements of `bytes` each starts on a multiple of its size in
+// every tensor the norm kernel reads (base pointers, head and row strides): the vector kernel.
+bool chain_norm_words_aligned(const FusedStepProblem& p, int per, int bytes) {
+  const int64_t share = static_cast<int64_t>(per) * bytes;
+  const auto al = [share](const void* q) { return reinterpret_cast<uintptr_t>(q) % share == 0; };
+  const auto div = [per](int64_t stride) { return stride % per == 0; };
+  return p.V == 32 * per && al(p.out.ptr) && al(p.z) && al(p.norm_weight) &&
+         div(p.out.seq_stride) && div(p.out.tok_stride) && div(p.out.head_stride) &&
+         div(p.z_row_stride) && div(p.z_head_stride);
+}
+
 // Step 3: with the norm, the gated RMSNorm in place on out.
 void run_chain_norm(const FusedStepProblem& p, cudaStream_t stream) {
   if (!p.z) return;
-  const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
-  const int64_t ctas = (warps + kChainNormWarps - 1) / kChainNormWarps;
+  const dim3 grid(static_cast<unsigned>(p.B), (p.HV + kChainNormWarps - 1) / kChainNormWarps);
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y;
   const DType a = p.out.dtype;
   const bool typed = p.z_dtype == a && p.norm_weight_dtype == a;
   const auto pick = [&](auto per) -> void (*)(FusedStepProblem) {
     constexpr int PER = decltype(per)::value;
-    if (!typed) return fused_chain_norm_kernel<AnyInput, PER>;
-    if (a == DType::bf16) return fused_chain_norm_kernel<TypedInput<__nv_bfloat16>, PER>;
-    if (a == DType::f16) return fused_chain_norm_kernel<TypedInput<__half>, PER>;
-    return fused_chain_norm_kernel<TypedInput<float>, PER>;
+    const bool vec = typed && chain_norm_words_aligned(p, PER, dtype_size(a));
+    if (!typed) return fused_chain_norm_kernel<AnyInput, PER, false>;
+    if (a == DType::bf16)
+      return vec ? fused_chain_norm_kernel<TypedInput<__nv_bfloat16>, PER, true>
+                 : fused_chain_norm_kernel<TypedInput<__nv_bfloat16>, PER, false>;
+    if (a == DType::f16)
+      return vec ? fused_chain_norm_kernel<TypedInput<__half>, PER, true>
+                 : fused_chain_norm_kernel<TypedInput<__half>, PER, false>;
+    return vec ? fused_chain_norm_kernel<TypedInput<float>, PER, true>
+               : fused_chain_norm_kernel<TypedInput<float>, PER, false>;
   };
   void (*kernel)(FusedStepProblem) =
       p.V <= 128 ? pick(std::integral_constant<int, kChainNormPerLane / 2>{})
                  : pick(std::integral_constant<int, kChainNormPerLane>{});
-  launch_kernel(kernel, static_cast<unsigned>(ctas), kChainNormWarps * 32, 0, stream, p.pdl,
+  launch_kernel(kernel, grid, kChainNormWarps * 32, 0, stream, p.pdl,
                 with_pdl_trigger(p, ctas, 2048 / (kChainNormWarps * 32)));
 }
 
 // The norm's grid, checked before the chain's first launch.
 void check_chain_norm_grid(const FusedStepProblem& p) {
-  const int64_t warps = static_cast<int64_t>(p.B) * p.HV;
-  if (p.z && (warps + kChainNormWarps - 1) / kChainNormWarps > 0x7fffffffLL)
+  if (p.z && (p.HV + kChainNormWarps - 1) / kChainNormWarps > 65535)  // the grid's y
     throw Error(ErrorKind::value, "fused_decode_step: too many rows for one launch");
 }
 

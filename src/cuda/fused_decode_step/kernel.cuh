@@ -92,8 +92,13 @@ __device__ __forceinline__ void fused_store_outputs(const FusedStepProblem& p, c
   if (p.z) {
     const bool round_product = p.norm_weight_dtype == p.out.dtype;
     for (int hl = warp; hl < group; hl += warps) {
+      // the sum of squares in the chain's norm kernel's order (detail::norm_lane_elements)
+      const int per = detail::norm_lane_elements(V);
       float ss = 0.0f;
-      for (int i = lane; i < V; i += 32) ss += os[hl * V + i] * os[hl * V + i];
+      for (int j = 0; j < per; ++j) {
+        const int i = lane * per + j;
+        if (i < V) ss += os[hl * V + i] * os[hl * V + i];
+      }
 #pragma unroll
       for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
       const float inv = detail::rms_inverse(ss, V, p.norm_eps);
