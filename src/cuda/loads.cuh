@@ -126,6 +126,32 @@ __device__ __forceinline__ uint64_t load_index_bits(const void* p, DType t, int6
 __device__ __forceinline__ int64_t index_of_bits(uint64_t b, DType t) {
   return t == DType::i64 ? static_cast<int64_t>(b) : static_cast<int64_t>(static_cast<int32_t>(b));
 }
+// Index i of an int32 or int64 index tensor, issued where it stands (volatile asm: not sunk
+// behind later code) into registers of its own per dtype (a join of the two dtypes' registers,
+// or a predicated second load into the same register, would wait for the load). index_now
+// converts where the value is used. A kernel whose first dependent load is the slot's issues
+// this first: any load issued before it whose register is spilled or moved makes the warp wait
+// a whole round trip before the slot's load leaves.
+struct IndexNow {
+  uint64_t wide = 0;    // int64 tables
+  uint32_t narrow = 0;  // int32 tables
+};
+__device__ __forceinline__ IndexNow load_index_now(const void* p, DType t, int64_t i) {
+  IndexNow x;
+  if (t == DType::i64)
+    asm volatile("ld.global.nc.b64 %0, [%1];\n"
+                 : "=l"(x.wide)
+                 : "l"(static_cast<const long long*>(p) + i));
+  else
+    asm volatile("ld.global.nc.b32 %0, [%1];\n"
+                 : "=r"(x.narrow)
+                 : "l"(static_cast<const int32_t*>(p) + i));
+  return x;
+}
+__device__ __forceinline__ int64_t index_now(const IndexNow& x, DType t) {
+  return t == DType::i64 ? static_cast<int64_t>(x.wide)
+                         : static_cast<int64_t>(static_cast<int32_t>(x.narrow));
+}
 // Element i of a float tensor of dtype t as stored (zero-extended to 32 bits; float_of_bits).
 __device__ __forceinline__ uint32_t load_float_bits(const void* p, DType t, int64_t i) {
   return t == DType::f32 ? __ldg(static_cast<const unsigned*>(p) + i)
