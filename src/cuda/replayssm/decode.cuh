@@ -26,7 +26,9 @@
 //  3. Each row's two partial dots over the lane's K slice take the ring terms too: lane l of a
 //     row group adds d_j*ck_j and d_j*cq_j for record j = l (and l + G, ...), so one transposed
 //     reduction finishes sk and sq for all of the thread's rows.
-// Barriers: two (after the staging, after the records); only the first when the ring is empty.
+// Barriers: two (after the staging; after the records and warp 0's decayed token e*alpha*k,
+// e*alpha*q, which every appending step has, the ring empty or not); one on a flush of an empty
+// ring.
 //
 // Cursor advance (advance_write_pos): each CTA, after its barrier (all its threads have read the
 // cursor), adds 1 << 16 to write_pos[n]; the low 16 bits stay the cursor and the high bits count
@@ -68,13 +70,14 @@ struct Staged {
 // not depend on L (so that, with KT and the CTA's rows known at compile time, their offsets are
 // constants): an mbarrier; the token, prepared once per CTA [KT floats each]: k (normalized), q
 // (normalized, scaled), alpha, its log decay g; its scalars k.q and beta; the decay e = exp(Gtot)
-// [KT]; with two row blocks per CTA, the second block's checkpoint rows, each thread's own 16-byte
+// [KT] and the decayed token e*alpha*k, e*alpha*q [KT each]; with two row blocks per CTA, the
+// second block's checkpoint rows, each thread's own 16-byte
 // words (stage_rows_async: word [r][c] of thread i at (r*words + c)*threads + i). Then the ring:
 // per record ck, cq, w [L]; the staged records g [L][gw] fp32, k [L][KT], d [L][d_pitch] (the
 // CTA's rows; the pitch padded by 16 bytes so that lanes reading consecutive records hit
 // different banks); kw [L][KT] fp32 (flush only).
 struct SmemLayout {
-  int bar, kn, qn, alpha, gcur, scalars, e, ckpt, ck, cq, w, g, k, d, kw, d_pitch, bytes;
+  int bar, kn, qn, alpha, gcur, scalars, e, ek, eq, ckpt, ck, cq, w, g, k, d, kw, d_pitch, bytes;
   __host__ __device__ SmemLayout(int L, int KT, int gw, int k_size, int d_size, int rows_cta,
                                  int ckpt_bytes) {
     auto up16 = [](int x) { return (x + 15) & ~15; };
@@ -86,7 +89,9 @@ struct SmemLayout {
     gcur = alpha + KT * 4;
     scalars = gcur + KT * 4;
     e = scalars + 16;
-    ckpt = e + KT * 4;
+    ek = e + KT * 4;
+    eq = ek + KT * 4;
+    ckpt = eq + KT * 4;
     ck = ckpt + ckpt_bytes;
     cq = ck + up16(L * 4);
     w = cq + up16(L * 4);
@@ -205,7 +210,7 @@ struct ReplayCta {
   bool first_copy;
   SmemLayout sm;
   const float *s_kn, *s_qn, *s_alpha, *s_gcur, *s_scalars;
-  float *s_e, *s_ck, *s_cq, *s_w;
+  float *s_e, *s_ek, *s_eq, *s_ck, *s_cq, *s_w;
   const float* s_g;
   float* s_kw;
   uint64_t* bar;  // thread 0's bulk copies
@@ -330,9 +335,13 @@ struct ReplayCta {
   }
 
   // 3a's dots of S0 with e*alpha*k and e*alpha*q over the lane's slice.
-  __device__ __forceinline__ void checkpoint_dots(int m, const float (&S)[R][EPL],
+  __device__ __forceinline__ void checkpoint_dots(const float (&S)[R][EPL],
                                                   float (&dots)[2 * R]) const {
-    cuda_backend::checkpoint_dots<R, EPL>(S, m > 0, s_e, s_alpha, s_kn, s_qn, kofs, valid, dots);
+    cuda_backend::prepared_checkpoint_dots<R, EPL>(S, s_ek, s_eq, kofs, valid, dots);
+  }
+  // Warp 0's decayed token for 3a (store_decayed_token), from the columns' decays e.
+  __device__ __forceinline__ void decayed_token(const float (&e)[CPL], int col0) const {
+    store_decayed_token<CPL>(e, col0, K, s_alpha, s_kn, s_qn, s_ek, s_eq);
   }
   // 3f's token slices: alpha, k and q of the lane's K slice.
   __device__ __forceinline__ void token_slice(float (&alpha)[EPL], float (&kn)[EPL],
@@ -391,6 +400,8 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   const float* s_gcur = reinterpret_cast<const float*>(smem + sm.gcur);
   const float* s_scalars = reinterpret_cast<const float*>(smem + sm.scalars);
   float* s_e = reinterpret_cast<float*>(smem + sm.e);
+  float* s_ek = reinterpret_cast<float*>(smem + sm.ek);
+  float* s_eq = reinterpret_cast<float*>(smem + sm.eq);
   float* s_ck = reinterpret_cast<float*>(smem + sm.ck);
   float* s_cq = reinterpret_cast<float*>(smem + sm.cq);
   float* s_w = reinterpret_cast<float*>(smem + sm.w);
@@ -400,10 +411,10 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   // The same values for the phase functions (ReplayCta says why they are copied, not computed
   // there).
   const ReplayCta<StateT, KT, VEC, In, BPC> cta{
-      smem,   n,         hv,   h,    lane,       warp,  nwarps,   nthreads, L,
-      V,      K,         kda,  gw,   kofs,       valid, rows_blk, row_base, rows_here,
-      wrow,   local0,    row0, idx,  first_copy, sm,    s_kn,     s_qn,     s_alpha,
-      s_gcur, s_scalars, s_e,  s_ck, s_cq,       s_w,   s_g,      s_kw,     bar};
+      smem, n,    hv,         h,    lane,  warp,     nwarps,   nthreads,  L,         V,
+      K,    kda,  gw,         kofs, valid, rows_blk, row_base, rows_here, wrow,      local0,
+      row0, idx,  first_copy, sm,   s_kn,  s_qn,     s_alpha,  s_gcur,    s_scalars, s_e,
+      s_ek, s_eq, s_ck,       s_cq, s_w,   s_g,      s_kw,     bar};
 
   // Every load that does not depend on the slot leaves first, and none is waited for before the
   // checkpoint loads are issued: the slot, the cursor and the forced flush (issued in place,
@@ -497,9 +508,13 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
         for (int c = 0; c < CPL; ++c) gtot[c] += col0 + c < K ? s_g[i * K + col0 + c] : 0.0f;
       }
       if (warp == 0) {
+        float e[CPL];
 #pragma unroll
-        for (int c = 0; c < CPL; ++c)
-          if (col0 + c < K) s_e[col0 + c] = expf(gtot[c]);
+        for (int c = 0; c < CPL; ++c) {
+          e[c] = expf(gtot[c]);
+          if (col0 + c < K) s_e[col0 + c] = e[c];
+        }
+        if (!flush) cta.decayed_token(e, col0);
       }
       int i = 0;
       for (int j = warp; j < m; j += nwarps) {
@@ -517,10 +532,13 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       float gtot = 0.0f, prefix = 0.0f;
       for (int i = 0; i < m; ++i) gtot += s_g[i];
       if (warp == 0) {
-        const float e = expf(gtot);
+        float e[CPL];
 #pragma unroll
-        for (int c = 0; c < CPL; ++c)
-          if (col0 + c < K) s_e[col0 + c] = e;
+        for (int c = 0; c < CPL; ++c) {
+          e[c] = expf(gtot);
+          if (col0 + c < K) s_e[col0 + c] = e[c];
+        }
+        if (!flush) cta.decayed_token(e, col0);
       }
       int i = 0;
       for (int j = warp; j < m; j += nwarps) {
@@ -529,6 +547,14 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
         cta.record_k(j, col0, kr);
         cta.finish_record(j, col0, flush, kr, expf(gtot - prefix));
       }
+    }
+    __syncthreads();
+  } else if (!flush) {  // no records: e = 1
+    if (warp == 0) {
+      float e[CPL];
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) e[c] = 1.0f;
+      cta.decayed_token(e, lane * CPL);
     }
     __syncthreads();
   }
@@ -598,7 +624,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     //     l, l + G, ...), one transposed reduction; then the output and the record's d (by the
     //     lanes holding sk).
     float dots[2 * R];
-    cta.checkpoint_dots(m, S, dots);
+    cta.checkpoint_dots(S, dots);
     for (int j = lane % G; j < m; j += G) {
       const float ckj = s_ck[j], cqj = s_cq[j];
       float dj[R];

@@ -65,9 +65,26 @@ __device__ __forceinline__ void record_coefficients(const float (&kw)[CPL], int 
   store_factor_pair(part, lane, wj, ck, cq);
 }
 
+// The decayed token vectors of an appending step over columns col0 .. col0 + CPL, once per CTA
+// (replayssm/decode.cuh's warp 0, into shared memory): ek = e*(alpha*k), eq = e*(alpha*q), e the
+// columns' decay of the ring (1 without records), alpha*k and alpha*q formed as the CPU forms them.
+template <int CPL>
+__device__ __forceinline__ void store_decayed_token(const float (&e)[CPL], int col0, int K,
+                                                    const float* s_alpha, const float* s_kn,
+                                                    const float* s_qn, float* s_ek, float* s_eq) {
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) {
+    if (col0 + c < K) {
+      const float alpha = s_alpha[col0 + c];
+      s_ek[col0 + c] = e[c] * (alpha * s_kn[col0 + c]);
+      s_eq[col0 + c] = e[c] * (alpha * s_qn[col0 + c]);
+    }
+  }
+}
+
 // An appending step's partial dots of a lane's R checkpoint rows (its K slice from kofs, `valid`
-// elements) with e*alpha*k and e*alpha*q: dots [sk_0.., sq_0..]; e = 1 without ring records
-// (have_e false).
+// elements) with e*alpha*k and e*alpha*q formed from the shared token and decay (the fused
+// step's ReplaySSM kernel); e = 1 without ring records (have_e false).
 template <int R, int EPL>
 __device__ __forceinline__ void checkpoint_dots(const float (&S)[R][EPL], bool have_e,
                                                 const float* s_e, const float* s_alpha,
@@ -79,6 +96,20 @@ __device__ __forceinline__ void checkpoint_dots(const float (&S)[R][EPL], bool h
     const float e = have_e && i < valid ? s_e[kofs + i] : 1.0f;
     ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
     eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
+  }
+  factor_row_dots(S, ek, eq, dots);
+}
+// The same dots with ek and eq as store_decayed_token left them (replayssm/decode.cuh).
+template <int R, int EPL>
+__device__ __forceinline__ void prepared_checkpoint_dots(const float (&S)[R][EPL],
+                                                         const float* s_ek, const float* s_eq,
+                                                         int kofs, int valid,
+                                                         float (&dots)[2 * R]) {
+  float ek[EPL], eq[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    ek[i] = i < valid ? s_ek[kofs + i] : 0.0f;
+    eq[i] = i < valid ? s_eq[kofs + i] : 0.0f;
   }
   factor_row_dots(S, ek, eq, dots);
 }
