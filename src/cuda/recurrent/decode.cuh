@@ -54,18 +54,21 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   const int row0 = c.block * TPW * RPW + lane / G;  // this lane's first row of tile 0
   const int idx = reduced_index<G, 2 * R>(lane);    // the value this lane holds after the reduction
 
-  // The slot's index leaves first (load_index_now: the slot -> state chain is the warp's longest).
   // The token's inputs and v (lanes holding sk_r compute u_r: they need v_r, of every tile) do
-  // not depend on the slot: issued next, kept in their own type, converted after the state loads
+  // not depend on the slot: issued first, kept in their own type, converted after the state loads
   // have left. (Converted as loaded, each conversion makes the warp wait for its load before the
-  // next: index -> v -> token -> state, three round trips before the state loads. The 16-bit
-  // states pay for the early loads with a few bytes of spills, and a spill store waits for its
-  // load: with the index loaded after them, the index left a round trip late.) 16-bit inputs are
-  // held in their own 32-bit registers (a PRMT packing two of them waits for both loads) and v is
-  // read from a clamped row, zeroed where used (zeroing after a predicated load waits for the
-  // load).
+  // next: index -> v -> token -> state, three round trips before the state loads.) 16-bit inputs
+  // are held in their own 32-bit registers (a PRMT packing two of them waits for both loads) and v
+  // is read from a clamped row, zeroed where used (zeroing after a predicated load waits for the
+  // load). The index's load has dtype branches, so it comes after them, except in the 16-bit-state
+  // kernels of one tile per warp (kIndexFirst): there the early loads cost spills, and a spill
+  // store of a token input waits for its load, so with the index after them its load left a
+  // round trip late; there the index leaves first (load_index_now). In the fp32 and two-tile
+  // kernels that order is slower (docs/PERFORMANCE.md, the B = 1 decode row).
+  constexpr bool kIndexFirst = sizeof(StateT) == 2 && TPW == 1;
   IndexNow slot_bits;
-  if (p.indices) slot_bits = load_index_now(p.indices, p.index_dtype, n * p.index_stride);
+  if (kIndexFirst && p.indices)
+    slot_bits = load_index_now(p.indices, p.index_dtype, n * p.index_stride);
   using InT = typename In::wide_type;
   TokenHeadInputs<EPL, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);
@@ -79,7 +82,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     const int vrow = row0 + t * RPW + (idx < R ? idx : 0) * RG;
     v_in[t] = load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + min(vrow, p.V - 1));
   }
-  const int64_t slot = p.indices ? index_now(slot_bits, p.index_dtype) : n;
+  const int64_t slot =
+      kIndexFirst ? (p.indices ? index_now(slot_bits, p.index_dtype) : n) : slot_of(p, n);
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
   const bool bad = bad_slot(p, slot);
