@@ -58,10 +58,10 @@ constexpr bool fused_cluster_pays(int64_t cta_kernel_ctas, int64_t sms) {
 // SMs; else 4.
 constexpr int direct_cta_warps(int64_t tiles, int sms) { return tiles < 8LL * sms ? 1 : 4; }
 // Register decode kernel: two tiles per warp where one tile per warp (`warps` of them, `capacity`
-// resident on the GPU) makes a partial second wave, which two tiles halve, and from 8 waves up,
-// where two are faster as well; one elsewhere, where two are slower.
+// resident on the GPU) makes a partial second wave, which two tiles halve; one elsewhere, where
+// two are slower (from 8 waves up too: the two-tile kernel spills, docs/PERFORMANCE.md).
 constexpr bool decode_two_tiles(int64_t warps, int64_t capacity) {
-  return (warps > capacity && warps <= 2 * capacity) || warps >= 8 * capacity;
+  return warps > capacity && warps <= 2 * capacity;
 }
 // The streaming kernel instead of the register decode kernel: 16-bit states from this many
 // (sequence, value head) pairs (GDN; KDA), where the register kernels run out of instruction
