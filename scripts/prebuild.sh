@@ -15,12 +15,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC_BUILD=${SRC_BUILD:-build-prebuilt}
 OUT=${PREBUILT_OUT:-.devrun/prebuilt}
+# The last set goes first: a failed build must not leave it behind to be carried as this one.
+rm -rf "$OUT"
 cmake -S . -B "$SRC_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDELTASTATE_CUDA=ON \
   -DDELTASTATE_CUDA_ALL_KERNELS="${ALL_KERNELS:-ON}" -DDELTASTATE_BUILD_PYTHON=ON \
   -DPython_EXECUTABLE="${PYTHON:-$(command -v python3)}" \
   -DDELTASTATE_GTEST_SOURCE="${GTEST_SOURCE:-$PWD/.deps/googletest}"
 cmake --build "$SRC_BUILD" -j "$(nproc)" --target deltastate_python deltastate_gpu_tests
-rm -rf "$OUT"
 mkdir -p "$OUT/python" "$OUT/tests"
 cp "$SRC_BUILD/python/_deltastate.so" "$OUT/python/"
 cp "$SRC_BUILD/tests/deltastate_gpu_tests" "$OUT/tests/"
