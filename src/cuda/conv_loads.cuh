@@ -90,49 +90,4 @@ __device__ __forceinline__ void conv_channel_step(const detail::ConvChannelWindo
       [&](int) { return float_of_bits(xb, x_dtype); }, out);
 }
 
-// ---- 16-byte words: the vector conv kernel's loads (conv_update.cu) -----------------------------
-// N 16-byte words from p (16-byte aligned), read-only (__ldg) or read once before being written
-// (_cs: in place, streamed).
-template <int N>
-__device__ __forceinline__ void load_words(const void* p, uint4 (&w)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) w[i] = __ldg(static_cast<const uint4*>(p) + i);
-}
-template <int N>
-__device__ __forceinline__ void load_words_cs(const void* p, uint4* w) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) w[i] = __ldcs(static_cast<const uint4*>(p) + i);
-}
-template <int N>
-__device__ __forceinline__ void store_words(void* p, const uint4* w) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) static_cast<uint4*>(p)[i] = w[i];
-}
-// Element e (a constant once unrolled) of words holding EB-byte elements, as stored (zero-extended
-// to 32 bits; float_of_bits), and its replacement.
-template <int EB, int N>
-__device__ __forceinline__ uint32_t bits_at(const uint4 (&w)[N], int e) {
-  static_assert(EB == 2 || EB == 4, "16- or 32-bit elements");
-  const uint32_t u = reinterpret_cast<const uint32_t*>(w)[e * EB / 4];
-  if constexpr (EB == 4) return u;
-  else return e % 2 ? u >> 16 : u & 0xffffu;
-}
-template <int EB, int N>
-__device__ __forceinline__ void set_bits_at(uint4 (&w)[N], int e, uint32_t b) {
-  uint32_t& u = reinterpret_cast<uint32_t*>(w)[e * EB / 4];
-  if constexpr (EB == 4) u = b;
-  else u = e % 2 ? (u & 0xffffu) | (b << 16) : (u & 0xffff0000u) | b;
-}
-// fp32 v rounded to dtype t as stored (detail::store_float's rounding).
-__device__ __forceinline__ uint32_t bits_of_float(float v, DType t) {
-  switch (t) {
-    case DType::bf16:
-      return detail::float_to_bf16(v);
-    case DType::f16:
-      return detail::float_to_f16(v);
-    default:
-      return __float_as_uint(v);
-  }
-}
-
 }  // namespace deltastate::cuda_backend

@@ -127,11 +127,13 @@ __device__ __forceinline__ int64_t index_of_bits(uint64_t b, DType t) {
   return t == DType::i64 ? static_cast<int64_t>(b) : static_cast<int64_t>(static_cast<int32_t>(b));
 }
 // Index i of an int32 or int64 index tensor, issued where it stands (volatile asm: not sunk
-// behind later code) into registers of its own per dtype (a join of the two dtypes' registers,
-// or a predicated second load into the same register, would wait for the load). index_now
-// converts where the value is used. A kernel whose first dependent load is the slot's issues
-// this first: any load issued before it whose register is spilled or moved makes the warp wait
-// a whole round trip before the slot's load leaves.
+// behind later code) into registers of its own per dtype: load_index_bits joins the two dtypes'
+// loads into one register, and a join (or a predicated second load into the same register) waits
+// for the load. index_now converts where the value is used, as index_of_bits does (written out:
+// through index_of_bits ptxas allocates the 16-bit decode kernels' registers differently). A kernel
+// whose first dependent load is the slot's issues this first: any load issued before it whose
+// register is spilled or moved makes the warp wait a whole round trip before the slot's load
+// leaves.
 struct IndexNow {
   uint64_t wide = 0;    // int64 tables
   uint32_t narrow = 0;  // int32 tables
@@ -165,6 +167,52 @@ __device__ __forceinline__ float float_of_bits(uint32_t b, DType t) {
       return to_float(Wide<__half>{b});
     default:
       return __uint_as_float(b);
+  }
+}
+
+// ---- words: elements read and written as whole 8- or 16-byte words ------------------------------
+// (the vector conv kernel, conv_update.cu; the chain's norm kernel, fused_decode_step/chain.cuh)
+// N words W (uint2 or uint4) from p (aligned to W), read-only (__ldg) or read once before being
+// written (_cs: in place, streamed), and their stores.
+template <class W, int N>
+__device__ __forceinline__ void load_words(const void* p, W (&w)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = __ldg(static_cast<const W*>(p) + i);
+}
+template <int N>
+__device__ __forceinline__ void load_words_cs(const void* p, uint4* w) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = __ldcs(static_cast<const uint4*>(p) + i);
+}
+template <int N, class W>
+__device__ __forceinline__ void store_words(void* p, const W* w) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) static_cast<W*>(p)[i] = w[i];
+}
+// Element e (a constant once unrolled) of words holding EB-byte elements, as stored (zero-extended
+// to 32 bits; float_of_bits), and its replacement.
+template <int EB, class W, int N>
+__device__ __forceinline__ uint32_t bits_at(const W (&w)[N], int e) {
+  static_assert(EB == 2 || EB == 4, "16- or 32-bit elements");
+  const uint32_t u = reinterpret_cast<const uint32_t*>(w)[e * EB / 4];
+  if constexpr (EB == 4) return u;
+  else return e % 2 ? u >> 16 : u & 0xffffu;
+}
+template <int EB, class W, int N>
+__device__ __forceinline__ void set_bits_at(W (&w)[N], int e, uint32_t b) {
+  uint32_t& u = reinterpret_cast<uint32_t*>(w)[e * EB / 4];
+  if constexpr (EB == 4) u = b;
+  else u = e % 2 ? (u & 0xffffu) | (b << 16) : (u & 0xffff0000u) | b;
+}
+// fp32 v rounded to dtype t as stored (detail::store_float's rounding; float_of_bits reads it).
+__device__ __forceinline__ uint32_t bits_of_float(float v, DType t) {
+  switch (t) {
+    case DType::bf16:
+      return detail::float_to_bf16(v);
+    case DType::f16:
+      return detail::float_to_f16(v);
+    default:
+      return __float_as_uint(v);
   }
 }
 

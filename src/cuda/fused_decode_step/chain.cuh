@@ -67,41 +67,6 @@ inline int64_t fused_chain_workspace_bytes(const FusedStepProblem& p) {
 // past its share four times over.
 constexpr int kChainNormPerLane = 8;
 
-// PER consecutive elements of type T read as whole words (PER * sizeof(T) bytes: 8, 16 or 32),
-// converted where they are used.
-template <class T, int PER>
-struct NormWords {
-  static constexpr int kBytes = PER * static_cast<int>(sizeof(T));
-  static_assert(kBytes == 8 || kBytes % 16 == 0, "a lane's share: 8 bytes or whole 16-byte words");
-  static constexpr int kWords = kBytes / 4;
-  uint32_t w[kWords];
-  __device__ __forceinline__ void load(const void* base, int64_t i) {
-    const T* p = static_cast<const T*>(base) + i;
-    if constexpr (kBytes == 8) {
-      const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-      w[0] = u.x;
-      w[1] = u.y;
-    } else {
-#pragma unroll
-      for (int c = 0; c < kBytes / 16; ++c) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + c);
-        w[4 * c] = u.x;
-        w[4 * c + 1] = u.y;
-        w[4 * c + 2] = u.z;
-        w[4 * c + 3] = u.w;
-      }
-    }
-  }
-  __device__ __forceinline__ float at(int j) const {
-    if constexpr (sizeof(T) == 4) {
-      return __uint_as_float(w[j]);
-    } else {
-      const uint32_t b = j % 2 ? w[j / 2] >> 16 : w[j / 2] & 0xffffu;
-      return to_float(Wide<T>{b});
-    }
-  }
-};
-
 // The head's outputs, weights and gates are loaded into registers in one pass, issued beside the
 // slot's load (every row's outputs are valid to read: the decode wrote them, zeros or NaN for
 // padded and bad rows), so the kernel waits on memory once; the slot decides only the store.
@@ -130,19 +95,23 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   const int i0 = lane * per;
   const int64_t o_base = detail::head_offset(p.out, n, 0, hv);
   const int64_t z_off = n * p.z_row_stride + static_cast<int64_t>(hv) * p.z_head_stride;
+  // VEC: a lane's share as whole words (8 bytes, or 16-byte words) of In's type
+  constexpr DType kWordType = dtype_of<typename In::type>();
+  constexpr int kEB = static_cast<int>(sizeof(typename In::type));
+  using Word = std::conditional_t<PER * kEB == 8, uint2, uint4>;
+  constexpr int kWords = PER * kEB / static_cast<int>(sizeof(Word));
   float o[PER], wt[PER], zt[PER];
   if constexpr (VEC) {
-    using T = typename In::type;
-    NormWords<T, PER> ro, rw, rz;
-    ro.load(p.out.ptr, o_base + i0);
-    rw.load(p.norm_weight, i0);
-    rz.load(p.z, z_off + i0);
+    Word ro[kWords], rw[kWords], rz[kWords];
+    load_words(static_cast<const char*>(p.out.ptr) + (o_base + i0) * kEB, ro);
+    load_words(static_cast<const char*>(p.norm_weight) + i0 * kEB, rw);
+    load_words(static_cast<const char*>(p.z) + (z_off + i0) * kEB, rz);
     if (slot < 0 || slot >= p.state.num_slots) return;  // padded or bad: as the decode wrote it
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
-      o[j] = ro.at(j);
-      wt[j] = rw.at(j);
-      zt[j] = rz.at(j);
+      o[j] = float_of_bits(bits_at<kEB>(ro, j), kWordType);
+      wt[j] = float_of_bits(bits_at<kEB>(rw, j), kWordType);
+      zt[j] = float_of_bits(bits_at<kEB>(rz, j), kWordType);
     }
   } else {
     Elem ro[PER], rw[PER], rz[PER];
@@ -184,37 +153,17 @@ __global__ void __launch_bounds__(kChainNormWarps * 32)
   // Typed inputs: out, z and the weight share In's type (run_chain_norm), known here, so the
   // roundings compile to their own conversion instead of a switch over the three dtypes.
   constexpr bool kTyped = !std::is_same_v<In, AnyInput>;
-  const DType act = kTyped ? dtype_of<typename In::type>() : p.out.dtype;
+  const DType act = kTyped ? kWordType : p.out.dtype;
   const bool round_product = kTyped || p.norm_weight_dtype == p.out.dtype;
   float y[PER];
 #pragma unroll
   for (int j = 0; j < PER; ++j)
     y[j] = detail::gated_norm_of_silu(o[j], inv, wt[j], sz[j], act, round_product);
   if constexpr (VEC) {  // the lane's share as the words it was read as
-    using T = typename In::type;
-    T* dst = static_cast<T*>(p.out.ptr) + o_base + i0;
-    constexpr int kBytes = PER * static_cast<int>(sizeof(T));
-    uint32_t u[kBytes / 4];
+    Word u[kWords] = {};
 #pragma unroll
-    for (int c = 0; c < kBytes / 4; ++c) {
-      if constexpr (sizeof(T) == 4) {
-        u[c] = __float_as_uint(y[c]);
-      } else {
-        // store_float's conversions, so that both paths write the same bits (NaN included)
-        const auto bits = [](float x) -> uint32_t {
-          return std::is_same_v<T, __half> ? detail::float_to_f16(x) : detail::float_to_bf16(x);
-        };
-        u[c] = bits(y[2 * c]) | bits(y[2 * c + 1]) << 16;
-      }
-    }
-    if constexpr (kBytes == 8) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(u[0], u[1]);
-    } else {
-#pragma unroll
-      for (int c = 0; c < kBytes / 16; ++c)
-        reinterpret_cast<uint4*>(dst)[c] =
-            make_uint4(u[4 * c], u[4 * c + 1], u[4 * c + 2], u[4 * c + 3]);
-    }
+    for (int j = 0; j < PER; ++j) set_bits_at<kEB>(u, j, bits_of_float(y[j], act));
+    store_words<kWords>(static_cast<char*>(p.out.ptr) + (o_base + i0) * kEB, u);
   } else {
 #pragma unroll
     for (int j = 0; j < PER; ++j)  // each lane rewrites only the elements of its share
