@@ -343,6 +343,14 @@ struct ReplayCta {
   __device__ __forceinline__ void decayed_token(const float (&e)[CPL], int col0) const {
     store_decayed_token<CPL>(e, col0, K, s_alpha, s_kn, s_qn, s_ek, s_eq);
   }
+  // Warp 0's part of phase 2 with records: the columns' decays e (3f's rebuild) and, on an
+  // appending step, the decayed token.
+  __device__ __forceinline__ void publish_decay(const float (&e)[CPL], int col0, bool flush) const {
+#pragma unroll
+    for (int c = 0; c < CPL; ++c)
+      if (col0 + c < K) s_e[col0 + c] = e[c];
+    if (!flush) decayed_token(e, col0);
+  }
   // 3f's token slices: alpha, k and q of the lane's K slice.
   __device__ __forceinline__ void token_slice(float (&alpha)[EPL], float (&kn)[EPL],
                                               float (&qn)[EPL]) const {
@@ -510,11 +518,8 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       if (warp == 0) {
         float e[CPL];
 #pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          e[c] = expf(gtot[c]);
-          if (col0 + c < K) s_e[col0 + c] = e[c];
-        }
-        if (!flush) cta.decayed_token(e, col0);
+        for (int c = 0; c < CPL; ++c) e[c] = expf(gtot[c]);
+        cta.publish_decay(e, col0, flush);
       }
       int i = 0;
       for (int j = warp; j < m; j += nwarps) {
@@ -534,11 +539,8 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       if (warp == 0) {
         float e[CPL];
 #pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          e[c] = expf(gtot);
-          if (col0 + c < K) s_e[col0 + c] = e[c];
-        }
-        if (!flush) cta.decayed_token(e, col0);
+        for (int c = 0; c < CPL; ++c) e[c] = expf(gtot);
+        cta.publish_decay(e, col0, flush);
       }
       int i = 0;
       for (int j = warp; j < m; j += nwarps) {
