@@ -1,6 +1,10 @@
 // CUDA launch and dispatch of chunked prefill (GDN and KDA): kernels over one validated problem
 // (core/problem.h ChunkPrefillProblem), picked per call from shapes, dtypes, addresses and the
 // workspace size only (no device data, no host synchronization: graph-capturable):
+//  * the Hopper GDN kernels (chunk_prefill_hopper.cu: a chunk-parallel prep kernel, then a
+//    warp-specialized wgmma / TMA scan over (sequence, value head)) on compute capability 9.0,
+//    K = V = 128, q/k/v all bf16 or all fp16 with TMA-readable strides, when the workspace holds
+//    the prep kernel's blocks; every other problem takes one of the kernels below.
 //  * the split kernels (chunk_prefill/split.cuh, its design there), GDN and KDA: an intra-chunk
 //    kernel and an output kernel parallel over (chunk, value head) around a sequential state
 //    pass over (sequence, value head, row tile), through the workspace. Taken where the
@@ -20,6 +24,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -29,6 +34,7 @@
 #include "cuda/chunk_prefill/fallback.cuh"
 #include "cuda/chunk_prefill/split.cuh"
 #include "cuda/chunk_prefill/tc_kernel.cuh"
+#include "cuda/chunk_prefill_hopper.h"
 #include "cuda/launch.h"
 #include "cuda/tuning.h"
 
@@ -233,13 +239,21 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
   // device) asks for its blocks: the fused kernel's grids need none of them. Without a device to
   // ask (no driver: the contract checks still run, the launch would fail) no split is planned.
   const PrefillChoice forced = forced_prefill_kernel();
-  if (!split_size || forced == PrefillChoice::fused || forced == PrefillChoice::fallback)
-    return fallback;
+  // The Hopper GDN kernels' blocks where the dispatch may take them (the q/k/v dtype is not
+  // known here: the blocks are asked for whenever the device and the shapes allow them).
+  const int64_t slots_bound = tokens / ChunkPrefillProblem::kChunk + N;
+  const bool hopper = !kda && K == V && K == 128 && device_available() &&
+                      compute_capability(device) == 90 &&
+                      (forced == PrefillChoice::automatic || forced == PrefillChoice::hopper);
+  const int64_t base =
+      hopper ? std::max(fallback, hopper_prefill_workspace_bytes(slots_bound, HV)) : fallback;
+  if (!split_size || forced == PrefillChoice::fused || forced == PrefillChoice::fallback ||
+      forced == PrefillChoice::hopper)
+    return base;
   const bool split_path = forced == PrefillChoice::split ||
                           (device_available() && prefill_split_pays(N * HV, num_sms(device)));
-  if (!split_path) return fallback;
-  const int64_t split = split_bytes(K, kda, N, HV, tokens / ChunkPrefillProblem::kChunk + N);
-  return split > fallback ? split : fallback;
+  if (!split_path) return base;
+  return std::max(base, split_bytes(K, kda, N, HV, slots_bound));
 }
 
 void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
@@ -248,6 +262,7 @@ void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
   ChunkPrefillProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernels record a bad slot (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
+  if (run_hopper_prefill(p, s)) return;
   const int D = tc_head_size(p);
   const bool bf16 = p.q.dtype == DType::bf16;
   if (D != 0 && use_split(p)) {

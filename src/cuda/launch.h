@@ -44,7 +44,8 @@ class DeviceGuard {
 
 // Device queries, cached per device (src/cuda/memory.cu).
 int num_sms(int device);
-int max_smem_optin(int device);  // shared memory per block a kernel may opt in to
+int max_smem_optin(int device);      // shared memory per block a kernel may opt in to
+int compute_capability(int device);  // 10 * major + minor (90: Hopper)
 
 // A value computed once per device and then cached (thread-safe). Kernel attributes such as the
 // dynamic shared-memory opt-in are per device: a process driving several GPUs must set them on

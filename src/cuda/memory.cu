@@ -36,6 +36,10 @@ int num_sms(int device) { return cached_attribute<cudaDevAttrMultiProcessorCount
 int max_smem_optin(int device) {
   return cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device);
 }
+int compute_capability(int device) {
+  return 10 * cached_attribute<cudaDevAttrComputeCapabilityMajor>(device) +
+         cached_attribute<cudaDevAttrComputeCapabilityMinor>(device);
+}
 
 bool pdl_trigger_early(int64_t ctas, int resident_per_sm, int device) {
   if (const int forced = forced_pdl_trigger()) return forced == 1;

@@ -179,14 +179,16 @@ inline bool replay_verify_factored() {
 // kernel's the chunks per wave, so the fused one wins from about half a wave up (measured on the
 // H200: bench/results/prefill-h200.json).
 constexpr bool prefill_split_pays(int64_t fused_ctas, int64_t sms) { return 2 * fused_ctas < sms; }
-// DELTASTATE_CUDA_PREFILL=fallback|fused|split: chunk_prefill on its CUDA-core fallback kernel,
-// the fused tensor-core kernel or the split kernels, where that one applies (tests run the GPU
-// suite each way; benchmarks compare them).
-enum class PrefillChoice { automatic, fallback, fused, split };
+// DELTASTATE_CUDA_PREFILL=hopper|fallback|fused|split: chunk_prefill on the Hopper GDN kernels
+// (chunk_prefill_hopper.cu), its CUDA-core fallback kernel, the fused tensor-core kernel or the
+// split kernels, where that one applies (tests run the GPU suite each way; benchmarks compare
+// them). Unforced, the Hopper kernels take every problem they apply to.
+enum class PrefillChoice { automatic, hopper, fallback, fused, split };
 inline PrefillChoice forced_prefill_kernel() {
   static const PrefillChoice forced =
       env_choice<PrefillChoice>("DELTASTATE_CUDA_PREFILL",
-                                {{"fallback", PrefillChoice::fallback},
+                                {{"hopper", PrefillChoice::hopper},
+                                 {"fallback", PrefillChoice::fallback},
                                  {"fused", PrefillChoice::fused},
                                  {"split", PrefillChoice::split}},
                                 PrefillChoice::automatic);

@@ -1,0 +1,163 @@
+// The prep kernel of the Hopper GDN prefill (K = V = 128, q/k/v all bf16 or all fp16): everything
+// of a chunk that does not involve the state, in parallel over (chunk slot, value head), into the
+// workspace blocks the scan kernel (hopper_scan.cuh) loads with TMA. Part of
+// chunk_prefill_hopper.cu's translation unit.
+//
+// Per chunk (grid (chunk slot j, value head hv), 8 warps; chunk slots as split.cuh's): beta, the
+// cumulative log decay G, the norms rk, rq (rq with the scale), then on tensor cores the strictly
+// lower A_ts = beta_t rk_t rk_s e^{G_t - G_s} (k_t . k_s) and P_ts = rq_t rk_s e^{G_t - G_s}
+// (q_t . k_s), s <= t (split_strip, four warps each), T = (I + A)^{-1} in fp32 (invert_unit_lower),
+// and writes block b = hv * slots + j (hopper_scan.cuh Blocks):
+//   Tb = T diag(beta) and P, rounded to the input dtype, [t][s];
+//   a_t = rk_t e^{G_t}, b_t = rq_t e^{G_t}, d_s = rk_s e^{G_L - G_s}, gamma = e^{G_L} (fp32).
+// Tokens past the sequence's end have beta = rk = rq = 0, so their rows and columns of Tb and P
+// and their factors are zeros (the scan kernel relies on it).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/chunk_prefill/hopper_scan.cuh"
+#include "cuda/chunk_prefill/split.cuh"
+
+namespace deltastate::cuda_backend::prefill::hopper {
+
+struct PrepLayout {
+  static constexpr int C = kC, D = kD;
+  static constexpr int NW = 8, THREADS = NW * 32;
+  static constexpr int NK = D / 16;  // k-steps of K K^T, Q K^T (split_strip)
+  static constexpr int LDI = D + 8, LDT = C + 4, LDB = C + 8, LDX = 36;
+  static constexpr int OFF_K = 0, OFF_Q = OFF_K + C * LDI * 2, OFF_TF = OFF_Q + C * LDI * 2,
+                       OFF_X = OFF_TF + C * LDT * 4, OFF_P = OFF_X + 32 * LDX * 4,
+                       OFF_SC = OFF_P + C * LDB * 2, SMEM = OFF_SC + 8 * C * 4;
+  static_assert(OFF_TF % 16 == 0 && OFF_X % 16 == 0 && OFF_P % 16 == 0 && OFF_SC % 16 == 0,
+                "16-byte aligned regions");
+};
+
+template <class In>
+__global__ void __launch_bounds__(PrepLayout::THREADS, 2)
+    chunk_prefill_hopper_prep_kernel(const ChunkPrefillProblem p, int64_t slots) {
+  using L = PrepLayout;
+  using M = Mma<In>;
+  constexpr int C = L::C, D = L::D, NW = L::NW, NT = L::THREADS, LDI = L::LDI, LDT = L::LDT,
+                LDB = L::LDB;
+  enter_grid(false);
+  const SplitChunk ch = split_locate(p, blockIdx.x);
+  if (ch.n < 0) return;
+  const int hv = static_cast<int>(blockIdx.y);
+  const Seq s = resolve_sequence(p, ch.n * p.HV + hv);
+  if (s.padded) return;  // the scan kernel writes its zeros; nothing reads its blocks
+  extern __shared__ __align__(16) unsigned char smem[];
+  In* const Ks = reinterpret_cast<In*>(smem + L::OFF_K);
+  In* const Qs = reinterpret_cast<In*>(smem + L::OFF_Q);
+  float* const Tf = reinterpret_cast<float*>(smem + L::OFF_TF);
+  float* const Xs = reinterpret_cast<float*>(smem + L::OFF_X);
+  In* const Pb = reinterpret_cast<In*>(smem + L::OFF_P);
+  float* const sG = reinterpret_cast<float*>(smem + L::OFF_SC);
+  float* const sBeta = sG + C;
+  float* const sRk = sG + 2 * C;
+  float* const sRq = sG + 3 * C;
+  float* const sA = sG + 4 * C;  // a_t = rk_t e^{G_t}
+  float* const sB = sG + 5 * C;  // b_t = rq_t e^{G_t}
+  float* const sD = sG + 6 * C;  // d_s = rk_s e^{G_L - G_s}
+  float* const sGL = sG + 7 * C;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t c0 = ch.ci * C;
+  const int cv = static_cast<int>(s.len - c0 < C ? s.len - c0 : C);
+
+  split_load_rows<D>(Ks, p.k, static_cast<const In*>(p.k.ptr), s, s.h, c0, cv, tid, NT);
+  split_load_rows<D>(Qs, p.q, static_cast<const In*>(p.q.ptr), s, s.h, c0, cv, tid, NT);
+  cp_async_commit_group();
+  if (warp == 0) {  // beta and the inclusive scan of g over the chunk (tokens 2 lane, 2 lane + 1)
+    const detail::GateParams& gate = p.gate;
+    const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
+    const float dt =
+        gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, s.hv) : 0.0f;
+    float g2[2], b2[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = 2 * lane + e;
+      const bool valid = t < cv;
+      const int64_t tok = s.tok0 + c0 + (valid ? t : 0);
+      b2[e] = valid ? detail::beta_value(detail::load_float(p.beta.ptr, p.beta.dtype,
+                                                            head_offset(p.beta, s.seq, tok, s.hv)),
+                                         p.beta_is_logit, false, p.beta.dtype)
+                    : 0.0f;
+      g2[e] = valid ? detail::gate_value(gate.mode,
+                                         detail::load_float(p.g.ptr, p.g.dtype,
+                                                            head_offset(p.g, s.seq, tok, s.hv)),
+                                         dt, A_log, gate.lower_bound)
+                    : 0.0f;
+    }
+    const float pair = g2[0] + g2[1];
+    float incl = pair;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += y;
+    }
+    const float G0 = (incl - pair) + g2[0], G1 = G0 + g2[1];
+    sBeta[2 * lane] = b2[0];
+    sBeta[2 * lane + 1] = b2[1];
+    sG[2 * lane] = G0;
+    sG[2 * lane + 1] = G1;
+    if (lane == 31) sGL[0] = G1;  // g = 0 past the sequence: G_63 = G_{cv-1}
+  }
+  cp_async_wait_group<0>();
+  __syncthreads();
+  {  // rk, rq and the per-token factors (a warp per token)
+    constexpr int EPL = D / 32;
+    const float GL = sGL[0];
+    for (int t = warp; t < C; t += NW) {
+      float xk[EPL], xq[EPL];
+      load_row_part<In, EPL>(Ks + t * LDI + lane * EPL, xk);
+      load_row_part<In, EPL>(Qs + t * LDI + lane * EPL, xq);
+      float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        sk = fmaf(xk[e], xk[e], sk);
+        sq = fmaf(xq[e], xq[e], sq);
+      }
+      sk = warp_sum(sk);
+      sq = warp_sum(sq);
+      const bool valid = t < cv;
+      const float rk = !valid ? 0.0f : p.l2norm ? 1.0f / detail::l2norm_denominator(sk) : 1.0f;
+      const float rq = !valid     ? 0.0f
+                       : p.l2norm ? p.scale / detail::l2norm_denominator(sq)
+                                  : p.scale;
+      if (lane == 0) {
+        const float e = expf(sG[t]);
+        sRk[t] = rk;
+        sRq[t] = rq;
+        sA[t] = rk * e;
+        sB[t] = rq * e;
+        sD[t] = rk * expf(GL - sG[t]);
+      }
+    }
+  }
+  __syncthreads();
+  if (warp < 4) split_strip<L, In, false>(Ks, Ks, warp, sG, sRk, sBeta, Tf, nullptr, lane);
+  else split_strip<L, In, true>(Qs, Ks, warp - 4, sG, sRk, sRq, nullptr, Pb, lane);
+  __syncthreads();
+  invert_unit_lower<L>(Tf, Xs, warp, lane, tid);  // ends with a barrier
+
+  const BlockPtrs out = block_ptrs(p.workspace, slots * p.HV, int64_t{hv} * slots + blockIdx.x);
+  for (int i = tid; i < C * (C / 8); i += NT) {  // 16-byte pieces: row t, columns 8 c8 ..
+    const int t = i / (C / 8), c8 = 8 * (i % (C / 8));
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int s0 = c8 + 2 * e;
+      const float x0 = s0 <= t ? Tf[t * LDT + s0] * sBeta[s0] : 0.0f;
+      const float x1 = s0 + 1 <= t ? Tf[t * LDT + s0 + 1] * sBeta[s0 + 1] : 0.0f;
+      w[e] = M::pack(x0, x1);
+    }
+    reinterpret_cast<uint4*>(out.t)[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    reinterpret_cast<uint4*>(out.p)[i] = *reinterpret_cast<const uint4*>(Pb + t * LDB + c8);
+  }
+  for (int i = tid; i < 4 * C; i += NT) {
+    const int r = i / C, t = i % C;
+    out.scal[i] = r == 0 ? sA[t] : r == 1 ? sB[t] : r == 2 ? sD[t] : (t == 0 ? expf(sGL[0]) : 0.0f);
+  }
+}
+
+}  // namespace deltastate::cuda_backend::prefill::hopper

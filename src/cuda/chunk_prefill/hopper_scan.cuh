@@ -1,0 +1,386 @@
+// The Hopper scan kernel of GDN chunked prefill (K = V = 128, q/k/v all bf16 or all fp16): one
+// CTA per (sequence, value head) walks the sequence's chunks in order with the fp32 state on
+// chip, on wgmma with TMA loads through an mbarrier pipeline (CUTLASS's CuTe). Part of
+// chunk_prefill_hopper.cu's translation unit; hopper_prep.cuh makes what it reads besides q, k, v.
+//
+// ---- design ------------------------------------------------------------------------------------
+// Warp specialization, 384 threads: warp group 0 is the producer (one elected thread issues the
+// TMA loads of a chunk into a free stage: q, k, v straight from the caller's tensors, and the
+// prep kernel's Tb, P and per-token factors from the workspace), warp groups 1 and 2 are the
+// consumers, each holding 64 of the 128 rows of the transposed state S [V, K] as fp32 wgmma
+// accumulators (64 registers a thread) for the whole sequence. setmaxnreg moves registers from
+// the producer (56) to the consumers (224). Per chunk of C = 64 tokens a consumer runs five
+// products (m64, its rows v; the chunk algebra of src/cpu/chunk_prefill.cpp, its names):
+//   X1 = S K^T,  X2 = S Q^T                        RS: A = bf16(S) from the accumulators
+//   v'^T = V^T Tb^T - bf16(a * X1) Tb^T           SS (A = v, MN-major) then RS, one accumulator
+//   o^T = b * X2 + bf16(v'^T) P^T                  RS, onto X2's accumulator
+//   S = gamma S + bf16(v'^T d) K                   RS, B = k MN-major (the same bytes as X1's B)
+// with the per-token factors a_t = rk_t e^{G_t}, b_t = rq_t e^{G_t}, d_s = rk_s e^{G_L - G_s},
+// gamma = e^{G_L}, Tb = (I + A)^{-1} diag(beta) and P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s),
+// s <= t, all from the prep kernel (zeros for tokens past the sequence's end, so the rows a tail
+// chunk's TMA box reads beyond it contribute exact zeros). An accumulator's fp32 values become
+// the next product's A operand in registers: the m64nNk16 accumulator layout holds, per 16
+// columns, exactly the k16 A fragment (see acc_to_a). Every product's B operand and V^T are read
+// from the stage by the tensor cores; nothing but the output goes through shared memory: o^T is
+// staged [t][v] in fp32 and written by the consumer's 128 threads as rows of the output.
+//
+// Precision: the state, every accumulation and the factors are fp32; the tensor-core operands
+// that are not raw inputs are rounded to the input dtype (S, a * X1, v', v' d, Tb, P), as
+// FlashInfer's SM90 kernel rounds them.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cute/tensor.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/problem.h"
+#include "cuda/chunk_prefill/split.cuh"
+#include "cuda/grid.cuh"
+
+namespace deltastate::cuda_backend::prefill::hopper {
+
+using namespace cute;
+
+constexpr int kC = detail::ChunkPrefillProblem::kChunk;  // 64 tokens per chunk
+constexpr int kD = 128;                                  // K = V
+constexpr int kStages = 2;
+constexpr int kConsumers = 2;  // warp groups of 64 state rows
+constexpr int kScanThreads = 128 * (1 + kConsumers);
+constexpr int kLdo = kD + 4;  // fp32 row stride of the output staging (conflict-free writes)
+
+// The prep kernel's blocks in the workspace, one per (value head, chunk slot) b = hv * slots + j:
+// three arrays, Tb [blocks][C][C] and P [blocks][C][C] in the input dtype, then the per-token
+// factors [blocks][4][C] fp32 (rows a, b, d; row 3 holds gamma in its first entry).
+struct Blocks {
+  static constexpr int64_t kMatBytes = int64_t{kC} * kC * 2;
+  static constexpr int64_t kScalBytes = 4 * int64_t{kC} * 4;
+  static constexpr int64_t kBytes = 2 * kMatBytes + kScalBytes;
+  static constexpr int64_t bytes(int64_t blocks) { return blocks * kBytes; }
+  static constexpr int64_t p_offset(int64_t blocks) { return blocks * kMatBytes; }
+  static constexpr int64_t scal_offset(int64_t blocks) { return 2 * blocks * kMatBytes; }
+};
+// Block b's three parts (b = hv * slots + j; b = 0: the arrays' starts).
+struct BlockPtrs {
+  void* t;
+  void* p;
+  float* scal;
+};
+__host__ __device__ __forceinline__ BlockPtrs block_ptrs(void* workspace, int64_t blocks,
+                                                         int64_t b) {
+  unsigned char* const w = static_cast<unsigned char*>(workspace);
+  return {w + b * Blocks::kMatBytes, w + Blocks::p_offset(blocks) + b * Blocks::kMatBytes,
+          reinterpret_cast<float*>(w + Blocks::scal_offset(blocks)) + b * 4 * kC};
+}
+
+// Shared-memory layouts of one element type E (cutlass::bfloat16_t or half_t).
+template <class E>
+struct ScanLayout {
+  // q, k, v chunk tiles [t][c] (c contiguous; K-major for the products' B), 128-byte swizzle
+  using In = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                    Shape<Int<kC>, Int<kD>, Int<kStages>>{}));
+  // The same bytes as [c][t]: k as the state update's B (N = c, K = s) and v as V^T's A
+  // (M = v, K = s), both MN-major; the tiles' order (t blocks of 8 first) matches In's.
+  using InT = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<E>{},
+                                     Shape<Int<kD>, Int<kC>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  // Tb and P [t][s] (s contiguous: K-major B)
+  using Mat = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                     Shape<Int<kC>, Int<kC>, Int<kStages>>{}));
+  // the per-token factors [4][C] fp32 (TMA: (C, 4) column-major)
+  using Scal = Layout<Shape<Int<kC>, _4, Int<kStages>>>;
+  using InTile = decltype(take<0, 2>(In{}));
+  using MatTile = decltype(take<0, 2>(Mat{}));
+  using ScalTile = decltype(take<0, 2>(Scal{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  struct alignas(1024) Storage {
+    cute::array_aligned<E, cosize_v<In>, 1024> q, k, v;
+    cute::array_aligned<E, cosize_v<Mat>, 1024> t, p;
+    cute::array_aligned<float, cosize_v<Scal>, 128> scal;
+    cute::array_aligned<float, kC * kLdo, 128> out;  // o staged [t][v]
+    typename Pipeline::SharedStorage pipe;
+  };
+  static constexpr int kSmem = static_cast<int>(sizeof(Storage)) + 1024;  // + base alignment
+  static constexpr uint32_t kStageBytes =
+      static_cast<uint32_t>(3 * cosize_v<InTile> * sizeof(E) + 2 * cosize_v<MatTile> * sizeof(E) +
+                            cosize_v<ScalTile> * sizeof(float));
+
+  // The products of one consumer warp group (its 64 rows of S): X1, X2, v' P^T and the second
+  // half of v' (RS 64x64), V^T Tb^T (SS, A MN-major), the state update (RS 64x128, B MN-major).
+  using MmaX = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<E, E, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>()));
+  using MmaV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<E, E, float, Shape<_64, _64, _16>, GMMA::Major::MN, GMMA::Major::K>()));
+  using MmaS = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<E, E, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>()));
+};
+
+// The global tensors the TMA loads read, as CuTe views: a per-token input [T, D, heads, N] with
+// the caller's strides (c contiguous), and the workspace's [blocks * C, C] matrices and
+// [C, blocks * 4] factors.
+template <class E>
+auto input_view(const E* ptr, int T, int heads, int N, int64_t tok, int64_t head, int64_t seq) {
+  return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(T, Int<kD>{}, heads, N),
+                                                     make_stride(tok, _1{}, head, seq)));
+}
+template <class E>
+auto matrix_view(const E* ptr, int blocks) {
+  return make_tensor(make_gmem_ptr(ptr),
+                     make_layout(make_shape(blocks * kC, Int<kC>{}), make_stride(Int<kC>{}, _1{})));
+}
+inline auto scalar_view(const float* ptr, int blocks) {
+  return make_tensor(make_gmem_ptr(ptr),
+                     make_layout(make_shape(Int<kC>{}, blocks * 4), make_stride(_1{}, Int<kC>{})));
+}
+
+template <class E>
+struct ScanParams {
+  using Lay = ScanLayout<E>;
+  using TmaIn = decltype(make_tma_copy(SM90_TMA_LOAD{}, input_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
+                                       typename Lay::InTile{}));
+  using TmaMat =
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(nullptr, 1), typename Lay::MatTile{}));
+  using TmaScal =
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, scalar_view(nullptr, 1), typename Lay::ScalTile{}));
+  detail::ChunkPrefillProblem p;
+  TmaIn q, k, v;
+  TmaMat t, pm;
+  TmaScal scal;
+  int in_T, in_N;      // the inputs' token and sequence extents (TMA coordinates)
+  int64_t slots;       // chunk slots (hopper_prep.cuh)
+  bool trigger_early;  // PDL (grid.cuh enter_grid)
+};
+
+// The k16 A fragments of an m64nNk16 accumulator, rounded to E: CuTe's accumulator layout
+// ((2, 2, N/8), 1, 1) holds per thread the values (row g + 8 i1, column 2 q + i0 + 8 i2), and
+// the k16 A fragment ((2, 2, 2), 1, 1) of columns 16 kb.. the values (row g + 8 j1, column
+// 16 kb + 2 q + j0 + 8 j2): the same registers in the same order, kb = i2 / 2. `f(i, x)` maps
+// accumulator value i (its flat index) to the operand value.
+template <class E, int N, class Acc, class F>
+__device__ __forceinline__ auto acc_to_a(const Acc& acc, F&& f) {
+  static_assert(N % 16 == 0, "whole k16 blocks");
+  Tensor a = make_tensor<E>(
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<N / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>{});
+  CUTE_UNROLL
+  for (int i = 0; i < N / 2; ++i) a(i) = static_cast<E>(f(i, acc(i)));
+  return a;
+}
+
+// One warp group's product C (+)= A B over every k block of its operands: the wgmma of each k
+// block issued in order, the accumulator (and a register A) fenced against reordering. The caller
+// brackets a batch of these with warpgroup_arrive() and warpgroup_commit_batch() + wait.
+template <bool ZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C) {
+  constexpr int KB = decltype(size<2>(A))::value;
+  constexpr bool kRegA =
+      !std::is_same_v<typename std::remove_reference_t<TA>::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kRegA) warpgroup_fence_operand(A);
+  warpgroup_fence_operand(C);
+  if constexpr (ZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < KB; ++kb) {
+    cute::gemm(mma, A(_, _, kb), B(_, _, kb), C);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_fence_operand(C);
+  if constexpr (kRegA) warpgroup_fence_operand(A);
+}
+
+template <class E>
+__global__ void __launch_bounds__(kScanThreads, 1)
+    chunk_prefill_hopper_scan_kernel(const __grid_constant__ ScanParams<E> P) {
+  using Lay = ScanLayout<E>;
+  using Pipeline = typename Lay::Pipeline;
+  const detail::ChunkPrefillProblem& p = P.p;
+  enter_grid(P.trigger_early);
+  extern __shared__ unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Lay::Storage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) {
+    prefetch_tma_descriptor(P.q.get_tma_descriptor());
+    prefetch_tma_descriptor(P.k.get_tma_descriptor());
+    prefetch_tma_descriptor(P.v.get_tma_descriptor());
+    prefetch_tma_descriptor(P.t.get_tma_descriptor());
+    prefetch_tma_descriptor(P.pm.get_tma_descriptor());
+    prefetch_tma_descriptor(P.scal.get_tma_descriptor());
+  }
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = Lay::kStageBytes;
+  pp.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = tid == 0;
+  pp.num_consumers = 128 * kConsumers;
+  Pipeline pipe(ss.pipe, pp, Shape<_1, _1, _1>{});
+  __syncthreads();  // the barriers' initialization is visible to every thread
+
+  const Seq s = resolve_sequence(p, blockIdx.x);
+  if (skip_sequence(p, s, tid, kScanThreads)) return;
+  const int nchunks = static_cast<int>((s.len + kC - 1) / kC);
+  const int64_t slot0 = split_chunk_offset(p, s.n);  // the sequence's first chunk slot
+
+  if (wg == 0) {  // ---- producer -------------------------------------------------------------
+    cutlass::arch::warpgroup_reg_dealloc<56>();
+    if (tid == 0) {  // the pipeline's leader (pp.is_leader): its acquire arms the stage
+      const int tok0 = static_cast<int>(s.tok0), seq = static_cast<int>(s.seq);
+      auto tile = [&](const auto& tma, auto mtensor, auto stensor, auto coord) {
+        Tensor g = local_tile(mtensor, product_each(shape(stensor(_, _, 0))), coord);
+        return tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(stensor),
+                             group_modes<0, 2>(g));
+      };
+      Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Lay::In{});
+      Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::In{});
+      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Lay::In{});
+      Tensor sT = make_tensor(make_smem_ptr(ss.t.data()), typename Lay::Mat{});
+      Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Lay::Mat{});
+      Tensor sS = make_tensor(make_smem_ptr(ss.scal.data()), typename Lay::Scal{});
+      auto in_shape = make_shape(P.in_T, Int<kD>{}, p.H, P.in_N);
+      auto v_shape = make_shape(P.in_T, Int<kD>{}, p.HV, P.in_N);
+      const int blocks = static_cast<int>(P.slots * p.HV);
+      // (tile, chunk) over the sequence's tokens; (tile, block) over the workspace
+      auto [gq, sq] = tile(
+          P.q, domain_offset(make_coord(tok0, 0), P.q.get_tma_tensor(in_shape)(_, _, s.h, seq)), sQ,
+          make_coord(_, 0));
+      auto [gk, sk] = tile(
+          P.k, domain_offset(make_coord(tok0, 0), P.k.get_tma_tensor(in_shape)(_, _, s.h, seq)), sK,
+          make_coord(_, 0));
+      auto [gv, sv] = tile(
+          P.v, domain_offset(make_coord(tok0, 0), P.v.get_tma_tensor(v_shape)(_, _, s.hv, seq)), sV,
+          make_coord(_, 0));
+      auto [gt, st] =
+          tile(P.t, P.t.get_tma_tensor(make_shape(blocks * kC, Int<kC>{})), sT, make_coord(_, 0));
+      auto [gp, sp] =
+          tile(P.pm, P.pm.get_tma_tensor(make_shape(blocks * kC, Int<kC>{})), sP, make_coord(_, 0));
+      auto [gs, sc] = tile(P.scal, P.scal.get_tma_tensor(make_shape(Int<kC>{}, blocks * 4)), sS,
+                           make_coord(0, _));
+      const int block0 = static_cast<int>(s.hv * P.slots + slot0);
+      auto state = cutlass::make_producer_start_state<Pipeline>();
+      for (int ci = 0; ci < nchunks; ++ci) {
+        pipe.producer_acquire(state);
+        auto* bar = pipe.producer_get_barrier(state);
+        const int stage = state.index();
+        copy(P.q.with(*bar), gq(_, ci), sq(_, stage));
+        copy(P.k.with(*bar), gk(_, ci), sk(_, stage));
+        copy(P.v.with(*bar), gv(_, ci), sv(_, stage));
+        copy(P.t.with(*bar), gt(_, block0 + ci), st(_, stage));
+        copy(P.pm.with(*bar), gp(_, block0 + ci), sp(_, stage));
+        copy(P.scal.with(*bar), gs(_, block0 + ci), sc(_, stage));
+        ++state;
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ------------------------------------------------------------------------------
+  cutlass::arch::warpgroup_reg_alloc<224>();
+  const int cw = wg - 1, ct = tid % 128;  // consumer index, thread within the warp group
+  const int64_t E2 = int64_t{kD} * kD;
+  typename Lay::MmaX mma_x;
+  typename Lay::MmaV mma_v;
+  typename Lay::MmaS mma_s;
+  auto thr_x = mma_x.get_thread_slice(ct);
+  auto thr_v = mma_v.get_thread_slice(ct);
+  auto thr_s = mma_s.get_thread_slice(ct);
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Lay::In{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::In{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::InT{});
+  // this warp group's 64 rows v of V^T: the second 64-column swizzle atom of v for cw = 1
+  Tensor sVt = local_tile(make_tensor(make_smem_ptr(ss.v.data()), typename Lay::InT{}),
+                          Shape<_64, Int<kC>, Int<kStages>>{}, make_coord(cw, 0, 0));
+  Tensor sT = make_tensor(make_smem_ptr(ss.t.data()), typename Lay::Mat{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Lay::Mat{});
+  // operand descriptors (MMA, 1, k blocks, stage)
+  Tensor dK = thr_x.partition_fragment_B(sK);
+  Tensor dQ = thr_x.partition_fragment_B(sQ);
+  Tensor dT = thr_x.partition_fragment_B(sT);
+  Tensor dP = thr_x.partition_fragment_B(sP);
+  Tensor dVt = thr_v.partition_fragment_A(sVt);
+  Tensor dTv = thr_v.partition_fragment_B(sT);
+  Tensor dKt = thr_s.partition_fragment_B(sKt);
+
+  // S: this warp group's rows v = 64 cw + m, all columns, in the accumulators
+  Tensor S = partition_fragment_C(mma_s, Shape<_64, Int<kD>>{});
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
+  // the token (column) of each value of a 64x64 accumulator
+  Tensor cX = thr_x.partition_C(make_identity_tensor(Shape<_64, Int<kC>>{}));
+  const int v0 = 64 * cw;
+  if (s.reads_state) {
+    const int64_t off = s.slot * p.state.slot_stride + s.hv * E2;
+    CUTE_UNROLL
+    for (int i = 0; i < size(S); ++i)
+      S(i) = detail::load_float(p.state.ptr, p.state.dtype,
+                                off + (v0 + get<0>(cS(i))) * kD + get<1>(cS(i)));
+  } else {
+    clear(S);
+  }
+  auto store_state = [&](void* base, DType dtype, int64_t off) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(S); ++i)
+      detail::store_float(base, dtype, off + (v0 + get<0>(cS(i))) * kD + get<1>(cS(i)), S(i));
+  };
+
+  auto state = typename Pipeline::PipelineState{};
+  for (int ci = 0; ci < nchunks; ++ci) {
+    pipe.consumer_wait(state);
+    const int stage = state.index();
+    const float* scal = ss.scal.data() + stage * 4 * kC;  // rows a, b, d; gamma
+
+    // X1 = S K^T, X2 = S Q^T
+    Tensor Sa = acc_to_a<E, kD>(S, [](int, float x) { return x; });
+    Tensor X1 = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
+    Tensor X2 = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
+    warpgroup_arrive();
+    wg_gemm<true>(mma_x, Sa, dK(_, _, _, stage), X1);
+    wg_gemm<true>(mma_x, Sa, dQ(_, _, _, stage), X2);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+
+    // v'^T = V^T Tb^T + bf16(-a X1) Tb^T; X2 becomes b X2
+    Tensor Ya = acc_to_a<E, kC>(X1, [&](int i, float x) { return -scal[get<1>(cX(i))] * x; });
+    CUTE_UNROLL
+    for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + get<1>(cX(i))];
+    Tensor U = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
+    warpgroup_arrive();
+    wg_gemm<true>(mma_v, dVt(_, _, _, stage), dTv(_, _, _, stage), U);
+    wg_gemm<false>(mma_x, Ya, dT(_, _, _, stage), U);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+
+    // o^T = b X2 + bf16(v'^T) P^T;  S = gamma S + bf16(v'^T d) K
+    Tensor Ua = acc_to_a<E, kC>(U, [](int, float x) { return x; });
+    Tensor Ud =
+        acc_to_a<E, kC>(U, [&](int i, float x) { return x * scal[2 * kC + get<1>(cX(i))]; });
+    const float gamma = scal[3 * kC];
+    CUTE_UNROLL
+    for (int i = 0; i < size(S); ++i) S(i) *= gamma;
+    warpgroup_arrive();
+    wg_gemm<false>(mma_x, Ua, dP(_, _, _, stage), X2);
+    wg_gemm<false>(mma_s, Ud, dKt(_, _, _, stage), S);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    pipe.consumer_release(state);  // every read of the stage is done
+    ++state;
+
+    // the output: o^T staged [t][v], then the chunk's valid rows of this group's 64 columns
+    const int64_t c0 = int64_t{ci} * kC;
+    const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
+    CUTE_UNROLL
+    for (int i = 0; i < size(X2); ++i) ss.out[get<1>(cX(i)) * kLdo + v0 + get<0>(cX(i))] = X2(i);
+    cutlass::arch::NamedBarrier::sync(128, cw);
+    for (int i = ct; i < cv * 16; i += 128) {
+      const int t = i >> 4, c = v0 + (i & 15) * 4;
+      const float4 o = *reinterpret_cast<const float4*>(&ss.out[t * kLdo + c]);
+      store4(p.out.ptr, p.out.dtype, head_offset(p.out, s.seq, s.tok0 + c0 + t, s.hv) + c, o);
+    }
+    cutlass::arch::NamedBarrier::sync(128, cw);  // the staging is free for the next chunk
+    const int64_t end = c0 + cv;
+    if (checkpoint_at(p, end)) store_checkpoint(p, s, end / p.checkpoint_every - 1, store_state);
+  }
+  store_final_states(p, s, store_state);
+}
+
+}  // namespace deltastate::cuda_backend::prefill::hopper

@@ -1,0 +1,134 @@
+// Launch of the Hopper GDN chunked prefill (chunk_prefill/hopper_prep.cuh, hopper_scan.cuh): the
+// prep kernel over (chunk slot, value head), then the warp-specialized wgmma scan over (sequence,
+// value head), through the workspace. Its own translation unit: the only one that includes
+// CUTLASS's CuTe, compiled for sm_90a alone (CMakeLists.txt), and run only on devices of compute
+// capability 9.0 (wgmma, setmaxnreg and the TMA have no other target here).
+#include "cuda/chunk_prefill_hopper.h"
+
+#include <cutlass/numeric_types.h>
+
+#include "cuda/chunk_prefill/hopper_prep.cuh"
+#include "cuda/chunk_prefill/hopper_scan.cuh"
+#include "cuda/launch.h"
+#include "cuda/tuning.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::ChunkPrefillProblem;
+
+namespace {
+
+using namespace prefill::hopper;
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// A per-token input the TMA can read: 16-byte aligned base and strides (in elements of 2 bytes:
+// multiples of 8), positive strides of the extents it walks.
+template <class Head>
+bool tma_readable(const Head& t, const ChunkPrefillProblem& p, int64_t heads) {
+  if (!aligned16(t.ptr)) return false;
+  auto ok = [](int64_t stride, int64_t extent) {
+    return extent <= 1 || (stride > 0 && stride % 8 == 0 && stride < (int64_t{1} << 39));
+  };
+  const int64_t N = p.cu_seqlens ? 1 : p.N;
+  return ok(t.tok_stride, p.T) && ok(t.head_stride, heads) && ok(t.seq_stride, N);
+}
+
+// A stride the TMA accepts for a mode of extent 1 (never walked).
+int64_t tma_stride(int64_t stride, int64_t extent) { return extent <= 1 ? 8 : stride; }
+
+template <class In, class E>
+void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
+  using Lay = ScanLayout<E>;
+  using Params = ScanParams<E>;
+  const int64_t blocks = slots * p.HV;
+  // prep: grid (chunk slots, value heads)
+  auto prep = prefill::hopper::chunk_prefill_hopper_prep_kernel<In>;
+  auto scan = prefill::hopper::chunk_prefill_hopper_scan_kernel<E>;
+  static PerDeviceOnce opted;
+  const int resident = opted.get(p.device.index, [=] {
+    DS_CUDA_CHECK(
+        cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepLayout::SMEM));
+    DS_CUDA_CHECK(
+        cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::kSmem));
+    return 1;
+  });
+  if (slots > 0)
+    launch_kernel(prep, dim3(static_cast<unsigned>(slots), static_cast<unsigned>(p.HV)),
+                  dim3(PrepLayout::THREADS), PrepLayout::SMEM, stream, p.pdl, p, slots);
+
+  const int T = static_cast<int>(p.T), N = p.cu_seqlens ? 1 : p.N;
+  auto view = [&](const auto& t, int heads) {
+    return input_view<E>(static_cast<const E*>(t.ptr), T, heads, N, tma_stride(t.tok_stride, T),
+                         tma_stride(t.head_stride, heads), tma_stride(t.seq_stride, N));
+  };
+  const BlockPtrs ws = block_ptrs(p.workspace, blocks, 0);
+  Params params{};
+  params.p = p;
+  params.q = make_tma_copy(SM90_TMA_LOAD{}, view(p.q, p.H), typename Lay::InTile{});
+  params.k = make_tma_copy(SM90_TMA_LOAD{}, view(p.k, p.H), typename Lay::InTile{});
+  params.v = make_tma_copy(SM90_TMA_LOAD{}, view(p.v, p.HV), typename Lay::InTile{});
+  const int nb = static_cast<int>(blocks);
+  params.t = make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(static_cast<const E*>(ws.t), nb),
+                           typename Lay::MatTile{});
+  params.pm = make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(static_cast<const E*>(ws.p), nb),
+                            typename Lay::MatTile{});
+  params.scal = make_tma_copy(SM90_TMA_LOAD{}, scalar_view(ws.scal, nb), typename Lay::ScalTile{});
+  params.in_T = T;
+  params.in_N = N;
+  params.slots = slots;
+  const int64_t ctas = p.num_heads_total();
+  params.trigger_early = p.pdl && pdl_trigger_early(ctas, resident, p.device.index);
+  launch_kernel(scan, dim3(static_cast<unsigned>(ctas)), dim3(kScanThreads), Lay::kSmem, stream,
+                p.pdl, params);
+}
+
+}  // namespace
+
+int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV) {
+  return Blocks::bytes(slots * HV);
+}
+
+bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
+  const PrefillChoice forced = forced_prefill_kernel();
+  if (forced != PrefillChoice::automatic && forced != PrefillChoice::hopper) return false;
+  if (p.gate.kda || p.K != kD || p.V != kD) return false;
+  if (compute_capability(p.device.index) != 90) return false;
+#if DELTASTATE_CUDA_ALL_KERNELS
+  const bool dtype_ok = p.q.dtype == DType::bf16 || p.q.dtype == DType::f16;
+#else
+  const bool dtype_ok = p.q.dtype == DType::bf16;
+#endif
+  if (!dtype_ok || p.k.dtype != p.q.dtype || p.v.dtype != p.q.dtype) return false;
+  if (!tma_readable(p.q, p, p.H) || !tma_readable(p.k, p, p.H) || !tma_readable(p.v, p, p.HV))
+    return false;
+  // outputs are written 4 elements at a time
+  const int64_t o = p.out.dtype == DType::f32 ? 16 : 8;
+  if (reinterpret_cast<uintptr_t>(p.out.ptr) % o != 0 || p.out.tok_stride % 4 != 0 ||
+      p.out.head_stride % 4 != 0 || (!p.cu_seqlens && p.N > 1 && p.out.seq_stride % 4 != 0))
+    return false;
+  // TMA coordinates are 32-bit: tokens, and the workspace's rows (blocks * 64)
+  const int64_t slots = prefill::split_chunk_slots(p);
+  return p.T < (int64_t{1} << 31) && slots * p.HV * kC < (int64_t{1} << 31) && Blocks::kBytes > 0 &&
+         ScanLayout<cutlass::bfloat16_t>::kSmem <= max_smem_optin(p.device.index);
+}
+
+bool run_hopper_prefill(const ChunkPrefillProblem& p, cudaStream_t stream) {
+  if (!hopper_prefill_applies(p)) return false;
+  const int64_t slots = prefill::split_chunk_slots(p);
+  if (!p.workspace || !aligned16(p.workspace) ||
+      p.workspace_bytes < hopper_prefill_workspace_bytes(slots, p.HV))
+    return false;
+  if (p.q.dtype == DType::bf16) {
+    launch<__nv_bfloat16, cutlass::bfloat16_t>(p, slots, stream);
+    return true;
+  }
+#if DELTASTATE_CUDA_ALL_KERNELS
+  launch<__half, cutlass::half_t>(p, slots, stream);
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace deltastate::cuda_backend
