@@ -18,7 +18,8 @@ GPU_TESTS = pathlib.Path(__file__).resolve().parents[2] / "tests" / "gpu"
 
 
 @pytest.mark.parametrize(
-    "script", ["emulate_tc_kernel.py", "emulate_split_kernels.py", "emulate_replay_verify.py"])
+    "script", ["emulate_tc_kernel.py", "emulate_split_kernels.py", "emulate_replay_verify.py",
+               "emulate_hopper_prefill.py"])
 def test_emulation_matches_the_algebra(script):
     run = subprocess.run([sys.executable, str(GPU_TESTS / script)], capture_output=True, text=True,
                          timeout=600)

@@ -26,6 +26,11 @@
 //  * Tensor-core kernel, KDA: 5e-3. Its per-channel decays are folded into q, k operands that
 //    are rounded too (k e^G, q e^G, k e^{G_L - G}, as in FLA): the emulation measured 2.4-3.4e-3
 //    (the upper end with the softplus gate's strong decays; 2.7e-3 on bf16 outputs as here).
+//  * Hopper GDN kernels (chunk_prefill_hopper.cu, K = V = 128 on compute capability 9.0, taken
+//    by default there): 4e-3. Their operands are rounded as FlashInfer's SM90 kernel rounds them
+//    (the state, a X1, v', v' d, T diag(beta), P; no hi + lo pairs): the emulation
+//    (tests/gpu/emulate_hopper_prefill.py) measured 2.3-2.9e-3 on the outputs and 2.0-2.6e-3 on
+//    the states against an fp64 recurrence, as FlashInfer's 2.9e-3 and below FLA's 3.6-4.4e-3.
 //  * Fallback (fp32 token recurrence): 2e-5, as the CPU chunked-vs-recurrent bound.
 // Cases that can run on either kernel use the tensor-core bound (DELTASTATE_CUDA_PREFILL=fallback
 // runs them all on the fallback; builds without DELTASTATE_CUDA_ALL_KERNELS run K = 64 and fp16
@@ -55,6 +60,7 @@ using PrefillGpuTest = GpuTest;
 // ---- tolerances (the file comment) ------------------------------------------------------------
 constexpr double kTensorCoreTol = 3e-3;
 constexpr double kTensorCoreKdaTol = 5e-3;
+constexpr double kHopperTol = 4e-3;
 constexpr double kFallbackTol = 2e-5;
 
 void report(const std::string& what, double rel) {
@@ -171,8 +177,29 @@ struct GpuPrefillCase {
 };
 void PrintTo(const GpuPrefillCase& c, std::ostream* os) { *os << c.name; }
 
+// Whether the dispatch sends the case to the Hopper GDN kernels (src/cuda/chunk_prefill.cu):
+// a device of compute capability 9.0, GDN, K = V = 128, 16-bit inputs (fp16 in the full build),
+// unless another kernel is forced.
+bool hopper_device() {
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  return prop.major == 9 && prop.minor == 0;
+}
+bool hopper_runs(const GpuPrefillCase& c) {
+  const char* forced = std::getenv("DELTASTATE_CUDA_PREFILL");
+  if (forced && std::string(forced) != "hopper") return false;
+  if (c.fallback_only || c.spec.kda || c.spec.s.K != 128 || c.spec.s.V != 128) return false;
+#if DELTASTATE_TEST_ALL_KERNELS
+  if (c.spec.act != DType::bf16 && c.spec.act != DType::f16) return false;
+#else
+  if (c.spec.act != DType::bf16) return false;
+#endif
+  return hopper_device();
+}
+
 double tolerance(const GpuPrefillCase& c) {
   if (c.fallback_only) return kFallbackTol;
+  if (hopper_runs(c)) return kHopperTol;
   return c.spec.kda ? kTensorCoreKdaTol : kTensorCoreTol;
 }
 int roundings(const GpuPrefillCase& c) { return c.fallback_only ? 2 : 1; }
@@ -429,6 +456,20 @@ INSTANTIATE_TEST_SUITE_P(
             c.ckpt = Ckpt::slots;
             c.every = 1024;
           }),
+        // the Hopper kernels' issue mix: partial, whole and long chunks, 9000 tokens, fresh and
+        // padded sequences, checkpoints every 2048 into slots
+        C("gdn_qwen_hopper_mix_bf16_f32pool",
+          varlen(kQwen3Next, false, DType::bf16, {1, 63, 64, 65, 2047, 2048, 9000, 5}),
+          [](GpuPrefillCase& c) {
+            c.padded = {7};
+            c.fresh = {3};
+            c.ckpt = Ckpt::slots;
+            c.every = 2048;
+          }),
+        // N x HV past 65535 (2100 sequences of 32 tokens, 32 value heads; no state: the pool
+        // of so many sequences would take gigabytes)
+        C("gdn_qwen_many_short", recurrent_spec(kQwen3Next, false, DType::bf16, 2100, 32),
+          [](GpuPrefillCase& c) { c.mode = StateMode::none; }),
         C("gdn_qwen_packedqkv_bf16state_dense_ckpt",
           varlen(kQwen3Next, false, DType::bf16, {300, 64, 129}, packed),
           [](GpuPrefillCase& c) {
@@ -552,6 +593,56 @@ INSTANTIATE_TEST_SUITE_P(
             c.fallback_only = true;
           })),
     case_name<GpuPrefillCase>);
+
+// ---- a sequence's result does not depend on the batch -------------------------------------------
+// The middle sequence of a varlen batch, run twice with every other sequence's inputs redrawn:
+// its outputs and final state must be the same bits (the kernels read the neighbours' rows in
+// a tail chunk's tiles, but multiply them by exact zeros).
+TEST_F(PrefillGpuTest, SequenceResultIndependentOfBatch) {
+  GpuPrefillCase c =
+      C("gdn_qwen_batch_bits", varlen(kQwen3Next, false, DType::bf16, {130, 70, 200}),
+        [](GpuPrefillCase&) {});
+  Rng rng = test_rng();
+  PrefillRun run(c, rng);
+  const int64_t n = 1;
+  auto run_gpu = [&](Tensor& out, std::vector<uint8_t>& slot) {
+    Mirror dev;
+    for (const Tensor* t : run.tensors()) dev.upload(*t);
+    ChunkPrefillArgs a = run.args(dev.views());
+    Tensor ws = workspace_for(a);
+    if (deltastate::chunk_prefill_workspace_bytes(a) > 0) {
+      dev.upload(ws);
+      a.workspace = dev.view(ws);
+    }
+    deltastate::chunk_prefill(a);
+    sync();
+    out = dev.download(run.rb.out);
+    const Tensor pool = dev.download(run.pool);
+    const MemRange r = slot_range(pool.view(), run.out_slot[n]);
+    slot.assign(r.begin, r.end);
+  };
+  Tensor out1, out2;
+  std::vector<uint8_t> slot1, slot2;
+  run_gpu(out1, slot1);
+  for (int64_t m : {int64_t{0}, int64_t{2}})
+    for (int64_t t = 0; t < run.rb.seq_len(m); ++t) {
+      const auto [b, tok] = run.rb.coord(m, t);
+      for (Tensor* x : {&run.rb.q, &run.rb.k})
+        for (int64_t h = 0; h < c.spec.s.H; ++h)
+          for (int64_t e = 0; e < c.spec.s.K; ++e) x->set({b, tok, h, e}, rng.uniform(-3.0, 3.0));
+      for (int64_t hv = 0; hv < c.spec.s.HV; ++hv) {
+        for (int64_t e = 0; e < c.spec.s.V; ++e)
+          run.rb.v.set({b, tok, hv, e}, rng.uniform(-3.0, 3.0));
+        run.rb.beta.set({b, tok, hv}, rng.uniform(-3.0, 3.0));
+        run.rb.g.set({b, tok, hv}, rng.uniform(-3.0, 3.0));
+      }
+    }
+  run_gpu(out2, slot2);
+  const std::vector<double> o1 = out_rows(out1, run.rb, n), o2 = out_rows(out2, run.rb, n);
+  ASSERT_EQ(o1.size(), o2.size());
+  EXPECT_EQ(std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(double)), 0) << "outputs";
+  EXPECT_EQ(slot1, slot2) << "final state";
+}
 
 // ---- the slot guard ---------------------------------------------------------------------------
 // Every slot a sequence names (initial_state_indices, output_state_indices, its

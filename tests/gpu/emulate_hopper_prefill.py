@@ -1,0 +1,149 @@
+"""No-GPU check of the Hopper GDN prefill's arithmetic (src/cuda/chunk_prefill/hopper_prep.cuh,
+hopper_scan.cuh), with numpy.
+
+    python3 tests/gpu/emulate_hopper_prefill.py          # about ten seconds
+
+1. One chunk with rounding off: the scan kernel's five products (X1 = S K^T, X2 = S Q^T,
+   v'^T = V^T Tb^T - (a X1) Tb^T, o^T = b X2 + v'^T P^T, S = gamma S + (v'^T d) K) on the prep
+   kernel's factors, against the chunk algebra of src/cpu/chunk_prefill.cpp in fp64, a partial
+   chunk of 50 tokens: must agree to fp32 (~1e-7).
+2. The kernels' arithmetic over whole sequences, bf16 at their rounding points (S, a X1, v',
+   v' d, Tb, P), against an fp64 token recurrence: the error behind the bounds of
+   tests/gpu/test_chunk_prefill_gpu.cpp's Hopper cases (printed, and asserted below 4e-3).
+The layouts the kernel's registers and shared-memory views rely on are CuTe's own; the GPU test
+binary checks them on the host (tests/gpu/test_hopper_layouts.cu).
+"""
+
+import numpy as np
+
+f32 = np.float32
+C, D = 64, 128
+EXACT = False
+
+
+def bf16(x):
+    """x rounded to bf16 (round to nearest even), as float32; identity when EXACT."""
+    x = np.asarray(x, np.float32)
+    if EXACT:
+        return x
+    u = x.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+def bf16_input(x):  # inputs are bf16 in both modes
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def softplus(x):
+    return np.where(x <= 20, np.log1p(np.exp(np.minimum(x, 20))), x)
+
+
+def prep(Q, K_, g, be, cv, scale):
+    """The prep kernel: Tb, P (rounded), a, b, d, gamma for one chunk (rows past cv: zeros)."""
+    G = np.cumsum(g, dtype=f32)
+    rk, rq = np.zeros(C, f32), np.zeros(C, f32)
+    rk[:cv] = 1 / np.sqrt((K_[:cv].astype(f32) ** 2).sum(1) + 1e-6)
+    rq[:cv] = scale / np.sqrt((Q[:cv].astype(f32) ** 2).sum(1) + 1e-6)
+    low = np.arange(C)[:, None] >= np.arange(C)[None, :]
+    E = np.where(low, np.exp(np.minimum(G[:, None] - G[None, :], 0)), 0)
+    A = np.tril(be[:, None] * rk[:, None] * rk[None, :] * E * (K_ @ K_.T), -1)
+    P = bf16((rq[:, None] * rk[None, :] * E * (Q @ K_.T)).astype(f32))
+    T = np.linalg.inv(np.eye(C) + A)
+    Tb = bf16((np.tril(T) * be[None, :]).astype(f32))
+    eG = np.exp(G)
+    return Tb, P, rk * eG, rq * eG, rk * np.exp(G[-1] - G), np.exp(G[-1])
+
+
+def scan_chunk(S, Q, K_, V_, Tb, P, a, b, d, gamma):
+    """The scan kernel's products for one chunk: -> (o [C, V], next S)."""
+    Sa = bf16(S)
+    X1, X2 = Sa @ K_.T, Sa @ Q.T
+    U = V_.T @ Tb.T + bf16(-a[None, :] * X1) @ Tb.T
+    O = b[None, :] * X2 + bf16(U) @ P.T
+    S = gamma * S + bf16(U * d[None, :]) @ K_
+    return O.T, S
+
+
+def chunk_algebra(S0, Q, K_, V_, g, be, cv, scale):
+    """src/cpu/chunk_prefill.cpp's chunk in fp64 (w, u, v' form)."""
+    q, k = Q[:cv].astype(np.float64), K_[:cv].astype(np.float64)
+    q = q / np.sqrt((q ** 2).sum(1, keepdims=True) + 1e-6) * scale
+    k = k / np.sqrt((k ** 2).sum(1, keepdims=True) + 1e-6)
+    G = np.cumsum(g[:cv].astype(np.float64))
+    Gm = np.where(np.arange(cv)[:, None] >= np.arange(cv)[None, :], np.exp(G[:, None] - G[None, :]), 0)
+    A = np.tril(be[:cv, None] * Gm * (k @ k.T), -1)
+    T = np.linalg.inv(np.eye(cv) + A)
+    w = T @ (be[:cv, None] * k * np.exp(G)[:, None])
+    u = T @ (be[:cv, None] * V_[:cv])
+    vn = u - w @ S0.T
+    o = (q * np.exp(G)[:, None]) @ S0.T + (Gm * (q @ k.T)) @ vn
+    S = S0 * np.exp(G[-1]) + vn.T @ (k * np.exp(G[-1] - G)[:, None])
+    return o, S
+
+
+def one_chunk(cv=50, seed=7):
+    rng = np.random.default_rng(seed)
+    Q, K_, V_ = (np.zeros((C, D), f32) for _ in range(3))
+    Q[:cv], K_[:cv] = bf16_input(rng.standard_normal((cv, D))), bf16_input(rng.standard_normal((cv, D)))
+    V_[:cv] = bf16_input(rng.uniform(-0.5, 0.5, (cv, D)))
+    g, be = np.zeros(C, f32), np.zeros(C, f32)
+    g[:cv] = -rng.uniform(0, 0.2, cv)
+    be[:cv] = rng.uniform(0.1, 0.9, cv)
+    S0 = rng.uniform(-0.3, 0.3, (D, D)).astype(f32)
+    o, S = scan_chunk(S0, Q, K_, V_, *prep(Q, K_, g, be, cv, D ** -0.5))
+    o_ref, S_ref = chunk_algebra(S0.astype(np.float64), Q, K_, V_, g, be, cv, D ** -0.5)
+    return (np.linalg.norm(o[:cv] - o_ref) / np.linalg.norm(o_ref),
+            np.linalg.norm(S - S_ref) / np.linalg.norm(S_ref))
+
+
+def recurrence(q, k, v, g, beta, S0, scale):
+    """The fp64 token recurrence (q, k L2-normalized): -> (outputs, final state)."""
+    qh = q / np.sqrt((q.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6) * scale
+    kh = k / np.sqrt((k.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6)
+    S, o = S0.copy(), np.zeros(v.shape)
+    for t in range(len(q)):
+        S = S * np.exp(np.float64(g[t]))
+        S = S + np.outer(beta[t] * (v[t] - S @ kh[t]), kh[t])
+        o[t] = S @ qh[t]
+    return o, S
+
+
+def sequence(L_, seed=1):
+    """Both kernels' arithmetic over L_ tokens from a random state (the in-kernel softplus gate,
+    beta from a logit: tests/gpu/emulate_tc_kernel.py's inputs) against the fp64 recurrence;
+    -> (output, final state) relative norm errors."""
+    rng = np.random.default_rng(seed)
+    q, k = bf16_input(rng.standard_normal((L_, D))), bf16_input(rng.standard_normal((L_, D)))
+    v = bf16_input(rng.uniform(-0.5, 0.5, (L_, D)))
+    A_log, dt = rng.uniform(-8, 0.5), rng.uniform(-1, 1)
+    g = (-np.exp(A_log) * softplus(bf16_input(rng.normal(0, 1.5, L_)) + dt)).astype(f32)
+    beta = (1 / (1 + np.exp(-bf16_input(rng.normal(0, 1.5, L_))))).astype(f32)
+    S0, scale = rng.uniform(-0.3, 0.3, (D, D)), D ** -0.5
+    o_ref, S_ref = recurrence(q, k, v, g, beta, S0, scale)
+    S, out = S0.astype(f32), np.zeros((L_, D))
+    for c0 in range(0, L_, C):
+        cv = min(C, L_ - c0)
+        Q, K_, V_ = (np.zeros((C, D), f32) for _ in range(3))
+        Q[:cv], K_[:cv], V_[:cv] = q[c0:c0 + cv], k[c0:c0 + cv], v[c0:c0 + cv]
+        gg, be = np.zeros(C, f32), np.zeros(C, f32)
+        gg[:cv], be[:cv] = g[c0:c0 + cv], beta[c0:c0 + cv]
+        o, S = scan_chunk(S, Q, K_, V_, *prep(Q, K_, gg, be, cv, scale))
+        out[c0:c0 + cv] = o[:cv]
+    return (np.linalg.norm(out - o_ref) / np.linalg.norm(o_ref),
+            np.linalg.norm(S - S_ref) / np.linalg.norm(S_ref))
+
+
+if __name__ == "__main__":
+    EXACT = True
+    eo, es = one_chunk()
+    assert eo < 1e-6 and es < 1e-6, (eo, es)
+    print(f"1. GDN chunk, rounding off: out {eo:.1e} state {es:.1e} (the products are the algebra)")
+    EXACT = False
+    worst = 0.0
+    for kw in (dict(L_=300), dict(L_=1000, seed=2), dict(L_=65, seed=3), dict(L_=2048, seed=4)):
+        eo, es = sequence(**kw)
+        worst = max(worst, eo, es)
+        print(f"2. {kw}: out {eo:.2e} state {es:.2e}")
+    assert worst < 4e-3, worst
