@@ -44,7 +44,9 @@ chunk of C = 64 tokens and value head, K = V = D:
 
 Correctness per case: relative norm errors ||ours - FLA|| / ||FLA|| of the outputs and of the
 final states (both bf16-operand tensor-core implementations; each is ~2-4e-3 from an fp32
-recurrence, so their difference is of that order).
+recurrence, so their difference is of that order); and each side's errors against an fp32 token
+recurrence on the same inputs (`recurrence_fp32`, on the GPU; `--no-accuracy` skips it), the
+accuracy the sides are held to: ours no larger than the peers'.
 
 Writes --json (default bench/results/prefill-h200.json) with one row per (case, gate variant).
 """
@@ -102,6 +104,30 @@ def accepts(fn, name: str) -> bool:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def recurrence_fp32(x: "Inputs"):
+    """The fp32 token recurrence on x's inputs (q, k L2-normalized as in the ops, scale D^-0.5,
+    log-space gates, q/k heads shared by HV / H value heads): -> (o [N, T, HV, D], S [N, HV, V, K])."""
+    N, T, H, _ = x.q.shape
+    HV = x.v.shape[2]
+
+    def norm(t):
+        t = t.float()
+        return t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)
+    q = (norm(x.q) * D ** -0.5).repeat_interleave(HV // H, dim=2)
+    k = norm(x.k).repeat_interleave(HV // H, dim=2)
+    v, g, beta = x.v.float(), x.g.float(), x.beta.float()
+    S = x.h0.clone()
+    o = torch.empty(N, T, HV, D, device=x.q.device)
+    for t in range(T):
+        decay = torch.exp(g[:, t])
+        S = S * (decay[..., None, :] if decay.dim() == 3 else decay[..., None, None])
+        kt = k[:, t]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhvk,nhk->nhv", S, kt))
+        S = S + u[..., :, None] * kt[..., None, :]
+        o[:, t] = torch.einsum("nhvk,nhk->nhv", S, q[:, t])
+    return o, S
 
 
 def flush_l2(buf: torch.Tensor) -> None:
@@ -285,6 +311,8 @@ def main() -> int:
     ap.add_argument("--flashinfer", action="store_true",
                     help="also FlashInfer's SM90 GDN prefill (staged: FI_OK=1)")
     ap.add_argument("--cases", default="", help="only cases whose 'NxT' label is listed (1x8192,...)")
+    ap.add_argument("--no-accuracy", action="store_true",
+                    help="skip the errors against the fp32 token recurrence")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -333,6 +361,14 @@ def main() -> int:
                 row = dict(op=op, model=label, H=H, HV=HV, K=D, V=D, N=N, T=T, gate=gate,
                            lower_bound=LOWER_BOUND if gate_in_kernel else None, flops=fl)
                 o_ours = s_ours = o_peer = s_peer = None
+                ref = None if args.no_accuracy or gate_in_kernel else recurrence_fp32(sets[0])
+
+                def vs_ref(side, o, s_, kv=False):  # errors against the fp32 recurrence
+                    if ref is not None and o is not None:
+                        row[f"{side}_err_out_vs_fp32"] = rel(o.float(), ref[0])
+                        if s_ is not None:
+                            st = s_.float().transpose(-1, -2) if kv else s_.float()
+                            row[f"{side}_err_state_vs_fp32"] = rel(st, ref[1])
                 if ours is not None:
                     if gate_in_kernel and not accepts(ours, "A_log"):
                         row["ours_error"] = "deltastate's function takes no in-kernel gate"
@@ -340,6 +376,7 @@ def main() -> int:
                         c = lambda x: call_ours(ours, x, gate_in_kernel, A_log, dt_bias)  # noqa: E731
                         try:
                             o_ours, s_ours = c(sets[0])
+                            vs_ref("ours", o_ours, s_ours)
                             row.update({f"ours_{k}": v for k, v in run_side("ours", c, sets, args.reps,
                                                                            args.replays, fl).items()})
                         except Exception as e:  # noqa: BLE001
@@ -353,6 +390,7 @@ def main() -> int:
                     else:
                         try:
                             o_peer, s_peer = call.probe(sets[0])
+                            vs_ref("peer", o_peer, s_peer, kv=True)
                             row["peer"] = f"{peer.__module__}.{peer.__name__}"
                             row["peer_qk_repeated"] = call.repeat
                             row.update({f"peer_{k}": v for k, v in run_side("FLA", call, sets, args.reps,
@@ -363,6 +401,7 @@ def main() -> int:
                     fcall = FlashInferCall(fi)
                     try:
                         o_fi, s_fi = fcall(sets[0])
+                        vs_ref("flashinfer", o_fi, s_fi)
                         row.update({f"flashinfer_{k}": v for k, v in run_side(
                             "FlashInfer", fcall, sets, args.reps, args.replays, fl).items()})
                         if o_ours is not None:
@@ -393,6 +432,13 @@ def main() -> int:
                       f"{fmt(row.get('peer_tflops'), '{:.1f}'):>6} {ratio:>8} "
                       f"{fmt(row.get('rel_err_out_vs_peer'), '{:.2e}'):>8} "
                       f"{fmt(row.get('rel_err_state_vs_peer'), '{:.2e}'):>8}", flush=True)
+                if ref is not None:
+                    print("#   vs fp32 recurrence (o, S): " + ", ".join(
+                        f"{side} {row[f'{side}_err_out_vs_fp32']:.2e} "
+                        f"{row.get(f'{side}_err_state_vs_fp32', float('nan')):.2e}"
+                        for side in ("ours", "peer", "flashinfer")
+                        if f"{side}_err_out_vs_fp32" in row), flush=True)
+                    del ref
                 for k in ("ours_error", "peer_error", "ours_graph_error", "peer_graph_error"):
                     if k in row:
                         print(f"#   {k}: {row[k]}", flush=True)
