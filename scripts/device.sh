@@ -12,13 +12,14 @@
 #                                      profile-replay-source, profile-decode-source,
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
-#                                      sanitize-prefill, bench-prefill,
+#                                      sanitize-prefill, bench-prefill, sass-hopper,
 #                                      test-layer, sanitize-layer, bench-layer, profile-layer,
 #                                      test-verify, bench-verify, bench-verify-variants,
 #                                      test-replay-verify, bench-replay-verify
 #
-# Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core) and GoogleTest's sources in
-# .deps/googletest (both carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
+# Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core), and for a build GoogleTest's
+# sources in .deps/googletest and the nvidia-cutlass wheel (CuTe's headers) in .deps/ (all
+# carried; see docs/DEVICE.md), and a CUDA toolkit with nvcc. Every phase
 # appends to $OUT/<phase>.log; the bench phases also write their JSON results to $OUT. Exits
 # non-zero on the first failing phase.
 set -uo pipefail
@@ -30,9 +31,11 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(build test check sanitize bench-decode bench-replay overhead)
 
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+wheels=$(ls .whl/*.whl .deps/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086  # one word per wheel
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site $wheels || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export DELTASTATE_MODULE=$PWD/$BUILD/python/_deltastate.so
@@ -189,19 +192,28 @@ for phase in "${phases[@]}"; do
         '*ReplayVerifyGpu*odd*:*ReplayVerifyGpuErrors*:*ReplayVerifyCommitGraph*'
       sanitized racecheck '*ReplayVerifyGpu*odd*:*ReplayVerifyGpu*KgtV*'
       ;;
-    test-prefill)  # the chunk_prefill GPU tests: default choice, then split, fused and the
-      # CUDA-core fallback forced
-      run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
+    test-prefill)  # the chunk_prefill GPU tests: default choice (the Hopper GDN kernels where
+      # they apply, errors printed), then split, fused and the CUDA-core fallback forced
+      DSTEST_PRINT_ERRORS=1 run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
       for kernel in split fused fallback; do
         DELTASTATE_CUDA_PREFILL=$kernel run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
       done
       ;;
     sanitize-prefill)  # memcheck and racecheck on the small chunk_prefill cases (the split and
       # the fused tensor-core kernels, the fallback's own case)
-      for kernel in split fused; do
+      for kernel in hopper split fused; do
         DELTASTATE_CUDA_PREFILL=$kernel sanitized memcheck "$PREFILL_SMALL"
         DELTASTATE_CUDA_PREFILL=$kernel sanitized racecheck "$PREFILL_SMALL"
       done
+      ;;
+    sass-hopper)  # the Hopper prefill kernels' resources and instruction mix (cuobjdump): wgmma,
+      # local-memory spills, barriers, to $OUT/sass-hopper.txt
+      lib=$BUILD/python/_deltastate.so
+      run sass-hopper bash -c "cuobjdump --dump-resource-usage '$lib' | grep -A1 hopper"
+      cuobjdump -sass "$lib" | awk '/Function :/ { on = /hopper/ } on' > "$OUT/sass-hopper.txt"
+      run sass-hopper bash -c "awk '/Function :/ { f = \$3 } /(HGMMA|STL|LDL|BAR|SYNCS|UTMALDG)/ { \
+        split(\$0, w, /[ ;]+/); for (i in w) if (w[i] ~ /^(HGMMA|STL|LDL|BAR|SYNCS|UTMALDG)/) \
+        n[f \" \" w[i]]++ } END { for (k in n) print n[k], k }' '$OUT/sass-hopper.txt' | sort -k2"
       ;;
     test-replay)  # the ReplaySSM GPU tests only: default kernel choice, then each variant forced
       for bpc in 0 1 2; do
