@@ -96,6 +96,9 @@ class StateRounder:
 
         layer_ids = [i for i, layer in enumerate(cache.layers)
                      if getattr(layer, "is_recurrent_states_initialized", {}).get(0)]
+        if not layer_ids:
+            raise RuntimeError("no recurrent state in the cache (transformers' cache layout "
+                               "changed?): nothing would be rounded")
         for layer_id in layer_ids:
             state = cache.layers[layer_id].recurrent_states[0]  # [B, HV, K, V] fp32
             x = state.detach().to("cpu", torch.float32).transpose(-1, -2).contiguous().numpy()

@@ -3,8 +3,9 @@ is exact (e4m3fn against torch's float8_e4m3fn bit for bit, subnormals, ties and
 included; bf16 against torch's bfloat16; known values without torch), stochastic rounding is
 reproducible from its (slot, layer, step) key and unbiased where round-to-nearest is not, per-row
 scales beat a per-head scale on rows of very different magnitude, and a reduced run of the
-harness (both models, both input kinds) orders the formats as their precisions say. numpy only;
-the torch comparisons skip without torch."""
+harness (both models, both input kinds) orders the formats as their precisions say; and the
+model-level check (tools/state_accuracy_model.py) rounds the cached state of a transformers model.
+numpy only; the torch comparisons skip without torch, the model check without transformers."""
 
 import pathlib
 import sys
@@ -237,3 +238,19 @@ def test_command_line_table_and_json(tmp_path, capsys):
     assert set(data["results"][0]["formats"]) == {"fp32", "int8/row/rn", "int8/row/sr"}
     with pytest.raises(ValueError, match="no format matches"):
         sa.select_formats("fp16/*")
+
+
+def test_model_check_rounds_the_cached_state():
+    """A few greedy tokens of the small Qwen3-Next: the fp32 rows match the reference exactly
+    (the control), and int8 per head changes the next-token distributions, so the rounding
+    reached the state the layers load."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers", reason="transformers not installed")
+    import state_accuracy_model as sam
+
+    r = sam.run("qwen3-next", sa.select_formats("fp32,int8/head/rn"), tokens=12, prompts=1,
+                prompt_len=8, seed=0, gates="spectrum")
+    fp32, int8 = r["formats"]["fp32"], r["formats"]["int8/head/rn"]
+    assert fp32["token_agreement"] == 1.0 and fp32["kl_max"] < 1e-9, fp32
+    assert int8["kl_mean"] > 1e-7, int8
+    assert max(r["decay_per_head_first_layer"]) > 0.99  # the slow gates were set
