@@ -483,15 +483,45 @@ def header(result: dict) -> str:
             f"seed {result['seed']}, {result['seconds']:.0f} s")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+# ---- command line (shared with tools/state_accuracy_model.py) ----------------------------------
+def parser(doc: str, models) -> argparse.ArgumentParser:
+    """The options both tools take: --models, --formats, --seed, --json, --quiet."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help="comma list of " + ", ".join(MODELS))
+    p.add_argument("--models", default=",".join(models), help="comma list of " + ", ".join(models))
     p.add_argument("--formats", default=None, help="comma list of names or globs (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def listed(p: argparse.ArgumentParser, text: str, known, what: str) -> list[str]:
+    """A comma list of names, each one of known (else the parser's usage error)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for x in names:
+        if x not in known:
+            p.error(f"unknown {what} {x!r}; choose from {', '.join(known)}")
+    return names
+
+
+def progress_printer(quiet: bool):
+    return None if quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+
+
+def write_json(path: str, tool: str, argv, results: list) -> None:
+    """{"command": how the tool was run, "results": [...]} to path."""
+    given = sys.argv[1:] if argv is None else list(argv)
+    with open(path, "w") as fh:
+        json.dump({"command": " ".join(["python", tool, *given]), "results": results}, fh,
+                  indent=1)
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__, MODELS)
     p.add_argument("--steps", type=int, default=10000)
     p.add_argument("--heads", type=int, default=8, help="value heads simulated per model")
     p.add_argument("--slots", type=int, default=2, help="independent sequences")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layer", type=int, default=0, help="the layer id in the rounding key")
     p.add_argument("--v-spread", type=float, default=0.5,
                    help="log-normal sigma of v's per-channel scale (0: iid unit variance)")
@@ -500,21 +530,15 @@ def main(argv=None) -> int:
                    "small per-head table, so the state learns them)")
     p.add_argument("--window", type=int, default=100, help="output-error window, steps")
     p.add_argument("--state-every", type=int, default=10, help="state-error sampling, steps")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
     formats = select_formats(args.formats)
-    progress = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    modes = [m.strip() for m in args.inputs.split(",") if m.strip()]
-    for name, given, known in (("model", models, MODELS), ("inputs", modes, INPUT_MODES)):
-        for x in given:
-            if x not in known:
-                p.error(f"unknown {name} {x!r}; choose from {', '.join(known)}")
+    models = listed(p, args.models, MODELS, "model")
+    modes = listed(p, args.inputs, INPUT_MODES, "inputs")
     results = []
     for mode, model in [(mode, model) for mode in modes for model in models]:
         r = simulate(model, formats, args.steps, args.heads, args.slots, args.seed, args.layer,
-                     args.v_spread, mode, args.window, args.state_every, progress=progress)
+                     args.v_spread, mode, args.window, args.state_every,
+                     progress=progress_printer(args.quiet))
         results.append(r)
         print(header(r))
         print("worst (slot, head): state = ||S - S_ref||/||S_ref||, out = ||o - o_ref||/||o_ref||"
@@ -522,10 +546,7 @@ def main(argv=None) -> int:
         print(table(r))
         print()
     if args.json:
-        with open(args.json, "w") as fh:
-            given = sys.argv[1:] if argv is None else list(argv)
-            command = ["python", "tools/state_accuracy.py", *given]
-            json.dump({"command": " ".join(command), "results": results}, fh, indent=1)
+        write_json(args.json, "tools/state_accuracy.py", argv, results)
     return 0
 
 

@@ -32,9 +32,7 @@ Needs torch and transformers (5.23.0, as scripts/demo.sh --hf installs); runs on
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import pathlib
 import sys
 import time
@@ -202,23 +200,18 @@ def header(result: dict) -> str:
     return (f"{result['model']} (small random-weight, gates: {gates}), {result['prompts']} prompts "
             f"of {result['prompt_len']} tokens, {result['tokens']} greedy tokens, seed "
             f"{result['seed']}; fp32 run's next-token entropy "
-            f"{result['reference_entropy_mean']:.2f} nats, median top-1 margin {result['reference_top1_margin_median']:.3f}; "
+            f"{result['reference_entropy_mean']:.2f} nats, median top-1 margin "
+            f"{result['reference_top1_margin_median']:.3f}; "
             f"{result['seconds']:.0f} s")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODEL_NAMES))
-    p.add_argument("--formats", default=None, help="names or globs (default: all; fp32 always)")
+    p = sa.parser(__doc__, MODEL_NAMES)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gates", default="spectrum", choices=("spectrum", "init"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     import torch
 
@@ -227,21 +220,15 @@ def main(argv=None) -> int:
     formats = sa.select_formats(args.formats)
     if "fp32" not in [f.name for f in formats]:
         formats = sa.select_formats("fp32") + formats
-    progress = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     results = []
-    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if model not in MODEL_NAMES:
-            p.error(f"unknown model {model!r}; models: {', '.join(MODEL_NAMES)}")
+    for model in sa.listed(p, args.models, MODEL_NAMES, "model"):
         r = run(model, formats, args.tokens, args.prompts, args.prompt_len, args.seed,
-                args.gates, progress)
+                args.gates, sa.progress_printer(args.quiet))
         results.append(r)
         print(header(r) + "\n")
         print(table(r) + "\n")
     if args.json:
-        given = sys.argv[1:] if argv is None else list(argv)
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(["python", "tools/state_accuracy_model.py", *given]),
-                       "results": results}, fh, indent=1)
+        sa.write_json(args.json, "tools/state_accuracy_model.py", argv, results)
     return 0
 
 
