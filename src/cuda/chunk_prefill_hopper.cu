@@ -34,17 +34,25 @@ bool tma_readable(const Head& t, const ChunkPrefillProblem& p, int64_t heads) {
   return ok(t.tok_stride, p.T) && ok(t.head_stride, heads) && ok(t.seq_stride, N);
 }
 
+// The scan's consumers take turns issuing their products (ordered math);
+// DELTASTATE_CUDA_PREFILL_ORDERED=off lets them issue freely (benchmarks compare the two).
+bool prefill_ordered_math() {
+  static const bool on =
+      env_choice<bool>("DELTASTATE_CUDA_PREFILL_ORDERED", {{"on", true}, {"off", false}}, true);
+  return on;
+}
+
 // A stride the TMA accepts for a mode of extent 1 (never walked).
 int64_t tma_stride(int64_t stride, int64_t extent) { return extent <= 1 ? 8 : stride; }
 
-template <class In, class E>
+template <class In, class E, int G>
 void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
-  using Lay = ScanLayout<E>;
-  using Params = ScanParams<E>;
+  using Lay = ScanLayout<E, G>;
+  using Params = ScanParams<E, G>;
   const int64_t blocks = slots * p.HV;
   // prep: grid (chunk slots, value heads)
   auto prep = prefill::hopper::chunk_prefill_hopper_prep_kernel<In>;
-  auto scan = prefill::hopper::chunk_prefill_hopper_scan_kernel<E>;
+  auto scan = prefill::hopper::chunk_prefill_hopper_scan_kernel<E, G>;
   static PerDeviceOnce opted;
   const int resident = opted.get(p.device.index, [=] {
     DS_CUDA_CHECK(
@@ -67,7 +75,7 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
   params.p = p;
   params.q = make_tma_copy(SM90_TMA_LOAD{}, view(p.q, p.H), typename Lay::InTile{});
   params.k = make_tma_copy(SM90_TMA_LOAD{}, view(p.k, p.H), typename Lay::InTile{});
-  params.v = make_tma_copy(SM90_TMA_LOAD{}, view(p.v, p.HV), typename Lay::InTile{});
+  params.v = make_tma_copy(SM90_TMA_LOAD{}, view(p.v, p.HV), typename Lay::VTile{});
   const int nb = static_cast<int>(blocks);
   params.t = make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(static_cast<const E*>(ws.t), nb),
                            typename Lay::MatTile{});
@@ -77,9 +85,10 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
   params.in_T = T;
   params.in_N = N;
   params.slots = slots;
-  const int64_t ctas = p.num_heads_total();
+  params.ordered = prefill_ordered_math();
+  const int64_t ctas = p.num_heads_total() * Lay::kSplit;
   params.trigger_early = p.pdl && pdl_trigger_early(ctas, resident, p.device.index);
-  launch_kernel(scan, dim3(static_cast<unsigned>(ctas)), dim3(kScanThreads), Lay::kSmem, stream,
+  launch_kernel(scan, dim3(static_cast<unsigned>(ctas)), dim3(Lay::kThreads), Lay::kSmem, stream,
                 p.pdl, params);
 }
 
@@ -102,15 +111,18 @@ bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
   if (!dtype_ok || p.k.dtype != p.q.dtype || p.v.dtype != p.q.dtype) return false;
   if (!tma_readable(p.q, p, p.H) || !tma_readable(p.k, p, p.H) || !tma_readable(p.v, p, p.HV))
     return false;
-  // outputs are written 4 elements at a time
-  const int64_t o = p.out.dtype == DType::f32 ? 16 : 8;
-  if (reinterpret_cast<uintptr_t>(p.out.ptr) % o != 0 || p.out.tok_stride % 4 != 0 ||
-      p.out.head_stride % 4 != 0 || (!p.cu_seqlens && p.N > 1 && p.out.seq_stride % 4 != 0))
+  // output rows leave as 16-byte aligned bulk copies of 64 elements
+  const int64_t oe = dtype_size(p.out.dtype);
+  auto row16 = [oe](int64_t stride, int64_t extent) {
+    return extent <= 1 || stride * oe % 16 == 0;
+  };
+  if (!aligned16(p.out.ptr) || !row16(p.out.tok_stride, p.T) || !row16(p.out.head_stride, p.HV) ||
+      !row16(p.out.seq_stride, p.cu_seqlens ? 1 : p.N))
     return false;
   // TMA coordinates are 32-bit: tokens, and the workspace's rows (blocks * 64)
   const int64_t slots = prefill::split_chunk_slots(p);
   return p.T < (int64_t{1} << 31) && slots * p.HV * kC < (int64_t{1} << 31) && Blocks::kBytes > 0 &&
-         ScanLayout<cutlass::bfloat16_t>::kSmem <= max_smem_optin(p.device.index);
+         ScanLayout<cutlass::bfloat16_t, 2>::kSmem <= max_smem_optin(p.device.index);
 }
 
 bool run_hopper_prefill(const ChunkPrefillProblem& p, cudaStream_t stream) {
@@ -119,12 +131,16 @@ bool run_hopper_prefill(const ChunkPrefillProblem& p, cudaStream_t stream) {
   if (!p.workspace || !aligned16(p.workspace) ||
       p.workspace_bytes < hopper_prefill_workspace_bytes(slots, p.HV))
     return false;
+  // The V split where the whole heads' CTAs would fill at most half of the GPU.
+  const bool split = prefill_vsplit_pays(p.num_heads_total(), num_sms(p.device.index));
   if (p.q.dtype == DType::bf16) {
-    launch<__nv_bfloat16, cutlass::bfloat16_t>(p, slots, stream);
+    if (split) launch<__nv_bfloat16, cutlass::bfloat16_t, 1>(p, slots, stream);
+    else launch<__nv_bfloat16, cutlass::bfloat16_t, 2>(p, slots, stream);
     return true;
   }
 #if DELTASTATE_CUDA_ALL_KERNELS
-  launch<__half, cutlass::half_t>(p, slots, stream);
+  if (split) launch<__half, cutlass::half_t, 1>(p, slots, stream);
+  else launch<__half, cutlass::half_t, 2>(p, slots, stream);
   return true;
 #else
   return false;

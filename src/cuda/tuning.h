@@ -194,6 +194,15 @@ inline PrefillChoice forced_prefill_kernel() {
                                 PrefillChoice::automatic);
   return forced;
 }
+// The Hopper GDN scan (chunk_prefill_hopper.cu) on the V split (two CTAs per value head, 64 state
+// rows each) where the whole heads' `ctas` CTAs fill at most half of the `sms` SMs: the split's
+// CTAs then all fit in one wave, each with half of the chunk work of a whole head.
+// DELTASTATE_CUDA_PREFILL_VSPLIT=on|off forces it (tests run both; benchmarks compare them).
+inline bool prefill_vsplit_pays(int64_t ctas, int64_t sms) {
+  static const int forced =
+      env_choice<int>("DELTASTATE_CUDA_PREFILL_VSPLIT", {{"on", 1}, {"off", 0}}, -1);
+  return forced >= 0 ? forced == 1 : 2 * ctas <= sms;
+}
 // DELTASTATE_CUDA_MULTI=direct: the recurrent op's multi-token sequences on the direct kernel
 // instead of the multi-token kernel (tests run both; benchmarks compare them).
 inline bool multi_token_disabled() {

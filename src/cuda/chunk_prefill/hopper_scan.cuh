@@ -4,13 +4,15 @@
 // chunk_prefill_hopper.cu's translation unit; hopper_prep.cuh makes what it reads besides q, k, v.
 //
 // ---- design ------------------------------------------------------------------------------------
-// Warp specialization, 384 threads: warp group 0 is the producer (one elected thread issues the
-// TMA loads of a chunk into a free stage: q, k, v straight from the caller's tensors, and the
-// prep kernel's Tb, P and per-token factors from the workspace), warp groups 1 and 2 are the
-// consumers, each holding 64 of the 128 rows of the transposed state S [V, K] as fp32 wgmma
-// accumulators (64 registers a thread) for the whole sequence. setmaxnreg moves registers from
-// the producer (56) to the consumers (224). Per chunk of C = 64 tokens a consumer runs five
-// products (m64, its rows v; the chunk algebra of src/cpu/chunk_prefill.cpp, its names):
+// Warp specialization, 384 threads: warp group 0 is the producer (one thread issues the TMA
+// loads of a chunk into a free stage: q, k, v straight from the caller's tensors, and the prep
+// kernel's Tb, P and per-token factors from the workspace; warps 1 and 2 store the output),
+// warp groups 1 and 2 are the consumers, each holding 64 of the 128 rows of the transposed state
+// S [V, K] as fp32 wgmma accumulators (64 registers a thread) for the whole sequence. setmaxnreg
+// moves registers from the producer (56) to the consumers (224). The consumers take turns
+// issuing their products (named barriers), so that one's epilogue runs while the other's
+// products occupy the tensor cores. Per chunk of C = 64 tokens a consumer runs five products
+// (m64, its rows v; the chunk algebra of src/cpu/chunk_prefill.cpp, its names):
 //   X1 = S K^T,  X2 = S Q^T                        RS: A = bf16(S) from the accumulators
 //   v'^T = V^T Tb^T - bf16(a * X1) Tb^T           SS (A = v, MN-major) then RS, one accumulator
 //   o^T = b * X2 + bf16(v'^T) P^T                  RS, onto X2's accumulator
@@ -22,7 +24,8 @@
 // the next product's A operand in registers: the m64nNk16 accumulator layout holds, per 16
 // columns, exactly the k16 A fragment (see acc_to_a). Every product's B operand and V^T are read
 // from the stage by the tensor cores; nothing but the output goes through shared memory: o^T is
-// staged [t][v] in fp32 and written by the consumer's 128 threads as rows of the output.
+// staged [t][v] in the output dtype (two buffers a consumer), and the consumer's storer warp
+// copies each valid row out with a bulk copy (cp.async.bulk), so no consumer waits on a store.
 //
 // Precision: the state, every accumulation and the factors are fp32; the tensor-core operands
 // that are not raw inputs are rounded to the input dtype (S, a * X1, v', v' d, Tb, P), as
@@ -48,9 +51,24 @@ using namespace cute;
 constexpr int kC = detail::ChunkPrefillProblem::kChunk;  // 64 tokens per chunk
 constexpr int kD = 128;                                  // K = V
 constexpr int kStages = 2;
-constexpr int kConsumers = 2;  // warp groups of 64 state rows
-constexpr int kScanThreads = 128 * (1 + kConsumers);
-constexpr int kLdo = kD + 4;  // fp32 row stride of the output staging (conflict-free writes)
+// The output staging of one consumer warp group: two buffers (chunks alternate) of 64 token rows
+// of its 64 columns in the output dtype, rows padded by 16 bytes so that the warp's writes of
+// one accumulator value (4 token rows 2 apart, 8 columns) fall in distinct banks.
+constexpr int kOutRow = 64 * 4 + 16;  // bytes per staged row, room for fp32
+constexpr int kOutBuf = kC * kOutRow;
+
+// Named barriers (ids 1-15; no CUTLASS collective of this kernel uses them): per consumer warp
+// group g and staging buffer b, "full" (the group wrote it; the storer warp may copy it out) and
+// "empty" (the copy has read it); per group, its turn to issue products (ordered math).
+__device__ __forceinline__ int bar_full(int g, int b) { return 1 + 2 * g + b; }
+__device__ __forceinline__ int bar_empty(int g, int b) { return 5 + 2 * g + b; }
+__device__ __forceinline__ int bar_turn(int g) { return 9 + g; }
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 // The prep kernel's blocks in the workspace, one per (value head, chunk slot) b = hv * slots + j:
 // three arrays, Tb [blocks][C][C] and P [blocks][C][C] in the input dtype, then the per-token
@@ -76,37 +94,51 @@ __host__ __device__ __forceinline__ BlockPtrs block_ptrs(void* workspace, int64_
           reinterpret_cast<float*>(w + Blocks::scal_offset(blocks)) + b * 4 * kC};
 }
 
-// Shared-memory layouts of one element type E (cutlass::bfloat16_t or half_t).
-template <class E>
+// The shape of one scan CTA: G consumer warp groups (64 state rows each) of a value head's
+// 128, so 2 / G CTAs per (sequence, value head). G = 2 takes the whole head; G = 1 half of it
+// (the V split: the state's rows are independent, so two CTAs run a head's halves with no
+// communication, each reading the chunk's q, k and its half of v). Shared-memory layouts of one
+// element type E (cutlass::bfloat16_t or half_t).
+template <class E, int G>
 struct ScanLayout {
+  static_assert(G == 1 || G == 2, "one or two consumer warp groups");
+  static constexpr int kGroups = G, kSplit = 2 / G, kThreads = 128 * (1 + G);
+  static constexpr int kVCols = 64 * G;  // the CTA's state rows (its columns of v and o)
   // q, k, v chunk tiles [t][c] (c contiguous; K-major for the products' B), 128-byte swizzle
   using In = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
                                     Shape<Int<kC>, Int<kD>, Int<kStages>>{}));
+  using Vt = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                    Shape<Int<kC>, Int<kVCols>, Int<kStages>>{}));
   // The same bytes as [c][t]: k as the state update's B (N = c, K = s) and v as V^T's A
   // (M = v, K = s), both MN-major; the tiles' order (t blocks of 8 first) matches In's.
   using InT = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<E>{},
                                      Shape<Int<kD>, Int<kC>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  using VtT =
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<E>{},
+                             Shape<Int<kVCols>, Int<kC>, Int<kStages>>{}, Step<_2, _1, _3>{}));
   // Tb and P [t][s] (s contiguous: K-major B)
   using Mat = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
                                      Shape<Int<kC>, Int<kC>, Int<kStages>>{}));
   // the per-token factors [4][C] fp32 (TMA: (C, 4) column-major)
   using Scal = Layout<Shape<Int<kC>, _4, Int<kStages>>>;
   using InTile = decltype(take<0, 2>(In{}));
+  using VTile = decltype(take<0, 2>(Vt{}));
   using MatTile = decltype(take<0, 2>(Mat{}));
   using ScalTile = decltype(take<0, 2>(Scal{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   struct alignas(1024) Storage {
-    cute::array_aligned<E, cosize_v<In>, 1024> q, k, v;
+    cute::array_aligned<E, cosize_v<In>, 1024> q, k;
+    cute::array_aligned<E, cosize_v<Vt>, 1024> v;
     cute::array_aligned<E, cosize_v<Mat>, 1024> t, p;
     cute::array_aligned<float, cosize_v<Scal>, 128> scal;
-    cute::array_aligned<float, kC * kLdo, 128> out;  // o staged [t][v]
+    cute::array_aligned<unsigned char, G * 2 * kOutBuf, 128> out;  // o staged [t][v]
     typename Pipeline::SharedStorage pipe;
   };
-  static constexpr int kSmem = static_cast<int>(sizeof(Storage)) + 1024;  // + base alignment
-  static constexpr uint32_t kStageBytes =
-      static_cast<uint32_t>(3 * cosize_v<InTile> * sizeof(E) + 2 * cosize_v<MatTile> * sizeof(E) +
-                            cosize_v<ScalTile> * sizeof(float));
+  static constexpr int kSmem = static_cast<int>(sizeof(Storage));
+  static constexpr uint32_t kStageBytes = static_cast<uint32_t>(
+      (2 * cosize_v<InTile> + cosize_v<VTile> + 2 * cosize_v<MatTile>)*sizeof(E) +
+      cosize_v<ScalTile> * sizeof(float));
 
   // The products of one consumer warp group (its 64 rows of S): X1, X2, v' P^T and the second
   // half of v' (RS 64x64), V^T Tb^T (SS, A MN-major), the state update (RS 64x128, B MN-major).
@@ -136,23 +168,37 @@ inline auto scalar_view(const float* ptr, int blocks) {
                      make_layout(make_shape(Int<kC>{}, blocks * 4), make_stride(_1{}, Int<kC>{})));
 }
 
-template <class E>
+template <class E, int G>
 struct ScanParams {
-  using Lay = ScanLayout<E>;
+  using Lay = ScanLayout<E, G>;
   using TmaIn = decltype(make_tma_copy(SM90_TMA_LOAD{}, input_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
                                        typename Lay::InTile{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, input_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
+                                      typename Lay::VTile{}));
   using TmaMat =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(nullptr, 1), typename Lay::MatTile{}));
   using TmaScal =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, scalar_view(nullptr, 1), typename Lay::ScalTile{}));
   detail::ChunkPrefillProblem p;
-  TmaIn q, k, v;
+  TmaIn q, k;
+  TmaV v;
   TmaMat t, pm;
   TmaScal scal;
   int in_T, in_N;      // the inputs' token and sequence extents (TMA coordinates)
   int64_t slots;       // chunk slots (hopper_prep.cuh)
   bool trigger_early;  // PDL (grid.cuh enter_grid)
+  bool ordered;        // the consumers take turns issuing products (G = 2)
 };
+
+// Where value i of thread t (of its warp group) sits in an m64nNk16 accumulator: CuTe's
+// CLayout_64xN, written out so that the compiler sees a per-thread base plus a constant per value
+// (tests/gpu/test_hopper_layouts.cu checks it against CuTe's layout).
+__host__ __device__ __forceinline__ int acc_row(int t, int i) {
+  return (t / 4) % 8 + 16 * (t / 32) + 8 * ((i / 2) % 2);
+}
+__host__ __device__ __forceinline__ int acc_col(int t, int i) {
+  return 2 * (t % 4) + i % 2 + 8 * (i / 4);
+}
 
 // The k16 A fragments of an m64nNk16 accumulator, rounded to E: CuTe's accumulator layout
 // ((2, 2, N/8), 1, 1) holds per thread the values (row g + 8 i1, column 2 q + i0 + 8 i2), and
@@ -189,17 +235,19 @@ __device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C) {
   if constexpr (kRegA) warpgroup_fence_operand(A);
 }
 
-template <class E>
-__global__ void __launch_bounds__(kScanThreads, 1)
-    chunk_prefill_hopper_scan_kernel(const __grid_constant__ ScanParams<E> P) {
-  using Lay = ScanLayout<E>;
+template <class E, int G>
+__global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
+    chunk_prefill_hopper_scan_kernel(const __grid_constant__ ScanParams<E, G> P) {
+  using Lay = ScanLayout<E, G>;
+  constexpr int kThreads = Lay::kThreads;
   using Pipeline = typename Lay::Pipeline;
   const detail::ChunkPrefillProblem& p = P.p;
   enter_grid(P.trigger_early);
-  extern __shared__ unsigned char smem_raw[];
-  auto& ss = *reinterpret_cast<typename Lay::Storage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-
+  // The dynamic shared memory starts 1024-byte aligned (the swizzled tiles need it; no static
+  // shared memory precedes it). A pointer cast from the array keeps the accesses in the shared
+  // state space (ld.shared / st.shared), which integer arithmetic on its address would lose.
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Lay::Storage*>(smem_raw);
   const int tid = threadIdx.x, wg = tid / 128;
   if (tid == 0) {
     prefetch_tma_descriptor(P.q.get_tma_descriptor());
@@ -213,17 +261,18 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   pp.transaction_bytes = Lay::kStageBytes;
   pp.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = tid == 0;
-  pp.num_consumers = 128 * kConsumers;
+  pp.num_consumers = 128 * G;
   Pipeline pipe(ss.pipe, pp, Shape<_1, _1, _1>{});
   __syncthreads();  // the barriers' initialization is visible to every thread
 
-  const Seq s = resolve_sequence(p, blockIdx.x);
-  if (skip_sequence(p, s, tid, kScanThreads)) return;
+  const Seq s = resolve_sequence(p, blockIdx.x / Lay::kSplit);
+  const int part = static_cast<int>(blockIdx.x % Lay::kSplit);  // the head's rows (V split)
+  if (skip_sequence(p, s, tid, kThreads)) return;
   const int nchunks = static_cast<int>((s.len + kC - 1) / kC);
   const int64_t slot0 = split_chunk_offset(p, s.n);  // the sequence's first chunk slot
 
   if (wg == 0) {  // ---- producer -------------------------------------------------------------
-    cutlass::arch::warpgroup_reg_dealloc<56>();
+    if constexpr (G == 2) cutlass::arch::warpgroup_reg_dealloc<56>();
     if (tid == 0) {  // the pipeline's leader (pp.is_leader): its acquire arms the stage
       const int tok0 = static_cast<int>(s.tok0), seq = static_cast<int>(s.seq);
       auto tile = [&](const auto& tma, auto mtensor, auto stensor, auto coord) {
@@ -233,7 +282,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       };
       Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Lay::In{});
       Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::In{});
-      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Lay::In{});
+      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Lay::Vt{});
       Tensor sT = make_tensor(make_smem_ptr(ss.t.data()), typename Lay::Mat{});
       Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Lay::Mat{});
       Tensor sS = make_tensor(make_smem_ptr(ss.scal.data()), typename Lay::Scal{});
@@ -249,7 +298,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
           make_coord(_, 0));
       auto [gv, sv] = tile(
           P.v, domain_offset(make_coord(tok0, 0), P.v.get_tma_tensor(v_shape)(_, _, s.hv, seq)), sV,
-          make_coord(_, 0));
+          make_coord(_, part));
       auto [gt, st] =
           tile(P.t, P.t.get_tma_tensor(make_shape(blocks * kC, Int<kC>{})), sT, make_coord(_, 0));
       auto [gp, sp] =
@@ -270,12 +319,33 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         copy(P.scal.with(*bar), gs(_, block0 + ci), sc(_, stage));
         ++state;
       }
+    } else if (tid / 32 <= G) {  // ---- storer of consumer group tid / 32 - 1 -------------------
+      // Copies each chunk's staged output rows (the valid ones) to the output with bulk copies,
+      // two rows a lane, so the consumers never wait on global stores.
+      const int g = tid / 32 - 1, lane = tid % 32;
+      const int64_t esize = dtype_size(p.out.dtype);
+      const int v0 = Lay::kVCols * part + 64 * g;
+      for (int ci = 0; ci < nchunks; ++ci) {
+        const int b = ci & 1;
+        const int64_t c0 = int64_t{ci} * kC;
+        const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
+        bar_sync(bar_full(g, b), 160);
+        const unsigned char* buf = ss.out.data() + (2 * g + b) * kOutBuf;
+        for (int t = lane; t < cv; t += 32) {
+          unsigned char* row = static_cast<unsigned char*>(p.out.ptr) +
+                               (head_offset(p.out, s.seq, s.tok0 + c0 + t, s.hv) + v0) * esize;
+          SM90_BULK_COPY_S2G::copy(buf + t * kOutRow, row, static_cast<int32_t>(64 * esize));
+        }
+        tma_store_arrive();
+        tma_store_wait<0>();  // the staging has been read
+        if (ci + 2 < nchunks) bar_arrive(bar_empty(g, b), 160);
+      }
     }
     return;
   }
 
   // ---- consumers ------------------------------------------------------------------------------
-  cutlass::arch::warpgroup_reg_alloc<224>();
+  if constexpr (G == 2) cutlass::arch::warpgroup_reg_alloc<224>();
   const int cw = wg - 1, ct = tid % 128;  // consumer index, thread within the warp group
   const int64_t E2 = int64_t{kD} * kD;
   typename Lay::MmaX mma_x;
@@ -289,7 +359,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::In{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::InT{});
   // this warp group's 64 rows v of V^T: the second 64-column swizzle atom of v for cw = 1
-  Tensor sVt = local_tile(make_tensor(make_smem_ptr(ss.v.data()), typename Lay::InT{}),
+  Tensor sVt = local_tile(make_tensor(make_smem_ptr(ss.v.data()), typename Lay::VtT{}),
                           Shape<_64, Int<kC>, Int<kStages>>{}, make_coord(cw, 0, 0));
   Tensor sT = make_tensor(make_smem_ptr(ss.t.data()), typename Lay::Mat{});
   Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Lay::Mat{});
@@ -304,24 +374,36 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 
   // S: this warp group's rows v = 64 cw + m, all columns, in the accumulators
   Tensor S = partition_fragment_C(mma_s, Shape<_64, Int<kD>>{});
-  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<kD>>{}));
-  // the token (column) of each value of a 64x64 accumulator
-  Tensor cX = thr_x.partition_C(make_identity_tensor(Shape<_64, Int<kC>>{}));
-  const int v0 = 64 * cw;
+  const int c0w = 64 * cw;                  // its columns of the CTA's v tile and output staging
+  const int v0 = Lay::kVCols * part + c0w;  // its first state row
   if (s.reads_state) {
     const int64_t off = s.slot * p.state.slot_stride + s.hv * E2;
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i)
       S(i) = detail::load_float(p.state.ptr, p.state.dtype,
-                                off + (v0 + get<0>(cS(i))) * kD + get<1>(cS(i)));
+                                off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i));
   } else {
     clear(S);
   }
   auto store_state = [&](void* base, DType dtype, int64_t off) {
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i)
-      detail::store_float(base, dtype, off + (v0 + get<0>(cS(i))) * kD + get<1>(cS(i)), S(i));
+      detail::store_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i), S(i));
   };
+
+  // Ordered math (G = 2): the two groups take turns issuing their products, so that one group's
+  // epilogue runs while the other's products keep the tensor cores busy. Group 1 gives group 0
+  // the first turn and takes no turn back after its last batch (every arrival is matched).
+  const int batches = 3 * nchunks;
+  int batch = 0;
+  const bool ordered = G == 2 && P.ordered;
+  auto turn_begin = [&] {
+    if (ordered) bar_sync(bar_turn(cw), 256);
+  };
+  auto turn_end = [&] {
+    if (ordered && (cw == 0 || ++batch < batches)) bar_arrive(bar_turn(1 - cw), 256);
+  };
+  if (ordered && cw == 1 && batches > 0) bar_arrive(bar_turn(0), 256);
 
   auto state = typename Pipeline::PipelineState{};
   for (int ci = 0; ci < nchunks; ++ci) {
@@ -333,50 +415,62 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     Tensor Sa = acc_to_a<E, kD>(S, [](int, float x) { return x; });
     Tensor X1 = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
     Tensor X2 = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
+    turn_begin();
     warpgroup_arrive();
     wg_gemm<true>(mma_x, Sa, dK(_, _, _, stage), X1);
     wg_gemm<true>(mma_x, Sa, dQ(_, _, _, stage), X2);
     warpgroup_commit_batch();
+    turn_end();
     warpgroup_wait<0>();
 
     // v'^T = V^T Tb^T + bf16(-a X1) Tb^T; X2 becomes b X2
-    Tensor Ya = acc_to_a<E, kC>(X1, [&](int i, float x) { return -scal[get<1>(cX(i))] * x; });
+    Tensor Ya = acc_to_a<E, kC>(X1, [&](int i, float x) { return -scal[acc_col(ct, i)] * x; });
     CUTE_UNROLL
-    for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + get<1>(cX(i))];
+    for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + acc_col(ct, i)];
     Tensor U = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
+    turn_begin();
     warpgroup_arrive();
     wg_gemm<true>(mma_v, dVt(_, _, _, stage), dTv(_, _, _, stage), U);
     wg_gemm<false>(mma_x, Ya, dT(_, _, _, stage), U);
     warpgroup_commit_batch();
+    turn_end();
     warpgroup_wait<0>();
 
     // o^T = b X2 + bf16(v'^T) P^T;  S = gamma S + bf16(v'^T d) K
     Tensor Ua = acc_to_a<E, kC>(U, [](int, float x) { return x; });
     Tensor Ud =
-        acc_to_a<E, kC>(U, [&](int i, float x) { return x * scal[2 * kC + get<1>(cX(i))]; });
+        acc_to_a<E, kC>(U, [&](int i, float x) { return x * scal[2 * kC + acc_col(ct, i)]; });
     const float gamma = scal[3 * kC];
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i) S(i) *= gamma;
+    turn_begin();
     warpgroup_arrive();
     wg_gemm<false>(mma_x, Ua, dP(_, _, _, stage), X2);
     wg_gemm<false>(mma_s, Ud, dKt(_, _, _, stage), S);
     warpgroup_commit_batch();
+    turn_end();
     warpgroup_wait<0>();
     pipe.consumer_release(state);  // every read of the stage is done
     ++state;
 
-    // the output: o^T staged [t][v], then the chunk's valid rows of this group's 64 columns
+    // the output: o^T staged [t][v] in the output dtype, then the storer warp's bulk copies
     const int64_t c0 = int64_t{ci} * kC;
     const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
-    CUTE_UNROLL
-    for (int i = 0; i < size(X2); ++i) ss.out[get<1>(cX(i)) * kLdo + v0 + get<0>(cX(i))] = X2(i);
-    cutlass::arch::NamedBarrier::sync(128, cw);
-    for (int i = ct; i < cv * 16; i += 128) {
-      const int t = i >> 4, c = v0 + (i & 15) * 4;
-      const float4 o = *reinterpret_cast<const float4*>(&ss.out[t * kLdo + c]);
-      store4(p.out.ptr, p.out.dtype, head_offset(p.out, s.seq, s.tok0 + c0 + t, s.hv) + c, o);
-    }
-    cutlass::arch::NamedBarrier::sync(128, cw);  // the staging is free for the next chunk
+    const int b = ci & 1;
+    if (ci >= 2) bar_sync(bar_empty(cw, b), 160);  // chunk ci - 2's copy has read the buffer
+    unsigned char* const buf = ss.out.data() + (2 * cw + b) * kOutBuf;
+    auto stage_out = [&](auto zero) {
+      using O = decltype(zero);
+      CUTE_UNROLL
+      for (int i = 0; i < size(X2); ++i)
+        reinterpret_cast<O*>(buf + acc_col(ct, i) * kOutRow)[acc_row(ct, i)] =
+            static_cast<O>(X2(i));
+    };
+    if (p.out.dtype == DType::bf16) stage_out(cutlass::bfloat16_t{});
+    else if (p.out.dtype == DType::f16) stage_out(cutlass::half_t{});
+    else stage_out(0.0f);
+    tma_store_fence();  // the bulk copies (the async proxy) read what these stores wrote
+    bar_arrive(bar_full(cw, b), 160);
     const int64_t end = c0 + cv;
     if (checkpoint_at(p, end)) store_checkpoint(p, s, end / p.checkpoint_every - 1, store_state);
   }
