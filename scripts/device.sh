@@ -13,6 +13,7 @@
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
 #                                      sanitize-prefill, bench-prefill, sass-hopper,
+#                                      profile-prefill,
 #                                      test-layer, sanitize-layer, bench-layer, profile-layer,
 #                                      test-verify, bench-verify, bench-verify-variants,
 #                                      test-replay-verify, bench-replay-verify
@@ -205,6 +206,16 @@ for phase in "${phases[@]}"; do
         DELTASTATE_CUDA_PREFILL=$kernel sanitized memcheck "$PREFILL_SMALL"
         DELTASTATE_CUDA_PREFILL=$kernel sanitized racecheck "$PREFILL_SMALL"
       done
+      ;;
+    profile-prefill)  # per-kernel device times of chunk_prefill, ours beside FLA's
+      # (PROFILE_PREFILL_CASES), then Nsight Compute on one prep and one scan launch of the Hopper
+      # kernels (PROFILE_PREFILL_CASE, default 8x1024)
+      run profile-prefill python3 bench/profile_prefill.py --peer \
+        --cases "${PROFILE_PREFILL_CASES:-8x1024,4x2048,1x8192,tp4:1x8192}"
+      run profile-prefill ncu --clock-control none -k regex:hopper --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+        python3 bench/profile_prefill.py --cases "${PROFILE_PREFILL_CASE:-8x1024}" --reps 1 --rotate 1
       ;;
     sass-hopper)  # the Hopper prefill kernels' resources and instruction mix (cuobjdump): wgmma,
       # local-memory spills, barriers, to $OUT/sass-hopper.txt

@@ -7,7 +7,7 @@
 //    (acc_to_a): the value i of a thread's accumulator and the value i % 8 of its A fragment of
 //    k block i / 8 must be the same element;
 //  * the accumulator fragments are compact ((2, 2, N/8), 1, 1), so that flat index i is that
-//    value.
+//    value, and the kernel's acc_row / acc_col give its place as CuTe's CLayout does.
 #include <gtest/gtest.h>
 
 #include <cutlass/numeric_types.h>
@@ -19,20 +19,27 @@ namespace {
 using namespace cute;
 namespace hp = deltastate::cuda_backend::prefill::hopper;
 
-template <class E>
+template <class Tile, class TileT, int Cols>
 void check_transposed_views() {
-  using Lay = hp::ScanLayout<E>;
-  const auto in = typename Lay::In{};
-  const auto inT = typename Lay::InT{};
+  const auto in = Tile{};
+  const auto inT = TileT{};
   for (int st = 0; st < hp::kStages; ++st)
     for (int t = 0; t < hp::kC; ++t)
-      for (int c = 0; c < hp::kD; ++c)
+      for (int c = 0; c < Cols; ++c)
         ASSERT_EQ(in(t, c, st), inT(c, t, st)) << "t " << t << " c " << c << " stage " << st;
 }
 
+template <class E, int G>
+void check_transposed_views() {
+  using Lay = hp::ScanLayout<E, G>;
+  check_transposed_views<typename Lay::In, typename Lay::InT, hp::kD>();       // q, k
+  check_transposed_views<typename Lay::Vt, typename Lay::VtT, Lay::kVCols>();  // v
+}
+
 TEST(HopperLayouts, TransposedViewsNameTheSameBytes) {
-  check_transposed_views<cutlass::bfloat16_t>();
-  check_transposed_views<cutlass::half_t>();
+  check_transposed_views<cutlass::bfloat16_t, 2>();
+  check_transposed_views<cutlass::bfloat16_t, 1>();
+  check_transposed_views<cutlass::half_t, 2>();
 }
 
 // Accumulator value i of thread thr of the MMA's atom against value i % 8 of its k16 A fragment
@@ -52,12 +59,28 @@ void check_acc_is_a_fragment() {
 }
 
 TEST(HopperLayouts, AccumulatorRegistersAreAFragments) {
-  using Lay = hp::ScanLayout<cutlass::bfloat16_t>;
+  using Lay = hp::ScanLayout<cutlass::bfloat16_t, 2>;
   check_acc_is_a_fragment<typename Lay::MmaX, 64>();
   check_acc_is_a_fragment<typename Lay::MmaS, 128>();
-  using LayH = hp::ScanLayout<cutlass::half_t>;
+  using LayH = hp::ScanLayout<cutlass::half_t, 2>;
   check_acc_is_a_fragment<typename LayH::MmaX, 64>();
   check_acc_is_a_fragment<typename LayH::MmaS, 128>();
+}
+
+// The kernel's written-out accumulator coordinates (acc_row, acc_col) are CuTe's CLayout.
+template <class Mma, int N>
+void check_acc_coordinates() {
+  const auto c_tv = typename Mma::Atom::Traits::CLayout{};
+  for (int thr = 0; thr < 128; ++thr)
+    for (int i = 0; i < N / 2; ++i)
+      ASSERT_EQ(c_tv(thr, i), hp::acc_row(thr, i) + 64 * hp::acc_col(thr, i))
+          << "thread " << thr << " value " << i;
+}
+
+TEST(HopperLayouts, AccumulatorCoordinatesAreCuTes) {
+  using Lay = hp::ScanLayout<cutlass::bfloat16_t, 2>;
+  check_acc_coordinates<typename Lay::MmaX, 64>();
+  check_acc_coordinates<typename Lay::MmaS, 128>();
 }
 
 template <class Mma, int N>
@@ -69,7 +92,7 @@ void check_compact_fragment() {
 }
 
 TEST(HopperLayouts, AccumulatorFragmentsAreCompact) {
-  using Lay = hp::ScanLayout<cutlass::bfloat16_t>;
+  using Lay = hp::ScanLayout<cutlass::bfloat16_t, 2>;
   check_compact_fragment<typename Lay::MmaX, 64>();
   check_compact_fragment<typename Lay::MmaS, 128>();
 }
