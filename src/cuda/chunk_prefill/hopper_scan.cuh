@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
         copy(P.scal.with(*bar), gs(_, block0 + ci), sc(_, stage));
         ++state;
       }
-    } else if (tid / 32 <= G) {  // ---- storer of consumer group tid / 32 - 1 -------------------
+    } else if (tid >= 32 && tid / 32 <= G) {  // ---- storer of consumer group tid / 32 - 1 ------
       // Copies each chunk's staged output rows (the valid ones) to the output with bulk copies,
       // two rows a lane, so the consumers never wait on global stores.
       const int g = tid / 32 - 1, lane = tid % 32;
