@@ -169,8 +169,19 @@ def _finish(o, ht, back: bool):
     return o, ht
 
 
+# The per-token inputs: FLA's entry points make every input tensor contiguous (its input_guard),
+# so a call whose head vectors are strided (transformers' own layouts, for one) is valid there;
+# deltastate takes any strides but a unit last one, so those get the copy FLA would make.
+_TOKEN_INPUTS = ("q", "k", "v", "g", "gk", "gv", "beta")
+
+
 def _pick(a: Dict[str, Any], names) -> Dict[str, Any]:
-    return {n: a[n] for n in names if n in a}
+    out = {n: a[n] for n in names if n in a}
+    for n in _TOKEN_INPUTS:
+        t = out.get(n)
+        if t is not None and t.dim() > 0 and t.stride(-1) != 1:
+            out[n] = t.contiguous()
+    return out
 
 
 _GDN_CHUNK = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",

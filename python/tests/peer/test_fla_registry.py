@@ -426,3 +426,18 @@ def test_register_is_idempotent_and_rebinds():
     assert gdr.fused_recurrent_gated_delta_rule is fused_recurrent_gated_delta_rule
     assert gdr.fused_recurrent_gdn is fused_recurrent_gated_delta_rule
     assert os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") != "1"
+
+
+def test_strided_head_vectors_run_as_fla_runs_them(ran):
+    """FLA makes every input contiguous before its kernels (its input_guard), so q, k, v, g, beta
+    whose head vectors are strided (a view transformers' torch path passes, last-dim stride 8)
+    are valid calls: deltastate takes them, with the same outputs as the contiguous call."""
+    q, k, v, g, beta = _small()
+    strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() == 4 else x
+               for x in (q, k, v)]
+    assert strided[0].stride(-1) != 1
+    with torch.no_grad():
+        o_ref, s_ref = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        o, s = chunk_gated_delta_rule(*strided, g, beta, output_final_state=True)
+    assert ran == {"chunk_gated_delta_rule": 2}
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
