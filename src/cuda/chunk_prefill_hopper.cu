@@ -34,11 +34,12 @@ bool tma_readable(const Head& t, const ChunkPrefillProblem& p, int64_t heads) {
   return ok(t.tok_stride, p.T) && ok(t.head_stride, heads) && ok(t.seq_stride, N);
 }
 
-// The scan's consumers take turns issuing their products (ordered math);
-// DELTASTATE_CUDA_PREFILL_ORDERED=off lets them issue freely (benchmarks compare the two).
+// The scan's consumers issue their products freely; DELTASTATE_CUDA_PREFILL_ORDERED=on makes
+// them take turns (ordered math), which measured 2% slower (H100, 8x1024: scan 161.7 against
+// 158.0 µs; docs/PERFORMANCE.md), so it is off unless asked for.
 bool prefill_ordered_math() {
   static const bool on =
-      env_choice<bool>("DELTASTATE_CUDA_PREFILL_ORDERED", {{"on", true}, {"off", false}}, true);
+      env_choice<bool>("DELTASTATE_CUDA_PREFILL_ORDERED", {{"on", true}, {"off", false}}, false);
   return on;
 }
 

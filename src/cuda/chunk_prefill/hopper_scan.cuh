@@ -9,10 +9,11 @@
 // kernel's Tb, P and per-token factors from the workspace; warps 1 and 2 store the output),
 // warp groups 1 and 2 are the consumers, each holding 64 of the 128 rows of the transposed state
 // S [V, K] as fp32 wgmma accumulators (64 registers a thread) for the whole sequence. setmaxnreg
-// moves registers from the producer (56) to the consumers (224). The consumers take turns
-// issuing their products (named barriers), so that one's epilogue runs while the other's
-// products occupy the tensor cores. Per chunk of C = 64 tokens a consumer runs five products
-// (m64, its rows v; the chunk algebra of src/cpu/chunk_prefill.cpp, its names):
+// moves registers from the producer (56) to the consumers (224). The consumers can take turns
+// issuing their products (ordered math, named barriers: one's epilogue under the other's
+// products), off by default: it measured no faster than the two issuing freely. Per chunk of
+// C = 64 tokens a consumer runs five products (m64, its rows v; the chunk algebra of
+// src/cpu/chunk_prefill.cpp, its names):
 //   X1 = S K^T,  X2 = S Q^T                        RS: A = bf16(S) from the accumulators
 //   v'^T = V^T Tb^T - bf16(a * X1) Tb^T           SS (A = v, MN-major) then RS, one accumulator
 //   o^T = b * X2 + bf16(v'^T) P^T                  RS, onto X2's accumulator
