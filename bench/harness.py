@@ -15,9 +15,11 @@ import math
 import platform
 import statistics
 import sys
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 L2_BYTES = 60 * 1024 * 1024
 COLD_BYTES = 4 * L2_BYTES + 16 * 1024 * 1024  # > 4x L2 touched between two uses of a buffer
@@ -168,3 +170,23 @@ def write_results(path: str, copy_gbps: float, method: str, rows: list, **extra)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
+
+
+def kernel_times(steps, reps: int) -> list[tuple[str, float, float]]:
+    """(kernel name, mean µs, launches) per call of a step, under torch.profiler, over `reps`
+    rounds of `steps` (callables launching one step each)."""
+    for s in steps:  # warm up: first-call costs (module loads, autotuning) out of the profile
+        s()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for s in steps:
+                s()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time
+            count[e.name] += 1
+    n = reps * len(steps)
+    return sorted(((k, total[k] / n, count[k] / n) for k in total), key=lambda r: -r[1])

@@ -12,32 +12,11 @@ benchmark shows as a whole.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench_layer_step import Case, peer_launches
-from harness import DTYPES, MODELS
-
-
-def kernel_times(steps, reps: int) -> list[tuple[str, float, float]]:
-    """(kernel name, mean µs per step, launches per step) over `reps` rounds of `steps`."""
-    for s in steps:  # warm up: first-call costs (module loads, autotuning) out of the profile
-        s()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            for s in steps:
-                s()
-        torch.cuda.synchronize()
-    total, count = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time
-            count[e.name] += 1
-    n = reps * len(steps)
-    return sorted(((k, total[k] / n, count[k] / n) for k in total), key=lambda r: -r[1])
+from harness import DTYPES, MODELS, kernel_times
 
 
 def main() -> int:

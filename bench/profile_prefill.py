@@ -12,32 +12,9 @@ of `ncu` in scripts/device.sh's profile-prefill (--reps 1 --rotate 1).
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
-
-import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench_prefill import D, FlaCall, Inputs, call_ours, fla_fn, ours_fn
-from harness import Model, gate_params
-
-
-def kernel_times(calls, reps: int) -> list[tuple[str, float, float]]:
-    """(kernel name, mean µs per call, launches per call) over `reps` rounds of `calls`."""
-    for c in calls:  # warm up: first-call costs (module loads, compilation) out of the profile
-        c()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            for c in calls:
-                c()
-        torch.cuda.synchronize()
-    total, count = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time
-            count[e.name] += 1
-    n = reps * len(calls)
-    return sorted(((k, total[k] / n, count[k] / n) for k in total), key=lambda r: -r[1])
+from harness import Model, gate_params, kernel_times
 
 
 def main() -> int:

@@ -16,28 +16,11 @@ binary checks them on the host (tests/gpu/test_hopper_layouts.cu).
 
 import numpy as np
 
+import emulate_tc_kernel as tc  # bf16 rounding (its EXACT switch), the inputs' rounding
+
 f32 = np.float32
 C, D = 64, 128
-EXACT = False
-
-
-def bf16(x):
-    """x rounded to bf16 (round to nearest even), as float32; identity when EXACT."""
-    x = np.asarray(x, np.float32)
-    if EXACT:
-        return x
-    u = x.view(np.uint32).astype(np.uint64)
-    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return u.astype(np.uint32).view(np.float32)
-
-
-def bf16_input(x):  # inputs are bf16 in both modes
-    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
-
-
-def softplus(x):
-    return np.where(x <= 20, np.log1p(np.exp(np.minimum(x, 20))), x)
+bf16, bf16_input = tc.bf16, tc.bf16_input
 
 
 def prep(Q, K_, g, be, cv, scale):
@@ -118,7 +101,7 @@ def sequence(L_, seed=1):
     q, k = bf16_input(rng.standard_normal((L_, D))), bf16_input(rng.standard_normal((L_, D)))
     v = bf16_input(rng.uniform(-0.5, 0.5, (L_, D)))
     A_log, dt = rng.uniform(-8, 0.5), rng.uniform(-1, 1)
-    g = (-np.exp(A_log) * softplus(bf16_input(rng.normal(0, 1.5, L_)) + dt)).astype(f32)
+    g = (-np.exp(A_log) * tc.softplus(bf16_input(rng.normal(0, 1.5, L_)) + dt)).astype(f32)
     beta = (1 / (1 + np.exp(-bf16_input(rng.normal(0, 1.5, L_))))).astype(f32)
     S0, scale = rng.uniform(-0.3, 0.3, (D, D)), D ** -0.5
     o_ref, S_ref = recurrence(q, k, v, g, beta, S0, scale)
@@ -136,11 +119,11 @@ def sequence(L_, seed=1):
 
 
 if __name__ == "__main__":
-    EXACT = True
+    tc.EXACT = True
     eo, es = one_chunk()
     assert eo < 1e-6 and es < 1e-6, (eo, es)
     print(f"1. GDN chunk, rounding off: out {eo:.1e} state {es:.1e} (the products are the algebra)")
-    EXACT = False
+    tc.EXACT = False
     worst = 0.0
     for kw in (dict(L_=300), dict(L_=1000, seed=2), dict(L_=65, seed=3), dict(L_=2048, seed=4)):
         eo, es = sequence(**kw)

@@ -303,6 +303,20 @@ struct PrefillRun {
   }
 };
 
+// The call on the device: every tensor of the run uploaded, and a NaN-poisoned workspace of the
+// size the call asks for.
+void run_on_device(const PrefillRun& run, Mirror& dev) {
+  for (const Tensor* t : run.tensors()) dev.upload(*t);
+  ChunkPrefillArgs a = run.args(dev.views());
+  const Tensor ws = workspace_for(a);
+  if (deltastate::chunk_prefill_workspace_bytes(a) > 0) {
+    dev.upload(ws);
+    a.workspace = dev.view(ws);
+  }
+  deltastate::chunk_prefill(a);
+  sync();
+}
+
 class GpuChunkPrefill : public PrefillGpuTest,
                         public ::testing::WithParamInterface<GpuPrefillCase> {};
 
@@ -315,22 +329,13 @@ TEST_P(GpuChunkPrefill, MatchesCpu) {
   const double tol = tolerance(c);
   const int rnd = roundings(c);
 
-  Mirror dev;
-  for (const Tensor* t : run.tensors()) dev.upload(*t);
   // What the device holds before the call (the CPU call below changes the host copies).
   const std::vector<uint8_t> pool_before =
       c.mode != StateMode::none ? run.pool.bytes() : std::vector<uint8_t>{};
   const std::vector<uint8_t> ckpts_before =
       c.ckpt == Ckpt::dense ? run.ckpts.bytes() : std::vector<uint8_t>{};
-
-  ChunkPrefillArgs gpu_args = run.args(dev.views());
-  Tensor gpu_ws = workspace_for(gpu_args);
-  if (deltastate::chunk_prefill_workspace_bytes(gpu_args) > 0) {
-    dev.upload(gpu_ws);
-    gpu_args.workspace = dev.view(gpu_ws);
-  }
-  deltastate::chunk_prefill(gpu_args);
-  sync();
+  Mirror dev;
+  run_on_device(run, dev);
 
   ChunkPrefillArgs cpu_args = run.args(host_view);
   const Tensor cpu_ws = workspace_for(cpu_args);
@@ -607,15 +612,7 @@ TEST_F(PrefillGpuTest, SequenceResultIndependentOfBatch) {
   const int64_t n = 1;
   auto run_gpu = [&](Tensor& out, std::vector<uint8_t>& slot) {
     Mirror dev;
-    for (const Tensor* t : run.tensors()) dev.upload(*t);
-    ChunkPrefillArgs a = run.args(dev.views());
-    Tensor ws = workspace_for(a);
-    if (deltastate::chunk_prefill_workspace_bytes(a) > 0) {
-      dev.upload(ws);
-      a.workspace = dev.view(ws);
-    }
-    deltastate::chunk_prefill(a);
-    sync();
+    run_on_device(run, dev);
     out = dev.download(run.rb.out);
     const Tensor pool = dev.download(run.pool);
     const MemRange r = slot_range(pool.view(), run.out_slot[n]);
