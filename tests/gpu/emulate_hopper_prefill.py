@@ -81,30 +81,13 @@ def one_chunk(cv=50, seed=7):
             np.linalg.norm(S - S_ref) / np.linalg.norm(S_ref))
 
 
-def recurrence(q, k, v, g, beta, S0, scale):
-    """The fp64 token recurrence (q, k L2-normalized): -> (outputs, final state)."""
-    qh = q / np.sqrt((q.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6) * scale
-    kh = k / np.sqrt((k.astype(np.float64) ** 2).sum(1, keepdims=True) + 1e-6)
-    S, o = S0.copy(), np.zeros(v.shape)
-    for t in range(len(q)):
-        S = S * np.exp(np.float64(g[t]))
-        S = S + np.outer(beta[t] * (v[t] - S @ kh[t]), kh[t])
-        o[t] = S @ qh[t]
-    return o, S
-
-
 def sequence(L_, seed=1):
-    """Both kernels' arithmetic over L_ tokens from a random state (the in-kernel softplus gate,
-    beta from a logit: tests/gpu/emulate_tc_kernel.py's inputs) against the fp64 recurrence;
+    """Both kernels' arithmetic over L_ tokens from a random state against the fp64 recurrence,
+    on tests/gpu/emulate_tc_kernel.py's inputs (the in-kernel softplus gate, beta from a logit);
     -> (output, final state) relative norm errors."""
-    rng = np.random.default_rng(seed)
-    q, k = bf16_input(rng.standard_normal((L_, D))), bf16_input(rng.standard_normal((L_, D)))
-    v = bf16_input(rng.uniform(-0.5, 0.5, (L_, D)))
-    A_log, dt = rng.uniform(-8, 0.5), rng.uniform(-1, 1)
-    g = (-np.exp(A_log) * tc.softplus(bf16_input(rng.normal(0, 1.5, L_)) + dt)).astype(f32)
-    beta = (1 / (1 + np.exp(-bf16_input(rng.normal(0, 1.5, L_))))).astype(f32)
-    S0, scale = rng.uniform(-0.3, 0.3, (D, D)), D ** -0.5
-    o_ref, S_ref = recurrence(q, k, v, g, beta, S0, scale)
+    q, k, v, g, beta, S0, scale = tc.sequence_inputs(L_, False, None, seed)
+    g = g[:, 0]
+    o_ref, S_ref = tc.recurrence(q, k, v, g[:, None], beta, S0, scale)
     S, out = S0.astype(f32), np.zeros((L_, D))
     for c0 in range(0, L_, C):
         cv = min(C, L_ - c0)
