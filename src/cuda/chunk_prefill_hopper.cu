@@ -54,6 +54,8 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
   // prep: grid (chunk slots, value heads)
   auto prep = prefill::hopper::chunk_prefill_hopper_prep_kernel<In>;
   auto scan = prefill::hopper::chunk_prefill_hopper_scan_kernel<E, G>;
+  // Both kernels opted into their shared memory once per device; one scan CTA fits an SM (its
+  // shared memory), which the early-trigger rule of PDL reads.
   static PerDeviceOnce opted;
   const int resident = opted.get(p.device.index, [=] {
     DS_CUDA_CHECK(
