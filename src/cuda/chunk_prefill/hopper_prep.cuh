@@ -67,63 +67,18 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 2)
   split_load_rows<D>(Ks, p.k, static_cast<const In*>(p.k.ptr), s, s.h, c0, cv, tid, NT);
   split_load_rows<D>(Qs, p.q, static_cast<const In*>(p.q.ptr), s, s.h, c0, cv, tid, NT);
   cp_async_commit_group();
-  if (warp == 0) {  // beta and the inclusive scan of g over the chunk (tokens 2 lane, 2 lane + 1)
-    const detail::GateParams& gate = p.gate;
-    const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
-    const float dt =
-        gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, s.hv) : 0.0f;
-    float g2[2], b2[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int t = 2 * lane + e;
-      const bool valid = t < cv;
-      const int64_t tok = s.tok0 + c0 + (valid ? t : 0);
-      b2[e] = valid ? detail::beta_value(detail::load_float(p.beta.ptr, p.beta.dtype,
-                                                            head_offset(p.beta, s.seq, tok, s.hv)),
-                                         p.beta_is_logit, false, p.beta.dtype)
-                    : 0.0f;
-      g2[e] = valid ? detail::gate_value(gate.mode,
-                                         detail::load_float(p.g.ptr, p.g.dtype,
-                                                            head_offset(p.g, s.seq, tok, s.hv)),
-                                         dt, A_log, gate.lower_bound)
-                    : 0.0f;
-    }
-    const float pair = g2[0] + g2[1];
-    float incl = pair;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += y;
-    }
-    const float G0 = (incl - pair) + g2[0], G1 = G0 + g2[1];
-    sBeta[2 * lane] = b2[0];
-    sBeta[2 * lane + 1] = b2[1];
-    sG[2 * lane] = G0;
-    sG[2 * lane + 1] = G1;
-    if (lane == 31) sGL[0] = G1;  // g = 0 past the sequence: G_63 = G_{cv-1}
+  if (warp == 0) {  // beta and the decay's scan over the chunk
+    const float A_log =
+        p.gate.A_log ? detail::load_float(p.gate.A_log, p.gate.A_log_dtype, s.hv) : 0.0f;
+    chunk_beta_and_decay<false>(p, s, c0, cv, A_log, lane, sBeta, sG, sGL);
   }
   cp_async_wait_group<0>();
   __syncthreads();
   {  // rk, rq and the per-token factors (a warp per token)
-    constexpr int EPL = D / 32;
     const float GL = sGL[0];
     for (int t = warp; t < C; t += NW) {
-      float xk[EPL], xq[EPL];
-      load_row_part<In, EPL>(Ks + t * LDI + lane * EPL, xk);
-      load_row_part<In, EPL>(Qs + t * LDI + lane * EPL, xq);
-      float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        sk = fmaf(xk[e], xk[e], sk);
-        sq = fmaf(xq[e], xq[e], sq);
-      }
-      sk = warp_sum(sk);
-      sq = warp_sum(sq);
-      const bool valid = t < cv;
-      const float rk = !valid ? 0.0f : p.l2norm ? 1.0f / detail::l2norm_denominator(sk) : 1.0f;
-      const float rq = !valid     ? 0.0f
-                       : p.l2norm ? p.scale / detail::l2norm_denominator(sq)
-                                  : p.scale;
+      const float rk = qk_factor(p, row_sum_squares<In, D>(Ks + t * LDI, lane), t < cv, 1.0f);
+      const float rq = qk_factor(p, row_sum_squares<In, D>(Qs + t * LDI, lane), t < cv, p.scale);
       if (lane == 0) {
         const float e = expf(sG[t]);
         sRk[t] = rk;

@@ -249,6 +249,51 @@ __device__ __forceinline__ void split_copy_matrix(void* dst, const void* src, in
   }
 }
 
+// Warp 0's share of a chunk's per-token scalars, tokens 2 lane and 2 lane + 1 of the cv tokens
+// from c0: beta into sBeta[C]; for GDN the inclusive scan of the decay g into sG[C] and its last
+// value into sGL[0] (g = 0 past the sequence: G_63 = G_{cv-1}). KDA's decays are per channel
+// and scanned elsewhere.
+template <bool KDA>
+__device__ __forceinline__ void chunk_beta_and_decay(const ChunkPrefillProblem& p, const Seq& s,
+                                                     int64_t c0, int cv, float A_log, int lane,
+                                                     float* sBeta, float* sG, float* sGL) {
+  const detail::GateParams& gate = p.gate;
+  const float dt =
+      !KDA && gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, s.hv) : 0.0f;
+  float g2[2], b2[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int t = 2 * lane + e;
+    const bool valid = t < cv;
+    const int64_t tok = s.tok0 + c0 + (valid ? t : 0);
+    b2[e] = valid ? detail::beta_value(detail::load_float(p.beta.ptr, p.beta.dtype,
+                                                          head_offset(p.beta, s.seq, tok, s.hv)),
+                                       p.beta_is_logit, false, p.beta.dtype)
+                  : 0.0f;
+    g2[e] = !KDA && valid
+                ? detail::gate_value(
+                      gate.mode,
+                      detail::load_float(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv)),
+                      dt, A_log, gate.lower_bound)
+                : 0.0f;
+  }
+  sBeta[2 * lane] = b2[0];
+  sBeta[2 * lane + 1] = b2[1];
+  if constexpr (!KDA) {
+    const float pair = g2[0] + g2[1];
+    float incl = pair;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += y;
+    }
+    const float G0 = (incl - pair) + g2[0], G1 = G0 + g2[1];
+    sG[2 * lane] = G0;
+    sG[2 * lane + 1] = G1;
+    if (lane == 31) sGL[0] = G1;
+  }
+}
+
 // ---- kernel 1: per chunk, G, rk, A, T and the WY factors ---------------------------------------
 // KDA (tc_kernel.cuh's KDA paragraph): G per channel, A and P pairwise on CUDA cores (kda_pairs,
 // which shares each pair's exponentials between A and P: that is why P is made here, not in
@@ -302,42 +347,7 @@ __global__ void __launch_bounds__(D / 16 * 32, KDA ? 1 : 2)
   cp_async_commit_group();
   const detail::GateParams& gate = p.gate;
   const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
-  if (warp == 0) {  // beta and (GDN) the inclusive scan of g over the chunk (tokens 2 lane, +1)
-    const float dt =
-        !KDA && gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype, s.hv) : 0.0f;
-    float g2[2], b2[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int t = 2 * lane + e;
-      const bool valid = t < cv;
-      const int64_t tok = s.tok0 + c0 + (valid ? t : 0);
-      b2[e] = valid ? detail::beta_value(detail::load_float(p.beta.ptr, p.beta.dtype,
-                                                            head_offset(p.beta, s.seq, tok, s.hv)),
-                                         p.beta_is_logit, false, p.beta.dtype)
-                    : 0.0f;
-      g2[e] = !KDA && valid
-                  ? detail::gate_value(
-                        gate.mode,
-                        detail::load_float(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv)),
-                        dt, A_log, gate.lower_bound)
-                  : 0.0f;
-    }
-    sBeta[2 * lane] = b2[0];
-    sBeta[2 * lane + 1] = b2[1];
-    if constexpr (!KDA) {
-      const float pair = g2[0] + g2[1];
-      float incl = pair;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const float y = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += y;
-      }
-      const float G0 = (incl - pair) + g2[0], G1 = G0 + g2[1];
-      sG[2 * lane] = G0;
-      sG[2 * lane + 1] = G1;
-      if (lane == 31) sDecL[0] = G1;  // g = 0 past the sequence: G_63 = G_{cv-1}
-    }
-  }
+  if (warp == 0) chunk_beta_and_decay<KDA>(p, s, c0, cv, A_log, lane, sBeta, sG, sDecL);
   if constexpr (KDA) {
     if (tid < D) {  // channel c = tid: G[t][c] for the chunk, sequentially (the fused kernel's;
       // the raw values first, so that the loads are in flight together)
@@ -367,25 +377,10 @@ __global__ void __launch_bounds__(D / 16 * 32, KDA ? 1 : 2)
   cp_async_wait_group<0>();
   __syncthreads();
   {  // rk (KDA: and rq) and the per-token factors (a warp per token)
-    constexpr int EPL = D / 32;
     for (int t = warp; t < C; t += NW) {
-      float xk[EPL];
-      load_row_part<In, EPL>(Ks + t * LDI + lane * EPL, xk);
-      float sk = 0.0f;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) sk = fmaf(xk[e], xk[e], sk);
-      sk = warp_sum(sk);
-      const float rk = t >= cv ? 0.0f : p.l2norm ? 1.0f / detail::l2norm_denominator(sk) : 1.0f;
+      const float rk = qk_factor(p, row_sum_squares<In, D>(Ks + t * LDI, lane), t < cv, 1.0f);
       if constexpr (KDA) {
-        float xq[EPL];
-        load_row_part<In, EPL>(Qs + t * LDI + lane * EPL, xq);
-        float sq = 0.0f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) sq = fmaf(xq[e], xq[e], sq);
-        sq = warp_sum(sq);
-        const float rq = t >= cv    ? 0.0f
-                         : p.l2norm ? p.scale / detail::l2norm_denominator(sq)
-                                    : p.scale;
+        const float rq = qk_factor(p, row_sum_squares<In, D>(Qs + t * LDI, lane), t < cv, p.scale);
         if (lane == 0) {
           sRk[t] = rk;
           sRq[t] = rq;
@@ -761,17 +756,8 @@ __global__ void __launch_bounds__(D / 16 * 32, 2)
     cp_async_wait_group<0>();
     __syncthreads();
     // rq, qf = rq e^{G} (a warp per token)
-    constexpr int EPL = D / 32;
     for (int t = warp; t < C; t += NW) {
-      float xq[EPL];
-      load_row_part<In, EPL>(Qs + t * LDI + lane * EPL, xq);
-      float sq = 0.0f;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) sq = fmaf(xq[e], xq[e], sq);
-      sq = warp_sum(sq);
-      const float rq = t >= cv    ? 0.0f
-                       : p.l2norm ? p.scale / detail::l2norm_denominator(sq)
-                                  : p.scale;
+      const float rq = qk_factor(p, row_sum_squares<In, D>(Qs + t * LDI, lane), t < cv, p.scale);
       if (lane == 0) {
         sRq[t] = rq;
         sQf[t] = rq * expf(sG[t]);

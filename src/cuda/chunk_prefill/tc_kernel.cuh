@@ -136,6 +136,26 @@ __device__ __forceinline__ void load_row_part(const In* p, float (&x)[N]) {
   }
 }
 
+// The sum of squares of a token's D-element row (16-bit, in shared memory), over the warp: lane
+// l adds its D/32 consecutive elements; every lane gets the sum.
+template <class In, int D>
+__device__ __forceinline__ float row_sum_squares(const In* row, int lane) {
+  constexpr int EPL = D / 32;
+  float x[EPL];
+  load_row_part<In, EPL>(row + lane * EPL, x);
+  float s = 0.0f;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) s = fmaf(x[e], x[e], s);
+  return warp_sum(s);
+}
+
+// A token's factor of k (scale 1) or q (the op's scale) from its row's sum of squares: `scale`
+// over the L2 norm's denominator with l2norm, else `scale`; 0 for a token past the sequence.
+__device__ __forceinline__ float qk_factor(const ChunkPrefillProblem& p, float sum_squares,
+                                           bool valid, float scale) {
+  return !valid ? 0.0f : p.l2norm ? scale / detail::l2norm_denominator(sum_squares) : scale;
+}
+
 // A pair of fp32 values as two operand registers: hi = (x, y) rounded to In, lo = the rounding
 // errors rounded to In (hi + lo carries ~16 mantissa bits; three products hi*hi + hi*lo + lo*hi
 // make a product of two split operands about as exact as fp32 for a third of the fp32 cost).
@@ -582,26 +602,14 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
       }
     }
     {
-      constexpr int EPL = D / 32;
 #pragma unroll 2
       for (int i = 0; i < C / NW; ++i) {
         const int t = warp + NW * i;
-        float xq[EPL], xk[EPL];
-        load_row_part<In, EPL>(Qs + t * LDI + lane * EPL, xq);
-        load_row_part<In, EPL>(Ks + t * LDI + lane * EPL, xk);
-        float sq = 0.0f, sk = 0.0f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-          sq = fmaf(xq[e], xq[e], sq);
-          sk = fmaf(xk[e], xk[e], sk);
-        }
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
+        const float sq = row_sum_squares<In, D>(Qs + t * LDI, lane);
+        const float sk = row_sum_squares<In, D>(Ks + t * LDI, lane);
         const bool valid = t < cv;
-        const float rk = !valid ? 0.0f : p.l2norm ? 1.0f / detail::l2norm_denominator(sk) : 1.0f;
-        const float rq = !valid     ? 0.0f
-                         : p.l2norm ? p.scale / detail::l2norm_denominator(sq)
-                                    : p.scale;
+        const float rk = qk_factor(p, sk, valid, 1.0f);
+        const float rq = qk_factor(p, sq, valid, p.scale);
         if (lane == 0) {
           sRk[t] = rk;
           sRq[t] = rq;
