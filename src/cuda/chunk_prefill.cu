@@ -242,9 +242,7 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
   // The Hopper GDN kernels' blocks where the dispatch may take them (the q/k/v dtype is not
   // known here: the blocks are asked for whenever the device and the shapes allow them).
   const int64_t slots_bound = tokens / ChunkPrefillProblem::kChunk + N;
-  const bool hopper = !kda && K == V && K == 128 && device_available() &&
-                      compute_capability(device) == 90 &&
-                      (forced == PrefillChoice::automatic || forced == PrefillChoice::hopper);
+  const bool hopper = device_available() && hopper_prefill_shapes(K, V, kda, device);
   const int64_t base =
       hopper ? std::max(fallback, hopper_prefill_workspace_bytes(slots_bound, HV)) : fallback;
   if (!split_size || forced == PrefillChoice::fused || forced == PrefillChoice::fallback ||

@@ -95,17 +95,11 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
                 p.pdl, params);
 }
 
-}  // namespace
-
-int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV) {
-  return Blocks::bytes(slots * HV);
-}
-
+// Whether the Hopper kernels run this problem: hopper_prefill_shapes, q/k/v all bf16 (or all
+// fp16 in the full build) with TMA-readable strides, output rows the bulk copies can write, TMA
+// coordinates in 32 bits, the scan's shared memory on the device.
 bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
-  const PrefillChoice forced = forced_prefill_kernel();
-  if (forced != PrefillChoice::automatic && forced != PrefillChoice::hopper) return false;
-  if (p.gate.kda || p.K != kD || p.V != kD) return false;
-  if (compute_capability(p.device.index) != 90) return false;
+  if (!hopper_prefill_shapes(p.K, p.V, p.gate.kda, p.device.index)) return false;
 #if DELTASTATE_CUDA_ALL_KERNELS
   const bool dtype_ok = p.q.dtype == DType::bf16 || p.q.dtype == DType::f16;
 #else
@@ -124,8 +118,20 @@ bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
     return false;
   // TMA coordinates are 32-bit: tokens, and the workspace's rows (blocks * 64)
   const int64_t slots = prefill::split_chunk_slots(p);
-  return p.T < (int64_t{1} << 31) && slots * p.HV * kC < (int64_t{1} << 31) && Blocks::kBytes > 0 &&
+  return p.T < (int64_t{1} << 31) && slots * p.HV * kC < (int64_t{1} << 31) &&
          ScanLayout<cutlass::bfloat16_t, 2>::kSmem <= max_smem_optin(p.device.index);
+}
+
+}  // namespace
+
+int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV) {
+  return Blocks::bytes(slots * HV);
+}
+
+bool hopper_prefill_shapes(int K, int V, bool kda, int device) {
+  const PrefillChoice forced = forced_prefill_kernel();
+  if (forced != PrefillChoice::automatic && forced != PrefillChoice::hopper) return false;
+  return !kda && K == kD && V == kD && compute_capability(device) == 90;
 }
 
 bool run_hopper_prefill(const ChunkPrefillProblem& p, cudaStream_t stream) {

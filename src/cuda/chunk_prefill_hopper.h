@@ -10,9 +10,10 @@
 
 namespace deltastate::cuda_backend {
 
-// Whether the Hopper kernels run this problem (GDN, K = V = 128, q/k/v all bf16 or all fp16
-// with TMA-readable strides, a device of compute capability 9.0), from host-known values only.
-bool hopper_prefill_applies(const detail::ChunkPrefillProblem& p);
+// Whether the Hopper kernels take problems of this kind on `device` (GDN, K = V = 128, compute
+// capability 9.0, no other kernel forced); per call, the dtypes, strides and the workspace decide
+// the rest (run_hopper_prefill). Needs a device.
+bool hopper_prefill_shapes(int K, int V, bool kda, int device);
 // Workspace bytes of the prep kernel's blocks for `slots` chunk slots and HV value heads.
 int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV);
 // Launches the prep and scan kernels when the problem applies and the workspace holds their

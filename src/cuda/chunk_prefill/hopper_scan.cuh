@@ -103,7 +103,7 @@ __host__ __device__ __forceinline__ BlockPtrs block_ptrs(void* workspace, int64_
 template <class E, int G>
 struct ScanLayout {
   static_assert(G == 1 || G == 2, "one or two consumer warp groups");
-  static constexpr int kGroups = G, kSplit = 2 / G, kThreads = 128 * (1 + G);
+  static constexpr int kSplit = 2 / G, kThreads = 128 * (1 + G);
   static constexpr int kVCols = 64 * G;  // the CTA's state rows (its columns of v and o)
   // q, k, v chunk tiles [t][c] (c contiguous; K-major for the products' B), 128-byte swizzle
   using In = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
