@@ -39,8 +39,11 @@ PY=$VENV/bin/python
 "$PY" -m pip install -q --upgrade pip >/dev/null
 "$PY" -m pip install -q numpy pytest apache-tvm-ffi scikit-build-core
 # CUTLASS's CuTe headers for the CUDA backend's Hopper kernels, pinned (CMakeLists.txt finds them
-# in this Python); only the headers are used, so none of the wheel's own dependencies.
-"$PY" -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
+# in this Python); only the headers are used, so none of the wheel's own dependencies. A
+# CPU-only build (DELTASTATE_CUDA=OFF) needs none of it.
+if [ "${DELTASTATE_CUDA:-AUTO}" != OFF ]; then
+  "$PY" -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
+fi
 
 # --- C++ build and tests ------------------------------------------------------------------------
 say "configure + build ($BUILD, CUDA: ${DELTASTATE_CUDA:-AUTO})"
