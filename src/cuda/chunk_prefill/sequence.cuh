@@ -38,6 +38,20 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// The inclusive prefix sums over a warp's 64 values taken in order (x0, x1) of lane 0, then of
+// lane 1, ...: this lane's two sums (a chunk's cumulative decay, two tokens a lane).
+__device__ __forceinline__ float2 warp_pair_scan(float x0, float x1, int lane) {
+  const float pair = x0 + x1;
+  float incl = pair;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const float y = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += y;
+  }
+  const float first = (incl - pair) + x0;
+  return make_float2(first, first + x1);
+}
+
 // Task `task` = n * HV + hv.
 __device__ __forceinline__ Seq resolve_sequence(const ChunkPrefillProblem& p, int64_t task) {
   Seq s;

@@ -280,17 +280,10 @@ __device__ __forceinline__ void chunk_beta_and_decay(const ChunkPrefillProblem& 
   sBeta[2 * lane] = b2[0];
   sBeta[2 * lane + 1] = b2[1];
   if constexpr (!KDA) {
-    const float pair = g2[0] + g2[1];
-    float incl = pair;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += y;
-    }
-    const float G0 = (incl - pair) + g2[0], G1 = G0 + g2[1];
-    sG[2 * lane] = G0;
-    sG[2 * lane + 1] = G1;
-    if (lane == 31) sGL[0] = G1;
+    const float2 G = warp_pair_scan(g2[0], g2[1], lane);
+    sG[2 * lane] = G.x;
+    sG[2 * lane + 1] = G.y;
+    if (lane == 31) sGL[0] = G.y;
   }
 }
 

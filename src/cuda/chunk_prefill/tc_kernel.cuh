@@ -558,15 +558,9 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
                               : 0.0f;
       }
       if constexpr (!KDA) {
-        const float pair = g2[0] + g2[1];
-        float incl = pair;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const float y = __shfl_up_sync(0xffffffffu, incl, d);
-          if (lane >= d) incl += y;
-        }
-        G2[0] = (incl - pair) + g2[0];
-        G2[1] = G2[0] + g2[1];
+        const float2 G = warp_pair_scan(g2[0], g2[1], lane);
+        G2[0] = G.x;
+        G2[1] = G.y;
         GL = __shfl_sync(0xffffffffu, G2[1], 31);  // g = 0 past the sequence: G_63 = G_{cv-1}
       }
       if (warp == 0) {
