@@ -13,7 +13,7 @@
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
 #                                      sanitize-prefill, bench-prefill, sass-hopper,
-#                                      profile-prefill,
+#                                      profile-prefill, prefill-sass,
 #                                      test-layer, sanitize-layer, bench-layer, profile-layer,
 #                                      test-verify, bench-verify, bench-verify-variants,
 #                                      test-replay-verify, bench-replay-verify
@@ -216,6 +216,14 @@ for phase in "${phases[@]}"; do
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
         python3 bench/profile_prefill.py --cases "${PROFILE_PREFILL_CASE:-8x1024}" --reps 1 --rotate 1
+      ;;
+    prefill-sass)  # per-SASS-instruction counters (stall samples) of one Hopper scan and one
+      # prep launch (PROFILE_PREFILL_CASE, default 8x1024), CSV
+      for k in scan prep; do
+        ncu_launch "hopper_$k" 1 --section SourceCounters --section WarpStateStats --page source \
+          --print-source sass --csv python3 bench/profile_prefill.py \
+          --cases "${PROFILE_PREFILL_CASE:-8x1024}" --reps 1 --rotate 1 > "$OUT/prefill-$k-sass.csv"
+      done
       ;;
     sass-hopper)  # the Hopper prefill kernels' resources and instruction mix (cuobjdump): wgmma,
       # local-memory spills, barriers, to $OUT/sass-hopper.txt
