@@ -74,20 +74,35 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 2)
   }
   cp_async_wait_group<0>();
   __syncthreads();
-  {  // rk, rq and the per-token factors (a warp per token)
-    const float GL = sGL[0];
-    for (int t = warp; t < C; t += NW) {
-      const float rk = qk_factor(p, row_sum_squares<In, D>(Ks + t * LDI, lane), t < cv, 1.0f);
-      const float rq = qk_factor(p, row_sum_squares<In, D>(Qs + t * LDI, lane), t < cv, p.scale);
-      if (lane == 0) {
-        const float e = expf(sG[t]);
-        sRk[t] = rk;
-        sRq[t] = rq;
-        sA[t] = rk * e;
-        sB[t] = rq * e;
-        sD[t] = rk * expf(GL - sG[t]);
+  {  // rk (threads 0-127) and rq (128-255): two threads a row, 64 elements each, joined by one
+    // shuffle (a warp a token would wait on five shuffles per norm, 16 tokens in turn). The two
+    // halves start 64 bytes apart in the bank cycle, so the pair's loads do not conflict.
+    const bool is_q = tid >= NT / 2;
+    const int r = (tid % (NT / 2)) / 2, half = tid % 2;
+    const In* row = (is_q ? Qs : Ks) + r * LDI + (D / 2) * half;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      const int jj = (j + 4 * half) % (D / 16);
+      const uint4 w = *reinterpret_cast<const uint4*>(row + 8 * jj);
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = M::unpack(u[e]);
+        sum = fmaf(x.x, x.x, sum);
+        sum = fmaf(x.y, x.y, sum);
       }
     }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (half == 0) (is_q ? sRq : sRk)[r] = qk_factor(p, sum, r < cv, is_q ? p.scale : 1.0f);
+  }
+  __syncthreads();
+  if (tid < C) {  // the per-token factors
+    const int t = tid;
+    const float e = expf(sG[t]);
+    sA[t] = sRk[t] * e;
+    sB[t] = sRq[t] * e;
+    sD[t] = sRk[t] * expf(sGL[0] - sG[t]);
   }
   __syncthreads();
   if (warp < 4) split_strip<L, In, false>(Ks, Ks, warp, sG, sRk, sBeta, Tf, nullptr, lane);
