@@ -91,9 +91,9 @@ TEST(StateFormat, E4m3NearestEvenMatchesTheTableSearch) {
   }
   // Sampled fp32 patterns over every binade (sign, zero, subnormals, infinities, NaN included).
   for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) check(from_bits(static_cast<uint32_t>(u)));
-  for (float x : {0.0f, -0.0f, 448.0f, 464.0f, 479.0f, 480.0f, 1e30f,
-                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                  std::numeric_limits<float>::denorm_min()})
+  for (float x :
+       {0.0f, -0.0f, 448.0f, 464.0f, 479.0f, 480.0f, 1e30f, std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::denorm_min()})
     check(x);
   EXPECT_EQ(bad, 0) << "of " << checked;
   EXPECT_GT(checked, 1000000);
@@ -140,10 +140,8 @@ TEST(StateFormat, StochasticE4m3RoundsToANeighbour) {
     const double a = std::fabs(double(x));
     auto hi = std::lower_bound(table.begin(), table.end(), a);
     const double up = *hi, down = (*hi == a) ? a : *(hi - 1);
-    const double want_abs = (a - down) / (up - down) + std::ldexp(double(U), -24) >= 1.0 &&
-                                    up != down
-                                ? up
-                                : down;
+    const double want_abs =
+        (a - down) / (up - down) + std::ldexp(double(U), -24) >= 1.0 && up != down ? up : down;
     ASSERT_EQ(got, std::copysign(want_abs, double(x))) << "x=" << x << " U=" << U;
   }
   // saturating: past 448 and infinity stay 448
@@ -183,8 +181,7 @@ TEST(StateFormat, Splitmix64Stream) {
   EXPECT_EQ(lib::sr_bits(0, 2), 0x06C45D188009454Full);
   // the key folds each field in with one mix
   const uint64_t z0 = lib::mix64(7 ^ lib::kGolden);
-  EXPECT_EQ(lib::sr_key(7, 1, 2, 3),
-            lib::mix64(lib::mix64(lib::mix64(z0 ^ 1) ^ 2) ^ 3));
+  EXPECT_EQ(lib::sr_key(7, 1, 2, 3), lib::mix64(lib::mix64(lib::mix64(z0 ^ 1) ^ 2) ^ 3));
   EXPECT_NE(lib::sr_key(7, 1, 2, 3), lib::sr_key(7, 1, 2, 4));
   EXPECT_NE(lib::sr_key(7, 1, 2, 3), lib::sr_key(7, 2, 2, 3));
 }
@@ -207,17 +204,15 @@ TEST(StateFormat, StochasticRoundingIsUnbiased) {
       return lib::e4m3_to_float(lib::float_to_e4m3(x, true, lib::sr_u24(b)));
     });
     if (std::fabs(x) < 127)
-      expect_unbiased(x, 1.0, [&](uint64_t b) {
-        return double(lib::float_to_i8(x, true, lib::sr_u24(b)));
-      });
+      expect_unbiased(
+          x, 1.0, [&](uint64_t b) { return double(lib::float_to_i8(x, true, lib::sr_u24(b))); });
     const double sp16 = std::ldexp(1.0, std::ilogb(x) - 7);
     expect_unbiased(x, sp16, [&](uint64_t b) {
       return double(lib::bf16_to_float(lib::float_to_bf16_sr(x, b)));
     });
     const double sph = std::ldexp(1.0, std::max(std::ilogb(x), -14) - 10);
-    expect_unbiased(x, sph, [&](uint64_t b) {
-      return double(lib::f16_to_float(lib::float_to_f16_sr(x, b)));
-    });
+    expect_unbiased(
+        x, sph, [&](uint64_t b) { return double(lib::f16_to_float(lib::float_to_f16_sr(x, b))); });
   }
 }
 

@@ -37,6 +37,27 @@
 namespace deltastate {
 
 // ---------------------------------------------------------------------------------------------
+// The storage format of a state an op reads and writes (docs/STATE_FORMATS.md). Every op runs its
+// math in fp32: it loads the state (dequantized: code * the row's scale), computes, and stores it
+// rounded to the state's dtype, a quantized state with a fresh scale per (slot, head, V row).
+//   scales    float8_e4m3fn / int8 states only, where they are required: the fp32 scales
+//             [slots, HV, V] of the state's rows, inner strides (V, 1), any slot stride
+//             (StatePool::layer_scales), rewritten with the state. Unused slots are untouched.
+//   rounding  format_default: stochastic for float8_e4m3fn, nearest otherwise.
+//   step      stochastic rounding: int64 [1] on the state's device (StatePool::rounding_step):
+//             the step of the key (seed, slot, layer, step) of the element's random bits; the op
+//             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
+// Today: the CPU backend runs quantized states in packed decode and the recurrent op with
+// v-first pools; other ops and the CUDA backend reject them (NotImplementedError).
+struct StateFormatArgs {
+  std::optional<TensorView> scales;
+  StateRounding rounding = StateRounding::format_default;
+  std::optional<TensorView> step;
+  int64_t seed = 0;
+  int64_t layer = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Packed decode (T = 1), GDN and KDA: q, k and v come packed in one `mixed_qkv` row.
 //   mixed_qkv [B, 2*H*K + HV*V]  rows `[q(H*K) | k(H*K) | v(HV*V)]`, last-dim stride 1
 //   a         GDN [B, HV]; KDA [B, HV*K]                raw gate logits
@@ -50,6 +71,7 @@ struct PackedDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   std::optional<double> scale;  // unset: K^-0.5
   TensorView state;
+  StateFormatArgs state_format;  // quantized state: its scales; stochastic rounding (above)
   TensorView out;
   TensorView state_indices;
   bool use_qk_l2norm = true;
@@ -113,6 +135,9 @@ struct RecurrentArgs {
   bool round_beta_to_input = false;  // as PackedDecodeArgs
   std::optional<double> scale;       // unset: K^-0.5
   std::optional<TensorView> state, state_indices, cu_seqlens, final_state;
+  // `state`'s format (above): a quantized state needs a pool (state_indices) updated in place,
+  // V-first, without final_state.
+  StateFormatArgs state_format;
   bool update_state = true;
   StateLayout state_layout = StateLayout::v_first;
   // recurrent_kda: enforce FlashInfer's compiled stride contract on `state` (below).

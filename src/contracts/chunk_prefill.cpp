@@ -183,7 +183,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
                  "sequences, i.e., %lld rather than %lld.",
                  ll(N), ll(s.shape[0])));
     }
-    c.floating("initial_state", s);
+    c.float_state("initial_state", s);
     c.device("initial_state", s);
   }
   if (pooled) {

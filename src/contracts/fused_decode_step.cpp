@@ -49,7 +49,7 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   c.floating("b", args.b);
   c.floating("A_log", args.A_log);
   c.floating("dt_bias", args.dt_bias);
-  c.floating("initial_state", args.state);
+  c.float_state("initial_state", args.state);
   c.floating("out", out);
   c.index_dtype("ssm_state_indices", args.state_indices);
   const double scale = checked_scale(args.scale, K);

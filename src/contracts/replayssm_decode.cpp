@@ -259,7 +259,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   c.floating("b", b);
   c.floating("A_log", A_log);
   c.floating("dt_bias", dt_bias);
-  c.floating("initial_state", state);
+  c.float_state("initial_state", state);
   check_replay_ring_dtypes(c, dc, kc);
   c.floating("out", out);
   const double scale = checked_scale(args.scale, K);

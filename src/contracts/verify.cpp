@@ -48,7 +48,7 @@ void check_state_block(Contract& c, const char* name, const TensorView& t, int l
   if (t.stride[lead] != V * K || t.stride[lead + 1] != K || t.stride[lead + 2] != 1)
     fail(format("`%s` must be contiguous in its [HV, V, K] inner dimensions; got strides %s", name,
                 stride_str(t).c_str()));
-  c.floating(name, t);
+  c.float_state(name, t);
   c.device(name, t);
 }
 
