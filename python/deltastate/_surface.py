@@ -53,6 +53,9 @@ BOOL = Kind("bool", "bool", "a bool", "bool")
 # The binding and the torch op take it as an int: -1 = the default, 0 = off, 1 = on.
 CHECK = Kind("check", "int", "an int", "Optional[bool]")
 INT64 = Kind("int64", "int", "an int", "int")  # an integer count (module.cpp's Kind<int64_t>)
+# How a stored state is rounded: None (the format's default), "nearest" or "stochastic"; the
+# binding and the torch op take it as an int (0, 1, 2; module.cpp's Kind<StateRounding>).
+ROUNDING = Kind("rounding", "int", "None, 'nearest' or 'stochastic'", "Optional[str]")
 # Kinds of public-only arguments (never passed to the binding; read by `Op.prepare` or ignored).
 OPT_BOOL = Kind("bool?", "", "a bool or None", "Optional[bool]")
 INT = Kind("int", "", "an int", "int")
@@ -73,6 +76,22 @@ FLOATING = ("float32", "bfloat16", "float16")
 INDEX = ("int32", "int64")
 INT32 = ("int32",)
 FLOAT32 = ("float32",)
+# A state pool's dtypes: the float ones, and the quantized ones of the ops that take them (a
+# numpy pool's float8 codes come as uint8).
+STATE = FLOATING + ("float8_e4m3fn", "int8", "uint8 (float8_e4m3fn codes)")
+INT64_DT = ("int64",)
+
+
+def _state_format_args() -> Tuple["Arg", ...]:
+    """The state format's keyword arguments (ops.h StateFormatArgs; StatePool.state_format(l)
+    gives them for a pool's layer), last in every op that takes them."""
+    return (
+        Arg("state_scales", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True, keyword=True),
+        Arg("state_rounding", ROUNDING, None, keyword=True),
+        Arg("rounding_step", OPT_TENSOR, None, dtypes=INT64_DT, mutated=True, keyword=True),
+        Arg("rounding_seed", INT64, 0, keyword=True),
+        Arg("rounding_layer", INT64, 0, keyword=True),
+    )
 
 
 @dataclass(frozen=True)
@@ -238,6 +257,14 @@ def _packed(kda: bool) -> Op:
     [slots, HV, V, K] (any slot stride); out [B, 1, HV, V]; ssm_state_indices [B] (< 0: padded
     row; any stride). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
     fp32 beta, as SGLang).
+
+    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 ``initial_state`` with
+    its fp32 ``state_scales`` [slots, HV, V], both updated in place: each live row's state is
+    dequantized, stepped in fp32 and requantized with a fresh per-row scale. ``state_rounding``
+    None (the format's default: stochastic for float8_e4m3fn), "nearest" or "stochastic" (also
+    for bfloat16 / float16 states); stochastic rounding needs ``rounding_step`` (int64 [1], the
+    key's step, advanced by one per call), ``rounding_seed`` and ``rounding_layer``.
+    ``**pool.state_format(layer)`` passes them for a StatePool layer.
     """
     kda_doc = """KDA packed decode (T=1), SGLang's ``fused_recurrent_kda_packed_decode``. As the GDN
     op, with a [B, HV*K] and dt_bias [HV*K]; ``lower_bound`` selects the safe gate. Returns
@@ -254,13 +281,14 @@ def _packed(kda: bool) -> Op:
             Arg("A_log", TENSOR, dtypes=FLOATING),
             Arg("dt_bias", TENSOR, dtypes=FLOATING),
             Arg("scale", OPT_FLOAT),  # None: K^-0.5
-            Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("initial_state", TENSOR, dtypes=STATE, mutated=True),
             Arg("out", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("ssm_state_indices", TENSOR, dtypes=INDEX),
             Arg("use_qk_l2norm_in_kernel", BOOL, False),
             Arg("lower_bound", OPT_FLOAT, None, public=kda),  # KDA: selects the safe gate
             Arg("round_beta", BOOL, False, keyword=True),
             Arg("check_indices", CHECK, None, keyword=True),
+        ) + _state_format_args() + (
             Arg("pdl", BOOL, False, keyword=True),
         ),
         returns=("out", "initial_state"),

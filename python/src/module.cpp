@@ -104,6 +104,11 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLBfloat && t.bits == 16) return ds::DType::bf16;
     if (t.code == kDLInt && t.bits == 32) return ds::DType::i32;
     if (t.code == kDLInt && t.bits == 64) return ds::DType::i64;
+    // The 1-byte state formats (quantized pools): torch's float8_e4m3fn, int8; numpy has no
+    // float8, so a uint8 tensor is taken as float8_e4m3fn codes (a numpy StatePool's view).
+    if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return ds::DType::f8e4m3;
+    if (t.code == kDLUInt && t.bits == 8) return ds::DType::f8e4m3;
+    if (t.code == kDLInt && t.bits == 8) return ds::DType::i8;
   }
   throw ds::Error(ds::ErrorKind::value,
                   std::string("`") + name + "` has dtype " +
@@ -230,6 +235,19 @@ struct Kind<std::optional<bool>> {
   }
 };
 
+// How a stored state is rounded: an int, 0 = the format's default, 1 = nearest, 2 = stochastic.
+template <>
+struct Kind<ds::StateRounding> {
+  static constexpr const char* name = "rounding";
+  static bool accepts(ffi::AnyView v) {
+    const auto x = v.try_cast<int64_t>();
+    return x && *x >= 0 && *x <= 2;
+  }
+  static void read(ds::StateRounding& dst, ffi::AnyView v, const char*) {
+    dst = static_cast<ds::StateRounding>(*v.try_cast<int64_t>());
+  }
+};
+
 // An integer count (checkpoint_every_n_tokens).
 template <>
 struct Kind<int64_t> {
@@ -258,6 +276,30 @@ struct Field {
     K::read(args.*Member, v, name);
   }
 };
+
+// A field of a member struct of the args (the state format's fields, ops.h StateFormatArgs).
+template <auto Outer, auto Inner>
+struct NestedField {
+  using K = Kind<typename MemberOf<Inner>::Type>;
+  static constexpr const char* kind = K::name;
+  const char* name;
+  static bool accepts(ffi::AnyView v) { return K::accepts(v); }
+  void read(typename MemberOf<Outer>::Class& args, ffi::AnyView v) const {
+    K::read((args.*Outer).*Inner, v, name);
+  }
+};
+
+// The state format's arguments, last in every op that takes them: state_scales, state_rounding,
+// rounding_step, rounding_seed, rounding_layer.
+template <auto Format>
+constexpr auto state_format_fields() {
+  using F = ds::StateFormatArgs;
+  return std::tuple{NestedField<Format, &F::scales>{"state_scales"},
+                    NestedField<Format, &F::rounding>{"state_rounding"},
+                    NestedField<Format, &F::step>{"rounding_step"},
+                    NestedField<Format, &F::seed>{"rounding_seed"},
+                    NestedField<Format, &F::layer>{"rounding_layer"}};
+}
 
 template <class Args, class... Fields>
 struct Binding {
@@ -320,22 +362,24 @@ ffi::Array<ffi::String> signature(const Binding<Args, Fields...>& op) {
 using PD = ds::PackedDecodeArgs;
 constexpr auto packed(const char* name, void (*run)(PD&)) {
   return bind(name, run,
-              std::tuple{
-                  Field<&PD::mixed_qkv>{"mixed_qkv"},
-                  Field<&PD::a>{"a"},
-                  Field<&PD::b>{"b"},
-                  Field<&PD::A_log>{"A_log"},
-                  Field<&PD::dt_bias>{"dt_bias"},
-                  Field<&PD::scale>{"scale"},
-                  Field<&PD::state>{"initial_state"},
-                  Field<&PD::out>{"out"},
-                  Field<&PD::state_indices>{"ssm_state_indices"},
-                  Field<&PD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-                  Field<&PD::lower_bound>{"lower_bound"},
-                  Field<&PD::round_beta_to_input>{"round_beta"},
-                  Field<&PD::check_indices>{"check_indices"},
-                  Field<&PD::pdl>{"pdl"},
-              });
+              std::tuple_cat(
+                  std::tuple{
+                      Field<&PD::mixed_qkv>{"mixed_qkv"},
+                      Field<&PD::a>{"a"},
+                      Field<&PD::b>{"b"},
+                      Field<&PD::A_log>{"A_log"},
+                      Field<&PD::dt_bias>{"dt_bias"},
+                      Field<&PD::scale>{"scale"},
+                      Field<&PD::state>{"initial_state"},
+                      Field<&PD::out>{"out"},
+                      Field<&PD::state_indices>{"ssm_state_indices"},
+                      Field<&PD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                      Field<&PD::lower_bound>{"lower_bound"},
+                      Field<&PD::round_beta_to_input>{"round_beta"},
+                      Field<&PD::check_indices>{"check_indices"},
+                      Field<&PD::pdl>{"pdl"},
+                  },
+                  state_format_fields<&PD::state_format>()));
 }
 
 constexpr auto gdn_packed_decode = packed("gdn_packed_decode", [](PD& a) {
@@ -758,6 +802,8 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
   if (s == "float32") return ds::DType::f32;
   if (s == "bfloat16") return ds::DType::bf16;
   if (s == "float16") return ds::DType::f16;
+  if (s == "float8_e4m3fn") return ds::DType::f8e4m3;  // quantized pool states
+  if (s == "int8") return ds::DType::i8;
   throw ds::Error(ds::ErrorKind::value, std::string(what) +
                                             " must be float32, bfloat16 or "
                                             "float16; got " +
@@ -797,7 +843,7 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
                                 const std::string& ring_k_dtype, bool kda, bool null_slot,
                                 int64_t conv_dim, int64_t conv_width, const std::string& conv_dtype,
                                 bool conv_dim_contiguous, bool conv_split_qkv, int64_t spec_rows,
-                                int64_t spec_steps) {
+                                int64_t spec_steps, int64_t state_rounding, int64_t rounding_seed) {
   ds::StatePoolConfig c;
   c.layers = layers;
   c.slots = slots;
@@ -820,6 +866,10 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
   c.conv_split_qkv = conv_split_qkv;
   c.spec_rows = spec_rows;
   c.spec_steps = spec_steps;
+  if (state_rounding < 0 || state_rounding > 2)
+    throw ds::Error(ds::ErrorKind::value, "StatePool state_rounding must be 0, 1 or 2");
+  c.state_rounding = static_cast<ds::StateRounding>(state_rounding);
+  c.rounding_seed = static_cast<uint64_t>(rounding_seed);
   return c;
 }
 
@@ -839,12 +889,12 @@ ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_
                                bool null_slot, int64_t conv_dim, int64_t conv_width,
                                ffi::String conv_dtype, bool conv_dim_contiguous,
                                bool conv_split_qkv, int64_t spec_rows, int64_t spec_steps,
-                               int64_t budget) {
+                               int64_t state_rounding, int64_t rounding_seed, int64_t budget) {
   return guarded([&] {
-    const ds::StatePoolConfig c =
-        pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H,
-                    ring_k_dtype, kda, null_slot, conv_dim, conv_width, conv_dtype,
-                    conv_dim_contiguous, conv_split_qkv, spec_rows, spec_steps);
+    const ds::StatePoolConfig c = pool_config(
+        layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H, ring_k_dtype, kda,
+        null_slot, conv_dim, conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv, spec_rows,
+        spec_steps, state_rounding, rounding_seed);
     const std::vector<int64_t> v{ds::StatePool::required_bytes(c), ds::StatePool::bytes_per_slot(c),
                                  ds::StatePool::slots_for_budget(c, budget),
                                  ds::StatePool::spec_bytes(c)};
@@ -866,12 +916,12 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
     ffi::String state_dtype, bool envelope, int64_t extra, int64_t replay_len, int64_t H,
     ffi::String ring_k_dtype, bool kda, bool null_slot, int64_t conv_dim, int64_t conv_width,
     ffi::String conv_dtype, bool conv_dim_contiguous, bool conv_split_qkv, int64_t spec_rows,
-    int64_t spec_steps) {
+    int64_t spec_steps, int64_t state_rounding, int64_t rounding_seed) {
   return guarded([&] {
-    ds::StatePoolConfig c =
-        pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H,
-                    ring_k_dtype, kda, null_slot, conv_dim, conv_width, conv_dtype,
-                    conv_dim_contiguous, conv_split_qkv, spec_rows, spec_steps);
+    ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
+                                        replay_len, H, ring_k_dtype, kda, null_slot, conv_dim,
+                                        conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv,
+                                        spec_rows, spec_steps, state_rounding, rounding_seed);
     const DLDevice dev = storage.device();
     c.device = dev.device_type == kDLCUDA ? ds::Device::cuda(dev.device_id) : ds::Device::cpu();
     void* base = static_cast<char*>(storage.data_ptr()) + storage.byte_offset();
@@ -914,6 +964,9 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
               else if (w == "conv_k") v = pool->conv_state(layer, 1);
               else if (w == "conv_v") v = pool->conv_state(layer, 2);
               else if (w == "states") v = pool->states();
+              else if (w == "scales") v = pool->layer_scales(layer);
+              else if (w == "all_scales") v = pool->scales();
+              else if (w == "rounding_step") v = pool->rounding_step(layer);
               else if (w == "inter_states")
                 v = layer < 0 ? pool->intermediate_states() : pool->intermediate_states(layer);
               else if (w.rfind("conv_states", 0) == 0) v = pool->conv_states(conv_part(w));

@@ -25,6 +25,9 @@ _CHUNK_POOL = (
     "output_state_indices=None, checkpoint_every_n_tokens=0, checkpoint_cu_starts=None, "
     "state_checkpoints=None, checkpoint_slot_indices=None, workspace=None, check_indices=None, "
     "pdl=False)")
+# The state format's keywords (quantized pools, stochastic rounding), after the peer's own.
+_STATE_FORMAT_PUBLIC = ("state_scales=None, state_rounding=None, rounding_step=None, "
+                        "rounding_seed=0, rounding_layer=0, pdl=False)")
 _REPLAY_HEAD = ("(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, "
                 "g_cache, out, ssm_state_indices, write_pos, force_flush=None, ")
 PUBLIC = {
@@ -44,11 +47,12 @@ PUBLIC = {
         + _CHUNK_POOL.format(kw="A_log=None, dt_bias=None, chunk_size=64, "),
     "fused_recurrent_gated_delta_rule_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
-        "use_qk_l2norm_in_kernel=False, *, round_beta=False, check_indices=None, pdl=False)",
+        "use_qk_l2norm_in_kernel=False, *, round_beta=False, check_indices=None, "
+        + _STATE_FORMAT_PUBLIC,
     "fused_recurrent_kda_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
         "use_qk_l2norm_in_kernel=False, lower_bound=None, *, round_beta=False, "
-        "check_indices=None, pdl=False)",
+        "check_indices=None, " + _STATE_FORMAT_PUBLIC,
     "recurrent_kda": _FLASHINFER_RECURRENT,
     "recurrent_gated_delta_rule": _FLASHINFER_RECURRENT,
     "fused_recurrent_gated_delta_rule":
@@ -101,7 +105,8 @@ _PACKED_SCHEMA = (
     "Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float? scale, "
     "Tensor(a!) initial_state, Tensor(b!) out, Tensor ssm_state_indices, "
     "bool use_qk_l2norm_in_kernel=False, float? lower_bound=None, bool round_beta=False, "
-    "int check_indices=-1, bool pdl=False")
+    "int check_indices=-1, Tensor(c!)? state_scales=None, int state_rounding=0, "
+    "Tensor(d!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 _RECURRENT_SCHEMA = (
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, Tensor? A_log, "
     "Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, "
