@@ -110,12 +110,13 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLUInt && t.bits == 8) return ds::DType::f8e4m3;
     if (t.code == kDLInt && t.bits == 8) return ds::DType::i8;
   }
-  throw ds::Error(ds::ErrorKind::value,
-                  std::string("`") + name + "` has dtype " +
-                      ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
-                      ", which deltastate does not take; use " + ds::dtype_mark("float32") + ", " +
-                      ds::dtype_mark("bfloat16") + ", " + ds::dtype_mark("float16") + ", " +
-                      ds::dtype_mark("int32") + " or " + ds::dtype_mark("int64"));
+  throw ds::Error(
+      ds::ErrorKind::value,
+      std::string("`") + name + "` has dtype " + ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
+          ", which deltastate does not take; use " + ds::dtype_mark("float32") + ", " +
+          ds::dtype_mark("bfloat16") + ", " + ds::dtype_mark("float16") + ", " +
+          ds::dtype_mark("int32") + " or " + ds::dtype_mark("int64") + " (a quantized state: " +
+          ds::dtype_mark("float8_e4m3fn") + " or " + ds::dtype_mark("int8") + ")");
 }
 
 ds::TensorView to_view(const ffi::TensorView& t, const char* name) {
