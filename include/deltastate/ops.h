@@ -47,8 +47,9 @@ namespace deltastate {
 //   step      stochastic rounding: int64 [1] on the state's device (StatePool::rounding_step):
 //             the step of the key (seed, slot, layer, step) of the element's random bits; the op
 //             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
-// Today: the CPU backend runs quantized states in packed decode and the recurrent op with
-// v-first pools; other ops and the CUDA backend reject them (NotImplementedError).
+// Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
+// updated in place) and the fused decode step (without ReplaySSM); other ops and the CUDA
+// backend reject them (NotImplementedError).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;
@@ -394,6 +395,7 @@ struct FusedDecodeStepArgs {
   TensorView a, b, A_log, dt_bias;
   std::optional<double> scale;
   TensorView state, state_indices;
+  StateFormatArgs state_format;  // a quantized state (plain mode only), stochastic rounding
   std::optional<TensorView> norm_weight, z;
   double norm_eps = 1e-6;
   TensorView out;

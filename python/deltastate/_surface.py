@@ -1221,7 +1221,11 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
     int32 or None and advance_write_pos; ssm_state_indices must then be int32
     (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
-    launch without one, or under DELTASTATE_CUDA_FUSED=cta)."""
+    launch without one, or under DELTASTATE_CUDA_FUSED=cta).
+
+    Quantized pools (CPU, not with ReplaySSM; docs/STATE_FORMATS.md): the state-format keywords
+    of {packed} (``state_scales``, ``state_rounding``, ``rounding_step``, ``rounding_seed``,
+    ``rounding_layer``; ``**pool.state_format(layer)``)."""
 
 
 def _fused_workspace(mixed_qkv, initial_state, d_cache=None):
@@ -1266,7 +1270,8 @@ _FUSED_OP_ORDER = ("mixed_qkv", "conv_weight", "conv_state", "a", "b", "A_log", 
                    "norm_weight", "z", "norm_eps", "use_qk_l2norm_in_kernel", "lower_bound",
                    "conv_state_k", "conv_state_v", "round_beta", "check_indices", "d_cache",
                    "k_cache", "g_cache", "write_pos", "force_flush", "advance_write_pos",
-                   "workspace", "pdl")
+                   "workspace", "state_scales", "state_rounding", "rounding_step",
+                   "rounding_seed", "rounding_layer", "pdl")
 
 
 def _fused(kda: bool) -> Op:
@@ -1286,7 +1291,7 @@ def _fused(kda: bool) -> Op:
             Arg("b", TENSOR, dtypes=FLOATING),
             Arg("A_log", TENSOR, dtypes=FLOATING),
             Arg("dt_bias", TENSOR, dtypes=FLOATING),
-            Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("initial_state", TENSOR, dtypes=STATE, mutated=True),
             Arg("out", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("ssm_state_indices", TENSOR, dtypes=INDEX),
             Arg("conv_bias", OPT_TENSOR, None, dtypes=FLOATING),
@@ -1309,6 +1314,7 @@ def _fused(kda: bool) -> Op:
             Arg("write_pos", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
             Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("advance_write_pos", BOOL, False, keyword=True),
+        ) + _state_format_args() + (
             Arg("workspace", OPT_TENSOR, None, mutated=True, keyword=True),
         ),
         returns=("out", "initial_state"),

@@ -304,3 +304,80 @@ def test_uint8_state_is_float8_codes(rng):
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(codes_of(pools[0].layer_state(0)),
                                   codes_of(pools[1].layer_state(0)))
+
+
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_fused_step_on_a_quantized_pool(tfw, rng, kda, dtype, rounding):
+    """The fused decode step (conv -> delta rule -> gated norm) on a quantized StatePool layer:
+    against the same step on an fp32 pool holding the dequantized state (outputs and conv windows
+    bit-identical), and the stored codes and scales the emulation's rounding of that pool's new
+    state; padded rows and unused slots untouched."""
+    H, HV, K, V, B, slots, layer, seed, width = 2, 4, 16, 8, 4, 6, 0, 3, 4
+    conv_dim = 2 * H * K + HV * V
+    pool = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, conv_dim=conv_dim,
+                        layout="envelope")
+    twin = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, conv_dim=conv_dim)
+    fill_sentinels(pool, layer)
+    live = [4, 1, 0]
+    for s in live:
+        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.4).astype(np.float32), dtype,
+                            False)
+        write_slot(pool, layer, s, codes, sc)
+    win = torch.from_numpy(rng.standard_normal((slots, conv_dim, width - 1)).astype(np.float32))
+    pool.conv_state(layer).copy_(win)
+    twin.conv_state(0).copy_(win)
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa
+    A_log = torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32))
+    dt_bias = t(HV * K if kda else HV) * 0.5
+    w, bias = t(conv_dim, width) * 0.5, t(conv_dim) * 0.2
+    nw, z = torch.rand(V) + 0.5, t(B, HV, V)
+    idx = torch.tensor([4, -1, 1, 0], dtype=torch.int32)
+    op = ds.kda_fused_decode_step if kda else ds.gdn_fused_decode_step
+    for step in range(2):
+        codes0, scales0 = state_bits(pool, layer)
+        deq = dequantize(codes0, scales0.view(np.float32), dtype)
+        for s in live:
+            twin.layer_state(0)[s].copy_(torch.from_numpy(deq[s]))
+        x, a, b = t(B, conv_dim), t(B, HV * K if kda else HV), t(B, HV)
+        outs = []
+        for p, kw in ((pool, pool.state_format(layer)), (twin, {})):
+            out = torch.full((B, HV, V), float("nan"))
+            op(x, w, p.conv_state(layer if p is pool else 0), a, b, A_log, dt_bias,
+               p.layer_state(layer if p is pool else 0), out, idx, conv_bias=bias,
+               norm_weight=nw, z=z, **kw)
+            outs.append(out)
+        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+        assert torch.all(outs[0][1] == 0)  # the padded row
+        assert torch.equal(pool.conv_state(layer), twin.conv_state(0))
+        codes1, scales1 = state_bits(pool, layer)
+        new32 = twin.layer_state(0).numpy()
+        for s in live:
+            key = sa.sr_key(seed, s, layer, step) if pool.stochastic else None
+            want_codes, want_scales = emulate(new32[s], dtype, pool.stochastic, key)
+            np.testing.assert_array_equal(codes1[s], want_codes, err_msg=f"codes, slot {s}")
+            np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))
+        for s in (2, 3, 5):
+            assert np.all(codes1[s] == SENTINEL_CODE)
+            assert np.all(scales1[s] == SENTINEL_SCALE.view(np.uint32))
+
+
+def test_fused_step_replayssm_mode_rejects_a_quantized_state(tfw, rng):
+    H, HV, K, V, L = 1, 2, 16, 8, 4
+    conv_dim = 2 * H * K + HV * V
+    pool = ds.StatePool(layers=1, slots=2, HV=HV, V=V, K=K, state_dtype="int8",
+                        conv_dim=conv_dim)
+    before = bits(pool.storage)
+    x = torch.zeros(1, conv_dim)
+    with pytest.raises(NotImplementedError) as e:
+        ds.gdn_fused_decode_step(
+            x, torch.zeros(conv_dim, 4), pool.conv_state(0), torch.zeros(1, HV),
+            torch.zeros(1, HV), torch.zeros(HV), torch.zeros(HV), pool.layer_state(0),
+            torch.zeros(1, HV, V), torch.tensor([1], dtype=torch.int32),
+            d_cache=torch.zeros(2, HV, L, V), k_cache=torch.zeros(2, H, L, K),
+            g_cache=torch.zeros(2, HV, L), write_pos=torch.zeros(1, dtype=torch.int32),
+            **pool.state_format(0))
+    assert str(e.value) == ("gdn_fused_decode_step: int8 states are not built for the ReplaySSM "
+                            "mode yet (issue #36)")
+    np.testing.assert_array_equal(bits(pool.storage), before)

@@ -31,10 +31,10 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
                   tuple_str({S, HV, V}).c_str(), state_name, shape_str(s).c_str()));
     c.dtype("state_scales", s, {DType::f32});
     if (s.stride[2] != 1 || (HV > 1 && s.stride[1] != V))
-      fail(
-          format("`state_scales` must be contiguous in its [HV, V] inner dimensions (strides (%lld, "
-                 "1)); got strides %s (an arbitrary slot stride is supported)",
-                 ll(V), stride_str(s).c_str()));
+      fail(format(
+          "`state_scales` must be contiguous in its [HV, V] inner dimensions (strides (%lld, "
+          "1)); got strides %s (an arbitrary slot stride is supported)",
+          ll(V), stride_str(s).c_str()));
     c.device("state_scales", s);
     ref.scales = static_cast<float*>(s.data);
     ref.scale_slot_stride = s.stride[0];
@@ -61,8 +61,7 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
                   shape_str(st).c_str()));
     c.dtype("rounding_step", st, {DType::i64});
     c.device("rounding_step", st);
-    if (f.layer < 0)
-      fail(format("%s: `rounding_layer` must be >= 0; got %lld", op, ll(f.layer)));
+    if (f.layer < 0) fail(format("%s: `rounding_layer` must be >= 0; got %lld", op, ll(f.layer)));
     ref.stochastic = true;
     ref.step = static_cast<int64_t*>(st.data);
     ref.seed = static_cast<uint64_t>(f.seed);

@@ -81,9 +81,8 @@ inline void load_state_rows(const detail::StatePoolRef& st, int64_t slot, int hv
 
 // S (rows x K fp32) into rows [r0, r0 + rows) of value head hv of `slot`, rounded per the pool's
 // format; `key`: rnd.key_of(slot) (unused when rounding to nearest).
-inline void store_state_rows(const detail::StatePoolRef& st, const StoreRounding& rnd,
-                             uint64_t key, int64_t slot, int hv, int V, int K, int r0, int rows,
-                             const float* S) {
+inline void store_state_rows(const detail::StatePoolRef& st, const StoreRounding& rnd, uint64_t key,
+                             int64_t slot, int hv, int V, int K, int r0, int rows, const float* S) {
   const int64_t row0 = static_cast<int64_t>(hv) * V + r0;
   const int64_t off = slot * st.slot_stride + row0 * K;
   if (is_quantized(st.dtype)) {
