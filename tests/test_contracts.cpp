@@ -1080,15 +1080,35 @@ TEST(Contracts, StateFormatNotBuiltYet) {
                "fused_recurrent_gated_delta_rule_packed_decode: float8_e4m3fn states are not "
                "built for the CUDA backend yet (issue #36); the CPU backend runs them",
                ErrorKind::not_implemented);
-  ReplayFixture r(false);
-  ReplayDecodeArgs ra = r.args;
-  ra.state = with_dtype(ra.state, DType::i8);
-  ra.state = with_stride(ra.state, 0, ra.state.stride[0] * 4);
-  expect_error([&] { r.run(ra); },
-               "`initial_state` is a quantized state (int8): this op does not take quantized "
-               "states yet (issue #36; docs/STATE_FORMATS.md lists the ops that do); its states "
-               "are float32, bfloat16 or float16",
+  // the recurrent op: a quantized pool only V-first, in place, without final_state
+  RecurrentFixture rf(false);
+  const Snapshot rbefore = rf.snapshot();
+  RecurrentArgs rargs = rf.args;  // with final_state
+  rargs.state = with_dtype(*rargs.state, DType::i8);
+  Tensor scales = Tensor::contiguous(DType::f32, {rargs.state->shape[0], kRec.HV, kRec.V});
+  rargs.state_format.scales = scales.view();
+  expect_error([&] { rf.run(rargs); },
+               "recurrent_gated_delta_rule: int8 states run as a V-first pool updated in place "
+               "(ssm_state_indices, no final_state) for now (issue #36)",
                ErrorKind::not_implemented);
+  EXPECT_TRUE(rbefore.unchanged());
+  // an op without a quantized path names the state: the commit after a verify
+  Tensor st = Tensor::contiguous(DType::i8, {4, 2, 8, 16});
+  Tensor inter = Tensor::contiguous(DType::i8, {2, 3, 2, 8, 16});
+  Tensor idx = index_tensor({1, 2}), acc = index_tensor({1, 1});
+  deltastate::CommitArgs ca;
+  ca.state = st.view();
+  ca.intermediate_states = inter.view();
+  ca.state_indices = idx.view();
+  ca.accepted = acc.view();
+  Snapshot cbefore;
+  cbefore.add(st).add(inter);
+  expect_error([&] { deltastate::update_state_after_verify(ca); },
+               "`state` is a quantized state (int8): this op does not take quantized states yet "
+               "(issue #36; docs/STATE_FORMATS.md lists the ops that do); its states are float32, "
+               "bfloat16 or float16",
+               ErrorKind::not_implemented);
+  EXPECT_TRUE(cbefore.unchanged());
   EXPECT_TRUE(before.unchanged());
 }
 

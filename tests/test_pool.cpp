@@ -782,12 +782,20 @@ TEST(StatePoolQuantized, Errors) {
   expect_error([&] { fp32.layer_scales(0); },
                "StatePool.layer_scales: the pool's state is float32, which has no scales");
   StatePoolConfig r = quantized_config(DType::i8, PoolLayout::per_layer);
+  r.spec_rows = 2;
+  r.spec_steps = 3;
+  expect_error([&] { StatePool p(r); },
+               "StatePool with int8 states: the speculative-verify scratch (spec_rows) is not "
+               "built for quantized states yet (issue #36)");
+  // ReplaySSM rings stay float: the d ring float32
+  r.spec_rows = r.spec_steps = 0;
   r.replay_len = 4;
   r.H = 2;
-  expect_error([&] { StatePool p(r); },
-               "StatePool with int8 states: ReplaySSM rings (replay_len) and the "
-               "speculative-verify scratch (spec_rows) are not built for quantized states yet "
-               "(issue #36)");
+  StatePool rp(r);
+  EXPECT_EQ(rp.d_cache(1).dtype, DType::f32);
+  EXPECT_EQ(
+      static_cast<const char*>(rp.d_cache(1).data) - static_cast<const char*>(rp.d_cache(0).data),
+      4 * 2 * 4 * 12 * 4);  // physical slots * HV * L * V * 4 bytes
   StatePoolConfig q = quantized_config(DType::f8e4m3, PoolLayout::envelope);
   q.state_rounding = deltastate::StateRounding::stochastic;
   StatePool sp(q);

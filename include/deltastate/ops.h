@@ -48,8 +48,8 @@ namespace deltastate {
 //             the step of the key (seed, slot, layer, step) of the element's random bits; the op
 //             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
 // Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
-// updated in place) and the fused decode step (without ReplaySSM); other ops and the CUDA
-// backend reject them (NotImplementedError).
+// updated in place), the fused decode step (without ReplaySSM) and ReplaySSM decode (the
+// checkpoint); other ops and the CUDA backend reject them (NotImplementedError).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;
@@ -181,6 +181,7 @@ struct ReplayDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   std::optional<double> scale;  // unset: K^-0.5
   TensorView state, d_cache, k_cache, g_cache;
+  StateFormatArgs state_format;  // the checkpoint's format (above); the rings stay float
   TensorView out;
   TensorView state_indices, write_pos;
   std::optional<TensorView> force_flush;

@@ -16,7 +16,8 @@
 // slot) block holds the [HV, V, K] 1-byte codes, then (at a 32-byte boundary) their fp32 scales
 // [HV, V], one per V row; the block is the unit that allocate() clears and fork() copies, and
 // layer_state(l) / layer_scales(l) view it with the block's slot stride (per_layer: the block;
-// envelope: the entry). A zeroed block (codes 0, scales 0) is the zero state.
+// envelope: the entry). A zeroed block (codes 0, scales 0) is the zero state. The ReplaySSM rings
+// stay float (the d ring float32); the speculative scratch is not built for them yet.
 // Stochastic rounding (rounds_stochastically(state_dtype, state_rounding)): the pool also holds
 // one int64 step counter per layer (rounding_step(l)); an op given it reads it as the step of
 // the generator's key (rounding_seed, slot, layer, step) and adds 1 on the device, so replaying a
@@ -147,7 +148,7 @@ class StatePool {
   TensorView scales() const;
   // Stochastic rounding: the layer's int64 step counter, [1] (zero in a new pool).
   TensorView rounding_step(int64_t layer) const;
-  TensorView d_cache(int64_t layer) const;   // [slots, HV, L, V]      (state dtype)
+  TensorView d_cache(int64_t layer) const;   // [slots, HV, L, V] (state dtype; quantized: f32)
   TensorView k_cache(int64_t layer) const;   // [slots, H, L, K]       (ring_k_dtype)
   TensorView g_cache(int64_t layer) const;   // [slots, HV, L(, K)]    (float32)
   TensorView write_pos() const;              // [slots] int32 cursors

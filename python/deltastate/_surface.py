@@ -776,7 +776,12 @@ _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLan
     reproduced). SGLang's ring modes ``cache_base``, ``circular_replay``, ``prefix_gate_cache`` and
     ``predecayed_k_cache`` are not implemented: a value other than the default raises
     NotImplementedError. ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype
-    (off: fp32 beta, the rule of every op and of current SGLang)."""
+    (off: fp32 beta, the rule of every op and of current SGLang).
+
+    Quantized checkpoints (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 initial_state
+    with the state-format keywords of fused_recurrent_gated_delta_rule_packed_decode
+    (``**pool.state_format(layer)``): the checkpoint is loaded dequantized every step and stored
+    with fresh scales on a flush; the rings keep their float dtypes."""
 
 _HELION_DOC = """ReplaySSM buffered decode for KDA, SGLang's Helion
     ``helion_fused_recurrent_kda_replayssm_decode``: its arguments in its order, its argument
@@ -793,7 +798,7 @@ def _replay_head() -> Tuple[Arg, ...]:
         Arg("A_log", TENSOR, dtypes=FLOATING),
         Arg("dt_bias", TENSOR, dtypes=FLOATING),
         Arg("scale", OPT_FLOAT),  # None: K^-0.5
-        Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
+        Arg("initial_state", TENSOR, dtypes=STATE, mutated=True),
         Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
         Arg("k_cache", TENSOR, dtypes=FLOATING, mutated=True),
         Arg("g_cache", TENSOR, dtypes=FLOAT32, mutated=True),
@@ -810,6 +815,7 @@ def _replay_tail(helion: bool) -> Tuple[Arg, ...]:
         Arg("advance_write_pos", BOOL, False, keyword=True),
         Arg("helion", BOOL, helion, public=False),
         Arg("check_indices", CHECK, None, keyword=True),
+    ) + _state_format_args() + (
         Arg("pdl", BOOL, False, keyword=True),
     )
 
@@ -817,7 +823,8 @@ def _replay_tail(helion: bool) -> Tuple[Arg, ...]:
 _REPLAY_OP_ORDER = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "d_cache",
                     "k_cache", "g_cache", "out", "ssm_state_indices", "write_pos", "force_flush",
                     "lower_bound", "use_qk_l2norm_in_kernel", "is_kda", "round_beta",
-                    "advance_write_pos", "helion", "check_indices", "pdl")
+                    "advance_write_pos", "helion", "check_indices", "state_scales",
+                    "state_rounding", "rounding_step", "rounding_seed", "rounding_layer", "pdl")
 
 _REPLAY = Op(
     name="replayssm_decode",

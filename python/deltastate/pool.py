@@ -156,9 +156,9 @@ class StatePool:
     otherwise), "nearest" or "stochastic" (bfloat16 / float16 too). Stochastic rounding draws its
     bits from a generator keyed by (``rounding_seed``, slot, layer, step); the pool keeps each
     layer's step counter (:meth:`rounding_step`), which the ops advance on the device.
-    :meth:`state_format` gives the keyword arguments an op needs for a layer. Quantized pools have
-    no ReplaySSM rings or speculative scratch yet, and the ops that take them are listed in
-    docs/STATE_FORMATS.md.
+    :meth:`state_format` gives the keyword arguments an op needs for a layer. A quantized pool's
+    ReplaySSM d ring is float32 (the rings stay float); it has no speculative scratch yet; the
+    ops that take quantized states are listed in docs/STATE_FORMATS.md.
     """
 
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
@@ -315,7 +315,8 @@ class StatePool:
         return kw
 
     def d_cache(self, layer: int):
-        return self._view("d_cache", layer, self.state_dtype)
+        """[slots, HV, L, V]: the state dtype (float32 for a quantized pool)."""
+        return self._view("d_cache", layer, "float32" if self.quantized else self.state_dtype)
 
     def k_cache(self, layer: int):
         return self._view("k_cache", layer, self.ring_k_dtype)

@@ -465,30 +465,32 @@ constexpr auto replayssm_decode = bind(
       a.stream = stream_for(a.state);
       ds::replayssm_decode(a);
     },
-    std::tuple{
-        Field<&RD::mixed_qkv>{"mixed_qkv"},
-        Field<&RD::a>{"a"},
-        Field<&RD::b>{"b"},
-        Field<&RD::A_log>{"A_log"},
-        Field<&RD::dt_bias>{"dt_bias"},
-        Field<&RD::scale>{"scale"},
-        Field<&RD::state>{"initial_state"},
-        Field<&RD::d_cache>{"d_cache"},
-        Field<&RD::k_cache>{"k_cache"},
-        Field<&RD::g_cache>{"g_cache"},
-        Field<&RD::out>{"out"},
-        Field<&RD::state_indices>{"ssm_state_indices"},
-        Field<&RD::write_pos>{"write_pos"},
-        Field<&RD::force_flush>{"force_flush"},
-        Field<&RD::is_kda>{"is_kda"},
-        Field<&RD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-        Field<&RD::lower_bound>{"lower_bound"},
-        Field<&RD::round_beta_to_input>{"round_beta"},
-        Field<&RD::advance_write_pos>{"advance_write_pos"},
-        Field<&RD::helion>{"helion"},
-        Field<&RD::check_indices>{"check_indices"},
-        Field<&RD::pdl>{"pdl"},
-    });
+    std::tuple_cat(
+        std::tuple{
+            Field<&RD::mixed_qkv>{"mixed_qkv"},
+            Field<&RD::a>{"a"},
+            Field<&RD::b>{"b"},
+            Field<&RD::A_log>{"A_log"},
+            Field<&RD::dt_bias>{"dt_bias"},
+            Field<&RD::scale>{"scale"},
+            Field<&RD::state>{"initial_state"},
+            Field<&RD::d_cache>{"d_cache"},
+            Field<&RD::k_cache>{"k_cache"},
+            Field<&RD::g_cache>{"g_cache"},
+            Field<&RD::out>{"out"},
+            Field<&RD::state_indices>{"ssm_state_indices"},
+            Field<&RD::write_pos>{"write_pos"},
+            Field<&RD::force_flush>{"force_flush"},
+            Field<&RD::is_kda>{"is_kda"},
+            Field<&RD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+            Field<&RD::lower_bound>{"lower_bound"},
+            Field<&RD::round_beta_to_input>{"round_beta"},
+            Field<&RD::advance_write_pos>{"advance_write_pos"},
+            Field<&RD::helion>{"helion"},
+            Field<&RD::check_indices>{"check_indices"},
+            Field<&RD::pdl>{"pdl"},
+        },
+        state_format_fields<&RD::state_format>()));
 
 // Speculative verify and its commit (the peers' surfaces map onto these in _surface.py).
 using VA = ds::VerifyArgs;

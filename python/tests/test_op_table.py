@@ -71,10 +71,10 @@ PUBLIC = {
         "lower_bound=None, use_qk_l2norm_in_kernel=False, is_kda=False, block_v=None, "
         "num_warps=1, num_stages=3, nk=2, cache_base=None, circular_replay=False, "
         "prefix_gate_cache=False, predecayed_k_cache=False, *, round_beta=False, "
-        "advance_write_pos=False, check_indices=None, pdl=False)"),
+        "advance_write_pos=False, check_indices=None, " + _STATE_FORMAT_PUBLIC),
     "helion_fused_recurrent_kda_replayssm_decode": _REPLAY_HEAD + (
         "use_qk_l2norm_in_kernel=False, lower_bound=None, *, round_beta=False, "
-        "advance_write_pos=False, check_indices=None, pdl=False)"),
+        "advance_write_pos=False, check_indices=None, " + _STATE_FORMAT_PUBLIC),
     # speculative verify and its commit
     "verify":
         '(q, k, v, g, beta, output, state, state_indices=None, A_log=None, dt_bias=None, scale=None, is_kda=False, use_gate_in_kernel=True, lower_bound=None, beta_is_logit=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, update_state=True, output_state_indices=None, intermediate_states=None, intermediate_state_indices=None, parent_tokens=None, token_state_indices=None, num_accepted_tokens=None, source_state=None, source_state_indices=None, *, round_beta=False, check_indices=None, pdl=False)',
@@ -121,7 +121,9 @@ def _replay_schema(name, kda, helion):
             "Tensor(d!) g_cache, Tensor(e!) out, Tensor ssm_state_indices, Tensor(f!) write_pos, "
             "Tensor? force_flush, float? lower_bound=None, bool use_qk_l2norm_in_kernel=False, "
             f"bool is_kda={kda}, bool round_beta=False, bool advance_write_pos=False, "
-            f"bool helion={helion}, int check_indices=-1, bool pdl=False) -> ()")
+            f"bool helion={helion}, int check_indices=-1, Tensor(g!)? state_scales=None, "
+            "int state_rounding=0, Tensor(h!)? rounding_step=None, int rounding_seed=0, "
+            "int rounding_layer=0, bool pdl=False) -> ()")
 
 
 _CHUNK_SCHEMA = (

@@ -381,3 +381,81 @@ def test_fused_step_replayssm_mode_rejects_a_quantized_state(tfw, rng):
     assert str(e.value) == ("gdn_fused_decode_step: int8 states are not built for the ReplaySSM "
                             "mode yet (issue #36)")
     np.testing.assert_array_equal(bits(pool.storage), before)
+
+
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_replayssm_quantized_checkpoint(fw, rng, kda, dtype, rounding):
+    """ReplaySSM decode with a quantized checkpoint (the pool's rings float32): against the same
+    steps on an fp32 pool whose checkpoint holds the dequantized state and whose rings are
+    copies: outputs, rings and cursors bit-identical; a flushed row's checkpoint the emulation's
+    rounding of the fp32 pool's, every other row's codes and scales untouched."""
+    H, HV, K, V, L, slots, layer, seed = 1, 2, 16, 8, 3, 5, 0, 21
+    kw_pool = dict(layers=1, slots=slots, HV=HV, V=V, K=K, replay_len=L, H=H, kda=kda,
+                   framework=fw.name)
+    pool = ds.StatePool(state_dtype=dtype, state_rounding=rounding, rounding_seed=seed,
+                        **kw_pool)
+    twin = ds.StatePool(**kw_pool)
+    fill_sentinels(pool, layer)
+    live = [3, 0, 4]
+    for s in live:
+        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
+                            False)
+        write_slot(pool, layer, s, codes, sc)
+    codes, scales = state_bits(pool, layer)
+    deq = dequantize(codes, scales.view(np.float32), dtype)
+    for s in live:
+        fw_assign(fw, twin.layer_state(0)[s], deq[s])
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    A_log_t, dt_t = fw.from64(A_log, "float32"), fw.from64(dt_bias, "float32")
+    indices = [3, -1, 0, 4]
+    write_pos = [0, 0, 1, 2]
+    flushes_seen = 0
+    for step in range(5):
+        flush_rows = [n for n, s in enumerate(indices) if s >= 0 and write_pos[n] >= L - 1]
+        flushes_seen += len(flush_rows)
+        d = packed_data(rng, kda=kda, B=len(indices), H=H, HV=HV, K=K, V=V)
+        x = materialize_packed(fw, d, "float32")
+        codes0, scales0 = state_bits(pool, layer)
+        outs, wps = [], []
+        for p, kw in ((pool, pool.state_format(layer)), (twin, {})):
+            out = poison(fw, (len(indices), 1, HV, V), "float32")
+            wp = fw.idx(write_pos)
+            ds.fused_recurrent_linear_replayssm_decode(
+                x["mixed_qkv"], x["a"], x["b"], A_log_t, dt_t, None, p.layer_state(0),
+                p.d_cache(0), p.k_cache(0), p.g_cache(0), out, fw.idx(indices), wp,
+                is_kda=kda, use_qk_l2norm_in_kernel=True, advance_write_pos=True, **kw)
+            outs.append(bits(out).view(np.uint32))
+            wps.append(to64(wp))
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(wps[0], wps[1])
+        for ring in ("d_cache", "k_cache", "g_cache"):
+            np.testing.assert_array_equal(bits(getattr(pool, ring)(0)),
+                                          bits(getattr(twin, ring)(0)))
+        codes1, scales1 = state_bits(pool, layer)
+        new32 = to64(twin.layer_state(0)).astype(np.float32)
+        for n, s in enumerate(indices):
+            if s < 0:
+                continue
+            if n in flush_rows:
+                key = sa.sr_key(seed, s, layer, step) if pool.stochastic else None
+                want_codes, want_scales = emulate(new32[s], dtype, pool.stochastic, key)
+                np.testing.assert_array_equal(codes1[s], want_codes)
+                np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))
+                # the fp32 pool continues from the checkpoint the quantized pool now holds
+                fw_assign(fw, twin.layer_state(0)[s],
+                          dequantize(codes1[s], scales1[s].view(np.float32), dtype))
+            else:
+                np.testing.assert_array_equal(codes1[s], codes0[s])
+                np.testing.assert_array_equal(scales1[s], scales0[s])
+        for s in (1, 2):
+            assert np.all(codes1[s] == SENTINEL_CODE)
+        write_pos = [int(w) for w in wps[0]]
+    assert flushes_seen >= 3
+
+
+def fw_assign(fw, dst, values32):
+    if fw.name == "torch":
+        dst.copy_(torch.from_numpy(np.ascontiguousarray(values32, dtype=np.float32)))
+    else:
+        dst[...] = values32

@@ -22,6 +22,10 @@ bool on_cuda(const StatePoolConfig& c) { return c.device.type == DeviceType::cud
 // that every layer view keeps the 32-byte base alignment of the recurrent_kda stride contract
 // (and 16-byte vector loads), whatever HV*V*K*itemsize is.
 int64_t envelope_layer_pitch(const StatePoolConfig& c);
+// The d ring's dtype: the state's, float32 for a quantized state (the rings stay float).
+DType ring_d_dtype(const StatePoolConfig& c) {
+  return is_quantized(c.state_dtype) ? DType::f32 : c.state_dtype;
+}
 // Byte offset of a quantized block's scales: the codes rounded up to 32 bytes.
 int64_t scales_offset(const StatePoolConfig& c) { return round_up(c.HV * c.V * c.K, 32); }
 // One (layer, slot)'s state: HV*V*K elements, or for a quantized state its codes then its fp32
@@ -45,11 +49,11 @@ void StatePool::check_config(const StatePoolConfig& c) {
     fail(format(
         "StatePool state dtype must be float32, bfloat16, float16, float8_e4m3fn or int8; got %s",
         dtype_name(c.state_dtype)));
-  if (is_quantized(c.state_dtype) && (c.replay_len > 0 || c.spec_rows > 0))
-    fail(
-        format("StatePool with %s states: ReplaySSM rings (replay_len) and the speculative-verify "
-               "scratch (spec_rows) are not built for quantized states yet (issue #36)",
-               dtype_name(c.state_dtype)));
+  if (is_quantized(c.state_dtype) && c.spec_rows > 0)
+    fail(format(
+        "StatePool with %s states: the speculative-verify scratch (spec_rows) is not built for "
+        "quantized states yet (issue #36)",
+        dtype_name(c.state_dtype)));
   if (c.envelope_extra_bytes < 0 || (c.envelope_extra_bytes && c.layout != PoolLayout::envelope))
     fail("StatePool envelope_extra_bytes applies to the envelope layout only and must be >= 0");
   if (c.conv_dim < 0) fail(format("StatePool conv_dim must be >= 0; got %lld", ll(c.conv_dim)));
@@ -131,7 +135,7 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   }
   const int64_t L = c.replay_len;
   l.d_offset = off;
-  off = round_up(off + c.layers * n * c.HV * L * c.V * isz, kAlign);
+  off = round_up(off + c.layers * n * c.HV * L * c.V * dtype_size(ring_d_dtype(c)), kAlign);
   l.k_offset = off;
   off = round_up(off + c.layers * n * c.H * L * c.K * dtype_size(c.ring_k_dtype), kAlign);
   l.g_offset = off;
@@ -492,9 +496,9 @@ TensorView StatePool::d_cache(int64_t layer) const {
   require_rings(cfg_, layer);
   const int64_t n = cfg_.physical_slots();
   const int64_t per_layer = n * cfg_.HV * cfg_.replay_len * cfg_.V;
-  return TensorView::contiguous(
-      at(lay_.d_offset + layer * per_layer * dtype_size(cfg_.state_dtype)), cfg_.state_dtype,
-      {n, cfg_.HV, cfg_.replay_len, cfg_.V}, cfg_.device);
+  const DType dt = ring_d_dtype(cfg_);
+  return TensorView::contiguous(at(lay_.d_offset + layer * per_layer * dtype_size(dt)), dt,
+                                {n, cfg_.HV, cfg_.replay_len, cfg_.V}, cfg_.device);
 }
 
 TensorView StatePool::k_cache(int64_t layer) const {
@@ -555,8 +559,8 @@ int64_t StatePool::bytes_per_slot(const StatePoolConfig& c) {
                             ? layout_of(c).entry_bytes
                             : c.layers * (state_block_bytes(c) + (c.conv_dim > 0 ? conv : 0));
   const int64_t rings =
-      c.layers * (c.HV * L * c.V * isz + c.H * L * c.K * dtype_size(c.ring_k_dtype) +
-                  c.HV * L * (c.kda ? c.K : 1) * 4);
+      c.layers * (c.HV * L * c.V * dtype_size(ring_d_dtype(c)) +
+                  c.H * L * c.K * dtype_size(c.ring_k_dtype) + c.HV * L * (c.kda ? c.K : 1) * 4);
   return state + rings + 4;
 }
 
