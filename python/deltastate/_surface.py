@@ -499,7 +499,12 @@ def _recurrent(kda: bool) -> Op:
     prefill-backend options (seq_order, prefill_workspace, state_checkpoints,
     checkpoint_cu_starts, checkpoint_every_n_tokens != 0).
     ``backend`` is checked against FlashInfer's names and otherwise ignored (one backend here).
-    ``round_beta``: round beta to its input dtype (off: fp32, as every op)."""
+    ``round_beta``: round beta to its input dtype (off: fp32, as every op).
+
+    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 pool initial_state with
+    ssm_state_indices (V-first, updated in place, output_final_state False) and the state-format
+    keywords of fused_recurrent_gated_delta_rule_packed_decode (``**pool.state_format(layer)``);
+    a multi-token sequence keeps its state in fp32 and stores it once."""
     gdn_doc = """Recurrent GDN: as :func:`recurrent_kda` with g [B,T,HV] (one decay per value
     head)."""
     return Op(
@@ -540,6 +545,7 @@ def _recurrent(kda: bool) -> Op:
             Arg("backend", STR, "auto", keyword=True, op=False),
             Arg("round_beta", BOOL, False, keyword=True),
             Arg("check_indices", CHECK, None, keyword=True),
+        ) + _state_format_args() + (
             Arg("pdl", BOOL, False, keyword=True),
             # The pool, updated in place.
             Arg("state_pool", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False,
@@ -563,7 +569,9 @@ _RECURRENT_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias",
                        "use_gate_in_kernel", "lower_bound", "beta_is_logit", "round_beta", "scale",
                        "initial_state", "state_pool", "ssm_state_indices", "cu_seqlens",
                        "final_state", "state_v_first", "stride_contract",
-                       "use_qk_l2norm_in_kernel", "check_indices", "pdl")
+                       "use_qk_l2norm_in_kernel", "check_indices", "state_scales",
+                       "state_rounding", "rounding_step", "rounding_seed", "rounding_layer",
+                       "pdl")
 
 
 # ---- FLA's fused-recurrent functions ----------------------------------------------------------
@@ -698,7 +706,8 @@ def _fla(kda: bool) -> Op:
         Arg("ssm_state_indices", OPT_TENSOR, None, dtypes=INDEX, public=False),
         Arg("final_state", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False),
         Arg("stride_contract", BOOL, False, public=False),
-    )
+        # FLA's functions take no pool: a float state, rounded to nearest.
+    ) + tuple(dataclasses.replace(a, public=False, keyword=False) for a in _state_format_args())
     common_head = (
         Arg("q", TENSOR, dtypes=FLOATING),
         Arg("k", TENSOR, dtypes=FLOATING),

@@ -421,31 +421,33 @@ struct PooledState {
 
 constexpr auto recurrent(const char* name, void (*run)(RA&)) {
   return bind(name, run,
-              std::tuple{
-                  Field<&RA::q>{"q"},
-                  Field<&RA::k>{"k"},
-                  Field<&RA::v>{"v"},
-                  Field<&RA::g>{"g"},
-                  Field<&RA::beta>{"beta"},
-                  Field<&RA::out>{"output"},
-                  Field<&RA::A_log>{"A_log"},
-                  Field<&RA::dt_bias>{"dt_bias"},
-                  Field<&RA::gate_in_kernel>{"use_gate_in_kernel"},
-                  Field<&RA::lower_bound>{"lower_bound"},
-                  Field<&RA::beta_is_logit>{"beta_is_logit"},
-                  Field<&RA::round_beta_to_input>{"round_beta"},
-                  Field<&RA::scale>{"scale"},
-                  ReadState{"initial_state"},
-                  PooledState{"state_pool"},
-                  Field<&RA::state_indices>{"ssm_state_indices"},
-                  Field<&RA::cu_seqlens>{"cu_seqlens"},
-                  Field<&RA::final_state>{"final_state"},
-                  Field<&RA::state_layout>{"state_v_first"},
-                  Field<&RA::stride_contract>{"stride_contract"},
-                  Field<&RA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-                  Field<&RA::check_indices>{"check_indices"},
-                  Field<&RA::pdl>{"pdl"},
-              });
+              std::tuple_cat(
+                  std::tuple{
+                      Field<&RA::q>{"q"},
+                      Field<&RA::k>{"k"},
+                      Field<&RA::v>{"v"},
+                      Field<&RA::g>{"g"},
+                      Field<&RA::beta>{"beta"},
+                      Field<&RA::out>{"output"},
+                      Field<&RA::A_log>{"A_log"},
+                      Field<&RA::dt_bias>{"dt_bias"},
+                      Field<&RA::gate_in_kernel>{"use_gate_in_kernel"},
+                      Field<&RA::lower_bound>{"lower_bound"},
+                      Field<&RA::beta_is_logit>{"beta_is_logit"},
+                      Field<&RA::round_beta_to_input>{"round_beta"},
+                      Field<&RA::scale>{"scale"},
+                      ReadState{"initial_state"},
+                      PooledState{"state_pool"},
+                      Field<&RA::state_indices>{"ssm_state_indices"},
+                      Field<&RA::cu_seqlens>{"cu_seqlens"},
+                      Field<&RA::final_state>{"final_state"},
+                      Field<&RA::state_layout>{"state_v_first"},
+                      Field<&RA::stride_contract>{"stride_contract"},
+                      Field<&RA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                      Field<&RA::check_indices>{"check_indices"},
+                      Field<&RA::pdl>{"pdl"},
+                  },
+                  state_format_fields<&RA::state_format>()));
 }
 
 constexpr auto recurrent_gated_delta_rule = recurrent("recurrent_gated_delta_rule", [](RA& a) {

@@ -19,7 +19,8 @@ _FLASHINFER_RECURRENT = (
     "num_accepted_tokens=None, output=None, initial_state_source=None, "
     "initial_state_indices=None, beta_is_logit=False, seq_order=None, prefill_workspace=None, "
     "state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0, *, "
-    "backend='auto', round_beta=False, check_indices=None, pdl=False)")
+    "backend='auto', round_beta=False, check_indices=None, state_scales=None, "
+    "state_rounding=None, rounding_step=None, rounding_seed=0, rounding_layer=0, pdl=False)")
 _CHUNK_POOL = (
     "*, {kw}transpose_state_layout=None, initial_state_indices=None, has_initial_state=None, "
     "output_state_indices=None, checkpoint_every_n_tokens=0, checkpoint_cu_starts=None, "
@@ -112,7 +113,9 @@ _RECURRENT_SCHEMA = (
     "Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, "
     "bool round_beta, float? scale, Tensor? initial_state, Tensor(b!)? state_pool, "
     "Tensor? ssm_state_indices, Tensor? cu_seqlens, Tensor(c!)? final_state, bool state_v_first, "
-    "bool stride_contract, bool use_qk_l2norm_in_kernel, int check_indices=-1, bool pdl=False")
+    "bool stride_contract, bool use_qk_l2norm_in_kernel, int check_indices=-1, "
+    "Tensor(d!)? state_scales=None, int state_rounding=0, Tensor(e!)? rounding_step=None, "
+    "int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 
 
 def _replay_schema(name, kda, helion):

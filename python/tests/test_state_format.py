@@ -18,7 +18,8 @@ import pytest
 
 import deltastate as ds
 import reference as ref
-from cases import gate_params, materialize_packed, packed_data
+from cases import (gate_params, materialize_packed, materialize_recurrent, packed_data,
+                   recurrent_data)
 from helpers import Fw, bits, poison, to64, torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
@@ -459,3 +460,59 @@ def fw_assign(fw, dst, values32):
         dst.copy_(torch.from_numpy(np.ascontiguousarray(values32, dtype=np.float32)))
     else:
         dst[...] = values32
+
+
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_recurrent_on_a_quantized_pool(fw, rng, kda, dtype, rounding, varlen):
+    """FlashInfer's recurrent_kda / recurrent_gated_delta_rule with several tokens per sequence
+    on a quantized pool: the state stays fp32 through a sequence and is stored once. Against the
+    same call on an fp32 pool with the dequantized state: outputs bit-identical, the stored codes
+    and scales the emulation's rounding of the fp32 pool's; padded sequences and unused slots
+    untouched."""
+    H, HV, K, V, slots, layer, seed = 1, 2, 16, 8, 6, 0, 5
+    pool = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, framework=fw.name)
+    twin = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, framework=fw.name)
+    fill_sentinels(pool, layer)
+    indices = [2, -1, 5]
+    live = [2, 5]
+    for s in live:
+        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
+                            False)
+        write_slot(pool, layer, s, codes, sc)
+    codes0, scales0 = state_bits(pool, layer)
+    deq = dequantize(codes0, scales0.view(np.float32), dtype)
+    for s in live:
+        fw_assign(fw, twin.layer_state(0)[s], deq[s])
+    N, T = 3, 4
+    if varlen:
+        lens = [3, 2, 4]
+        d = recurrent_data(rng, kda=kda, B=1, T=sum(lens), H=H, HV=HV, K=K, V=V,
+                           use_gate_in_kernel=False, beta_is_logit=False)
+        cu = fw.idx(np.concatenate([[0], np.cumsum(lens)]))
+    else:
+        d = recurrent_data(rng, kda=kda, B=N, T=T, H=H, HV=HV, K=K, V=V,
+                           use_gate_in_kernel=False, beta_is_logit=False)
+        cu = None
+    x = materialize_recurrent(fw, d, "float32")
+    op = ds.recurrent_kda if kda else ds.recurrent_gated_delta_rule
+    outs = []
+    for p, kw in ((pool, pool.state_format(layer)), (twin, {})):
+        out = poison(fw, tuple(d["v"].shape), "float32")
+        op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=p.layer_state(0),
+           ssm_state_indices=fw.idx(indices), cu_seqlens=cu, output=out,
+           use_qk_l2norm_in_kernel=True, **kw)
+        outs.append(bits(out).view(np.uint32))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    codes1, scales1 = state_bits(pool, layer)
+    new32 = to64(twin.layer_state(0)).astype(np.float32)
+    for s in live:
+        key = sa.sr_key(seed, s, layer, 0) if pool.stochastic else None
+        want_codes, want_scales = emulate(new32[s], dtype, pool.stochastic, key)
+        np.testing.assert_array_equal(codes1[s], want_codes)
+        np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))
+    for s in (0, 1, 3, 4):
+        assert np.all(codes1[s] == SENTINEL_CODE)
+        assert np.all(scales1[s] == SENTINEL_SCALE.view(np.uint32))
