@@ -48,8 +48,9 @@ namespace deltastate {
 //             the step of the key (seed, slot, layer, step) of the element's random bits; the op
 //             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
 // Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
-// updated in place), the fused decode step (without ReplaySSM) and ReplaySSM decode (the
-// checkpoint); other ops and the CUDA backend reject them (NotImplementedError).
+// updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
+// checkpoint) and the chunked prefill (a pool); speculative verify and its commits and the CUDA
+// backend reject them (NotImplementedError).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;
@@ -266,6 +267,10 @@ struct ChunkPrefillArgs {
   std::optional<TensorView> cu_seqlens;
   std::optional<TensorView> initial_state, initial_state_indices, has_initial_state,
       output_state_indices, final_state;
+  // initial_state's format (above): a quantized pool (with initial_state_indices) is read
+  // dequantized and its final states and checkpoint slots stored requantized; dense final states
+  // and dense checkpoints keep their float dtypes.
+  StateFormatArgs state_format;
   int64_t checkpoint_every_n_tokens = 0;
   std::optional<TensorView> checkpoint_cu_starts, state_checkpoints, checkpoint_slot_indices;
   std::optional<TensorView> workspace;

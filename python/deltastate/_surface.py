@@ -1017,7 +1017,8 @@ _CHUNK_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias", "us
                    "cu_seqlens", "initial_state", "initial_state_indices", "has_initial_state",
                    "output_state_indices", "final_state", "checkpoint_every_n_tokens",
                    "checkpoint_cu_starts", "state_checkpoints", "checkpoint_slot_indices",
-                   "workspace", "check_indices", "pdl")
+                   "workspace", "check_indices", "state_scales", "state_rounding",
+                   "rounding_step", "rounding_seed", "rounding_layer", "pdl")
 
 _CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its order and
     its defaults, returning ``(o, final_state)``; then deltastate's pool arguments (keyword-only).
@@ -1047,7 +1048,13 @@ _CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its 
     copy of cu_seqlens nor a precomputed chunk list{graph}. ``chunk_size`` (FLA's **kwargs,
     default 64) is checked as FLA checks it ({sizes}, FLA's ValueError) and the result computed
     with 64-token chunks: every chunk size gives the same recurrence, up to rounding.
-    ``cp_context`` (context parallelism) other than None raises NotImplementedError."""
+    ``cp_context`` (context parallelism) other than None raises NotImplementedError.
+
+    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 initial_state pool
+    (with initial_state_indices) and the state-format keywords of
+    fused_recurrent_gated_delta_rule_packed_decode (``**pool.state_format(layer)``): the initial
+    states are read dequantized, the final states and the pool's checkpoint slots stored with fresh
+    scales; final_state and state_checkpoints stay float."""
 _CP = "(FLA's context parallelism) is not implemented in deltastate; pass None"
 
 
@@ -1059,7 +1066,7 @@ def _chunk(kda: bool) -> Op:
         Arg("g", TENSOR, dtypes=FLOATING),
         Arg("beta", TENSOR, dtypes=FLOATING),
         Arg("scale", OPT_FLOAT, None),
-        Arg("initial_state", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+        Arg("initial_state", OPT_TENSOR, None, dtypes=STATE, mutated=True),
         Arg("output_final_state", BOOL, False, op=False),
         Arg("use_qk_l2norm_in_kernel", BOOL, False),
     )
@@ -1111,6 +1118,7 @@ def _chunk(kda: bool) -> Op:
         Arg("checkpoint_slot_indices", OPT_TENSOR, None, dtypes=INDEX, keyword=True),
         Arg("workspace", OPT_TENSOR, None, mutated=True, keyword=True),
         Arg("check_indices", CHECK, None, keyword=True),
+    ) + _state_format_args() + (
         Arg("pdl", BOOL, False, keyword=True),
         Arg("output", TENSOR, dtypes=FLOATING, mutated=True, public=False),
         Arg("beta_is_logit", BOOL, False, public=False),

@@ -25,7 +25,8 @@ _CHUNK_POOL = (
     "*, {kw}transpose_state_layout=None, initial_state_indices=None, has_initial_state=None, "
     "output_state_indices=None, checkpoint_every_n_tokens=0, checkpoint_cu_starts=None, "
     "state_checkpoints=None, checkpoint_slot_indices=None, workspace=None, check_indices=None, "
-    "pdl=False)")
+    "state_scales=None, state_rounding=None, rounding_step=None, rounding_seed=0, "
+    "rounding_layer=0, pdl=False)")
 # The state format's keywords (quantized pools, stochastic rounding), after the peer's own.
 _STATE_FORMAT_PUBLIC = ("state_scales=None, state_rounding=None, rounding_step=None, "
                         "rounding_seed=0, rounding_layer=0, pdl=False)")
@@ -136,7 +137,8 @@ _CHUNK_SCHEMA = (
     "Tensor? initial_state_indices, Tensor? has_initial_state, Tensor? output_state_indices, "
     "Tensor(c!)? final_state, int checkpoint_every_n_tokens, Tensor? checkpoint_cu_starts, "
     "Tensor(d!)? state_checkpoints, Tensor? checkpoint_slot_indices, Tensor(e!)? workspace, "
-    "int check_indices=-1, bool pdl=False")
+    "int check_indices=-1, Tensor(f!)? state_scales=None, int state_rounding=0, "
+    "Tensor(g!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 
 SCHEMAS = {
     "chunk_gated_delta_rule": f"chunk_gated_delta_rule({_CHUNK_SCHEMA}) -> ()",

@@ -516,3 +516,62 @@ def test_recurrent_on_a_quantized_pool(fw, rng, kda, dtype, rounding, varlen):
     for s in (0, 1, 3, 4):
         assert np.all(codes1[s] == SENTINEL_CODE)
         assert np.all(scales1[s] == SENTINEL_SCALE.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_chunked_prefill_on_a_quantized_pool(fw, rng, kda, dtype, rounding):
+    """FLA's chunk_gated_delta_rule / chunk_kda on a quantized pool: initial states read
+    dequantized, final states stored to output slots and checkpoints to pool slots, each with
+    fresh scales (the emulation's rounding of what the same call stores into an fp32 pool holding
+    the dequantized states); outputs and the dense float final_state bit-identical to that call;
+    a padded sequence's, a skipped checkpoint's and unused slots' sentinels untouched."""
+    H, HV, K, V, slots, layer, seed = 1, 2, 16, 16, 8, 0, 77
+    pool = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, framework=fw.name)
+    twin = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, framework=fw.name)
+    fill_sentinels(pool, layer)
+    for s in (0, 2):  # the initial states read
+        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
+                            False)
+        write_slot(pool, layer, s, codes, sc)
+    codes0, scales0 = state_bits(pool, layer)
+    deq = dequantize(codes0, scales0.view(np.float32), dtype)
+    for s in (0, 2):
+        fw_assign(fw, twin.layer_state(0)[s], deq[s])
+    lengths = [130, 5, 70]
+    T = sum(lengths)
+    gshape = (1, T, HV, K) if kda else (1, T, HV)
+    f = lambda x: fw.from64(x, "float32")  # noqa: E731
+    q, k = f(rng.standard_normal((1, T, H, K))), f(rng.standard_normal((1, T, H, K)))
+    v, beta = f(rng.standard_normal((1, T, HV, V))), f(rng.uniform(0.05, 0.95, (1, T, HV)))
+    g = f(-rng.uniform(0.0, 0.3, gshape))
+    cu = fw.idx(np.concatenate([[0], np.cumsum(lengths)]), "int64")
+    op = ds.chunk_kda if kda else ds.chunk_gated_delta_rule
+    outs, finals = [], []
+    for p, kw in ((pool, pool.state_format(layer)), (twin, {})):
+        o, final = op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                      initial_state=p.layer_state(0), initial_state_indices=fw.idx([0, -1, 2]),
+                      output_state_indices=fw.idx([3, -1, 4]), output_final_state=True,
+                      state_v_first=True, checkpoint_every_n_tokens=64,
+                      checkpoint_cu_starts=fw.idx([0, 2, 2, 3]),
+                      checkpoint_slot_indices=fw.idx([5, -1, 6]), **kw)
+        outs.append(bits(o).view(np.uint32))
+        finals.append(bits(final).view(np.uint32))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(finals[0], finals[1])
+    codes1, scales1 = state_bits(pool, layer)
+    new32 = to64(twin.layer_state(0)).astype(np.float32)
+    for s in (3, 4, 5, 6):  # final states (3, 4) and checkpoints (5, 6)
+        key = sa.sr_key(seed, s, layer, 0) if pool.stochastic else None
+        want_codes, want_scales = emulate(new32[s], dtype, pool.stochastic, key)
+        np.testing.assert_array_equal(codes1[s], want_codes, err_msg=f"slot {s}")
+        np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))
+    for s in (0, 2):  # read, not written (the final states went to 3 and 4)
+        np.testing.assert_array_equal(codes1[s], codes0[s])
+        np.testing.assert_array_equal(scales1[s], scales0[s])
+    for s in (1, 7):
+        assert np.all(codes1[s] == SENTINEL_CODE)
+        assert np.all(scales1[s] == SENTINEL_SCALE.view(np.uint32))
+    if pool.stochastic:
+        assert int(to64(pool.rounding_step(layer))[0]) == 1
