@@ -1092,7 +1092,7 @@ TEST(Contracts, StateFormatNotBuiltYet) {
                "(ssm_state_indices, no final_state) for now (issue #36)",
                ErrorKind::not_implemented);
   EXPECT_TRUE(rbefore.unchanged());
-  // an op without a quantized path names the state: the commit after a verify
+  // a tensor without a quantized path is named: the commit's scratch (a float one is needed)
   Tensor st = Tensor::contiguous(DType::i8, {4, 2, 8, 16});
   Tensor inter = Tensor::contiguous(DType::i8, {2, 3, 2, 8, 16});
   Tensor idx = index_tensor({1, 2}), acc = index_tensor({1, 1});
@@ -1104,9 +1104,9 @@ TEST(Contracts, StateFormatNotBuiltYet) {
   Snapshot cbefore;
   cbefore.add(st).add(inter);
   expect_error([&] { deltastate::update_state_after_verify(ca); },
-               "`state` is a quantized state (int8): this op does not take quantized states yet "
-               "(issue #36; docs/STATE_FORMATS.md lists the ops that do); its states are float32, "
-               "bfloat16 or float16",
+               "`intermediate_states` is a quantized state (int8): this op does not take "
+               "quantized states yet (issue #36; docs/STATE_FORMATS.md lists the ops that do); its "
+               "states are float32, bfloat16 or float16",
                ErrorKind::not_implemented);
   EXPECT_TRUE(cbefore.unchanged());
   EXPECT_TRUE(before.unchanged());

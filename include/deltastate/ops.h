@@ -49,8 +49,8 @@ namespace deltastate {
 //             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
 // Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
 // updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
-// checkpoint) and the chunked prefill (a pool); speculative verify and its commits and the CUDA
-// backend reject them (NotImplementedError).
+// checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
+// commit; the CUDA backend rejects them (NotImplementedError).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;
@@ -473,6 +473,9 @@ struct VerifyArgs {
   bool use_qk_l2norm = true;
   std::optional<TensorView> cu_seqlens;
   TensorView state;
+  // state's format (above). A quantized pool keeps float intermediate_states (any float dtype:
+  // the caller's scratch; a quantized scratch is not built yet) and takes no source_state yet.
+  StateFormatArgs state_format;
   std::optional<TensorView> state_indices;         // [N]; absent: sequence n reads slot n
   std::optional<TensorView> output_state_indices;  // [N] final state's slot (< 0: not stored)
   bool update_state = true;  // store the final state (output_state_indices, else in place)
@@ -505,6 +508,12 @@ void verify(const VerifyArgs& args);
 // skipped, recorded row on CUDA (check_errors).
 struct CommitArgs {
   TensorView state, intermediate_states, state_indices, accepted;
+  // A quantized `state` (with state_format.scales [layers, slots, HV, V] or [slots, HV, V],
+  // StatePool::scales / layer_scales) takes a float intermediate_states (any float dtype): each
+  // accepted state is requantized into its slot with fresh scales, layer l's stochastic bits keyed
+  // by (seed, slot, rounding_layer + l, step[l]) with `step` int64 [layers] (or [1] for one
+  // layer; StatePool::rounding_steps), each advanced once per call. A float state is copied.
+  StateFormatArgs state_format;
   std::optional<TensorView> intermediate_state_indices;
   bool accepted_is_step = false;
   std::optional<bool> check_indices;  // as PackedDecodeArgs

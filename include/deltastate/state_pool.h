@@ -146,8 +146,10 @@ class StatePool {
   // state's slot stride in bytes / 4); scales(): every layer's, [layers, slots, HV, V].
   TensorView layer_scales(int64_t layer) const;
   TensorView scales() const;
-  // Stochastic rounding: the layer's int64 step counter, [1] (zero in a new pool).
+  // Stochastic rounding: the layer's int64 step counter, [1] (zero in a new pool); every
+  // layer's, [layers] (the commit after a verify, which stores every layer).
   TensorView rounding_step(int64_t layer) const;
+  TensorView rounding_steps() const;
   TensorView d_cache(int64_t layer) const;   // [slots, HV, L, V] (state dtype; quantized: f32)
   TensorView k_cache(int64_t layer) const;   // [slots, H, L, K]       (ring_k_dtype)
   TensorView g_cache(int64_t layer) const;   // [slots, HV, L(, K)]    (float32)

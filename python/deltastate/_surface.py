@@ -1358,7 +1358,8 @@ _VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt
                     "output_state_indices", "update_state", "intermediate_states",
                     "intermediate_state_indices", "parent_tokens", "token_state_indices",
                     "num_accepted_tokens", "source_state", "source_state_indices",
-                    "check_indices", "pdl")
+                    "check_indices", "state_scales", "state_rounding", "rounding_step",
+                    "rounding_seed", "rounding_layer", "pdl")
 _KEYWORDS = (Arg("round_beta", BOOL, False, keyword=True),
              Arg("check_indices", CHECK, None, keyword=True),
              Arg("pdl", BOOL, False, keyword=True))
@@ -1381,7 +1382,12 @@ _VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind S
     read-only pool the start states come from instead, sequence n from row
     source_state_indices[n] (< 0: padded; not with num_accepted_tokens); the pool is then only
     written (per-token slots, output_state_indices, else in place at state_indices, absent:
-    slot n). Returns ``output``."""
+    slot n). Returns ``output``.
+
+    A quantized pool ``state`` (CPU; docs/STATE_FORMATS.md) with the state-format keywords
+    (``**pool.state_format(layer)``): the start states read dequantized, per-token slots and final
+    states stored with fresh scales; intermediate_states is then a float scratch of the caller's
+    dtype (a quantized scratch is not built yet); source_state is not taken yet."""
 
 
 # Every argument of the verify binding, as the public functions take them; `_hidden` makes the
@@ -1393,7 +1399,7 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("g", TENSOR, dtypes=FLOATING),
     Arg("beta", TENSOR, dtypes=FLOATING),
     Arg("output", TENSOR, dtypes=FLOATING, mutated=True),
-    Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+    Arg("state", TENSOR, dtypes=STATE, mutated=True),
     Arg("state_indices", OPT_TENSOR, None, dtypes=INDEX),
     Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
     Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
@@ -1413,7 +1419,7 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("num_accepted_tokens", OPT_TENSOR, None, dtypes=INDEX),
     Arg("source_state", OPT_TENSOR, None, dtypes=FLOATING),
     Arg("source_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-)}
+) + _state_format_args()}
 
 
 def _hidden(public_op_args, shown_as=(), **defaults) -> Tuple[Arg, ...]:
@@ -1622,9 +1628,14 @@ def _flashinfer_mtp() -> Op:
 
 _COMMIT_OP_ORDER = ("state", "intermediate_states", "state_indices", "accepted",
                     "intermediate_state_indices", "accepted_is_step", "check_indices", "pdl")
+_FORMAT_NAMES = ("state_scales", "state_rounding", "rounding_step", "rounding_seed",
+                 "rounding_layer")
+# The state commit's binding: the format's arguments before pdl.
+_STATE_COMMIT_OP_ORDER = _COMMIT_OP_ORDER[:-1] + _FORMAT_NAMES + ("pdl",)
 
 
-def _commit_op(name: str, pool: str, scratch: str, doc: str) -> Op:
+def _commit_op(name: str, pool: str, scratch: str, doc: str,
+               extra: Tuple["Arg", ...] = ()) -> Op:
     """The plain commit op over `pool` [layers?, slots, ...] from `scratch` [layers?, N_scr,
     T_alloc, ...]: the states' and the conv windows' share every argument but those two."""
     return Op(
@@ -1639,10 +1650,11 @@ def _commit_op(name: str, pool: str, scratch: str, doc: str) -> Op:
             Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
             Arg("accepted_is_step", BOOL, False),
             Arg("check_indices", CHECK, None, keyword=True),
+        ) + extra + (
             Arg("pdl", BOOL, False, keyword=True),
         ),
         returns=pool,
-        op_order=(pool, scratch) + _COMMIT_OP_ORDER[2:],
+        op_order=(pool, scratch) + (_STATE_COMMIT_OP_ORDER if extra else _COMMIT_OP_ORDER)[2:],
     )
 
 
@@ -1651,11 +1663,17 @@ _COMMIT_DOC = """The commit after a verify: for each request b with accepted[b] 
     launch); row_b = intermediate_state_indices[b] (absent: b). state [layers, slots, HV, V, K]
     or [slots, HV, V, K] (any layer and slot strides); intermediate_states [layers, N_scr,
     T_alloc, HV, V, K] or [N_scr, T_alloc, HV, V, K] of state's dtype. Index < 0: skipped. With
-    accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``."""
+    accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``.
+
+    A quantized state (CPU; docs/STATE_FORMATS.md) takes a float intermediate_states (any float
+    dtype) and the state-format keywords with its scales [layers, slots, HV, V] (or [slots, HV,
+    V]) and, for stochastic rounding, one step counter per layer (``**pool.state_format()``: every
+    layer's): each accepted state is requantized into its slot with fresh scales."""
 
 
 def _commit() -> Op:
-    return _commit_op("update_state_after_verify", "state", "intermediate_states", _COMMIT_DOC)
+    return _commit_op("update_state_after_verify", "state", "intermediate_states", _COMMIT_DOC,
+                      _state_format_args())
 
 
 def _scatter_indices(dst_indices_raw, step_indices_raw):
@@ -1729,9 +1747,10 @@ def _sglang_scatter() -> Op:
             Arg("accepted", TENSOR, dtypes=INDEX, public=False, shown_as="step_indices_raw"),
             Arg("intermediate_state_indices", OPT_TENSOR, None, public=False),
             Arg("accepted_is_step", BOOL, True, public=False),
-        ),
+        ) + tuple(dataclasses.replace(a, public=False, keyword=False)
+                  for a in _state_format_args()),
         returns=(),
-        op_order=_COMMIT_OP_ORDER,
+        op_order=_STATE_COMMIT_OP_ORDER,
         schema_defaults_from="intermediate_state_indices",
         prepare=_scatter_prepare,
         fills=("state", "intermediate_states", "state_indices", "accepted"),

@@ -300,18 +300,31 @@ class StatePool:
         """[1] int64: the layer's stochastic-rounding step counter (the ops add 1 per call)."""
         return self._view("rounding_step", layer, "int64")
 
-    def state_format(self, layer: int) -> dict:
+    def rounding_steps(self):
+        """[layers] int64: every layer's step counter (the commit after a verify)."""
+        return self._view("rounding_steps", 0, "int64")
+
+    def scales(self):
+        """[layers, slots, HV, V] float32: every layer's scales (the commit's, with
+        :meth:`states`)."""
+        return self._view("all_scales", 0, "float32")
+
+    def state_format(self, layer: Optional[int] = None) -> dict:
         """The keyword arguments an op needs for this pool's layer ``layer``: ``state_scales``
         (quantized pools) and, with stochastic rounding, ``state_rounding``, ``rounding_step``,
-        ``rounding_seed`` and ``rounding_layer``. Empty for a float pool rounded to nearest."""
+        ``rounding_seed`` and ``rounding_layer``. Empty for a float pool rounded to nearest.
+        ``layer`` None: every layer's (:meth:`scales`, :meth:`rounding_steps`), for the commit
+        over :meth:`states`."""
         kw = {}
         if self.quantized:
-            kw["state_scales"] = self.layer_scales(layer)
+            kw["state_scales"] = self.scales() if layer is None else self.layer_scales(layer)
         if self.state_rounding is not None:
             kw["state_rounding"] = self.state_rounding
         if self.stochastic:
-            kw.update(rounding_step=self.rounding_step(layer), rounding_seed=self.rounding_seed,
-                      rounding_layer=int(layer))
+            kw.update(rounding_step=(self.rounding_steps() if layer is None
+                                     else self.rounding_step(layer)),
+                      rounding_seed=self.rounding_seed,
+                      rounding_layer=0 if layer is None else int(layer))
         return kw
 
     def d_cache(self, layer: int):

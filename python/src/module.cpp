@@ -105,10 +105,14 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLInt && t.bits == 32) return ds::DType::i32;
     if (t.code == kDLInt && t.bits == 64) return ds::DType::i64;
     // The 1-byte state formats (quantized pools): torch's float8_e4m3fn, int8; numpy has no
-    // float8, so a uint8 tensor is taken as float8_e4m3fn codes (a numpy StatePool's view).
+    // float8, so a uint8 state (a numpy StatePool's view) is taken as float8_e4m3fn codes. Only
+    // the state arguments may be uint8: elsewhere it is the error below.
     if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return ds::DType::f8e4m3;
-    if (t.code == kDLUInt && t.bits == 8) return ds::DType::f8e4m3;
     if (t.code == kDLInt && t.bits == 8) return ds::DType::i8;
+    const std::string_view arg = name;
+    if (t.code == kDLUInt && t.bits == 8 &&
+        (arg == "initial_state" || arg == "state_pool" || arg == "state"))
+      return ds::DType::f8e4m3;
   }
   throw ds::Error(
       ds::ErrorKind::value,
@@ -502,37 +506,39 @@ constexpr auto verify = bind(
       a.stream = stream_for(a.q);
       ds::verify(a);
     },
-    std::tuple{
-        Field<&VA::q>{"q"},
-        Field<&VA::k>{"k"},
-        Field<&VA::v>{"v"},
-        Field<&VA::g>{"g"},
-        Field<&VA::beta>{"beta"},
-        Field<&VA::out>{"output"},
-        Field<&VA::is_kda>{"is_kda"},
-        Field<&VA::A_log>{"A_log"},
-        Field<&VA::dt_bias>{"dt_bias"},
-        Field<&VA::gate_in_kernel>{"use_gate_in_kernel"},
-        Field<&VA::lower_bound>{"lower_bound"},
-        Field<&VA::beta_is_logit>{"beta_is_logit"},
-        Field<&VA::round_beta_to_input>{"round_beta"},
-        Field<&VA::scale>{"scale"},
-        Field<&VA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-        Field<&VA::cu_seqlens>{"cu_seqlens"},
-        Field<&VA::state>{"state"},
-        Field<&VA::state_indices>{"state_indices"},
-        Field<&VA::output_state_indices>{"output_state_indices"},
-        Field<&VA::update_state>{"update_state"},
-        Field<&VA::intermediate_states>{"intermediate_states"},
-        Field<&VA::intermediate_state_indices>{"intermediate_state_indices"},
-        Field<&VA::parent_tokens>{"parent_tokens"},
-        Field<&VA::token_state_indices>{"token_state_indices"},
-        Field<&VA::num_accepted_tokens>{"num_accepted_tokens"},
-        Field<&VA::source_state>{"source_state"},
-        Field<&VA::source_state_indices>{"source_state_indices"},
-        Field<&VA::check_indices>{"check_indices"},
-        Field<&VA::pdl>{"pdl"},
-    });
+    std::tuple_cat(
+        std::tuple{
+            Field<&VA::q>{"q"},
+            Field<&VA::k>{"k"},
+            Field<&VA::v>{"v"},
+            Field<&VA::g>{"g"},
+            Field<&VA::beta>{"beta"},
+            Field<&VA::out>{"output"},
+            Field<&VA::is_kda>{"is_kda"},
+            Field<&VA::A_log>{"A_log"},
+            Field<&VA::dt_bias>{"dt_bias"},
+            Field<&VA::gate_in_kernel>{"use_gate_in_kernel"},
+            Field<&VA::lower_bound>{"lower_bound"},
+            Field<&VA::beta_is_logit>{"beta_is_logit"},
+            Field<&VA::round_beta_to_input>{"round_beta"},
+            Field<&VA::scale>{"scale"},
+            Field<&VA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+            Field<&VA::cu_seqlens>{"cu_seqlens"},
+            Field<&VA::state>{"state"},
+            Field<&VA::state_indices>{"state_indices"},
+            Field<&VA::output_state_indices>{"output_state_indices"},
+            Field<&VA::update_state>{"update_state"},
+            Field<&VA::intermediate_states>{"intermediate_states"},
+            Field<&VA::intermediate_state_indices>{"intermediate_state_indices"},
+            Field<&VA::parent_tokens>{"parent_tokens"},
+            Field<&VA::token_state_indices>{"token_state_indices"},
+            Field<&VA::num_accepted_tokens>{"num_accepted_tokens"},
+            Field<&VA::source_state>{"source_state"},
+            Field<&VA::source_state_indices>{"source_state_indices"},
+            Field<&VA::check_indices>{"check_indices"},
+            Field<&VA::pdl>{"pdl"},
+        },
+        state_format_fields<&VA::state_format>()));
 
 using CA = ds::CommitArgs;
 constexpr auto update_state_after_verify = bind(
@@ -541,16 +547,18 @@ constexpr auto update_state_after_verify = bind(
       a.stream = stream_for(a.state);
       ds::update_state_after_verify(a);
     },
-    std::tuple{
-        Field<&CA::state>{"state"},
-        Field<&CA::intermediate_states>{"intermediate_states"},
-        Field<&CA::state_indices>{"state_indices"},
-        Field<&CA::accepted>{"accepted"},
-        Field<&CA::intermediate_state_indices>{"intermediate_state_indices"},
-        Field<&CA::accepted_is_step>{"accepted_is_step"},
-        Field<&CA::check_indices>{"check_indices"},
-        Field<&CA::pdl>{"pdl"},
-    });
+    std::tuple_cat(
+        std::tuple{
+            Field<&CA::state>{"state"},
+            Field<&CA::intermediate_states>{"intermediate_states"},
+            Field<&CA::state_indices>{"state_indices"},
+            Field<&CA::accepted>{"accepted"},
+            Field<&CA::intermediate_state_indices>{"intermediate_state_indices"},
+            Field<&CA::accepted_is_step>{"accepted_is_step"},
+            Field<&CA::check_indices>{"check_indices"},
+            Field<&CA::pdl>{"pdl"},
+        },
+        state_format_fields<&CA::state_format>()));
 
 using CCA = ds::ConvCommitArgs;
 constexpr auto update_conv_state_after_verify = bind(
@@ -976,6 +984,7 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
               else if (w == "scales") v = pool->layer_scales(layer);
               else if (w == "all_scales") v = pool->scales();
               else if (w == "rounding_step") v = pool->rounding_step(layer);
+              else if (w == "rounding_steps") v = pool->rounding_steps();
               else if (w == "inter_states")
                 v = layer < 0 ? pool->intermediate_states() : pool->intermediate_states(layer);
               else if (w.rfind("conv_states", 0) == 0) v = pool->conv_states(conv_part(w));

@@ -565,14 +565,15 @@ def test_quantized_state_errors(fw, rng):
     expect_error(call, dict(float_args, state_rounding="stochastic"),
                  f"{op}: stochastic rounding applies to bfloat16, float16, float8_e4m3fn and int8 "
                  "states; `initial_state` is float32 (stored exactly)")
-    # an op without a quantized path names the state (the commit after a verify here)
+    # a tensor without a quantized path is named (the commit's scratch must be float)
     ipool, iargs = quantized_args(fw, rng, "int8")
     st = iargs["initial_state"]
     inter = fw.from64(np.zeros((2, 3, HV, V, K)), "int8")
     cargs = {"state": st, "intermediate_states": inter, "state_indices": fw.idx([1, 2]),
              "accepted": fw.idx([1, 1])}
     expect_error(lambda a: ds.update_state_after_verify(**a), cargs,
-                 f"`state` is a quantized state ({'torch.' if fw.name == 'torch' else ''}"
+                 "`intermediate_states` is a quantized state "
+                 f"({'torch.' if fw.name == 'torch' else ''}"
                  "int8): this op does not take quantized states yet (issue #36; "
                  "docs/STATE_FORMATS.md lists the ops that do); its states are float32, bfloat16 "
                  "or float16",

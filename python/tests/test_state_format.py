@@ -575,3 +575,99 @@ def test_chunked_prefill_on_a_quantized_pool(fw, rng, kda, dtype, rounding):
         assert np.all(scales1[s] == SENTINEL_SCALE.view(np.uint32))
     if pool.stochastic:
         assert int(to64(pool.rounding_step(layer))[0]) == 1
+
+
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_verify_and_commit_on_a_quantized_pool(fw, rng, kda, dtype, rounding):
+    """Speculative verify on a quantized pool with a float scratch (SGLang's convention: start
+    states read dequantized, each draft's state kept in fp32 scratch, no write-back), then the
+    commit of the accepted drafts into the pool (every layer at once), requantized with fresh
+    scales; and FlashInfer's per-token slots, each stored quantized. Against the same calls on an
+    fp32 pool with the dequantized states: outputs and scratch bit-identical, every stored slot
+    the emulation's rounding (the commit's key: the slot, the layer, the layer's step)."""
+    H, HV, K, V, layers, slots, seed, T = 1, 2, 16, 8, 2, 7, 11, 3
+    pool = ds.StatePool(layers=layers, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, framework=fw.name)
+    twin = ds.StatePool(layers=layers, slots=slots, HV=HV, V=V, K=K, framework=fw.name)
+    for layer in range(layers):
+        fill_sentinels(pool, layer)
+    live = [4, 1]
+    for layer in range(layers):
+        for s in live:
+            codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32),
+                                dtype, False)
+            write_slot(pool, layer, s, codes, sc)
+        c, sc = state_bits(pool, layer)
+        deq = dequantize(c, sc.view(np.float32), dtype)
+        for s in live:
+            fw_assign(fw, twin.layer_state(layer)[s], deq[s])
+    N = 3
+    indices = fw.idx([4, -1, 1])
+    gshape = (N, T, HV, K) if kda else (N, T, HV)
+    f = lambda x: fw.from64(x, "float32")  # noqa: E731
+    scratch = {p: [fw.full((N, T, HV, V, K), 7.0, "float32") for _ in range(layers)]
+               for p in ("q", "t")}
+    for layer in range(layers):
+        q, k = f(rng.standard_normal((N, T, H, K))), f(rng.standard_normal((N, T, H, K)))
+        v, beta = f(rng.standard_normal((N, T, HV, V))), f(rng.uniform(0.05, 0.95, (N, T, HV)))
+        g = f(-rng.uniform(0.0, 0.3, gshape))
+        outs = []
+        for name, p, kw in (("q", pool, pool.state_format(layer)), ("t", twin, {})):
+            out = poison(fw, (N, T, HV, V), "float32")
+            ds.verify(q, k, v, g, beta, out, p.layer_state(layer), indices, is_kda=kda,
+                      use_gate_in_kernel=False, beta_is_logit=False, update_state=False,
+                      intermediate_states=scratch[name][layer], **kw)
+            outs.append(bits(out).view(np.uint32))
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(bits(scratch["q"][layer]), bits(scratch["t"][layer]))
+        if pool.stochastic:  # verify advanced its layer's step
+            assert int(to64(pool.rounding_step(layer))[0]) == 1
+    # the commit of every layer: request 0 accepted 2 drafts into slot 4, request 2 three
+    # into slot 6 (a fresh slot), the padded request nothing
+    stack = lambda xs: (torch.stack(xs) if fw.name == "torch" else np.stack(xs))  # noqa: E731
+    inter = stack(scratch["q"])  # [layers, N, T, HV, V, K]
+    before = [state_bits(pool, layer) for layer in range(layers)]
+    steps0 = to64(pool.rounding_steps()).copy() if pool.stochastic else None
+    ds.update_state_after_verify(pool.states(), inter, fw.idx([4, -1, 6]), fw.idx([2, 0, 3]),
+                                 **pool.state_format())
+    inter32 = to64(inter).astype(np.float32)
+    for layer in range(layers):
+        codes1, scales1 = state_bits(pool, layer)
+        for b, slot, a in ((0, 4, 2), (2, 6, 3)):
+            key = sa.sr_key(seed, slot, layer, int(steps0[layer])) if pool.stochastic else None
+            want_codes, want_scales = emulate(inter32[layer, b, a - 1], dtype, pool.stochastic,
+                                              key)
+            np.testing.assert_array_equal(codes1[slot], want_codes, err_msg=f"{layer}, {slot}")
+            np.testing.assert_array_equal(scales1[slot], want_scales.view(np.uint32))
+        for s in (0, 1, 2, 3, 5):  # not committed to: as before
+            np.testing.assert_array_equal(codes1[s], before[layer][0][s])
+            np.testing.assert_array_equal(scales1[s], before[layer][1][s])
+    if pool.stochastic:
+        np.testing.assert_array_equal(to64(pool.rounding_steps()), steps0 + 1)
+
+    # FlashInfer's per-token slots: the state after token t to slot token_slots[n, t]
+    layer = 1
+    tok = fw.idx([[0, 2, 3], [-1, -1, -1], [5, -1, 6]])
+    q, k = f(rng.standard_normal((N, T, H, K))), f(rng.standard_normal((N, T, H, K)))
+    v, beta = f(rng.standard_normal((N, T, HV, V))), f(rng.uniform(0.05, 0.95, (N, T, HV)))
+    g = f(-rng.uniform(0.0, 0.3, gshape))
+    c, sc = state_bits(pool, layer)
+    deq = dequantize(c, sc.view(np.float32), dtype)
+    for s in (4, 1):
+        fw_assign(fw, twin.layer_state(layer)[s], deq[s])
+    step = int(to64(pool.rounding_step(layer))[0]) if pool.stochastic else 0
+    outs = []
+    for p, kw in ((pool, pool.state_format(layer)), (twin, {})):
+        out = poison(fw, (N, T, HV, V), "float32")
+        ds.verify(q, k, v, g, beta, out, p.layer_state(layer), indices, is_kda=kda,
+                  use_gate_in_kernel=False, beta_is_logit=False, token_state_indices=tok, **kw)
+        outs.append(bits(out).view(np.uint32))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    codes1, scales1 = state_bits(pool, layer)
+    new32 = to64(twin.layer_state(layer)).astype(np.float32)
+    for s in (0, 2, 3, 5, 6):
+        key = sa.sr_key(seed, s, layer, step) if pool.stochastic else None
+        want_codes, want_scales = emulate(new32[s], dtype, pool.stochastic, key)
+        np.testing.assert_array_equal(codes1[s], want_codes, err_msg=f"slot {s}")
+        np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))

@@ -10,7 +10,7 @@ long long ll(int64_t v) { return static_cast<long long>(v); }
 
 void check_state_format(Contract& c, const char* op, const char* state_name,
                         const TensorView& state, const StateFormatArgs& f, bool op_takes_quantized,
-                        StatePoolRef& ref) {
+                        StatePoolRef& ref, int64_t step_count) {
   const bool quantized = is_quantized(state.dtype);
   const char* dt = dtype_name(state.dtype);
   if (quantized && !op_takes_quantized)
@@ -25,19 +25,29 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
                  "[slots, HV, V] (StatePool.layer_scales)",
                  op, dt, state_name));
     const TensorView& s = *f.scales;
-    const int64_t S = state.shape[0], HV = state.shape[1], V = state.shape[2];
-    if (s.ndim != 3 || s.shape[0] != S || s.shape[1] != HV || s.shape[2] != V)
-      fail(format("`state_scales` must have shape [slots, HV, V]=%s (one per row of `%s`); got %s",
-                  tuple_str({S, HV, V}).c_str(), state_name, shape_str(s).c_str()));
+    // the state's leading dims ([slots], or [layers, slots]), then [HV, V]
+    const int lead = state.ndim - 3;
+    const int64_t HV = state.shape[lead], V = state.shape[lead + 1];
+    bool same = s.ndim == lead + 2 && s.shape[lead] == HV && s.shape[lead + 1] == V;
+    for (int d = 0; same && d < lead; ++d) same = s.shape[d] == state.shape[d];
+    if (!same) {
+      int64_t want[kMaxDims] = {};
+      for (int d = 0; d < lead; ++d) want[d] = state.shape[d];
+      want[lead] = HV;
+      want[lead + 1] = V;
+      fail(format("`state_scales` must have shape [%sHV, V]=%s (one per row of `%s`); got %s",
+                  lead == 2 ? "layers, slots, " : "slots, ", tuple_str(want, lead + 2).c_str(),
+                  state_name, shape_str(s).c_str()));
+    }
     c.dtype("state_scales", s, {DType::f32});
-    if (s.stride[2] != 1 || (HV > 1 && s.stride[1] != V))
+    if (s.stride[lead + 1] != 1 || (HV > 1 && s.stride[lead] != V))
       fail(format(
           "`state_scales` must be contiguous in its [HV, V] inner dimensions (strides (%lld, "
           "1)); got strides %s (an arbitrary slot stride is supported)",
           ll(V), stride_str(s).c_str()));
     c.device("state_scales", s);
     ref.scales = static_cast<float*>(s.data);
-    ref.scale_slot_stride = s.stride[0];
+    ref.scale_slot_stride = s.stride[lead - 1];
   } else if (f.scales) {
     fail(format("%s: `state_scales` applies to float8_e4m3fn and int8 states; `%s` is %s", op,
                 state_name, dt));
@@ -56,9 +66,15 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
                  "step counter on the state's device (StatePool.rounding_step)",
                  op, dt, state_name));
     const TensorView& st = *f.step;
-    if (st.numel() != 1)
-      fail(format("`rounding_step` must have one element (an int64 [1] counter); got shape %s",
-                  shape_str(st).c_str()));
+    if (st.numel() != step_count || (step_count > 1 && (st.ndim != 1 || st.stride[0] != 1))) {
+      if (step_count == 1)
+        fail(format("`rounding_step` must have one element (an int64 [1] counter); got shape %s",
+                    shape_str(st).c_str()));
+      fail(
+          format("`rounding_step` must be a contiguous [%lld] (one int64 counter per layer); got "
+                 "shape %s",
+                 ll(step_count), shape_str(st).c_str()));
+    }
     c.dtype("rounding_step", st, {DType::i64});
     c.device("rounding_step", st);
     if (f.layer < 0) fail(format("%s: `rounding_layer` must be >= 0; got %lld", op, ll(f.layer)));

@@ -17,9 +17,11 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda);
 // stochastic rounding of an fp32 state, or a missing / malformed `rounding_step` are errors; an
 // op whose kernels do not take quantized states (`op_takes_quantized` false) raises
 // NotImplementedError. Registers the tensors' devices in `c`; fills ref's format fields.
+// `state` is [slots, HV, V, K] or (the commit) [layers, slots, HV, V, K], the scales then
+// [layers, slots, HV, V]; `step_count` the counters `rounding_step` must hold (one per layer).
 void check_state_format(Contract& c, const char* op, const char* state_name,
                         const TensorView& state, const StateFormatArgs& f, bool op_takes_quantized,
-                        StatePoolRef& ref);
+                        StatePoolRef& ref, int64_t step_count = 1);
 // After every other check: the CUDA backend takes neither quantized states nor stochastic
 // rounding yet (NotImplementedError).
 void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device);

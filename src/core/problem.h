@@ -469,6 +469,17 @@ struct CommitProblem {
   DeviceErrorRecord* errors = nullptr;
   int err_op = kErrOpCommit;  // the op a bad row is recorded under
   Device device{};
+  // A quantized state (dtype f8e4m3 / i8) from a float scratch of inter_dtype: each entry's
+  // head_elems / K rows of K elements requantized with fresh scales (layer / slot strides in
+  // floats; a row's scale at row index within the entry). Stochastic: layer l's bits keyed by
+  // (seed, slot, layer0 + l, steps[l]), each step advanced once per call.
+  DType inter_dtype = DType::f32;
+  int32_t K = 0;
+  float* scales = nullptr;
+  int64_t scales_layer_stride = 0, scales_slot_stride = 0;
+  bool stochastic = false;
+  int64_t* steps = nullptr;
+  uint64_t seed = 0, layer0 = 0;
 };
 
 // ReplaySSM speculative verify (ops.h ReplayVerifyArgs): the token inputs as the recurrent

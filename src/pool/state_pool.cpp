@@ -356,6 +356,12 @@ TensorView StatePool::rounding_step(int64_t layer) const {
   return TensorView::contiguous(at(lay_.step_offset + layer * 8), DType::i64, {1}, cfg_.device);
 }
 
+TensorView StatePool::rounding_steps() const {
+  TensorView v = rounding_step(0);
+  v.shape[0] = cfg_.layers;
+  return v;
+}
+
 int64_t StatePool::conv_entry_offset(int64_t layer, int part) const {
   int64_t off = lay_.extra_pad + layer * lay_.conv_layer_pitch;
   for (int j = 0; j < part; ++j) off += round_up(lay_.conv_block[j], 32);
