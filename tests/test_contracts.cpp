@@ -1070,16 +1070,22 @@ TEST(Contracts, StateFormatKda) { expect_rejections(state_format_cases(true), tr
 // The CUDA backend does not take quantized states or stochastic rounding yet; ops without a
 // quantized path reject such a state by name. NotImplementedError, nothing written.
 TEST(Contracts, StateFormatNotBuiltYet) {
-  QuantFixture f(false);
+  // ReplaySSM decode's quantized checkpoint runs on the CPU only
+  ReplayFixture f(false);
   const Snapshot before = f.snapshot();
-  PackedDecodeArgs a = f.args;
-  for (TensorView* t : {&a.mixed_qkv, &a.a, &a.b, &a.A_log, &a.dt_bias, &a.state, &a.out,
-                        &a.state_indices, &*a.state_format.scales, &*a.state_format.step})
+  ReplayDecodeArgs a = f.args;
+  a.state = with_dtype(a.state, DType::i8);
+  Tensor qscales = Tensor::contiguous(DType::f32, {a.state.shape[0], kSmall.HV, kSmall.V});
+  a.state_format.scales = qscales.view();
+  for (TensorView* t : {&a.mixed_qkv, &a.a, &a.b, &a.A_log, &a.dt_bias, &a.state, &a.d_cache,
+                        &a.k_cache, &a.g_cache, &a.out, &a.state_indices, &a.write_pos,
+                        &*a.force_flush, &*a.state_format.scales})
     *t = on_cuda(*t);
   expect_error([&] { f.run(a); },
-               "fused_recurrent_gated_delta_rule_packed_decode: float8_e4m3fn states are not "
-               "built for the CUDA backend yet (issue #36); the CPU backend runs them",
+               "fused_recurrent_linear_replayssm_decode: int8 states are not built for the CUDA "
+               "backend yet (issue #36); the CPU backend runs them",
                ErrorKind::not_implemented);
+  EXPECT_TRUE(before.unchanged());
   // the recurrent op: a quantized pool only V-first, in place, without final_state
   RecurrentFixture rf(false);
   const Snapshot rbefore = rf.snapshot();

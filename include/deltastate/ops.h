@@ -50,7 +50,9 @@ namespace deltastate {
 // Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
 // updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
 // checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
-// commit; the CUDA backend rejects them (NotImplementedError).
+// commit. The CUDA backend runs packed decode and the recurrent op on them (a generic kernel,
+// src/cuda/recurrent/direct.cuh; its GPU tests, tests/gpu/test_state_format_gpu.cpp, have not
+// run on a GPU yet) and rejects them in every other op (NotImplementedError).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;

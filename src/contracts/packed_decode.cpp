@@ -157,7 +157,7 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   if (on_cpu && check)
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0],
                             state.shape[0]);
-  check_state_format_backend(op, pool, c.common_device());
+  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/true);
   if (!on_cpu) require_cuda_k(K);
 
   RecurrentProblem p;

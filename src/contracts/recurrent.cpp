@@ -209,7 +209,7 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   if (on_cpu && check && args.state_indices)
     check_slot_indices_host("ssm_state_indices", args.state_indices->data,
                             args.state_indices->dtype, N, index_stride, args.state->shape[0]);
-  check_state_format_backend(op, pool, c.common_device());
+  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/true);
   if (!on_cpu) require_cuda_k(K);
 
   RecurrentProblem p;

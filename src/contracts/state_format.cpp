@@ -90,8 +90,9 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
   }
 }
 
-void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device) {
-  if (device.type != DeviceType::cuda) return;
+void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
+                                bool cuda_built) {
+  if (device.type != DeviceType::cuda || cuda_built) return;
   if (is_quantized(ref.dtype))
     throw Error(ErrorKind::not_implemented,
                 format("%s: %s states are not built for the CUDA backend yet (issue #36); the CPU "

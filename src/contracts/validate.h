@@ -23,8 +23,10 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
                         const TensorView& state, const StateFormatArgs& f, bool op_takes_quantized,
                         StatePoolRef& ref, int64_t step_count = 1);
 // After every other check: the CUDA backend takes neither quantized states nor stochastic
-// rounding yet (NotImplementedError).
-void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device);
+// rounding yet (NotImplementedError), except in the ops that say so (`cuda_built`: packed decode
+// and the recurrent op, on the direct kernel's formatted-state twin).
+void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
+                                bool cuda_built = false);
 
 // SGLang's packed-decode checks with its texts, in its order (`_validate_packed_decode_inputs`);
 // shared by packed decode and the Helion ReplaySSM contract. Registers every tensor's device in
