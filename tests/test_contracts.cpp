@@ -4,6 +4,7 @@
 // memory (every buffer is snapshotted before the call and compared byte for byte after it); and
 // the CUDA kernels' limits, which the validators check for CUDA tensors (not_implemented).
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -946,6 +947,175 @@ TEST(Contracts, CudaLimitsReplaySsm) {
       expect_not_implemented([&] { deltastate::replayssm_decode(gpu); }, message);
     }
   }
+}
+
+}  // namespace
+}  // namespace dstest
+
+// ==== the state's storage format (src/contracts/state_format.cpp) ===============================
+namespace dstest {
+namespace {
+
+using deltastate::StatePool;
+using deltastate::StatePoolConfig;
+using deltastate::StateRounding;
+
+// Packed decode on a float8_e4m3fn StatePool layer (kSmall, 5 slots), rounded stochastically (the
+// format's default) with the pool's step counter.
+struct QuantFixture {
+  bool kda;
+  std::unique_ptr<StatePool> pool;
+  DecodeBatch batch;
+  PackedDecodeArgs args;
+  explicit QuantFixture(bool kda_) : kda(kda_) {
+    Rng rng = test_rng(kda);
+    StatePoolConfig c;
+    c.slots = 5;
+    c.HV = kSmall.HV;
+    c.V = kSmall.V;
+    c.K = kSmall.K;
+    c.state_dtype = DType::f8e4m3;
+    pool = std::make_unique<StatePool>(c);
+    std::memset(pool->data(), 0x3a, static_cast<size_t>(pool->total_bytes()));  // nonzero bytes
+    *static_cast<int64_t*>(pool->rounding_step(0).data) = 0;
+    batch = make_decode_batch(rng, kSmall, kda, {3, -1, 0}, DType::f32);
+    args = batch.packed_args(host_view, pool->layer_state(0), 0.35,
+                             kda ? std::optional<double>(-5.0) : std::nullopt);
+    args.state_format.scales = pool->layer_scales(0);
+    args.state_format.step = pool->rounding_step(0);
+    args.state_format.seed = 7;
+  }
+  void run(const PackedDecodeArgs& a) const {
+    if (kda) deltastate::kda_packed_decode(a);
+    else deltastate::gdn_packed_decode(a);
+  }
+  Snapshot snapshot() const {
+    Snapshot s;
+    s.add(pool->data(), pool->total_bytes());
+    for (const Tensor* t :
+         {&batch.x, &batch.a, &batch.b, &batch.A_log, &batch.dt_bias, &batch.out, &batch.idx})
+      s.add(*t);
+    return s;
+  }
+};
+using QCase = Case<QuantFixture, PackedDecodeArgs>;
+
+std::vector<QCase> state_format_cases(bool kda) {
+  const std::string op =
+      kda ? "fused_recurrent_kda_packed_decode" : "fused_recurrent_gated_delta_rule_packed_decode";
+  return {
+      {"no scales", [](auto&, auto& a) { a.state_format.scales.reset(); },
+       op + ": `state_scales` is required for the float8_e4m3fn state `initial_state`: its fp32 "
+            "scales [slots, HV, V] (StatePool.layer_scales)"},
+      {"scales slots",
+       [](auto&, auto& a) { a.state_format.scales = with_size(*a.state_format.scales, 0, 4); },
+       "`state_scales` must have shape [slots, HV, V]=(5, 4, 16) (one per row of "
+       "`initial_state`); got (4, 4, 16)"},
+      {"scales 4D",
+       [](auto&, auto& a) { a.state_format.scales = with_ndim(*a.state_format.scales, 4); },
+       "`state_scales` must have shape [slots, HV, V]=(5, 4, 16) (one per row of "
+       "`initial_state`); got (5, 4, 16, 1)"},
+      {"scales dtype",
+       [](auto&, auto& a) {
+         a.state_format.scales = with_dtype(*a.state_format.scales, DType::bf16);
+       },
+       "`state_scales` must have dtype float32; got bfloat16"},
+      {"scales inner strides",
+       [](auto&, auto& a) { a.state_format.scales = with_stride(*a.state_format.scales, 1, 17); },
+       "`state_scales` must be contiguous in its [HV, V] inner dimensions (strides (16, 1)); got "
+       "strides (" +
+           std::to_string(QuantFixture(false).pool->layer_scales(0).stride[0]) +
+           ", 17, 1) (an arbitrary slot stride is supported)"},
+      {"scales on another device",
+       [](auto&, auto& a) { a.state_format.scales = on_cuda(*a.state_format.scales); },
+       "All inputs must be on the same device: `mixed_qkv` is on cpu, `state_scales` is on "
+       "cuda:0"},
+      {"no step", [](auto&, auto& a) { a.state_format.step.reset(); },
+       op + ": stochastic rounding of the float8_e4m3fn state `initial_state` needs "
+            "`rounding_step`, an int64 [1] step counter on the state's device "
+            "(StatePool.rounding_step)"},
+      {"step of two",
+       [](auto&, auto& a) { a.state_format.step = with_size(*a.state_format.step, 0, 2); },
+       "`rounding_step` must have one element (an int64 [1] counter); got shape (2,)"},
+      {"step dtype",
+       [](auto&, auto& a) { a.state_format.step = with_dtype(*a.state_format.step, DType::i32); },
+       "`rounding_step` must have dtype int64; got int32"},
+      {"negative layer", [](auto&, auto& a) { a.state_format.layer = -1; },
+       op + ": `rounding_layer` must be >= 0; got -1"},
+      {"step with nearest rounding",
+       [](auto&, auto& a) { a.state_format.rounding = StateRounding::nearest; },
+       op + ": `rounding_step` is given, but the float8_e4m3fn state `initial_state` is rounded "
+            "to nearest (pass state_rounding stochastic, or no step)"},
+      {"scales with a float state",
+       [](auto&, auto& a) {
+         a.state = with_dtype(a.state, DType::f32);
+         a.state = with_stride(a.state, 0, 4);  // any slot stride (in elements)
+       },
+       op + ": `state_scales` applies to float8_e4m3fn and int8 states; `initial_state` is "
+            "float32"},
+      {"stochastic float32",
+       [](auto&, auto& a) {
+         a.state = with_dtype(a.state, DType::f32);
+         a.state_format.scales.reset();
+         a.state_format.rounding = StateRounding::stochastic;
+       },
+       op + ": stochastic rounding applies to bfloat16, float16, float8_e4m3fn and int8 states; "
+            "`initial_state` is float32 (stored exactly)"},
+  };
+}
+
+TEST(Contracts, StateFormatGdn) { expect_rejections(state_format_cases(false), false); }
+TEST(Contracts, StateFormatKda) { expect_rejections(state_format_cases(true), true); }
+
+// The CUDA backend does not take quantized states or stochastic rounding yet; ops without a
+// quantized path reject such a state by name. NotImplementedError, nothing written.
+TEST(Contracts, StateFormatNotBuiltYet) {
+  // ReplaySSM decode's quantized checkpoint runs on the CPU only
+  ReplayFixture f(false);
+  const Snapshot before = f.snapshot();
+  ReplayDecodeArgs a = f.args;
+  a.state = with_dtype(a.state, DType::i8);
+  Tensor qscales = Tensor::contiguous(DType::f32, {a.state.shape[0], kSmall.HV, kSmall.V});
+  a.state_format.scales = qscales.view();
+  for (TensorView* t : {&a.mixed_qkv, &a.a, &a.b, &a.A_log, &a.dt_bias, &a.state, &a.d_cache,
+                        &a.k_cache, &a.g_cache, &a.out, &a.state_indices, &a.write_pos,
+                        &*a.force_flush, &*a.state_format.scales})
+    *t = on_cuda(*t);
+  expect_error([&] { f.run(a); },
+               "fused_recurrent_linear_replayssm_decode: int8 states are not built for the CUDA "
+               "backend yet (issue #36); the CPU backend runs them",
+               ErrorKind::not_implemented);
+  EXPECT_TRUE(before.unchanged());
+  // the recurrent op: a quantized pool only V-first, in place, without final_state
+  RecurrentFixture rf(false);
+  const Snapshot rbefore = rf.snapshot();
+  RecurrentArgs rargs = rf.args;  // with final_state
+  rargs.state = with_dtype(*rargs.state, DType::i8);
+  Tensor scales = Tensor::contiguous(DType::f32, {rargs.state->shape[0], kRec.HV, kRec.V});
+  rargs.state_format.scales = scales.view();
+  expect_error([&] { rf.run(rargs); },
+               "recurrent_gated_delta_rule: int8 states run as a V-first pool updated in place "
+               "(ssm_state_indices, no final_state) for now (issue #36)",
+               ErrorKind::not_implemented);
+  EXPECT_TRUE(rbefore.unchanged());
+  // a tensor without a quantized path is named: the commit's scratch (a float one is needed)
+  Tensor st = Tensor::contiguous(DType::i8, {4, 2, 8, 16});
+  Tensor inter = Tensor::contiguous(DType::i8, {2, 3, 2, 8, 16});
+  Tensor idx = index_tensor({1, 2}), acc = index_tensor({1, 1});
+  deltastate::CommitArgs ca;
+  ca.state = st.view();
+  ca.intermediate_states = inter.view();
+  ca.state_indices = idx.view();
+  ca.accepted = acc.view();
+  Snapshot cbefore;
+  cbefore.add(st).add(inter);
+  expect_error([&] { deltastate::update_state_after_verify(ca); },
+               "`intermediate_states` is a quantized state (int8): this op does not take "
+               "quantized states yet (issue #36; docs/STATE_FORMATS.md lists the ops that do); its "
+               "states are float32, bfloat16 or float16",
+               ErrorKind::not_implemented);
+  EXPECT_TRUE(cbefore.unchanged());
+  EXPECT_TRUE(before.unchanged());
 }
 
 }  // namespace

@@ -373,7 +373,7 @@ TEST(StatePool, ConfigErrors) {
   bad([](StatePoolConfig& c) { c.K = -1; },
       "StatePool needs layers, slots, HV, V, K >= 1; got layers=2, slots=3, HV=4, V=16, K=-1");
   bad([](StatePoolConfig& c) { c.state_dtype = DType::i32; },
-      "StatePool state dtype must be float32, bfloat16 or float16; got int32");
+      "StatePool state dtype must be float32, bfloat16, float16, float8_e4m3fn or int8; got int32");
   bad([](StatePoolConfig& c) { c.envelope_extra_bytes = 8; },
       "StatePool envelope_extra_bytes applies to the envelope layout only and must be >= 0");
   bad([](StatePoolConfig& c) { c.replay_len = -1; }, "ReplaySSM cache length must be at least 1.");
@@ -671,6 +671,136 @@ TEST(StatePool, NullSlotPaddedRowNeverTouchesLiveSlots) {
     else deltastate::gdn_packed_decode(args);
     EXPECT_NE(slot_values(c.layer_state(0), 0), request);
   }
+}
+
+}  // namespace
+}  // namespace dstest
+
+// ---- quantized states (float8_e4m3fn, int8) -----------------------------------------------------
+namespace dstest {
+namespace {
+
+using deltastate::tuple_str;
+
+StatePoolConfig quantized_config(DType dtype, PoolLayout layout) {
+  StatePoolConfig c;
+  c.layers = 3;
+  c.slots = 4;
+  c.HV = 2;
+  c.V = 12;
+  c.K = 20;  // HV*V*K = 480 bytes: the scales start at 480 rounded up to 32 = 480
+  c.state_dtype = dtype;
+  c.layout = layout;
+  c.envelope_extra_bytes = layout == PoolLayout::envelope ? 40 : 0;
+  c.conv_dim = 24;
+  c.conv_dtype = DType::bf16;
+  return c;
+}
+
+TEST(StatePoolQuantized, ViewsForkClearAndAccounting) {
+  for (DType dtype : {DType::f8e4m3, DType::i8}) {
+    for (PoolLayout layout : {PoolLayout::per_layer, PoolLayout::envelope}) {
+      SCOPED_TRACE(std::string(deltastate::dtype_name(dtype)) +
+                   (layout == PoolLayout::envelope ? " envelope" : " per_layer"));
+      const StatePoolConfig c = quantized_config(dtype, layout);
+      StatePool pool(c);
+      const int64_t codes = c.HV * c.V * c.K, scale_bytes = c.HV * c.V * 4;
+      // a (layer, slot) block: codes, scales at the next 32-byte boundary, rounded to 32 bytes
+      const int64_t block = 480 + 96;
+      for (int64_t l = 0; l < c.layers; ++l) {
+        const TensorView st = pool.layer_state(l), sc = pool.layer_scales(l);
+        EXPECT_EQ(st.dtype, dtype);
+        EXPECT_EQ(tuple_str(st.shape, 4), tuple_str({4, 2, 12, 20}));
+        EXPECT_EQ(tuple_str(st.stride + 1, 3), tuple_str({240, 20, 1}));
+        EXPECT_EQ(sc.dtype, DType::f32);
+        EXPECT_EQ(tuple_str(sc.shape, 3), tuple_str({4, 2, 12}));
+        EXPECT_EQ(sc.stride[0] * 4, st.stride[0]);  // the state's slot stride, in bytes
+        EXPECT_EQ(tuple_str(sc.stride + 1, 2), tuple_str({12, 1}));
+        EXPECT_EQ(static_cast<const char*>(sc.data) - static_cast<const char*>(st.data), 480);
+        if (layout == PoolLayout::per_layer) EXPECT_EQ(st.stride[0], block);
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(st.data) % 32, 0u);
+      }
+      const TensorView all = pool.scales();
+      EXPECT_EQ(tuple_str(all.shape, 4), tuple_str({3, 4, 2, 12}));
+      EXPECT_EQ(static_cast<const char*>(all.data) + all.stride[0] * 4 * 2,  // layer 2's scales
+                static_cast<const char*>(pool.layer_scales(2).data));
+      // accounting counts the codes and the scales of every layer
+      const int64_t conv = c.conv_dim * (c.conv_width - 1) * 2;
+      if (layout == PoolLayout::per_layer)
+        EXPECT_EQ(StatePool::bytes_per_slot(c), c.layers * (block + conv) + 4);
+      EXPECT_GE(StatePool::bytes_per_slot(c), c.layers * (codes + scale_bytes));
+      EXPECT_LT(StatePool::bytes_per_slot(c),
+                c.layers * (codes * 4) / 2);  // well under half of fp32 (+ conv windows)
+
+      // fork copies a slot's codes and scales in every layer; allocate clears them
+      const int64_t a = pool.allocate(), b = pool.allocate();
+      for (int64_t l = 0; l < c.layers; ++l) {
+        const TensorView st = pool.layer_state(l), sc = pool.layer_scales(l);
+        char* sa = static_cast<char*>(st.data) + a * st.stride[0];
+        for (int64_t i = 0; i < codes; ++i) sa[i] = static_cast<char>(i * 7 + l);
+        float* fa = static_cast<float*>(sc.data) + a * sc.stride[0];
+        for (int64_t i = 0; i < c.HV * c.V; ++i) fa[i] = 0.5f + i + l;
+      }
+      pool.fork(a, b);
+      for (int64_t l = 0; l < c.layers; ++l) {
+        const TensorView st = pool.layer_state(l), sc = pool.layer_scales(l);
+        EXPECT_EQ(std::memcmp(static_cast<char*>(st.data) + a * st.stride[0],
+                              static_cast<char*>(st.data) + b * st.stride[0], codes),
+                  0);
+        EXPECT_EQ(std::memcmp(static_cast<float*>(sc.data) + a * sc.stride[0],
+                              static_cast<float*>(sc.data) + b * sc.stride[0], scale_bytes),
+                  0);
+      }
+      pool.free(b);
+      const int64_t b2 = pool.allocate();
+      EXPECT_EQ(b2, b);
+      for (int64_t l = 0; l < c.layers; ++l) {
+        const TensorView st = pool.layer_state(l), sc = pool.layer_scales(l);
+        const char* sb = static_cast<char*>(st.data) + b * st.stride[0];
+        EXPECT_TRUE(std::all_of(sb, sb + codes, [](char x) { return x == 0; }));
+        const float* fb = static_cast<float*>(sc.data) + b * sc.stride[0];
+        EXPECT_TRUE(std::all_of(fb, fb + c.HV * c.V, [](float x) { return x == 0.0f; }));
+      }
+      // float8 rounds stochastically by default: one step counter per layer; int8: none
+      if (dtype == DType::f8e4m3) {
+        const TensorView s0 = pool.rounding_step(0), s2 = pool.rounding_step(2);
+        EXPECT_EQ(s0.dtype, DType::i64);
+        EXPECT_EQ(static_cast<int64_t*>(s2.data) - static_cast<int64_t*>(s0.data), 2);
+        EXPECT_EQ(*static_cast<int64_t*>(s2.data), 0);
+      } else {
+        expect_error([&] { pool.rounding_step(0); },
+                     "StatePool.rounding_step: the pool rounds its states to nearest (no step "
+                     "counter; configure state_rounding stochastic)");
+      }
+    }
+  }
+}
+
+TEST(StatePoolQuantized, Errors) {
+  StatePoolConfig f = quantized_config(DType::f32, PoolLayout::per_layer);
+  StatePool fp32(f);
+  expect_error([&] { fp32.layer_scales(0); },
+               "StatePool.layer_scales: the pool's state is float32, which has no scales");
+  StatePoolConfig r = quantized_config(DType::i8, PoolLayout::per_layer);
+  r.spec_rows = 2;
+  r.spec_steps = 3;
+  expect_error([&] { StatePool p(r); },
+               "StatePool with int8 states: the speculative-verify scratch (spec_rows) is not "
+               "built for quantized states yet (issue #36)");
+  // ReplaySSM rings stay float: the d ring float32
+  r.spec_rows = r.spec_steps = 0;
+  r.replay_len = 4;
+  r.H = 2;
+  StatePool rp(r);
+  EXPECT_EQ(rp.d_cache(1).dtype, DType::f32);
+  EXPECT_EQ(
+      static_cast<const char*>(rp.d_cache(1).data) - static_cast<const char*>(rp.d_cache(0).data),
+      4 * 2 * 4 * 12 * 4);  // physical slots * HV * L * V * 4 bytes
+  StatePoolConfig q = quantized_config(DType::f8e4m3, PoolLayout::envelope);
+  q.state_rounding = deltastate::StateRounding::stochastic;
+  StatePool sp(q);
+  expect_error([&] { sp.rounding_step(3); },
+               "StatePool: layer 3 is out of range for a pool of 3 layers");
 }
 
 }  // namespace

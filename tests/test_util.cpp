@@ -40,6 +40,10 @@ void store_value(void* base, DType t, int64_t i, double x) {
     case DType::i64:
       static_cast<int64_t*>(base)[i] = static_cast<int64_t>(x);
       break;
+    case DType::f8e4m3:
+    case DType::i8:  // raw codes (quantized states are written by the tests byte by byte)
+      static_cast<int8_t*>(base)[i] = static_cast<int8_t>(x);
+      break;
   }
 }
 
@@ -55,6 +59,9 @@ double load_value(const void* base, DType t, int64_t i) {
       return static_cast<const int32_t*>(base)[i];
     case DType::i64:
       return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    case DType::f8e4m3:
+    case DType::i8:  // raw codes
+      return static_cast<const int8_t*>(base)[i];
   }
   return 0.0;
 }

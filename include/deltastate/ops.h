@@ -37,6 +37,31 @@
 namespace deltastate {
 
 // ---------------------------------------------------------------------------------------------
+// The storage format of a state an op reads and writes (docs/STATE_FORMATS.md). Every op runs its
+// math in fp32: it loads the state (dequantized: code * the row's scale), computes, and stores it
+// rounded to the state's dtype, a quantized state with a fresh scale per (slot, head, V row).
+//   scales    float8_e4m3fn / int8 states only, where they are required: the fp32 scales
+//             [slots, HV, V] of the state's rows, inner strides (V, 1), any slot stride
+//             (StatePool::layer_scales), rewritten with the state. Unused slots are untouched.
+//   rounding  format_default: stochastic for float8_e4m3fn, nearest otherwise.
+//   step      stochastic rounding: int64 [1] on the state's device (StatePool::rounding_step):
+//             the step of the key (seed, slot, layer, step) of the element's random bits; the op
+//             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
+// Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
+// updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
+// checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
+// commit. The CUDA backend runs packed decode and the recurrent op on them (a generic kernel,
+// src/cuda/recurrent/direct.cuh; its GPU tests, tests/gpu/test_state_format_gpu.cpp, have not
+// run on a GPU yet) and rejects them in every other op (NotImplementedError).
+struct StateFormatArgs {
+  std::optional<TensorView> scales;
+  StateRounding rounding = StateRounding::format_default;
+  std::optional<TensorView> step;
+  int64_t seed = 0;
+  int64_t layer = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Packed decode (T = 1), GDN and KDA: q, k and v come packed in one `mixed_qkv` row.
 //   mixed_qkv [B, 2*H*K + HV*V]  rows `[q(H*K) | k(H*K) | v(HV*V)]`, last-dim stride 1
 //   a         GDN [B, HV]; KDA [B, HV*K]                raw gate logits
@@ -50,6 +75,7 @@ struct PackedDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   std::optional<double> scale;  // unset: K^-0.5
   TensorView state;
+  StateFormatArgs state_format;  // quantized state: its scales; stochastic rounding (above)
   TensorView out;
   TensorView state_indices;
   bool use_qk_l2norm = true;
@@ -113,6 +139,9 @@ struct RecurrentArgs {
   bool round_beta_to_input = false;  // as PackedDecodeArgs
   std::optional<double> scale;       // unset: K^-0.5
   std::optional<TensorView> state, state_indices, cu_seqlens, final_state;
+  // `state`'s format (above): a quantized state needs a pool (state_indices) updated in place,
+  // V-first, without final_state.
+  StateFormatArgs state_format;
   bool update_state = true;
   StateLayout state_layout = StateLayout::v_first;
   // recurrent_kda: enforce FlashInfer's compiled stride contract on `state` (below).
@@ -155,6 +184,7 @@ struct ReplayDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   std::optional<double> scale;  // unset: K^-0.5
   TensorView state, d_cache, k_cache, g_cache;
+  StateFormatArgs state_format;  // the checkpoint's format (above); the rings stay float
   TensorView out;
   TensorView state_indices, write_pos;
   std::optional<TensorView> force_flush;
@@ -239,6 +269,10 @@ struct ChunkPrefillArgs {
   std::optional<TensorView> cu_seqlens;
   std::optional<TensorView> initial_state, initial_state_indices, has_initial_state,
       output_state_indices, final_state;
+  // initial_state's format (above): a quantized pool (with initial_state_indices) is read
+  // dequantized and its final states and checkpoint slots stored requantized; dense final states
+  // and dense checkpoints keep their float dtypes.
+  StateFormatArgs state_format;
   int64_t checkpoint_every_n_tokens = 0;
   std::optional<TensorView> checkpoint_cu_starts, state_checkpoints, checkpoint_slot_indices;
   std::optional<TensorView> workspace;
@@ -369,6 +403,7 @@ struct FusedDecodeStepArgs {
   TensorView a, b, A_log, dt_bias;
   std::optional<double> scale;
   TensorView state, state_indices;
+  StateFormatArgs state_format;  // a quantized state (plain mode only), stochastic rounding
   std::optional<TensorView> norm_weight, z;
   double norm_eps = 1e-6;
   TensorView out;
@@ -440,6 +475,9 @@ struct VerifyArgs {
   bool use_qk_l2norm = true;
   std::optional<TensorView> cu_seqlens;
   TensorView state;
+  // state's format (above). A quantized pool keeps float intermediate_states (any float dtype:
+  // the caller's scratch; a quantized scratch is not built yet) and takes no source_state yet.
+  StateFormatArgs state_format;
   std::optional<TensorView> state_indices;         // [N]; absent: sequence n reads slot n
   std::optional<TensorView> output_state_indices;  // [N] final state's slot (< 0: not stored)
   bool update_state = true;  // store the final state (output_state_indices, else in place)
@@ -472,6 +510,12 @@ void verify(const VerifyArgs& args);
 // skipped, recorded row on CUDA (check_errors).
 struct CommitArgs {
   TensorView state, intermediate_states, state_indices, accepted;
+  // A quantized `state` (with state_format.scales [layers, slots, HV, V] or [slots, HV, V],
+  // StatePool::scales / layer_scales) takes a float intermediate_states (any float dtype): each
+  // accepted state is requantized into its slot with fresh scales, layer l's stochastic bits keyed
+  // by (seed, slot, rounding_layer + l, step[l]) with `step` int64 [layers] (or [1] for one
+  // layer; StatePool::rounding_steps), each advanced once per call. A float state is copied.
+  StateFormatArgs state_format;
   std::optional<TensorView> intermediate_state_indices;
   bool accepted_is_step = false;
   std::optional<bool> check_indices;  // as PackedDecodeArgs

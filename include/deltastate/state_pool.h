@@ -12,6 +12,17 @@
 // Both layouts give views that every op accepts, with 64-bit offsets. Slots are 0..slots-1; a new
 // request takes a slot with allocate() and returns it with free().
 //
+// Quantized states (state_dtype float8_e4m3fn or int8; docs/STATE_FORMATS.md): each (layer,
+// slot) block holds the [HV, V, K] 1-byte codes, then (at a 32-byte boundary) their fp32 scales
+// [HV, V], one per V row; the block is the unit that allocate() clears and fork() copies, and
+// layer_state(l) / layer_scales(l) view it with the block's slot stride (per_layer: the block;
+// envelope: the entry). A zeroed block (codes 0, scales 0) is the zero state. The ReplaySSM rings
+// stay float (the d ring float32); the speculative scratch is not built for them yet.
+// Stochastic rounding (rounds_stochastically(state_dtype, state_rounding)): the pool also holds
+// one int64 step counter per layer (rounding_step(l)); an op given it reads it as the step of
+// the generator's key (rounding_seed, slot, layer, step) and adds 1 on the device, so replaying a
+// captured CUDA graph advances it without the host.
+//
 // Null slot (`null_slot = true`, the layout of SGLang's MambaPool, built by
 // StatePoolConfig::sglang): slot 0 is a dummy row that exists in memory but is never allocated,
 // so a caller may aim padded batch rows at it (SGLang's `clamp(min=0)`, FlashInfer's "index 0 is
@@ -41,7 +52,9 @@ struct StatePoolConfig {
   int64_t layers = 1;
   int64_t slots = 1;
   int64_t HV = 0, V = 0, K = 0;
-  DType state_dtype = DType::f32;
+  DType state_dtype = DType::f32;  // f32, bf16, f16; f8e4m3 or i8 with fp32 scales (above)
+  StateRounding state_rounding = StateRounding::format_default;
+  uint64_t rounding_seed = 0;  // the seed of the stochastic-rounding key
   PoolLayout layout = PoolLayout::per_layer;
   int64_t envelope_extra_bytes = 0;  // envelope only: other per-slot bytes at the entry's start
   // ReplaySSM rings; replay_len = 0 means none. The k ring has H key heads. The d ring has the
@@ -76,6 +89,7 @@ struct StatePoolConfig {
   // intermediate_conv_window). Not per slot: one block, not cleared or forked with slots.
   int64_t spec_rows = 0, spec_steps = 0;
 
+  bool stochastic_rounding() const { return rounds_stochastically(state_dtype, state_rounding); }
   // Rows of every view: slots, plus one with null_slot.
   int64_t physical_slots() const { return slots + (null_slot ? 1 : 0); }
 
@@ -128,11 +142,19 @@ class StatePool {
 
   // --- views (`slots` rows here means config().physical_slots(): slots + 1 with null_slot) ---
   TensorView layer_state(int64_t layer) const;  // [slots, HV, V, K]
-  TensorView d_cache(int64_t layer) const;      // [slots, HV, L, V]      (state dtype)
-  TensorView k_cache(int64_t layer) const;      // [slots, H, L, K]       (ring_k_dtype)
-  TensorView g_cache(int64_t layer) const;      // [slots, HV, L(, K)]    (float32)
-  TensorView write_pos() const;                 // [slots] int32 cursors
-  void* envelope_extra(int64_t slot) const;     // envelope: the entry's first extra bytes
+  // Quantized pools: the fp32 scales of layer_state(layer), [slots, HV, V] (slot stride: the
+  // state's slot stride in bytes / 4); scales(): every layer's, [layers, slots, HV, V].
+  TensorView layer_scales(int64_t layer) const;
+  TensorView scales() const;
+  // Stochastic rounding: the layer's int64 step counter, [1] (zero in a new pool); every
+  // layer's, [layers] (the commit after a verify, which stores every layer).
+  TensorView rounding_step(int64_t layer) const;
+  TensorView rounding_steps() const;
+  TensorView d_cache(int64_t layer) const;   // [slots, HV, L, V] (state dtype; quantized: f32)
+  TensorView k_cache(int64_t layer) const;   // [slots, H, L, K]       (ring_k_dtype)
+  TensorView g_cache(int64_t layer) const;   // [slots, HV, L(, K)]    (float32)
+  TensorView write_pos() const;              // [slots] int32 cursors
+  void* envelope_extra(int64_t slot) const;  // envelope: the entry's first extra bytes
   // Conv windows [slots, dim, conv_width - 1] of one layer (strides per conv_layout; envelope: the
   // entry's slot stride). part -1: the packed window (dim = conv_dim; not with conv_split_qkv);
   // 0, 1, 2: the q, k, v windows (dims H*K, H*K, HV*V; of a packed window, its channel slices).
@@ -175,7 +197,7 @@ class StatePool {
     // A slot's state in every layer as rows of entry_bytes, slot_row_pitch apart: the layers
     // (per_layer) or the one entry (envelope). Clearing and forking a slot copy these rows.
     int64_t slot_rows, slot_row_pitch;
-    int64_t d_offset, k_offset, g_offset, cursor_offset, total;
+    int64_t d_offset, k_offset, g_offset, cursor_offset, step_offset, total;
     // The speculative scratch: states [layers, rows, steps, HV, V, K] from spec_state_offset,
     // conv part j's windows [layers, rows, steps, dim_j, W-1] from spec_conv_offset[j].
     int64_t spec_state_offset, spec_conv_offset[3], spec_end;

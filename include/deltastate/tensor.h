@@ -12,7 +12,9 @@
 
 namespace deltastate {
 
-enum class DType : uint8_t { f32, bf16, f16, i32, i64 };
+// f8e4m3 (torch's float8_e4m3fn) and i8 are storage formats of a quantized state pool only
+// (StatePool state_dtype, with fp32 scales; docs/STATE_FORMATS.md): no op takes them as inputs.
+enum class DType : uint8_t { f32, bf16, f16, i32, i64, f8e4m3, i8 };
 
 // Bytes per element.
 constexpr int64_t dtype_size(DType t) {
@@ -27,6 +29,9 @@ constexpr int64_t dtype_size(DType t) {
       return 4;
     case DType::i64:
       return 8;
+    case DType::f8e4m3:
+    case DType::i8:
+      return 1;
   }
   return 0;
 }
@@ -34,10 +39,22 @@ constexpr bool is_floating(DType t) {
   return t == DType::f32 || t == DType::bf16 || t == DType::f16;
 }
 constexpr bool is_integer(DType t) { return t == DType::i32 || t == DType::i64; }
+// The 1-byte state formats, stored with one fp32 scale per (slot, head, V row).
+constexpr bool is_quantized(DType t) { return t == DType::f8e4m3 || t == DType::i8; }
 
-// Names as frameworks print them ("float32", "bfloat16", ...).
+// How a stored state is rounded (StatePool::state_rounding, the ops' `state_rounding`):
+// format_default is stochastic for float8_e4m3fn and to nearest for every other dtype
+// (docs/STATE_FORMATS.md). Stochastic rounding draws its bits from a counter-based generator keyed
+// by (seed, slot, layer, step).
+enum class StateRounding : uint8_t { format_default, nearest, stochastic };
+constexpr bool rounds_stochastically(DType state, StateRounding r) {
+  return r == StateRounding::stochastic ||
+         (r == StateRounding::format_default && state == DType::f8e4m3);
+}
+
+// Names as frameworks print them ("float32", "bfloat16", ..., "float8_e4m3fn", "int8").
 const char* dtype_name(DType t);
-// Short names ("f32", "bf16", "f16", "i32", "i64"), as the CLI spells them.
+// Short names ("f32", "bf16", "f16", "i32", "i64", "f8e4m3", "i8"), as the CLI spells them.
 const char* dtype_short_name(DType t);
 
 enum class DeviceType : uint8_t { cpu, cuda };

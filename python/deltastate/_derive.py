@@ -14,7 +14,7 @@ import linecache
 import re
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
-from ._surface import BOOL, CHECK, FLOAT, INT64, OPT_FLOAT, REQUIRED, Arg, Op
+from ._surface import BOOL, CHECK, FLOAT, INT64, OPT_FLOAT, REQUIRED, ROUNDING, Arg, Op
 
 
 # ---- the binding ------------------------------------------------------------------------------
@@ -54,6 +54,8 @@ def _convert(arg: Arg) -> str:
         return f"{x} = -1 if {x} is None else int(bool({x}))"
     if arg.kind is INT64:
         return f"{x} = {x} if type({x}) is int else _integer({x}, {x!r})"
+    if arg.kind is ROUNDING:
+        return f"{x} = _rounding({x})"
     return ""
 
 
@@ -61,7 +63,22 @@ def _op_value(arg: Arg, value: Any) -> Any:
     """A public default as the torch op / binding takes it."""
     if arg.kind is CHECK:
         return -1 if value is None else int(bool(value))
+    if arg.kind is ROUNDING:
+        return _rounding(value)
     return value
+
+
+_ROUNDINGS = {None: 0, "nearest": 1, "stochastic": 2}
+
+
+def _rounding(value) -> int:
+    """state_rounding as the binding takes it (0: the format's default, 1 nearest, 2 stochastic);
+    ints pass (the torch op's own calls)."""
+    if type(value) is int and 0 <= value <= 2:
+        return value
+    if value not in _ROUNDINGS:
+        raise ValueError(f"`state_rounding` must be None, 'nearest' or 'stochastic'; got {value!r}")
+    return _ROUNDINGS[value]
 
 
 # ---- generated functions ----------------------------------------------------------------------
@@ -192,7 +209,7 @@ def _schema_defaults(op: Op) -> Dict[str, Any]:
 
     def has_default(a: Arg) -> bool:
         return a.default is not REQUIRED and (a.default is not None or a.kind.schema.endswith("?")
-                                               or a.kind is CHECK)
+                                               or a.kind is CHECK or a.kind is ROUNDING)
 
     if op.schema_defaults_from is not None:
         start = [a.name for a in args].index(op.schema_defaults_from)

@@ -53,6 +53,9 @@ BOOL = Kind("bool", "bool", "a bool", "bool")
 # The binding and the torch op take it as an int: -1 = the default, 0 = off, 1 = on.
 CHECK = Kind("check", "int", "an int", "Optional[bool]")
 INT64 = Kind("int64", "int", "an int", "int")  # an integer count (module.cpp's Kind<int64_t>)
+# How a stored state is rounded: None (the format's default), "nearest" or "stochastic"; the
+# binding and the torch op take it as an int (0, 1, 2; module.cpp's Kind<StateRounding>).
+ROUNDING = Kind("rounding", "int", "None, 'nearest' or 'stochastic'", "Optional[str]")
 # Kinds of public-only arguments (never passed to the binding; read by `Op.prepare` or ignored).
 OPT_BOOL = Kind("bool?", "", "a bool or None", "Optional[bool]")
 INT = Kind("int", "", "an int", "int")
@@ -73,6 +76,22 @@ FLOATING = ("float32", "bfloat16", "float16")
 INDEX = ("int32", "int64")
 INT32 = ("int32",)
 FLOAT32 = ("float32",)
+# A state pool's dtypes: the float ones, and the quantized ones of the ops that take them (a
+# numpy pool's float8 codes come as uint8).
+STATE = FLOATING + ("float8_e4m3fn", "int8", "uint8 (float8_e4m3fn codes)")
+INT64_DT = ("int64",)
+
+
+def _state_format_args() -> Tuple["Arg", ...]:
+    """The state format's keyword arguments (ops.h StateFormatArgs; StatePool.state_format(l)
+    gives them for a pool's layer), last in every op that takes them."""
+    return (
+        Arg("state_scales", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True, keyword=True),
+        Arg("state_rounding", ROUNDING, None, keyword=True),
+        Arg("rounding_step", OPT_TENSOR, None, dtypes=INT64_DT, mutated=True, keyword=True),
+        Arg("rounding_seed", INT64, 0, keyword=True),
+        Arg("rounding_layer", INT64, 0, keyword=True),
+    )
 
 
 @dataclass(frozen=True)
@@ -238,6 +257,14 @@ def _packed(kda: bool) -> Op:
     [slots, HV, V, K] (any slot stride); out [B, 1, HV, V]; ssm_state_indices [B] (< 0: padded
     row; any stride). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
     fp32 beta, as SGLang).
+
+    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 ``initial_state`` with
+    its fp32 ``state_scales`` [slots, HV, V], both updated in place: each live row's state is
+    dequantized, stepped in fp32 and requantized with a fresh per-row scale. ``state_rounding``
+    None (the format's default: stochastic for float8_e4m3fn), "nearest" or "stochastic" (also
+    for bfloat16 / float16 states); stochastic rounding needs ``rounding_step`` (int64 [1], the
+    key's step, advanced by one per call), ``rounding_seed`` and ``rounding_layer``.
+    ``**pool.state_format(layer)`` passes them for a StatePool layer.
     """
     kda_doc = """KDA packed decode (T=1), SGLang's ``fused_recurrent_kda_packed_decode``. As the GDN
     op, with a [B, HV*K] and dt_bias [HV*K]; ``lower_bound`` selects the safe gate. Returns
@@ -254,13 +281,14 @@ def _packed(kda: bool) -> Op:
             Arg("A_log", TENSOR, dtypes=FLOATING),
             Arg("dt_bias", TENSOR, dtypes=FLOATING),
             Arg("scale", OPT_FLOAT),  # None: K^-0.5
-            Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("initial_state", TENSOR, dtypes=STATE, mutated=True),
             Arg("out", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("ssm_state_indices", TENSOR, dtypes=INDEX),
             Arg("use_qk_l2norm_in_kernel", BOOL, False),
             Arg("lower_bound", OPT_FLOAT, None, public=kda),  # KDA: selects the safe gate
             Arg("round_beta", BOOL, False, keyword=True),
             Arg("check_indices", CHECK, None, keyword=True),
+        ) + _state_format_args() + (
             Arg("pdl", BOOL, False, keyword=True),
         ),
         returns=("out", "initial_state"),
@@ -471,7 +499,12 @@ def _recurrent(kda: bool) -> Op:
     prefill-backend options (seq_order, prefill_workspace, state_checkpoints,
     checkpoint_cu_starts, checkpoint_every_n_tokens != 0).
     ``backend`` is checked against FlashInfer's names and otherwise ignored (one backend here).
-    ``round_beta``: round beta to its input dtype (off: fp32, as every op)."""
+    ``round_beta``: round beta to its input dtype (off: fp32, as every op).
+
+    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 pool initial_state with
+    ssm_state_indices (V-first, updated in place, output_final_state False) and the state-format
+    keywords of fused_recurrent_gated_delta_rule_packed_decode (``**pool.state_format(layer)``);
+    a multi-token sequence keeps its state in fp32 and stores it once."""
     gdn_doc = """Recurrent GDN: as :func:`recurrent_kda` with g [B,T,HV] (one decay per value
     head)."""
     return Op(
@@ -512,6 +545,7 @@ def _recurrent(kda: bool) -> Op:
             Arg("backend", STR, "auto", keyword=True, op=False),
             Arg("round_beta", BOOL, False, keyword=True),
             Arg("check_indices", CHECK, None, keyword=True),
+        ) + _state_format_args() + (
             Arg("pdl", BOOL, False, keyword=True),
             # The pool, updated in place.
             Arg("state_pool", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False,
@@ -535,7 +569,9 @@ _RECURRENT_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias",
                        "use_gate_in_kernel", "lower_bound", "beta_is_logit", "round_beta", "scale",
                        "initial_state", "state_pool", "ssm_state_indices", "cu_seqlens",
                        "final_state", "state_v_first", "stride_contract",
-                       "use_qk_l2norm_in_kernel", "check_indices", "pdl")
+                       "use_qk_l2norm_in_kernel", "check_indices", "state_scales",
+                       "state_rounding", "rounding_step", "rounding_seed", "rounding_layer",
+                       "pdl")
 
 
 # ---- FLA's fused-recurrent functions ----------------------------------------------------------
@@ -670,7 +706,8 @@ def _fla(kda: bool) -> Op:
         Arg("ssm_state_indices", OPT_TENSOR, None, dtypes=INDEX, public=False),
         Arg("final_state", OPT_TENSOR, dtypes=FLOATING, mutated=True, public=False),
         Arg("stride_contract", BOOL, False, public=False),
-    )
+        # FLA's functions take no pool: a float state, rounded to nearest.
+    ) + tuple(dataclasses.replace(a, public=False, keyword=False) for a in _state_format_args())
     common_head = (
         Arg("q", TENSOR, dtypes=FLOATING),
         Arg("k", TENSOR, dtypes=FLOATING),
@@ -748,7 +785,12 @@ _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLan
     reproduced). SGLang's ring modes ``cache_base``, ``circular_replay``, ``prefix_gate_cache`` and
     ``predecayed_k_cache`` are not implemented: a value other than the default raises
     NotImplementedError. ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype
-    (off: fp32 beta, the rule of every op and of current SGLang)."""
+    (off: fp32 beta, the rule of every op and of current SGLang).
+
+    Quantized checkpoints (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 initial_state
+    with the state-format keywords of fused_recurrent_gated_delta_rule_packed_decode
+    (``**pool.state_format(layer)``): the checkpoint is loaded dequantized every step and stored
+    with fresh scales on a flush; the rings keep their float dtypes."""
 
 _HELION_DOC = """ReplaySSM buffered decode for KDA, SGLang's Helion
     ``helion_fused_recurrent_kda_replayssm_decode``: its arguments in its order, its argument
@@ -765,7 +807,7 @@ def _replay_head() -> Tuple[Arg, ...]:
         Arg("A_log", TENSOR, dtypes=FLOATING),
         Arg("dt_bias", TENSOR, dtypes=FLOATING),
         Arg("scale", OPT_FLOAT),  # None: K^-0.5
-        Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
+        Arg("initial_state", TENSOR, dtypes=STATE, mutated=True),
         Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
         Arg("k_cache", TENSOR, dtypes=FLOATING, mutated=True),
         Arg("g_cache", TENSOR, dtypes=FLOAT32, mutated=True),
@@ -782,6 +824,7 @@ def _replay_tail(helion: bool) -> Tuple[Arg, ...]:
         Arg("advance_write_pos", BOOL, False, keyword=True),
         Arg("helion", BOOL, helion, public=False),
         Arg("check_indices", CHECK, None, keyword=True),
+    ) + _state_format_args() + (
         Arg("pdl", BOOL, False, keyword=True),
     )
 
@@ -789,7 +832,8 @@ def _replay_tail(helion: bool) -> Tuple[Arg, ...]:
 _REPLAY_OP_ORDER = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "d_cache",
                     "k_cache", "g_cache", "out", "ssm_state_indices", "write_pos", "force_flush",
                     "lower_bound", "use_qk_l2norm_in_kernel", "is_kda", "round_beta",
-                    "advance_write_pos", "helion", "check_indices", "pdl")
+                    "advance_write_pos", "helion", "check_indices", "state_scales",
+                    "state_rounding", "rounding_step", "rounding_seed", "rounding_layer", "pdl")
 
 _REPLAY = Op(
     name="replayssm_decode",
@@ -973,7 +1017,8 @@ _CHUNK_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias", "us
                    "cu_seqlens", "initial_state", "initial_state_indices", "has_initial_state",
                    "output_state_indices", "final_state", "checkpoint_every_n_tokens",
                    "checkpoint_cu_starts", "state_checkpoints", "checkpoint_slot_indices",
-                   "workspace", "check_indices", "pdl")
+                   "workspace", "check_indices", "state_scales", "state_rounding",
+                   "rounding_step", "rounding_seed", "rounding_layer", "pdl")
 
 _CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its order and
     its defaults, returning ``(o, final_state)``; then deltastate's pool arguments (keyword-only).
@@ -1003,7 +1048,13 @@ _CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its 
     copy of cu_seqlens nor a precomputed chunk list{graph}. ``chunk_size`` (FLA's **kwargs,
     default 64) is checked as FLA checks it ({sizes}, FLA's ValueError) and the result computed
     with 64-token chunks: every chunk size gives the same recurrence, up to rounding.
-    ``cp_context`` (context parallelism) other than None raises NotImplementedError."""
+    ``cp_context`` (context parallelism) other than None raises NotImplementedError.
+
+    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 initial_state pool
+    (with initial_state_indices) and the state-format keywords of
+    fused_recurrent_gated_delta_rule_packed_decode (``**pool.state_format(layer)``): the initial
+    states are read dequantized, the final states and the pool's checkpoint slots stored with fresh
+    scales; final_state and state_checkpoints stay float."""
 _CP = "(FLA's context parallelism) is not implemented in deltastate; pass None"
 
 
@@ -1015,7 +1066,7 @@ def _chunk(kda: bool) -> Op:
         Arg("g", TENSOR, dtypes=FLOATING),
         Arg("beta", TENSOR, dtypes=FLOATING),
         Arg("scale", OPT_FLOAT, None),
-        Arg("initial_state", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+        Arg("initial_state", OPT_TENSOR, None, dtypes=STATE, mutated=True),
         Arg("output_final_state", BOOL, False, op=False),
         Arg("use_qk_l2norm_in_kernel", BOOL, False),
     )
@@ -1067,6 +1118,7 @@ def _chunk(kda: bool) -> Op:
         Arg("checkpoint_slot_indices", OPT_TENSOR, None, dtypes=INDEX, keyword=True),
         Arg("workspace", OPT_TENSOR, None, mutated=True, keyword=True),
         Arg("check_indices", CHECK, None, keyword=True),
+    ) + _state_format_args() + (
         Arg("pdl", BOOL, False, keyword=True),
         Arg("output", TENSOR, dtypes=FLOATING, mutated=True, public=False),
         Arg("beta_is_logit", BOOL, False, public=False),
@@ -1193,7 +1245,11 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
     int32 or None and advance_write_pos; ssm_state_indices must then be int32
     (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
-    launch without one, or under DELTASTATE_CUDA_FUSED=cta)."""
+    launch without one, or under DELTASTATE_CUDA_FUSED=cta).
+
+    Quantized pools (CPU, not with ReplaySSM; docs/STATE_FORMATS.md): the state-format keywords
+    of {packed} (``state_scales``, ``state_rounding``, ``rounding_step``, ``rounding_seed``,
+    ``rounding_layer``; ``**pool.state_format(layer)``)."""
 
 
 def _fused_workspace(mixed_qkv, initial_state, d_cache=None):
@@ -1238,7 +1294,8 @@ _FUSED_OP_ORDER = ("mixed_qkv", "conv_weight", "conv_state", "a", "b", "A_log", 
                    "norm_weight", "z", "norm_eps", "use_qk_l2norm_in_kernel", "lower_bound",
                    "conv_state_k", "conv_state_v", "round_beta", "check_indices", "d_cache",
                    "k_cache", "g_cache", "write_pos", "force_flush", "advance_write_pos",
-                   "workspace", "pdl")
+                   "workspace", "state_scales", "state_rounding", "rounding_step",
+                   "rounding_seed", "rounding_layer", "pdl")
 
 
 def _fused(kda: bool) -> Op:
@@ -1258,7 +1315,7 @@ def _fused(kda: bool) -> Op:
             Arg("b", TENSOR, dtypes=FLOATING),
             Arg("A_log", TENSOR, dtypes=FLOATING),
             Arg("dt_bias", TENSOR, dtypes=FLOATING),
-            Arg("initial_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("initial_state", TENSOR, dtypes=STATE, mutated=True),
             Arg("out", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("ssm_state_indices", TENSOR, dtypes=INDEX),
             Arg("conv_bias", OPT_TENSOR, None, dtypes=FLOATING),
@@ -1281,6 +1338,7 @@ def _fused(kda: bool) -> Op:
             Arg("write_pos", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
             Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("advance_write_pos", BOOL, False, keyword=True),
+        ) + _state_format_args() + (
             Arg("workspace", OPT_TENSOR, None, mutated=True, keyword=True),
         ),
         returns=("out", "initial_state"),
@@ -1300,7 +1358,8 @@ _VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt
                     "output_state_indices", "update_state", "intermediate_states",
                     "intermediate_state_indices", "parent_tokens", "token_state_indices",
                     "num_accepted_tokens", "source_state", "source_state_indices",
-                    "check_indices", "pdl")
+                    "check_indices", "state_scales", "state_rounding", "rounding_step",
+                    "rounding_seed", "rounding_layer", "pdl")
 _KEYWORDS = (Arg("round_beta", BOOL, False, keyword=True),
              Arg("check_indices", CHECK, None, keyword=True),
              Arg("pdl", BOOL, False, keyword=True))
@@ -1323,7 +1382,12 @@ _VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind S
     read-only pool the start states come from instead, sequence n from row
     source_state_indices[n] (< 0: padded; not with num_accepted_tokens); the pool is then only
     written (per-token slots, output_state_indices, else in place at state_indices, absent:
-    slot n). Returns ``output``."""
+    slot n). Returns ``output``.
+
+    A quantized pool ``state`` (CPU; docs/STATE_FORMATS.md) with the state-format keywords
+    (``**pool.state_format(layer)``): the start states read dequantized, per-token slots and final
+    states stored with fresh scales; intermediate_states is then a float scratch of the caller's
+    dtype (a quantized scratch is not built yet); source_state is not taken yet."""
 
 
 # Every argument of the verify binding, as the public functions take them; `_hidden` makes the
@@ -1335,7 +1399,7 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("g", TENSOR, dtypes=FLOATING),
     Arg("beta", TENSOR, dtypes=FLOATING),
     Arg("output", TENSOR, dtypes=FLOATING, mutated=True),
-    Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+    Arg("state", TENSOR, dtypes=STATE, mutated=True),
     Arg("state_indices", OPT_TENSOR, None, dtypes=INDEX),
     Arg("A_log", OPT_TENSOR, None, dtypes=FLOATING),
     Arg("dt_bias", OPT_TENSOR, None, dtypes=FLOATING),
@@ -1355,7 +1419,7 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("num_accepted_tokens", OPT_TENSOR, None, dtypes=INDEX),
     Arg("source_state", OPT_TENSOR, None, dtypes=FLOATING),
     Arg("source_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-)}
+) + _state_format_args()}
 
 
 def _hidden(public_op_args, shown_as=(), **defaults) -> Tuple[Arg, ...]:
@@ -1564,9 +1628,14 @@ def _flashinfer_mtp() -> Op:
 
 _COMMIT_OP_ORDER = ("state", "intermediate_states", "state_indices", "accepted",
                     "intermediate_state_indices", "accepted_is_step", "check_indices", "pdl")
+_FORMAT_NAMES = ("state_scales", "state_rounding", "rounding_step", "rounding_seed",
+                 "rounding_layer")
+# The state commit's binding: the format's arguments before pdl.
+_STATE_COMMIT_OP_ORDER = _COMMIT_OP_ORDER[:-1] + _FORMAT_NAMES + ("pdl",)
 
 
-def _commit_op(name: str, pool: str, scratch: str, doc: str) -> Op:
+def _commit_op(name: str, pool: str, scratch: str, doc: str,
+               extra: Tuple["Arg", ...] = ()) -> Op:
     """The plain commit op over `pool` [layers?, slots, ...] from `scratch` [layers?, N_scr,
     T_alloc, ...]: the states' and the conv windows' share every argument but those two."""
     return Op(
@@ -1581,10 +1650,11 @@ def _commit_op(name: str, pool: str, scratch: str, doc: str) -> Op:
             Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
             Arg("accepted_is_step", BOOL, False),
             Arg("check_indices", CHECK, None, keyword=True),
+        ) + extra + (
             Arg("pdl", BOOL, False, keyword=True),
         ),
         returns=pool,
-        op_order=(pool, scratch) + _COMMIT_OP_ORDER[2:],
+        op_order=(pool, scratch) + (_STATE_COMMIT_OP_ORDER if extra else _COMMIT_OP_ORDER)[2:],
     )
 
 
@@ -1593,11 +1663,17 @@ _COMMIT_DOC = """The commit after a verify: for each request b with accepted[b] 
     launch); row_b = intermediate_state_indices[b] (absent: b). state [layers, slots, HV, V, K]
     or [slots, HV, V, K] (any layer and slot strides); intermediate_states [layers, N_scr,
     T_alloc, HV, V, K] or [N_scr, T_alloc, HV, V, K] of state's dtype. Index < 0: skipped. With
-    accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``."""
+    accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``.
+
+    A quantized state (CPU; docs/STATE_FORMATS.md) takes a float intermediate_states (any float
+    dtype) and the state-format keywords with its scales [layers, slots, HV, V] (or [slots, HV,
+    V]) and, for stochastic rounding, one step counter per layer (``**pool.state_format()``: every
+    layer's): each accepted state is requantized into its slot with fresh scales."""
 
 
 def _commit() -> Op:
-    return _commit_op("update_state_after_verify", "state", "intermediate_states", _COMMIT_DOC)
+    return _commit_op("update_state_after_verify", "state", "intermediate_states", _COMMIT_DOC,
+                      _state_format_args())
 
 
 def _scatter_indices(dst_indices_raw, step_indices_raw):
@@ -1671,9 +1747,10 @@ def _sglang_scatter() -> Op:
             Arg("accepted", TENSOR, dtypes=INDEX, public=False, shown_as="step_indices_raw"),
             Arg("intermediate_state_indices", OPT_TENSOR, None, public=False),
             Arg("accepted_is_step", BOOL, True, public=False),
-        ),
+        ) + tuple(dataclasses.replace(a, public=False, keyword=False)
+                  for a in _state_format_args()),
         returns=(),
-        op_order=_COMMIT_OP_ORDER,
+        op_order=_STATE_COMMIT_OP_ORDER,
         schema_defaults_from="intermediate_state_indices",
         prepare=_scatter_prepare,
         fills=("state", "intermediate_states", "state_indices", "accepted"),

@@ -91,6 +91,9 @@ def _number(x: Any, name: str) -> float:
         raise TypeError(f"{name} must be a number (got {type(x).__name__})") from None
 
 
+_rounding = _derive._rounding  # state_rounding as the binding takes it (generated code)
+
+
 def _integer(x: Any, name: str) -> int:
     if x is None or isinstance(x, (bool, float, str, bytes)):
         raise TypeError(f"{name} must be an int (got {type(x).__name__})")

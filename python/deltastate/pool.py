@@ -27,20 +27,35 @@ from ._lib import lib
 
 _ALIGN = 256
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
+# The 1-byte state formats with fp32 scales (docs/STATE_FORMATS.md); state_dtype only.
+_QUANTIZED = ("float8_e4m3fn", "int8")
+_ROUNDINGS = {None: 0, "nearest": 1, "stochastic": 2}
 
 
-def _dtype_name(dtype) -> str:
+def _dtype_name(dtype, quantized_ok: bool = False) -> str:
     name = str(dtype).replace("torch.", "")
-    if name not in _TORCH_DTYPES and not isinstance(dtype, str):
+    allowed = _TORCH_DTYPES + (_QUANTIZED if quantized_ok else ())
+    if name not in allowed and not isinstance(dtype, str):
         try:  # numpy dtypes and scalar types (np.float32, np.dtype("float16"))
             import numpy as np
 
             name = np.dtype(dtype).name
         except TypeError:
             pass
-    if name not in _TORCH_DTYPES:
+    if name not in allowed:
+        if quantized_ok:
+            raise ValueError("StatePool state_dtype must be float32, bfloat16, float16, "
+                             f"float8_e4m3fn or int8; got {dtype}")
         raise ValueError(f"StatePool dtypes must be float32, bfloat16 or float16; got {dtype}")
     return name
+
+
+def _rounding_code(state_rounding) -> int:
+    if state_rounding not in _ROUNDINGS:
+        raise ValueError("StatePool state_rounding must be None (the format's default: "
+                         "stochastic for float8_e4m3fn, nearest otherwise), 'nearest' or "
+                         f"'stochastic'; got {state_rounding!r}")
+    return _ROUNDINGS[state_rounding]
 
 
 def _ints(**values) -> None:
@@ -70,12 +85,14 @@ def _conv_args(conv_dim, conv_width, conv_dtype, conv_layout, conv_split_qkv):
 
 def _config(layers, HV, V, K, state_dtype, layout, envelope_extra_bytes, replay_len, H,
             ring_k_dtype, kda, slots=1, null_slot=False, conv=(0, 4, "float32", False, False),
-            spec=(0, 0)):
+            spec=(0, 0), rounding=(None, 0)):
     """The argument tuple the C++ module takes for a pool configuration."""
-    _ints(spec_rows=spec[0], spec_steps=spec[1])
-    return (layers, slots, HV, V, K, _dtype_name(state_dtype), layout == "envelope",
-            envelope_extra_bytes, replay_len, H, _dtype_name(ring_k_dtype), bool(kda),
-            bool(null_slot)) + tuple(conv) + (int(spec[0]), int(spec[1]))
+    _ints(spec_rows=spec[0], spec_steps=spec[1], rounding_seed=rounding[1])
+    return (layers, slots, HV, V, K, _dtype_name(state_dtype, quantized_ok=True),
+            layout == "envelope", envelope_extra_bytes, replay_len, H, _dtype_name(ring_k_dtype),
+            bool(kda), bool(null_slot)) + tuple(conv) + (int(spec[0]), int(spec[1]),
+                                                          _rounding_code(rounding[0]),
+                                                          int(rounding[1]))
 
 
 def _default_framework() -> str:
@@ -128,6 +145,20 @@ class StatePool:
     op's ``intermediate_states`` and causal_conv1d_update's ``intermediate_conv_window``).
     One block, not per slot (``spec_nbytes``; ``nbytes`` includes it), untouched by allocate and
     fork. :meth:`states` and :meth:`conv_states` view every layer at once, for the commits.
+
+    Quantized states (``state_dtype`` "float8_e4m3fn" or "int8"; docs/STATE_FORMATS.md): 1-byte
+    codes with one fp32 scale per (slot, head, V row), both in the slot's block (so allocate,
+    fork and the envelope layout keep them together; ``nbytes`` counts them).
+    :meth:`layer_state` is a torch ``float8_e4m3fn`` / ``int8`` tensor; numpy has no float8, so a
+    numpy pool's float8 view is the codes as ``uint8`` (the ops take a uint8 state as
+    float8_e4m3fn codes). :meth:`layer_scales` is the fp32 scales [slots, HV, V].
+    ``state_rounding``: None (the format's default: stochastic for float8_e4m3fn, nearest
+    otherwise), "nearest" or "stochastic" (bfloat16 / float16 too). Stochastic rounding draws its
+    bits from a generator keyed by (``rounding_seed``, slot, layer, step); the pool keeps each
+    layer's step counter (:meth:`rounding_step`), which the ops advance on the device.
+    :meth:`state_format` gives the keyword arguments an op needs for a layer. A quantized pool's
+    ReplaySSM d ring is float32 (the rings stay float); it has no speculative scratch yet; the
+    ops that take quantized states are listed in docs/STATE_FORMATS.md.
     """
 
     def __init__(self, layers: int, slots: int, HV: int, V: int, K: int, *,
@@ -136,7 +167,8 @@ class StatePool:
                  device="cpu", framework: Optional[str] = None, null_slot: bool = False,
                  conv_dim: int = 0, conv_width: int = 4, conv_dtype="float32",
                  conv_layout: str = "sglang", conv_split_qkv: bool = False,
-                 spec_rows: int = 0, spec_steps: int = 0):
+                 spec_rows: int = 0, spec_steps: int = 0, state_rounding: Optional[str] = None,
+                 rounding_seed: int = 0):
         _ints(layers=layers, slots=slots, HV=HV, V=V, K=K,
               envelope_extra_bytes=envelope_extra_bytes, replay_len=replay_len, H=H)
         layers, slots, HV, V, K = int(layers), int(slots), int(HV), int(V), int(K)
@@ -153,7 +185,11 @@ class StatePool:
         self.layers, self.slots, self.HV, self.V, self.K = layers, slots, HV, V, K
         self.null_slot = bool(null_slot)
         self.physical_slots = slots + int(self.null_slot)  # rows of every view
-        self.state_dtype = _dtype_name(state_dtype)
+        self.state_dtype = _dtype_name(state_dtype, quantized_ok=True)
+        self.quantized = self.state_dtype in _QUANTIZED
+        _rounding_code(state_rounding)
+        self.state_rounding = state_rounding
+        self.rounding_seed = rounding_seed
         self.ring_k_dtype = _dtype_name(ring_k_dtype)
         self.layout = layout
         self.replay_len = replay_len
@@ -163,7 +199,10 @@ class StatePool:
         self.conv_layout, self.conv_split_qkv = conv_layout, conv[4]
         self._cfg = _config(layers, HV, V, K, self.state_dtype, layout, envelope_extra_bytes,
                             replay_len, H, self.ring_k_dtype, kda, slots=slots,
-                            null_slot=self.null_slot, conv=conv, spec=(spec_rows, spec_steps))
+                            null_slot=self.null_slot, conv=conv, spec=(spec_rows, spec_steps),
+                            rounding=(state_rounding, rounding_seed))
+        self.stochastic = state_rounding == "stochastic" or (
+            state_rounding is None and self.state_dtype == "float8_e4m3fn")
         self.spec_rows, self.spec_steps = int(spec_rows), int(spec_steps)
         sizes = _sizes(self._cfg)
         nbytes = sizes[0]
@@ -252,8 +291,45 @@ class StatePool:
         """[slots, HV, V, K] view of one layer's states (slot stride per the layout)."""
         return self._view("state", layer, self.state_dtype)
 
+    def layer_scales(self, layer: int):
+        """[slots, HV, V] float32 scales of a quantized pool's layer (one per state row; the
+        state's slot stride)."""
+        return self._view("scales", layer, "float32")
+
+    def rounding_step(self, layer: int):
+        """[1] int64: the layer's stochastic-rounding step counter (the ops add 1 per call)."""
+        return self._view("rounding_step", layer, "int64")
+
+    def rounding_steps(self):
+        """[layers] int64: every layer's step counter (the commit after a verify)."""
+        return self._view("rounding_steps", 0, "int64")
+
+    def scales(self):
+        """[layers, slots, HV, V] float32: every layer's scales (the commit's, with
+        :meth:`states`)."""
+        return self._view("all_scales", 0, "float32")
+
+    def state_format(self, layer: Optional[int] = None) -> dict:
+        """The keyword arguments an op needs for this pool's layer ``layer``: ``state_scales``
+        (quantized pools) and, with stochastic rounding, ``state_rounding``, ``rounding_step``,
+        ``rounding_seed`` and ``rounding_layer``. Empty for a float pool rounded to nearest.
+        ``layer`` None: every layer's (:meth:`scales`, :meth:`rounding_steps`), for the commit
+        over :meth:`states`."""
+        kw = {}
+        if self.quantized:
+            kw["state_scales"] = self.scales() if layer is None else self.layer_scales(layer)
+        if self.state_rounding is not None:
+            kw["state_rounding"] = self.state_rounding
+        if self.stochastic:
+            kw.update(rounding_step=(self.rounding_steps() if layer is None
+                                     else self.rounding_step(layer)),
+                      rounding_seed=self.rounding_seed,
+                      rounding_layer=0 if layer is None else int(layer))
+        return kw
+
     def d_cache(self, layer: int):
-        return self._view("d_cache", layer, self.state_dtype)
+        """[slots, HV, L, V]: the state dtype (float32 for a quantized pool)."""
+        return self._view("d_cache", layer, "float32" if self.quantized else self.state_dtype)
 
     def k_cache(self, layer: int):
         return self._view("k_cache", layer, self.ring_k_dtype)
@@ -326,7 +402,8 @@ class StatePool:
 
         if dtype == "bfloat16":
             raise ValueError("numpy has no bfloat16: use framework='torch' for bfloat16 pools")
-        ndt = np.dtype(dtype)
+        # numpy has no float8: the codes as uint8, which the ops read as float8_e4m3fn
+        ndt = np.dtype("uint8" if dtype == "float8_e4m3fn" else dtype)
         typed = self.storage.view(ndt)
         return np.lib.stride_tricks.as_strided(typed[offset // ndt.itemsize:], shape,
                                                [s * ndt.itemsize for s in strides])

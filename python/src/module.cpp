@@ -104,13 +104,23 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLBfloat && t.bits == 16) return ds::DType::bf16;
     if (t.code == kDLInt && t.bits == 32) return ds::DType::i32;
     if (t.code == kDLInt && t.bits == 64) return ds::DType::i64;
+    // The 1-byte state formats (quantized pools): torch's float8_e4m3fn, int8; numpy has no
+    // float8, so a uint8 state (a numpy StatePool's view) is taken as float8_e4m3fn codes. Only
+    // the state arguments may be uint8: elsewhere it is the error below.
+    if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return ds::DType::f8e4m3;
+    if (t.code == kDLInt && t.bits == 8) return ds::DType::i8;
+    const std::string_view arg = name;
+    if (t.code == kDLUInt && t.bits == 8 &&
+        (arg == "initial_state" || arg == "state_pool" || arg == "state"))
+      return ds::DType::f8e4m3;
   }
-  throw ds::Error(ds::ErrorKind::value,
-                  std::string("`") + name + "` has dtype " +
-                      ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
-                      ", which deltastate does not take; use " + ds::dtype_mark("float32") + ", " +
-                      ds::dtype_mark("bfloat16") + ", " + ds::dtype_mark("float16") + ", " +
-                      ds::dtype_mark("int32") + " or " + ds::dtype_mark("int64"));
+  throw ds::Error(
+      ds::ErrorKind::value,
+      std::string("`") + name + "` has dtype " + ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
+          ", which deltastate does not take; use " + ds::dtype_mark("float32") + ", " +
+          ds::dtype_mark("bfloat16") + ", " + ds::dtype_mark("float16") + ", " +
+          ds::dtype_mark("int32") + " or " + ds::dtype_mark("int64") + " (a quantized state: " +
+          ds::dtype_mark("float8_e4m3fn") + " or " + ds::dtype_mark("int8") + ")");
 }
 
 ds::TensorView to_view(const ffi::TensorView& t, const char* name) {
@@ -230,6 +240,19 @@ struct Kind<std::optional<bool>> {
   }
 };
 
+// How a stored state is rounded: an int, 0 = the format's default, 1 = nearest, 2 = stochastic.
+template <>
+struct Kind<ds::StateRounding> {
+  static constexpr const char* name = "rounding";
+  static bool accepts(ffi::AnyView v) {
+    const auto x = v.try_cast<int64_t>();
+    return x && *x >= 0 && *x <= 2;
+  }
+  static void read(ds::StateRounding& dst, ffi::AnyView v, const char*) {
+    dst = static_cast<ds::StateRounding>(*v.try_cast<int64_t>());
+  }
+};
+
 // An integer count (checkpoint_every_n_tokens).
 template <>
 struct Kind<int64_t> {
@@ -258,6 +281,30 @@ struct Field {
     K::read(args.*Member, v, name);
   }
 };
+
+// A field of a member struct of the args (the state format's fields, ops.h StateFormatArgs).
+template <auto Outer, auto Inner>
+struct NestedField {
+  using K = Kind<typename MemberOf<Inner>::Type>;
+  static constexpr const char* kind = K::name;
+  const char* name;
+  static bool accepts(ffi::AnyView v) { return K::accepts(v); }
+  void read(typename MemberOf<Outer>::Class& args, ffi::AnyView v) const {
+    K::read((args.*Outer).*Inner, v, name);
+  }
+};
+
+// The state format's arguments, last in every op that takes them: state_scales, state_rounding,
+// rounding_step, rounding_seed, rounding_layer.
+template <auto Format>
+constexpr auto state_format_fields() {
+  using F = ds::StateFormatArgs;
+  return std::tuple{NestedField<Format, &F::scales>{"state_scales"},
+                    NestedField<Format, &F::rounding>{"state_rounding"},
+                    NestedField<Format, &F::step>{"rounding_step"},
+                    NestedField<Format, &F::seed>{"rounding_seed"},
+                    NestedField<Format, &F::layer>{"rounding_layer"}};
+}
 
 template <class Args, class... Fields>
 struct Binding {
@@ -320,22 +367,24 @@ ffi::Array<ffi::String> signature(const Binding<Args, Fields...>& op) {
 using PD = ds::PackedDecodeArgs;
 constexpr auto packed(const char* name, void (*run)(PD&)) {
   return bind(name, run,
-              std::tuple{
-                  Field<&PD::mixed_qkv>{"mixed_qkv"},
-                  Field<&PD::a>{"a"},
-                  Field<&PD::b>{"b"},
-                  Field<&PD::A_log>{"A_log"},
-                  Field<&PD::dt_bias>{"dt_bias"},
-                  Field<&PD::scale>{"scale"},
-                  Field<&PD::state>{"initial_state"},
-                  Field<&PD::out>{"out"},
-                  Field<&PD::state_indices>{"ssm_state_indices"},
-                  Field<&PD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-                  Field<&PD::lower_bound>{"lower_bound"},
-                  Field<&PD::round_beta_to_input>{"round_beta"},
-                  Field<&PD::check_indices>{"check_indices"},
-                  Field<&PD::pdl>{"pdl"},
-              });
+              std::tuple_cat(
+                  std::tuple{
+                      Field<&PD::mixed_qkv>{"mixed_qkv"},
+                      Field<&PD::a>{"a"},
+                      Field<&PD::b>{"b"},
+                      Field<&PD::A_log>{"A_log"},
+                      Field<&PD::dt_bias>{"dt_bias"},
+                      Field<&PD::scale>{"scale"},
+                      Field<&PD::state>{"initial_state"},
+                      Field<&PD::out>{"out"},
+                      Field<&PD::state_indices>{"ssm_state_indices"},
+                      Field<&PD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                      Field<&PD::lower_bound>{"lower_bound"},
+                      Field<&PD::round_beta_to_input>{"round_beta"},
+                      Field<&PD::check_indices>{"check_indices"},
+                      Field<&PD::pdl>{"pdl"},
+                  },
+                  state_format_fields<&PD::state_format>()));
 }
 
 constexpr auto gdn_packed_decode = packed("gdn_packed_decode", [](PD& a) {
@@ -376,31 +425,33 @@ struct PooledState {
 
 constexpr auto recurrent(const char* name, void (*run)(RA&)) {
   return bind(name, run,
-              std::tuple{
-                  Field<&RA::q>{"q"},
-                  Field<&RA::k>{"k"},
-                  Field<&RA::v>{"v"},
-                  Field<&RA::g>{"g"},
-                  Field<&RA::beta>{"beta"},
-                  Field<&RA::out>{"output"},
-                  Field<&RA::A_log>{"A_log"},
-                  Field<&RA::dt_bias>{"dt_bias"},
-                  Field<&RA::gate_in_kernel>{"use_gate_in_kernel"},
-                  Field<&RA::lower_bound>{"lower_bound"},
-                  Field<&RA::beta_is_logit>{"beta_is_logit"},
-                  Field<&RA::round_beta_to_input>{"round_beta"},
-                  Field<&RA::scale>{"scale"},
-                  ReadState{"initial_state"},
-                  PooledState{"state_pool"},
-                  Field<&RA::state_indices>{"ssm_state_indices"},
-                  Field<&RA::cu_seqlens>{"cu_seqlens"},
-                  Field<&RA::final_state>{"final_state"},
-                  Field<&RA::state_layout>{"state_v_first"},
-                  Field<&RA::stride_contract>{"stride_contract"},
-                  Field<&RA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-                  Field<&RA::check_indices>{"check_indices"},
-                  Field<&RA::pdl>{"pdl"},
-              });
+              std::tuple_cat(
+                  std::tuple{
+                      Field<&RA::q>{"q"},
+                      Field<&RA::k>{"k"},
+                      Field<&RA::v>{"v"},
+                      Field<&RA::g>{"g"},
+                      Field<&RA::beta>{"beta"},
+                      Field<&RA::out>{"output"},
+                      Field<&RA::A_log>{"A_log"},
+                      Field<&RA::dt_bias>{"dt_bias"},
+                      Field<&RA::gate_in_kernel>{"use_gate_in_kernel"},
+                      Field<&RA::lower_bound>{"lower_bound"},
+                      Field<&RA::beta_is_logit>{"beta_is_logit"},
+                      Field<&RA::round_beta_to_input>{"round_beta"},
+                      Field<&RA::scale>{"scale"},
+                      ReadState{"initial_state"},
+                      PooledState{"state_pool"},
+                      Field<&RA::state_indices>{"ssm_state_indices"},
+                      Field<&RA::cu_seqlens>{"cu_seqlens"},
+                      Field<&RA::final_state>{"final_state"},
+                      Field<&RA::state_layout>{"state_v_first"},
+                      Field<&RA::stride_contract>{"stride_contract"},
+                      Field<&RA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                      Field<&RA::check_indices>{"check_indices"},
+                      Field<&RA::pdl>{"pdl"},
+                  },
+                  state_format_fields<&RA::state_format>()));
 }
 
 constexpr auto recurrent_gated_delta_rule = recurrent("recurrent_gated_delta_rule", [](RA& a) {
@@ -420,30 +471,32 @@ constexpr auto replayssm_decode = bind(
       a.stream = stream_for(a.state);
       ds::replayssm_decode(a);
     },
-    std::tuple{
-        Field<&RD::mixed_qkv>{"mixed_qkv"},
-        Field<&RD::a>{"a"},
-        Field<&RD::b>{"b"},
-        Field<&RD::A_log>{"A_log"},
-        Field<&RD::dt_bias>{"dt_bias"},
-        Field<&RD::scale>{"scale"},
-        Field<&RD::state>{"initial_state"},
-        Field<&RD::d_cache>{"d_cache"},
-        Field<&RD::k_cache>{"k_cache"},
-        Field<&RD::g_cache>{"g_cache"},
-        Field<&RD::out>{"out"},
-        Field<&RD::state_indices>{"ssm_state_indices"},
-        Field<&RD::write_pos>{"write_pos"},
-        Field<&RD::force_flush>{"force_flush"},
-        Field<&RD::is_kda>{"is_kda"},
-        Field<&RD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-        Field<&RD::lower_bound>{"lower_bound"},
-        Field<&RD::round_beta_to_input>{"round_beta"},
-        Field<&RD::advance_write_pos>{"advance_write_pos"},
-        Field<&RD::helion>{"helion"},
-        Field<&RD::check_indices>{"check_indices"},
-        Field<&RD::pdl>{"pdl"},
-    });
+    std::tuple_cat(
+        std::tuple{
+            Field<&RD::mixed_qkv>{"mixed_qkv"},
+            Field<&RD::a>{"a"},
+            Field<&RD::b>{"b"},
+            Field<&RD::A_log>{"A_log"},
+            Field<&RD::dt_bias>{"dt_bias"},
+            Field<&RD::scale>{"scale"},
+            Field<&RD::state>{"initial_state"},
+            Field<&RD::d_cache>{"d_cache"},
+            Field<&RD::k_cache>{"k_cache"},
+            Field<&RD::g_cache>{"g_cache"},
+            Field<&RD::out>{"out"},
+            Field<&RD::state_indices>{"ssm_state_indices"},
+            Field<&RD::write_pos>{"write_pos"},
+            Field<&RD::force_flush>{"force_flush"},
+            Field<&RD::is_kda>{"is_kda"},
+            Field<&RD::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+            Field<&RD::lower_bound>{"lower_bound"},
+            Field<&RD::round_beta_to_input>{"round_beta"},
+            Field<&RD::advance_write_pos>{"advance_write_pos"},
+            Field<&RD::helion>{"helion"},
+            Field<&RD::check_indices>{"check_indices"},
+            Field<&RD::pdl>{"pdl"},
+        },
+        state_format_fields<&RD::state_format>()));
 
 // Speculative verify and its commit (the peers' surfaces map onto these in _surface.py).
 using VA = ds::VerifyArgs;
@@ -453,37 +506,39 @@ constexpr auto verify = bind(
       a.stream = stream_for(a.q);
       ds::verify(a);
     },
-    std::tuple{
-        Field<&VA::q>{"q"},
-        Field<&VA::k>{"k"},
-        Field<&VA::v>{"v"},
-        Field<&VA::g>{"g"},
-        Field<&VA::beta>{"beta"},
-        Field<&VA::out>{"output"},
-        Field<&VA::is_kda>{"is_kda"},
-        Field<&VA::A_log>{"A_log"},
-        Field<&VA::dt_bias>{"dt_bias"},
-        Field<&VA::gate_in_kernel>{"use_gate_in_kernel"},
-        Field<&VA::lower_bound>{"lower_bound"},
-        Field<&VA::beta_is_logit>{"beta_is_logit"},
-        Field<&VA::round_beta_to_input>{"round_beta"},
-        Field<&VA::scale>{"scale"},
-        Field<&VA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-        Field<&VA::cu_seqlens>{"cu_seqlens"},
-        Field<&VA::state>{"state"},
-        Field<&VA::state_indices>{"state_indices"},
-        Field<&VA::output_state_indices>{"output_state_indices"},
-        Field<&VA::update_state>{"update_state"},
-        Field<&VA::intermediate_states>{"intermediate_states"},
-        Field<&VA::intermediate_state_indices>{"intermediate_state_indices"},
-        Field<&VA::parent_tokens>{"parent_tokens"},
-        Field<&VA::token_state_indices>{"token_state_indices"},
-        Field<&VA::num_accepted_tokens>{"num_accepted_tokens"},
-        Field<&VA::source_state>{"source_state"},
-        Field<&VA::source_state_indices>{"source_state_indices"},
-        Field<&VA::check_indices>{"check_indices"},
-        Field<&VA::pdl>{"pdl"},
-    });
+    std::tuple_cat(
+        std::tuple{
+            Field<&VA::q>{"q"},
+            Field<&VA::k>{"k"},
+            Field<&VA::v>{"v"},
+            Field<&VA::g>{"g"},
+            Field<&VA::beta>{"beta"},
+            Field<&VA::out>{"output"},
+            Field<&VA::is_kda>{"is_kda"},
+            Field<&VA::A_log>{"A_log"},
+            Field<&VA::dt_bias>{"dt_bias"},
+            Field<&VA::gate_in_kernel>{"use_gate_in_kernel"},
+            Field<&VA::lower_bound>{"lower_bound"},
+            Field<&VA::beta_is_logit>{"beta_is_logit"},
+            Field<&VA::round_beta_to_input>{"round_beta"},
+            Field<&VA::scale>{"scale"},
+            Field<&VA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+            Field<&VA::cu_seqlens>{"cu_seqlens"},
+            Field<&VA::state>{"state"},
+            Field<&VA::state_indices>{"state_indices"},
+            Field<&VA::output_state_indices>{"output_state_indices"},
+            Field<&VA::update_state>{"update_state"},
+            Field<&VA::intermediate_states>{"intermediate_states"},
+            Field<&VA::intermediate_state_indices>{"intermediate_state_indices"},
+            Field<&VA::parent_tokens>{"parent_tokens"},
+            Field<&VA::token_state_indices>{"token_state_indices"},
+            Field<&VA::num_accepted_tokens>{"num_accepted_tokens"},
+            Field<&VA::source_state>{"source_state"},
+            Field<&VA::source_state_indices>{"source_state_indices"},
+            Field<&VA::check_indices>{"check_indices"},
+            Field<&VA::pdl>{"pdl"},
+        },
+        state_format_fields<&VA::state_format>()));
 
 using CA = ds::CommitArgs;
 constexpr auto update_state_after_verify = bind(
@@ -492,16 +547,18 @@ constexpr auto update_state_after_verify = bind(
       a.stream = stream_for(a.state);
       ds::update_state_after_verify(a);
     },
-    std::tuple{
-        Field<&CA::state>{"state"},
-        Field<&CA::intermediate_states>{"intermediate_states"},
-        Field<&CA::state_indices>{"state_indices"},
-        Field<&CA::accepted>{"accepted"},
-        Field<&CA::intermediate_state_indices>{"intermediate_state_indices"},
-        Field<&CA::accepted_is_step>{"accepted_is_step"},
-        Field<&CA::check_indices>{"check_indices"},
-        Field<&CA::pdl>{"pdl"},
-    });
+    std::tuple_cat(
+        std::tuple{
+            Field<&CA::state>{"state"},
+            Field<&CA::intermediate_states>{"intermediate_states"},
+            Field<&CA::state_indices>{"state_indices"},
+            Field<&CA::accepted>{"accepted"},
+            Field<&CA::intermediate_state_indices>{"intermediate_state_indices"},
+            Field<&CA::accepted_is_step>{"accepted_is_step"},
+            Field<&CA::check_indices>{"check_indices"},
+            Field<&CA::pdl>{"pdl"},
+        },
+        state_format_fields<&CA::state_format>()));
 
 using CCA = ds::ConvCommitArgs;
 constexpr auto update_conv_state_after_verify = bind(
@@ -525,34 +582,36 @@ constexpr auto update_conv_state_after_verify = bind(
 using CP = ds::ChunkPrefillArgs;
 constexpr auto chunk(const char* name, void (*run)(CP&)) {
   return bind(name, run,
-              std::tuple{
-                  Field<&CP::q>{"q"},
-                  Field<&CP::k>{"k"},
-                  Field<&CP::v>{"v"},
-                  Field<&CP::g>{"g"},
-                  Field<&CP::beta>{"beta"},
-                  Field<&CP::out>{"output"},
-                  Field<&CP::A_log>{"A_log"},
-                  Field<&CP::dt_bias>{"dt_bias"},
-                  Field<&CP::gate_in_kernel>{"use_gate_in_kernel"},
-                  Field<&CP::lower_bound>{"lower_bound"},
-                  Field<&CP::beta_is_logit>{"beta_is_logit"},
-                  Field<&CP::scale>{"scale"},
-                  Field<&CP::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-                  Field<&CP::cu_seqlens>{"cu_seqlens"},
-                  Field<&CP::initial_state>{"initial_state"},
-                  Field<&CP::initial_state_indices>{"initial_state_indices"},
-                  Field<&CP::has_initial_state>{"has_initial_state"},
-                  Field<&CP::output_state_indices>{"output_state_indices"},
-                  Field<&CP::final_state>{"final_state"},
-                  Field<&CP::checkpoint_every_n_tokens>{"checkpoint_every_n_tokens"},
-                  Field<&CP::checkpoint_cu_starts>{"checkpoint_cu_starts"},
-                  Field<&CP::state_checkpoints>{"state_checkpoints"},
-                  Field<&CP::checkpoint_slot_indices>{"checkpoint_slot_indices"},
-                  Field<&CP::workspace>{"workspace"},
-                  Field<&CP::check_indices>{"check_indices"},
-                  Field<&CP::pdl>{"pdl"},
-              });
+              std::tuple_cat(
+                  std::tuple{
+                      Field<&CP::q>{"q"},
+                      Field<&CP::k>{"k"},
+                      Field<&CP::v>{"v"},
+                      Field<&CP::g>{"g"},
+                      Field<&CP::beta>{"beta"},
+                      Field<&CP::out>{"output"},
+                      Field<&CP::A_log>{"A_log"},
+                      Field<&CP::dt_bias>{"dt_bias"},
+                      Field<&CP::gate_in_kernel>{"use_gate_in_kernel"},
+                      Field<&CP::lower_bound>{"lower_bound"},
+                      Field<&CP::beta_is_logit>{"beta_is_logit"},
+                      Field<&CP::scale>{"scale"},
+                      Field<&CP::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                      Field<&CP::cu_seqlens>{"cu_seqlens"},
+                      Field<&CP::initial_state>{"initial_state"},
+                      Field<&CP::initial_state_indices>{"initial_state_indices"},
+                      Field<&CP::has_initial_state>{"has_initial_state"},
+                      Field<&CP::output_state_indices>{"output_state_indices"},
+                      Field<&CP::final_state>{"final_state"},
+                      Field<&CP::checkpoint_every_n_tokens>{"checkpoint_every_n_tokens"},
+                      Field<&CP::checkpoint_cu_starts>{"checkpoint_cu_starts"},
+                      Field<&CP::state_checkpoints>{"state_checkpoints"},
+                      Field<&CP::checkpoint_slot_indices>{"checkpoint_slot_indices"},
+                      Field<&CP::workspace>{"workspace"},
+                      Field<&CP::check_indices>{"check_indices"},
+                      Field<&CP::pdl>{"pdl"},
+                  },
+                  state_format_fields<&CP::state_format>()));
 }
 
 constexpr auto chunk_gated_delta_rule = chunk("chunk_gated_delta_rule", [](CP& a) {
@@ -597,38 +656,40 @@ constexpr auto causal_conv1d_update = bind(
 using FS = ds::FusedDecodeStepArgs;
 constexpr auto fused_step(const char* name, void (*run)(FS&)) {
   return bind(name, run,
-              std::tuple{
-                  Field<&FS::mixed_qkv>{"mixed_qkv"},
-                  Field<&FS::conv_weight>{"conv_weight"},
-                  Field<&FS::conv_bias>{"conv_bias"},
-                  Field<&FS::conv_silu>{"conv_silu"},
-                  Field<&FS::conv_state>{"conv_state"},
-                  Field<&FS::conv_state_k>{"conv_state_k"},
-                  Field<&FS::conv_state_v>{"conv_state_v"},
-                  Field<&FS::a>{"a"},
-                  Field<&FS::b>{"b"},
-                  Field<&FS::A_log>{"A_log"},
-                  Field<&FS::dt_bias>{"dt_bias"},
-                  Field<&FS::scale>{"scale"},
-                  Field<&FS::state>{"initial_state"},
-                  Field<&FS::state_indices>{"ssm_state_indices"},
-                  Field<&FS::norm_weight>{"norm_weight"},
-                  Field<&FS::z>{"z"},
-                  Field<&FS::norm_eps>{"norm_eps"},
-                  Field<&FS::out>{"out"},
-                  Field<&FS::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-                  Field<&FS::lower_bound>{"lower_bound"},
-                  Field<&FS::round_beta_to_input>{"round_beta"},
-                  Field<&FS::check_indices>{"check_indices"},
-                  Field<&FS::pdl>{"pdl"},
-                  Field<&FS::d_cache>{"d_cache"},
-                  Field<&FS::k_cache>{"k_cache"},
-                  Field<&FS::g_cache>{"g_cache"},
-                  Field<&FS::write_pos>{"write_pos"},
-                  Field<&FS::force_flush>{"force_flush"},
-                  Field<&FS::advance_write_pos>{"advance_write_pos"},
-                  Field<&FS::workspace>{"workspace"},
-              });
+              std::tuple_cat(
+                  std::tuple{
+                      Field<&FS::mixed_qkv>{"mixed_qkv"},
+                      Field<&FS::conv_weight>{"conv_weight"},
+                      Field<&FS::conv_bias>{"conv_bias"},
+                      Field<&FS::conv_silu>{"conv_silu"},
+                      Field<&FS::conv_state>{"conv_state"},
+                      Field<&FS::conv_state_k>{"conv_state_k"},
+                      Field<&FS::conv_state_v>{"conv_state_v"},
+                      Field<&FS::a>{"a"},
+                      Field<&FS::b>{"b"},
+                      Field<&FS::A_log>{"A_log"},
+                      Field<&FS::dt_bias>{"dt_bias"},
+                      Field<&FS::scale>{"scale"},
+                      Field<&FS::state>{"initial_state"},
+                      Field<&FS::state_indices>{"ssm_state_indices"},
+                      Field<&FS::norm_weight>{"norm_weight"},
+                      Field<&FS::z>{"z"},
+                      Field<&FS::norm_eps>{"norm_eps"},
+                      Field<&FS::out>{"out"},
+                      Field<&FS::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+                      Field<&FS::lower_bound>{"lower_bound"},
+                      Field<&FS::round_beta_to_input>{"round_beta"},
+                      Field<&FS::check_indices>{"check_indices"},
+                      Field<&FS::pdl>{"pdl"},
+                      Field<&FS::d_cache>{"d_cache"},
+                      Field<&FS::k_cache>{"k_cache"},
+                      Field<&FS::g_cache>{"g_cache"},
+                      Field<&FS::write_pos>{"write_pos"},
+                      Field<&FS::force_flush>{"force_flush"},
+                      Field<&FS::advance_write_pos>{"advance_write_pos"},
+                      Field<&FS::workspace>{"workspace"},
+                  },
+                  state_format_fields<&FS::state_format>()));
 }
 
 constexpr auto gdn_fused_decode_step = fused_step("gdn_fused_decode_step", [](FS& a) {
@@ -758,6 +819,8 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
   if (s == "float32") return ds::DType::f32;
   if (s == "bfloat16") return ds::DType::bf16;
   if (s == "float16") return ds::DType::f16;
+  if (s == "float8_e4m3fn") return ds::DType::f8e4m3;  // quantized pool states
+  if (s == "int8") return ds::DType::i8;
   throw ds::Error(ds::ErrorKind::value, std::string(what) +
                                             " must be float32, bfloat16 or "
                                             "float16; got " +
@@ -797,7 +860,7 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
                                 const std::string& ring_k_dtype, bool kda, bool null_slot,
                                 int64_t conv_dim, int64_t conv_width, const std::string& conv_dtype,
                                 bool conv_dim_contiguous, bool conv_split_qkv, int64_t spec_rows,
-                                int64_t spec_steps) {
+                                int64_t spec_steps, int64_t state_rounding, int64_t rounding_seed) {
   ds::StatePoolConfig c;
   c.layers = layers;
   c.slots = slots;
@@ -820,6 +883,10 @@ ds::StatePoolConfig pool_config(int64_t layers, int64_t slots, int64_t HV, int64
   c.conv_split_qkv = conv_split_qkv;
   c.spec_rows = spec_rows;
   c.spec_steps = spec_steps;
+  if (state_rounding < 0 || state_rounding > 2)
+    throw ds::Error(ds::ErrorKind::value, "StatePool state_rounding must be 0, 1 or 2");
+  c.state_rounding = static_cast<ds::StateRounding>(state_rounding);
+  c.rounding_seed = static_cast<uint64_t>(rounding_seed);
   return c;
 }
 
@@ -839,12 +906,12 @@ ffi::Array<int64_t> pool_sizes(int64_t layers, int64_t slots, int64_t HV, int64_
                                bool null_slot, int64_t conv_dim, int64_t conv_width,
                                ffi::String conv_dtype, bool conv_dim_contiguous,
                                bool conv_split_qkv, int64_t spec_rows, int64_t spec_steps,
-                               int64_t budget) {
+                               int64_t state_rounding, int64_t rounding_seed, int64_t budget) {
   return guarded([&] {
-    const ds::StatePoolConfig c =
-        pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H,
-                    ring_k_dtype, kda, null_slot, conv_dim, conv_width, conv_dtype,
-                    conv_dim_contiguous, conv_split_qkv, spec_rows, spec_steps);
+    const ds::StatePoolConfig c = pool_config(
+        layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H, ring_k_dtype, kda,
+        null_slot, conv_dim, conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv, spec_rows,
+        spec_steps, state_rounding, rounding_seed);
     const std::vector<int64_t> v{ds::StatePool::required_bytes(c), ds::StatePool::bytes_per_slot(c),
                                  ds::StatePool::slots_for_budget(c, budget),
                                  ds::StatePool::spec_bytes(c)};
@@ -866,12 +933,12 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
     ffi::String state_dtype, bool envelope, int64_t extra, int64_t replay_len, int64_t H,
     ffi::String ring_k_dtype, bool kda, bool null_slot, int64_t conv_dim, int64_t conv_width,
     ffi::String conv_dtype, bool conv_dim_contiguous, bool conv_split_qkv, int64_t spec_rows,
-    int64_t spec_steps) {
+    int64_t spec_steps, int64_t state_rounding, int64_t rounding_seed) {
   return guarded([&] {
-    ds::StatePoolConfig c =
-        pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra, replay_len, H,
-                    ring_k_dtype, kda, null_slot, conv_dim, conv_width, conv_dtype,
-                    conv_dim_contiguous, conv_split_qkv, spec_rows, spec_steps);
+    ds::StatePoolConfig c = pool_config(layers, slots, HV, V, K, state_dtype, envelope, extra,
+                                        replay_len, H, ring_k_dtype, kda, null_slot, conv_dim,
+                                        conv_width, conv_dtype, conv_dim_contiguous, conv_split_qkv,
+                                        spec_rows, spec_steps, state_rounding, rounding_seed);
     const DLDevice dev = storage.device();
     c.device = dev.device_type == kDLCUDA ? ds::Device::cuda(dev.device_id) : ds::Device::cpu();
     void* base = static_cast<char*>(storage.data_ptr()) + storage.byte_offset();
@@ -914,6 +981,10 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
               else if (w == "conv_k") v = pool->conv_state(layer, 1);
               else if (w == "conv_v") v = pool->conv_state(layer, 2);
               else if (w == "states") v = pool->states();
+              else if (w == "scales") v = pool->layer_scales(layer);
+              else if (w == "all_scales") v = pool->scales();
+              else if (w == "rounding_step") v = pool->rounding_step(layer);
+              else if (w == "rounding_steps") v = pool->rounding_steps();
               else if (w == "inter_states")
                 v = layer < 0 ? pool->intermediate_states() : pool->intermediate_states(layer);
               else if (w.rfind("conv_states", 0) == 0) v = pool->conv_states(conv_part(w));

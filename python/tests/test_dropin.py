@@ -301,7 +301,7 @@ def test_dtypes_printed_as_the_framework_does():
                                                           out, idx)
     assert str(e.value) == ("`a` has dtype torch.float64, which deltastate does not take; use "
                             "torch.float32, torch.bfloat16, torch.float16, torch.int32 or "
-                            "torch.int64")
+                            "torch.int64 (a quantized state: torch.float8_e4m3fn or torch.int8)")
     with pytest.raises(ValueError) as e:
         ds.fused_recurrent_gated_delta_rule_packed_decode(x, a, b, A_log, dt, None, st, out,
                                                           idx.float())
@@ -313,7 +313,8 @@ def test_dtypes_printed_as_the_framework_does():
             n["x"], n["a"].astype(np.int16), n["b"], n["A_log"], n["dt"], None, n["st"],
             out.numpy(), idx.numpy())
     assert str(e.value) == ("`a` has dtype int16, which deltastate does not take; use float32, "
-                            "bfloat16, float16, int32 or int64")
+                            "bfloat16, float16, int32 or int64 (a quantized state: float8_e4m3fn "
+                            "or int8)")
     assert "DLPack" not in str(e.value) and "\x1f" not in str(e.value)
 
 

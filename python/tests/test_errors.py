@@ -473,7 +473,7 @@ def test_unsupported_dtypes_and_read_only(rng):
     args = packed_args(np_fw, rng, False)
     expect_error(lambda a: call_packed(False, a), dict(args, a=args["a"].astype(np.float64)),
                  "`a` has dtype float64, which deltastate does not take; use float32, bfloat16, "
-                 "float16, int32 or int64")
+                 "float16, int32 or int64 (a quantized state: float8_e4m3fn or int8)")
     ro = args["A_log"].copy()
     ro.flags.writeable = False
     expect_error(lambda a: call_packed(False, a), dict(args, A_log=ro),
@@ -514,3 +514,68 @@ def test_pdl_keyword_errors_unchanged(fw, rng):
     args = packed_args(fw, rng, False)
     with pytest.raises(TypeError):  # positional: one too many
         ds.fused_recurrent_gated_delta_rule_packed_decode(*args.values(), True, True)
+
+
+# ---- quantized states (float8_e4m3fn, int8 with fp32 scales) ------------------------------------
+def quantized_args(fw, rng, dtype="float8_e4m3fn"):
+    """Packed-decode arguments on a quantized StatePool layer (S slots), stochastic rounding for
+    float8 (its default), with the pool's keywords."""
+    pool = ds.StatePool(layers=1, slots=S, HV=HV, V=V, K=K, state_dtype=dtype, framework=fw.name)
+    st, sc = pool.layer_state(0), pool.layer_scales(0)
+    codes = rng.integers(0, 100, (S, HV, V, K))  # finite codes of either format
+    if fw.name == "torch":
+        st.view(torch.uint8).copy_(torch.from_numpy(codes.astype(np.uint8)))
+        sc.copy_(torch.from_numpy(rng.uniform(0.01, 1, (S, HV, V)).astype(np.float32)))
+    else:
+        st[...] = codes.astype(st.dtype)
+        sc[...] = rng.uniform(0.01, 1, (S, HV, V))
+    args = dict(packed_args(fw, rng, False), initial_state=st, **pool.state_format(0))
+    return pool, args
+
+
+def test_quantized_state_errors(fw, rng):
+    op = "fused_recurrent_gated_delta_rule_packed_decode"
+    call = lambda a: call_packed(False, a)  # noqa: E731
+    pool, args = quantized_args(fw, rng)
+    bad = dict(args)
+    del bad["state_scales"]
+    expect_error(call, bad, f"{op}: `state_scales` is required for the float8_e4m3fn state "
+                 "`initial_state`: its fp32 scales [slots, HV, V] (StatePool.layer_scales)")
+    expect_error(call, dict(args, state_scales=args["state_scales"][:, :, :8]),
+                 "`state_scales` must have shape [slots, HV, V]=(5, 4, 16) (one per row of "
+                 "`initial_state`); got (5, 4, 8)")
+    expect_error(call, dict(args, state_scales=fw.full((S, HV, V), 0.0, "float16")),
+                 spelled(fw, "`state_scales` must have dtype float32; got float16"))
+    bad = dict(args)
+    del bad["rounding_step"]
+    expect_error(call, bad, f"{op}: stochastic rounding of the float8_e4m3fn state "
+                 "`initial_state` needs `rounding_step`, an int64 [1] step counter on the "
+                 "state's device (StatePool.rounding_step)")
+    expect_error(call, dict(args, rounding_step=fw.idx([0], "int32")),
+                 spelled(fw, "`rounding_step` must have dtype int64; got int32"))
+    expect_error(call, dict(args, state_rounding="nearest"),
+                 f"{op}: `rounding_step` is given, but the float8_e4m3fn state `initial_state` is "
+                 "rounded to nearest (pass state_rounding stochastic, or no step)")
+    expect_error(call, dict(args, state_rounding="up"),
+                 "`state_rounding` must be None, 'nearest' or 'stochastic'; got 'up'")
+    float_args = packed_args(fw, rng, False)
+    expect_error(call, dict(float_args, state_scales=args["state_scales"]),
+                 f"{op}: `state_scales` applies to float8_e4m3fn and int8 states; "
+                 "`initial_state` is float32")
+    expect_error(call, dict(float_args, state_rounding="stochastic"),
+                 f"{op}: stochastic rounding applies to bfloat16, float16, float8_e4m3fn and int8 "
+                 "states; `initial_state` is float32 (stored exactly)")
+    # a tensor without a quantized path is named (the commit's scratch must be float)
+    ipool, iargs = quantized_args(fw, rng, "int8")
+    st = iargs["initial_state"]
+    inter = fw.from64(np.zeros((2, 3, HV, V, K)), "int8")
+    cargs = {"state": st, "intermediate_states": inter, "state_indices": fw.idx([1, 2]),
+             "accepted": fw.idx([1, 1])}
+    expect_error(lambda a: ds.update_state_after_verify(**a), cargs,
+                 "`intermediate_states` is a quantized state "
+                 f"({'torch.' if fw.name == 'torch' else ''}"
+                 "int8): this op does not take quantized states yet (issue #36; "
+                 "docs/STATE_FORMATS.md lists the ops that do); its states are float32, bfloat16 "
+                 "or float16",
+                 NotImplementedError)
+    assert int(pool.rounding_step(0)[0]) == 0  # no rejected call advanced the step

@@ -19,12 +19,17 @@ _FLASHINFER_RECURRENT = (
     "num_accepted_tokens=None, output=None, initial_state_source=None, "
     "initial_state_indices=None, beta_is_logit=False, seq_order=None, prefill_workspace=None, "
     "state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0, *, "
-    "backend='auto', round_beta=False, check_indices=None, pdl=False)")
+    "backend='auto', round_beta=False, check_indices=None, state_scales=None, "
+    "state_rounding=None, rounding_step=None, rounding_seed=0, rounding_layer=0, pdl=False)")
 _CHUNK_POOL = (
     "*, {kw}transpose_state_layout=None, initial_state_indices=None, has_initial_state=None, "
     "output_state_indices=None, checkpoint_every_n_tokens=0, checkpoint_cu_starts=None, "
     "state_checkpoints=None, checkpoint_slot_indices=None, workspace=None, check_indices=None, "
-    "pdl=False)")
+    "state_scales=None, state_rounding=None, rounding_step=None, rounding_seed=0, "
+    "rounding_layer=0, pdl=False)")
+# The state format's keywords (quantized pools, stochastic rounding), after the peer's own.
+_STATE_FORMAT_PUBLIC = ("state_scales=None, state_rounding=None, rounding_step=None, "
+                        "rounding_seed=0, rounding_layer=0, pdl=False)")
 _REPLAY_HEAD = ("(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, "
                 "g_cache, out, ssm_state_indices, write_pos, force_flush=None, ")
 PUBLIC = {
@@ -44,11 +49,12 @@ PUBLIC = {
         + _CHUNK_POOL.format(kw="A_log=None, dt_bias=None, chunk_size=64, "),
     "fused_recurrent_gated_delta_rule_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
-        "use_qk_l2norm_in_kernel=False, *, round_beta=False, check_indices=None, pdl=False)",
+        "use_qk_l2norm_in_kernel=False, *, round_beta=False, check_indices=None, "
+        + _STATE_FORMAT_PUBLIC,
     "fused_recurrent_kda_packed_decode":
         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
         "use_qk_l2norm_in_kernel=False, lower_bound=None, *, round_beta=False, "
-        "check_indices=None, pdl=False)",
+        "check_indices=None, " + _STATE_FORMAT_PUBLIC,
     "recurrent_kda": _FLASHINFER_RECURRENT,
     "recurrent_gated_delta_rule": _FLASHINFER_RECURRENT,
     "fused_recurrent_gated_delta_rule":
@@ -67,19 +73,19 @@ PUBLIC = {
         "lower_bound=None, use_qk_l2norm_in_kernel=False, is_kda=False, block_v=None, "
         "num_warps=1, num_stages=3, nk=2, cache_base=None, circular_replay=False, "
         "prefix_gate_cache=False, predecayed_k_cache=False, *, round_beta=False, "
-        "advance_write_pos=False, check_indices=None, pdl=False)"),
+        "advance_write_pos=False, check_indices=None, " + _STATE_FORMAT_PUBLIC),
     "helion_fused_recurrent_kda_replayssm_decode": _REPLAY_HEAD + (
         "use_qk_l2norm_in_kernel=False, lower_bound=None, *, round_beta=False, "
-        "advance_write_pos=False, check_indices=None, pdl=False)"),
+        "advance_write_pos=False, check_indices=None, " + _STATE_FORMAT_PUBLIC),
     # speculative verify and its commit
     "verify":
-        '(q, k, v, g, beta, output, state, state_indices=None, A_log=None, dt_bias=None, scale=None, is_kda=False, use_gate_in_kernel=True, lower_bound=None, beta_is_logit=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, update_state=True, output_state_indices=None, intermediate_states=None, intermediate_state_indices=None, parent_tokens=None, token_state_indices=None, num_accepted_tokens=None, source_state=None, source_state_indices=None, *, round_beta=False, check_indices=None, pdl=False)',
+        '(q, k, v, g, beta, output, state, state_indices=None, A_log=None, dt_bias=None, scale=None, is_kda=False, use_gate_in_kernel=True, lower_bound=None, beta_is_logit=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, update_state=True, output_state_indices=None, intermediate_states=None, intermediate_state_indices=None, parent_tokens=None, token_state_indices=None, num_accepted_tokens=None, source_state=None, source_state_indices=None, *, state_scales=None, state_rounding=None, rounding_step=None, rounding_seed=0, rounding_layer=0, round_beta=False, check_indices=None, pdl=False)',
     "fused_sigmoid_gating_delta_rule_update":
         '(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, initial_state_source, initial_state_indices, scale=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None, is_kda=False, disable_state_update=False, intermediate_states_buffer=None, intermediate_state_indices=None, cache_steps=None, retrieve_parent_token=None, *, round_beta=False, check_indices=None, pdl=False)',
     "gated_delta_rule_mtp":
         '(q, k, v, initial_state, initial_state_indices, A_log, a, dt_bias, b, scale=None, output=None, intermediate_states_buffer=None, ssm_state_indices=None, disable_state_update=None, use_qk_l2norm=True, output_state_indices=None, *, round_beta=False, check_indices=None, pdl=False)',
     "update_state_after_verify":
-        '(state, intermediate_states, state_indices, accepted, intermediate_state_indices=None, accepted_is_step=False, *, check_indices=None, pdl=False)',
+        '(state, intermediate_states, state_indices, accepted, intermediate_state_indices=None, accepted_is_step=False, *, check_indices=None, state_scales=None, state_rounding=None, rounding_step=None, rounding_seed=0, rounding_layer=0, pdl=False)',
     "fused_mamba_state_scatter_with_mask":
         '(dst, src, dst_indices_raw, step_indices_raw, *, check_indices=None, pdl=False)',
     "update_conv_state_after_verify":
@@ -101,13 +107,16 @@ _PACKED_SCHEMA = (
     "Tensor mixed_qkv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float? scale, "
     "Tensor(a!) initial_state, Tensor(b!) out, Tensor ssm_state_indices, "
     "bool use_qk_l2norm_in_kernel=False, float? lower_bound=None, bool round_beta=False, "
-    "int check_indices=-1, bool pdl=False")
+    "int check_indices=-1, Tensor(c!)? state_scales=None, int state_rounding=0, "
+    "Tensor(d!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 _RECURRENT_SCHEMA = (
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, Tensor? A_log, "
     "Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, "
     "bool round_beta, float? scale, Tensor? initial_state, Tensor(b!)? state_pool, "
     "Tensor? ssm_state_indices, Tensor? cu_seqlens, Tensor(c!)? final_state, bool state_v_first, "
-    "bool stride_contract, bool use_qk_l2norm_in_kernel, int check_indices=-1, bool pdl=False")
+    "bool stride_contract, bool use_qk_l2norm_in_kernel, int check_indices=-1, "
+    "Tensor(d!)? state_scales=None, int state_rounding=0, Tensor(e!)? rounding_step=None, "
+    "int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 
 
 def _replay_schema(name, kda, helion):
@@ -116,7 +125,9 @@ def _replay_schema(name, kda, helion):
             "Tensor(d!) g_cache, Tensor(e!) out, Tensor ssm_state_indices, Tensor(f!) write_pos, "
             "Tensor? force_flush, float? lower_bound=None, bool use_qk_l2norm_in_kernel=False, "
             f"bool is_kda={kda}, bool round_beta=False, bool advance_write_pos=False, "
-            f"bool helion={helion}, int check_indices=-1, bool pdl=False) -> ()")
+            f"bool helion={helion}, int check_indices=-1, Tensor(g!)? state_scales=None, "
+            "int state_rounding=0, Tensor(h!)? rounding_step=None, int rounding_seed=0, "
+            "int rounding_layer=0, bool pdl=False) -> ()")
 
 
 _CHUNK_SCHEMA = (
@@ -126,7 +137,8 @@ _CHUNK_SCHEMA = (
     "Tensor? initial_state_indices, Tensor? has_initial_state, Tensor? output_state_indices, "
     "Tensor(c!)? final_state, int checkpoint_every_n_tokens, Tensor? checkpoint_cu_starts, "
     "Tensor(d!)? state_checkpoints, Tensor? checkpoint_slot_indices, Tensor(e!)? workspace, "
-    "int check_indices=-1, bool pdl=False")
+    "int check_indices=-1, Tensor(f!)? state_scales=None, int state_rounding=0, "
+    "Tensor(g!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 
 SCHEMAS = {
     "chunk_gated_delta_rule": f"chunk_gated_delta_rule({_CHUNK_SCHEMA}) -> ()",
@@ -141,15 +153,15 @@ SCHEMAS = {
     "helion_kda_replayssm_decode": _replay_schema("helion_kda_replayssm_decode", True, True),
     # speculative verify and its commit
     "verify":
-        'verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, Tensor? source_state=None, Tensor? source_state_indices=None, int check_indices=-1, bool pdl=False) -> ()',
+        'verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, Tensor? source_state=None, Tensor? source_state_indices=None, int check_indices=-1, Tensor(d!)? state_scales=None, int state_rounding=0, Tensor(e!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False) -> ()',
     "sglang_verify":
-        'sglang_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, Tensor? source_state=None, Tensor? source_state_indices=None, int check_indices=-1, bool pdl=False) -> ()',
+        'sglang_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, Tensor? source_state=None, Tensor? source_state_indices=None, int check_indices=-1, Tensor(d!)? state_scales=None, int state_rounding=0, Tensor(e!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False) -> ()',
     "flashinfer_mtp":
-        'flashinfer_mtp(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, Tensor? source_state=None, Tensor? source_state_indices=None, int check_indices=-1, bool pdl=False) -> ()',
+        'flashinfer_mtp(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) output, bool is_kda, Tensor? A_log, Tensor? dt_bias, bool use_gate_in_kernel, float? lower_bound, bool beta_is_logit, bool round_beta, float? scale, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, Tensor(b!) state, Tensor? state_indices=None, Tensor? output_state_indices=None, bool update_state=True, Tensor(c!)? intermediate_states=None, Tensor? intermediate_state_indices=None, Tensor? parent_tokens=None, Tensor? token_state_indices=None, Tensor? num_accepted_tokens=None, Tensor? source_state=None, Tensor? source_state_indices=None, int check_indices=-1, Tensor(d!)? state_scales=None, int state_rounding=0, Tensor(e!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False) -> ()',
     "update_state_after_verify":
-        'update_state_after_verify(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=False, int check_indices=-1, bool pdl=False) -> ()',
+        'update_state_after_verify(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=False, int check_indices=-1, Tensor(b!)? state_scales=None, int state_rounding=0, Tensor(c!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False) -> ()',
     "sglang_state_scatter":
-        'sglang_state_scatter(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=True, int check_indices=-1, bool pdl=False) -> ()',
+        'sglang_state_scatter(Tensor(a!) state, Tensor intermediate_states, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=True, int check_indices=-1, Tensor(b!)? state_scales=None, int state_rounding=0, Tensor(c!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False) -> ()',
     "update_conv_state_after_verify":
         'update_conv_state_after_verify(Tensor(a!) conv_state, Tensor intermediate_conv_window, Tensor state_indices, Tensor accepted, Tensor? intermediate_state_indices=None, bool accepted_is_step=False, int check_indices=-1, bool pdl=False) -> ()',
     "sglang_conv_window_scatter":
@@ -180,7 +192,9 @@ _FUSED_PUBLIC = (
     "ssm_state_indices, conv_bias=None, conv_silu=True, scale=None, norm_weight=None, z=None, "
     "norm_eps=1e-06, use_qk_l2norm_in_kernel=True, {lb}*, conv_state_k=None, conv_state_v=None, "
     "round_beta=False, check_indices=None, pdl=False, d_cache=None, k_cache=None, g_cache=None, "
-    "write_pos=None, force_flush=None, advance_write_pos=False, workspace=None)")
+    "write_pos=None, force_flush=None, advance_write_pos=False, state_scales=None, "
+    "state_rounding=None, rounding_step=None, rounding_seed=0, rounding_layer=0, "
+    "workspace=None)")
 PUBLIC["gdn_fused_decode_step"] = _FUSED_PUBLIC.format(lb="")
 PUBLIC["kda_fused_decode_step"] = _FUSED_PUBLIC.format(lb="lower_bound=None, ")
 SCHEMAS["causal_conv1d_update"] = (
@@ -199,7 +213,8 @@ _FUSED_SCHEMA = (
     "Tensor(e!)? conv_state_v=None, bool round_beta=False, int check_indices=-1, "
     "Tensor(f!)? d_cache=None, Tensor(g!)? k_cache=None, Tensor(h!)? g_cache=None, "
     "Tensor(i!)? write_pos=None, Tensor? force_flush=None, bool advance_write_pos=False, "
-    "Tensor(j!)? workspace=None, bool pdl=False")
+    "Tensor(j!)? workspace=None, Tensor(k!)? state_scales=None, int state_rounding=0, "
+    "Tensor(l!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 SCHEMAS["gdn_fused_decode_step"] = f"gdn_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 SCHEMAS["kda_fused_decode_step"] = f"kda_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 

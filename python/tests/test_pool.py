@@ -303,7 +303,16 @@ def test_pool_config_errors(framework):
         ds.StatePool(1, 1, 1, 1, 1, framework="jax")
     with pytest.raises(ValueError) as e:
         new_pool(framework, state_dtype="float64")
-    assert str(e.value) == "StatePool dtypes must be float32, bfloat16 or float16; got float64"
+    assert str(e.value) == ("StatePool state_dtype must be float32, bfloat16, float16, "
+                            "float8_e4m3fn or int8; got float64")
+    with pytest.raises(ValueError) as e:
+        new_pool(framework, conv_dim=8, conv_dtype="int8")
+    assert str(e.value) == "StatePool dtypes must be float32, bfloat16 or float16; got int8"
+    with pytest.raises(ValueError) as e:
+        new_pool(framework, state_rounding="up")
+    assert str(e.value) == ("StatePool state_rounding must be None (the format's default: "
+                            "stochastic for float8_e4m3fn, nearest otherwise), 'nearest' or "
+                            "'stochastic'; got 'up'")
     with pytest.raises(ValueError) as e:
         new_pool(framework, layers=0)
     assert str(e.value) == ("StatePool needs layers, slots, HV, V, K >= 1; got layers=0, slots=5, "

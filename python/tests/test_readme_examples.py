@@ -31,6 +31,19 @@ def test_decode_example():
     assert all(state[s].abs().sum() > 0 for s in live)
 
 
+def test_quantized_example():
+    ns = run_example("quantized")
+    pool, slots, state = ns["pool"], ns["slots"], ns["state"]
+    assert pool.layer_state(1).dtype == torch.float8_e4m3fn
+    assert int(pool.rounding_step(1)[0]) == 3  # one step per call
+    live = slots.tolist()
+    assert all(state[s].abs().sum() > 0 for s in live) and torch.isfinite(state).all()
+    others = [s for s in range(state.shape[0]) if s not in live]
+    assert not pool.layer_state(1)[others].view(torch.uint8).any()  # untouched slots stay zero
+    assert not pool.layer_scales(1)[others].any()
+    assert torch.isfinite(ns["out"]).all()
+
+
 def test_verify_example():
     ns = run_example("verify")
     pool, scratch, slots, accepted = ns["pool"], ns["scratch"], ns["slots"], ns["accepted"]

@@ -225,8 +225,8 @@ def test_sglang_surface_errors(tfw, rng):
     with pytest.raises(NotImplementedError, match="cache_buf_len"):
         ds.commit_gdn_replayssm_spec(wp, base, fl.to(torch.int32), torch.ones(3, dtype=torch.int32),
                                      idx, 8, 3, cache_buf_len=16)
-    with pytest.raises(ValueError, match="`is_flush` has dtype torch.int8, which deltastate does "
-                       "not take"):
+    # int8 tensors reach the core (the 1-byte state format): the cursor contract names it
+    with pytest.raises(ValueError, match="`is_flush` must be a contiguous 1D int32 tensor"):
         ds.commit_gdn_replayssm_spec(wp, base, fl, torch.ones(3, dtype=torch.int32), idx, 8, 3)
     wp_bad = wp.clone()
     wp_bad[4] = 7  # 7 + 3 drafts > 8

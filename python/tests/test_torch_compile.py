@@ -320,7 +320,8 @@ def test_custom_op_registration():
         mutated = [a.name for a in op._schema.arguments if a.alias_info and a.alias_info.is_write]
         assert mutated, name
     assert [a.name for a in torch.ops.deltastate.gdn_packed_decode.default._schema.arguments
-            if a.alias_info and a.alias_info.is_write] == ["initial_state", "out"]
+            if a.alias_info and a.alias_info.is_write] == ["initial_state", "out", "state_scales",
+                                                            "rounding_step"]
     # Every op takes `pdl` last, a bool defaulting to False (the public functions' keyword).
     for name in torch_ops.SCHEMAS:
         last = getattr(torch.ops.deltastate, name).default._schema.arguments[-1]

@@ -168,6 +168,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
 
   // ---- states ---------------------------------------------------------------------------------
   const bool pooled = args.initial_state_indices.has_value();
+  StatePoolRef pool;
   if (args.initial_state) {
     const TensorView& s = *args.initial_state;
     c.shape("initial_state", s, {"slots", "HV", "V", "K"});
@@ -183,8 +184,18 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
                  "sequences, i.e., %lld rather than %lld.",
                  ll(N), ll(s.shape[0])));
     }
-    c.floating("initial_state", s);
+    if (!is_quantized(s.dtype)) c.floating("initial_state", s);
     c.device("initial_state", s);
+    pool = {s.data, s.dtype, s.stride[0], s.shape[0]};
+    check_state_format(c, op, "initial_state", s, args.state_format, true, pool);
+    if ((is_quantized(s.dtype) || pool.stochastic) && !pooled)
+      throw Error(
+          ErrorKind::not_implemented,
+          format("%s: %s states%s run as a pool (initial_state_indices) for now (issue "
+                 "#36)",
+                 op, dtype_name(s.dtype), pool.stochastic ? " with stochastic rounding" : ""));
+  } else if (args.state_format.scales || args.state_format.step) {
+    fail(format("%s: `state_scales` / `rounding_step` are given without a state", op));
   }
   if (pooled) {
     if (!args.initial_state)
@@ -319,6 +330,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
 
   // ---- host data (CPU tensors): before anything is written -----------------------------------
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
+  check_state_format_backend(op, pool, c.common_device());
   const bool check = args.check_indices.value_or(on_cpu);
   if (!on_cpu) require_cuda_k(K);  // the recurrent op's CUDA limit, same text
   if (on_cpu) {
@@ -347,10 +359,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
 
   ChunkPrefillProblem p;
   fill_token_part(p, args, N, H, HV, K, V, T, kda, scale);
-  if (args.initial_state) {
-    const TensorView& s = *args.initial_state;
-    p.state = {s.data, s.dtype, s.stride[0], s.shape[0]};
-  }
+  p.state = pool;
   if (pooled) {
     p.initial_indices = args.initial_state_indices->data;
     p.initial_index_dtype = args.initial_state_indices->dtype;

@@ -137,6 +137,16 @@ void Contract::floating(std::string_view name, const TensorView& t) {
   dtype(name, t, {DType::f32, DType::bf16, DType::f16});
 }
 
+void Contract::float_state(std::string_view name, const TensorView& t) {
+  if (is_quantized(t.dtype))
+    throw Error(ErrorKind::not_implemented,
+                format("%s is a quantized state (%s): this op does not take quantized states yet "
+                       "(issue #36; docs/STATE_FORMATS.md lists the ops that do); its states are "
+                       "float32, bfloat16 or float16",
+                       quoted(name).c_str(), dtype_mark(dtype_name(t.dtype)).c_str()));
+  floating(name, t);
+}
+
 void Contract::index_dtype(std::string_view name, const TensorView& t) {
   dtype(name, t, {DType::i32, DType::i64});
 }

@@ -31,7 +31,10 @@ class Contract {
   void shape(std::string_view name, const TensorView& t, std::initializer_list<const char*> dims);
   // One of the given dtypes:  `q` must have dtype float32, bfloat16 or float16; got int32
   void dtype(std::string_view name, const TensorView& t, std::initializer_list<DType> allowed);
-  void floating(std::string_view name, const TensorView& t);     // f32 / bf16 / f16
+  void floating(std::string_view name, const TensorView& t);  // f32 / bf16 / f16
+  // A state of an op that does not take quantized states (yet): a float8_e4m3fn / int8 state is
+  // NotImplementedError naming it, any other non-float dtype floating()'s error.
+  void float_state(std::string_view name, const TensorView& t);
   void index_dtype(std::string_view name, const TensorView& t);  // i32 / i64
   // The last dim has stride 1:  `q` must be contiguous in its last dim; got strides (..)
   void last_dim_contiguous(std::string_view name, const TensorView& t);

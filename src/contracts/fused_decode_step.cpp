@@ -49,7 +49,7 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   c.floating("b", args.b);
   c.floating("A_log", args.A_log);
   c.floating("dt_bias", args.dt_bias);
-  c.floating("initial_state", args.state);
+  if (!is_quantized(args.state.dtype)) c.floating("initial_state", args.state);
   c.floating("out", out);
   c.index_dtype("ssm_state_indices", args.state_indices);
   const double scale = checked_scale(args.scale, K);
@@ -143,6 +143,17 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
         args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
     p.replay.advance_write_pos = args.advance_write_pos;
   }
+  // The state's format: quantized and stochastically rounded states in the plain mode only (the
+  // ReplaySSM mode stores its checkpoint through replayssm_decode's kernel, which has neither).
+  const char* op = kda ? "kda_fused_decode_step" : "gdn_fused_decode_step";
+  StatePoolRef pool{args.state.data, args.state.dtype, args.state.stride[0], slots};
+  if (replay && (is_quantized(args.state.dtype) ||
+                 rounds_stochastically(args.state.dtype, args.state_format.rounding)))
+    throw Error(ErrorKind::not_implemented,
+                format("%s: %s states%s are not built for the ReplaySSM mode yet (issue #36)", op,
+                       dtype_name(args.state.dtype),
+                       is_quantized(args.state.dtype) ? "" : " with stochastic rounding"));
+  check_state_format(c, op, "initial_state", args.state, args.state_format, true, pool);
   if (args.workspace) {  // a byte buffer: any dtype, counted as numel * element size
     const TensorView& w = *args.workspace;
     if (w.ndim != 1 || !w.is_contiguous())
@@ -166,6 +177,7 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0], slots);
     if (replay) check_replay_cursors_host(idx, index_stride, *args.write_pos, B, L);
   }
+  check_state_format_backend(op, pool, c.common_device());
   if (!on_cpu && replay) check_replay_cuda_ring("fused_decode_step", L);
   if (!on_cpu) {
     const int64_t rows = HV / H * V;
@@ -197,7 +209,7 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;
   p.scale = static_cast<float>(scale);
-  p.state = {args.state.data, args.state.dtype, args.state.stride[0], slots};
+  p.state = pool;
   p.indices = idx.data;
   p.index_dtype = idx.dtype;
   p.index_stride = index_stride;

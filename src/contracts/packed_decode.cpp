@@ -140,9 +140,14 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   c.floating("b", b);
   c.floating("A_log", A_log);
   c.floating("dt_bias", dt_bias);
-  c.floating("initial_state", state);
+  if (!is_quantized(state.dtype)) c.floating("initial_state", state);
   c.floating("out", out);
   c.index_dtype("ssm_state_indices", idx);
+  const char* op =
+      kda ? "fused_recurrent_kda_packed_decode" : "fused_recurrent_gated_delta_rule_packed_decode";
+  StatePoolRef pool{state.data, state.dtype, state.stride[0], state.shape[0]};
+  check_state_format(c, op, "initial_state", state, args.state_format, true, pool);
+  c.check_devices("All inputs must be on the same device", true);  // the format's tensors
   const double scale = checked_scale(args.scale, K);
   if (kda && args.lower_bound && !std::isfinite(*args.lower_bound))
     fail(format("lower_bound must be finite (got %g)", *args.lower_bound));
@@ -152,6 +157,7 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   if (on_cpu && check)
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0],
                             state.shape[0]);
+  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/true);
   if (!on_cpu) require_cuda_k(K);
 
   RecurrentProblem p;
@@ -174,7 +180,7 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda) 
   p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;
   p.scale = static_cast<float>(scale);
-  p.state = {state.data, state.dtype, state.stride[0], state.shape[0]};
+  p.state = pool;
   p.indices = idx.data;
   p.index_dtype = idx.dtype;
   p.index_stride = B > 1 ? idx.stride[0] : 1;

@@ -113,10 +113,23 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   c.bind("N", N, args.cu_seqlens ? "`cu_seqlens`" : "`q`");
 
   const bool k_first = args.state_layout == StateLayout::k_first;
+  StatePoolRef pool;
   if (args.state) {
-    check_state_pool(c, *args.state, kda && args.stride_contract && !k_first, k_first);
-    c.floating("initial_state", *args.state);
-    c.device("initial_state", *args.state);
+    const TensorView& st = *args.state;
+    check_state_pool(c, st, kda && args.stride_contract && !k_first, k_first);
+    if (!is_quantized(st.dtype)) c.floating("initial_state", st);
+    c.device("initial_state", st);
+    pool = {st.data, st.dtype, st.stride[0], st.shape[0]};
+    check_state_format(c, op, "initial_state", st, args.state_format, true, pool);
+    if ((is_quantized(st.dtype) || pool.stochastic) &&
+        (k_first || !args.state_indices || !args.update_state || args.final_state))
+      throw Error(
+          ErrorKind::not_implemented,
+          format("%s: %s states%s run as a V-first pool updated in place "
+                 "(ssm_state_indices, no final_state) for now (issue #36)",
+                 op, dtype_name(st.dtype), pool.stochastic ? " with stochastic rounding" : ""));
+  } else if (args.state_format.scales || args.state_format.step) {
+    fail(format("%s: `state_scales` / `rounding_step` are given without a state", op));
   }
   if (args.state_indices) {
     const TensorView& idx = *args.state_indices;
@@ -196,14 +209,13 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
   if (on_cpu && check && args.state_indices)
     check_slot_indices_host("ssm_state_indices", args.state_indices->data,
                             args.state_indices->dtype, N, index_stride, args.state->shape[0]);
+  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/true);
   if (!on_cpu) require_cuda_k(K);
 
   RecurrentProblem p;
   fill_token_part(p, args, N, H, HV, K, V, T, per_k_gate, scale);
   p.round_beta = args.round_beta_to_input;
-  if (args.state) {
-    p.state = {args.state->data, args.state->dtype, args.state->stride[0], args.state->shape[0]};
-  }
+  p.state = pool;
   p.state.k_first = k_first;
   if (args.state_indices) {
     p.indices = args.state_indices->data;

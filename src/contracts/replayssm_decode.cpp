@@ -259,7 +259,13 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   c.floating("b", b);
   c.floating("A_log", A_log);
   c.floating("dt_bias", dt_bias);
-  c.floating("initial_state", state);
+  if (!is_quantized(state.dtype)) c.floating("initial_state", state);
+  StatePoolRef pool{state.data, state.dtype, state.stride[0], S};
+  check_state_format(c,
+                     args.helion ? "helion_fused_recurrent_kda_replayssm_decode"
+                                 : "fused_recurrent_linear_replayssm_decode",
+                     "initial_state", state, args.state_format, true, pool);
+  c.check_devices("ReplaySSM inputs must be on the same device", true);  // the format's tensors
   check_replay_ring_dtypes(c, dc, kc);
   c.floating("out", out);
   const double scale = checked_scale(args.scale, K);
@@ -272,6 +278,9 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, index_stride, S);
     check_replay_cursors_host(idx, index_stride, wp, B, L);
   }
+  check_state_format_backend(args.helion ? "helion_fused_recurrent_kda_replayssm_decode"
+                                         : "fused_recurrent_linear_replayssm_decode",
+                             pool, c.common_device());
   if (!on_cpu) {
     require_cuda_k(K);
     check_replay_cuda_ring("replayssm_decode", L);
@@ -296,7 +305,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.round_beta = args.round_beta_to_input;
   p.l2norm = args.use_qk_l2norm;
   p.scale = static_cast<float>(scale);
-  p.state = {state.data, state.dtype, state.stride[0], S};
+  p.state = pool;
   p.d_cache = dc.data;
   p.d_dtype = dc.dtype;
   p.k_cache = kc.data;

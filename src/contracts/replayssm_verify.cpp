@@ -38,6 +38,10 @@ IndexTable index_entries(const char* name, const TensorView& t, int64_t B, const
 }  // namespace
 
 ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
+  {  // its checkpoint is read only, as a float state (verify takes quantized pools, this op not)
+    Contract c;
+    c.float_state("initial_state", args.state);
+  }
   VerifyArgs va;
   va.q = args.q;
   va.k = args.k;

@@ -12,6 +12,22 @@ namespace deltastate::detail {
 
 RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda);
 
+// The state's storage format (state_format.cpp): a quantized state (float8_e4m3fn / int8) needs
+// its `state_scales` [slots, HV, V] fp32 (inner strides (V, 1)); scales for a float state,
+// stochastic rounding of an fp32 state, or a missing / malformed `rounding_step` are errors; an
+// op whose kernels do not take quantized states (`op_takes_quantized` false) raises
+// NotImplementedError. Registers the tensors' devices in `c`; fills ref's format fields.
+// `state` is [slots, HV, V, K] or (the commit) [layers, slots, HV, V, K], the scales then
+// [layers, slots, HV, V]; `step_count` the counters `rounding_step` must hold (one per layer).
+void check_state_format(Contract& c, const char* op, const char* state_name,
+                        const TensorView& state, const StateFormatArgs& f, bool op_takes_quantized,
+                        StatePoolRef& ref, int64_t step_count = 1);
+// After every other check: the CUDA backend takes neither quantized states nor stochastic
+// rounding yet (NotImplementedError), except in the ops that say so (`cuda_built`: packed decode
+// and the recurrent op, on the direct kernel's formatted-state twin).
+void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
+                                bool cuda_built = false);
+
 // SGLang's packed-decode checks with its texts, in its order (`_validate_packed_decode_inputs`);
 // shared by packed decode and the Helion ReplaySSM contract. Registers every tensor's device in
 // `c`. Returns the sizes they give.

@@ -36,7 +36,7 @@ IndexTable index_table(Contract& c, const char* name, const TensorView& t, int64
 
 // A state-shaped block [lead..., HV, V, K] with compact inner dims (pool, scratch buffer).
 void check_state_block(Contract& c, const char* name, const TensorView& t, int lead,
-                       const char* lead_names) {
+                       const char* lead_names, bool quantized_ok = false) {
   if (t.ndim != lead + 3)
     fail(format("`%s` must be a %dD tensor [%s, HV, V, K] (got ndim=%d).", name, lead + 3,
                 lead_names, t.ndim));
@@ -48,7 +48,7 @@ void check_state_block(Contract& c, const char* name, const TensorView& t, int l
   if (t.stride[lead] != V * K || t.stride[lead + 1] != K || t.stride[lead + 2] != 1)
     fail(format("`%s` must be contiguous in its [HV, V, K] inner dimensions; got strides %s", name,
                 stride_str(t).c_str()));
-  c.floating(name, t);
+  if (!(quantized_ok && is_quantized(t.dtype))) c.float_state(name, t);
   c.device(name, t);
 }
 
@@ -214,8 +214,14 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   c.bind("V", r.V, "`v`");
   c.bind("K", r.K, "`q`");
   c.device("q", args.q);
-  check_state_block(c, "state", args.state, 1, "slots");
+  check_state_block(c, "state", args.state, 1, "slots", /*quantized_ok=*/true);
   r.state = {args.state.data, args.state.dtype, args.state.stride[0], args.state.shape[0]};
+  check_state_format(c, "verify", "state", args.state, args.state_format, true, r.state);
+  const bool quantized = is_quantized(args.state.dtype);
+  if ((quantized || r.state.stochastic) && args.source_state)
+    throw Error(ErrorKind::not_implemented,
+                format("verify: a %s `state`%s with `source_state` is not built yet (issue #36)",
+                       dtype_name(args.state.dtype), quantized ? "" : " rounded stochastically"));
   r.update_state = args.update_state;
 
   if (args.token_state_indices) {
@@ -275,7 +281,7 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   if (args.intermediate_states) {
     const TensorView& b = *args.intermediate_states;
     check_state_block(c, "intermediate_states", b, 2, "N_scr, T_alloc");
-    if (b.dtype != args.state.dtype)
+    if (b.dtype != args.state.dtype && !quantized)  // a quantized pool: any float scratch
       fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
                   dtype_mark(dtype_name(args.state.dtype)).c_str(),
                   dtype_mark(dtype_name(b.dtype)).c_str()));
@@ -307,6 +313,7 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
     p.parents = index_table(c, "parent_tokens", *args.parent_tokens, N, 1);
   }
   c.check_devices("All inputs must be on the same device", true);
+  check_state_format_backend("verify", r.state, r.device);
 
   const bool on_cpu = r.device.type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
@@ -382,19 +389,37 @@ CommitProblem validate_commit(const CommitArgs& args) {
   c.bind("HV", st.shape[lead + 1], "`state`");
   c.bind("V", st.shape[lead + 2], "`state`");
   c.bind("K", st.shape[lead + 3], "`state`");
-  check_state_block(c, "state", st, lead + 1, layered ? "layers, slots" : "slots");
+  check_state_block(c, "state", st, lead + 1, layered ? "layers, slots" : "slots",
+                    /*quantized_ok=*/true);
   check_state_block(c, "intermediate_states", in, lead + 2,
                     layered ? "layers, N_scr, T_alloc" : "N_scr, T_alloc");
   if (layered && in.shape[0] != st.shape[0])
     fail(format("`intermediate_states` has %lld layers and `state` %lld; they must match",
                 static_cast<long long>(in.shape[0]), static_cast<long long>(st.shape[0])));
-  if (in.dtype != st.dtype)
+  const bool quantized = is_quantized(st.dtype);
+  if (in.dtype != st.dtype && !quantized)  // a quantized state: any float scratch
     fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
                 dtype_mark(dtype_name(st.dtype)).c_str(),
                 dtype_mark(dtype_name(in.dtype)).c_str()));
+  StatePoolRef ref{st.data, st.dtype, st.stride[lead], st.shape[lead]};
+  check_state_format(c, "update_state_after_verify", "state", st, args.state_format, true, ref,
+                     layered ? st.shape[0] : 1);
   CommitProblem p = commit_problem(c, args, st, in, layered);
+  check_state_format_backend("update_state_after_verify", ref, p.device);
   p.head_elems = st.shape[lead + 1] * st.shape[lead + 2] * st.shape[lead + 3];
   p.inner_cols = p.head_elems;  // one dense row: flat
+  p.inter_dtype = in.dtype;
+  p.K = static_cast<int32_t>(st.shape[lead + 3]);
+  if (quantized) {
+    const TensorView& sc = *args.state_format.scales;
+    p.scales = ref.scales;
+    p.scales_layer_stride = layered ? sc.stride[0] : 0;
+    p.scales_slot_stride = ref.scale_slot_stride;
+    p.stochastic = ref.stochastic;
+    p.steps = ref.step;
+    p.seed = ref.seed;
+    p.layer0 = ref.layer;
+  }
   if (p.device.type == DeviceType::cpu && p.check_indices)
     check_commit_host(p, "intermediate_states", "an intermediate-state buffer");
   return p;

@@ -71,12 +71,20 @@ struct GateParams {
 // The slot pool of states: [slots, HV, V, K] with compact inner strides and a free slot stride.
 // K-first (FLA's layout, recurrent op on the CPU only): [slots, HV, K, V], element (v, k) of a
 // head at k*V + v instead of v*K + k.
+// A quantized pool (dtype f8e4m3 / i8) has fp32 scales [slots, HV, V] (inner strides (V, 1)).
+// Stochastic rounding draws the bits of element e of slot s from
+// sr_bits(sr_key(seed, s, layer, *step), e) (core/state_format.h); the op adds 1 to *step.
 struct StatePoolRef {
   void* ptr = nullptr;
   DType dtype = DType::f32;
   int64_t slot_stride = 0;  // elements
   int64_t num_slots = 0;
   bool k_first = false;
+  float* scales = nullptr;
+  int64_t scale_slot_stride = 0;  // elements
+  bool stochastic = false;
+  int64_t* step = nullptr;
+  uint64_t seed = 0, layer = 0;
 };
 
 // Entry i of a 1-D index tensor with element stride `stride` (any stride, as SGLang passes
@@ -461,6 +469,17 @@ struct CommitProblem {
   DeviceErrorRecord* errors = nullptr;
   int err_op = kErrOpCommit;  // the op a bad row is recorded under
   Device device{};
+  // A quantized state (dtype f8e4m3 / i8) from a float scratch of inter_dtype: each entry's
+  // head_elems / K rows of K elements requantized with fresh scales (layer / slot strides in
+  // floats; a row's scale at row index within the entry). Stochastic: layer l's bits keyed by
+  // (seed, slot, layer0 + l, steps[l]), each step advanced once per call.
+  DType inter_dtype = DType::f32;
+  int32_t K = 0;
+  float* scales = nullptr;
+  int64_t scales_layer_stride = 0, scales_slot_stride = 0;
+  bool stochastic = false;
+  int64_t* steps = nullptr;
+  uint64_t seed = 0, layer0 = 0;
 };
 
 // ReplaySSM speculative verify (ops.h ReplayVerifyArgs): the token inputs as the recurrent

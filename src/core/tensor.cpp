@@ -17,6 +17,10 @@ const char* dtype_name(DType t) {
       return "int32";
     case DType::i64:
       return "int64";
+    case DType::f8e4m3:
+      return "float8_e4m3fn";
+    case DType::i8:
+      return "int8";
   }
   return "unknown";
 }
@@ -33,6 +37,10 @@ const char* dtype_short_name(DType t) {
       return "i32";
     case DType::i64:
       return "i64";
+    case DType::f8e4m3:
+      return "f8e4m3";
+    case DType::i8:
+      return "i8";
   }
   return "unknown";
 }

@@ -47,6 +47,7 @@
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
 #include "cpu/simd.h"
+#include "cpu/state_io.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -126,6 +127,7 @@ struct Task {
   int64_t n, seq, tok0, len;
   int hv, h;
   bool padded, reads_state;
+  int64_t slot;       // the initial state's pool slot (or dense row)
   int64_t state_off;  // element offset of the initial state head, when read
 };
 
@@ -141,6 +143,7 @@ Task make_task(const ChunkPrefillProblem& p, int64_t index) {
   t.padded = p.pooled() && slot < 0;
   const bool has = !p.has_initial || load_index(p.has_initial, p.has_initial_dtype, t.n) != 0;
   t.reads_state = p.state.ptr && !t.padded && has;
+  t.slot = slot;
   t.state_off = slot * p.state.slot_stride + static_cast<int64_t>(t.hv) * p.V * p.K;
   return t;
 }
@@ -355,24 +358,45 @@ void store_dense(void* base, DType dtype, const ChunkPrefillProblem& p, int64_t 
                  const Scratch& s) {
   store_state(base, dtype, (row * p.HV + hv) * head_elems(p), p, s);
 }
-void store_slot(const ChunkPrefillProblem& p, int64_t slot, int hv, const Scratch& s) {
-  store_state(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + hv * head_elems(p), p, s);
+// A pool in its storage format (quantized, or stochastically rounded): rows through state_io.h.
+bool formatted(const ChunkPrefillProblem& p) {
+  return is_quantized(p.state.dtype) || p.state.stochastic;
+}
+void store_slot(const ChunkPrefillProblem& p, int64_t slot, int hv, const Scratch& s,
+                const StoreRounding& rnd) {
+  if (!formatted(p))
+    return store_state(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + hv * head_elems(p),
+                       p, s);
+  const uint64_t key = rnd.key_of(slot);
+  for (int e = 0; e < p.V; ++e) {
+    for (int c = 0; c < p.K; ++c) s.row[c] = s.St[static_cast<int64_t>(c) * p.V + e];
+    store_state_rows(p.state, rnd, key, slot, hv, p.V, p.K, e, 1, s.row);
+  }
+}
+void load_slot(const ChunkPrefillProblem& p, const Task& t, const Scratch& s) {
+  if (!formatted(p)) return load_state(p.state.ptr, p.state.dtype, t.state_off, p, s);
+  for (int e = 0; e < p.V; ++e) {
+    load_state_rows(p.state, t.slot, t.hv, p.V, p.K, e, 1, s.row);
+    for (int c = 0; c < p.K; ++c) s.St[static_cast<int64_t>(c) * p.V + e] = s.row[c];
+  }
 }
 
 // Checkpoint j of the task's sequence: the state after (j+1) * checkpoint_every tokens.
-void store_checkpoint(const ChunkPrefillProblem& p, const Task& t, int64_t j, const Scratch& s) {
+void store_checkpoint(const ChunkPrefillProblem& p, const Task& t, int64_t j, const Scratch& s,
+                      const StoreRounding& rnd) {
   const int64_t pos = load_index(p.checkpoint_cu_starts, p.checkpoint_cu_dtype, t.n) + j;
   if (p.checkpoints) {
     store_dense(p.checkpoints, p.checkpoint_dtype, p, pos, t.hv, s);
   } else {
     const int64_t slot = load_index(p.checkpoint_slots, p.checkpoint_slot_dtype, pos);
-    if (slot >= 0) store_slot(p, slot, t.hv, s);
+    if (slot >= 0) store_slot(p, slot, t.hv, s, rnd);
   }
 }
 
 // A padded sequence: output rows zero, dense outputs (final state, checkpoint rows) zero, the
 // pool untouched.
-void run_padded(const ChunkPrefillProblem& p, const Task& t, const Scratch& s) {
+void run_padded(const ChunkPrefillProblem& p, const Task& t, const Scratch& s,
+                const StoreRounding& rnd) {
   std::fill(s.o, s.o + p.V, 0.0f);
   for (int64_t i = 0; i < t.len; ++i)
     store_row(p.out.ptr, p.out.dtype, head_offset(p.out, t.seq, t.tok0 + i, t.hv), p.V, s.o);
@@ -380,15 +404,16 @@ void run_padded(const ChunkPrefillProblem& p, const Task& t, const Scratch& s) {
   if (p.final_state) store_dense(p.final_state, p.final_dtype, p, t.n, t.hv, s);
   if (p.checkpoints) {
     const int64_t n_ckpt = t.len / p.checkpoint_every;
-    for (int64_t j = 0; j < n_ckpt; ++j) store_checkpoint(p, t, j, s);
+    for (int64_t j = 0; j < n_ckpt; ++j) store_checkpoint(p, t, j, s, rnd);
   }
 }
 
-void run_task(const ChunkPrefillProblem& p, int64_t index, const Scratch& s) {
+void run_task(const ChunkPrefillProblem& p, int64_t index, const Scratch& s,
+              const StoreRounding& rnd) {
   const Task t = make_task(p, index);
-  if (t.padded) return run_padded(p, t, s);
+  if (t.padded) return run_padded(p, t, s, rnd);
 
-  if (t.reads_state) load_state(p.state.ptr, p.state.dtype, t.state_off, p, s);
+  if (t.reads_state) load_slot(p, t, s);
   else std::fill(s.St, s.St + head_elems(p), 0.0f);
 
   for (int64_t c0 = 0; c0 < t.len; c0 += kC) {
@@ -402,14 +427,14 @@ void run_task(const ChunkPrefillProblem& p, int64_t index, const Scratch& s) {
     advance_state(p, C, s);
     const int64_t end = c0 + C;
     if (p.checkpoint_every > 0 && end % p.checkpoint_every == 0)
-      store_checkpoint(p, t, end / p.checkpoint_every - 1, s);
+      store_checkpoint(p, t, end / p.checkpoint_every - 1, s, rnd);
   }
 
   if (p.pooled()) {
     const int64_t in_slot = load_index(p.initial_indices, p.initial_index_dtype, t.n);
     const int64_t out_slot =
         p.output_indices ? load_index(p.output_indices, p.output_index_dtype, t.n) : in_slot;
-    if (out_slot >= 0) store_slot(p, out_slot, t.hv, s);
+    if (out_slot >= 0) store_slot(p, out_slot, t.hv, s, rnd);
   }
   if (p.final_state) store_dense(p.final_state, p.final_dtype, p, t.n, t.hv, s);
 }
@@ -444,13 +469,15 @@ void run_chunk_prefill(const ChunkPrefillProblem& p) {
   const int64_t workers = std::min<int64_t>(num_threads(), tasks);
   const int64_t block = block_bytes(p.K, p.V, p.gate.kda);
   std::atomic<int64_t> next{0};
+  const StoreRounding rnd = store_rounding(p.state);  // the step, read once per call
   parallel_for(workers, [&](int64_t w) {
     const FlushDenormals ftz;
     const Scratch s = carve(static_cast<char*>(p.workspace) + w * block, p.K, p.V, p.gate.kda);
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < tasks;
          i = next.fetch_add(1, std::memory_order_relaxed))
-      run_task(p, i, s);
+      run_task(p, i, s, rnd);
   });
+  advance_step(p.state);
 }
 
 }  // namespace deltastate::cpu

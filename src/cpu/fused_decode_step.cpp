@@ -14,6 +14,7 @@
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
 #include "cpu/simd.h"
+#include "cpu/state_io.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -108,7 +109,7 @@ void run_fused_decode_step(const FusedStepProblem& p) {
   const int K = p.K, V = p.V, H = p.H, HV = p.HV;
   const int group = HV / H;
   const int64_t HK = static_cast<int64_t>(H) * K;
-  const int64_t head_elems = static_cast<int64_t>(V) * K;
+  const StoreRounding rnd = store_rounding(p.state);  // the step, read once per call
   parallel_for(static_cast<int64_t>(p.B) * H, [&](int64_t task) {
     thread_local FusedScratch sc;
     sc.resize(K, V);
@@ -137,17 +138,17 @@ void run_fused_decode_step(const FusedStepProblem& p) {
                sc.alpha.data());
       const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
                                     true, p.round_beta, p.b.dtype);
-      const int64_t state_off = slot * p.state.slot_stride + hv * head_elems;
-      load_row(p.state.ptr, p.state.dtype, state_off, K * V, sc.S.data());
+      load_state_rows(p.state, slot, hv, V, K, 0, V, sc.S.data());
       // the packed decode's token step (the recurrent kernel's), bit for bit
       simd::kernels().delta_rows(sc.S.data(), V, K, sc.alpha.data(), sc.k.data(), sc.q.data(),
                                  sc.v.data(), beta, kq, sc.o.data());
       for (int vi = 0; vi < V; ++vi) sc.o[vi] = round_to(p.out.dtype, sc.o[vi]);
-      store_row(p.state.ptr, p.state.dtype, state_off, K * V, sc.S.data());
+      store_state_rows(p.state, rnd, rnd.key_of(slot), slot, hv, V, K, 0, V, sc.S.data());
       if (p.z) gated_norm_row(p, n, hv, sc.o.data());
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv), V, sc.o.data());
     }
   });
+  advance_step(p.state);
 }
 
 }  // namespace deltastate::cpu

@@ -7,6 +7,7 @@
 // updated in place is worked on where it lies.
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
+#include "cpu/state_io.h"
 
 #include <algorithm>
 #include <vector>
@@ -72,6 +73,10 @@ void run_recurrent(const RecurrentProblem& p) {
   // the pool itself (the same arithmetic, without the two copies).
   const bool in_place =
       p.state.ptr && p.update_state && !p.final_state && !k_first && p.state.dtype == DType::f32;
+  // The pool in its storage format (quantized, or stochastically rounded), V-first: loaded and
+  // stored through state_io.h; the random bits' step is read once for the whole call.
+  const bool formatted = is_quantized(p.state.dtype) || p.state.stochastic;
+  const StoreRounding rnd = store_rounding(p.state);
   parallel_for(p.num_heads_total() * blocks, [&](int64_t task) {
     thread_local Scratch sc;
     const int64_t head = task / blocks;
@@ -107,6 +112,8 @@ void run_recurrent(const RecurrentProblem& p) {
                    ? static_cast<float*>(p.state.ptr) + state_off + static_cast<int64_t>(r0) * K
                    : sc.S.data();
     if (in_place) {
+    } else if (p.state.ptr && formatted) {
+      load_state_rows(p.state, slot, hv, V, K, r0, rows, S);
     } else if (p.state.ptr) {
       load_rows(p.state.ptr, p.state.dtype, state_off, K, V, k_first, r0, rows, S, sc.col.data());
     } else {
@@ -137,12 +144,15 @@ void run_recurrent(const RecurrentProblem& p) {
                     sc.o.data());
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, hv) + r0, rows, sc.o.data());
     }
-    if (p.state.ptr && p.update_state && !in_place)
+    if (p.state.ptr && p.update_state && formatted)
+      store_state_rows(p.state, rnd, rnd.key_of(slot), slot, hv, V, K, r0, rows, S);
+    else if (p.state.ptr && p.update_state && !in_place)
       store_rows(p.state.ptr, p.state.dtype, state_off, K, V, k_first, r0, rows, S, sc.col.data());
     if (p.final_state)
       store_rows(p.final_state, p.final_dtype, final_off, K, V, k_first, r0, rows, S,
                  sc.col.data());
   });
+  if (p.state.ptr && p.update_state) advance_step(p.state);
 }
 
 }  // namespace deltastate::cpu

@@ -13,6 +13,7 @@
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
 #include "cpu/simd.h"
+#include "cpu/state_io.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -50,6 +51,10 @@ void run_replayssm_decode(const ReplayProblem& p) {
   const int block_rows = (V + blocks - 1) / blocks;
   const simd::Kernels& vk = simd::kernels();
   const bool in_place = p.state.dtype == DType::f32;  // fp32 checkpoints: worked on where they lie
+  // A quantized or stochastically rounded checkpoint: loaded and stored (on a flush) through
+  // state_io.h, the step of the rounding key read once per call.
+  const bool formatted = is_quantized(p.state.dtype) || p.state.stochastic;
+  const StoreRounding rnd = store_rounding(p.state);
 
   parallel_for(static_cast<int64_t>(p.B) * HV * blocks, [&](int64_t task) {
     thread_local Scratch sc;
@@ -75,7 +80,8 @@ void run_replayssm_decode(const ReplayProblem& p) {
     const int64_t g_base = ((slot * HV + hv) * L) * g_width;  // g_cache[slot, hv, 0(, 0)]
     const int64_t state_off = slot * p.state.slot_stride + hv * head_elems + int64_t{r0} * K;
     float* S = in_place ? static_cast<float*>(p.state.ptr) + state_off : sc.S.data();
-    if (!in_place) load_row(p.state.ptr, p.state.dtype, state_off, rows * K, S);
+    if (formatted) load_state_rows(p.state, slot, hv, V, K, r0, rows, S);
+    else if (!in_place) load_row(p.state.ptr, p.state.dtype, state_off, rows * K, S);
 
     // 1. The token: q, k normalized (q scaled), gate alpha = exp(g), beta (fp32, or rounded to
     //    b's dtype with round_beta).
@@ -130,7 +136,8 @@ void run_replayssm_decode(const ReplayProblem& p) {
       vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.q.data(), sc.v.data(), beta, kq,
                     sc.o.data());
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv) + r0, rows, sc.o.data());
-      if (!in_place) store_row(p.state.ptr, p.state.dtype, state_off, rows * K, S);
+      if (formatted) store_state_rows(p.state, rnd, rnd.key_of(slot), slot, hv, V, K, r0, rows, S);
+      else if (!in_place) store_row(p.state.ptr, p.state.dtype, state_off, rows * K, S);
       return;
     }
 
@@ -167,6 +174,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
     }
   });
 
+  advance_step(p.state);
   if (p.advance_write_pos) {
     for (int64_t n = 0; n < p.B; ++n) {
       if (p.indices[n * p.index_stride] < 0) continue;

@@ -12,6 +12,7 @@
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
 #include "cpu/simd.h"
+#include "cpu/state_io.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -23,6 +24,16 @@ void run_verify(const VerifyProblem& p) {
   const int K = r.K, V = r.V, HV = r.HV;
   const int group = r.HV / r.H;
   const int64_t head_elems = static_cast<int64_t>(V) * K;
+  // A quantized or stochastically rounded pool: its rows through state_io.h (the scratch stays
+  // float), the step of the rounding key read once per call.
+  const bool formatted = is_quantized(r.state.dtype) || r.state.stochastic;
+  const StoreRounding rnd = store_rounding(r.state);
+  auto load_pool = [&](int64_t slot, int hv, float* S) {
+    load_state_rows(r.state, slot, hv, V, K, 0, V, S);
+  };
+  auto store_pool = [&](int64_t slot, int hv, const float* S) {
+    store_state_rows(r.state, rnd, rnd.key_of(slot), slot, hv, V, K, 0, V, S);
+  };
   parallel_for(r.num_heads_total(), [&](int64_t task) {
     thread_local std::vector<float> S, q, k, v, alpha, o;
     S.resize(head_elems);
@@ -59,14 +70,17 @@ void run_verify(const VerifyProblem& p) {
     const void* init_base = p.source.ptr ? p.source.ptr : r.state.ptr;
     const int64_t init_at =
         p.source.ptr ? start * p.source.slot_stride + hv * head_elems : pool_at(start);
-    load_row(init_base, r.state.dtype, init_at, static_cast<int>(head_elems), S.data());
+    auto load_start = [&] {
+      if (formatted) load_pool(start, hv, S.data());  // (no source pool: the validator's rule)
+      else load_row(init_base, r.state.dtype, init_at, static_cast<int>(head_elems), S.data());
+    };
+    load_start();
     for (int64_t t = 0; t < len; ++t) {
       // A tree token starts from its parent's state (the initial state for a parent < 0), unless
       // the parent is the previous token, whose state S already is.
       if (p.parents.ptr && row >= 0 && t > 0) {
         const int64_t parent = p.parents.at(n, t);
-        if (parent < 0)
-          load_row(init_base, r.state.dtype, init_at, static_cast<int>(head_elems), S.data());
+        if (parent < 0) load_start();
         else if (parent != t - 1)
           load_row(p.inter, p.inter_dtype, inter_at(parent), static_cast<int>(head_elems),
                    S.data());
@@ -91,17 +105,20 @@ void run_verify(const VerifyProblem& p) {
         store_row(p.inter, p.inter_dtype, inter_at(t), static_cast<int>(head_elems), S.data());
       if (p.token_slots.ptr) {
         const int64_t slot = p.token_slots.at(n, t);
-        if (slot >= 0)
+        if (slot >= 0 && formatted) store_pool(slot, hv, S.data());
+        else if (slot >= 0)
           store_row(r.state.ptr, r.state.dtype, pool_at(slot), static_cast<int>(head_elems),
                     S.data());
       }
     }
     if (r.update_state && !p.token_slots.ptr && len > 0) {
       const int64_t dst = p.output_indices.ptr ? p.output_indices.at(n, 0) : home;
-      if (dst >= 0)
+      if (dst >= 0 && formatted) store_pool(dst, hv, S.data());
+      else if (dst >= 0)
         store_row(r.state.ptr, r.state.dtype, pool_at(dst), static_cast<int>(head_elems), S.data());
     }
   });
+  advance_step(r.state);
 }
 
 namespace {
@@ -117,7 +134,41 @@ void copy_block(const CommitProblem& p, char* dst, const char* src) {
 
 }  // namespace
 
+namespace {
+
+// A quantized state's commit: the float scratch entry requantized row by row into the slot.
+void commit_quantized(const CommitProblem& p) {
+  parallel_for(static_cast<int64_t>(p.B) * p.layers, [&](int64_t task) {
+    thread_local std::vector<float> row;
+    row.resize(p.K);
+    const int64_t b = task / p.layers, layer = task % p.layers;
+    const int64_t step = p.accepted.at(b, 0) - (p.accepted_is_step ? 0 : 1);
+    const int64_t slot = p.slots.at(b, 0);
+    const int64_t r = p.rows.ptr ? p.rows.at(b, 0) : b;
+    if (step < 0 || slot < 0 || r < 0) return;  // nothing accepted, or padding
+    const int64_t src =
+        layer * p.inter_layer_stride + r * p.inter_row_stride + step * p.inter_step_stride;
+    char* dst = static_cast<char*>(p.state) + layer * p.state_layer_stride +
+                slot * p.state_slot_stride;  // 1-byte codes: elements are bytes
+    float* scales = p.scales + layer * p.scales_layer_stride + slot * p.scales_slot_stride;
+    const uint64_t key = p.stochastic
+                             ? sr_key(p.seed, static_cast<uint64_t>(slot), p.layer0 + layer,
+                                      static_cast<uint64_t>(p.steps[layer]))
+                             : 0;
+    for (int64_t e = 0; e < p.head_elems / p.K; ++e) {
+      load_row(p.inter, p.inter_dtype, src + e * p.K, p.K, row.data());
+      quantize_row(row.data(), p.K, p.dtype, p.stochastic, key, static_cast<uint64_t>(e * p.K),
+                   dst + e * p.K, scales + e);
+    }
+  });
+  if (p.stochastic)
+    for (int64_t l = 0; l < p.layers; ++l) ++p.steps[l];
+}
+
+}  // namespace
+
 void run_commit(const CommitProblem& p) {
+  if (is_quantized(p.dtype)) return commit_quantized(p);
   const int64_t bytes = p.head_elems * dtype_size(p.dtype);
   parallel_for(static_cast<int64_t>(p.B) * p.layers, [&](int64_t task) {
     const int64_t b = task / p.layers, layer = task % p.layers;

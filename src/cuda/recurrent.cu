@@ -123,6 +123,22 @@ void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
                 warps * 32, 0, stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
 }
 
+// A pool in its storage format (quantized, or stochastically rounded): the direct kernel's twin,
+// then the step counter's advance (one thread, stream-ordered after the grid: graph-safe).
+void launch_direct_fmt(const RecurrentProblem& p, cudaStream_t stream) {
+  const int wph = warps_per_head_of<float, 256>(p);
+  const int64_t tiles = p.num_heads_total() * wph;
+  const int warps = direct_cta_warps(tiles, num_sms(p.device.index));
+  const int64_t ctas = (tiles + warps - 1) / warps;
+  if (tiles > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  const int resident_ctas = kDirectCtasPerSm * 4 / warps;
+  launch_kernel(recurrent_direct_fmt_kernel<256>, static_cast<unsigned>(ctas), warps * 32, 0,
+                stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
+  if (p.state.stochastic && p.update_state)
+    launch_kernel(advance_rounding_step, 1u, 1u, 0, stream, false, p.state.step);
+}
+
 #if DELTASTATE_CUDA_ALL_KERNELS
 // Inputs of one dtype (q, k, v, gate input, beta all of dtype t): the typed fast paths.
 bool inputs_are(const RecurrentProblem& p, DType t) {
@@ -221,11 +237,15 @@ std::vector<long long> stream_trace_read() {
 
 void run_recurrent(const RecurrentProblem& problem, void* stream) {
   DeviceGuard guard(problem.device.index);
+  const bool formatted =
+      problem.state.ptr && (problem.state.dtype == DType::f8e4m3 ||
+                            problem.state.dtype == DType::i8 || problem.state.stochastic);
   // Multi-token sequences in a pool: the multi-token kernel (src/cuda/verify.cu) where it applies.
-  if (run_recurrent_multi_token(problem, stream)) return;
+  if (!formatted && run_recurrent_multi_token(problem, stream)) return;
   RecurrentProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernels record a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
+  if (formatted) return launch_direct_fmt(p, s);
   // Without a state pool the kernel starts from zeros; the state dtype then only selects the
   // register layout, so use fp32.
   const DType sd = p.state.ptr ? p.state.dtype : DType::f32;

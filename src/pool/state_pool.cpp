@@ -21,8 +21,21 @@ bool on_cuda(const StatePoolConfig& c) { return c.device.type == DeviceType::cud
 // Envelope: bytes between consecutive layers' states inside an entry. Rounded up to 32 bytes so
 // that every layer view keeps the 32-byte base alignment of the recurrent_kda stride contract
 // (and 16-byte vector loads), whatever HV*V*K*itemsize is.
+int64_t envelope_layer_pitch(const StatePoolConfig& c);
+// The d ring's dtype: the state's, float32 for a quantized state (the rings stay float).
+DType ring_d_dtype(const StatePoolConfig& c) {
+  return is_quantized(c.state_dtype) ? DType::f32 : c.state_dtype;
+}
+// Byte offset of a quantized block's scales: the codes rounded up to 32 bytes.
+int64_t scales_offset(const StatePoolConfig& c) { return round_up(c.HV * c.V * c.K, 32); }
+// One (layer, slot)'s state: HV*V*K elements, or for a quantized state its codes then its fp32
+// scales (state_pool.h).
+int64_t state_block_bytes(const StatePoolConfig& c) {
+  if (is_quantized(c.state_dtype)) return scales_offset(c) + round_up(c.HV * c.V * 4, 32);
+  return c.HV * c.V * c.K * dtype_size(c.state_dtype);
+}
 int64_t envelope_layer_pitch(const StatePoolConfig& c) {
-  return round_up(c.HV * c.V * c.K * dtype_size(c.state_dtype), 32);
+  return round_up(state_block_bytes(c), 32);
 }
 }  // namespace
 
@@ -32,9 +45,15 @@ void StatePool::check_config(const StatePoolConfig& c) {
         "StatePool needs layers, slots, HV, V, K >= 1; got layers=%lld, slots=%lld, HV=%lld, "
         "V=%lld, K=%lld",
         ll(c.layers), ll(c.slots), ll(c.HV), ll(c.V), ll(c.K)));
-  if (!is_floating(c.state_dtype))
-    fail(format("StatePool state dtype must be float32, bfloat16 or float16; got %s",
-                dtype_name(c.state_dtype)));
+  if (!is_floating(c.state_dtype) && !is_quantized(c.state_dtype))
+    fail(format(
+        "StatePool state dtype must be float32, bfloat16, float16, float8_e4m3fn or int8; got %s",
+        dtype_name(c.state_dtype)));
+  if (is_quantized(c.state_dtype) && c.spec_rows > 0)
+    fail(format(
+        "StatePool with %s states: the speculative-verify scratch (spec_rows) is not built for "
+        "quantized states yet (issue #36)",
+        dtype_name(c.state_dtype)));
   if (c.envelope_extra_bytes < 0 || (c.envelope_extra_bytes && c.layout != PoolLayout::envelope))
     fail("StatePool envelope_extra_bytes applies to the envelope layout only and must be >= 0");
   if (c.conv_dim < 0) fail(format("StatePool conv_dim must be >= 0; got %lld", ll(c.conv_dim)));
@@ -74,7 +93,8 @@ void StatePool::check_config(const StatePoolConfig& c) {
 StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   Layout l{};
   const int64_t isz = dtype_size(c.state_dtype);
-  const int64_t head_bytes = c.HV * c.V * c.K * isz;  // one (layer, slot) state
+  const int64_t head_bytes = c.HV * c.V * c.K * isz;  // one (layer, slot) state's elements
+  const int64_t block = state_block_bytes(c);         // with a quantized state's scales
   const int64_t n = c.physical_slots();               // rows of every view (null slot included)
   l.state_offset = 0;
   // Conv windows: one packed part or three (q, k, v).
@@ -101,8 +121,8 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
     l.slot_row_pitch = l.entry_bytes;
   } else {
     l.extra_pad = 0;
-    l.entry_bytes = head_bytes;
-    l.state_bytes = c.layers * n * head_bytes;
+    l.entry_bytes = block;
+    l.state_bytes = c.layers * n * block;
     l.slot_rows = c.layers;
     l.slot_row_pitch = n * l.entry_bytes;
   }
@@ -115,7 +135,7 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   }
   const int64_t L = c.replay_len;
   l.d_offset = off;
-  off = round_up(off + c.layers * n * c.HV * L * c.V * isz, kAlign);
+  off = round_up(off + c.layers * n * c.HV * L * c.V * dtype_size(ring_d_dtype(c)), kAlign);
   l.k_offset = off;
   off = round_up(off + c.layers * n * c.H * L * c.K * dtype_size(c.ring_k_dtype), kAlign);
   l.g_offset = off;
@@ -129,7 +149,10 @@ StatePool::Layout StatePool::layout_of(const StatePoolConfig& c) {
   }
   l.spec_end = off;
   l.cursor_offset = off;
-  l.total = round_up(off + n * 4, kAlign);
+  off = round_up(off + n * 4, kAlign);
+  l.step_offset = off;
+  if (c.stochastic_rounding()) off = round_up(off + c.layers * 8, kAlign);
+  l.total = off;
   return l;
 }
 
@@ -295,19 +318,48 @@ TensorView view_of(void* data, DType dtype, const std::vector<int64_t>& shape,
 TensorView StatePool::layer_state(int64_t layer) const {
   check_layer(cfg_, layer);
   const int64_t isz = dtype_size(cfg_.state_dtype);
-  const int64_t head = cfg_.HV * cfg_.V * cfg_.K;
-  int64_t offset, slot_stride;
-  if (cfg_.layout == PoolLayout::envelope) {
-    offset =
-        lay_.state_offset + lay_.extra_pad + lay_.conv_pad + layer * envelope_layer_pitch(cfg_);
-    slot_stride = lay_.entry_bytes / isz;
-  } else {
-    offset = lay_.state_offset + layer * cfg_.physical_slots() * head * isz;
-    slot_stride = head;
-  }
+  // A slot's rows are entry_bytes apart in both layouts (the envelope entry, or the per-layer
+  // block of one (layer, slot)).
+  const int64_t slot_stride = lay_.entry_bytes / isz;
+  const int64_t offset =
+      cfg_.layout == PoolLayout::envelope
+          ? lay_.state_offset + lay_.extra_pad + lay_.conv_pad + layer * envelope_layer_pitch(cfg_)
+          : lay_.state_offset + layer * cfg_.physical_slots() * lay_.entry_bytes;
   return TensorView::strided(at(offset), cfg_.state_dtype,
                              {cfg_.physical_slots(), cfg_.HV, cfg_.V, cfg_.K},
                              {slot_stride, cfg_.V * cfg_.K, cfg_.K, 1}, cfg_.device);
+}
+
+TensorView StatePool::layer_scales(int64_t layer) const {
+  if (!is_quantized(cfg_.state_dtype))
+    fail(format("StatePool.layer_scales: the pool's state is %s, which has no scales",
+                dtype_name(cfg_.state_dtype)));
+  const TensorView st = layer_state(layer);
+  return TensorView::strided(static_cast<char*>(st.data) + scales_offset(cfg_), DType::f32,
+                             {cfg_.physical_slots(), cfg_.HV, cfg_.V},
+                             {st.stride[0] / 4, cfg_.V, 1}, cfg_.device);
+}
+
+TensorView StatePool::scales() const {
+  const TensorView first = layer_scales(0);
+  const TensorView all = states();
+  return view_of(first.data, DType::f32, {cfg_.layers, cfg_.physical_slots(), cfg_.HV, cfg_.V},
+                 {all.stride[0] / 4, first.stride[0], cfg_.V, 1}, cfg_.device);
+}
+
+TensorView StatePool::rounding_step(int64_t layer) const {
+  if (!cfg_.stochastic_rounding())
+    fail(
+        "StatePool.rounding_step: the pool rounds its states to nearest (no step counter; "
+        "configure state_rounding stochastic)");
+  check_layer(cfg_, layer);
+  return TensorView::contiguous(at(lay_.step_offset + layer * 8), DType::i64, {1}, cfg_.device);
+}
+
+TensorView StatePool::rounding_steps() const {
+  TensorView v = rounding_step(0);
+  v.shape[0] = cfg_.layers;
+  return v;
 }
 
 int64_t StatePool::conv_entry_offset(int64_t layer, int part) const {
@@ -361,7 +413,7 @@ TensorView StatePool::states() const {
   const TensorView first = layer_state(0);
   const int64_t layer_stride = cfg_.layout == PoolLayout::envelope
                                    ? envelope_layer_pitch(cfg_) / isz
-                                   : cfg_.physical_slots() * cfg_.HV * cfg_.V * cfg_.K;
+                                   : cfg_.physical_slots() * lay_.entry_bytes / isz;
   return view_of(first.data, cfg_.state_dtype,
                  {cfg_.layers, cfg_.physical_slots(), cfg_.HV, cfg_.V, cfg_.K},
                  {layer_stride, first.stride[0], cfg_.V * cfg_.K, cfg_.K, 1}, cfg_.device);
@@ -450,9 +502,9 @@ TensorView StatePool::d_cache(int64_t layer) const {
   require_rings(cfg_, layer);
   const int64_t n = cfg_.physical_slots();
   const int64_t per_layer = n * cfg_.HV * cfg_.replay_len * cfg_.V;
-  return TensorView::contiguous(
-      at(lay_.d_offset + layer * per_layer * dtype_size(cfg_.state_dtype)), cfg_.state_dtype,
-      {n, cfg_.HV, cfg_.replay_len, cfg_.V}, cfg_.device);
+  const DType dt = ring_d_dtype(cfg_);
+  return TensorView::contiguous(at(lay_.d_offset + layer * per_layer * dtype_size(dt)), dt,
+                                {n, cfg_.HV, cfg_.replay_len, cfg_.V}, cfg_.device);
 }
 
 TensorView StatePool::k_cache(int64_t layer) const {
@@ -511,10 +563,10 @@ int64_t StatePool::bytes_per_slot(const StatePoolConfig& c) {
   const int64_t conv = c.conv_dim * (c.conv_width - 1) * dtype_size(c.conv_dtype);
   const int64_t state = c.layout == PoolLayout::envelope
                             ? layout_of(c).entry_bytes
-                            : c.layers * (c.HV * c.V * c.K * isz + (c.conv_dim > 0 ? conv : 0));
+                            : c.layers * (state_block_bytes(c) + (c.conv_dim > 0 ? conv : 0));
   const int64_t rings =
-      c.layers * (c.HV * L * c.V * isz + c.H * L * c.K * dtype_size(c.ring_k_dtype) +
-                  c.HV * L * (c.kda ? c.K : 1) * 4);
+      c.layers * (c.HV * L * c.V * dtype_size(ring_d_dtype(c)) +
+                  c.H * L * c.K * dtype_size(c.ring_k_dtype) + c.HV * L * (c.kda ? c.K : 1) * 4);
   return state + rings + 4;
 }
 

@@ -8,6 +8,7 @@
 
 #include "core/delta_math.h"
 #include "core/problem.h"
+#include "core/state_format.h"
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/recurrent/head_block.cuh"
@@ -118,6 +119,146 @@ __device__ __forceinline__ void write_state(const RecurrentProblem& p, const Til
   }
   if (p.final_state)
     store_final_state<EPL, R, RG>(p, c, kofs, valid, [&S](int r, int i) { return S[r][i]; });
+}
+
+// ---- a pool in its storage format (docs/STATE_FORMATS.md) -------------------------------------
+// Quantized states (float8_e4m3fn, int8 with a fp32 scale per row) and stochastically rounded
+// 16-bit states, element by element through core/state_format.h's rules (the CPU backend's,
+// src/cpu/state_io.h): loaded dequantized, stored with the row's fresh scale, the amax a shuffle
+// reduction over the row's G lanes (every lane takes part, rows past V included).
+__device__ __forceinline__ bool quantized_state(DType t) {
+  return t == DType::f8e4m3 || t == DType::i8;
+}
+
+template <int EPL>
+__device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, int64_t slot, int hv,
+                                               int V, int K, int row, int kofs, int valid,
+                                               float (&x)[EPL]) {
+  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
+  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
+  if (quantized_state(st.dtype)) {
+    const float scale = st.scales[slot * st.scale_slot_stride + row_idx];
+    const uint8_t* c = static_cast<const uint8_t*>(st.ptr) + off;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const float q = st.dtype == DType::f8e4m3 ? detail::e4m3_to_float(c[i])
+                                                : static_cast<float>(static_cast<int8_t>(c[i]));
+      x[i] = i < valid ? q * scale : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      x[i] = i < valid ? detail::load_float(st.ptr, st.dtype, off + i) : 0.0f;
+  }
+}
+
+// `in_rows`: the row is below V (uniform over the row's lanes); the reduction runs regardless.
+template <int G, int EPL>
+__device__ __forceinline__ void store_state_fmt(const detail::StatePoolRef& st, uint64_t key,
+                                                int64_t slot, int hv, int V, int K, int row,
+                                                bool in_rows, int lane, int kofs, int valid,
+                                                const float (&x)[EPL]) {
+  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
+  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
+  const uint64_t index0 = static_cast<uint64_t>(row_idx * K + kofs);
+  if (quantized_state(st.dtype)) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      if (i < valid) amax = detail::amax_step(amax, x[i]);
+#pragma unroll
+    for (int d = G / 2; d > 0; d >>= 1)
+      amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    if (!in_rows) return;
+    const bool fp8 = st.dtype == DType::f8e4m3;
+    const float s = detail::row_scale(amax, fp8 ? detail::kE4m3Max : detail::kInt8Max);
+    uint8_t* c = static_cast<uint8_t*>(st.ptr) + off;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (i >= valid) continue;
+      const uint32_t U = st.stochastic ? detail::sr_u24(detail::sr_bits(key, index0 + i)) : 0u;
+      const float y = x[i] / s;
+      c[i] = fp8 ? detail::float_to_e4m3(y, st.stochastic, U)
+                 : static_cast<uint8_t>(detail::float_to_i8(y, st.stochastic, U));
+    }
+    if (lane % G == 0) st.scales[slot * st.scale_slot_stride + row_idx] = s;
+    return;
+  }
+  if (!in_rows) return;
+  uint16_t* h = static_cast<uint16_t*>(st.ptr) + off;  // bf16 / fp16, stochastic
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    if (i >= valid) continue;
+    const uint64_t bits = detail::sr_bits(key, index0 + i);
+    h[i] = st.dtype == DType::bf16 ? detail::float_to_bf16_sr(x[i], bits)
+                                   : detail::float_to_f16_sr(x[i], bits);
+  }
+}
+
+// The formatted-state twin of the direct kernel (float register layout of a KT = 256 tile, any
+// inputs): a pool updated in place, no final_state (the contract's rule). The key's step is read
+// here; advance_rounding_step adds 1 after the grid, in stream order.
+template <int KT>
+__global__ void __launch_bounds__(128, kDirectCtasPerSm)
+    recurrent_direct_fmt_kernel(const RecurrentProblem p, int warps_per_head) {
+  enter_grid(p.pdl_trigger_early);
+  using Lay = RowLayout<float, KT>;
+  constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (w >= p.num_heads_total() * warps_per_head) return;
+  const TileCoords c = tile_coords(p, w, warps_per_head, RG * R, lane, G);
+  const int kofs = (lane % G) * EPL;
+  const int valid = max(0, min(EPL, p.K - kofs));
+  const int64_t seq = p.cu_seqlens ? 0 : c.n;
+  const int64_t tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n) : 0;
+  const int64_t len =
+      p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n + 1) - tok0 : p.T;
+  const int64_t slot = slot_of(p, c.n);
+
+  TokenInputs<EPL, R> x;
+  if (len > 0)
+    load_token<AnyInput>(p, p.g, p.beta, seq, tok0, c.h, c.hv, kofs, valid, c.row0, RG, x);
+  GateConsts<EPL> gc;
+  load_gate_consts(p.gate, c.hv, p.K, kofs, valid, gc);
+  if (p.indices && slot < 0) {
+    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, 0.0f);
+    return;
+  }
+  if (bad_slot(p, slot)) {
+    record_bad_slot(p, c.n, slot, lane == 0 && c.hv == 0 && c.row0 == 0);
+    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, bad_row_output());
+    return;
+  }
+  float S[R][EPL];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = c.row0 + r * RG;
+    if (row < p.V) {
+      load_state_fmt<EPL>(p.state, slot, c.hv, p.V, p.K, row, kofs, valid, S[r]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+    }
+  }
+  run_tokens<AnyInput, G, EPL, R, RG>(p, c, seq, tok0, len, lane, kofs, valid, S, x, gc);
+  if (!p.update_state || len <= 0) return;
+  const uint64_t key = p.state.stochastic
+                           ? detail::sr_key(p.state.seed, static_cast<uint64_t>(slot),
+                                            p.state.layer, static_cast<uint64_t>(*p.state.step))
+                           : 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = c.row0 + r * RG;
+    store_state_fmt<G, EPL>(p.state, key, slot, c.hv, p.V, p.K, row, row < p.V, lane, kofs, valid,
+                            S[r]);
+  }
+}
+
+// One thread: the stochastic-rounding step counter of a call, after its grid.
+__global__ void advance_rounding_step(int64_t* step) {
+  enter_grid(false);
+  *step += 1;
 }
 
 // ---- direct kernel: one tile per warp, state loaded straight into registers

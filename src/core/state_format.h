@@ -1,0 +1,166 @@
+// The rounding rules of the recurrent-state storage formats, written once for the CPU and CUDA
+// backends (docs/STATE_FORMATS.md; the numpy emulation they must agree with bit for bit is
+// tools/state_accuracy.py):
+//
+//   float8_e4m3fn  one fp32 scale per (slot, head, V row), over the row's K elements:
+//                  scale = amax / 448 (1 for an all-zero row); element code = e4m3fn(x / scale),
+//                  saturating at +-448; x = decode(code) * scale.
+//   int8           the same per-row scale with amax / 127; code = x / scale rounded, clipped to
+//                  [-127, 127] (-128 is never stored).
+//   nearest        round half to even.
+//   stochastic     q = floor(x / spacing + u), u = U * 2^-24 with U the top 24 of 64 random bits
+//                  (bf16: the top 16 bits added below the kept mantissa, then truncated). The bits
+//                  of an element come from splitmix64 keyed by (seed, slot, layer, step), drawn
+//                  at the element's index in the layer's [HV, V, K] state: any element's bits are
+//                  computed alone, so every backend and blocking gives the same bits.
+//
+// Non-finite values: a row whose amax is NaN or infinite gets a NaN scale and loads as NaN (a
+// NaN is never hidden by a finite code; numpy's emulation leaves such a row undefined).
+// torch's float8_e4m3fn conversion agrees bit for bit for |x| < 480; above it, torch gives NaN
+// and this rule saturates at 448 (a scaled state row never exceeds 448 by more than rounding).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/numeric.h"
+
+namespace deltastate::detail {
+
+constexpr float kE4m3Max = 448.0f;
+constexpr float kInt8Max = 127.0f;
+
+// ---- the counter-based generator (splitmix64) --------------------------------------------------
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+// splitmix64's finalizer (Stafford's mix13).
+DS_HD uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// The key of (seed, slot, layer, step): each field folded in with one mix (state_accuracy.sr_key).
+DS_HD uint64_t sr_key(uint64_t seed, uint64_t slot, uint64_t layer, uint64_t step) {
+  uint64_t z = mix64(seed ^ kGolden);
+  z = mix64(z ^ slot);
+  z = mix64(z ^ layer);
+  return mix64(z ^ step);
+}
+// 64 random bits of element `index` (its offset in the layer's [HV, V, K] state): draw index + 1
+// of the splitmix64 stream seeded with key (state_accuracy.sr_bits).
+DS_HD uint64_t sr_bits(uint64_t key, uint64_t index) { return mix64(key + (index + 1) * kGolden); }
+// The 24-bit uniform integer U of u = U * 2^-24.
+DS_HD uint32_t sr_u24(uint64_t bits) { return static_cast<uint32_t>(bits >> 40); }
+
+// floor(y + U * 2^-24) for fp32 y and U < 2^24, exactly (what numpy computes in fp64), in fp32:
+// with y = f + r (f = floor, r in [0, 1), both exact), the sum reaches f + 1 iff r * 2^24 >= 2^24
+// - U; both sides are exact fp32 values. Negative y: -(floor(a) + (frac(a) > u)) with a = -y.
+DS_HD float floor_plus_uniform(float y, uint32_t U) {
+  if (y >= 0.0f) {
+    const float f = floorf(y);
+    const float r = (y - f) * 16777216.0f;
+    return r >= static_cast<float>(16777216u - U) ? f + 1.0f : f;
+  }
+  const float a = -y;
+  const float f = floorf(a);
+  const float r = (a - f) * 16777216.0f;
+  return -(r > static_cast<float>(U) ? f + 1.0f : f);
+}
+
+// ---- e4m3fn ------------------------------------------------------------------------------------
+// The value of an e4m3fn code (0x7f / 0xff: NaN).
+DS_HD float e4m3_to_float(uint8_t c) {
+  const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
+  if (e == 15u && m == 7u) return bits_float(sign | 0x7fc00000u);
+  if (e == 0u) {  // subnormal: m * 2^-9
+    const float v = static_cast<float>(m) * 0.001953125f;
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// The spacing of e4m3fn values in the binade of |x| (2^-9 below 2^-6): x's exponent field, at
+// least 2^-6's, less the 3 mantissa bits.
+DS_HD float e4m3_spacing(uint32_t abs_bits) {
+  uint32_t e = abs_bits & 0x7f800000u;
+  if (e < (121u << 23)) e = 121u << 23;
+  return bits_float(e - (3u << 23));
+}
+
+// The code of a non-negative e4m3fn value v (0 <= v <= 448, v representable).
+DS_HD uint8_t e4m3_code_of(float v) {
+  if (v < 0.015625f) return static_cast<uint8_t>(v * 512.0f);  // subnormals: v / 2^-9
+  const uint32_t b = float_bits(v);
+  return static_cast<uint8_t>((((b >> 23) - 120u) << 3) | ((b >> 20) & 7u));
+}
+
+// x rounded to e4m3fn: nearest even (stochastic = false) or floor(|x| / spacing + U 2^-24),
+// saturating at 448 (infinities too); NaN gives 0x7f; the sign is kept (-0 too).
+DS_HD uint8_t float_to_e4m3(float x, bool stochastic = false, uint32_t U = 0) {
+  const uint32_t u = float_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7fu;
+  const float q = e4m3_spacing(a);
+  const float t = bits_float(a) / q;  // exact: q is a power of two
+  const float r = stochastic ? floor_plus_uniform(t, U) : rintf(t);
+  const float v = fminf(r * q, kE4m3Max);
+  return sign | e4m3_code_of(v);
+}
+
+// ---- int8 --------------------------------------------------------------------------------------
+// y (already divided by the scale) rounded to an int8 code in [-127, 127]; NaN gives 0 (its row's
+// scale is NaN, so it loads as NaN anyway).
+DS_HD int8_t float_to_i8(float y, bool stochastic = false, uint32_t U = 0) {
+  float r = stochastic ? floor_plus_uniform(y, U) : rintf(y);
+  r = fminf(fmaxf(r, -kInt8Max), kInt8Max);  // fmaxf / fminf drop a NaN r: 127 or -127
+  return y != y ? int8_t{0} : static_cast<int8_t>(r);
+}
+
+// ---- the per-row scale -------------------------------------------------------------------------
+// Running amax that keeps a NaN (fmaxf would drop it).
+DS_HD float amax_step(float m, float x) {
+  const float a = fabsf(x);
+  return (a > m || a != a) ? a : m;
+}
+// scale = amax / qmax, 1 for an all-zero row, NaN for a non-finite amax (see the top).
+DS_HD float row_scale(float amax, float qmax) {
+  if (!(amax < INFINITY)) return bits_float(0x7fc00000u);
+  const float s = amax / qmax;
+  return s > 0.0f ? s : 1.0f;
+}
+
+// ---- bf16 / fp16 stochastic --------------------------------------------------------------------
+// bf16: the top 16 random bits added below the kept mantissa, then truncated (NaN stays quiet NaN;
+// a finite value may round up to infinity, as the numpy emulation does).
+DS_HD uint16_t float_to_bf16_sr(float f, uint64_t bits) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  if ((u & 0x7fffffffu) == 0x7f800000u) return static_cast<uint16_t>(u >> 16);
+  return static_cast<uint16_t>((u + static_cast<uint32_t>(bits >> 48)) >> 16);
+}
+// fp16: floor(|x| / spacing + U 2^-24) with fp16's spacing (2^-24 below 2^-14), then the exact
+// conversion (a result past 65504 becomes infinity, as nearest rounding's would).
+DS_HD uint16_t float_to_f16_sr(float f, uint64_t bits) {
+  const uint32_t u = float_bits(f);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return float_to_f16(f);
+  uint32_t e = a & 0x7f800000u;
+  if (e < (113u << 23)) e = 113u << 23;  // 2^-14
+  const float q = bits_float(e - (10u << 23));
+  const float r = floor_plus_uniform(bits_float(a) / q, sr_u24(bits)) * q;
+  return float_to_f16((u >> 31) ? -r : r);
+}
+
+// ---- rounding of a stored state ---------------------------------------------------------------
+enum class Rounding : uint8_t { nearest, stochastic };
+
+// Where a stochastic store draws its bits: the key's fields less the slot, and the counter the
+// ops advance once per call (the step of the key is the counter's value before the call).
+struct StochasticKey {
+  uint64_t seed = 0;
+  uint64_t layer = 0;
+};
+
+}  // namespace deltastate::detail

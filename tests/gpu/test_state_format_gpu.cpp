@@ -1,0 +1,228 @@
+// Quantized state pools (float8_e4m3fn, int8 with fp32 scales) and stochastic rounding on the
+// CUDA backend (packed decode and the recurrent op, on the direct kernel's formatted-state twin)
+// against the CPU backend, the oracle. Every test skips when no CUDA device is present.
+//
+// Tolerances come from the format's resolution: both backends compute the step in fp32 (to 1e-5
+// relative of each other) and round with the same rules and random bits (core/state_format.h),
+// so a stored code may differ by one quantum where the two fp32 values straddle a rounding
+// boundary (or, stochastically, the uniform threshold): every dequantized element must agree
+// within one quantum of its row (int8: the scale; e4m3: 2^-3 of the value, 2^-9 of the scale in
+// the subnormal range) plus the fp32 tolerance, and the scales (amax / qmax) to 1e-4 relative.
+// Most codes agree exactly: at most 2% may differ.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gpu/gpu_errors.h"
+#include "gpu/gpu_util.h"
+#include "test_util.h"
+
+namespace dstest {
+namespace {
+
+using deltastate::PackedDecodeArgs;
+using deltastate::StatePool;
+using deltastate::StatePoolConfig;
+using deltastate::StateRounding;
+
+double e4m3_value(uint8_t c) {
+  const int e = (c >> 3) & 15, m = c & 7;
+  const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+  return (c & 0x80) ? -v : v;
+}
+
+struct QuantCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  deltastate::PoolLayout layout;
+};
+void PrintTo(const QuantCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedPackedDecode : public GpuParamTest<QuantCase> {};
+
+// Two steps of packed decode on a host pool and its device copy: outputs, scales, dequantized
+// states, the step counter, and every byte outside the live slots' blocks (sentinels).
+TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
+  const QuantCase& c = GetParam();
+  const Shape s = c.kda ? kKimi : kQwen3Next;
+  StatePoolConfig cfg;
+  cfg.layers = 2;
+  cfg.slots = 9;
+  cfg.HV = s.HV;
+  cfg.V = s.V;
+  cfg.K = s.K;
+  cfg.state_dtype = c.dtype;
+  cfg.state_rounding = c.rounding;
+  cfg.rounding_seed = 1234;
+  cfg.layout = c.layout;
+  StatePool host(cfg);
+  cfg.device = Device::cuda(0);
+  StatePool dev(cfg);
+  const int64_t bytes = host.total_bytes();
+  const int64_t layer = 1;
+  Rng rng = test_rng();
+  // sentinel bytes everywhere, then random codes and scales in the live slots
+  std::memset(host.data(), 0x5a, static_cast<size_t>(bytes));
+  const std::vector<int64_t> slots{7, -1, 2, 5, 0};
+  const TensorView st = host.layer_state(layer), sc = host.layer_scales(layer);
+  for (int64_t slot : slots) {
+    if (slot < 0) continue;
+    uint8_t* codes = static_cast<uint8_t*>(st.data) + slot * st.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
+      uint8_t b = static_cast<uint8_t>(rng.integer(0, 255));
+      if (c.dtype == DType::f8e4m3 && (b & 0x7f) == 0x7f) b ^= 1;  // no NaN codes
+      if (c.dtype == DType::i8 && b == 0x80) b = 0;                // no -128
+      codes[i] = b;
+    }
+    float* scales = static_cast<float*>(sc.data) + slot * sc.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V; ++i)
+      scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (c.dtype == DType::i8 ? 127 : 448));
+  }
+  const bool stochastic = host.config().stochastic_rounding();
+  if (stochastic) *static_cast<int64_t*>(host.rounding_step(layer).data) = 41;
+  CUDA_CHECK(
+      cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+
+  DecodeBatch batch = make_decode_batch(rng, s, c.kda, slots, bf16);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.K));
+  Mirror m;
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) batch.randomize(rng);
+    batch.poison_out();
+    m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
+    auto run = [&](PackedDecodeArgs a, const StatePool& p) {
+      a.state_format.scales = p.layer_scales(layer);
+      if (stochastic) {
+        a.state_format.step = p.rounding_step(layer);
+        a.state_format.seed = 1234;
+        a.state_format.layer = layer;
+      }
+      if (c.kda) deltastate::kda_packed_decode(a);
+      else deltastate::gdn_packed_decode(a);
+    };
+    run(batch.packed_args(host_view, host.layer_state(layer), scale), host);
+    run(batch.packed_args(m.views(), dev.layer_state(layer), scale), dev);
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());  // no bad row recorded
+    const Tensor out = m.download(batch.out);
+    for (int64_t r = 0; r < batch.B; ++r) {
+      std::vector<double> g;
+      for (int64_t hv = 0; hv < s.HV; ++hv)
+        for (int64_t v = 0; v < s.V; ++v) g.push_back(out.get({r, 0, hv, v}));
+      if (slots[r] < 0) EXPECT_TRUE(all_zero(g)) << "padded row " << r;
+      else EXPECT_TRUE(close_vs_cpu(g, batch.out_row(r), kOutTol, bf16)) << "output row " << r;
+    }
+    std::vector<uint8_t> d(static_cast<size_t>(bytes));
+    CUDA_CHECK(cudaMemcpy(d.data(), dev.data(), d.size(), cudaMemcpyDeviceToHost));
+    const char* hbase = static_cast<const char*>(host.data());
+    std::vector<MemRange> written;
+    int64_t codes_total = 0, codes_differ = 0;
+    for (int64_t slot : slots) {
+      if (slot < 0) continue;
+      const int64_t code_off = static_cast<const char*>(st.data) - hbase + slot * st.stride[0];
+      const int64_t scale_off = static_cast<const char*>(sc.data) - hbase + slot * sc.stride[0] * 4;
+      const char* dc0 = reinterpret_cast<const char*>(d.data());
+      written.push_back({dc0 + code_off, dc0 + code_off + s.HV * s.V * s.K});
+      written.push_back({dc0 + scale_off, dc0 + scale_off + s.HV * s.V * 4});
+      for (int64_t row = 0; row < s.HV * s.V; ++row) {
+        float hs, ds;
+        std::memcpy(&hs, hbase + scale_off + row * 4, 4);
+        std::memcpy(&ds, d.data() + scale_off + row * 4, 4);
+        ASSERT_NEAR(ds, hs, 1e-4 * hs) << "scale of slot " << slot << " row " << row;
+        for (int64_t k = 0; k < s.K; ++k) {
+          const uint8_t hc = static_cast<uint8_t>(hbase[code_off + row * s.K + k]);
+          const uint8_t dc = d[static_cast<size_t>(code_off + row * s.K + k)];
+          ++codes_total;
+          if (hc == dc) continue;
+          ++codes_differ;
+          const bool fp8 = c.dtype == DType::f8e4m3;
+          const double hv = (fp8 ? e4m3_value(hc) : static_cast<int8_t>(hc)) * hs;
+          const double dv = (fp8 ? e4m3_value(dc) : static_cast<int8_t>(dc)) * ds;
+          const double quantum =
+              fp8 ? std::max(std::fabs(hv) * 0.125, hs * std::ldexp(1.0, -9)) : hs;
+          ASSERT_LE(std::fabs(dv - hv), quantum * 1.0001 + 1e-5 * hs * (fp8 ? 448 : 127))
+              << "slot " << slot << " row " << row << " k " << k;
+        }
+      }
+    }
+    EXPECT_LE(codes_differ, codes_total / 50) << codes_differ << " of " << codes_total;
+    if (stochastic) {
+      const int64_t want = 41 + step + 1;
+      EXPECT_EQ(*static_cast<int64_t*>(host.rounding_step(layer).data), want);
+      int64_t got = 0;
+      CUDA_CHECK(cudaMemcpy(&got, dev.rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(got, want) << "the device's step counter";
+    }
+    // everything else as the host pool holds it (sentinels; the step counter compared above)
+    std::vector<MemRange> allowed = written;
+    if (stochastic) {
+      const int64_t off = static_cast<const char*>(dev.rounding_step(layer).data) -
+                          static_cast<const char*>(dev.data());
+      const char* dc0 = reinterpret_cast<const char*>(d.data());
+      allowed.push_back({dc0 + off, dc0 + off + 8});
+    }
+    EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), bytes, allowed))
+        << "device pool outside the live slots' codes and scales";
+    // the next step starts both backends from the CPU's pool
+    CUDA_CHECK(
+        cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedPackedDecode,
+    ::testing::Values(QuantCase{"gdn_fp8_sr", false, DType::f8e4m3, StateRounding::format_default,
+                                deltastate::PoolLayout::per_layer},
+                      QuantCase{"gdn_int8_rn_envelope", false, DType::i8,
+                                StateRounding::format_default, deltastate::PoolLayout::envelope},
+                      QuantCase{"kda_fp8_rn_envelope", true, DType::f8e4m3, StateRounding::nearest,
+                                deltastate::PoolLayout::envelope},
+                      QuantCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic,
+                                deltastate::PoolLayout::per_layer}),
+    case_name<QuantCase>);
+
+// CUDA-graph replay advances the stochastic-rounding step on the device: a captured packed
+// decode replayed three times leaves the counter at 3, as three eager calls on the CPU do.
+TEST_F(GpuTest, QuantizedGraphReplayAdvancesTheStep) {
+  const Shape s = kOdd;
+  StatePoolConfig cfg;
+  cfg.slots = 4;
+  cfg.HV = s.HV;
+  cfg.V = s.V;
+  cfg.K = s.K;
+  cfg.state_dtype = DType::f8e4m3;
+  cfg.device = Device::cuda(0);
+  StatePool dev(cfg);
+  Rng rng = test_rng();
+  DecodeBatch batch = make_decode_batch(rng, s, false, {1, 3}, f32);
+  Mirror m;
+  m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  PackedDecodeArgs a = batch.packed_args(m.views(), dev.layer_state(0), 0.2);
+  a.state_format.scales = dev.layer_scales(0);
+  a.state_format.step = dev.rounding_step(0);
+  a.stream = stream;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  deltastate::gdn_packed_decode(a);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  int64_t step = 0;
+  CUDA_CHECK(cudaMemcpy(&step, dev.rounding_step(0).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(step, 3);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace dstest
