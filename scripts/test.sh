@@ -4,6 +4,10 @@
 #   scripts/test.sh            C++ tests (CTest: GoogleTest suite + CLI), then the Python package
 #                              installed with `pip install .` into .venv and its pytest suite
 #
+# Everything is compiled once, in one CMake tree ($BUILD): the library, the CUDA backend, the
+# tests, the CLI and the Python module; `pip install .` then runs over that same tree
+# (scripts/lib/package.sh) and only installs. Each phase's time is printed at the end.
+#
 # Needs: a C++20 compiler, CMake >= 3.25, Python >= 3.9 with venv, GoogleTest (Debian
 # libgtest-dev; installed with apt when missing and possible). The CUDA backend is compiled when
 # nvcc is found; CUDA tests skip without a GPU. Environment:
@@ -17,6 +21,23 @@ ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
 BUILD=${BUILD:-build}
 say() { printf '\n== %s\n' "$*"; }
+# Phases and their wall times, printed at the end (and on failure).
+PHASES=()
+phase_start=$SECONDS
+phase_name=
+phase() {
+  if [ -n "$phase_name" ]; then PHASES+=("$(printf '%5ds  %s' $((SECONDS - phase_start)) "$phase_name")"); fi
+  phase_name=$1
+  phase_start=$SECONDS
+}
+report_phases() {
+  phase ""
+  printf '\n== time per phase (total %ds)\n' "$SECONDS"
+  printf '%s\n' "${PHASES[@]}"
+}
+trap report_phases EXIT
+source scripts/lib/package.sh
+phase "setup: GoogleTest, .venv with the build's packages"
 
 # --- system prerequisites -----------------------------------------------------------------------
 need_gtest() { [ -f /usr/include/gtest/gtest.h ] || [ -d /usr/src/googletest ]; }
@@ -46,15 +67,20 @@ if [ "${DELTASTATE_CUDA:-AUTO}" != OFF ]; then
 fi
 
 # --- C++ build and tests ------------------------------------------------------------------------
-say "configure + build ($BUILD, CUDA: ${DELTASTATE_CUDA:-AUTO})"
+phase "configure + build: library, CUDA backend, tests, CLI, Python module"
+say "configure + build ($BUILD, CUDA: ${DELTASTATE_CUDA:-AUTO}; the Python module too)"
+use_generator_of "$BUILD"
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DDELTASTATE_CUDA="${DELTASTATE_CUDA:-AUTO}" \
   -DDELTASTATE_CUDA_ALL_KERNELS="${DELTASTATE_CUDA_ALL_KERNELS:-OFF}" \
-  -DPython3_EXECUTABLE="$PY" >/dev/null
+  -DDELTASTATE_BUILD_TESTS=ON -DDELTASTATE_BUILD_TOOLS=ON -DDELTASTATE_BUILD_PYTHON=ON \
+  -DPython3_EXECUTABLE="$PY" -DPython_EXECUTABLE="$PY" >/dev/null
 cmake --build "$BUILD" -j "$JOBS"
+phase "C++ tests (ctest)"
 say "C++ tests (ctest)"
 ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure
 
 # --- Python package: pip install . and pytest ----------------------------------------------------
+phase "setup: torch, transformers, fla-core, einops"
 if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ] && ! "$PY" -c "import torch" 2>/dev/null; then
   say "installing torch (torch-CPU tests)"
   "$PY" -m pip install -q torch || echo "WARNING: torch could not be installed; the torch tests will be SKIPPED" >&2
@@ -65,17 +91,18 @@ if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ] && "$PY" -c "import torch" 2>/dev/null
   "$PY" -m pip install -q "transformers==5.23.0" "fla-core==0.6.0" "einops==0.8.2" ||
     echo "WARNING: transformers / fla-core could not be installed; the integration tests will be SKIPPED" >&2
 fi
-say "pip install . (scikit-build-core over this CMake project; CUDA: ${DELTASTATE_CUDA:-AUTO})"
-# pip is verbose only so that the compiler's progress lines ([n/N]) can be shown as they come.
-set +o pipefail
-SKBUILD_CMAKE_DEFINE="DELTASTATE_CUDA=${DELTASTATE_CUDA:-AUTO};DELTASTATE_CUDA_ALL_KERNELS=${DELTASTATE_CUDA_ALL_KERNELS:-OFF}" \
-  "$PY" -m pip install -v --no-build-isolation . 2>&1 | tee "$BUILD/pip-install.log" |
-  grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|^Successfully installed' | cut -c1-120
-rc=${PIPESTATUS[0]}
-set -o pipefail
-if [ "$rc" != 0 ]; then
+phase "pip install . (over $BUILD: nothing compiled again)"
+say "pip install . (scikit-build-core over the CMake tree $BUILD; CUDA: ${DELTASTATE_CUDA:-AUTO})"
+if ! install_package "$PY" "$BUILD" "${DELTASTATE_CUDA:-AUTO}" -v >"$BUILD/pip-install.log" 2>&1; then
   tail -n 60 "$BUILD/pip-install.log" >&2; echo "error: pip install . failed ($BUILD/pip-install.log)" >&2
-  exit "$rc"
+  exit 1
 fi
+# Compiler lines in pip's log mean the tree's objects were not reused: the build would run twice.
+if grep -E '^ *\[ *[0-9]+(/[0-9]+|%)\] Building' "$BUILD/pip-install.log"; then
+  echo "error: pip install . compiled the lines above again over $BUILD ($BUILD/pip-install.log)" >&2
+  exit 1
+fi
+grep '^Successfully installed' "$BUILD/pip-install.log"
+phase "Python tests (pytest)"
 say "Python tests (pytest)"
 cd "$ROOT/python/tests" && "$PY" -m pytest -q -ra "$ROOT/python/tests"
