@@ -103,6 +103,7 @@ if grep -E '^ *\[ *[0-9]+(/[0-9]+|%)\] Building' "$BUILD/pip-install.log"; then
   exit 1
 fi
 grep '^Successfully installed' "$BUILD/pip-install.log"
+"$VENV/bin/deltastate" --version  # pip installed the CLI too (on PATH in the environment)
 phase "Python tests (pytest)"
 say "Python tests (pytest)"
 cd "$ROOT/python/tests" && "$PY" -m pytest -q -ra "$ROOT/python/tests"
