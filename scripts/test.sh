@@ -76,8 +76,26 @@ cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DDELTASTATE_CUDA="${DELTASTAT
   -DPython3_EXECUTABLE="$PY" -DPython_EXECUTABLE="$PY" >/dev/null
 cmake --build "$BUILD" -j "$JOBS"
 phase "C++ tests (ctest)"
-say "C++ tests (ctest)"
-ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure
+say "C++ tests (ctest): CPU"
+ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure -LE gpu | tee "$BUILD/ctest-cpu.log"
+# A CPU test applies wherever it is registered: a skipped one is a case registered by mistake.
+if grep -E '\*\*\*Skipped' "$BUILD/ctest-cpu.log"; then
+  echo "error: the CPU tests above were skipped; register a test only where it applies" >&2
+  exit 1
+fi
+if [ -x "$BUILD/tests/deltastate_gpu_tests" ]; then
+  # The GPU suite (label gpu): without a device its tests skip, each with its reason in the log;
+  # here one line says how many ran and how many skipped (scripts/device.sh runs it on a GPU).
+  say "C++ tests (ctest): GPU"
+  if ! ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure -L gpu >"$BUILD/ctest-gpu.log" 2>&1; then
+    cat "$BUILD/ctest-gpu.log" >&2; echo "error: GPU tests failed ($BUILD/ctest-gpu.log)" >&2; exit 1
+  fi
+  gpu_total=$(sed -n 's/.*tests failed out of \([0-9]*\).*/\1/p' "$BUILD/ctest-gpu.log")
+  gpu_skipped=$(grep -c '\*\*\*Skipped' "$BUILD/ctest-gpu.log" || true)
+  summary="GPU tests (ctest -L gpu): $((gpu_total - gpu_skipped)) passed, $gpu_skipped skipped"
+  if [ "$gpu_skipped" -gt 0 ]; then summary+=": they need a CUDA device, none usable here (each reason: $BUILD/ctest-gpu.log)"; fi
+  echo "$summary"
+fi
 
 # --- Python package: pip install . and pytest ----------------------------------------------------
 phase "setup: torch, transformers, fla-core, einops"
