@@ -74,7 +74,9 @@ cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DDELTASTATE_CUDA="${DELTASTAT
   -DDELTASTATE_CUDA_ALL_KERNELS="${DELTASTATE_CUDA_ALL_KERNELS:-OFF}" \
   -DDELTASTATE_BUILD_TESTS=ON -DDELTASTATE_BUILD_TOOLS=ON -DDELTASTATE_BUILD_PYTHON=ON \
   -DPython3_EXECUTABLE="$PY" -DPython_EXECUTABLE="$PY" >/dev/null
-cmake --build "$BUILD" -j "$JOBS"
+cmake --build "$BUILD" -j "$JOBS" 2>&1 | tee "$BUILD/build.log"
+# ptxas's spill warnings (-Xptxas=-warn-spills): every one must be a known one (docs/SPILLS.md).
+scripts/spills.sh --check "$BUILD/build.log"
 phase "C++ tests (ctest)"
 say "C++ tests (ctest): CPU"
 ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure -LE gpu | tee "$BUILD/ctest-cpu.log"
