@@ -67,20 +67,25 @@ PACKED_CASES = [
     ("qkv-3d", lambda fw, a, kda: a.update(mixed_qkv=a["mixed_qkv"].reshape(B, 1, W)),
      "`mixed_qkv` must be a 2D tensor (got ndim=3).", None),
     ("qkv-last-stride", lambda fw, a, kda: a.update(mixed_qkv=strided_last(fw, (B, W))),
-     "`mixed_qkv` must be contiguous in the last dim.", None),
+     "`mixed_qkv` must be contiguous in the last dim. `mixed_qkv` has strides (192, 2); expected a "
+     "last stride of 1.", None),
     ("a-3d", lambda fw, a, kda: a.update(a=a["a"].reshape(B, 1, -1)),
      "`a` and `b` must be 2D tensors (got a.ndim=3, b.ndim=2).", None),
     ("b-last-stride", lambda fw, a, kda: a.update(b=strided_last(fw, (B, HV))),
-     "`a`/`b` must be contiguous in the last dim.", None),
+     "`a`/`b` must be contiguous in the last dim. `b` has strides (8, 2); expected a last stride "
+     "of 1.", None),
     ("A_log-2d", lambda fw, a, kda: a.update(A_log=a["A_log"].reshape(1, HV)),
      "`A_log`/`dt_bias` must be 1D tensors.", None),
     ("dt_bias-strided", lambda fw, a, kda: a.update(dt_bias=strided_last(fw, (HV * K if kda else HV,))),
-     "`A_log`/`dt_bias` must be contiguous.", None),
+     "`A_log`/`dt_bias` must be contiguous. `dt_bias` has strides (2,) for shape (4,); expected "
+     "(1,).", "`A_log`/`dt_bias` must be contiguous. `dt_bias` has strides (2,) for shape (32,); "
+     "expected (1,)."),
     ("indices-2d", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([[1, -1, 3]])),
      "`ssm_state_indices` must be 1D for packed decode (got ndim=2).", None),
     ("out-noncontiguous", lambda fw, a, kda: a.update(
         out=fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))),
-     "`out` must be contiguous.", None),
+     "`out` must be contiguous. `out` has strides (128, 1, 32, 2) for shape (3, 1, 4, 16); "
+     "expected (64, 64, 16, 1).", None),
     ("batch-mismatch", lambda fw, a, kda: a.update(a=a["a"][:2]),
      "Mismatched batch sizes: mixed_qkv.shape[0]=3, a.shape[0]=2, b.shape[0]=3.", None),
     ("indices-length", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([1, 2])),
@@ -89,11 +94,13 @@ PACKED_CASES = [
      "`initial_state` must be a 4D tensor (got ndim=3).", None),
     ("state-last-stride", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
         fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K * 2, 2))),
-     "`initial_state` must be contiguous in the last dim.", None),
+     "`initial_state` must be contiguous in the last dim. `initial_state` has strides (1024, "
+     "256, 16, 2); expected a last stride of 1.", None),
     ("state-inner-strides", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
         fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K, 1))),
      "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-     "stride is supported.", None),
+     "stride is supported. `initial_state` has strides (1024, 256, 8, 1); expected (any, 128, 8, "
+     "1).", None),
     ("a-cols", lambda fw, a, kda: a.update(a=fw.full((B, 5), 0.0)),
      "`a`/`b` must have shape [B, HV] with HV=4 (got a.shape=(3, 5), b.shape=(3, 4)).",
      "`a` must have shape [B, HV*K] with HV=4, K=8 (got a.shape=(3, 5))."),
@@ -184,10 +191,12 @@ REPLAY_CASES = [
     ("state-3d", lambda fw, a, kda: a.update(initial_state=fw.full((S, HV, V * K), 0.0)),
      "`initial_state` must be 4D (got ndim=3).", None),
     ("qkv-last-stride", lambda fw, a, kda: a.update(mixed_qkv=strided_last(fw, (B, W))),
-     "`mixed_qkv` must be contiguous in the last dim.", None),
+     "`mixed_qkv` must be contiguous in the last dim. `mixed_qkv` has strides (192, 2); expected a "
+     "last stride of 1.", None),
     ("out-noncontiguous", lambda fw, a, kda: a.update(
         out=fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))),
-     "`out` must be contiguous.", None),
+     "`out` must be contiguous. `out` has strides (128, 1, 32, 2) for shape (3, 1, 4, 16); "
+     "expected (64, 64, 16, 1).", None),
     ("write_pos-int64", lambda fw, a, kda: a.update(write_pos=fw.idx([0, 0, 2], "int64")),
      "`write_pos` must be a contiguous 1D int32 tensor.", None),
     ("force_flush-int64", lambda fw, a, kda: a.update(force_flush=fw.idx([0, 1, 0], "int64")),
@@ -195,7 +204,8 @@ REPLAY_CASES = [
     ("state-inner-strides", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
         fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K, 1))),
      "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-     "stride is supported.", None),
+     "stride is supported. `initial_state` has strides (1024, 256, 8, 1); expected (any, 128, 8, "
+     "1).", None),
     ("width-odd", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, W + 1), 0.0)),
      "Invalid packed `mixed_qkv` last dim=97 for HV=4, V=16.", None),
     ("q-not-multiple-of-K", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, HV * V + 24), 0.0)),
@@ -215,9 +225,11 @@ REPLAY_CASES = [
     ("dt_bias-shape", lambda fw, a, kda: a.update(dt_bias=fw.full((HV * K + 1,) if kda else (HV * K,), 0.0)),
      "GDN `dt_bias` must have shape (4,) (got (32,)).", "KDA `dt_bias` must have shape (4, 8) (got (33,))."),
     ("a-strided", lambda fw, a, kda: a.update(a=strided_last(fw, (B, HV, K) if kda else (B, HV))),
-     "GDN `a` must have shape (3, 4) (got (3, 4)).", "KDA `a`/`dt_bias` must be contiguous."),
+     "GDN `a` must have shape (3, 4) (got (3, 4)).", "KDA `a`/`dt_bias` must be contiguous. `a` has strides (64, 16, 2) for shape (3, 4, 8); "
+     "expected (32, 8, 1)."),
     ("ring-noncontiguous", lambda fw, a, kda: a.update(k_cache=strided_last(fw, (S, H, L, K))),
-     "ReplaySSM ring caches must be contiguous.", None),
+     "ReplaySSM ring caches must be contiguous. `k_cache` has strides (128, 64, 16, 2) for shape "
+     "(5, 2, 4, 8); expected (64, 32, 8, 1).", None),
     ("k_cache-shape", lambda fw, a, kda: a.update(k_cache=fw.full((S, HV, L, K), 0.0)),
      "`k_cache` shape must be (5, 2, 4, 8) (got (5, 4, 4, 8)).", None),
     ("g_cache-shape", lambda fw, a, kda: a.update(g_cache=fw.full((S, HV, L, 1), 0.0)),
@@ -514,3 +526,17 @@ def test_pdl_keyword_errors_unchanged(fw, rng):
     args = packed_args(fw, rng, False)
     with pytest.raises(TypeError):  # positional: one too many
         ds.fused_recurrent_gated_delta_rule_packed_decode(*args.values(), True, True)
+
+
+# ---- strides in contiguity errors ------------------------------------------------------------
+def test_contiguity_errors_show_strides(fw, rng):
+    """After the peer's text, the strides found and the ones needed."""
+    args = packed_args(fw, rng, False)
+    out = fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))
+    expect_error(lambda a: call_packed(False, a), dict(args, out=out),
+                 "`out` must be contiguous. `out` has strides (128, 1, 32, 2) for shape "
+                 "(3, 1, 4, 16); expected (64, 64, 16, 1).")
+    expect_error(lambda a: call_packed(False, a), dict(args, b=strided_last(fw, (B, HV))),
+                 "`a`/`b` must be contiguous in the last dim. `b` has strides (8, 2); expected a "
+                 "last stride of 1.")
+
