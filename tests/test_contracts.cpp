@@ -221,6 +221,15 @@ TEST(Contracts, GdnPackedDecode) {
        "`A_log` and `dt_bias` must have 4 elements (got A_log.numel()=3, dt_bias.numel()=4)."},
       {"dt_bias numel", [](auto&, auto& a) { a.dt_bias = with_size(a.dt_bias, 0, 5); },
        "`A_log` and `dt_bias` must have 4 elements (got A_log.numel()=4, dt_bias.numel()=5)."},
+      // FLA's default layout [slots, HV, K, V] with K != V: SGLang's text, then the cause.
+      {"K-first state",
+       [](auto&, auto& a) {
+         a.state = reshaped(a.state, {5, 4, 8, 16});
+       },
+       "`out` must have shape (3, 1, 4, 8) (got out.shape=(3, 1, 4, 16)). `initial_state` (5, 4, "
+       "8, 16) looks K-first [slots, HV, K, V]: packed decode takes the pool's V-first layout "
+       "[slots, HV, V, K] (FLA: state_v_first=True; deltastate never transposes a state behind "
+       "the caller's back)."},
   };
   cases.insert(cases.end(), gdn.begin(), gdn.end());
   expect_rejections(cases, false);

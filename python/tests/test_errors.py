@@ -540,3 +540,14 @@ def test_contiguity_errors_show_strides(fw, rng):
                  "`a`/`b` must be contiguous in the last dim. `b` has strides (8, 2); expected a "
                  "last stride of 1.")
 
+
+def test_k_first_state_in_packed_decode_is_named(fw, rng):
+    """FLA's K-first layout [slots, HV, K, V] with K != V: SGLang's `out` text, then the state,
+    the layout packed decode takes and FLA's option that gives it."""
+    args = packed_args(fw, rng, False)
+    k_first = fw.from64(rng.standard_normal((S, HV, K, V)))
+    expect_error(lambda a: call_packed(False, a), dict(args, initial_state=k_first),
+                 "`out` must have shape (3, 1, 4, 8) (got out.shape=(3, 1, 4, 16)). "
+                 "`initial_state` (5, 4, 8, 16) looks K-first [slots, HV, K, V]: packed decode "
+                 "takes the pool's V-first layout [slots, HV, V, K] (FLA: state_v_first=True; "
+                 "deltastate never transposes a state behind the caller's back).")

@@ -107,8 +107,20 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& x, const TensorVi
   }
   if (out.ndim != 4 || out.shape[0] != B || out.shape[1] != 1 || out.shape[2] != HV ||
       out.shape[3] != V) {
-    fail(format("`out` must have shape %s (got out.shape=%s).", tuple_str({B, 1, HV, V}).c_str(),
-                shape_str(out).c_str()));
+    std::string message = format("`out` must have shape %s (got out.shape=%s).",
+                                 tuple_str({B, 1, HV, V}).c_str(), shape_str(out).c_str());
+    // Beyond SGLang: the usual cause when out's last dim is the state's last, K != V: a K-first
+    // state (FLA's default layout) read as the pool's V-first one. With K = V the two layouts
+    // have one shape and cannot be told apart (README, the FLA functions' docstrings).
+    if (out.ndim == 4 && out.shape[0] == B && out.shape[1] == 1 && out.shape[2] == HV &&
+        out.shape[3] == K && K != V) {
+      message += format(
+          " `initial_state` %s looks K-first [slots, HV, K, V]: packed decode takes the pool's "
+          "V-first layout [slots, HV, V, K] (FLA: state_v_first=True; deltastate never "
+          "transposes a state behind the caller's back).",
+          shape_str(state).c_str());
+    }
+    fail(message);
   }
   const int64_t width = x.shape[1];
   const int64_t qk = width - HV * V;
