@@ -105,12 +105,11 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLInt && t.bits == 32) return ds::DType::i32;
     if (t.code == kDLInt && t.bits == 64) return ds::DType::i64;
   }
-  throw ds::Error(ds::ErrorKind::value,
-                  std::string("`") + name + "` has dtype " +
-                      ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
-                      ", which deltastate does not take; use " + ds::dtype_mark("float32") + ", " +
-                      ds::dtype_mark("bfloat16") + ", " + ds::dtype_mark("float16") + ", " +
-                      ds::dtype_mark("int32") + " or " + ds::dtype_mark("int64"));
+  // What the argument takes is the op's own (a float or an index tensor, ...): the Python op
+  // table appends it (deltastate/_derive.py, `spelled`), this text must end here.
+  throw ds::Error(ds::ErrorKind::value, std::string("`") + name + "` has dtype " +
+                                            ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
+                                            ", which deltastate does not take");
 }
 
 ds::TensorView to_view(const ffi::TensorView& t, const char* name) {

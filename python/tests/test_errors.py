@@ -484,8 +484,8 @@ def test_unsupported_dtypes_and_read_only(rng):
     np_fw = Fw("numpy")
     args = packed_args(np_fw, rng, False)
     expect_error(lambda a: call_packed(False, a), dict(args, a=args["a"].astype(np.float64)),
-                 "`a` has dtype float64, which deltastate does not take; use float32, bfloat16, "
-                 "float16, int32 or int64")
+                 "`a` has dtype float64, which deltastate does not take; `a` takes float32, "
+                 "bfloat16 or float16")
     ro = args["A_log"].copy()
     ro.flags.writeable = False
     expect_error(lambda a: call_packed(False, a), dict(args, A_log=ro),
@@ -528,7 +528,41 @@ def test_pdl_keyword_errors_unchanged(fw, rng):
         ds.fused_recurrent_gated_delta_rule_packed_decode(*args.values(), True, True)
 
 
-# ---- strides in contiguity errors ------------------------------------------------------------
+# ---- each argument's own dtypes; each argument's own framework; strides in contiguity errors ----
+def test_untaken_dtype_lists_what_that_argument_takes(fw, rng):
+    """A dtype the binding has no type for: the dtypes that argument takes, not every dtype."""
+    args = packed_args(fw, rng, False)
+    t = "torch." if fw.name == "torch" else ""
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, ssm_state_indices=fw.from64(np.array([1, -1, 3]), "int16")),
+                 f"`ssm_state_indices` has dtype {t}int16, which deltastate does not take; "
+                 f"`ssm_state_indices` takes {t}int32 or {t}int64")
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, mixed_qkv=fw.from64(rng.standard_normal((B, W)), "float64")),
+                 spelled(fw, "`mixed_qkv` has dtype float64, which deltastate does not take; "
+                             "`mixed_qkv` takes float32, bfloat16 or float16"))
+
+
+def test_mixed_frameworks_spell_each_argument_its_own_way(rng):
+    """numpy and torch arguments in one call: a numpy argument's dtype as numpy prints it, a
+    torch argument's as torch does."""
+    if torch is None:
+        pytest.skip("needs torch")
+    args = packed_args(Fw("torch"), rng, False)
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, a=np.zeros((B, HV), np.float64)),
+                 "`a` has dtype float64, which deltastate does not take; `a` takes float32, "
+                 "bfloat16 or float16")
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, a=np.zeros((B, HV), np.int32)),
+                 "`a` must have dtype float32, bfloat16 or float16; got int32")
+    nargs = packed_args(Fw("numpy"), rng, False)
+    expect_error(lambda a: call_packed(False, a),
+                 dict(nargs, b=torch.zeros(B, HV, dtype=torch.int32)),
+                 "`b` must have dtype torch.float32, torch.bfloat16 or torch.float16; got "
+                 "torch.int32")
+
+
 def test_contiguity_errors_show_strides(fw, rng):
     """After the peer's text, the strides found and the ones needed."""
     args = packed_args(fw, rng, False)
