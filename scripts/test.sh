@@ -13,6 +13,9 @@
 # nvcc is found; CUDA tests skip without a GPU. Environment:
 #   DELTASTATE_CUDA_ALL_KERNELS=ON   compile every specialized CUDA kernel (default OFF here:
 #                                    the generic kernels only, to keep CPU-only builds short)
+#   DELTASTATE_CUDA_PTX=ON|OFF       embed compute_90 PTX (default: ON where nvidia-smi finds a
+#                                    GPU, else OFF: a third less CUDA compile for code nothing
+#                                    here runs; the sm_90a code is compiled either way)
 #   DELTASTATE_SKIP_TORCH=1          do not install torch (its tests are then skipped, loudly)
 #   JOBS=N                           build parallelism (default: nproc)
 set -euo pipefail
@@ -68,10 +71,14 @@ fi
 
 # --- C++ build and tests ------------------------------------------------------------------------
 phase "configure + build: library, CUDA backend, tests, CLI, Python module"
-say "configure + build ($BUILD, CUDA: ${DELTASTATE_CUDA:-AUTO}; the Python module too)"
+if [ -z "${DELTASTATE_CUDA_PTX:-}" ]; then
+  DELTASTATE_CUDA_PTX=OFF
+  if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then DELTASTATE_CUDA_PTX=ON; fi
+fi
+say "configure + build ($BUILD, CUDA: ${DELTASTATE_CUDA:-AUTO}, compute_90 PTX: $DELTASTATE_CUDA_PTX; the Python module too)"
 use_generator_of "$BUILD"
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DDELTASTATE_CUDA="${DELTASTATE_CUDA:-AUTO}" \
-  -DDELTASTATE_CUDA_ALL_KERNELS="${DELTASTATE_CUDA_ALL_KERNELS:-OFF}" \
+  -DDELTASTATE_CUDA_ALL_KERNELS="${DELTASTATE_CUDA_ALL_KERNELS:-OFF}" -DDELTASTATE_CUDA_PTX="$DELTASTATE_CUDA_PTX" \
   -DDELTASTATE_BUILD_TESTS=ON -DDELTASTATE_BUILD_TOOLS=ON -DDELTASTATE_BUILD_PYTHON=ON \
   -DPython3_EXECUTABLE="$PY" -DPython_EXECUTABLE="$PY" >/dev/null
 cmake --build "$BUILD" -j "$JOBS" 2>&1 | tee "$BUILD/build.log"

@@ -55,13 +55,14 @@ install_package() {
   shift 3
   case $build in /*) ;; *) build=$PWD/$build ;; esac
   use_generator_of "$build"
-  local stamp all tests
+  local stamp all tests ptx
   stamp=$(package_stamp "$py")
   all=$(cache_value "$build" DELTASTATE_CUDA_ALL_KERNELS "${DELTASTATE_CUDA_ALL_KERNELS:-OFF}")
   tests=$(cache_value "$build" DELTASTATE_BUILD_TESTS OFF)
+  ptx=$(cache_value "$build" DELTASTATE_CUDA_PTX ON)
   rm -f "$stamp"
   touch "$stamp.new"
-  SKBUILD_CMAKE_DEFINE="DELTASTATE_CUDA=$cuda;DELTASTATE_CUDA_ALL_KERNELS=$all;DELTASTATE_BUILD_TESTS=$tests;DELTASTATE_BUILD_TOOLS=ON" \
+  SKBUILD_CMAKE_DEFINE="DELTASTATE_CUDA=$cuda;DELTASTATE_CUDA_ALL_KERNELS=$all;DELTASTATE_CUDA_PTX=$ptx;DELTASTATE_BUILD_TESTS=$tests;DELTASTATE_BUILD_TOOLS=ON" \
     "$py" -m pip install --no-build-isolation --config-settings=build-dir="$build" "$@" . &&
     mv "$stamp.new" "$stamp"
 }
