@@ -34,6 +34,10 @@ phase() {
   phase_start=$SECONDS
 }
 report_phases() {
+  # A run that stops early leaves no background install behind.
+  if [ -n "${torch_pid:-}" ] && kill -0 "$torch_pid" 2>/dev/null; then
+    kill $(pgrep -P "$torch_pid") "$torch_pid" 2>/dev/null || true
+  fi
   phase ""
   printf '\n== time per phase (total %ds)\n' "$SECONDS"
   printf '%s\n' "${PHASES[@]}"
@@ -61,12 +65,29 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY=$VENV/bin/python
 "$PY" -m pip install -q --upgrade pip >/dev/null
-"$PY" -m pip install -q numpy pytest apache-tvm-ffi scikit-build-core
+"$PY" -m pip install -q numpy pytest pytest-xdist apache-tvm-ffi scikit-build-core
 # CUTLASS's CuTe headers for the CUDA backend's Hopper kernels, pinned (CMakeLists.txt finds them
 # in this Python); only the headers are used, so none of the wheel's own dependencies. A
 # CPU-only build (DELTASTATE_CUDA=OFF) needs none of it.
 if [ "${DELTASTATE_CUDA:-AUTO}" != OFF ]; then
   "$PY" -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
+fi
+
+# torch (PyPI's Linux wheel brings its CUDA libraries: ~5 GB in .venv) and the integration tests'
+# packages download and unpack while the build compiles: the network and the disk, not the two
+# cores the compilers need. Their own phase below only waits for them. --no-compile: Python
+# byte-compiles the modules a test imports, not all of torch up front.
+torch_pid=
+if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ]; then
+  (
+    if ! "$PY" -c "import torch" 2>/dev/null; then
+      "$PY" -m pip install -q --no-compile torch || exit 1
+    fi
+    # The integration tests (python/tests/integrations, peer/test_fla_registry.py) need these,
+    # pinned to the versions they were written against; without them those tests skip, loudly.
+    "$PY" -m pip install -q --no-compile "transformers==5.23.0" "fla-core==0.6.0" "einops==0.8.2" || exit 2
+  ) >"$VENV/torch-install.log" 2>&1 &
+  torch_pid=$!
 fi
 
 # --- C++ build and tests ------------------------------------------------------------------------
@@ -107,16 +128,18 @@ if [ -x "$BUILD/tests/deltastate_gpu_tests" ]; then
 fi
 
 # --- Python package: pip install . and pytest ----------------------------------------------------
-phase "setup: torch, transformers, fla-core, einops"
-if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ] && ! "$PY" -c "import torch" 2>/dev/null; then
-  say "installing torch (torch-CPU tests)"
-  "$PY" -m pip install -q torch || echo "WARNING: torch could not be installed; the torch tests will be SKIPPED" >&2
-fi
-# The integration tests (python/tests/integrations, peer/test_fla_registry.py) need these, pinned
-# to the versions they were written against; without them those tests skip, loudly.
-if [ "${DELTASTATE_SKIP_TORCH:-0}" != 1 ] && "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q "transformers==5.23.0" "fla-core==0.6.0" "einops==0.8.2" ||
+phase "setup: torch, transformers, fla-core, einops (the wait for the background install)"
+if [ -n "$torch_pid" ]; then
+  say "torch, transformers, fla-core, einops (installing since the build started; log: $VENV/torch-install.log)"
+  torch_rc=0
+  wait "$torch_pid" || torch_rc=$?
+  if [ "$torch_rc" = 1 ]; then
+    cat "$VENV/torch-install.log" >&2
+    echo "WARNING: torch could not be installed; the torch tests will be SKIPPED" >&2
+  elif [ "$torch_rc" != 0 ]; then
+    cat "$VENV/torch-install.log" >&2
     echo "WARNING: transformers / fla-core could not be installed; the integration tests will be SKIPPED" >&2
+  fi
 fi
 phase "pip install . (over $BUILD: nothing compiled again)"
 say "pip install . (scikit-build-core over the CMake tree $BUILD; CUDA: ${DELTASTATE_CUDA:-AUTO})"
@@ -133,4 +156,7 @@ grep '^Successfully installed' "$BUILD/pip-install.log"
 "$VENV/bin/deltastate" --version  # pip installed the CLI too (on PATH in the environment)
 phase "Python tests (pytest)"
 say "Python tests (pytest)"
-cd "$ROOT/python/tests" && "$PY" -m pytest -q -ra "$ROOT/python/tests"
+# On every core (pytest-xdist), with the slowest tests listed.
+workers=()
+if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$JOBS"); fi
+cd "$ROOT/python/tests" && "$PY" -m pytest -q -ra --durations=10 ${workers[@]+"${workers[@]}"} "$ROOT/python/tests"
