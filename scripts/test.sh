@@ -24,14 +24,29 @@ ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
 BUILD=${BUILD:-build}
 say() { printf '\n== %s\n' "$*"; }
-# Phases and their wall times, printed at the end (and on failure).
+# Phases with their wall times and the CPU time their processes used (user + system, all cores),
+# printed at the end (and on failure): wall well above CPU / cores means waiting, for the network
+# or for other processes on the same cores.
 PHASES=()
+times_file=${TMPDIR:-/tmp}/deltastate-test-times.$$
+# CPU seconds of the finished child processes so far, into $cpu (`times` runs in this shell: a
+# command substitution would see its own children only).
+cpu_seconds() {
+  times >"$times_file"
+  cpu=$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] } printf "%d", n }' "$times_file")
+}
+cpu=0
 phase_start=$SECONDS
+phase_cpu=0
 phase_name=
 phase() {
-  if [ -n "$phase_name" ]; then PHASES+=("$(printf '%5ds  %s' $((SECONDS - phase_start)) "$phase_name")"); fi
+  cpu_seconds
+  if [ -n "$phase_name" ]; then
+    PHASES+=("$(printf '%5ds wall %5ds CPU  %s' $((SECONDS - phase_start)) $((cpu - phase_cpu)) "$phase_name")")
+  fi
   phase_name=$1
   phase_start=$SECONDS
+  phase_cpu=$cpu
 }
 report_phases() {
   # A run that stops early leaves no background install behind.
@@ -39,7 +54,8 @@ report_phases() {
     kill $(pgrep -P "$torch_pid") "$torch_pid" 2>/dev/null || true
   fi
   phase ""
-  printf '\n== time per phase (total %ds)\n' "$SECONDS"
+  rm -f "$times_file"
+  printf '\n== time per phase (total %ds wall, %ds CPU)\n' "$SECONDS" "$cpu"
   printf '%s\n' "${PHASES[@]}"
 }
 trap report_phases EXIT
