@@ -199,9 +199,11 @@ std::vector<Case> cases(bool kda) {
       {"state K", [](auto&, auto& a) { a.initial_state = with_size(*a.initial_state, 3, 15); },
        "`initial_state` must have shape [slots, HV, V, K]=(8, 4, 8, 16); got (8, 4, 8, 15) (K=16 from `q`)"},
       {"state inner strides", [](auto&, auto& a) { a.initial_state = with_stride(*a.initial_state, 2, 17); },
-       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; " + pool_stride_note},
+       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; " + pool_stride_note +
+           " `initial_state` has strides (512, 128, 17, 1); expected (any, 128, 16, 1)."},
       {"state head stride", [](auto&, auto& a) { a.initial_state = with_stride(*a.initial_state, 1, 256); },
-       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; " + pool_stride_note},
+       "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; " + pool_stride_note +
+           " `initial_state` has strides (512, 256, 16, 1); expected (any, 128, 16, 1)."},
       {"state dtype", [](auto&, auto& a) { a.initial_state = with_dtype(*a.initial_state, DType::i32); },
        "`initial_state` must have dtype float32, bfloat16 or float16; got int32"},
       {"state on another device", [](auto&, auto& a) { a.initial_state = on_cuda(*a.initial_state); },

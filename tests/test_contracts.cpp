@@ -100,27 +100,34 @@ std::vector<PCase> packed_common_cases(bool kda) {
        "`mixed_qkv` must be a 2D tensor (got ndim=3)."},
       {"mixed_qkv last-dim stride",
        [](auto&, auto& a) { a.mixed_qkv = with_stride(a.mixed_qkv, 1, 2); },
-       "`mixed_qkv` must be contiguous in the last dim."},
+       "`mixed_qkv` must be contiguous in the last dim. `mixed_qkv` has strides (96, 2); expected "
+       "a "
+       "last stride of 1."},
       {"a 1D", [](auto&, auto& a) { a.a = with_ndim(a.a, 1); },
        "`a` and `b` must be 2D tensors (got a.ndim=1, b.ndim=2)."},
       {"b 3D", [](auto&, auto& a) { a.b = with_ndim(a.b, 3); },
        "`a` and `b` must be 2D tensors (got a.ndim=2, b.ndim=3)."},
       {"a last-dim stride", [](auto&, auto& a) { a.a = with_stride(a.a, 1, 2); },
-       "`a`/`b` must be contiguous in the last dim."},
+       std::string("`a`/`b` must be contiguous in the last dim. `a` has strides (") +
+           (kda ? "32" : "4") + ", 2); expected a last stride of 1."},
       {"b last-dim stride", [](auto&, auto& a) { a.b = with_stride(a.b, 1, 3); },
-       "`a`/`b` must be contiguous in the last dim."},
+       "`a`/`b` must be contiguous in the last dim. `b` has strides (4, 3); expected a last stride "
+       "of 1."},
       {"A_log 2D", [](auto&, auto& a) { a.A_log = with_ndim(a.A_log, 2); },
        "`A_log`/`dt_bias` must be 1D tensors."},
       {"dt_bias 0D", [](auto&, auto& a) { a.dt_bias = with_ndim(a.dt_bias, 0); },
        "`A_log`/`dt_bias` must be 1D tensors."},
       {"A_log strided", [](auto&, auto& a) { a.A_log = with_stride(a.A_log, 0, 2); },
-       "`A_log`/`dt_bias` must be contiguous."},
+       "`A_log`/`dt_bias` must be contiguous. `A_log` has strides (2,) for shape (4,); expected "
+       "(1,)."},
       {"dt_bias strided", [](auto&, auto& a) { a.dt_bias = with_stride(a.dt_bias, 0, 2); },
-       "`A_log`/`dt_bias` must be contiguous."},
+       std::string("`A_log`/`dt_bias` must be contiguous. `dt_bias` has strides (2,) for shape (") +
+           (kda ? "32" : "4") + ",); expected (1,)."},
       {"indices 2D", [](auto&, auto& a) { a.state_indices = with_ndim(a.state_indices, 2); },
        "`ssm_state_indices` must be 1D for packed decode (got ndim=2)."},
       {"out strided", [](auto&, auto& a) { a.out = with_stride(a.out, 3, 2); },
-       "`out` must be contiguous."},
+       "`out` must be contiguous."
+       " `out` has strides (64, 64, 16, 2) for shape (3, 1, 4, 16); expected (64, 64, 16, 1)."},
       {"a on another device", [](auto&, auto& a) { a.a = on_cuda(a.a); },
        "All inputs must be on the same device."},
       {"state on another device", [](auto&, auto& a) { a.state = on_cuda(a.state); },
@@ -137,13 +144,16 @@ std::vector<PCase> packed_common_cases(bool kda) {
       {"state 3D", [](auto&, auto& a) { a.state = with_ndim(a.state, 3); },
        "`initial_state` must be a 4D tensor (got ndim=3)."},
       {"state last-dim stride", [](auto&, auto& a) { a.state = with_stride(a.state, 3, 2); },
-       "`initial_state` must be contiguous in the last dim."},
+       "`initial_state` must be contiguous in the last dim."
+       " `initial_state` has strides (512, 128, 8, 2); expected a last stride of 1."},
       {"state inner strides", [](auto&, auto& a) { a.state = with_stride(a.state, 2, 9); },
        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-       "stride is supported."},
+       "stride is supported."
+       " `initial_state` has strides (512, 128, 9, 1); expected (any, 128, 8, 1)."},
       {"state head stride", [](auto&, auto& a) { a.state = with_stride(a.state, 1, 136); },
        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-       "stride is supported."},
+       "stride is supported."
+       " `initial_state` has strides (512, 136, 8, 1); expected (any, 128, 8, 1)."},
       {"out shape",
        [](auto&, auto& a) {
          a.out = reshaped(a.out, {3, 4, 16});
@@ -212,6 +222,15 @@ TEST(Contracts, GdnPackedDecode) {
        "`A_log` and `dt_bias` must have 4 elements (got A_log.numel()=3, dt_bias.numel()=4)."},
       {"dt_bias numel", [](auto&, auto& a) { a.dt_bias = with_size(a.dt_bias, 0, 5); },
        "`A_log` and `dt_bias` must have 4 elements (got A_log.numel()=4, dt_bias.numel()=5)."},
+      // FLA's default layout [slots, HV, K, V] with K != V: SGLang's text, then the cause.
+      {"K-first state",
+       [](auto&, auto& a) {
+         a.state = reshaped(a.state, {5, 4, 8, 16});
+       },
+       "`out` must have shape (3, 1, 4, 8) (got out.shape=(3, 1, 4, 16)). `initial_state` (5, 4, "
+       "8, 16) looks K-first [slots, HV, K, V]: packed decode takes the pool's V-first layout "
+       "[slots, HV, V, K] (FLA: state_v_first=True; deltastate never transposes a state behind "
+       "the caller's back)."},
   };
   cases.insert(cases.end(), gdn.begin(), gdn.end());
   expect_rejections(cases, false);
@@ -475,7 +494,8 @@ std::vector<RCase> recurrent_cases(bool kda) {
          "`initial_state` must be a 4D tensor (got ndim=3)."},
         {"state inner strides", [](auto&, auto& a) { a.state = with_stride(*a.state, 2, 17); },
          "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-         "stride is supported."},
+         "stride is supported."
+         " `initial_state` has strides (512, 128, 17, 1); expected (any, 128, 16, 1)."},
     };
     cases.insert(cases.end(), g.begin(), g.end());
   }
@@ -618,9 +638,11 @@ std::vector<RSCase> replay_cases(bool kda) {
        "`initial_state` must be 4D (got ndim=3)."},
       {"mixed_qkv last-dim stride",
        [](auto&, auto& a) { a.mixed_qkv = with_stride(a.mixed_qkv, 1, 2); },
-       "`mixed_qkv` must be contiguous in the last dim."},
+       "`mixed_qkv` must be contiguous in the last dim."
+       " `mixed_qkv` has strides (96, 2); expected a last stride of 1."},
       {"out strided", [](auto&, auto& a) { a.out = with_stride(a.out, 0, 1000); },
-       "`out` must be contiguous."},
+       "`out` must be contiguous."
+       " `out` has strides (1000, 64, 16, 1) for shape (3, 1, 4, 16); expected (64, 64, 16, 1)."},
       {"write_pos int64", [](auto&, auto& a) { a.write_pos = with_dtype(a.write_pos, DType::i64); },
        "`write_pos` must be a contiguous 1D int32 tensor."},
       {"write_pos 2D",
@@ -642,11 +664,13 @@ std::vector<RSCase> replay_cases(bool kda) {
       {"state inner strides", [](auto&, auto& a) { a.state = with_stride(a.state, 2, 9); },
        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
        "stride "
-       "is supported."},
+       "is supported."
+       " `initial_state` has strides (512, 128, 9, 1); expected (any, 128, 8, 1)."},
       {"state last stride", [](auto&, auto& a) { a.state = with_stride(a.state, 3, 2); },
        "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
        "stride "
-       "is supported."},
+       "is supported."
+       " `initial_state` has strides (512, 128, 8, 2); expected (any, 128, 8, 1)."},
       {"width = HV*V", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 64); },
        "Invalid packed `mixed_qkv` last dim=64 for HV=4, V=16."},
       {"width odd", [](auto&, auto& a) { a.mixed_qkv = with_size(a.mixed_qkv, 1, 97); },
@@ -694,11 +718,18 @@ std::vector<RSCase> replay_cases(bool kda) {
        },
        "ReplaySSM cache length must be at least 1."},
       {"d_cache strided", [](auto&, auto& a) { a.d_cache = with_stride(a.d_cache, 2, 32); },
-       "ReplaySSM ring caches must be contiguous."},
+       "ReplaySSM ring caches must be contiguous."
+       " `d_cache` has strides (256, 64, 32, 1) for shape (5, 4, 4, 16); expected (256, 64, 16, "
+       "1)."},
       {"k_cache strided", [](auto&, auto& a) { a.k_cache = with_stride(a.k_cache, 0, 100); },
-       "ReplaySSM ring caches must be contiguous."},
+       "ReplaySSM ring caches must be contiguous."
+       " `k_cache` has strides (100, 32, 8, 1) for shape (5, 2, 4, 8); expected (64, 32, 8, 1)."},
       {"g_cache strided", [](auto&, auto& a) { a.g_cache = with_stride(a.g_cache, 1, 100); },
-       "ReplaySSM ring caches must be contiguous."},
+       "ReplaySSM ring caches must be contiguous." +
+           std::string(kda ? " `g_cache` has strides (128, 100, 8, 1) for shape (5, 4, 4, 8); "
+                             "expected (128, 32, 8, 1)."
+                           : " `g_cache` has strides (16, 100, 1) for shape (5, 4, 4); expected "
+                             "(16, 4, 1).")},
       {"k_cache K",
        [](auto&, auto& a) {
          a.k_cache = reshaped(a.k_cache, {5, 2, 4, 7});
@@ -803,12 +834,14 @@ std::vector<RSCase> replay_cases(bool kda) {
         {"KDA dt_bias shape", [](auto&, auto& a) { a.dt_bias = with_size(a.dt_bias, 0, 31); },
          "KDA `dt_bias` must have shape (4, 8) (got (31,))."},
         {"KDA a strided", [](auto&, auto& a) { a.a = with_stride(a.a, 0, 33); },
-         "KDA `a`/`dt_bias` must be contiguous."},
+         "KDA `a`/`dt_bias` must be contiguous."
+         " `a` has strides (33, 1) for shape (3, 32); expected (32, 1)."},
         {"KDA dt_bias strided",
          [](auto&, auto& a) {
            a.dt_bias = TensorView::strided(a.dt_bias.data, DType::f32, {4, 8}, {4, 1});
          },
-         "KDA `a`/`dt_bias` must be contiguous."},
+         "KDA `a`/`dt_bias` must be contiguous."
+         " `dt_bias` has strides (4, 1) for shape (4, 8); expected (8, 1)."},
         {"g_cache without K",
          [](auto&, auto& a) {
            a.g_cache = reshaped(a.g_cache, {5, 4, 32});

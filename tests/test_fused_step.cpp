@@ -697,7 +697,9 @@ TEST(ConvUpdateContract, EveryErrorText) {
   a = f.args();
   Tensor iw = index_tensor({1, 0, 2, 0});
   a.conv_state_indices = iw.alias(DType::i32, {2}, {2}, 0).view();
-  expect_error(run(a), "`conv_state_indices` must be contiguous.");
+  expect_error(run(a),
+               "`conv_state_indices` must be contiguous. `conv_state_indices` has strides (2,) for "
+               "shape (2,); expected (1,).");
   a = f.args();
   Tensor st9 = Tensor::contiguous(f32, {4, 9, 3});
   a.conv_state = st9.view();
@@ -718,7 +720,10 @@ TEST(ConvUpdateContract, EveryErrorText) {
   a = f.args();
   Tensor csw = index_tensor({1, 0, 2, 0});
   a.cache_seqlens = csw.alias(DType::i32, {2}, {2}, 0).view();
-  expect_error(run(a), "`cache_seqlens` must be contiguous.");
+  expect_error(
+      run(a),
+      "`cache_seqlens` must be contiguous. `cache_seqlens` has strides (2,) for shape (2,); "
+      "expected (1,).");
   a = f.args();
   Tensor ob = Tensor::contiguous(bf16, {2, 8});
   a.out = ob.view();
@@ -805,7 +810,10 @@ TEST(FusedStepContract, EveryErrorText) {
   a = base;
   Tensor zt = Tensor::contiguous(f32, {2, 16, 4});
   a.z = zt.alias(f32, {2, 4, 16}, {64, 1, 4}, 0).view();
-  expect_error(run(a), "`z` must be contiguous in the last dim.");
+  expect_error(
+      run(a),
+      "`z` must be contiguous in the last dim. `z` has strides (64, 1, 4); expected a last "
+      "stride of 1.");
   a = base;
   a.norm_eps = -1.0;
   expect_error(run(a), "norm_eps must be finite and >= 0 (got -1)");
@@ -891,7 +899,10 @@ TEST(FusedReplayContract, EveryErrorText) {
   expect_error(run(a), "ReplaySSM cache length must be at least 1.");
   a = base;
   a.d_cache = rings.d.alias(f32, {4, 4, 2, 16}, {256, 64, 32, 1}, 0).view();
-  expect_error(run(a), "ReplaySSM ring caches must be contiguous.");
+  expect_error(
+      run(a),
+      "ReplaySSM ring caches must be contiguous. `d_cache` has strides (256, 64, 32, 1) for "
+      "shape (4, 4, 2, 16); expected (128, 32, 16, 1).");
   a = base;
   Tensor d5 = Tensor::contiguous(f32, {4, 4, 4, 15});
   a.d_cache = d5.view();

@@ -93,6 +93,10 @@ std::vector<double> inter_values(const VerifySetup& su, int64_t row, int64_t ste
 }
 
 class VerifyVsReference : public ::testing::TestWithParam<VerifyCase> {};
+// Tests of chains only (no EAGLE tree), and of chains of one length (no varlen): each suite is
+// instantiated with the cases it applies to (below), so that no case is registered to be skipped.
+class VerifyChains : public VerifyVsReference {};
+class VerifyUniformChains : public VerifyVsReference {};
 
 // SGLang's target verify: scratch rows by index, no state update; then the commit.
 TEST_P(VerifyVsReference, ScratchRowsThenCommit) {
@@ -169,9 +173,9 @@ TEST_P(VerifyVsReference, ScratchRowsThenCommit) {
 // Verify over T tokens is T plain decode steps (the recurrent op with T = 1), for every prefix:
 // bit for bit with fp32 states (same math, same order), within tolerance with 16-bit ones (plain
 // decode rounds the state between steps).
-TEST_P(VerifyVsReference, EqualsPlainDecodeSteps) {
+TEST_P(VerifyUniformChains, EqualsPlainDecodeSteps) {
   const VerifyCase& c = GetParam();
-  if (c.tree || !c.seqlens.empty()) GTEST_SKIP() << "chains of uniform length";
+  ASSERT_TRUE(!c.tree && c.seqlens.empty()) << "instantiated with chains of uniform length only";
   Rng rng = test_rng();
   VerifySetup su = make_setup(rng, c);
   const int64_t N = su.rb.N, T = c.T;
@@ -234,9 +238,9 @@ TEST_P(VerifyVsReference, EqualsPlainDecodeSteps) {
 
 // FlashInfer's per-token slots (ssm_state_indices [B, T]) and vLLM's (spec_state_indices
 // [N, T + 1] read from column num_accepted - 1): each token's state in its own pool slot.
-TEST_P(VerifyVsReference, PerTokenSlots) {
+TEST_P(VerifyChains, PerTokenSlots) {
   const VerifyCase& c = GetParam();
-  if (c.tree) GTEST_SKIP() << "chains";
+  ASSERT_FALSE(c.tree) << "instantiated with chains only";
   Rng rng = test_rng();
   VerifySetup su = make_setup(rng, c);
   const int64_t N = su.rb.N, cols = su.T_alloc;
@@ -285,9 +289,9 @@ TEST_P(VerifyVsReference, PerTokenSlots) {
 }
 
 // FlashInfer's output_state_indices: the final state goes to another slot, the source stays.
-TEST_P(VerifyVsReference, OutputSlots) {
+TEST_P(VerifyChains, OutputSlots) {
   const VerifyCase& c = GetParam();
-  if (c.tree) GTEST_SKIP() << "chains";
+  ASSERT_FALSE(c.tree) << "instantiated with chains only";
   Rng rng = test_rng();
   VerifySetup su = make_setup(rng, c);
   const int64_t N = su.rb.N;
@@ -363,9 +367,9 @@ ref::VerifyResult reference_from(const VerifySetup& su, int64_t n, const SourceS
 // FlashInfer's speculative decode with initial_state_source: each sequence starts from its row
 // of the read-only source pool (never from the pool, which holds only sentinels here), the state
 // after token t goes to pool slot [n, t] (< 0: skipped); the source stays bit-untouched.
-TEST_P(VerifyVsReference, SourcePoolPerTokenSlots) {
+TEST_P(VerifyChains, SourcePoolPerTokenSlots) {
   const VerifyCase& c = GetParam();
-  if (c.tree) GTEST_SKIP() << "chains";
+  ASSERT_FALSE(c.tree) << "instantiated with chains only";
   Rng rng = test_rng();
   VerifySetup su = make_setup(rng, c);
   const int64_t N = su.rb.N, cols = su.T_alloc;
@@ -467,6 +471,23 @@ const VerifyCase kCases[] = {
     {{"gdn_KgtV_T8", kKgtV, false, kNoLb, f32, f16}, 4, 8, {}},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, VerifyVsReference, ::testing::ValuesIn(kCases),
+                         case_name<VerifyCase>);
+
+std::vector<VerifyCase> cases_where(bool (*keep)(const VerifyCase&)) {
+  std::vector<VerifyCase> out;
+  for (const VerifyCase& c : kCases)
+    if (keep(c)) out.push_back(c);
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, VerifyChains,
+                         ::testing::ValuesIn(cases_where([](const VerifyCase& c) {
+                           return !c.tree;
+                         })),
+                         case_name<VerifyCase>);
+INSTANTIATE_TEST_SUITE_P(Cases, VerifyUniformChains,
+                         ::testing::ValuesIn(cases_where([](const VerifyCase& c) {
+                           return !c.tree && c.seqlens.empty();
+                         })),
                          case_name<VerifyCase>);
 
 // ---- errors

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "cli_args.h"
 
@@ -274,9 +275,21 @@ Device parse_device(const std::string& name) {
 #ifdef DELTASTATE_CLI_CUDA
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess || count == 0)
-    throw UsageError(std::string("--device cuda: no usable CUDA device (") +
-                     (status != cudaSuccess ? cudaGetErrorString(status) : "0 devices") + ")");
+  if (status != cudaSuccess || count == 0) {
+    // Without a GPU the runtime answers "no device" or, with no NVIDIA driver loaded at all,
+    // "driver version is insufficient": both mean there is no device here, which is what the
+    // user needs to hear. An old driver beside a GPU is the one case that blames the driver.
+    const bool driver_loaded = std::ifstream("/proc/driver/nvidia/version").good();
+    if (status == cudaErrorInsufficientDriver && driver_loaded)
+      throw UsageError(std::string("--device cuda: the NVIDIA driver is older than this build's "
+                                   "CUDA runtime (") +
+                       cudaGetErrorString(status) + ")");
+    throw UsageError(std::string("--device cuda: no CUDA device found (") +
+                     (status == cudaSuccess ? "the CUDA runtime reports 0 devices"
+                      : !driver_loaded      ? "no NVIDIA driver is loaded on this machine"
+                                            : cudaGetErrorString(status)) +
+                     "); run on the CPU with --device cpu (the default)");
+  }
 #endif
   return Device::cuda(0);
 }

@@ -8,7 +8,7 @@
 
 #include "cli_args.h"
 #include "commands.h"
-#include "deltastate/error.h"
+#include "deltastate/deltastate.h"
 
 namespace {
 
@@ -31,7 +31,9 @@ const Command kCommands[] = {
 void print_usage() {
   std::printf("usage: deltastate <command> [options]\n\ncommands:\n");
   for (const Command& c : kCommands) std::printf("  %-8s %s\n", c.name, c.summary);
-  std::printf("\nRun 'deltastate <command> --help' for a command's options.\n");
+  std::printf(
+      "\nRun 'deltastate <command> --help' for a command's options, 'deltastate --version'\n"
+      "for the version and whether this build has the CUDA backend.\n");
 }
 
 const char* kind_name(deltastate::ErrorKind kind) {
@@ -65,6 +67,11 @@ int main(int argc, char** argv) {
   }
   if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     print_usage();
+    return 0;
+  }
+  if (args[0] == "--version" || args[0] == "-V") {
+    std::printf("deltastate %s (CUDA backend: %s)\n", DELTASTATE_VERSION,
+                deltastate::cuda_built() ? "built" : "not built");
     return 0;
   }
   const auto command = std::find_if(std::begin(kCommands), std::end(kCommands),

@@ -158,7 +158,8 @@ def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, An
     public = op.public_args
     closure: Dict[str, Any] = {"_ffi": ffi, "_op": op.public,
                                "_shown": tuple((a.shown_as or a.name, a.kind.expected)
-                                               for a in binding)}
+                                               for a in binding),
+                               "_dtypes": dtype_table(binding)}
     body = []
     for a in public:
         if a.unsupported is not None:
@@ -191,7 +192,7 @@ def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, An
         "except (TypeError, BufferError) as e:",
         f"    raise _arg_error(_op, _shown, ({call},), e) from None",
         "except Exception as e:",
-        f"    raise _spelled(e, ({call},)) from None",
+        f"    raise _spelled(e, ({call},), _dtypes) from None",
         f"return {returns}",
     ]
     defaults = {a.name: a.default for a in public}
@@ -244,32 +245,68 @@ def torch_impl(op: Op, ffi, binding: Sequence[Arg]):
     handed to the binding."""
     params = _params(op.op_args, _schema_defaults(op), public=False)
     call = ", ".join(a.name for a in binding)
-    closure: Dict[str, Any] = {"_ffi": ffi, "_spelled": spelled}
+    closure: Dict[str, Any] = {"_ffi": ffi, "_spelled": spelled, "_dtypes": dtype_table(binding)}
     body = []
     if op.impl_prepare is not None:  # e.g. the workspace the trace left to the implementation
         inputs = ", ".join(inspect.signature(op.impl_prepare).parameters)
         body.append(f"{', '.join(op.impl_fills)}, = _impl_prepare({inputs})")
         closure["_impl_prepare"] = op.impl_prepare
     body += ["try:", f"    _ffi({call})", "except Exception as e:",
-             f"    raise _spelled(e, ({call},)) from None"]
+             f"    raise _spelled(e, ({call},), _dtypes) from None"]
     return _compile(op.name, params, body, closure, {}, "torch")
 
 
 # ---- error texts ------------------------------------------------------------------------------
 DTYPE_MARK = "\x1f"  # the core marks the dtype names of its messages (include/deltastate/error.h)
 _MARKED = re.compile(DTYPE_MARK + "([^" + DTYPE_MARK + "]*)" + DTYPE_MARK)
+_NAMED = re.compile(r"`(\w+)`")
+# The binding's text for a dtype it cannot pass on (python/src/module.cpp, to_dtype).
+_UNTAKEN = re.compile(r"^`(\w+)` has dtype " + DTYPE_MARK + "[^" + DTYPE_MARK + "]*" + DTYPE_MARK +
+                      ", which deltastate does not take$")
 
 
-def spelled(exc: BaseException, args) -> BaseException:
+def dtype_table(binding: Sequence[Arg]) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """Per binding position: the argument's name in the binding's messages and the dtypes the
+    table says it takes (for :func:`spelled`)."""
+    return tuple((a.name, a.dtypes) for a in binding)
+
+
+def _framework(value: Any) -> str:
+    """"torch", "numpy" or "" (not an array)."""
+    module = type(value).__module__
+    if module.startswith("torch"):
+        return "torch"
+    return "numpy" if module.startswith("numpy") else ""
+
+
+def spelled(exc: BaseException, args, dtypes=()) -> BaseException:
     """`exc` (raised by the binding; error path only) with the dtype names it marks printed as
-    the caller's framework prints them: ``torch.float16`` when an argument is a torch tensor, else
-    ``float16`` (numpy's spelling). Other exceptions are returned as they are."""
+    the caller's framework prints them: ``torch.float16`` for a torch tensor, ``float16`` (numpy's
+    spelling) for a numpy array. Each marked name is spelled for the argument the message names
+    last before it (`dtypes`, per binding position: the name and the dtypes the op table lists;
+    `args`: the values passed); a name no argument claims, as torch prints it when any argument is
+    a torch tensor. The binding's rejection of a dtype it has no type for gets the dtypes that
+    argument takes appended. Other exceptions are returned as they are."""
     msg = str(exc)
+    frameworks = {name: _framework(a) for (name, _), a in zip(dtypes, args)}
+    untaken = _UNTAKEN.match(msg)
+    if untaken:
+        takes = dict(dtypes).get(untaken.group(1))
+        if takes:
+            marked = [DTYPE_MARK + d + DTYPE_MARK for d in takes]
+            listed = marked[0] if len(marked) == 1 else ", ".join(marked[:-1]) + " or " + marked[-1]
+            msg += f"; `{untaken.group(1)}` takes {listed}"
     if DTYPE_MARK not in msg:
         return exc
-    torch_args = any(type(a).__module__.startswith("torch") for a in args)
-    text = _MARKED.sub((lambda m: "torch." + m.group(1)) if torch_args else (lambda m: m.group(1)),
-                       msg)
+    any_torch = any(_framework(a) == "torch" for a in args)
+    names = [(m.end(), m.group(1)) for m in _NAMED.finditer(msg)]
+
+    def spell(m: "re.Match[str]") -> str:
+        named = [n for end, n in names if end <= m.start() and frameworks.get(n)]
+        torch_spelling = frameworks[named[-1]] == "torch" if named else any_torch
+        return ("torch." if torch_spelling else "") + m.group(1)
+
+    text = _MARKED.sub(spell, msg)
     try:
         return type(exc)(text)
     except Exception:  # an exception class that does not take a message

@@ -684,7 +684,9 @@ def _fla_doc(kda: bool) -> str:
     [N, HV, V, K]; only read. Returns ``(o, final_state)``: o like v, final_state a new float32
     state in the same layout when output_final_state, else None. The CPU backend runs both
     layouts; on CUDA a K-first state is rejected (NotImplementedError): deltastate never
-    transposes or copies a state behind the caller's back.
+    transposes or copies a state behind the caller's back. With K = V (Qwen3-Next, Kimi-Linear)
+    the two layouts have one shape and cannot be told apart: state_v_first must say how the
+    state was written, or it is read transposed without an error.
 
     use_beta_sigmoid_in_kernel: beta holds logits; allow_neg_eigval (needs it): beta = 2 *
     sigmoid(beta). A_log / dt_bias / lower_bound are ignored without use_gate_in_kernel, as FLA
@@ -1027,7 +1029,9 @@ _CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its 
 
     States are V-first [.., HV, V, K] only: any state (initial_state, output_final_state,
     state_checkpoints) needs ``state_v_first=True``; FLA's default K-first layout raises
-    NotImplementedError naming ``state_v_first`` (never a silent transpose).
+    NotImplementedError naming ``state_v_first`` (never a silent transpose). With K = V
+    (Qwen3-Next, Kimi-Linear) the two layouts have one shape and cannot be told apart: a state
+    written K-first and passed with ``state_v_first=True`` is read transposed without an error.
     initial_state [N, HV, V, K] is read only; with ``initial_state_indices`` [N] it is the pool
     [slots, HV, V, K] (index < 0: padded sequence, zero output), whose rows are updated in place,
     or whose final states go to ``output_state_indices`` (< 0: not stored). ``has_initial_state``

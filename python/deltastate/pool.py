@@ -110,6 +110,30 @@ def _sizes(cfg, budget_bytes: int = 0):
     return [int(x) for x in lib.pool_sizes(*cfg, int(budget_bytes))]
 
 
+_DEVICES = "'cpu', 'cuda' or 'cuda:N' (a str or a torch.device)"
+
+
+def _pool_device(torch, device):
+    """`device` as a torch.device deltastate can run on, checked before anything is allocated:
+    else a ValueError naming StatePool, `device` and what it accepts (not torch's own error)."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"StatePool: `device` must be {_DEVICES}; got {device!r}") from None
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"StatePool: `device` must be {_DEVICES}; got {device!r} (deltastate "
+                         "runs on the CPU and on CUDA devices)")
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"StatePool: `device`={device!r}, but torch finds no CUDA device "
+                             "here; use device='cpu'")
+        if d.index is not None and d.index >= count:
+            raise ValueError(f"StatePool: `device`={device!r}, but torch finds {count} CUDA "
+                             f"device(s) here (cuda:0 .. cuda:{count - 1})")
+    return d
+
+
 class StatePool:
     """A pool of ``slots`` recurrent states [HV, V, K] for ``layers`` layers.
 
@@ -215,7 +239,8 @@ class StatePool:
                 raise ImportError("StatePool(framework='torch') needs torch, which is not "
                                   "installed; use framework='numpy' (CPU)") from None
 
-            raw = torch.zeros(nbytes + _ALIGN, dtype=torch.uint8, device=device)
+            raw = torch.zeros(nbytes + _ALIGN, dtype=torch.uint8,
+                              device=_pool_device(torch, device))
             pad = (-raw.data_ptr()) % _ALIGN
         else:
             import numpy as np

@@ -114,13 +114,11 @@ ds::DType to_dtype(DLDataType t, const char* name) {
         (arg == "initial_state" || arg == "state_pool" || arg == "state"))
       return ds::DType::f8e4m3;
   }
-  throw ds::Error(
-      ds::ErrorKind::value,
-      std::string("`") + name + "` has dtype " + ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
-          ", which deltastate does not take; use " + ds::dtype_mark("float32") + ", " +
-          ds::dtype_mark("bfloat16") + ", " + ds::dtype_mark("float16") + ", " +
-          ds::dtype_mark("int32") + " or " + ds::dtype_mark("int64") + " (a quantized state: " +
-          ds::dtype_mark("float8_e4m3fn") + " or " + ds::dtype_mark("int8") + ")");
+  // What the argument takes is the op's own (a float or an index tensor, ...): the Python op
+  // table appends it (deltastate/_derive.py, `spelled`), this text must end here.
+  throw ds::Error(ds::ErrorKind::value, std::string("`") + name + "` has dtype " +
+                                            ds::dtype_mark(dlpack_dtype_name(t).c_str()) +
+                                            ", which deltastate does not take");
 }
 
 ds::TensorView to_view(const ffi::TensorView& t, const char* name) {

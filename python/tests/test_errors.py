@@ -67,20 +67,25 @@ PACKED_CASES = [
     ("qkv-3d", lambda fw, a, kda: a.update(mixed_qkv=a["mixed_qkv"].reshape(B, 1, W)),
      "`mixed_qkv` must be a 2D tensor (got ndim=3).", None),
     ("qkv-last-stride", lambda fw, a, kda: a.update(mixed_qkv=strided_last(fw, (B, W))),
-     "`mixed_qkv` must be contiguous in the last dim.", None),
+     "`mixed_qkv` must be contiguous in the last dim. `mixed_qkv` has strides (192, 2); expected a "
+     "last stride of 1.", None),
     ("a-3d", lambda fw, a, kda: a.update(a=a["a"].reshape(B, 1, -1)),
      "`a` and `b` must be 2D tensors (got a.ndim=3, b.ndim=2).", None),
     ("b-last-stride", lambda fw, a, kda: a.update(b=strided_last(fw, (B, HV))),
-     "`a`/`b` must be contiguous in the last dim.", None),
+     "`a`/`b` must be contiguous in the last dim. `b` has strides (8, 2); expected a last stride "
+     "of 1.", None),
     ("A_log-2d", lambda fw, a, kda: a.update(A_log=a["A_log"].reshape(1, HV)),
      "`A_log`/`dt_bias` must be 1D tensors.", None),
     ("dt_bias-strided", lambda fw, a, kda: a.update(dt_bias=strided_last(fw, (HV * K if kda else HV,))),
-     "`A_log`/`dt_bias` must be contiguous.", None),
+     "`A_log`/`dt_bias` must be contiguous. `dt_bias` has strides (2,) for shape (4,); expected "
+     "(1,).", "`A_log`/`dt_bias` must be contiguous. `dt_bias` has strides (2,) for shape (32,); "
+     "expected (1,)."),
     ("indices-2d", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([[1, -1, 3]])),
      "`ssm_state_indices` must be 1D for packed decode (got ndim=2).", None),
     ("out-noncontiguous", lambda fw, a, kda: a.update(
         out=fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))),
-     "`out` must be contiguous.", None),
+     "`out` must be contiguous. `out` has strides (128, 1, 32, 2) for shape (3, 1, 4, 16); "
+     "expected (64, 64, 16, 1).", None),
     ("batch-mismatch", lambda fw, a, kda: a.update(a=a["a"][:2]),
      "Mismatched batch sizes: mixed_qkv.shape[0]=3, a.shape[0]=2, b.shape[0]=3.", None),
     ("indices-length", lambda fw, a, kda: a.update(ssm_state_indices=fw.idx([1, 2])),
@@ -89,11 +94,13 @@ PACKED_CASES = [
      "`initial_state` must be a 4D tensor (got ndim=3).", None),
     ("state-last-stride", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
         fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K * 2, 2))),
-     "`initial_state` must be contiguous in the last dim.", None),
+     "`initial_state` must be contiguous in the last dim. `initial_state` has strides (1024, "
+     "256, 16, 2); expected a last stride of 1.", None),
     ("state-inner-strides", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
         fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K, 1))),
      "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-     "stride is supported.", None),
+     "stride is supported. `initial_state` has strides (1024, 256, 8, 1); expected (any, 128, 8, "
+     "1).", None),
     ("a-cols", lambda fw, a, kda: a.update(a=fw.full((B, 5), 0.0)),
      "`a`/`b` must have shape [B, HV] with HV=4 (got a.shape=(3, 5), b.shape=(3, 4)).",
      "`a` must have shape [B, HV*K] with HV=4, K=8 (got a.shape=(3, 5))."),
@@ -184,10 +191,12 @@ REPLAY_CASES = [
     ("state-3d", lambda fw, a, kda: a.update(initial_state=fw.full((S, HV, V * K), 0.0)),
      "`initial_state` must be 4D (got ndim=3).", None),
     ("qkv-last-stride", lambda fw, a, kda: a.update(mixed_qkv=strided_last(fw, (B, W))),
-     "`mixed_qkv` must be contiguous in the last dim.", None),
+     "`mixed_qkv` must be contiguous in the last dim. `mixed_qkv` has strides (192, 2); expected a "
+     "last stride of 1.", None),
     ("out-noncontiguous", lambda fw, a, kda: a.update(
         out=fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))),
-     "`out` must be contiguous.", None),
+     "`out` must be contiguous. `out` has strides (128, 1, 32, 2) for shape (3, 1, 4, 16); "
+     "expected (64, 64, 16, 1).", None),
     ("write_pos-int64", lambda fw, a, kda: a.update(write_pos=fw.idx([0, 0, 2], "int64")),
      "`write_pos` must be a contiguous 1D int32 tensor.", None),
     ("force_flush-int64", lambda fw, a, kda: a.update(force_flush=fw.idx([0, 1, 0], "int64")),
@@ -195,7 +204,8 @@ REPLAY_CASES = [
     ("state-inner-strides", lambda fw, a, kda: a.update(initial_state=fw.as_strided(
         fw.full((S * HV * V * K * 2,), 0.0), (S, HV, V, K), (HV * V * K * 2, V * K * 2, K, 1))),
      "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-     "stride is supported.", None),
+     "stride is supported. `initial_state` has strides (1024, 256, 8, 1); expected (any, 128, 8, "
+     "1).", None),
     ("width-odd", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, W + 1), 0.0)),
      "Invalid packed `mixed_qkv` last dim=97 for HV=4, V=16.", None),
     ("q-not-multiple-of-K", lambda fw, a, kda: a.update(mixed_qkv=fw.full((B, HV * V + 24), 0.0)),
@@ -215,9 +225,11 @@ REPLAY_CASES = [
     ("dt_bias-shape", lambda fw, a, kda: a.update(dt_bias=fw.full((HV * K + 1,) if kda else (HV * K,), 0.0)),
      "GDN `dt_bias` must have shape (4,) (got (32,)).", "KDA `dt_bias` must have shape (4, 8) (got (33,))."),
     ("a-strided", lambda fw, a, kda: a.update(a=strided_last(fw, (B, HV, K) if kda else (B, HV))),
-     "GDN `a` must have shape (3, 4) (got (3, 4)).", "KDA `a`/`dt_bias` must be contiguous."),
+     "GDN `a` must have shape (3, 4) (got (3, 4)).", "KDA `a`/`dt_bias` must be contiguous. `a` has strides (64, 16, 2) for shape (3, 4, 8); "
+     "expected (32, 8, 1)."),
     ("ring-noncontiguous", lambda fw, a, kda: a.update(k_cache=strided_last(fw, (S, H, L, K))),
-     "ReplaySSM ring caches must be contiguous.", None),
+     "ReplaySSM ring caches must be contiguous. `k_cache` has strides (128, 64, 16, 2) for shape "
+     "(5, 2, 4, 8); expected (64, 32, 8, 1).", None),
     ("k_cache-shape", lambda fw, a, kda: a.update(k_cache=fw.full((S, HV, L, K), 0.0)),
      "`k_cache` shape must be (5, 2, 4, 8) (got (5, 4, 4, 8)).", None),
     ("g_cache-shape", lambda fw, a, kda: a.update(g_cache=fw.full((S, HV, L, 1), 0.0)),
@@ -472,8 +484,8 @@ def test_unsupported_dtypes_and_read_only(rng):
     np_fw = Fw("numpy")
     args = packed_args(np_fw, rng, False)
     expect_error(lambda a: call_packed(False, a), dict(args, a=args["a"].astype(np.float64)),
-                 "`a` has dtype float64, which deltastate does not take; use float32, bfloat16, "
-                 "float16, int32 or int64 (a quantized state: float8_e4m3fn or int8)")
+                 "`a` has dtype float64, which deltastate does not take; `a` takes float32, "
+                 "bfloat16 or float16")
     ro = args["A_log"].copy()
     ro.flags.writeable = False
     expect_error(lambda a: call_packed(False, a), dict(args, A_log=ro),
@@ -579,3 +591,62 @@ def test_quantized_state_errors(fw, rng):
                  "or float16",
                  NotImplementedError)
     assert int(pool.rounding_step(0)[0]) == 0  # no rejected call advanced the step
+
+
+# ---- each argument's own dtypes; each argument's own framework; strides in contiguity errors ----
+def test_untaken_dtype_lists_what_that_argument_takes(fw, rng):
+    """A dtype the binding has no type for: the dtypes that argument takes, not every dtype."""
+    args = packed_args(fw, rng, False)
+    t = "torch." if fw.name == "torch" else ""
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, ssm_state_indices=fw.from64(np.array([1, -1, 3]), "int16")),
+                 f"`ssm_state_indices` has dtype {t}int16, which deltastate does not take; "
+                 f"`ssm_state_indices` takes {t}int32 or {t}int64")
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, mixed_qkv=fw.from64(rng.standard_normal((B, W)), "float64")),
+                 spelled(fw, "`mixed_qkv` has dtype float64, which deltastate does not take; "
+                             "`mixed_qkv` takes float32, bfloat16 or float16"))
+
+
+def test_mixed_frameworks_spell_each_argument_its_own_way(rng):
+    """numpy and torch arguments in one call: a numpy argument's dtype as numpy prints it, a
+    torch argument's as torch does."""
+    if torch is None:
+        pytest.skip("needs torch")
+    args = packed_args(Fw("torch"), rng, False)
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, a=np.zeros((B, HV), np.float64)),
+                 "`a` has dtype float64, which deltastate does not take; `a` takes float32, "
+                 "bfloat16 or float16")
+    expect_error(lambda a: call_packed(False, a),
+                 dict(args, a=np.zeros((B, HV), np.int32)),
+                 "`a` must have dtype float32, bfloat16 or float16; got int32")
+    nargs = packed_args(Fw("numpy"), rng, False)
+    expect_error(lambda a: call_packed(False, a),
+                 dict(nargs, b=torch.zeros(B, HV, dtype=torch.int32)),
+                 "`b` must have dtype torch.float32, torch.bfloat16 or torch.float16; got "
+                 "torch.int32")
+
+
+def test_contiguity_errors_show_strides(fw, rng):
+    """After the peer's text, the strides found and the ones needed."""
+    args = packed_args(fw, rng, False)
+    out = fw.as_strided(fw.full((B * HV * V * 2,), 0.0), (B, 1, HV, V), (HV * V * 2, 1, V * 2, 2))
+    expect_error(lambda a: call_packed(False, a), dict(args, out=out),
+                 "`out` must be contiguous. `out` has strides (128, 1, 32, 2) for shape "
+                 "(3, 1, 4, 16); expected (64, 64, 16, 1).")
+    expect_error(lambda a: call_packed(False, a), dict(args, b=strided_last(fw, (B, HV))),
+                 "`a`/`b` must be contiguous in the last dim. `b` has strides (8, 2); expected a "
+                 "last stride of 1.")
+
+
+def test_k_first_state_in_packed_decode_is_named(fw, rng):
+    """FLA's K-first layout [slots, HV, K, V] with K != V: SGLang's `out` text, then the state,
+    the layout packed decode takes and FLA's option that gives it."""
+    args = packed_args(fw, rng, False)
+    k_first = fw.from64(rng.standard_normal((S, HV, K, V)))
+    expect_error(lambda a: call_packed(False, a), dict(args, initial_state=k_first),
+                 "`out` must have shape (3, 1, 4, 8) (got out.shape=(3, 1, 4, 16)). "
+                 "`initial_state` (5, 4, 8, 16) looks K-first [slots, HV, K, V]: packed decode "
+                 "takes the pool's V-first layout [slots, HV, V, K] (FLA: state_v_first=True; "
+                 "deltastate never transposes a state behind the caller's back).")

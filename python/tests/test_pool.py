@@ -358,6 +358,33 @@ def test_torch_pool_specifics():
     assert p.layer_state(0).device.type == "cpu"
 
 
+@pytest.mark.parametrize("device", ["mps", "meta", "gpu", "cuda:x", 3.5, None])
+def test_torch_pool_bad_device(device):
+    """A device deltastate cannot run on: one ValueError naming StatePool, `device` and what it
+    accepts, raised before anything is allocated (not torch's own error)."""
+    if torch is None:
+        pytest.skip("needs torch")
+    with pytest.raises(ValueError) as e:
+        new_pool("torch", device=device)
+    assert str(e.value).startswith(f"StatePool: `device` must be 'cpu', 'cuda' or 'cuda:N' (a str "
+                                   f"or a torch.device); got {device!r}")
+    assert "\n" not in str(e.value)
+
+
+def test_torch_pool_unavailable_cuda_device():
+    if torch is None:
+        pytest.skip("needs torch")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError) as e:
+        new_pool("torch", device=f"cuda:{count}")
+    if count == 0:
+        assert str(e.value) == ("StatePool: `device`='cuda:0', but torch finds no CUDA device here; "
+                                "use device='cpu'")
+    else:
+        assert str(e.value) == (f"StatePool: `device`='cuda:{count}', but torch finds {count} CUDA "
+                                f"device(s) here (cuda:0 .. cuda:{count - 1})")
+
+
 # ---- the null slot (SGLang's layout) ------------------------------------------------------------
 def test_sglang_pool_null_slot_is_never_allocated(framework, rng):
     """StatePool.sglang(size=4): SGLang's MambaPool, 4 requests over 5 rows; slot 0 is never

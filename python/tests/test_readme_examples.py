@@ -1,5 +1,7 @@
 """README.md's Python examples, executed verbatim, and what each promises checked afterwards
 (the transformers example runs in integrations/test_transformers.py)."""
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -11,16 +13,22 @@ torch = pytest.importorskip("torch")
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
-def run_example(name):
+def run_example(name, prints):
+    """Runs the example; it must print `prints` (its closing line, which a reader can check
+    against the comment beside it)."""
     m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", README, re.S)
     assert m, f"README.md lost its {name} example"
     ns = {}
-    exec(compile(m.group(1), f"README.md ({name})", "exec"), ns)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        exec(compile(m.group(1), f"README.md ({name})", "exec"), ns)
+    assert stdout.getvalue() == prints + "\n"
+    assert f"# {prints}" in m.group(1).splitlines()[-1]  # the comment shows what it prints
     return ns
 
 
 def test_decode_example():
-    ns = run_example("decode")
+    ns = run_example("decode", "(4, 1, 32, 128) True")
     out, state, pool, slots = ns["out"], ns["state"], ns["pool"], ns["slots"]
     assert out.shape == (ns["B"], 1, ns["HV"], ns["V"]) and torch.isfinite(out.float()).all()
     assert state.data_ptr() == pool.layer_state(1).data_ptr()  # in place, the pool's own memory
@@ -45,7 +53,7 @@ def test_quantized_example():
 
 
 def test_verify_example():
-    ns = run_example("verify")
+    ns = run_example("verify", "True True")
     pool, scratch, slots, accepted = ns["pool"], ns["scratch"], ns["slots"], ns["accepted"]
     for n, (slot, acc) in enumerate(zip(slots.tolist(), accepted.tolist())):
         assert torch.equal(pool[slot], scratch[n, acc - 1])  # the state after the accepted tokens
@@ -64,7 +72,7 @@ def test_verify_example():
 
 
 def test_layer_verify_example():
-    ns = run_example("layer-verify")
+    ns = run_example("layer-verify", "True")
     pool, slots, accepted, rows = ns["pool"], ns["slots"], ns["accepted"], ns["rows"]
     inter, win = pool.intermediate_states(), pool.intermediate_conv_window()
     for layer in range(2):

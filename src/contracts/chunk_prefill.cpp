@@ -175,8 +175,8 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
     if (!inner_strides_compact(s)) {
       fail(
           "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary "
-          "slot "
-          "stride is supported.");
+          "slot stride is supported." +
+          inner_strides_detail("initial_state", s));
     }
     if (!pooled && s.shape[0] != N) {  // FLA's text
       fail(

@@ -195,6 +195,28 @@ bool inner_strides_compact(const TensorView& pool) {
          ok(K, pool.stride[3], 1);
 }
 
+std::string strides_detail(std::string_view name, const TensorView& t) {
+  int64_t dense[kMaxDims] = {};
+  int64_t running = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    dense[d] = running;
+    running *= t.shape[d];
+  }
+  return format(" %s has strides %s for shape %s; expected %s.", quoted(name).c_str(),
+                stride_str(t).c_str(), shape_str(t).c_str(), tuple_str(dense, t.ndim).c_str());
+}
+
+std::string last_stride_detail(std::string_view name, const TensorView& t) {
+  return format(" %s has strides %s; expected a last stride of 1.", quoted(name).c_str(),
+                stride_str(t).c_str());
+}
+
+std::string inner_strides_detail(std::string_view name, const TensorView& pool) {
+  return format(" %s has strides %s; expected (any, %lld, %lld, 1).", quoted(name).c_str(),
+                stride_str(pool).c_str(), static_cast<long long>(pool.shape[2] * pool.shape[3]),
+                static_cast<long long>(pool.shape[3]));
+}
+
 void check_slot_indices_host(std::string_view name, const void* indices, DType dtype, int64_t n,
                              int64_t stride, int64_t num_slots) {
   std::unordered_map<int64_t, int64_t> first_row;

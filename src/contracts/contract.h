@@ -65,6 +65,15 @@ class Contract {
 // The state pool's inner dims [HV, V, K] must be compact: strides (V*K, K, 1).
 bool inner_strides_compact(const TensorView& pool);
 
+// What a contiguity message appends (after the peer's own text where the op takes a peer's name):
+// the strides found and the ones needed.
+//   dense:       " `out` has strides (128, 64, 32, 2) for shape (3, 1, 4, 16); expected (64, 64,
+//   16, 1)." last dim:    " `a` has strides (8, 2); expected a last stride of 1." inner dims:  "
+//   `initial_state` has strides (600, 128, 8, 1); expected (any, 128, 8, 1)."
+std::string strides_detail(std::string_view name, const TensorView& t);
+std::string last_stride_detail(std::string_view name, const TensorView& t);
+std::string inner_strides_detail(std::string_view name, const TensorView& pool);
+
 // A limit of the CUDA kernels that the CPU kernels do not have (ErrorKind::not_implemented):
 // a lane holds its slice of each state row in registers, over a K tile of at most 256. Validators
 // apply it to CUDA tensors only, after every contract check.

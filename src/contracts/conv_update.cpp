@@ -203,7 +203,9 @@ ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
     if (idx.ndim != 1 || idx.shape[0] != B)
       fail(format("`conv_state_indices` must have shape [batch]=(%lld) (got %s).",
                   static_cast<long long>(B), shape_str(idx).c_str()));
-    if (B > 1 && idx.stride[0] != 1) fail("`conv_state_indices` must be contiguous.");
+    if (B > 1 && idx.stride[0] != 1) {
+      fail("`conv_state_indices` must be contiguous." + strides_detail("conv_state_indices", idx));
+    }
     if (st.shape[1] != dim)
       fail(format("`conv_state` must have shape [entries, dim, state_len] with dim=%lld (got %s).",
                   static_cast<long long>(dim), shape_str(st).c_str()));
@@ -220,7 +222,8 @@ ConvUpdateProblem validate_conv_update(const CausalConv1dUpdateArgs& args) {
     if (cs.ndim != 1 || cs.shape[0] != B)
       fail(format("`cache_seqlens` must have shape [batch]=(%lld) (got %s).",
                   static_cast<long long>(B), shape_str(cs).c_str()));
-    if (B > 1 && cs.stride[0] != 1) fail("`cache_seqlens` must be contiguous.");
+    if (B > 1 && cs.stride[0] != 1)
+      fail("`cache_seqlens` must be contiguous." + strides_detail("cache_seqlens", cs));
     p.cache_seqlens = static_cast<const int32_t*>(cs.data);
   }
   check_conv_verify(c, args, p, B, dim, T, state_len);

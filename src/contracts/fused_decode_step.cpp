@@ -92,7 +92,8 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
     if (z.ndim != 3 || z.shape[0] != B || z.shape[1] != HV || z.shape[2] != V)
       fail(format("`z` must have shape [B, HV, V]=%s (got %s).", tuple_str({B, HV, V}).c_str(),
                   shape_str(z).c_str()));
-    if (z.stride[2] != 1) fail("`z` must be contiguous in the last dim.");
+    if (z.stride[2] != 1)
+      fail("`z` must be contiguous in the last dim." + last_stride_detail("z", z));
     if (!(args.norm_eps >= 0.0) || !std::isfinite(args.norm_eps))
       fail(format("norm_eps must be finite and >= 0 (got %g)", args.norm_eps));
     c.floating("norm_weight", w);

@@ -20,15 +20,24 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& x, const TensorVi
                                 const TensorView& dt_bias, const TensorView& state,
                                 const TensorView& out, const TensorView& idx, bool kda) {
   if (x.ndim != 2) fail(format("`mixed_qkv` must be a 2D tensor (got ndim=%d).", x.ndim));
-  if (x.stride[1] != 1) fail("`mixed_qkv` must be contiguous in the last dim.");
+  // SGLang's texts, then the strides found and needed (beyond SGLang).
+  if (x.stride[1] != 1)
+    fail("`mixed_qkv` must be contiguous in the last dim." + last_stride_detail("mixed_qkv", x));
   if (a.ndim != 2 || b.ndim != 2)
     fail(format("`a` and `b` must be 2D tensors (got a.ndim=%d, b.ndim=%d).", a.ndim, b.ndim));
-  if (a.stride[1] != 1 || b.stride[1] != 1) fail("`a`/`b` must be contiguous in the last dim.");
+  if (a.stride[1] != 1 || b.stride[1] != 1) {
+    fail("`a`/`b` must be contiguous in the last dim." +
+         (a.stride[1] != 1 ? last_stride_detail("a", a) : last_stride_detail("b", b)));
+  }
   if (A_log.ndim != 1 || dt_bias.ndim != 1) fail("`A_log`/`dt_bias` must be 1D tensors.");
-  if (A_log.stride[0] != 1 || dt_bias.stride[0] != 1) fail("`A_log`/`dt_bias` must be contiguous.");
+  if (A_log.stride[0] != 1 || dt_bias.stride[0] != 1) {
+    fail("`A_log`/`dt_bias` must be contiguous." + (A_log.stride[0] != 1
+                                                        ? strides_detail("A_log", A_log)
+                                                        : strides_detail("dt_bias", dt_bias)));
+  }
   if (idx.ndim != 1)
     fail(format("`ssm_state_indices` must be 1D for packed decode (got ndim=%d).", idx.ndim));
-  if (!out.is_contiguous()) fail("`out` must be contiguous.");
+  if (!out.is_contiguous()) fail("`out` must be contiguous." + strides_detail("out", out));
 
   c.device("mixed_qkv", x);
   c.device("a", a);
@@ -53,12 +62,16 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& x, const TensorVi
   }
   if (state.ndim != 4)
     fail(format("`initial_state` must be a 4D tensor (got ndim=%d).", state.ndim));
-  if (state.stride[3] != 1) fail("`initial_state` must be contiguous in the last dim.");
+  if (state.stride[3] != 1) {
+    fail("`initial_state` must be contiguous in the last dim." +
+         last_stride_detail("initial_state", state));
+  }
   // Beyond SGLang: the inner [HV, V, K] strides are used, so check them.
   if (!inner_strides_compact(state)) {
     fail(
         "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-        "stride is supported.");
+        "stride is supported." +
+        inner_strides_detail("initial_state", state));
   }
   const int64_t HV = state.shape[1], V = state.shape[2], K = state.shape[3];
 
@@ -94,8 +107,20 @@ PackedSizes check_packed_inputs(Contract& c, const TensorView& x, const TensorVi
   }
   if (out.ndim != 4 || out.shape[0] != B || out.shape[1] != 1 || out.shape[2] != HV ||
       out.shape[3] != V) {
-    fail(format("`out` must have shape %s (got out.shape=%s).", tuple_str({B, 1, HV, V}).c_str(),
-                shape_str(out).c_str()));
+    std::string message = format("`out` must have shape %s (got out.shape=%s).",
+                                 tuple_str({B, 1, HV, V}).c_str(), shape_str(out).c_str());
+    // Beyond SGLang: the usual cause when out's last dim is the state's last, K != V: a K-first
+    // state (FLA's default layout) read as the pool's V-first one. With K = V the two layouts
+    // have one shape and cannot be told apart (README, the FLA functions' docstrings).
+    if (out.ndim == 4 && out.shape[0] == B && out.shape[1] == 1 && out.shape[2] == HV &&
+        out.shape[3] == K && K != V) {
+      message += format(
+          " `initial_state` %s looks K-first [slots, HV, K, V]: packed decode takes the pool's "
+          "V-first layout [slots, HV, V, K] (FLA: state_v_first=True; deltastate never "
+          "transposes a state behind the caller's back).",
+          shape_str(state).c_str());
+    }
+    fail(message);
   }
   const int64_t width = x.shape[1];
   const int64_t qk = width - HV * V;

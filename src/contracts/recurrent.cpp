@@ -28,7 +28,8 @@ void check_state_pool(Contract& c, const TensorView& state, bool flashinfer, boo
     if (k_first)
       fail(
           "`initial_state` must be contiguous in its [HV, K, V] inner dimensions; an arbitrary "
-          "slot stride is supported.");
+          "slot stride is supported." +
+          inner_strides_detail("initial_state", state));
     if (flashinfer) {
       fail(
           format("recurrent_kda state inner strides must be compact (V*K, K, 1)=(%lld, %lld, 1); "
@@ -38,7 +39,8 @@ void check_state_pool(Contract& c, const TensorView& state, bool flashinfer, boo
     }
     fail(
         "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-        "stride is supported.");
+        "stride is supported." +
+        inner_strides_detail("initial_state", state));
   }
   if (flashinfer) {
     const int64_t slot_stride = state.stride[0];

@@ -86,8 +86,12 @@ int64_t replay_ring_length(const TensorView& dc, int64_t S, int64_t HV, int64_t 
 
 void check_replay_rings(const TensorView& dc, const TensorView& kc, const TensorView& gc, int64_t S,
                         int64_t HV, int64_t H, int64_t V, int64_t K, int64_t L, bool kda) {
-  if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous())
-    fail("ReplaySSM ring caches must be contiguous.");
+  if (!dc.is_contiguous() || !kc.is_contiguous() || !gc.is_contiguous()) {
+    fail("ReplaySSM ring caches must be contiguous." +
+         (!dc.is_contiguous()   ? strides_detail("d_cache", dc)
+          : !kc.is_contiguous() ? strides_detail("k_cache", kc)
+                                : strides_detail("g_cache", gc)));
+  }
   if (dc.ndim != 4 || dc.shape[0] != S || dc.shape[1] != HV || dc.shape[3] != V)
     fail(format("`d_cache` shape must be %s (got %s).", tuple_str({S, HV, L, V}).c_str(),
                 shape_str(dc).c_str()));
@@ -174,16 +178,18 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const bool kda = args.is_kda || args.helion;
 
   if (x.ndim != 2) fail(format("`mixed_qkv` must be 2D (got ndim=%d).", x.ndim));
-  if (x.stride[1] != 1) fail("`mixed_qkv` must be contiguous in the last dim.");
+  if (x.stride[1] != 1)
+    fail("`mixed_qkv` must be contiguous in the last dim." + last_stride_detail("mixed_qkv", x));
   if (b.ndim != 2) fail(format("`b` must be 2D (got b.ndim=%d).", b.ndim));
   if (A_log.ndim != 1) fail("`A_log` must be a 1D tensor.");
   if (state.ndim != 4) fail(format("`initial_state` must be 4D (got ndim=%d).", state.ndim));
-  if (!out.is_contiguous()) fail("`out` must be contiguous.");
+  if (!out.is_contiguous()) fail("`out` must be contiguous." + strides_detail("out", out));
   check_replay_cursor_tensors(wp, args.force_flush);
   if (!inner_strides_compact(state)) {
     fail(
         "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
-        "stride is supported.");
+        "stride is supported." +
+        inner_strides_detail("initial_state", state));
   }
   const int64_t B = x.shape[0];
   const int64_t S = state.shape[0], HV = state.shape[1], V = state.shape[2], K = state.shape[3];
@@ -223,8 +229,10 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
     if (!dt_ok)
       fail(format("KDA `dt_bias` must have shape %s (got %s).", tuple_str({HV, K}).c_str(),
                   shape_str(dt_bias).c_str()));
-    if (!a.is_contiguous() || !dt_bias.is_contiguous())
-      fail("KDA `a`/`dt_bias` must be contiguous.");
+    if (!a.is_contiguous() || !dt_bias.is_contiguous()) {
+      fail("KDA `a`/`dt_bias` must be contiguous." +
+           (!a.is_contiguous() ? strides_detail("a", a) : strides_detail("dt_bias", dt_bias)));
+    }
   } else {
     // Beyond SGLang: `a`'s elements must be contiguous in a row (the kernels read them so).
     if (a.ndim != 2 || a.shape[0] != B || a.shape[1] != HV || !a.is_contiguous())

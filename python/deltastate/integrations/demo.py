@@ -87,8 +87,10 @@ def main(argv=None) -> int:
     from deltastate.integrations import transformers as dst
 
     if a.device.startswith("cuda") and not deltastate.cuda_available():
-        print("demo --hf: --device cuda needs a GPU and a CUDA build of deltastate",
-              file=sys.stderr)
+        why = ("no CUDA device found" if deltastate.cuda_built() else
+               "this deltastate is built without the CUDA backend (scripts/demo.sh --hf "
+               "--device cuda installs one where nvcc is)")
+        print(f"demo --hf: --device cuda: {why}", file=sys.stderr)
         return 2
     cfg = dst.small_config(model_name, a.layers)
     lin = sum(t == "linear_attention" for t in cfg.layer_types)
