@@ -40,7 +40,7 @@ def test_decode_example():
 
 
 def test_quantized_example():
-    ns = run_example("quantized")
+    ns = run_example("quantized", "torch.float8_e4m3fn 3")
     pool, slots, state = ns["pool"], ns["slots"], ns["state"]
     assert pool.layer_state(1).dtype == torch.float8_e4m3fn
     assert int(pool.rounding_step(1)[0]) == 3  # one step per call
