@@ -7,8 +7,21 @@
 #include <cfenv>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace dstest::fmt {
+
+// An fp32 value from its bit pattern, and its bit pattern.
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 
 struct Format {
   int mant_bits;  // explicit mantissa bits

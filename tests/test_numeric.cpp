@@ -17,16 +17,8 @@ namespace {
 
 namespace lib = deltastate::detail;
 
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+using fmt::from_bits;
+using fmt::to_bits;
 bool is_nan16(uint16_t h, int mant_bits) {
   const uint16_t exp_mask = static_cast<uint16_t>(0x7fffu & ~((1u << mant_bits) - 1u));
   return (h & exp_mask) == exp_mask && (h & ((1u << mant_bits) - 1u)) != 0;

@@ -18,11 +18,7 @@ namespace {
 
 namespace lib = deltastate::detail;
 
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using fmt::from_bits;
 
 // e4m3fn from its definition: bias 7, 3 mantissa bits, exponent field 0 subnormal, 0x7f NaN.
 double e4m3_value(int code) {
