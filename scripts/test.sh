@@ -172,7 +172,14 @@ grep '^Successfully installed' "$BUILD/pip-install.log"
 "$VENV/bin/deltastate" --version  # pip installed the CLI too (on PATH in the environment)
 phase "Python tests (pytest)"
 say "Python tests (pytest)"
-# On every core (pytest-xdist), with the slowest tests listed.
+# On every core (pytest-xdist), with the slowest tests listed. A worker per core, each with one
+# OpenMP thread (torch's and BLAS's intra-op pools; deltastate's own CPU pool is separate,
+# DELTASTATE_NUM_THREADS): with a pool per worker the cores were oversubscribed and the spinning
+# threads took 605 of the suite's CPU-seconds against 133 (2 cores, 2026-12-06), unless the
+# caller chose OMP_NUM_THREADS.
 workers=()
-if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$JOBS"); fi
+if "$PY" -c "import xdist" 2>/dev/null; then
+  workers=(-n "$JOBS")
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
 cd "$ROOT/python/tests" && "$PY" -m pytest -q -ra --durations=10 ${workers[@]+"${workers[@]}"} "$ROOT/python/tests"
