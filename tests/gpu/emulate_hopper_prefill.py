@@ -8,7 +8,7 @@ hopper_scan.cuh), with numpy.
    kernel's factors, against the chunk algebra of src/cpu/chunk_prefill.cpp in fp64, a partial
    chunk of 50 tokens: must agree to fp32 (~1e-7).
 2. The kernels' arithmetic over whole sequences, bf16 at their rounding points (S, a X1, v',
-   v' d, Tb, P), against an fp64 token recurrence: the error behind the bounds of
+   v' d, Tb, P) and the inverse's fp16 operands (invert_tc), against an fp64 token recurrence: the error behind the bounds of
    tests/gpu/test_chunk_prefill_gpu.cpp's Hopper cases (printed, and asserted below 4e-3).
 The layouts the kernel's registers and shared-memory views rely on are CuTe's own; the GPU test
 binary checks them on the host (tests/gpu/test_hopper_layouts.cu).
@@ -23,6 +23,28 @@ C, D = 64, 128
 bf16, bf16_input = tc.bf16, tc.bf16_input
 
 
+def fp16(x):
+    """fp16 rounding (off with tc.EXACT)."""
+    return x.astype(f32) if tc.EXACT else x.astype(np.float16).astype(f32)
+
+
+def invert_tc(A):
+    """src/cuda/chunk_prefill/tc_inverse.cuh: T = (I + A)^-1 with the 16x16 diagonal blocks in
+    fp32 and the two levels of block products from fp16 operands (A, T's blocks, the first
+    product of each level), accumulated in fp32."""
+    blk = lambda i, j: (slice(16 * i, 16 * i + 16), slice(16 * j, 16 * j + 16))
+    T, Th, Ah = np.zeros((C, C), f32), np.zeros((C, C), f32), fp16(A)
+    for b in range(4):
+        T[blk(b, b)] = np.linalg.inv(np.eye(16) + A[blk(b, b)]).astype(f32)
+        Th[blk(b, b)] = fp16(T[blk(b, b)])
+    for bi, bj in ((1, 0), (3, 2)):
+        T[blk(bi, bj)] = -(fp16(Th[blk(bi, bi)] @ Ah[blk(bi, bj)]) @ Th[blk(bj, bj)])
+        Th[blk(bi, bj)] = fp16(T[blk(bi, bj)])
+    lo, hi = slice(0, 32), slice(32, 64)
+    T[hi, lo] = -(fp16(Th[hi, hi] @ Ah[hi, lo]) @ Th[lo, lo])
+    return T
+
+
 def prep(Q, K_, g, be, cv, scale):
     """The prep kernel: Tb, P (rounded), a, b, d, gamma for one chunk (rows past cv: zeros)."""
     G = np.cumsum(g, dtype=f32)
@@ -33,7 +55,7 @@ def prep(Q, K_, g, be, cv, scale):
     E = np.where(low, np.exp(np.minimum(G[:, None] - G[None, :], 0)), 0)
     A = np.tril(be[:, None] * rk[:, None] * rk[None, :] * E * (K_ @ K_.T), -1)
     P = bf16((rq[:, None] * rk[None, :] * E * (Q @ K_.T)).astype(f32))
-    T = np.linalg.inv(np.eye(C) + A)
+    T = invert_tc(A.astype(f32))
     Tb = bf16((np.tril(T) * be[None, :]).astype(f32))
     eG = np.exp(G)
     return Tb, P, rk * eG, rq * eG, rk * np.exp(G[-1] - G), np.exp(G[-1])

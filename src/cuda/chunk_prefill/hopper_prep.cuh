@@ -3,11 +3,12 @@
 // workspace blocks the scan kernel (hopper_scan.cuh) loads with TMA. Part of
 // chunk_prefill_hopper.cu's translation unit.
 //
-// Per chunk (grid (chunk slot j, value head hv), 8 warps; chunk slots as split.cuh's): beta, the
-// cumulative log decay G, the norms rk, rq (rq with the scale), then on tensor cores the strictly
-// lower A_ts = beta_t rk_t rk_s e^{G_t - G_s} (k_t . k_s) and P_ts = rq_t rk_s e^{G_t - G_s}
-// (q_t . k_s), s <= t (split_strip, four warps each), T = (I + A)^{-1} in fp32 (invert_unit_lower),
-// and writes block b = hv * slots + j (hopper_scan.cuh Blocks):
+// Per chunk (grid (chunk slot j, value head hv), 8 warps, three CTAs an SM; chunk slots as
+// split.cuh's): beta, the cumulative log decay G, the norms rk, rq (rq with the scale), then on
+// tensor cores the strictly lower A_ts = beta_t rk_t rk_s e^{G_t - G_s} (k_t . k_s) (warps 0-3)
+// and P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s), s <= t (warps 4-7) (strip_products); warps 4-7
+// store P and the factors while warps 0-3 find T = (I + A)^{-1} on tensor cores
+// (tc_inverse.cuh) and store Tb. Block b = hv * slots + j (hopper_scan.cuh Blocks):
 //   Tb = T diag(beta) and P, rounded to the input dtype, [t][s];
 //   a_t = rk_t e^{G_t}, b_t = rq_t e^{G_t}, d_s = rk_s e^{G_L - G_s}, gamma = e^{G_L} (fp32).
 // Tokens past the sequence's end have beta = rk = rq = 0, so their rows and columns of Tb and P
@@ -18,28 +19,38 @@
 
 #include "cuda/chunk_prefill/hopper_scan.cuh"
 #include "cuda/chunk_prefill/split.cuh"
+#include "cuda/chunk_prefill/tc_inverse.cuh"
 
 namespace deltastate::cuda_backend::prefill::hopper {
 
 struct PrepLayout {
   static constexpr int C = kC, D = kD;
   static constexpr int NW = 8, THREADS = NW * 32;
-  static constexpr int NK = D / 16;  // k-steps of K K^T, Q K^T (split_strip)
-  static constexpr int LDI = D + 8, LDT = C + 4, LDB = C + 8, LDX = 36;
-  static constexpr int OFF_K = 0, OFF_Q = OFF_K + C * LDI * 2, OFF_TF = OFF_Q + C * LDI * 2,
-                       OFF_X = OFF_TF + C * LDT * 4, OFF_P = OFF_X + 32 * LDX * 4,
-                       OFF_SC = OFF_P + C * LDB * 2, SMEM = OFF_SC + 8 * C * 4;
-  static_assert(OFF_TF % 16 == 0 && OFF_X % 16 == 0 && OFF_P % 16 == 0 && OFF_SC % 16 == 0,
+  static constexpr int NK = D / 16;  // k-steps of K K^T, Q K^T (strip_products)
+  static constexpr int LDI = D + 8, LDB = TcInverse::LDH, LDT = 0;
+  // k and q [C][LDI]; once the strips' products are in registers their space holds A (fp16),
+  // T's fp16 blocks, P (16-bit) and A's fp32 diagonal blocks; then Tb [C][LDB] (16-bit) and the
+  // per-token scalars [8][C] fp32.
+  static constexpr int OFF_K = 0, OFF_Q = OFF_K + C * LDI * 2, OFF_TB = OFF_Q + C * LDI * 2,
+                       OFF_SC = OFF_TB + C * LDB * 2, SMEM = OFF_SC + 8 * C * 4;
+  static constexpr int OFF_AH = 0, OFF_TH = OFF_AH + TcInverse::H_BYTES,
+                       OFF_P = OFF_TH + TcInverse::H_BYTES, OFF_AD = OFF_P + C * LDB * 2;
+  static_assert(OFF_AD + TcInverse::AD_BYTES <= OFF_TB, "A, T, P in the space of k and q");
+  static_assert(OFF_TB % 16 == 0 && OFF_SC % 16 == 0 && OFF_P % 16 == 0 && OFF_AD % 16 == 0,
                 "16-byte aligned regions");
 };
 
+// The inversion's barrier: warps 0-3 only (warps 4-7 store P meanwhile).
+struct PrepInverseSync {
+  __device__ __forceinline__ void operator()() const { bar_sync(1, 128); }
+};
+
 template <class In>
-__global__ void __launch_bounds__(PrepLayout::THREADS, 2)
+__global__ void __launch_bounds__(PrepLayout::THREADS, 3)
     chunk_prefill_hopper_prep_kernel(const ChunkPrefillProblem p, int64_t slots) {
   using L = PrepLayout;
   using M = Mma<In>;
-  constexpr int C = L::C, D = L::D, NW = L::NW, NT = L::THREADS, LDI = L::LDI, LDT = L::LDT,
-                LDB = L::LDB;
+  constexpr int C = L::C, D = L::D, NT = L::THREADS, LDI = L::LDI, LDB = L::LDB;
   enter_grid(false);
   const SplitChunk ch = split_locate(p, blockIdx.x);
   if (ch.n < 0) return;
@@ -49,9 +60,11 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 2)
   extern __shared__ __align__(16) unsigned char smem[];
   In* const Ks = reinterpret_cast<In*>(smem + L::OFF_K);
   In* const Qs = reinterpret_cast<In*>(smem + L::OFF_Q);
-  float* const Tf = reinterpret_cast<float*>(smem + L::OFF_TF);
-  float* const Xs = reinterpret_cast<float*>(smem + L::OFF_X);
+  __half* const Ah = reinterpret_cast<__half*>(smem + L::OFF_AH);
+  __half* const Th = reinterpret_cast<__half*>(smem + L::OFF_TH);
   In* const Pb = reinterpret_cast<In*>(smem + L::OFF_P);
+  float* const Ad = reinterpret_cast<float*>(smem + L::OFF_AD);
+  In* const Tb = reinterpret_cast<In*>(smem + L::OFF_TB);
   float* const sG = reinterpret_cast<float*>(smem + L::OFF_SC);
   float* const sBeta = sG + C;
   float* const sRk = sG + 2 * C;
@@ -104,29 +117,58 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 2)
     sB[t] = sRq[t] * e;
     sD[t] = sRk[t] * expf(sGL[0] - sG[t]);
   }
+  // Strip warp % 4 of K K^T (warps 0-3) or Q K^T (4-7); the factors are read after the barrier.
+  float acc[8][4];
+  strip_products<L, In>(warp < 4 ? Ks : Qs, Ks, warp % 4, lane, acc);
+  __syncthreads();  // k and q are read: their space takes A, T and P
+  if (warp >= 4) {
+    strip_store<L, In, true>(acc, warp - 4, sG, sRk, sRq, nullptr, Pb, lane);
+  } else {  // A: blocks below the diagonal in fp16, the diagonal block in fp32
+    const int r = warp, g8 = lane >> 2, q4 = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (j < 2 * (r + 1)) {
+          const int t = 16 * r + g8 + 8 * h, sc = 8 * j + 2 * q4;
+          const float x0 = strip_value<false>(acc[j][2 * h], t, sc, sG, sRk, sBeta);
+          const float x1 = strip_value<false>(acc[j][2 * h + 1], t, sc + 1, sG, sRk, sBeta);
+          if (j < 2 * r) {
+            *reinterpret_cast<uint32_t*>(Ah + t * LDB + sc) = Mma<__half>::pack(x0, x1);
+          } else {
+            *reinterpret_cast<float2*>(Ad + (16 * r + g8 + 8 * h) * TcInverse::LDD + sc - 16 * r) =
+                make_float2(x0, x1);
+          }
+        }
+      }
+  }
   __syncthreads();
-  if (warp < 4) split_strip<L, In, false>(Ks, Ks, warp, sG, sRk, sBeta, Tf, nullptr, lane);
-  else split_strip<L, In, true>(Qs, Ks, warp - 4, sG, sRk, sRq, nullptr, Pb, lane);
-  __syncthreads();
-  invert_unit_lower<L>(Tf, Xs, warp, lane, tid);  // ends with a barrier
 
   const BlockPtrs out = block_ptrs(p.workspace, slots * p.HV, int64_t{hv} * slots + blockIdx.x);
-  for (int i = tid; i < C * (C / 8); i += NT) {  // 16-byte pieces: row t, columns 8 c8 ..
-    const int t = i / (C / 8), c8 = 8 * (i % (C / 8));
-    uint32_t w[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int s0 = c8 + 2 * e;
-      const float x0 = s0 <= t ? Tf[t * LDT + s0] * sBeta[s0] : 0.0f;
-      const float x1 = s0 + 1 <= t ? Tf[t * LDT + s0 + 1] * sBeta[s0 + 1] : 0.0f;
-      w[e] = M::pack(x0, x1);
+  if (warp >= 4) {  // P and the factors, while warps 0-3 invert
+    const int pt = tid - NT / 2;
+    for (int i = pt; i < C * (C / 8); i += NT / 2) {  // 16-byte pieces: row t, columns 8 c8 ..
+      const int t = i / (C / 8), c8 = 8 * (i % (C / 8));
+      reinterpret_cast<uint4*>(out.p)[i] = *reinterpret_cast<const uint4*>(Pb + t * LDB + c8);
     }
-    reinterpret_cast<uint4*>(out.t)[i] = make_uint4(w[0], w[1], w[2], w[3]);
-    reinterpret_cast<uint4*>(out.p)[i] = *reinterpret_cast<const uint4*>(Pb + t * LDB + c8);
+    for (int i = pt; i < 4 * C; i += NT / 2) {
+      const int r = i / C, t = i % C;
+      out.scal[i] =
+          r == 0 ? sA[t] : r == 1 ? sB[t] : r == 2 ? sD[t] : (t == 0 ? expf(sGL[0]) : 0.0f);
+    }
+    return;
   }
-  for (int i = tid; i < 4 * C; i += NT) {
-    const int r = i / C, t = i % C;
-    out.scal[i] = r == 0 ? sA[t] : r == 1 ? sB[t] : r == 2 ? sD[t] : (t == 0 ? expf(sGL[0]) : 0.0f);
+  // T = (I + A)^{-1} (warps 0-3); Tb = T diag(beta) in the input dtype
+  const PrepInverseSync sync;
+  invert_unit_lower_tc(Ah, Ad, Th, warp, lane, sync, [&](int t, int s0, float x0, float x1) {
+    *reinterpret_cast<uint32_t*>(Tb + t * LDB + s0) = M::pack(x0 * sBeta[s0], x1 * sBeta[s0 + 1]);
+  });
+  sync();
+  for (int i = tid; i < C * (C / 8); i += NT / 2) {  // blocks above the diagonal: zeros
+    const int t = i / (C / 8), c8 = 8 * (i % (C / 8));
+    reinterpret_cast<uint4*>(out.t)[i] = c8 / 16 <= t / 16
+                                             ? *reinterpret_cast<const uint4*>(Tb + t * LDB + c8)
+                                             : make_uint4(0, 0, 0, 0);
   }
 }
 

@@ -171,18 +171,14 @@ __device__ __forceinline__ unsigned char* split_block(const ChunkPrefillProblem&
          (j * p.HV + hv) * SplitLayout<D, KDA>::BLOCK;
 }
 
-// The 16-row strip r of K K^T (P = false: A into Tf, fp32) or Q K^T (P = true: P into Pb,
-// 16-bit), lower triangle only, with the per-token factors of tc_kernel.cuh: A_ts = beta_t rk_t
-// rk_s e^{G_t - G_s} (k_t . k_s), s < t; P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s), s <= t.
-// X is k or q, Ks is k, both [C][LDI]; zeros elsewhere in the strip.
-template <class Lay, class In, bool P>
-__device__ __forceinline__ void split_strip(const In* X, const In* Ks, int r, const float* sG,
-                                            const float* sRk, const float* sF, float* Tf, In* Pb,
-                                            int lane) {
+// The 16-row strip r of X K^T (X = k or q, Ks = k, both [C][LDI]), lower triangle only (column
+// tiles 0 .. 2r + 1), into the accumulators of mma.m16n8k16: acc[j] is n-tile j (columns
+// 8j .. 8j + 7) of rows 16r .. 16r + 15.
+template <class Lay, class In>
+__device__ __forceinline__ void strip_products(const In* X, const In* Ks, int r, int lane,
+                                               float (&acc)[8][4]) {
   using M = Mma<In>;
-  constexpr int NK = Lay::NK, LDI = Lay::LDI, LDT = Lay::LDT, LDB = Lay::LDB;
-  const int g8 = lane >> 2, q4 = lane & 3;
-  float acc[8][4];
+  constexpr int NK = Lay::NK, LDI = Lay::LDI;
 #pragma unroll
   for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 #pragma unroll
@@ -199,6 +195,27 @@ __device__ __forceinline__ void split_strip(const In* X, const In* Ks, int r, co
       }
     }
   }
+}
+
+// Element (t, s) of strip r's products scaled by the per-token factors of tc_kernel.cuh:
+// A_ts = beta_t rk_t rk_s e^{G_t - G_s} (k_t . k_s), s < t (P = false, sF = beta);
+// P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s), s <= t (P = true, sF = rq); zeros elsewhere.
+template <bool P>
+__device__ __forceinline__ float strip_value(float x, int t, int s, const float* sG,
+                                             const float* sRk, const float* sF) {
+  const bool lower = P ? s <= t : s < t;
+  const float f = P ? sF[t] * sRk[s] : sF[t] * sRk[t] * sRk[s];
+  return lower ? f * expf(sG[t] - sG[s]) * x : 0.0f;
+}
+
+// Strip r's accumulators scaled by strip_value into Tf (P = false, fp32, [C][LDT]) or Pb
+// (P = true, 16-bit, [C][LDB]); the strip's columns past its diagonal block get zeros.
+template <class Lay, class In, bool P>
+__device__ __forceinline__ void strip_store(const float (&acc)[8][4], int r, const float* sG,
+                                            const float* sRk, const float* sF, float* Tf, In* Pb,
+                                            int lane) {
+  constexpr int LDT = Lay::LDT, LDB = Lay::LDB;
+  const int g8 = lane >> 2, q4 = lane & 3;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -207,18 +224,25 @@ __device__ __forceinline__ void split_strip(const In* X, const In* Ks, int r, co
       const int sc = 8 * j + 2 * q4;
       float out[2];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int sj = sc + e;
-        const bool lower = P ? sj <= t : sj < t;
-        const float f = P ? sF[t] * sRk[sj] : sF[t] * sRk[t] * sRk[sj];  // sF: rq or beta
-        out[e] = lower && j < 2 * (r + 1) ? f * expf(sG[t] - sG[sj]) * acc[j][2 * h + e] : 0.0f;
-      }
+      for (int e = 0; e < 2; ++e)
+        out[e] = j < 2 * (r + 1) ? strip_value<P>(acc[j][2 * h + e], t, sc + e, sG, sRk, sF) : 0.0f;
       if constexpr (P) {
-        *reinterpret_cast<uint32_t*>(Pb + t * LDB + sc) = M::pack(out[0], out[1]);
+        *reinterpret_cast<uint32_t*>(Pb + t * LDB + sc) = Mma<In>::pack(out[0], out[1]);
       } else {
         *reinterpret_cast<float2*>(Tf + t * LDT + sc) = make_float2(out[0], out[1]);
       }
     }
+}
+
+// The 16-row strip r of K K^T (P = false: A into Tf, fp32) or Q K^T (P = true: P into Pb,
+// 16-bit), lower triangle only, scaled by strip_value; zeros elsewhere in the strip.
+template <class Lay, class In, bool P>
+__device__ __forceinline__ void split_strip(const In* X, const In* Ks, int r, const float* sG,
+                                            const float* sRk, const float* sF, float* Tf, In* Pb,
+                                            int lane) {
+  float acc[8][4];
+  strip_products<Lay, In>(X, Ks, r, lane, acc);
+  strip_store<Lay, In, P>(acc, r, sG, sRk, sF, Tf, Pb, lane);
 }
 
 // Rows of chunk ci of a per-token [.., D] input into dst [C][LDI] (rows past the sequence:
