@@ -97,6 +97,7 @@ TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
     m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
     auto run = [&](PackedDecodeArgs a, const StatePool& p) {
       a.state_format.scales = p.layer_scales(layer);
+      a.state_format.rounding = c.rounding;
       if (stochastic) {
         a.state_format.step = p.rounding_step(layer);
         a.state_format.seed = 1234;
