@@ -194,8 +194,10 @@ for phase in "${phases[@]}"; do
       sanitized racecheck '*ReplayVerifyGpu*odd*:*ReplayVerifyGpu*KgtV*'
       ;;
     test-prefill)  # the chunk_prefill GPU tests: default choice (the Hopper GDN kernels where
-      # they apply, errors printed), then split, fused and the CUDA-core fallback forced
+      # they apply, errors printed), the Hopper kernels' context parallelism forced on every
+      # one-sequence case (segments of 2 chunks), then split, fused and the CUDA-core fallback
       DSTEST_PRINT_ERRORS=1 run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
+      DELTASTATE_CUDA_PREFILL_CP=2 run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
       for kernel in split fused fallback; do
         DELTASTATE_CUDA_PREFILL=$kernel run test-prefill gtest_sharded test-prefill "$PREFILL_TESTS"
       done

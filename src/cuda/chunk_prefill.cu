@@ -244,7 +244,9 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
   const int64_t slots_bound = tokens / ChunkPrefillProblem::kChunk + N;
   const bool hopper = device_available() && hopper_prefill_shapes(K, V, kda, device);
   const int64_t base =
-      hopper ? std::max(fallback, hopper_prefill_workspace_bytes(slots_bound, HV)) : fallback;
+      hopper ? std::max(fallback, hopper_prefill_workspace_bytes(slots_bound, HV) +
+                                      hopper_prefill_cp_workspace_bytes(N, HV, tokens, device))
+             : fallback;
   if (!split_size || forced == PrefillChoice::fused || forced == PrefillChoice::fallback ||
       forced == PrefillChoice::hopper)
     return base;

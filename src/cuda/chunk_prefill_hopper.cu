@@ -7,6 +7,7 @@
 
 #include <cutlass/numeric_types.h>
 
+#include "cuda/chunk_prefill/hopper_combine.cuh"
 #include "cuda/chunk_prefill/hopper_prep.cuh"
 #include "cuda/chunk_prefill/hopper_scan.cuh"
 #include "cuda/launch.h"
@@ -46,8 +47,36 @@ bool prefill_ordered_math() {
 // A stride the TMA accepts for a mode of extent 1 (never walked).
 int64_t tma_stride(int64_t stride, int64_t extent) { return extent <= 1 ? 8 : stride; }
 
+// Context parallelism (ScanPass): for one sequence whose heads' scan CTAs fill few SMs, segments
+// as many as one wave of the segments pass holds, of at least 8 chunks (512 tokens), and only
+// four or more: the transfer pass scans all but the last segment twice, so fewer segments do not
+// pay. DELTASTATE_CUDA_PREFILL_CP=<chunks> forces segments of that many chunks (tests), =off
+// none.
+struct CpPlan {
+  int segs = 1, seg_chunks = 0;
+  bool on() const { return segs > 1; }
+};
+CpPlan cp_plan(int64_t N, int64_t HV, int64_t T, int sms) {
+  const int forced = prefill_cp_chunks();
+  const int64_t chunks = (T + kC - 1) / kC;
+  if (N != 1 || forced == 0 || chunks < 2) return {};
+  int64_t seg_chunks = forced;
+  if (forced < 0) {
+    const int64_t ctas = HV * (prefill_vsplit_pays(HV, sms) ? 2 : 1);
+    const int64_t segs = std::min<int64_t>(sms / ctas, chunks / 8);
+    if (segs < 4) return {};
+    seg_chunks = (chunks + segs - 1) / segs;
+  }
+  const int64_t segs = (chunks + seg_chunks - 1) / seg_chunks;
+  if (segs < 2 || segs * HV > 0x7fffffffLL / 4) return {};
+  return {static_cast<int>(segs), static_cast<int>(seg_chunks)};
+}
+int64_t cp_bytes(const CpPlan& cp, int64_t HV) {
+  return cp.on() ? 2 * int64_t{cp.segs - 1} * HV * kD * kD * 4 : 0;
+}
+
 template <class In, class E, int G>
-void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
+void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaStream_t stream) {
   using Lay = ScanLayout<E, G>;
   using Params = ScanParams<E, G>;
   const int64_t blocks = slots * p.HV;
@@ -62,6 +91,8 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
         cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepLayout::SMEM));
     DS_CUDA_CHECK(
         cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::kSmem));
+    DS_CUDA_CHECK(cudaFuncSetAttribute(chunk_prefill_hopper_combine_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kCombineSmem));
     return 1;
   });
   if (slots > 0)
@@ -89,7 +120,23 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, cudaStream_t stream) {
   params.in_N = N;
   params.slots = slots;
   params.ordered = prefill_ordered_math();
-  const int64_t ctas = p.num_heads_total() * Lay::kSplit;
+  params.pass = ScanPass::whole;
+  params.segs = cp.segs;
+  params.seg_chunks = cp.seg_chunks;
+  params.cp = reinterpret_cast<float*>(static_cast<unsigned char*>(p.workspace) +
+                                       hopper_prefill_workspace_bytes(slots, p.HV));
+  int64_t ctas = p.num_heads_total() * Lay::kSplit;
+  if (cp.on()) {  // transfer pass, combine, then the segments
+    params.pass = ScanPass::transfer;
+    params.trigger_early = false;
+    launch_kernel(scan, dim3(static_cast<unsigned>(2 * (cp.segs - 1) * ctas)), dim3(Lay::kThreads),
+                  Lay::kSmem, stream, p.pdl, params);
+    launch_kernel(chunk_prefill_hopper_combine_kernel,
+                  dim3(kD / kCombineRows, static_cast<unsigned>(p.HV)), dim3(kD), kCombineSmem,
+                  stream, p.pdl, p, params.cp, cp.segs);
+    params.pass = ScanPass::segments;
+    ctas *= cp.segs;
+  }
   params.trigger_early = p.pdl && pdl_trigger_early(ctas, resident, p.device.index);
   launch_kernel(scan, dim3(static_cast<unsigned>(ctas)), dim3(Lay::kThreads), Lay::kSmem, stream,
                 p.pdl, params);
@@ -128,6 +175,10 @@ int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV) {
   return Blocks::bytes(slots * HV);
 }
 
+int64_t hopper_prefill_cp_workspace_bytes(int64_t N, int64_t HV, int64_t T, int device) {
+  return cp_bytes(cp_plan(N, HV, T, num_sms(device)), HV);
+}
+
 bool hopper_prefill_shapes(int K, int V, bool kda, int device) {
   const PrefillChoice forced = forced_prefill_kernel();
   if (forced != PrefillChoice::automatic && forced != PrefillChoice::hopper) return false;
@@ -137,19 +188,23 @@ bool hopper_prefill_shapes(int K, int V, bool kda, int device) {
 bool run_hopper_prefill(const ChunkPrefillProblem& p, cudaStream_t stream) {
   if (!hopper_prefill_applies(p)) return false;
   const int64_t slots = prefill::split_chunk_slots(p);
-  if (!p.workspace || !aligned16(p.workspace) ||
-      p.workspace_bytes < hopper_prefill_workspace_bytes(slots, p.HV))
-    return false;
+  const int64_t blocks_bytes = hopper_prefill_workspace_bytes(slots, p.HV);
+  if (!p.workspace || !aligned16(p.workspace) || p.workspace_bytes < blocks_bytes) return false;
+  const int sms = num_sms(p.device.index);
+  // context parallelism where planned and the workspace holds its states (sized by
+  // hopper_prefill_cp_workspace_bytes, it does)
+  CpPlan cp = cp_plan(p.N, p.HV, p.T, sms);
+  if (p.workspace_bytes < blocks_bytes + cp_bytes(cp, p.HV)) cp = CpPlan{};
   // The V split where the whole heads' CTAs would fill at most half of the GPU.
-  const bool split = prefill_vsplit_pays(p.num_heads_total(), num_sms(p.device.index));
+  const bool split = prefill_vsplit_pays(p.num_heads_total(), sms);
   if (p.q.dtype == DType::bf16) {
-    if (split) launch<__nv_bfloat16, cutlass::bfloat16_t, 1>(p, slots, stream);
-    else launch<__nv_bfloat16, cutlass::bfloat16_t, 2>(p, slots, stream);
+    if (split) launch<__nv_bfloat16, cutlass::bfloat16_t, 1>(p, slots, cp, stream);
+    else launch<__nv_bfloat16, cutlass::bfloat16_t, 2>(p, slots, cp, stream);
     return true;
   }
 #if DELTASTATE_CUDA_ALL_KERNELS
-  if (split) launch<__half, cutlass::half_t, 1>(p, slots, stream);
-  else launch<__half, cutlass::half_t, 2>(p, slots, stream);
+  if (split) launch<__half, cutlass::half_t, 1>(p, slots, cp, stream);
+  else launch<__half, cutlass::half_t, 2>(p, slots, cp, stream);
   return true;
 #else
   return false;

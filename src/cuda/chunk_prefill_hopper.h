@@ -16,6 +16,9 @@ namespace deltastate::cuda_backend {
 bool hopper_prefill_shapes(int K, int V, bool kda, int device);
 // Workspace bytes of the prep kernel's blocks for `slots` chunk slots and HV value heads.
 int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV);
+// Workspace bytes of the context-parallel states (after the blocks) where a call of N sequences
+// of T tokens in all with HV value heads takes context parallelism on `device`; 0 otherwise.
+int64_t hopper_prefill_cp_workspace_bytes(int64_t N, int64_t HV, int64_t T, int device);
 // Launches the prep and scan kernels when the problem applies and the workspace holds their
 // blocks; false (nothing launched) otherwise.
 bool run_hopper_prefill(const detail::ChunkPrefillProblem& p, cudaStream_t stream);

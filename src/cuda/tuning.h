@@ -203,6 +203,20 @@ inline bool prefill_vsplit_pays(int64_t ctas, int64_t sms) {
       env_choice<int>("DELTASTATE_CUDA_PREFILL_VSPLIT", {{"on", 1}, {"off", 0}}, -1);
   return forced >= 0 ? forced == 1 : 2 * ctas <= sms;
 }
+// DELTASTATE_CUDA_PREFILL_CP=<chunks>|off: the Hopper GDN prefill's context parallelism
+// (chunk_prefill_hopper.cu cp_plan) forced with segments of that many chunks wherever it applies
+// (one sequence; tests run the GPU suite with it), or never (0); unset or another value (-1):
+// its own rule.
+inline int prefill_cp_chunks() {
+  static const int forced = [] {
+    const char* e = std::getenv("DELTASTATE_CUDA_PREFILL_CP");
+    if (!e) return -1;
+    if (std::strcmp(e, "off") == 0) return 0;
+    const int n = std::atoi(e);
+    return n >= 1 ? n : -1;
+  }();
+  return forced;
+}
 // DELTASTATE_CUDA_MULTI=direct: the recurrent op's multi-token sequences on the direct kernel
 // instead of the multi-token kernel (tests run both; benchmarks compare them).
 inline bool multi_token_disabled() {

@@ -434,6 +434,9 @@ void i64(RecurrentSpec& r) { r.index_dtype = DType::i64; }
 
 constexpr Shape kGva{"gva", 2, 6, 128, 128};
 constexpr Shape kK64{"k64", 4, 8, 64, 64};
+// Qwen3-Next at tensor parallelism 4: few heads, so one long sequence takes the Hopper prefill's
+// context parallelism (chunk_prefill_hopper.cu cp_plan: segments of its chunks in parallel).
+constexpr Shape kQwenTp4{"qwen_tp4", 4, 8, 128, 128};
 constexpr Shape kK128V192{"k128v192", 1, 2, 128,
                           192};  // K*V > 16384: fallback states in the workspace
 
@@ -471,6 +474,28 @@ INSTANTIATE_TEST_SUITE_P(
             c.ckpt = Ckpt::slots;
             c.every = 2048;
           }),
+        // one long sequence at TP4: context parallelism (8 segments of 16 chunks on 132 SMs), a
+        // partial last chunk, the final state in place and dense, checkpoints into slots across
+        // segments
+        C("gdn_tp4_one_long_cp", varlen(kQwenTp4, false, DType::bf16, {8150}),
+          [](GpuPrefillCase& c) {
+            c.final_state = true;
+            c.ckpt = Ckpt::slots;
+            c.every = 640;
+          }),
+        // the same without cu_seqlens: a fresh state, a bf16 pool, dense final state and
+        // checkpoints, 5 segments with a short last one
+        C("gdn_tp4_dense_cp_fresh", recurrent_spec(kQwenTp4, false, DType::bf16, 1, 2600),
+          [](GpuPrefillCase& c) {
+            c.state = DType::bf16;
+            c.fresh = {0};
+            c.final_state = true;
+            c.ckpt = Ckpt::dense;
+            c.every = 320;
+          }),
+        // one padded sequence (index -1): zero outputs, no state touched in any pass
+        C("gdn_tp4_one_padded_cp", varlen(kQwenTp4, false, DType::bf16, {3000}),
+          [](GpuPrefillCase& c) { c.padded = {0}; }),
         // N x HV past 65535 (2100 sequences of 32 tokens, 32 value heads; no state: the pool
         // of so many sequences would take gigabytes)
         C("gdn_qwen_many_short", recurrent_spec(kQwen3Next, false, DType::bf16, 2100, 32),

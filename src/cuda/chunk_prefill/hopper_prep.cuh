@@ -153,8 +153,10 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 3)
     }
     for (int i = pt; i < 4 * C; i += NT / 2) {
       const int r = i / C, t = i % C;
-      out.scal[i] =
-          r == 0 ? sA[t] : r == 1 ? sB[t] : r == 2 ? sD[t] : (t == 0 ? expf(sGL[0]) : 0.0f);
+      out.scal[i] = r == 0   ? sA[t]
+                    : r == 1 ? sB[t]
+                    : r == 2 ? sD[t]
+                             : (t == 0 ? expf(sGL[0]) : 0.0f);
     }
     return;
   }

@@ -2,6 +2,8 @@
 // CTA per (sequence, value head) walks the sequence's chunks in order with the fp32 state on
 // chip, on wgmma with TMA loads through an mbarrier pipeline (CUTLASS's CuTe). Part of
 // chunk_prefill_hopper.cu's translation unit; hopper_prep.cuh makes what it reads besides q, k, v.
+// One sequence with few heads takes context parallelism instead (ScanPass below): its segments
+// scanned in parallel from their exact start states (hopper_combine.cuh chains them).
 //
 // ---- design ------------------------------------------------------------------------------------
 // Warp specialization, 384 threads: warp group 0 is the producer (one thread issues the TMA
@@ -169,6 +171,16 @@ inline auto scalar_view(const float* ptr, int blocks) {
                      make_layout(make_shape(Int<kC>{}, blocks * 4), make_stride(_1{}, Int<kC>{})));
 }
 
+// What a scan launch computes. `whole`: every (sequence, value head) from its initial state.
+// Context parallelism for one sequence (hopper_cp.cuh) splits it into `segs` segments of
+// `seg_chunks` chunks and takes three launches: `transfer` scans every segment but the last twice
+// from its own start, once from the identity with v = 0 (its transfer matrix M, as the state
+// update is affine: S_end = S_start M + N) and once from zero (N), without outputs, into the
+// workspace; the combine kernel chains them into every segment's exact start state; `segments`
+// then scans every segment from that state with its outputs, checkpoints and (the last) final
+// state.
+enum class ScanPass { whole, transfer, segments };
+
 template <class E, int G>
 struct ScanParams {
   using Lay = ScanLayout<E, G>;
@@ -189,7 +201,16 @@ struct ScanParams {
   int64_t slots;       // chunk slots (hopper_prep.cuh)
   bool trigger_early;  // PDL (grid.cuh enter_grid)
   bool ordered;        // the consumers take turns issuing products (G = 2)
+  ScanPass pass;
+  int segs, seg_chunks;  // context parallelism (segs > 1)
+  float* cp;  // [2][segs - 1][HV][V][K] fp32: the segments' M, then their N (replaced by the
+              // next segment's start state by the combine kernel)
 };
+
+// Element offset of segment i's M (kind 0) or N (kind 1) head hv in ScanParams::cp.
+__host__ __device__ __forceinline__ int64_t cp_offset(int segs, int HV, int kind, int i, int hv) {
+  return ((int64_t{kind} * (segs - 1) + i) * HV + hv) * kD * kD;
+}
 
 // Where value i of thread t (of its warp group) sits in an m64nNk16 accumulator: CuTe's
 // CLayout_64xN, written out so that the compiler sees a per-thread base plus a constant per value
@@ -258,18 +279,41 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     prefetch_tma_descriptor(P.pm.get_tma_descriptor());
     prefetch_tma_descriptor(P.scal.get_tma_descriptor());
   }
+  // The CTA's task: (sequence, value head); with context parallelism also its segment and, in
+  // the transfer pass, which of M (kind 0) and N it makes (only one sequence: task = hv).
+  const int part = static_cast<int>(blockIdx.x % Lay::kSplit);  // the head's rows (V split)
+  int64_t task = blockIdx.x / Lay::kSplit;
+  int seg = 0, kind = 0;
+  if (P.pass == ScanPass::transfer) {
+    const int64_t per = int64_t{P.segs - 1} * p.HV;
+    kind = static_cast<int>(task / per);
+    seg = static_cast<int>(task % per / p.HV);
+    task %= p.HV;
+  } else if (P.pass == ScanPass::segments) {
+    seg = static_cast<int>(task / p.HV);
+    task %= p.HV;
+  }
+  const bool transfer = P.pass == ScanPass::transfer, m_pass = transfer && kind == 0;
+  constexpr uint32_t kInBytes = cosize_v<typename Lay::InTile> * sizeof(E),
+                     kVBytes = cosize_v<typename Lay::VTile> * sizeof(E),
+                     kMatBytes = cosize_v<typename Lay::MatTile> * sizeof(E);
   typename Pipeline::Params pp;
-  pp.transaction_bytes = Lay::kStageBytes;
+  // the transfer pass loads no q and no P (no outputs), M no v either (v = 0)
+  pp.transaction_bytes =
+      Lay::kStageBytes - (transfer ? kInBytes + kMatBytes : 0) - (m_pass ? kVBytes : 0);
   pp.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = tid == 0;
   pp.num_consumers = 128 * G;
   Pipeline pipe(ss.pipe, pp, Shape<_1, _1, _1>{});
   __syncthreads();  // the barriers' initialization is visible to every thread
 
-  const Seq s = resolve_sequence(p, blockIdx.x / Lay::kSplit);
-  const int part = static_cast<int>(blockIdx.x % Lay::kSplit);  // the head's rows (V split)
+  const Seq s = resolve_sequence(p, task);
   if (skip_sequence(p, s, tid, kThreads)) return;
   const int nchunks = static_cast<int>((s.len + kC - 1) / kC);
+  // the CTA's chunks [cb, ce) (a segment past the sequence's end has none)
+  const bool cp = P.pass != ScanPass::whole;
+  const int cb = cp ? min(nchunks, seg * P.seg_chunks) : 0;
+  const int ce = cp ? min(nchunks, (seg + 1) * P.seg_chunks) : nchunks;
   const int64_t slot0 = split_chunk_offset(p, s.n);  // the sequence's first chunk slot
 
   if (wg == 0) {  // ---- producer -------------------------------------------------------------
@@ -308,25 +352,25 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
                            make_coord(0, _));
       const int block0 = static_cast<int>(s.hv * P.slots + slot0);
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int ci = 0; ci < nchunks; ++ci) {
+      for (int ci = cb; ci < ce; ++ci) {
         pipe.producer_acquire(state);
         auto* bar = pipe.producer_get_barrier(state);
         const int stage = state.index();
-        copy(P.q.with(*bar), gq(_, ci), sq(_, stage));
+        if (!transfer) copy(P.q.with(*bar), gq(_, ci), sq(_, stage));
         copy(P.k.with(*bar), gk(_, ci), sk(_, stage));
-        copy(P.v.with(*bar), gv(_, ci), sv(_, stage));
+        if (!m_pass) copy(P.v.with(*bar), gv(_, ci), sv(_, stage));
         copy(P.t.with(*bar), gt(_, block0 + ci), st(_, stage));
-        copy(P.pm.with(*bar), gp(_, block0 + ci), sp(_, stage));
+        if (!transfer) copy(P.pm.with(*bar), gp(_, block0 + ci), sp(_, stage));
         copy(P.scal.with(*bar), gs(_, block0 + ci), sc(_, stage));
         ++state;
       }
-    } else if (tid >= 32 && tid / 32 <= G) {  // ---- storer of consumer group tid / 32 - 1 ------
+    } else if (tid >= 32 && tid / 32 <= G && !transfer) {  // ---- storer of group tid / 32 - 1 --
       // Copies each chunk's staged output rows (the valid ones) to the output with bulk copies,
       // two rows a lane, so the consumers never wait on global stores.
       const int g = tid / 32 - 1, lane = tid % 32;
       const int64_t esize = dtype_size(p.out.dtype);
       const int v0 = Lay::kVCols * part + 64 * g;
-      for (int ci = 0; ci < nchunks; ++ci) {
+      for (int ci = cb; ci < ce; ++ci) {
         const int b = ci & 1;
         const int64_t c0 = int64_t{ci} * kC;
         const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
@@ -339,7 +383,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
         }
         tma_store_arrive();
         tma_store_wait<0>();  // the staging has been read
-        if (ci + 2 < nchunks) bar_arrive(bar_empty(g, b), 160);
+        if (ci + 2 < ce) bar_arrive(bar_empty(g, b), 160);
       }
     }
     return;
@@ -377,7 +421,15 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
   Tensor S = partition_fragment_C(mma_s, Shape<_64, Int<kD>>{});
   const int c0w = 64 * cw;                  // its columns of the CTA's v tile and output staging
   const int v0 = Lay::kVCols * part + c0w;  // its first state row
-  if (s.reads_state) {
+  if (transfer) {                           // M from the identity's rows, N from zero
+    CUTE_UNROLL
+    for (int i = 0; i < size(S); ++i)
+      S(i) = m_pass && v0 + acc_row(ct, i) == acc_col(ct, i) ? 1.0f : 0.0f;
+  } else if (seg > 0) {  // the segment's start state from the combine kernel
+    const float* start = P.cp + cp_offset(P.segs, p.HV, 1, seg - 1, s.hv);
+    CUTE_UNROLL
+    for (int i = 0; i < size(S); ++i) S(i) = start[(v0 + acc_row(ct, i)) * kD + acc_col(ct, i)];
+  } else if (s.reads_state) {
     const int64_t off = s.slot * p.state.slot_stride + s.hv * E2;
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i)
@@ -395,7 +447,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
   // Ordered math (G = 2): the two groups take turns issuing their products, so that one group's
   // epilogue runs while the other's products keep the tensor cores busy. Group 1 gives group 0
   // the first turn and takes no turn back after its last batch (every arrival is matched).
-  const int batches = 3 * nchunks;
+  const int batches = 3 * (ce - cb);
   int batch = 0;
   const bool ordered = G == 2 && P.ordered;
   auto turn_begin = [&] {
@@ -407,7 +459,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
   if (ordered && cw == 1 && batches > 0) bar_arrive(bar_turn(0), 256);
 
   auto state = typename Pipeline::PipelineState{};
-  for (int ci = 0; ci < nchunks; ++ci) {
+  for (int ci = cb; ci < ce; ++ci) {
     pipe.consumer_wait(state);
     const int stage = state.index();
     const float* scal = ss.scal.data() + stage * 4 * kC;  // rows a, b, d; gamma
@@ -419,20 +471,26 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     turn_begin();
     warpgroup_arrive();
     wg_gemm<true>(mma_x, Sa, dK(_, _, _, stage), X1);
-    wg_gemm<true>(mma_x, Sa, dQ(_, _, _, stage), X2);
+    if (!transfer) wg_gemm<true>(mma_x, Sa, dQ(_, _, _, stage), X2);
     warpgroup_commit_batch();
     turn_end();
     warpgroup_wait<0>();
 
     // v'^T = V^T Tb^T + bf16(-a X1) Tb^T; X2 becomes b X2
     Tensor Ya = acc_to_a<E, kC>(X1, [&](int i, float x) { return -scal[acc_col(ct, i)] * x; });
-    CUTE_UNROLL
-    for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + acc_col(ct, i)];
+    if (!transfer) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + acc_col(ct, i)];
+    }
     Tensor U = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
     turn_begin();
     warpgroup_arrive();
-    wg_gemm<true>(mma_v, dVt(_, _, _, stage), dTv(_, _, _, stage), U);
-    wg_gemm<false>(mma_x, Ya, dT(_, _, _, stage), U);
+    if (m_pass) {
+      wg_gemm<true>(mma_x, Ya, dT(_, _, _, stage), U);
+    } else {
+      wg_gemm<true>(mma_v, dVt(_, _, _, stage), dTv(_, _, _, stage), U);
+      wg_gemm<false>(mma_x, Ya, dT(_, _, _, stage), U);
+    }
     warpgroup_commit_batch();
     turn_end();
     warpgroup_wait<0>();
@@ -446,7 +504,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     for (int i = 0; i < size(S); ++i) S(i) *= gamma;
     turn_begin();
     warpgroup_arrive();
-    wg_gemm<false>(mma_x, Ua, dP(_, _, _, stage), X2);
+    if (!transfer) wg_gemm<false>(mma_x, Ua, dP(_, _, _, stage), X2);
     wg_gemm<false>(mma_s, Ud, dKt(_, _, _, stage), S);
     warpgroup_commit_batch();
     turn_end();
@@ -454,11 +512,12 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     pipe.consumer_release(state);  // every read of the stage is done
     ++state;
 
+    if (transfer) continue;
     // the output: o^T staged [t][v] in the output dtype, then the storer warp's bulk copies
     const int64_t c0 = int64_t{ci} * kC;
     const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
     const int b = ci & 1;
-    if (ci >= 2) bar_sync(bar_empty(cw, b), 160);  // chunk ci - 2's copy has read the buffer
+    if (ci >= cb + 2) bar_sync(bar_empty(cw, b), 160);  // chunk ci - 2's copy has read it
     unsigned char* const buf = ss.out.data() + (2 * cw + b) * kOutBuf;
     auto stage_out = [&](auto zero) {
       using O = decltype(zero);
@@ -475,7 +534,11 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     const int64_t end = c0 + cv;
     if (checkpoint_at(p, end)) store_checkpoint(p, s, end / p.checkpoint_every - 1, store_state);
   }
-  store_final_states(p, s, store_state);
+  if (transfer) {
+    store_state(P.cp, DType::f32, cp_offset(P.segs, p.HV, kind, seg, s.hv));
+  } else if (!cp || (ce == nchunks && (cb < nchunks || seg == 0))) {  // the sequence's end
+    store_final_states(p, s, store_state);
+  }
 }
 
 }  // namespace deltastate::cuda_backend::prefill::hopper

@@ -78,9 +78,9 @@ __device__ __forceinline__ void emit_block(const float (&acc)[2][4], int bi, int
 }  // namespace tc_inverse_detail
 
 template <class Sync, class Put>
-__device__ __forceinline__ void invert_unit_lower_tc(const __half* Ah, const float* Ad,
-                                                     __half* Th, int warp, int lane,
-                                                     const Sync& sync, Put&& put) {
+__device__ __forceinline__ void invert_unit_lower_tc(const __half* Ah, const float* Ad, __half* Th,
+                                                     int warp, int lane, const Sync& sync,
+                                                     Put&& put) {
   using namespace tc_inverse_detail;
   constexpr int LDH = TcInverse::LDH, LDD = TcInverse::LDD;
   {  // D_warp: lane j < 16 solves column j, (I + A_bb) x = e_j, row by row
