@@ -102,9 +102,10 @@ sanitized() {  # sanitized <tool> <filter>: compute-sanitizer on the GPU suite's
 }
 
 # The chunk_prefill GPU tests, and their small cases for the sanitizers (GVA, K = V = 64, the
-# fallback's odd shape: few CTAs, every kernel path).
+# fallback's odd shape: few CTAs, every kernel path; one TP4 sequence: the Hopper kernels'
+# context parallelism).
 PREFILL_TESTS='*ChunkPrefill*:*PrefillGpuTest*'
-PREFILL_SMALL='*GpuChunkPrefill*gva*:*GpuChunkPrefill*k64*:*GpuChunkPrefill*fallback_gdn_odd*'
+PREFILL_SMALL='*GpuChunkPrefill*gva*:*GpuChunkPrefill*k64*:*GpuChunkPrefill*fallback_gdn_odd*:*GpuChunkPrefill*tp4_dense*'
 
 # The conv update and the fused decode layer step's GPU tests (each fused-step kernel runs them
 # forced), and the cluster kernel's small cases for racecheck (clusters of 8, 4 and 6 CTAs).

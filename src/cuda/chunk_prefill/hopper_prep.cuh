@@ -6,9 +6,10 @@
 // Per chunk (grid (chunk slot j, value head hv), 8 warps, three CTAs an SM; chunk slots as
 // split.cuh's): beta, the cumulative log decay G, the norms rk, rq (rq with the scale), then on
 // tensor cores the strictly lower A_ts = beta_t rk_t rk_s e^{G_t - G_s} (k_t . k_s) (warps 0-3)
-// and P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s), s <= t (warps 4-7) (strip_products); warps 4-7
-// store P and the factors while warps 0-3 find T = (I + A)^{-1} on tensor cores
-// (tc_inverse.cuh) and store Tb. Block b = hv * slots + j (hopper_scan.cuh Blocks):
+// and P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s), s <= t (warps 4-7) in pieces of equal work
+// (StripPiece), each decay one exp2; warps 4-7 store P and the factors while warps 0-3 find
+// T = (I + A)^{-1} on tensor cores (tc_inverse.cuh) and store Tb. Block b = hv * slots + j
+// (hopper_scan.cuh Blocks):
 //   Tb = T diag(beta) and P, rounded to the input dtype, [t][s];
 //   a_t = rk_t e^{G_t}, b_t = rq_t e^{G_t}, d_s = rk_s e^{G_L - G_s}, gamma = e^{G_L} (fp32).
 // Tokens past the sequence's end have beta = rk = rq = 0, so their rows and columns of Tb and P
@@ -30,15 +31,35 @@ struct PrepLayout {
   static constexpr int LDI = D + 8, LDB = TcInverse::LDH, LDT = 0;
   // k and q [C][LDI]; once the strips' products are in registers their space holds A (fp16),
   // T's fp16 blocks, P (16-bit) and A's fp32 diagonal blocks; then Tb [C][LDB] (16-bit) and the
-  // per-token scalars [8][C] fp32.
+  // per-token scalars [9][C] fp32.
   static constexpr int OFF_K = 0, OFF_Q = OFF_K + C * LDI * 2, OFF_TB = OFF_Q + C * LDI * 2,
-                       OFF_SC = OFF_TB + C * LDB * 2, SMEM = OFF_SC + 8 * C * 4;
+                       OFF_SC = OFF_TB + C * LDB * 2, SMEM = OFF_SC + 9 * C * 4;
   static constexpr int OFF_AH = 0, OFF_TH = OFF_AH + TcInverse::H_BYTES,
                        OFF_P = OFF_TH + TcInverse::H_BYTES, OFF_AD = OFF_P + C * LDB * 2;
   static_assert(OFF_AD + TcInverse::AD_BYTES <= OFF_TB, "A, T, P in the space of k and q");
   static_assert(OFF_TB % 16 == 0 && OFF_SC % 16 == 0 && OFF_P % 16 == 0 && OFF_AD % 16 == 0,
                 "16-byte aligned regions");
 };
+
+// The strips of K K^T (warps 0-3) and Q K^T (warps 4-7) in pieces of equal work: a strip r
+// (rows 16r ..) has r + 1 blocks of 16 columns on or below the diagonal, 10 in all, so each warp
+// takes at most 3 (one or two runs of blocks: strip r, first block b, count n) instead of strip
+// 3's 4 against strip 0's 1 (the barrier after the strips waits for the slowest warp).
+struct StripPiece {
+  int r0, b0, n0, r1, b1, n1;
+};
+__device__ __forceinline__ StripPiece strip_piece(int w) {
+  switch (w) {
+    case 0:
+      return {0, 0, 1, 3, 0, 1};
+    case 1:
+      return {3, 1, 3, 0, 0, 0};
+    case 2:
+      return {1, 0, 2, 2, 0, 1};
+    default:
+      return {2, 1, 2, 0, 0, 0};
+  }
+}
 
 // The inversion's barrier: warps 0-3 only (warps 4-7 store P meanwhile).
 struct PrepInverseSync {
@@ -73,6 +94,7 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 3)
   float* const sB = sG + 5 * C;  // b_t = rq_t e^{G_t}
   float* const sD = sG + 6 * C;  // d_s = rk_s e^{G_L - G_s}
   float* const sGL = sG + 7 * C;
+  float* const sG2 = sG + 8 * C;  // G log2(e): the pairwise decays as one exp2 each
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t c0 = ch.ci * C;
   const int cv = static_cast<int>(s.len - c0 < C ? s.len - c0 : C);
@@ -116,31 +138,75 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 3)
     sA[t] = sRk[t] * e;
     sB[t] = sRq[t] * e;
     sD[t] = sRk[t] * expf(sGL[0] - sG[t]);
+    sG2[t] = sG[t] * 1.4426950408889634f;
   }
-  // Strip warp % 4 of K K^T (warps 0-3) or Q K^T (4-7); the factors are read after the barrier.
-  float acc[8][4];
-  strip_products<L, In>(warp < 4 ? Ks : Qs, Ks, warp % 4, lane, acc);
+  // Piece warp % 4 of K K^T (warps 0-3) or Q K^T (4-7), up to 3 blocks of 16 columns (slot i:
+  // of run 0 while i < n0); the factors are read after the barrier.
+  const bool is_p = warp >= 4;
+  const StripPiece pc = strip_piece(warp % 4);
+  const int nslots = pc.n0 + pc.n1;
+  const In* const X = is_p ? Qs : Ks;
+  float acc[3][2][4];
+#pragma unroll
+  for (int i = 0; i < 3; ++i)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) acc[i][n][0] = acc[i][n][1] = acc[i][n][2] = acc[i][n][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < L::NK; ++kk) {
+    uint32_t a0[4], a1[4];
+    ldsm_x4(a0, X + a_tile(lane, 16 * pc.r0, 16 * kk, LDI));
+    if (pc.n1 > 0) ldsm_x4(a1, X + a_tile(lane, 16 * pc.r1, 16 * kk, LDI));
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (i < nslots) {
+        const bool first = i < pc.n0;
+        const int blk = first ? pc.b0 + i : pc.b1 + i - pc.n0;
+        uint32_t a[4], b[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = first ? a0[e] : a1[e];
+        ldsm_x4(b, Ks + b_pair(lane, 16 * blk, 16 * kk, LDI));
+        M::mma(acc[i][0], a, b[0], b[1]);
+        M::mma(acc[i][1], a, b[2], b[3]);
+      }
+    }
+  }
   __syncthreads();  // k and q are read: their space takes A, T and P
-  if (warp >= 4) {
-    strip_store<L, In, true>(acc, warp - 4, sG, sRk, sRq, nullptr, Pb, lane);
-  } else {  // A: blocks below the diagonal in fp16, the diagonal block in fp32
-    const int r = warp, g8 = lane >> 2, q4 = lane & 3;
+  {  // scaled: A_ts = beta_t rk_t rk_s e^{G_t - G_s} x (s < t): blocks below the diagonal in
+    // fp16 (Ah), the diagonal block in fp32 (Ad); P_ts = rq_t rk_s e^{G_t - G_s} x (s <= t) in the
+    // input dtype. Blocks above the diagonal are never written (their stores write zeros).
+    const int g8 = lane >> 2, q4 = lane & 3;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 3; ++i) {
+      if (i < nslots) {
+        const bool first = i < pc.n0;
+        const int r = first ? pc.r0 : pc.r1, blk = first ? pc.b0 + i : pc.b1 + i - pc.n0;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (j < 2 * (r + 1)) {
-          const int t = 16 * r + g8 + 8 * h, sc = 8 * j + 2 * q4;
-          const float x0 = strip_value<false>(acc[j][2 * h], t, sc, sG, sRk, sBeta);
-          const float x1 = strip_value<false>(acc[j][2 * h + 1], t, sc + 1, sG, sRk, sBeta);
-          if (j < 2 * r) {
-            *reinterpret_cast<uint32_t*>(Ah + t * LDB + sc) = Mma<__half>::pack(x0, x1);
-          } else {
-            *reinterpret_cast<float2*>(Ad + (16 * r + g8 + 8 * h) * TcInverse::LDD + sc - 16 * r) =
-                make_float2(x0, x1);
+        for (int h = 0; h < 2; ++h) {
+          const int t = 16 * r + g8 + 8 * h;
+          const float ft = is_p ? sRq[t] : sBeta[t] * sRk[t], gt = sG2[t];
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+            const int sc = 16 * blk + 8 * n + 2 * q4;
+            float x[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int sj = sc + e;
+              const bool keep = is_p ? sj <= t : sj < t;
+              x[e] = keep ? ft * sRk[sj] * exp2f(gt - sG2[sj]) * acc[i][n][2 * h + e] : 0.0f;
+            }
+            if (is_p) {
+              *reinterpret_cast<uint32_t*>(Pb + t * LDB + sc) = M::pack(x[0], x[1]);
+            } else if (blk < r) {
+              *reinterpret_cast<uint32_t*>(Ah + t * LDB + sc) = Mma<__half>::pack(x[0], x[1]);
+            } else {
+              // Ad [4][16][LDD]: block r's row t - 16 r is row t of the whole
+              *reinterpret_cast<float2*>(Ad + t * TcInverse::LDD + sc - 16 * r) =
+                  make_float2(x[0], x[1]);
+            }
           }
         }
       }
+    }
   }
   __syncthreads();
 
@@ -149,7 +215,9 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 3)
     const int pt = tid - NT / 2;
     for (int i = pt; i < C * (C / 8); i += NT / 2) {  // 16-byte pieces: row t, columns 8 c8 ..
       const int t = i / (C / 8), c8 = 8 * (i % (C / 8));
-      reinterpret_cast<uint4*>(out.p)[i] = *reinterpret_cast<const uint4*>(Pb + t * LDB + c8);
+      reinterpret_cast<uint4*>(out.p)[i] = c8 / 16 <= t / 16
+                                               ? *reinterpret_cast<const uint4*>(Pb + t * LDB + c8)
+                                               : make_uint4(0, 0, 0, 0);  // above the diagonal
     }
     for (int i = pt; i < 4 * C; i += NT / 2) {
       const int r = i / C, t = i % C;
