@@ -964,8 +964,19 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
     m.Set("is_allocated", ffi::Function::FromTyped(
                               [pool](int64_t slot) -> bool { return pool->is_allocated(slot); }));
     m.Set("num_free", ffi::Function::FromTyped([pool]() -> int64_t { return pool->num_free(); }));
-    m.Set("fork", ffi::Function::FromTyped([pool, stream](int64_t src, int64_t dst) {
-            guarded([&] { pool->fork(src, dst, stream()); });
+    m.Set("fork",
+          ffi::Function::FromTyped([pool, stream](int64_t src, int64_t dst, int64_t cache_base,
+                                                  bool prefix, bool predecay) {
+            guarded([&] {
+              if (cache_base < INT32_MIN || cache_base > INT32_MAX)
+                throw ds::Error(ds::ErrorKind::value,
+                                "StatePool.fork: cache_base is outside the int32 range");
+              ds::StatePool::ForkRing ring;
+              ring.cache_base = static_cast<int32_t>(cache_base);
+              ring.prefix_gate_cache = prefix;
+              ring.predecayed_k_cache = predecay;
+              pool->fork(src, dst, stream(), ring);
+            });
           }));
     m.Set("cursor", ffi::Function::FromTyped([pool, stream](int64_t slot) -> int64_t {
             return guarded([&] { return static_cast<int64_t>(pool->cursor(slot, stream())); });

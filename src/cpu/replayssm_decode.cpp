@@ -39,6 +39,68 @@ struct Scratch {
 bool row_flushes(const ReplayProblem& p, int64_t n) {
   return replay_flushes(p.write_pos[n], p.L, p.force_flush && p.force_flush[n] != 0);
 }
+
+// The ring of one (slot, value head) with m records from position `base` (record j at
+// replay_position(base, j, L)), for state rows r0..r0+rows: G (K) holds Gtot (the sum of the
+// records' g, or with prefix gates the last record's), e = exp(Gtot), kw_j = W_j*k_j with W_j =
+// exp(Gtot - G_j) (KDA; pre-decayed keys k_j/exp(G_j) need only e: kw_j = e*k_ring_j; GDN keeps
+// the scalar W_j in w[j] and kw_j = k_j), dj this block's columns of the d records. Uses eq as
+// scratch. Shared by the decode step and the pool's materialization, so both rebuild a state
+// with the same operations.
+void prepare_ring(const ReplayProblem& p, Scratch& sc, int64_t slot, int hv, int m, int base,
+                  int r0, int rows) {
+  const int K = p.K, V = p.V, HV = p.HV, H = p.H, L = p.L;
+  const int h = hv / (HV / H);
+  const int g_width = p.gate.kda ? K : 1;
+  const bool prefix = p.modes.prefix_gates, predecay = p.modes.predecayed_k;
+  auto at = [&](int j) { return static_cast<int64_t>(replay_position(base, j, L)); };
+  const int64_t d_base = ((slot * HV + hv) * L) * V;        // d_cache[slot, hv, 0, 0]
+  const int64_t k_base = ((slot * H + h) * L) * K;          // k_cache[slot, h, 0, 0]
+  const int64_t g_base = ((slot * HV + hv) * L) * g_width;  // g_cache[slot, hv, 0(, 0)]
+  float* gtot = sc.G.data();
+  std::fill_n(gtot, K, 0.0f);
+  if (prefix) {
+    if (m > 0)
+      for (int i = 0; i < K; ++i) gtot[i] = p.g_cache[g_base + at(m - 1) * g_width + i];
+  } else {
+    for (int j = 0; j < m; ++j)
+      for (int i = 0; i < g_width; ++i) gtot[i] += p.g_cache[g_base + at(j) * g_width + i];
+    if (!p.gate.kda) std::fill_n(gtot + 1, K - 1, gtot[0]);
+  }
+  for (int i = 0; i < K; ++i) sc.e[i] = expf(gtot[i]);
+  float* prefix_j = sc.eq.data();  // G_j
+  std::fill_n(prefix_j, K, 0.0f);
+  for (int j = 0; j < m; ++j) {
+    float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
+    const float* gj = p.g_cache + g_base + at(j) * g_width;
+    if (prefix) std::copy_n(gj, K, prefix_j);
+    else
+      for (int i = 0; i < g_width; ++i) prefix_j[i] += gj[i];
+    load_row(p.k_cache, p.k_dtype, k_base + at(j) * K, K, kw);
+    load_row(p.d_cache, p.d_dtype, d_base + at(j) * V + r0, rows,
+             sc.dj.data() + static_cast<int64_t>(j) * rows);
+    sc.w[j] = 1.0f;
+    if (predecay) {
+      for (int i = 0; i < K; ++i) kw[i] *= sc.e[i];
+    } else if (p.gate.kda) {
+      for (int i = 0; i < K; ++i) kw[i] *= expf(gtot[i] - prefix_j[i]);
+    } else {
+      sc.w[j] = expf(gtot[0] - prefix_j[0]);
+    }
+  }
+}
+
+// The state before the token from the checkpoint rows S and the prepared ring: S = e*S0 +
+// sum_j d_j w_j kw_j (exact fp32 multiply-adds, in place).
+void rebuild_rows(float* S, int rows, int K, int m, const Scratch& sc, const simd::Kernels& vk) {
+  for (int r = 0; r < rows; ++r) {
+    float* row = S + static_cast<int64_t>(r) * K;
+    vk.mul(row, sc.e.data(), K);
+    for (int j = 0; j < m; ++j)
+      vk.axpy(row, sc.dj[static_cast<int64_t>(j) * rows + r] * sc.w[j],
+              sc.kw.data() + static_cast<int64_t>(j) * K, K);
+  }
+}
 }  // namespace
 
 void run_replayssm_decode(const ReplayProblem& p) {
@@ -106,53 +168,12 @@ void run_replayssm_decode(const ReplayProblem& p) {
     const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
                                   /*is_logit=*/true, p.round_beta && !predecay, p.b.dtype);
 
-    // 2. The ring (m records, record j at position at(j)): Gtot (the sum of the records' g, or
-    //    with prefix gates the last record's), e = exp(Gtot), kw_j = W_j*k_j with W_j =
-    //    exp(Gtot - G_j) (KDA; pre-decayed keys k_j/exp(G_j) need only e: kw_j = e*k_ring_j; GDN
-    //    keeps the scalar W_j in w[j] and kw_j = k_j); dj holds this block's columns of the d
-    //    records. Gtot stays in G (the prefix gates' store needs it).
-    float* gtot = sc.G.data();
-    std::fill_n(gtot, K, 0.0f);
-    if (prefix) {
-      if (m > 0)
-        for (int i = 0; i < K; ++i) gtot[i] = p.g_cache[g_base + at(m - 1) * g_width + i];
-    } else {
-      for (int j = 0; j < m; ++j)
-        for (int i = 0; i < g_width; ++i) gtot[i] += p.g_cache[g_base + at(j) * g_width + i];
-      if (!p.gate.kda) std::fill_n(gtot + 1, K - 1, gtot[0]);
-    }
-    for (int i = 0; i < K; ++i) sc.e[i] = expf(gtot[i]);
-    float* prefix_j = sc.eq.data();  // G_j (free until step 3a)
-    std::fill_n(prefix_j, K, 0.0f);
-    for (int j = 0; j < m; ++j) {
-      float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
-      const float* gj = p.g_cache + g_base + at(j) * g_width;
-      if (prefix) std::copy_n(gj, K, prefix_j);
-      else
-        for (int i = 0; i < g_width; ++i) prefix_j[i] += gj[i];
-      load_row(p.k_cache, p.k_dtype, k_base + at(j) * K, K, kw);
-      load_row(p.d_cache, p.d_dtype, d_base + at(j) * V + r0, rows,
-               sc.dj.data() + static_cast<int64_t>(j) * rows);
-      sc.w[j] = 1.0f;
-      if (predecay) {
-        for (int i = 0; i < K; ++i) kw[i] *= sc.e[i];
-      } else if (p.gate.kda) {
-        for (int i = 0; i < K; ++i) kw[i] *= expf(gtot[i] - prefix_j[i]);
-      } else {
-        sc.w[j] = expf(gtot[0] - prefix_j[0]);
-      }
-    }
+    // 2. The ring (m records from position `base`): e, kw, w, dj; G holds Gtot.
+    prepare_ring(p, sc, slot, hv, m, base, r0, rows);
+    const float* gtot = sc.G.data();
 
-    if (full || history) {
-      // 3f. Rebuild the state before this token, S = e*S0 + sum_j d_j w_j kw_j.
-      for (int r = 0; r < rows; ++r) {
-        float* row = S + static_cast<int64_t>(r) * K;
-        vk.mul(row, sc.e.data(), K);
-        for (int j = 0; j < m; ++j)
-          vk.axpy(row, sc.dj[static_cast<int64_t>(j) * rows + r] * sc.w[j],
-                  sc.kw.data() + static_cast<int64_t>(j) * K, K);
-      }
-    }
+    // 3f. Rebuild the state before this token, S = e*S0 + sum_j d_j w_j kw_j.
+    if (full || history) rebuild_rows(S, rows, K, m, sc, vk);
     if (full) {
       // A fold: the plain delta-rule step on S (decay, dots, u, output, S0 <- alpha*S + u*k).
       vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.q.data(), sc.v.data(), beta, kq,
@@ -227,6 +248,29 @@ void run_replayssm_decode(const ReplayProblem& p) {
       p.write_pos[n] = row_flushes(p, n) ? 0 : p.write_pos[n] + 1;
     }
   }
+}
+
+void run_replay_materialize(const ReplayProblem& p, int64_t src, int64_t dst, int m, int base) {
+  const int K = p.K, V = p.V, HV = p.HV, L = p.L;
+  const int64_t head_elems = static_cast<int64_t>(V) * K;
+  const int blocks = row_blocks(HV, V);
+  const int block_rows = (V + blocks - 1) / blocks;
+  const simd::Kernels& vk = simd::kernels();
+  const bool in_place = p.state.dtype == DType::f32;
+  parallel_for(static_cast<int64_t>(HV) * blocks, [&](int64_t task) {
+    thread_local Scratch sc;
+    const int hv = static_cast<int>(task / blocks);
+    const int r0 = static_cast<int>(task % blocks) * block_rows;
+    const int rows = std::min(block_rows, V - r0);
+    if (rows <= 0) return;
+    sc.resize(K, rows, L);
+    const int64_t off = dst * p.state.slot_stride + hv * head_elems + int64_t{r0} * K;
+    float* S = in_place ? static_cast<float*>(p.state.ptr) + off : sc.S.data();
+    if (!in_place) load_row(p.state.ptr, p.state.dtype, off, rows * K, S);
+    prepare_ring(p, sc, src, hv, m, base, r0, rows);
+    rebuild_rows(S, rows, K, m, sc, vk);
+    if (!in_place) store_row(p.state.ptr, p.state.dtype, off, rows * K, S);
+  });
 }
 
 }  // namespace deltastate::cpu
