@@ -203,7 +203,7 @@ struct ReplayDecodeArgs {
   // the cumulative gate of the records since the checkpoint. predecayed_k_cache (KDA, circular
   // and prefix gates, H == HV, float32 checkpoint, a finite lower_bound < 0 with
   // (L-1)|lower_bound| <= 80, 2 <= L <= 16): the k ring holds k / exp(G_j), beta stays fp32.
-  // CPU only for now (CUDA: not_implemented).
+  // CUDA: a generic kernel (src/cuda/replayssm/modes.cuh), not yet run on a GPU.
   std::optional<TensorView> cache_base;
   bool circular_replay = false;
   bool prefix_gate_cache = false;
@@ -428,7 +428,7 @@ struct FusedDecodeStepArgs {
   // ReplaySSM (see above); all absent: the plain delta rule in place on `state`.
   std::optional<TensorView> d_cache, k_cache, g_cache, write_pos, force_flush;
   bool advance_write_pos = false;
-  // SGLang's ring modes, as ReplayDecodeArgs (CPU only for now).
+  // SGLang's ring modes, as ReplayDecodeArgs (CPU only; CUDA: not_implemented).
   std::optional<TensorView> cache_base;
   bool circular_replay = false, prefix_gate_cache = false, predecayed_k_cache = false;
   std::optional<bool> check_indices;

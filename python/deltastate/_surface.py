@@ -783,7 +783,7 @@ _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLan
     reproduced). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
     fp32 beta, the rule of every op and of current SGLang; ignored with predecayed_k_cache).
 
-    SGLang's ring modes (CPU backend only for now; CUDA raises NotImplementedError):
+    SGLang's ring modes (CPU backend; CUDA: a generic kernel, not yet run on a GPU):
     ``circular_replay`` with ``cache_base`` [B] int32: record j of a row lies at ring position
     (cache_base + j) mod L; a natural flush (write_pos == L-1, not forced, L > 1) stores the state
     before the token as the checkpoint and still appends the token's record; a forced flush (or
@@ -1260,7 +1260,7 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     replayssm_decode's rings d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache
     [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
     int32 or None, advance_write_pos and SGLang's ring modes (cache_base, circular_replay,
-    prefix_gate_cache, predecayed_k_cache; CPU only for now); ssm_state_indices must then be int32
+    prefix_gate_cache, predecayed_k_cache; CPU only: CUDA raises NotImplementedError); ssm_state_indices must then be int32
     (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
     launch without one, or under DELTASTATE_CUDA_FUSED=cta).
 
@@ -1356,7 +1356,7 @@ def _fused(kda: bool) -> Op:
             Arg("write_pos", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
             Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("advance_write_pos", BOOL, False, keyword=True),
-            # SGLang's ring modes, as replayssm_decode's (CPU only for now)
+            # SGLang's ring modes, as replayssm_decode's (CPU only: NotImplementedError on CUDA)
             Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("circular_replay", BOOL, False, keyword=True),
             Arg("prefix_gate_cache", BOOL, False, keyword=True),

@@ -304,8 +304,9 @@ class StatePool:
         fold of the next token on ``src`` and on ``dst`` then gives the same bits on the CPU with
         fp32). ``cache_base``, ``prefix_gate_cache``, ``predecayed_k_cache``: the ring mode
         ``src``'s decode ran with (``cache_base``: src's circular base). ``src`` and the rings are
-        not written. CPU pools with float states only (CUDA or quantized pools with pending
-        records: NotImplementedError; flush first, SGLang's force_flush at a track point)."""
+        not written. Float, nearest-rounded states only (quantized or stochastically rounded
+        pools with pending records: NotImplementedError; flush first, SGLang's force_flush at a
+        track point). CUDA pools: a kernel, not yet run on a GPU."""
         with self._on_torch_stream():
             self._m["fork"](int(src), int(dst), int(cache_base), bool(prefix_gate_cache),
                             bool(predecayed_k_cache))

@@ -193,7 +193,8 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   check_state_format_backend(op, pool, c.common_device());
   if (replay)
     check_replay_modes(modes, args.mixed_qkv, args.state, *args.d_cache, *args.k_cache, B, H, HV, L,
-                       kda, args.lower_bound, on_cpu, "fused_decode_step");
+                       kda, args.lower_bound, on_cpu, "fused_decode_step",
+                       /*cuda_built_for_it=*/false);
   if (!on_cpu && replay) check_replay_cuda_ring("fused_decode_step", L);
   if (!on_cpu) {
     const int64_t rows = HV / H * V;

@@ -166,7 +166,7 @@ ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& x,
                                const TensorView& state, const TensorView& dc, const TensorView& kc,
                                int64_t B, int64_t H, int64_t HV, int64_t L, bool kda,
                                const std::optional<double>& lower_bound, bool on_cpu,
-                               const char* op) {
+                               const char* op, bool cuda_built_for_it) {
   const std::optional<TensorView>& cb = *m.cache_base;
   if (m.circular && cb->shape[0] != B)
     fail(format("`cache_base` must have shape %s (got %s).", tuple_str({B}).c_str(),
@@ -196,10 +196,10 @@ ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& x,
         "write_pos and cache_base (forced flush: base 0, wp 0; natural flush: base (base + wp) "
         "mod L, wp 1; otherwise wp + 1)");
   const bool any = m.circular || m.prefix || m.predecay;
-  if (any && !on_cpu)
+  if (any && !on_cpu && !cuda_built_for_it)
     throw Error(ErrorKind::not_implemented,
                 format("%s: SGLang's ring modes (circular_replay, prefix_gate_cache, "
-                       "predecayed_k_cache) run on the CPU backend only for now",
+                       "predecayed_k_cache) are not built for this op on CUDA yet",
                        op));
   ReplayModes r;
   r.circular = m.circular;

@@ -81,7 +81,7 @@ ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& mixed_
                                const TensorView& state, const TensorView& d_cache,
                                const TensorView& k_cache, int64_t B, int64_t H, int64_t HV,
                                int64_t L, bool kda, const std::optional<double>& lower_bound,
-                               bool on_cpu, const char* op);
+                               bool on_cpu, const char* op, bool cuda_built_for_it = true);
 void check_replay_cache_base_host(const ReplayModes& m, const TensorView& state_indices,
                                   int64_t index_stride, int64_t B, int64_t L);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.

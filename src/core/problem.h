@@ -130,7 +130,8 @@ enum DeviceErrorKind : int {
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
   kErrRow = 6,
   kErrStep = 7,
-  kErrRing = 8,  // ReplaySSM verify: write_pos + drafts past the ring, or a cursor outside it
+  kErrRing = 8,       // ReplaySSM verify: write_pos + drafts past the ring, or a cursor outside it
+  kErrCacheBase = 9,  // ReplaySSM decode, circular rings: cache_base outside the ring
 };
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.

@@ -293,10 +293,10 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ri
                   ring.cache_base, ll(L - 1)));
     if (ring.predecayed_k_cache && (!cfg_.kda || !ring.prefix_gate_cache))
       fail("Pre-decayed K requires KDA circular replay with prefix gates.");
-    if (on_cuda(cfg_) || is_quantized(cfg_.state_dtype) || cfg_.stochastic_rounding())
+    if (is_quantized(cfg_.state_dtype) || cfg_.stochastic_rounding())
       throw Error(ErrorKind::not_implemented,
                   format("StatePool.fork: src %lld has %d pending ReplaySSM records; materializing "
-                         "them runs on CPU pools with float, nearest-rounded states only for now "
+                         "them runs on pools with float, nearest-rounded states only for now "
                          "(flush the source first: force_flush at the track point)",
                          ll(src), wp));
   }
@@ -331,7 +331,10 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ri
       p.modes.circular = ring.cache_base != 0;
       p.modes.prefix_gates = ring.prefix_gate_cache && cfg_.kda;
       p.modes.predecayed_k = ring.predecayed_k_cache;
-      cpu::run_replay_materialize(p, src, dst, wp, ring.cache_base);
+      p.device = cfg_.device;
+      if (on_cuda(cfg_))
+        cuda_backend::run_replay_materialize(p, src, dst, wp, ring.cache_base, stream);
+      else cpu::run_replay_materialize(p, src, dst, wp, ring.cache_base);
     }
   }
   set_cursor(dst, 0, stream);

@@ -14,9 +14,7 @@ What changed in the port:
   * The op is deltastate's ``fused_recurrent_linear_replayssm_decode``, called with SGLang's
     keywords (including its Triton tuning keywords ``block_v``, ``num_warps``, ``num_stages``,
     ``nk``, which deltastate accepts and ignores).
-  * "cuda" became a device parameter. The CUDA kernels do not have the ring modes yet (they
-    raise NotImplementedError), so the CUDA cases skip with that reason, except the
-    configuration-rejection test, whose errors come before any kernel.
+  * "cuda" became a device parameter (deltastate's CUDA ring-modes kernel, on a GPU machine).
   * Random inputs come from a CPU ``torch.Generator`` with SGLang's seeds (SGLang seeds a CUDA
     generator, so the values differ); A_log/dt_bias of the wrap test are drawn after
     ``torch.manual_seed(0)`` (SGLang draws them from the unseeded global generator).
@@ -37,15 +35,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _peer_common import device_param, manual_seed, peer_op  # noqa: E402
-
-_CUDA_PENDING = ("deltastate's CUDA ReplaySSM kernels do not have SGLang's ring modes yet "
-                 "(NotImplementedError; issue #37)")
-
-
-def _skip_cuda(device):
-    if device != "cpu":
-        pytest.skip(_CUDA_PENDING)
-
 
 def _inputs(batch, heads, dim, dtype, seed, device):
     generator = torch.Generator().manual_seed(seed)
@@ -143,7 +132,6 @@ def _advance(replay, write_pos, force_flush):
 
 @device_param
 def test_predecay_accepts_page_major_slot_stride(device):
-    _skip_cuda(device)
     batch, heads, dim, cache_len = 2, 4, 32, 4
     replay = _allocate(batch, heads, dim, cache_len, torch.bfloat16, device)
     backing = torch.zeros(batch, 2, heads, dim, dim, device=device, dtype=torch.float32)
@@ -162,7 +150,6 @@ def test_predecay_accepts_page_major_slot_stride(device):
 @pytest.mark.parametrize("cache_len", [2, 3, 4, 8, 16])
 @pytest.mark.parametrize("ring_dtype", [torch.bfloat16, torch.float32])
 def test_predecay_matches_recurrence_across_wraps(device, cache_len, ring_dtype):
-    _skip_cuda(device)
     batch, heads, dim = 3, 4, 32
     replay = _allocate(batch, heads, dim, cache_len, ring_dtype, device)
     reference_state = replay["state"].clone()
@@ -192,7 +179,6 @@ def test_predecay_matches_recurrence_across_wraps(device, cache_len, ring_dtype)
 def test_predecay_cuda_graph_replay(device):
     """SGLang captures one decode in a CUDA graph and replays it over 9 steps with the inputs,
     cursor and force_flush refilled in place; on CPU the same buffers run eagerly."""
-    _skip_cuda(device)
     batch, heads, dim, cache_len = 2, 4, 32, 4
     replay = _allocate(batch, heads, dim, cache_len, torch.bfloat16, device)
     initial_state = replay["state"].clone()
