@@ -63,7 +63,8 @@ __device__ __forceinline__ void mode_prepare_ring(const detail::ReplayProblem& p
     if (prefix) {
       if (m > 0) gt = g_ring[int64_t{detail::replay_position(base, m - 1, L)} * gw + c];
     } else {
-      for (int j = 0; j < m; ++j) gt += g_ring[int64_t{detail::replay_position(base, j, L)} * gw + c];
+      for (int j = 0; j < m; ++j)
+        gt += g_ring[int64_t{detail::replay_position(base, j, L)} * gw + c];
     }
     s_gtot[i] = gt;
     const float e = expf(gt);
@@ -88,9 +89,9 @@ __device__ __forceinline__ void mode_prepare_ring(const detail::ReplayProblem& p
 // One rebuilt element S_i of state row v (the CPU kernel's rebuild_rows: e*S0, then each record's
 // multiply-add in order).
 __device__ __forceinline__ float mode_rebuilt(float s0, int i, int v, int m, int K,
-                                              const float* s_e, const float* s_kw,
-                                              const float* s_w, const void* d_cache, DType d_dtype,
-                                              int64_t d_ring, int base, int L, int V) {
+                                              const float* s_e, const float* s_kw, const float* s_w,
+                                              const void* d_cache, DType d_dtype, int64_t d_ring,
+                                              int base, int L, int V) {
   float s = s0 * s_e[i];
   for (int j = 0; j < m; ++j) {
     const int64_t at = detail::replay_position(base, j, L);
@@ -100,8 +101,7 @@ __device__ __forceinline__ float mode_rebuilt(float s0, int i, int v, int m, int
   return s;
 }
 
-__global__ void __launch_bounds__(kModeThreads)
-    replay_modes_kernel(const detail::ReplayProblem p) {
+__global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail::ReplayProblem p) {
   enter_grid(p.pdl_trigger_early);
   extern __shared__ __align__(16) unsigned char mode_smem_bytes[];
   float* smem = reinterpret_cast<float*>(mode_smem_bytes);
@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(kModeThreads)
   const int64_t slot = p.indices[n * p.index_stride];
   const int64_t out_off = detail::head_offset(p.out, n, 0, hv);
   if (slot < 0) {  // padded: zero output, nothing else read or written
-    for (int v = threadIdx.x; v < V; v += blockDim.x) detail::store_float(p.out.ptr, p.out.dtype, out_off + v, 0.0f);
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+      detail::store_float(p.out.ptr, p.out.dtype, out_off + v, 0.0f);
     return;
   }
   const int cursor = p.write_pos[n];
@@ -138,7 +139,11 @@ __global__ void __launch_bounds__(kModeThreads)
                      bad_slot ? detail::kErrSlot
                      : bad_m  ? detail::kErrCursor
                               : detail::kErrCacheBase,
-                     n, bad_slot ? slot : bad_m ? m : base, bad_slot ? p.state.num_slots : L);
+                     n,
+                     bad_slot ? slot
+                     : bad_m  ? m
+                              : base,
+                     bad_slot ? p.state.num_slots : L);
     for (int v = threadIdx.x; v < V; v += blockDim.x)
       detail::store_float(p.out.ptr, p.out.dtype, out_off + v, bad_row_output());
     return;
@@ -149,7 +154,8 @@ __global__ void __launch_bounds__(kModeThreads)
   const bool predecay = p.modes.predecayed_k, prefix = p.modes.prefix_gates, kda = p.gate.kda;
 
   // 1. The token: q, k normalized (q scaled), the gate, beta.
-  const int64_t q_off = detail::head_offset(p.q, n, 0, h), k_off = detail::head_offset(p.k, n, 0, h);
+  const int64_t q_off = detail::head_offset(p.q, n, 0, h),
+                k_off = detail::head_offset(p.k, n, 0, h);
   float qq = 0.0f, kk = 0.0f;
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
     const float qv = detail::load_float(p.q.ptr, p.q.dtype, q_off + i);
@@ -163,7 +169,8 @@ __global__ void __launch_bounds__(kModeThreads)
   kk = cta_sum(kk, s_red);
   const float qden = p.l2norm ? detail::l2norm_denominator(qq) : 1.0f;
   const float kden = p.l2norm ? detail::l2norm_denominator(kk) : 1.0f;
-  const float A_log = p.gate.A_log ? detail::load_float(p.gate.A_log, p.gate.A_log_dtype, hv) : 0.0f;
+  const float A_log =
+      p.gate.A_log ? detail::load_float(p.gate.A_log, p.gate.A_log_dtype, hv) : 0.0f;
   const int64_t a_off = detail::head_offset(p.a, n, 0, hv);
   float kq = 0.0f;
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
@@ -173,10 +180,9 @@ __global__ void __launch_bounds__(kModeThreads)
     kq += kv * qv;
     const int c = kda ? i : 0;
     const float x = detail::load_float(p.a.ptr, p.a.dtype, a_off + c);
-    const float dt = p.gate.dt_bias
-                         ? detail::load_float(p.gate.dt_bias, p.gate.dt_bias_dtype,
-                                              kda ? int64_t{hv} * K + i : hv)
-                         : 0.0f;
+    const float dt = p.gate.dt_bias ? detail::load_float(p.gate.dt_bias, p.gate.dt_bias_dtype,
+                                                         kda ? int64_t{hv} * K + i : hv)
+                                    : 0.0f;
     const float g = detail::gate_value(p.gate.mode, x, dt, A_log, p.gate.lower_bound);
     s_g[i] = g;
     s_alpha[i] = expf(g);
@@ -192,7 +198,7 @@ __global__ void __launch_bounds__(kModeThreads)
   // 2. The ring.
   mode_prepare_ring(p, slot, hv, m, base, s_gtot, s_e, s_kw, s_w);
   const int records = history ? 0 : m;  // an appending step's records (none after a history)
-  if (!full) {  // the coefficients ck_j, cq_j, one warp per record
+  if (!full) {                          // the coefficients ck_j, cq_j, one warp per record
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
     for (int j = warp; j < records; j += nwarps) {
       float ck = 0.0f, cq = 0.0f;
@@ -299,8 +305,8 @@ __global__ void __launch_bounds__(kModeThreads)
   for (int v = threadIdx.x; v < V; v += blockDim.x) {
     const int64_t row = row0 + int64_t{v} * K;
     for (int i = 0; i < K; ++i) {
-      const float s = mode_rebuilt(detail::load_float(p.state.ptr, p.state.dtype, row + i), i, v,
-                                   m, K, s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring, base, L, V);
+      const float s = mode_rebuilt(detail::load_float(p.state.ptr, p.state.dtype, row + i), i, v, m,
+                                   K, s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring, base, L, V);
       detail::store_float(p.state.ptr, p.state.dtype, row + i, s);
     }
   }
