@@ -257,3 +257,37 @@ def test_modes_run_and_predecay_preconditions(fw):
     with pytest.raises(ValueError, match=r"^advance_write_pos is not supported with "
                                          r"circular_replay"):
         _mode_call(fw, advance=True)
+
+
+def test_prefix_gates_with_device_cursor_advance(fw, rng):
+    """Prefix gates on the basic ring keep advance_write_pos (wp = flushed ? 0 : wp + 1, padded
+    rows untouched), and give what the caller-advanced run gives, bit for bit."""
+    H, HV, K, V, L = 2, 2, 8, 16, 3
+    twins = []
+    for _ in range(2):
+        r = np.random.default_rng(7)
+        twins.append(ModeSetup(fw, r, kda=True, H=H, HV=HV, K=K, V=V, L=L, slots=5,
+                               live=[0, 2, 4], state_dtype="float32", k_dtype="float32",
+                               a_3d=True))
+    rows = np.array([2, -1, 4])
+    wp_dev = fw.idx([0, 1, 0])
+    wp_host = np.array([0, 1, 0])
+    for step in range(2 * L + 1):
+        ff = np.array([0, 0, int(step == 2)])
+        data = {}
+        for i, (t, advance) in enumerate(zip(twins, (True, False))):
+            x = t.inputs(np.random.default_rng(100 + step), len(rows), "float32")
+            out = poison(fw, (len(rows), 1, HV, V), "float32")
+            ds.fused_recurrent_linear_replayssm_decode(
+                x["mixed_qkv"], x["a"], x["b"], t.A_log, t.dt_bias, K ** -0.5, t.pool.view,
+                t.d_cache, t.k_cache, t.g_cache, out, fw.idx(rows),
+                wp_dev if advance else fw.idx(wp_host), fw.idx(ff), -5.0, True, True,
+                prefix_gate_cache=True, advance_write_pos=advance)
+            data[i] = bits(out)
+        np.testing.assert_array_equal(data[0], data[1])
+        for n, s in enumerate(rows):
+            if s >= 0:
+                wp_host[n] = 0 if (wp_host[n] == L - 1 or ff[n]) else wp_host[n] + 1
+        np.testing.assert_array_equal(to64(wp_dev), wp_host)
+    for a, b in ((twins[0].g_cache, twins[1].g_cache), (twins[0].pool.view, twins[1].pool.view)):
+        np.testing.assert_array_equal(bits(a), bits(b))
