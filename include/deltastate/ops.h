@@ -428,7 +428,8 @@ struct FusedDecodeStepArgs {
   // ReplaySSM (see above); all absent: the plain delta rule in place on `state`.
   std::optional<TensorView> d_cache, k_cache, g_cache, write_pos, force_flush;
   bool advance_write_pos = false;
-  // SGLang's ring modes, as ReplayDecodeArgs (CPU only; CUDA: not_implemented).
+  // SGLang's ring modes, as ReplayDecodeArgs. CUDA: they run the ReplaySSM chain (conv,
+  // replayssm_decode's ring-modes kernel, norm), which needs `workspace`; not yet run on a GPU.
   std::optional<TensorView> cache_base;
   bool circular_replay = false, prefix_gate_cache = false, predecayed_k_cache = false;
   std::optional<bool> check_indices;

@@ -1260,7 +1260,8 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     replayssm_decode's rings d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache
     [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
     int32 or None, advance_write_pos and SGLang's ring modes (cache_base, circular_replay,
-    prefix_gate_cache, predecayed_k_cache; CPU only: CUDA raises NotImplementedError); ssm_state_indices must then be int32
+    prefix_gate_cache, predecayed_k_cache; on CUDA they run that chain through ``workspace``, not
+    yet run on a GPU); ssm_state_indices must then be int32
     (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
     launch without one, or under DELTASTATE_CUDA_FUSED=cta).
 
@@ -1356,7 +1357,7 @@ def _fused(kda: bool) -> Op:
             Arg("write_pos", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
             Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("advance_write_pos", BOOL, False, keyword=True),
-            # SGLang's ring modes, as replayssm_decode's (CPU only: NotImplementedError on CUDA)
+            # SGLang's ring modes, as replayssm_decode's (CUDA: the chain through the workspace)
             Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("circular_replay", BOOL, False, keyword=True),
             Arg("prefix_gate_cache", BOOL, False, keyword=True),

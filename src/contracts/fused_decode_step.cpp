@@ -135,10 +135,8 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
     L = replay_ring_length(dc, slots, HV, V);
     check_replay_rings(dc, kc, gc, slots, HV, H, V, K, L, kda);
     check_replay_rows(idx, wp, args.force_flush, B);
-    ReplayModeArgs sglang_modes = modes;
-    sglang_modes.advance_write_pos = false;
-    p.replay.modes = check_replay_modes(sglang_modes, args.mixed_qkv, args.state, dc, kc, B, H, HV,
-                                        L, kda, args.lower_bound, true, "fused_decode_step");
+    p.replay.modes = check_replay_modes(modes, args.mixed_qkv, args.state, dc, kc, B, H, HV, L, kda,
+                                        args.lower_bound);
     if (args.cache_base) c.device("cache_base", *args.cache_base);
     check_replay_ring_parts(c, dc, kc, gc, wp, args.force_flush);
     check_replay_ring_dtypes(c, dc, kc);
@@ -191,10 +189,6 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
     }
   }
   check_state_format_backend(op, pool, c.common_device());
-  if (replay)
-    check_replay_modes(modes, args.mixed_qkv, args.state, *args.d_cache, *args.k_cache, B, H, HV, L,
-                       kda, args.lower_bound, on_cpu, "fused_decode_step",
-                       /*cuda_built_for_it=*/false);
   if (!on_cpu && replay) check_replay_cuda_ring("fused_decode_step", L);
   if (!on_cpu) {
     const int64_t rows = HV / H * V;

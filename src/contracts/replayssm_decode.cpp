@@ -165,8 +165,7 @@ void check_replay_cache_base_tensor(const ReplayModeArgs& m) {
 ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& x,
                                const TensorView& state, const TensorView& dc, const TensorView& kc,
                                int64_t B, int64_t H, int64_t HV, int64_t L, bool kda,
-                               const std::optional<double>& lower_bound, bool on_cpu,
-                               const char* op, bool cuda_built_for_it) {
+                               const std::optional<double>& lower_bound) {
   const std::optional<TensorView>& cb = *m.cache_base;
   if (m.circular && cb->shape[0] != B)
     fail(format("`cache_base` must have shape %s (got %s).", tuple_str({B}).c_str(),
@@ -195,12 +194,6 @@ ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& x,
         "advance_write_pos is not supported with circular_replay: the caller advances "
         "write_pos and cache_base (forced flush: base 0, wp 0; natural flush: base (base + wp) "
         "mod L, wp 1; otherwise wp + 1)");
-  const bool any = m.circular || m.prefix || m.predecay;
-  if (any && !on_cpu && !cuda_built_for_it)
-    throw Error(ErrorKind::not_implemented,
-                format("%s: SGLang's ring modes (circular_replay, prefix_gate_cache, "
-                       "predecayed_k_cache) are not built for this op on CUDA yet",
-                       op));
   ReplayModes r;
   r.circular = m.circular;
   r.cache_base = m.circular ? static_cast<const int32_t*>(cb->data) : nullptr;
@@ -317,12 +310,8 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
     fail(format("`out` must have shape %s (got %s).", tuple_str({B, 1, HV, V}).c_str(),
                 shape_str(out).c_str()));
   check_replay_rows(idx, wp, args.force_flush, B);
-  // The device is known only after the device checks below; the mode checks need it for their
-  // CUDA limit, so they run in two halves: SGLang's texts here, the limits after.
-  ReplayModeArgs sglang_modes = modes;
-  sglang_modes.advance_write_pos = false;
-  ReplayModes rm = check_replay_modes(sglang_modes, x, state, dc, kc, B, H, HV, L, kda,
-                                      args.lower_bound, /*on_cpu=*/true, "replayssm_decode");
+  const ReplayModes rm =
+      check_replay_modes(modes, x, state, dc, kc, B, H, HV, L, kda, args.lower_bound);
 
   Contract c;
   c.device("mixed_qkv", x);
@@ -357,8 +346,6 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   const int64_t index_stride = B > 1 ? idx.stride[0] : 1;
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
-  rm = check_replay_modes(modes, x, state, dc, kc, B, H, HV, L, kda, args.lower_bound, on_cpu,
-                          "replayssm_decode");
   if (on_cpu && check) {
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, index_stride, S);
     check_replay_cursors_host(idx, index_stride, wp, B, L);

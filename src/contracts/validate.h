@@ -70,8 +70,8 @@ void check_replay_cuda_ring(const char* op, int64_t L);
 // SGLang's ring modes (ReplayDecodeArgs::circular_replay etc.), shared by the fused decode
 // step: `check_replay_cache_base_tensor` right after the cursor tensors' checks (SGLang's order),
 // `check_replay_modes` after the row lengths (cache_base's length, the nine predecay texts, the
-// limits beyond SGLang: advance_write_pos, CUDA), `check_replay_cache_base_host` with the
-// cursors' host check (each live row's base in [0, L-1]). Returns the problem's modes.
+// limit beyond SGLang: no advance_write_pos with circular rings), `check_replay_cache_base_host`
+// with the cursors' host check (each live row's base in [0, L-1]). Returns the problem's modes.
 struct ReplayModeArgs {
   const std::optional<TensorView>* cache_base;
   bool circular, prefix, predecay, advance_write_pos;
@@ -80,8 +80,7 @@ void check_replay_cache_base_tensor(const ReplayModeArgs& m);
 ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& mixed_qkv,
                                const TensorView& state, const TensorView& d_cache,
                                const TensorView& k_cache, int64_t B, int64_t H, int64_t HV,
-                               int64_t L, bool kda, const std::optional<double>& lower_bound,
-                               bool on_cpu, const char* op, bool cuda_built_for_it = true);
+                               int64_t L, bool kda, const std::optional<double>& lower_bound);
 void check_replay_cache_base_host(const ReplayModes& m, const TensorView& state_indices,
                                   int64_t index_stride, int64_t B, int64_t L);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
