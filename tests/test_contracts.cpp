@@ -931,10 +931,6 @@ TEST(Contracts, ReplaySsmRingModes) {
          write_indices(f.base.view(), {3, 0, 4});
        },
        "`cache_base`[2]=4 is outside the ring [0, L-1=3]"},
-      {"circular with advance_write_pos", [](auto&, auto& a) { a.advance_write_pos = true; },
-       "advance_write_pos is not supported with circular_replay: the caller advances write_pos "
-       "and cache_base (forced flush: base 0, wp 0; natural flush: base (base + wp) mod L, wp 1; "
-       "otherwise wp + 1)"},
   };
   expect_rejections(cases, true);
   // One K head per value head: kSmall has H = 2, HV = 4.

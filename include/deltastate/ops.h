@@ -199,7 +199,8 @@ struct ReplayDecodeArgs {
   // state before the token as the checkpoint and still appends the token's record (a history
   // checkpoint); a forced flush, or any flush at L = 1, folds the token in and appends nothing.
   // The caller then advances: forced -> (base 0, wp 0); natural -> (base (base+wp) mod L, wp 1);
-  // otherwise wp + 1. prefix_gate_cache (KDA; SGLang's GDN path ignores it): the g ring holds
+  // otherwise wp + 1 (advance_write_pos applies that rule to write_pos and cache_base on the
+  // device). prefix_gate_cache (KDA; SGLang's GDN path ignores it): the g ring holds
   // the cumulative gate of the records since the checkpoint. predecayed_k_cache (KDA, circular
   // and prefix gates, H == HV, float32 checkpoint, a finite lower_bound < 0 with
   // (L-1)|lower_bound| <= 80, 2 <= L <= 16): the k ring holds k / exp(G_j), beta stays fp32.

@@ -789,7 +789,8 @@ _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLan
     before the token as the checkpoint and still appends the token's record; a forced flush (or
     any flush at L = 1) folds the token in and appends nothing. The caller advances: forced ->
     cache_base 0, write_pos 0; natural -> cache_base (cache_base + write_pos) mod L, write_pos 1;
-    otherwise write_pos + 1 (``advance_write_pos`` is not supported with it).
+    otherwise write_pos + 1; ``advance_write_pos`` applies that rule to write_pos and
+    cache_base in the kernel (both are then written).
     ``prefix_gate_cache`` (KDA; SGLang's GDN path ignores it): the g ring holds the cumulative
     gate since the checkpoint. ``predecayed_k_cache`` (KDA, circular, prefix gates, H == HV, a
     float32 checkpoint, a finite negative lower_bound): the k ring holds k / exp(G_j).
@@ -856,7 +857,7 @@ _REPLAY = Op(
         Arg("num_warps", INT, 1, op=False),
         Arg("num_stages", INT, 3, op=False),
         Arg("nk", INT, 2, op=False),
-        Arg("cache_base", OPT_TENSOR, None, dtypes=INT32),
+        Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, mutated=True),  # advance_write_pos
         Arg("circular_replay", BOOL, False),
         Arg("prefix_gate_cache", BOOL, False),
         Arg("predecayed_k_cache", BOOL, False),
@@ -876,7 +877,7 @@ _HELION_REPLAY = Op(
         Arg("lower_bound", OPT_FLOAT, None),
         Arg("is_kda", BOOL, True, public=False),
         # The Helion twin has the basic ring only.
-        Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, public=False),
+        Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, mutated=True, public=False),
         Arg("circular_replay", BOOL, False, public=False),
         Arg("prefix_gate_cache", BOOL, False, public=False),
         Arg("predecayed_k_cache", BOOL, False, public=False),
@@ -1358,7 +1359,7 @@ def _fused(kda: bool) -> Op:
             Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("advance_write_pos", BOOL, False, keyword=True),
             # SGLang's ring modes, as replayssm_decode's (CUDA: the chain through the workspace)
-            Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, keyword=True),
+            Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
             Arg("circular_replay", BOOL, False, keyword=True),
             Arg("prefix_gate_cache", BOOL, False, keyword=True),
             Arg("predecayed_k_cache", BOOL, False, keyword=True),

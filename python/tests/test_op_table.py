@@ -127,7 +127,7 @@ def _replay_schema(name, kda, helion):
             f"bool is_kda={kda}, bool round_beta=False, bool advance_write_pos=False, "
             f"bool helion={helion}, int check_indices=-1, Tensor(g!)? state_scales=None, "
             "int state_rounding=0, Tensor(h!)? rounding_step=None, int rounding_seed=0, "
-            "int rounding_layer=0, Tensor? cache_base=None, bool circular_replay=False, "
+            "int rounding_layer=0, Tensor(i!)? cache_base=None, bool circular_replay=False, "
             "bool prefix_gate_cache=False, bool predecayed_k_cache=False, bool pdl=False) -> ()")
 
 
@@ -215,9 +215,10 @@ _FUSED_SCHEMA = (
     "Tensor(e!)? conv_state_v=None, bool round_beta=False, int check_indices=-1, "
     "Tensor(f!)? d_cache=None, Tensor(g!)? k_cache=None, Tensor(h!)? g_cache=None, "
     "Tensor(i!)? write_pos=None, Tensor? force_flush=None, bool advance_write_pos=False, "
-    "Tensor? cache_base=None, bool circular_replay=False, bool prefix_gate_cache=False, "
-    "bool predecayed_k_cache=False, Tensor(j!)? workspace=None, Tensor(k!)? state_scales=None, int state_rounding=0, "
-    "Tensor(l!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
+    "Tensor(j!)? cache_base=None, bool circular_replay=False, bool prefix_gate_cache=False, "
+    "bool predecayed_k_cache=False, Tensor(k!)? workspace=None, Tensor(l!)? state_scales=None, "
+    "int state_rounding=0, "
+    "Tensor(m!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 SCHEMAS["gdn_fused_decode_step"] = f"gdn_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 SCHEMAS["kda_fused_decode_step"] = f"kda_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 

@@ -23,7 +23,7 @@ class ModeSetup(ReplaySetup):
             self.mem.d_dtype = self.d_dtype
 
     def step_modes(self, rng, act, indices, write_pos, cache_base, force_flush=None, *,
-                   circular, prefix, predecay, lower_bound=None, check=True):
+                   circular, prefix, predecay, lower_bound=None, check=True, advance=False):
         fw, B = self.fw, len(indices)
         x = self.inputs(rng, B, act)
         idx, wp, cb = fw.idx(indices), fw.idx(write_pos), fw.idx(cache_base)
@@ -35,16 +35,19 @@ class ModeSetup(ReplaySetup):
         res = ds.fused_recurrent_linear_replayssm_decode(
             x["mixed_qkv"], x["a"], x["b"], self.A_log, self.dt_bias, scale, self.pool.view,
             self.d_cache, self.k_cache, self.g_cache, out, idx, wp, ff, lower_bound, True,
-            self.kda, None, 1, 3, 2, cb, circular, prefix, predecay)
+            self.kda, None, 1, 3, 2, cb, circular, prefix, predecay, advance_write_pos=advance)
         assert res[0] is out and res[1] is self.pool.view
         want_out, flushed, new_wp, new_base = ref.replayssm_decode(
             self.mem, to64(x["mixed_qkv"]), to64(x["a"]), to64(x["b"]), to64(self.A_log),
             to64(self.dt_bias), scale, indices, write_pos, force_flush, kda=self.kda,
             b_dtype=act, lower_bound=lower_bound, cache_base=cache_base, circular=circular,
             prefix=prefix, predecay=predecay)
-        # The kernel moves no cursor and never writes cache_base.
-        np.testing.assert_array_equal(to64(wp), np.asarray(write_pos))
-        assert (bits(cb) == cb_before).all(), "cache_base was written"
+        if advance:  # the caller's rule, in the kernel; padded rows keep theirs
+            np.testing.assert_array_equal(to64(wp), new_wp)
+            np.testing.assert_array_equal(to64(cb), new_base)
+        else:  # the kernel moves no cursor and never writes cache_base
+            np.testing.assert_array_equal(to64(wp), np.asarray(write_pos))
+            assert (bits(cb) == cb_before).all(), "cache_base was written"
         if not check:
             return flushed, new_wp, new_base, out
         got = to64(out)
@@ -139,7 +142,7 @@ def test_modes_match_reference(fw, rng, kda, L, circular, prefix, predecay, act,
             force = (rng.random(len(rows)) < 0.3).astype(np.int64)
         flushed, new_wp, new_base, _ = setup.step_modes(
             rng, act, indices, write_pos, base, force, circular=circular, prefix=prefix,
-            predecay=predecay, lower_bound=lb)
+            predecay=predecay, lower_bound=lb, advance=step % 2 == 1)
         histories += int(((new_wp == 1) & (write_pos == L - 1)).sum()) if circular else 0
         write_pos, base = new_wp, new_base
         if state_dtype != "float32" or ring_dtype != "float32":
@@ -254,9 +257,7 @@ def test_modes_run_and_predecay_preconditions(fw):
     with pytest.raises(ValueError, match=r"^`cache_base`\[1\]=4 is outside the ring \[0, L-1=3\]"):
         _mode_call(fw, cache_base=fw.idx(np.array([0, 4])))
     _mode_call(fw, cache_base=fw.idx(np.array([0, 9])), idx=[1, -1])  # a padded row's base: free
-    with pytest.raises(ValueError, match=r"^advance_write_pos is not supported with "
-                                         r"circular_replay"):
-        _mode_call(fw, advance=True)
+    _mode_call(fw, advance=True)  # the device advance moves cache_base too (tested below)
 
 
 def test_prefix_gates_with_device_cursor_advance(fw, rng):

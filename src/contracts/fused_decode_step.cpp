@@ -115,7 +115,7 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
                       args.circular_replay || args.prefix_gate_cache || args.predecayed_k_cache;
   int64_t L = 0;
   const ReplayModeArgs modes{&args.cache_base, args.circular_replay, args.prefix_gate_cache,
-                             args.predecayed_k_cache, args.advance_write_pos};
+                             args.predecayed_k_cache};
   if (replay) {
     const std::pair<const char*, bool> parts[] = {{"d_cache", args.d_cache.has_value()},
                                                   {"k_cache", args.k_cache.has_value()},

@@ -188,15 +188,9 @@ ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& x,
     if (x.dtype == DType::f16 && kc.dtype != DType::f32)
       fail("Pre-decayed K with FP16 activations requires an FP32 ring.");
   }
-  // Beyond SGLang (which has no device-side cursors): the kernels advance write_pos alone.
-  if (m.circular && m.advance_write_pos)
-    fail(
-        "advance_write_pos is not supported with circular_replay: the caller advances "
-        "write_pos and cache_base (forced flush: base 0, wp 0; natural flush: base (base + wp) "
-        "mod L, wp 1; otherwise wp + 1)");
   ReplayModes r;
   r.circular = m.circular;
-  r.cache_base = m.circular ? static_cast<const int32_t*>(cb->data) : nullptr;
+  r.cache_base = m.circular ? static_cast<int32_t*>(cb->data) : nullptr;
   r.prefix_gates = m.prefix && kda;
   r.predecayed_k = m.predecay;
   return r;
@@ -245,7 +239,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   check_replay_cursor_tensors(wp, args.force_flush);
   const ReplayModeArgs modes{&args.cache_base, args.circular_replay && !args.helion,
                              args.prefix_gate_cache && !args.helion,
-                             args.predecayed_k_cache && !args.helion, args.advance_write_pos};
+                             args.predecayed_k_cache && !args.helion};
   check_replay_cache_base_tensor(modes);
   if (!inner_strides_compact(state)) {
     fail(

@@ -69,12 +69,12 @@ void check_replay_cursors_host(const TensorView& state_indices, int64_t index_st
 void check_replay_cuda_ring(const char* op, int64_t L);
 // SGLang's ring modes (ReplayDecodeArgs::circular_replay etc.), shared by the fused decode
 // step: `check_replay_cache_base_tensor` right after the cursor tensors' checks (SGLang's order),
-// `check_replay_modes` after the row lengths (cache_base's length, the nine predecay texts, the
-// limit beyond SGLang: no advance_write_pos with circular rings), `check_replay_cache_base_host`
-// with the cursors' host check (each live row's base in [0, L-1]). Returns the problem's modes.
+// `check_replay_modes` after the row lengths (cache_base's length, the nine predecay texts;
+// returns the problem's modes), `check_replay_cache_base_host` with the cursors' host check (each
+// live row's base in [0, L-1]).
 struct ReplayModeArgs {
   const std::optional<TensorView>* cache_base;
-  bool circular, prefix, predecay, advance_write_pos;
+  bool circular, prefix, predecay;
 };
 void check_replay_cache_base_tensor(const ReplayModeArgs& m);
 ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& mixed_qkv,

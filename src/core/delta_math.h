@@ -122,6 +122,21 @@ DS_HD int replay_position(int base, int j, int L) {
   const int q = base + j;
   return q >= L ? q - L : q;
 }
+// The caller's cursor rule after a step of a row with cursor m and base `base` (SGLang's
+// _advance_replayssm_predecay_cursor; the basic ring keeps base 0): a forced flush -> (0, 0) in
+// circular mode; a history checkpoint -> (1, (base + m) mod L); any other fold -> (0, base);
+// otherwise (m + 1, base).
+DS_HD void replay_advance(int m, int L, bool forced, bool circular, int& wp, int& base) {
+  if (circular && forced) {
+    wp = 0;
+    base = 0;
+  } else if (replay_history_flush(m, L, forced, circular)) {
+    wp = 1;
+    base = replay_position(base, m, L);
+  } else {
+    wp = replay_full_flush(m, L, forced, circular) ? 0 : m + 1;
+  }
+}
 // The state before the token, on a flush: S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T with G_j
 // the inclusive prefix sums of the ring's g, Gtot = G_{m-1}, W_j = exp(Gtot - G_j): scale_row by
 // exp(Gtot), then one rank1_update per record (kw = W_j * k_j for KDA; GDN folds its scalar W_j

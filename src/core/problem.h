@@ -166,7 +166,7 @@ struct RecurrentProblem {
 // ReplaySSM buffered decode (T = 1) over a checkpoint pool and per-slot rings.
 // SGLang's ReplaySSM ring modes (ops.h ReplayDecodeArgs); all off: the basic ring.
 struct ReplayModes {
-  const int32_t* cache_base = nullptr;  // [B], set when circular
+  int32_t* cache_base = nullptr;  // [B], set when circular (advanced with advance_write_pos)
   bool circular = false;
   bool prefix_gates = false;  // KDA only (SGLang's GDN path ignores the flag)
   bool predecayed_k = false;

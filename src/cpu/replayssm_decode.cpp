@@ -36,10 +36,6 @@ struct Scratch {
   }
 };
 
-bool row_flushes(const ReplayProblem& p, int64_t n) {
-  return replay_flushes(p.write_pos[n], p.L, p.force_flush && p.force_flush[n] != 0);
-}
-
 // The ring of one (slot, value head) with m records from position `base` (record j at
 // replay_position(base, j, L)), for state rows r0..r0+rows: G (K) holds Gtot (the sum of the
 // records' g, or with prefix gates the last record's), e = exp(Gtot), kw_j = W_j*k_j with W_j =
@@ -242,10 +238,14 @@ void run_replayssm_decode(const ReplayProblem& p) {
   });
 
   advance_step(p.state);
-  if (p.advance_write_pos) {
+  if (p.advance_write_pos) {  // the caller's rule (replay_advance), cache_base too when circular
     for (int64_t n = 0; n < p.B; ++n) {
       if (p.indices[n * p.index_stride] < 0) continue;
-      p.write_pos[n] = row_flushes(p, n) ? 0 : p.write_pos[n] + 1;
+      const bool forced = p.force_flush && p.force_flush[n] != 0;
+      int wp = 0, base = p.modes.circular ? p.modes.cache_base[n] : 0;
+      replay_advance(p.write_pos[n], p.L, forced, p.modes.circular, wp, base);
+      p.write_pos[n] = wp;
+      if (p.modes.circular) p.modes.cache_base[n] = base;
     }
   }
 }

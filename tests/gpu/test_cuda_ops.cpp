@@ -472,7 +472,7 @@ TEST_P(GpuReplayModes, StepsMatchCpu) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
   Mirror dev;
   dev.upload_all(pool, rings.d, rings.k, rings.g, batch.A_log, batch.dt_bias, batch.idx);
-  int histories = 0, folds = 0;
+  int histories = 0;
   for (int step = 0; step < 3 * c.L + 4; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     if (step) batch.randomize(rng);
@@ -490,10 +490,12 @@ TEST_P(GpuReplayModes, StepsMatchCpu) {
                     dev.view(rings.g), wpt, &ff, scale, c.lower_bound);
     cpu_args.cache_base = cb.view();
     gpu_args.cache_base = dev.view(cb);
+    const bool advance = step % 2 == 1;  // the device cursor advance on every other step
     for (ReplayDecodeArgs* a : {&cpu_args, &gpu_args}) {
       a->circular_replay = c.circular;
       a->prefix_gate_cache = c.prefix;
       a->predecayed_k_cache = c.predecay;
+      a->advance_write_pos = advance;
     }
     deltastate::replayssm_decode(cpu_args);
     deltastate::replayssm_decode(gpu_args);
@@ -515,14 +517,18 @@ TEST_P(GpuReplayModes, StepsMatchCpu) {
         << "k ring";
     EXPECT_TRUE(close_vs_cpu(dev.download(rings.g).values(), rings.g.values(), {1e-5, 1e-4}, f32))
         << "g ring";
-    // The kernels move no cursor; the caller's protocol.
-    EXPECT_EQ(index_values(dev.download(wpt)), wp);
+    // The caller's protocol; without the advance the kernels move no cursor.
+    const std::vector<int64_t> gpu_wp = index_values(dev.download(wpt)),
+                               gpu_base = index_values(dev.download(cb));
+    if (!advance) {
+      EXPECT_EQ(gpu_wp, wp);
+      EXPECT_EQ(gpu_base, base);
+    }
     for (int64_t r = 0; r < B; ++r) {
       if (slots[r] < 0) continue;
       const bool natural = wp[r] == c.L - 1;
       if (c.circular && force[r]) {
         wp[r] = base[r] = 0;
-        ++folds;
       } else if (c.circular && natural && c.L > 1) {
         base[r] = (base[r] + wp[r]) % c.L;
         wp[r] = 1;
@@ -530,6 +536,12 @@ TEST_P(GpuReplayModes, StepsMatchCpu) {
       } else {
         wp[r] = (natural || force[r]) ? 0 : wp[r] + 1;
       }
+    }
+    if (advance) {  // the device moved them by the same rule as the CPU backend
+      EXPECT_EQ(gpu_wp, wp);
+      EXPECT_EQ(index_values(wpt), wp);
+      EXPECT_EQ(gpu_base, base);
+      EXPECT_EQ(index_values(cb), base);
     }
     if (::testing::Test::HasFailure()) break;
   }

@@ -188,9 +188,18 @@ __global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail
     s_alpha[i] = expf(g);
   }
   kq = cta_sum(kq, s_red);  // also the barrier after the token's shared stores
-  // Every thread has read the cursor: the device advance (not with circular rings, the
-  // validator's rule), one count per CTA of the row, the last CTA storing the new cursor.
-  if (p.advance_write_pos && threadIdx.x == 0) advance_row_cursor(p.write_pos, n, HV, m, full);
+  // Every thread has read the cursor and the base: the device advance, one count per CTA of the
+  // row (the high 16 bits of write_pos), the last CTA storing the caller's rule (replay_advance):
+  // the new cursor and, with circular rings, the new base.
+  if (p.advance_write_pos && threadIdx.x == 0) {
+    const int old = atomicAdd(p.write_pos + n, 1 << 16);
+    if ((old >> 16) == HV - 1) {
+      int new_wp = 0, new_base = base;
+      detail::replay_advance(m, L, forced, circular, new_wp, new_base);
+      if (circular) p.modes.cache_base[n] = new_base;
+      p.write_pos[n] = new_wp;
+    }
+  }
   const float beta =
       detail::beta_value(detail::load_float(p.b.ptr, p.b.dtype, detail::head_offset(p.b, n, 0, hv)),
                          true, p.round_beta && !predecay, p.b.dtype);
