@@ -604,13 +604,13 @@ struct ReplayFixture {
   Rings rings;
   DecodeBatch batch;
   ReplayDecodeArgs args;
-  explicit ReplayFixture(bool kda_) : kda(kda_) {
+  explicit ReplayFixture(bool kda_, const Shape& shape = kSmall) : kda(kda_) {
     Rng rng = test_rng(kda);
-    pool = make_pool(DType::f32, 5, kSmall);
+    pool = make_pool(DType::f32, 5, shape);
     const std::vector<int64_t> slots{3, -1, 0};
     fill_live_slots(pool.view(), slots, rng);
-    rings = make_rings(kSmall, kda, 5, 4, DType::f32, DType::f32);
-    batch = make_decode_batch(rng, kSmall, kda, slots, DType::f32);
+    rings = make_rings(shape, kda, 5, 4, DType::f32, DType::f32);
+    batch = make_decode_batch(rng, shape, kda, slots, DType::f32);
     wp = index_tensor({0, 0, 0});
     ff = index_tensor({0, 0, 1});
     args = replay_args(host_view, batch, pool.view(), rings.d.view(), rings.k.view(),
@@ -888,6 +888,66 @@ std::vector<RSCase> replay_cases(bool kda) {
 
 TEST(Contracts, ReplaySsmGdn) { expect_rejections(replay_cases(false), false); }
 TEST(Contracts, ReplaySsmKda) { expect_rejections(replay_cases(true), true); }
+
+// SGLang's ring modes (KDA, H == HV: every mode valid; L = 4): pre-decayed keys on a circular ring
+// with prefix gates, a safe gate of -5; each mutation hits one text, SGLang's where it has one.
+constexpr Shape kSquare{"square", 4, 4, 8, 16};
+struct ReplayModeFixture : ReplayFixture {
+  Tensor base;
+  explicit ReplayModeFixture(bool kda_) : ReplayFixture(kda_, kSquare) {
+    base = index_tensor({3, 0, 1}, DType::i32);
+    args.cache_base = base.view();
+    args.circular_replay = args.prefix_gate_cache = args.predecayed_k_cache = true;
+    args.lower_bound = -5.0;
+  }
+};
+using RMCase = Case<ReplayModeFixture, ReplayDecodeArgs>;
+
+TEST(Contracts, ReplaySsmRingModes) {
+  const std::vector<RMCase> cases = {
+      {"circular without cache_base", [](auto&, auto& a) { a.cache_base.reset(); },
+       "`cache_base` must be a contiguous 1D int32 tensor for circular replay."},
+      {"cache_base int64",
+       [](auto&, auto& a) { a.cache_base = with_dtype(*a.cache_base, DType::i64); },
+       "`cache_base` must be a contiguous 1D int32 tensor for circular replay."},
+      {"cache_base strided",
+       [](auto&, auto& a) { a.cache_base = with_size(with_stride(*a.cache_base, 0, 2), 0, 2); },
+       "`cache_base` must be a contiguous 1D int32 tensor for circular replay."},
+      {"cache_base length", [](auto&, auto& a) { a.cache_base = with_size(*a.cache_base, 0, 2); },
+       "`cache_base` must have shape (3,) (got (2,))."},
+      {"predecay without prefix gates", [](auto&, auto& a) { a.prefix_gate_cache = false; },
+       "Pre-decayed K requires KDA circular replay with prefix gates."},
+      {"predecay without circular", [](auto&, auto& a) { a.circular_replay = false; },
+       "Pre-decayed K requires KDA circular replay with prefix gates."},
+      {"predecay without a lower bound", [](auto&, auto& a) { a.lower_bound.reset(); },
+       "Pre-decayed K requires a finite negative safe-gate lower bound."},
+      {"predecay positive lower bound", [](auto&, auto& a) { a.lower_bound = 1.0; },
+       "Pre-decayed K requires a finite negative safe-gate lower bound."},
+      {"predecay unsafe lower bound", [](auto&, auto& a) { a.lower_bound = -27.0; },
+       "Pre-decayed K inverse-prefix scaling is unsafe: (cache_len - 1) * abs(lower_bound) must "
+       "be <= 80."},
+      {"cache_base outside the ring",
+       [](auto& f, auto&) {
+         write_indices(f.base.view(), {3, 0, 4});
+       },
+       "`cache_base`[2]=4 is outside the ring [0, L-1=3]"},
+  };
+  expect_rejections(cases, true);
+  // One K head per value head: kSmall has H = 2, HV = 4.
+  ReplayFixture f(true);
+  Tensor base = index_tensor({0, 0, 0}, DType::i32);
+  ReplayDecodeArgs a = f.args;
+  a.cache_base = base.view();
+  a.circular_replay = a.prefix_gate_cache = a.predecayed_k_cache = true;
+  a.lower_bound = -5.0;
+  const auto e = catch_error([&] { f.run(a); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(std::string(e->what()), "Pre-decayed K requires one K head per value head.");
+  // A padded row's cache_base is never read.
+  ReplayModeFixture g(true);
+  write_indices(g.base.view(), {3, 99, 1});
+  EXPECT_NO_THROW(g.run(g.args));
+}
 
 // A padded row's cursor is not checked (it is never read); force_flush may be absent.
 TEST(Contracts, ReplaySsmIgnoresPaddedRowCursorAndOptionalForceFlush) {

@@ -864,7 +864,7 @@ TEST(FusedReplayContract, EveryErrorText) {
   auto missing = [](const char* name) {
     return std::string("fused_decode_step (ReplaySSM): `") + name +
            "` is missing; `d_cache`, `k_cache`, `g_cache` and `write_pos` go together "
-           "(force_flush and advance_write_pos need them).";
+           "(force_flush, advance_write_pos and the ring modes need them).";
   };
   FusedDecodeStepArgs a = base;
   a.k_cache.reset();

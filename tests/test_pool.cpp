@@ -128,17 +128,37 @@ TEST(StatePool, ForkRules) {
     for (int64_t s = 0; s < 4; ++s) pool.set_cursor(s, 0);
     pool.set_cursor(2, 3);  // the destination's cursor is reset by the fork
 
-    // A source that has not flushed is refused; nothing changes.
-    pool.set_cursor(1, 2);
+    // A pending source whose records cannot be read is refused; nothing changes. (A valid one
+    // is materialized: python/tests/test_pool_fork_replay.py.)
     {
       Snapshot before;
       before.add(pool.data(), pool.total_bytes());
-      expect_error(
-          [&] { pool.fork(1, 2); },
-          "copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got 2 for src 1");
+      pool.set_cursor(1, 7);
+      expect_error([&] { pool.fork(1, 2); },
+                   "StatePool.fork: the cursor of src 1 is 7, outside the ring [0, L-1=3]");
+      pool.set_cursor(1, 2);
+      StatePool::ForkRing ring;
+      ring.cache_base = 4;
+      expect_error([&] { pool.fork(1, 2, nullptr, ring); },
+                   "StatePool.fork: cache_base=4 is outside the ring [0, L-1=3]");
+      ring.cache_base = 1;
+      ring.prefix_gate_cache = ring.predecayed_k_cache = true;  // the pool is GDN
+      expect_error([&] { pool.fork(1, 2, nullptr, ring); },
+                   "Pre-decayed K requires KDA circular replay with prefix gates.");
+      pool.set_cursor(1, 0);
       EXPECT_TRUE(before.unchanged());
     }
-    pool.set_cursor(1, 0);
+    {  // Without rings a nonzero cursor cannot be materialized: SGLang's copy_from text.
+      StatePoolConfig c = small_config(layout, 4);
+      c.replay_len = 0;
+      StatePool bare(c);
+      bare.allocate();
+      bare.allocate();
+      bare.set_cursor(0, 2);
+      expect_error(
+          [&] { bare.fork(0, 1); },
+          "copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got 2 for src 0");
+    }
 
     Snapshot before;
     before.add(pool.data(), pool.total_bytes());

@@ -191,8 +191,24 @@ struct ReplayDecodeArgs {
   bool is_kda = false;
   bool use_qk_l2norm = true;
   std::optional<double> lower_bound;
-  bool round_beta_to_input = false;  // as PackedDecodeArgs
+  bool round_beta_to_input = false;  // as PackedDecodeArgs (ignored with predecayed_k_cache)
   bool advance_write_pos = false;
+  // SGLang's ring modes (docs/REPLAYSSM.md, "Ring modes"). circular_replay: record j of row n
+  // lies at ring position (cache_base[n] + j) mod L (cache_base [B] int32, contiguous; each live
+  // row's value in [0, L-1]); a natural flush (write_pos == L-1, not forced, L > 1) stores the
+  // state before the token as the checkpoint and still appends the token's record (a history
+  // checkpoint); a forced flush, or any flush at L = 1, folds the token in and appends nothing.
+  // The caller then advances: forced -> (base 0, wp 0); natural -> (base (base+wp) mod L, wp 1);
+  // otherwise wp + 1 (advance_write_pos applies that rule to write_pos and cache_base on the
+  // device). prefix_gate_cache (KDA; SGLang's GDN path ignores it): the g ring holds
+  // the cumulative gate of the records since the checkpoint. predecayed_k_cache (KDA, circular
+  // and prefix gates, H == HV, float32 checkpoint, a finite lower_bound < 0 with
+  // (L-1)|lower_bound| <= 80, 2 <= L <= 16): the k ring holds k / exp(G_j), beta stays fp32.
+  // CUDA: a generic kernel (src/cuda/replayssm/modes.cuh), not yet run on a GPU.
+  std::optional<TensorView> cache_base;
+  bool circular_replay = false;
+  bool prefix_gate_cache = false;
+  bool predecayed_k_cache = false;
   // Validate as SGLang's Helion KDA twin (helion_fused_recurrent_kda_replayssm_decode) does: KDA
   // only, its argument forms and its error texts; otherwise SGLang's Triton function's texts.
   bool helion = false;
@@ -413,6 +429,10 @@ struct FusedDecodeStepArgs {
   // ReplaySSM (see above); all absent: the plain delta rule in place on `state`.
   std::optional<TensorView> d_cache, k_cache, g_cache, write_pos, force_flush;
   bool advance_write_pos = false;
+  // SGLang's ring modes, as ReplayDecodeArgs. CUDA: they run the ReplaySSM chain (conv,
+  // replayssm_decode's ring-modes kernel, norm), which needs `workspace`; not yet run on a GPU.
+  std::optional<TensorView> cache_base;
+  bool circular_replay = false, prefix_gate_cache = false, predecayed_k_cache = false;
   std::optional<bool> check_indices;
   Stream stream = nullptr;
   bool pdl = false;

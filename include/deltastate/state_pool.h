@@ -133,12 +133,27 @@ class StatePool {
   bool is_allocated(int64_t slot) const;  // false for the null slot
   int64_t num_free() const;               // allocatable slots not in use (null slot excluded)
 
+  // How fork reads a source's pending ReplaySSM records: the ring mode its decode ran with
+  // (ReplayDecodeArgs: cache_base the source row's circular base, 0 for the basic ring; prefix
+  // gates and pre-decayed keys as that call's flags).
+  struct ForkRing {
+    int32_t cache_base = 0;
+    bool prefix_gate_cache = false;
+    bool predecayed_k_cache = false;
+  };
   // Prefix caching: copy every layer's state (and conv windows) of `src` into `dst` (both
-  // allocated). The source
-  // must be fully flushed (its ReplaySSM cursor 0; otherwise its checkpoint lags the tokens it
-  // has seen); the destination's cursor is reset to 0. Rings are not copied. For CUDA pools the
-  // cursor check reads one int from the device (a synchronization): not for the decode loop.
-  void fork(int64_t src, int64_t dst, Stream stream = nullptr);
+  // allocated) and reset dst's cursor to 0 (in circular mode dst's cache_base is the caller's:
+  // 0). A source with pending ReplaySSM records (cursor m > 0: its checkpoint lags its tokens by
+  // m) is materialized: dst's checkpoint in every layer becomes the state after those records,
+  // e^Gtot * S0 + sum_j d_j (W_j * k_j)^T, computed with the operations a ReplaySSM fold uses, so
+  // on the CPU a fold of the next token on src and on dst gives the same bits (fp32). Src and
+  // the rings are not written. Float, nearest-rounded states only (quantized or stochastically
+  // rounded pools with a pending source: not_implemented; flush it first, SGLang's force_flush
+  // at a track point); CUDA pools run a kernel (not yet run on a GPU). A pool without rings refuses
+  // a nonzero source cursor. For CUDA pools the cursor check reads one int from the device (a
+  // synchronization): not for the decode loop.
+  void fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ring);
+  void fork(int64_t src, int64_t dst, Stream stream = nullptr) { fork(src, dst, stream, {}); }
 
   // --- views (`slots` rows here means config().physical_slots(): slots + 1 with null_slot) ---
   TensorView layer_state(int64_t layer) const;  // [slots, HV, V, K]

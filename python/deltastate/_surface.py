@@ -770,10 +770,6 @@ def _fla(kda: bool) -> Op:
 
 
 # ---- ReplaySSM --------------------------------------------------------------------------------
-_REPLAY_MODES = ("is not implemented in deltastate; supported: the basic ring (cache_base=None, "
-                 "circular_replay=False, prefix_gate_cache=False, predecayed_k_cache=False: "
-                 "records at write_pos 0..L-1, a flush at L-1 or on force_flush)")
-
 _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLang's
     ``fused_recurrent_linear_replayssm_decode``, its arguments in its order. The checkpoint pool
     initial_state is written only on a flush (write_pos == L-1 or force_flush != 0); otherwise the
@@ -784,10 +780,20 @@ _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLan
 
     SGLang's Triton tuning keywords ``block_v``, ``num_warps``, ``num_stages`` and ``nk`` are
     accepted and ignored (deltastate picks its own launch; SGLang's nk/BKT checks are not
-    reproduced). SGLang's ring modes ``cache_base``, ``circular_replay``, ``prefix_gate_cache`` and
-    ``predecayed_k_cache`` are not implemented: a value other than the default raises
-    NotImplementedError. ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype
-    (off: fp32 beta, the rule of every op and of current SGLang).
+    reproduced). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
+    fp32 beta, the rule of every op and of current SGLang; ignored with predecayed_k_cache).
+
+    SGLang's ring modes (CPU backend; CUDA: a generic kernel, not yet run on a GPU):
+    ``circular_replay`` with ``cache_base`` [B] int32: record j of a row lies at ring position
+    (cache_base + j) mod L; a natural flush (write_pos == L-1, not forced, L > 1) stores the state
+    before the token as the checkpoint and still appends the token's record; a forced flush (or
+    any flush at L = 1) folds the token in and appends nothing. The caller advances: forced ->
+    cache_base 0, write_pos 0; natural -> cache_base (cache_base + write_pos) mod L, write_pos 1;
+    otherwise write_pos + 1; ``advance_write_pos`` applies that rule to write_pos and
+    cache_base in the kernel (both are then written).
+    ``prefix_gate_cache`` (KDA; SGLang's GDN path ignores it): the g ring holds the cumulative
+    gate since the checkpoint. ``predecayed_k_cache`` (KDA, circular, prefix gates, H == HV, a
+    float32 checkpoint, a finite negative lower_bound): the k ring holds k / exp(G_j).
 
     Quantized checkpoints (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 initial_state
     with the state-format keywords of fused_recurrent_gated_delta_rule_packed_decode
@@ -835,7 +841,9 @@ _REPLAY_OP_ORDER = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial
                     "k_cache", "g_cache", "out", "ssm_state_indices", "write_pos", "force_flush",
                     "lower_bound", "use_qk_l2norm_in_kernel", "is_kda", "round_beta",
                     "advance_write_pos", "helion", "check_indices", "state_scales",
-                    "state_rounding", "rounding_step", "rounding_seed", "rounding_layer", "pdl")
+                    "state_rounding", "rounding_step", "rounding_seed", "rounding_layer",
+                    "cache_base", "circular_replay", "prefix_gate_cache", "predecayed_k_cache",
+                    "pdl")
 
 _REPLAY = Op(
     name="replayssm_decode",
@@ -849,10 +857,10 @@ _REPLAY = Op(
         Arg("num_warps", INT, 1, op=False),
         Arg("num_stages", INT, 3, op=False),
         Arg("nk", INT, 2, op=False),
-        Arg("cache_base", OPT_TENSOR, None, op=False, unsupported=_REPLAY_MODES),
-        Arg("circular_replay", BOOL, False, op=False, unsupported=_REPLAY_MODES),
-        Arg("prefix_gate_cache", BOOL, False, op=False, unsupported=_REPLAY_MODES),
-        Arg("predecayed_k_cache", BOOL, False, op=False, unsupported=_REPLAY_MODES),
+        Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, mutated=True),  # advance_write_pos
+        Arg("circular_replay", BOOL, False),
+        Arg("prefix_gate_cache", BOOL, False),
+        Arg("predecayed_k_cache", BOOL, False),
     ) + _replay_tail(False),
     returns=("out", "initial_state"),
     op_order=_REPLAY_OP_ORDER,
@@ -868,6 +876,11 @@ _HELION_REPLAY = Op(
         Arg("use_qk_l2norm_in_kernel", BOOL, False),
         Arg("lower_bound", OPT_FLOAT, None),
         Arg("is_kda", BOOL, True, public=False),
+        # The Helion twin has the basic ring only.
+        Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, mutated=True, public=False),
+        Arg("circular_replay", BOOL, False, public=False),
+        Arg("prefix_gate_cache", BOOL, False, public=False),
+        Arg("predecayed_k_cache", BOOL, False, public=False),
     ) + _replay_tail(True),
     returns=("out", "initial_state"),
     op_order=_REPLAY_OP_ORDER,
@@ -1247,7 +1260,9 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     the checkpoint pool and the step is causal_conv1d_update -> replayssm_decode -> the norm, with
     replayssm_decode's rings d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache
     [slots, HV, L] (GDN) or [slots, HV, L, K] (KDA) float32, write_pos [B] int32, force_flush [B]
-    int32 or None and advance_write_pos; ssm_state_indices must then be int32
+    int32 or None, advance_write_pos and SGLang's ring modes (cache_base, circular_replay,
+    prefix_gate_cache, predecayed_k_cache; on CUDA they run that chain through ``workspace``, not
+    yet run on a GPU); ssm_state_indices must then be int32
     (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
     launch without one, or under DELTASTATE_CUDA_FUSED=cta).
 
@@ -1298,6 +1313,7 @@ _FUSED_OP_ORDER = ("mixed_qkv", "conv_weight", "conv_state", "a", "b", "A_log", 
                    "norm_weight", "z", "norm_eps", "use_qk_l2norm_in_kernel", "lower_bound",
                    "conv_state_k", "conv_state_v", "round_beta", "check_indices", "d_cache",
                    "k_cache", "g_cache", "write_pos", "force_flush", "advance_write_pos",
+                   "cache_base", "circular_replay", "prefix_gate_cache", "predecayed_k_cache",
                    "workspace", "state_scales", "state_rounding", "rounding_step",
                    "rounding_seed", "rounding_layer", "pdl")
 
@@ -1342,6 +1358,11 @@ def _fused(kda: bool) -> Op:
             Arg("write_pos", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
             Arg("force_flush", OPT_TENSOR, None, dtypes=INT32, keyword=True),
             Arg("advance_write_pos", BOOL, False, keyword=True),
+            # SGLang's ring modes, as replayssm_decode's (CUDA: the chain through the workspace)
+            Arg("cache_base", OPT_TENSOR, None, dtypes=INT32, mutated=True, keyword=True),
+            Arg("circular_replay", BOOL, False, keyword=True),
+            Arg("prefix_gate_cache", BOOL, False, keyword=True),
+            Arg("predecayed_k_cache", BOOL, False, keyword=True),
         ) + _state_format_args() + (
             Arg("workspace", OPT_TENSOR, None, mutated=True, keyword=True),
         ),

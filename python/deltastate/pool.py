@@ -295,11 +295,21 @@ class StatePool:
     def num_free(self) -> int:
         return int(self._m["num_free"]())
 
-    def fork(self, src: int, dst: int) -> None:
-        """Prefix caching: copy every layer's state of ``src`` into ``dst``. ``src`` must be
-        flushed (cursor 0); ``dst``'s cursor is reset. Rings are not copied."""
+    def fork(self, src: int, dst: int, *, cache_base: int = 0, prefix_gate_cache: bool = False,
+             predecayed_k_cache: bool = False) -> None:
+        """Prefix caching: copy every layer's state (and conv windows) of ``src`` into ``dst`` and
+        reset ``dst``'s cursor to 0 (in circular mode its cache_base is the caller's: 0). A
+        source with pending ReplaySSM records (cursor m > 0) is materialized: ``dst``'s
+        checkpoint becomes the state after them, computed as a ReplaySSM fold rebuilds it (a
+        fold of the next token on ``src`` and on ``dst`` then gives the same bits on the CPU with
+        fp32). ``cache_base``, ``prefix_gate_cache``, ``predecayed_k_cache``: the ring mode
+        ``src``'s decode ran with (``cache_base``: src's circular base). ``src`` and the rings are
+        not written. Float, nearest-rounded states only (quantized or stochastically rounded
+        pools with pending records: NotImplementedError; flush first, SGLang's force_flush at a
+        track point). CUDA pools: a kernel, not yet run on a GPU."""
         with self._on_torch_stream():
-            self._m["fork"](int(src), int(dst))
+            self._m["fork"](int(src), int(dst), int(cache_base), bool(prefix_gate_cache),
+                            bool(predecayed_k_cache))
 
     def cursor(self, slot: int) -> int:
         """The slot's ReplaySSM cursor. For CUDA pools a blocking read, ordered after the work

@@ -490,6 +490,10 @@ constexpr auto replayssm_decode = bind(
             Field<&RD::lower_bound>{"lower_bound"},
             Field<&RD::round_beta_to_input>{"round_beta"},
             Field<&RD::advance_write_pos>{"advance_write_pos"},
+            Field<&RD::cache_base>{"cache_base"},
+            Field<&RD::circular_replay>{"circular_replay"},
+            Field<&RD::prefix_gate_cache>{"prefix_gate_cache"},
+            Field<&RD::predecayed_k_cache>{"predecayed_k_cache"},
             Field<&RD::helion>{"helion"},
             Field<&RD::check_indices>{"check_indices"},
             Field<&RD::pdl>{"pdl"},
@@ -685,6 +689,10 @@ constexpr auto fused_step(const char* name, void (*run)(FS&)) {
                       Field<&FS::write_pos>{"write_pos"},
                       Field<&FS::force_flush>{"force_flush"},
                       Field<&FS::advance_write_pos>{"advance_write_pos"},
+                      Field<&FS::cache_base>{"cache_base"},
+                      Field<&FS::circular_replay>{"circular_replay"},
+                      Field<&FS::prefix_gate_cache>{"prefix_gate_cache"},
+                      Field<&FS::predecayed_k_cache>{"predecayed_k_cache"},
                       Field<&FS::workspace>{"workspace"},
                   },
                   state_format_fields<&FS::state_format>()));
@@ -956,8 +964,19 @@ ffi::Map<ffi::String, ffi::Function> pool_new(
     m.Set("is_allocated", ffi::Function::FromTyped(
                               [pool](int64_t slot) -> bool { return pool->is_allocated(slot); }));
     m.Set("num_free", ffi::Function::FromTyped([pool]() -> int64_t { return pool->num_free(); }));
-    m.Set("fork", ffi::Function::FromTyped([pool, stream](int64_t src, int64_t dst) {
-            guarded([&] { pool->fork(src, dst, stream()); });
+    m.Set("fork",
+          ffi::Function::FromTyped([pool, stream](int64_t src, int64_t dst, int64_t cache_base,
+                                                  bool prefix, bool predecay) {
+            guarded([&] {
+              if (cache_base < INT32_MIN || cache_base > INT32_MAX)
+                throw ds::Error(ds::ErrorKind::value,
+                                "StatePool.fork: cache_base is outside the int32 range");
+              ds::StatePool::ForkRing ring;
+              ring.cache_base = static_cast<int32_t>(cache_base);
+              ring.prefix_gate_cache = prefix;
+              ring.predecayed_k_cache = predecay;
+              pool->fork(src, dst, stream(), ring);
+            });
           }));
     m.Set("cursor", ffi::Function::FromTyped([pool, stream](int64_t slot) -> int64_t {
             return guarded([&] { return static_cast<int64_t>(pool->cursor(slot, stream())); });

@@ -225,47 +225,67 @@ class ReplayMemory:
 
 def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, indices,
                      write_pos, force_flush=None, *, kda, b_dtype, lower_bound=None,
-                     use_qk_l2norm=True, round_beta=False):
-    """One ReplaySSM step (basic mode) on `mem` (updated in place). a: GDN [B,HV], KDA [B,HV,K]
-    or [B,HV*K]; dt_bias GDN [HV], KDA [HV,K] or [HV*K]. Beta is sigmoid(b) in fp32, rounded to
-    `b_dtype` with `round_beta`. Returns (out [B,1,HV,V], flushed [B] bool, new write_pos [B] per
-    the caller protocol wp = flushed ? 0 : m + 1; padded rows keep theirs)."""
+                     use_qk_l2norm=True, round_beta=False, cache_base=None, circular=False,
+                     prefix=False, predecay=False):
+    """One ReplaySSM step on `mem` (updated in place). a: GDN [B,HV], KDA [B,HV,K] or [B,HV*K];
+    dt_bias GDN [HV], KDA [HV,K] or [HV*K]. Beta is sigmoid(b) in fp32, rounded to `b_dtype`
+    with `round_beta` (never with `predecay`).
+
+    SGLang's ring modes: `circular` puts record j at ring position (cache_base + j) mod L; a
+    natural flush (m == L-1, not forced, L > 1) then makes the state before the token the
+    checkpoint and still appends the token's record, while a forced flush (or L = 1) folds the
+    token in. `prefix` (KDA only; SGLang's GDN path ignores it): the g ring holds the cumulative
+    gate G_j since the checkpoint. `predecay`: the k ring holds k_j / exp(G_j).
+
+    Returns (out [B,1,HV,V], flushed [B] bool (the checkpoint was written), new write_pos [B],
+    new cache_base [B] per the caller protocol: basic wp = flushed ? 0 : m + 1; circular forced
+    -> (wp 0, base 0), natural -> (wp 1, base (base + m) mod L), else wp + 1; padded rows keep
+    theirs)."""
     x = np.asarray(mixed_qkv, dtype=np.float64)
     _, HV, V, K = mem.state.shape
     L = mem.L
     q, k, v, H = split_packed(x, HV, V, K)
     B = x.shape[0]
     hmap = key_head_of(HV, H)
+    prefix = prefix and kda
     q, k = _prep_qk(q, k, scale, use_qk_l2norm)  # per key head [B, H, K]: q scaled, k normalized
     g = token_log_decay(a, A_log, dt_bias, B, HV, K, kda, lower_bound)
     beta = rd(sigmoid(b), "float32")
-    if round_beta:
+    if round_beta and not predecay:
         beta = rd(beta, b_dtype)  # the round_beta option: beta rounded to b.dtype
     out = np.zeros((B, 1, HV, V))
     flushed = np.zeros(B, dtype=bool)
     new_wp = np.array(write_pos, dtype=np.int64, copy=True)
+    base_in = np.zeros(B, np.int64) if cache_base is None else np.asarray(cache_base, np.int64)
+    new_base = base_in.copy()
     for n in range(B):
         slot = int(indices[n])
         if slot < 0:
             continue
         m = int(write_pos[n])
-        flush = m == L - 1 or (force_flush is not None and int(force_flush[n]) != 0)
-        flushed[n] = flush
+        forced = force_flush is not None and int(force_flush[n]) != 0
+        natural = m == L - 1
+        base = int(base_in[n]) if circular else 0
+        history = circular and natural and not forced and L > 1
+        fold = (forced or L == 1) if circular else (natural or forced)
+        flushed[n] = fold or history
+        pos = [(base + j) % L for j in range(L)]
         for hv in range(HV):
             h = hmap[hv]
             S0 = rd(mem.state[slot, hv], mem.state_dtype)
-            # Ring records j < m: G_j the inclusive prefix sum of g, W_j = exp(Gtot - G_j).
-            gj = rd(mem.g[slot, hv, :m], "float32")  # [m] (GDN) or [m, K] (KDA)
+            # Ring records j < m at pos[j]: G_j the cumulative gate, Gtot = G_{m-1}.
+            gj = np.array([rd(mem.g[slot, hv, pos[j]], "float32") for j in range(m)])
+            gj = gj.reshape(m, K if kda else 1)
             if not kda:
-                gj = np.repeat(gj[:, None], K, axis=1)
-            G = np.cumsum(gj, axis=0)
+                gj = np.repeat(gj, K, axis=1)
+            G = gj if prefix else np.cumsum(gj, axis=0)
             Gtot = G[m - 1] if m > 0 else np.zeros(K)
             S = S0 * np.exp(Gtot)[None, :]
             for j in range(m):
-                W = np.exp(Gtot - G[j])
-                dj = rd(mem.d[slot, hv, j], mem.d_dtype)
-                kj = rd(mem.k[slot, h, j], mem.k_dtype)
-                S = S + np.outer(dj, W * kj)
+                dj = rd(mem.d[slot, hv, pos[j]], mem.d_dtype)
+                kj = rd(mem.k[slot, h, pos[j]], mem.k_dtype)
+                wk = np.exp(Gtot) * kj if predecay else np.exp(Gtot - G[j]) * kj
+                S = S + np.outer(dj, wk)
             # The current token.
             gcur = g[n, hv] if kda else np.full(K, g[n, hv])
             alpha = np.exp(gcur)
@@ -274,14 +294,31 @@ def replayssm_decode(mem: ReplayMemory, mixed_qkv, a, b, A_log, dt_bias, scale, 
             sk = S @ (alpha * kh)
             d = beta[n, hv] * (v[n, hv] - sk)
             out[n, 0, hv] = sq + d * np.dot(kh, qs)
-            if flush:
+            if fold:
                 mem.state[slot, hv] = S * alpha[None, :] + np.outer(d, kh)
+                continue
+            if history:
+                mem.state[slot, hv] = S
+            Gnew = gcur if (history or m == 0) else Gtot + gcur  # cumulative through the token
+            at = pos[m]
+            mem.d[slot, hv, at] = d
+            mem.k[slot, h, at] = kh / np.exp(Gnew) if predecay else kh
+            if kda:
+                mem.g[slot, hv, at] = Gnew if prefix else gcur
             else:
-                mem.d[slot, hv, m] = d
-                mem.k[slot, h, m] = kh
-                mem.g[slot, hv, m] = gcur if kda else gcur[0]
-        new_wp[n] = 0 if flush else m + 1
-    return out, flushed, new_wp
+                mem.g[slot, hv, at] = gcur[0]
+        if circular:
+            if forced:
+                new_wp[n], new_base[n] = 0, 0
+            elif history:
+                new_wp[n], new_base[n] = 1, (base + m) % L
+            else:
+                new_wp[n] = 0 if fold else m + 1  # L = 1: every step folds
+        else:
+            new_wp[n] = 0 if fold else m + 1
+    if cache_base is None and not circular:
+        return out, flushed, new_wp
+    return out, flushed, new_wp, new_base
 
 
 # ---- speculative verify ---------------------------------------------------------------------

@@ -208,26 +208,33 @@ def _tiny_replay(device, kda=False):
         write_pos=torch.zeros(B, dtype=torch.int32, device=device))
 
 
-@pytest.mark.parametrize("mode", [dict(circular_replay=True), dict(prefix_gate_cache=True),
-                                  dict(predecayed_k_cache=True),
-                                  dict(cache_base=torch.zeros(3, dtype=torch.int32)
-                                       if torch is not None else None)],
-                         ids=["circular_replay", "prefix_gate_cache", "predecayed_k_cache",
-                              "cache_base"])
-def test_replayssm_mode_keywords_say_what_is_supported(mode):
-    args = _tiny_replay("cpu")
+@pytest.mark.parametrize("mode,error", [
+    (dict(circular_replay=True),
+     "`cache_base` must be a contiguous 1D int32 tensor for circular replay."),
+    (dict(predecayed_k_cache=True), "Pre-decayed K requires KDA circular replay with prefix gates."),
+    (dict(prefix_gate_cache=True), None),  # GDN: SGLang's kernel ignores prefix gates
+    (dict(cache_base="zeros"), None),  # without circular_replay SGLang ignores cache_base
+], ids=["circular_replay", "predecayed_k_cache", "prefix_gate_cache", "cache_base"])
+def test_replayssm_mode_keywords_follow_sglang(mode, error):
+    """SGLang's ring-mode keywords: a mode missing what it needs raises SGLang's ValueError with
+    nothing written; a keyword SGLang ignores in that call changes nothing (the ring modes
+    themselves: test_replayssm_modes.py)."""
+    args, twin = _tiny_replay("cpu"), _tiny_replay("cpu")
+    if mode.get("cache_base") == "zeros":
+        mode = dict(cache_base=torch.full((3,), 2, dtype=torch.int32))
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    name = next(iter(mode))
-    with pytest.raises(NotImplementedError) as e:
-        ds.fused_recurrent_linear_replayssm_decode(**args, **mode)
-    text = str(e.value)
-    assert text.startswith(f"fused_recurrent_linear_replayssm_decode: `{name}`=")
-    assert "supported: the basic ring (cache_base=None, circular_replay=False" in text
-    for k, v in before.items():  # nothing written
-        assert torch.equal(args[k].nan_to_num(7.0), v.nan_to_num(7.0)), k
-    # The defaults passed explicitly are fine.
-    ds.fused_recurrent_linear_replayssm_decode(**args, cache_base=None, circular_replay=False,
+    if error is not None:
+        with pytest.raises(ValueError) as e:
+            ds.fused_recurrent_linear_replayssm_decode(**args, **mode)
+        assert str(e.value) == error
+        for k, v in before.items():  # nothing written
+            assert torch.equal(args[k].nan_to_num(7.0), v.nan_to_num(7.0)), k
+        return
+    ds.fused_recurrent_linear_replayssm_decode(**args, **mode)
+    ds.fused_recurrent_linear_replayssm_decode(**twin, cache_base=None, circular_replay=False,
                                                prefix_gate_cache=False, predecayed_k_cache=False)
+    for k in ("out", "initial_state", "d_cache", "k_cache", "g_cache", "write_pos"):
+        assert torch.equal(args[k].nan_to_num(7.0), twin[k].nan_to_num(7.0)), k
 
 
 def test_replayssm_tuning_keywords_ignored_positionally():

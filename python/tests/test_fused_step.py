@@ -271,6 +271,67 @@ def test_fused_step_replayssm_matches_chain(kda, advance, sdt):
     assert torch.all(out[1] == 0) and int(wp[1]) == 0
 
 
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("kda,prefix,predecay", [(False, False, False), (True, True, False),
+                                                  (True, True, True)],
+                         ids=["gdn-circular", "kda-circular-prefix", "kda-predecay"])
+def test_fused_step_replayssm_modes_match_chain(device, kda, prefix, predecay):
+    """SGLang's ring modes in the fused step's ReplaySSM mode: over 2L + 3 steps with circular
+    rings starting at different cache_base values, history checkpoints at natural flushes and a
+    forced fold, the chain causal_conv1d_update -> fused_recurrent_linear_replayssm_decode with
+    the same modes (CPU: bit for bit; CUDA, where the step runs that chain through its workspace:
+    within the GPU suite's tolerances); the caller advances write_pos and cache_base (forced: 0,
+    0; natural: 1, (base + wp) mod L; else wp + 1)."""
+    H, HV, K, V, B, slots, L = (2, 4, 128, 16, 4, 6, 3) if not kda else (2, 2, 128, 16, 4, 6, 3)
+    lb = -5.0 if predecay else None
+    gen = torch.Generator().manual_seed(12)
+    Ly = make_layer(gen, kda=kda, H=H, HV=HV, K=K, V=V, B=B, slots=slots, dtype=torch.float32,
+                    state_dtype=torch.float32)
+    Ly = _to(Ly, device)
+    rings = [torch.zeros(slots, HV, L, V, device=device),
+             torch.zeros(slots, H, L, K, device=device),
+             torch.zeros(*((slots, HV, L, K) if kda else (slots, HV, L)), device=device)]
+    C, Crings = clone_layer(Ly), [r.clone() for r in rings]
+    idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=device)
+    wp = torch.zeros(B, dtype=torch.int32, device=device)
+    base = torch.tensor([1, 0, 2, 0], dtype=torch.int32, device=device)
+    op = ds.kda_fused_decode_step if kda else ds.gdn_fused_decode_step
+    extra = dict(lower_bound=lb) if kda else {}
+    modes = dict(circular_replay=True, prefix_gate_cache=prefix, predecayed_k_cache=predecay)
+    histories = 0
+
+    def same(a, b, what):
+        if device == "cpu":
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=what)
+
+    for step in range(2 * L + 3):
+        ff = torch.tensor([0, 0, 1 if step == 1 else 0, 0], dtype=torch.int32, device=device)
+        out = torch.full((B, HV, V), float("nan"), device=device)
+        op(Ly["x"], Ly["w"], Ly["wins"][0], Ly["a"], Ly["b"], Ly["A_log"], Ly["dt_bias"],
+           Ly["state"], out, idx, conv_bias=Ly["bias"], d_cache=rings[0], k_cache=rings[1],
+           g_cache=rings[2], write_pos=wp, force_flush=ff, cache_base=base, **extra, **modes)
+        y = ds.causal_conv1d_update(C["x"], C["wins"][0], C["w"], C["bias"], activation="silu",
+                                    conv_state_indices=idx)
+        want = torch.empty(B, 1, HV, V, device=device)
+        a = C["a"].reshape(B, HV, K) if kda else C["a"]
+        dt = C["dt_bias"].reshape(HV, K) if kda else C["dt_bias"]
+        ds.fused_recurrent_linear_replayssm_decode(
+            y, a, C["b"], C["A_log"], dt, None, C["state"], Crings[0], Crings[1], Crings[2],
+            want, idx, wp.clone(), ff, lb, True, kda, cache_base=base.clone(), **modes)
+        same(out, want[:, 0], f"out, step {step}")
+        same(Ly["state"], C["state"], f"checkpoints, step {step}")
+        for r, cr in zip(rings, Crings):
+            same(r, cr, f"rings, step {step}")
+        live = idx >= 0
+        forced, natural = (ff != 0) & live, (wp == L - 1) & (ff == 0) & live
+        histories += int(natural.sum())
+        base = torch.where(forced, 0, torch.where(natural, (base + wp) % L, base)).int()
+        wp = torch.where(forced, 0, torch.where(natural, 1, torch.where(live, wp + 1, wp))).int()
+    assert histories >= 2 and torch.all(out[1] == 0)
+
+
 def test_fused_step_replayssm_partial_rings_error():
     gen = torch.Generator().manual_seed(3)
     Ly = make_layer(gen, kda=False, H=2, HV=4, K=32, V=16, B=2, slots=3, dtype=torch.float32,

@@ -310,6 +310,124 @@ def test_replayssm_cuda_matches_cpu(rng, kda, L, H, HV, K, V, act, state_dtype, 
             tw.resync()
 
 
+MODE_CASES = [  # (kda, L, H, HV, K, V, act, k ring, circular, prefix, predecay, lower_bound)
+    pytest.param(False, 4, 2, 4, 16, 8, "float32", "float32", True, False, False, None,
+                 id="gdn-circular-L4"),
+    pytest.param(False, 8, 16, 32, 128, 128, "bfloat16", "bfloat16", True, False, False, None,
+                 id="gdn-circular-qwen3-next-L8"),
+    pytest.param(True, 4, 2, 2, 64, 64, "float32", "float32", False, True, False, -5.0,
+                 id="kda-prefix-L4"),
+    pytest.param(True, 5, 4, 4, 128, 128, "bfloat16", "float32", True, True, False, None,
+                 id="kda-circular-prefix-L5"),
+    pytest.param(True, 16, 4, 4, 128, 128, "bfloat16", "bfloat16", True, True, True, -5.0,
+                 id="kda-predecay-L16"),
+]
+
+
+@pytest.mark.parametrize("kda,L,H,HV,K,V,act,k_dtype,circular,prefix,predecay,lb", MODE_CASES)
+def test_replayssm_ring_modes_cuda_match_cpu(rng, kda, L, H, HV, K, V, act, k_dtype, circular,
+                                             prefix, predecay, lb):
+    """SGLang's ring modes on CUDA (the generic modes kernel) against the CPU backend, 3L + 2
+    steps: circular rings from different cache_base values, history checkpoints, forced folds,
+    a padded and an idle row; the caller advances write_pos and cache_base on the CPU side and
+    copies them to both (SGLang's protocol)."""
+    rows = np.array([3, -1, 1, 6])
+    B = len(rows)
+    tw = ReplayTwin(rng, kda=kda, H=H, HV=HV, K=K, V=V, L=L, slots=8, live=[1, 3, 5, 6],
+                    state_dtype="float32", k_dtype=k_dtype, B=B)
+    if predecay and k_dtype != "float32":  # the d and k rings of one dtype
+        for fw in (CPU, GPU):
+            tw.mem[fw.device]["d"] = fw.full((8, HV, L, V), sentinel_for(k_dtype), k_dtype)
+    wp = np.zeros(B, np.int64)
+    base = np.array([1 % L, 0, L - 1, 0]) if circular else np.zeros(B, np.int64)
+    for step in range(3 * L + 2):
+        indices = rows.copy()
+        if step % 4 == 2:
+            indices[2] = -1
+        ff = (rng.random(B) < 0.2).astype(np.int64) if step % 3 == 0 else np.zeros(B, np.int64)
+        d = packed_data(rng, kda=kda, B=B, H=H, HV=HV, K=K, V=V)
+        outs = []
+        before = tw.mem["cuda"]["pool"].bits()
+        for fw in (CPU, GPU):
+            m = tw.mem[fw.device]
+            x = materialize_packed(fw, d, act)
+            out = poison(fw, (B, 1, HV, V), act)
+            a = x["a"].reshape(B, HV, K) if kda else x["a"]
+            dt = fw.from64(tw.dt_bias.reshape(HV, K) if kda else tw.dt_bias)
+            ds.fused_recurrent_linear_replayssm_decode(
+                x["mixed_qkv"], a, x["b"], fw.from64(tw.A_log), dt, K ** -0.5, m["pool"].view,
+                m["d"], m["k"], m["g"], out, fw.idx(indices), fw.idx(wp), fw.idx(ff), lb, True,
+                kda, cache_base=fw.idx(base), circular_replay=circular, prefix_gate_cache=prefix,
+                predecayed_k_cache=predecay)
+            outs.append(to64(out))
+        torch.cuda.synchronize()
+        assert not np.isnan(outs[1]).any()
+        close2(outs[1], outs[0], TOL_REPLAY_KDA_OUT, act, f"out, step {step}")
+        written = []
+        for n, s in enumerate(indices):
+            if s < 0:
+                continue
+            forced, natural = ff[n] != 0, wp[n] == L - 1
+            if forced or natural:
+                written.append(int(s))
+            if circular and forced:
+                wp[n], base[n] = 0, 0
+            elif circular and natural and L > 1:
+                wp[n], base[n] = 1, (base[n] + wp[n]) % L
+            else:
+                wp[n] = 0 if (forced or natural) else wp[n] + 1
+        tw.compare(written)
+        tw.mem["cuda"]["pool"].assert_untouched_outside(before, written, "checkpoint")
+        if act != "float32" or k_dtype != "float32":
+            tw.resync()
+
+
+def test_state_pool_cuda_fork_materializes_pending_records(rng):
+    """StatePool.fork of a CUDA pool's slot with pending records (the materialize kernel) equals
+    the CPU pool's fork of the same memory (SGLang's fp32 flush tolerance; the CPU fork is
+    checked bit for bit against a forced fold in test_pool_fork_replay.py); src and the rings
+    are not written."""
+    HV, V, K, H, L = 4, 64, 128, 4, 8
+    for kda, kw in ((False, dict(cache_base=3)), (True, dict(cache_base=5, prefix_gate_cache=True)),
+                    (True, dict(cache_base=2, prefix_gate_cache=True, predecayed_k_cache=True))):
+        pools = [ds.StatePool(layers=2, slots=4, HV=HV, V=V, K=K, replay_len=L, H=H, kda=kda,
+                              device=dev) for dev in ("cpu", "cuda")]
+        slots = [[p.allocate() for _ in range(2)] for p in pools]
+        assert slots[0] == slots[1]
+        src, dst = slots[0]
+        for layer in range(2):
+            st = torch.from_numpy((rng.standard_normal((HV, V, K)) * 0.3).astype(np.float32))
+            dr = torch.from_numpy((rng.standard_normal((HV, L, V)) * 0.3).astype(np.float32))
+            kr = torch.from_numpy((rng.standard_normal((H, L, K)) * 0.1).astype(np.float32))
+            gshape = (HV, L, K) if kda else (HV, L)
+            gr = torch.from_numpy(-np.abs(rng.standard_normal(gshape) * 0.3).astype(np.float32))
+            if kw.get("prefix_gate_cache"):  # cumulative gates along the circular ring
+                order = [(kw["cache_base"] + j) % L for j in range(L)]
+                gr[:, order] = torch.cumsum(gr[:, order], dim=1)
+            for p in pools:
+                dev = p.layer_state(layer).device
+                p.layer_state(layer)[src].copy_(st.to(dev))
+                p.d_cache(layer)[src].copy_(dr.to(dev))
+                p.k_cache(layer)[src].copy_(kr.to(dev))
+                p.g_cache(layer)[src].copy_(gr.to(dev))
+        for p in pools:
+            p.set_cursor(src, 6)
+        rings_before = [bits(pools[1].d_cache(0)), bits(pools[1].k_cache(0)),
+                        bits(pools[1].g_cache(0))]
+        src_before = bits(pools[1].layer_state(0)[src])
+        for p in pools:
+            p.fork(src, dst, **kw)
+        torch.cuda.synchronize()
+        assert pools[1].cursor(dst) == 0 and pools[1].cursor(src) == 6
+        for layer in range(2):
+            close2(to64(pools[1].layer_state(layer)[dst]), to64(pools[0].layer_state(layer)[dst]),
+                   TOL_REPLAY_KDA_FLUSH, "float32", f"materialized layer {layer}")
+        np.testing.assert_array_equal(bits(pools[1].layer_state(0)[src]), src_before)
+        for got, want in zip((bits(pools[1].d_cache(0)), bits(pools[1].k_cache(0)),
+                              bits(pools[1].g_cache(0))), rings_before):
+            np.testing.assert_array_equal(got, want)
+
+
 # ---- CUDA graphs ------------------------------------------------------------------------------
 def _warmup_then_capture(fn):
     """Warm up on a side stream (as torch recommends), then capture `fn` into a CUDAGraph."""
@@ -849,10 +967,9 @@ def test_state_pool_cuda(rng):
         torch.cuda._sleep(20_000_000) if hasattr(torch.cuda, "_sleep") else None
         gp.write_pos()[slots[1]] = 2
         assert gp.cursor(slots[1]) == 2
-        with pytest.raises(ValueError) as e:
-            gp.fork(slots[1], slots[2])
-        assert str(e.value) == ("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), "
-                                f"got 2 for src {slots[1]}")
+        with pytest.raises(ValueError) as e:  # the cursor seen: cache_base checked against it
+            gp.fork(slots[1], slots[2], cache_base=L)
+        assert str(e.value) == f"StatePool.fork: cache_base={L} is outside the ring [0, L-1={L - 1}]"
         gp.set_cursor(slots[1], 0)
         gp.fork(slots[1], slots[2])
         assert gp.cursor(slots[2]) == 0

@@ -127,7 +127,8 @@ def _replay_schema(name, kda, helion):
             f"bool is_kda={kda}, bool round_beta=False, bool advance_write_pos=False, "
             f"bool helion={helion}, int check_indices=-1, Tensor(g!)? state_scales=None, "
             "int state_rounding=0, Tensor(h!)? rounding_step=None, int rounding_seed=0, "
-            "int rounding_layer=0, bool pdl=False) -> ()")
+            "int rounding_layer=0, Tensor(i!)? cache_base=None, bool circular_replay=False, "
+            "bool prefix_gate_cache=False, bool predecayed_k_cache=False, bool pdl=False) -> ()")
 
 
 _CHUNK_SCHEMA = (
@@ -192,9 +193,10 @@ _FUSED_PUBLIC = (
     "ssm_state_indices, conv_bias=None, conv_silu=True, scale=None, norm_weight=None, z=None, "
     "norm_eps=1e-06, use_qk_l2norm_in_kernel=True, {lb}*, conv_state_k=None, conv_state_v=None, "
     "round_beta=False, check_indices=None, pdl=False, d_cache=None, k_cache=None, g_cache=None, "
-    "write_pos=None, force_flush=None, advance_write_pos=False, state_scales=None, "
-    "state_rounding=None, rounding_step=None, rounding_seed=0, rounding_layer=0, "
-    "workspace=None)")
+    "write_pos=None, force_flush=None, advance_write_pos=False, cache_base=None, "
+    "circular_replay=False, prefix_gate_cache=False, predecayed_k_cache=False, "
+    "state_scales=None, state_rounding=None, rounding_step=None, rounding_seed=0, "
+    "rounding_layer=0, workspace=None)")
 PUBLIC["gdn_fused_decode_step"] = _FUSED_PUBLIC.format(lb="")
 PUBLIC["kda_fused_decode_step"] = _FUSED_PUBLIC.format(lb="lower_bound=None, ")
 SCHEMAS["causal_conv1d_update"] = (
@@ -213,8 +215,10 @@ _FUSED_SCHEMA = (
     "Tensor(e!)? conv_state_v=None, bool round_beta=False, int check_indices=-1, "
     "Tensor(f!)? d_cache=None, Tensor(g!)? k_cache=None, Tensor(h!)? g_cache=None, "
     "Tensor(i!)? write_pos=None, Tensor? force_flush=None, bool advance_write_pos=False, "
-    "Tensor(j!)? workspace=None, Tensor(k!)? state_scales=None, int state_rounding=0, "
-    "Tensor(l!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
+    "Tensor(j!)? cache_base=None, bool circular_replay=False, bool prefix_gate_cache=False, "
+    "bool predecayed_k_cache=False, Tensor(k!)? workspace=None, Tensor(l!)? state_scales=None, "
+    "int state_rounding=0, "
+    "Tensor(m!)? rounding_step=None, int rounding_seed=0, int rounding_layer=0, bool pdl=False")
 SCHEMAS["gdn_fused_decode_step"] = f"gdn_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 SCHEMAS["kda_fused_decode_step"] = f"kda_fused_decode_step({_FUSED_SCHEMA}) -> ()"
 

@@ -90,14 +90,28 @@ def test_fork_rules(framework, layout, rng):
         pool.d_cache(layer)[dst] = 2.0
     pool.set_cursor(dst, 2)
 
-    # A source whose checkpoint lags its tokens cannot be forked; nothing changes.
-    pool.set_cursor(src, 2)
+    # A source whose records cannot be read is refused; nothing changes. (A source with pending
+    # records is materialized: test_pool_fork_replay.py.)
     before = bits(pool.storage)
+    pool.set_cursor(src, 2)
+    with pytest.raises(ValueError) as e:
+        pool.fork(src, dst, cache_base=L)
+    assert str(e.value) == f"StatePool.fork: cache_base={L} is outside the ring [0, L-1={L - 1}]"
+    pool.set_cursor(src, L)
     with pytest.raises(ValueError) as e:
         pool.fork(src, dst)
-    assert str(e.value) == ("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), "
-                            f"got 2 for src {src}")
+    assert str(e.value) == (f"StatePool.fork: the cursor of src {src} is {L}, outside the ring "
+                            f"[0, L-1={L - 1}]")
+    pool.set_cursor(src, 0)
+    pool.set_cursor(dst, 2)
     np.testing.assert_array_equal(bits(pool.storage), before)
+    bare = new_pool(framework, layout=layout)  # no rings: SGLang's copy_from rule
+    a, b = bare.allocate(), bare.allocate()
+    bare.set_cursor(a, 2)
+    with pytest.raises(ValueError) as e:
+        bare.fork(a, b)
+    assert str(e.value) == ("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), "
+                            f"got 2 for src {a}")
 
     pool.set_cursor(src, 0)
     pool.fork(src, dst)

@@ -135,6 +135,12 @@ int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args) {
   // ReplaySSM mode (d_cache given): the plan asks only whether it is on (its one-launch kernel
   // needs no workspace, its chain the plain chain's); the rings' sizes change neither.
   if (args.d_cache) p.replay.L = 1;
+  // SGLang's ring modes run the chain on CUDA: its workspace whatever DELTASTATE_CUDA_FUSED says
+  // (prefix gates without circular rings count for KDA only; the query reads no `is_kda`, so it
+  // may answer the chain's bytes for a GDN call the plan runs without them).
+  p.replay.modes.circular = args.circular_replay;
+  p.replay.modes.prefix_gates = args.prefix_gate_cache;
+  p.replay.modes.predecayed_k = args.predecayed_k_cache;
   p.HV = static_cast<int32_t>(st.shape[1]);
   p.V = static_cast<int32_t>(st.shape[2]);
   p.K = static_cast<int32_t>(st.shape[3]);

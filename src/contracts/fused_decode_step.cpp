@@ -111,8 +111,11 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   // ReplaySSM: the rings and cursors with replayssm_decode's checks and texts.
   const TensorView& idx = args.state_indices;
   const bool replay = args.d_cache || args.k_cache || args.g_cache || args.write_pos ||
-                      args.force_flush || args.advance_write_pos;
+                      args.force_flush || args.advance_write_pos || args.cache_base ||
+                      args.circular_replay || args.prefix_gate_cache || args.predecayed_k_cache;
   int64_t L = 0;
+  const ReplayModeArgs modes{&args.cache_base, args.circular_replay, args.prefix_gate_cache,
+                             args.predecayed_k_cache};
   if (replay) {
     const std::pair<const char*, bool> parts[] = {{"d_cache", args.d_cache.has_value()},
                                                   {"k_cache", args.k_cache.has_value()},
@@ -122,15 +125,19 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
       if (!given)
         fail(
             format("fused_decode_step (ReplaySSM): `%s` is missing; `d_cache`, `k_cache`, "
-                   "`g_cache` and `write_pos` go together (force_flush and advance_write_pos "
-                   "need them).",
+                   "`g_cache` and `write_pos` go together (force_flush, advance_write_pos and "
+                   "the ring modes need them).",
                    name));
     const TensorView &dc = *args.d_cache, &kc = *args.k_cache, &gc = *args.g_cache;
     const TensorView& wp = *args.write_pos;
     check_replay_cursor_tensors(wp, args.force_flush);
+    check_replay_cache_base_tensor(modes);
     L = replay_ring_length(dc, slots, HV, V);
     check_replay_rings(dc, kc, gc, slots, HV, H, V, K, L, kda);
     check_replay_rows(idx, wp, args.force_flush, B);
+    p.replay.modes = check_replay_modes(modes, args.mixed_qkv, args.state, dc, kc, B, H, HV, L, kda,
+                                        args.lower_bound);
+    if (args.cache_base) c.device("cache_base", *args.cache_base);
     check_replay_ring_parts(c, dc, kc, gc, wp, args.force_flush);
     check_replay_ring_dtypes(c, dc, kc);
     p.replay.L = static_cast<int32_t>(L);
@@ -176,7 +183,10 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   const int64_t index_stride = B > 1 ? idx.stride[0] : 1;
   if (on_cpu && check) {
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, idx.stride[0], slots);
-    if (replay) check_replay_cursors_host(idx, index_stride, *args.write_pos, B, L);
+    if (replay) {
+      check_replay_cursors_host(idx, index_stride, *args.write_pos, B, L);
+      check_replay_cache_base_host(p.replay.modes, idx, index_stride, B, L);
+    }
   }
   check_state_format_backend(op, pool, c.common_device());
   if (!on_cpu && replay) check_replay_cuda_ring("fused_decode_step", L);

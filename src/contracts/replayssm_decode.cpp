@@ -155,6 +155,58 @@ void check_replay_cursors_host(const TensorView& idx, int64_t index_stride, cons
   }
 }
 
+void check_replay_cache_base_tensor(const ReplayModeArgs& m) {
+  if (!m.circular) return;
+  const std::optional<TensorView>& cb = *m.cache_base;
+  if (!cb || cb->ndim != 1 || cb->dtype != DType::i32 || !cb->is_contiguous())
+    fail("`cache_base` must be a contiguous 1D int32 tensor for circular replay.");
+}
+
+ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& x,
+                               const TensorView& state, const TensorView& dc, const TensorView& kc,
+                               int64_t B, int64_t H, int64_t HV, int64_t L, bool kda,
+                               const std::optional<double>& lower_bound) {
+  const std::optional<TensorView>& cb = *m.cache_base;
+  if (m.circular && cb->shape[0] != B)
+    fail(format("`cache_base` must have shape %s (got %s).", tuple_str({B}).c_str(),
+                shape_str(*cb).c_str()));
+  if (m.predecay) {
+    if (!kda || !m.prefix || !m.circular)
+      fail("Pre-decayed K requires KDA circular replay with prefix gates.");
+    if (H != HV) fail("Pre-decayed K requires one K head per value head.");
+    if (state.dtype != DType::f32) fail("Pre-decayed K requires a float32 checkpoint state.");
+    if (dc.dtype != kc.dtype) fail("Pre-decayed K requires matching d/k ring dtypes.");
+    if (dc.dtype != x.dtype && dc.dtype != DType::f32)
+      fail("Pre-decayed K d/k rings must use the activation dtype or float32.");
+    if (L < 2 || L > 16) fail("Pre-decayed K requires a cache length between 2 and 16.");
+    if (!lower_bound || !std::isfinite(*lower_bound) || *lower_bound >= 0)
+      fail("Pre-decayed K requires a finite negative safe-gate lower bound.");
+    if (static_cast<double>(L - 1) * std::fabs(*lower_bound) > 80)
+      fail(
+          "Pre-decayed K inverse-prefix scaling is unsafe: (cache_len - 1) * abs(lower_bound) "
+          "must be <= 80.");
+    if (x.dtype == DType::f16 && kc.dtype != DType::f32)
+      fail("Pre-decayed K with FP16 activations requires an FP32 ring.");
+  }
+  ReplayModes r;
+  r.circular = m.circular;
+  r.cache_base = m.circular ? static_cast<int32_t*>(cb->data) : nullptr;
+  r.prefix_gates = m.prefix && kda;
+  r.predecayed_k = m.predecay;
+  return r;
+}
+
+void check_replay_cache_base_host(const ReplayModes& m, const TensorView& idx, int64_t index_stride,
+                                  int64_t B, int64_t L) {
+  if (!m.circular) return;
+  const auto* ix = static_cast<const int32_t*>(idx.data);
+  for (int64_t i = 0; i < B; ++i) {
+    const int32_t v = m.cache_base[i];
+    if (ix[i * index_stride] >= 0 && (v < 0 || v >= L))
+      fail(format("`cache_base`[%lld]=%d is outside the ring [0, L-1=%lld]", ll(i), v, ll(L - 1)));
+  }
+}
+
 void check_replay_cuda_ring(const char* op, int64_t L) {
   // The CUDA kernels keep the cursor in the low 16 bits of write_pos during a launch, and their
   // shared-memory layouts are int arithmetic (the CPU kernels take any L).
@@ -185,6 +237,10 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   if (state.ndim != 4) fail(format("`initial_state` must be 4D (got ndim=%d).", state.ndim));
   if (!out.is_contiguous()) fail("`out` must be contiguous." + strides_detail("out", out));
   check_replay_cursor_tensors(wp, args.force_flush);
+  const ReplayModeArgs modes{&args.cache_base, args.circular_replay && !args.helion,
+                             args.prefix_gate_cache && !args.helion,
+                             args.predecayed_k_cache && !args.helion};
+  check_replay_cache_base_tensor(modes);
   if (!inner_strides_compact(state)) {
     fail(
         "`initial_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary slot "
@@ -248,6 +304,8 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
     fail(format("`out` must have shape %s (got %s).", tuple_str({B, 1, HV, V}).c_str(),
                 shape_str(out).c_str()));
   check_replay_rows(idx, wp, args.force_flush, B);
+  const ReplayModes rm =
+      check_replay_modes(modes, x, state, dc, kc, B, H, HV, L, kda, args.lower_bound);
 
   Contract c;
   c.device("mixed_qkv", x);
@@ -285,6 +343,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   if (on_cpu && check) {
     check_slot_indices_host("ssm_state_indices", idx.data, idx.dtype, B, index_stride, S);
     check_replay_cursors_host(idx, index_stride, wp, B, L);
+    check_replay_cache_base_host(rm, idx, index_stride, B, L);
   }
   check_state_format_backend(args.helion ? "helion_fused_recurrent_kda_replayssm_decode"
                                          : "fused_recurrent_linear_replayssm_decode",
@@ -324,6 +383,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.write_pos = static_cast<int32_t*>(wp.data);
   p.force_flush = args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
   p.advance_write_pos = args.advance_write_pos;
+  p.modes = rm;
   p.check_indices = check;
   p.pdl = args.pdl;
   p.device = c.common_device();

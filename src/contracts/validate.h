@@ -67,6 +67,22 @@ void check_replay_ring_dtypes(Contract& c, const TensorView& d_cache, const Tens
 void check_replay_cursors_host(const TensorView& state_indices, int64_t index_stride,
                                const TensorView& write_pos, int64_t B, int64_t L);
 void check_replay_cuda_ring(const char* op, int64_t L);
+// SGLang's ring modes (ReplayDecodeArgs::circular_replay etc.), shared by the fused decode
+// step: `check_replay_cache_base_tensor` right after the cursor tensors' checks (SGLang's order),
+// `check_replay_modes` after the row lengths (cache_base's length, the nine predecay texts;
+// returns the problem's modes), `check_replay_cache_base_host` with the cursors' host check (each
+// live row's base in [0, L-1]).
+struct ReplayModeArgs {
+  const std::optional<TensorView>* cache_base;
+  bool circular, prefix, predecay;
+};
+void check_replay_cache_base_tensor(const ReplayModeArgs& m);
+ReplayModes check_replay_modes(const ReplayModeArgs& m, const TensorView& mixed_qkv,
+                               const TensorView& state, const TensorView& d_cache,
+                               const TensorView& k_cache, int64_t B, int64_t H, int64_t HV,
+                               int64_t L, bool kda, const std::optional<double>& lower_bound);
+void check_replay_cache_base_host(const ReplayModes& m, const TensorView& state_indices,
+                                  int64_t index_stride, int64_t B, int64_t L);
 // `workspace_needed`: chunk_prefill_workspace_bytes of the same arguments.
 ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t workspace_needed);
 

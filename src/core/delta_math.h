@@ -108,6 +108,35 @@ DS_HD float delta_output(float sq, float u, float kq) { return sq + u * kq; }
 // ReplaySSM (SGLang's basic mode). A row with cursor m (records 0..m-1 in its ring of L) flushes
 // this step when its ring is full or a flush is forced; the cursor then becomes 0, else m + 1.
 DS_HD bool replay_flushes(int m, int L, bool forced) { return m >= L - 1 || forced; }
+// SGLang's circular mode: a natural flush (ring full, not forced, L > 1) is a history checkpoint
+// (S0 <- the state before the token, and the token's record is still appended); a forced flush,
+// or any flush at L = 1, folds the token in and appends nothing. In the basic mode every flush
+// folds. Record j of a circular ring lies at (base + j) mod L (base in [0, L-1], j < L).
+DS_HD bool replay_history_flush(int m, int L, bool forced, bool circular) {
+  return circular && m >= L - 1 && !forced && L > 1;
+}
+DS_HD bool replay_full_flush(int m, int L, bool forced, bool circular) {
+  return circular ? (forced || L == 1) : replay_flushes(m, L, forced);
+}
+DS_HD int replay_position(int base, int j, int L) {
+  const int q = base + j;
+  return q >= L ? q - L : q;
+}
+// The caller's cursor rule after a step of a row with cursor m and base `base` (SGLang's
+// _advance_replayssm_predecay_cursor; the basic ring keeps base 0): a forced flush -> (0, 0) in
+// circular mode; a history checkpoint -> (1, (base + m) mod L); any other fold -> (0, base);
+// otherwise (m + 1, base).
+DS_HD void replay_advance(int m, int L, bool forced, bool circular, int& wp, int& base) {
+  if (circular && forced) {
+    wp = 0;
+    base = 0;
+  } else if (replay_history_flush(m, L, forced, circular)) {
+    wp = 1;
+    base = replay_position(base, m, L);
+  } else {
+    wp = replay_full_flush(m, L, forced, circular) ? 0 : m + 1;
+  }
+}
 // The state before the token, on a flush: S = exp(Gtot) * S0 + sum_j d_j (W_j * k_j)^T with G_j
 // the inclusive prefix sums of the ring's g, Gtot = G_{m-1}, W_j = exp(Gtot - G_j): scale_row by
 // exp(Gtot), then one rank1_update per record (kw = W_j * k_j for KDA; GDN folds its scalar W_j

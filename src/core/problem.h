@@ -130,7 +130,8 @@ enum DeviceErrorKind : int {
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
   kErrRow = 6,
   kErrStep = 7,
-  kErrRing = 8,  // ReplaySSM verify: write_pos + drafts past the ring, or a cursor outside it
+  kErrRing = 8,       // ReplaySSM verify: write_pos + drafts past the ring, or a cursor outside it
+  kErrCacheBase = 9,  // ReplaySSM decode, circular rings: cache_base outside the ring
 };
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
@@ -163,8 +164,17 @@ struct RecurrentProblem {
 };
 
 // ReplaySSM buffered decode (T = 1) over a checkpoint pool and per-slot rings.
+// SGLang's ReplaySSM ring modes (ops.h ReplayDecodeArgs); all off: the basic ring.
+struct ReplayModes {
+  int32_t* cache_base = nullptr;  // [B], set when circular (advanced with advance_write_pos)
+  bool circular = false;
+  bool prefix_gates = false;  // KDA only (SGLang's GDN path ignores the flag)
+  bool predecayed_k = false;
+};
+
 struct ReplayProblem {
   int32_t B = 0, H = 0, HV = 0, K = 0, V = 0, L = 0;
+  ReplayModes modes;
   HeadInput q, k, v, a, b;  // views into mixed_qkv, a, b
   HeadOutput out;
   GateParams gate;          // mode softplus or safe
@@ -336,6 +346,7 @@ struct ReplayRings {
   int32_t* write_pos = nullptr;          // [B]
   const int32_t* force_flush = nullptr;  // [B] or null
   bool advance_write_pos = false;
+  ReplayModes modes;
 };
 
 // fused_decode_step: one decode token per row through the whole recurrent half of a GDN / KDA
@@ -419,6 +430,7 @@ inline ReplayProblem fused_replay_problem(const FusedStepProblem& p, const void*
   r.write_pos = p.replay.write_pos;
   r.force_flush = p.replay.force_flush;
   r.advance_write_pos = p.replay.advance_write_pos;
+  r.modes = p.replay.modes;
   r.check_indices = p.check_indices;
   r.device = p.device;
   return r;

@@ -7,6 +7,11 @@ namespace deltastate::cpu {
 
 void run_recurrent(const detail::RecurrentProblem& p);      // recurrent.cpp (packed decode too)
 void run_replayssm_decode(const detail::ReplayProblem& p);  // replayssm_decode.cpp
+// Prefix caching (StatePool::fork): the checkpoint of slot `dst` (a copy of src's) becomes the
+// state after src's m ring records from position `base` (p's rings, modes and float state; p's
+// row fields unused), rebuilt exactly as a ReplaySSM fold rebuilds the state before its token.
+void run_replay_materialize(const detail::ReplayProblem& p, int64_t src, int64_t dst, int m,
+                            int base);
 // chunk_prefill.cpp: the op, and the workspace it needs (num_threads() scratch blocks).
 void run_chunk_prefill(const detail::ChunkPrefillProblem& p);
 int64_t chunk_prefill_workspace_bytes(int K, int V, bool kda);

@@ -1,12 +1,11 @@
-// CPU kernel of ReplaySSM buffered decode (SGLang's fused_recurrent_linear_replayssm_decode in its
-// basic mode: no circular ring, no predecayed keys): one task per (row, value head, block of
-// state rows); every block prepares the token and the ring the same way, so a row's result does
-// not depend on the blocking or the thread count.
-// The same math as the CUDA kernel (src/cuda/replayssm_decode.cu, docs/REPLAYSSM.md): an
-// appending step takes the output from dot products of the checkpoint and the ring records with
-// the token's vectors and appends the record (d, k, g); a flush rebuilds the state and runs the
-// plain delta-rule step on it, writing the checkpoint. Cursors advance after every task of the
-// step has read them.
+// CPU kernel of ReplaySSM buffered decode (SGLang's fused_recurrent_linear_replayssm_decode with
+// its ring modes: basic, circular, prefix gates, pre-decayed keys): one task per (row, value
+// head, block of state rows); every block prepares the token and the ring the same way, so a row's
+// result does not depend on the blocking or the thread count. The same math as the CUDA kernel
+// (src/cuda/replayssm_decode.cu, docs/REPLAYSSM.md): an appending step takes the output from dot
+// products of the checkpoint and the ring records with the token's vectors and appends the record
+// (d, k, g); a flush rebuilds the state and runs the plain delta-rule step on it, writing the
+// checkpoint. Cursors advance after every task of the step has read them.
 #include <vector>
 
 #include "core/delta_math.h"
@@ -22,14 +21,14 @@ using namespace deltastate::detail;
 
 namespace {
 struct Scratch {
-  std::vector<float> S, q, k, v, g, alpha, d, o, e, G, ak, aq, ek, eq, kw, dj, w, ck, cq;
+  std::vector<float> S, q, k, v, g, alpha, d, o, e, G, ak, aq, ek, eq, nd, kw, dj, w, ck, cq;
   template <class Vec>
   static void grow(Vec& x, int64_t n) {
     if (x.size() < static_cast<size_t>(n)) x.resize(static_cast<size_t>(n));
   }
   void resize(int K, int rows, int L) {  // grows once per thread, then stays
     grow(S, static_cast<int64_t>(K) * rows);
-    for (auto* x : {&q, &k, &g, &alpha, &e, &G, &ak, &aq, &ek, &eq}) grow(*x, K);
+    for (auto* x : {&q, &k, &g, &alpha, &e, &G, &ak, &aq, &ek, &eq, &nd}) grow(*x, K);
     for (auto* x : {&v, &d, &o}) grow(*x, rows);
     grow(kw, static_cast<int64_t>(L) * K);
     grow(dj, static_cast<int64_t>(L) * rows);
@@ -37,8 +36,66 @@ struct Scratch {
   }
 };
 
-bool row_flushes(const ReplayProblem& p, int64_t n) {
-  return replay_flushes(p.write_pos[n], p.L, p.force_flush && p.force_flush[n] != 0);
+// The ring of one (slot, value head) with m records from position `base` (record j at
+// replay_position(base, j, L)), for state rows r0..r0+rows: G (K) holds Gtot (the sum of the
+// records' g, or with prefix gates the last record's), e = exp(Gtot), kw_j = W_j*k_j with W_j =
+// exp(Gtot - G_j) (KDA; pre-decayed keys k_j/exp(G_j) need only e: kw_j = e*k_ring_j; GDN keeps
+// the scalar W_j in w[j] and kw_j = k_j), dj this block's columns of the d records. Uses eq as
+// scratch. Shared by the decode step and the pool's materialization, so both rebuild a state
+// with the same operations.
+void prepare_ring(const ReplayProblem& p, Scratch& sc, int64_t slot, int hv, int m, int base,
+                  int r0, int rows) {
+  const int K = p.K, V = p.V, HV = p.HV, H = p.H, L = p.L;
+  const int h = hv / (HV / H);
+  const int g_width = p.gate.kda ? K : 1;
+  const bool prefix = p.modes.prefix_gates, predecay = p.modes.predecayed_k;
+  auto at = [&](int j) { return static_cast<int64_t>(replay_position(base, j, L)); };
+  const int64_t d_base = ((slot * HV + hv) * L) * V;        // d_cache[slot, hv, 0, 0]
+  const int64_t k_base = ((slot * H + h) * L) * K;          // k_cache[slot, h, 0, 0]
+  const int64_t g_base = ((slot * HV + hv) * L) * g_width;  // g_cache[slot, hv, 0(, 0)]
+  float* gtot = sc.G.data();
+  std::fill_n(gtot, K, 0.0f);
+  if (prefix) {
+    if (m > 0)
+      for (int i = 0; i < K; ++i) gtot[i] = p.g_cache[g_base + at(m - 1) * g_width + i];
+  } else {
+    for (int j = 0; j < m; ++j)
+      for (int i = 0; i < g_width; ++i) gtot[i] += p.g_cache[g_base + at(j) * g_width + i];
+    if (!p.gate.kda) std::fill_n(gtot + 1, K - 1, gtot[0]);
+  }
+  for (int i = 0; i < K; ++i) sc.e[i] = expf(gtot[i]);
+  float* prefix_j = sc.eq.data();  // G_j
+  std::fill_n(prefix_j, K, 0.0f);
+  for (int j = 0; j < m; ++j) {
+    float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
+    const float* gj = p.g_cache + g_base + at(j) * g_width;
+    if (prefix) std::copy_n(gj, K, prefix_j);
+    else
+      for (int i = 0; i < g_width; ++i) prefix_j[i] += gj[i];
+    load_row(p.k_cache, p.k_dtype, k_base + at(j) * K, K, kw);
+    load_row(p.d_cache, p.d_dtype, d_base + at(j) * V + r0, rows,
+             sc.dj.data() + static_cast<int64_t>(j) * rows);
+    sc.w[j] = 1.0f;
+    if (predecay) {
+      for (int i = 0; i < K; ++i) kw[i] *= sc.e[i];
+    } else if (p.gate.kda) {
+      for (int i = 0; i < K; ++i) kw[i] *= expf(gtot[i] - prefix_j[i]);
+    } else {
+      sc.w[j] = expf(gtot[0] - prefix_j[0]);
+    }
+  }
+}
+
+// The state before the token from the checkpoint rows S and the prepared ring: S = e*S0 +
+// sum_j d_j w_j kw_j (exact fp32 multiply-adds, in place).
+void rebuild_rows(float* S, int rows, int K, int m, const Scratch& sc, const simd::Kernels& vk) {
+  for (int r = 0; r < rows; ++r) {
+    float* row = S + static_cast<int64_t>(r) * K;
+    vk.mul(row, sc.e.data(), K);
+    for (int j = 0; j < m; ++j)
+      vk.axpy(row, sc.dj[static_cast<int64_t>(j) * rows + r] * sc.w[j],
+              sc.kw.data() + static_cast<int64_t>(j) * K, K);
+  }
 }
 }  // namespace
 
@@ -74,7 +131,14 @@ void run_replayssm_decode(const ReplayProblem& p) {
       return;
     }
     const int m = p.write_pos[n];
-    const bool flush = row_flushes(p, n);
+    const bool forced = p.force_flush && p.force_flush[n] != 0;
+    const bool circular = p.modes.circular;
+    const int base = circular ? p.modes.cache_base[n] : 0;
+    const bool full = replay_full_flush(m, L, forced, circular);        // fold the token in
+    const bool history = replay_history_flush(m, L, forced, circular);  // S0 <- S, then append
+    const bool prefix = p.modes.prefix_gates;    // g ring: cumulative gates (KDA)
+    const bool predecay = p.modes.predecayed_k;  // k ring: k / exp(G_j) (KDA)
+    auto at = [&](int j) { return static_cast<int64_t>(replay_position(base, j, L)); };
     const int64_t d_base = ((slot * HV + hv) * L) * V;        // d_cache[slot, hv, 0, 0]
     const int64_t k_base = ((slot * H + h) * L) * K;          // k_cache[slot, h, 0, 0]
     const int64_t g_base = ((slot * HV + hv) * L) * g_width;  // g_cache[slot, hv, 0(, 0)]
@@ -84,7 +148,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
     else if (!in_place) load_row(p.state.ptr, p.state.dtype, state_off, rows * K, S);
 
     // 1. The token: q, k normalized (q scaled), gate alpha = exp(g), beta (fp32, or rounded to
-    //    b's dtype with round_beta).
+    //    b's dtype with round_beta; always fp32 with pre-decayed keys, as SGLang).
     load_row(p.q.ptr, p.q.dtype, head_offset(p.q, n, 0, h), K, sc.q.data());
     load_row(p.k.ptr, p.k.dtype, head_offset(p.k, n, 0, h), K, sc.k.data());
     load_row(p.v.ptr, p.v.dtype, head_offset(p.v, n, 0, hv) + r0, rows, sc.v.data());
@@ -98,41 +162,16 @@ void run_replayssm_decode(const ReplayProblem& p) {
       sc.aq[i] = sc.alpha[i] * sc.q[i];
     }
     const float beta = beta_value(load_float(p.b.ptr, p.b.dtype, head_offset(p.b, n, 0, hv)),
-                                  /*is_logit=*/true, p.round_beta, p.b.dtype);
+                                  /*is_logit=*/true, p.round_beta && !predecay, p.b.dtype);
 
-    // 2. The ring (m records): e = exp(Gtot), kw_j = W_j*k_j (KDA; GDN keeps the scalar W_j in
-    //    w[j] and kw_j = k_j); dj holds this block's columns of the d records.
-    std::fill_n(sc.e.data(), K, 0.0f);  // Gtot, then e
-    for (int j = 0; j < m; ++j)
-      for (int i = 0; i < g_width; ++i) sc.e[i] += p.g_cache[g_base + j * g_width + i];
-    if (!p.gate.kda) std::fill_n(sc.e.data() + 1, K - 1, sc.e[0]);
-    float* prefix = sc.G.data();  // G_j
-    std::fill_n(prefix, K, 0.0f);
-    for (int j = 0; j < m; ++j) {
-      float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
-      for (int i = 0; i < g_width; ++i) prefix[i] += p.g_cache[g_base + j * g_width + i];
-      load_row(p.k_cache, p.k_dtype, k_base + static_cast<int64_t>(j) * K, K, kw);
-      load_row(p.d_cache, p.d_dtype, d_base + static_cast<int64_t>(j) * V + r0, rows,
-               sc.dj.data() + static_cast<int64_t>(j) * rows);
-      if (p.gate.kda) {
-        for (int i = 0; i < K; ++i) kw[i] *= expf(sc.e[i] - prefix[i]);
-        sc.w[j] = 1.0f;
-      } else {
-        sc.w[j] = expf(sc.e[0] - prefix[0]);
-      }
-    }
-    for (int i = 0; i < K; ++i) sc.e[i] = expf(sc.e[i]);
+    // 2. The ring (m records from position `base`): e, kw, w, dj; G holds Gtot.
+    prepare_ring(p, sc, slot, hv, m, base, r0, rows);
+    const float* gtot = sc.G.data();
 
-    if (flush) {
-      // 3f. Flush: rebuild the state before this token, S = e*S0 + sum_j d_j w_j kw_j, then the
-      //     plain delta-rule step on it (decay, dots, u, output, S0 <- alpha*S + u*k).
-      for (int r = 0; r < rows; ++r) {
-        float* row = S + static_cast<int64_t>(r) * K;
-        vk.mul(row, sc.e.data(), K);
-        for (int j = 0; j < m; ++j)
-          vk.axpy(row, sc.dj[static_cast<int64_t>(j) * rows + r] * sc.w[j],
-                  sc.kw.data() + static_cast<int64_t>(j) * K, K);
-      }
+    // 3f. Rebuild the state before this token, S = e*S0 + sum_j d_j w_j kw_j.
+    if (full || history) rebuild_rows(S, rows, K, m, sc, vk);
+    if (full) {
+      // A fold: the plain delta-rule step on S (decay, dots, u, output, S0 <- alpha*S + u*k).
       vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.q.data(), sc.v.data(), beta, kq,
                     sc.o.data());
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv) + r0, rows, sc.o.data());
@@ -140,23 +179,39 @@ void run_replayssm_decode(const ReplayProblem& p) {
       else if (!in_place) store_row(p.state.ptr, p.state.dtype, state_off, rows * K, S);
       return;
     }
+    if (history) {
+      // A history checkpoint (circular mode): S0 <- S (stored as a fold stores it), and the token
+      // runs as an appending step on the new checkpoint with an empty ring (e = 1, no records).
+      if (formatted) store_state_rows(p.state, rnd, rnd.key_of(slot), slot, hv, V, K, r0, rows, S);
+      else if (!in_place) store_row(p.state.ptr, p.state.dtype, state_off, rows * K, S);
+    }
+    const int records = history ? 0 : m;
+    float* new_decay = sc.nd.data();  // exp of the cumulative gate through this token (KDA)
+    for (int i = 0; i < K; ++i) new_decay[i] = history ? sc.alpha[i] : sc.e[i] * sc.alpha[i];
 
     // 3a. An appending step: the state before this token is never built. Per record the
     //     coefficients ck_j = w_j kw_j.(alpha*k), cq_j = w_j kw_j.(alpha*q); per row sk =
     //     S0.(e*alpha*k) + sum_j d_j ck_j, sq likewise with q; d = beta*(v - sk), o = sq + d*(k.q).
-    for (int j = 0; j < m; ++j) {
+    //     After a history checkpoint S0 is S and e = 1.
+    for (int j = 0; j < records; ++j) {
       const float* kw = sc.kw.data() + static_cast<int64_t>(j) * K;
       sc.ck[j] = sc.w[j] * dot(kw, sc.ak.data(), K);
       sc.cq[j] = sc.w[j] * dot(kw, sc.aq.data(), K);
     }
-    for (int i = 0; i < K; ++i) {
-      sc.ek[i] = sc.e[i] * sc.ak[i];
-      sc.eq[i] = sc.e[i] * sc.aq[i];
+    const float* ek = sc.ak.data();
+    const float* eq = sc.aq.data();
+    if (!history) {
+      for (int i = 0; i < K; ++i) {
+        sc.ek[i] = sc.e[i] * sc.ak[i];
+        sc.eq[i] = sc.e[i] * sc.aq[i];
+      }
+      ek = sc.ek.data();
+      eq = sc.eq.data();
     }
     for (int r = 0; r < rows; ++r) {
       const float* s0 = S + static_cast<int64_t>(r) * K;
-      float sk = dot(s0, sc.ek.data(), K), sq = dot(s0, sc.eq.data(), K);
-      for (int j = 0; j < m; ++j) {
+      float sk = dot(s0, ek, K), sq = dot(s0, eq, K);
+      for (int j = 0; j < records; ++j) {
         const float dj = sc.dj[static_cast<int64_t>(j) * rows + r];
         sk += dj * sc.ck[j];
         sq += dj * sc.cq[j];
@@ -165,22 +220,57 @@ void run_replayssm_decode(const ReplayProblem& p) {
       sc.o[r] = delta_output(sq, sc.d[r], kq);
     }
     store_row(p.out.ptr, p.out.dtype, head_offset(p.out, n, 0, hv) + r0, rows, sc.o.data());
-    // Append the record (d, k, g) at position m: this block's columns of d; g and k once per head.
-    store_row(p.d_cache, p.d_dtype, d_base + static_cast<int64_t>(m) * V + r0, rows, sc.d.data());
+    // Append the record (d, k, g) at position at(m): this block's columns of d; g and k once per
+    // head. Prefix gates store the cumulative gate (restarting after a history checkpoint);
+    // pre-decayed keys store k / exp(that cumulative gate), as SGLang forms it (a product of the
+    // exps).
+    const int64_t pos = at(m);
+    store_row(p.d_cache, p.d_dtype, d_base + pos * V + r0, rows, sc.d.data());
     if (first_block) {
-      for (int i = 0; i < g_width; ++i) p.g_cache[g_base + m * g_width + i] = sc.g[i];
-      if (hv % group == 0)  // one writer per key head
-        store_row(p.k_cache, p.k_dtype, k_base + static_cast<int64_t>(m) * K, K, sc.k.data());
+      float* gout = p.g_cache + g_base + pos * g_width;
+      for (int i = 0; i < g_width; ++i) gout[i] = prefix && !history ? gtot[i] + sc.g[i] : sc.g[i];
+      if (hv % group == 0) {  // one writer per key head
+        if (predecay)
+          for (int i = 0; i < K; ++i) sc.k[i] = sc.k[i] / new_decay[i];
+        store_row(p.k_cache, p.k_dtype, k_base + pos * K, K, sc.k.data());
+      }
     }
   });
 
   advance_step(p.state);
-  if (p.advance_write_pos) {
+  if (p.advance_write_pos) {  // the caller's rule (replay_advance), cache_base too when circular
     for (int64_t n = 0; n < p.B; ++n) {
       if (p.indices[n * p.index_stride] < 0) continue;
-      p.write_pos[n] = row_flushes(p, n) ? 0 : p.write_pos[n] + 1;
+      const bool forced = p.force_flush && p.force_flush[n] != 0;
+      int wp = 0, base = p.modes.circular ? p.modes.cache_base[n] : 0;
+      replay_advance(p.write_pos[n], p.L, forced, p.modes.circular, wp, base);
+      p.write_pos[n] = wp;
+      if (p.modes.circular) p.modes.cache_base[n] = base;
     }
   }
+}
+
+void run_replay_materialize(const ReplayProblem& p, int64_t src, int64_t dst, int m, int base) {
+  const int K = p.K, V = p.V, HV = p.HV, L = p.L;
+  const int64_t head_elems = static_cast<int64_t>(V) * K;
+  const int blocks = row_blocks(HV, V);
+  const int block_rows = (V + blocks - 1) / blocks;
+  const simd::Kernels& vk = simd::kernels();
+  const bool in_place = p.state.dtype == DType::f32;
+  parallel_for(static_cast<int64_t>(HV) * blocks, [&](int64_t task) {
+    thread_local Scratch sc;
+    const int hv = static_cast<int>(task / blocks);
+    const int r0 = static_cast<int>(task % blocks) * block_rows;
+    const int rows = std::min(block_rows, V - r0);
+    if (rows <= 0) return;
+    sc.resize(K, rows, L);
+    const int64_t off = dst * p.state.slot_stride + hv * head_elems + int64_t{r0} * K;
+    float* S = in_place ? static_cast<float*>(p.state.ptr) + off : sc.S.data();
+    if (!in_place) load_row(p.state.ptr, p.state.dtype, off, rows * K, S);
+    prepare_ring(p, sc, src, hv, m, base, r0, rows);
+    rebuild_rows(S, rows, K, m, sc, vk);
+    if (!in_place) store_row(p.state.ptr, p.state.dtype, off, rows * K, S);
+  });
 }
 
 }  // namespace deltastate::cpu

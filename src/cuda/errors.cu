@@ -84,6 +84,9 @@ std::string message(const detail::DeviceErrorRecord& r) {
   } else if (r.kind == detail::kErrRing) {
     m += "sequence " + std::to_string(r.row) + ": its cursors and drafts reach ring position " +
          std::to_string(r.index) + ", outside the ring of L=" + std::to_string(r.limit);
+  } else if (r.kind == detail::kErrCacheBase) {
+    m += "`cache_base`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
+         " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
   } else if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";

@@ -140,6 +140,11 @@ enum class FusedPlan { replay, replay_chain, cluster, chain, cta };
 template <class StateT, int K>
 FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
   const FusedChoice forced = forced_fused_kernel();
+  // SGLang's ring modes run only in the chain (replayssm_decode's ring-modes kernel as its decode;
+  // the one-launch kernel has the basic ring only), whatever DELTASTATE_CUDA_FUSED says.
+  const detail::ReplayModes& rm = p.replay.modes;
+  if (p.is_replay() && (rm.circular || rm.prefix_gates || rm.predecayed_k))
+    return FusedPlan::replay_chain;
   if (p.is_replay()) {
     // The ReplaySSM chain by default where a workspace is given: faster than the one-launch
     // kernel at every batch measured (bench/results/layer-step-chain-h200.json; the workspace
@@ -164,6 +169,13 @@ void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
   if (plan == FusedPlan::cluster && launch_cluster_k<StateT, K>(p, stream)) return;
   if (plan == FusedPlan::chain || plan == FusedPlan::replay_chain) {
     const int64_t need = fused_chain_workspace_bytes(p);
+    const detail::ReplayModes& rm = p.replay.modes;
+    if (!p.workspace && (rm.circular || rm.prefix_gates || rm.predecayed_k))
+      throw Error(ErrorKind::value,
+                  "fused_decode_step: SGLang's ring modes on CUDA run the ReplaySSM chain (the "
+                  "conv, replayssm_decode, the norm), which needs a `workspace` of " +
+                      std::to_string(need) +
+                      " bytes (fused_decode_step_workspace_bytes); none was given");
     if (!p.workspace)
       throw Error(ErrorKind::value,
                   "fused_decode_step: DELTASTATE_CUDA_FUSED=chain needs a `workspace` of " +

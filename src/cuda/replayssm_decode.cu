@@ -13,6 +13,7 @@
 #include "cuda/launch.h"
 #include "cuda/loads.cuh"
 #include "cuda/replayssm/decode.cuh"
+#include "cuda/replayssm/modes.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/tuning.h"
 
@@ -127,6 +128,41 @@ void dispatch(const ReplayProblem& p, cudaStream_t stream, bool run) {
   launch<StateT, 256, false, AnyInput>(p, stream, run);
 }
 
+bool ring_modes(const ReplayProblem& p) {
+  return p.modes.circular || p.modes.prefix_gates || p.modes.predecayed_k;
+}
+
+// The modes kernel's shared memory for K and L, opted in above 48 KB; not_implemented past the
+// device's maximum. `run` false: the check only.
+size_t mode_smem_checked(const ReplayProblem& p, int m_max) {
+  const int64_t bytes = mode_smem_floats(p.K, m_max) * 4;
+  const int max_smem = max_smem_optin(p.device.index);
+  if (bytes > max_smem)
+    throw Error(ErrorKind::not_implemented,
+                std::string(op_name(p)) + ": SGLang's ring modes with L=" + std::to_string(p.L) +
+                    ", K=" + std::to_string(p.K) + " need " + std::to_string(bytes) +
+                    " bytes of shared memory per block; this GPU offers " +
+                    std::to_string(max_smem));
+  return static_cast<size_t>(bytes);
+}
+
+void launch_modes(const ReplayProblem& p, cudaStream_t stream, bool run) {
+  const size_t bytes = mode_smem_checked(p, p.L);
+  if (!run) return;
+  if (bytes > 48 * 1024) {
+    static PerDeviceOnce opted;
+    opted.get(p.device.index, [&p] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_modes_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         max_smem_optin(p.device.index)));
+      return 1;
+    });
+  }
+  dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV));
+  launch_kernel(replay_modes_kernel, grid, kModeThreads, bytes, stream, p.pdl,
+                with_pdl_trigger(p, static_cast<int64_t>(p.B) * p.HV, 8));
+}
+
 }  // namespace
 
 void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
@@ -134,12 +170,33 @@ void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
   ReplayProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
+  if (ring_modes(p)) return launch_modes(p, s, true);
   with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s, true); });
 }
 
 void check_replayssm_decode_launch(const ReplayProblem& p) {
   DeviceGuard guard(p.device.index);
+  if (ring_modes(p)) return launch_modes(p, nullptr, false);
   with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, nullptr, false); });
+}
+
+void run_replay_materialize(const ReplayProblem& problem, int64_t src, int64_t dst, int m, int base,
+                            void* stream) {
+  DeviceGuard guard(problem.device.index);
+  const ReplayProblem& p = problem;
+  // The kernel's shared memory: gtot, e [K each], kw [m][K], w [L] (mode_smem_floats covers it).
+  const size_t bytes = mode_smem_checked(p, m);
+  if (bytes > 48 * 1024) {
+    static PerDeviceOnce opted;
+    opted.get(p.device.index, [&p] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_materialize_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         max_smem_optin(p.device.index)));
+      return 1;
+    });
+  }
+  launch_kernel(replay_materialize_kernel, dim3(static_cast<unsigned>(p.HV)), kModeThreads, bytes,
+                static_cast<cudaStream_t>(stream), false, p, src, dst, m, base);
 }
 
 }  // namespace deltastate::cuda_backend

@@ -6,6 +6,8 @@
 
 #include "api/backend.h"
 #include "core/error_text.h"
+#include "core/problem.h"
+#include "cpu/kernels.h"
 #include "deltastate/error.h"
 
 namespace deltastate {
@@ -265,7 +267,7 @@ void StatePool::clear_slot(int64_t slot, Stream stream) {
   }
 }
 
-void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
+void StatePool::fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ring) {
   check_slot(src, "fork");
   check_slot(dst, "fork");
   auto state = [this](int64_t s) {
@@ -276,11 +278,28 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
                 ll(src), state(src), ll(dst), state(dst)));
   if (src == dst) fail(format("StatePool.fork: src and dst are the same slot %lld", ll(src)));
   const int32_t wp = cursor(src, stream);
-  if (wp != 0)
+  const int64_t L = cfg_.replay_len;
+  if (wp != 0 && L == 0)
     fail(
         format("copy_from requires a fully-flushed ReplaySSM source (write_pos==0), got %d for "
                "src %lld",
                wp, ll(src)));
+  if (wp != 0) {  // every check before the first write
+    if (wp < 0 || wp >= L)
+      fail(format("StatePool.fork: the cursor of src %lld is %d, outside the ring [0, L-1=%lld]",
+                  ll(src), wp, ll(L - 1)));
+    if (ring.cache_base < 0 || ring.cache_base >= L)
+      fail(format("StatePool.fork: cache_base=%d is outside the ring [0, L-1=%lld]",
+                  ring.cache_base, ll(L - 1)));
+    if (ring.predecayed_k_cache && (!cfg_.kda || !ring.prefix_gate_cache))
+      fail("Pre-decayed K requires KDA circular replay with prefix gates.");
+    if (is_quantized(cfg_.state_dtype) || cfg_.stochastic_rounding())
+      throw Error(ErrorKind::not_implemented,
+                  format("StatePool.fork: src %lld has %d pending ReplaySSM records; materializing "
+                         "them runs on pools with float, nearest-rounded states only for now "
+                         "(flush the source first: force_flush at the track point)",
+                         ll(src), wp));
+  }
   for (const SlotRun& r : slot_runs()) {
     const char* from = at(r.offset + src * r.slot_step);
     char* to = at(r.offset + dst * r.slot_step);
@@ -291,6 +310,31 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream) {
     } else {
       for (int64_t i = 0; i < r.rows; ++i)
         std::memcpy(to + i * r.pitch, from + i * r.pitch, static_cast<size_t>(r.bytes));
+    }
+  }
+  if (wp != 0) {
+    for (int64_t layer = 0; layer < cfg_.layers; ++layer) {
+      const TensorView st = layer_state(layer), d = d_cache(layer), k = k_cache(layer);
+      detail::ReplayProblem p;
+      p.H = static_cast<int32_t>(cfg_.H);
+      p.HV = static_cast<int32_t>(cfg_.HV);
+      p.K = static_cast<int32_t>(cfg_.K);
+      p.V = static_cast<int32_t>(cfg_.V);
+      p.L = static_cast<int32_t>(L);
+      p.gate.kda = cfg_.kda;
+      p.state = {st.data, st.dtype, st.stride[0], st.shape[0]};
+      p.d_cache = d.data;
+      p.d_dtype = d.dtype;
+      p.k_cache = k.data;
+      p.k_dtype = k.dtype;
+      p.g_cache = static_cast<float*>(g_cache(layer).data);
+      p.modes.circular = ring.cache_base != 0;
+      p.modes.prefix_gates = ring.prefix_gate_cache && cfg_.kda;
+      p.modes.predecayed_k = ring.predecayed_k_cache;
+      p.device = cfg_.device;
+      if (on_cuda(cfg_))
+        cuda_backend::run_replay_materialize(p, src, dst, wp, ring.cache_base, stream);
+      else cpu::run_replay_materialize(p, src, dst, wp, ring.cache_base);
     }
   }
   set_cursor(dst, 0, stream);

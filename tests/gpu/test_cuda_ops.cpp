@@ -440,6 +440,130 @@ INSTANTIATE_TEST_SUITE_P(
         ReplayCase{"gdn_k64v256_f32_bf16act_L8", kK64V256, false, kNoLb, f32, bf16, 8}),
     case_name<ReplayCase>);
 
+// ==== ReplaySSM ring modes (SGLang's circular / prefix-gate / pre-decayed rings) ===============
+// The generic modes kernel (src/cuda/replayssm/modes.cuh) against the CPU backend over 3L + 4
+// steps: rows at different cache_base values, history checkpoints at natural flushes, forced
+// folds, a padded row; the caller advances write_pos and cache_base (SGLang's protocol) and
+// uploads them to both backends.
+struct ReplayModeCase {
+  const char* name;
+  Shape shape;
+  bool kda;
+  std::optional<double> lower_bound;
+  DType state, act, ring;
+  int L;
+  bool circular, prefix, predecay;
+};
+inline void PrintTo(const ReplayModeCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuReplayModes : public GpuParamTest<ReplayModeCase> {};
+
+TEST_P(GpuReplayModes, StepsMatchCpu) {
+  const ReplayModeCase& c = GetParam();
+  Rng rng = test_rng();
+  const int64_t B = 5, num_slots = 8;
+  const std::vector<int64_t> slots = pick_slots(rng, B, num_slots, {2});
+  Tensor pool = make_pool(c.state, num_slots, c.shape);
+  fill_live_slots(pool.view(), slots, rng);
+  Rings rings = make_rings(c.shape, c.kda, num_slots, c.L, c.ring, c.ring);
+  DecodeBatch batch = make_decode_batch(rng, c.shape, c.kda, slots, c.act);
+  std::vector<int64_t> wp(B, 0), base(B, 0);
+  for (int64_t r = 0; r < B; ++r) base[r] = c.circular ? (r * 3) % c.L : 0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.K));
+  Mirror dev;
+  dev.upload_all(pool, rings.d, rings.k, rings.g, batch.A_log, batch.dt_bias, batch.idx);
+  int histories = 0;
+  for (int step = 0; step < 3 * c.L + 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) batch.randomize(rng);
+    batch.poison_out();
+    std::vector<int64_t> force(B, 0);
+    for (int64_t r = 0; r < B; ++r) force[r] = rng.chance(0.1) ? 1 : 0;
+    Tensor wpt = index_tensor(wp, DType::i32), ff = index_tensor(force, DType::i32);
+    Tensor cb = index_tensor(base, DType::i32);
+    dev.upload_all(batch.x, batch.a, batch.b, batch.out, wpt, ff, cb);
+    ReplayDecodeArgs cpu_args =
+        replay_args(host_view, batch, pool.view(), rings.d.view(), rings.k.view(), rings.g.view(),
+                    wpt, &ff, scale, c.lower_bound);
+    ReplayDecodeArgs gpu_args =
+        replay_args(dev.views(), batch, dev.view(pool), dev.view(rings.d), dev.view(rings.k),
+                    dev.view(rings.g), wpt, &ff, scale, c.lower_bound);
+    cpu_args.cache_base = cb.view();
+    gpu_args.cache_base = dev.view(cb);
+    const bool advance = step % 2 == 1;  // the device cursor advance on every other step
+    for (ReplayDecodeArgs* a : {&cpu_args, &gpu_args}) {
+      a->circular_replay = c.circular;
+      a->prefix_gate_cache = c.prefix;
+      a->predecayed_k_cache = c.predecay;
+      a->advance_write_pos = advance;
+    }
+    deltastate::replayssm_decode(cpu_args);
+    deltastate::replayssm_decode(gpu_args);
+    sync();
+    deltastate::check_errors();
+    expect_rows_match(batch, dev.download(batch.out), slots, {5e-4, 1e-2});
+    const Tensor ckpt = dev.download(pool);
+    for (int64_t s : slots) {
+      if (s < 0) continue;
+      EXPECT_TRUE(close_vs_cpu(slot_values(ckpt.view(), s), slot_values(pool.view(), s),
+                               {4e-3, 1e-2}, c.state))
+          << "checkpoint of slot " << s;
+    }
+    EXPECT_TRUE(
+        close_vs_cpu(dev.download(rings.d).values(), rings.d.values(), {2e-3, 1e-2}, c.ring))
+        << "d ring";
+    EXPECT_TRUE(
+        close_vs_cpu(dev.download(rings.k).values(), rings.k.values(), {2e-3, 1e-2}, c.ring))
+        << "k ring";
+    EXPECT_TRUE(close_vs_cpu(dev.download(rings.g).values(), rings.g.values(), {1e-5, 1e-4}, f32))
+        << "g ring";
+    // The caller's protocol; without the advance the kernels move no cursor.
+    const std::vector<int64_t> gpu_wp = index_values(dev.download(wpt)),
+                               gpu_base = index_values(dev.download(cb));
+    if (!advance) {
+      EXPECT_EQ(gpu_wp, wp);
+      EXPECT_EQ(gpu_base, base);
+    }
+    for (int64_t r = 0; r < B; ++r) {
+      if (slots[r] < 0) continue;
+      const bool natural = wp[r] == c.L - 1;
+      if (c.circular && force[r]) {
+        wp[r] = base[r] = 0;
+      } else if (c.circular && natural && c.L > 1) {
+        base[r] = (base[r] + wp[r]) % c.L;
+        wp[r] = 1;
+        ++histories;
+      } else {
+        wp[r] = (natural || force[r]) ? 0 : wp[r] + 1;
+      }
+    }
+    if (advance) {  // the device moved them by the same rule as the CPU backend
+      EXPECT_EQ(gpu_wp, wp);
+      EXPECT_EQ(index_values(wpt), wp);
+      EXPECT_EQ(gpu_base, base);
+      EXPECT_EQ(index_values(cb), base);
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+  if (c.circular && c.L > 1) {
+    EXPECT_GT(histories, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuReplayModes,
+    ::testing::Values(ReplayModeCase{"gdn_qwen_circular_f32_L8", kQwen3Next, false, kNoLb, f32,
+                                     bf16, f32, 8, true, false, false},
+                      ReplayModeCase{"gdn_qwen_circular_bf16ckpt_L4", kQwen3Next, false, kNoLb,
+                                     bf16, bf16, bf16, 4, true, false, false},
+                      ReplayModeCase{"kda_kimi_prefix_f32_L4", kKimi, true, kLb, f32, f32, f32, 4,
+                                     false, true, false},
+                      ReplayModeCase{"kda_kimi_circular_prefix_L5", kKimi, true, kNoLb, f32, bf16,
+                                     f32, 5, true, true, false},
+                      ReplayModeCase{"kda_kimi_predecay_bf16ring_L16", kKimi, true, kLb, f32, bf16,
+                                     bf16, 16, true, true, true}),
+    [](const ::testing::TestParamInfo<ReplayModeCase>& i) { return std::string(i.param.name); });
+
 // ==== a pool of more than 4096 slots ===========================================================
 // 4100 fp32 Qwen3-Next slots (2 MiB each, 8.6 GB): slot * slot_stride passes 2^31 elements at slot
 // 4096, so 32-bit offsets would wrap. Live rows use slots at the end of the pool (and one below
