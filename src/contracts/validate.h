@@ -90,5 +90,6 @@ CommitProblem validate_conv_commit(const ConvCommitArgs& args);
 // ReplaySSM speculative verify and its cursor commit (contracts/replayssm_verify.cpp).
 ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args);
 ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args);
+ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args);
 
 }  // namespace deltastate::detail

@@ -68,6 +68,7 @@ std::string message(const detail::DeviceErrorRecord& r) {
                    : r.op == detail::kErrOpReplayVerify ? "replayssm_verify"
                    : r.op == detail::kErrOpReplayCommit ? "replayssm_commit"
                    : r.op == detail::kErrOpConvCommit   ? "update_conv_state_after_verify"
+                   : r.op == detail::kErrOpReplayFold   ? "replayssm_fold_commit"
                                                         : "recurrent";
   const char* index_name = r.op == detail::kErrOpConv         ? "conv_state_indices"
                            : r.op == detail::kErrOpConvCommit ? "state_indices"
@@ -82,7 +83,7 @@ std::string message(const detail::DeviceErrorRecord& r) {
          std::to_string(r.index) + ") is outside its buffer or table (limit " +
          std::to_string(r.limit) + ")";
   } else if (r.kind == detail::kErrRing) {
-    m += "sequence " + std::to_string(r.row) + ": its cursors and drafts reach ring position " +
+    m += "sequence " + std::to_string(r.row) + ": a cursor (write_pos or cache_base) is " +
          std::to_string(r.index) + ", outside the ring of L=" + std::to_string(r.limit);
   } else if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +

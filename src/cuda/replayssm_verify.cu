@@ -8,6 +8,7 @@
 #include "api/backend.h"
 #include "core/problem.h"
 #include "cuda/launch.h"
+#include "cuda/replayssm/fold.cuh"
 #include "cuda/replayssm/verify.cuh"
 #include "cuda/tuning.h"
 
@@ -100,6 +101,20 @@ void run_replayssm_commit(const detail::ReplayCommitProblem& problem, void* stre
   const unsigned blocks = static_cast<unsigned>((p.B + kRvCommitThreads - 1) / kRvCommitThreads);
   launch_kernel(replay_commit_kernel, dim3(blocks), kRvCommitThreads, 0,
                 static_cast<cudaStream_t>(stream), p.pdl, p);
+}
+
+void run_replayssm_fold_commit(const detail::ReplayFoldProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  detail::ReplayFoldProblem p = problem;
+  p.errors = device_errors(p.device.index);
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;
+  if (p.B > 0x7fffffff || heads > 65535)
+    throw Error(ErrorKind::value,
+                "replayssm_fold_commit: too many rows or layers * heads for one launch");
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(heads),
+                  static_cast<unsigned>((p.V + kFoldRows - 1) / kFoldRows));
+  launch_kernel(replay_fold_kernel, grid, kFoldWarps * 32, 0, static_cast<cudaStream_t>(stream),
+                p.pdl, p);
 }
 
 }  // namespace deltastate::cuda_backend
