@@ -684,4 +684,32 @@ struct ReplayFoldArgs {
 };
 void replayssm_fold_commit(const ReplayFoldArgs& args);
 
+// SGLang's compact circular commit (commit_gdn_replayssm_circular, GDN): after the cursor commit,
+// materialize the circular history only where needed, every layer in one call. For each layer,
+// row b with live slot s = state_indices[b] (> null_block_id) and ring row r = replay_indices[b],
+// n = write_pos[r] (already advanced by this step's accept_lens[b]), per value head, with
+// G_j = g_0 + .. + g_j over the records at ring positions (cache_base[r] + j) % L:
+//   fold (is_flush[r] != 0): state[s] = e^{G_{n-1}} state[s] + sum_{j<n} e^{G_{n-1} - G_j}
+//                            (d_j + d_res_j) (k_j + k_res_j)^T  (fp32; the records j < n only)
+//   track (track_indices[b] > null_block_id, steps_to_track[b] >= 0): the same over the first
+//                            m = n - accept_lens[b] + steps_to_track[b] + 1 records (all m <= 0:
+//                            the checkpoint itself), stored into state[track_indices[b]];
+// then for each folded row: cache_base[r] = (cache_base[r] + n) % L, write_pos[r] = 0,
+// is_flush[r] = 0. d_cache [layers?, R, HV, L, V], k_cache [layers?, R, H, L, K] (floating),
+// g_cache [layers?, R, HV, L] fp32, d_residual / k_residual (optional, together) like d / k;
+// compact below the ring row, any layer and row strides; state as ReplayFoldArgs.
+// write_pos, cache_base [R] int32, is_flush [R] int32 or int8; the index vectors [B] int32/int64.
+// A bad row: a ValueError on CPU tensors before anything is written; CUDA: skipped and recorded.
+struct ReplayCircularCommitArgs {
+  TensorView state, d_cache, k_cache, g_cache;
+  std::optional<TensorView> d_residual, k_residual;
+  TensorView state_indices, replay_indices, write_pos, cache_base, is_flush, accept_lens;
+  std::optional<TensorView> track_indices, steps_to_track;
+  int64_t null_block_id = -1;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void replayssm_circular_commit(const ReplayCircularCommitArgs& args);
+
 }  // namespace deltastate

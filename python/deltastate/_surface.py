@@ -2256,6 +2256,124 @@ def _sglang_folds() -> Tuple[Op, ...]:
     )
 
 
+# ---- the compact circular commit --------------------------------------------------------------
+_CIRC_OP_ORDER = ("state", "d_cache", "k_cache", "g_cache", "state_indices", "replay_indices",
+                  "write_pos", "cache_base", "is_flush", "accept_lens", "d_residual",
+                  "k_residual", "track_indices", "steps_to_track", "null_block_id",
+                  "check_indices", "pdl")
+
+_CIRC_DOC = """The compact circular commit (GDN), after :func:`replayssm_commit`: where needed, the
+    circular history becomes a state, every layer in one call. For each layer and live row b
+    (slot s = state_indices[b] > null_block_id, ring row r = replay_indices[b], n =
+    write_pos[r], already advanced by accept_lens[b]): when is_flush[r] != 0 the checkpoint
+    becomes the state after the n records (e^{G} state + the records' decayed d k^T, d and k
+    plus their residuals when given, fp32), and with track_indices[b] > null_block_id and
+    steps_to_track[b] >= 0 the state after the first n - accept_lens[b] + steps_to_track[b] + 1
+    records goes to slot track_indices[b]; then each folded row's cache_base moves by n (mod L),
+    its write_pos and is_flush become 0. state [layers, slots, HV, V, K] (or one layer); d_cache
+    [.., R, HV, L, V], k_cache [.., R, H, L, K], g_cache [.., R, HV, L] float32, d_residual /
+    k_residual like d / k (optional, together); write_pos, cache_base [R] int32, is_flush [R]
+    int32 or int8. Returns None."""
+
+
+def _circular_core() -> Op:
+    return Op(
+        name="replayssm_circular_commit",
+        public="replayssm_circular_commit",
+        doc=_CIRC_DOC,
+        args=(
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("d_cache", TENSOR, dtypes=FLOATING),
+            Arg("k_cache", TENSOR, dtypes=FLOATING),
+            Arg("g_cache", TENSOR, dtypes=FLOAT32),
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("replay_indices", TENSOR, dtypes=INDEX),
+            Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
+            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True),
+            Arg("is_flush", TENSOR, dtypes=FLAGS, mutated=True),
+            Arg("accept_lens", TENSOR, dtypes=INDEX),
+            Arg("d_residual", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("k_residual", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("track_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("steps_to_track", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("null_block_id", INT64, -1),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns=(),
+        op_order=_CIRC_OP_ORDER,
+        schema_defaults_from="d_residual",
+    )
+
+
+def _circular_prepare(op, checkpoint_state, d_cache, k_cache, g_cache, d_residual_cache,
+                      k_residual_cache, state_batch_indices, replay_indices, mamba_track_indices,
+                      mamba_steps_to_track):
+    return (checkpoint_state, d_cache, k_cache, g_cache, d_residual_cache, k_residual_cache,
+            state_batch_indices, replay_indices, mamba_track_indices, mamba_steps_to_track)
+
+
+def _sglang_circular() -> Op:
+    doc = """SGLang's ``commit_gdn_replayssm_circular`` (keyword-only, as SGLang's) on
+    :func:`replayssm_circular_commit`: materialize the circular history only for capacity
+    (is_flush) and track rows, after commit_gdn_replayssm_spec advanced write_pos by the accepted
+    length. checkpoint_state [num_layers, slots, HV, V, K]; d_cache, k_cache, g_cache and the
+    optional d_residual_cache / k_residual_cache (the hi/lo residual ring of
+    gdn_replayssm_spec_decode) [num_layers, R, ...]; state_batch_indices, replay_indices,
+    accept_lens [B]; write_pos, cache_base, is_flush [R]; mamba_track_indices /
+    mamba_steps_to_track [B] (optional). Returns None. Differences: the history term is an fp32
+    sum over the records (SGLang: tensor-core dots of hi/lo bf16 parts); only the records that
+    count are read (SGLang's masks zero the others' weights); on CPU tensors a bad row is a
+    ValueError."""
+    return Op(
+        name="commit_gdn_replayssm_circular",
+        public="commit_gdn_replayssm_circular",
+        binding="replayssm_circular_commit",
+        doc=doc,
+        args=(
+            Arg("checkpoint_state", ANY, keyword=True, op=False),
+            Arg("d_cache", ANY, keyword=True, op=False),
+            Arg("k_cache", ANY, keyword=True, op=False),
+            Arg("g_cache", ANY, keyword=True, op=False),
+            Arg("d_residual_cache", ANY, keyword=True, op=False),
+            Arg("k_residual_cache", ANY, keyword=True, op=False),
+            Arg("state_batch_indices", ANY, keyword=True, op=False),
+            Arg("replay_indices", ANY, keyword=True, op=False),
+            Arg("write_pos", TENSOR, dtypes=INT32, mutated=True, keyword=True),
+            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True, keyword=True),
+            Arg("is_flush", TENSOR, dtypes=FLAGS, mutated=True, keyword=True),
+            Arg("accept_lens", TENSOR, dtypes=INDEX, keyword=True),
+            Arg("mamba_track_indices", ANY, None, keyword=True, op=False),
+            Arg("mamba_steps_to_track", ANY, None, keyword=True, op=False),
+            Arg("null_block_id", INT64, -1, keyword=True),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True, public=False,
+                shown_as="checkpoint_state"),
+            Arg("d_cache", TENSOR, dtypes=FLOATING, public=False, shown_as="d_cache"),
+            Arg("k_cache", TENSOR, dtypes=FLOATING, public=False, shown_as="k_cache"),
+            Arg("g_cache", TENSOR, dtypes=FLOAT32, public=False, shown_as="g_cache"),
+            Arg("d_residual", OPT_TENSOR, None, dtypes=FLOATING, public=False,
+                shown_as="d_residual_cache"),
+            Arg("k_residual", OPT_TENSOR, None, dtypes=FLOATING, public=False,
+                shown_as="k_residual_cache"),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
+                shown_as="state_batch_indices"),
+            Arg("replay_indices", TENSOR, dtypes=INDEX, public=False, shown_as="replay_indices"),
+            Arg("track_indices", OPT_TENSOR, None, dtypes=INDEX, public=False,
+                shown_as="mamba_track_indices"),
+            Arg("steps_to_track", OPT_TENSOR, None, dtypes=INDEX, public=False,
+                shown_as="mamba_steps_to_track"),
+        ),
+        returns=(),
+        op_order=_CIRC_OP_ORDER,
+        schema_defaults_from="d_residual",
+        prepare=_circular_prepare,
+        fills=("state", "d_cache", "k_cache", "g_cache", "d_residual", "k_residual",
+               "state_indices", "replay_indices", "track_indices", "steps_to_track"),
+    )
+
+
 OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurrent(False),
                        _fla(False), _fla(True), _REPLAY, _HELION_REPLAY,
                        _chunk(False), _chunk(True),
@@ -2263,4 +2381,4 @@ OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurre
                        _verify_core(), _sglang_verify(), _flashinfer_mtp(), _commit(),
                        _sglang_scatter(), _conv_commit(), _sglang_conv_scatter(),
                        _replay_verify_core(), _gdn_spec(), _replay_commit(), _gdn_spec_commit(),
-                       _fold_core()) + _sglang_folds()
+                       _fold_core(), _circular_core(), _sglang_circular()) + _sglang_folds()

@@ -828,6 +828,33 @@ constexpr auto replayssm_fold_commit = bind(
         Field<&RFA::pdl>{"pdl"},
     });
 
+using RCC = ds::ReplayCircularCommitArgs;
+constexpr auto replayssm_circular_commit = bind(
+    "replayssm_circular_commit",
+    +[](RCC& a) {
+      a.stream = stream_for(a.state);
+      ds::replayssm_circular_commit(a);
+    },
+    std::tuple{
+        Field<&RCC::state>{"state"},
+        Field<&RCC::d_cache>{"d_cache"},
+        Field<&RCC::k_cache>{"k_cache"},
+        Field<&RCC::g_cache>{"g_cache"},
+        Field<&RCC::d_residual>{"d_residual"},
+        Field<&RCC::k_residual>{"k_residual"},
+        Field<&RCC::state_indices>{"state_indices"},
+        Field<&RCC::replay_indices>{"replay_indices"},
+        Field<&RCC::write_pos>{"write_pos"},
+        Field<&RCC::cache_base>{"cache_base"},
+        Field<&RCC::is_flush>{"is_flush"},
+        Field<&RCC::accept_lens>{"accept_lens"},
+        Field<&RCC::track_indices>{"track_indices"},
+        Field<&RCC::steps_to_track>{"steps_to_track"},
+        Field<&RCC::null_block_id>{"null_block_id"},
+        Field<&RCC::check_indices>{"check_indices"},
+        Field<&RCC::pdl>{"pdl"},
+    });
+
 ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   ffi::Map<ffi::String, ffi::Array<ffi::String>> m;
   m.Set(gdn_packed_decode.name, signature(gdn_packed_decode));
@@ -846,6 +873,7 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(replayssm_verify.name, signature(replayssm_verify));
   m.Set(replayssm_commit.name, signature(replayssm_commit));
   m.Set(replayssm_fold_commit.name, signature(replayssm_fold_commit));
+  m.Set(replayssm_circular_commit.name, signature(replayssm_circular_commit));
   return m;
 }
 
@@ -1071,6 +1099,7 @@ DELTASTATE_EXPORT_OP(update_conv_state_after_verify)
 DELTASTATE_EXPORT_OP(replayssm_verify)
 DELTASTATE_EXPORT_OP(replayssm_commit)
 DELTASTATE_EXPORT_OP(replayssm_fold_commit)
+DELTASTATE_EXPORT_OP(replayssm_circular_commit)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_decode_step_workspace_bytes, fused_decode_step_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);

@@ -110,6 +110,11 @@ PUBLIC = {
         '(checkpoint_state, rawv_cache, rawk_cache, gk_cache, beta_cache, ssm_state_indices, accept_lens, max_cache_len, num_k_heads, mamba_track_indices=None, mamba_steps_to_track=None, use_qk_l2norm_in_kernel=True, null_block_id=0, *, check_indices=None, pdl=False)',
     'commit_kda_replayssm_spec_all_layers':
         '(checkpoint_state, rawv_cache, rawk_cache, gk_cache, beta_cache, ssm_state_indices, accept_lens, max_cache_len, num_k_heads, mamba_track_indices=None, mamba_steps_to_track=None, use_qk_l2norm_in_kernel=True, null_block_id=0, *, check_indices=None, pdl=False)',
+    # the compact circular commit
+    'replayssm_circular_commit':
+        '(state, d_cache, k_cache, g_cache, state_indices, replay_indices, write_pos, cache_base, is_flush, accept_lens, d_residual=None, k_residual=None, track_indices=None, steps_to_track=None, null_block_id=-1, *, check_indices=None, pdl=False)',
+    'commit_gdn_replayssm_circular':
+        '(*, checkpoint_state, d_cache, k_cache, g_cache, d_residual_cache, k_residual_cache, state_batch_indices, replay_indices, write_pos, cache_base, is_flush, accept_lens, mamba_track_indices=None, mamba_steps_to_track=None, null_block_id=-1, check_indices=None, pdl=False)',
 }
 
 _PACKED_SCHEMA = (
@@ -193,6 +198,11 @@ SCHEMAS = {
         'commit_kda_replayssm_spec(Tensor(a!) state, Tensor rawv, Tensor rawk, Tensor g, Tensor beta, Tensor state_indices, Tensor accept_lens, Tensor? track_indices=None, Tensor? steps_to_track=None, bool is_kda=True, bool use_qk_l2norm_in_kernel=True, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
     'commit_kda_replayssm_spec_all_layers':
         'commit_kda_replayssm_spec_all_layers(Tensor(a!) state, Tensor rawv, Tensor rawk, Tensor g, Tensor beta, Tensor state_indices, Tensor accept_lens, Tensor? track_indices=None, Tensor? steps_to_track=None, bool is_kda=True, bool use_qk_l2norm_in_kernel=True, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
+    # the compact circular commit
+    'replayssm_circular_commit':
+        'replayssm_circular_commit(Tensor(a!) state, Tensor d_cache, Tensor k_cache, Tensor g_cache, Tensor state_indices, Tensor replay_indices, Tensor(b!) write_pos, Tensor(c!) cache_base, Tensor(d!) is_flush, Tensor accept_lens, Tensor? d_residual=None, Tensor? k_residual=None, Tensor? track_indices=None, Tensor? steps_to_track=None, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',
+    'commit_gdn_replayssm_circular':
+        'commit_gdn_replayssm_circular(Tensor(a!) state, Tensor d_cache, Tensor k_cache, Tensor g_cache, Tensor state_indices, Tensor replay_indices, Tensor(b!) write_pos, Tensor(c!) cache_base, Tensor(d!) is_flush, Tensor accept_lens, Tensor? d_residual=None, Tensor? k_residual=None, Tensor? track_indices=None, Tensor? steps_to_track=None, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',
 }
 
 

@@ -2,6 +2,7 @@
 // and the slot indices are the verify op's contract (contracts/verify.cpp, no state written);
 // this file checks the rings (the texts of replayssm_decode's contract), the slot-keyed cursors
 // and, on CPU tensors, every slot and cursor before anything is written.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -368,6 +369,166 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
       if (p.track.ptr) {
         const int64_t ts = p.track.at(b, 0), step = p.steps.at(b, 0);
         if (ts > p.null_block_id && step >= 0 && step < a && ts >= S)
+          fail(format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld slots",
+                      ll(b), ll(ts), ll(S)));
+      }
+    }
+  }
+  return p;
+}
+
+ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCommitArgs& args) {
+  const TensorView& st = args.state;
+  if (st.ndim != 4 && st.ndim != 5)
+    fail(
+        format("`checkpoint_state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got "
+               "ndim=%d).",
+               st.ndim));
+  const bool layered = st.ndim == 5;
+  const int lead = layered ? 1 : 0;
+  const int64_t layers = layered ? st.shape[0] : 1, S = st.shape[lead];
+  const int64_t HV = st.shape[lead + 1], V = st.shape[lead + 2], K = st.shape[lead + 3];
+  if (!is_floating(st.dtype))
+    fail(format("`checkpoint_state` must be floating (got %s).",
+                dtype_mark(dtype_name(st.dtype)).c_str()));
+  if (st.stride[lead + 3] != 1 || st.stride[lead + 2] != K || st.stride[lead + 1] != V * K)
+    fail(
+        "`checkpoint_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary "
+        "slot (and layer) stride is supported.");
+  const TensorView &dc = args.d_cache, &kc = args.k_cache, &gc = args.g_cache;
+  const int64_t R = dc.ndim == st.ndim ? dc.shape[lead] : 0;
+  const int64_t L = dc.ndim == st.ndim ? dc.shape[lead + 2] : 0;
+  const int64_t H = kc.ndim == st.ndim ? kc.shape[lead + 1] : 0;
+  auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> inner,
+                  bool f32) {
+    std::vector<int64_t> want;
+    if (layered) want.push_back(layers);
+    want.push_back(R);
+    want.insert(want.end(), inner.begin(), inner.end());
+    bool ok = t.ndim == static_cast<int>(want.size());
+    for (size_t i = 0; ok && i < want.size(); ++i) ok = t.shape[i] == want[i];
+    if (!ok)
+      fail(format("`%s` must have shape %s (got %s).", name,
+                  tuple_str(want.data(), static_cast<int>(want.size())).c_str(),
+                  shape_str(t).c_str()));
+    int64_t expect = 1;
+    for (int d = t.ndim - 1; d > lead; --d) {
+      if (t.shape[d] != 1 && t.stride[d] != expect)
+        fail(
+            format("`%s` must be contiguous below its row dimension; an arbitrary row (and "
+                   "layer) stride is supported.",
+                   name));
+      expect *= t.shape[d];
+    }
+    if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
+      fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).", name,
+                  dtype_mark(dtype_name(t.dtype)).c_str()));
+    if (!(t.device == st.device)) fail("All inputs must be on the same device.");
+  };
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  if (H < 1 || HV % H != 0)
+    fail(format("`k_cache` must have H key heads with HV %% H == 0 (HV=%lld, got H=%lld).", ll(HV),
+                ll(H)));
+  ring("d_cache", dc, {HV, L, V}, false);
+  ring("k_cache", kc, {H, L, K}, false);
+  ring("g_cache", gc, {HV, L}, true);
+  if (args.d_residual.has_value() != args.k_residual.has_value())
+    fail("`d_residual_cache` and `k_residual_cache` go together");
+  if (args.d_residual) {
+    ring("d_residual_cache", *args.d_residual, {HV, L, V}, false);
+    ring("k_residual_cache", *args.k_residual, {H, L, K}, false);
+  }
+  const Device dev = st.device;
+  if (dev.type != DeviceType::cpu && K > 256)
+    fail(format("commit_gdn_replayssm_circular: K=%lld; CUDA tensors take K <= 256", ll(K)));
+  // The cursor tables: one entry per replay row in use (C entries; C may differ from R).
+  if (args.write_pos.ndim != 1) fail("`write_pos` must be a contiguous 1D int32 tensor.");
+  const int64_t C = args.write_pos.shape[0];
+  check_cursor("write_pos", args.write_pos, C, dev);
+  check_cursor("cache_base", args.cache_base, C, dev);
+  check_cursor("is_flush", args.is_flush, C, dev, true);
+  const TensorView& idx = args.state_indices;
+  if (idx.ndim != 1) fail(format("`state_batch_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
+  const int64_t B = idx.shape[0];
+  ReplayCircularProblem p;
+  p.slots = index_entries("state_batch_indices", idx, B, dev);
+  p.rows = index_entries("replay_indices", args.replay_indices, B, dev);
+  p.accepted = index_entries("accept_lens", args.accept_lens, B, dev);
+  if (args.track_indices.has_value() != args.steps_to_track.has_value())
+    fail("`mamba_track_indices` and `mamba_steps_to_track` go together");
+  if (args.track_indices) {
+    p.track = index_entries("mamba_track_indices", *args.track_indices, B, dev);
+    p.steps = index_entries("mamba_steps_to_track", *args.steps_to_track, B, dev);
+  }
+  p.B = static_cast<int32_t>(B);
+  p.layers = static_cast<int32_t>(layers);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(HV);
+  p.K = static_cast<int32_t>(K);
+  p.V = static_cast<int32_t>(V);
+  p.L = static_cast<int32_t>(L);
+  p.state = st.data;
+  p.state_dtype = st.dtype;
+  p.state_layer_stride = layered ? st.stride[0] : 0;
+  p.state_slot_stride = st.stride[lead];
+  p.num_slots = S;
+  p.d = dc.data;
+  p.d_dtype = dc.dtype;
+  p.d_layer_stride = layered ? dc.stride[0] : 0;
+  p.d_row_stride = dc.stride[lead];
+  p.k = kc.data;
+  p.k_dtype = kc.dtype;
+  p.k_layer_stride = layered ? kc.stride[0] : 0;
+  p.k_row_stride = kc.stride[lead];
+  p.g = static_cast<const float*>(gc.data);
+  p.g_layer_stride = layered ? gc.stride[0] : 0;
+  p.g_row_stride = gc.stride[lead];
+  if (args.d_residual) {
+    const TensorView &dr = *args.d_residual, &kr = *args.k_residual;
+    p.d_res = dr.data;
+    p.d_res_dtype = dr.dtype;
+    p.d_res_layer_stride = layered ? dr.stride[0] : 0;
+    p.d_res_row_stride = dr.stride[lead];
+    p.k_res = kr.data;
+    p.k_res_dtype = kr.dtype;
+    p.k_res_layer_stride = layered ? kr.stride[0] : 0;
+    p.k_res_row_stride = kr.stride[lead];
+  }
+  p.write_pos = static_cast<int32_t*>(args.write_pos.data);
+  p.cache_base = static_cast<int32_t*>(args.cache_base.data);
+  p.is_flush = args.is_flush.data;
+  p.flush_dtype = args.is_flush.dtype;
+  p.ring_rows = std::min(R, C);
+  p.null_block_id = args.null_block_id;
+  p.device = dev;
+  p.pdl = args.pdl;
+  const bool on_cpu = dev.type == DeviceType::cpu;
+  p.check_indices = args.check_indices.value_or(on_cpu);
+  if (on_cpu && p.check_indices) {
+    std::vector<char> used(static_cast<size_t>(R), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = p.slots.at(b, 0), r = p.rows.at(b, 0);
+      if (slot <= p.null_block_id) continue;
+      if (slot >= S)
+        fail(format("`state_batch_indices`[%lld]=%lld is out of range for a pool of %lld slots",
+                    ll(b), ll(slot), ll(S)));
+      if (r < 0 || r >= p.ring_rows)
+        fail(
+            format("`replay_indices`[%lld]=%lld is out of range for rings of %lld rows and "
+                   "cursor tables of %lld entries",
+                   ll(b), ll(r), ll(R), ll(C)));
+      if (used[static_cast<size_t>(r)])
+        fail(format("`replay_indices`[%lld]=%lld repeats a live row of this batch", ll(b), ll(r)));
+      used[static_cast<size_t>(r)] = 1;
+      const int64_t n = p.write_pos[r], base = p.cache_base[r];
+      if (n < 0 || n > L)
+        fail(format("`write_pos`[%lld]=%lld is outside the ring [0, L=%lld]", ll(r), ll(n), ll(L)));
+      if (base < 0 || base >= L)
+        fail(format("`cache_base`[%lld]=%lld is outside the ring [0, L-1=%lld]", ll(r), ll(base),
+                    ll(L - 1)));
+      if (p.track.ptr) {
+        const int64_t ts = p.track.at(b, 0), step = p.steps.at(b, 0);
+        if (ts > p.null_block_id && step >= 0 && ts >= S)
           fail(format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld slots",
                       ll(b), ll(ts), ll(S)));
       }

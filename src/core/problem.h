@@ -108,16 +108,17 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpChunkGdn = 3,       // chunk_prefill, GDN (chunk_gated_delta_rule)
-  kErrOpChunkKda = 4,       // chunk_prefill, KDA (chunk_kda)
-  kErrOpConv = 5,           // causal_conv1d_update
-  kErrOpFusedStep = 6,      // gdn_/kda_fused_decode_step
-  kErrOpVerify = 7,         // verify
-  kErrOpCommit = 8,         // update_state_after_verify
-  kErrOpReplayVerify = 9,   // replayssm_verify
-  kErrOpReplayCommit = 10,  // replayssm_commit
-  kErrOpConvCommit = 11,    // update_conv_state_after_verify
-  kErrOpReplayFold = 12     // replayssm_fold_commit
+  kErrOpChunkGdn = 3,        // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,        // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,            // causal_conv1d_update
+  kErrOpFusedStep = 6,       // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,          // verify
+  kErrOpCommit = 8,          // update_state_after_verify
+  kErrOpReplayVerify = 9,    // replayssm_verify
+  kErrOpReplayCommit = 10,   // replayssm_commit
+  kErrOpConvCommit = 11,     // update_conv_state_after_verify
+  kErrOpReplayFold = 12,     // replayssm_fold_commit
+  kErrOpReplayCircular = 13  // replayssm_circular_commit
 };
 // kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
 // then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
@@ -450,6 +451,40 @@ struct VerifyProblem {
   float* ring_g = nullptr;     // [S, HV, L(, K)]
   float* ring_beta = nullptr;  // [S, HV, L]
   int32_t ring_len = 0;
+};
+
+// The compact circular commit (ops.h ReplayCircularCommitArgs): per (layer, row, value head),
+// then the folded rows' cursors.
+struct ReplayCircularProblem {
+  int32_t B = 0, layers = 1, H = 0, HV = 0, K = 0, V = 0, L = 0;
+  void* state = nullptr;
+  DType state_dtype = DType::f32;
+  int64_t state_layer_stride = 0, state_slot_stride = 0, num_slots = 0;
+  const void* d = nullptr;  // [layers, R, HV, L, V]
+  DType d_dtype = DType::f32;
+  int64_t d_layer_stride = 0, d_row_stride = 0;
+  const void* k = nullptr;  // [layers, R, H, L, K]
+  DType k_dtype = DType::f32;
+  int64_t k_layer_stride = 0, k_row_stride = 0;
+  const float* g = nullptr;  // [layers, R, HV, L]
+  int64_t g_layer_stride = 0, g_row_stride = 0;
+  const void* d_res = nullptr;  // null: no residuals
+  DType d_res_dtype = DType::f32;
+  int64_t d_res_layer_stride = 0, d_res_row_stride = 0;
+  const void* k_res = nullptr;
+  DType k_res_dtype = DType::f32;
+  int64_t k_res_layer_stride = 0, k_res_row_stride = 0;
+  int32_t* write_pos = nullptr;  // [R]
+  int32_t* cache_base = nullptr;
+  void* is_flush = nullptr;
+  DType flush_dtype = DType::i32;
+  int64_t ring_rows = 0;
+  IndexTable slots, rows, accepted, track, steps;  // [B, 1]; track.ptr null: none
+  int64_t null_block_id = -1;
+  bool check_indices = false;
+  bool pdl = false;
+  DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch
+  Device device{};
 };
 
 // The fold-every-commit commit (ops.h ReplayFoldArgs): per (layer, row, value head).

@@ -7,6 +7,7 @@
 // positions of its drafts, is written, and those positions lie past every record another task
 // reads, so results do not depend on blocking or thread count.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/delta_math.h"
@@ -245,6 +246,106 @@ void run_replayssm_fold_commit(const ReplayFoldProblem& p) {
     }
     store_row(p.state, p.state_dtype, state_off, rows * K, S);
   });
+}
+
+void run_replayssm_circular_commit(const ReplayCircularProblem& p) {
+  // One task per (layer, row, value head, block of state rows): the fold and the track state are
+  // both formed from the old checkpoint rows (the fold is stored last), then the folded rows'
+  // cursors move, after every task.
+  const int K = p.K, V = p.V, HV = p.HV, L = p.L;
+  const int group = HV / p.H;
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.B * HV;
+  const int blocks = row_blocks(heads, V);
+  const int block_rows = (V + blocks - 1) / blocks;
+  parallel_for(heads * blocks, [&](int64_t task) {
+    thread_local std::vector<float> old, out, kv, G, u, tmp;
+    const int64_t head = task / blocks;
+    const int r0 = static_cast<int>(task % blocks) * block_rows;
+    const int rows = std::min(block_rows, V - r0);
+    if (rows <= 0) return;
+    const int64_t layer = head / (int64_t{p.B} * HV);
+    const int64_t b = head / HV % p.B;
+    const int hv = static_cast<int>(head % HV), h = hv / group;
+    const int64_t slot = p.slots.at(b, 0);
+    if (slot <= p.null_block_id) return;
+    const int64_t r = p.rows.at(b, 0);
+    const int n = p.write_pos[r];
+    const bool fold = flag_at(p.is_flush, p.flush_dtype, r);
+    const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
+    const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
+    const bool tracking = track > p.null_block_id && step >= 0;
+    if (!fold && !tracking) return;
+    const int64_t tlen = tracking ? n - p.accepted.at(b, 0) + step + 1 : 0;
+    const int m_track = static_cast<int>(std::clamp<int64_t>(tlen, 0, L));
+    const int need = std::max(fold ? n : 0, m_track);
+    const int base = p.cache_base[r];
+    old.resize(static_cast<size_t>(rows) * K);
+    out.resize(old.size());
+    kv.resize(static_cast<size_t>(std::max(need, 1)) * K);
+    u.resize(static_cast<size_t>(std::max(need, 1)) * rows);
+    G.resize(static_cast<size_t>(std::max(need, 1)));
+    const int64_t head_off = int64_t{hv} * V * K + int64_t{r0} * K;
+    load_row(p.state, p.state_dtype,
+             layer * p.state_layer_stride + slot * p.state_slot_stride + head_off, rows * K,
+             old.data());
+    // The records j < need: key (+ residual), this task's rows of d (+ residual), the prefix
+    // sums of g (fp32, in order).
+    float acc = 0.0f;
+    for (int j = 0; j < need; ++j) {
+      const int64_t pos = (base + j) % L;
+      float* kj = kv.data() + static_cast<size_t>(j) * K;
+      float* uj = u.data() + static_cast<size_t>(j) * rows;
+      const int64_t k_at =
+          layer * p.k_layer_stride + r * p.k_row_stride + (int64_t{h} * L + pos) * K;
+      const int64_t d_at =
+          layer * p.d_layer_stride + r * p.d_row_stride + (int64_t{hv} * L + pos) * V + r0;
+      load_row(p.k, p.k_dtype, k_at, K, kj);
+      load_row(p.d, p.d_dtype, d_at, rows, uj);
+      if (p.d_res) {
+        if (tmp.size() < static_cast<size_t>(std::max(K, rows)))
+          tmp.resize(static_cast<size_t>(std::max(K, rows)));
+        load_row(p.k_res, p.k_res_dtype,
+                 layer * p.k_res_layer_stride + r * p.k_res_row_stride + (int64_t{h} * L + pos) * K,
+                 K, tmp.data());
+        for (int i = 0; i < K; ++i) kj[i] += tmp[i];
+        load_row(p.d_res, p.d_res_dtype,
+                 layer * p.d_res_layer_stride + r * p.d_res_row_stride +
+                     (int64_t{hv} * L + pos) * V + r0,
+                 rows, tmp.data());
+        for (int i = 0; i < rows; ++i) uj[i] += tmp[i];
+      }
+      acc += p.g[layer * p.g_layer_stride + r * p.g_row_stride + int64_t{hv} * L + pos];
+      G[j] = acc;
+    }
+    // The state after the first mm records: e^{G_{mm-1}} old + sum_j e^{G_{mm-1} - G_j} u_j k_j^T.
+    auto materialize = [&](int mm, int64_t dst_slot) {
+      const float total = mm > 0 ? G[mm - 1] : 0.0f;
+      const float keep = std::exp(total);
+      for (size_t e = 0; e < out.size(); ++e) out[e] = old[e] * keep;
+      for (int j = 0; j < mm; ++j) {
+        const float w = std::exp(total - G[j]);
+        const float* kj = kv.data() + static_cast<size_t>(j) * K;
+        for (int row = 0; row < rows; ++row) {
+          const float c = w * u[static_cast<size_t>(j) * rows + row];
+          float* o = out.data() + static_cast<size_t>(row) * K;
+          for (int i = 0; i < K; ++i) o[i] = std::fma(c, kj[i], o[i]);
+        }
+      }
+      store_row(p.state, p.state_dtype,
+                layer * p.state_layer_stride + dst_slot * p.state_slot_stride + head_off, rows * K,
+                out.data());
+    };
+    if (tracking) materialize(m_track, track);
+    if (fold) materialize(n, slot);
+  });
+  for (int64_t b = 0; b < p.B; ++b) {  // the folded rows' cursors
+    if (p.slots.at(b, 0) <= p.null_block_id) continue;
+    const int64_t r = p.rows.at(b, 0);
+    if (!flag_at(p.is_flush, p.flush_dtype, r)) continue;
+    p.cache_base[r] = static_cast<int32_t>((p.cache_base[r] + p.write_pos[r]) % L);
+    p.write_pos[r] = 0;
+    set_flag(p.is_flush, p.flush_dtype, r, false);
+  }
 }
 
 }  // namespace deltastate::cpu

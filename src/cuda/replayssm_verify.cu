@@ -117,4 +117,23 @@ void run_replayssm_fold_commit(const detail::ReplayFoldProblem& problem, void* s
                 p.pdl, p);
 }
 
+void run_replayssm_circular_commit(const detail::ReplayCircularProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  detail::ReplayCircularProblem p = problem;
+  p.errors = device_errors(p.device.index);
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;
+  if (p.B > 0x7fffffff || heads > 65535)
+    throw Error(ErrorKind::value,
+                "commit_gdn_replayssm_circular: too many rows or layers * heads for one launch");
+  if (p.L > kCircMaxL)
+    throw Error(ErrorKind::value,
+                "commit_gdn_replayssm_circular: CUDA tensors take a ring of at most 1024 records");
+  auto s = static_cast<cudaStream_t>(stream);
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(heads),
+                  static_cast<unsigned>((p.V + kFoldRows - 1) / kFoldRows));
+  launch_kernel(replay_circular_kernel, grid, kFoldWarps * 32, 0, s, p.pdl, p);
+  launch_kernel(replay_circular_cursor_kernel, dim3(static_cast<unsigned>((p.B + 255) / 256)), 256,
+                0, s, p.pdl, p);
+}
+
 }  // namespace deltastate::cuda_backend

@@ -58,7 +58,8 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
   Tensor inter = Tensor::contiguous(c.state, {N, c.T, sh.HV, sh.V, sh.K});
   Tensor ginter = Tensor::contiguous(c.state, {N, c.T, sh.HV, sh.V, sh.K});
   Rings rings = make_rings(sh, c.kda, S, c.L, c.ring, c.ring);
-  Tensor wp = index_tensor(std::vector<int64_t>(S, 0)), base = index_tensor(std::vector<int64_t>(S, 0));
+  Tensor wp = index_tensor(std::vector<int64_t>(S, 0)),
+         base = index_tensor(std::vector<int64_t>(S, 0));
   Tensor flush = index_tensor(std::vector<int64_t>(S, 0));
   // The raw ring of fold-every-commit: [S, HV, T, V], [S, H, T, K], g, beta.
   Tensor rv = Tensor::contiguous(c.act, {S, sh.HV, c.T, sh.V});
@@ -206,16 +207,24 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
   if (c.scheme == kReplay) {
     EXPECT_GT(folds, c.steps / 10);
   }
-  std::printf("%s: worst |output - plain| %.3g, worst |state - plain| %.3g over %d steps\n",
-              c.name, worst_out, worst_state, c.steps);
+  std::printf("%s: worst |output - plain| %.3g, worst |state - plain| %.3g over %d steps\n", c.name,
+              worst_out, worst_state, c.steps);
 }
 
 const LosslessCase kLosslessCases[] = {
     {{"plain_gdn_qwen3next", kQwen3Next, false, kNoLb, f32, bf16}, kPlain, f32, 8, 4, 1000},
     {{"plain_kda_odd", kOdd, true, kLb, f32, f32}, kPlain, f32, 8, 4, 1000},
-    {{"replay_gdn_qwen3next_f32ring", kQwen3Next, false, kNoLb, f32, bf16}, kReplay, f32, 8, 3,
+    {{"replay_gdn_qwen3next_f32ring", kQwen3Next, false, kNoLb, f32, bf16},
+     kReplay,
+     f32,
+     8,
+     3,
      1000},
-    {{"replay_gdn_qwen3next_bf16ring", kQwen3Next, false, kNoLb, f32, bf16}, kReplay, bf16, 16, 4,
+    {{"replay_gdn_qwen3next_bf16ring", kQwen3Next, false, kNoLb, f32, bf16},
+     kReplay,
+     bf16,
+     16,
+     4,
      1000},
     {{"replay_kda_odd_bf16ring", kOdd, true, kNoLb, f32, f32}, kReplay, bf16, 8, 4, 1000},
     {{"fold_gdn_qwen3next", kQwen3Next, false, kNoLb, f32, bf16}, kFold, f32, 8, 4, 1000},

@@ -352,6 +352,78 @@ TEST_F(GpuTest, ReplayFoldCommitMatchesCpu) {
   }
 }
 
+// The compact circular commit (replayssm_circular_commit) against the CPU backend: every layer,
+// rings keyed by replay row with fewer cursor entries than ring rows, capacity rows and track rows
+// at random origins, residual rings, int8 flags: the states within the GPU tolerance, the cursors
+// equal, every other byte of the pool bit-untouched.
+TEST_F(GpuTest, ReplayCircularCommitMatchesCpu) {
+  Rng rng = test_rng();
+  const Shape sh = kQwen3Next;
+  const int64_t layers = 2, S = 6, R = 6, C = 4, L = 16;
+  const int64_t inner = sh.state_elems(), entry = layers * inner + 64;
+  Tensor pool = Tensor::strided(f32, {layers, S, sh.HV, sh.V, sh.K},
+                                {inner, entry, int64_t{sh.V} * sh.K, sh.K, 1}, 32, S * entry + 64);
+  pool.fill_all(kSentinel);
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t s = 0; s < S; ++s)
+      for (int hv = 0; hv < sh.HV; ++hv)
+        for (int v = 0; v < sh.V; ++v)
+          for (int k = 0; k < sh.K; ++k) pool.set({l, s, hv, v, k}, rng.normal(0.5));
+  Tensor d = Tensor::contiguous(bf16, {layers, R, sh.HV, L, sh.V});
+  Tensor k = Tensor::contiguous(bf16, {layers, R, sh.H, L, sh.K});
+  Tensor g = Tensor::contiguous(f32, {layers, R, sh.HV, L});
+  Tensor dr = Tensor::contiguous(bf16, {layers, R, sh.HV, L, sh.V});
+  Tensor kr = Tensor::contiguous(bf16, {layers, R, sh.H, L, sh.K});
+  d.fill_normal(rng, 0.3);
+  k.fill_normal(rng, 0.1);
+  g.fill_uniform(rng, -0.3, -0.01);
+  dr.fill_normal(rng, 1e-3);
+  kr.fill_normal(rng, 1e-3);
+  Tensor slots = index_tensor({2, -1, 5, 1}), rows = index_tensor({3, 0, 1, 0});
+  Tensor wp = index_tensor({7, 5, 0, 16}), base = index_tensor({3, 15, 0, 9});
+  Tensor fl = Tensor::contiguous(DType::i8, {C});
+  for (int64_t i = 0; i < C; ++i) fl.set({i}, i == 3 || i == 1 ? 1 : 0);
+  Tensor acc = index_tensor({2, 1, 3, 2}), ti = index_tensor({4, -1, 0, -1}),
+         ts = index_tensor({1, 0, 0, 0});
+  Mirror dev;
+  dev.upload_all(pool, d, k, g, dr, kr, slots, rows, wp, base, fl, acc, ti, ts);
+  auto args = [&](auto&& view_of) {
+    deltastate::ReplayCircularCommitArgs a;
+    a.state = view_of(pool);
+    a.d_cache = view_of(d);
+    a.k_cache = view_of(k);
+    a.g_cache = view_of(g);
+    a.d_residual = view_of(dr);
+    a.k_residual = view_of(kr);
+    a.state_indices = view_of(slots);
+    a.replay_indices = view_of(rows);
+    a.write_pos = view_of(wp);
+    a.cache_base = view_of(base);
+    a.is_flush = view_of(fl);
+    a.accept_lens = view_of(acc);
+    a.track_indices = view_of(ti);
+    a.steps_to_track = view_of(ts);
+    return a;
+  };
+  const Tensor before = pool.empty_like();
+  std::memcpy(before.alloc_base(), pool.alloc_base(), static_cast<size_t>(pool.alloc_bytes()));
+  deltastate::replayssm_circular_commit(args(host_view));
+  deltastate::replayssm_circular_commit(args(dev.views()));
+  sync();
+  deltastate::check_errors();
+  const Tensor got = dev.download(pool);
+  ASSERT_TRUE(close_vs_cpu(got.values(), pool.values(), Tol{1e-4, 1e-3}, f32));
+  const float* g0 = static_cast<const float*>(got.alloc_base());
+  const float* b0 = static_cast<const float*>(before.alloc_base());
+  const float* c0 = static_cast<const float*>(pool.alloc_base());
+  for (int64_t e = 0; e < pool.alloc_bytes() / 4; ++e)
+    if (std::memcmp(&c0[e], &b0[e], 4) == 0) {
+      ASSERT_EQ(std::memcmp(&g0[e], &b0[e], 4), 0) << "element " << e;
+    }
+  for (const Tensor* t : {&wp, &base, &fl})
+    ASSERT_EQ(dev.download(*t).values(), t->values()) << "cursors";
+}
+
 // A slot past the pool and a cursor outside the ring: the rows are skipped (NaN outputs,
 // nothing written) and the first is recorded for check_errors; the commit's bad count likewise.
 class ReplayVerifyGpuErrors : public GpuTest {};
