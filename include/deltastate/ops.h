@@ -492,7 +492,8 @@ struct VerifyArgs {
   // sequence's steps t < L at its slot (state_indices; a slot < 0 records nothing): ring_v [S,
   // HV, L, V] the raw v, ring_k [S, H, L, K] the raw (pre-norm) k (floating, any dtype: rounded
   // to it), ring_g [S, HV, L] (GDN) / [S, HV, L, K] (KDA) the fp32 log decay, ring_beta [S, HV,
-  // L] the fp32 beta, each contiguous, all four or none. CPU tensors only.
+  // L] the fp32 beta, each contiguous, all four or none. CUDA: the generic verify kernel runs
+  // (not the vector kernels).
   std::optional<TensorView> ring_v, ring_k, ring_g, ring_beta;
   std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;

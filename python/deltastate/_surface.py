@@ -1518,8 +1518,8 @@ def _sglang_verify() -> Op:
     softplus_beta / softplus_threshold other than 1 / 20 raise NotImplementedError.
     cache_ring (GDN; fold-every-commit): each sequence's steps t < L also record their raw v,
     raw (pre-norm) k, fp32 g and fp32 beta at its slot of the per-layer rings replayssm_rawv [S,
-    HV, L, V], replayssm_rawk [S, H, L, K], replayssm_g, replayssm_beta [S, HV, L] (CPU tensors;
-    :func:`commit_gdn_replayssm_fold_all_layers` replays them)."""
+    HV, L, V], replayssm_rawk [S, H, L, K], replayssm_g, replayssm_beta [S, HV, L]
+    (:func:`commit_gdn_replayssm_fold_all_layers` replays them; CUDA: the generic kernel)."""
     return Op(
         name="sglang_verify",
         public="fused_sigmoid_gating_delta_rule_update",

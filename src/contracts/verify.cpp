@@ -342,10 +342,6 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
     else ring("replayssm_g", rg, {S, r.HV, L}, true);
     ring("replayssm_beta", rb, {S, r.HV, L}, true);
     if (L < 1) fail("ReplaySSM cache length must be at least 1.");
-    if (r.device.type != DeviceType::cpu)
-      fail(
-          "verify: cache_ring (the raw rings of fold-every-commit) is implemented on CPU "
-          "tensors only");
     p.ring_v = rv.data;
     p.ring_v_dtype = rv.dtype;
     p.ring_k = rk.data;

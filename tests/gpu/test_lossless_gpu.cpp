@@ -6,9 +6,9 @@
 //   * plain verify + commit (verify with intermediate states, update_state_after_verify);
 //   * ReplaySSM verify + cursor commit (replayssm_verify, replayssm_commit; forced folds beside
 //     the commit's own), fp32 rings and bf16 d/k rings: the checkpoint at every fold;
-//   * fold-every-commit: the raw ring written by the CPU verify (the CUDA verify does not write
-//     it yet), uploaded, and replayssm_fold_commit on the GPU checkpoint, which then evolves on
-//     the GPU alone (the ring holds inputs only, never the state).
+//   * fold-every-commit: the CUDA verify writes the raw ring (ring_v/k/g/beta, its generic
+//     kernel), replayssm_fold_commit folds the accepted prefix into the GPU checkpoint: after
+//     every commit the checkpoint against the CPU's committed state.
 // Bounds (fp32 checkpoints): fp32 rings, outputs within 1e-4 + 1e-3 |x| and states within 1e-4 +
 // 1e-3 |x| over the whole run (the kernels' own reduction orders; no drift); bf16 d/k rings,
 // outputs within 5e-3 and states within 2e-2 absolute (the CPU backend with bf16 rings stays
@@ -83,12 +83,6 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
     va.state_indices = idx.view();
     va.update_state = false;
     va.intermediate_states = inter.view();
-    if (c.scheme == kFold) {  // the raw ring, written by the CPU verify (inputs only)
-      va.ring_v = rv.view();
-      va.ring_k = rk.view();
-      va.ring_g = rg.view();
-      va.ring_beta = rb.view();
-    }
     deltastate::verify(va);
     // The scheme on the GPU.
     std::vector<int64_t> folding(N, 0);
@@ -117,6 +111,12 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
       ga.state_indices = dev.view(idx);
       ga.update_state = false;
       if (c.scheme == kPlain) ga.intermediate_states = dev.view(ginter);
+      if (c.scheme == kFold) {  // the raw ring, written by the CUDA verify
+        ga.ring_v = dev.view(rv);
+        ga.ring_k = dev.view(rk);
+        ga.ring_g = dev.view(rg);
+        ga.ring_beta = dev.view(rb);
+      }
       deltastate::verify(ga);
     }
     sync();
@@ -177,7 +177,6 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
       ca.max_spec_len = c.T;
       deltastate::replayssm_commit(ca);
     } else {
-      dev.upload_all(rv, rk, rg, rb);
       deltastate::ReplayFoldArgs fa;
       fa.state = dev.view(ck);
       fa.rawv = dev.view(rv);

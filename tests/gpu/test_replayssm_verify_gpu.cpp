@@ -264,6 +264,54 @@ TEST_F(GpuTest, ReplayVerifyModesAndReplayRowsMatchCpu) {
   }
 }
 
+// SGLang's cache_ring on the CUDA verify (the generic kernel) against the CPU backend's: the raw
+// v and k as given, g and beta as the step computes them, at positions t < L of each sequence's
+// slot; the outputs unchanged by it; padded sequences write nothing.
+TEST_F(GpuTest, VerifyCacheRingMatchesCpu) {
+  Rng rng = test_rng();
+  for (bool kda : {false, true}) {
+    const Shape sh = kda ? kOdd : kQwen3Next;
+    const int64_t N = 3, S = 5, L = 3, T = 4;  // T > L: the last draft records nothing
+    Tensor pool = make_pool(f32, S, sh);
+    std::vector<int64_t> slots = {3, -1, 1};
+    fill_live_slots(pool.view(), slots, rng);
+    Tensor idx = index_tensor(slots);
+    RecurrentSpec spec = recurrent_spec(sh, kda, bf16, N, T);
+    spec.lower_bound = kda ? kLb : kNoLb;
+    RecurrentBatch rb = make_recurrent_batch(rng, spec);
+    Tensor rv = Tensor::contiguous(bf16, {S, sh.HV, L, sh.V});
+    Tensor rk = Tensor::contiguous(bf16, {S, sh.H, L, sh.K});
+    Tensor rg =
+        kda ? Tensor::contiguous(f32, {S, sh.HV, L, sh.K}) : Tensor::contiguous(f32, {S, sh.HV, L});
+    Tensor rbt = Tensor::contiguous(f32, {S, sh.HV, L});
+    for (Tensor* t : {&rv, &rk, &rg, &rbt}) t->fill_all(kSentinel);
+    Mirror dev;
+    dev.upload_all(pool, idx, rv, rk, rg, rbt, rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log,
+                   rb.dt_bias);
+    auto args = [&](auto&& view_of) {
+      deltastate::VerifyArgs a = verify_inputs(rb.args(view_of), kda);
+      a.state = view_of(pool);
+      a.state_indices = view_of(idx);
+      a.update_state = false;
+      a.ring_v = view_of(rv);
+      a.ring_k = view_of(rk);
+      a.ring_g = view_of(rg);
+      a.ring_beta = view_of(rbt);
+      return a;
+    };
+    rb.poison_out();
+    deltastate::verify(args(host_view));
+    deltastate::verify(args(dev.views()));
+    sync();
+    deltastate::check_errors();
+    ASSERT_TRUE(close_vs_cpu(dev.download(rb.out).values(), rb.out.values(), kOutTol, bf16));
+    EXPECT_EQ(dev.download(rv).values(), rv.values()) << "raw v";
+    EXPECT_EQ(dev.download(rk).values(), rk.values()) << "raw k";
+    ASSERT_TRUE(close_vs_cpu(dev.download(rg).values(), rg.values(), Tol{1e-6, 1e-5}, f32));
+    ASSERT_TRUE(close_vs_cpu(dev.download(rbt).values(), rbt.values(), Tol{1e-6, 1e-5}, f32));
+  }
+}
+
 // Fold-every-commit's commit (replayssm_fold_commit) against the CPU backend: every layer of an
 // envelope-strided pool, random raw rings (GDN and KDA), accepted counts from 0 to L, a padded
 // row, track slots at random steps (one past the pool, not reached): the folded and tracked
