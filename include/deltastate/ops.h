@@ -586,7 +586,8 @@ void update_conv_state_after_verify(const ConvCommitArgs& args);
 // (src/cuda/replayssm/verify.cuh) computes the same math in its own reduction order.
 //   replay_indices [N] (optional, SGLang's replay_indices): the ring and cursor row of sequence n
 //         when the rings and cursors are keyed by request rather than by checkpoint slot (the
-//         rings and cursor tables then have R rows, any R); default: state_indices.
+//         rings then have R rows and the cursor tables C entries, any R and C); default:
+//         state_indices.
 //   rawv_cache [R, HV, L, V], rawk_cache [R, H, L, K] (floating), beta_cache [R, HV, L] fp32:
 //         SGLang's exact-raw ring (all three): each draft also records its raw v, its raw
 //         (pre-norm) k and its fp32 beta, and a fold replays the raw records through the

@@ -445,3 +445,25 @@ def test_signature_is_sglangs():
     assert names[:10] == ["write_pos", "cache_base", "is_flush", "num_accepted",
                           "replay_indices", "max_cache_len", "max_spec_len", "fold_every_commit",
                           "cache_buf_len", "null_block_id"]
+
+
+def test_sglang_cursor_tables_apart_from_ring_rows(tfw, rng):
+    """With replay_indices the cursor tables may have fewer entries than the rings have rows (as
+    in SGLang's pools): the call equals the one with tables as long as the rings."""
+    import torch
+    t, ck, rings, raws, (wp, base, fl), lens = _sglang_setup(tfw, rng, slots=6, rows=5)
+    idx = torch.tensor([3, 0, 5], dtype=torch.int32)
+    ridx = torch.tensor([2, 0, 1], dtype=torch.int64)
+    ck2, rings2, raws2 = ck.clone(), _clone(*rings), _clone(*raws)
+    out = torch.full((8, HV, V), float("nan"))
+    _spec(t, ck, rings, raws, out, idx, ridx, (wp, base, fl))
+    out2 = torch.full((8, HV, V), float("nan"))
+    _spec(t, ck2, rings2, raws2, out2, idx, ridx, (wp[:3].clone(), base[:3].clone(),
+                                                   fl[:3].clone()))
+    assert torch.equal(out, out2) and torch.equal(ck, ck2)
+    for a, b in zip(rings + raws, rings2 + raws2):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"`replay_indices`\[2\]=3 is out of range for rings of "
+                                         r"5 rows and cursor tables of 3 entries"):
+        _spec(t, ck2, rings2, raws2, out2, idx, torch.tensor([2, 0, 3]),
+              (wp[:3].clone(), base[:3].clone(), fl[:3].clone()))

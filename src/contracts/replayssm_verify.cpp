@@ -91,9 +91,14 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
                   dtype_mark(dtype_name(t->dtype)).c_str()));
   for (const TensorView* t : {&dc, &kc, &gc})
     if (!(t->device == dev)) fail("ReplaySSM inputs must be on the same device.");
-  check_cursor("write_pos", args.write_pos, R, dev);
-  check_cursor("cache_base", args.cache_base, R, dev);
-  check_cursor("is_flush", args.is_flush, R, dev, true);
+  // The cursor tables: one entry per slot, or with replay_indices per replay row in use (C
+  // entries, which may differ from the rings' R rows).
+  if (args.replay_indices && args.write_pos.ndim != 1)
+    fail("`write_pos` must be a contiguous 1D int32 tensor.");
+  const int64_t C = args.replay_indices ? args.write_pos.shape[0] : R;
+  check_cursor("write_pos", args.write_pos, C, dev);
+  check_cursor("cache_base", args.cache_base, C, dev);
+  check_cursor("is_flush", args.is_flush, C, dev, true);
   // The raw rings: all three (exact-raw), or rawv and rawk (hi/lo residual).
   const bool has_v = args.rawv_cache.has_value(), has_k = args.rawk_cache.has_value();
   const bool has_b = args.beta_cache.has_value();
@@ -133,7 +138,7 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
     fail(format("replayssm_verify: rows must be 0 (all), 1 (append) or 2 (fold) (got %d)",
                 rows_mode));
   p.rows = rows_mode;
-  p.ring_rows = R;
+  p.ring_rows = std::min(R, C);
   if (args.replay_indices) {
     p.replay = replay.ptr;
     p.replay_dtype = replay.dtype;
@@ -173,9 +178,11 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
       int64_t row = slot;
       if (p.replay) {
         row = index_at(p.replay, p.replay_dtype, p.replay_stride, n);
-        if (row < 0 || row >= R)
-          fail(format("`replay_indices`[%lld]=%lld is out of range for rings of %lld rows", ll(n),
-                      ll(row), ll(R)));
+        if (row < 0 || row >= p.ring_rows)
+          fail(
+              format("`replay_indices`[%lld]=%lld is out of range for rings of %lld rows and "
+                     "cursor tables of %lld entries",
+                     ll(n), ll(row), ll(R), ll(C)));
         if (used_row[static_cast<size_t>(row)])
           fail(format("`replay_indices`[%lld]=%lld repeats a live row of this batch", ll(n),
                       ll(row)));
