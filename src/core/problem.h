@@ -577,8 +577,9 @@ struct ReplayVerifyProblem {
   DType rawv_dtype = DType::f32;
   void* rawk = nullptr;  // [R, H, L, K]
   DType rawk_dtype = DType::f32;
-  float* beta_ring = nullptr;  // [R, HV, L]
-  int32_t rows = 0;            // ops.h ReplayRows: 0 all, 1 append (not folding), 2 fold
+  float* beta_ring = nullptr;   // [R, HV, L]
+  int32_t rows = 0;             // ops.h ReplayRows: 0 all, 1 append (not folding), 2 fold
+  bool history_folded = false;  // CUDA: the exact fold ran first (folding rows: empty history)
 };
 
 // Entry i of a cursor flag table (int32 or int8).

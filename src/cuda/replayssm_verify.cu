@@ -91,6 +91,12 @@ void run_replayssm_verify(const detail::ReplayVerifyProblem& problem, void* stre
   if (p.r.N > 0x7fffffff || p.r.HV > 65535)
     throw Error(ErrorKind::value, "replayssm_verify: too many sequences or heads for one launch");
   auto s = static_cast<cudaStream_t>(stream);
+  if (p.beta_ring) {  // the exact-raw ring's launch first: its fold and the drafts' raw records
+    const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
+                    static_cast<unsigned>((p.r.V + kFoldRows - 1) / kFoldRows));
+    launch_kernel(replay_exact_fold_kernel, grid, kFoldWarps * 32, 0, s, p.r.pdl, p);
+    p.history_folded = true;
+  }
   with_state_type(p.r.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s); });
 }
 

@@ -5,14 +5,16 @@
 // bit). Per step, the accepted tokens' outputs and the committed state are compared:
 //   * plain verify + commit (verify with intermediate states, update_state_after_verify);
 //   * ReplaySSM verify + cursor commit (replayssm_verify, replayssm_commit; forced folds beside
-//     the commit's own), fp32 rings and bf16 d/k rings: the checkpoint at every fold;
+//     the commit's own), fp32 rings and bf16 d/k rings, the latter also with the exact-raw ring
+//     (the exact fold launch): the checkpoint at every fold;
 //   * fold-every-commit: the CUDA verify writes the raw ring (ring_v/k/g/beta, its generic
 //     kernel), replayssm_fold_commit folds the accepted prefix into the GPU checkpoint: after
 //     every commit the checkpoint against the CPU's committed state.
 // Bounds (fp32 checkpoints): fp32 rings, outputs within 1e-4 + 1e-3 |x| and states within 1e-4 +
 // 1e-3 |x| over the whole run (the kernels' own reduction orders; no drift); bf16 d/k rings,
 // outputs within 5e-3 and states within 2e-2 absolute (the CPU backend with bf16 rings stays
-// within 7e-4 and 8e-3 over the same kind of run: python/tests/test_lossless.py's shapes).
+// within 7e-4 and 8e-3 over the same kind of run: python/tests/test_lossless.py's shapes); bf16
+// d/k rings with the exact-raw ring, states within fp32's bound (the fold is exact).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -33,6 +35,7 @@ struct LosslessCase : OpCase {
   Scheme scheme;
   DType ring;
   int L, T, steps;
+  bool raw = false;  // ReplaySSM with the exact-raw ring (the fold replays raw v, k, beta)
 };
 void PrintTo(const LosslessCase& c, std::ostream* os) { *os << c.name; }
 
@@ -45,7 +48,8 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
   const int64_t N = 3, S = N + 3;
   const bool exact_rings = c.ring == DType::f32;
   const Tol out_tol = exact_rings ? Tol{1e-4, 1e-3} : Tol{5e-3, 0.0};
-  const Tol state_tol = exact_rings ? Tol{1e-4, 1e-3} : Tol{2e-2, 0.0};
+  // The exact-raw ring makes every fold the recurrent step's own: fp32's bound for any d/k ring.
+  const Tol state_tol = exact_rings || c.raw ? Tol{1e-4, 1e-3} : Tol{2e-2, 0.0};
   std::vector<int64_t> slots = pick_slots(rng, N, S, {1});  // sequence 1 padded
   Tensor plain = make_pool(c.state, S, sh);                 // the CPU reference pool
   Tensor ck = make_pool(c.state, S, sh);                    // the scheme's pool (on the GPU)
@@ -67,8 +71,12 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
   Tensor rg = c.kda ? Tensor::contiguous(f32, {S, sh.HV, c.T, sh.K})
                     : Tensor::contiguous(f32, {S, sh.HV, c.T});
   Tensor rb = Tensor::contiguous(f32, {S, sh.HV, c.T});
+  // The exact-raw ring of ReplaySSM: [S, HV, L, V], [S, H, L, K], beta [S, HV, L].
+  Tensor xv = Tensor::contiguous(c.act, {S, sh.HV, c.L, sh.V});
+  Tensor xk = Tensor::contiguous(c.act, {S, sh.H, c.L, sh.K});
+  Tensor xb = Tensor::contiguous(f32, {S, sh.HV, c.L});
   Mirror dev;
-  dev.upload_all(ck, idx, rings.d, rings.k, rings.g, wp, base, flush, ginter);
+  dev.upload_all(ck, idx, rings.d, rings.k, rings.g, wp, base, flush, ginter, xv, xk, xb);
   int folds = 0, rejected = 0;
   double worst_out = 0, worst_state = 0;
   for (int step = 0; step < c.steps; ++step) {
@@ -104,6 +112,11 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
       a.write_pos = dev.view(wp);
       a.cache_base = dev.view(base);
       a.is_flush = dev.view(flush);
+      if (c.raw) {
+        a.rawv_cache = dev.view(xv);
+        a.rawk_cache = dev.view(xk);
+        a.beta_cache = dev.view(xb);
+      }
       deltastate::replayssm_verify(a);
     } else {
       deltastate::VerifyArgs ga = verify_inputs(rb_.args(dev.views()), c.kda);
@@ -226,6 +239,14 @@ const LosslessCase kLosslessCases[] = {
      4,
      1000},
     {{"replay_kda_odd_bf16ring", kOdd, true, kNoLb, f32, f32}, kReplay, bf16, 8, 4, 1000},
+    {{"replay_gdn_qwen3next_bf16ring_raw", kQwen3Next, false, kNoLb, f32, bf16},
+     kReplay,
+     bf16,
+     16,
+     4,
+     1000,
+     true},
+    {{"replay_kda_odd_bf16ring_raw", kOdd, true, kLb, f32, f32}, kReplay, bf16, 8, 4, 1000, true},
     {{"fold_gdn_qwen3next", kQwen3Next, false, kNoLb, f32, bf16}, kFold, f32, 8, 4, 1000},
     {{"fold_kda_odd", kOdd, true, kLb, f32, f32}, kFold, f32, 8, 4, 1000},
 };

@@ -180,7 +180,8 @@ TEST_F(GpuTest, ReplayVerifyCommitGraphReplaysEager) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
-// SGLang's launch modes, request-keyed rings, int8 flags and records past the ring: random
+// SGLang's launch modes, request-keyed rings, int8 flags, records past the ring and the exact-raw
+// ring (a fold replays it: the exact-fold launch before the verify kernel): random
 // cursors each step (write_pos up to L, so the last drafts' records fall past the ring and are
 // dropped; random folds), rings keyed by a permutation of the slots (replay_indices), int8
 // is_flush; the CUDA backend runs the step as two calls (rows = append, then fold) and the CPU
@@ -198,8 +199,16 @@ TEST_F(GpuTest, ReplayVerifyModesAndReplayRowsMatchCpu) {
     Tensor flags = Tensor::contiguous(DType::i8, {S});
     for (Tensor* t : {&st.rings.d, &st.rings.k}) t->fill_normal(rng, 0.3);
     st.rings.g.fill_uniform(rng, -0.5, -0.01);
+    // The exact-raw ring (the fold call replays it on the GPU: the exact-fold launch).
+    const Shape& sh = c.shape;
+    Tensor xv = Tensor::contiguous(c.act, {S, sh.HV, c.L, sh.V});
+    Tensor xk = Tensor::contiguous(c.act, {S, sh.H, c.L, sh.K});
+    Tensor xb = Tensor::contiguous(f32, {S, sh.HV, c.L});
+    xv.fill_normal(rng, 1.0);
+    xk.fill_normal(rng, 1.0);
+    xb.fill_uniform(rng, 0.05, 0.95);
     Mirror dev;
-    dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.base, ridx);
+    dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.base, ridx, xv, xk, xb);
     for (int step = 0; step < c.steps; ++step) {
       for (int64_t r = 0; r < S; ++r) {
         st.wp.set({r}, static_cast<double>(rng.integer(0, c.L)));
@@ -217,11 +226,17 @@ TEST_F(GpuTest, ReplayVerifyModesAndReplayRowsMatchCpu) {
       ReplayVerifyArgs cpu = rv_args(rb, st, c.kda, host_view);
       cpu.replay_indices = ridx.view();
       cpu.is_flush = flags.view();
+      cpu.rawv_cache = xv.view();
+      cpu.rawk_cache = xk.view();
+      cpu.beta_cache = xb.view();
       deltastate::replayssm_verify(cpu);
       for (auto mode : {deltastate::ReplayRows::append, deltastate::ReplayRows::fold}) {
         ReplayVerifyArgs a = rv_args(rb, st, c.kda, dev.views());
         a.replay_indices = dev.view(ridx);
         a.is_flush = dev.view(flags);
+        a.rawv_cache = dev.view(xv);
+        a.rawk_cache = dev.view(xk);
+        a.beta_cache = dev.view(xb);
         a.rows = mode;
         deltastate::replayssm_verify(a);
       }
@@ -241,6 +256,10 @@ TEST_F(GpuTest, ReplayVerifyModesAndReplayRowsMatchCpu) {
       ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.g).values(), st.rings.g.values(),
                                Tol{1e-6, 1e-5}, DType::f32))
           << c.name << " g ring, step " << step;
+      ASSERT_EQ(dev.download(xv).values(), xv.values()) << c.name << " raw v, step " << step;
+      ASSERT_EQ(dev.download(xk).values(), xk.values()) << c.name << " raw k, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(xb).values(), xb.values(), Tol{1e-6, 1e-5}, f32))
+          << c.name << " beta ring, step " << step;
     }
     // The commit with int8 flags, cache_buf_len and fold_every_commit: cursors equal.
     Tensor acc = index_tensor({1, 2, 0, 3});

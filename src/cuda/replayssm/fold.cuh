@@ -299,5 +299,134 @@ __global__ void __launch_bounds__(256)
   detail::set_flag(p.is_flush, p.flush_dtype, r, false);
 }
 
+// The exact-raw ring of replayssm_verify, a launch before the verify kernel (whose registers it
+// leaves alone). The fold (SGLang's exact-fold launch; calls serving folding rows): for each
+// folding row with m = write_pos > 0 committed records, the raw records (raw k L2-normalized,
+// raw v, the decay, beta; ring positions (cache_base + t) % L) run through the recurrent step
+// from the checkpoint into the checkpoint; the verify kernel then reads that checkpoint with an
+// empty history (ReplayVerifyProblem::history_folded). Then, for every row the call serves, the
+// drafts' raw records: raw v (the CTA's rows), raw k (one CTA per key head) and beta at
+// positions (cache_base + m + t) % L, m + t < L (past the ring: dropped), none of which a fold
+// reads. Same CTA shape as replay_fold_kernel; rows the verify kernel reports (a bad slot or
+// cursor) are skipped.
+__global__ void __launch_bounds__(kFoldWarps * 32)
+    replay_exact_fold_kernel(const detail::ReplayVerifyProblem p) {
+  constexpr int EPL = kFoldMaxK / 32;
+  __shared__ float s_k[kFoldMaxK], s_alpha[kFoldMaxK], s_v[kFoldRows];
+  __shared__ float s_beta;
+  enter_grid(false);
+  const detail::RecurrentProblem& r = p.r;
+  const int64_t n = blockIdx.x;
+  const int hv = static_cast<int>(blockIdx.y), h = hv / (r.HV / r.H);
+  const int row0 = static_cast<int>(blockIdx.z) * kFoldRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int K = r.K, V = r.V, L = p.L, gw = r.gate.kda ? K : 1;
+  const int64_t slot = detail::index_at(r.indices, r.index_dtype, r.index_stride, n);
+  if (slot <= p.null_block_id || slot >= r.state.num_slots) return;
+  const int64_t rr =
+      p.replay ? detail::index_at(p.replay, p.replay_dtype, p.replay_stride, n) : slot;
+  if (rr < 0 || rr >= p.ring_rows) return;
+  const int m = p.write_pos[rr], base = p.cache_base[rr];
+  if (m < 0 || m > L || base < 0 || base >= L) return;
+  const bool fold = detail::flag_at(p.is_flush, p.flush_dtype, rr);
+  if ((p.rows == 1 && fold) || (p.rows == 2 && !fold)) return;  // another call's rows
+  // The drafts' raw records.
+  const int64_t seq = r.cu_seqlens ? 0 : n;
+  const int64_t tok0 = r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
+  const int64_t len =
+      r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
+  {
+    const int64_t vb = (rr * r.HV + hv) * L * V, kb = (rr * r.H + h) * L * K;
+    for (int64_t t = 0; t < len && m + t < L; ++t) {
+      const int64_t pos = (base + m + t) % L;
+      for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x)
+        if (row0 + x < V)
+          detail::store_float(
+              p.rawv, p.rawv_dtype, vb + pos * V + row0 + x,
+              detail::load_float(r.v.ptr, r.v.dtype,
+                                 detail::head_offset(r.v, seq, tok0 + t, hv) + row0 + x));
+      if (blockIdx.z != 0) continue;
+      if (hv % (r.HV / r.H) == 0)
+        for (int c = threadIdx.x; c < K; c += blockDim.x)
+          detail::store_float(p.rawk, p.rawk_dtype, kb + pos * K + c,
+                              detail::load_float(r.k.ptr, r.k.dtype,
+                                                 detail::head_offset(r.k, seq, tok0 + t, h) + c));
+      if (threadIdx.x == 0)
+        p.beta_ring[(rr * r.HV + hv) * L + pos] =
+            detail::beta_value(detail::load_float(r.beta.ptr, r.beta.dtype,
+                                                  detail::head_offset(r.beta, seq, tok0 + t, hv)),
+                               r.beta_is_logit, r.round_beta, r.beta.dtype);
+    }
+  }
+  if (!fold || m == 0) return;
+  const int64_t state_at = slot * r.state.slot_stride + static_cast<int64_t>(hv) * V * K;
+  const int64_t v_base = (rr * r.HV + hv) * L * V;
+  const int64_t k_base = (rr * r.H + h) * L * K;
+  const int64_t g_base = (rr * r.HV + hv) * L * gw;
+  const int64_t b_base = (rr * r.HV + hv) * L;
+  float S[kFoldRowsPerWarp][EPL];
+#pragma unroll
+  for (int q = 0; q < kFoldRowsPerWarp; ++q) {
+    const int row = row0 + warp * kFoldRowsPerWarp + q;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      S[q][i] = row < V && c < K ? detail::load_float(r.state.ptr, r.state.dtype,
+                                                      state_at + int64_t{row} * K + c)
+                                 : 0.0f;
+    }
+  }
+  for (int t = 0; t < m; ++t) {
+    const int64_t pos = (base + t) % L;
+    __syncthreads();  // the previous record's shared values are read
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+      s_k[c] = detail::load_float(p.rawk, p.rawk_dtype, k_base + pos * K + c);
+      s_alpha[c] = expf(p.g_cache[g_base + pos * gw + (r.gate.kda ? c : 0)]);
+    }
+    for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x)
+      s_v[x] = row0 + x < V ? detail::load_float(p.rawv, p.rawv_dtype, v_base + pos * V + row0 + x)
+                            : 0.0f;
+    if (threadIdx.x == 0) s_beta = p.beta_ring[b_base + pos];
+    __syncthreads();
+    float k[EPL], al[EPL];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      k[i] = c < K ? s_k[c] : 0.0f;
+      al[i] = c < K ? s_alpha[c] : 1.0f;
+      ss += k[i] * k[i];
+    }
+    if (r.l2norm) {
+      const float den = detail::l2norm_denominator(fold_warp_sum(ss));
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) k[i] = k[i] / den;
+    }
+#pragma unroll
+    for (int q = 0; q < kFoldRowsPerWarp; ++q) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        S[q][i] *= al[i];
+        dot += S[q][i] * k[i];
+      }
+      dot = fold_warp_sum(dot);
+      const float u = detail::delta_u(s_v[warp * kFoldRowsPerWarp + q], dot, s_beta);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) S[q][i] = fmaf(u, k[i], S[q][i]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kFoldRowsPerWarp; ++q) {
+    const int row = row0 + warp * kFoldRowsPerWarp + q;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      if (row < V && c < K)
+        detail::store_float(r.state.ptr, r.state.dtype, state_at + int64_t{row} * K + c, S[q][i]);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace deltastate::cuda_backend

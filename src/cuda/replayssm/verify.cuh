@@ -257,6 +257,9 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   }
   const bool fold = detail::flag_at(p.is_flush, p.flush_dtype, rr);
   if ((p.rows == 1 && fold) || (p.rows == 2 && !fold)) return;  // another call's rows
+  // The records replayed here: none on a fold the exact-raw launch already made (its checkpoint
+  // is then the committed state); the drafts' positions still follow all m records.
+  const int mh = fold && p.history_folded ? 0 : m;
   // The factored kernel: drafts of one preparation round factored on the rows in registers, which
   // hold the checkpoint (appending steps with one staging round of records: those records are
   // factored too) or the state rebuilt by the replay (folds, longer rings).
@@ -338,7 +341,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   const int tn0 = static_cast<int>(len < kRvTokChunk ? len : kRvTokChunk);
   // Every record and draft staged in one round each: the later blocks reuse the shared memory as
   // the first one left it; else each block stages its rounds again.
-  const bool one_round = m <= RC && len <= kRvTokChunk;
+  const bool one_round = mh <= RC && len <= kRvTokChunk;
   const int idx = reduced_index<G, 2 * R>(lane);  // the dot this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
   // Record j's d of this lane's R rows from lrow0 (one row per lane group: the thread's rows are
@@ -402,8 +405,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
 
     // 1. The committed records, oldest first (the recurrent step's two operations per element);
     //    the first round of drafts is prepared alongside the first round of records.
-    for (int c0 = 0; c0 < m || c0 == 0; c0 += RC) {
-      const int cn = m - c0 < RC ? m - c0 : RC;
+    for (int c0 = 0; c0 < mh || c0 == 0; c0 += RC) {
+      const int cn = mh - c0 < RC ? mh - c0 : RC;
       if (stage) {
         if (c0 > 0 || b > 0) __syncthreads();  // the shared memory's last readers are done
         stage_records(c0, cn);
@@ -431,7 +434,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       }
     }
     // 2. The fold: the rebuilt state becomes the checkpoint.
-    if (fold && m > 0) {
+    if (fold && mh > 0) {
 #pragma unroll
       for (int j = 0; j < R; ++j) {
         const int row = row0 + j * RG;
