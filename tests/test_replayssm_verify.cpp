@@ -451,7 +451,7 @@ TEST(ReplayVerifyErrors, EveryText) {
   expect([&](auto& a) { a.cache_base = wpshort.view(); },
          "`cache_base` must have one entry per slot (" + S + "); got " + std::to_string(sim.S - 1));
   expect([&](auto& a) { a.is_flush = wp64.view(); },
-         "`is_flush` must be a contiguous 1D int32 tensor.");
+         "`is_flush` must be a contiguous 1D int32 or int8 tensor.");
   // The verify op's own checks run first (one sample; test_verify covers them).
   expect([&](auto& a) { a.state = d3.view(); }, "`state` must be a 4D tensor");
   // Slots and cursors.
@@ -469,11 +469,46 @@ TEST(ReplayVerifyErrors, EveryText) {
   expect([](auto&) {},
          "`cache_base`[" + std::to_string(s0) + "]=16 is outside the ring [0, L-1=15]",
          with_cursor(sim.cache_base, 0));
-  with_cursor(sim.write_pos, 13)();
-  expect([](auto&) {},
-         "sequence 0: write_pos=13 plus 4 draft tokens overflows the ring of L=16 (the commit's "
-         "max_spec_len must cover the drafts)",
-         with_cursor(sim.write_pos, 0));
+  // Replay rows (rings and cursors keyed apart from the checkpoint slots).
+  Tensor ridx_big = index_tensor({sim.S, -1, -1}), ridx_dup = index_tensor({s0, 0, s0});
+  Tensor ridx_short = index_tensor({0, 1});
+  expect([&](auto& a) { a.replay_indices = ridx_big.view(); },
+         "`replay_indices`[0]=" + S + " is out of range for rings of " + S + " rows");
+  expect([&](auto& a) { a.replay_indices = ridx_short.view(); },
+         "`replay_indices` must have shape [B]=(3,); got (2,)");
+  if (sim.slots[2] >= 0)
+    expect([&](auto& a) { a.replay_indices = ridx_dup.view(); },
+           "`replay_indices`[2]=" + std::to_string(s0) + " repeats a live row of this batch");
+  // The raw rings.
+  Tensor rawv = Tensor::contiguous(f32, {sim.S, sh.HV, 16, sh.V});
+  Tensor rawk = Tensor::contiguous(f32, {sim.S, sh.H, 16, sh.K});
+  Tensor beta_bad = Tensor::contiguous(f32, {sim.S, sh.HV, 8});
+  Tensor beta16 = Tensor::contiguous(bf16, {sim.S, sh.HV, 16});
+  expect([&](auto& a) { a.rawv_cache = rawv.view(); }, "`rawv_cache` and `rawk_cache` go together");
+  expect([&](auto& a) { a.beta_cache = beta16.view(); }, "`beta_cache` needs both");
+  expect(
+      [&](auto& a) {
+        a.rawv_cache = rawv.view();
+        a.rawk_cache = rawk.view();
+        a.beta_cache = beta_bad.view();
+      },
+      "`beta_cache` must be a contiguous tensor of shape (" + S + ", 6, 16) (got (" + S +
+          ", 6, 8)).");
+  expect(
+      [&](auto& a) {
+        a.rawv_cache = rawv.view();
+        a.rawk_cache = rawk.view();
+        a.beta_cache = beta16.view();
+      },
+      "`beta_cache` must be float32 (got bfloat16).");
+  expect(
+      [&](auto& a) {
+        a.rawv_cache = rawk.view();
+        a.rawk_cache = rawk.view();
+      },
+      "`rawv_cache` must be a contiguous tensor of shape (" + S + ", 6, 16, 48)");
+  expect([&](auto& a) { a.rows = static_cast<deltastate::ReplayRows>(3); },
+         "replayssm_verify: rows must be 0 (all), 1 (append) or 2 (fold) (got 3)");
   // null_block_id: the slot at or below it is padding (no cursor check, zero output).
   with_cursor(sim.write_pos, 17)();
   {
@@ -544,6 +579,10 @@ TEST(ReplayCommitErrors, EveryText) {
   expect([&](auto& a) { a.max_cache_len = 0; }, "max_cache_len must be in [1, 2^30] (got 0)");
   expect([&](auto& a) { a.max_spec_len = 9; },
          "max_spec_len must be >= 1 with 2 * max_spec_len <= max_cache_len=16 (got 9)");
+  for (int64_t buf : {8, 24})
+    expect([&](auto& a) { a.cache_buf_len = buf; },
+           "cache_buf_len must be a power of two >= max_cache_len=16 (got " + std::to_string(buf) +
+               ")");
   expect([&](auto& a) { a.state_indices = big.view(); },
          "`state_indices`[0]=4 is out of range for a pool of 4 slots");
   expect([&](auto& a) { a.num_accepted = acc5.view(); },

@@ -508,7 +508,14 @@ struct VerifyArgs {
   std::optional<TensorView> num_accepted_tokens;         // [N] (with token_state_indices)
   std::optional<TensorView> source_state;                // [N0, HV, V, K] read-only start pool
   std::optional<TensorView> source_state_indices;        // [N] its row per sequence (< 0: pad)
-  std::optional<bool> check_indices;                     // as PackedDecodeArgs
+  // SGLang's cache_ring (fold-every-commit, replayssm_fold_commit): the raw inputs of each
+  // sequence's steps t < L at its slot (state_indices; a slot < 0 records nothing): ring_v [S,
+  // HV, L, V] the raw v, ring_k [S, H, L, K] the raw (pre-norm) k (floating, any dtype: rounded
+  // to it), ring_g [S, HV, L] (GDN) / [S, HV, L, K] (KDA) the fp32 log decay, ring_beta [S, HV,
+  // L] the fp32 beta, each contiguous, all four or none. CUDA: the generic verify kernel runs
+  // (not the vector kernels).
+  std::optional<TensorView> ring_v, ring_k, ring_g, ring_beta;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;
   bool pdl = false;  // as PackedDecodeArgs
 };
@@ -591,11 +598,30 @@ void update_conv_state_after_verify(const ConvCommitArgs& args);
 // and with is_flush the rebuilt state is stored into the checkpoint first (the fold). With fp32
 // rings the outputs and a folded checkpoint equal the recurrent op run over the same committed
 // and draft tokens in one call bit for bit (for fp32 checkpoints, token-by-token plain decode
-// too). Every live sequence needs m + T <= L. A bad entry (a slot >= slots, a cursor outside
-// [0, L], m + T > L, a duplicated live slot): a ValueError on CPU tensors before anything is
-// written; CUDA: the row is skipped (nothing written), its outputs NaN, and it is recorded for
-// check_errors (duplicates are not checked, as PackedDecodeArgs::check_indices says). The CUDA
-// kernel (src/cuda/replayssm/verify.cuh) computes the same math in its own reduction order.
+// too). A draft's records past the ring (m + t >= L) are dropped, as SGLang drops them (its
+// output is still computed). A bad entry (a slot >= slots, a cursor outside [0, L], a duplicated
+// live slot): a ValueError on CPU tensors before anything is written; CUDA: the row is skipped
+// (nothing written), its outputs NaN, and it is recorded for check_errors (duplicates are not
+// checked, as PackedDecodeArgs::check_indices says). The CUDA kernel
+// (src/cuda/replayssm/verify.cuh) computes the same math in its own reduction order.
+//   replay_indices [N] (optional, SGLang's replay_indices): the ring and cursor row of sequence n
+//         when the rings and cursors are keyed by request rather than by checkpoint slot (the
+//         rings then have R rows and the cursor tables C entries, any R and C); default:
+//         state_indices.
+//   rawv_cache [R, HV, L, V], rawk_cache [R, H, L, K] (floating), beta_cache [R, HV, L] fp32:
+//         SGLang's exact-raw ring (all three): each draft also records its raw v, its raw
+//         (pre-norm) k and its fp32 beta, and a fold replays the raw records through the
+//         recurrent step itself, so the folded checkpoint is the recurrent op's state bit for bit
+//         whatever the d/k rings' dtype. rawv and rawk without beta_cache: the hi/lo residual
+//         mode: rawv records d - round(d to d_cache's dtype), rawk k^ - round(k^ to k_cache's
+//         dtype), each rounded to its own dtype (commit_gdn_replayssm_circular reads them); a
+//         fold then rebuilds from d and k as without them. CUDA: the exact-raw fold is a launch of
+//         its own before the verify kernel; the residual ring is CPU-only (a ValueError).
+//   is_flush may be int8 (SGLang's) or int32.
+//   rows: which live sequences this call serves (SGLang's launch_mode): ReplayRows::all; append:
+//         those not folding (padded ones get zero outputs), SGLang's launch_mode="verify"; fold:
+//         the folding ones only (padded ones untouched), launch_mode="flush".
+enum class ReplayRows : int { all = 0, append = 1, fold = 2 };
 struct ReplayVerifyArgs {
   TensorView q, k, v, g, beta, out;
   bool is_kda = false;
@@ -610,6 +636,9 @@ struct ReplayVerifyArgs {
   TensorView state, state_indices;
   TensorView d_cache, k_cache, g_cache;
   TensorView write_pos, cache_base, is_flush;
+  std::optional<TensorView> replay_indices;
+  std::optional<TensorView> rawv_cache, rawk_cache, beta_cache;
+  ReplayRows rows = ReplayRows::all;
   int64_t null_block_id = -1;
   std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;
@@ -625,19 +654,85 @@ void replayssm_verify(const ReplayVerifyArgs& args);
 //   otherwise:         write_pos[s] += a
 //   then is_flush[s] = write_pos[s] + 2 * max_spec_len > L (SGLang's early fold: the next
 //   verify's records always fit).
-// Rejected drafts are left behind the cursor (never read again). write_pos, cache_base,
-// is_flush [slots] int32; num_accepted, state_indices [B] int32/int64 (any stride); L = ring
-// length, max_spec_len >= 1 with 2 * max_spec_len <= L. An accepted count outside [0,
+// Rejected drafts are left behind the cursor (never read again). write_pos, cache_base [slots]
+// int32, is_flush [slots] int32 or int8 (SGLang's); num_accepted, state_indices [B] int32/int64
+// (any stride); L = max_cache_len, max_spec_len >= 1 with 2 * max_spec_len <= L.
+// cache_buf_len (0: L): the rings' length, where cache_base wraps (SGLang's cache_buf_len; a
+// power of two >= L); L then only sets the early-fold margin. fold_every_commit: is_flush[s] =
+// write_pos[s] > 0 instead (SGLang's fold-every-commit flag). An accepted count outside [0,
 // max_spec_len] or a slot >= slots: a ValueError on CPU tensors; CUDA: one thread per row on the
 // device (no host synchronization), a bad row skipped and recorded for check_errors.
 struct ReplayCommitArgs {
   TensorView write_pos, cache_base, is_flush, num_accepted, state_indices;
   int64_t max_cache_len = 0, max_spec_len = 0;
+  int64_t cache_buf_len = 0;
+  bool fold_every_commit = false;
   int64_t null_block_id = -1;
   std::optional<bool> check_indices;
   Stream stream = nullptr;
   bool pdl = false;  // as PackedDecodeArgs
 };
 void replayssm_commit(const ReplayCommitArgs& args);
+
+// The commit of SGLang's fold-every-commit scheme (commit_gdn_replayssm_fold_all_layers,
+// commit_kda_replayssm_spec[_all_layers]): the verify recorded each draft's raw inputs in a ring
+// (VerifyArgs::ring_*, positions 0..T-1), and the commit replays the accepted prefix into the
+// checkpoint, every layer in one call. For each layer l, row b with live slot s =
+// state_indices[b] (> null_block_id) and a = accept_lens[b] > 0, per value head: the state
+// state[l, s] runs the recurrent step over the raw records t = 0..a-1 (the key L2-normalized when
+// use_qk_l2norm, the decay exp(g), beta), in the recurrent op's order, so that with the ring
+// written by the verify the result is the recurrent op's state after the a accepted tokens, bit
+// for bit (CPU); it is stored back into state[l, s], and with track_indices/steps_to_track given,
+// the state after step steps_to_track[b] (when >= 0 and < a, and track_indices[b] >
+// null_block_id) is also stored into state[l, track_indices[b]].
+//   state [layers, slots, HV, V, K] (or [slots, HV, V, K]: one layer), floating, compact inner
+//         dimensions, any layer and slot strides.
+//   rawv [layers, slots, HV, L, V], rawk [layers, slots, H, L, K] (floating), g [layers, slots,
+//         HV, L] (GDN) / [layers, slots, HV, L, K] (KDA) fp32, beta [layers, slots, HV, L] fp32:
+//         compact below the slot, any layer and slot strides (the layer dimension as state's).
+//   state_indices, accept_lens [B] (and track_indices, steps_to_track [B]) int32/int64, any
+//         stride. accept_lens[b] <= L.
+// A bad row (a slot or track slot >= slots, an accepted count > L): a ValueError on CPU tensors,
+// before anything is written; CUDA: the row is skipped and recorded for check_errors.
+struct ReplayFoldArgs {
+  TensorView state, rawv, rawk, g, beta;
+  TensorView state_indices, accept_lens;
+  std::optional<TensorView> track_indices, steps_to_track;
+  bool is_kda = false;
+  bool use_qk_l2norm = true;
+  int64_t null_block_id = -1;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void replayssm_fold_commit(const ReplayFoldArgs& args);
+
+// SGLang's compact circular commit (commit_gdn_replayssm_circular, GDN): after the cursor commit,
+// materialize the circular history only where needed, every layer in one call. For each layer,
+// row b with live slot s = state_indices[b] (> null_block_id) and ring row r = replay_indices[b],
+// n = write_pos[r] (already advanced by this step's accept_lens[b]), per value head, with
+// G_j = g_0 + .. + g_j over the records at ring positions (cache_base[r] + j) % L:
+//   fold (is_flush[r] != 0): state[s] = e^{G_{n-1}} state[s] + sum_{j<n} e^{G_{n-1} - G_j}
+//                            (d_j + d_res_j) (k_j + k_res_j)^T  (fp32; the records j < n only)
+//   track (track_indices[b] > null_block_id, steps_to_track[b] >= 0): the same over the first
+//                            m = n - accept_lens[b] + steps_to_track[b] + 1 records (all m <= 0:
+//                            the checkpoint itself), stored into state[track_indices[b]];
+// then for each folded row: cache_base[r] = (cache_base[r] + n) % L, write_pos[r] = 0,
+// is_flush[r] = 0. d_cache [layers?, R, HV, L, V], k_cache [layers?, R, H, L, K] (floating),
+// g_cache [layers?, R, HV, L] fp32, d_residual / k_residual (optional, together) like d / k;
+// compact below the ring row, any layer and row strides; state as ReplayFoldArgs.
+// write_pos, cache_base [R] int32, is_flush [R] int32 or int8; the index vectors [B] int32/int64.
+// A bad row: a ValueError on CPU tensors before anything is written; CUDA: skipped and recorded.
+struct ReplayCircularCommitArgs {
+  TensorView state, d_cache, k_cache, g_cache;
+  std::optional<TensorView> d_residual, k_residual;
+  TensorView state_indices, replay_indices, write_pos, cache_base, is_flush, accept_lens;
+  std::optional<TensorView> track_indices, steps_to_track;
+  int64_t null_block_id = -1;
+  std::optional<bool> check_indices;  // as PackedDecodeArgs
+  Stream stream = nullptr;
+  bool pdl = false;
+};
+void replayssm_circular_commit(const ReplayCircularCommitArgs& args);
 
 }  // namespace deltastate

@@ -75,6 +75,7 @@ REQUIRED: Any = _Required()  # the default of an argument the caller must give
 FLOATING = ("float32", "bfloat16", "float16")
 INDEX = ("int32", "int64")
 INT32 = ("int32",)
+FLAGS = ("int32", "int8")  # a ReplaySSM is_flush table (SGLang's is int8)
 FLOAT32 = ("float32",)
 # A state pool's dtypes: the float ones, and the quantized ones of the ops that take them (a
 # numpy pool's float8 codes come as uint8).
@@ -1383,7 +1384,7 @@ _VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt
                     "output_state_indices", "update_state", "intermediate_states",
                     "intermediate_state_indices", "parent_tokens", "token_state_indices",
                     "num_accepted_tokens", "source_state", "source_state_indices",
-                    "check_indices", "state_scales", "state_rounding", "rounding_step",
+                    "ring_v", "ring_k", "ring_g", "ring_beta", "check_indices", "state_scales", "state_rounding", "rounding_step",
                     "rounding_seed", "rounding_layer", "pdl")
 _KEYWORDS = (Arg("round_beta", BOOL, False, keyword=True),
              Arg("check_indices", CHECK, None, keyword=True),
@@ -1444,6 +1445,10 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("num_accepted_tokens", OPT_TENSOR, None, dtypes=INDEX),
     Arg("source_state", OPT_TENSOR, None, dtypes=FLOATING),
     Arg("source_state_indices", OPT_TENSOR, None, dtypes=INDEX),
+    Arg("ring_v", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+    Arg("ring_k", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+    Arg("ring_g", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
+    Arg("ring_beta", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
 ) + _state_format_args()}
 
 
@@ -1483,7 +1488,8 @@ def _gate_view(x, B, T, kda, K, name):
 def _sglang_verify_prepare(op, a, softplus_beta, softplus_threshold, q, k, v, b,
                            initial_state_source, initial_state_indices, scale, cu_seqlens, is_kda,
                            disable_state_update, intermediate_states_buffer, cache_steps,
-                           retrieve_parent_token):
+                           retrieve_parent_token, cache_ring, replayssm_rawv, replayssm_rawk,
+                           replayssm_g, replayssm_beta):
     """SGLang's fused_sigmoid_gating_delta_rule_update onto the verify op: the gate inputs as
     [B, T, ...] views, a new output o (q's dtype, v's shape), the scratch buffer viewed as
     [N_scr, cache_steps, HV, V, K], no initial state: zeros, nothing stored."""
@@ -1510,7 +1516,14 @@ def _sglang_verify_prepare(op, a, softplus_beta, softplus_threshold, q, k, v, b,
         # SGLang's per-request pitch is the buffer's allocated steps (shape[1]) when it has that
         # dim; a flat buffer is cut into rows of cache_steps.
         inter = inter.reshape(-1, int(cache_steps or 1), *_shape(inter)[-3:])
-    return g, beta, output, state, indices, update, inter, retrieve_parent_token
+    rings = (None, None, None, None)
+    if cache_ring:
+        assert not is_kda, "cache_ring supports GDN only (scalar gate layout)"
+        assert (len(_shape(replayssm_rawv)) == 4 and len(_shape(replayssm_rawk)) == 4
+                and len(_shape(replayssm_g)) == 3 and len(_shape(replayssm_beta)) == 3), \
+            "cache_ring expects per-layer ring views"
+        rings = (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)
+    return (g, beta, output, state, indices, update, inter, retrieve_parent_token) + rings
 
 
 def _sglang_verify() -> Op:
@@ -1523,7 +1536,11 @@ def _sglang_verify() -> Op:
     [N, T] makes
     each sequence an EAGLE tree. Differences: a sequence whose index is < 0 gets a zero output
     (SGLang computes one from a zero state); a parent < 0 at t > 0 starts from the initial state;
-    softplus_beta / softplus_threshold other than 1 / 20 raise NotImplementedError."""
+    softplus_beta / softplus_threshold other than 1 / 20 raise NotImplementedError.
+    cache_ring (GDN; fold-every-commit): each sequence's steps t < L also record their raw v,
+    raw (pre-norm) k, fp32 g and fp32 beta at its slot of the per-layer rings replayssm_rawv [S,
+    HV, L, V], replayssm_rawk [S, H, L, K], replayssm_g, replayssm_beta [S, HV, L]
+    (:func:`commit_gdn_replayssm_fold_all_layers` replays them; CUDA: the generic kernel)."""
     return Op(
         name="sglang_verify",
         public="fused_sigmoid_gating_delta_rule_update",
@@ -1550,19 +1567,26 @@ def _sglang_verify() -> Op:
             Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
             Arg("cache_steps", ANY, None, op=False),
             Arg("retrieve_parent_token", ANY, None, op=False),
+            Arg("cache_ring", BOOL, False, op=False),
+            Arg("replayssm_rawv", ANY, None, op=False),
+            Arg("replayssm_rawk", ANY, None, op=False),
+            Arg("replayssm_g", ANY, None, op=False),
+            Arg("replayssm_beta", ANY, None, op=False),
         ) + _KEYWORDS + _hidden(
             ("A_log", "dt_bias", "q", "k", "v", "scale", "use_qk_l2norm_in_kernel", "cu_seqlens",
              "is_kda", "intermediate_state_indices"),
             shown_as=(("g", "a"), ("beta", "b"), ("state", "initial_state_source"),
                       ("state_indices", "initial_state_indices"),
                       ("intermediate_states", "intermediate_states_buffer"),
-                      ("parent_tokens", "retrieve_parent_token"))),
+                      ("parent_tokens", "retrieve_parent_token"), ("ring_v", "replayssm_rawv"),
+                      ("ring_k", "replayssm_rawk"), ("ring_g", "replayssm_g"),
+                      ("ring_beta", "replayssm_beta"))),
         returns="output",
         op_order=_VERIFY_OP_ORDER,
         schema_defaults_from="state_indices",
         prepare=_sglang_verify_prepare,
         fills=("g", "beta", "output", "state", "state_indices", "update_state",
-               "intermediate_states", "parent_tokens"),
+               "intermediate_states", "parent_tokens", "ring_v", "ring_k", "ring_g", "ring_beta"),
     )
 
 
@@ -1864,7 +1888,8 @@ def _sglang_conv_scatter() -> Op:
 # The binding's arguments (python/src/module.cpp `replayssm_verify`), in its order.
 _REPLAY_VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias",
                            "checkpoint_state", "state_indices", "d_cache", "k_cache", "g_cache",
-                           "write_pos", "cache_base", "is_flush", "is_kda", "use_gate_in_kernel",
+                           "write_pos", "cache_base", "is_flush", "replay_indices", "rawv_cache",
+                           "rawk_cache", "beta_cache", "rows", "is_kda", "use_gate_in_kernel",
                            "lower_bound", "beta_is_logit", "round_beta", "scale",
                            "use_qk_l2norm_in_kernel", "cu_seqlens", "null_block_id",
                            "check_indices", "pdl")
@@ -1875,14 +1900,21 @@ _REPLAY_VERIFY_DOC = """ReplaySSM speculative verify (linear chains): the draft 
     [B,T,HV,K] (KDA): the raw gate input with use_gate_in_kernel (A_log, dt_bias), else the log
     decay; beta [B,T,HV]. checkpoint_state [slots, HV, V, K] (any slot stride); state_indices [N]
     (<= null_block_id: padded, output zero); rings d_cache [slots, HV, L, V], k_cache [slots, H,
-    L, K], g_cache [slots, HV, L(, K)] float32, circular from cache_base; write_pos, cache_base,
-    is_flush [slots] int32, keyed by slot. The state after the write_pos[s] committed records is
-    rebuilt by replaying them in the recurrent op's order, the drafts run from it (their records
-    appended at write_pos + t), and with is_flush[s] != 0 the rebuilt state is first folded into
-    the checkpoint. With float32 rings the outputs and the folded checkpoint equal the recurrent
-    op over the same tokens bit for bit. Move the cursors with :func:`replayssm_commit`. CUDA
-    tensors: a bad slot or cursor is skipped, its outputs NaN, and recorded for check_errors.
-    Returns ``output``."""
+    L, K], g_cache [slots, HV, L(, K)] float32, circular from cache_base; write_pos, cache_base
+    [slots] int32, is_flush [slots] int32 or int8, keyed by slot (or by replay_indices [N], the
+    ring and cursor row of each sequence, when given). The state after the write_pos[s]
+    committed records is rebuilt by replaying them in the recurrent op's order, the drafts run
+    from it (their records appended at write_pos + t; records past the ring are dropped), and
+    with is_flush[s] != 0 the rebuilt state is first folded into the checkpoint. With float32
+    rings the outputs and the folded checkpoint equal the recurrent op over the same tokens bit
+    for bit. rawv_cache [R, HV, L, V], rawk_cache [R, H, L, K], beta_cache [R, HV, L] float32
+    (CPU): the exact-raw ring (each draft's raw v, raw k and beta recorded too, a fold replays
+    them through the recurrent step: the folded checkpoint is exact whatever the d/k rings'
+    dtype); rawv and rawk without beta_cache: the hi/lo residual ring (what d_cache's and
+    k_cache's dtypes round off d and the normalized k). rows: 0 every sequence, 1 those not
+    folding, 2 the folding ones only (SGLang's launch_mode 'both', 'verify', 'flush'). Move the
+    cursors with :func:`replayssm_commit`. CUDA tensors: a bad slot or cursor is skipped, its
+    outputs NaN, and recorded for check_errors. Returns ``output``."""
 
 
 def _replay_verify_core() -> Op:
@@ -1898,11 +1930,16 @@ def _replay_verify_core() -> Op:
             Arg("g_cache", TENSOR, dtypes=FLOAT32, mutated=True),
             Arg("write_pos", TENSOR, dtypes=INT32),
             Arg("cache_base", TENSOR, dtypes=INT32),
-            Arg("is_flush", TENSOR, dtypes=INT32),
+            Arg("is_flush", TENSOR, dtypes=FLAGS),
         ) + tuple(_VERIFY_ARGS[n] for n in (
             "A_log", "dt_bias", "scale", "is_kda", "use_gate_in_kernel", "lower_bound",
             "beta_is_logit", "use_qk_l2norm_in_kernel", "cu_seqlens")) + (
             Arg("null_block_id", INT64, -1),
+            Arg("replay_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("rawv_cache", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+            Arg("rawk_cache", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+            Arg("beta_cache", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
+            Arg("rows", INT64, 0),
         ) + _KEYWORDS,
         returns="output",
         op_order=_REPLAY_VERIFY_OP_ORDER,
@@ -1916,49 +1953,53 @@ _SPEC_TUNING = (("block_v", 64), ("num_warps", 1), ("num_stages", 2), ("nk", 2),
                 ("nk_flush", 2))
 
 
-def _gdn_spec_prepare(op, q, k, v, a, b, checkpoint_state, d_cache, out, query_start_loc,
-                      ssm_state_indices, is_flush, max_cache_len, max_spec_len, launch_mode):
-    """SGLang's gdn_replayssm_spec_decode onto the verify op: its asserts, the packed [T, ...]
-    token tensors as [1, T, ...] views, out viewed as the op's output; is_flush read as int32."""
+def _gdn_spec_prepare(op, q, k, v, a, b, checkpoint_state, d_cache, rawv_cache, rawk_cache,
+                      beta_cache, out, query_start_loc, ssm_state_indices, max_cache_len,
+                      max_spec_len, launch_mode):
+    """SGLang's gdn_replayssm_spec_decode onto the verify op: its asserts and errors, the packed
+    [T, ...] token tensors as [1, T, ...] views, out viewed as the op's output, launch_mode as the
+    rows the call serves."""
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("out", out)):
         _check_tensor(op, name, t)
-    if launch_mode != "both":
-        raise NotImplementedError(
-            f"{op}: `launch_mode`={launch_mode!r} is not implemented in deltastate: its one "
-            "launch folds and verifies every row (launch_mode='both')")
+    rows = _LAUNCH_ROWS.get(launch_mode)
+    if rows is None:
+        raise ValueError(f"{op}: `launch_mode` must be one of 'both', 'verify', 'flush' "
+                         f"(got {launch_mode!r})")
     L = int(max_cache_len)
     assert L & (L - 1) == 0, "circular cache requires power-of-two max_cache_len"
     assert _shape(d_cache)[2] == L
+    if rows != 1 and (rawv_cache is None or rawk_cache is None or beta_cache is None):
+        raise ValueError("raw replay buffers are required for exact-fold launch")
     if 2 * int(max_spec_len) > L:
         raise ValueError(f"max_spec_len={max_spec_len} needs max_cache_len >= 2 * max_spec_len "
                          f"(got {L})")
-    if str(getattr(is_flush, "dtype", "")).split(".")[-1] != "int32":
-        is_flush = is_flush.to(_torch_int32()) if _is_torch(is_flush) else is_flush.astype("int32")
     T = _shape(q)[0]
     view = lambda x: x.reshape(1, T, *_shape(x)[1:])  # noqa: E731
     return (view(q), view(k), view(v), view(a), view(b), view(out), query_start_loc,
-            ssm_state_indices, is_flush)
+            ssm_state_indices, rows)
 
 
-def _torch_int32():
-    import torch
-    return torch.int32
+# SGLang's launch_mode as the verify op's rows (0 all, 1 those not folding, 2 the folding ones).
+_LAUNCH_ROWS = {"both": 0, "verify": 1, "flush": 2}
 
 
 def _gdn_spec() -> Op:
     doc = """SGLang's ``gdn_replayssm_spec_decode`` (GDN, split q/k/v varlen, circular ring) on
     :func:`replayssm_verify`: its arguments in its order. q, k [T_total, H, K]; v [T_total, HV,
     V]; a, b [T_total, HV] (the raw gate and beta logits); checkpoint_state [slots, HV, V, K];
-    d_cache [slots, HV, L, V], k_cache [slots, H, L, K], g_cache [slots, HV, L] float32; out
-    [T_total, HV, V]; query_start_loc [B+1]; ssm_state_indices [B] (<= null_block_id: padded);
-    write_pos, cache_base, is_flush [slots], keyed by slot. Returns ``out``. The Triton tuning
-    keywords are accepted and ignored. Differences: one launch does the fold and the verify
-    (launch_mode other than 'both' raises NotImplementedError); the fold is the recurrent op's
-    order in fp32 (SGLang rebuilds the state with tensor-core products on operands rounded to
-    the checkpoint's dtype), so the outputs and the folded checkpoint equal the recurrent op
-    over the same tokens; is_flush is read as int32 (an int8 tensor is converted, as SGLang's
-    wrapper converts to int8); every live sequence needs write_pos + draft tokens <= L (SGLang
-    drops the records beyond the ring)."""
+    d_cache [R, HV, L, V], k_cache [R, H, L, K], g_cache [R, HV, L] float32; rawv_cache [R, HV,
+    L, V], rawk_cache [R, H, L, K], beta_cache [R, HV, L] float32 (all three: the exact-raw ring,
+    which launch_mode 'both' and 'flush' need; rawv and rawk alone: the hi/lo residual ring);
+    out [T_total, HV, V]; query_start_loc [B+1]; ssm_state_indices [B] (checkpoint slots, <=
+    null_block_id: padded); replay_indices [B] (the ring and cursor rows); write_pos, cache_base
+    [R] int32, is_flush [R] int8 or int32. launch_mode: 'both' (every row), 'verify' (the rows
+    not folding; padded rows get zero outputs), 'flush' (the folding rows: the exact fold from
+    the raw ring, then their outputs). Records past the ring are dropped. Returns ``out``. The
+    Triton tuning keywords and dot_precision are accepted and ignored. Differences: one pass per
+    row does the fold and the verify; the verify's history and drafts run the recurrent op's
+    order in fp32 (SGLang forms the window's WY system on tensor cores, TF32 by default), so the
+    outputs equal the recurrent op over the same tokens with fp32 rings; the residual ring is
+    CPU-only."""
     return Op(
         name="gdn_replayssm_spec_decode",
         public="gdn_replayssm_spec_decode",
@@ -1976,12 +2017,16 @@ def _gdn_spec() -> Op:
             Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("k_cache", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("g_cache", TENSOR, dtypes=FLOAT32, mutated=True),
+            Arg("rawv_cache", OPT_TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("rawk_cache", OPT_TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("beta_cache", OPT_TENSOR, dtypes=FLOAT32, mutated=True),
             Arg("out", ANY, op=False),
             Arg("query_start_loc", ANY, op=False),
             Arg("ssm_state_indices", ANY, op=False),
+            Arg("replay_indices", OPT_TENSOR, dtypes=INDEX),
             Arg("write_pos", TENSOR, dtypes=INT32),
             Arg("cache_base", TENSOR, dtypes=INT32),
-            Arg("is_flush", TENSOR, dtypes=INT32),
+            Arg("is_flush", TENSOR, dtypes=FLAGS),
             Arg("max_cache_len", INT, op=False),
             Arg("max_spec_len", INT, op=False),
             Arg("scale", OPT_FLOAT, None),
@@ -1989,6 +2034,7 @@ def _gdn_spec() -> Op:
             Arg("null_block_id", INT64, 0),
         ) + tuple(Arg(n, ANY, d, op=False) for n, d in _SPEC_TUNING) + (
             Arg("launch_mode", STR, "both", op=False),
+            Arg("dot_precision", ANY, "tf32", op=False),
         ) + _KEYWORDS + (
             Arg("g", TENSOR, dtypes=FLOATING, public=False, shown_as="a"),
             Arg("beta", TENSOR, dtypes=FLOATING, public=False, shown_as="b"),
@@ -1997,6 +2043,7 @@ def _gdn_spec() -> Op:
                 shown_as="query_start_loc"),
             Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
                 shown_as="ssm_state_indices"),
+            Arg("rows", INT64, 0, public=False, shown_as="launch_mode"),
             Arg("is_kda", BOOL, False, public=False),
             Arg("use_gate_in_kernel", BOOL, True, public=False),
             Arg("lower_bound", OPT_FLOAT, None, public=False),
@@ -2006,28 +2053,30 @@ def _gdn_spec() -> Op:
         op_order=_REPLAY_VERIFY_OP_ORDER,
         schema_defaults_from="is_kda",
         prepare=_gdn_spec_prepare,
-        fills=("q", "k", "v", "g", "beta", "output", "cu_seqlens", "state_indices", "is_flush"),
+        fills=("q", "k", "v", "g", "beta", "output", "cu_seqlens", "state_indices", "rows"),
     )
 
 
 # The commit's cursor tables (written in place) and accepted counts, as both surfaces take them.
 _CURSORS = (Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
             Arg("cache_base", TENSOR, dtypes=INT32, mutated=True),
-            Arg("is_flush", TENSOR, dtypes=INT32, mutated=True),
+            Arg("is_flush", TENSOR, dtypes=FLAGS, mutated=True),
             Arg("num_accepted", TENSOR, dtypes=INDEX))
 _REPLAY_COMMIT_OP_ORDER = ("write_pos", "cache_base", "is_flush", "num_accepted", "state_indices",
-                           "max_cache_len", "max_spec_len", "null_block_id", "check_indices",
-                           "pdl")
+                           "max_cache_len", "max_spec_len", "cache_buf_len", "fold_every_commit",
+                           "null_block_id", "check_indices", "pdl")
 
 
 def _replay_commit() -> Op:
     doc = """The commit after :func:`replayssm_verify`, a cursor move (no state is copied): for
     each row b with live slot s = state_indices[b] (> null_block_id) and a = num_accepted[b] (the
     bonus token included): after a fold (is_flush[s] != 0) write_pos[s] = a and, when a > 0,
-    cache_base[s] += write_pos[s] (mod max_cache_len); otherwise write_pos[s] += a; then is_flush[s]
-    = write_pos[s] + 2 * max_spec_len > max_cache_len. Rejected drafts stay behind the cursor.
-    write_pos, cache_base, is_flush [slots] int32; num_accepted, state_indices [B] int32/int64.
-    On CUDA the cursors move on the device (graph-safe). Returns ``write_pos``."""
+    cache_base[s] += write_pos[s] (mod cache_buf_len, the rings' length; 0: max_cache_len);
+    otherwise write_pos[s] += a; then is_flush[s] = write_pos[s] + 2 * max_spec_len >
+    max_cache_len, or with fold_every_commit write_pos[s] > 0. Rejected drafts stay behind the
+    cursor. write_pos, cache_base [slots] int32, is_flush [slots] int32 or int8; num_accepted,
+    state_indices [B] int32/int64. On CUDA the cursors move on the device (graph-safe). Returns
+    ``write_pos``."""
     return Op(
         name="replayssm_commit",
         public="replayssm_commit",
@@ -2037,6 +2086,8 @@ def _replay_commit() -> Op:
             Arg("state_indices", TENSOR, dtypes=INDEX),
             Arg("max_cache_len", INT64),
             Arg("max_spec_len", INT64),
+            Arg("cache_buf_len", INT64, 0),
+            Arg("fold_every_commit", BOOL, False),
             Arg("null_block_id", INT64, -1),
             Arg("check_indices", CHECK, None, keyword=True),
             Arg("pdl", BOOL, False, keyword=True),
@@ -2046,19 +2097,16 @@ def _replay_commit() -> Op:
     )
 
 
-def _spec_commit_prepare(op, max_cache_len, cache_buf_len, state_batch_indices):
-    if cache_buf_len is not None and int(cache_buf_len) != int(max_cache_len):
-        raise NotImplementedError(
-            f"{op}: `cache_buf_len`={cache_buf_len} is not implemented in deltastate: the ring's "
-            "origin wraps at max_cache_len (cache_buf_len=None)")
-    return (state_batch_indices,)
+def _spec_commit_prepare(op, cache_buf_len, replay_indices):
+    return (0 if cache_buf_len is None else int(cache_buf_len), replay_indices)
 
 
 def _gdn_spec_commit() -> Op:
     doc = """SGLang's ``commit_gdn_replayssm_spec`` on :func:`replayssm_commit`: its arguments in
-    its order; the block-keyed cursors advanced by num_accepted (the bonus token included).
-    Returns None. Differences: is_flush must be int32 (deltastate has no int8 tensors; SGLang's is
-    int8); cache_buf_len other than max_cache_len raises NotImplementedError."""
+    its order; the request-keyed cursors (rows replay_indices) advanced by num_accepted (the bonus
+    token included); fold_every_commit: is_flush = write_pos > 0 (the fold-every-commit scheme);
+    cache_buf_len (None: max_cache_len): the rings' length, where cache_base wraps. Returns
+    None."""
     return Op(
         name="commit_gdn_replayssm_spec",
         public="commit_gdn_replayssm_spec",
@@ -2066,20 +2114,284 @@ def _gdn_spec_commit() -> Op:
         doc=doc,
         args=(
             *_CURSORS,
-            Arg("state_batch_indices", ANY, op=False),
+            Arg("replay_indices", ANY, op=False),
             Arg("max_cache_len", INT64),
             Arg("max_spec_len", INT64),
+            Arg("fold_every_commit", BOOL, False),
             Arg("cache_buf_len", ANY, None, op=False),
             Arg("null_block_id", INT64, 0),
             Arg("check_indices", CHECK, None, keyword=True),
             Arg("pdl", BOOL, False, keyword=True),
-            Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
-                shown_as="state_batch_indices"),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False, shown_as="replay_indices"),
+            Arg("cache_buf_len", INT64, 0, public=False),
         ),
         returns=(),
         op_order=_REPLAY_COMMIT_OP_ORDER,
         prepare=_spec_commit_prepare,
-        fills=("state_indices",),
+        fills=("cache_buf_len", "state_indices"),
+    )
+
+
+# ---- fold-every-commit: the commit replays the accepted raw records into the checkpoint -------
+_FOLD_OP_ORDER = ("state", "rawv", "rawk", "g", "beta", "state_indices", "accept_lens",
+                  "track_indices", "steps_to_track", "is_kda", "use_qk_l2norm_in_kernel",
+                  "null_block_id", "check_indices", "pdl")
+
+_FOLD_DOC = """The commit of the fold-every-commit scheme: the verify recorded each draft's raw
+    inputs (verify's ring_v, ring_k, ring_g, ring_beta; SGLang's cache_ring) at positions 0..T-1,
+    and for each layer and live row b (slot s = state_indices[b] > null_block_id, a =
+    accept_lens[b] > 0) the checkpoint state[layer, s] runs the recurrent step over the records
+    t < a in the recurrent op's order (CPU: the recurrent op's state after the accepted tokens
+    bit for bit); with track_indices / steps_to_track, the state after step steps_to_track[b] (>=
+    0) also goes to slot track_indices[b] (> null_block_id). state [layers, slots, HV, V, K] (or
+    one layer [slots, HV, V, K]); rawv [.., slots, HV, L, V], rawk [.., slots, H, L, K], g [..,
+    slots, HV, L] (GDN) / [.., slots, HV, L, K] (KDA) float32, beta [.., slots, HV, L] float32,
+    any layer and slot strides. Every layer in one call. Returns None."""
+
+
+def _fold_core() -> Op:
+    return Op(
+        name="replayssm_fold_commit",
+        public="replayssm_fold_commit",
+        doc=_FOLD_DOC,
+        args=(
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("rawv", TENSOR, dtypes=FLOATING),
+            Arg("rawk", TENSOR, dtypes=FLOATING),
+            Arg("g", TENSOR, dtypes=FLOAT32),
+            Arg("beta", TENSOR, dtypes=FLOAT32),
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("accept_lens", TENSOR, dtypes=INDEX),
+            Arg("track_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("steps_to_track", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("is_kda", BOOL, False),
+            Arg("use_qk_l2norm_in_kernel", BOOL, True),
+            Arg("null_block_id", INT64, -1),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns=(),
+        op_order=_FOLD_OP_ORDER,
+    )
+
+
+def _sglang_fold(name: str, kda: bool, null_block_id: int, sglang_doc: str) -> Op:
+    """SGLang's fold-every-commit commits: its argument names and order, onto the core op.
+    max_cache_len and num_k_heads are SGLang's launch constants (the ring's length and key heads,
+    read here from the rings' shapes and checked against them)."""
+    g_name = "gk_cache" if kda else "g_cache"
+
+    def check(op, rawv_cache, rawk_cache, max_cache_len, num_k_heads):
+        L, H = _shape(rawv_cache)[-2], _shape(rawk_cache)[-3]
+        if int(max_cache_len) != L:
+            raise ValueError(f"{op}: max_cache_len={max_cache_len} must be the rings' length "
+                             f"({L})")
+        if int(num_k_heads) != H:
+            raise ValueError(f"{op}: num_k_heads={num_k_heads} must be rawk_cache's key heads "
+                             f"({H})")
+
+    if kda:
+        def prepare(op, checkpoint_state, rawv_cache, rawk_cache, gk_cache, beta_cache,
+                    ssm_state_indices, max_cache_len, num_k_heads, mamba_track_indices,
+                    mamba_steps_to_track):
+            check(op, rawv_cache, rawk_cache, max_cache_len, num_k_heads)
+            return (checkpoint_state, rawv_cache, rawk_cache, gk_cache, beta_cache,
+                    ssm_state_indices, mamba_track_indices, mamba_steps_to_track)
+    else:
+        def prepare(op, checkpoint_state, rawv_cache, rawk_cache, g_cache, beta_cache,
+                    ssm_state_indices, max_cache_len, num_k_heads, mamba_track_indices,
+                    mamba_steps_to_track):
+            check(op, rawv_cache, rawk_cache, max_cache_len, num_k_heads)
+            return (checkpoint_state, rawv_cache, rawk_cache, g_cache, beta_cache,
+                    ssm_state_indices, mamba_track_indices, mamba_steps_to_track)
+
+    return Op(
+        name=name,
+        public=name,
+        binding="replayssm_fold_commit",
+        doc=sglang_doc,
+        args=(
+            Arg("checkpoint_state", ANY, op=False),
+            Arg("rawv_cache", ANY, op=False),
+            Arg("rawk_cache", ANY, op=False),
+            Arg(g_name, ANY, op=False),
+            Arg("beta_cache", ANY, op=False),
+            Arg("ssm_state_indices", ANY, op=False),
+            Arg("accept_lens", TENSOR, dtypes=INDEX),
+            Arg("max_cache_len", INT, op=False),
+            Arg("num_k_heads", INT, op=False),
+            Arg("mamba_track_indices", ANY, None, op=False),
+            Arg("mamba_steps_to_track", ANY, None, op=False),
+            Arg("use_qk_l2norm_in_kernel", BOOL, True),
+            Arg("null_block_id", INT64, null_block_id),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True, public=False,
+                shown_as="checkpoint_state"),
+            Arg("rawv", TENSOR, dtypes=FLOATING, public=False, shown_as="rawv_cache"),
+            Arg("rawk", TENSOR, dtypes=FLOATING, public=False, shown_as="rawk_cache"),
+            Arg("g", TENSOR, dtypes=FLOAT32, public=False, shown_as=g_name),
+            Arg("beta", TENSOR, dtypes=FLOAT32, public=False, shown_as="beta_cache"),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
+                shown_as="ssm_state_indices"),
+            Arg("track_indices", OPT_TENSOR, None, dtypes=INDEX, public=False,
+                shown_as="mamba_track_indices"),
+            Arg("steps_to_track", OPT_TENSOR, None, dtypes=INDEX, public=False,
+                shown_as="mamba_steps_to_track"),
+            Arg("is_kda", BOOL, kda, public=False),
+        ),
+        returns=(),
+        op_order=_FOLD_OP_ORDER,
+        prepare=prepare,
+        fills=("state", "rawv", "rawk", "g", "beta", "state_indices", "track_indices",
+               "steps_to_track"),
+    )
+
+
+_FOLD_SGLANG_DOC = """SGLang's ``{name}`` (fold-every-commit, {what}) on :func:`replayssm_fold_commit`:
+    its arguments in its order. checkpoint_state {shape}, updated in place; rawv_cache, rawk_cache,
+    {g} and beta_cache the rings its verify wrote ({ring}); ssm_state_indices, accept_lens (the
+    bonus token included) [B]; mamba_track_indices / mamba_steps_to_track [B]: the track slot
+    that also receives the state after that step. max_cache_len and num_k_heads must be the
+    rings' length and key heads. Returns None. Difference: on CPU tensors a bad row (a slot past
+    the pool, accept_lens > max_cache_len) is a ValueError, where SGLang's kernel reads past the
+    ring."""
+
+
+def _sglang_folds() -> Tuple[Op, ...]:
+    def doc(name, what, shape, g, ring):
+        return _FOLD_SGLANG_DOC.format(name=name, what=what, shape=shape, g=g, ring=ring)
+    layered = "[num_layers, slots, HV, V, K]"
+    return (
+        _sglang_fold("commit_gdn_replayssm_fold_all_layers", False, -1,
+                     doc("commit_gdn_replayssm_fold_all_layers", "GDN, every layer in one call",
+                         layered, "g_cache", "fused_sigmoid_gating_delta_rule_update's "
+                         "cache_ring")),
+        _sglang_fold("commit_kda_replayssm_spec", True, 0,
+                     doc("commit_kda_replayssm_spec", "KDA, one layer",
+                         "[slots, HV, V, K]", "gk_cache (per K column)", "the KDA verify's "
+                         "raw ring: verify(..., ring_v=, ring_k=, ring_g=, ring_beta=)")),
+        _sglang_fold("commit_kda_replayssm_spec_all_layers", True, 0,
+                     doc("commit_kda_replayssm_spec_all_layers", "KDA, every layer in one call",
+                         layered, "gk_cache (per K column)", "the KDA verify's raw ring")),
+    )
+
+
+# ---- the compact circular commit --------------------------------------------------------------
+_CIRC_OP_ORDER = ("state", "d_cache", "k_cache", "g_cache", "state_indices", "replay_indices",
+                  "write_pos", "cache_base", "is_flush", "accept_lens", "d_residual",
+                  "k_residual", "track_indices", "steps_to_track", "null_block_id",
+                  "check_indices", "pdl")
+
+_CIRC_DOC = """The compact circular commit (GDN), after :func:`replayssm_commit`: where needed, the
+    circular history becomes a state, every layer in one call. For each layer and live row b
+    (slot s = state_indices[b] > null_block_id, ring row r = replay_indices[b], n =
+    write_pos[r], already advanced by accept_lens[b]): when is_flush[r] != 0 the checkpoint
+    becomes the state after the n records (e^{G} state + the records' decayed d k^T, d and k
+    plus their residuals when given, fp32), and with track_indices[b] > null_block_id and
+    steps_to_track[b] >= 0 the state after the first n - accept_lens[b] + steps_to_track[b] + 1
+    records goes to slot track_indices[b]; then each folded row's cache_base moves by n (mod L),
+    its write_pos and is_flush become 0. state [layers, slots, HV, V, K] (or one layer); d_cache
+    [.., R, HV, L, V], k_cache [.., R, H, L, K], g_cache [.., R, HV, L] float32, d_residual /
+    k_residual like d / k (optional, together); write_pos, cache_base [R] int32, is_flush [R]
+    int32 or int8. Returns None."""
+
+
+def _circular_core() -> Op:
+    return Op(
+        name="replayssm_circular_commit",
+        public="replayssm_circular_commit",
+        doc=_CIRC_DOC,
+        args=(
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("d_cache", TENSOR, dtypes=FLOATING),
+            Arg("k_cache", TENSOR, dtypes=FLOATING),
+            Arg("g_cache", TENSOR, dtypes=FLOAT32),
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("replay_indices", TENSOR, dtypes=INDEX),
+            Arg("write_pos", TENSOR, dtypes=INT32, mutated=True),
+            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True),
+            Arg("is_flush", TENSOR, dtypes=FLAGS, mutated=True),
+            Arg("accept_lens", TENSOR, dtypes=INDEX),
+            Arg("d_residual", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("k_residual", OPT_TENSOR, None, dtypes=FLOATING),
+            Arg("track_indices", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("steps_to_track", OPT_TENSOR, None, dtypes=INDEX),
+            Arg("null_block_id", INT64, -1),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns=(),
+        op_order=_CIRC_OP_ORDER,
+        schema_defaults_from="d_residual",
+    )
+
+
+def _circular_prepare(op, checkpoint_state, d_cache, k_cache, g_cache, d_residual_cache,
+                      k_residual_cache, state_batch_indices, replay_indices, mamba_track_indices,
+                      mamba_steps_to_track):
+    return (checkpoint_state, d_cache, k_cache, g_cache, d_residual_cache, k_residual_cache,
+            state_batch_indices, replay_indices, mamba_track_indices, mamba_steps_to_track)
+
+
+def _sglang_circular() -> Op:
+    doc = """SGLang's ``commit_gdn_replayssm_circular`` (keyword-only, as SGLang's) on
+    :func:`replayssm_circular_commit`: materialize the circular history only for capacity
+    (is_flush) and track rows, after commit_gdn_replayssm_spec advanced write_pos by the accepted
+    length. checkpoint_state [num_layers, slots, HV, V, K]; d_cache, k_cache, g_cache and the
+    optional d_residual_cache / k_residual_cache (the hi/lo residual ring of
+    gdn_replayssm_spec_decode) [num_layers, R, ...]; state_batch_indices, replay_indices,
+    accept_lens [B]; write_pos, cache_base, is_flush [R]; mamba_track_indices /
+    mamba_steps_to_track [B] (optional). Returns None. Differences: the history term is an fp32
+    sum over the records (SGLang: tensor-core dots of hi/lo bf16 parts); only the records that
+    count are read (SGLang's masks zero the others' weights); on CPU tensors a bad row is a
+    ValueError."""
+    return Op(
+        name="commit_gdn_replayssm_circular",
+        public="commit_gdn_replayssm_circular",
+        binding="replayssm_circular_commit",
+        doc=doc,
+        args=(
+            Arg("checkpoint_state", ANY, keyword=True, op=False),
+            Arg("d_cache", ANY, keyword=True, op=False),
+            Arg("k_cache", ANY, keyword=True, op=False),
+            Arg("g_cache", ANY, keyword=True, op=False),
+            Arg("d_residual_cache", ANY, keyword=True, op=False),
+            Arg("k_residual_cache", ANY, keyword=True, op=False),
+            Arg("state_batch_indices", ANY, keyword=True, op=False),
+            Arg("replay_indices", ANY, keyword=True, op=False),
+            Arg("write_pos", TENSOR, dtypes=INT32, mutated=True, keyword=True),
+            Arg("cache_base", TENSOR, dtypes=INT32, mutated=True, keyword=True),
+            Arg("is_flush", TENSOR, dtypes=FLAGS, mutated=True, keyword=True),
+            Arg("accept_lens", TENSOR, dtypes=INDEX, keyword=True),
+            Arg("mamba_track_indices", ANY, None, keyword=True, op=False),
+            Arg("mamba_steps_to_track", ANY, None, keyword=True, op=False),
+            Arg("null_block_id", INT64, -1, keyword=True),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+            Arg("state", TENSOR, dtypes=FLOATING, mutated=True, public=False,
+                shown_as="checkpoint_state"),
+            Arg("d_cache", TENSOR, dtypes=FLOATING, public=False, shown_as="d_cache"),
+            Arg("k_cache", TENSOR, dtypes=FLOATING, public=False, shown_as="k_cache"),
+            Arg("g_cache", TENSOR, dtypes=FLOAT32, public=False, shown_as="g_cache"),
+            Arg("d_residual", OPT_TENSOR, None, dtypes=FLOATING, public=False,
+                shown_as="d_residual_cache"),
+            Arg("k_residual", OPT_TENSOR, None, dtypes=FLOATING, public=False,
+                shown_as="k_residual_cache"),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
+                shown_as="state_batch_indices"),
+            Arg("replay_indices", TENSOR, dtypes=INDEX, public=False, shown_as="replay_indices"),
+            Arg("track_indices", OPT_TENSOR, None, dtypes=INDEX, public=False,
+                shown_as="mamba_track_indices"),
+            Arg("steps_to_track", OPT_TENSOR, None, dtypes=INDEX, public=False,
+                shown_as="mamba_steps_to_track"),
+        ),
+        returns=(),
+        op_order=_CIRC_OP_ORDER,
+        schema_defaults_from="d_residual",
+        prepare=_circular_prepare,
+        fills=("state", "d_cache", "k_cache", "g_cache", "d_residual", "k_residual",
+               "state_indices", "replay_indices", "track_indices", "steps_to_track"),
     )
 
 
@@ -2089,4 +2401,5 @@ OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurre
                        _CONV_UPDATE, _fused(False), _fused(True),
                        _verify_core(), _sglang_verify(), _flashinfer_mtp(), _commit(),
                        _sglang_scatter(), _conv_commit(), _sglang_conv_scatter(),
-                       _replay_verify_core(), _gdn_spec(), _replay_commit(), _gdn_spec_commit())
+                       _replay_verify_core(), _gdn_spec(), _replay_commit(), _gdn_spec_commit(),
+                       _fold_core(), _circular_core(), _sglang_circular()) + _sglang_folds()

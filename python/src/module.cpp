@@ -251,6 +251,17 @@ struct Kind<ds::StateRounding> {
   }
 };
 
+// Which rows a ReplaySSM verify serves: an int (0 = all, 1 = appending, 2 = folding; the
+// validator checks the range).
+template <>
+struct Kind<ds::ReplayRows> {
+  static constexpr const char* name = "int64";
+  static bool accepts(ffi::AnyView v) { return v.try_cast<int64_t>().has_value(); }
+  static void read(ds::ReplayRows& dst, ffi::AnyView v, const char*) {
+    dst = static_cast<ds::ReplayRows>(*v.try_cast<int64_t>());
+  }
+};
+
 // An integer count (checkpoint_every_n_tokens).
 template <>
 struct Kind<int64_t> {
@@ -537,6 +548,10 @@ constexpr auto verify = bind(
             Field<&VA::num_accepted_tokens>{"num_accepted_tokens"},
             Field<&VA::source_state>{"source_state"},
             Field<&VA::source_state_indices>{"source_state_indices"},
+            Field<&VA::ring_v>{"ring_v"},
+            Field<&VA::ring_k>{"ring_k"},
+            Field<&VA::ring_g>{"ring_g"},
+            Field<&VA::ring_beta>{"ring_beta"},
             Field<&VA::check_indices>{"check_indices"},
             Field<&VA::pdl>{"pdl"},
         },
@@ -765,6 +780,11 @@ constexpr auto replayssm_verify = bind(
         Field<&RVA::write_pos>{"write_pos"},
         Field<&RVA::cache_base>{"cache_base"},
         Field<&RVA::is_flush>{"is_flush"},
+        Field<&RVA::replay_indices>{"replay_indices"},
+        Field<&RVA::rawv_cache>{"rawv_cache"},
+        Field<&RVA::rawk_cache>{"rawk_cache"},
+        Field<&RVA::beta_cache>{"beta_cache"},
+        Field<&RVA::rows>{"rows"},
         Field<&RVA::null_block_id>{"null_block_id"},
         Field<&RVA::check_indices>{"check_indices"},
         Field<&RVA::pdl>{"pdl"},
@@ -785,9 +805,62 @@ constexpr auto replayssm_commit = bind(
         Field<&RCA::state_indices>{"state_indices"},
         Field<&RCA::max_cache_len>{"max_cache_len"},
         Field<&RCA::max_spec_len>{"max_spec_len"},
+        Field<&RCA::cache_buf_len>{"cache_buf_len"},
+        Field<&RCA::fold_every_commit>{"fold_every_commit"},
         Field<&RCA::null_block_id>{"null_block_id"},
         Field<&RCA::check_indices>{"check_indices"},
         Field<&RCA::pdl>{"pdl"},
+    });
+
+using RFA = ds::ReplayFoldArgs;
+constexpr auto replayssm_fold_commit = bind(
+    "replayssm_fold_commit",
+    +[](RFA& a) {
+      a.stream = stream_for(a.state);
+      ds::replayssm_fold_commit(a);
+    },
+    std::tuple{
+        Field<&RFA::state>{"state"},
+        Field<&RFA::rawv>{"rawv"},
+        Field<&RFA::rawk>{"rawk"},
+        Field<&RFA::g>{"g"},
+        Field<&RFA::beta>{"beta"},
+        Field<&RFA::state_indices>{"state_indices"},
+        Field<&RFA::accept_lens>{"accept_lens"},
+        Field<&RFA::track_indices>{"track_indices"},
+        Field<&RFA::steps_to_track>{"steps_to_track"},
+        Field<&RFA::is_kda>{"is_kda"},
+        Field<&RFA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+        Field<&RFA::null_block_id>{"null_block_id"},
+        Field<&RFA::check_indices>{"check_indices"},
+        Field<&RFA::pdl>{"pdl"},
+    });
+
+using RCC = ds::ReplayCircularCommitArgs;
+constexpr auto replayssm_circular_commit = bind(
+    "replayssm_circular_commit",
+    +[](RCC& a) {
+      a.stream = stream_for(a.state);
+      ds::replayssm_circular_commit(a);
+    },
+    std::tuple{
+        Field<&RCC::state>{"state"},
+        Field<&RCC::d_cache>{"d_cache"},
+        Field<&RCC::k_cache>{"k_cache"},
+        Field<&RCC::g_cache>{"g_cache"},
+        Field<&RCC::d_residual>{"d_residual"},
+        Field<&RCC::k_residual>{"k_residual"},
+        Field<&RCC::state_indices>{"state_indices"},
+        Field<&RCC::replay_indices>{"replay_indices"},
+        Field<&RCC::write_pos>{"write_pos"},
+        Field<&RCC::cache_base>{"cache_base"},
+        Field<&RCC::is_flush>{"is_flush"},
+        Field<&RCC::accept_lens>{"accept_lens"},
+        Field<&RCC::track_indices>{"track_indices"},
+        Field<&RCC::steps_to_track>{"steps_to_track"},
+        Field<&RCC::null_block_id>{"null_block_id"},
+        Field<&RCC::check_indices>{"check_indices"},
+        Field<&RCC::pdl>{"pdl"},
     });
 
 ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
@@ -807,6 +880,8 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(update_conv_state_after_verify.name, signature(update_conv_state_after_verify));
   m.Set(replayssm_verify.name, signature(replayssm_verify));
   m.Set(replayssm_commit.name, signature(replayssm_commit));
+  m.Set(replayssm_fold_commit.name, signature(replayssm_fold_commit));
+  m.Set(replayssm_circular_commit.name, signature(replayssm_circular_commit));
   return m;
 }
 
@@ -1042,6 +1117,8 @@ DELTASTATE_EXPORT_OP(update_state_after_verify)
 DELTASTATE_EXPORT_OP(update_conv_state_after_verify)
 DELTASTATE_EXPORT_OP(replayssm_verify)
 DELTASTATE_EXPORT_OP(replayssm_commit)
+DELTASTATE_EXPORT_OP(replayssm_fold_commit)
+DELTASTATE_EXPORT_OP(replayssm_circular_commit)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_decode_step_workspace_bytes, fused_decode_step_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(op_signatures, op_signatures);

@@ -31,6 +31,8 @@ void run_commit(const detail::CommitProblem& p, void* stream);
 // ReplaySSM speculative verify and its cursor commit (src/cuda/replayssm_verify.cu).
 void run_replayssm_verify(const detail::ReplayVerifyProblem& p, void* stream);
 void run_replayssm_commit(const detail::ReplayCommitProblem& p, void* stream);
+void run_replayssm_fold_commit(const detail::ReplayFoldProblem& p, void* stream);
+void run_replayssm_circular_commit(const detail::ReplayCircularProblem& p, void* stream);
 // Workspace bytes of chunk_prefill on CUDA for these shapes on this device (its SM count, cached,
 // picks the kernel; no allocation).
 int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens, bool kda,

@@ -182,4 +182,18 @@ void replayssm_commit(const ReplayCommitArgs& args) {
   else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_commit);
 }
 
+void replayssm_fold_commit(const ReplayFoldArgs& args) {
+  const detail::ReplayFoldProblem p = detail::validate_replayssm_fold_commit(args);
+  if (p.B == 0 || p.layers == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_replayssm_fold_commit(p);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_fold_commit);
+}
+
+void replayssm_circular_commit(const ReplayCircularCommitArgs& args) {
+  const detail::ReplayCircularProblem p = detail::validate_replayssm_circular_commit(args);
+  if (p.B == 0 || p.layers == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_replayssm_circular_commit(p);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_circular_commit);
+}
+
 }  // namespace deltastate

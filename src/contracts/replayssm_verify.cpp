@@ -2,6 +2,7 @@
 // and the slot indices are the verify op's contract (contracts/verify.cpp, no state written);
 // this file checks the rings (the texts of replayssm_decode's contract), the slot-keyed cursors
 // and, on CPU tensors, every slot and cursor before anything is written.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -14,10 +15,14 @@ namespace deltastate::detail {
 namespace {
 long long ll(int64_t v) { return static_cast<long long>(v); }
 
-// A [slots] int32 cursor table, contiguous, on `dev`.
-void check_cursor(const char* name, const TensorView& t, int64_t slots, const Device& dev) {
-  if (t.ndim != 1 || t.dtype != DType::i32 || !t.is_contiguous())
-    fail(format("`%s` must be a contiguous 1D int32 tensor.", name));
+// A [slots] int32 cursor table (the flag table: int32 or int8), contiguous, on `dev`.
+void check_cursor(const char* name, const TensorView& t, int64_t slots, const Device& dev,
+                  bool int8_ok = false) {
+  if (t.ndim != 1 || !(t.dtype == DType::i32 || (int8_ok && t.dtype == DType::i8)) ||
+      !t.is_contiguous())
+    fail(format(int8_ok ? "`%s` must be a contiguous 1D int32 or int8 tensor."
+                        : "`%s` must be a contiguous 1D int32 tensor.",
+                name));
   if (t.shape[0] != slots)
     fail(format("`%s` must have one entry per slot (%lld); got %lld", name, ll(slots),
                 ll(t.shape[0])));
@@ -73,18 +78,72 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   const TensorView& dc = args.d_cache;
   const TensorView& kc = args.k_cache;
   const TensorView& gc = args.g_cache;
-  const int64_t L = replay_ring_length(dc, S, HV, V);
-  check_replay_rings(dc, kc, gc, S, HV, H, V, K, L, args.is_kda);
+  if (!r.indices) fail("`state_indices` is required: the cursors are keyed by slot");
+  // The rings and cursors have one row per slot, or per replay row with replay_indices.
+  IndexTable replay{};
+  if (args.replay_indices) replay = index_entries("replay_indices", *args.replay_indices, r.N, dev);
+  const int64_t R = args.replay_indices ? (dc.ndim >= 1 ? dc.shape[0] : 0) : S;
+  const int64_t L = replay_ring_length(dc, R, HV, V);
+  check_replay_rings(dc, kc, gc, R, HV, H, V, K, L, args.is_kda);
   for (const TensorView* t : {&dc, &kc})
     if (!is_floating(t->dtype))
       fail(format("ReplaySSM ring caches must be floating point (got %s).",
                   dtype_mark(dtype_name(t->dtype)).c_str()));
   for (const TensorView* t : {&dc, &kc, &gc})
     if (!(t->device == dev)) fail("ReplaySSM inputs must be on the same device.");
-  check_cursor("write_pos", args.write_pos, S, dev);
-  check_cursor("cache_base", args.cache_base, S, dev);
-  check_cursor("is_flush", args.is_flush, S, dev);
-  if (!r.indices) fail("`state_indices` is required: the cursors are keyed by slot");
+  // The cursor tables: one entry per slot, or with replay_indices per replay row in use (C
+  // entries, which may differ from the rings' R rows).
+  if (args.replay_indices && args.write_pos.ndim != 1)
+    fail("`write_pos` must be a contiguous 1D int32 tensor.");
+  const int64_t C = args.replay_indices ? args.write_pos.shape[0] : R;
+  check_cursor("write_pos", args.write_pos, C, dev);
+  check_cursor("cache_base", args.cache_base, C, dev);
+  check_cursor("is_flush", args.is_flush, C, dev, true);
+  // The raw rings: all three (exact-raw), or rawv and rawk (hi/lo residual).
+  const bool has_v = args.rawv_cache.has_value(), has_k = args.rawk_cache.has_value();
+  const bool has_b = args.beta_cache.has_value();
+  if (has_v != has_k || (has_b && !has_v))
+    fail(
+        "`rawv_cache` and `rawk_cache` go together (with `beta_cache`: the exact-raw ring; "
+        "without: the hi/lo residual ring); `beta_cache` needs both");
+  if (has_v) {
+    if (dev.type != DeviceType::cpu && !has_b)
+      fail(
+          "replayssm_verify: the hi/lo residual ring (rawv_cache, rawk_cache without beta_cache) "
+          "is implemented on CPU tensors only");
+    auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
+                    bool f32) {
+      bool ok = t.ndim == static_cast<int>(shape.size()) && t.is_contiguous();
+      int i = 0;
+      for (int64_t e : shape) ok = ok && t.shape[i++] == e;
+      if (!ok)
+        fail(format("`%s` must be a contiguous tensor of shape %s (got %s).", name,
+                    tuple_str(shape).c_str(), shape_str(t).c_str()));
+      if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
+        fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).",
+                    name, dtype_mark(dtype_name(t.dtype)).c_str()));
+      if (!(t.device == dev)) fail("ReplaySSM inputs must be on the same device.");
+    };
+    ring("rawv_cache", *args.rawv_cache, {R, HV, L, V}, false);
+    ring("rawk_cache", *args.rawk_cache, {R, H, L, K}, false);
+    if (has_b) ring("beta_cache", *args.beta_cache, {R, HV, L}, true);
+    p.rawv = args.rawv_cache->data;
+    p.rawv_dtype = args.rawv_cache->dtype;
+    p.rawk = args.rawk_cache->data;
+    p.rawk_dtype = args.rawk_cache->dtype;
+    if (has_b) p.beta_ring = static_cast<float*>(args.beta_cache->data);
+  }
+  const int rows_mode = static_cast<int>(args.rows);
+  if (rows_mode < 0 || rows_mode > 2)
+    fail(format("replayssm_verify: rows must be 0 (all), 1 (append) or 2 (fold) (got %d)",
+                rows_mode));
+  p.rows = rows_mode;
+  p.ring_rows = std::min(R, C);
+  if (args.replay_indices) {
+    p.replay = replay.ptr;
+    p.replay_dtype = replay.dtype;
+    p.replay_stride = replay.row_stride;
+  }
 
   p.L = static_cast<int32_t>(L);
   p.d_cache = dc.data;
@@ -94,7 +153,8 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   p.g_cache = static_cast<float*>(gc.data);
   p.write_pos = static_cast<const int32_t*>(args.write_pos.data);
   p.cache_base = static_cast<const int32_t*>(args.cache_base.data);
-  p.is_flush = static_cast<const int32_t*>(args.is_flush.data);
+  p.is_flush = args.is_flush.data;
+  p.flush_dtype = args.is_flush.dtype;
   p.null_block_id = args.null_block_id;
 
   // CPU tensors (default on): every slot and cursor checked before anything is written. CUDA
@@ -104,7 +164,7 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   const bool check = args.check_indices.value_or(on_cpu);
   r.check_indices = check;
   if (on_cpu && check) {
-    std::vector<char> used(static_cast<size_t>(S), 0);
+    std::vector<char> used(static_cast<size_t>(S), 0), used_row(static_cast<size_t>(R), 0);
     for (int64_t n = 0; n < r.N; ++n) {
       const int64_t slot = index_at(r.indices, r.index_dtype, r.index_stride, n);
       if (slot <= p.null_block_id) continue;
@@ -115,21 +175,26 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
         fail(format("`state_indices`[%lld]=%lld repeats a live slot of this batch", ll(n),
                     ll(slot)));
       used[static_cast<size_t>(slot)] = 1;
-      const int64_t m = p.write_pos[slot], base = p.cache_base[slot];
-      const int64_t len = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n + 1) -
-                                             load_index(r.cu_seqlens, r.cu_dtype, n)
-                                       : r.T;
+      int64_t row = slot;
+      if (p.replay) {
+        row = index_at(p.replay, p.replay_dtype, p.replay_stride, n);
+        if (row < 0 || row >= p.ring_rows)
+          fail(
+              format("`replay_indices`[%lld]=%lld is out of range for rings of %lld rows and "
+                     "cursor tables of %lld entries",
+                     ll(n), ll(row), ll(R), ll(C)));
+        if (used_row[static_cast<size_t>(row)])
+          fail(format("`replay_indices`[%lld]=%lld repeats a live row of this batch", ll(n),
+                      ll(row)));
+        used_row[static_cast<size_t>(row)] = 1;
+      }
+      const int64_t m = p.write_pos[row], base = p.cache_base[row];
       if (m < 0 || m > L)
-        fail(format("`write_pos`[%lld]=%lld is outside the ring [0, L=%lld]", ll(slot), ll(m),
+        fail(format("`write_pos`[%lld]=%lld is outside the ring [0, L=%lld]", ll(row), ll(m),
                     ll(L)));
       if (base < 0 || base >= L)
-        fail(format("`cache_base`[%lld]=%lld is outside the ring [0, L-1=%lld]", ll(slot), ll(base),
+        fail(format("`cache_base`[%lld]=%lld is outside the ring [0, L-1=%lld]", ll(row), ll(base),
                     ll(L - 1)));
-      if (m + len > L)
-        fail(
-            format("sequence %lld: write_pos=%lld plus %lld draft tokens overflows the ring of "
-                   "L=%lld (the commit's max_spec_len must cover the drafts)",
-                   ll(n), ll(m), ll(len), ll(L)));
     }
   }
   return p;
@@ -142,7 +207,7 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   const Device dev = wp.device;
   check_cursor("write_pos", wp, S, dev);
   check_cursor("cache_base", args.cache_base, S, dev);
-  check_cursor("is_flush", args.is_flush, S, dev);
+  check_cursor("is_flush", args.is_flush, S, dev, true);
   const int64_t B = args.state_indices.ndim == 1 ? args.state_indices.shape[0] : -1;
   ReplayCommitProblem p;
   p.slots = index_entries("state_indices", args.state_indices, B, dev);
@@ -153,12 +218,19 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   if (T < 1 || 2 * T > L)
     fail(format("max_spec_len must be >= 1 with 2 * max_spec_len <= max_cache_len=%lld (got %lld)",
                 ll(L), ll(T)));
+  const int64_t buf = args.cache_buf_len == 0 ? L : args.cache_buf_len;
+  if (args.cache_buf_len != 0 && (buf < L || buf > (int64_t{1} << 30) || (buf & (buf - 1)) != 0))
+    fail(format("cache_buf_len must be a power of two >= max_cache_len=%lld (got %lld)", ll(L),
+                ll(buf)));
   p.B = static_cast<int32_t>(B);
   p.L = static_cast<int32_t>(L);
+  p.buf_len = static_cast<int32_t>(buf);
+  p.fold_every_commit = args.fold_every_commit;
   p.max_spec_len = static_cast<int32_t>(T);
   p.write_pos = static_cast<int32_t*>(wp.data);
   p.cache_base = static_cast<int32_t*>(args.cache_base.data);
-  p.is_flush = static_cast<int32_t*>(args.is_flush.data);
+  p.is_flush = args.is_flush.data;
+  p.flush_dtype = args.is_flush.dtype;
   p.num_slots = S;
   p.null_block_id = args.null_block_id;
   p.device = dev;
@@ -176,6 +248,297 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
       if (a < 0 || a > T)
         fail(format("`num_accepted`[%lld]=%lld is outside [0, max_spec_len=%lld]", ll(b), ll(a),
                     ll(T)));
+    }
+  }
+  return p;
+}
+
+ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
+  const TensorView& st = args.state;
+  if (st.ndim != 4 && st.ndim != 5)
+    fail(
+        format("`checkpoint_state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got "
+               "ndim=%d).",
+               st.ndim));
+  const bool layered = st.ndim == 5;
+  const int lead = layered ? 1 : 0;
+  const int64_t layers = layered ? st.shape[0] : 1, S = st.shape[lead];
+  const int64_t HV = st.shape[lead + 1], V = st.shape[lead + 2], K = st.shape[lead + 3];
+  if (!is_floating(st.dtype))
+    fail(format("`checkpoint_state` must be floating (got %s).",
+                dtype_mark(dtype_name(st.dtype)).c_str()));
+  if (st.stride[lead + 3] != 1 || st.stride[lead + 2] != K || st.stride[lead + 1] != V * K)
+    fail(
+        "`checkpoint_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary "
+        "slot (and layer) stride is supported.");
+  const TensorView &rv = args.rawv, &rk = args.rawk, &rg = args.g, &rb = args.beta;
+  const int64_t L = rv.ndim == st.ndim ? rv.shape[lead + 2] : 0;
+  const int64_t H = rk.ndim == st.ndim ? rk.shape[lead + 1] : 0;
+  // A ring [layers?, slots, inner...]: the leading dims as the state's, compact below the slot.
+  auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> inner,
+                  bool f32) {
+    std::vector<int64_t> want;
+    if (layered) want.push_back(layers);
+    want.push_back(S);
+    want.insert(want.end(), inner.begin(), inner.end());
+    bool ok = t.ndim == static_cast<int>(want.size());
+    for (size_t i = 0; ok && i < want.size(); ++i) ok = t.shape[i] == want[i];
+    if (!ok)
+      fail(format("`%s` must have shape %s (got %s).", name,
+                  tuple_str(want.data(), static_cast<int>(want.size())).c_str(),
+                  shape_str(t).c_str()));
+    int64_t expect = 1;
+    for (int d = t.ndim - 1; d > lead; --d) {
+      if (t.shape[d] != 1 && t.stride[d] != expect)
+        fail(
+            format("`%s` must be contiguous below its slot dimension; an arbitrary slot (and "
+                   "layer) stride is supported.",
+                   name));
+      expect *= t.shape[d];
+    }
+    if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
+      fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).", name,
+                  dtype_mark(dtype_name(t.dtype)).c_str()));
+    if (!(t.device == st.device)) fail("All inputs must be on the same device.");
+  };
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  if (H < 1 || HV % H != 0)
+    fail(format("`rawk_cache` must have H key heads with HV %% H == 0 (HV=%lld, got H=%lld).",
+                ll(HV), ll(H)));
+  ring("rawv_cache", rv, {HV, L, V}, false);
+  ring("rawk_cache", rk, {H, L, K}, false);
+  if (args.is_kda) ring("g_cache", rg, {HV, L, K}, true);
+  else ring("g_cache", rg, {HV, L}, true);
+  ring("beta_cache", rb, {HV, L}, true);
+  const Device dev = st.device;
+  if (dev.type != DeviceType::cpu && K > 256)
+    fail(format("replayssm_fold_commit: K=%lld; CUDA tensors take K <= 256", ll(K)));
+  const TensorView& idx = args.state_indices;
+  if (idx.ndim != 1) fail(format("`ssm_state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
+  const int64_t B = idx.shape[0];
+  ReplayFoldProblem p;
+  p.slots = index_entries("ssm_state_indices", idx, B, dev);
+  p.accepted = index_entries("accept_lens", args.accept_lens, B, dev);
+  if (args.track_indices.has_value() != args.steps_to_track.has_value())
+    fail("`mamba_track_indices` and `mamba_steps_to_track` go together");
+  if (args.track_indices) {
+    p.track = index_entries("mamba_track_indices", *args.track_indices, B, dev);
+    p.steps = index_entries("mamba_steps_to_track", *args.steps_to_track, B, dev);
+  }
+  p.B = static_cast<int32_t>(B);
+  p.layers = static_cast<int32_t>(layers);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(HV);
+  p.K = static_cast<int32_t>(K);
+  p.V = static_cast<int32_t>(V);
+  p.L = static_cast<int32_t>(L);
+  p.kda = args.is_kda;
+  p.l2norm = args.use_qk_l2norm;
+  p.state = st.data;
+  p.state_dtype = st.dtype;
+  p.state_layer_stride = layered ? st.stride[0] : 0;
+  p.state_slot_stride = st.stride[lead];
+  p.num_slots = S;
+  p.rawv = rv.data;
+  p.rawv_dtype = rv.dtype;
+  p.rawv_layer_stride = layered ? rv.stride[0] : 0;
+  p.rawv_slot_stride = rv.stride[lead];
+  p.rawk = rk.data;
+  p.rawk_dtype = rk.dtype;
+  p.rawk_layer_stride = layered ? rk.stride[0] : 0;
+  p.rawk_slot_stride = rk.stride[lead];
+  p.g = static_cast<const float*>(rg.data);
+  p.g_layer_stride = layered ? rg.stride[0] : 0;
+  p.g_slot_stride = rg.stride[lead];
+  p.beta = static_cast<const float*>(rb.data);
+  p.beta_layer_stride = layered ? rb.stride[0] : 0;
+  p.beta_slot_stride = rb.stride[lead];
+  p.null_block_id = args.null_block_id;
+  p.device = dev;
+  p.pdl = args.pdl;
+  const bool on_cpu = dev.type == DeviceType::cpu;
+  p.check_indices = args.check_indices.value_or(on_cpu);
+  if (on_cpu && p.check_indices) {
+    std::vector<char> used(static_cast<size_t>(S), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = p.slots.at(b, 0), a = p.accepted.at(b, 0);
+      if (slot <= p.null_block_id || a <= 0) continue;
+      if (slot >= S)
+        fail(format("`ssm_state_indices`[%lld]=%lld is out of range for a pool of %lld slots",
+                    ll(b), ll(slot), ll(S)));
+      if (used[static_cast<size_t>(slot)])
+        fail(format("`ssm_state_indices`[%lld]=%lld repeats a live slot of this batch", ll(b),
+                    ll(slot)));
+      used[static_cast<size_t>(slot)] = 1;
+      if (a > L)
+        fail(format("`accept_lens`[%lld]=%lld exceeds the ring's length L=%lld", ll(b), ll(a),
+                    ll(L)));
+      if (p.track.ptr) {
+        const int64_t ts = p.track.at(b, 0), step = p.steps.at(b, 0);
+        if (ts > p.null_block_id && step >= 0 && step < a && ts >= S)
+          fail(format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld slots",
+                      ll(b), ll(ts), ll(S)));
+      }
+    }
+  }
+  return p;
+}
+
+ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCommitArgs& args) {
+  const TensorView& st = args.state;
+  if (st.ndim != 4 && st.ndim != 5)
+    fail(
+        format("`checkpoint_state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got "
+               "ndim=%d).",
+               st.ndim));
+  const bool layered = st.ndim == 5;
+  const int lead = layered ? 1 : 0;
+  const int64_t layers = layered ? st.shape[0] : 1, S = st.shape[lead];
+  const int64_t HV = st.shape[lead + 1], V = st.shape[lead + 2], K = st.shape[lead + 3];
+  if (!is_floating(st.dtype))
+    fail(format("`checkpoint_state` must be floating (got %s).",
+                dtype_mark(dtype_name(st.dtype)).c_str()));
+  if (st.stride[lead + 3] != 1 || st.stride[lead + 2] != K || st.stride[lead + 1] != V * K)
+    fail(
+        "`checkpoint_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary "
+        "slot (and layer) stride is supported.");
+  const TensorView &dc = args.d_cache, &kc = args.k_cache, &gc = args.g_cache;
+  const int64_t R = dc.ndim == st.ndim ? dc.shape[lead] : 0;
+  const int64_t L = dc.ndim == st.ndim ? dc.shape[lead + 2] : 0;
+  const int64_t H = kc.ndim == st.ndim ? kc.shape[lead + 1] : 0;
+  auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> inner,
+                  bool f32) {
+    std::vector<int64_t> want;
+    if (layered) want.push_back(layers);
+    want.push_back(R);
+    want.insert(want.end(), inner.begin(), inner.end());
+    bool ok = t.ndim == static_cast<int>(want.size());
+    for (size_t i = 0; ok && i < want.size(); ++i) ok = t.shape[i] == want[i];
+    if (!ok)
+      fail(format("`%s` must have shape %s (got %s).", name,
+                  tuple_str(want.data(), static_cast<int>(want.size())).c_str(),
+                  shape_str(t).c_str()));
+    int64_t expect = 1;
+    for (int d = t.ndim - 1; d > lead; --d) {
+      if (t.shape[d] != 1 && t.stride[d] != expect)
+        fail(
+            format("`%s` must be contiguous below its row dimension; an arbitrary row (and "
+                   "layer) stride is supported.",
+                   name));
+      expect *= t.shape[d];
+    }
+    if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
+      fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).", name,
+                  dtype_mark(dtype_name(t.dtype)).c_str()));
+    if (!(t.device == st.device)) fail("All inputs must be on the same device.");
+  };
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  if (H < 1 || HV % H != 0)
+    fail(format("`k_cache` must have H key heads with HV %% H == 0 (HV=%lld, got H=%lld).", ll(HV),
+                ll(H)));
+  ring("d_cache", dc, {HV, L, V}, false);
+  ring("k_cache", kc, {H, L, K}, false);
+  ring("g_cache", gc, {HV, L}, true);
+  if (args.d_residual.has_value() != args.k_residual.has_value())
+    fail("`d_residual_cache` and `k_residual_cache` go together");
+  if (args.d_residual) {
+    ring("d_residual_cache", *args.d_residual, {HV, L, V}, false);
+    ring("k_residual_cache", *args.k_residual, {H, L, K}, false);
+  }
+  const Device dev = st.device;
+  if (dev.type != DeviceType::cpu && K > 256)
+    fail(format("commit_gdn_replayssm_circular: K=%lld; CUDA tensors take K <= 256", ll(K)));
+  // The cursor tables: one entry per replay row in use (C entries; C may differ from R).
+  if (args.write_pos.ndim != 1) fail("`write_pos` must be a contiguous 1D int32 tensor.");
+  const int64_t C = args.write_pos.shape[0];
+  check_cursor("write_pos", args.write_pos, C, dev);
+  check_cursor("cache_base", args.cache_base, C, dev);
+  check_cursor("is_flush", args.is_flush, C, dev, true);
+  const TensorView& idx = args.state_indices;
+  if (idx.ndim != 1) fail(format("`state_batch_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
+  const int64_t B = idx.shape[0];
+  ReplayCircularProblem p;
+  p.slots = index_entries("state_batch_indices", idx, B, dev);
+  p.rows = index_entries("replay_indices", args.replay_indices, B, dev);
+  p.accepted = index_entries("accept_lens", args.accept_lens, B, dev);
+  if (args.track_indices.has_value() != args.steps_to_track.has_value())
+    fail("`mamba_track_indices` and `mamba_steps_to_track` go together");
+  if (args.track_indices) {
+    p.track = index_entries("mamba_track_indices", *args.track_indices, B, dev);
+    p.steps = index_entries("mamba_steps_to_track", *args.steps_to_track, B, dev);
+  }
+  p.B = static_cast<int32_t>(B);
+  p.layers = static_cast<int32_t>(layers);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(HV);
+  p.K = static_cast<int32_t>(K);
+  p.V = static_cast<int32_t>(V);
+  p.L = static_cast<int32_t>(L);
+  p.state = st.data;
+  p.state_dtype = st.dtype;
+  p.state_layer_stride = layered ? st.stride[0] : 0;
+  p.state_slot_stride = st.stride[lead];
+  p.num_slots = S;
+  p.d = dc.data;
+  p.d_dtype = dc.dtype;
+  p.d_layer_stride = layered ? dc.stride[0] : 0;
+  p.d_row_stride = dc.stride[lead];
+  p.k = kc.data;
+  p.k_dtype = kc.dtype;
+  p.k_layer_stride = layered ? kc.stride[0] : 0;
+  p.k_row_stride = kc.stride[lead];
+  p.g = static_cast<const float*>(gc.data);
+  p.g_layer_stride = layered ? gc.stride[0] : 0;
+  p.g_row_stride = gc.stride[lead];
+  if (args.d_residual) {
+    const TensorView &dr = *args.d_residual, &kr = *args.k_residual;
+    p.d_res = dr.data;
+    p.d_res_dtype = dr.dtype;
+    p.d_res_layer_stride = layered ? dr.stride[0] : 0;
+    p.d_res_row_stride = dr.stride[lead];
+    p.k_res = kr.data;
+    p.k_res_dtype = kr.dtype;
+    p.k_res_layer_stride = layered ? kr.stride[0] : 0;
+    p.k_res_row_stride = kr.stride[lead];
+  }
+  p.write_pos = static_cast<int32_t*>(args.write_pos.data);
+  p.cache_base = static_cast<int32_t*>(args.cache_base.data);
+  p.is_flush = args.is_flush.data;
+  p.flush_dtype = args.is_flush.dtype;
+  p.ring_rows = std::min(R, C);
+  p.null_block_id = args.null_block_id;
+  p.device = dev;
+  p.pdl = args.pdl;
+  const bool on_cpu = dev.type == DeviceType::cpu;
+  p.check_indices = args.check_indices.value_or(on_cpu);
+  if (on_cpu && p.check_indices) {
+    std::vector<char> used(static_cast<size_t>(R), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = p.slots.at(b, 0), r = p.rows.at(b, 0);
+      if (slot <= p.null_block_id) continue;
+      if (slot >= S)
+        fail(format("`state_batch_indices`[%lld]=%lld is out of range for a pool of %lld slots",
+                    ll(b), ll(slot), ll(S)));
+      if (r < 0 || r >= p.ring_rows)
+        fail(
+            format("`replay_indices`[%lld]=%lld is out of range for rings of %lld rows and "
+                   "cursor tables of %lld entries",
+                   ll(b), ll(r), ll(R), ll(C)));
+      if (used[static_cast<size_t>(r)])
+        fail(format("`replay_indices`[%lld]=%lld repeats a live row of this batch", ll(b), ll(r)));
+      used[static_cast<size_t>(r)] = 1;
+      const int64_t n = p.write_pos[r], base = p.cache_base[r];
+      if (n < 0 || n > L)
+        fail(format("`write_pos`[%lld]=%lld is outside the ring [0, L=%lld]", ll(r), ll(n), ll(L)));
+      if (base < 0 || base >= L)
+        fail(format("`cache_base`[%lld]=%lld is outside the ring [0, L-1=%lld]", ll(r), ll(base),
+                    ll(L - 1)));
+      if (p.track.ptr) {
+        const int64_t ts = p.track.at(b, 0), step = p.steps.at(b, 0);
+        if (ts > p.null_block_id && step >= 0 && ts >= S)
+          fail(format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld slots",
+                      ll(b), ll(ts), ll(S)));
+      }
     }
   }
   return p;

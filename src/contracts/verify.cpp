@@ -312,6 +312,44 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
           "parent's state back from there");
     p.parents = index_table(c, "parent_tokens", *args.parent_tokens, N, 1);
   }
+  const bool any_ring = args.ring_v || args.ring_k || args.ring_g || args.ring_beta;
+  if (any_ring) {  // SGLang's cache_ring: the raw inputs of steps t < L at each sequence's slot
+    if (!args.ring_v || !args.ring_k || !args.ring_g || !args.ring_beta)
+      fail(
+          "cache_ring needs all four raw rings (`replayssm_rawv`, `replayssm_rawk`, "
+          "`replayssm_g`, `replayssm_beta`)");
+    const TensorView &rv = *args.ring_v, &rk = *args.ring_k, &rg = *args.ring_g,
+                     &rb = *args.ring_beta;
+    const int64_t S = args.state.shape[0], L = rv.ndim == 4 ? rv.shape[2] : 0;
+    auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
+                    bool f32) {
+      bool ok = t.ndim == static_cast<int>(shape.size()) && t.is_contiguous();
+      int i = 0;
+      for (int64_t e : shape) ok = ok && t.shape[i++] == e;
+      if (!ok)
+        fail(
+            format("cache_ring expects per-layer ring views: `%s` must be a contiguous tensor "
+                   "of shape %s (got %s).",
+                   name, tuple_str(shape).c_str(), shape_str(t).c_str()));
+      if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
+        fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).",
+                    name, dtype_mark(dtype_name(t.dtype)).c_str()));
+      c.device(name, t);
+    };
+    ring("replayssm_rawv", rv, {S, r.HV, L, r.V}, false);
+    ring("replayssm_rawk", rk, {S, r.H, L, r.K}, false);
+    if (args.is_kda) ring("replayssm_g", rg, {S, r.HV, L, r.K}, true);
+    else ring("replayssm_g", rg, {S, r.HV, L}, true);
+    ring("replayssm_beta", rb, {S, r.HV, L}, true);
+    if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+    p.ring_v = rv.data;
+    p.ring_v_dtype = rv.dtype;
+    p.ring_k = rk.data;
+    p.ring_k_dtype = rk.dtype;
+    p.ring_g = static_cast<float*>(rg.data);
+    p.ring_beta = static_cast<float*>(rb.data);
+    p.ring_len = static_cast<int32_t>(L);
+  }
   c.check_devices("All inputs must be on the same device", true);
   check_state_format_backend("verify", r.state, r.device);
 
@@ -320,6 +358,9 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   r.check_indices = check;
   if (on_cpu && check) {
     check_verify_host(p);
+    if (p.ring_v && r.indices)  // each slot's ring written by one sequence
+      check_slot_indices_host("state_indices", r.indices, r.index_dtype, N, r.index_stride,
+                              r.state.num_slots);
     if (r.update_state && !p.token_slots.ptr) {  // slots written once per sequence: distinct
       if (p.output_indices.ptr)
         check_slot_indices_host("output_state_indices", p.output_indices.ptr,

@@ -108,15 +108,17 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpChunkGdn = 3,       // chunk_prefill, GDN (chunk_gated_delta_rule)
-  kErrOpChunkKda = 4,       // chunk_prefill, KDA (chunk_kda)
-  kErrOpConv = 5,           // causal_conv1d_update
-  kErrOpFusedStep = 6,      // gdn_/kda_fused_decode_step
-  kErrOpVerify = 7,         // verify
-  kErrOpCommit = 8,         // update_state_after_verify
-  kErrOpReplayVerify = 9,   // replayssm_verify
-  kErrOpReplayCommit = 10,  // replayssm_commit
-  kErrOpConvCommit = 11     // update_conv_state_after_verify
+  kErrOpChunkGdn = 3,        // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,        // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,            // causal_conv1d_update
+  kErrOpFusedStep = 6,       // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,          // verify
+  kErrOpCommit = 8,          // update_state_after_verify
+  kErrOpReplayVerify = 9,    // replayssm_verify
+  kErrOpReplayCommit = 10,   // replayssm_commit
+  kErrOpConvCommit = 11,     // update_conv_state_after_verify
+  kErrOpReplayFold = 12,     // replayssm_fold_commit
+  kErrOpReplayCircular = 13  // replayssm_circular_commit
 };
 // kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
 // then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
@@ -130,7 +132,7 @@ enum DeviceErrorKind : int {
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
   kErrRow = 6,
   kErrStep = 7,
-  kErrRing = 8,       // ReplaySSM verify: write_pos + drafts past the ring, or a cursor outside it
+  kErrRing = 8,       // ReplaySSM verify: a cursor outside the ring
   kErrCacheBase = 9,  // ReplaySSM decode, circular rings: cache_base outside the ring
 };
 
@@ -453,6 +455,73 @@ struct VerifyProblem {
   StatePoolRef source;        // read-only start pool (ptr null: none); r.state's dtype
   IndexTable source_indices;  // [N, 1]: with source, the start row (r.indices: the final slot)
   int err_op = kErrOpVerify;  // the op a bad row is recorded under (the recurrent op runs here too)
+  // SGLang's cache_ring (ops.h VerifyArgs ring_*; ring_v null: none), steps t < ring_len.
+  void* ring_v = nullptr;  // [S, HV, L, V]
+  DType ring_v_dtype = DType::f32;
+  void* ring_k = nullptr;  // [S, H, L, K]
+  DType ring_k_dtype = DType::f32;
+  float* ring_g = nullptr;     // [S, HV, L(, K)]
+  float* ring_beta = nullptr;  // [S, HV, L]
+  int32_t ring_len = 0;
+};
+
+// The compact circular commit (ops.h ReplayCircularCommitArgs): per (layer, row, value head),
+// then the folded rows' cursors.
+struct ReplayCircularProblem {
+  int32_t B = 0, layers = 1, H = 0, HV = 0, K = 0, V = 0, L = 0;
+  void* state = nullptr;
+  DType state_dtype = DType::f32;
+  int64_t state_layer_stride = 0, state_slot_stride = 0, num_slots = 0;
+  const void* d = nullptr;  // [layers, R, HV, L, V]
+  DType d_dtype = DType::f32;
+  int64_t d_layer_stride = 0, d_row_stride = 0;
+  const void* k = nullptr;  // [layers, R, H, L, K]
+  DType k_dtype = DType::f32;
+  int64_t k_layer_stride = 0, k_row_stride = 0;
+  const float* g = nullptr;  // [layers, R, HV, L]
+  int64_t g_layer_stride = 0, g_row_stride = 0;
+  const void* d_res = nullptr;  // null: no residuals
+  DType d_res_dtype = DType::f32;
+  int64_t d_res_layer_stride = 0, d_res_row_stride = 0;
+  const void* k_res = nullptr;
+  DType k_res_dtype = DType::f32;
+  int64_t k_res_layer_stride = 0, k_res_row_stride = 0;
+  int32_t* write_pos = nullptr;  // [R]
+  int32_t* cache_base = nullptr;
+  void* is_flush = nullptr;
+  DType flush_dtype = DType::i32;
+  int64_t ring_rows = 0;
+  IndexTable slots, rows, accepted, track, steps;  // [B, 1]; track.ptr null: none
+  int64_t null_block_id = -1;
+  bool check_indices = false;
+  bool pdl = false;
+  DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch
+  Device device{};
+};
+
+// The fold-every-commit commit (ops.h ReplayFoldArgs): per (layer, row, value head).
+struct ReplayFoldProblem {
+  int32_t B = 0, layers = 1, H = 0, HV = 0, K = 0, V = 0, L = 0;
+  bool kda = false, l2norm = true;
+  void* state = nullptr;
+  DType state_dtype = DType::f32;
+  int64_t state_layer_stride = 0, state_slot_stride = 0, num_slots = 0;
+  const void* rawv = nullptr;  // [layers, slots, HV, L, V]
+  DType rawv_dtype = DType::f32;
+  int64_t rawv_layer_stride = 0, rawv_slot_stride = 0;
+  const void* rawk = nullptr;  // [layers, slots, H, L, K]
+  DType rawk_dtype = DType::f32;
+  int64_t rawk_layer_stride = 0, rawk_slot_stride = 0;
+  const float* g = nullptr;  // [layers, slots, HV, L(, K)]
+  int64_t g_layer_stride = 0, g_slot_stride = 0;
+  const float* beta = nullptr;  // [layers, slots, HV, L]
+  int64_t beta_layer_stride = 0, beta_slot_stride = 0;
+  IndexTable slots, accepted, track, steps;  // [B, 1]; track.ptr null: no track slots
+  int64_t null_block_id = -1;
+  bool check_indices = false;
+  bool pdl = false;
+  DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch
+  Device device{};
 };
 
 // The commit after a verify, every layer in one launch: of the states (ops.h CommitArgs) and of
@@ -507,16 +576,43 @@ struct ReplayVerifyProblem {
   float* g_cache = nullptr;             // [slots, HV, L(, K)]
   const int32_t* write_pos = nullptr;   // [slots]
   const int32_t* cache_base = nullptr;  // [slots]
-  const int32_t* is_flush = nullptr;    // [slots]
-  int64_t null_block_id = -1;           // a slot <= null_block_id marks a padded sequence
+  const void* is_flush = nullptr;       // [slots] int32 or int8 (flag_at)
+  DType flush_dtype = DType::i32;
+  int64_t null_block_id = -1;  // a slot <= null_block_id marks a padded sequence
+  // The ring/cursor row of sequence n (ops.h replay_indices); null: the checkpoint slot.
+  const void* replay = nullptr;
+  DType replay_dtype = DType::i32;
+  int64_t replay_stride = 1;
+  int64_t ring_rows = 0;  // R: rows of the rings and cursor tables
+  // Exact-raw ring (all three) or hi/lo residual ring (rawv, rawk; beta_ring null): ops.h.
+  void* rawv = nullptr;  // [R, HV, L, V]
+  DType rawv_dtype = DType::f32;
+  void* rawk = nullptr;  // [R, H, L, K]
+  DType rawk_dtype = DType::f32;
+  float* beta_ring = nullptr;   // [R, HV, L]
+  int32_t rows = 0;             // ops.h ReplayRows: 0 all, 1 append (not folding), 2 fold
+  bool history_folded = false;  // CUDA: the exact fold ran first (folding rows: empty history)
 };
+
+// Entry i of a cursor flag table (int32 or int8).
+DS_HD bool flag_at(const void* p, DType t, int64_t i) {
+  return t == DType::i8 ? static_cast<const int8_t*>(p)[i] != 0
+                        : static_cast<const int32_t*>(p)[i] != 0;
+}
+DS_HD void set_flag(void* p, DType t, int64_t i, bool v) {
+  if (t == DType::i8) static_cast<int8_t*>(p)[i] = v ? 1 : 0;
+  else static_cast<int32_t*>(p)[i] = v ? 1 : 0;
+}
 
 // The cursor commit after a ReplaySSM verify (ops.h ReplayCommitArgs).
 struct ReplayCommitProblem {
   int32_t B = 0, L = 0, max_spec_len = 0;
   int32_t* write_pos = nullptr;  // [slots]
   int32_t* cache_base = nullptr;
-  int32_t* is_flush = nullptr;
+  void* is_flush = nullptr;  // int32 or int8
+  DType flush_dtype = DType::i32;
+  int32_t buf_len = 0;  // where cache_base wraps (ops.h cache_buf_len)
+  bool fold_every_commit = false;
   int64_t num_slots = 0;
   IndexTable accepted, slots;  // [B, 1]
   int64_t null_block_id = -1;

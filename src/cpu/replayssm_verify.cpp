@@ -7,6 +7,7 @@
 // positions of its drafts, is written, and those positions lie past every record another task
 // reads, so results do not depend on blocking or thread count.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/delta_math.h"
@@ -58,36 +59,61 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
     const int64_t len = r.cu_seqlens ? load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
     const int64_t slot = index_at(r.indices, r.index_dtype, r.index_stride, n);
     if (slot <= p.null_block_id) {  // padded: output rows zero, nothing read or written
+      if (p.rows == 2) return;      // (the fold-only call writes no output)
       std::fill_n(sc.o.data(), rows, 0.0f);
       for (int64_t t = 0; t < len; ++t)
         store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok0 + t, hv) + r0, rows,
                   sc.o.data());
       return;
     }
-    const int m = p.write_pos[slot], base = p.cache_base[slot];
-    const bool fold = p.is_flush[slot] != 0;
-    auto pos = [&](int64_t c) { return (base + c) % L; };   // logical record -> ring position
-    const int64_t d_base = (slot * HV + hv) * L * V;        // d_cache[slot, hv, 0, 0]
-    const int64_t k_base = (slot * H + h) * L * K;          // k_cache[slot, h, 0, 0]
-    const int64_t g_base = (slot * HV + hv) * L * g_width;  // g_cache[slot, hv, 0(, 0)]
+    // The ring and cursor row: the replay row, or the checkpoint slot.
+    const int64_t rr = p.replay ? index_at(p.replay, p.replay_dtype, p.replay_stride, n) : slot;
+    const int m = p.write_pos[rr], base = p.cache_base[rr];
+    const bool fold = flag_at(p.is_flush, p.flush_dtype, rr);
+    if ((p.rows == 1 && fold) || (p.rows == 2 && !fold)) return;  // another call's rows
+    auto pos = [&](int64_t c) { return (base + c) % L; };         // logical record -> ring position
+    const int64_t d_base = (rr * HV + hv) * L * V;                // d_cache[rr, hv, 0, 0]
+    const int64_t k_base = (rr * H + h) * L * K;                  // k_cache[rr, h, 0, 0]
+    const int64_t g_base = (rr * HV + hv) * L * g_width;          // g_cache[rr, hv, 0(, 0)]
+    const int64_t b_base = (rr * HV + hv) * L;                    // beta_cache[rr, hv, 0]
     const int64_t state_off = slot * r.state.slot_stride + hv * head_elems + int64_t{r0} * K;
     float* S = sc.S.data();
     load_row(r.state.ptr, r.state.dtype, state_off, rows * K, S);
-
-    // 1. The committed records, oldest first: per row s *= exp(g_j); s = fma(d_j, k_j, s).
-    for (int j = 0; j < m; ++j) {
-      const int64_t c = pos(j);
-      load_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
-      load_row(p.d_cache, p.d_dtype, d_base + c * V + r0, rows, sc.d.data());
-      // alpha = e^g by the vector exp the recurrent step's gate_row uses (the same bits)
+    // alpha = e^g of ring record c, by the vector exp the recurrent step's gate_row uses (the
+    // same bits)
+    auto record_alpha = [&](int64_t c) {
       const float* g = p.g_cache + g_base + c * g_width;
       vk.gate(detail::GateMode::log_decay, g, nullptr, 0.0f, 0.0f, r.gate.kda ? K : 1, nullptr,
               sc.alpha.data());
       if (!r.gate.kda) std::fill(sc.alpha.begin() + 1, sc.alpha.begin() + K, sc.alpha[0]);
-      for (int row = 0; row < rows; ++row) {
-        float* s = S + static_cast<int64_t>(row) * K;
-        vk.mul(s, sc.alpha.data(), K);
-        vk.axpy(s, sc.d[row], sc.k.data(), K);
+    };
+
+    if (fold && p.beta_ring) {
+      // 1'. The exact fold (exact-raw ring): each committed token's raw (v, k, g, beta) through
+      //     the recurrent step itself, so the rebuilt rows are the recurrent op's state.
+      for (int j = 0; j < m; ++j) {
+        const int64_t c = pos(j);
+        load_row(p.rawk, p.rawk_dtype, k_base + c * K, K, sc.k.data());
+        load_row(p.rawv, p.rawv_dtype, d_base + c * V + r0, rows, sc.v.data());
+        prepare_qk(sc.k.data(), K, r.l2norm, 1.0f);
+        record_alpha(c);
+        const float beta = p.beta_ring[b_base + c];
+        const float kk = dot(sc.k.data(), sc.k.data(), K);
+        vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.k.data(), sc.v.data(), beta, kk,
+                      sc.o.data());  // (its output unused)
+      }
+    } else {
+      // 1. The committed records, oldest first: per row s *= exp(g_j); s = fma(d_j, k_j, s).
+      for (int j = 0; j < m; ++j) {
+        const int64_t c = pos(j);
+        load_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
+        load_row(p.d_cache, p.d_dtype, d_base + c * V + r0, rows, sc.d.data());
+        record_alpha(c);
+        for (int row = 0; row < rows; ++row) {
+          float* s = S + static_cast<int64_t>(row) * K;
+          vk.mul(s, sc.alpha.data(), K);
+          vk.axpy(s, sc.d[row], sc.k.data(), K);
+        }
       }
     }
     // 2. The fold: the rebuilt state becomes the checkpoint (the commit then moves the ring's
@@ -97,11 +123,20 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
     // 3. The drafts: the recurrent step on the rebuilt rows, each token's record (u, k, g)
     //    appended at logical position m + t. u is the step's own beta*(v - s.k), with s.k taken
     //    in the dot product's lane order from the decayed row, as delta_rows forms it.
+    //    Records past the ring (m + t >= L) are dropped, as SGLang drops them. The exact-raw
+    //    ring also takes the raw v, the raw k and beta; the residual ring the parts of d and k
+    //    that d_cache's and k_cache's dtypes round off.
     for (int64_t t = 0; t < len; ++t) {
       const int64_t tok = tok0 + t;
+      const bool record = m + t < L;
+      const int64_t c = pos(m + t);
       load_row(r.q.ptr, r.q.dtype, head_offset(r.q, seq, tok, h), K, sc.q.data());
       load_row(r.k.ptr, r.k.dtype, head_offset(r.k, seq, tok, h), K, sc.k.data());
       load_row(r.v.ptr, r.v.dtype, head_offset(r.v, seq, tok, hv) + r0, rows, sc.v.data());
+      const bool k_writer = record && r0 == 0 && hv % group == 0;  // one per key head
+      if (k_writer && p.beta_ring) store_row(p.rawk, p.rawk_dtype, k_base + c * K, K, sc.k.data());
+      if (record && p.beta_ring)
+        store_row(p.rawv, p.rawv_dtype, d_base + c * V + r0, rows, sc.v.data());
       prepare_qk(sc.q.data(), K, r.l2norm, r.scale);
       prepare_qk(sc.k.data(), K, r.l2norm, 1.0f);
       gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, sc.g.data(),
@@ -118,11 +153,23 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
       vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.q.data(), sc.v.data(), beta, kq,
                     sc.o.data());
       store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok, hv) + r0, rows, sc.o.data());
-      const int64_t c = pos(m + t);
+      if (!record) continue;
       store_row(p.d_cache, p.d_dtype, d_base + c * V + r0, rows, sc.d.data());
-      if (r0 == 0) {  // one writer per head for g, per key head for k
+      if (p.rawv && !p.beta_ring) {           // residual: d - round(d), rounded to rawv's dtype
+        for (int row = 0; row < rows; ++row)  // (o is stored: its buffer is free)
+          sc.o[row] = sc.d[row] - round_to(p.d_dtype, sc.d[row]);
+        store_row(p.rawv, p.rawv_dtype, d_base + c * V + r0, rows, sc.o.data());
+      }
+      if (r0 == 0) {  // one writer per head for g and beta
         for (int i = 0; i < g_width; ++i) p.g_cache[g_base + c * g_width + i] = sc.g[i];
-        if (hv % group == 0) store_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
+        if (p.beta_ring) p.beta_ring[b_base + c] = beta;
+      }
+      if (k_writer) {
+        store_row(p.k_cache, p.k_dtype, k_base + c * K, K, sc.k.data());
+        if (p.rawk && !p.beta_ring) {  // residual: k^ - round(k^)
+          for (int i = 0; i < K; ++i) sc.x[i] = sc.k[i] - round_to(p.k_dtype, sc.k[i]);
+          store_row(p.rawk, p.rawk_dtype, k_base + c * K, K, sc.x.data());
+        }
       }
     }
   });
@@ -135,13 +182,169 @@ void run_replayssm_commit(const ReplayCommitProblem& p) {
     if (slot <= p.null_block_id) continue;
     const int32_t a = static_cast<int32_t>(p.accepted.at(b, 0));
     int32_t& wp = p.write_pos[slot];
-    if (p.is_flush[slot] != 0) {
-      if (a > 0) p.cache_base[slot] = static_cast<int32_t>((p.cache_base[slot] + wp) % p.L);
+    if (flag_at(p.is_flush, p.flush_dtype, slot)) {
+      if (a > 0) p.cache_base[slot] = static_cast<int32_t>((p.cache_base[slot] + wp) % p.buf_len);
       wp = a;
     } else {
       wp += a;
     }
-    p.is_flush[slot] = wp + 2 * p.max_spec_len > p.L ? 1 : 0;
+    const bool next = p.fold_every_commit ? wp > 0 : wp + 2 * p.max_spec_len > p.L;
+    set_flag(p.is_flush, p.flush_dtype, slot, next);
+  }
+}
+
+void run_replayssm_fold_commit(const ReplayFoldProblem& p) {
+  // One task per (layer, row, value head, block of state rows): the rows replay the accepted raw
+  // records through delta_rows (the recurrent op's token step; its output unused).
+  const int K = p.K, V = p.V, HV = p.HV, L = p.L;
+  const int group = HV / p.H;
+  const int gw = p.kda ? K : 1;
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.B * HV;
+  const int blocks = row_blocks(heads, V);
+  const int block_rows = (V + blocks - 1) / blocks;
+  const simd::Kernels& vk = simd::kernels();
+  parallel_for(heads * blocks, [&](int64_t task) {
+    thread_local Scratch sc;
+    const int64_t head = task / blocks;
+    const int r0 = static_cast<int>(task % blocks) * block_rows;
+    const int rows = std::min(block_rows, V - r0);
+    if (rows <= 0) return;
+    const int64_t layer = head / (int64_t{p.B} * HV);
+    const int64_t b = head / HV % p.B;
+    const int hv = static_cast<int>(head % HV), h = hv / group;
+    const int64_t slot = p.slots.at(b, 0);
+    const int64_t a = p.accepted.at(b, 0);
+    if (slot <= p.null_block_id || a <= 0) return;
+    const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
+    const int64_t track_step = p.track.ptr ? p.steps.at(b, 0) : -1;
+    sc.resize(K, rows);
+    const int64_t head_off = int64_t{hv} * V * K + int64_t{r0} * K;
+    const int64_t state_off = layer * p.state_layer_stride + slot * p.state_slot_stride + head_off;
+    const int64_t v_base =
+        layer * p.rawv_layer_stride + slot * p.rawv_slot_stride + int64_t{hv} * L * V + r0;
+    const int64_t k_base =
+        layer * p.rawk_layer_stride + slot * p.rawk_slot_stride + int64_t{h} * L * K;
+    const int64_t g_base = layer * p.g_layer_stride + slot * p.g_slot_stride + int64_t{hv} * L * gw;
+    const int64_t b_base =
+        layer * p.beta_layer_stride + slot * p.beta_slot_stride + int64_t{hv} * L;
+    float* S = sc.S.data();
+    load_row(p.state, p.state_dtype, state_off, rows * K, S);
+    for (int64_t t = 0; t < a; ++t) {
+      load_row(p.rawk, p.rawk_dtype, k_base + t * K, K, sc.k.data());
+      load_row(p.rawv, p.rawv_dtype, v_base + t * V, rows, sc.v.data());
+      prepare_qk(sc.k.data(), K, p.l2norm, 1.0f);
+      vk.gate(detail::GateMode::log_decay, p.g + g_base + t * gw, nullptr, 0.0f, 0.0f, gw, nullptr,
+              sc.alpha.data());
+      if (!p.kda) std::fill(sc.alpha.begin() + 1, sc.alpha.begin() + K, sc.alpha[0]);
+      const float kk = dot(sc.k.data(), sc.k.data(), K);
+      vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.k.data(), sc.v.data(),
+                    p.beta[b_base + t], kk, sc.o.data());  // (its output unused)
+      if (t == track_step && track > p.null_block_id)
+        store_row(p.state, p.state_dtype,
+                  layer * p.state_layer_stride + track * p.state_slot_stride + head_off, rows * K,
+                  S);
+    }
+    store_row(p.state, p.state_dtype, state_off, rows * K, S);
+  });
+}
+
+void run_replayssm_circular_commit(const ReplayCircularProblem& p) {
+  // One task per (layer, row, value head, block of state rows): the fold and the track state are
+  // both formed from the old checkpoint rows (the fold is stored last), then the folded rows'
+  // cursors move, after every task.
+  const int K = p.K, V = p.V, HV = p.HV, L = p.L;
+  const int group = HV / p.H;
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.B * HV;
+  const int blocks = row_blocks(heads, V);
+  const int block_rows = (V + blocks - 1) / blocks;
+  parallel_for(heads * blocks, [&](int64_t task) {
+    thread_local std::vector<float> old, out, kv, G, u, tmp;
+    const int64_t head = task / blocks;
+    const int r0 = static_cast<int>(task % blocks) * block_rows;
+    const int rows = std::min(block_rows, V - r0);
+    if (rows <= 0) return;
+    const int64_t layer = head / (int64_t{p.B} * HV);
+    const int64_t b = head / HV % p.B;
+    const int hv = static_cast<int>(head % HV), h = hv / group;
+    const int64_t slot = p.slots.at(b, 0);
+    if (slot <= p.null_block_id) return;
+    const int64_t r = p.rows.at(b, 0);
+    const int n = p.write_pos[r];
+    const bool fold = flag_at(p.is_flush, p.flush_dtype, r);
+    const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
+    const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
+    const bool tracking = track > p.null_block_id && step >= 0;
+    if (!fold && !tracking) return;
+    const int64_t tlen = tracking ? n - p.accepted.at(b, 0) + step + 1 : 0;
+    const int m_track = static_cast<int>(std::clamp<int64_t>(tlen, 0, L));
+    const int need = std::max(fold ? n : 0, m_track);
+    const int base = p.cache_base[r];
+    old.resize(static_cast<size_t>(rows) * K);
+    out.resize(old.size());
+    kv.resize(static_cast<size_t>(std::max(need, 1)) * K);
+    u.resize(static_cast<size_t>(std::max(need, 1)) * rows);
+    G.resize(static_cast<size_t>(std::max(need, 1)));
+    const int64_t head_off = int64_t{hv} * V * K + int64_t{r0} * K;
+    load_row(p.state, p.state_dtype,
+             layer * p.state_layer_stride + slot * p.state_slot_stride + head_off, rows * K,
+             old.data());
+    // The records j < need: key (+ residual), this task's rows of d (+ residual), the prefix
+    // sums of g (fp32, in order).
+    float acc = 0.0f;
+    for (int j = 0; j < need; ++j) {
+      const int64_t pos = (base + j) % L;
+      float* kj = kv.data() + static_cast<size_t>(j) * K;
+      float* uj = u.data() + static_cast<size_t>(j) * rows;
+      const int64_t k_at =
+          layer * p.k_layer_stride + r * p.k_row_stride + (int64_t{h} * L + pos) * K;
+      const int64_t d_at =
+          layer * p.d_layer_stride + r * p.d_row_stride + (int64_t{hv} * L + pos) * V + r0;
+      load_row(p.k, p.k_dtype, k_at, K, kj);
+      load_row(p.d, p.d_dtype, d_at, rows, uj);
+      if (p.d_res) {
+        if (tmp.size() < static_cast<size_t>(std::max(K, rows)))
+          tmp.resize(static_cast<size_t>(std::max(K, rows)));
+        load_row(p.k_res, p.k_res_dtype,
+                 layer * p.k_res_layer_stride + r * p.k_res_row_stride + (int64_t{h} * L + pos) * K,
+                 K, tmp.data());
+        for (int i = 0; i < K; ++i) kj[i] += tmp[i];
+        load_row(p.d_res, p.d_res_dtype,
+                 layer * p.d_res_layer_stride + r * p.d_res_row_stride +
+                     (int64_t{hv} * L + pos) * V + r0,
+                 rows, tmp.data());
+        for (int i = 0; i < rows; ++i) uj[i] += tmp[i];
+      }
+      acc += p.g[layer * p.g_layer_stride + r * p.g_row_stride + int64_t{hv} * L + pos];
+      G[j] = acc;
+    }
+    // The state after the first mm records: e^{G_{mm-1}} old + sum_j e^{G_{mm-1} - G_j} u_j k_j^T.
+    auto materialize = [&](int mm, int64_t dst_slot) {
+      const float total = mm > 0 ? G[mm - 1] : 0.0f;
+      const float keep = std::exp(total);
+      for (size_t e = 0; e < out.size(); ++e) out[e] = old[e] * keep;
+      for (int j = 0; j < mm; ++j) {
+        const float w = std::exp(total - G[j]);
+        const float* kj = kv.data() + static_cast<size_t>(j) * K;
+        for (int row = 0; row < rows; ++row) {
+          const float c = w * u[static_cast<size_t>(j) * rows + row];
+          float* o = out.data() + static_cast<size_t>(row) * K;
+          for (int i = 0; i < K; ++i) o[i] = std::fma(c, kj[i], o[i]);
+        }
+      }
+      store_row(p.state, p.state_dtype,
+                layer * p.state_layer_stride + dst_slot * p.state_slot_stride + head_off, rows * K,
+                out.data());
+    };
+    if (tracking) materialize(m_track, track);
+    if (fold) materialize(n, slot);
+  });
+  for (int64_t b = 0; b < p.B; ++b) {  // the folded rows' cursors
+    if (p.slots.at(b, 0) <= p.null_block_id) continue;
+    const int64_t r = p.rows.at(b, 0);
+    if (!flag_at(p.is_flush, p.flush_dtype, r)) continue;
+    p.cache_base[r] = static_cast<int32_t>((p.cache_base[r] + p.write_pos[r]) % L);
+    p.write_pos[r] = 0;
+    set_flag(p.is_flush, p.flush_dtype, r, false);
   }
 }
 

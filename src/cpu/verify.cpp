@@ -35,11 +35,12 @@ void run_verify(const VerifyProblem& p) {
     store_state_rows(r.state, rnd, rnd.key_of(slot), slot, hv, V, K, 0, V, S);
   };
   parallel_for(r.num_heads_total(), [&](int64_t task) {
-    thread_local std::vector<float> S, q, k, v, alpha, o;
+    thread_local std::vector<float> S, q, k, v, alpha, o, g;
     S.resize(head_elems);
     q.resize(K);
     k.resize(K);
     alpha.resize(K);
+    g.resize(K);
     v.resize(V);
     o.resize(V);
     const int64_t n = task / HV;
@@ -89,13 +90,27 @@ void run_verify(const VerifyProblem& p) {
       load_row(r.q.ptr, r.q.dtype, head_offset(r.q, seq, tok, h), K, q.data());
       load_row(r.k.ptr, r.k.dtype, head_offset(r.k, seq, tok, h), K, k.data());
       load_row(r.v.ptr, r.v.dtype, head_offset(r.v, seq, tok, hv), V, v.data());
+      // cache_ring: step t's raw v and raw (pre-norm) k, then below its g and beta, at the
+      // sequence's slot (k by the first value head of each key head)
+      const bool ring = p.ring_v && home >= 0 && t < p.ring_len;
+      const int64_t ring_at = (home * HV + hv) * p.ring_len + t;  // [home, hv, t]
+      if (ring) {
+        store_row(p.ring_v, p.ring_v_dtype, ring_at * V, V, v.data());
+        if (hv % group == 0)
+          store_row(p.ring_k, p.ring_k_dtype, ((home * r.H + h) * p.ring_len + t) * K, K, k.data());
+      }
       prepare_qk(q.data(), K, r.l2norm, r.scale);
       prepare_qk(k.data(), K, r.l2norm, 1.0f);
-      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K, nullptr,
-               alpha.data());
+      gate_row(r.gate, r.g.ptr, r.g.dtype, head_offset(r.g, seq, tok, hv), hv, K,
+               ring ? g.data() : nullptr, alpha.data());
       const float beta =
           beta_value(load_float(r.beta.ptr, r.beta.dtype, head_offset(r.beta, seq, tok, hv)),
                      r.beta_is_logit, r.round_beta, r.beta.dtype);
+      if (ring) {
+        const int gw = r.gate.kda ? K : 1;
+        std::copy_n(g.data(), gw, p.ring_g + ring_at * gw);
+        p.ring_beta[ring_at] = beta;
+      }
       const float kq = dot(k.data(), q.data(), K);
       // the recurrent kernel's token step, so that each step equals plain decode bit for bit
       simd::kernels().delta_rows(S.data(), V, K, alpha.data(), k.data(), q.data(), v.data(), beta,

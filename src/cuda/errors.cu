@@ -60,15 +60,17 @@ std::string prefill_message(const detail::DeviceErrorRecord& r) {
 
 std::string message(const detail::DeviceErrorRecord& r) {
   if (r.op == detail::kErrOpChunkGdn || r.op == detail::kErrOpChunkKda) return prefill_message(r);
-  const char* op = r.op == detail::kErrOpReplay         ? "replayssm_decode"
-                   : r.op == detail::kErrOpConv         ? "causal_conv1d_update"
-                   : r.op == detail::kErrOpFusedStep    ? "fused_decode_step"
-                   : r.op == detail::kErrOpVerify       ? "verify"
-                   : r.op == detail::kErrOpCommit       ? "update_state_after_verify"
-                   : r.op == detail::kErrOpReplayVerify ? "replayssm_verify"
-                   : r.op == detail::kErrOpReplayCommit ? "replayssm_commit"
-                   : r.op == detail::kErrOpConvCommit   ? "update_conv_state_after_verify"
-                                                        : "recurrent";
+  const char* op = r.op == detail::kErrOpReplay           ? "replayssm_decode"
+                   : r.op == detail::kErrOpConv           ? "causal_conv1d_update"
+                   : r.op == detail::kErrOpFusedStep      ? "fused_decode_step"
+                   : r.op == detail::kErrOpVerify         ? "verify"
+                   : r.op == detail::kErrOpCommit         ? "update_state_after_verify"
+                   : r.op == detail::kErrOpReplayVerify   ? "replayssm_verify"
+                   : r.op == detail::kErrOpReplayCommit   ? "replayssm_commit"
+                   : r.op == detail::kErrOpConvCommit     ? "update_conv_state_after_verify"
+                   : r.op == detail::kErrOpReplayFold     ? "replayssm_fold_commit"
+                   : r.op == detail::kErrOpReplayCircular ? "commit_gdn_replayssm_circular"
+                                                          : "recurrent";
   const char* index_name = r.op == detail::kErrOpConv         ? "conv_state_indices"
                            : r.op == detail::kErrOpConvCommit ? "state_indices"
                                                               : "ssm_state_indices";
@@ -82,7 +84,7 @@ std::string message(const detail::DeviceErrorRecord& r) {
          std::to_string(r.index) + ") is outside its buffer or table (limit " +
          std::to_string(r.limit) + ")";
   } else if (r.kind == detail::kErrRing) {
-    m += "sequence " + std::to_string(r.row) + ": its cursors and drafts reach ring position " +
+    m += "sequence " + std::to_string(r.row) + ": a cursor (write_pos or cache_base) is " +
          std::to_string(r.index) + ", outside the ring of L=" + std::to_string(r.limit);
   } else if (r.kind == detail::kErrCacheBase) {
     m += "`cache_base`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +

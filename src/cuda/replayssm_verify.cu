@@ -8,6 +8,7 @@
 #include "api/backend.h"
 #include "core/problem.h"
 #include "cuda/launch.h"
+#include "cuda/replayssm/fold.cuh"
 #include "cuda/replayssm/verify.cuh"
 #include "cuda/tuning.h"
 
@@ -90,6 +91,12 @@ void run_replayssm_verify(const detail::ReplayVerifyProblem& problem, void* stre
   if (p.r.N > 0x7fffffff || p.r.HV > 65535)
     throw Error(ErrorKind::value, "replayssm_verify: too many sequences or heads for one launch");
   auto s = static_cast<cudaStream_t>(stream);
+  if (p.beta_ring) {  // the exact-raw ring's launch first: its fold and the drafts' raw records
+    const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
+                    static_cast<unsigned>((p.r.V + kFoldRows - 1) / kFoldRows));
+    launch_kernel(replay_exact_fold_kernel, grid, kFoldWarps * 32, 0, s, p.r.pdl, p);
+    p.history_folded = true;
+  }
   with_state_type(p.r.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s); });
 }
 
@@ -100,6 +107,39 @@ void run_replayssm_commit(const detail::ReplayCommitProblem& problem, void* stre
   const unsigned blocks = static_cast<unsigned>((p.B + kRvCommitThreads - 1) / kRvCommitThreads);
   launch_kernel(replay_commit_kernel, dim3(blocks), kRvCommitThreads, 0,
                 static_cast<cudaStream_t>(stream), p.pdl, p);
+}
+
+void run_replayssm_fold_commit(const detail::ReplayFoldProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  detail::ReplayFoldProblem p = problem;
+  p.errors = device_errors(p.device.index);
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;
+  if (p.B > 0x7fffffff || heads > 65535)
+    throw Error(ErrorKind::value,
+                "replayssm_fold_commit: too many rows or layers * heads for one launch");
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(heads),
+                  static_cast<unsigned>((p.V + kFoldRows - 1) / kFoldRows));
+  launch_kernel(replay_fold_kernel, grid, kFoldWarps * 32, 0, static_cast<cudaStream_t>(stream),
+                p.pdl, p);
+}
+
+void run_replayssm_circular_commit(const detail::ReplayCircularProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  detail::ReplayCircularProblem p = problem;
+  p.errors = device_errors(p.device.index);
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;
+  if (p.B > 0x7fffffff || heads > 65535)
+    throw Error(ErrorKind::value,
+                "commit_gdn_replayssm_circular: too many rows or layers * heads for one launch");
+  if (p.L > kCircMaxL)
+    throw Error(ErrorKind::value,
+                "commit_gdn_replayssm_circular: CUDA tensors take a ring of at most 1024 records");
+  auto s = static_cast<cudaStream_t>(stream);
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(heads),
+                  static_cast<unsigned>((p.V + kFoldRows - 1) / kFoldRows));
+  launch_kernel(replay_circular_kernel, grid, kFoldWarps * 32, 0, s, p.pdl, p);
+  launch_kernel(replay_circular_cursor_kernel, dim3(static_cast<unsigned>((p.B + 255) / 256)), 256,
+                0, s, p.pdl, p);
 }
 
 }  // namespace deltastate::cuda_backend

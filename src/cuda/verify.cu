@@ -55,7 +55,8 @@ void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
   using Two = MultiShape<2, false, kMultiTwoCtasPerSm>;
   using Stage2 = MultiShape<2, true, kMultiTwoCtasPerSm>;
   if constexpr (!VEC) {
-    launch_shape<StateT, KT, false, MultiBase>(p, stream);
+    if (p.ring_v) launch_shape<StateT, KT, false, MultiRing>(p, stream);
+    else launch_shape<StateT, KT, false, MultiBase>(p, stream);
   } else {
     switch (forced_multi_variant()) {
       case MultiVariant::base:
@@ -88,7 +89,7 @@ void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
 // start rows: the vector kernels, at their register caps, would spill with its code).
 template <class StateT>
 bool vector_rows(const VerifyProblem& p) {
-  return !p.source.ptr &&
+  return !p.source.ptr && !p.ring_v &&
          (p.r.K == 128
 #if DELTASTATE_CUDA_ALL_KERNELS
           || p.r.K == 64

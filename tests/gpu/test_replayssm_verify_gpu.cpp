@@ -3,8 +3,9 @@
 // strided checkpoint pool, circular rings with random origins) run on both, and after every step
 // the outputs, the checkpoint pool, the rings and the cursors are compared (cursors exactly;
 // values at the tolerances of tests/gpu/test_cuda_ops.cpp, the ring's d records as outputs);
-// a verify + commit loop in a CUDA graph replays bit-equal to eager; a bad slot and a ring
-// overflow are skipped, NaN, and recorded for check_errors.
+// a verify + commit loop in a CUDA graph replays bit-equal to eager; a bad slot and a cursor
+// outside the ring are skipped, NaN, and recorded for check_errors; SGLang's launch modes,
+// request-keyed rings, int8 flags and records past the ring against the CPU backend.
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -179,8 +180,319 @@ TEST_F(GpuTest, ReplayVerifyCommitGraphReplaysEager) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
-// A slot past the pool and a ring overflow: the rows are skipped (NaN outputs, nothing written)
-// and the first is recorded for check_errors; the commit's bad count likewise.
+// SGLang's launch modes, request-keyed rings, int8 flags, records past the ring and the exact-raw
+// ring (a fold replays it: the exact-fold launch before the verify kernel): random
+// cursors each step (write_pos up to L, so the last drafts' records fall past the ring and are
+// dropped; random folds), rings keyed by a permutation of the slots (replay_indices), int8
+// is_flush; the CUDA backend runs the step as two calls (rows = append, then fold) and the CPU
+// backend as one (rows = all): outputs, checkpoint pool and rings agree.
+TEST_F(GpuTest, ReplayVerifyModesAndReplayRowsMatchCpu) {
+  Rng rng = test_rng();
+  for (const GpuRvCase& c : {GpuRvCase{{"gdn", kQwen3Next, false, kNoLb, f32, bf16}, f32, 8, 4, 8},
+                             GpuRvCase{{"kda", kOdd, true, kLb, f32, f32}, bf16, 8, 4, 8}}) {
+    const int64_t N = 4;
+    RvState st = make_state(rng, c, N);
+    const int64_t S = st.ck.size(0);
+    std::vector<int64_t> rows(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) rows[n] = (st.slots[n] >= 0 ? st.slots[n] + 1 : 0) % S;
+    Tensor ridx = index_tensor(rows, DType::i64);
+    Tensor flags = Tensor::contiguous(DType::i8, {S});
+    for (Tensor* t : {&st.rings.d, &st.rings.k}) t->fill_normal(rng, 0.3);
+    st.rings.g.fill_uniform(rng, -0.5, -0.01);
+    // The exact-raw ring (the fold call replays it on the GPU: the exact-fold launch).
+    const Shape& sh = c.shape;
+    Tensor xv = Tensor::contiguous(c.act, {S, sh.HV, c.L, sh.V});
+    Tensor xk = Tensor::contiguous(c.act, {S, sh.H, c.L, sh.K});
+    Tensor xb = Tensor::contiguous(f32, {S, sh.HV, c.L});
+    xv.fill_normal(rng, 1.0);
+    xk.fill_normal(rng, 1.0);
+    xb.fill_uniform(rng, 0.05, 0.95);
+    Mirror dev;
+    dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.base, ridx, xv, xk, xb);
+    for (int step = 0; step < c.steps; ++step) {
+      for (int64_t r = 0; r < S; ++r) {
+        st.wp.set({r}, static_cast<double>(rng.integer(0, c.L)));
+        st.base.set({r}, static_cast<double>(rng.integer(0, c.L - 1)));
+        flags.set({r}, rng.chance(0.3) ? 1 : 0);
+      }
+      dev.upload_all(st.wp, st.base, flags);
+      std::vector<int64_t> lens;
+      for (int64_t n = 0; n < N; ++n) lens.push_back(rng.integer(1, c.T));
+      RecurrentSpec spec = recurrent_spec(c.shape, c.kda, c.act, 1, c.T, lens);
+      spec.lower_bound = c.lower_bound;
+      RecurrentBatch rb = make_recurrent_batch(rng, spec);
+      rb.poison_out();
+      dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu);
+      ReplayVerifyArgs cpu = rv_args(rb, st, c.kda, host_view);
+      cpu.replay_indices = ridx.view();
+      cpu.is_flush = flags.view();
+      cpu.rawv_cache = xv.view();
+      cpu.rawk_cache = xk.view();
+      cpu.beta_cache = xb.view();
+      deltastate::replayssm_verify(cpu);
+      for (auto mode : {deltastate::ReplayRows::append, deltastate::ReplayRows::fold}) {
+        ReplayVerifyArgs a = rv_args(rb, st, c.kda, dev.views());
+        a.replay_indices = dev.view(ridx);
+        a.is_flush = dev.view(flags);
+        a.rawv_cache = dev.view(xv);
+        a.rawk_cache = dev.view(xk);
+        a.beta_cache = dev.view(xb);
+        a.rows = mode;
+        deltastate::replayssm_verify(a);
+      }
+      sync();
+      deltastate::check_errors();
+      ASSERT_TRUE(close_vs_cpu(dev.download(rb.out).values(), rb.out.values(), kOutTol, c.act))
+          << c.name << " outputs, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(st.ck).values(), st.ck.values(), gpu_state_tol(c.state),
+                               c.state))
+          << c.name << " checkpoint pool, step " << step;
+      ASSERT_TRUE(
+          close_vs_cpu(dev.download(st.rings.d).values(), st.rings.d.values(), kOutTol, c.ring))
+          << c.name << " d ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.k).values(), st.rings.k.values(),
+                               Tol{1e-6, 1e-5}, c.ring))
+          << c.name << " k ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.g).values(), st.rings.g.values(),
+                               Tol{1e-6, 1e-5}, DType::f32))
+          << c.name << " g ring, step " << step;
+      ASSERT_EQ(dev.download(xv).values(), xv.values()) << c.name << " raw v, step " << step;
+      ASSERT_EQ(dev.download(xk).values(), xk.values()) << c.name << " raw k, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(xb).values(), xb.values(), Tol{1e-6, 1e-5}, f32))
+          << c.name << " beta ring, step " << step;
+    }
+    // The commit with int8 flags, cache_buf_len and fold_every_commit: cursors equal.
+    Tensor acc = index_tensor({1, 2, 0, 3});
+    dev.upload_all(acc);
+    for (bool every : {false, true}) {
+      ReplayCommitArgs h = commit_args(st, acc, c, host_view),
+                       g = commit_args(st, acc, c, dev.views());
+      h.is_flush = flags.view();
+      g.is_flush = dev.view(flags);
+      h.state_indices = ridx.view();
+      g.state_indices = dev.view(ridx);
+      h.cache_buf_len = g.cache_buf_len = 2 * c.L;
+      h.fold_every_commit = g.fold_every_commit = every;
+      deltastate::replayssm_commit(h);
+      deltastate::replayssm_commit(g);
+      sync();
+      deltastate::check_errors();
+      for (const Tensor* t : {&st.wp, &st.base, &flags})
+        ASSERT_EQ(dev.download(*t).values(), t->values()) << c.name << " cursors";
+    }
+  }
+}
+
+// SGLang's cache_ring on the CUDA verify (the generic kernel) against the CPU backend's: the raw
+// v and k as given, g and beta as the step computes them, at positions t < L of each sequence's
+// slot; the outputs unchanged by it; padded sequences write nothing.
+TEST_F(GpuTest, VerifyCacheRingMatchesCpu) {
+  Rng rng = test_rng();
+  for (bool kda : {false, true}) {
+    const Shape sh = kda ? kOdd : kQwen3Next;
+    const int64_t N = 3, S = 5, L = 3, T = 4;  // T > L: the last draft records nothing
+    Tensor pool = make_pool(f32, S, sh);
+    std::vector<int64_t> slots = {3, -1, 1};
+    fill_live_slots(pool.view(), slots, rng);
+    Tensor idx = index_tensor(slots);
+    RecurrentSpec spec = recurrent_spec(sh, kda, bf16, N, T);
+    spec.lower_bound = kda ? kLb : kNoLb;
+    RecurrentBatch rb = make_recurrent_batch(rng, spec);
+    Tensor rv = Tensor::contiguous(bf16, {S, sh.HV, L, sh.V});
+    Tensor rk = Tensor::contiguous(bf16, {S, sh.H, L, sh.K});
+    Tensor rg =
+        kda ? Tensor::contiguous(f32, {S, sh.HV, L, sh.K}) : Tensor::contiguous(f32, {S, sh.HV, L});
+    Tensor rbt = Tensor::contiguous(f32, {S, sh.HV, L});
+    for (Tensor* t : {&rv, &rk, &rg, &rbt}) t->fill_all(kSentinel);
+    Mirror dev;
+    dev.upload_all(pool, idx, rv, rk, rg, rbt, rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log,
+                   rb.dt_bias);
+    auto args = [&](auto&& view_of) {
+      deltastate::VerifyArgs a = verify_inputs(rb.args(view_of), kda);
+      a.state = view_of(pool);
+      a.state_indices = view_of(idx);
+      a.update_state = false;
+      a.ring_v = view_of(rv);
+      a.ring_k = view_of(rk);
+      a.ring_g = view_of(rg);
+      a.ring_beta = view_of(rbt);
+      return a;
+    };
+    rb.poison_out();
+    deltastate::verify(args(host_view));
+    deltastate::verify(args(dev.views()));
+    sync();
+    deltastate::check_errors();
+    ASSERT_TRUE(close_vs_cpu(dev.download(rb.out).values(), rb.out.values(), kOutTol, bf16));
+    EXPECT_EQ(dev.download(rv).values(), rv.values()) << "raw v";
+    EXPECT_EQ(dev.download(rk).values(), rk.values()) << "raw k";
+    ASSERT_TRUE(close_vs_cpu(dev.download(rg).values(), rg.values(), Tol{1e-6, 1e-5}, f32));
+    ASSERT_TRUE(close_vs_cpu(dev.download(rbt).values(), rbt.values(), Tol{1e-6, 1e-5}, f32));
+  }
+}
+
+// Fold-every-commit's commit (replayssm_fold_commit) against the CPU backend: every layer of an
+// envelope-strided pool, random raw rings (GDN and KDA), accepted counts from 0 to L, a padded
+// row, track slots at random steps (one past the pool, not reached): the folded and tracked
+// states within the GPU tolerance, every other byte of the pool bit-untouched; a row accepting
+// more than L records is skipped and recorded for check_errors.
+TEST_F(GpuTest, ReplayFoldCommitMatchesCpu) {
+  Rng rng = test_rng();
+  for (bool kda : {false, true}) {
+    const Shape sh = kda ? kOdd : kQwen3Next;
+    const int64_t layers = 3, S = 7, L = 4;
+    const int64_t inner = sh.state_elems(), entry = layers * inner + 64;
+    Tensor pool =
+        Tensor::strided(f32, {layers, S, sh.HV, sh.V, sh.K},
+                        {inner, entry, int64_t{sh.V} * sh.K, sh.K, 1}, 32, S * entry + 64);
+    pool.fill_all(kSentinel);
+    std::vector<int64_t> slots = {4, -1, 1, 6, 2}, acc = {4, 3, 0, 1, 2};
+    std::vector<int64_t> track = {0, 3, 5, 9, -1}, steps = {1, 0, 0, 1, 0};
+    for (int64_t l = 0; l < layers; ++l)
+      for (int64_t s :
+           {int64_t{4}, int64_t{1}, int64_t{6}, int64_t{2}, int64_t{0}, int64_t{3}, int64_t{5}})
+        for (int hv = 0; hv < sh.HV; ++hv)
+          for (int v = 0; v < sh.V; ++v)
+            for (int k = 0; k < sh.K; ++k) pool.set({l, s, hv, v, k}, rng.normal(0.5));
+    Tensor rv = Tensor::contiguous(bf16, {layers, S, sh.HV, L, sh.V});
+    Tensor rk = Tensor::contiguous(bf16, {layers, S, sh.H, L, sh.K});
+    Tensor rg = kda ? Tensor::contiguous(f32, {layers, S, sh.HV, L, sh.K})
+                    : Tensor::contiguous(f32, {layers, S, sh.HV, L});
+    Tensor rb = Tensor::contiguous(f32, {layers, S, sh.HV, L});
+    rv.fill_normal(rng, 1.0);
+    rk.fill_normal(rng, 1.0);
+    rg.fill_uniform(rng, -0.6, -0.01);
+    rb.fill_uniform(rng, 0.05, 0.95);
+    Tensor idx = index_tensor(slots), a = index_tensor(acc, DType::i64);
+    Tensor ti = index_tensor(track), ts = index_tensor(steps);
+    Mirror dev;
+    dev.upload_all(pool, rv, rk, rg, rb, idx, a, ti, ts);
+    auto args = [&](auto&& view_of) {
+      deltastate::ReplayFoldArgs f;
+      f.state = view_of(pool);
+      f.rawv = view_of(rv);
+      f.rawk = view_of(rk);
+      f.g = view_of(rg);
+      f.beta = view_of(rb);
+      f.state_indices = view_of(idx);
+      f.accept_lens = view_of(a);
+      f.track_indices = view_of(ti);
+      f.steps_to_track = view_of(ts);
+      f.is_kda = kda;
+      return f;
+    };
+    const Tensor before = pool.empty_like();
+    std::memcpy(before.alloc_base(), pool.alloc_base(), static_cast<size_t>(pool.alloc_bytes()));
+    deltastate::replayssm_fold_commit(args(host_view));
+    deltastate::replayssm_fold_commit(args(dev.views()));
+    sync();
+    deltastate::check_errors();
+    const Tensor got = dev.download(pool);
+    ASSERT_TRUE(close_vs_cpu(got.values(), pool.values(), Tol{1e-4, 1e-3}, f32))
+        << (kda ? "kda" : "gdn");
+    // Untouched bytes: compare the GPU result with the pre-call pool outside the written states.
+    const float* g0 = static_cast<const float*>(got.alloc_base());
+    const float* b0 = static_cast<const float*>(before.alloc_base());
+    const float* c0 = static_cast<const float*>(pool.alloc_base());
+    for (int64_t e = 0; e < pool.alloc_bytes() / 4; ++e)
+      if (std::memcmp(&c0[e], &b0[e], 4) == 0) {  // the CPU left it: so must the GPU
+        ASSERT_EQ(std::memcmp(&g0[e], &b0[e], 4), 0) << "element " << e;
+      }
+    // Too many accepted records: skipped and recorded.
+    Tensor bad = index_tensor({5, 1, 1, 1, 1}, DType::i64);
+    dev.upload(bad);
+    auto fa = args(dev.views());
+    fa.accept_lens = dev.view(bad);
+    const Tensor pre = dev.download(pool);
+    deltastate::replayssm_fold_commit(fa);
+    sync();
+    const auto err = catch_error([] { deltastate::check_errors(); });
+    ASSERT_TRUE(err);
+    EXPECT_NE(std::string(err->what()).find("replayssm_fold_commit"), std::string::npos)
+        << err->what();
+    const Tensor post = dev.download(pool);
+    for (int64_t l = 0; l < layers; ++l)
+      for (int hv = 0; hv < sh.HV; ++hv)
+        for (int v = 0; v < sh.V; ++v)
+          for (int k = 0; k < sh.K; ++k)
+            ASSERT_EQ(post.get({l, 4, hv, v, k}), pre.get({l, 4, hv, v, k})) << "skipped row";
+  }
+}
+
+// The compact circular commit (replayssm_circular_commit) against the CPU backend: every layer,
+// rings keyed by replay row with fewer cursor entries than ring rows, capacity rows and track rows
+// at random origins, residual rings, int8 flags: the states within the GPU tolerance, the cursors
+// equal, every other byte of the pool bit-untouched.
+TEST_F(GpuTest, ReplayCircularCommitMatchesCpu) {
+  Rng rng = test_rng();
+  const Shape sh = kQwen3Next;
+  const int64_t layers = 2, S = 6, R = 6, C = 4, L = 16;
+  const int64_t inner = sh.state_elems(), entry = layers * inner + 64;
+  Tensor pool = Tensor::strided(f32, {layers, S, sh.HV, sh.V, sh.K},
+                                {inner, entry, int64_t{sh.V} * sh.K, sh.K, 1}, 32, S * entry + 64);
+  pool.fill_all(kSentinel);
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t s = 0; s < S; ++s)
+      for (int hv = 0; hv < sh.HV; ++hv)
+        for (int v = 0; v < sh.V; ++v)
+          for (int k = 0; k < sh.K; ++k) pool.set({l, s, hv, v, k}, rng.normal(0.5));
+  Tensor d = Tensor::contiguous(bf16, {layers, R, sh.HV, L, sh.V});
+  Tensor k = Tensor::contiguous(bf16, {layers, R, sh.H, L, sh.K});
+  Tensor g = Tensor::contiguous(f32, {layers, R, sh.HV, L});
+  Tensor dr = Tensor::contiguous(bf16, {layers, R, sh.HV, L, sh.V});
+  Tensor kr = Tensor::contiguous(bf16, {layers, R, sh.H, L, sh.K});
+  d.fill_normal(rng, 0.3);
+  k.fill_normal(rng, 0.1);
+  g.fill_uniform(rng, -0.3, -0.01);
+  dr.fill_normal(rng, 1e-3);
+  kr.fill_normal(rng, 1e-3);
+  Tensor slots = index_tensor({2, -1, 5, 1}), rows = index_tensor({3, 0, 1, 0});
+  Tensor wp = index_tensor({7, 5, 0, 16}), base = index_tensor({3, 15, 0, 9});
+  Tensor fl = Tensor::contiguous(DType::i8, {C});
+  for (int64_t i = 0; i < C; ++i) fl.set({i}, i == 3 || i == 1 ? 1 : 0);
+  Tensor acc = index_tensor({2, 1, 3, 2}), ti = index_tensor({4, -1, 0, -1}),
+         ts = index_tensor({1, 0, 0, 0});
+  Mirror dev;
+  dev.upload_all(pool, d, k, g, dr, kr, slots, rows, wp, base, fl, acc, ti, ts);
+  auto args = [&](auto&& view_of) {
+    deltastate::ReplayCircularCommitArgs a;
+    a.state = view_of(pool);
+    a.d_cache = view_of(d);
+    a.k_cache = view_of(k);
+    a.g_cache = view_of(g);
+    a.d_residual = view_of(dr);
+    a.k_residual = view_of(kr);
+    a.state_indices = view_of(slots);
+    a.replay_indices = view_of(rows);
+    a.write_pos = view_of(wp);
+    a.cache_base = view_of(base);
+    a.is_flush = view_of(fl);
+    a.accept_lens = view_of(acc);
+    a.track_indices = view_of(ti);
+    a.steps_to_track = view_of(ts);
+    return a;
+  };
+  const Tensor before = pool.empty_like();
+  std::memcpy(before.alloc_base(), pool.alloc_base(), static_cast<size_t>(pool.alloc_bytes()));
+  deltastate::replayssm_circular_commit(args(host_view));
+  deltastate::replayssm_circular_commit(args(dev.views()));
+  sync();
+  deltastate::check_errors();
+  const Tensor got = dev.download(pool);
+  ASSERT_TRUE(close_vs_cpu(got.values(), pool.values(), Tol{1e-4, 1e-3}, f32));
+  const float* g0 = static_cast<const float*>(got.alloc_base());
+  const float* b0 = static_cast<const float*>(before.alloc_base());
+  const float* c0 = static_cast<const float*>(pool.alloc_base());
+  for (int64_t e = 0; e < pool.alloc_bytes() / 4; ++e)
+    if (std::memcmp(&c0[e], &b0[e], 4) == 0) {
+      ASSERT_EQ(std::memcmp(&g0[e], &b0[e], 4), 0) << "element " << e;
+    }
+  for (const Tensor* t : {&wp, &base, &fl})
+    ASSERT_EQ(dev.download(*t).values(), t->values()) << "cursors";
+}
+
+// A slot past the pool and a cursor outside the ring: the rows are skipped (NaN outputs,
+// nothing written) and the first is recorded for check_errors; the commit's bad count likewise.
 class ReplayVerifyGpuErrors : public GpuTest {};
 
 TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
@@ -189,7 +501,7 @@ TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
   RvState st = make_state(rng, c, 3);
   const int64_t S = st.ck.size(0);
   st.idx = index_tensor({S + 2, -1, st.slots[2]});
-  st.wp.set({st.slots[2]}, 14);  // 14 + 4 drafts > 16
+  st.wp.set({st.slots[2]}, 17);  // past the ring of 16
   RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(c.shape, false, f32, 3, c.T));
   rb.poison_out();
   Mirror dev;

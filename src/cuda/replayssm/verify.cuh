@@ -230,19 +230,24 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
   const int64_t slot = detail::index_at(r.indices, r.index_dtype, r.index_stride, n);
   if (slot <= p.null_block_id) {  // padded: zero outputs, nothing else read or written
-    rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, 0.0f);
+    if (p.rows != 2) rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, 0.0f);
     return;
   }
+  // The ring and cursor row: the replay row, or the checkpoint slot.
+  const int64_t rr =
+      p.replay ? detail::index_at(p.replay, p.replay_dtype, p.replay_stride, n) : slot;
   int kind = 0;
   int64_t bad = 0, limit = 0;
   int m = 0, base = 0;
   if (slot >= r.state.num_slots) {
     kind = detail::kErrSlot, bad = slot, limit = r.state.num_slots;
+  } else if (rr < 0 || rr >= p.ring_rows) {
+    kind = detail::kErrSlot, bad = rr, limit = p.ring_rows;
   } else {
-    m = p.write_pos[slot];
-    base = p.cache_base[slot];
-    if (m < 0 || base < 0 || base >= L || m + len > L)
-      kind = detail::kErrRing, bad = static_cast<int64_t>(m) + len, limit = L;
+    m = p.write_pos[rr];
+    base = p.cache_base[rr];
+    if (m < 0 || m > L || base < 0 || base >= L)
+      kind = detail::kErrRing, bad = m < 0 || m > L ? m : base, limit = L;
   }
   if (kind) {
     if (hv == 0 && blockIdx.z == 0 && threadIdx.x == 0)
@@ -250,7 +255,11 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, bad_row_output());
     return;
   }
-  const bool fold = p.is_flush[slot] != 0;
+  const bool fold = detail::flag_at(p.is_flush, p.flush_dtype, rr);
+  if ((p.rows == 1 && fold) || (p.rows == 2 && !fold)) return;  // another call's rows
+  // The records replayed here: none on a fold the exact-raw launch already made (its checkpoint
+  // is then the committed state); the drafts' positions still follow all m records.
+  const int mh = fold && p.history_folded ? 0 : m;
   // The factored kernel: drafts of one preparation round factored on the rows in registers, which
   // hold the checkpoint (appending steps with one staging round of records: those records are
   // factored too) or the state rebuilt by the replay (folds, longer rings).
@@ -258,9 +267,9 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   const bool frecs = fdrafts && !fold && m <= RC;
   const int mf = frecs ? m : 0;  // committed records factored
   const int gw = r.gate.kda ? K : 1;
-  const int64_t d_base = (slot * r.HV + hv) * L * V;
-  const int64_t k_base = (slot * r.H + h) * L * K;
-  const int64_t g_base = (slot * r.HV + hv) * L * gw;
+  const int64_t d_base = (rr * r.HV + hv) * L * V;
+  const int64_t k_base = (rr * r.H + h) * L * K;
+  const int64_t g_base = (rr * r.HV + hv) * L * gw;
   StateT* ck = static_cast<StateT*>(r.state.ptr) + slot * r.state.slot_stride +
                static_cast<int64_t>(hv) * V * K;
 
@@ -316,9 +325,10 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   auto prepare_tokens = [&](int64_t t0, int tn) {
     for (int j = warp; j < tn; j += kRvWarps) {
       const int64_t pos = (base + m + t0 + j) % L;
+      const bool in_ring = m + t0 + j < L;  // records past the ring are dropped
       rv_prepare_token<KT, CROWS, RC>(p, seq, tok0 + t0 + j, h, hv, lane, j, g_base + pos * gw,
-                                      k_base + pos * K, g_writer, k_writer, sm,
-                                      fdrafts ? fac->tg[j] : nullptr);
+                                      k_base + pos * K, g_writer && in_ring, k_writer && in_ring,
+                                      sm, fdrafts ? fac->tg[j] : nullptr);
     }
     for (int i = threadIdx.x; i < tn * CROWS; i += kThreads) {
       const int j = i / CROWS, lr = i - j * CROWS, vrow = cta_row0 + lr;
@@ -331,7 +341,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   const int tn0 = static_cast<int>(len < kRvTokChunk ? len : kRvTokChunk);
   // Every record and draft staged in one round each: the later blocks reuse the shared memory as
   // the first one left it; else each block stages its rounds again.
-  const bool one_round = m <= RC && len <= kRvTokChunk;
+  const bool one_round = mh <= RC && len <= kRvTokChunk;
   const int idx = reduced_index<G, 2 * R>(lane);  // the dot this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
   // Record j's d of this lane's R rows from lrow0 (one row per lane group: the thread's rows are
@@ -395,8 +405,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
 
     // 1. The committed records, oldest first (the recurrent step's two operations per element);
     //    the first round of drafts is prepared alongside the first round of records.
-    for (int c0 = 0; c0 < m || c0 == 0; c0 += RC) {
-      const int cn = m - c0 < RC ? m - c0 : RC;
+    for (int c0 = 0; c0 < mh || c0 == 0; c0 += RC) {
+      const int cn = mh - c0 < RC ? mh - c0 : RC;
       if (stage) {
         if (c0 > 0 || b > 0) __syncthreads();  // the shared memory's last readers are done
         stage_records(c0, cn);
@@ -424,7 +434,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       }
     }
     // 2. The fold: the rebuilt state becomes the checkpoint.
-    if (fold && m > 0) {
+    if (fold && mh > 0) {
 #pragma unroll
       for (int j = 0; j < R; ++j) {
         const int row = row0 + j * RG;
@@ -508,7 +518,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
             detail::store_float(r.out.ptr, r.out.dtype,
                                 detail::head_offset(r.out, seq, tok0 + t, hv) + orow,
                                 detail::delta_output(sq, uo[t], sm.tkq[t]));
-          if (idx < R && first_copy && vrow < V) {
+          if (idx < R && first_copy && vrow < V && m + t < L) {
             const int64_t pos = (base + m + t) % L;
             detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u[t]);
           }
@@ -537,7 +547,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
             delta_step_rows<G, R>(S, alpha, k, q, v_here, sm.tbeta[j], lane, u_here, [](int) {});
         store_output_rows<G, R>(r.out, detail::head_offset(r.out, seq, tok0 + t, hv), V, row0, RG,
                                 lane, red, u_here, sm.tkq[j]);
-        if (idx < R && first_copy && vrow < V) {
+        if (idx < R && first_copy && vrow < V && m + t < L) {
           const int64_t pos = (base + m + t) % L;
           detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u_here);
         }
@@ -563,14 +573,15 @@ __global__ void __launch_bounds__(kRvCommitThreads)
     return;
   }
   int wp = p.write_pos[slot];
-  if (p.is_flush[slot] != 0) {
-    if (a > 0) p.cache_base[slot] = (p.cache_base[slot] + wp) % p.L;
+  if (detail::flag_at(p.is_flush, p.flush_dtype, slot)) {
+    if (a > 0) p.cache_base[slot] = (p.cache_base[slot] + wp) % p.buf_len;
     wp = static_cast<int>(a);
   } else {
     wp += static_cast<int>(a);
   }
   p.write_pos[slot] = wp;
-  p.is_flush[slot] = wp + 2 * p.max_spec_len > p.L ? 1 : 0;
+  detail::set_flag(p.is_flush, p.flush_dtype, slot,
+                   p.fold_every_commit ? wp > 0 : wp + 2 * p.max_spec_len > p.L);
 }
 
 }  // namespace

@@ -112,10 +112,17 @@ __device__ __forceinline__ void load_rows(const StateT* head, int row0, int V, i
 
 // One token's preparation by one warp into the shared memory, as token j of the chunk: q and k
 // normalized (the lane's K slice, PE elements from lane * PE), k.q, the gate's alpha, beta.
+// With `ring` (SGLang's cache_ring, the generic kernel only) it also records the token's raw k
+// (the first value head of its key head), its log decay and beta at ring position `rt` of `rs`.
+struct RingRef {
+  const detail::VerifyProblem* vp = nullptr;  // null: no ring
+  int64_t slot = 0, t = 0;
+  bool k_writer = false;
+};
 template <int KT, int RPC>
 __device__ __forceinline__ void prepare_token(const RecurrentProblem& p, float A_log, int64_t seq,
                                               int64_t tok, int h, int hv, int lane, int j,
-                                              MultiSmem<KT, RPC>& sm) {
+                                              MultiSmem<KT, RPC>& sm, RingRef ring = {}) {
   constexpr int PE = KT / 32;
   const detail::GateParams& gp = p.gate;
   const int K = p.K, e0 = lane * PE;
@@ -129,6 +136,14 @@ __device__ __forceinline__ void prepare_token(const RecurrentProblem& p, float A
     q[i] = in ? detail::load_float(p.q.ptr, p.q.dtype, q_off + i) : 0.0f;
     k[i] = in ? detail::load_float(p.k.ptr, p.k.dtype, k_off + i) : 0.0f;
   }
+  const detail::VerifyProblem* rv = ring.vp;
+  const int64_t ring_at = rv ? (ring.slot * p.HV + hv) * rv->ring_len + ring.t : 0;
+  if (rv && ring.k_writer) {
+    const int64_t at = ((ring.slot * p.H + h) * rv->ring_len + ring.t) * K + e0;
+#pragma unroll
+    for (int i = 0; i < PE; ++i)
+      if (e0 + i < K) detail::store_float(rv->ring_k, rv->ring_k_dtype, at + i, k[i]);
+  }
   const float kq = prepare_qk<PE, 32>(q, k, p.l2norm, p.scale, lane);
   if (gp.kda) {
 #pragma unroll
@@ -138,12 +153,16 @@ __device__ __forceinline__ void prepare_token(const RecurrentProblem& p, float A
                                                              static_cast<int64_t>(hv) * K + e0 + i)
                                         : 0.0f;
       const float x = in ? detail::load_float(p.g.ptr, p.g.dtype, g_off + e0 + i) : 0.0f;
-      alpha[i] = expf(detail::gate_value(gp.mode, x, dt, A_log, gp.lower_bound));
+      const float g = detail::gate_value(gp.mode, x, dt, A_log, gp.lower_bound);
+      if (rv && in) rv->ring_g[ring_at * K + e0 + i] = g;
+      alpha[i] = expf(g);
     }
   } else {
     const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, hv) : 0.0f;
-    const float a0 = expf(detail::gate_value(gp.mode, detail::load_float(p.g.ptr, p.g.dtype, g_off),
-                                             dt, A_log, gp.lower_bound));
+    const float g0 = detail::gate_value(gp.mode, detail::load_float(p.g.ptr, p.g.dtype, g_off), dt,
+                                        A_log, gp.lower_bound);
+    if (rv && lane == 0) rv->ring_g[ring_at] = g0;
+    const float a0 = expf(g0);
 #pragma unroll
     for (int i = 0; i < PE; ++i) alpha[i] = a0;
   }
@@ -158,6 +177,7 @@ __device__ __forceinline__ void prepare_token(const RecurrentProblem& p, float A
     sm.beta[j] = detail::beta_value(
         detail::load_float(p.beta.ptr, p.beta.dtype, head_offset(p.beta, seq, tok, hv)),
         p.beta_is_logit, p.round_beta, p.beta.dtype);
+    if (rv) rv->ring_beta[ring_at] = sm.beta[j];
   }
 }
 
@@ -168,13 +188,17 @@ __device__ __forceinline__ void prepare_token(const RecurrentProblem& p, float A
 // are in flight without holding registers, and the first chunk's preparation (its input loads
 // and math) runs while they arrive. CTAS: resident CTAs per SM, the register cap (6: 80 registers;
 // two tiles fit without spills from 5, 96 registers, where a CTA has twice the bytes in flight).
-template <int TPW_, bool STAGE0_, int CTAS_>
+template <int TPW_, bool STAGE0_, int CTAS_, bool RING_ = false>
 struct MultiShape {
   static constexpr int TPW = TPW_, CTAS = CTAS_;
   static constexpr bool stage0 = STAGE0_;
+  // SGLang's cache_ring (VerifyProblem::ring_*): its own instantiation of the generic kernel, so
+  // the ring code costs the other kernels no registers.
+  static constexpr bool ring = RING_;
   static constexpr int kStaged = TPW_ - 1 + (STAGE0_ ? 1 : 0);  // tiles copied by cp.async
 };
 using MultiBase = MultiShape<1, false, kMultiCtasPerSm>;
+using MultiRing = MultiShape<1, false, kMultiCtasPerSm, true>;
 
 template <class StateT, int KT, int NSTAGED>
 struct MultiStage {  // staged tiles' rows, lane-interleaved: word (r*W + c)*32 + lane of a warp
@@ -310,14 +334,29 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
       const int cn = static_cast<int>(len - c0 < kMultiChunk ? len - c0 : kMultiChunk);
       if (tile == 0 || !prepare_once) {
         __syncthreads();  // the previous chunk's tokens are done with the shared memory
-        for (int j = warp; j < cn; j += kMultiWarps)  // token c0 + j, one warp per token
+        for (int j = warp; j < cn; j += kMultiWarps) {  // token c0 + j, one warp per token
+          if constexpr (Shape::ring) {  // SGLang's cache_ring: MultiRing (the generic kernel)
+            if (vp.ring_v && home >= 0 && c0 + j < vp.ring_len) {
+              RingRef ring{&vp, home, c0 + j, block == 0 && hv % (p.HV / p.H) == 0};
+              if (block != 0) ring.vp = nullptr;  // one CTA per head writes k, g and beta
+              prepare_token<KT, CROWS>(p, A_log, seq, tok0 + c0 + j, h, hv, lane, j, sm, ring);
+              continue;
+            }
+          }
           prepare_token<KT, CROWS>(p, A_log, seq, tok0 + c0 + j, h, hv, lane, j, sm);
+        }
         for (int i = threadIdx.x; i < cn * CROWS; i += kThreads) {
           const int j = i / CROWS, lr = i - j * CROWS, vrow = cta_row0 + lr;
           sm.v[j][lr] = vrow < V
                             ? detail::load_float(p.v.ptr, p.v.dtype,
                                                  head_offset(p.v, seq, tok0 + c0 + j, hv) + vrow)
                             : 0.0f;
+          if constexpr (Shape::ring) {  // the raw v of the CTA's rows
+            if (vp.ring_v && home >= 0 && c0 + j < vp.ring_len && vrow < V)
+              detail::store_float(vp.ring_v, vp.ring_v_dtype,
+                                  ((home * p.HV + hv) * vp.ring_len + c0 + j) * V + vrow,
+                                  sm.v[j][lr]);
+          }
         }
         __syncthreads();
       }

@@ -1,0 +1,432 @@
+// CUDA kernel of the fold-every-commit commit (ops.h ReplayFoldArgs; SGLang's
+// commit_gdn_replayssm_fold_all_layers / commit_kda_replayssm_spec[_all_layers]). Part of
+// replayssm_verify.cu's translation unit (included there only).
+//
+// One CTA per (row b, layer * HV + value head, block of kFoldRows state rows); each warp holds
+// kFoldRowsPerWarp rows in registers, a lane EPL = K/32 elements of each (K <= 256). Per accepted
+// record t: the CTA stages the raw key, the decay and its rows' raw v in shared memory; every warp
+// L2-normalizes the key itself (one shuffle reduction), then per row the recurrent step s *= e^g;
+// u = beta (v - s.k); s += u k (one shuffle reduction per row). The state after step
+// steps_to_track[b] also goes to the track slot; the final state back to the checkpoint. The math
+// is delta_math.h's, in its own reduction order (not bitwise the CPU twin's).
+#pragma once
+
+#include <cstdint>
+
+#include "core/delta_math.h"
+#include "core/numeric.h"
+#include "core/problem.h"
+#include "cuda/grid.cuh"
+
+namespace deltastate::cuda_backend {
+
+constexpr int kFoldWarps = 4, kFoldRowsPerWarp = 4;
+constexpr int kFoldRows = kFoldWarps * kFoldRowsPerWarp;
+constexpr int kFoldMaxK = 256;
+
+namespace {
+
+__device__ __forceinline__ float fold_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__global__ void __launch_bounds__(kFoldWarps * 32)
+    replay_fold_kernel(const detail::ReplayFoldProblem p) {
+  constexpr int EPL = kFoldMaxK / 32;
+  __shared__ float s_k[kFoldMaxK], s_alpha[kFoldMaxK], s_v[kFoldRows];
+  __shared__ float s_beta;
+  enter_grid(false);
+  const int64_t b = blockIdx.x;
+  const int hvl = static_cast<int>(blockIdx.y);
+  const int64_t layer = hvl / p.HV;
+  const int hv = hvl % p.HV, h = hv / (p.HV / p.H);
+  const int row0 = static_cast<int>(blockIdx.z) * kFoldRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int K = p.K, V = p.V, L = p.L, gw = p.kda ? K : 1;
+  const int64_t slot = p.slots.at(b, 0);
+  const int64_t a = p.accepted.at(b, 0);
+  if (slot <= p.null_block_id || a <= 0) return;
+  const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
+  const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
+  const bool tracking = track > p.null_block_id && step >= 0 && step < a;
+  if (slot >= p.num_slots || a > L || (tracking && track >= p.num_slots)) {
+    if (hvl == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+      const bool bad_slot = slot >= p.num_slots;
+      const bool bad_len = !bad_slot && a > L;
+      record_bad_row(p.errors, detail::kErrOpReplayFold,
+                     bad_len ? detail::kErrStep : detail::kErrSlot, b,
+                     bad_slot  ? slot
+                     : bad_len ? a
+                               : track,
+                     bad_len ? L + 1 : p.num_slots);
+    }
+    return;
+  }
+  const int64_t head_off = static_cast<int64_t>(hv) * V * K;
+  const int64_t state_at = layer * p.state_layer_stride + slot * p.state_slot_stride + head_off;
+  const int64_t v_base =
+      layer * p.rawv_layer_stride + slot * p.rawv_slot_stride + static_cast<int64_t>(hv) * L * V;
+  const int64_t k_base =
+      layer * p.rawk_layer_stride + slot * p.rawk_slot_stride + static_cast<int64_t>(h) * L * K;
+  const int64_t g_base =
+      layer * p.g_layer_stride + slot * p.g_slot_stride + static_cast<int64_t>(hv) * L * gw;
+  const int64_t b_base =
+      layer * p.beta_layer_stride + slot * p.beta_slot_stride + static_cast<int64_t>(hv) * L;
+
+  // This warp's rows in registers (lane holds elements lane + 32 i).
+  float S[kFoldRowsPerWarp][EPL];
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    const int row = row0 + warp * kFoldRowsPerWarp + r;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      S[r][i] = row < V && c < K
+                    ? detail::load_float(p.state, p.state_dtype, state_at + int64_t{row} * K + c)
+                    : 0.0f;
+    }
+  }
+  for (int64_t t = 0; t < a; ++t) {
+    __syncthreads();  // the previous record's shared values are read
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+      s_k[c] = detail::load_float(p.rawk, p.rawk_dtype, k_base + t * K + c);
+      s_alpha[c] = expf(p.g[g_base + t * gw + (p.kda ? c : 0)]);
+    }
+    for (int r = threadIdx.x; r < kFoldRows; r += blockDim.x)
+      s_v[r] =
+          row0 + r < V ? detail::load_float(p.rawv, p.rawv_dtype, v_base + t * V + row0 + r) : 0.0f;
+    if (threadIdx.x == 0) s_beta = p.beta[b_base + t];
+    __syncthreads();
+    float k[EPL], al[EPL];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      k[i] = c < K ? s_k[c] : 0.0f;
+      al[i] = c < K ? s_alpha[c] : 1.0f;
+      ss += k[i] * k[i];
+    }
+    if (p.l2norm) {
+      const float den = detail::l2norm_denominator(fold_warp_sum(ss));
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) k[i] = k[i] / den;
+    }
+    const float beta = s_beta;
+#pragma unroll
+    for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        S[r][i] *= al[i];
+        dot += S[r][i] * k[i];
+      }
+      dot = fold_warp_sum(dot);
+      const float u = detail::delta_u(s_v[warp * kFoldRowsPerWarp + r], dot, beta);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) S[r][i] = fmaf(u, k[i], S[r][i]);
+    }
+    if (tracking && t == step) {
+      const int64_t track_at =
+          layer * p.state_layer_stride + track * p.state_slot_stride + head_off;
+#pragma unroll
+      for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+        const int row = row0 + warp * kFoldRowsPerWarp + r;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+          const int c = lane + 32 * i;
+          if (row < V && c < K)
+            detail::store_float(p.state, p.state_dtype, track_at + int64_t{row} * K + c, S[r][i]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    const int row = row0 + warp * kFoldRowsPerWarp + r;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      if (row < V && c < K)
+        detail::store_float(p.state, p.state_dtype, state_at + int64_t{row} * K + c, S[r][i]);
+    }
+  }
+}
+
+// The compact circular commit (ops.h ReplayCircularCommitArgs), same CTA shape: the prefix sums
+// of g staged once per CTA, then per record the key (+ residual) and the CTA's rows of d (+
+// residual) in shared memory; each warp accumulates the fold and the track state of its rows in
+// registers from the old checkpoint rows (acc = e^{G} old, then acc += e^{G - G_j} u_j k_j per
+// record), stores the track state, then the fold. The cursors move in a second launch.
+constexpr int kCircMaxL = 1024;
+
+__device__ __forceinline__ bool circ_row_ok(const detail::ReplayCircularProblem& p, int64_t b,
+                                            int64_t& slot, int64_t& r) {
+  slot = p.slots.at(b, 0);
+  if (slot <= p.null_block_id) return false;
+  r = p.rows.at(b, 0);
+  if (slot >= p.num_slots || r < 0 || r >= p.ring_rows) return false;
+  const int n = p.write_pos[r], base = p.cache_base[r];
+  return n >= 0 && n <= p.L && base >= 0 && base < p.L;
+}
+
+__global__ void __launch_bounds__(kFoldWarps * 32)
+    replay_circular_kernel(const detail::ReplayCircularProblem p) {
+  constexpr int EPL = kFoldMaxK / 32;
+  __shared__ float s_k[kFoldMaxK], s_u[kFoldRows], s_G[kCircMaxL];
+  enter_grid(false);
+  const int64_t b = blockIdx.x;
+  const int hvl = static_cast<int>(blockIdx.y);
+  const int64_t layer = hvl / p.HV;
+  const int hv = hvl % p.HV, h = hv / (p.HV / p.H);
+  const int row0 = static_cast<int>(blockIdx.z) * kFoldRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int K = p.K, V = p.V, L = p.L;
+  int64_t slot = 0, r = 0;
+  if (!circ_row_ok(p, b, slot, r)) {
+    if (slot > p.null_block_id && hvl == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+      record_bad_row(
+          p.errors, detail::kErrOpReplayCircular,
+          slot >= p.num_slots || r < 0 || r >= p.ring_rows ? detail::kErrSlot : detail::kErrRing, b,
+          slot >= p.num_slots ? slot : r, slot >= p.num_slots ? p.num_slots : p.ring_rows);
+    return;
+  }
+  const int n = p.write_pos[r];
+  const bool fold = detail::flag_at(p.is_flush, p.flush_dtype, r);
+  const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
+  const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
+  const bool tracking = track > p.null_block_id && step >= 0 && track < p.num_slots;
+  if (!fold && !tracking) return;
+  const int64_t tlen = tracking ? n - p.accepted.at(b, 0) + step + 1 : 0;
+  const int mt = static_cast<int>(tlen < 0 ? 0 : tlen > L ? L : tlen);
+  const int need = max(fold ? n : 0, mt);
+  const int base = p.cache_base[r];
+  if (threadIdx.x == 0) {  // the prefix sums of g, in order (fp32)
+    float acc = 0.0f;
+    for (int j = 0; j < need; ++j) {
+      acc += p.g[layer * p.g_layer_stride + r * p.g_row_stride + static_cast<int64_t>(hv) * L +
+                 (base + j) % L];
+      s_G[j] = acc;
+    }
+  }
+  __syncthreads();
+  const float tot_f = fold && n > 0 ? s_G[n - 1] : 0.0f;
+  const float tot_t = mt > 0 ? s_G[mt - 1] : 0.0f;
+  const int64_t head_off = static_cast<int64_t>(hv) * V * K;
+  const int64_t state_at = layer * p.state_layer_stride + slot * p.state_slot_stride + head_off;
+  float F[kFoldRowsPerWarp][EPL], Tr[kFoldRowsPerWarp][EPL];
+  {
+    const float kf = expf(tot_f), kt = expf(tot_t);
+#pragma unroll
+    for (int rr = 0; rr < kFoldRowsPerWarp; ++rr) {
+      const int row = row0 + warp * kFoldRowsPerWarp + rr;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        const int c = lane + 32 * i;
+        const float o = row < V && c < K ? detail::load_float(p.state, p.state_dtype,
+                                                              state_at + int64_t{row} * K + c)
+                                         : 0.0f;
+        F[rr][i] = o * kf;
+        Tr[rr][i] = o * kt;
+      }
+    }
+  }
+  for (int j = 0; j < need; ++j) {
+    __syncthreads();  // the previous record's shared values are read
+    const int64_t pos = (base + j) % L;
+    const int64_t k_at =
+        layer * p.k_layer_stride + r * p.k_row_stride + (static_cast<int64_t>(h) * L + pos) * K;
+    const int64_t kr_at = layer * p.k_res_layer_stride + r * p.k_res_row_stride +
+                          (static_cast<int64_t>(h) * L + pos) * K;
+    for (int c = threadIdx.x; c < K; c += blockDim.x)
+      s_k[c] = detail::load_float(p.k, p.k_dtype, k_at + c) +
+               (p.k_res ? detail::load_float(p.k_res, p.k_res_dtype, kr_at + c) : 0.0f);
+    const int64_t d_at =
+        layer * p.d_layer_stride + r * p.d_row_stride + (static_cast<int64_t>(hv) * L + pos) * V;
+    const int64_t dr_at = layer * p.d_res_layer_stride + r * p.d_res_row_stride +
+                          (static_cast<int64_t>(hv) * L + pos) * V;
+    for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x) {
+      const int row = row0 + x;
+      s_u[x] = row < V
+                   ? detail::load_float(p.d, p.d_dtype, d_at + row) +
+                         (p.d_res ? detail::load_float(p.d_res, p.d_res_dtype, dr_at + row) : 0.0f)
+                   : 0.0f;
+    }
+    __syncthreads();
+    const float wf = fold && j < n ? expf(tot_f - s_G[j]) : 0.0f;
+    const float wt = j < mt ? expf(tot_t - s_G[j]) : 0.0f;
+#pragma unroll
+    for (int rr = 0; rr < kFoldRowsPerWarp; ++rr) {
+      const float u = s_u[warp * kFoldRowsPerWarp + rr];
+      const float cf = wf * u, ct = wt * u;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        const int c = lane + 32 * i;
+        const float k = c < K ? s_k[c] : 0.0f;
+        if (fold && j < n) F[rr][i] = fmaf(cf, k, F[rr][i]);
+        if (j < mt) Tr[rr][i] = fmaf(ct, k, Tr[rr][i]);
+      }
+    }
+  }
+  const int64_t track_at = layer * p.state_layer_stride + track * p.state_slot_stride + head_off;
+#pragma unroll
+  for (int rr = 0; rr < kFoldRowsPerWarp; ++rr) {
+    const int row = row0 + warp * kFoldRowsPerWarp + rr;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      if (row >= V || c >= K) continue;
+      if (tracking)
+        detail::store_float(p.state, p.state_dtype, track_at + int64_t{row} * K + c, Tr[rr][i]);
+      if (fold)
+        detail::store_float(p.state, p.state_dtype, state_at + int64_t{row} * K + c, F[rr][i]);
+    }
+  }
+}
+
+// The folded rows' cursors, one thread per batch row, after replay_circular_kernel.
+__global__ void __launch_bounds__(256)
+    replay_circular_cursor_kernel(const detail::ReplayCircularProblem p) {
+  enter_grid(false);
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (b >= p.B) return;
+  int64_t slot = 0, r = 0;
+  if (!circ_row_ok(p, b, slot, r)) return;
+  if (!detail::flag_at(p.is_flush, p.flush_dtype, r)) return;
+  p.cache_base[r] = (p.cache_base[r] + p.write_pos[r]) % p.L;
+  p.write_pos[r] = 0;
+  detail::set_flag(p.is_flush, p.flush_dtype, r, false);
+}
+
+// The exact-raw ring of replayssm_verify, a launch before the verify kernel (whose registers it
+// leaves alone). The fold (SGLang's exact-fold launch; calls serving folding rows): for each
+// folding row with m = write_pos > 0 committed records, the raw records (raw k L2-normalized,
+// raw v, the decay, beta; ring positions (cache_base + t) % L) run through the recurrent step
+// from the checkpoint into the checkpoint; the verify kernel then reads that checkpoint with an
+// empty history (ReplayVerifyProblem::history_folded). Then, for every row the call serves, the
+// drafts' raw records: raw v (the CTA's rows), raw k (one CTA per key head) and beta at
+// positions (cache_base + m + t) % L, m + t < L (past the ring: dropped), none of which a fold
+// reads. Same CTA shape as replay_fold_kernel; rows the verify kernel reports (a bad slot or
+// cursor) are skipped.
+__global__ void __launch_bounds__(kFoldWarps * 32)
+    replay_exact_fold_kernel(const detail::ReplayVerifyProblem p) {
+  constexpr int EPL = kFoldMaxK / 32;
+  __shared__ float s_k[kFoldMaxK], s_alpha[kFoldMaxK], s_v[kFoldRows];
+  __shared__ float s_beta;
+  enter_grid(false);
+  const detail::RecurrentProblem& r = p.r;
+  const int64_t n = blockIdx.x;
+  const int hv = static_cast<int>(blockIdx.y), h = hv / (r.HV / r.H);
+  const int row0 = static_cast<int>(blockIdx.z) * kFoldRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int K = r.K, V = r.V, L = p.L, gw = r.gate.kda ? K : 1;
+  const int64_t slot = detail::index_at(r.indices, r.index_dtype, r.index_stride, n);
+  if (slot <= p.null_block_id || slot >= r.state.num_slots) return;
+  const int64_t rr =
+      p.replay ? detail::index_at(p.replay, p.replay_dtype, p.replay_stride, n) : slot;
+  if (rr < 0 || rr >= p.ring_rows) return;
+  const int m = p.write_pos[rr], base = p.cache_base[rr];
+  if (m < 0 || m > L || base < 0 || base >= L) return;
+  const bool fold = detail::flag_at(p.is_flush, p.flush_dtype, rr);
+  if ((p.rows == 1 && fold) || (p.rows == 2 && !fold)) return;  // another call's rows
+  // The drafts' raw records.
+  const int64_t seq = r.cu_seqlens ? 0 : n;
+  const int64_t tok0 = r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
+  const int64_t len =
+      r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
+  {
+    const int64_t vb = (rr * r.HV + hv) * L * V, kb = (rr * r.H + h) * L * K;
+    for (int64_t t = 0; t < len && m + t < L; ++t) {
+      const int64_t pos = (base + m + t) % L;
+      for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x)
+        if (row0 + x < V)
+          detail::store_float(
+              p.rawv, p.rawv_dtype, vb + pos * V + row0 + x,
+              detail::load_float(r.v.ptr, r.v.dtype,
+                                 detail::head_offset(r.v, seq, tok0 + t, hv) + row0 + x));
+      if (blockIdx.z != 0) continue;
+      if (hv % (r.HV / r.H) == 0)
+        for (int c = threadIdx.x; c < K; c += blockDim.x)
+          detail::store_float(p.rawk, p.rawk_dtype, kb + pos * K + c,
+                              detail::load_float(r.k.ptr, r.k.dtype,
+                                                 detail::head_offset(r.k, seq, tok0 + t, h) + c));
+      if (threadIdx.x == 0)
+        p.beta_ring[(rr * r.HV + hv) * L + pos] =
+            detail::beta_value(detail::load_float(r.beta.ptr, r.beta.dtype,
+                                                  detail::head_offset(r.beta, seq, tok0 + t, hv)),
+                               r.beta_is_logit, r.round_beta, r.beta.dtype);
+    }
+  }
+  if (!fold || m == 0) return;
+  const int64_t state_at = slot * r.state.slot_stride + static_cast<int64_t>(hv) * V * K;
+  const int64_t v_base = (rr * r.HV + hv) * L * V;
+  const int64_t k_base = (rr * r.H + h) * L * K;
+  const int64_t g_base = (rr * r.HV + hv) * L * gw;
+  const int64_t b_base = (rr * r.HV + hv) * L;
+  float S[kFoldRowsPerWarp][EPL];
+#pragma unroll
+  for (int q = 0; q < kFoldRowsPerWarp; ++q) {
+    const int row = row0 + warp * kFoldRowsPerWarp + q;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      S[q][i] = row < V && c < K ? detail::load_float(r.state.ptr, r.state.dtype,
+                                                      state_at + int64_t{row} * K + c)
+                                 : 0.0f;
+    }
+  }
+  for (int t = 0; t < m; ++t) {
+    const int64_t pos = (base + t) % L;
+    __syncthreads();  // the previous record's shared values are read
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+      s_k[c] = detail::load_float(p.rawk, p.rawk_dtype, k_base + pos * K + c);
+      s_alpha[c] = expf(p.g_cache[g_base + pos * gw + (r.gate.kda ? c : 0)]);
+    }
+    for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x)
+      s_v[x] = row0 + x < V ? detail::load_float(p.rawv, p.rawv_dtype, v_base + pos * V + row0 + x)
+                            : 0.0f;
+    if (threadIdx.x == 0) s_beta = p.beta_ring[b_base + pos];
+    __syncthreads();
+    float k[EPL], al[EPL];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      k[i] = c < K ? s_k[c] : 0.0f;
+      al[i] = c < K ? s_alpha[c] : 1.0f;
+      ss += k[i] * k[i];
+    }
+    if (r.l2norm) {
+      const float den = detail::l2norm_denominator(fold_warp_sum(ss));
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) k[i] = k[i] / den;
+    }
+#pragma unroll
+    for (int q = 0; q < kFoldRowsPerWarp; ++q) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        S[q][i] *= al[i];
+        dot += S[q][i] * k[i];
+      }
+      dot = fold_warp_sum(dot);
+      const float u = detail::delta_u(s_v[warp * kFoldRowsPerWarp + q], dot, s_beta);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) S[q][i] = fmaf(u, k[i], S[q][i]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kFoldRowsPerWarp; ++q) {
+    const int row = row0 + warp * kFoldRowsPerWarp + q;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int c = lane + 32 * i;
+      if (row < V && c < K)
+        detail::store_float(r.state.ptr, r.state.dtype, state_at + int64_t{row} * K + c, S[q][i]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend
