@@ -204,7 +204,7 @@ struct ReplayDecodeArgs {
   // the cumulative gate of the records since the checkpoint. predecayed_k_cache (KDA, circular
   // and prefix gates, H == HV, float32 checkpoint, a finite lower_bound < 0 with
   // (L-1)|lower_bound| <= 80, 2 <= L <= 16): the k ring holds k / exp(G_j), beta stays fp32.
-  // CUDA: a generic kernel (src/cuda/replayssm/modes.cuh), not yet run on a GPU.
+  // CUDA: a generic kernel (src/cuda/replayssm/modes.cuh).
   std::optional<TensorView> cache_base;
   bool circular_replay = false;
   bool prefix_gate_cache = false;

@@ -149,7 +149,7 @@ class StatePool {
   // on the CPU a fold of the next token on src and on dst gives the same bits (fp32). Src and
   // the rings are not written. Float, nearest-rounded states only (quantized or stochastically
   // rounded pools with a pending source: not_implemented; flush it first, SGLang's force_flush
-  // at a track point); CUDA pools run a kernel (not yet run on a GPU). A pool without rings refuses
+  // at a track point); CUDA pools run a kernel. A pool without rings refuses
   // a nonzero source cursor. For CUDA pools the cursor check reads one int from the device (a
   // synchronization): not for the decode loop.
   void fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ring);

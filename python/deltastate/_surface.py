@@ -784,7 +784,7 @@ _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLan
     reproduced). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
     fp32 beta, the rule of every op and of current SGLang; ignored with predecayed_k_cache).
 
-    SGLang's ring modes (CPU backend; CUDA: a generic kernel, not yet run on a GPU):
+    SGLang's ring modes (CPU backend; CUDA: a generic kernel):
     ``circular_replay`` with ``cache_base`` [B] int32: record j of a row lies at ring position
     (cache_base + j) mod L; a natural flush (write_pos == L-1, not forced, L > 1) stores the state
     before the token as the checkpoint and still appends the token's record; a forced flush (or

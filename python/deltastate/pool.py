@@ -306,7 +306,7 @@ class StatePool:
         ``src``'s decode ran with (``cache_base``: src's circular base). ``src`` and the rings are
         not written. Float, nearest-rounded states only (quantized or stochastically rounded
         pools with pending records: NotImplementedError; flush first, SGLang's force_flush at a
-        track point). CUDA pools: a kernel, not yet run on a GPU."""
+        track point). CUDA pools: a kernel."""
         with self._on_torch_stream():
             self._m["fork"](int(src), int(dst), int(cache_base), bool(prefix_gate_cache),
                             bool(predecayed_k_cache))

@@ -602,7 +602,6 @@ void StatePool::set_cursor(int64_t slot, int32_t value, Stream stream) {
 
 int64_t StatePool::bytes_per_slot(const StatePoolConfig& c) {
   check_config(c);
-  const int64_t isz = dtype_size(c.state_dtype);
   const int64_t L = c.replay_len;
   const int64_t conv = c.conv_dim * (c.conv_width - 1) * dtype_size(c.conv_dtype);
   const int64_t state = c.layout == PoolLayout::envelope
