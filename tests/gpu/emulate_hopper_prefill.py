@@ -10,6 +10,8 @@ hopper_scan.cuh), with numpy.
 2. The kernels' arithmetic over whole sequences, bf16 at their rounding points (S, a X1, v',
    v' d, Tb, P) and the inverse's fp16 operands (invert_tc), against an fp64 token recurrence: the error behind the bounds of
    tests/gpu/test_chunk_prefill_gpu.cpp's Hopper cases (printed, and asserted below 4e-3).
+3. The same with context parallelism: each segment's M (from I, v = 0) and N (from 0), the fp32
+   chain of start states, then the segments (asserted below 4e-3 too).
 The layouts the kernel's registers and shared-memory views rely on are CuTe's own; the GPU test
 binary checks them on the host (tests/gpu/test_hopper_layouts.cu).
 """
@@ -123,15 +125,66 @@ def sequence(L_, seed=1):
             np.linalg.norm(S - S_ref) / np.linalg.norm(S_ref))
 
 
+def sequence_cp(L_, seg_chunks, seed=1):
+    """Context parallelism (hopper_scan.cuh ScanPass, hopper_combine.cuh) over L_ tokens in
+    segments of seg_chunks chunks: each segment but the last scanned from I with v = 0 (M) and
+    from 0 (N) at the kernels' rounding points, S_{i+1} = S_i M_i + N_i in fp32, then every
+    segment from its start with outputs; -> (output, final state) errors against the fp64
+    recurrence, and the largest difference from the sequential scan's outputs (relative norm)."""
+    q, k, v, g, beta, S0, scale = tc.sequence_inputs(L_, False, None, seed)
+    g = g[:, 0]
+    o_ref, S_ref = tc.recurrence(q, k, v, g[:, None], beta, S0, scale)
+    chunks = []
+    for c0 in range(0, L_, C):
+        cv = min(C, L_ - c0)
+        Q, K_, V_ = (np.zeros((C, D), f32) for _ in range(3))
+        Q[:cv], K_[:cv], V_[:cv] = q[c0:c0 + cv], k[c0:c0 + cv], v[c0:c0 + cv]
+        gg, be = np.zeros(C, f32), np.zeros(C, f32)
+        gg[:cv], be[:cv] = g[c0:c0 + cv], beta[c0:c0 + cv]
+        chunks.append((Q, K_, V_, prep(Q, K_, gg, be, cv, scale), cv))
+    segs = [chunks[i:i + seg_chunks] for i in range(0, len(chunks), seg_chunks)]
+
+    def scan(S, seg, zero_v=False):
+        outs = []
+        for Q, K_, V_, pr, cv in seg:
+            o, S = scan_chunk(S, Q, K_, np.zeros_like(V_) if zero_v else V_, *pr)
+            outs.append(o[:cv])
+        return S.astype(f32), outs
+
+    starts = [S0.astype(f32)]
+    for seg in segs[:-1]:
+        M, _ = scan(np.eye(D, dtype=f32), seg, zero_v=True)
+        N, _ = scan(np.zeros((D, D), f32), seg)
+        starts.append((starts[-1] @ M + N).astype(f32))
+    out, S_end = [], None
+    for start, seg in zip(starts, segs):
+        S_end, outs = scan(start, seg)
+        out += outs
+    out = np.concatenate(out)
+    _, seq_outs = scan(S0.astype(f32), chunks)
+    seq = np.concatenate(seq_outs)
+    return (np.linalg.norm(out - o_ref) / np.linalg.norm(o_ref),
+            np.linalg.norm(S_end - S_ref) / np.linalg.norm(S_ref),
+            np.linalg.norm(out - seq) / np.linalg.norm(seq))
+
+
 if __name__ == "__main__":
     tc.EXACT = True
     eo, es = one_chunk()
     assert eo < 1e-6 and es < 1e-6, (eo, es)
     print(f"1. GDN chunk, rounding off: out {eo:.1e} state {es:.1e} (the products are the algebra)")
+    eo, es, _ = sequence_cp(700, 3, seed=5)
+    assert eo < 1e-5 and es < 1e-5, (eo, es)
+    print(f"1. context parallel, 700 tokens, rounding off: out {eo:.1e} state {es:.1e} (exact)")
     tc.EXACT = False
     worst = 0.0
     for kw in (dict(L_=300), dict(L_=1000, seed=2), dict(L_=65, seed=3), dict(L_=2048, seed=4)):
         eo, es = sequence(**kw)
         worst = max(worst, eo, es)
         print(f"2. {kw}: out {eo:.2e} state {es:.2e}")
+    for kw in (dict(L_=1000, seg_chunks=2, seed=2), dict(L_=2048, seg_chunks=5, seed=4)):
+        eo, es, ed = sequence_cp(**kw)
+        worst = max(worst, eo, es)
+        print(f"3. context parallel {kw}: out {eo:.2e} state {es:.2e} (vs the sequential scan "
+              f"{ed:.1e})")
     assert worst < 4e-3, worst
