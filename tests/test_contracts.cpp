@@ -926,6 +926,9 @@ TEST(Contracts, ReplaySsmRingModes) {
       {"predecay unsafe lower bound", [](auto&, auto& a) { a.lower_bound = -27.0; },
        "Pre-decayed K inverse-prefix scaling is unsafe: (cache_len - 1) * abs(lower_bound) must "
        "be <= 80."},
+      {"cache_base on another device",
+       [](auto&, auto& a) { a.cache_base = on_cuda(*a.cache_base); },
+       "ReplaySSM inputs must be on the same device."},
       {"cache_base outside the ring",
        [](auto& f, auto&) {
          write_indices(f.base.view(), {3, 0, 4});

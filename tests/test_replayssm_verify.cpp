@@ -430,6 +430,8 @@ TEST(ReplayVerifyErrors, EveryText) {
   Tensor wpshort = Tensor::contiguous(DType::i32, {sim.S - 1});
   const std::string S = std::to_string(sim.S);
   Tensor d2 = Tensor::contiguous(f32, {sim.S, sh.HV});
+  expect([&](auto& a) { a.null_block_id = -2; },
+         "`null_block_id` must be >= -1 (got -2): slots at or below it are padding");
   expect([&](auto& a) { a.d_cache = d2.view(); },
          "`d_cache` shape must be (" + S + ", 6, L, 48) (got (" + S + ", 6)).");
   expect([&](auto& a) { a.d_cache = d3.view(); },
@@ -568,6 +570,8 @@ TEST(ReplayCommitErrors, EveryText) {
   Tensor wp2 = Tensor::contiguous(DType::i32, {4, 1}), f5 = Tensor::contiguous(DType::i32, {5});
   Tensor fidx = Tensor::contiguous(DType::f32, {2}), idx3 = index_tensor({1, 2, 3});
   Tensor big = index_tensor({4, -1}), acc5 = index_tensor({5, 0}), accneg = index_tensor({-1, 0});
+  expect([&](auto& a) { a.null_block_id = -3; },
+         "`null_block_id` must be >= -1 (got -3): slots at or below it are padding");
   expect([&](auto& a) { a.write_pos = wp2.view(); },
          "`write_pos` must be a contiguous 1D int32 tensor.");
   expect([&](auto& a) { a.is_flush = f5.view(); },

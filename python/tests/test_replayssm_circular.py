@@ -55,6 +55,11 @@ def test_matches_float64_replay(rng, residual):
     before = to64(ck).copy()
     bits = flat.view(np.uint32).copy()
     t = {n: fw.idx(v) for n, v in (("wp", wp_rows), ("base", base_rows), ("fl", flush_rows))}
+    with pytest.raises(ValueError, match=r"`null_block_id` must be >= -1 \(got -2\)"):
+        ds.replayssm_circular_commit(ck, d, k, g, fw.idx(slots), fw.idx(rows), t["wp"],
+                                     t["base"], t["fl"], fw.idx(accepted), dr, kr, fw.idx(track),
+                                     fw.idx(steps), null_block_id=-2)
+    assert np.array_equal(flat.view(np.uint32), bits), "a refused call wrote the checkpoint"
     ds.replayssm_circular_commit(ck, d, k, g, fw.idx(slots), fw.idx(rows), t["wp"], t["base"],
                                  t["fl"], fw.idx(accepted), dr, kr, fw.idx(track), fw.idx(steps))
     d64, k64, g64 = to64(d), to64(k), to64(g)

@@ -317,6 +317,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   c.device("out", out);
   c.device("ssm_state_indices", idx);
   check_replay_ring_parts(c, dc, kc, gc, wp, args.force_flush);
+  if (rm.circular) c.device("cache_base", *args.cache_base);  // read on the host below (CPU)
   c.check_devices("ReplaySSM inputs must be on the same device.", false);
 
   // Beyond SGLang: dtypes, scale, slot bounds, cursor range.

@@ -40,9 +40,20 @@ IndexTable index_entries(const char* name, const TensorView& t, int64_t B, const
   return {t.data, t.dtype, B > 1 ? t.stride[0] : 1, 1, 1};
 }
 
+// null_block_id: a slot <= it marks a padded row. Below -1 a negative slot above it would be
+// read as live (and index before the pool), so -1 is the least value taken.
+void check_null_block_id(int64_t id) {
+  if (id < -1)
+    fail(
+        format("`null_block_id` must be >= -1 (got %lld): slots at or below it are padding, and "
+               "a negative slot must never be live",
+               ll(id)));
+}
+
 }  // namespace
 
 ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
+  check_null_block_id(args.null_block_id);
   {  // its checkpoint is read only, as a float state (verify takes quantized pools, this op not)
     Contract c;
     c.float_state("initial_state", args.state);
@@ -201,6 +212,7 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
 }
 
 ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
+  check_null_block_id(args.null_block_id);
   const TensorView& wp = args.write_pos;
   if (wp.ndim != 1) fail("`write_pos` must be a contiguous 1D int32 tensor.");
   const int64_t S = wp.shape[0];
@@ -254,6 +266,7 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
 }
 
 ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
+  check_null_block_id(args.null_block_id);
   const TensorView& st = args.state;
   if (st.ndim != 4 && st.ndim != 5)
     fail(
@@ -385,6 +398,7 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
 }
 
 ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCommitArgs& args) {
+  check_null_block_id(args.null_block_id);
   const TensorView& st = args.state;
   if (st.ndim != 4 && st.ndim != 5)
     fail(
