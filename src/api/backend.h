@@ -21,7 +21,9 @@ void run_replayssm_decode(const detail::ReplayProblem& p, void* stream);
 // the ring's shared memory), thrown without launching: the fused step's ReplaySSM chain asks
 // before its first kernel, so a call it rejects has written nothing.
 void check_replayssm_decode_launch(const detail::ReplayProblem& p);
-// StatePool::fork on a CUDA pool: cpu::run_replay_materialize's work, on `stream`.
+// StatePool::fork on a CUDA pool: whether the kernel takes m pending records (throws if not;
+// called before fork writes anything), then cpu::run_replay_materialize's work, on `stream`.
+void check_replay_materialize(const detail::ReplayProblem& p, int m);
 void run_replay_materialize(const detail::ReplayProblem& p, int64_t src, int64_t dst, int m,
                             int base, void* stream);
 void run_chunk_prefill(const detail::ChunkPrefillProblem& p, void* stream);

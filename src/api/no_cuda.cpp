@@ -17,6 +17,7 @@ bool device_available() { return false; }
 void run_recurrent(const detail::RecurrentProblem&, void*) { not_built(); }
 void run_replayssm_decode(const detail::ReplayProblem&, void*) { not_built(); }
 void check_replayssm_decode_launch(const detail::ReplayProblem&) { not_built(); }
+void check_replay_materialize(const detail::ReplayProblem&, int) { not_built(); }
 void run_replay_materialize(const detail::ReplayProblem&, int64_t, int64_t, int, int, void*) {
   not_built();
 }

@@ -180,6 +180,11 @@ void check_replayssm_decode_launch(const ReplayProblem& p) {
   with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, nullptr, false); });
 }
 
+void check_replay_materialize(const ReplayProblem& p, int m) {
+  DeviceGuard guard(p.device.index);
+  mode_smem_checked(p, m);
+}
+
 void run_replay_materialize(const ReplayProblem& problem, int64_t src, int64_t dst, int m, int base,
                             void* stream) {
   DeviceGuard guard(problem.device.index);

@@ -300,6 +300,30 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ri
                          "(flush the source first: force_flush at the track point)",
                          ll(src), wp));
   }
+  // layer l's rebuild problem (the pending records of src into dst)
+  auto rebuild = [&](int64_t layer) {
+    const TensorView st = layer_state(layer), d = d_cache(layer), k = k_cache(layer);
+    detail::ReplayProblem p;
+    p.H = static_cast<int32_t>(cfg_.H);
+    p.HV = static_cast<int32_t>(cfg_.HV);
+    p.K = static_cast<int32_t>(cfg_.K);
+    p.V = static_cast<int32_t>(cfg_.V);
+    p.L = static_cast<int32_t>(L);
+    p.gate.kda = cfg_.kda;
+    p.state = {st.data, st.dtype, st.stride[0], st.shape[0]};
+    p.d_cache = d.data;
+    p.d_dtype = d.dtype;
+    p.k_cache = k.data;
+    p.k_dtype = k.dtype;
+    p.g_cache = static_cast<float*>(g_cache(layer).data);
+    p.modes.circular = ring.cache_base != 0;
+    p.modes.prefix_gates = ring.prefix_gate_cache && cfg_.kda;
+    p.modes.predecayed_k = ring.predecayed_k_cache;
+    p.device = cfg_.device;
+    return p;
+  };
+  // the CUDA kernel's limits before anything is written (its shared memory grows with wp)
+  if (wp != 0 && on_cuda(cfg_)) cuda_backend::check_replay_materialize(rebuild(0), wp);
   for (const SlotRun& r : slot_runs()) {
     const char* from = at(r.offset + src * r.slot_step);
     char* to = at(r.offset + dst * r.slot_step);
@@ -314,24 +338,7 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ri
   }
   if (wp != 0) {
     for (int64_t layer = 0; layer < cfg_.layers; ++layer) {
-      const TensorView st = layer_state(layer), d = d_cache(layer), k = k_cache(layer);
-      detail::ReplayProblem p;
-      p.H = static_cast<int32_t>(cfg_.H);
-      p.HV = static_cast<int32_t>(cfg_.HV);
-      p.K = static_cast<int32_t>(cfg_.K);
-      p.V = static_cast<int32_t>(cfg_.V);
-      p.L = static_cast<int32_t>(L);
-      p.gate.kda = cfg_.kda;
-      p.state = {st.data, st.dtype, st.stride[0], st.shape[0]};
-      p.d_cache = d.data;
-      p.d_dtype = d.dtype;
-      p.k_cache = k.data;
-      p.k_dtype = k.dtype;
-      p.g_cache = static_cast<float*>(g_cache(layer).data);
-      p.modes.circular = ring.cache_base != 0;
-      p.modes.prefix_gates = ring.prefix_gate_cache && cfg_.kda;
-      p.modes.predecayed_k = ring.predecayed_k_cache;
-      p.device = cfg_.device;
+      const detail::ReplayProblem p = rebuild(layer);
       if (on_cuda(cfg_))
         cuda_backend::run_replay_materialize(p, src, dst, wp, ring.cache_base, stream);
       else cpu::run_replay_materialize(p, src, dst, wp, ring.cache_base);
