@@ -693,7 +693,9 @@ void replayssm_commit(const ReplayCommitArgs& args);
 //   state_indices, accept_lens [B] (and track_indices, steps_to_track [B]) int32/int64, any
 //         stride. accept_lens[b] <= L.
 // A bad row (a slot or track slot >= slots, an accepted count > L): a ValueError on CPU tensors,
-// before anything is written; CUDA: the row is skipped and recorded for check_errors.
+// before anything is written; CUDA: the row is skipped and recorded for check_errors. A track
+// slot that is a live slot of the batch or another row's track slot: a ValueError on CPU tensors
+// (beyond SGLang: those stores race with the checkpoints' reads); the caller's duty on CUDA.
 struct ReplayFoldArgs {
   TensorView state, rawv, rawk, g, beta;
   TensorView state_indices, accept_lens;
@@ -723,6 +725,7 @@ void replayssm_fold_commit(const ReplayFoldArgs& args);
 // compact below the ring row, any layer and row strides; state as ReplayFoldArgs.
 // write_pos, cache_base [R] int32, is_flush [R] int32 or int8; the index vectors [B] int32/int64.
 // A bad row: a ValueError on CPU tensors before anything is written; CUDA: skipped and recorded.
+// Track slots as ReplayFoldArgs (not a live slot of the batch, not shared between rows).
 struct ReplayCircularCommitArgs {
   TensorView state, d_cache, k_cache, g_cache;
   std::optional<TensorView> d_residual, k_residual;

@@ -59,6 +59,12 @@ def test_matches_float64_replay(rng, residual):
         ds.replayssm_circular_commit(ck, d, k, g, fw.idx(slots), fw.idx(rows), t["wp"],
                                      t["base"], t["fl"], fw.idx(accepted), dr, kr, fw.idx(track),
                                      fw.idx(steps), null_block_id=-2)
+    for bad_track, text in (([5, 0, 4, -1], r"`mamba_track_indices`\[2\]=4 is a live slot"),
+                            ([5, 0, 5, -1], r"`mamba_track_indices`\[2\]=5 repeats another row")):
+        with pytest.raises(ValueError, match=text):
+            ds.replayssm_circular_commit(ck, d, k, g, fw.idx(slots), fw.idx(rows), t["wp"],
+                                         t["base"], t["fl"], fw.idx(accepted), dr, kr,
+                                         fw.idx(bad_track), fw.idx(steps))
     assert np.array_equal(flat.view(np.uint32), bits), "a refused call wrote the checkpoint"
     ds.replayssm_circular_commit(ck, d, k, g, fw.idx(slots), fw.idx(rows), t["wp"], t["base"],
                                  t["fl"], fw.idx(accepted), dr, kr, fw.idx(track), fw.idx(steps))

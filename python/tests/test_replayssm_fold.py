@@ -171,6 +171,11 @@ def test_errors(tfw):
     assert "`checkpoint_state` must be [layers, slots, HV, V, K] or [slots, HV, V, K]" in call(
         state=ck[0, 0])
     assert "`null_block_id` must be >= -1 (got -2)" in call(null_block_id=-2)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    assert "`mamba_track_indices`[0]=2 is a live slot of this batch" in call(
+        track_indices=i32([2, 4]), steps_to_track=i32([0, 0]))
+    assert "`mamba_track_indices`[1]=4 repeats another row's track slot" in call(
+        track_indices=i32([4, 4]), steps_to_track=i32([0, 0]))
     assert "`rawk_cache` must have shape (2, 6, 2, 4, 16) (got (2, 6, 2, 5, 16))." in call(
         rawk=torch.zeros(LAYERS, SLOTS, H, L + 1, K))
     assert "`rawv_cache` must have shape (2, 6, 4, 4, 8) (got (2, 5, 4, 4, 8))." in call(

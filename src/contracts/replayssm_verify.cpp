@@ -40,6 +40,28 @@ IndexTable index_entries(const char* name, const TensorView& t, int64_t B, const
   return {t.data, t.dtype, B > 1 ? t.stride[0] : 1, 1, 1};
 }
 
+// Track slots (mamba_track_indices[b] for the rows that store one) against the batch's live
+// slots (`live`: each row's checkpoint, read or written in parallel with the track stores) and
+// against each other: a shared slot would be written and read by two tasks at once (beyond
+// SGLang, which races there).
+void check_track_slots(const IndexTable& track, const std::vector<int64_t>& rows,
+                       const std::vector<char>& live) {
+  std::vector<char> taken(live.size(), 0);
+  for (const int64_t b : rows) {
+    const int64_t ts = track.at(b, 0);
+    const size_t i = static_cast<size_t>(ts);
+    if (live[i])
+      fail(
+          format("`mamba_track_indices`[%lld]=%lld is a live slot of this batch (a track "
+                 "state must not overwrite a checkpoint the commit reads)",
+                 ll(b), ll(ts)));
+    if (taken[i])
+      fail(format("`mamba_track_indices`[%lld]=%lld repeats another row's track slot", ll(b),
+                  ll(ts)));
+    taken[i] = 1;
+  }
+}
+
 // null_block_id: a slot <= it marks a padded row. Below -1 a negative slot above it would be
 // read as live (and index before the pool), so -1 is the least value taken.
 void check_null_block_id(int64_t id) {
@@ -373,6 +395,7 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
   p.check_indices = args.check_indices.value_or(on_cpu);
   if (on_cpu && p.check_indices) {
     std::vector<char> used(static_cast<size_t>(S), 0);
+    std::vector<int64_t> tracked;  // rows that store a track state
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = p.slots.at(b, 0), a = p.accepted.at(b, 0);
       if (slot <= p.null_block_id || a <= 0) continue;
@@ -388,11 +411,17 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
                     ll(L)));
       if (p.track.ptr) {
         const int64_t ts = p.track.at(b, 0), step = p.steps.at(b, 0);
-        if (ts > p.null_block_id && step >= 0 && step < a && ts >= S)
-          fail(format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld slots",
-                      ll(b), ll(ts), ll(S)));
+        if (ts > p.null_block_id && step >= 0 && step < a) {
+          if (ts >= S)
+            fail(
+                format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld "
+                       "slots",
+                       ll(b), ll(ts), ll(S)));
+          tracked.push_back(b);
+        }
       }
     }
+    check_track_slots(p.track, tracked, used);
   }
   return p;
 }
@@ -526,7 +555,8 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
   const bool on_cpu = dev.type == DeviceType::cpu;
   p.check_indices = args.check_indices.value_or(on_cpu);
   if (on_cpu && p.check_indices) {
-    std::vector<char> used(static_cast<size_t>(R), 0);
+    std::vector<char> used(static_cast<size_t>(R), 0), live(static_cast<size_t>(S), 0);
+    std::vector<int64_t> tracked;  // rows that store a track state
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = p.slots.at(b, 0), r = p.rows.at(b, 0);
       if (slot <= p.null_block_id) continue;
@@ -549,11 +579,21 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
                     ll(L - 1)));
       if (p.track.ptr) {
         const int64_t ts = p.track.at(b, 0), step = p.steps.at(b, 0);
-        if (ts > p.null_block_id && step >= 0 && ts >= S)
-          fail(format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld slots",
-                      ll(b), ll(ts), ll(S)));
+        if (ts > p.null_block_id && step >= 0) {
+          if (ts >= S)
+            fail(
+                format("`mamba_track_indices`[%lld]=%lld is out of range for a pool of %lld "
+                       "slots",
+                       ll(b), ll(ts), ll(S)));
+          tracked.push_back(b);
+        }
       }
     }
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = p.slots.at(b, 0);
+      if (slot > p.null_block_id) live[static_cast<size_t>(slot)] = 1;
+    }
+    check_track_slots(p.track, tracked, live);
   }
   return p;
 }
