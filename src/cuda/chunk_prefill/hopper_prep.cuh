@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 3)
     sG2[t] = sG[t] * 1.4426950408889634f;
   }
   // Piece warp % 4 of K K^T (warps 0-3) or Q K^T (4-7), up to 3 blocks of 16 columns (slot i:
-  // of run 0 while i < n0); the factors are read after the barrier.
+  // of its first strip while i < n0); the factors are read after the barrier.
   const bool is_p = warp >= 4;
   const StripPiece pc = strip_piece(warp % 4);
   const int nslots = pc.n0 + pc.n1;
