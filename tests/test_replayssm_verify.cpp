@@ -13,6 +13,7 @@
 #include <string>
 
 #include "test_util.h"
+#include "view_edits.h"
 
 namespace dstest {
 namespace {
@@ -593,6 +594,57 @@ TEST(ReplayCommitErrors, EveryText) {
          "`num_accepted`[0]=5 is outside [0, max_spec_len=4]");
   expect([&](auto& a) { a.num_accepted = accneg.view(); },
          "`num_accepted`[0]=-1 is outside [0, max_spec_len=4]");
+}
+
+// The CUDA-only limits of the fold and circular commits, refused by their validators: CUDA views
+// of host tensors (nothing is launched, read or written on a device; CI has none).
+TEST(ReplayCommitErrors, CudaLimits) {
+  const int64_t S = 3, HV = 2, H = 1, V = 8;
+  auto fold = [&](int64_t K) {
+    Tensor st = Tensor::contiguous(DType::f32, {S, HV, V, K});
+    Tensor rv = Tensor::contiguous(DType::f32, {S, HV, 4, V});
+    Tensor rk = Tensor::contiguous(DType::f32, {S, H, 4, K});
+    Tensor g = Tensor::contiguous(DType::f32, {S, HV, 4}),
+           b = Tensor::contiguous(DType::f32, {S, HV, 4});
+    Tensor idx = index_tensor({0, 1}), acc = index_tensor({1, 1});
+    deltastate::ReplayFoldArgs a;
+    a.state = on_cuda(st.view());
+    a.rawv = on_cuda(rv.view());
+    a.rawk = on_cuda(rk.view());
+    a.g = on_cuda(g.view());
+    a.beta = on_cuda(b.view());
+    a.state_indices = on_cuda(idx.view());
+    a.accept_lens = on_cuda(acc.view());
+    return error_of([&] { deltastate::replayssm_fold_commit(a); });
+  };
+  auto circular = [&](int64_t K, int64_t L) {
+    Tensor st = Tensor::contiguous(DType::f32, {S, HV, V, K});
+    Tensor d = Tensor::contiguous(DType::f32, {S, HV, L, V});
+    Tensor k = Tensor::contiguous(DType::f32, {S, H, L, K});
+    Tensor g = Tensor::contiguous(DType::f32, {S, HV, L});
+    Tensor wp = Tensor::contiguous(DType::i32, {S}), base = Tensor::contiguous(DType::i32, {S}),
+           fl = Tensor::contiguous(DType::i32, {S});
+    Tensor idx = index_tensor({0, 1}), rows = index_tensor({0, 1}), acc = index_tensor({1, 1});
+    deltastate::ReplayCircularCommitArgs a;
+    a.state = on_cuda(st.view());
+    a.d_cache = on_cuda(d.view());
+    a.k_cache = on_cuda(k.view());
+    a.g_cache = on_cuda(g.view());
+    a.state_indices = on_cuda(idx.view());
+    a.replay_indices = on_cuda(rows.view());
+    a.write_pos = on_cuda(wp.view());
+    a.cache_base = on_cuda(base.view());
+    a.is_flush = on_cuda(fl.view());
+    a.accept_lens = on_cuda(acc.view());
+    return error_of([&] { deltastate::replayssm_circular_commit(a); });
+  };
+  auto expect = [](const std::string& what, const std::string& text) {
+    EXPECT_NE(what.find(text), std::string::npos) << "got: " << what << "\nwant: " << text;
+  };
+  expect(fold(257), "replayssm_fold_commit: K=257; CUDA tensors take K <= 256");
+  expect(circular(257, 8), "commit_gdn_replayssm_circular: K=257; CUDA tensors take K <= 256");
+  expect(circular(16, 1025),
+         "commit_gdn_replayssm_circular: L=1025; CUDA tensors take a ring of at most 1024 records");
 }
 
 }  // namespace

@@ -62,6 +62,15 @@ void check_track_slots(const IndexTable& track, const std::vector<int64_t>& rows
   }
 }
 
+// The CUDA fold and circular commits' limits: K (their shared rows of k), layers x HV (one grid
+// dimension).
+void check_cuda_commit(const char* op, int64_t K, int64_t heads) {
+  if (K > 256) fail(format("%s: K=%lld; CUDA tensors take K <= 256", op, ll(K)));
+  if (heads > kReplayCommitMaxHeads)
+    fail(format("%s: layers x HV=%lld; CUDA tensors take at most %lld", op, ll(heads),
+                ll(kReplayCommitMaxHeads)));
+}
+
 // null_block_id: a slot <= it marks a padded row. Below -1 a negative slot above it would be
 // read as live (and index before the pool), so -1 is the least value taken.
 void check_null_block_id(int64_t id) {
@@ -346,8 +355,7 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
   else ring("g_cache", rg, {HV, L}, true);
   ring("beta_cache", rb, {HV, L}, true);
   const Device dev = st.device;
-  if (dev.type != DeviceType::cpu && K > 256)
-    fail(format("replayssm_fold_commit: K=%lld; CUDA tensors take K <= 256", ll(K)));
+  if (dev.type != DeviceType::cpu) check_cuda_commit("replayssm_fold_commit", K, layers * HV);
   const TensorView& idx = args.state_indices;
   if (idx.ndim != 1) fail(format("`ssm_state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
   const int64_t B = idx.shape[0];
@@ -489,8 +497,14 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
     ring("k_residual_cache", *args.k_residual, {H, L, K}, false);
   }
   const Device dev = st.device;
-  if (dev.type != DeviceType::cpu && K > 256)
-    fail(format("commit_gdn_replayssm_circular: K=%lld; CUDA tensors take K <= 256", ll(K)));
+  if (dev.type != DeviceType::cpu) {
+    check_cuda_commit("commit_gdn_replayssm_circular", K, layers * HV);
+    if (L > kReplayCircularMaxL)
+      fail(
+          format("commit_gdn_replayssm_circular: L=%lld; CUDA tensors take a ring of at most "
+                 "%d records",
+                 ll(L), kReplayCircularMaxL));
+  }
   // The cursor tables: one entry per replay row in use (C entries; C may differ from R).
   if (args.write_pos.ndim != 1) fail("`write_pos` must be a contiguous 1D int32 tensor.");
   const int64_t C = args.write_pos.shape[0];

@@ -465,6 +465,12 @@ struct VerifyProblem {
   int32_t ring_len = 0;
 };
 
+// The CUDA commits' launch limits (checked by their validators): the circular commit keeps a
+// ring's history sums in shared memory (fold.cuh), and both grids take layers x HV in one
+// dimension.
+constexpr int kReplayCircularMaxL = 1024;
+constexpr int64_t kReplayCommitMaxHeads = 65535;
+
 // The compact circular commit (ops.h ReplayCircularCommitArgs): per (layer, row, value head),
 // then the folded rows' cursors.
 struct ReplayCircularProblem {

@@ -113,10 +113,7 @@ void run_replayssm_fold_commit(const detail::ReplayFoldProblem& problem, void* s
   DeviceGuard guard(problem.device.index);
   detail::ReplayFoldProblem p = problem;
   p.errors = device_errors(p.device.index);
-  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;
-  if (p.B > 0x7fffffff || heads > 65535)
-    throw Error(ErrorKind::value,
-                "replayssm_fold_commit: too many rows or layers * heads for one launch");
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;  // validated
   const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(heads),
                   static_cast<unsigned>((p.V + kFoldRows - 1) / kFoldRows));
   launch_kernel(replay_fold_kernel, grid, kFoldWarps * 32, 0, static_cast<cudaStream_t>(stream),
@@ -127,13 +124,7 @@ void run_replayssm_circular_commit(const detail::ReplayCircularProblem& problem,
   DeviceGuard guard(problem.device.index);
   detail::ReplayCircularProblem p = problem;
   p.errors = device_errors(p.device.index);
-  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;
-  if (p.B > 0x7fffffff || heads > 65535)
-    throw Error(ErrorKind::value,
-                "commit_gdn_replayssm_circular: too many rows or layers * heads for one launch");
-  if (p.L > kCircMaxL)
-    throw Error(ErrorKind::value,
-                "commit_gdn_replayssm_circular: CUDA tensors take a ring of at most 1024 records");
+  const int64_t heads = static_cast<int64_t>(p.layers) * p.HV;  // validated (and L)
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(heads),
                   static_cast<unsigned>((p.V + kFoldRows - 1) / kFoldRows));

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
 // residual) in shared memory; each warp accumulates the fold and the track state of its rows in
 // registers from the old checkpoint rows (acc = e^{G} old, then acc += e^{G - G_j} u_j k_j per
 // record), stores the track state, then the fold. The cursors move in a second launch.
-constexpr int kCircMaxL = 1024;
+constexpr int kCircMaxL = detail::kReplayCircularMaxL;
 
 __device__ __forceinline__ bool circ_row_ok(const detail::ReplayCircularProblem& p, int64_t b,
                                             int64_t& slot, int64_t& r) {
