@@ -62,6 +62,106 @@ void check_track_slots(const IndexTable& track, const std::vector<int64_t>& rows
   }
 }
 
+// The checkpoint pool of the fold and circular commits: [layers, slots, HV, V, K] or
+// [slots, HV, V, K], floating, compact in [HV, V, K], any slot (and layer) stride.
+struct CommitPool {
+  bool layered;
+  int lead;  // the slot dimension
+  int64_t layers, S, HV, V, K;
+};
+CommitPool check_commit_pool(const TensorView& st) {
+  if (st.ndim != 4 && st.ndim != 5)
+    fail(
+        format("`checkpoint_state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got "
+               "ndim=%d).",
+               st.ndim));
+  CommitPool c;
+  c.layered = st.ndim == 5;
+  c.lead = c.layered ? 1 : 0;
+  c.layers = c.layered ? st.shape[0] : 1;
+  c.S = st.shape[c.lead];
+  c.HV = st.shape[c.lead + 1];
+  c.V = st.shape[c.lead + 2];
+  c.K = st.shape[c.lead + 3];
+  if (!is_floating(st.dtype))
+    fail(format("`checkpoint_state` must be floating (got %s).",
+                dtype_mark(dtype_name(st.dtype)).c_str()));
+  if (st.stride[c.lead + 3] != 1 || st.stride[c.lead + 2] != c.K ||
+      st.stride[c.lead + 1] != c.V * c.K)
+    fail(
+        "`checkpoint_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary "
+        "slot (and layer) stride is supported.");
+  return c;
+}
+
+// A ring of a commit [layers?, rows, inner...]: the layer dimension as the pool's, `rows`
+// leading entries (the pool's slots, or the circular rings' rows: `unit` names them), compact
+// below them, float32 (`f32`) or floating, on `dev`.
+void check_commit_ring(const CommitPool& c, const char* name, const TensorView& t, int64_t rows,
+                       const char* unit, std::initializer_list<int64_t> inner, bool f32,
+                       const Device& dev) {
+  std::vector<int64_t> want;
+  if (c.layered) want.push_back(c.layers);
+  want.push_back(rows);
+  want.insert(want.end(), inner.begin(), inner.end());
+  bool ok = t.ndim == static_cast<int>(want.size());
+  for (size_t i = 0; ok && i < want.size(); ++i) ok = t.shape[i] == want[i];
+  if (!ok)
+    fail(format("`%s` must have shape %s (got %s).", name,
+                tuple_str(want.data(), static_cast<int>(want.size())).c_str(),
+                shape_str(t).c_str()));
+  int64_t expect = 1;
+  for (int d = t.ndim - 1; d > c.lead; --d) {
+    if (t.shape[d] != 1 && t.stride[d] != expect)
+      fail(
+          format("`%s` must be contiguous below its %s dimension; an arbitrary %s (and layer) "
+                 "stride is supported.",
+                 name, unit, unit));
+    expect *= t.shape[d];
+  }
+  if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
+    fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).", name,
+                dtype_mark(dtype_name(t.dtype)).c_str()));
+  if (!(t.device == dev)) fail("All inputs must be on the same device.");
+}
+
+// The ring length and key heads of a commit's rings (both at least 1, HV a multiple of H).
+void check_commit_heads(const char* k_name, int64_t L, int64_t H, int64_t HV) {
+  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
+  if (H < 1 || HV % H != 0)
+    fail(format("`%s` must have H key heads with HV %% H == 0 (HV=%lld, got H=%lld).", k_name,
+                ll(HV), ll(H)));
+}
+
+// The optional track pair of a commit (mamba_track_indices, mamba_steps_to_track), together.
+void commit_tracks(const std::optional<TensorView>& track, const std::optional<TensorView>& steps,
+                   int64_t B, const Device& dev, IndexTable& track_out, IndexTable& steps_out) {
+  if (track.has_value() != steps.has_value())
+    fail("`mamba_track_indices` and `mamba_steps_to_track` go together");
+  if (track) {
+    track_out = index_entries("mamba_track_indices", *track, B, dev);
+    steps_out = index_entries("mamba_steps_to_track", *steps, B, dev);
+  }
+}
+
+// The fields every commit problem has: sizes and the checkpoint pool.
+template <class Problem>
+void fill_commit_head(Problem& p, const CommitPool& c, const TensorView& st, int64_t B, int64_t H,
+                      int64_t L) {
+  p.B = static_cast<int32_t>(B);
+  p.layers = static_cast<int32_t>(c.layers);
+  p.H = static_cast<int32_t>(H);
+  p.HV = static_cast<int32_t>(c.HV);
+  p.K = static_cast<int32_t>(c.K);
+  p.V = static_cast<int32_t>(c.V);
+  p.L = static_cast<int32_t>(L);
+  p.state = st.data;
+  p.state_dtype = st.dtype;
+  p.state_layer_stride = c.layered ? st.stride[0] : 0;
+  p.state_slot_stride = st.stride[c.lead];
+  p.num_slots = c.S;
+}
+
 // The CUDA fold and circular commits' limits: K (their shared rows of k), layers x HV (one grid
 // dimension).
 void check_cuda_commit(const char* op, int64_t K, int64_t heads) {
@@ -299,62 +399,22 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
 ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
   check_null_block_id(args.null_block_id);
   const TensorView& st = args.state;
-  if (st.ndim != 4 && st.ndim != 5)
-    fail(
-        format("`checkpoint_state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got "
-               "ndim=%d).",
-               st.ndim));
-  const bool layered = st.ndim == 5;
-  const int lead = layered ? 1 : 0;
-  const int64_t layers = layered ? st.shape[0] : 1, S = st.shape[lead];
-  const int64_t HV = st.shape[lead + 1], V = st.shape[lead + 2], K = st.shape[lead + 3];
-  if (!is_floating(st.dtype))
-    fail(format("`checkpoint_state` must be floating (got %s).",
-                dtype_mark(dtype_name(st.dtype)).c_str()));
-  if (st.stride[lead + 3] != 1 || st.stride[lead + 2] != K || st.stride[lead + 1] != V * K)
-    fail(
-        "`checkpoint_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary "
-        "slot (and layer) stride is supported.");
+  const CommitPool c = check_commit_pool(st);
+  const bool layered = c.layered;
+  const int lead = c.lead;
+  const int64_t layers = c.layers, S = c.S, HV = c.HV, V = c.V, K = c.K;
   const TensorView &rv = args.rawv, &rk = args.rawk, &rg = args.g, &rb = args.beta;
   const int64_t L = rv.ndim == st.ndim ? rv.shape[lead + 2] : 0;
   const int64_t H = rk.ndim == st.ndim ? rk.shape[lead + 1] : 0;
-  // A ring [layers?, slots, inner...]: the leading dims as the state's, compact below the slot.
+  const Device dev = st.device;
   auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> inner,
-                  bool f32) {
-    std::vector<int64_t> want;
-    if (layered) want.push_back(layers);
-    want.push_back(S);
-    want.insert(want.end(), inner.begin(), inner.end());
-    bool ok = t.ndim == static_cast<int>(want.size());
-    for (size_t i = 0; ok && i < want.size(); ++i) ok = t.shape[i] == want[i];
-    if (!ok)
-      fail(format("`%s` must have shape %s (got %s).", name,
-                  tuple_str(want.data(), static_cast<int>(want.size())).c_str(),
-                  shape_str(t).c_str()));
-    int64_t expect = 1;
-    for (int d = t.ndim - 1; d > lead; --d) {
-      if (t.shape[d] != 1 && t.stride[d] != expect)
-        fail(
-            format("`%s` must be contiguous below its slot dimension; an arbitrary slot (and "
-                   "layer) stride is supported.",
-                   name));
-      expect *= t.shape[d];
-    }
-    if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
-      fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).", name,
-                  dtype_mark(dtype_name(t.dtype)).c_str()));
-    if (!(t.device == st.device)) fail("All inputs must be on the same device.");
-  };
-  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
-  if (H < 1 || HV % H != 0)
-    fail(format("`rawk_cache` must have H key heads with HV %% H == 0 (HV=%lld, got H=%lld).",
-                ll(HV), ll(H)));
+                  bool f32) { check_commit_ring(c, name, t, S, "slot", inner, f32, dev); };
+  check_commit_heads("rawk_cache", L, H, HV);
   ring("rawv_cache", rv, {HV, L, V}, false);
   ring("rawk_cache", rk, {H, L, K}, false);
   if (args.is_kda) ring("g_cache", rg, {HV, L, K}, true);
   else ring("g_cache", rg, {HV, L}, true);
   ring("beta_cache", rb, {HV, L}, true);
-  const Device dev = st.device;
   if (dev.type != DeviceType::cpu) check_cuda_commit("replayssm_fold_commit", K, layers * HV);
   const TensorView& idx = args.state_indices;
   if (idx.ndim != 1) fail(format("`ssm_state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
@@ -362,26 +422,10 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
   ReplayFoldProblem p;
   p.slots = index_entries("ssm_state_indices", idx, B, dev);
   p.accepted = index_entries("accept_lens", args.accept_lens, B, dev);
-  if (args.track_indices.has_value() != args.steps_to_track.has_value())
-    fail("`mamba_track_indices` and `mamba_steps_to_track` go together");
-  if (args.track_indices) {
-    p.track = index_entries("mamba_track_indices", *args.track_indices, B, dev);
-    p.steps = index_entries("mamba_steps_to_track", *args.steps_to_track, B, dev);
-  }
-  p.B = static_cast<int32_t>(B);
-  p.layers = static_cast<int32_t>(layers);
-  p.H = static_cast<int32_t>(H);
-  p.HV = static_cast<int32_t>(HV);
-  p.K = static_cast<int32_t>(K);
-  p.V = static_cast<int32_t>(V);
-  p.L = static_cast<int32_t>(L);
+  commit_tracks(args.track_indices, args.steps_to_track, B, dev, p.track, p.steps);
+  fill_commit_head(p, c, st, B, H, L);
   p.kda = args.is_kda;
   p.l2norm = args.use_qk_l2norm;
-  p.state = st.data;
-  p.state_dtype = st.dtype;
-  p.state_layer_stride = layered ? st.stride[0] : 0;
-  p.state_slot_stride = st.stride[lead];
-  p.num_slots = S;
   p.rawv = rv.data;
   p.rawv_dtype = rv.dtype;
   p.rawv_layer_stride = layered ? rv.stride[0] : 0;
@@ -437,56 +481,18 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
 ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCommitArgs& args) {
   check_null_block_id(args.null_block_id);
   const TensorView& st = args.state;
-  if (st.ndim != 4 && st.ndim != 5)
-    fail(
-        format("`checkpoint_state` must be [layers, slots, HV, V, K] or [slots, HV, V, K] (got "
-               "ndim=%d).",
-               st.ndim));
-  const bool layered = st.ndim == 5;
-  const int lead = layered ? 1 : 0;
-  const int64_t layers = layered ? st.shape[0] : 1, S = st.shape[lead];
-  const int64_t HV = st.shape[lead + 1], V = st.shape[lead + 2], K = st.shape[lead + 3];
-  if (!is_floating(st.dtype))
-    fail(format("`checkpoint_state` must be floating (got %s).",
-                dtype_mark(dtype_name(st.dtype)).c_str()));
-  if (st.stride[lead + 3] != 1 || st.stride[lead + 2] != K || st.stride[lead + 1] != V * K)
-    fail(
-        "`checkpoint_state` must be contiguous in its [HV, V, K] inner dimensions; an arbitrary "
-        "slot (and layer) stride is supported.");
+  const CommitPool c = check_commit_pool(st);
+  const bool layered = c.layered;
+  const int lead = c.lead;
+  const int64_t layers = c.layers, S = c.S, HV = c.HV, V = c.V, K = c.K;
   const TensorView &dc = args.d_cache, &kc = args.k_cache, &gc = args.g_cache;
   const int64_t R = dc.ndim == st.ndim ? dc.shape[lead] : 0;
   const int64_t L = dc.ndim == st.ndim ? dc.shape[lead + 2] : 0;
   const int64_t H = kc.ndim == st.ndim ? kc.shape[lead + 1] : 0;
+  const Device dev = st.device;
   auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> inner,
-                  bool f32) {
-    std::vector<int64_t> want;
-    if (layered) want.push_back(layers);
-    want.push_back(R);
-    want.insert(want.end(), inner.begin(), inner.end());
-    bool ok = t.ndim == static_cast<int>(want.size());
-    for (size_t i = 0; ok && i < want.size(); ++i) ok = t.shape[i] == want[i];
-    if (!ok)
-      fail(format("`%s` must have shape %s (got %s).", name,
-                  tuple_str(want.data(), static_cast<int>(want.size())).c_str(),
-                  shape_str(t).c_str()));
-    int64_t expect = 1;
-    for (int d = t.ndim - 1; d > lead; --d) {
-      if (t.shape[d] != 1 && t.stride[d] != expect)
-        fail(
-            format("`%s` must be contiguous below its row dimension; an arbitrary row (and "
-                   "layer) stride is supported.",
-                   name));
-      expect *= t.shape[d];
-    }
-    if (f32 ? t.dtype != DType::f32 : !is_floating(t.dtype))
-      fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).", name,
-                  dtype_mark(dtype_name(t.dtype)).c_str()));
-    if (!(t.device == st.device)) fail("All inputs must be on the same device.");
-  };
-  if (L < 1) fail("ReplaySSM cache length must be at least 1.");
-  if (H < 1 || HV % H != 0)
-    fail(format("`k_cache` must have H key heads with HV %% H == 0 (HV=%lld, got H=%lld).", ll(HV),
-                ll(H)));
+                  bool f32) { check_commit_ring(c, name, t, R, "row", inner, f32, dev); };
+  check_commit_heads("k_cache", L, H, HV);
   ring("d_cache", dc, {HV, L, V}, false);
   ring("k_cache", kc, {H, L, K}, false);
   ring("g_cache", gc, {HV, L}, true);
@@ -496,7 +502,6 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
     ring("d_residual_cache", *args.d_residual, {HV, L, V}, false);
     ring("k_residual_cache", *args.k_residual, {H, L, K}, false);
   }
-  const Device dev = st.device;
   if (dev.type != DeviceType::cpu) {
     check_cuda_commit("commit_gdn_replayssm_circular", K, layers * HV);
     if (L > kReplayCircularMaxL)
@@ -518,24 +523,8 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
   p.slots = index_entries("state_batch_indices", idx, B, dev);
   p.rows = index_entries("replay_indices", args.replay_indices, B, dev);
   p.accepted = index_entries("accept_lens", args.accept_lens, B, dev);
-  if (args.track_indices.has_value() != args.steps_to_track.has_value())
-    fail("`mamba_track_indices` and `mamba_steps_to_track` go together");
-  if (args.track_indices) {
-    p.track = index_entries("mamba_track_indices", *args.track_indices, B, dev);
-    p.steps = index_entries("mamba_steps_to_track", *args.steps_to_track, B, dev);
-  }
-  p.B = static_cast<int32_t>(B);
-  p.layers = static_cast<int32_t>(layers);
-  p.H = static_cast<int32_t>(H);
-  p.HV = static_cast<int32_t>(HV);
-  p.K = static_cast<int32_t>(K);
-  p.V = static_cast<int32_t>(V);
-  p.L = static_cast<int32_t>(L);
-  p.state = st.data;
-  p.state_dtype = st.dtype;
-  p.state_layer_stride = layered ? st.stride[0] : 0;
-  p.state_slot_stride = st.stride[lead];
-  p.num_slots = S;
+  commit_tracks(args.track_indices, args.steps_to_track, B, dev, p.track, p.steps);
+  fill_commit_head(p, c, st, B, H, L);
   p.d = dc.data;
   p.d_dtype = dc.dtype;
   p.d_layer_stride = layered ? dc.stride[0] : 0;
