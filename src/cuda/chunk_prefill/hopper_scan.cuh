@@ -240,14 +240,16 @@ __device__ __forceinline__ auto acc_to_a(const Acc& acc, F&& f) {
 // One warp group's product C (+)= A B over every k block of its operands: the wgmma of each k
 // block issued in order, the accumulator (and a register A) fenced against reordering. The caller
 // brackets a batch of these with warpgroup_arrive() and warpgroup_commit_batch() + wait.
-template <bool ZeroInit, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C) {
+// `zero_init` at run time: the first k block's scale-d operand (no branch around a wgmma: ptxas
+// serializes the wgmma of a divergent path).
+template <class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C, bool zero_init) {
   constexpr int KB = decltype(size<2>(A))::value;
   constexpr bool kRegA =
       !std::is_same_v<typename std::remove_reference_t<TA>::iterator, GMMA::DescriptorIterator>;
   if constexpr (kRegA) warpgroup_fence_operand(A);
   warpgroup_fence_operand(C);
-  if constexpr (ZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  if (zero_init) mma.accumulate_ = GMMA::ScaleOut::Zero;
   CUTE_UNROLL
   for (int kb = 0; kb < KB; ++kb) {
     cute::gemm(mma, A(_, _, kb), B(_, _, kb), C);
@@ -255,6 +257,29 @@ __device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C) {
   }
   warpgroup_fence_operand(C);
   if constexpr (kRegA) warpgroup_fence_operand(A);
+}
+template <bool ZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C) {
+  wg_gemm(mma, std::forward<TA>(A), B, C, ZeroInit);
+}
+
+// A consumer thread's 64 state values (its accumulator elements of 64 rows x 128 columns, rows
+// from v0) between a [.., V, K] float tensor at element offset `off` and `vals`, out of line:
+// they run once per sequence or checkpoint, and inlined at every call site, each element through
+// every dtype's conversion, they made most of the kernel's code (the consumers' loop then misses
+// the instruction cache: no-instruction stalls 32%, docs/PERFORMANCE.md).
+constexpr int kStateVals = 64;
+static __device__ __noinline__ void load_state_vals(const void* base, DType dtype, int64_t off,
+                                                    int v0, int ct, float* vals) {
+#pragma unroll 1
+  for (int i = 0; i < kStateVals; ++i)
+    vals[i] = detail::load_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i));
+}
+static __device__ __noinline__ void store_state_vals(void* base, DType dtype, int64_t off, int v0,
+                                                     int ct, const float* vals) {
+#pragma unroll 1
+  for (int i = 0; i < kStateVals; ++i)
+    detail::store_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i), vals[i]);
 }
 
 template <class E, int G>
@@ -425,23 +450,24 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i)
       S(i) = m_pass && v0 + acc_row(ct, i) == acc_col(ct, i) ? 1.0f : 0.0f;
-  } else if (seg > 0) {  // the segment's start state from the combine kernel
-    const float* start = P.cp + cp_offset(P.segs, p.HV, 1, seg - 1, s.hv);
+  } else if (seg > 0 || s.reads_state) {  // a segment's start (combine kernel), or the pool's
+    float vals[kStateVals];
+    if (seg > 0)
+      load_state_vals(P.cp, DType::f32, cp_offset(P.segs, p.HV, 1, seg - 1, s.hv), v0, ct, vals);
+    else
+      load_state_vals(p.state.ptr, p.state.dtype, s.slot * p.state.slot_stride + s.hv * E2, v0, ct,
+                      vals);
     CUTE_UNROLL
-    for (int i = 0; i < size(S); ++i) S(i) = start[(v0 + acc_row(ct, i)) * kD + acc_col(ct, i)];
-  } else if (s.reads_state) {
-    const int64_t off = s.slot * p.state.slot_stride + s.hv * E2;
-    CUTE_UNROLL
-    for (int i = 0; i < size(S); ++i)
-      S(i) = detail::load_float(p.state.ptr, p.state.dtype,
-                                off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i));
+    for (int i = 0; i < size(S); ++i) S(i) = vals[i];
   } else {
     clear(S);
   }
+  static_assert(decltype(size(S))::value == kStateVals, "64 state values a consumer thread");
   auto store_state = [&](void* base, DType dtype, int64_t off) {
+    float vals[kStateVals];
     CUTE_UNROLL
-    for (int i = 0; i < size(S); ++i)
-      detail::store_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i), S(i));
+    for (int i = 0; i < size(S); ++i) vals[i] = S(i);
+    store_state_vals(base, dtype, off, v0, ct, vals);
   };
 
   // Ordered math (G = 2): the two groups take turns issuing their products, so that one group's
@@ -471,26 +497,21 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     turn_begin();
     warpgroup_arrive();
     wg_gemm<true>(mma_x, Sa, dK(_, _, _, stage), X1);
-    if (!transfer) wg_gemm<true>(mma_x, Sa, dQ(_, _, _, stage), X2);
+    wg_gemm<true>(mma_x, Sa, dQ(_, _, _, stage), X2);  // transfer: unused (no q loaded)
     warpgroup_commit_batch();
     turn_end();
     warpgroup_wait<0>();
 
     // v'^T = V^T Tb^T + bf16(-a X1) Tb^T; X2 becomes b X2
     Tensor Ya = acc_to_a<E, kC>(X1, [&](int i, float x) { return -scal[acc_col(ct, i)] * x; });
-    if (!transfer) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + acc_col(ct, i)];
-    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + acc_col(ct, i)];
     Tensor U = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
     turn_begin();
     warpgroup_arrive();
-    if (m_pass) {
-      wg_gemm<true>(mma_x, Ya, dT(_, _, _, stage), U);
-    } else {
-      wg_gemm<true>(mma_v, dVt(_, _, _, stage), dTv(_, _, _, stage), U);
-      wg_gemm<false>(mma_x, Ya, dT(_, _, _, stage), U);
-    }
+    // M (v = 0): the second product's scale-d 0 drops the first's (no v loaded), no branch
+    wg_gemm<true>(mma_v, dVt(_, _, _, stage), dTv(_, _, _, stage), U);
+    wg_gemm(mma_x, Ya, dT(_, _, _, stage), U, m_pass);
     warpgroup_commit_batch();
     turn_end();
     warpgroup_wait<0>();
@@ -504,7 +525,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     for (int i = 0; i < size(S); ++i) S(i) *= gamma;
     turn_begin();
     warpgroup_arrive();
-    if (!transfer) wg_gemm<false>(mma_x, Ua, dP(_, _, _, stage), X2);
+    wg_gemm<false>(mma_x, Ua, dP(_, _, _, stage), X2);  // transfer: unused (no P loaded)
     wg_gemm<false>(mma_s, Ud, dKt(_, _, _, stage), S);
     warpgroup_commit_batch();
     turn_end();
