@@ -3,13 +3,14 @@
 // workspace blocks the scan kernel (hopper_scan.cuh) loads with TMA. Part of
 // chunk_prefill_hopper.cu's translation unit.
 //
-// Per chunk (grid (chunk slot j, value head hv), 8 warps, three CTAs an SM; chunk slots as
-// split.cuh's): beta, the cumulative log decay G, the norms rk, rq (rq with the scale), then on
-// tensor cores the strictly lower A_ts = beta_t rk_t rk_s e^{G_t - G_s} (k_t . k_s) (warps 0-3)
-// and P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s), s <= t (warps 4-7) in pieces of equal work
-// (StripPiece), each decay one exp2; warps 4-7 store P and the factors while warps 0-3 find
-// T = (I + A)^{-1} on tensor cores (tc_inverse.cuh) and store Tb. Block b = hv * slots + j
-// (hopper_scan.cuh Blocks):
+// Per chunk (grid (chunk slot j, value head hv), 8 warps; chunk slots as split.cuh's; four CTAs
+// an SM at 64 registers and no spills: the kernel is latency-bound, and a fourth CTA hides more
+// of its latency than three at 75 registers, docs/PERFORMANCE.md): beta, the cumulative log decay
+// G, the norms rk, rq (rq with the scale), then on tensor cores the strictly lower A_ts = beta_t
+// rk_t rk_s e^{G_t - G_s} (k_t . k_s) (warps 0-3) and P_ts = rq_t rk_s e^{G_t - G_s} (q_t . k_s), s
+// <= t (warps 4-7) in pieces of equal work (StripPiece), each decay one exp2; warps 4-7 store P and
+// the factors while warps 0-3 find T = (I + A)^{-1} on tensor cores (tc_inverse.cuh) and store Tb.
+// Block b = hv * slots + j (hopper_scan.cuh Blocks):
 //   Tb = T diag(beta) and P, rounded to the input dtype, [t][s];
 //   a_t = rk_t e^{G_t}, b_t = rq_t e^{G_t}, d_s = rk_s e^{G_L - G_s}, gamma = e^{G_L} (fp32).
 // Tokens past the sequence's end have beta = rk = rq = 0, so their rows and columns of Tb and P
@@ -67,7 +68,7 @@ struct PrepInverseSync {
 };
 
 template <class In>
-__global__ void __launch_bounds__(PrepLayout::THREADS, 3)
+__global__ void __launch_bounds__(PrepLayout::THREADS, 4)
     chunk_prefill_hopper_prep_kernel(const ChunkPrefillProblem p, int64_t slots) {
   using L = PrepLayout;
   using M = Mma<In>;
