@@ -132,8 +132,10 @@ enum DeviceErrorKind : int {
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
   kErrRow = 6,
   kErrStep = 7,
-  kErrRing = 8,       // ReplaySSM verify: a cursor outside the ring
-  kErrCacheBase = 9,  // ReplaySSM decode, circular rings: cache_base outside the ring
+  kErrRing = 8,        // ReplaySSM verify: a cursor outside the ring
+  kErrCacheBase = 9,   // ReplaySSM decode, circular rings: cache_base outside the ring
+  kErrTrackSlot = 10,  // ReplaySSM fold and circular commits: mamba_track_indices past the pool
+  kErrReplayRow = 11,  // ReplaySSM circular commit: replay_indices past the rings or cursors
 };
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.

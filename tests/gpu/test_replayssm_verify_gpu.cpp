@@ -5,12 +5,14 @@
 // values at the tolerances of tests/gpu/test_cuda_ops.cpp, the ring's d records as outputs);
 // a verify + commit loop in a CUDA graph replays bit-equal to eager; a bad slot and a cursor
 // outside the ring are skipped, NaN, and recorded for check_errors; SGLang's launch modes,
-// request-keyed rings, int8 flags and records past the ring against the CPU backend.
+// request-keyed rings, int8 flags and records past the ring against the CPU backend; the
+// circular commit's track slot past the pool: its row skipped whole and recorded.
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
 
+#include "gpu/gpu_errors.h"
 #include "gpu/gpu_util.h"
 #include "test_util.h"
 
@@ -533,6 +535,99 @@ TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
   const auto err2 = catch_error([] { deltastate::check_errors(); });
   ASSERT_TRUE(err2);
   EXPECT_NE(std::string(err2->what()).find("replayssm_commit"), std::string::npos) << err2->what();
+}
+
+// The circular commit with a track slot past the pool (the CPU validator raises): on CUDA that
+// row is skipped whole (no checkpoint, track slot or cursor written) and recorded with the CPU's
+// text; the other row commits as the CPU backend commits it with the bad row padded, and every
+// element the CPU leaves (the skipped row's checkpoint, the 1e30 sentinels around the slots) is
+// bit-untouched.
+TEST_F(ReplayVerifyGpuErrors, CircularTrackPastPoolRecorded) {
+  clear_device_errors();
+  Rng rng = test_rng();
+  const Shape sh = kQwen3Next;
+  const int64_t layers = 2, S = 5, R = 4, L = 8;
+  const int64_t inner = sh.state_elems(), entry = layers * inner + 64;
+  Tensor pool = Tensor::strided(f32, {layers, S, sh.HV, sh.V, sh.K},
+                                {inner, entry, int64_t{sh.V} * sh.K, sh.K, 1}, 32, S * entry + 64);
+  pool.fill_all(kSentinel);
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t s : {int64_t{1}, int64_t{3}})  // the checkpoints; track slot 4 stays sentinel
+      for (int hv = 0; hv < sh.HV; ++hv)
+        for (int v = 0; v < sh.V; ++v)
+          for (int k = 0; k < sh.K; ++k) pool.set({l, s, hv, v, k}, rng.normal(0.5));
+  Tensor d = Tensor::contiguous(f32, {layers, R, sh.HV, L, sh.V});
+  Tensor k = Tensor::contiguous(f32, {layers, R, sh.H, L, sh.K});
+  Tensor g = Tensor::contiguous(f32, {layers, R, sh.HV, L});
+  d.fill_normal(rng, 0.3);
+  k.fill_normal(rng, 0.1);
+  g.fill_uniform(rng, -0.3, -0.01);
+  // Row 0 (slot 1, ring row 2) folds and tracks into slot S, past the pool; row 1 (slot 3, ring
+  // row 0) folds and tracks into slot 4.
+  Tensor slots = index_tensor({1, 3}), rows = index_tensor({2, 0});
+  Tensor wp = index_tensor({5, 0, 3, 0}), base = index_tensor({0, 0, 6, 0}),
+         fl = index_tensor({1, 0, 1, 0});
+  Tensor acc = index_tensor({2, 2}), ti = index_tensor({S, 4}), ts = index_tensor({0, 1});
+  Mirror dev;
+  dev.upload_all(pool, d, k, g, slots, rows, wp, base, fl, acc, ti, ts);
+  auto args = [&](auto&& view_of) {
+    deltastate::ReplayCircularCommitArgs a;
+    a.state = view_of(pool);
+    a.d_cache = view_of(d);
+    a.k_cache = view_of(k);
+    a.g_cache = view_of(g);
+    a.state_indices = view_of(slots);
+    a.replay_indices = view_of(rows);
+    a.write_pos = view_of(wp);
+    a.cache_base = view_of(base);
+    a.is_flush = view_of(fl);
+    a.accept_lens = view_of(acc);
+    a.track_indices = view_of(ti);
+    a.steps_to_track = view_of(ts);
+    return a;
+  };
+  // The CPU backend's validator raises; the CUDA record says the same, with the op's name and
+  // what was skipped around it.
+  const std::string cpu_text = "`mamba_track_indices`[0]=" + std::to_string(S) +
+                               " is out of range for a pool of " + std::to_string(S) + " slots";
+  expect_error([&] { deltastate::replayssm_circular_commit(args(host_view)); }, cpu_text);
+  const std::string text =
+      "commit_gdn_replayssm_circular: " + cpu_text +
+      "; the row was skipped (state, rings and cursor untouched) and its output is NaN";
+  const Tensor before = pool.empty_like();
+  std::memcpy(before.alloc_base(), pool.alloc_base(), static_cast<size_t>(pool.alloc_bytes()));
+  const std::vector<double> cursors0[] = {wp.values(), base.values(), fl.values()};
+  deltastate::replayssm_circular_commit(args(dev.views()));
+  sync();
+  expect_reported(nullptr, {text});
+  // The CPU reference: the bad row padded.
+  slots.set({0}, -1.0);
+  deltastate::replayssm_circular_commit(args(host_view));
+  const Tensor got = dev.download(pool);
+  ASSERT_TRUE(close_vs_cpu(got.values(), pool.values(), Tol{1e-4, 1e-3}, f32));
+  const float* g0 = static_cast<const float*>(got.alloc_base());
+  const float* b0 = static_cast<const float*>(before.alloc_base());
+  const float* c0 = static_cast<const float*>(pool.alloc_base());
+  int64_t sentinels = 0;
+  for (int64_t e = 0; e < pool.alloc_bytes() / 4; ++e) {
+    if (std::memcmp(&c0[e], &b0[e], 4) == 0) {  // the CPU left it: so must the GPU
+      ASSERT_EQ(std::memcmp(&g0[e], &b0[e], 4), 0) << "element " << e;
+    }
+    if (b0[e] == static_cast<float>(kSentinel) && c0[e] == b0[e]) ++sentinels;
+  }
+  EXPECT_GT(sentinels, 0);
+  for (int64_t l = 0; l < layers; ++l)  // the skipped row's checkpoint, bit for bit
+    for (int hv = 0; hv < sh.HV; ++hv)
+      for (int v = 0; v < sh.V; ++v)
+        for (int i = 0; i < sh.K; ++i)
+          ASSERT_EQ(got.get({l, 1, hv, v, i}), before.get({l, 1, hv, v, i})) << "skipped row";
+  // Cursors: the good row's ring row 0 moved as on the CPU; the skipped row's ring row 2 not.
+  const Tensor* cur[] = {&wp, &base, &fl};
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<double> gpu = dev.download(*cur[i]).values();
+    EXPECT_EQ(gpu, cur[i]->values()) << "cursor table " << i;
+    EXPECT_EQ(gpu[2], cursors0[i][2]) << "cursor table " << i << ", skipped row";
+  }
 }
 
 }  // namespace

@@ -56,7 +56,10 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
       const bool bad_slot = slot >= p.num_slots;
       const bool bad_len = !bad_slot && a > L;
       record_bad_row(p.errors, detail::kErrOpReplayFold,
-                     bad_len ? detail::kErrStep : detail::kErrSlot, b,
+                     bad_slot  ? detail::kErrSlot
+                     : bad_len ? detail::kErrStep
+                               : detail::kErrTrackSlot,
+                     b,
                      bad_slot  ? slot
                      : bad_len ? a
                                : track,
@@ -161,14 +164,40 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
 // record), stores the track state, then the fold. The cursors move in a second launch.
 constexpr int kCircMaxL = detail::kReplayCircularMaxL;
 
-__device__ __forceinline__ bool circ_row_ok(const detail::ReplayCircularProblem& p, int64_t b,
-                                            int64_t& slot, int64_t& r) {
+// Row b's slot and replay row; 0 for a live row the commit serves, -1 for a padded one, else the
+// DeviceErrorKind of its first bad entry in the CPU validator's order (the slot, the replay row,
+// a cursor, the track slot), with the bad value and its limit: the row is skipped whole (no
+// checkpoint, track slot or cursor written) and recorded.
+__device__ __forceinline__ int circ_row_check(const detail::ReplayCircularProblem& p, int64_t b,
+                                              int64_t& slot, int64_t& r, int64_t& bad,
+                                              int64_t& limit) {
   slot = p.slots.at(b, 0);
-  if (slot <= p.null_block_id) return false;
+  if (slot <= p.null_block_id) return -1;
   r = p.rows.at(b, 0);
-  if (slot >= p.num_slots || r < 0 || r >= p.ring_rows) return false;
+  if (slot >= p.num_slots) {
+    bad = slot;
+    limit = p.num_slots;
+    return detail::kErrSlot;
+  }
+  if (r < 0 || r >= p.ring_rows) {
+    bad = r;
+    limit = p.ring_rows;
+    return detail::kErrReplayRow;
+  }
   const int n = p.write_pos[r], base = p.cache_base[r];
-  return n >= 0 && n <= p.L && base >= 0 && base < p.L;
+  if (n < 0 || n > p.L || base < 0 || base >= p.L) {
+    bad = n < 0 || n > p.L ? n : base;
+    limit = p.L;
+    return detail::kErrRing;
+  }
+  const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
+  const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
+  if (track > p.null_block_id && step >= 0 && track >= p.num_slots) {
+    bad = track;
+    limit = p.num_slots;
+    return detail::kErrTrackSlot;
+  }
+  return 0;
 }
 
 __global__ void __launch_bounds__(kFoldWarps * 32)
@@ -183,20 +212,17 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const int row0 = static_cast<int>(blockIdx.z) * kFoldRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int K = p.K, V = p.V, L = p.L;
-  int64_t slot = 0, r = 0;
-  if (!circ_row_ok(p, b, slot, r)) {
-    if (slot > p.null_block_id && hvl == 0 && blockIdx.z == 0 && threadIdx.x == 0)
-      record_bad_row(
-          p.errors, detail::kErrOpReplayCircular,
-          slot >= p.num_slots || r < 0 || r >= p.ring_rows ? detail::kErrSlot : detail::kErrRing, b,
-          slot >= p.num_slots ? slot : r, slot >= p.num_slots ? p.num_slots : p.ring_rows);
+  int64_t slot = 0, r = 0, bad = 0, limit = 0;
+  if (const int kind = circ_row_check(p, b, slot, r, bad, limit)) {
+    if (kind > 0 && hvl == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+      record_bad_row(p.errors, detail::kErrOpReplayCircular, kind, b, bad, limit);
     return;
   }
   const int n = p.write_pos[r];
   const bool fold = detail::flag_at(p.is_flush, p.flush_dtype, r);
   const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
   const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
-  const bool tracking = track > p.null_block_id && step >= 0 && track < p.num_slots;
+  const bool tracking = track > p.null_block_id && step >= 0;  // track < slots: checked
   if (!fold && !tracking) return;
   const int64_t tlen = tracking ? n - p.accepted.at(b, 0) + step + 1 : 0;
   const int mt = static_cast<int>(tlen < 0 ? 0 : tlen > L ? L : tlen);
@@ -291,8 +317,8 @@ __global__ void __launch_bounds__(256)
   enter_grid(false);
   const int64_t b = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   if (b >= p.B) return;
-  int64_t slot = 0, r = 0;
-  if (!circ_row_ok(p, b, slot, r)) return;
+  int64_t slot = 0, r = 0, bad = 0, limit = 0;
+  if (circ_row_check(p, b, slot, r, bad, limit)) return;
   if (!detail::flag_at(p.is_flush, p.flush_dtype, r)) return;
   p.cache_base[r] = (p.cache_base[r] + p.write_pos[r]) % p.L;
   p.write_pos[r] = 0;
