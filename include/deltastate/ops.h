@@ -616,7 +616,8 @@ void update_conv_state_after_verify(const ConvCommitArgs& args);
 //         mode: rawv records d - round(d to d_cache's dtype), rawk k^ - round(k^ to k_cache's
 //         dtype), each rounded to its own dtype (commit_gdn_replayssm_circular reads them); a
 //         fold then rebuilds from d and k as without them. CUDA: the exact-raw fold is a launch of
-//         its own before the verify kernel; the residual ring is CPU-only (a ValueError).
+//         its own before the verify kernel; the residual ring is written by the verify kernel
+//         beside each d and k record.
 //   is_flush may be int8 (SGLang's) or int32.
 //   rows: which live sequences this call serves (SGLang's launch_mode): ReplayRows::all; append:
 //         those not folding (padded ones get zero outputs), SGLang's launch_mode="verify"; fold:

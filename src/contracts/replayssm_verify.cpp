@@ -251,10 +251,6 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
         "`rawv_cache` and `rawk_cache` go together (with `beta_cache`: the exact-raw ring; "
         "without: the hi/lo residual ring); `beta_cache` needs both");
   if (has_v) {
-    if (dev.type != DeviceType::cpu && !has_b)
-      fail(
-          "replayssm_verify: the hi/lo residual ring (rawv_cache, rawk_cache without beta_cache) "
-          "is implemented on CPU tensors only");
     auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
                     bool f32) {
       bool ok = t.ndim == static_cast<int>(shape.size()) && t.is_contiguous();

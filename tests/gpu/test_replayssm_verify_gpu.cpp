@@ -5,8 +5,9 @@
 // values at the tolerances of tests/gpu/test_cuda_ops.cpp, the ring's d records as outputs);
 // a verify + commit loop in a CUDA graph replays bit-equal to eager; a bad slot and a cursor
 // outside the ring are skipped, NaN, and recorded for check_errors; SGLang's launch modes,
-// request-keyed rings, int8 flags and records past the ring against the CPU backend; the
-// circular commit's track slot past the pool: its row skipped whole and recorded.
+// request-keyed rings, int8 flags and records past the ring against the CPU backend; the hi/lo
+// residual ring against the CPU backend; the circular commit's track slot past the pool: its row
+// skipped whole and recorded.
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -281,6 +282,103 @@ TEST_F(GpuTest, ReplayVerifyModesAndReplayRowsMatchCpu) {
       deltastate::check_errors();
       for (const Tensor* t : {&st.wp, &st.base, &flags})
         ASSERT_EQ(dev.download(*t).values(), t->values()) << c.name << " cursors";
+    }
+  }
+}
+
+// The hi/lo residual ring (rawv, rawk without beta_cache) against the CPU backend: verify ->
+// commit steps with bf16 d/k rings and bf16 residual rings filled with sentinels, forced folds, a
+// padded sequence and NaN-poisoned outputs, on the generic kernel the residual ring runs on (K =
+// 128 included), T = 12 with more drafts than one preparation round (run it with
+// DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=factor too, for the factored drafts' residuals; T <= 8
+// there): outputs, checkpoint pool and rings as in
+// StepsMatchCpu; each record's hi + lo (d + its residual, k + its residual) as the CPU's within
+// the outputs' tolerance; every residual element the CPU leaves a sentinel is one on the GPU.
+TEST_F(GpuTest, ReplayVerifyResidualRingMatchesCpu) {
+  Rng rng = test_rng();
+  for (const GpuRvCase& c :
+       {GpuRvCase{{"gdn", kQwen3Next, false, kNoLb, f32, bf16}, bf16, 16, 4, 12},
+        GpuRvCase{{"kda_odd", kOdd, true, kLb, f32, f32}, bf16, 8, 4, 12},
+        GpuRvCase{{"gdn_bf16_long", kQwen3Next, false, kNoLb, bf16, bf16}, bf16, 40, 12, 8}}) {
+    const int64_t N = 4;
+    RvState st = make_state(rng, c, N);
+    const int64_t S = st.ck.size(0);
+    const Shape& sh = c.shape;
+    Tensor dres = Tensor::contiguous(bf16, {S, sh.HV, c.L, sh.V});
+    Tensor kres = Tensor::contiguous(bf16, {S, sh.H, c.L, sh.K});
+    dres.fill_all(kSentinel);
+    kres.fill_all(kSentinel);
+    const double sentinel = dres.values()[0];  // as stored
+    Mirror dev;
+    dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.wp, st.base, st.flush,
+                   dres, kres);
+    auto hi_lo = [](const std::vector<double>& hi, const std::vector<double>& lo) {
+      std::vector<double> x(hi.size());
+      for (size_t i = 0; i < x.size(); ++i) x[i] = hi[i] + lo[i];
+      return x;
+    };
+    for (int step = 0; step < c.steps; ++step) {
+      std::vector<int64_t> lens;
+      for (int64_t n = 0; n < N; ++n) lens.push_back(rng.integer(1, c.T));
+      RecurrentSpec spec = recurrent_spec(c.shape, c.kda, c.act, 1, c.T, lens);
+      spec.lower_bound = c.lower_bound;
+      RecurrentBatch rb = make_recurrent_batch(rng, spec);
+      for (int64_t s : st.slots)
+        if (s >= 0 && rng.chance(0.2)) st.flush.set({s}, 1);
+      dev.upload(st.flush);
+      rb.poison_out();
+      dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu);
+      ReplayVerifyArgs cpu = rv_args(rb, st, c.kda, host_view);
+      cpu.rawv_cache = dres.view();
+      cpu.rawk_cache = kres.view();
+      deltastate::replayssm_verify(cpu);
+      ReplayVerifyArgs gpu = rv_args(rb, st, c.kda, dev.views());
+      gpu.rawv_cache = dev.view(dres);
+      gpu.rawk_cache = dev.view(kres);
+      deltastate::replayssm_verify(gpu);
+      sync();
+      deltastate::check_errors();
+      ASSERT_TRUE(close_vs_cpu(dev.download(rb.out).values(), rb.out.values(), kOutTol, c.act))
+          << c.name << " outputs, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(st.ck).values(), st.ck.values(), gpu_state_tol(c.state),
+                               c.state))
+          << c.name << " checkpoint pool, step " << step;
+      const std::vector<double> d = dev.download(st.rings.d).values(),
+                                k = dev.download(st.rings.k).values(),
+                                dr = dev.download(dres).values(), kr = dev.download(kres).values();
+      const std::vector<double> cd = st.rings.d.values(), ck = st.rings.k.values(),
+                                cdr = dres.values(), ckr = kres.values();
+      ASSERT_TRUE(close_vs_cpu(d, cd, kOutTol, c.ring)) << c.name << " d ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(k, ck, Tol{1e-6, 1e-5}, c.ring))
+          << c.name << " k ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.g).values(), st.rings.g.values(),
+                               Tol{1e-6, 1e-5}, DType::f32))
+          << c.name << " g ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(hi_lo(d, dr), hi_lo(cd, cdr), kOutTol, DType::f32))
+          << c.name << " d + d residual, step " << step;
+      ASSERT_TRUE(close_vs_cpu(hi_lo(k, kr), hi_lo(ck, ckr), Tol{1e-5, 1e-4}, DType::f32))
+          << c.name << " k + k residual, step " << step;
+      for (size_t i = 0; i < cdr.size(); ++i) {
+        if (cdr[i] == sentinel) {
+          ASSERT_EQ(dr[i], sentinel) << c.name << " d residual " << i;
+        }
+      }
+      for (size_t i = 0; i < ckr.size(); ++i) {
+        if (ckr[i] == sentinel) {
+          ASSERT_EQ(kr[i], sentinel) << c.name << " k residual " << i;
+        }
+      }
+      std::vector<int64_t> accepted;
+      for (int64_t n = 0; n < N; ++n)
+        accepted.push_back(rng.integer(rng.chance(0.05) ? 0 : 1, lens[n]));
+      Tensor acc = index_tensor(accepted);
+      dev.upload(acc);
+      deltastate::replayssm_commit(commit_args(st, acc, c, host_view));
+      deltastate::replayssm_commit(commit_args(st, acc, c, dev.views()));
+      sync();
+      deltastate::check_errors();
+      for (const Tensor* t : {&st.wp, &st.base, &st.flush})
+        ASSERT_EQ(dev.download(*t).values(), t->values()) << c.name << " cursors, step " << step;
     }
   }
 }
