@@ -991,6 +991,43 @@ def test_check_errors_reports_a_skipped_prefill_sequence(kda):
 
 
 # ---- StatePool on CUDA ------------------------------------------------------------------------
+def test_check_errors_reports_a_circular_track_slot_past_the_pool(rng):
+    """replayssm_circular_commit with a track slot >= slots (the CPU validator raises): on CUDA
+    the row is skipped whole (its checkpoint, its cursors and the 1e30 memory past the pool view,
+    where that track state would land, bit-untouched), the other row commits as in the same call
+    with that row padded, and ds.check_errors() raises the CPU's text, then passes."""
+    H, HV, K, V, L, R, slots = 2, 4, 32, 16, 8, 4, 4
+    _clear_device_errors()
+    data = pool_data(rng, slots, HV, V, K, scale=0.3)
+    rings = (rng.standard_normal((R, HV, L, V)) * 0.3, rng.standard_normal((R, H, L, K)) * 0.3,
+             -np.abs(rng.standard_normal((R, HV, L))) * 0.3)
+    cursors = ([5, 0, 3, 0], [0, 0, 6, 0], [1, 0, 1, 0])  # write_pos, cache_base, is_flush
+
+    def run(fw, slots_of_rows, device):
+        buf = torch.full((slots + 1, HV, V, K), 1e30, dtype=torch.float32, device=device)
+        buf[:slots].copy_(torch.from_numpy(data).to(torch.float32))
+        cur = [fw.idx(c) for c in cursors]
+        ds.replayssm_circular_commit(
+            buf[:slots], *(fw.from64(x) for x in rings), fw.idx(slots_of_rows), fw.idx([2, 0]),
+            *cur, fw.idx([2, 2]), track_indices=fw.idx([slots, 0]),
+            steps_to_track=fw.idx([0, 1]))
+        return buf, cur
+
+    with pytest.raises(ValueError, match=r"`mamba_track_indices`\[0\]=4 is out of range for a "
+                                         r"pool of 4 slots"):
+        run(CPU, [1, 3], "cpu")
+    buf_bad, cur_bad = run(GPU, [1, 3], "cuda")
+    buf_ref, cur_ref = run(GPU, [-1, 3], "cuda")
+    torch.cuda.synchronize()
+    for a, b in zip(cur_bad, cur_ref):
+        assert torch.equal(a, b), "cursors"
+    assert to64(cur_bad[0])[2] == 3 and to64(cur_bad[2])[2] == 1, "the skipped row's cursors"
+    _expect_guarded(buf_bad, buf_ref, slots,
+                    "commit_gdn_replayssm_circular: `mamba_track_indices`[0]=4 is out of range "
+                    "for a pool of 4 slots; the row was skipped (state, rings and cursor "
+                    "untouched) and its output is NaN")
+
+
 def test_state_pool_cuda(rng):
     HV, V, K, H, L = 2, 16, 64, 1, 4
     gp = ds.StatePool(layers=2, slots=4, HV=HV, V=V, K=K, layout="envelope",
