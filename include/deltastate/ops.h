@@ -616,7 +616,8 @@ void update_conv_state_after_verify(const ConvCommitArgs& args);
 //         mode: rawv records d - round(d to d_cache's dtype), rawk k^ - round(k^ to k_cache's
 //         dtype), each rounded to its own dtype (commit_gdn_replayssm_circular reads them); a
 //         fold then rebuilds from d and k as without them. CUDA: the exact-raw fold is a launch of
-//         its own before the verify kernel; the residual ring is CPU-only (a ValueError).
+//         its own before the verify kernel; the residual ring is written by the verify kernel
+//         beside each d and k record.
 //   is_flush may be int8 (SGLang's) or int32.
 //   rows: which live sequences this call serves (SGLang's launch_mode): ReplayRows::all; append:
 //         those not folding (padded ones get zero outputs), SGLang's launch_mode="verify"; fold:
@@ -724,7 +725,9 @@ void replayssm_fold_commit(const ReplayFoldArgs& args);
 // g_cache [layers?, R, HV, L] fp32, d_residual / k_residual (optional, together) like d / k;
 // compact below the ring row, any layer and row strides; state as ReplayFoldArgs.
 // write_pos, cache_base [R] int32, is_flush [R] int32 or int8; the index vectors [B] int32/int64.
-// A bad row: a ValueError on CPU tensors before anything is written; CUDA: skipped and recorded.
+// A bad row (a slot or track slot past the pool, a replay row past the rings or cursor tables, a
+// cursor outside the ring): a ValueError on CPU tensors before anything is written; CUDA: the row
+// is skipped whole (no checkpoint, track slot or cursor written) and recorded for check_errors.
 // Track slots as ReplayFoldArgs (not a live slot of the batch, not shared between rows).
 struct ReplayCircularCommitArgs {
   TensorView state, d_cache, k_cache, g_cache;

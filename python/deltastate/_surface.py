@@ -1998,8 +1998,7 @@ def _gdn_spec() -> Op:
     Triton tuning keywords and dot_precision are accepted and ignored. Differences: one pass per
     row does the fold and the verify; the verify's history and drafts run the recurrent op's
     order in fp32 (SGLang forms the window's WY system on tensor cores, TF32 by default), so the
-    outputs equal the recurrent op over the same tokens with fp32 rings; the residual ring is
-    CPU-only."""
+    outputs equal the recurrent op over the same tokens with fp32 rings."""
     return Op(
         name="gdn_replayssm_spec_decode",
         public="gdn_replayssm_spec_decode",

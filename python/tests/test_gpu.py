@@ -26,9 +26,9 @@ torch = pytest.importorskip("torch")
 import deltastate as ds  # noqa: E402
 from cases import (gate_params, make_pool, materialize_packed, materialize_recurrent,  # noqa: E402
                    packed_data, pool_data, recurrent_data)
-from helpers import (TOL_OUT, TOL_REPLAY_G, TOL_REPLAY_KDA_FLUSH, TOL_REPLAY_KDA_OUT,  # noqa: E402
-                     TOL_REPLAY_RING, TOL_STATE, UNIT_ROUNDOFF, Fw, assert_close, bits, poison,
-                     sentinel_for, to64)
+from helpers import (SENTINEL, TOL_OUT, TOL_REPLAY_G, TOL_REPLAY_GDN_FLUSH,  # noqa: E402
+                     TOL_REPLAY_KDA_FLUSH, TOL_REPLAY_KDA_OUT, TOL_REPLAY_RING, TOL_STATE,
+                     UNIT_ROUNDOFF, Fw, assert_close, bits, poison, sentinel_for, to64)
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ds.cuda_available()),
@@ -380,6 +380,67 @@ def test_replayssm_ring_modes_cuda_match_cpu(rng, kda, L, H, HV, K, V, act, k_dt
         tw.mem["cuda"]["pool"].assert_untouched_outside(before, written, "checkpoint")
         if act != "float32" or k_dtype != "float32":
             tw.resync()
+
+
+@pytest.mark.parametrize("ring_dtype", ["bfloat16", "float16"])
+def test_replayssm_verify_residual_ring_cuda_matches_cpu(rng, ring_dtype):
+    """The hi/lo residual ring of replayssm_verify (rawv_cache, rawk_cache without beta_cache)
+    on CUDA against the CPU backend: four sequences (one padded, two folding, one whose last
+    draft falls past the ring), NaN-poisoned outputs, sentinel-filled residual rings and a
+    sentinel checkpoint slot no sequence names: outputs, checkpoints and rings within the
+    ReplaySSM tolerances, each written record's hi + lo (d + its residual, k + its residual) as
+    the CPU's; what the CPU leaves a sentinel stays one on CUDA, bit for bit."""
+    H, HV, K, V, L, slots = 2, 4, 32, 16, 8, 5
+    lens = [3, 2, 3, 2]
+    Tt = sum(lens)
+    A_log, dt_bias = gate_params(rng, HV, K, False)
+    shapes = {"q": (1, Tt, H, K), "k": (1, Tt, H, K), "v": (1, Tt, HV, V), "a": (1, Tt, HV),
+              "b": (1, Tt, HV)}
+    t = {n: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for n, s in shapes.items()}
+    t["A_log"] = torch.from_numpy(A_log.astype(np.float32))
+    t["dt_bias"] = torch.from_numpy(dt_bias.astype(np.float32))
+    t["cu"] = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    dt, sent = getattr(torch, ring_dtype), sentinel_for(ring_dtype)
+    mem = {
+        "ck": torch.from_numpy(rng.standard_normal((slots, HV, V, K)).astype(np.float32)),
+        "d": (torch.from_numpy(rng.standard_normal((slots, HV, L, V))) * 0.3).to(dt),
+        "k": (torch.from_numpy(rng.standard_normal((slots, H, L, K))) * 0.3).to(dt),
+        "g": -(torch.from_numpy(np.abs(rng.standard_normal((slots, HV, L)))) * 0.3).float(),
+        "dres": torch.full((slots, HV, L, V), sent, dtype=dt),
+        "kres": torch.full((slots, H, L, K), sent, dtype=dt),
+        "idx": torch.tensor([1, -1, 4, 0], dtype=torch.int32),  # slot 3: no sequence's
+        "wp": torch.tensor([7, 5, 0, 0, 3], dtype=torch.int32),  # slot 0: a draft past the ring
+        "base": torch.tensor([2, 1, 0, 0, 6], dtype=torch.int32),
+        "fl": torch.tensor([0, 1, 0, 0, 1], dtype=torch.int8),  # slots 1 and 4 fold
+    }
+    mem["ck"][3] = SENTINEL
+    got = {}
+    for dev in ("cpu", "cuda"):
+        m = {n: x.clone().to(dev) for n, x in mem.items()}
+        x = {n: y.to(dev) for n, y in t.items()}
+        out = torch.full((1, Tt, HV, V), float("nan"), device=dev)
+        ds.replayssm_verify(x["q"], x["k"], x["v"], x["a"], x["b"], out, m["ck"], m["idx"], m["d"],
+                            m["k"], m["g"], m["wp"], m["base"], m["fl"], A_log=x["A_log"],
+                            dt_bias=x["dt_bias"], cu_seqlens=x["cu"], rawv_cache=m["dres"],
+                            rawk_cache=m["kres"])
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        got[dev] = {n: y.cpu() for n, y in m.items()}
+        got[dev]["out"] = out.cpu()
+    c, g = got["cpu"], got["cuda"]
+    assert torch.all(g["out"][0, 3:5] == 0), "the padded sequence's outputs are zero"
+    close2(to64(g["out"]), to64(c["out"]), TOL_OUT, "float32", "out")
+    close2(to64(g["ck"]), to64(c["ck"]), TOL_REPLAY_GDN_FLUSH["float32"], "float32", "checkpoints")
+    assert np.array_equal(bits(g["ck"][3]), bits(mem["ck"][3])), "slot 3 untouched"
+    close2(to64(g["d"]), to64(c["d"]), TOL_OUT, ring_dtype, "d ring")
+    close2(to64(g["k"]), to64(c["k"]), (1e-6, 1e-5), ring_dtype, "k ring")
+    close2(to64(g["g"]), to64(c["g"]), TOL_REPLAY_G, "float32", "g ring")
+    for hi, lo, tol in (("d", "dres", TOL_OUT), ("k", "kres", (1e-5, 1e-4))):
+        left = bits(c[lo]) == bits(mem[lo])  # what the CPU did not write (still sentinels)
+        assert (~left).any() and left.any()
+        assert np.array_equal(bits(g[lo])[left], bits(c[lo])[left]), f"{lo}: sentinels"
+        assert_close((to64(g[hi]) + to64(g[lo]))[~left], (to64(c[hi]) + to64(c[lo]))[~left], tol,
+                     "float32", f"{hi} + {lo}")
 
 
 def test_state_pool_cuda_fork_materializes_pending_records(rng):
@@ -930,6 +991,43 @@ def test_check_errors_reports_a_skipped_prefill_sequence(kda):
 
 
 # ---- StatePool on CUDA ------------------------------------------------------------------------
+def test_check_errors_reports_a_circular_track_slot_past_the_pool(rng):
+    """replayssm_circular_commit with a track slot >= slots (the CPU validator raises): on CUDA
+    the row is skipped whole (its checkpoint, its cursors and the 1e30 memory past the pool view,
+    where that track state would land, bit-untouched), the other row commits as in the same call
+    with that row padded, and ds.check_errors() raises the CPU's text, then passes."""
+    H, HV, K, V, L, R, slots = 2, 4, 32, 16, 8, 4, 4
+    _clear_device_errors()
+    data = pool_data(rng, slots, HV, V, K, scale=0.3)
+    rings = (rng.standard_normal((R, HV, L, V)) * 0.3, rng.standard_normal((R, H, L, K)) * 0.3,
+             -np.abs(rng.standard_normal((R, HV, L))) * 0.3)
+    cursors = ([5, 0, 3, 0], [0, 0, 6, 0], [1, 0, 1, 0])  # write_pos, cache_base, is_flush
+
+    def run(fw, slots_of_rows, device):
+        buf = torch.full((slots + 1, HV, V, K), 1e30, dtype=torch.float32, device=device)
+        buf[:slots].copy_(torch.from_numpy(data).to(torch.float32))
+        cur = [fw.idx(c) for c in cursors]
+        ds.replayssm_circular_commit(
+            buf[:slots], *(fw.from64(x) for x in rings), fw.idx(slots_of_rows), fw.idx([2, 0]),
+            *cur, fw.idx([2, 2]), track_indices=fw.idx([slots, 0]),
+            steps_to_track=fw.idx([0, 1]))
+        return buf, cur
+
+    with pytest.raises(ValueError, match=r"`mamba_track_indices`\[0\]=4 is out of range for a "
+                                         r"pool of 4 slots"):
+        run(CPU, [1, 3], "cpu")
+    buf_bad, cur_bad = run(GPU, [1, 3], "cuda")
+    buf_ref, cur_ref = run(GPU, [-1, 3], "cuda")
+    torch.cuda.synchronize()
+    for a, b in zip(cur_bad, cur_ref):
+        assert torch.equal(a, b), "cursors"
+    assert to64(cur_bad[0])[2] == 3 and to64(cur_bad[2])[2] == 1, "the skipped row's cursors"
+    _expect_guarded(buf_bad, buf_ref, slots,
+                    "commit_gdn_replayssm_circular: `mamba_track_indices`[0]=4 is out of range "
+                    "for a pool of 4 slots; the row was skipped (state, rings and cursor "
+                    "untouched) and its output is NaN")
+
+
 def test_state_pool_cuda(rng):
     HV, V, K, H, L = 2, 16, 64, 1, 4
     gp = ds.StatePool(layers=2, slots=4, HV=HV, V=V, K=K, layout="envelope",

@@ -96,10 +96,11 @@ CommitPool check_commit_pool(const TensorView& st) {
 
 // A ring of a commit [layers?, rows, inner...]: the layer dimension as the pool's, `rows`
 // leading entries (the pool's slots, or the circular rings' rows: `unit` names them), compact
-// below them, float32 (`f32`) or floating, on `dev`.
-void check_commit_ring(const CommitPool& c, const char* name, const TensorView& t, int64_t rows,
-                       const char* unit, std::initializer_list<int64_t> inner, bool f32,
-                       const Device& dev) {
+// below them, float32 (`f32`) or floating, on `dev`; its view for the kernels (data, dtype, layer
+// and row strides).
+CommitRing check_commit_ring(const CommitPool& c, const char* name, const TensorView& t,
+                             int64_t rows, const char* unit, std::initializer_list<int64_t> inner,
+                             bool f32, const Device& dev) {
   std::vector<int64_t> want;
   if (c.layered) want.push_back(c.layers);
   want.push_back(rows);
@@ -123,6 +124,7 @@ void check_commit_ring(const CommitPool& c, const char* name, const TensorView& 
     fail(format(f32 ? "`%s` must be float32 (got %s)." : "`%s` must be floating (got %s).", name,
                 dtype_mark(dtype_name(t.dtype)).c_str()));
   if (!(t.device == dev)) fail("All inputs must be on the same device.");
+  return {t.data, t.dtype, c.layered ? t.stride[0] : 0, t.stride[c.lead]};
 }
 
 // The ring length and key heads of a commit's rings (both at least 1, HV a multiple of H).
@@ -249,10 +251,6 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
         "`rawv_cache` and `rawk_cache` go together (with `beta_cache`: the exact-raw ring; "
         "without: the hi/lo residual ring); `beta_cache` needs both");
   if (has_v) {
-    if (dev.type != DeviceType::cpu && !has_b)
-      fail(
-          "replayssm_verify: the hi/lo residual ring (rawv_cache, rawk_cache without beta_cache) "
-          "is implemented on CPU tensors only");
     auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
                     bool f32) {
       bool ok = t.ndim == static_cast<int>(shape.size()) && t.is_contiguous();
@@ -400,7 +398,6 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
   check_null_block_id(args.null_block_id);
   const TensorView& st = args.state;
   const CommitPool c = check_commit_pool(st);
-  const bool layered = c.layered;
   const int lead = c.lead;
   const int64_t layers = c.layers, S = c.S, HV = c.HV, V = c.V, K = c.K;
   const TensorView &rv = args.rawv, &rk = args.rawk, &rg = args.g, &rb = args.beta;
@@ -408,38 +405,23 @@ ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args) {
   const int64_t H = rk.ndim == st.ndim ? rk.shape[lead + 1] : 0;
   const Device dev = st.device;
   auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> inner,
-                  bool f32) { check_commit_ring(c, name, t, S, "slot", inner, f32, dev); };
+                  bool f32) { return check_commit_ring(c, name, t, S, "slot", inner, f32, dev); };
+  ReplayFoldProblem p;
   check_commit_heads("rawk_cache", L, H, HV);
-  ring("rawv_cache", rv, {HV, L, V}, false);
-  ring("rawk_cache", rk, {H, L, K}, false);
-  if (args.is_kda) ring("g_cache", rg, {HV, L, K}, true);
-  else ring("g_cache", rg, {HV, L}, true);
-  ring("beta_cache", rb, {HV, L}, true);
+  p.rawv = ring("rawv_cache", rv, {HV, L, V}, false);
+  p.rawk = ring("rawk_cache", rk, {H, L, K}, false);
+  p.g = args.is_kda ? ring("g_cache", rg, {HV, L, K}, true) : ring("g_cache", rg, {HV, L}, true);
+  p.beta = ring("beta_cache", rb, {HV, L}, true);
   if (dev.type != DeviceType::cpu) check_cuda_commit("replayssm_fold_commit", K, layers * HV);
   const TensorView& idx = args.state_indices;
   if (idx.ndim != 1) fail(format("`ssm_state_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
   const int64_t B = idx.shape[0];
-  ReplayFoldProblem p;
   p.slots = index_entries("ssm_state_indices", idx, B, dev);
   p.accepted = index_entries("accept_lens", args.accept_lens, B, dev);
   commit_tracks(args.track_indices, args.steps_to_track, B, dev, p.track, p.steps);
   fill_commit_head(p, c, st, B, H, L);
   p.kda = args.is_kda;
   p.l2norm = args.use_qk_l2norm;
-  p.rawv = rv.data;
-  p.rawv_dtype = rv.dtype;
-  p.rawv_layer_stride = layered ? rv.stride[0] : 0;
-  p.rawv_slot_stride = rv.stride[lead];
-  p.rawk = rk.data;
-  p.rawk_dtype = rk.dtype;
-  p.rawk_layer_stride = layered ? rk.stride[0] : 0;
-  p.rawk_slot_stride = rk.stride[lead];
-  p.g = static_cast<const float*>(rg.data);
-  p.g_layer_stride = layered ? rg.stride[0] : 0;
-  p.g_slot_stride = rg.stride[lead];
-  p.beta = static_cast<const float*>(rb.data);
-  p.beta_layer_stride = layered ? rb.stride[0] : 0;
-  p.beta_slot_stride = rb.stride[lead];
   p.null_block_id = args.null_block_id;
   p.device = dev;
   p.pdl = args.pdl;
@@ -482,7 +464,6 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
   check_null_block_id(args.null_block_id);
   const TensorView& st = args.state;
   const CommitPool c = check_commit_pool(st);
-  const bool layered = c.layered;
   const int lead = c.lead;
   const int64_t layers = c.layers, S = c.S, HV = c.HV, V = c.V, K = c.K;
   const TensorView &dc = args.d_cache, &kc = args.k_cache, &gc = args.g_cache;
@@ -491,16 +472,17 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
   const int64_t H = kc.ndim == st.ndim ? kc.shape[lead + 1] : 0;
   const Device dev = st.device;
   auto ring = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> inner,
-                  bool f32) { check_commit_ring(c, name, t, R, "row", inner, f32, dev); };
+                  bool f32) { return check_commit_ring(c, name, t, R, "row", inner, f32, dev); };
+  ReplayCircularProblem p;
   check_commit_heads("k_cache", L, H, HV);
-  ring("d_cache", dc, {HV, L, V}, false);
-  ring("k_cache", kc, {H, L, K}, false);
-  ring("g_cache", gc, {HV, L}, true);
+  p.d = ring("d_cache", dc, {HV, L, V}, false);
+  p.k = ring("k_cache", kc, {H, L, K}, false);
+  p.g = ring("g_cache", gc, {HV, L}, true);
   if (args.d_residual.has_value() != args.k_residual.has_value())
     fail("`d_residual_cache` and `k_residual_cache` go together");
   if (args.d_residual) {
-    ring("d_residual_cache", *args.d_residual, {HV, L, V}, false);
-    ring("k_residual_cache", *args.k_residual, {H, L, K}, false);
+    p.d_res = ring("d_residual_cache", *args.d_residual, {HV, L, V}, false);
+    p.k_res = ring("k_residual_cache", *args.k_residual, {H, L, K}, false);
   }
   if (dev.type != DeviceType::cpu) {
     check_cuda_commit("commit_gdn_replayssm_circular", K, layers * HV);
@@ -519,34 +501,11 @@ ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCom
   const TensorView& idx = args.state_indices;
   if (idx.ndim != 1) fail(format("`state_batch_indices` must be 1D [B] (got ndim=%d).", idx.ndim));
   const int64_t B = idx.shape[0];
-  ReplayCircularProblem p;
   p.slots = index_entries("state_batch_indices", idx, B, dev);
   p.rows = index_entries("replay_indices", args.replay_indices, B, dev);
   p.accepted = index_entries("accept_lens", args.accept_lens, B, dev);
   commit_tracks(args.track_indices, args.steps_to_track, B, dev, p.track, p.steps);
   fill_commit_head(p, c, st, B, H, L);
-  p.d = dc.data;
-  p.d_dtype = dc.dtype;
-  p.d_layer_stride = layered ? dc.stride[0] : 0;
-  p.d_row_stride = dc.stride[lead];
-  p.k = kc.data;
-  p.k_dtype = kc.dtype;
-  p.k_layer_stride = layered ? kc.stride[0] : 0;
-  p.k_row_stride = kc.stride[lead];
-  p.g = static_cast<const float*>(gc.data);
-  p.g_layer_stride = layered ? gc.stride[0] : 0;
-  p.g_row_stride = gc.stride[lead];
-  if (args.d_residual) {
-    const TensorView &dr = *args.d_residual, &kr = *args.k_residual;
-    p.d_res = dr.data;
-    p.d_res_dtype = dr.dtype;
-    p.d_res_layer_stride = layered ? dr.stride[0] : 0;
-    p.d_res_row_stride = dr.stride[lead];
-    p.k_res = kr.data;
-    p.k_res_dtype = kr.dtype;
-    p.k_res_layer_stride = layered ? kr.stride[0] : 0;
-    p.k_res_row_stride = kr.stride[lead];
-  }
   p.write_pos = static_cast<int32_t*>(args.write_pos.data);
   p.cache_base = static_cast<int32_t*>(args.cache_base.data);
   p.is_flush = args.is_flush.data;

@@ -132,8 +132,10 @@ enum DeviceErrorKind : int {
   kErrCheckpointSlot = 5,  // checkpoint_slot_indices
   kErrRow = 6,
   kErrStep = 7,
-  kErrRing = 8,       // ReplaySSM verify: a cursor outside the ring
-  kErrCacheBase = 9,  // ReplaySSM decode, circular rings: cache_base outside the ring
+  kErrRing = 8,        // ReplaySSM verify: a cursor outside the ring
+  kErrCacheBase = 9,   // ReplaySSM decode, circular rings: cache_base outside the ring
+  kErrTrackSlot = 10,  // ReplaySSM fold and circular commits: mamba_track_indices past the pool
+  kErrReplayRow = 11,  // ReplaySSM circular commit: replay_indices past the rings or cursors
 };
 
 // Pooled varlen recurrent problem; packed decode is the case T = 1 with q/k/v views into mixed_qkv.
@@ -471,6 +473,19 @@ struct VerifyProblem {
 constexpr int kReplayCircularMaxL = 1024;
 constexpr int64_t kReplayCommitMaxHeads = 65535;
 
+// One ring of the fold and circular commits, [layers?, rows, ...] compact below its rows: row r
+// of layer l starts at element l * layer_stride + r * row_stride (layer_stride 0 without a layer
+// dimension). ptr null: an absent ring (the circular commit's residuals).
+struct CommitRing {
+  const void* ptr = nullptr;
+  DType dtype = DType::f32;
+  int64_t layer_stride = 0, row_stride = 0;
+  DS_HD int64_t at(int64_t layer, int64_t row) const {
+    return layer * layer_stride + row * row_stride;
+  }
+  DS_HD const float* f32() const { return static_cast<const float*>(ptr); }  // fp32 rings
+};
+
 // The compact circular commit (ops.h ReplayCircularCommitArgs): per (layer, row, value head),
 // then the folded rows' cursors.
 struct ReplayCircularProblem {
@@ -478,20 +493,9 @@ struct ReplayCircularProblem {
   void* state = nullptr;
   DType state_dtype = DType::f32;
   int64_t state_layer_stride = 0, state_slot_stride = 0, num_slots = 0;
-  const void* d = nullptr;  // [layers, R, HV, L, V]
-  DType d_dtype = DType::f32;
-  int64_t d_layer_stride = 0, d_row_stride = 0;
-  const void* k = nullptr;  // [layers, R, H, L, K]
-  DType k_dtype = DType::f32;
-  int64_t k_layer_stride = 0, k_row_stride = 0;
-  const float* g = nullptr;  // [layers, R, HV, L]
-  int64_t g_layer_stride = 0, g_row_stride = 0;
-  const void* d_res = nullptr;  // null: no residuals
-  DType d_res_dtype = DType::f32;
-  int64_t d_res_layer_stride = 0, d_res_row_stride = 0;
-  const void* k_res = nullptr;
-  DType k_res_dtype = DType::f32;
-  int64_t k_res_layer_stride = 0, k_res_row_stride = 0;
+  CommitRing d, k;               // [layers, R, HV, L, V], [layers, R, H, L, K]
+  CommitRing g;                  // [layers, R, HV, L] fp32
+  CommitRing d_res, k_res;       // like d, k; ptr null: no residuals
   int32_t* write_pos = nullptr;  // [R]
   int32_t* cache_base = nullptr;
   void* is_flush = nullptr;
@@ -512,16 +516,10 @@ struct ReplayFoldProblem {
   void* state = nullptr;
   DType state_dtype = DType::f32;
   int64_t state_layer_stride = 0, state_slot_stride = 0, num_slots = 0;
-  const void* rawv = nullptr;  // [layers, slots, HV, L, V]
-  DType rawv_dtype = DType::f32;
-  int64_t rawv_layer_stride = 0, rawv_slot_stride = 0;
-  const void* rawk = nullptr;  // [layers, slots, H, L, K]
-  DType rawk_dtype = DType::f32;
-  int64_t rawk_layer_stride = 0, rawk_slot_stride = 0;
-  const float* g = nullptr;  // [layers, slots, HV, L(, K)]
-  int64_t g_layer_stride = 0, g_slot_stride = 0;
-  const float* beta = nullptr;  // [layers, slots, HV, L]
-  int64_t beta_layer_stride = 0, beta_slot_stride = 0;
+  CommitRing rawv;                           // [layers, slots, HV, L, V]
+  CommitRing rawk;                           // [layers, slots, H, L, K]
+  CommitRing g;                              // [layers, slots, HV, L(, K)] fp32
+  CommitRing beta;                           // [layers, slots, HV, L] fp32
   IndexTable slots, accepted, track, steps;  // [B, 1]; track.ptr null: no track slots
   int64_t null_block_id = -1;
   bool check_indices = false;

@@ -220,25 +220,22 @@ void run_replayssm_fold_commit(const ReplayFoldProblem& p) {
     sc.resize(K, rows);
     const int64_t head_off = int64_t{hv} * V * K + int64_t{r0} * K;
     const int64_t state_off = layer * p.state_layer_stride + slot * p.state_slot_stride + head_off;
-    const int64_t v_base =
-        layer * p.rawv_layer_stride + slot * p.rawv_slot_stride + int64_t{hv} * L * V + r0;
-    const int64_t k_base =
-        layer * p.rawk_layer_stride + slot * p.rawk_slot_stride + int64_t{h} * L * K;
-    const int64_t g_base = layer * p.g_layer_stride + slot * p.g_slot_stride + int64_t{hv} * L * gw;
-    const int64_t b_base =
-        layer * p.beta_layer_stride + slot * p.beta_slot_stride + int64_t{hv} * L;
+    const int64_t v_base = p.rawv.at(layer, slot) + int64_t{hv} * L * V + r0;
+    const int64_t k_base = p.rawk.at(layer, slot) + int64_t{h} * L * K;
+    const int64_t g_base = p.g.at(layer, slot) + int64_t{hv} * L * gw;
+    const int64_t b_base = p.beta.at(layer, slot) + int64_t{hv} * L;
     float* S = sc.S.data();
     load_row(p.state, p.state_dtype, state_off, rows * K, S);
     for (int64_t t = 0; t < a; ++t) {
-      load_row(p.rawk, p.rawk_dtype, k_base + t * K, K, sc.k.data());
-      load_row(p.rawv, p.rawv_dtype, v_base + t * V, rows, sc.v.data());
+      load_row(p.rawk.ptr, p.rawk.dtype, k_base + t * K, K, sc.k.data());
+      load_row(p.rawv.ptr, p.rawv.dtype, v_base + t * V, rows, sc.v.data());
       prepare_qk(sc.k.data(), K, p.l2norm, 1.0f);
-      vk.gate(detail::GateMode::log_decay, p.g + g_base + t * gw, nullptr, 0.0f, 0.0f, gw, nullptr,
-              sc.alpha.data());
+      vk.gate(detail::GateMode::log_decay, p.g.f32() + g_base + t * gw, nullptr, 0.0f, 0.0f, gw,
+              nullptr, sc.alpha.data());
       if (!p.kda) std::fill(sc.alpha.begin() + 1, sc.alpha.begin() + K, sc.alpha[0]);
       const float kk = dot(sc.k.data(), sc.k.data(), K);
       vk.delta_rows(S, rows, K, sc.alpha.data(), sc.k.data(), sc.k.data(), sc.v.data(),
-                    p.beta[b_base + t], kk, sc.o.data());  // (its output unused)
+                    p.beta.f32()[b_base + t], kk, sc.o.data());  // (its output unused)
       if (t == track_step && track > p.null_block_id)
         store_row(p.state, p.state_dtype,
                   layer * p.state_layer_stride + track * p.state_slot_stride + head_off, rows * K,
@@ -295,26 +292,19 @@ void run_replayssm_circular_commit(const ReplayCircularProblem& p) {
       const int64_t pos = (base + j) % L;
       float* kj = kv.data() + static_cast<size_t>(j) * K;
       float* uj = u.data() + static_cast<size_t>(j) * rows;
-      const int64_t k_at =
-          layer * p.k_layer_stride + r * p.k_row_stride + (int64_t{h} * L + pos) * K;
-      const int64_t d_at =
-          layer * p.d_layer_stride + r * p.d_row_stride + (int64_t{hv} * L + pos) * V + r0;
-      load_row(p.k, p.k_dtype, k_at, K, kj);
-      load_row(p.d, p.d_dtype, d_at, rows, uj);
-      if (p.d_res) {
+      const int64_t k_at = (int64_t{h} * L + pos) * K;
+      const int64_t d_at = (int64_t{hv} * L + pos) * V + r0;
+      load_row(p.k.ptr, p.k.dtype, p.k.at(layer, r) + k_at, K, kj);
+      load_row(p.d.ptr, p.d.dtype, p.d.at(layer, r) + d_at, rows, uj);
+      if (p.d_res.ptr) {
         if (tmp.size() < static_cast<size_t>(std::max(K, rows)))
           tmp.resize(static_cast<size_t>(std::max(K, rows)));
-        load_row(p.k_res, p.k_res_dtype,
-                 layer * p.k_res_layer_stride + r * p.k_res_row_stride + (int64_t{h} * L + pos) * K,
-                 K, tmp.data());
+        load_row(p.k_res.ptr, p.k_res.dtype, p.k_res.at(layer, r) + k_at, K, tmp.data());
         for (int i = 0; i < K; ++i) kj[i] += tmp[i];
-        load_row(p.d_res, p.d_res_dtype,
-                 layer * p.d_res_layer_stride + r * p.d_res_row_stride +
-                     (int64_t{hv} * L + pos) * V + r0,
-                 rows, tmp.data());
+        load_row(p.d_res.ptr, p.d_res.dtype, p.d_res.at(layer, r) + d_at, rows, tmp.data());
         for (int i = 0; i < rows; ++i) uj[i] += tmp[i];
       }
-      acc += p.g[layer * p.g_layer_stride + r * p.g_row_stride + int64_t{hv} * L + pos];
+      acc += p.g.f32()[p.g.at(layer, r) + int64_t{hv} * L + pos];
       G[j] = acc;
     }
     // The state after the first mm records: e^{G_{mm-1}} old + sum_j e^{G_{mm-1} - G_j} u_j k_j^T.

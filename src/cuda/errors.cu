@@ -71,9 +71,10 @@ std::string message(const detail::DeviceErrorRecord& r) {
                    : r.op == detail::kErrOpReplayFold     ? "replayssm_fold_commit"
                    : r.op == detail::kErrOpReplayCircular ? "commit_gdn_replayssm_circular"
                                                           : "recurrent";
-  const char* index_name = r.op == detail::kErrOpConv         ? "conv_state_indices"
-                           : r.op == detail::kErrOpConvCommit ? "state_indices"
-                                                              : "ssm_state_indices";
+  const char* index_name = r.op == detail::kErrOpConv             ? "conv_state_indices"
+                           : r.op == detail::kErrOpConvCommit     ? "state_indices"
+                           : r.op == detail::kErrOpReplayCircular ? "state_batch_indices"
+                                                                  : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrRow) {
     m += "row " + std::to_string(r.row) + ": scratch row " + std::to_string(r.index) +
@@ -89,6 +90,12 @@ std::string message(const detail::DeviceErrorRecord& r) {
   } else if (r.kind == detail::kErrCacheBase) {
     m += "`cache_base`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";
+  } else if (r.kind == detail::kErrTrackSlot) {  // the CPU validator's text
+    m += "`mamba_track_indices`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
+         " is out of range for a pool of " + std::to_string(r.limit) + " slots";
+  } else if (r.kind == detail::kErrReplayRow) {
+    m += "`replay_indices`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
+         " is out of range for rings and cursor tables of " + std::to_string(r.limit) + " rows";
   } else if (r.kind == detail::kErrCursor) {
     m += "`write_pos`[" + std::to_string(r.row) + "]=" + std::to_string(r.index) +
          " is outside the ring [0, L-1=" + std::to_string(r.limit - 1) + "]";

@@ -69,10 +69,12 @@ void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
 }
 
 // The vector kernel: K = 128 (and K = 64 with every kernel built), 16-byte aligned checkpoint
-// rows; else the generic one (K <= 256, the validator's CUDA limit; element accesses).
+// rows; else, and for the hi/lo residual ring (its stores kept off the vector kernels' register
+// budgets), the generic one (K <= 256, the validator's CUDA limit; element accesses).
 template <class StateT>
 void dispatch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
-  if (rows_aligned<StateT>(p)) {
+  const bool residual = p.rawv && !p.beta_ring;
+  if (rows_aligned<StateT>(p) && !residual) {
     if (p.r.K == 128) return launch<StateT, 128, true>(p, s);
 #if DELTASTATE_CUDA_ALL_KERNELS
     if (p.r.K == 64) return launch<StateT, 64, true>(p, s);

@@ -5,12 +5,15 @@
 // values at the tolerances of tests/gpu/test_cuda_ops.cpp, the ring's d records as outputs);
 // a verify + commit loop in a CUDA graph replays bit-equal to eager; a bad slot and a cursor
 // outside the ring are skipped, NaN, and recorded for check_errors; SGLang's launch modes,
-// request-keyed rings, int8 flags and records past the ring against the CPU backend.
+// request-keyed rings, int8 flags and records past the ring against the CPU backend; the hi/lo
+// residual ring against the CPU backend; the circular commit's track slot past the pool: its row
+// skipped whole and recorded.
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
 
+#include "gpu/gpu_errors.h"
 #include "gpu/gpu_util.h"
 #include "test_util.h"
 
@@ -283,6 +286,103 @@ TEST_F(GpuTest, ReplayVerifyModesAndReplayRowsMatchCpu) {
   }
 }
 
+// The hi/lo residual ring (rawv, rawk without beta_cache) against the CPU backend: verify ->
+// commit steps with bf16 d/k rings and bf16 residual rings filled with sentinels, forced folds, a
+// padded sequence and NaN-poisoned outputs, on the generic kernel the residual ring runs on (K =
+// 128 included), T = 12 with more drafts than one preparation round (run it with
+// DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=factor too, for the factored drafts' residuals; T <= 8
+// there): outputs, checkpoint pool and rings as in
+// StepsMatchCpu; each record's hi + lo (d + its residual, k + its residual) as the CPU's within
+// the outputs' tolerance; every residual element the CPU leaves a sentinel is one on the GPU.
+TEST_F(GpuTest, ReplayVerifyResidualRingMatchesCpu) {
+  Rng rng = test_rng();
+  for (const GpuRvCase& c :
+       {GpuRvCase{{"gdn", kQwen3Next, false, kNoLb, f32, bf16}, bf16, 16, 4, 12},
+        GpuRvCase{{"kda_odd", kOdd, true, kLb, f32, f32}, bf16, 8, 4, 12},
+        GpuRvCase{{"gdn_bf16_long", kQwen3Next, false, kNoLb, bf16, bf16}, bf16, 40, 12, 8}}) {
+    const int64_t N = 4;
+    RvState st = make_state(rng, c, N);
+    const int64_t S = st.ck.size(0);
+    const Shape& sh = c.shape;
+    Tensor dres = Tensor::contiguous(bf16, {S, sh.HV, c.L, sh.V});
+    Tensor kres = Tensor::contiguous(bf16, {S, sh.H, c.L, sh.K});
+    dres.fill_all(kSentinel);
+    kres.fill_all(kSentinel);
+    const double sentinel = dres.values()[0];  // as stored
+    Mirror dev;
+    dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.wp, st.base, st.flush,
+                   dres, kres);
+    auto hi_lo = [](const std::vector<double>& hi, const std::vector<double>& lo) {
+      std::vector<double> x(hi.size());
+      for (size_t i = 0; i < x.size(); ++i) x[i] = hi[i] + lo[i];
+      return x;
+    };
+    for (int step = 0; step < c.steps; ++step) {
+      std::vector<int64_t> lens;
+      for (int64_t n = 0; n < N; ++n) lens.push_back(rng.integer(1, c.T));
+      RecurrentSpec spec = recurrent_spec(c.shape, c.kda, c.act, 1, c.T, lens);
+      spec.lower_bound = c.lower_bound;
+      RecurrentBatch rb = make_recurrent_batch(rng, spec);
+      for (int64_t s : st.slots)
+        if (s >= 0 && rng.chance(0.2)) st.flush.set({s}, 1);
+      dev.upload(st.flush);
+      rb.poison_out();
+      dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu);
+      ReplayVerifyArgs cpu = rv_args(rb, st, c.kda, host_view);
+      cpu.rawv_cache = dres.view();
+      cpu.rawk_cache = kres.view();
+      deltastate::replayssm_verify(cpu);
+      ReplayVerifyArgs gpu = rv_args(rb, st, c.kda, dev.views());
+      gpu.rawv_cache = dev.view(dres);
+      gpu.rawk_cache = dev.view(kres);
+      deltastate::replayssm_verify(gpu);
+      sync();
+      deltastate::check_errors();
+      ASSERT_TRUE(close_vs_cpu(dev.download(rb.out).values(), rb.out.values(), kOutTol, c.act))
+          << c.name << " outputs, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(st.ck).values(), st.ck.values(), gpu_state_tol(c.state),
+                               c.state))
+          << c.name << " checkpoint pool, step " << step;
+      const std::vector<double> d = dev.download(st.rings.d).values(),
+                                k = dev.download(st.rings.k).values(),
+                                dr = dev.download(dres).values(), kr = dev.download(kres).values();
+      const std::vector<double> cd = st.rings.d.values(), ck = st.rings.k.values(),
+                                cdr = dres.values(), ckr = kres.values();
+      ASSERT_TRUE(close_vs_cpu(d, cd, kOutTol, c.ring)) << c.name << " d ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(k, ck, Tol{1e-6, 1e-5}, c.ring))
+          << c.name << " k ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.g).values(), st.rings.g.values(),
+                               Tol{1e-6, 1e-5}, DType::f32))
+          << c.name << " g ring, step " << step;
+      ASSERT_TRUE(close_vs_cpu(hi_lo(d, dr), hi_lo(cd, cdr), kOutTol, DType::f32))
+          << c.name << " d + d residual, step " << step;
+      ASSERT_TRUE(close_vs_cpu(hi_lo(k, kr), hi_lo(ck, ckr), Tol{1e-5, 1e-4}, DType::f32))
+          << c.name << " k + k residual, step " << step;
+      for (size_t i = 0; i < cdr.size(); ++i) {
+        if (cdr[i] == sentinel) {
+          ASSERT_EQ(dr[i], sentinel) << c.name << " d residual " << i;
+        }
+      }
+      for (size_t i = 0; i < ckr.size(); ++i) {
+        if (ckr[i] == sentinel) {
+          ASSERT_EQ(kr[i], sentinel) << c.name << " k residual " << i;
+        }
+      }
+      std::vector<int64_t> accepted;
+      for (int64_t n = 0; n < N; ++n)
+        accepted.push_back(rng.integer(rng.chance(0.05) ? 0 : 1, lens[n]));
+      Tensor acc = index_tensor(accepted);
+      dev.upload(acc);
+      deltastate::replayssm_commit(commit_args(st, acc, c, host_view));
+      deltastate::replayssm_commit(commit_args(st, acc, c, dev.views()));
+      sync();
+      deltastate::check_errors();
+      for (const Tensor* t : {&st.wp, &st.base, &st.flush})
+        ASSERT_EQ(dev.download(*t).values(), t->values()) << c.name << " cursors, step " << step;
+    }
+  }
+}
+
 // SGLang's cache_ring on the CUDA verify (the generic kernel) against the CPU backend's: the raw
 // v and k as given, g and beta as the step computes them, at positions t < L of each sequence's
 // slot; the outputs unchanged by it; padded sequences write nothing.
@@ -533,6 +633,99 @@ TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
   const auto err2 = catch_error([] { deltastate::check_errors(); });
   ASSERT_TRUE(err2);
   EXPECT_NE(std::string(err2->what()).find("replayssm_commit"), std::string::npos) << err2->what();
+}
+
+// The circular commit with a track slot past the pool (the CPU validator raises): on CUDA that
+// row is skipped whole (no checkpoint, track slot or cursor written) and recorded with the CPU's
+// text; the other row commits as the CPU backend commits it with the bad row padded, and every
+// element the CPU leaves (the skipped row's checkpoint, the 1e30 sentinels around the slots) is
+// bit-untouched.
+TEST_F(ReplayVerifyGpuErrors, CircularTrackPastPoolRecorded) {
+  clear_device_errors();
+  Rng rng = test_rng();
+  const Shape sh = kQwen3Next;
+  const int64_t layers = 2, S = 5, R = 4, L = 8;
+  const int64_t inner = sh.state_elems(), entry = layers * inner + 64;
+  Tensor pool = Tensor::strided(f32, {layers, S, sh.HV, sh.V, sh.K},
+                                {inner, entry, int64_t{sh.V} * sh.K, sh.K, 1}, 32, S * entry + 64);
+  pool.fill_all(kSentinel);
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t s : {int64_t{1}, int64_t{3}})  // the checkpoints; track slot 4 stays sentinel
+      for (int hv = 0; hv < sh.HV; ++hv)
+        for (int v = 0; v < sh.V; ++v)
+          for (int k = 0; k < sh.K; ++k) pool.set({l, s, hv, v, k}, rng.normal(0.5));
+  Tensor d = Tensor::contiguous(f32, {layers, R, sh.HV, L, sh.V});
+  Tensor k = Tensor::contiguous(f32, {layers, R, sh.H, L, sh.K});
+  Tensor g = Tensor::contiguous(f32, {layers, R, sh.HV, L});
+  d.fill_normal(rng, 0.3);
+  k.fill_normal(rng, 0.1);
+  g.fill_uniform(rng, -0.3, -0.01);
+  // Row 0 (slot 1, ring row 2) folds and tracks into slot S, past the pool; row 1 (slot 3, ring
+  // row 0) folds and tracks into slot 4.
+  Tensor slots = index_tensor({1, 3}), rows = index_tensor({2, 0});
+  Tensor wp = index_tensor({5, 0, 3, 0}), base = index_tensor({0, 0, 6, 0}),
+         fl = index_tensor({1, 0, 1, 0});
+  Tensor acc = index_tensor({2, 2}), ti = index_tensor({S, 4}), ts = index_tensor({0, 1});
+  Mirror dev;
+  dev.upload_all(pool, d, k, g, slots, rows, wp, base, fl, acc, ti, ts);
+  auto args = [&](auto&& view_of) {
+    deltastate::ReplayCircularCommitArgs a;
+    a.state = view_of(pool);
+    a.d_cache = view_of(d);
+    a.k_cache = view_of(k);
+    a.g_cache = view_of(g);
+    a.state_indices = view_of(slots);
+    a.replay_indices = view_of(rows);
+    a.write_pos = view_of(wp);
+    a.cache_base = view_of(base);
+    a.is_flush = view_of(fl);
+    a.accept_lens = view_of(acc);
+    a.track_indices = view_of(ti);
+    a.steps_to_track = view_of(ts);
+    return a;
+  };
+  // The CPU backend's validator raises; the CUDA record says the same, with the op's name and
+  // what was skipped around it.
+  const std::string cpu_text = "`mamba_track_indices`[0]=" + std::to_string(S) +
+                               " is out of range for a pool of " + std::to_string(S) + " slots";
+  expect_error([&] { deltastate::replayssm_circular_commit(args(host_view)); }, cpu_text);
+  const std::string text =
+      "commit_gdn_replayssm_circular: " + cpu_text +
+      "; the row was skipped (state, rings and cursor untouched) and its output is NaN";
+  const Tensor before = pool.empty_like();
+  std::memcpy(before.alloc_base(), pool.alloc_base(), static_cast<size_t>(pool.alloc_bytes()));
+  const std::vector<double> cursors0[] = {wp.values(), base.values(), fl.values()};
+  deltastate::replayssm_circular_commit(args(dev.views()));
+  sync();
+  expect_reported(nullptr, {text});
+  // The CPU reference: the bad row padded.
+  slots.set({0}, -1.0);
+  deltastate::replayssm_circular_commit(args(host_view));
+  const Tensor got = dev.download(pool);
+  ASSERT_TRUE(close_vs_cpu(got.values(), pool.values(), Tol{1e-4, 1e-3}, f32));
+  const float* g0 = static_cast<const float*>(got.alloc_base());
+  const float* b0 = static_cast<const float*>(before.alloc_base());
+  const float* c0 = static_cast<const float*>(pool.alloc_base());
+  int64_t sentinels = 0;
+  for (int64_t e = 0; e < pool.alloc_bytes() / 4; ++e) {
+    if (std::memcmp(&c0[e], &b0[e], 4) == 0) {  // the CPU left it: so must the GPU
+      ASSERT_EQ(std::memcmp(&g0[e], &b0[e], 4), 0) << "element " << e;
+    }
+    if (b0[e] == static_cast<float>(kSentinel) && c0[e] == b0[e]) ++sentinels;
+  }
+  EXPECT_GT(sentinels, 0);
+  for (int64_t l = 0; l < layers; ++l)  // the skipped row's checkpoint, bit for bit
+    for (int hv = 0; hv < sh.HV; ++hv)
+      for (int v = 0; v < sh.V; ++v)
+        for (int i = 0; i < sh.K; ++i)
+          ASSERT_EQ(got.get({l, 1, hv, v, i}), before.get({l, 1, hv, v, i})) << "skipped row";
+  // Cursors: the good row's ring row 0 moved as on the CPU; the skipped row's ring row 2 not.
+  const Tensor* cur[] = {&wp, &base, &fl};
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<double> gpu = dev.download(*cur[i]).values();
+    EXPECT_EQ(gpu, cur[i]->values()) << "cursor table " << i;
+    EXPECT_EQ(gpu[2], cursors0[i][2]) << "cursor table " << i << ", skipped row";
+  }
 }
 
 }  // namespace

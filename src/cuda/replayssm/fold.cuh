@@ -3,12 +3,14 @@
 // replayssm_verify.cu's translation unit (included there only).
 //
 // One CTA per (row b, layer * HV + value head, block of kFoldRows state rows); each warp holds
-// kFoldRowsPerWarp rows in registers, a lane EPL = K/32 elements of each (K <= 256). Per accepted
-// record t: the CTA stages the raw key, the decay and its rows' raw v in shared memory; every warp
-// L2-normalizes the key itself (one shuffle reduction), then per row the recurrent step s *= e^g;
-// u = beta (v - s.k); s += u k (one shuffle reduction per row). The state after step
-// steps_to_track[b] also goes to the track slot; the final state back to the checkpoint. The math
-// is delta_math.h's, in its own reduction order (not bitwise the CPU twin's).
+// kFoldRowsPerWarp rows in registers, a lane kFoldEpl = 8 elements of each (K <= 256). Per
+// accepted record t: the CTA stages the raw key, the decay and its rows' raw v in shared memory
+// (fold_stage_record); every warp L2-normalizes the key itself (one shuffle reduction), then per
+// row the recurrent step s *= e^g; u = beta (v - s.k); s += u k (one shuffle reduction per row;
+// fold_step_rows). The state after step steps_to_track[b] also goes to the track slot; the final
+// state back to the checkpoint. The math is delta_math.h's, in its own reduction order (not
+// bitwise the CPU twin's). The exact-raw fold of replayssm_verify runs the same record loop; the
+// circular commit shares the row loads and stores (fold_load_rows, fold_store_rows).
 #pragma once
 
 #include <cstdint>
@@ -26,17 +28,103 @@ constexpr int kFoldMaxK = 256;
 
 namespace {
 
+constexpr int kFoldEpl = kFoldMaxK / 32;  // elements of a row per lane (lane + 32 i)
+using FoldRows = float[kFoldRowsPerWarp][kFoldEpl];
+
 __device__ __forceinline__ float fold_warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
+// A warp's kFoldRowsPerWarp state rows from row wrow0 (of a [V, K] block at element `at`) in
+// registers, zero past V and K; and back.
+__device__ __forceinline__ void fold_load_rows(FoldRows& S, const void* state, DType dtype,
+                                               int64_t at, int wrow0, int lane, int K, int V) {
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    const int row = wrow0 + r;
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) {
+      const int c = lane + 32 * i;
+      S[r][i] =
+          row < V && c < K ? detail::load_float(state, dtype, at + int64_t{row} * K + c) : 0.0f;
+    }
+  }
+}
+__device__ __forceinline__ void fold_store_rows(const FoldRows& S, void* state, DType dtype,
+                                                int64_t at, int wrow0, int lane, int K, int V) {
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    const int row = wrow0 + r;
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) {
+      const int c = lane + 32 * i;
+      if (row < V && c < K) detail::store_float(state, dtype, at + int64_t{row} * K + c, S[r][i]);
+    }
+  }
+}
+
+// One raw record of the fold, staged by the CTA: the raw key (elements k_at + c of k), alpha =
+// e^g (KDA: per element of g; GDN: g[0]), the CTA's rows of raw v (elements v_at + row0 + x),
+// beta.
+struct FoldRecord {
+  float k[kFoldMaxK], alpha[kFoldMaxK], v[kFoldRows];
+  float beta;
+};
+__device__ __forceinline__ void fold_stage_record(FoldRecord& sm, const void* k, DType k_dtype,
+                                                  int64_t k_at, const float* g, bool kda,
+                                                  const void* v, DType v_dtype, int64_t v_at,
+                                                  const float* beta, int row0, int K, int V) {
+  __syncthreads();  // the previous record's shared values are read
+  for (int c = threadIdx.x; c < K; c += blockDim.x) {
+    sm.k[c] = detail::load_float(k, k_dtype, k_at + c);
+    sm.alpha[c] = expf(g[kda ? c : 0]);
+  }
+  for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x)
+    sm.v[x] = row0 + x < V ? detail::load_float(v, v_dtype, v_at + row0 + x) : 0.0f;
+  if (threadIdx.x == 0) sm.beta = *beta;
+  __syncthreads();
+}
+
+// The recurrent step of the staged record on the warp's rows (wrow: the first one's place in the
+// CTA's block): every warp L2-normalizes the key itself (one shuffle reduction), then per row
+// s *= alpha; u = beta (v - s.k); s += u k (one shuffle reduction per row).
+__device__ __forceinline__ void fold_step_rows(FoldRows& S, const FoldRecord& sm, bool l2norm,
+                                               int wrow, int lane, int K) {
+  float k[kFoldEpl], al[kFoldEpl];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kFoldEpl; ++i) {
+    const int c = lane + 32 * i;
+    k[i] = c < K ? sm.k[c] : 0.0f;
+    al[i] = c < K ? sm.alpha[c] : 1.0f;
+    ss += k[i] * k[i];
+  }
+  if (l2norm) {
+    const float den = detail::l2norm_denominator(fold_warp_sum(ss));
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) k[i] = k[i] / den;
+  }
+  const float beta = sm.beta;
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) {
+      S[r][i] *= al[i];
+      dot += S[r][i] * k[i];
+    }
+    dot = fold_warp_sum(dot);
+    const float u = detail::delta_u(sm.v[wrow + r], dot, beta);
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) S[r][i] = fmaf(u, k[i], S[r][i]);
+  }
+}
+
 __global__ void __launch_bounds__(kFoldWarps * 32)
     replay_fold_kernel(const detail::ReplayFoldProblem p) {
-  constexpr int EPL = kFoldMaxK / 32;
-  __shared__ float s_k[kFoldMaxK], s_alpha[kFoldMaxK], s_v[kFoldRows];
-  __shared__ float s_beta;
+  __shared__ FoldRecord sm;
   enter_grid(false);
   const int64_t b = blockIdx.x;
   const int hvl = static_cast<int>(blockIdx.y);
@@ -44,6 +132,7 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const int hv = hvl % p.HV, h = hv / (p.HV / p.H);
   const int row0 = static_cast<int>(blockIdx.z) * kFoldRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wrow = warp * kFoldRowsPerWarp;
   const int K = p.K, V = p.V, L = p.L, gw = p.kda ? K : 1;
   const int64_t slot = p.slots.at(b, 0);
   const int64_t a = p.accepted.at(b, 0);
@@ -56,7 +145,10 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
       const bool bad_slot = slot >= p.num_slots;
       const bool bad_len = !bad_slot && a > L;
       record_bad_row(p.errors, detail::kErrOpReplayFold,
-                     bad_len ? detail::kErrStep : detail::kErrSlot, b,
+                     bad_slot  ? detail::kErrSlot
+                     : bad_len ? detail::kErrStep
+                               : detail::kErrTrackSlot,
+                     b,
                      bad_slot  ? slot
                      : bad_len ? a
                                : track,
@@ -66,92 +158,24 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   }
   const int64_t head_off = static_cast<int64_t>(hv) * V * K;
   const int64_t state_at = layer * p.state_layer_stride + slot * p.state_slot_stride + head_off;
-  const int64_t v_base =
-      layer * p.rawv_layer_stride + slot * p.rawv_slot_stride + static_cast<int64_t>(hv) * L * V;
-  const int64_t k_base =
-      layer * p.rawk_layer_stride + slot * p.rawk_slot_stride + static_cast<int64_t>(h) * L * K;
-  const int64_t g_base =
-      layer * p.g_layer_stride + slot * p.g_slot_stride + static_cast<int64_t>(hv) * L * gw;
-  const int64_t b_base =
-      layer * p.beta_layer_stride + slot * p.beta_slot_stride + static_cast<int64_t>(hv) * L;
-
-  // This warp's rows in registers (lane holds elements lane + 32 i).
-  float S[kFoldRowsPerWarp][EPL];
-#pragma unroll
-  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
-    const int row = row0 + warp * kFoldRowsPerWarp + r;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int c = lane + 32 * i;
-      S[r][i] = row < V && c < K
-                    ? detail::load_float(p.state, p.state_dtype, state_at + int64_t{row} * K + c)
-                    : 0.0f;
-    }
-  }
+  const int64_t v_base = p.rawv.at(layer, slot) + static_cast<int64_t>(hv) * L * V;
+  const int64_t k_base = p.rawk.at(layer, slot) + static_cast<int64_t>(h) * L * K;
+  const int64_t g_base = p.g.at(layer, slot) + static_cast<int64_t>(hv) * L * gw;
+  const int64_t b_base = p.beta.at(layer, slot) + static_cast<int64_t>(hv) * L;
+  const int wrow0 = row0 + wrow;
+  FoldRows S;  // this warp's rows in registers
+  fold_load_rows(S, p.state, p.state_dtype, state_at, wrow0, lane, K, V);
   for (int64_t t = 0; t < a; ++t) {
-    __syncthreads();  // the previous record's shared values are read
-    for (int c = threadIdx.x; c < K; c += blockDim.x) {
-      s_k[c] = detail::load_float(p.rawk, p.rawk_dtype, k_base + t * K + c);
-      s_alpha[c] = expf(p.g[g_base + t * gw + (p.kda ? c : 0)]);
-    }
-    for (int r = threadIdx.x; r < kFoldRows; r += blockDim.x)
-      s_v[r] =
-          row0 + r < V ? detail::load_float(p.rawv, p.rawv_dtype, v_base + t * V + row0 + r) : 0.0f;
-    if (threadIdx.x == 0) s_beta = p.beta[b_base + t];
-    __syncthreads();
-    float k[EPL], al[EPL];
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int c = lane + 32 * i;
-      k[i] = c < K ? s_k[c] : 0.0f;
-      al[i] = c < K ? s_alpha[c] : 1.0f;
-      ss += k[i] * k[i];
-    }
-    if (p.l2norm) {
-      const float den = detail::l2norm_denominator(fold_warp_sum(ss));
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) k[i] = k[i] / den;
-    }
-    const float beta = s_beta;
-#pragma unroll
-    for (int r = 0; r < kFoldRowsPerWarp; ++r) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        S[r][i] *= al[i];
-        dot += S[r][i] * k[i];
-      }
-      dot = fold_warp_sum(dot);
-      const float u = detail::delta_u(s_v[warp * kFoldRowsPerWarp + r], dot, beta);
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) S[r][i] = fmaf(u, k[i], S[r][i]);
-    }
-    if (tracking && t == step) {
-      const int64_t track_at =
-          layer * p.state_layer_stride + track * p.state_slot_stride + head_off;
-#pragma unroll
-      for (int r = 0; r < kFoldRowsPerWarp; ++r) {
-        const int row = row0 + warp * kFoldRowsPerWarp + r;
-#pragma unroll
-        for (int i = 0; i < EPL; ++i) {
-          const int c = lane + 32 * i;
-          if (row < V && c < K)
-            detail::store_float(p.state, p.state_dtype, track_at + int64_t{row} * K + c, S[r][i]);
-        }
-      }
-    }
+    fold_stage_record(sm, p.rawk.ptr, p.rawk.dtype, k_base + t * K, p.g.f32() + g_base + t * gw,
+                      p.kda, p.rawv.ptr, p.rawv.dtype, v_base + t * V, p.beta.f32() + b_base + t,
+                      row0, K, V);
+    fold_step_rows(S, sm, p.l2norm, wrow, lane, K);
+    if (tracking && t == step)
+      fold_store_rows(S, p.state, p.state_dtype,
+                      layer * p.state_layer_stride + track * p.state_slot_stride + head_off, wrow0,
+                      lane, K, V);
   }
-#pragma unroll
-  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
-    const int row = row0 + warp * kFoldRowsPerWarp + r;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int c = lane + 32 * i;
-      if (row < V && c < K)
-        detail::store_float(p.state, p.state_dtype, state_at + int64_t{row} * K + c, S[r][i]);
-    }
-  }
+  fold_store_rows(S, p.state, p.state_dtype, state_at, wrow0, lane, K, V);
 }
 
 // The compact circular commit (ops.h ReplayCircularCommitArgs), same CTA shape: the prefix sums
@@ -161,19 +185,44 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
 // record), stores the track state, then the fold. The cursors move in a second launch.
 constexpr int kCircMaxL = detail::kReplayCircularMaxL;
 
-__device__ __forceinline__ bool circ_row_ok(const detail::ReplayCircularProblem& p, int64_t b,
-                                            int64_t& slot, int64_t& r) {
+// Row b's slot and replay row; 0 for a live row the commit serves, -1 for a padded one, else the
+// DeviceErrorKind of its first bad entry in the CPU validator's order (the slot, the replay row,
+// a cursor, the track slot), with the bad value and its limit: the row is skipped whole (no
+// checkpoint, track slot or cursor written) and recorded.
+__device__ __forceinline__ int circ_row_check(const detail::ReplayCircularProblem& p, int64_t b,
+                                              int64_t& slot, int64_t& r, int64_t& bad,
+                                              int64_t& limit) {
   slot = p.slots.at(b, 0);
-  if (slot <= p.null_block_id) return false;
+  if (slot <= p.null_block_id) return -1;
   r = p.rows.at(b, 0);
-  if (slot >= p.num_slots || r < 0 || r >= p.ring_rows) return false;
+  if (slot >= p.num_slots) {
+    bad = slot;
+    limit = p.num_slots;
+    return detail::kErrSlot;
+  }
+  if (r < 0 || r >= p.ring_rows) {
+    bad = r;
+    limit = p.ring_rows;
+    return detail::kErrReplayRow;
+  }
   const int n = p.write_pos[r], base = p.cache_base[r];
-  return n >= 0 && n <= p.L && base >= 0 && base < p.L;
+  if (n < 0 || n > p.L || base < 0 || base >= p.L) {
+    bad = n < 0 || n > p.L ? n : base;
+    limit = p.L;
+    return detail::kErrRing;
+  }
+  const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
+  const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
+  if (track > p.null_block_id && step >= 0 && track >= p.num_slots) {
+    bad = track;
+    limit = p.num_slots;
+    return detail::kErrTrackSlot;
+  }
+  return 0;
 }
 
 __global__ void __launch_bounds__(kFoldWarps * 32)
     replay_circular_kernel(const detail::ReplayCircularProblem p) {
-  constexpr int EPL = kFoldMaxK / 32;
   __shared__ float s_k[kFoldMaxK], s_u[kFoldRows], s_G[kCircMaxL];
   enter_grid(false);
   const int64_t b = blockIdx.x;
@@ -183,20 +232,17 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const int row0 = static_cast<int>(blockIdx.z) * kFoldRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int K = p.K, V = p.V, L = p.L;
-  int64_t slot = 0, r = 0;
-  if (!circ_row_ok(p, b, slot, r)) {
-    if (slot > p.null_block_id && hvl == 0 && blockIdx.z == 0 && threadIdx.x == 0)
-      record_bad_row(
-          p.errors, detail::kErrOpReplayCircular,
-          slot >= p.num_slots || r < 0 || r >= p.ring_rows ? detail::kErrSlot : detail::kErrRing, b,
-          slot >= p.num_slots ? slot : r, slot >= p.num_slots ? p.num_slots : p.ring_rows);
+  int64_t slot = 0, r = 0, bad = 0, limit = 0;
+  if (const int kind = circ_row_check(p, b, slot, r, bad, limit)) {
+    if (kind > 0 && hvl == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+      record_bad_row(p.errors, detail::kErrOpReplayCircular, kind, b, bad, limit);
     return;
   }
   const int n = p.write_pos[r];
   const bool fold = detail::flag_at(p.is_flush, p.flush_dtype, r);
   const int64_t track = p.track.ptr ? p.track.at(b, 0) : p.null_block_id;
   const int64_t step = p.track.ptr ? p.steps.at(b, 0) : -1;
-  const bool tracking = track > p.null_block_id && step >= 0 && track < p.num_slots;
+  const bool tracking = track > p.null_block_id && step >= 0;  // track < slots: checked
   if (!fold && !tracking) return;
   const int64_t tlen = tracking ? n - p.accepted.at(b, 0) + step + 1 : 0;
   const int mt = static_cast<int>(tlen < 0 ? 0 : tlen > L ? L : tlen);
@@ -205,8 +251,7 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   if (threadIdx.x == 0) {  // the prefix sums of g, in order (fp32)
     float acc = 0.0f;
     for (int j = 0; j < need; ++j) {
-      acc += p.g[layer * p.g_layer_stride + r * p.g_row_stride + static_cast<int64_t>(hv) * L +
-                 (base + j) % L];
+      acc += p.g.f32()[p.g.at(layer, r) + static_cast<int64_t>(hv) * L + (base + j) % L];
       s_G[j] = acc;
     }
   }
@@ -215,43 +260,36 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const float tot_t = mt > 0 ? s_G[mt - 1] : 0.0f;
   const int64_t head_off = static_cast<int64_t>(hv) * V * K;
   const int64_t state_at = layer * p.state_layer_stride + slot * p.state_slot_stride + head_off;
-  float F[kFoldRowsPerWarp][EPL], Tr[kFoldRowsPerWarp][EPL];
+  const int wrow0 = row0 + warp * kFoldRowsPerWarp;
+  FoldRows F, Tr;  // the fold and the track state of the warp's rows, from the old rows
+  fold_load_rows(F, p.state, p.state_dtype, state_at, wrow0, lane, K, V);
   {
     const float kf = expf(tot_f), kt = expf(tot_t);
 #pragma unroll
-    for (int rr = 0; rr < kFoldRowsPerWarp; ++rr) {
-      const int row = row0 + warp * kFoldRowsPerWarp + rr;
+    for (int rr = 0; rr < kFoldRowsPerWarp; ++rr)
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        const int c = lane + 32 * i;
-        const float o = row < V && c < K ? detail::load_float(p.state, p.state_dtype,
-                                                              state_at + int64_t{row} * K + c)
-                                         : 0.0f;
-        F[rr][i] = o * kf;
-        Tr[rr][i] = o * kt;
+      for (int i = 0; i < kFoldEpl; ++i) {
+        Tr[rr][i] = F[rr][i] * kt;
+        F[rr][i] *= kf;
       }
-    }
   }
   for (int j = 0; j < need; ++j) {
     __syncthreads();  // the previous record's shared values are read
     const int64_t pos = (base + j) % L;
-    const int64_t k_at =
-        layer * p.k_layer_stride + r * p.k_row_stride + (static_cast<int64_t>(h) * L + pos) * K;
-    const int64_t kr_at = layer * p.k_res_layer_stride + r * p.k_res_row_stride +
-                          (static_cast<int64_t>(h) * L + pos) * K;
+    const int64_t k_at = (static_cast<int64_t>(h) * L + pos) * K;
     for (int c = threadIdx.x; c < K; c += blockDim.x)
-      s_k[c] = detail::load_float(p.k, p.k_dtype, k_at + c) +
-               (p.k_res ? detail::load_float(p.k_res, p.k_res_dtype, kr_at + c) : 0.0f);
-    const int64_t d_at =
-        layer * p.d_layer_stride + r * p.d_row_stride + (static_cast<int64_t>(hv) * L + pos) * V;
-    const int64_t dr_at = layer * p.d_res_layer_stride + r * p.d_res_row_stride +
-                          (static_cast<int64_t>(hv) * L + pos) * V;
+      s_k[c] = detail::load_float(p.k.ptr, p.k.dtype, p.k.at(layer, r) + k_at + c) +
+               (p.k_res.ptr ? detail::load_float(p.k_res.ptr, p.k_res.dtype,
+                                                 p.k_res.at(layer, r) + k_at + c)
+                            : 0.0f);
+    const int64_t d_at = (static_cast<int64_t>(hv) * L + pos) * V;
     for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x) {
       const int row = row0 + x;
-      s_u[x] = row < V
-                   ? detail::load_float(p.d, p.d_dtype, d_at + row) +
-                         (p.d_res ? detail::load_float(p.d_res, p.d_res_dtype, dr_at + row) : 0.0f)
-                   : 0.0f;
+      s_u[x] = row < V ? detail::load_float(p.d.ptr, p.d.dtype, p.d.at(layer, r) + d_at + row) +
+                             (p.d_res.ptr ? detail::load_float(p.d_res.ptr, p.d_res.dtype,
+                                                               p.d_res.at(layer, r) + d_at + row)
+                                          : 0.0f)
+                       : 0.0f;
     }
     __syncthreads();
     const float wf = fold && j < n ? expf(tot_f - s_G[j]) : 0.0f;
@@ -261,7 +299,7 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
       const float u = s_u[warp * kFoldRowsPerWarp + rr];
       const float cf = wf * u, ct = wt * u;
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) {
+      for (int i = 0; i < kFoldEpl; ++i) {
         const int c = lane + 32 * i;
         const float k = c < K ? s_k[c] : 0.0f;
         if (fold && j < n) F[rr][i] = fmaf(cf, k, F[rr][i]);
@@ -269,20 +307,13 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
       }
     }
   }
-  const int64_t track_at = layer * p.state_layer_stride + track * p.state_slot_stride + head_off;
-#pragma unroll
-  for (int rr = 0; rr < kFoldRowsPerWarp; ++rr) {
-    const int row = row0 + warp * kFoldRowsPerWarp + rr;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int c = lane + 32 * i;
-      if (row >= V || c >= K) continue;
-      if (tracking)
-        detail::store_float(p.state, p.state_dtype, track_at + int64_t{row} * K + c, Tr[rr][i]);
-      if (fold)
-        detail::store_float(p.state, p.state_dtype, state_at + int64_t{row} * K + c, F[rr][i]);
-    }
-  }
+  // The track state first, the fold last (a track slot equal to the checkpoint's ends as the
+  // fold, as on the CPU).
+  if (tracking)
+    fold_store_rows(Tr, p.state, p.state_dtype,
+                    layer * p.state_layer_stride + track * p.state_slot_stride + head_off, wrow0,
+                    lane, K, V);
+  if (fold) fold_store_rows(F, p.state, p.state_dtype, state_at, wrow0, lane, K, V);
 }
 
 // The folded rows' cursors, one thread per batch row, after replay_circular_kernel.
@@ -291,8 +322,8 @@ __global__ void __launch_bounds__(256)
   enter_grid(false);
   const int64_t b = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   if (b >= p.B) return;
-  int64_t slot = 0, r = 0;
-  if (!circ_row_ok(p, b, slot, r)) return;
+  int64_t slot = 0, r = 0, bad = 0, limit = 0;
+  if (circ_row_check(p, b, slot, r, bad, limit)) return;
   if (!detail::flag_at(p.is_flush, p.flush_dtype, r)) return;
   p.cache_base[r] = (p.cache_base[r] + p.write_pos[r]) % p.L;
   p.write_pos[r] = 0;
@@ -311,9 +342,7 @@ __global__ void __launch_bounds__(256)
 // cursor) are skipped.
 __global__ void __launch_bounds__(kFoldWarps * 32)
     replay_exact_fold_kernel(const detail::ReplayVerifyProblem p) {
-  constexpr int EPL = kFoldMaxK / 32;
-  __shared__ float s_k[kFoldMaxK], s_alpha[kFoldMaxK], s_v[kFoldRows];
-  __shared__ float s_beta;
+  __shared__ FoldRecord sm;
   enter_grid(false);
   const detail::RecurrentProblem& r = p.r;
   const int64_t n = blockIdx.x;
@@ -364,68 +393,17 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const int64_t k_base = (rr * r.H + h) * L * K;
   const int64_t g_base = (rr * r.HV + hv) * L * gw;
   const int64_t b_base = (rr * r.HV + hv) * L;
-  float S[kFoldRowsPerWarp][EPL];
-#pragma unroll
-  for (int q = 0; q < kFoldRowsPerWarp; ++q) {
-    const int row = row0 + warp * kFoldRowsPerWarp + q;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int c = lane + 32 * i;
-      S[q][i] = row < V && c < K ? detail::load_float(r.state.ptr, r.state.dtype,
-                                                      state_at + int64_t{row} * K + c)
-                                 : 0.0f;
-    }
-  }
+  const int wrow = warp * kFoldRowsPerWarp, wrow0 = row0 + wrow;
+  FoldRows S;
+  fold_load_rows(S, r.state.ptr, r.state.dtype, state_at, wrow0, lane, K, V);
   for (int t = 0; t < m; ++t) {
     const int64_t pos = (base + t) % L;
-    __syncthreads();  // the previous record's shared values are read
-    for (int c = threadIdx.x; c < K; c += blockDim.x) {
-      s_k[c] = detail::load_float(p.rawk, p.rawk_dtype, k_base + pos * K + c);
-      s_alpha[c] = expf(p.g_cache[g_base + pos * gw + (r.gate.kda ? c : 0)]);
-    }
-    for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x)
-      s_v[x] = row0 + x < V ? detail::load_float(p.rawv, p.rawv_dtype, v_base + pos * V + row0 + x)
-                            : 0.0f;
-    if (threadIdx.x == 0) s_beta = p.beta_ring[b_base + pos];
-    __syncthreads();
-    float k[EPL], al[EPL];
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int c = lane + 32 * i;
-      k[i] = c < K ? s_k[c] : 0.0f;
-      al[i] = c < K ? s_alpha[c] : 1.0f;
-      ss += k[i] * k[i];
-    }
-    if (r.l2norm) {
-      const float den = detail::l2norm_denominator(fold_warp_sum(ss));
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) k[i] = k[i] / den;
-    }
-#pragma unroll
-    for (int q = 0; q < kFoldRowsPerWarp; ++q) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        S[q][i] *= al[i];
-        dot += S[q][i] * k[i];
-      }
-      dot = fold_warp_sum(dot);
-      const float u = detail::delta_u(s_v[warp * kFoldRowsPerWarp + q], dot, s_beta);
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) S[q][i] = fmaf(u, k[i], S[q][i]);
-    }
+    fold_stage_record(sm, p.rawk, p.rawk_dtype, k_base + pos * K, p.g_cache + g_base + pos * gw,
+                      r.gate.kda, p.rawv, p.rawv_dtype, v_base + pos * V,
+                      p.beta_ring + b_base + pos, row0, K, V);
+    fold_step_rows(S, sm, r.l2norm, wrow, lane, K);
   }
-#pragma unroll
-  for (int q = 0; q < kFoldRowsPerWarp; ++q) {
-    const int row = row0 + warp * kFoldRowsPerWarp + q;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int c = lane + 32 * i;
-      if (row < V && c < K)
-        detail::store_float(r.state.ptr, r.state.dtype, state_at + int64_t{row} * K + c, S[q][i]);
-    }
-  }
+  fold_store_rows(S, r.state.ptr, r.state.dtype, state_at, wrow0, lane, K, V);
 }
 
 }  // namespace

@@ -35,6 +35,10 @@
 //     fit one staging round (those records factored); on a fold or with more records they are
 //     replayed first, exactly as in 3. More drafts than one preparation round take 3's loop.
 // The replay is element-wise, so the rebuilt and folded rows do not depend on the lane layout.
+// With the hi/lo residual ring (rawv, rawk without beta_ring; the generic kernel only) each
+// record written also writes its residual, value minus value rounded to the d/k ring's dtype, into
+// rawv / rawk at the same place, by the lanes that store the record (out of line,
+// rv_store_residual; the factored drafts' d residuals after their loop).
 // A bad slot or cursor is recorded (record_bad_row) and its rows get NaN outputs. The cursors are
 // read only; the commit kernel moves them, one thread per batch row.
 #pragma once
@@ -115,6 +119,19 @@ __device__ __forceinline__ void smem_slice(const float* row, int kofs, float (&x
   }
 }
 
+// The hi/lo residual ring (rawv, rawk without beta_ring): the generic kernel only (the dispatch
+// routes it there), so the vector kernels' register budgets stay untouched.
+template <bool VEC>
+__device__ __forceinline__ bool rv_residual(const detail::ReplayVerifyProblem& p) {
+  return !VEC && p.rawv && !p.beta_ring;
+}
+// A record's residual x - round(x to hi_dtype), stored to `ring` (out of line: off the draft
+// loops' register budget).
+__device__ __noinline__ void rv_store_residual(void* ring, DType dtype, DType hi_dtype, int64_t at,
+                                               float x) {
+  detail::store_float(ring, dtype, at, x - detail::round_to(hi_dtype, x));
+}
+
 // The drafts' outputs of the CTA's rows for a padded (0) or bad (NaN) sequence.
 template <int ROWS>
 __device__ __forceinline__ void rv_fill_outputs(const detail::RecurrentProblem& r, int64_t seq,
@@ -135,8 +152,8 @@ template <int KT, int ROWS, int RC>
 __device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProblem& p, int64_t seq,
                                                  int64_t tok, int h, int hv, int lane, int j,
                                                  int64_t g_rec, int64_t k_rec, bool g_writer,
-                                                 bool k_writer, RvSmem<KT, ROWS, RC>& sm,
-                                                 float* tg) {
+                                                 bool k_writer, bool k_res,
+                                                 RvSmem<KT, ROWS, RC>& sm, float* tg) {
   constexpr int PE = KT / 32;
   const detail::RecurrentProblem& r = p.r;
   const int e0 = lane * PE, valid = max(0, min(PE, r.K - e0));
@@ -155,7 +172,10 @@ __device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProbl
     sm.ta[j][e0 + i] = in ? alpha[i] : 1.0f;
     if (tg) tg[e0 + i] = in ? g[i] : 0.0f;
     if (in && g_writer && r.gate.kda) p.g_cache[g_rec + e0 + i] = g[i];
-    if (in && k_writer) detail::store_float(p.k_cache, p.k_dtype, k_rec + e0 + i, x.k[i]);
+    if (in && k_writer) {
+      detail::store_float(p.k_cache, p.k_dtype, k_rec + e0 + i, x.k[i]);
+      if (k_res) rv_store_residual(p.rawk, p.rawk_dtype, p.k_dtype, k_rec + e0 + i, x.k[i]);
+    }
   }
   if (lane == 0) {
     if (g_writer && !r.gate.kda) p.g_cache[g_rec] = g[0];
@@ -299,6 +319,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     }
   }
   const bool g_writer = blockIdx.z == 0, k_writer = g_writer && hv % group == 0;
+  const bool residual = rv_residual<VEC>(p);  // the hi/lo residual ring (generic kernel)
 
   // One round of records [c0, c0 + cn) into shared memory: k, alpha, d of the CTA's rows.
   auto stage_records = [&](int c0, int cn) {
@@ -328,7 +349,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       const bool in_ring = m + t0 + j < L;  // records past the ring are dropped
       rv_prepare_token<KT, CROWS, RC>(p, seq, tok0 + t0 + j, h, hv, lane, j, g_base + pos * gw,
                                       k_base + pos * K, g_writer && in_ring, k_writer && in_ring,
-                                      sm, fdrafts ? fac->tg[j] : nullptr);
+                                      residual, sm, fdrafts ? fac->tg[j] : nullptr);
     }
     for (int i = threadIdx.x; i < tn * CROWS; i += kThreads) {
       const int j = i / CROWS, lr = i - j * CROWS, vrow = cta_row0 + lr;
@@ -524,6 +545,13 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
           }
         }
       }
+      if (residual && idx < R && first_copy && vrow < V) {
+#pragma unroll
+        for (int t = 0; t < kRvTokChunk; ++t)
+          if (t < tn && m + t < L)
+            rv_store_residual(p.rawv, p.rawv_dtype, p.d_dtype,
+                              d_base + (base + m + t) % L * V + vrow, u[t]);
+      }
       continue;
     }
 
@@ -550,6 +578,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
         if (idx < R && first_copy && vrow < V && m + t < L) {
           const int64_t pos = (base + m + t) % L;
           detail::store_float(p.d_cache, p.d_dtype, d_base + pos * V + vrow, u_here);
+          if (residual)
+            rv_store_residual(p.rawv, p.rawv_dtype, p.d_dtype, d_base + pos * V + vrow, u_here);
         }
       }
     }
