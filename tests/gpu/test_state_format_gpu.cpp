@@ -11,8 +11,11 @@
 // Most codes agree exactly: at most 2% may differ.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "gpu/gpu_errors.h"
@@ -23,6 +26,7 @@ namespace dstest {
 namespace {
 
 using deltastate::PackedDecodeArgs;
+using deltastate::RecurrentArgs;
 using deltastate::StatePool;
 using deltastate::StatePoolConfig;
 using deltastate::StateRounding;
@@ -31,6 +35,142 @@ double e4m3_value(uint8_t c) {
   const int e = (c >> 3) & 15, m = c & 7;
   const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
   return (c & 0x80) ? -v : v;
+}
+
+// A (layer, slot) block of a pool.
+struct Block {
+  int64_t layer, slot;
+};
+std::vector<Block> blocks_of(int64_t layer, const std::vector<int64_t>& slots) {
+  std::vector<Block> b;
+  for (int64_t slot : slots)
+    if (slot >= 0) b.push_back({layer, slot});
+  return b;
+}
+
+// A host pool in a quantized format and its device twin: every byte a sentinel (0x5a), then random
+// codes (no NaN, no -128) and scales in the `live` blocks; stochastic: every layer's step counter
+// at kStep0. push() copies the host pool's bytes onto the device.
+constexpr int64_t kStep0 = 41;
+constexpr int64_t kSeed = 1234;
+struct QuantPools {
+  std::unique_ptr<StatePool> host, dev;
+  int64_t bytes = 0;
+  bool stochastic = false;
+  void push() const {
+    CUDA_CHECK(
+        cudaMemcpy(dev->data(), host->data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  }
+};
+QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
+                            deltastate::PoolLayout layout, int64_t layers, int64_t slots,
+                            const std::vector<Block>& live, Rng& rng) {
+  StatePoolConfig cfg;
+  cfg.layers = layers;
+  cfg.slots = slots;
+  cfg.HV = s.HV;
+  cfg.V = s.V;
+  cfg.K = s.K;
+  cfg.state_dtype = dtype;
+  cfg.state_rounding = rounding;
+  cfg.rounding_seed = kSeed;
+  cfg.layout = layout;
+  QuantPools q;
+  q.host = std::make_unique<StatePool>(cfg);
+  cfg.device = Device::cuda(0);
+  q.dev = std::make_unique<StatePool>(cfg);
+  q.bytes = q.host->total_bytes();
+  q.stochastic = q.host->config().stochastic_rounding();
+  std::memset(q.host->data(), 0x5a, static_cast<size_t>(q.bytes));
+  for (const Block& b : live) {
+    const TensorView st = q.host->layer_state(b.layer), sc = q.host->layer_scales(b.layer);
+    uint8_t* codes = static_cast<uint8_t*>(st.data) + b.slot * st.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
+      uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
+      if (dtype == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
+      if (dtype == DType::i8 && c == 0x80) c = 0;                // no -128
+      codes[i] = c;
+    }
+    float* scales = static_cast<float*>(sc.data) + b.slot * sc.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V; ++i)
+      scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (dtype == DType::i8 ? 127 : 448));
+  }
+  if (q.stochastic)
+    for (int64_t l = 0; l < layers; ++l)
+      *static_cast<int64_t*>(q.host->rounding_step(l).data) = kStep0;
+  q.push();
+  return q;
+}
+
+// An op's format keywords for `layer` of pool p (its scales; stochastic: its step counter).
+deltastate::StateFormatArgs format_of(const StatePool& p, int64_t layer, StateRounding rounding) {
+  deltastate::StateFormatArgs f;
+  f.scales = p.layer_scales(layer);
+  f.rounding = rounding;
+  if (p.config().stochastic_rounding()) {
+    f.step = p.rounding_step(layer);
+    f.seed = kSeed;
+    f.layer = layer;
+  }
+  return f;
+}
+
+int64_t host_step(const QuantPools& q, int64_t layer) {
+  return *static_cast<const int64_t*>(q.host->rounding_step(layer).data);
+}
+
+// The device pool against the host pool after the same calls: in the `written` blocks, scales to
+// 1e-4 relative and dequantized codes within one quantum (at most 2% of the codes differing);
+// every layer's step counter equal; every other byte equal (sentinels, blocks not written).
+void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Block>& written) {
+  const StatePool &host = *q.host, &dev = *q.dev;
+  const int64_t HV = host.config().HV, V = host.config().V, K = host.config().K;
+  std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
+  CUDA_CHECK(cudaMemcpy(d.data(), dev.data(), d.size(), cudaMemcpyDeviceToHost));
+  const char* hbase = static_cast<const char*>(host.data());
+  const char* dbase = reinterpret_cast<const char*>(d.data());
+  const bool fp8 = dtype == DType::f8e4m3;
+  std::vector<MemRange> allowed;
+  int64_t codes_total = 0, codes_differ = 0;
+  for (const Block& b : written) {
+    SCOPED_TRACE("layer " + std::to_string(b.layer) + " slot " + std::to_string(b.slot));
+    const TensorView st = host.layer_state(b.layer), sc = host.layer_scales(b.layer);
+    const int64_t code_off = static_cast<const char*>(st.data) - hbase + b.slot * st.stride[0];
+    const int64_t scale_off = static_cast<const char*>(sc.data) - hbase + b.slot * sc.stride[0] * 4;
+    allowed.push_back({dbase + code_off, dbase + code_off + HV * V * K});
+    allowed.push_back({dbase + scale_off, dbase + scale_off + HV * V * 4});
+    for (int64_t row = 0; row < HV * V; ++row) {
+      float hs, ds;
+      std::memcpy(&hs, hbase + scale_off + row * 4, 4);
+      std::memcpy(&ds, dbase + scale_off + row * 4, 4);
+      ASSERT_NEAR(ds, hs, 1e-4 * hs) << "scale of row " << row;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t hc = static_cast<uint8_t>(hbase[code_off + row * K + k]);
+        const uint8_t dc = d[static_cast<size_t>(code_off + row * K + k)];
+        ++codes_total;
+        if (hc == dc) continue;
+        ++codes_differ;
+        const double hv = (fp8 ? e4m3_value(hc) : static_cast<int8_t>(hc)) * hs;
+        const double dv = (fp8 ? e4m3_value(dc) : static_cast<int8_t>(dc)) * ds;
+        const double quantum = fp8 ? std::max(std::fabs(hv) * 0.125, hs * std::ldexp(1.0, -9)) : hs;
+        ASSERT_LE(std::fabs(dv - hv), quantum * 1.0001 + 1e-5 * hs * (fp8 ? 448 : 127))
+            << "row " << row << " k " << k;
+      }
+    }
+  }
+  EXPECT_LE(codes_differ, codes_total / 50) << codes_differ << " of " << codes_total;
+  if (q.stochastic) {
+    for (int64_t l = 0; l < host.config().layers; ++l) {
+      const int64_t off = static_cast<const char*>(dev.rounding_step(l).data) -
+                          static_cast<const char*>(dev.data());
+      int64_t got;
+      std::memcpy(&got, dbase + off, 8);
+      EXPECT_EQ(got, host_step(q, l)) << "the device's step counter of layer " << l;
+      allowed.push_back({dbase + off, dbase + off + 8});
+    }
+  }
+  EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), q.bytes, allowed))
+      << "device pool outside the written blocks' codes and scales";
 }
 
 struct QuantCase {
@@ -49,43 +189,11 @@ class GpuQuantizedPackedDecode : public GpuParamTest<QuantCase> {};
 TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
   const QuantCase& c = GetParam();
   const Shape s = c.kda ? kKimi : kQwen3Next;
-  StatePoolConfig cfg;
-  cfg.layers = 2;
-  cfg.slots = 9;
-  cfg.HV = s.HV;
-  cfg.V = s.V;
-  cfg.K = s.K;
-  cfg.state_dtype = c.dtype;
-  cfg.state_rounding = c.rounding;
-  cfg.rounding_seed = 1234;
-  cfg.layout = c.layout;
-  StatePool host(cfg);
-  cfg.device = Device::cuda(0);
-  StatePool dev(cfg);
-  const int64_t bytes = host.total_bytes();
   const int64_t layer = 1;
   Rng rng = test_rng();
-  // sentinel bytes everywhere, then random codes and scales in the live slots
-  std::memset(host.data(), 0x5a, static_cast<size_t>(bytes));
   const std::vector<int64_t> slots{7, -1, 2, 5, 0};
-  const TensorView st = host.layer_state(layer), sc = host.layer_scales(layer);
-  for (int64_t slot : slots) {
-    if (slot < 0) continue;
-    uint8_t* codes = static_cast<uint8_t*>(st.data) + slot * st.stride[0];
-    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
-      uint8_t b = static_cast<uint8_t>(rng.integer(0, 255));
-      if (c.dtype == DType::f8e4m3 && (b & 0x7f) == 0x7f) b ^= 1;  // no NaN codes
-      if (c.dtype == DType::i8 && b == 0x80) b = 0;                // no -128
-      codes[i] = b;
-    }
-    float* scales = static_cast<float*>(sc.data) + slot * sc.stride[0];
-    for (int64_t i = 0; i < s.HV * s.V; ++i)
-      scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (c.dtype == DType::i8 ? 127 : 448));
-  }
-  const bool stochastic = host.config().stochastic_rounding();
-  if (stochastic) *static_cast<int64_t*>(host.rounding_step(layer).data) = 41;
-  CUDA_CHECK(
-      cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  const QuantPools q =
+      make_quant_pools(s, c.dtype, c.rounding, c.layout, 2, 9, blocks_of(layer, slots), rng);
 
   DecodeBatch batch = make_decode_batch(rng, s, c.kda, slots, bf16);
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.K));
@@ -96,18 +204,12 @@ TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
     batch.poison_out();
     m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
     auto run = [&](PackedDecodeArgs a, const StatePool& p) {
-      a.state_format.scales = p.layer_scales(layer);
-      a.state_format.rounding = c.rounding;
-      if (stochastic) {
-        a.state_format.step = p.rounding_step(layer);
-        a.state_format.seed = 1234;
-        a.state_format.layer = layer;
-      }
+      a.state_format = format_of(p, layer, c.rounding);
       if (c.kda) deltastate::kda_packed_decode(a);
       else deltastate::gdn_packed_decode(a);
     };
-    run(batch.packed_args(host_view, host.layer_state(layer), scale), host);
-    run(batch.packed_args(m.views(), dev.layer_state(layer), scale), dev);
+    run(batch.packed_args(host_view, q.host->layer_state(layer), scale), *q.host);
+    run(batch.packed_args(m.views(), q.dev->layer_state(layer), scale), *q.dev);
     sync();
     EXPECT_NO_THROW(deltastate::check_errors());  // no bad row recorded
     const Tensor out = m.download(batch.out);
@@ -118,60 +220,9 @@ TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
       if (slots[r] < 0) EXPECT_TRUE(all_zero(g)) << "padded row " << r;
       else EXPECT_TRUE(close_vs_cpu(g, batch.out_row(r), kOutTol, bf16)) << "output row " << r;
     }
-    std::vector<uint8_t> d(static_cast<size_t>(bytes));
-    CUDA_CHECK(cudaMemcpy(d.data(), dev.data(), d.size(), cudaMemcpyDeviceToHost));
-    const char* hbase = static_cast<const char*>(host.data());
-    std::vector<MemRange> written;
-    int64_t codes_total = 0, codes_differ = 0;
-    for (int64_t slot : slots) {
-      if (slot < 0) continue;
-      const int64_t code_off = static_cast<const char*>(st.data) - hbase + slot * st.stride[0];
-      const int64_t scale_off = static_cast<const char*>(sc.data) - hbase + slot * sc.stride[0] * 4;
-      const char* dc0 = reinterpret_cast<const char*>(d.data());
-      written.push_back({dc0 + code_off, dc0 + code_off + s.HV * s.V * s.K});
-      written.push_back({dc0 + scale_off, dc0 + scale_off + s.HV * s.V * 4});
-      for (int64_t row = 0; row < s.HV * s.V; ++row) {
-        float hs, ds;
-        std::memcpy(&hs, hbase + scale_off + row * 4, 4);
-        std::memcpy(&ds, d.data() + scale_off + row * 4, 4);
-        ASSERT_NEAR(ds, hs, 1e-4 * hs) << "scale of slot " << slot << " row " << row;
-        for (int64_t k = 0; k < s.K; ++k) {
-          const uint8_t hc = static_cast<uint8_t>(hbase[code_off + row * s.K + k]);
-          const uint8_t dc = d[static_cast<size_t>(code_off + row * s.K + k)];
-          ++codes_total;
-          if (hc == dc) continue;
-          ++codes_differ;
-          const bool fp8 = c.dtype == DType::f8e4m3;
-          const double hv = (fp8 ? e4m3_value(hc) : static_cast<int8_t>(hc)) * hs;
-          const double dv = (fp8 ? e4m3_value(dc) : static_cast<int8_t>(dc)) * ds;
-          const double quantum =
-              fp8 ? std::max(std::fabs(hv) * 0.125, hs * std::ldexp(1.0, -9)) : hs;
-          ASSERT_LE(std::fabs(dv - hv), quantum * 1.0001 + 1e-5 * hs * (fp8 ? 448 : 127))
-              << "slot " << slot << " row " << row << " k " << k;
-        }
-      }
-    }
-    EXPECT_LE(codes_differ, codes_total / 50) << codes_differ << " of " << codes_total;
-    if (stochastic) {
-      const int64_t want = 41 + step + 1;
-      EXPECT_EQ(*static_cast<int64_t*>(host.rounding_step(layer).data), want);
-      int64_t got = 0;
-      CUDA_CHECK(cudaMemcpy(&got, dev.rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
-      EXPECT_EQ(got, want) << "the device's step counter";
-    }
-    // everything else as the host pool holds it (sentinels; the step counter compared above)
-    std::vector<MemRange> allowed = written;
-    if (stochastic) {
-      const int64_t off = static_cast<const char*>(dev.rounding_step(layer).data) -
-                          static_cast<const char*>(dev.data());
-      const char* dc0 = reinterpret_cast<const char*>(d.data());
-      allowed.push_back({dc0 + off, dc0 + off + 8});
-    }
-    EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), bytes, allowed))
-        << "device pool outside the live slots' codes and scales";
-    // the next step starts both backends from the CPU's pool
-    CUDA_CHECK(
-        cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+    if (q.stochastic) EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    expect_pools_match(q, c.dtype, blocks_of(layer, slots));
+    q.push();  // the next step starts both backends from the CPU's pool
   }
 }
 
@@ -186,6 +237,84 @@ INSTANTIATE_TEST_SUITE_P(
                       QuantCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic,
                                 deltastate::PoolLayout::per_layer}),
     case_name<QuantCase>);
+
+struct QuantRecurrentCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  bool varlen;  // several sequences by cu_seqlens, else [B, T] with T > 1
+};
+void PrintTo(const QuantRecurrentCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedRecurrent : public GpuParamTest<QuantRecurrentCase> {};
+
+// The recurrent op's multi-token calls on a quantized pool updated in place (the state kept in
+// fp32 through a sequence's tokens, stored once): two calls on a host pool and its device copy,
+// each token's outputs (a padded sequence's zero), the live slots' codes and scales, the step
+// counter, every other byte (sentinels).
+TEST_P(GpuQuantizedRecurrent, MultiTokenMatchesCpu) {
+  const QuantRecurrentCase& c = GetParam();
+  const Shape s = c.kda ? kKimi : kQwen3Next;
+  const int64_t layer = 1;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots =
+      c.varlen ? std::vector<int64_t>{3, 7, -1, 0, 5} : std::vector<int64_t>{6, -1, 2, 8};
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer,
+                                        2, 9, blocks_of(layer, slots), rng);
+  const RecurrentSpec spec = c.varlen ? recurrent_spec(s, c.kda, bf16, 1, 1, {3, 1, 4, 2, 5})
+                                      : recurrent_spec(s, c.kda, bf16, 4, 3);
+  RecurrentBatch rb = make_recurrent_batch(rng, spec);
+  ASSERT_EQ(rb.N, static_cast<int64_t>(slots.size()));
+  const Tensor idx = index_tensor(slots);
+  Mirror m;
+  for (int call = 0; call < 2; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    if (call) rb.randomize(rng);
+    rb.poison_out();
+    m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx);
+    if (c.varlen) m.upload(rb.cu);
+    auto run = [&](RecurrentArgs a, const StatePool& p, const TensorView& indices) {
+      a.state = p.layer_state(layer);
+      a.state_indices = indices;
+      a.state_format = format_of(p, layer, c.rounding);
+      if (c.kda) deltastate::recurrent_kda(a);
+      else deltastate::recurrent_gdn(a);
+    };
+    run(rb.args(host_view), *q.host, idx.view());
+    run(rb.args(m.views()), *q.dev, m.view(idx));
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());
+    RecurrentBatch got = rb;
+    got.out = m.download(rb.out);
+    for (int64_t n = 0; n < rb.N; ++n)
+      for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+        if (slots[n] < 0)
+          EXPECT_TRUE(all_zero(got.out_token(n, t))) << "padded sequence " << n << " token " << t;
+        else
+          EXPECT_TRUE(close_vs_cpu(got.out_token(n, t), rb.out_token(n, t), kOutTol, bf16))
+              << "sequence " << n << " token " << t;
+      }
+    if (q.stochastic) EXPECT_EQ(host_step(q, layer), kStep0 + call + 1);
+    expect_pools_match(q, c.dtype, blocks_of(layer, slots));
+    q.push();  // the next call starts both backends from the CPU's pool
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedRecurrent,
+    ::testing::Values(
+        QuantRecurrentCase{"gdn_fp8_sr_T3", false, DType::f8e4m3, StateRounding::stochastic, false},
+        QuantRecurrentCase{"gdn_fp8_sr_varlen", false, DType::f8e4m3, StateRounding::stochastic,
+                           true},
+        QuantRecurrentCase{"gdn_int8_rn_T3", false, DType::i8, StateRounding::nearest, false},
+        QuantRecurrentCase{"gdn_int8_rn_varlen", false, DType::i8, StateRounding::nearest, true},
+        QuantRecurrentCase{"kda_fp8_sr_T3", true, DType::f8e4m3, StateRounding::stochastic, false},
+        QuantRecurrentCase{"kda_fp8_sr_varlen", true, DType::f8e4m3, StateRounding::stochastic,
+                           true},
+        QuantRecurrentCase{"kda_int8_rn_T3", true, DType::i8, StateRounding::nearest, false},
+        QuantRecurrentCase{"kda_int8_rn_varlen", true, DType::i8, StateRounding::nearest, true}),
+    case_name<QuantRecurrentCase>);
 
 // CUDA-graph replay advances the stochastic-rounding step on the device: a captured packed
 // decode replayed three times leaves the counter at 3, as three eager calls on the CPU do.
