@@ -74,6 +74,48 @@ __device__ void write_padded(const RecurrentProblem& p, const TileCoords& c, int
     store_final_state<EPL, R, RG>(p, c, kofs, valid, [fill](int, int) { return fill; });
 }
 
+// A direct-kernel warp's tile, its sequence's tokens and slot.
+struct DirectTile {
+  TileCoords c;
+  int lane, kofs, valid;  // valid: the lane's elements below K
+  int64_t seq, tok0, len, slot;
+};
+
+// What every direct kernel does first: the warp's tile and sequence, token 0's inputs into `x`
+// (they do not depend on the slot: issued first) and the gate's constants into `gc`. False: the
+// warp has nothing more to do (past the grid; a padded sequence, or a bad slot, recorded, whose
+// outputs it wrote here).
+template <class In, int G, int EPL, int R, int RG, bool VEC>
+__device__ __forceinline__ bool direct_prologue(const RecurrentProblem& p, int warps_per_head,
+                                                DirectTile& d, TokenInputs<EPL, R>& x,
+                                                GateConsts<EPL>& gc) {
+  d.lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (w >= p.num_heads_total() * warps_per_head) return false;
+  d.c = tile_coords(p, w, warps_per_head, RG * R, d.lane, G);
+  d.kofs = (d.lane % G) * EPL;
+  d.valid = VEC ? EPL : max(0, min(EPL, p.K - d.kofs));
+  d.seq = p.cu_seqlens ? 0 : d.c.n;
+  d.tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, d.c.n) : 0;
+  d.len = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, d.c.n + 1) - d.tok0 : p.T;
+  d.slot = slot_of(p, d.c.n);
+  if (d.len > 0)
+    load_token<In>(p, p.g, p.beta, d.seq, d.tok0, d.c.h, d.c.hv, d.kofs, d.valid, d.c.row0, RG, x);
+  load_gate_consts(p.gate, d.c.hv, p.K, d.kofs, d.valid, gc);
+  if (p.indices && d.slot < 0) {
+    write_padded<EPL, R, RG, G>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, 0.0f);
+    return false;
+  }
+  // a bad slot: as padded, but NaN out and recorded (lane 0 of the row's first tile)
+  if (bad_slot(p, d.slot)) {
+    record_bad_slot(p, d.c.n, d.slot, d.lane == 0 && d.c.hv == 0 && d.c.row0 == 0);
+    write_padded<EPL, R, RG, G>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid,
+                                bad_row_output());
+    return false;
+  }
+  return true;
+}
+
 // All tokens of a tile on the state rows S (registers); `x` holds token 0's inputs on entry.
 template <class In, int G, int EPL, int R, int RG>
 __device__ __forceinline__ void run_tokens(const RecurrentProblem& p, const TileCoords& c,
@@ -204,54 +246,33 @@ __global__ void __launch_bounds__(128, kDirectCtasPerSm)
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<float, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
-  const int lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (w >= p.num_heads_total() * warps_per_head) return;
-  const TileCoords c = tile_coords(p, w, warps_per_head, RG * R, lane, G);
-  const int kofs = (lane % G) * EPL;
-  const int valid = max(0, min(EPL, p.K - kofs));
-  const int64_t seq = p.cu_seqlens ? 0 : c.n;
-  const int64_t tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n) : 0;
-  const int64_t len =
-      p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n + 1) - tok0 : p.T;
-  const int64_t slot = slot_of(p, c.n);
-
+  DirectTile d;
   TokenInputs<EPL, R> x;
-  if (len > 0)
-    load_token<AnyInput>(p, p.g, p.beta, seq, tok0, c.h, c.hv, kofs, valid, c.row0, RG, x);
   GateConsts<EPL> gc;
-  load_gate_consts(p.gate, c.hv, p.K, kofs, valid, gc);
-  if (p.indices && slot < 0) {
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, 0.0f);
-    return;
-  }
-  if (bad_slot(p, slot)) {
-    record_bad_slot(p, c.n, slot, lane == 0 && c.hv == 0 && c.row0 == 0);
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, bad_row_output());
-    return;
-  }
+  if (!direct_prologue<AnyInput, G, EPL, R, RG, false>(p, warps_per_head, d, x, gc)) return;
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = c.row0 + r * RG;
+    const int row = d.c.row0 + r * RG;
     if (row < p.V) {
-      load_state_fmt<EPL>(p.state, slot, c.hv, p.V, p.K, row, kofs, valid, S[r]);
+      load_state_fmt<EPL>(p.state, d.slot, d.c.hv, p.V, p.K, row, d.kofs, d.valid, S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  run_tokens<AnyInput, G, EPL, R, RG>(p, c, seq, tok0, len, lane, kofs, valid, S, x, gc);
-  if (!p.update_state || len <= 0) return;
+  run_tokens<AnyInput, G, EPL, R, RG>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, S, x,
+                                      gc);
+  if (!p.update_state || d.len <= 0) return;
   const uint64_t key = p.state.stochastic
-                           ? detail::sr_key(p.state.seed, static_cast<uint64_t>(slot),
+                           ? detail::sr_key(p.state.seed, static_cast<uint64_t>(d.slot),
                                             p.state.layer, static_cast<uint64_t>(*p.state.step))
                            : 0;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = c.row0 + r * RG;
-    store_state_fmt<G, EPL>(p.state, key, slot, c.hv, p.V, p.K, row, row < p.V, lane, kofs, valid,
-                            S[r]);
+    const int row = d.c.row0 + r * RG;
+    store_state_fmt<G, EPL>(p.state, key, d.slot, d.c.hv, p.V, p.K, row, row < p.V, d.lane, d.kofs,
+                            d.valid, S[r]);
   }
 }
 
@@ -270,50 +291,29 @@ __global__ void __launch_bounds__(128, kDirectCtasPerSm)
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
-  const int lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (w >= p.num_heads_total() * warps_per_head) return;
-  const TileCoords c = tile_coords(p, w, warps_per_head, RG * R, lane, G);
-  const int kofs = (lane % G) * EPL;
-  const int valid = VEC ? EPL : max(0, min(EPL, p.K - kofs));
-  const int64_t seq = p.cu_seqlens ? 0 : c.n;
-  const int64_t tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n) : 0;
-  const int64_t len =
-      p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n + 1) - tok0 : p.T;
-  const int64_t slot = slot_of(p, c.n);
-
-  TokenInputs<EPL, R> x;  // token 0's inputs do not depend on the slot: issue them first
-  if (len > 0) load_token<In>(p, p.g, p.beta, seq, tok0, c.h, c.hv, kofs, valid, c.row0, RG, x);
+  DirectTile d;
+  TokenInputs<EPL, R> x;
   GateConsts<EPL> gc;
-  load_gate_consts(p.gate, c.hv, p.K, kofs, valid, gc);
-  if (p.indices && slot < 0) {
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, 0.0f);
-    return;
-  }
-  if (bad_slot(p, slot)) {  // as padded, but NaN out and recorded (lane 0 of the row's first tile)
-    record_bad_slot(p, c.n, slot, lane == 0 && c.hv == 0 && c.row0 == 0);
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, bad_row_output());
-    return;
-  }
+  if (!direct_prologue<In, G, EPL, R, RG, VEC>(p, warps_per_head, d, x, gc)) return;
 
   const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
   StateT* state_head = p.state.ptr ? static_cast<StateT*>(p.state.ptr) +
-                                         slot * p.state.slot_stride + c.hv * head_elems
+                                         d.slot * p.state.slot_stride + d.c.hv * head_elems
                                    : nullptr;
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = c.row0 + r * RG;
+    const int row = d.c.row0 + r * RG;
     if (state_head && row < p.V) {
-      load_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid,
+      load_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + d.kofs, d.valid,
                                    S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  run_tokens<In, G, EPL, R, RG>(p, c, seq, tok0, len, lane, kofs, valid, S, x, gc);
-  write_state<StateT, EPL, R, RG, VEC>(p, c, state_head, len, kofs, valid, S);
+  run_tokens<In, G, EPL, R, RG>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, S, x, gc);
+  write_state<StateT, EPL, R, RG, VEC>(p, d.c, state_head, d.len, d.kofs, d.valid, S);
 }
 
 }  // namespace
