@@ -1,6 +1,7 @@
 // The direct kernel of the recurrent op: any number of tokens per sequence, each thread's rows
 // in registers across the sequence.
-// Part of recurrent.cu's translation unit (included there only), in its anonymous namespace.
+// Part of recurrent.cu's translation unit, in its anonymous namespace; verify.cu includes it too
+// (verify/fmt.cuh runs its tile, prologue and token loop).
 #pragma once
 
 #include <cstdint>
@@ -10,9 +11,11 @@
 #include "core/problem.h"
 #include "core/state_format.h"
 #include "cuda/grid.cuh"
+#include "cuda/launch.h"
 #include "cuda/loads.cuh"
 #include "cuda/recurrent/head_block.cuh"
 #include "cuda/rows.cuh"
+#include "cuda/state_fmt.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
 
@@ -21,6 +24,23 @@ namespace deltastate::cuda_backend {
 using detail::RecurrentProblem;
 
 namespace {
+
+// The launch of a direct-layout kernel over `tiles` warps (one tile each): warps per CTA
+// (tuning.h direct_cta_warps), CTAs, and resident CTAs per SM (the launch bound's 16 warps per
+// SM). `too_many`: the error text past 2^31 - 1 tiles.
+struct DirectGrid {
+  int warps;
+  int64_t ctas;
+  int resident;
+};
+inline DirectGrid direct_grid(int64_t tiles, int device, const char* too_many) {
+  if (tiles > 0x7fffffffLL) throw Error(ErrorKind::value, too_many);
+  DirectGrid g;
+  g.warps = direct_cta_warps(tiles, num_sms(device));
+  g.ctas = (tiles + g.warps - 1) / g.warps;
+  g.resident = kDirectCtasPerSm * 4 / g.warps;
+  return g;
+}
 
 // A direct-kernel tile: sequence n, value head hv (head = n*HV + hv), this thread's first row.
 // (n and head widened once here: deriving them from HeadBlock's ints where they are used spills
@@ -81,14 +101,10 @@ struct DirectTile {
   int64_t seq, tok0, len, slot;
 };
 
-// What every direct kernel does first: the warp's tile and sequence, token 0's inputs into `x`
-// (they do not depend on the slot: issued first) and the gate's constants into `gc`. False: the
-// warp has nothing more to do (past the grid; a padded sequence, or a bad slot, recorded, whose
-// outputs it wrote here).
-template <class In, int G, int EPL, int R, int RG, bool VEC>
-__device__ __forceinline__ bool direct_prologue(const RecurrentProblem& p, int warps_per_head,
-                                                DirectTile& d, TokenInputs<EPL, R>& x,
-                                                GateConsts<EPL>& gc) {
+// The warp's tile, its sequence's tokens and slot (state_indices, else n). False: past the grid.
+template <int G, int EPL, int R, int RG, bool VEC>
+__device__ __forceinline__ bool direct_tile(const RecurrentProblem& p, int warps_per_head,
+                                            DirectTile& d) {
   d.lane = threadIdx.x & 31;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (w >= p.num_heads_total() * warps_per_head) return false;
@@ -99,6 +115,17 @@ __device__ __forceinline__ bool direct_prologue(const RecurrentProblem& p, int w
   d.tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, d.c.n) : 0;
   d.len = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, d.c.n + 1) - d.tok0 : p.T;
   d.slot = slot_of(p, d.c.n);
+  return true;
+}
+
+// What every direct kernel does first: direct_tile, token 0's inputs into `x` (they do not depend
+// on the slot: issued first) and the gate's constants into `gc`. False: the warp has nothing more
+// to do (past the grid; a padded sequence, or a bad slot, recorded, whose outputs it wrote here).
+template <class In, int G, int EPL, int R, int RG, bool VEC>
+__device__ __forceinline__ bool direct_prologue(const RecurrentProblem& p, int warps_per_head,
+                                                DirectTile& d, TokenInputs<EPL, R>& x,
+                                                GateConsts<EPL>& gc) {
+  if (!direct_tile<G, EPL, R, RG, VEC>(p, warps_per_head, d)) return false;
   if (d.len > 0)
     load_token<In>(p, p.g, p.beta, d.seq, d.tok0, d.c.h, d.c.hv, d.kofs, d.valid, d.c.row0, RG, x);
   load_gate_consts(p.gate, d.c.hv, p.K, d.kofs, d.valid, gc);
@@ -116,13 +143,25 @@ __device__ __forceinline__ bool direct_prologue(const RecurrentProblem& p, int w
   return true;
 }
 
+// What run_tokens calls around each token t: before(t, S) ahead of its step (verify's tree
+// tokens reload S there), after(t, S) once S holds the state after it (verify's per-token
+// stores). The recurrent op's kernels pass none.
+struct NoTokenHooks {
+  template <class S>
+  __device__ __forceinline__ void before(int64_t, S&) const {}
+  template <class S>
+  __device__ __forceinline__ void after(int64_t, const S&) const {}
+};
+
 // All tokens of a tile on the state rows S (registers); `x` holds token 0's inputs on entry.
-template <class In, int G, int EPL, int R, int RG>
+template <class In, int G, int EPL, int R, int RG, class Hooks = NoTokenHooks>
 __device__ __forceinline__ void run_tokens(const RecurrentProblem& p, const TileCoords& c,
                                            int64_t seq, int64_t tok0, int64_t len, int lane,
                                            int kofs, int valid, float (&S)[R][EPL],
-                                           TokenInputs<EPL, R>& x, const GateConsts<EPL>& gc) {
+                                           TokenInputs<EPL, R>& x, const GateConsts<EPL>& gc,
+                                           const Hooks& hooks = {}) {
   for (int64_t t = 0; t < len; ++t) {
+    hooks.before(t, S);
     const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
     float g[EPL], alpha[EPL];
     token_gate(p.gate, gc, x.g, g, alpha);
@@ -141,6 +180,7 @@ __device__ __forceinline__ void run_tokens(const RecurrentProblem& p, const Tile
     const int orow = c.row0 + mine * RG;
     if (mine >= 0 && orow < p.V)
       detail::store_float(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, c.hv) + orow, o);
+    hooks.after(t, S);
     if (t + 1 < len)
       load_token<In>(p, p.g, p.beta, seq, tok + 1, c.h, c.hv, kofs, valid, c.row0, RG, x);
   }
@@ -161,80 +201,6 @@ __device__ __forceinline__ void write_state(const RecurrentProblem& p, const Til
   }
   if (p.final_state)
     store_final_state<EPL, R, RG>(p, c, kofs, valid, [&S](int r, int i) { return S[r][i]; });
-}
-
-// ---- a pool in its storage format (docs/STATE_FORMATS.md) -------------------------------------
-// Quantized states (float8_e4m3fn, int8 with a fp32 scale per row) and stochastically rounded
-// 16-bit states, element by element through core/state_format.h's rules (the CPU backend's,
-// src/cpu/state_io.h): loaded dequantized, stored with the row's fresh scale, the amax a shuffle
-// reduction over the row's G lanes (every lane takes part, rows past V included).
-__device__ __forceinline__ bool quantized_state(DType t) {
-  return t == DType::f8e4m3 || t == DType::i8;
-}
-
-template <int EPL>
-__device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, int64_t slot, int hv,
-                                               int V, int K, int row, int kofs, int valid,
-                                               float (&x)[EPL]) {
-  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
-  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
-  if (quantized_state(st.dtype)) {
-    const float scale = st.scales[slot * st.scale_slot_stride + row_idx];
-    const uint8_t* c = static_cast<const uint8_t*>(st.ptr) + off;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float q = st.dtype == DType::f8e4m3 ? detail::e4m3_to_float(c[i])
-                                                : static_cast<float>(static_cast<int8_t>(c[i]));
-      x[i] = i < valid ? q * scale : 0.0f;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i)
-      x[i] = i < valid ? detail::load_float(st.ptr, st.dtype, off + i) : 0.0f;
-  }
-}
-
-// `in_rows`: the row is below V (uniform over the row's lanes); the reduction runs regardless.
-template <int G, int EPL>
-__device__ __forceinline__ void store_state_fmt(const detail::StatePoolRef& st, uint64_t key,
-                                                int64_t slot, int hv, int V, int K, int row,
-                                                bool in_rows, int lane, int kofs, int valid,
-                                                const float (&x)[EPL]) {
-  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
-  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
-  const uint64_t index0 = static_cast<uint64_t>(row_idx * K + kofs);
-  if (quantized_state(st.dtype)) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i)
-      if (i < valid) amax = detail::amax_step(amax, x[i]);
-#pragma unroll
-    for (int d = G / 2; d > 0; d >>= 1)
-      amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-    if (!in_rows) return;
-    const bool fp8 = st.dtype == DType::f8e4m3;
-    const float s = detail::row_scale(amax, fp8 ? detail::kE4m3Max : detail::kInt8Max);
-    uint8_t* c = static_cast<uint8_t*>(st.ptr) + off;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (i >= valid) continue;
-      const uint32_t U = st.stochastic ? detail::sr_u24(detail::sr_bits(key, index0 + i)) : 0u;
-      const float y = x[i] / s;
-      c[i] = fp8 ? detail::float_to_e4m3(y, st.stochastic, U)
-                 : static_cast<uint8_t>(detail::float_to_i8(y, st.stochastic, U));
-    }
-    if (lane % G == 0) st.scales[slot * st.scale_slot_stride + row_idx] = s;
-    return;
-  }
-  if (!in_rows) return;
-  uint16_t* h = static_cast<uint16_t*>(st.ptr) + off;  // bf16 / fp16, stochastic
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    if (i >= valid) continue;
-    const uint64_t bits = detail::sr_bits(key, index0 + i);
-    h[i] = st.dtype == DType::bf16 ? detail::float_to_bf16_sr(x[i], bits)
-                                   : detail::float_to_f16_sr(x[i], bits);
-  }
 }
 
 // The formatted-state twin of the direct kernel (float register layout of a KT = 256 tile, any
@@ -274,12 +240,6 @@ __global__ void __launch_bounds__(128, kDirectCtasPerSm)
     store_state_fmt<G, EPL>(p.state, key, d.slot, d.c.hv, p.V, p.K, row, row < p.V, d.lane, d.kofs,
                             d.valid, S[r]);
   }
-}
-
-// One thread: the stochastic-rounding step counter of a call, after its grid.
-__global__ void advance_rounding_step(int64_t* step) {
-  enter_grid(false);
-  *step += 1;
 }
 
 // ---- direct kernel: one tile per warp, state loaded straight into registers
