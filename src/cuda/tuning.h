@@ -16,6 +16,10 @@ namespace deltastate::cuda_backend {
 // Direct kernel: CTAs of up to 128 threads, 4 resident per SM: at most 128 registers per thread
 // for its rows, the token and the gate constants across the token loop.
 constexpr int kDirectCtasPerSm = 4;
+// Verify on a pool in its storage format (verify/fmt.cuh): the direct kernel's CTAs, 2 resident
+// per SM (at most 255 registers per thread): its per-token stores and tree reloads do not fit in
+// 128 without spills.
+constexpr int kVerifyFmtCtasPerSm = 2;
 // Register decode kernel: 2-warp CTAs, 12 resident per SM (at most 80 registers per thread): 24
 // warps per SM keep enough state loads in flight, and a 64-register cap spills.
 constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;

@@ -354,5 +354,291 @@ TEST_F(GpuTest, QuantizedGraphReplayAdvancesTheStep) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// ---- verify and its commit on a quantized pool ------------------------------------------------
+// Verify's conventions (ops.h VerifyArgs): SGLang's float scratch with a tree and no write-back,
+// FlashInfer's scratch by batch row with the final state in place, vLLM's per-token slots with
+// num_accepted_tokens, output slots.
+enum class QMode { scratch_tree, scratch_in_place, per_token_accepted, output_slots };
+
+struct QuantVerifyCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  QMode mode;
+  DType scratch;  // intermediate_states' dtype (the caller's float scratch)
+};
+void PrintTo(const QuantVerifyCase& c, std::ostream* os) { *os << c.name; }
+
+// Four sequences of three tokens; sequence 1 padded (its start slot < 0). Starts: the live slots
+// 5, 2, 9 (state_indices) or 10, 18, 21 (per-token table at num_accepted - 1); scratch rows 3, 0,
+// -1 (none: a chain), 1 for the tree, n by batch row otherwise.
+constexpr int64_t kQvN = 4, kQvT = 3, kQvSlots = 24, kQvLayer = 1;
+const std::vector<int64_t> kQvIdx{5, -1, 2, 9}, kQvRows{3, 0, -1, 1}, kQvOut{6, -1, 7, -1},
+    kQvAccepted{1, 1, 3, 2};
+const std::vector<std::vector<int64_t>> kQvParents{
+    {-1, 0, 0}, {-1, 0, 1}, {-1, -1, 1}, {-1, -1, 0}};
+const std::vector<std::vector<int64_t>> kQvTable{
+    {10, 11, 12, 13}, {-1, 14, 15, 16}, {17, -1, 18, 19}, {20, 21, 22, 23}};
+
+class GpuQuantizedVerify : public GpuParamTest<QuantVerifyCase> {};
+
+// One verify call on a host pool and its device copy: every token's output (padding zero), the
+// float scratch (written steps within the fp32 tolerance, the rest bit-untouched), the pool's
+// written slots within one quantum and every other byte bit-identical, the step counter (+1).
+TEST_P(GpuQuantizedVerify, MatchesCpu) {
+  const QuantVerifyCase& c = GetParam();
+  const Shape s = c.kda ? kKimi : kQwen3Next;
+  Rng rng = test_rng();
+  const bool per_token = c.mode == QMode::per_token_accepted;
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::envelope, 2,
+                                        kQvSlots, blocks_of(kQvLayer, {5, 2, 9, 10, 18, 21}), rng);
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, c.kda, bf16, kQvN, kQvT));
+  Tensor idx = index_tensor(kQvIdx), rows = index_tensor(kQvRows, DType::i64),
+         out_idx = index_tensor(kQvOut), accepted = index_tensor(kQvAccepted);
+  Tensor parents = Tensor::contiguous(DType::i32, {kQvN, kQvT});
+  Tensor table = Tensor::contiguous(DType::i64, {kQvN, kQvT + 1});
+  for (int64_t n = 0; n < kQvN; ++n) {
+    for (int64_t t = 0; t < kQvT; ++t) parents.set({n, t}, static_cast<double>(kQvParents[n][t]));
+    for (int64_t t = 0; t <= kQvT; ++t) table.set({n, t}, static_cast<double>(kQvTable[n][t]));
+  }
+  const int64_t he = s.state_elems();
+  Tensor inter = Tensor::contiguous(c.scratch, {kQvN, kQvT + 1, s.HV, s.V, s.K});
+  inter.fill_all(kSentinel);
+  Tensor inter0 = inter.empty_like();
+  std::memcpy(inter0.alloc_base(), inter.alloc_base(), static_cast<size_t>(inter.alloc_bytes()));
+  rb.poison_out();
+  Mirror m;
+  m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx, rows, out_idx,
+               accepted, parents, table, inter);
+  auto run = [&](auto&& view_of, const StatePool& p) {
+    deltastate::VerifyArgs a = verify_inputs(rb.args(view_of), c.kda);
+    a.state = p.layer_state(kQvLayer);
+    a.state_format = format_of(p, kQvLayer, c.rounding);
+    switch (c.mode) {
+      case QMode::scratch_tree:
+        a.state_indices = view_of(idx);
+        a.update_state = false;
+        a.intermediate_states = view_of(inter);
+        a.intermediate_state_indices = view_of(rows);
+        a.parent_tokens = view_of(parents);
+        break;
+      case QMode::scratch_in_place:
+        a.state_indices = view_of(idx);
+        a.intermediate_states = view_of(inter);
+        break;
+      case QMode::per_token_accepted:
+        a.token_state_indices = view_of(table);
+        a.num_accepted_tokens = view_of(accepted);
+        break;
+      case QMode::output_slots:
+        a.state_indices = view_of(idx);
+        a.output_state_indices = view_of(out_idx);
+        break;
+    }
+    deltastate::verify(a);
+  };
+  run(host_view, *q.host);
+  run(m.views(), *q.dev);
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+
+  // what the call wrote: the pool's blocks, the scratch's (row, step) entries
+  std::vector<Block> written;
+  std::vector<std::pair<int64_t, int64_t>> steps_written;
+  for (int64_t n = 0; n < kQvN; ++n) {
+    const int64_t start = per_token ? kQvTable[n][kQvAccepted[n] - 1] : kQvIdx[n];
+    if (start < 0) continue;
+    if (c.mode == QMode::scratch_in_place) written.push_back({kQvLayer, kQvIdx[n]});
+    if (c.mode == QMode::output_slots && kQvOut[n] >= 0) written.push_back({kQvLayer, kQvOut[n]});
+    if (per_token)
+      for (int64_t t = 0; t < kQvT; ++t)
+        if (kQvTable[n][t] >= 0) written.push_back({kQvLayer, kQvTable[n][t]});
+    const int64_t row = c.mode == QMode::scratch_tree       ? kQvRows[n]
+                        : c.mode == QMode::scratch_in_place ? n
+                                                            : -1;
+    if (row >= 0)
+      for (int64_t t = 0; t < kQvT; ++t) steps_written.push_back({row, t});
+  }
+  RecurrentBatch got = rb;
+  got.out = m.download(rb.out);
+  for (int64_t n = 0; n < kQvN; ++n)
+    for (int64_t t = 0; t < kQvT; ++t) {
+      if (n == 1) EXPECT_TRUE(all_zero(got.out_token(n, t))) << "padded sequence, token " << t;
+      else
+        EXPECT_TRUE(close_vs_cpu(got.out_token(n, t), rb.out_token(n, t), kOutTol, bf16))
+            << "sequence " << n << " token " << t;
+    }
+  const Tensor dinter = m.download(inter);
+  for (int64_t row = 0; row < kQvN; ++row)
+    for (int64_t t = 0; t <= kQvT; ++t) {
+      const int64_t at = (row * (kQvT + 1) + t) * he;
+      const bool w = std::find(steps_written.begin(), steps_written.end(),
+                               std::make_pair(row, t)) != steps_written.end();
+      const TensorView dv = dinter.view(), hv = inter.view(), v0 = inter0.view();
+      if (w)
+        EXPECT_TRUE(close_vs_cpu(view_values(dv, at, he), view_values(hv, at, he), kFp32StateTol,
+                                 c.scratch))
+            << "scratch row " << row << " step " << t;
+      else
+        EXPECT_TRUE(Snapshot::equal_except(range_of(dv, at, he).begin, range_of(v0, at, he).begin,
+                                           he * dtype_size(c.scratch), {}))
+            << "untouched scratch row " << row << " step " << t;
+    }
+  if (q.stochastic) EXPECT_EQ(host_step(q, kQvLayer), kStep0 + 1);
+  expect_pools_match(q, c.dtype, written);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedVerify,
+    ::testing::Values(
+        QuantVerifyCase{"gdn_fp8_sr_scratch_tree", false, DType::f8e4m3, StateRounding::stochastic,
+                        QMode::scratch_tree, DType::f32},
+        QuantVerifyCase{"gdn_int8_rn_in_place_bf16_scratch", false, DType::i8,
+                        StateRounding::nearest, QMode::scratch_in_place, DType::bf16},
+        QuantVerifyCase{"gdn_fp8_sr_per_token", false, DType::f8e4m3, StateRounding::stochastic,
+                        QMode::per_token_accepted, DType::f32},
+        QuantVerifyCase{"gdn_int8_rn_output_slots", false, DType::i8, StateRounding::nearest,
+                        QMode::output_slots, DType::f32},
+        QuantVerifyCase{"kda_int8_rn_scratch_tree", true, DType::i8, StateRounding::nearest,
+                        QMode::scratch_tree, DType::f32},
+        QuantVerifyCase{"kda_fp8_sr_in_place", true, DType::f8e4m3, StateRounding::stochastic,
+                        QMode::scratch_in_place, DType::f32},
+        QuantVerifyCase{"kda_int8_sr_per_token", true, DType::i8, StateRounding::stochastic,
+                        QMode::per_token_accepted, DType::f32},
+        QuantVerifyCase{"kda_fp8_rn_output_slots", true, DType::f8e4m3, StateRounding::nearest,
+                        QMode::output_slots, DType::f32}),
+    case_name<QuantVerifyCase>);
+
+struct QuantCommitCase {
+  const char* name;
+  DType dtype;
+  StateRounding rounding;
+  DType scratch;
+};
+void PrintTo(const QuantCommitCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedCommit : public GpuParamTest<QuantCommitCase> {};
+
+// The commit after a verify, every layer in one call: each accepted float scratch state
+// requantized into its slot with fresh scales (the key: the slot, the layer, the layer's step),
+// against the CPU: written slots within one quantum, every other byte bit-identical (rejected,
+// padded and row-less requests write nothing), every layer's counter +1.
+TEST_P(GpuQuantizedCommit, MatchesCpu) {
+  const QuantCommitCase& c = GetParam();
+  const Shape s = kQwen3Next;
+  const int64_t layers = 2, rows = 4, steps = 3;
+  Rng rng = test_rng();
+  std::vector<Block> live;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t slot : {4, 6, 8, 2}) live.push_back({l, slot});
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer,
+                                        layers, 9, live, rng);
+  Tensor inter = Tensor::contiguous(c.scratch, {layers, rows, steps, s.HV, s.V, s.K});
+  inter.fill_normal(rng, 0.5);
+  // request: slot, accepted, scratch row (b1 padded, b2 nothing accepted, b3 no row)
+  const Tensor idx = index_tensor({4, -1, 6, 8, 2}), acc = index_tensor({2, 3, 0, 1, 3}),
+               rws = index_tensor({1, 0, 2, -1, 3}, DType::i64);
+  Mirror m;
+  m.upload_all(inter, idx, acc, rws);
+  auto run = [&](auto&& view_of, const StatePool& p) {
+    deltastate::CommitArgs a;
+    a.state = p.states();
+    a.intermediate_states = view_of(inter);
+    a.state_indices = view_of(idx);
+    a.accepted = view_of(acc);
+    a.intermediate_state_indices = view_of(rws);
+    a.state_format.scales = p.scales();
+    a.state_format.rounding = c.rounding;
+    if (p.config().stochastic_rounding()) {
+      a.state_format.step = p.rounding_steps();
+      a.state_format.seed = kSeed;
+    }
+    deltastate::update_state_after_verify(a);
+  };
+  run(host_view, *q.host);
+  run(m.views(), *q.dev);
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+  if (q.stochastic)
+    for (int64_t l = 0; l < layers; ++l) EXPECT_EQ(host_step(q, l), kStep0 + 1);
+  std::vector<Block> written;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t slot : {4, 2}) written.push_back({l, slot});
+  expect_pools_match(q, c.dtype, written);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedCommit,
+    ::testing::Values(
+        QuantCommitCase{"fp8_sr", DType::f8e4m3, StateRounding::stochastic, DType::f32},
+        QuantCommitCase{"fp8_rn_bf16_scratch", DType::f8e4m3, StateRounding::nearest, DType::bf16},
+        QuantCommitCase{"int8_rn", DType::i8, StateRounding::nearest, DType::f32},
+        QuantCommitCase{"int8_sr_f16_scratch", DType::i8, StateRounding::stochastic, DType::f16}),
+    case_name<QuantCommitCase>);
+
+// A verify (float scratch, no write-back) and the commit of its accepted states captured in one
+// CUDA graph and replayed three times, against three eager calls on a second device pool: the
+// pools bit-identical (the same keys: each replay advanced the device's step counter, twice).
+TEST_F(GpuTest, QuantizedVerifyCommitGraphReplay) {
+  const Shape s = kOdd;
+  const int64_t layer = 1;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{2, -1, 0};
+  const QuantPools q =
+      make_quant_pools(s, DType::f8e4m3, StateRounding::format_default,
+                       deltastate::PoolLayout::per_layer, 2, 4, blocks_of(layer, slots), rng);
+  StatePoolConfig cfg = q.dev->config();
+  StatePool eager(cfg);
+  CUDA_CHECK(cudaMemcpy(eager.data(), q.dev->data(), static_cast<size_t>(q.bytes),
+                        cudaMemcpyDeviceToDevice));
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, false, f32, 3, 2));
+  Tensor idx = index_tensor(slots), acc = index_tensor({2, 0, 1});
+  Tensor inter = Tensor::contiguous(DType::f32, {3, 2, s.HV, s.V, s.K});
+  Mirror m;
+  m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx, acc, inter);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&](const StatePool& p) {
+    deltastate::VerifyArgs a = verify_inputs(rb.args(m.views()), false);
+    a.state = p.layer_state(layer);
+    a.state_format = format_of(p, layer, StateRounding::format_default);
+    a.state_indices = m.view(idx);
+    a.update_state = false;
+    a.intermediate_states = m.view(inter);
+    a.stream = stream;
+    deltastate::verify(a);
+    deltastate::CommitArgs ca;
+    ca.state = p.layer_state(layer);
+    ca.intermediate_states = m.view(inter);
+    ca.state_indices = m.view(idx);
+    ca.accepted = m.view(acc);
+    ca.state_format = format_of(p, layer, StateRounding::format_default);
+    ca.stream = stream;
+    deltastate::update_state_after_verify(ca);
+  };
+  for (int i = 0; i < 3; ++i) step(eager);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step(*q.dev);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  deltastate::check_errors(stream);
+  int64_t got = 0;
+  CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, kStep0 + 6);
+  std::vector<uint8_t> a(static_cast<size_t>(q.bytes)), b(a.size());
+  CUDA_CHECK(cudaMemcpy(a.data(), q.dev->data(), a.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
+      << "graph replays against eager calls";
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace dstest

@@ -26,19 +26,20 @@ using detail::RecurrentProblem;
 namespace {
 
 // The launch of a direct-layout kernel over `tiles` warps (one tile each): warps per CTA
-// (tuning.h direct_cta_warps), CTAs, and resident CTAs per SM (the launch bound's 16 warps per
-// SM). `too_many`: the error text past 2^31 - 1 tiles.
+// (tuning.h direct_cta_warps), CTAs, and resident CTAs per SM (the launch bound's 4-warp CTAs
+// times `ctas_per_sm`, in warps). `too_many`: the error text past 2^31 - 1 tiles.
 struct DirectGrid {
   int warps;
   int64_t ctas;
   int resident;
 };
-inline DirectGrid direct_grid(int64_t tiles, int device, const char* too_many) {
+inline DirectGrid direct_grid(int64_t tiles, int device, const char* too_many,
+                              int ctas_per_sm = kDirectCtasPerSm) {
   if (tiles > 0x7fffffffLL) throw Error(ErrorKind::value, too_many);
   DirectGrid g;
   g.warps = direct_cta_warps(tiles, num_sms(device));
   g.ctas = (tiles + g.warps - 1) / g.warps;
-  g.resident = kDirectCtasPerSm * 4 / g.warps;
+  g.resident = ctas_per_sm * 4 / g.warps;
   return g;
 }
 
