@@ -52,7 +52,8 @@ namespace deltastate {
 // checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
 // commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
 // src/cuda/recurrent/direct.cuh), verify (not with cache_ring) and its state commit (generic
-// kernels, src/cuda/verify/fmt.cuh) on them, and rejects them in every other op
+// kernels, src/cuda/verify/fmt.cuh) and ReplaySSM decode's checkpoint (basic rings;
+// replay_fmt_kernel, src/cuda/replayssm/decode.cuh) on them, and rejects them in every other op
 // (NotImplementedError). GPU tests: tests/gpu/test_state_format_gpu.cpp (packed decode's pass on
 // an H100; the others' have not run on a GPU yet).
 struct StateFormatArgs {
@@ -186,7 +187,9 @@ struct ReplayDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   std::optional<double> scale;  // unset: K^-0.5
   TensorView state, d_cache, k_cache, g_cache;
-  StateFormatArgs state_format;  // the checkpoint's format (above); the rings stay float
+  // the checkpoint's format (above); the rings stay float. CUDA: the basic rings only (not
+  // circular_replay, prefix_gate_cache or predecayed_k_cache with a formatted checkpoint).
+  StateFormatArgs state_format;
   TensorView out;
   TensorView state_indices, write_pos;
   std::optional<TensorView> force_flush;

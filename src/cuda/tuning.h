@@ -28,6 +28,10 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // ReplaySSM: 8-warp CTAs, so that the per-head ring work and the token are shared by 8 warps'
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
+// ReplaySSM decode on a checkpoint in its storage format (replay_fmt_kernel): 2 resident per SM
+// (at most 128 registers per thread), where it spills 8 / 20 bytes (60 / 152 at 3;
+// docs/SPILLS.md).
+constexpr int kReplayFmtCtasPerSm = 2;
 // ReplaySSM verify: 8-warp CTAs for the same reason (the records and the drafts are prepared once
 // per CTA for 8 warps' rows). The vector kernel: 2 resident per SM (at most 128 registers per
 // thread), where ptxas fits one row block without spills and two with few; a 3-CTA one-block

@@ -64,8 +64,14 @@ struct QuantPools {
 };
 QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
                             deltastate::PoolLayout layout, int64_t layers, int64_t slots,
-                            const std::vector<Block>& live, Rng& rng) {
+                            const std::vector<Block>& live, Rng& rng, int64_t replay_len = 0,
+                            bool kda = false) {
   StatePoolConfig cfg;
+  if (replay_len > 0) {  // ReplaySSM rings (float32)
+    cfg.replay_len = replay_len;
+    cfg.H = s.H;
+    cfg.kda = kda;
+  }
   cfg.layers = layers;
   cfg.slots = slots;
   cfg.HV = s.HV;
@@ -121,8 +127,10 @@ int64_t host_step(const QuantPools& q, int64_t layer) {
 
 // The device pool against the host pool after the same calls: in the `written` blocks, scales to
 // 1e-4 relative and dequantized codes within one quantum (at most 2% of the codes differing);
-// every layer's step counter equal; every other byte equal (sentinels, blocks not written).
-void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Block>& written) {
+// every layer's step counter equal; every other byte equal (sentinels, blocks not written) but in
+// the views `apart` (of the host pool; the caller compares them).
+void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Block>& written,
+                        const std::vector<TensorView>& apart = {}) {
   const StatePool &host = *q.host, &dev = *q.dev;
   const int64_t HV = host.config().HV, V = host.config().V, K = host.config().K;
   std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
@@ -169,8 +177,34 @@ void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Bloc
       allowed.push_back({dbase + off, dbase + off + 8});
     }
   }
+  for (const TensorView& v : apart) {
+    const int64_t off = static_cast<const char*>(v.data) - hbase;
+    allowed.push_back({dbase + off, dbase + off + v.numel() * dtype_size(v.dtype)});
+  }
   EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), q.bytes, allowed))
       << "device pool outside the written blocks' codes and scales";
+}
+
+// A host pool's view read from a byte copy `copy` of the pool (the device's, downloaded).
+std::vector<double> values_in_copy(const StatePool& host, const TensorView& v,
+                                   const std::vector<uint8_t>& copy) {
+  TensorView c = v;
+  c.data = const_cast<uint8_t*>(copy.data()) +
+           (static_cast<const char*>(v.data) - static_cast<const char*>(host.data()));
+  return view_values(c, 0, v.numel());
+}
+
+// A decode batch's device outputs against the CPU's: a padded row's zero.
+void expect_decode_outputs(Mirror& m, const DecodeBatch& batch, const std::vector<int64_t>& slots) {
+  const Tensor out = m.download(batch.out);
+  const int64_t HV = out.size(2), V = out.size(3);
+  for (int64_t r = 0; r < batch.B; ++r) {
+    std::vector<double> g;
+    for (int64_t hv = 0; hv < HV; ++hv)
+      for (int64_t v = 0; v < V; ++v) g.push_back(out.get({r, 0, hv, v}));
+    if (slots[r] < 0) EXPECT_TRUE(all_zero(g)) << "padded row " << r;
+    else EXPECT_TRUE(close_vs_cpu(g, batch.out_row(r), kOutTol, bf16)) << "output row " << r;
+  }
 }
 
 struct QuantCase {
@@ -212,14 +246,7 @@ TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
     run(batch.packed_args(m.views(), q.dev->layer_state(layer), scale), *q.dev);
     sync();
     EXPECT_NO_THROW(deltastate::check_errors());  // no bad row recorded
-    const Tensor out = m.download(batch.out);
-    for (int64_t r = 0; r < batch.B; ++r) {
-      std::vector<double> g;
-      for (int64_t hv = 0; hv < s.HV; ++hv)
-        for (int64_t v = 0; v < s.V; ++v) g.push_back(out.get({r, 0, hv, v}));
-      if (slots[r] < 0) EXPECT_TRUE(all_zero(g)) << "padded row " << r;
-      else EXPECT_TRUE(close_vs_cpu(g, batch.out_row(r), kOutTol, bf16)) << "output row " << r;
-    }
+    expect_decode_outputs(m, batch, slots);
     if (q.stochastic) EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
     expect_pools_match(q, c.dtype, blocks_of(layer, slots));
     q.push();  // the next step starts both backends from the CPU's pool
@@ -639,6 +666,89 @@ TEST_F(GpuTest, QuantizedVerifyCommitGraphReplay) {
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
+
+// ---- ReplaySSM decode's quantized checkpoint -------------------------------------------------
+struct QuantReplayCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+};
+void PrintTo(const QuantReplayCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedReplay : public GpuParamTest<QuantReplayCase> {};
+
+// ReplaySSM decode on a quantized checkpoint with the pool's float rings (L = 3), five steps with
+// natural flushes and a forced one, the cursors advanced by the op: each step from the CPU's pool
+// on both backends; outputs, cursors, the rings (fp32 tolerance), a flushed row's checkpoint
+// within one quantum, every other checkpoint and byte untouched, the step counter (+1 per call).
+TEST_P(GpuQuantizedReplay, CheckpointMatchesCpu) {
+  const QuantReplayCase& c = GetParam();
+  const Shape s = c.kda ? kKimi : kQwen3Next;
+  const int64_t layer = 1, L = 3;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{7, -1, 2, 5};
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer,
+                                        2, 9, blocks_of(layer, slots), rng, L, c.kda);
+  DecodeBatch batch = make_decode_batch(rng, s, c.kda, slots, bf16);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.K));
+  std::vector<int64_t> cursor(slots.size(), 0);
+  Tensor wp = index_tensor(cursor), ff = index_tensor({0, 0, 1, 0});
+  const StatePool& host = *q.host;
+  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
+                                      host.g_cache(layer)};
+  Mirror m;
+  int flushes = 0;
+  for (int step = 0; step < 5; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) batch.randomize(rng);
+    batch.poison_out();
+    for (size_t n = 0; n < slots.size(); ++n) wp.set_linear(static_cast<int64_t>(n), cursor[n]);
+    ff.set_linear(2, step == 0 ? 1 : 0);
+    std::vector<Block> flushed;
+    for (size_t n = 0; n < slots.size(); ++n)
+      if (slots[n] >= 0 && (cursor[n] == L - 1 || ff.get_linear(static_cast<int64_t>(n)) != 0))
+        flushed.push_back({layer, slots[n]});
+    flushes += static_cast<int>(flushed.size());
+    m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out, wp,
+                 ff);
+    auto run = [&](auto&& view_of, const StatePool& p) {
+      deltastate::ReplayDecodeArgs a =
+          replay_args(view_of, batch, p.layer_state(layer), p.d_cache(layer), p.k_cache(layer),
+                      p.g_cache(layer), wp, &ff, scale);
+      a.state_format = format_of(p, layer, c.rounding);
+      a.advance_write_pos = true;
+      deltastate::replayssm_decode(a);
+    };
+    run(host_view, host);
+    run(m.views(), *q.dev);
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());
+    expect_decode_outputs(m, batch, slots);
+    EXPECT_EQ(m.download(wp).values(), wp.values()) << "cursors";
+    std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
+    CUDA_CHECK(cudaMemcpy(d.data(), q.dev->data(), d.size(), cudaMemcpyDeviceToHost));
+    for (const TensorView& ring : rings)
+      EXPECT_TRUE(close_vs_cpu(values_in_copy(host, ring, d), view_values(ring, 0, ring.numel()),
+                               kFp32StateTol, DType::f32))
+          << "a ring";
+    if (q.stochastic) EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    expect_pools_match(q, c.dtype, flushed, rings);
+    q.push();  // the next step starts both backends from the CPU's pool
+    for (size_t n = 0; n < slots.size(); ++n)
+      cursor[n] = static_cast<int64_t>(wp.get_linear(static_cast<int64_t>(n)));
+  }
+  EXPECT_GE(flushes, 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedReplay,
+    ::testing::Values(QuantReplayCase{"gdn_fp8_sr", false, DType::f8e4m3,
+                                      StateRounding::stochastic},
+                      QuantReplayCase{"gdn_int8_rn", false, DType::i8, StateRounding::nearest},
+                      QuantReplayCase{"kda_fp8_rn", true, DType::f8e4m3, StateRounding::nearest},
+                      QuantReplayCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic}),
+    case_name<QuantReplayCase>);
 
 }  // namespace
 }  // namespace dstest
