@@ -750,5 +750,60 @@ INSTANTIATE_TEST_SUITE_P(
                       QuantReplayCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic}),
     case_name<QuantReplayCase>);
 
+// ReplaySSM decode captured in a CUDA graph and replayed four times (L = 3: a flush on the third)
+// against four eager calls on a second device pool with its own cursors: pools and cursors
+// bit-identical, the device step counter advanced once per replay.
+TEST_F(GpuTest, QuantizedReplayGraphReplay) {
+  const Shape s = kOdd;
+  const int64_t layer = 1, L = 3;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{2, -1, 0};
+  const QuantPools q =
+      make_quant_pools(s, DType::i8, StateRounding::stochastic, deltastate::PoolLayout::per_layer,
+                       2, 4, blocks_of(layer, slots), rng, L, false);
+  StatePool eager(q.dev->config());
+  CUDA_CHECK(cudaMemcpy(eager.data(), q.dev->data(), static_cast<size_t>(q.bytes),
+                        cudaMemcpyDeviceToDevice));
+  DecodeBatch batch = make_decode_batch(rng, s, false, slots, f32);
+  Tensor wp_eager = index_tensor({0, 0, 0}), wp_graph = index_tensor({0, 0, 0});
+  Mirror m;
+  m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out,
+               wp_eager, wp_graph);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&](const StatePool& p, const Tensor& wp) {
+    deltastate::ReplayDecodeArgs a =
+        replay_args(m.views(), batch, p.layer_state(layer), p.d_cache(layer), p.k_cache(layer),
+                    p.g_cache(layer), wp, nullptr, 0.3);
+    a.state_format = format_of(p, layer, StateRounding::stochastic);
+    a.advance_write_pos = true;
+    a.stream = stream;
+    deltastate::replayssm_decode(a);
+  };
+  for (int i = 0; i < 4; ++i) step(eager, wp_eager);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step(*q.dev, wp_graph);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 4; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  deltastate::check_errors(stream);
+  int64_t got = 0;
+  CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, kStep0 + 4);
+  EXPECT_EQ(m.download(wp_graph).values(), m.download(wp_eager).values()) << "cursors";
+  EXPECT_EQ(m.download(wp_graph).values(), (std::vector<double>{1, 0, 1})) << "cursors";
+  std::vector<uint8_t> a(static_cast<size_t>(q.bytes)), b(a.size());
+  CUDA_CHECK(cudaMemcpy(a.data(), q.dev->data(), a.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
+      << "graph replays against eager calls";
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace dstest
