@@ -247,7 +247,9 @@ TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
     sync();
     EXPECT_NO_THROW(deltastate::check_errors());  // no bad row recorded
     expect_decode_outputs(m, batch, slots);
-    if (q.stochastic) EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    if (q.stochastic) {
+      EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    }
     expect_pools_match(q, c.dtype, blocks_of(layer, slots));
     q.push();  // the next step starts both backends from the CPU's pool
   }
@@ -322,7 +324,9 @@ TEST_P(GpuQuantizedRecurrent, MultiTokenMatchesCpu) {
           EXPECT_TRUE(close_vs_cpu(got.out_token(n, t), rb.out_token(n, t), kOutTol, bf16))
               << "sequence " << n << " token " << t;
       }
-    if (q.stochastic) EXPECT_EQ(host_step(q, layer), kStep0 + call + 1);
+    if (q.stochastic) {
+      EXPECT_EQ(host_step(q, layer), kStep0 + call + 1);
+    }
     expect_pools_match(q, c.dtype, blocks_of(layer, slots));
     q.push();  // the next call starts both backends from the CPU's pool
   }
@@ -512,7 +516,9 @@ TEST_P(GpuQuantizedVerify, MatchesCpu) {
                                            he * dtype_size(c.scratch), {}))
             << "untouched scratch row " << row << " step " << t;
     }
-  if (q.stochastic) EXPECT_EQ(host_step(q, kQvLayer), kStep0 + 1);
+  if (q.stochastic) {
+    EXPECT_EQ(host_step(q, kQvLayer), kStep0 + 1);
+  }
   expect_pools_match(q, c.dtype, written);
 }
 
@@ -587,8 +593,11 @@ TEST_P(GpuQuantizedCommit, MatchesCpu) {
   run(m.views(), *q.dev);
   sync();
   EXPECT_NO_THROW(deltastate::check_errors());
-  if (q.stochastic)
-    for (int64_t l = 0; l < layers; ++l) EXPECT_EQ(host_step(q, l), kStep0 + 1);
+  if (q.stochastic) {
+    for (int64_t l = 0; l < layers; ++l) {
+      EXPECT_EQ(host_step(q, l), kStep0 + 1);
+    }
+  }
   std::vector<Block> written;
   for (int64_t l = 0; l < layers; ++l)
     for (int64_t slot : {4, 2}) written.push_back({l, slot});
@@ -732,7 +741,9 @@ TEST_P(GpuQuantizedReplay, CheckpointMatchesCpu) {
       EXPECT_TRUE(close_vs_cpu(values_in_copy(host, ring, d), view_values(ring, 0, ring.numel()),
                                kFp32StateTol, DType::f32))
           << "a ring";
-    if (q.stochastic) EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    if (q.stochastic) {
+      EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    }
     expect_pools_match(q, c.dtype, flushed, rings);
     q.push();  // the next step starts both backends from the CPU's pool
     for (size_t n = 0; n < slots.size(); ++n)
