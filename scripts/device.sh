@@ -16,7 +16,8 @@
 #                                      profile-prefill, prefill-sass,
 #                                      test-layer, sanitize-layer, bench-layer, profile-layer,
 #                                      test-verify, bench-verify, bench-verify-variants,
-#                                      test-replay-verify, bench-replay-verify
+#                                      test-replay-verify, bench-replay-verify,
+#                                      test-state-format
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core), and for a build GoogleTest's
 # sources in .deps/googletest and the nvidia-cutlass wheel (CuTe's headers) in .deps/ (all
@@ -179,6 +180,13 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_MULTI_VARIANT=stage2 sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
       sanitized memcheck '*VerifyGpu*gdn_odd*:*VerifyGpu*kda_odd*:*VerifyAndCommit*:*ConvCommit*'
       sanitized racecheck '*VerifyGpu*gdn_odd*:*RecurrentMultiToken*K64*'
+      ;;
+    test-state-format)  # quantized and stochastically rounded pools (issue #36): every
+      # formatted-state GPU test (CUDA vs the CPU backend, the graph replays), then memcheck and
+      # racecheck on the small graph cases (kOdd: every formatted kernel, few CTAs)
+      run test-state-format gtest_sharded test-state-format '*Quantized*'
+      sanitized memcheck '*QuantizedGraphReplay*:*QuantizedVerifyCommitGraph*:*QuantizedReplayGraph*'
+      sanitized racecheck '*QuantizedReplayGraph*'
       ;;
     test-replay-verify)  # ReplaySSM verify and its cursor commit: GPU vs CPU over verify/commit
       # steps, a graph-captured loop against eager, bad rows recorded; then memcheck

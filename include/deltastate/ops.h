@@ -50,9 +50,12 @@ namespace deltastate {
 // Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
 // updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
 // checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
-// commit. The CUDA backend runs packed decode and the recurrent op on them (a generic kernel,
-// src/cuda/recurrent/direct.cuh; its GPU tests, tests/gpu/test_state_format_gpu.cpp, have not
-// run on a GPU yet) and rejects them in every other op (NotImplementedError).
+// commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
+// src/cuda/recurrent/direct.cuh), verify (not with cache_ring) and its state commit (generic
+// kernels, src/cuda/verify/fmt.cuh) and ReplaySSM decode's checkpoint (basic rings;
+// replay_fmt_kernel, src/cuda/replayssm/decode.cuh) on them, and rejects them in every other op
+// (NotImplementedError). GPU tests: tests/gpu/test_state_format_gpu.cpp (packed decode's pass on
+// an H100; the others' have not run on a GPU yet).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;
@@ -184,7 +187,9 @@ struct ReplayDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   std::optional<double> scale;  // unset: K^-0.5
   TensorView state, d_cache, k_cache, g_cache;
-  StateFormatArgs state_format;  // the checkpoint's format (above); the rings stay float
+  // the checkpoint's format (above); the rings stay float. CUDA: the basic rings only (not
+  // circular_replay, prefix_gate_cache or predecayed_k_cache with a formatted checkpoint).
+  StateFormatArgs state_format;
   TensorView out;
   TensorView state_indices, write_pos;
   std::optional<TensorView> force_flush;
@@ -496,7 +501,8 @@ struct VerifyArgs {
   std::optional<TensorView> cu_seqlens;
   TensorView state;
   // state's format (above). A quantized pool keeps float intermediate_states (any float dtype:
-  // the caller's scratch; a quantized scratch is not built yet) and takes no source_state yet.
+  // the caller's scratch; a quantized scratch is not built yet) and takes no source_state yet;
+  // on CUDA a quantized or stochastically rounded pool takes no cache_ring (ring_*) yet.
   StateFormatArgs state_format;
   std::optional<TensorView> state_indices;         // [N]; absent: sequence n reads slot n
   std::optional<TensorView> output_state_indices;  // [N] final state's slot (< 0: not stored)
@@ -541,7 +547,8 @@ struct CommitArgs {
   // StatePool::scales / layer_scales) takes a float intermediate_states (any float dtype): each
   // accepted state is requantized into its slot with fresh scales, layer l's stochastic bits keyed
   // by (seed, slot, rounding_layer + l, step[l]) with `step` int64 [layers] (or [1] for one
-  // layer; StatePool::rounding_steps), each advanced once per call. A float state is copied.
+  // layer; StatePool::rounding_steps), each advanced once per call (CUDA: K <= 256). A float
+  // state is copied.
   StateFormatArgs state_format;
   std::optional<TensorView> intermediate_state_indices;
   bool accepted_is_step = false;

@@ -24,7 +24,8 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
                         StatePoolRef& ref, int64_t step_count = 1);
 // After every other check: the CUDA backend takes neither quantized states nor stochastic
 // rounding yet (NotImplementedError), except in the ops that say so (`cuda_built`: packed decode
-// and the recurrent op, on the direct kernel's formatted-state twin).
+// and the recurrent op, on the direct kernel's formatted-state twin; verify and the state commit,
+// on verify/fmt.cuh's kernels; ReplaySSM decode, on replay_fmt_kernel).
 void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
                                 bool cuda_built = false);
 

@@ -351,7 +351,15 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
     p.ring_len = static_cast<int32_t>(L);
   }
   c.check_devices("All inputs must be on the same device", true);
-  check_state_format_backend("verify", r.state, r.device);
+  // A pool in its storage format runs on the CUDA backend's generic formatted-state kernel, which
+  // does not record SGLang's cache_ring.
+  if (r.device.type == DeviceType::cuda && (quantized || r.state.stochastic) && any_ring)
+    throw Error(ErrorKind::not_implemented,
+                format("verify: cache_ring with a quantized or stochastically rounded `state` "
+                       "(here %s%s) is not built for the CUDA backend yet (issue #36); the CPU "
+                       "backend runs it",
+                       dtype_name(args.state.dtype), quantized ? "" : ", stochastic"));
+  check_state_format_backend("verify", r.state, r.device, /*cuda_built=*/true);
 
   const bool on_cpu = r.device.type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);
@@ -446,7 +454,8 @@ CommitProblem validate_commit(const CommitArgs& args) {
   check_state_format(c, "update_state_after_verify", "state", st, args.state_format, true, ref,
                      layered ? st.shape[0] : 1);
   CommitProblem p = commit_problem(c, args, st, in, layered);
-  check_state_format_backend("update_state_after_verify", ref, p.device);
+  check_state_format_backend("update_state_after_verify", ref, p.device, /*cuda_built=*/true);
+  if (quantized && p.device.type == DeviceType::cuda) require_cuda_k(st.shape[lead + 3]);
   p.head_elems = st.shape[lead + 1] * st.shape[lead + 2] * st.shape[lead + 3];
   p.inner_cols = p.head_elems;  // one dense row: flat
   p.inter_dtype = in.dtype;

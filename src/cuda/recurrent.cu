@@ -127,16 +127,12 @@ void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
 // then the step counter's advance (one thread, stream-ordered after the grid: graph-safe).
 void launch_direct_fmt(const RecurrentProblem& p, cudaStream_t stream) {
   const int wph = warps_per_head_of<float, 256>(p);
-  const int64_t tiles = p.num_heads_total() * wph;
-  const int warps = direct_cta_warps(tiles, num_sms(p.device.index));
-  const int64_t ctas = (tiles + warps - 1) / warps;
-  if (tiles > 0x7fffffffLL)
-    throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
-  const int resident_ctas = kDirectCtasPerSm * 4 / warps;
-  launch_kernel(recurrent_direct_fmt_kernel<256>, static_cast<unsigned>(ctas), warps * 32, 0,
-                stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
+  const DirectGrid g = direct_grid(p.num_heads_total() * wph, p.device.index,
+                                   "recurrent: too many tiles for one launch");
+  launch_kernel(recurrent_direct_fmt_kernel<256>, static_cast<unsigned>(g.ctas), g.warps * 32, 0,
+                stream, p.pdl, with_pdl_trigger(p, g.ctas, g.resident), wph);
   if (p.state.stochastic && p.update_state)
-    launch_kernel(advance_rounding_step, 1u, 1u, 0, stream, false, p.state.step);
+    launch_kernel(advance_rounding_step, 1u, 1u, 0, stream, false, p.state.step, 1);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS

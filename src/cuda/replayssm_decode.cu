@@ -28,14 +28,14 @@ namespace {
 // and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1 (tuning.h, with the
 // override DELTASTATE_CUDA_REPLAY_BPC).
 
-template <class StateT, int KT, bool VEC, class In, int BPC>
+template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT>
 void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int vblocks,
                    const SmemLayout& sm) {
+  const auto kernel = FMT ? replay_fmt_kernel : replay_kernel<StateT, KT, VEC, In, BPC>;
   if (sm.bytes > 48 * 1024) {  // opt in once per device (and instantiation) to the maximum
     static PerDeviceOnce opted;
-    opted.get(p.device.index, [&p] {
-      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_kernel<StateT, KT, VEC, In, BPC>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+    opted.get(p.device.index, [&p, kernel] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          max_smem_optin(p.device.index)));
       return 1;
     });
@@ -43,8 +43,9 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
   dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
             static_cast<unsigned>((vblocks + BPC - 1) / BPC));
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  launch_kernel(replay_kernel<StateT, KT, VEC, In, BPC>, grid, warps * 32, sm.bytes, stream, p.pdl,
-                with_pdl_trigger(p, ctas, kReplayCtasPerSm), detail::SmallDivider::of(p.HV / p.H));
+  launch_kernel(kernel, grid, warps * 32, sm.bytes, stream, p.pdl,
+                with_pdl_trigger(p, ctas, FMT ? kReplayFmtCtasPerSm : kReplayCtasPerSm),
+                detail::SmallDivider::of(p.HV / p.H));
 }
 
 // The op the caller called, for the launch's errors: replayssm_decode, or the fused step whose
@@ -57,7 +58,8 @@ const char* op_name(const ReplayProblem& p) {
 // fewer row tiles. Small batches too: they are latency-bound, and the per-CTA chain (token, ring
 // records spread over the warps, two barriers) is shortest with the most warps per CTA.
 // `run` false: only the checks that throw before the launch (check_replayssm_decode_launch).
-template <class StateT, int KT, bool VEC, class In>
+// FMT: a checkpoint in its storage format (replay_kernel's FMT; the generic float layout).
+template <class StateT, int KT, bool VEC, class In, bool FMT = false>
 void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
   using Lay = RowLayout<StateT, KT>;
   const int rows_per_warp = Lay::RG * Lay::ROWS;
@@ -80,7 +82,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
     if (two && warps == kReplayWarps && p.V % (2 * rows_blk) == 0) {
       const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 2);
       if (sm2.bytes <= max_smem) {
-        if (run) launch_blocks<StateT, KT, VEC, In, 2>(p, stream, warps, vblocks, sm2);
+        if (run) launch_blocks<StateT, KT, VEC, In, 2, false>(p, stream, warps, vblocks, sm2);
         return;
       }
     }
@@ -90,7 +92,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
     throw Error(ErrorKind::not_implemented, std::string(op_name(p)) +
                                                 ": ring length L=" + std::to_string(p.L) +
                                                 " needs more shared memory than this GPU offers");
-  if (run) launch_blocks<StateT, KT, VEC, In, 1>(p, stream, warps, vblocks, sm);
+  if (run) launch_blocks<StateT, KT, VEC, In, 1, FMT>(p, stream, warps, vblocks, sm);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -165,18 +167,30 @@ void launch_modes(const ReplayProblem& p, cudaStream_t stream, bool run) {
 
 }  // namespace
 
+// A checkpoint in its storage format (quantized, or rounded stochastically): the generic kernel's
+// FMT instantiation (basic rings only: the contract rejects the ring modes with it on CUDA).
+bool formatted(const ReplayProblem& p) { return is_quantized(p.state.dtype) || p.state.stochastic; }
+
 void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
   DeviceGuard guard(problem.device.index);
   ReplayProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
   if (ring_modes(p)) return launch_modes(p, s, true);
+  if (formatted(p)) {
+    launch<float, 256, false, AnyInput, true>(p, s, true);
+    // the step counter, once per call (as the CPU's), after the grid
+    if (p.state.stochastic)
+      launch_kernel(advance_rounding_step, 1u, 1u, 0, s, false, p.state.step, 1);
+    return;
+  }
   with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s, true); });
 }
 
 void check_replayssm_decode_launch(const ReplayProblem& p) {
   DeviceGuard guard(p.device.index);
   if (ring_modes(p)) return launch_modes(p, nullptr, false);
+  if (formatted(p)) return launch<float, 256, false, AnyInput, true>(p, nullptr, false);
   with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, nullptr, false); });
 }
 

@@ -16,6 +16,10 @@ namespace deltastate::cuda_backend {
 // Direct kernel: CTAs of up to 128 threads, 4 resident per SM: at most 128 registers per thread
 // for its rows, the token and the gate constants across the token loop.
 constexpr int kDirectCtasPerSm = 4;
+// Verify on a pool in its storage format (verify/fmt.cuh): the direct kernel's CTAs, 2 resident
+// per SM (at most 255 registers per thread): its per-token stores and tree reloads do not fit in
+// 128 without spills.
+constexpr int kVerifyFmtCtasPerSm = 2;
 // Register decode kernel: 2-warp CTAs, 12 resident per SM (at most 80 registers per thread): 24
 // warps per SM keep enough state loads in flight, and a 64-register cap spills.
 constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;
@@ -24,6 +28,10 @@ constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPe
 // ReplaySSM: 8-warp CTAs, so that the per-head ring work and the token are shared by 8 warps'
 // rows; 3 resident per SM (at most 80 registers per thread).
 constexpr int kReplayWarps = 8, kReplayCtasPerSm = 3;
+// ReplaySSM decode on a checkpoint in its storage format (replay_fmt_kernel): 2 resident per SM
+// (at most 128 registers per thread), where it spills 8 / 20 bytes (60 / 152 at 3;
+// docs/SPILLS.md).
+constexpr int kReplayFmtCtasPerSm = 2;
 // ReplaySSM verify: 8-warp CTAs for the same reason (the records and the drafts are prepared once
 // per CTA for 8 warps' rows). The vector kernel: 2 resident per SM (at most 128 registers per
 // thread), where ptxas fits one row block without spills and two with few; a 3-CTA one-block

@@ -1,6 +1,8 @@
 // CUDA launch of speculative verify, of its commits, and of the recurrent op's multi-token
-// sequences (recurrent.cu hands them here): the multi-token kernel (verify/multi_token.cuh) and the
-// commits' copy kernels (verify/commit.cuh). No allocation, no host synchronization: graph-safe.
+// sequences (recurrent.cu hands them here): the multi-token kernel (verify/multi_token.cuh), the
+// commits' copy kernels (verify/commit.cuh), and for a pool in its storage format (quantized, or
+// rounded stochastically) verify/fmt.cuh's generic kernels. No allocation, no host
+// synchronization: graph-safe.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -13,6 +15,7 @@
 #include "cuda/launch.h"
 #include "cuda/tuning.h"
 #include "cuda/verify/commit.cuh"
+#include "cuda/verify/fmt.cuh"
 #include "cuda/verify/launch.h"
 #include "cuda/verify/multi_token.cuh"
 
@@ -23,6 +26,9 @@ using detail::RecurrentProblem;
 using detail::VerifyProblem;
 
 namespace {
+
+// A pool in a storage format the typed kernels do not run: quantized, or rounded stochastically.
+bool formatted(const detail::StatePoolRef& st) { return is_quantized(st.dtype) || st.stochastic; }
 
 template <class StateT>
 bool rows_aligned(const void* ptr, std::initializer_list<int64_t> strides) {
@@ -136,7 +142,27 @@ bool run_recurrent_multi_token(const RecurrentProblem& p, void* stream) {
   return true;
 }
 
-void run_verify(const VerifyProblem& p, void* stream) { run_multi(p, stream); }
+void run_verify(const VerifyProblem& problem, void* stream) {
+  if (!formatted(problem.r.state)) return run_multi(problem, stream);
+  // A pool in its storage format: the generic formatted-state kernel (verify/fmt.cuh), then the
+  // step counter's advance (once per call, as the CPU's).
+  DeviceGuard guard(problem.r.device.index);
+  VerifyProblem p = problem;
+  p.r.errors = device_errors(p.r.device.index);
+  auto s = static_cast<cudaStream_t>(stream);
+  using Lay = RowLayout<float, 256>;
+  const int wph = (p.r.V + Lay::RG * Lay::ROWS - 1) / (Lay::RG * Lay::ROWS);
+  const int64_t tiles = p.r.num_heads_total() * wph;
+  if (tiles > 0) {
+    const DirectGrid g = direct_grid(tiles, p.r.device.index,
+                                     "verify: too many tiles for one launch", kVerifyFmtCtasPerSm);
+    p.r = with_pdl_trigger(p.r, g.ctas, g.resident);
+    launch_kernel(verify_fmt_kernel<256>, static_cast<unsigned>(g.ctas), g.warps * 32, 0, s,
+                  p.r.pdl, p, wph);
+  }
+  if (p.r.state.stochastic)
+    launch_kernel(advance_rounding_step, 1u, 1u, 0, s, false, p.r.state.step, 1);
+}
 
 // Both commits: a flat entry (every state; a conv window held as the same dense range in both
 // tensors) by commit_kernel's unit copies, any other window element by element.
@@ -150,6 +176,21 @@ void run_commit(const CommitProblem& problem, void* stream) {
       p.err_op == detail::kErrOpConvCommit
           ? "update_conv_state_after_verify: too many windows for one launch"
           : "update_state_after_verify: too many states for one launch";
+  if (is_quantized(p.dtype)) {  // requantized from the float scratch (verify/fmt.cuh)
+    const int64_t chunks = (p.head_elems / p.K + kCommitFmtWarps - 1) / kCommitFmtWarps;
+    if (chunks > 0x7fffffffLL || p.B > 65535 || p.layers > 65535)
+      throw Error(ErrorKind::value, too_many);
+    if (chunks > 0 && p.B > 0)
+      launch_kernel(commit_fmt_kernel<256>,
+                    dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(p.B),
+                         static_cast<unsigned>(p.layers)),
+                    kCommitThreads, 0, s, p.pdl, p);
+    if (p.stochastic)  // every layer's counter, once per call
+      launch_kernel(advance_rounding_step, 1u,
+                    static_cast<unsigned>(p.layers < 256 ? p.layers : 256), 0, s, false, p.steps,
+                    static_cast<int>(p.layers));
+    return;
+  }
   if (!p.flat) {
     const int64_t chunks = (p.head_elems + kCommitThreads - 1) / kCommitThreads;
     if (chunks > 0x7fffffffLL || p.B > 65535 || p.layers > 65535)

@@ -11,8 +11,11 @@
 // Most codes agree exactly: at most 2% may differ.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "gpu/gpu_errors.h"
@@ -23,6 +26,7 @@ namespace dstest {
 namespace {
 
 using deltastate::PackedDecodeArgs;
+using deltastate::RecurrentArgs;
 using deltastate::StatePool;
 using deltastate::StatePoolConfig;
 using deltastate::StateRounding;
@@ -31,6 +35,176 @@ double e4m3_value(uint8_t c) {
   const int e = (c >> 3) & 15, m = c & 7;
   const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
   return (c & 0x80) ? -v : v;
+}
+
+// A (layer, slot) block of a pool.
+struct Block {
+  int64_t layer, slot;
+};
+std::vector<Block> blocks_of(int64_t layer, const std::vector<int64_t>& slots) {
+  std::vector<Block> b;
+  for (int64_t slot : slots)
+    if (slot >= 0) b.push_back({layer, slot});
+  return b;
+}
+
+// A host pool in a quantized format and its device twin: every byte a sentinel (0x5a), then random
+// codes (no NaN, no -128) and scales in the `live` blocks; stochastic: every layer's step counter
+// at kStep0. push() copies the host pool's bytes onto the device.
+constexpr int64_t kStep0 = 41;
+constexpr int64_t kSeed = 1234;
+struct QuantPools {
+  std::unique_ptr<StatePool> host, dev;
+  int64_t bytes = 0;
+  bool stochastic = false;
+  void push() const {
+    CUDA_CHECK(
+        cudaMemcpy(dev->data(), host->data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  }
+};
+QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
+                            deltastate::PoolLayout layout, int64_t layers, int64_t slots,
+                            const std::vector<Block>& live, Rng& rng, int64_t replay_len = 0,
+                            bool kda = false) {
+  StatePoolConfig cfg;
+  if (replay_len > 0) {  // ReplaySSM rings (float32)
+    cfg.replay_len = replay_len;
+    cfg.H = s.H;
+    cfg.kda = kda;
+  }
+  cfg.layers = layers;
+  cfg.slots = slots;
+  cfg.HV = s.HV;
+  cfg.V = s.V;
+  cfg.K = s.K;
+  cfg.state_dtype = dtype;
+  cfg.state_rounding = rounding;
+  cfg.rounding_seed = kSeed;
+  cfg.layout = layout;
+  QuantPools q;
+  q.host = std::make_unique<StatePool>(cfg);
+  cfg.device = Device::cuda(0);
+  q.dev = std::make_unique<StatePool>(cfg);
+  q.bytes = q.host->total_bytes();
+  q.stochastic = q.host->config().stochastic_rounding();
+  std::memset(q.host->data(), 0x5a, static_cast<size_t>(q.bytes));
+  for (const Block& b : live) {
+    const TensorView st = q.host->layer_state(b.layer), sc = q.host->layer_scales(b.layer);
+    uint8_t* codes = static_cast<uint8_t*>(st.data) + b.slot * st.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
+      uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
+      if (dtype == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
+      if (dtype == DType::i8 && c == 0x80) c = 0;                // no -128
+      codes[i] = c;
+    }
+    float* scales = static_cast<float*>(sc.data) + b.slot * sc.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V; ++i)
+      scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (dtype == DType::i8 ? 127 : 448));
+  }
+  if (q.stochastic)
+    for (int64_t l = 0; l < layers; ++l)
+      *static_cast<int64_t*>(q.host->rounding_step(l).data) = kStep0;
+  q.push();
+  return q;
+}
+
+// An op's format keywords for `layer` of pool p (its scales; stochastic: its step counter).
+deltastate::StateFormatArgs format_of(const StatePool& p, int64_t layer, StateRounding rounding) {
+  deltastate::StateFormatArgs f;
+  f.scales = p.layer_scales(layer);
+  f.rounding = rounding;
+  if (p.config().stochastic_rounding()) {
+    f.step = p.rounding_step(layer);
+    f.seed = kSeed;
+    f.layer = layer;
+  }
+  return f;
+}
+
+int64_t host_step(const QuantPools& q, int64_t layer) {
+  return *static_cast<const int64_t*>(q.host->rounding_step(layer).data);
+}
+
+// The device pool against the host pool after the same calls: in the `written` blocks, scales to
+// 1e-4 relative and dequantized codes within one quantum (at most 2% of the codes differing);
+// every layer's step counter equal; every other byte equal (sentinels, blocks not written) but in
+// the views `apart` (of the host pool; the caller compares them).
+void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Block>& written,
+                        const std::vector<TensorView>& apart = {}) {
+  const StatePool &host = *q.host, &dev = *q.dev;
+  const int64_t HV = host.config().HV, V = host.config().V, K = host.config().K;
+  std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
+  CUDA_CHECK(cudaMemcpy(d.data(), dev.data(), d.size(), cudaMemcpyDeviceToHost));
+  const char* hbase = static_cast<const char*>(host.data());
+  const char* dbase = reinterpret_cast<const char*>(d.data());
+  const bool fp8 = dtype == DType::f8e4m3;
+  std::vector<MemRange> allowed;
+  int64_t codes_total = 0, codes_differ = 0;
+  for (const Block& b : written) {
+    SCOPED_TRACE("layer " + std::to_string(b.layer) + " slot " + std::to_string(b.slot));
+    const TensorView st = host.layer_state(b.layer), sc = host.layer_scales(b.layer);
+    const int64_t code_off = static_cast<const char*>(st.data) - hbase + b.slot * st.stride[0];
+    const int64_t scale_off = static_cast<const char*>(sc.data) - hbase + b.slot * sc.stride[0] * 4;
+    allowed.push_back({dbase + code_off, dbase + code_off + HV * V * K});
+    allowed.push_back({dbase + scale_off, dbase + scale_off + HV * V * 4});
+    for (int64_t row = 0; row < HV * V; ++row) {
+      float hs, ds;
+      std::memcpy(&hs, hbase + scale_off + row * 4, 4);
+      std::memcpy(&ds, dbase + scale_off + row * 4, 4);
+      ASSERT_NEAR(ds, hs, 1e-4 * hs) << "scale of row " << row;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t hc = static_cast<uint8_t>(hbase[code_off + row * K + k]);
+        const uint8_t dc = d[static_cast<size_t>(code_off + row * K + k)];
+        ++codes_total;
+        if (hc == dc) continue;
+        ++codes_differ;
+        const double hv = (fp8 ? e4m3_value(hc) : static_cast<int8_t>(hc)) * hs;
+        const double dv = (fp8 ? e4m3_value(dc) : static_cast<int8_t>(dc)) * ds;
+        const double quantum = fp8 ? std::max(std::fabs(hv) * 0.125, hs * std::ldexp(1.0, -9)) : hs;
+        ASSERT_LE(std::fabs(dv - hv), quantum * 1.0001 + 1e-5 * hs * (fp8 ? 448 : 127))
+            << "row " << row << " k " << k;
+      }
+    }
+  }
+  EXPECT_LE(codes_differ, codes_total / 50) << codes_differ << " of " << codes_total;
+  if (q.stochastic) {
+    for (int64_t l = 0; l < host.config().layers; ++l) {
+      const int64_t off = static_cast<const char*>(dev.rounding_step(l).data) -
+                          static_cast<const char*>(dev.data());
+      int64_t got;
+      std::memcpy(&got, dbase + off, 8);
+      EXPECT_EQ(got, host_step(q, l)) << "the device's step counter of layer " << l;
+      allowed.push_back({dbase + off, dbase + off + 8});
+    }
+  }
+  for (const TensorView& v : apart) {
+    const int64_t off = static_cast<const char*>(v.data) - hbase;
+    allowed.push_back({dbase + off, dbase + off + v.numel() * dtype_size(v.dtype)});
+  }
+  EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), q.bytes, allowed))
+      << "device pool outside the written blocks' codes and scales";
+}
+
+// A host pool's view read from a byte copy `copy` of the pool (the device's, downloaded).
+std::vector<double> values_in_copy(const StatePool& host, const TensorView& v,
+                                   const std::vector<uint8_t>& copy) {
+  TensorView c = v;
+  c.data = const_cast<uint8_t*>(copy.data()) +
+           (static_cast<const char*>(v.data) - static_cast<const char*>(host.data()));
+  return view_values(c, 0, v.numel());
+}
+
+// A decode batch's device outputs against the CPU's: a padded row's zero.
+void expect_decode_outputs(Mirror& m, const DecodeBatch& batch, const std::vector<int64_t>& slots) {
+  const Tensor out = m.download(batch.out);
+  const int64_t HV = out.size(2), V = out.size(3);
+  for (int64_t r = 0; r < batch.B; ++r) {
+    std::vector<double> g;
+    for (int64_t hv = 0; hv < HV; ++hv)
+      for (int64_t v = 0; v < V; ++v) g.push_back(out.get({r, 0, hv, v}));
+    if (slots[r] < 0) EXPECT_TRUE(all_zero(g)) << "padded row " << r;
+    else EXPECT_TRUE(close_vs_cpu(g, batch.out_row(r), kOutTol, bf16)) << "output row " << r;
+  }
 }
 
 struct QuantCase {
@@ -49,43 +223,11 @@ class GpuQuantizedPackedDecode : public GpuParamTest<QuantCase> {};
 TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
   const QuantCase& c = GetParam();
   const Shape s = c.kda ? kKimi : kQwen3Next;
-  StatePoolConfig cfg;
-  cfg.layers = 2;
-  cfg.slots = 9;
-  cfg.HV = s.HV;
-  cfg.V = s.V;
-  cfg.K = s.K;
-  cfg.state_dtype = c.dtype;
-  cfg.state_rounding = c.rounding;
-  cfg.rounding_seed = 1234;
-  cfg.layout = c.layout;
-  StatePool host(cfg);
-  cfg.device = Device::cuda(0);
-  StatePool dev(cfg);
-  const int64_t bytes = host.total_bytes();
   const int64_t layer = 1;
   Rng rng = test_rng();
-  // sentinel bytes everywhere, then random codes and scales in the live slots
-  std::memset(host.data(), 0x5a, static_cast<size_t>(bytes));
   const std::vector<int64_t> slots{7, -1, 2, 5, 0};
-  const TensorView st = host.layer_state(layer), sc = host.layer_scales(layer);
-  for (int64_t slot : slots) {
-    if (slot < 0) continue;
-    uint8_t* codes = static_cast<uint8_t*>(st.data) + slot * st.stride[0];
-    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
-      uint8_t b = static_cast<uint8_t>(rng.integer(0, 255));
-      if (c.dtype == DType::f8e4m3 && (b & 0x7f) == 0x7f) b ^= 1;  // no NaN codes
-      if (c.dtype == DType::i8 && b == 0x80) b = 0;                // no -128
-      codes[i] = b;
-    }
-    float* scales = static_cast<float*>(sc.data) + slot * sc.stride[0];
-    for (int64_t i = 0; i < s.HV * s.V; ++i)
-      scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (c.dtype == DType::i8 ? 127 : 448));
-  }
-  const bool stochastic = host.config().stochastic_rounding();
-  if (stochastic) *static_cast<int64_t*>(host.rounding_step(layer).data) = 41;
-  CUDA_CHECK(
-      cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  const QuantPools q =
+      make_quant_pools(s, c.dtype, c.rounding, c.layout, 2, 9, blocks_of(layer, slots), rng);
 
   DecodeBatch batch = make_decode_batch(rng, s, c.kda, slots, bf16);
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.K));
@@ -96,82 +238,20 @@ TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
     batch.poison_out();
     m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out);
     auto run = [&](PackedDecodeArgs a, const StatePool& p) {
-      a.state_format.scales = p.layer_scales(layer);
-      a.state_format.rounding = c.rounding;
-      if (stochastic) {
-        a.state_format.step = p.rounding_step(layer);
-        a.state_format.seed = 1234;
-        a.state_format.layer = layer;
-      }
+      a.state_format = format_of(p, layer, c.rounding);
       if (c.kda) deltastate::kda_packed_decode(a);
       else deltastate::gdn_packed_decode(a);
     };
-    run(batch.packed_args(host_view, host.layer_state(layer), scale), host);
-    run(batch.packed_args(m.views(), dev.layer_state(layer), scale), dev);
+    run(batch.packed_args(host_view, q.host->layer_state(layer), scale), *q.host);
+    run(batch.packed_args(m.views(), q.dev->layer_state(layer), scale), *q.dev);
     sync();
     EXPECT_NO_THROW(deltastate::check_errors());  // no bad row recorded
-    const Tensor out = m.download(batch.out);
-    for (int64_t r = 0; r < batch.B; ++r) {
-      std::vector<double> g;
-      for (int64_t hv = 0; hv < s.HV; ++hv)
-        for (int64_t v = 0; v < s.V; ++v) g.push_back(out.get({r, 0, hv, v}));
-      if (slots[r] < 0) EXPECT_TRUE(all_zero(g)) << "padded row " << r;
-      else EXPECT_TRUE(close_vs_cpu(g, batch.out_row(r), kOutTol, bf16)) << "output row " << r;
+    expect_decode_outputs(m, batch, slots);
+    if (q.stochastic) {
+      EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
     }
-    std::vector<uint8_t> d(static_cast<size_t>(bytes));
-    CUDA_CHECK(cudaMemcpy(d.data(), dev.data(), d.size(), cudaMemcpyDeviceToHost));
-    const char* hbase = static_cast<const char*>(host.data());
-    std::vector<MemRange> written;
-    int64_t codes_total = 0, codes_differ = 0;
-    for (int64_t slot : slots) {
-      if (slot < 0) continue;
-      const int64_t code_off = static_cast<const char*>(st.data) - hbase + slot * st.stride[0];
-      const int64_t scale_off = static_cast<const char*>(sc.data) - hbase + slot * sc.stride[0] * 4;
-      const char* dc0 = reinterpret_cast<const char*>(d.data());
-      written.push_back({dc0 + code_off, dc0 + code_off + s.HV * s.V * s.K});
-      written.push_back({dc0 + scale_off, dc0 + scale_off + s.HV * s.V * 4});
-      for (int64_t row = 0; row < s.HV * s.V; ++row) {
-        float hs, ds;
-        std::memcpy(&hs, hbase + scale_off + row * 4, 4);
-        std::memcpy(&ds, d.data() + scale_off + row * 4, 4);
-        ASSERT_NEAR(ds, hs, 1e-4 * hs) << "scale of slot " << slot << " row " << row;
-        for (int64_t k = 0; k < s.K; ++k) {
-          const uint8_t hc = static_cast<uint8_t>(hbase[code_off + row * s.K + k]);
-          const uint8_t dc = d[static_cast<size_t>(code_off + row * s.K + k)];
-          ++codes_total;
-          if (hc == dc) continue;
-          ++codes_differ;
-          const bool fp8 = c.dtype == DType::f8e4m3;
-          const double hv = (fp8 ? e4m3_value(hc) : static_cast<int8_t>(hc)) * hs;
-          const double dv = (fp8 ? e4m3_value(dc) : static_cast<int8_t>(dc)) * ds;
-          const double quantum =
-              fp8 ? std::max(std::fabs(hv) * 0.125, hs * std::ldexp(1.0, -9)) : hs;
-          ASSERT_LE(std::fabs(dv - hv), quantum * 1.0001 + 1e-5 * hs * (fp8 ? 448 : 127))
-              << "slot " << slot << " row " << row << " k " << k;
-        }
-      }
-    }
-    EXPECT_LE(codes_differ, codes_total / 50) << codes_differ << " of " << codes_total;
-    if (stochastic) {
-      const int64_t want = 41 + step + 1;
-      EXPECT_EQ(*static_cast<int64_t*>(host.rounding_step(layer).data), want);
-      int64_t got = 0;
-      CUDA_CHECK(cudaMemcpy(&got, dev.rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
-      EXPECT_EQ(got, want) << "the device's step counter";
-    }
-    // everything else as the host pool holds it (sentinels; the step counter compared above)
-    std::vector<MemRange> allowed = written;
-    if (stochastic) {
-      const int64_t off = static_cast<const char*>(dev.rounding_step(layer).data) -
-                          static_cast<const char*>(dev.data());
-      const char* dc0 = reinterpret_cast<const char*>(d.data());
-      allowed.push_back({dc0 + off, dc0 + off + 8});
-    }
-    EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), bytes, allowed))
-        << "device pool outside the live slots' codes and scales";
-    // the next step starts both backends from the CPU's pool
-    CUDA_CHECK(
-        cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+    expect_pools_match(q, c.dtype, blocks_of(layer, slots));
+    q.push();  // the next step starts both backends from the CPU's pool
   }
 }
 
@@ -186,6 +266,86 @@ INSTANTIATE_TEST_SUITE_P(
                       QuantCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic,
                                 deltastate::PoolLayout::per_layer}),
     case_name<QuantCase>);
+
+struct QuantRecurrentCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  bool varlen;  // several sequences by cu_seqlens, else [B, T] with T > 1
+};
+void PrintTo(const QuantRecurrentCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedRecurrent : public GpuParamTest<QuantRecurrentCase> {};
+
+// The recurrent op's multi-token calls on a quantized pool updated in place (the state kept in
+// fp32 through a sequence's tokens, stored once): two calls on a host pool and its device copy,
+// each token's outputs (a padded sequence's zero), the live slots' codes and scales, the step
+// counter, every other byte (sentinels).
+TEST_P(GpuQuantizedRecurrent, MultiTokenMatchesCpu) {
+  const QuantRecurrentCase& c = GetParam();
+  const Shape s = c.kda ? kKimi : kQwen3Next;
+  const int64_t layer = 1;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots =
+      c.varlen ? std::vector<int64_t>{3, 7, -1, 0, 5} : std::vector<int64_t>{6, -1, 2, 8};
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer,
+                                        2, 9, blocks_of(layer, slots), rng);
+  const RecurrentSpec spec = c.varlen ? recurrent_spec(s, c.kda, bf16, 1, 1, {3, 1, 4, 2, 5})
+                                      : recurrent_spec(s, c.kda, bf16, 4, 3);
+  RecurrentBatch rb = make_recurrent_batch(rng, spec);
+  ASSERT_EQ(rb.N, static_cast<int64_t>(slots.size()));
+  const Tensor idx = index_tensor(slots);
+  Mirror m;
+  for (int call = 0; call < 2; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    if (call) rb.randomize(rng);
+    rb.poison_out();
+    m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx);
+    if (c.varlen) m.upload(rb.cu);
+    auto run = [&](RecurrentArgs a, const StatePool& p, const TensorView& indices) {
+      a.state = p.layer_state(layer);
+      a.state_indices = indices;
+      a.state_format = format_of(p, layer, c.rounding);
+      if (c.kda) deltastate::recurrent_kda(a);
+      else deltastate::recurrent_gdn(a);
+    };
+    run(rb.args(host_view), *q.host, idx.view());
+    run(rb.args(m.views()), *q.dev, m.view(idx));
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());
+    RecurrentBatch got = rb;
+    got.out = m.download(rb.out);
+    for (int64_t n = 0; n < rb.N; ++n)
+      for (int64_t t = 0; t < rb.seq_len(n); ++t) {
+        if (slots[n] < 0)
+          EXPECT_TRUE(all_zero(got.out_token(n, t))) << "padded sequence " << n << " token " << t;
+        else
+          EXPECT_TRUE(close_vs_cpu(got.out_token(n, t), rb.out_token(n, t), kOutTol, bf16))
+              << "sequence " << n << " token " << t;
+      }
+    if (q.stochastic) {
+      EXPECT_EQ(host_step(q, layer), kStep0 + call + 1);
+    }
+    expect_pools_match(q, c.dtype, blocks_of(layer, slots));
+    q.push();  // the next call starts both backends from the CPU's pool
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedRecurrent,
+    ::testing::Values(
+        QuantRecurrentCase{"gdn_fp8_sr_T3", false, DType::f8e4m3, StateRounding::stochastic, false},
+        QuantRecurrentCase{"gdn_fp8_sr_varlen", false, DType::f8e4m3, StateRounding::stochastic,
+                           true},
+        QuantRecurrentCase{"gdn_int8_rn_T3", false, DType::i8, StateRounding::nearest, false},
+        QuantRecurrentCase{"gdn_int8_rn_varlen", false, DType::i8, StateRounding::nearest, true},
+        QuantRecurrentCase{"kda_fp8_sr_T3", true, DType::f8e4m3, StateRounding::stochastic, false},
+        QuantRecurrentCase{"kda_fp8_sr_varlen", true, DType::f8e4m3, StateRounding::stochastic,
+                           true},
+        QuantRecurrentCase{"kda_int8_rn_T3", true, DType::i8, StateRounding::nearest, false},
+        QuantRecurrentCase{"kda_int8_rn_varlen", true, DType::i8, StateRounding::nearest, true}),
+    case_name<QuantRecurrentCase>);
 
 // CUDA-graph replay advances the stochastic-rounding step on the device: a captured packed
 // decode replayed three times leaves the counter at 3, as three eager calls on the CPU do.
@@ -220,6 +380,437 @@ TEST_F(GpuTest, QuantizedGraphReplayAdvancesTheStep) {
   int64_t step = 0;
   CUDA_CHECK(cudaMemcpy(&step, dev.rounding_step(0).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(step, 3);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// ---- verify and its commit on a quantized pool ------------------------------------------------
+// Verify's conventions (ops.h VerifyArgs): SGLang's float scratch with a tree and no write-back,
+// FlashInfer's scratch by batch row with the final state in place, vLLM's per-token slots with
+// num_accepted_tokens, output slots.
+enum class QMode { scratch_tree, scratch_in_place, per_token_accepted, output_slots };
+
+struct QuantVerifyCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  QMode mode;
+  DType scratch;  // intermediate_states' dtype (the caller's float scratch)
+};
+void PrintTo(const QuantVerifyCase& c, std::ostream* os) { *os << c.name; }
+
+// Four sequences of three tokens; sequence 1 padded (its start slot < 0). Starts: the live slots
+// 5, 2, 9 (state_indices) or 10, 18, 21 (per-token table at num_accepted - 1); scratch rows 3, 0,
+// -1 (none: a chain), 1 for the tree, n by batch row otherwise.
+constexpr int64_t kQvN = 4, kQvT = 3, kQvSlots = 24, kQvLayer = 1;
+const std::vector<int64_t> kQvIdx{5, -1, 2, 9}, kQvRows{3, 0, -1, 1}, kQvOut{6, -1, 7, -1},
+    kQvAccepted{1, 1, 3, 2};
+const std::vector<std::vector<int64_t>> kQvParents{
+    {-1, 0, 0}, {-1, 0, 1}, {-1, -1, 1}, {-1, -1, 0}};
+const std::vector<std::vector<int64_t>> kQvTable{
+    {10, 11, 12, 13}, {-1, 14, 15, 16}, {17, -1, 18, 19}, {20, 21, 22, 23}};
+
+class GpuQuantizedVerify : public GpuParamTest<QuantVerifyCase> {};
+
+// One verify call on a host pool and its device copy: every token's output (padding zero), the
+// float scratch (written steps within the fp32 tolerance, the rest bit-untouched), the pool's
+// written slots within one quantum and every other byte bit-identical, the step counter (+1).
+TEST_P(GpuQuantizedVerify, MatchesCpu) {
+  const QuantVerifyCase& c = GetParam();
+  const Shape s = c.kda ? kKimi : kQwen3Next;
+  Rng rng = test_rng();
+  const bool per_token = c.mode == QMode::per_token_accepted;
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::envelope, 2,
+                                        kQvSlots, blocks_of(kQvLayer, {5, 2, 9, 10, 18, 21}), rng);
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, c.kda, bf16, kQvN, kQvT));
+  Tensor idx = index_tensor(kQvIdx), rows = index_tensor(kQvRows, DType::i64),
+         out_idx = index_tensor(kQvOut), accepted = index_tensor(kQvAccepted);
+  Tensor parents = Tensor::contiguous(DType::i32, {kQvN, kQvT});
+  Tensor table = Tensor::contiguous(DType::i64, {kQvN, kQvT + 1});
+  for (int64_t n = 0; n < kQvN; ++n) {
+    for (int64_t t = 0; t < kQvT; ++t) parents.set({n, t}, static_cast<double>(kQvParents[n][t]));
+    for (int64_t t = 0; t <= kQvT; ++t) table.set({n, t}, static_cast<double>(kQvTable[n][t]));
+  }
+  const int64_t he = s.state_elems();
+  Tensor inter = Tensor::contiguous(c.scratch, {kQvN, kQvT + 1, s.HV, s.V, s.K});
+  inter.fill_all(kSentinel);
+  Tensor inter0 = inter.empty_like();
+  std::memcpy(inter0.alloc_base(), inter.alloc_base(), static_cast<size_t>(inter.alloc_bytes()));
+  rb.poison_out();
+  Mirror m;
+  m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx, rows, out_idx,
+               accepted, parents, table, inter);
+  auto run = [&](auto&& view_of, const StatePool& p) {
+    deltastate::VerifyArgs a = verify_inputs(rb.args(view_of), c.kda);
+    a.state = p.layer_state(kQvLayer);
+    a.state_format = format_of(p, kQvLayer, c.rounding);
+    switch (c.mode) {
+      case QMode::scratch_tree:
+        a.state_indices = view_of(idx);
+        a.update_state = false;
+        a.intermediate_states = view_of(inter);
+        a.intermediate_state_indices = view_of(rows);
+        a.parent_tokens = view_of(parents);
+        break;
+      case QMode::scratch_in_place:
+        a.state_indices = view_of(idx);
+        a.intermediate_states = view_of(inter);
+        break;
+      case QMode::per_token_accepted:
+        a.token_state_indices = view_of(table);
+        a.num_accepted_tokens = view_of(accepted);
+        break;
+      case QMode::output_slots:
+        a.state_indices = view_of(idx);
+        a.output_state_indices = view_of(out_idx);
+        break;
+    }
+    deltastate::verify(a);
+  };
+  run(host_view, *q.host);
+  run(m.views(), *q.dev);
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+
+  // what the call wrote: the pool's blocks, the scratch's (row, step) entries
+  std::vector<Block> written;
+  std::vector<std::pair<int64_t, int64_t>> steps_written;
+  for (int64_t n = 0; n < kQvN; ++n) {
+    const int64_t start = per_token ? kQvTable[n][kQvAccepted[n] - 1] : kQvIdx[n];
+    if (start < 0) continue;
+    if (c.mode == QMode::scratch_in_place) written.push_back({kQvLayer, kQvIdx[n]});
+    if (c.mode == QMode::output_slots && kQvOut[n] >= 0) written.push_back({kQvLayer, kQvOut[n]});
+    if (per_token)
+      for (int64_t t = 0; t < kQvT; ++t)
+        if (kQvTable[n][t] >= 0) written.push_back({kQvLayer, kQvTable[n][t]});
+    const int64_t row = c.mode == QMode::scratch_tree       ? kQvRows[n]
+                        : c.mode == QMode::scratch_in_place ? n
+                                                            : -1;
+    if (row >= 0)
+      for (int64_t t = 0; t < kQvT; ++t) steps_written.push_back({row, t});
+  }
+  RecurrentBatch got = rb;
+  got.out = m.download(rb.out);
+  for (int64_t n = 0; n < kQvN; ++n)
+    for (int64_t t = 0; t < kQvT; ++t) {
+      if (n == 1) EXPECT_TRUE(all_zero(got.out_token(n, t))) << "padded sequence, token " << t;
+      else
+        EXPECT_TRUE(close_vs_cpu(got.out_token(n, t), rb.out_token(n, t), kOutTol, bf16))
+            << "sequence " << n << " token " << t;
+    }
+  const Tensor dinter = m.download(inter);
+  for (int64_t row = 0; row < kQvN; ++row)
+    for (int64_t t = 0; t <= kQvT; ++t) {
+      const int64_t at = (row * (kQvT + 1) + t) * he;
+      const bool w = std::find(steps_written.begin(), steps_written.end(),
+                               std::make_pair(row, t)) != steps_written.end();
+      const TensorView dv = dinter.view(), hv = inter.view(), v0 = inter0.view();
+      if (w)
+        EXPECT_TRUE(close_vs_cpu(view_values(dv, at, he), view_values(hv, at, he), kFp32StateTol,
+                                 c.scratch))
+            << "scratch row " << row << " step " << t;
+      else
+        EXPECT_TRUE(Snapshot::equal_except(range_of(dv, at, he).begin, range_of(v0, at, he).begin,
+                                           he * dtype_size(c.scratch), {}))
+            << "untouched scratch row " << row << " step " << t;
+    }
+  if (q.stochastic) {
+    EXPECT_EQ(host_step(q, kQvLayer), kStep0 + 1);
+  }
+  expect_pools_match(q, c.dtype, written);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedVerify,
+    ::testing::Values(
+        QuantVerifyCase{"gdn_fp8_sr_scratch_tree", false, DType::f8e4m3, StateRounding::stochastic,
+                        QMode::scratch_tree, DType::f32},
+        QuantVerifyCase{"gdn_int8_rn_in_place_bf16_scratch", false, DType::i8,
+                        StateRounding::nearest, QMode::scratch_in_place, DType::bf16},
+        QuantVerifyCase{"gdn_fp8_sr_per_token", false, DType::f8e4m3, StateRounding::stochastic,
+                        QMode::per_token_accepted, DType::f32},
+        QuantVerifyCase{"gdn_int8_rn_output_slots", false, DType::i8, StateRounding::nearest,
+                        QMode::output_slots, DType::f32},
+        QuantVerifyCase{"kda_int8_rn_scratch_tree", true, DType::i8, StateRounding::nearest,
+                        QMode::scratch_tree, DType::f32},
+        QuantVerifyCase{"kda_fp8_sr_in_place", true, DType::f8e4m3, StateRounding::stochastic,
+                        QMode::scratch_in_place, DType::f32},
+        QuantVerifyCase{"kda_int8_sr_per_token", true, DType::i8, StateRounding::stochastic,
+                        QMode::per_token_accepted, DType::f32},
+        QuantVerifyCase{"kda_fp8_rn_output_slots", true, DType::f8e4m3, StateRounding::nearest,
+                        QMode::output_slots, DType::f32}),
+    case_name<QuantVerifyCase>);
+
+struct QuantCommitCase {
+  const char* name;
+  DType dtype;
+  StateRounding rounding;
+  DType scratch;
+};
+void PrintTo(const QuantCommitCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedCommit : public GpuParamTest<QuantCommitCase> {};
+
+// The commit after a verify, every layer in one call: each accepted float scratch state
+// requantized into its slot with fresh scales (the key: the slot, the layer, the layer's step),
+// against the CPU: written slots within one quantum, every other byte bit-identical (rejected,
+// padded and row-less requests write nothing), every layer's counter +1.
+TEST_P(GpuQuantizedCommit, MatchesCpu) {
+  const QuantCommitCase& c = GetParam();
+  const Shape s = kQwen3Next;
+  const int64_t layers = 2, rows = 4, steps = 3;
+  Rng rng = test_rng();
+  std::vector<Block> live;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t slot : {4, 6, 8, 2}) live.push_back({l, slot});
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer,
+                                        layers, 9, live, rng);
+  Tensor inter = Tensor::contiguous(c.scratch, {layers, rows, steps, s.HV, s.V, s.K});
+  inter.fill_normal(rng, 0.5);
+  // request: slot, accepted, scratch row (b1 padded, b2 nothing accepted, b3 no row)
+  const Tensor idx = index_tensor({4, -1, 6, 8, 2}), acc = index_tensor({2, 3, 0, 1, 3}),
+               rws = index_tensor({1, 0, 2, -1, 3}, DType::i64);
+  Mirror m;
+  m.upload_all(inter, idx, acc, rws);
+  auto run = [&](auto&& view_of, const StatePool& p) {
+    deltastate::CommitArgs a;
+    a.state = p.states();
+    a.intermediate_states = view_of(inter);
+    a.state_indices = view_of(idx);
+    a.accepted = view_of(acc);
+    a.intermediate_state_indices = view_of(rws);
+    a.state_format.scales = p.scales();
+    a.state_format.rounding = c.rounding;
+    if (p.config().stochastic_rounding()) {
+      a.state_format.step = p.rounding_steps();
+      a.state_format.seed = kSeed;
+    }
+    deltastate::update_state_after_verify(a);
+  };
+  run(host_view, *q.host);
+  run(m.views(), *q.dev);
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+  if (q.stochastic) {
+    for (int64_t l = 0; l < layers; ++l) {
+      EXPECT_EQ(host_step(q, l), kStep0 + 1);
+    }
+  }
+  std::vector<Block> written;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t slot : {4, 2}) written.push_back({l, slot});
+  expect_pools_match(q, c.dtype, written);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedCommit,
+    ::testing::Values(
+        QuantCommitCase{"fp8_sr", DType::f8e4m3, StateRounding::stochastic, DType::f32},
+        QuantCommitCase{"fp8_rn_bf16_scratch", DType::f8e4m3, StateRounding::nearest, DType::bf16},
+        QuantCommitCase{"int8_rn", DType::i8, StateRounding::nearest, DType::f32},
+        QuantCommitCase{"int8_sr_f16_scratch", DType::i8, StateRounding::stochastic, DType::f16}),
+    case_name<QuantCommitCase>);
+
+// A verify (float scratch, no write-back) and the commit of its accepted states captured in one
+// CUDA graph and replayed three times, against three eager calls on a second device pool: the
+// pools bit-identical (the same keys: each replay advanced the device's step counter, twice).
+TEST_F(GpuTest, QuantizedVerifyCommitGraphReplay) {
+  const Shape s = kOdd;
+  const int64_t layer = 1;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{2, -1, 0};
+  const QuantPools q =
+      make_quant_pools(s, DType::f8e4m3, StateRounding::format_default,
+                       deltastate::PoolLayout::per_layer, 2, 4, blocks_of(layer, slots), rng);
+  StatePoolConfig cfg = q.dev->config();
+  StatePool eager(cfg);
+  CUDA_CHECK(cudaMemcpy(eager.data(), q.dev->data(), static_cast<size_t>(q.bytes),
+                        cudaMemcpyDeviceToDevice));
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, false, f32, 3, 2));
+  Tensor idx = index_tensor(slots), acc = index_tensor({2, 0, 1});
+  Tensor inter = Tensor::contiguous(DType::f32, {3, 2, s.HV, s.V, s.K});
+  Mirror m;
+  m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx, acc, inter);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&](const StatePool& p) {
+    deltastate::VerifyArgs a = verify_inputs(rb.args(m.views()), false);
+    a.state = p.layer_state(layer);
+    a.state_format = format_of(p, layer, StateRounding::format_default);
+    a.state_indices = m.view(idx);
+    a.update_state = false;
+    a.intermediate_states = m.view(inter);
+    a.stream = stream;
+    deltastate::verify(a);
+    deltastate::CommitArgs ca;
+    ca.state = p.layer_state(layer);
+    ca.intermediate_states = m.view(inter);
+    ca.state_indices = m.view(idx);
+    ca.accepted = m.view(acc);
+    ca.state_format = format_of(p, layer, StateRounding::format_default);
+    ca.stream = stream;
+    deltastate::update_state_after_verify(ca);
+  };
+  for (int i = 0; i < 3; ++i) step(eager);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step(*q.dev);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  deltastate::check_errors(stream);
+  int64_t got = 0;
+  CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, kStep0 + 6);
+  std::vector<uint8_t> a(static_cast<size_t>(q.bytes)), b(a.size());
+  CUDA_CHECK(cudaMemcpy(a.data(), q.dev->data(), a.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
+      << "graph replays against eager calls";
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// ---- ReplaySSM decode's quantized checkpoint -------------------------------------------------
+struct QuantReplayCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+};
+void PrintTo(const QuantReplayCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedReplay : public GpuParamTest<QuantReplayCase> {};
+
+// ReplaySSM decode on a quantized checkpoint with the pool's float rings (L = 3), five steps with
+// natural flushes and a forced one, the cursors advanced by the op: each step from the CPU's pool
+// on both backends; outputs, cursors, the rings (fp32 tolerance), a flushed row's checkpoint
+// within one quantum, every other checkpoint and byte untouched, the step counter (+1 per call).
+TEST_P(GpuQuantizedReplay, CheckpointMatchesCpu) {
+  const QuantReplayCase& c = GetParam();
+  const Shape s = c.kda ? kKimi : kQwen3Next;
+  const int64_t layer = 1, L = 3;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{7, -1, 2, 5};
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer,
+                                        2, 9, blocks_of(layer, slots), rng, L, c.kda);
+  DecodeBatch batch = make_decode_batch(rng, s, c.kda, slots, bf16);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.K));
+  std::vector<int64_t> cursor(slots.size(), 0);
+  Tensor wp = index_tensor(cursor), ff = index_tensor({0, 0, 1, 0});
+  const StatePool& host = *q.host;
+  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
+                                      host.g_cache(layer)};
+  Mirror m;
+  int flushes = 0;
+  for (int step = 0; step < 5; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) batch.randomize(rng);
+    batch.poison_out();
+    for (size_t n = 0; n < slots.size(); ++n) wp.set_linear(static_cast<int64_t>(n), cursor[n]);
+    ff.set_linear(2, step == 0 ? 1 : 0);
+    std::vector<Block> flushed;
+    for (size_t n = 0; n < slots.size(); ++n)
+      if (slots[n] >= 0 && (cursor[n] == L - 1 || ff.get_linear(static_cast<int64_t>(n)) != 0))
+        flushed.push_back({layer, slots[n]});
+    flushes += static_cast<int>(flushed.size());
+    m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out, wp,
+                 ff);
+    auto run = [&](auto&& view_of, const StatePool& p) {
+      deltastate::ReplayDecodeArgs a =
+          replay_args(view_of, batch, p.layer_state(layer), p.d_cache(layer), p.k_cache(layer),
+                      p.g_cache(layer), wp, &ff, scale);
+      a.state_format = format_of(p, layer, c.rounding);
+      a.advance_write_pos = true;
+      deltastate::replayssm_decode(a);
+    };
+    run(host_view, host);
+    run(m.views(), *q.dev);
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());
+    expect_decode_outputs(m, batch, slots);
+    EXPECT_EQ(m.download(wp).values(), wp.values()) << "cursors";
+    std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
+    CUDA_CHECK(cudaMemcpy(d.data(), q.dev->data(), d.size(), cudaMemcpyDeviceToHost));
+    for (const TensorView& ring : rings)
+      EXPECT_TRUE(close_vs_cpu(values_in_copy(host, ring, d), view_values(ring, 0, ring.numel()),
+                               kFp32StateTol, DType::f32))
+          << "a ring";
+    if (q.stochastic) {
+      EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    }
+    expect_pools_match(q, c.dtype, flushed, rings);
+    q.push();  // the next step starts both backends from the CPU's pool
+    for (size_t n = 0; n < slots.size(); ++n)
+      cursor[n] = static_cast<int64_t>(wp.get_linear(static_cast<int64_t>(n)));
+  }
+  EXPECT_GE(flushes, 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedReplay,
+    ::testing::Values(QuantReplayCase{"gdn_fp8_sr", false, DType::f8e4m3,
+                                      StateRounding::stochastic},
+                      QuantReplayCase{"gdn_int8_rn", false, DType::i8, StateRounding::nearest},
+                      QuantReplayCase{"kda_fp8_rn", true, DType::f8e4m3, StateRounding::nearest},
+                      QuantReplayCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic}),
+    case_name<QuantReplayCase>);
+
+// ReplaySSM decode captured in a CUDA graph and replayed four times (L = 3: a flush on the third)
+// against four eager calls on a second device pool with its own cursors: pools and cursors
+// bit-identical, the device step counter advanced once per replay.
+TEST_F(GpuTest, QuantizedReplayGraphReplay) {
+  const Shape s = kOdd;
+  const int64_t layer = 1, L = 3;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{2, -1, 0};
+  const QuantPools q =
+      make_quant_pools(s, DType::i8, StateRounding::stochastic, deltastate::PoolLayout::per_layer,
+                       2, 4, blocks_of(layer, slots), rng, L, false);
+  StatePool eager(q.dev->config());
+  CUDA_CHECK(cudaMemcpy(eager.data(), q.dev->data(), static_cast<size_t>(q.bytes),
+                        cudaMemcpyDeviceToDevice));
+  DecodeBatch batch = make_decode_batch(rng, s, false, slots, f32);
+  Tensor wp_eager = index_tensor({0, 0, 0}), wp_graph = index_tensor({0, 0, 0});
+  Mirror m;
+  m.upload_all(batch.x, batch.a, batch.b, batch.A_log, batch.dt_bias, batch.idx, batch.out,
+               wp_eager, wp_graph);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&](const StatePool& p, const Tensor& wp) {
+    deltastate::ReplayDecodeArgs a =
+        replay_args(m.views(), batch, p.layer_state(layer), p.d_cache(layer), p.k_cache(layer),
+                    p.g_cache(layer), wp, nullptr, 0.3);
+    a.state_format = format_of(p, layer, StateRounding::stochastic);
+    a.advance_write_pos = true;
+    a.stream = stream;
+    deltastate::replayssm_decode(a);
+  };
+  for (int i = 0; i < 4; ++i) step(eager, wp_eager);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step(*q.dev, wp_graph);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 4; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  deltastate::check_errors(stream);
+  int64_t got = 0;
+  CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, kStep0 + 4);
+  EXPECT_EQ(m.download(wp_graph).values(), m.download(wp_eager).values()) << "cursors";
+  EXPECT_EQ(m.download(wp_graph).values(), (std::vector<double>{1, 0, 1})) << "cursors";
+  std::vector<uint8_t> a(static_cast<size_t>(q.bytes)), b(a.size());
+  CUDA_CHECK(cudaMemcpy(a.data(), q.dev->data(), a.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
+      << "graph replays against eager calls";
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);

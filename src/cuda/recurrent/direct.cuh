@@ -1,6 +1,7 @@
 // The direct kernel of the recurrent op: any number of tokens per sequence, each thread's rows
 // in registers across the sequence.
-// Part of recurrent.cu's translation unit (included there only), in its anonymous namespace.
+// Part of recurrent.cu's translation unit, in its anonymous namespace; verify.cu includes it too
+// (verify/fmt.cuh runs its tile, prologue and token loop).
 #pragma once
 
 #include <cstdint>
@@ -10,9 +11,11 @@
 #include "core/problem.h"
 #include "core/state_format.h"
 #include "cuda/grid.cuh"
+#include "cuda/launch.h"
 #include "cuda/loads.cuh"
 #include "cuda/recurrent/head_block.cuh"
 #include "cuda/rows.cuh"
+#include "cuda/state_fmt.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
 
@@ -21,6 +24,24 @@ namespace deltastate::cuda_backend {
 using detail::RecurrentProblem;
 
 namespace {
+
+// The launch of a direct-layout kernel over `tiles` warps (one tile each): warps per CTA
+// (tuning.h direct_cta_warps), CTAs, and resident CTAs per SM (the launch bound's 4-warp CTAs
+// times `ctas_per_sm`, in warps). `too_many`: the error text past 2^31 - 1 tiles.
+struct DirectGrid {
+  int warps;
+  int64_t ctas;
+  int resident;
+};
+inline DirectGrid direct_grid(int64_t tiles, int device, const char* too_many,
+                              int ctas_per_sm = kDirectCtasPerSm) {
+  if (tiles > 0x7fffffffLL) throw Error(ErrorKind::value, too_many);
+  DirectGrid g;
+  g.warps = direct_cta_warps(tiles, num_sms(device));
+  g.ctas = (tiles + g.warps - 1) / g.warps;
+  g.resident = ctas_per_sm * 4 / g.warps;
+  return g;
+}
 
 // A direct-kernel tile: sequence n, value head hv (head = n*HV + hv), this thread's first row.
 // (n and head widened once here: deriving them from HeadBlock's ints where they are used spills
@@ -74,13 +95,74 @@ __device__ void write_padded(const RecurrentProblem& p, const TileCoords& c, int
     store_final_state<EPL, R, RG>(p, c, kofs, valid, [fill](int, int) { return fill; });
 }
 
+// A direct-kernel warp's tile, its sequence's tokens and slot.
+struct DirectTile {
+  TileCoords c;
+  int lane, kofs, valid;  // valid: the lane's elements below K
+  int64_t seq, tok0, len, slot;
+};
+
+// The warp's tile, its sequence's tokens and slot (state_indices, else n). False: past the grid.
+template <int G, int EPL, int R, int RG, bool VEC>
+__device__ __forceinline__ bool direct_tile(const RecurrentProblem& p, int warps_per_head,
+                                            DirectTile& d) {
+  d.lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (w >= p.num_heads_total() * warps_per_head) return false;
+  d.c = tile_coords(p, w, warps_per_head, RG * R, d.lane, G);
+  d.kofs = (d.lane % G) * EPL;
+  d.valid = VEC ? EPL : max(0, min(EPL, p.K - d.kofs));
+  d.seq = p.cu_seqlens ? 0 : d.c.n;
+  d.tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, d.c.n) : 0;
+  d.len = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, d.c.n + 1) - d.tok0 : p.T;
+  d.slot = slot_of(p, d.c.n);
+  return true;
+}
+
+// What every direct kernel does first: direct_tile, token 0's inputs into `x` (they do not depend
+// on the slot: issued first) and the gate's constants into `gc`. False: the warp has nothing more
+// to do (past the grid; a padded sequence, or a bad slot, recorded, whose outputs it wrote here).
+template <class In, int G, int EPL, int R, int RG, bool VEC>
+__device__ __forceinline__ bool direct_prologue(const RecurrentProblem& p, int warps_per_head,
+                                                DirectTile& d, TokenInputs<EPL, R>& x,
+                                                GateConsts<EPL>& gc) {
+  if (!direct_tile<G, EPL, R, RG, VEC>(p, warps_per_head, d)) return false;
+  if (d.len > 0)
+    load_token<In>(p, p.g, p.beta, d.seq, d.tok0, d.c.h, d.c.hv, d.kofs, d.valid, d.c.row0, RG, x);
+  load_gate_consts(p.gate, d.c.hv, p.K, d.kofs, d.valid, gc);
+  if (p.indices && d.slot < 0) {
+    write_padded<EPL, R, RG, G>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, 0.0f);
+    return false;
+  }
+  // a bad slot: as padded, but NaN out and recorded (lane 0 of the row's first tile)
+  if (bad_slot(p, d.slot)) {
+    record_bad_slot(p, d.c.n, d.slot, d.lane == 0 && d.c.hv == 0 && d.c.row0 == 0);
+    write_padded<EPL, R, RG, G>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid,
+                                bad_row_output());
+    return false;
+  }
+  return true;
+}
+
+// What run_tokens calls around each token t: before(t, S) ahead of its step (verify's tree
+// tokens reload S there), after(t, S) once S holds the state after it (verify's per-token
+// stores). The recurrent op's kernels pass none.
+struct NoTokenHooks {
+  template <class S>
+  __device__ __forceinline__ void before(int64_t, S&) const {}
+  template <class S>
+  __device__ __forceinline__ void after(int64_t, const S&) const {}
+};
+
 // All tokens of a tile on the state rows S (registers); `x` holds token 0's inputs on entry.
-template <class In, int G, int EPL, int R, int RG>
+template <class In, int G, int EPL, int R, int RG, class Hooks = NoTokenHooks>
 __device__ __forceinline__ void run_tokens(const RecurrentProblem& p, const TileCoords& c,
                                            int64_t seq, int64_t tok0, int64_t len, int lane,
                                            int kofs, int valid, float (&S)[R][EPL],
-                                           TokenInputs<EPL, R>& x, const GateConsts<EPL>& gc) {
+                                           TokenInputs<EPL, R>& x, const GateConsts<EPL>& gc,
+                                           const Hooks& hooks = {}) {
   for (int64_t t = 0; t < len; ++t) {
+    hooks.before(t, S);
     const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
     float g[EPL], alpha[EPL];
     token_gate(p.gate, gc, x.g, g, alpha);
@@ -99,6 +181,7 @@ __device__ __forceinline__ void run_tokens(const RecurrentProblem& p, const Tile
     const int orow = c.row0 + mine * RG;
     if (mine >= 0 && orow < p.V)
       detail::store_float(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, c.hv) + orow, o);
+    hooks.after(t, S);
     if (t + 1 < len)
       load_token<In>(p, p.g, p.beta, seq, tok + 1, c.h, c.hv, kofs, valid, c.row0, RG, x);
   }
@@ -121,80 +204,6 @@ __device__ __forceinline__ void write_state(const RecurrentProblem& p, const Til
     store_final_state<EPL, R, RG>(p, c, kofs, valid, [&S](int r, int i) { return S[r][i]; });
 }
 
-// ---- a pool in its storage format (docs/STATE_FORMATS.md) -------------------------------------
-// Quantized states (float8_e4m3fn, int8 with a fp32 scale per row) and stochastically rounded
-// 16-bit states, element by element through core/state_format.h's rules (the CPU backend's,
-// src/cpu/state_io.h): loaded dequantized, stored with the row's fresh scale, the amax a shuffle
-// reduction over the row's G lanes (every lane takes part, rows past V included).
-__device__ __forceinline__ bool quantized_state(DType t) {
-  return t == DType::f8e4m3 || t == DType::i8;
-}
-
-template <int EPL>
-__device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, int64_t slot, int hv,
-                                               int V, int K, int row, int kofs, int valid,
-                                               float (&x)[EPL]) {
-  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
-  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
-  if (quantized_state(st.dtype)) {
-    const float scale = st.scales[slot * st.scale_slot_stride + row_idx];
-    const uint8_t* c = static_cast<const uint8_t*>(st.ptr) + off;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float q = st.dtype == DType::f8e4m3 ? detail::e4m3_to_float(c[i])
-                                                : static_cast<float>(static_cast<int8_t>(c[i]));
-      x[i] = i < valid ? q * scale : 0.0f;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i)
-      x[i] = i < valid ? detail::load_float(st.ptr, st.dtype, off + i) : 0.0f;
-  }
-}
-
-// `in_rows`: the row is below V (uniform over the row's lanes); the reduction runs regardless.
-template <int G, int EPL>
-__device__ __forceinline__ void store_state_fmt(const detail::StatePoolRef& st, uint64_t key,
-                                                int64_t slot, int hv, int V, int K, int row,
-                                                bool in_rows, int lane, int kofs, int valid,
-                                                const float (&x)[EPL]) {
-  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
-  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
-  const uint64_t index0 = static_cast<uint64_t>(row_idx * K + kofs);
-  if (quantized_state(st.dtype)) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i)
-      if (i < valid) amax = detail::amax_step(amax, x[i]);
-#pragma unroll
-    for (int d = G / 2; d > 0; d >>= 1)
-      amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-    if (!in_rows) return;
-    const bool fp8 = st.dtype == DType::f8e4m3;
-    const float s = detail::row_scale(amax, fp8 ? detail::kE4m3Max : detail::kInt8Max);
-    uint8_t* c = static_cast<uint8_t*>(st.ptr) + off;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (i >= valid) continue;
-      const uint32_t U = st.stochastic ? detail::sr_u24(detail::sr_bits(key, index0 + i)) : 0u;
-      const float y = x[i] / s;
-      c[i] = fp8 ? detail::float_to_e4m3(y, st.stochastic, U)
-                 : static_cast<uint8_t>(detail::float_to_i8(y, st.stochastic, U));
-    }
-    if (lane % G == 0) st.scales[slot * st.scale_slot_stride + row_idx] = s;
-    return;
-  }
-  if (!in_rows) return;
-  uint16_t* h = static_cast<uint16_t*>(st.ptr) + off;  // bf16 / fp16, stochastic
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    if (i >= valid) continue;
-    const uint64_t bits = detail::sr_bits(key, index0 + i);
-    h[i] = st.dtype == DType::bf16 ? detail::float_to_bf16_sr(x[i], bits)
-                                   : detail::float_to_f16_sr(x[i], bits);
-  }
-}
-
 // The formatted-state twin of the direct kernel (float register layout of a KT = 256 tile, any
 // inputs): a pool updated in place, no final_state (the contract's rule). The key's step is read
 // here; advance_rounding_step adds 1 after the grid, in stream order.
@@ -204,61 +213,34 @@ __global__ void __launch_bounds__(128, kDirectCtasPerSm)
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<float, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
-  const int lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (w >= p.num_heads_total() * warps_per_head) return;
-  const TileCoords c = tile_coords(p, w, warps_per_head, RG * R, lane, G);
-  const int kofs = (lane % G) * EPL;
-  const int valid = max(0, min(EPL, p.K - kofs));
-  const int64_t seq = p.cu_seqlens ? 0 : c.n;
-  const int64_t tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n) : 0;
-  const int64_t len =
-      p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n + 1) - tok0 : p.T;
-  const int64_t slot = slot_of(p, c.n);
-
+  DirectTile d;
   TokenInputs<EPL, R> x;
-  if (len > 0)
-    load_token<AnyInput>(p, p.g, p.beta, seq, tok0, c.h, c.hv, kofs, valid, c.row0, RG, x);
   GateConsts<EPL> gc;
-  load_gate_consts(p.gate, c.hv, p.K, kofs, valid, gc);
-  if (p.indices && slot < 0) {
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, 0.0f);
-    return;
-  }
-  if (bad_slot(p, slot)) {
-    record_bad_slot(p, c.n, slot, lane == 0 && c.hv == 0 && c.row0 == 0);
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, bad_row_output());
-    return;
-  }
+  if (!direct_prologue<AnyInput, G, EPL, R, RG, false>(p, warps_per_head, d, x, gc)) return;
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = c.row0 + r * RG;
+    const int row = d.c.row0 + r * RG;
     if (row < p.V) {
-      load_state_fmt<EPL>(p.state, slot, c.hv, p.V, p.K, row, kofs, valid, S[r]);
+      load_state_fmt<EPL>(p.state, d.slot, d.c.hv, p.V, p.K, row, d.kofs, d.valid, S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  run_tokens<AnyInput, G, EPL, R, RG>(p, c, seq, tok0, len, lane, kofs, valid, S, x, gc);
-  if (!p.update_state || len <= 0) return;
+  run_tokens<AnyInput, G, EPL, R, RG>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, S, x,
+                                      gc);
+  if (!p.update_state || d.len <= 0) return;
   const uint64_t key = p.state.stochastic
-                           ? detail::sr_key(p.state.seed, static_cast<uint64_t>(slot),
+                           ? detail::sr_key(p.state.seed, static_cast<uint64_t>(d.slot),
                                             p.state.layer, static_cast<uint64_t>(*p.state.step))
                            : 0;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = c.row0 + r * RG;
-    store_state_fmt<G, EPL>(p.state, key, slot, c.hv, p.V, p.K, row, row < p.V, lane, kofs, valid,
-                            S[r]);
+    const int row = d.c.row0 + r * RG;
+    store_state_fmt<G, EPL>(p.state, key, d.slot, d.c.hv, p.V, p.K, row, row < p.V, d.lane, d.kofs,
+                            d.valid, S[r]);
   }
-}
-
-// One thread: the stochastic-rounding step counter of a call, after its grid.
-__global__ void advance_rounding_step(int64_t* step) {
-  enter_grid(false);
-  *step += 1;
 }
 
 // ---- direct kernel: one tile per warp, state loaded straight into registers
@@ -270,50 +252,29 @@ __global__ void __launch_bounds__(128, kDirectCtasPerSm)
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
-  const int lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (w >= p.num_heads_total() * warps_per_head) return;
-  const TileCoords c = tile_coords(p, w, warps_per_head, RG * R, lane, G);
-  const int kofs = (lane % G) * EPL;
-  const int valid = VEC ? EPL : max(0, min(EPL, p.K - kofs));
-  const int64_t seq = p.cu_seqlens ? 0 : c.n;
-  const int64_t tok0 = p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n) : 0;
-  const int64_t len =
-      p.cu_seqlens ? detail::load_index(p.cu_seqlens, p.cu_dtype, c.n + 1) - tok0 : p.T;
-  const int64_t slot = slot_of(p, c.n);
-
-  TokenInputs<EPL, R> x;  // token 0's inputs do not depend on the slot: issue them first
-  if (len > 0) load_token<In>(p, p.g, p.beta, seq, tok0, c.h, c.hv, kofs, valid, c.row0, RG, x);
+  DirectTile d;
+  TokenInputs<EPL, R> x;
   GateConsts<EPL> gc;
-  load_gate_consts(p.gate, c.hv, p.K, kofs, valid, gc);
-  if (p.indices && slot < 0) {
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, 0.0f);
-    return;
-  }
-  if (bad_slot(p, slot)) {  // as padded, but NaN out and recorded (lane 0 of the row's first tile)
-    record_bad_slot(p, c.n, slot, lane == 0 && c.hv == 0 && c.row0 == 0);
-    write_padded<EPL, R, RG, G>(p, c, seq, tok0, len, lane, kofs, valid, bad_row_output());
-    return;
-  }
+  if (!direct_prologue<In, G, EPL, R, RG, VEC>(p, warps_per_head, d, x, gc)) return;
 
   const int64_t head_elems = static_cast<int64_t>(p.V) * p.K;
   StateT* state_head = p.state.ptr ? static_cast<StateT*>(p.state.ptr) +
-                                         slot * p.state.slot_stride + c.hv * head_elems
+                                         d.slot * p.state.slot_stride + d.c.hv * head_elems
                                    : nullptr;
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = c.row0 + r * RG;
+    const int row = d.c.row0 + r * RG;
     if (state_head && row < p.V) {
-      load_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + kofs, valid,
+      load_state<StateT, EPL, VEC>(state_head + static_cast<int64_t>(row) * p.K + d.kofs, d.valid,
                                    S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  run_tokens<In, G, EPL, R, RG>(p, c, seq, tok0, len, lane, kofs, valid, S, x, gc);
-  write_state<StateT, EPL, R, RG, VEC>(p, c, state_head, len, kofs, valid, S);
+  run_tokens<In, G, EPL, R, RG>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, S, x, gc);
+  write_state<StateT, EPL, R, RG, VEC>(p, d.c, state_head, d.len, d.kofs, d.valid, S);
 }
 
 }  // namespace

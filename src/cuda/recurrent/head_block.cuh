@@ -1,5 +1,6 @@
 // The recurrent kernels' tiles: where tile t of a grid lies (HeadBlock), and a sequence's slot.
-// Part of recurrent.cu's translation unit (included there only), in its anonymous namespace.
+// Part of recurrent.cu's translation unit (and of verify.cu's, through recurrent/direct.cuh), in
+// its anonymous namespace.
 #pragma once
 
 #include <cstdint>

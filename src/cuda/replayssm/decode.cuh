@@ -49,6 +49,7 @@
 #include "cuda/reduce.cuh"
 #include "cuda/replayssm/ring.cuh"
 #include "cuda/rows.cuh"
+#include "cuda/state_fmt.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
 
@@ -363,9 +364,15 @@ struct ReplayCta {
   }
 };
 
-template <class StateT, int KT, bool VEC, class In, int BPC>
-__global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
-    replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
+// The kernel's body (replay_kernel, replay_fmt_kernel below). FMT: a checkpoint in its storage
+// format (quantized, or rounded stochastically; docs/STATE_FORMATS.md) on the generic float
+// layout: its rows loaded dequantized, stored on a flush through cuda/state_fmt.cuh (a fresh scale
+// per row, the slot's key), as the CPU's.
+template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT>
+__device__ __forceinline__ void replay_step(const ReplayProblem& p,
+                                            const detail::SmallDivider& group_div) {
+  static_assert(!FMT || (std::is_same_v<StateT, float> && !VEC && BPC == 1),
+                "a formatted checkpoint: the generic float layout, one row block");
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;   // rows per warp
@@ -483,11 +490,25 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   constexpr bool kPrepFirst = EPL > 4;
   if (kPrepFirst) cta.prepare(p, x_in, gc, gate_warp);
   // The checkpoint rows (every load in flight at once).
-  StateT* s0 = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
-               static_cast<int64_t>(hv) * V * K;
-  StateT* my_rows = s0 + static_cast<int64_t>(row0) * K + kofs;  // this lane's row 0 (of block 0)
+  // (FMT: the codes are not StateT elements; the rows go through state_fmt.cuh instead)
+  StateT* s0 = FMT ? nullptr
+                   : static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
+                         static_cast<int64_t>(hv) * V * K;
+  StateT* my_rows = FMT ? nullptr : s0 + static_cast<int64_t>(row0) * K + kofs;  // lane's row 0
   float S[R][EPL];
-  cta.load_checkpoint(my_rows, S);
+  if constexpr (FMT) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r * RG < V) {
+        load_state_fmt<EPL>(p.state, slot, hv, V, K, row0 + r * RG, kofs, valid, S[r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+      }
+    }
+  } else {
+    cta.load_checkpoint(my_rows, S);
+  }
   // The second block's rows: each thread copies its own words into shared memory (no barrier).
   uint4* ckpt_mine = reinterpret_cast<uint4*>(smem + sm.ckpt) + threadIdx.x;
   if constexpr (BPC == 2)
@@ -612,9 +633,17 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
       float alpha[EPL], kn[EPL], qn[EPL];
       cta.token_slice(alpha, kn, qn);
       float u_here;  // meaningful on the lanes holding sk
+      // FMT: the key of the slot's bits in this call (the counter advances after the grid)
+      const uint64_t key = FMT && p.state.stochastic
+                               ? detail::sr_key(p.state.seed, static_cast<uint64_t>(slot),
+                                                p.state.layer, static_cast<uint64_t>(*p.state.step))
+                               : 0;
       const float red = delta_step_rows<G, R>(
           S, alpha, kn, qn, cta.v_of(v_in, b), beta, lane, u_here, [&](int r) {
-            if (cta.row_ok(rowb + r * RG))
+            if constexpr (FMT)  // every lane: the row's amax is a shuffle reduction
+              store_state_fmt<G, EPL>(p.state, key, slot, hv, V, K, rowb + r * RG,
+                                      cta.row_ok(rowb + r * RG), lane, kofs, valid, S[r]);
+            else if (cta.row_ok(rowb + r * RG))
               store_state<StateT, EPL, VEC>(my_rows + (b * rows_blk + r * RG) * K, valid, S[r]);
           });
       store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
@@ -659,6 +688,20 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     }
     if (!kda && lane == 0) g_ring[m] = s_gcur[0];
   }
+}
+
+template <class StateT, int KT, bool VEC, class In, int BPC>
+__global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
+    replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
+  replay_step<StateT, KT, VEC, In, BPC, false>(p, group_div);
+}
+
+// A checkpoint in its storage format: the generic instantiation's formatted twin (tuning.h
+// kReplayFmtCtasPerSm: with its dequantizing loads and the rows' amax reductions it spills more
+// at 3 per SM).
+__global__ void __launch_bounds__(kReplayWarps * 32, kReplayFmtCtasPerSm)
+    replay_fmt_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
+  replay_step<float, 256, false, AnyInput, 1, true>(p, group_div);
 }
 
 }  // namespace

@@ -1,0 +1,102 @@
+// A state pool in its storage format (docs/STATE_FORMATS.md) in the register kernels' lanes:
+// quantized states (float8_e4m3fn, int8 with a fp32 scale per row) and stochastically rounded
+// 16-bit states, element by element through core/state_format.h's rules (the CPU backend's,
+// src/cpu/state_io.h). Used by the recurrent op's formatted-state kernel (recurrent/direct.cuh),
+// verify's and the commit's (verify/fmt.cuh). Included in a translation unit's anonymous
+// namespace.
+#pragma once
+
+#include <cstdint>
+
+#include "core/numeric.h"
+#include "core/problem.h"
+#include "core/state_format.h"
+#include "cuda/grid.cuh"
+#include "cuda/loads.cuh"
+
+namespace deltastate::cuda_backend {
+
+namespace {
+
+// A row's EPL elements from the lane's K offset kofs (valid: those below K): loaded dequantized,
+// stored with the row's fresh scale, the amax a shuffle reduction over the row's G lanes (every
+// lane takes part, rows past V included). Row `row` of value head hv is row hv * V + row of the
+// slot's [HV * V] rows (a commit passes hv = 0 and the row's index there).
+__device__ __forceinline__ bool quantized_state(DType t) {
+  return t == DType::f8e4m3 || t == DType::i8;
+}
+
+template <int EPL>
+__device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, int64_t slot, int hv,
+                                               int V, int K, int row, int kofs, int valid,
+                                               float (&x)[EPL]) {
+  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
+  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
+  if (quantized_state(st.dtype)) {
+    const float scale = st.scales[slot * st.scale_slot_stride + row_idx];
+    const uint8_t* c = static_cast<const uint8_t*>(st.ptr) + off;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const float q = st.dtype == DType::f8e4m3 ? detail::e4m3_to_float(c[i])
+                                                : static_cast<float>(static_cast<int8_t>(c[i]));
+      x[i] = i < valid ? q * scale : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      x[i] = i < valid ? detail::load_float(st.ptr, st.dtype, off + i) : 0.0f;
+  }
+}
+
+// `in_rows`: the row is below V (uniform over the row's lanes); the reduction runs regardless.
+template <int G, int EPL>
+__device__ __forceinline__ void store_state_fmt(const detail::StatePoolRef& st, uint64_t key,
+                                                int64_t slot, int hv, int V, int K, int row,
+                                                bool in_rows, int lane, int kofs, int valid,
+                                                const float (&x)[EPL]) {
+  const int64_t row_idx = static_cast<int64_t>(hv) * V + row;
+  const int64_t off = slot * st.slot_stride + row_idx * K + kofs;
+  const uint64_t index0 = static_cast<uint64_t>(row_idx * K + kofs);
+  if (quantized_state(st.dtype)) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      if (i < valid) amax = detail::amax_step(amax, x[i]);
+#pragma unroll
+    for (int d = G / 2; d > 0; d >>= 1)
+      amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    if (!in_rows) return;
+    const bool fp8 = st.dtype == DType::f8e4m3;
+    const float s = detail::row_scale(amax, fp8 ? detail::kE4m3Max : detail::kInt8Max);
+    uint8_t* c = static_cast<uint8_t*>(st.ptr) + off;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (i >= valid) continue;
+      const uint32_t U = st.stochastic ? detail::sr_u24(detail::sr_bits(key, index0 + i)) : 0u;
+      const float y = x[i] / s;
+      c[i] = fp8 ? detail::float_to_e4m3(y, st.stochastic, U)
+                 : static_cast<uint8_t>(detail::float_to_i8(y, st.stochastic, U));
+    }
+    if (lane % G == 0) st.scales[slot * st.scale_slot_stride + row_idx] = s;
+    return;
+  }
+  if (!in_rows) return;
+  uint16_t* h = static_cast<uint16_t*>(st.ptr) + off;  // bf16 / fp16, stochastic
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    if (i >= valid) continue;
+    const uint64_t bits = detail::sr_bits(key, index0 + i);
+    h[i] = st.dtype == DType::bf16 ? detail::float_to_bf16_sr(x[i], bits)
+                                   : detail::float_to_f16_sr(x[i], bits);
+  }
+}
+
+// The stochastic-rounding step counters of a call (n: one per layer), after its grid, in stream
+// order (so a replayed CUDA graph advances them).
+__global__ void advance_rounding_step(int64_t* step, int n) {
+  enter_grid(false);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) step[i] += 1;
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend

@@ -1,0 +1,208 @@
+// Speculative verify and the state commit on a pool in its storage format (quantized float8_e4m3fn
+// / int8 with per-row fp32 scales, or stochastically rounded 16-bit; docs/STATE_FORMATS.md), the
+// CPU backend's rules (src/cpu/verify.cpp) on the GPU. Generic kernels, not the speed work:
+//   verify_fmt_kernel  the recurrent op's formatted-state kernel (recurrent/direct.cuh: one warp
+//                      per tile of a (sequence, value head), float register layout of a K tile of
+//                      256) with verify's index conventions: the start state loaded dequantized,
+//                      each token's state stored to the float scratch (intermediate_states, the
+//                      caller's dtype, rounded to nearest) and to its per-token pool slot
+//                      (quantized, the slot's key), tree tokens reloaded from the scratch, the
+//                      final state stored quantized. No source pool and no cache_ring here (the
+//                      contract rejects them on CUDA).
+//   commit_fmt_kernel  each accepted scratch state requantized into its slot: one warp per state
+//                      row, the row's amax a shuffle reduction, layer l's bits keyed by (seed,
+//                      slot, layer0 + l, steps[l]).
+// The stores go through cuda/state_fmt.cuh, the recurrent op's; the step counters advance after
+// the grid (advance_rounding_step), as on the CPU: verify's once per call whatever it stored, the
+// commit's once per layer.
+// Part of verify.cu's translation unit (included there only), in its anonymous namespace.
+#pragma once
+
+#include <cstdint>
+
+#include "core/problem.h"
+#include "core/state_format.h"
+#include "cuda/grid.cuh"
+#include "cuda/recurrent/direct.cuh"
+#include "cuda/state_fmt.cuh"
+#include "cuda/verify/commit.cuh"
+#include "cuda/verify/multi_token.cuh"
+
+namespace deltastate::cuda_backend {
+
+namespace {
+
+// The key of a slot's stochastic bits in this call (0 when rounding to nearest).
+__device__ __forceinline__ uint64_t slot_key(const detail::StatePoolRef& st, uint64_t step,
+                                             int64_t slot) {
+  return st.stochastic ? detail::sr_key(st.seed, static_cast<uint64_t>(slot), st.layer, step) : 0;
+}
+
+// The warp's rows of `slot` stored in the pool's format (every lane takes part).
+template <int G, int EPL, int R, int RG>
+__device__ __forceinline__ void store_rows_fmt(const RecurrentProblem& p, const DirectTile& d,
+                                               uint64_t step, int64_t slot,
+                                               const float (&S)[R][EPL]) {
+  const uint64_t key = slot_key(p.state, step, slot);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = d.c.row0 + r * RG;
+    store_state_fmt<G, EPL>(p.state, key, slot, d.c.hv, p.V, p.K, row, row < p.V, d.lane, d.kofs,
+                            d.valid, S[r]);
+  }
+}
+
+template <int EPL, int R, int RG>
+__device__ __forceinline__ void load_rows_fmt(const RecurrentProblem& p, const DirectTile& d,
+                                              int64_t slot, float (&S)[R][EPL]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = d.c.row0 + r * RG;
+    if (row < p.V) {
+      load_state_fmt<EPL>(p.state, slot, d.c.hv, p.V, p.K, row, d.kofs, d.valid, S[r]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+    }
+  }
+}
+
+// Element offset of the warp's first element of (scratch row, step) for value head hv.
+__device__ __forceinline__ int64_t scratch_at(const VerifyProblem& vp, const DirectTile& d,
+                                              int64_t row, int64_t step) {
+  const int64_t head_elems = static_cast<int64_t>(vp.r.V) * vp.r.K;
+  return row * vp.inter_row_stride + step * vp.inter_step_stride + d.c.hv * head_elems + d.kofs;
+}
+
+// Verify's work around each token (run_tokens' hooks): a tree token's start state, and the state
+// after each token into the scratch row's step and its per-token pool slot.
+template <int G, int EPL, int R, int RG>
+struct VerifyFmtHooks {
+  const VerifyProblem& vp;
+  const DirectTile& d;
+  int64_t start, row;  // the start slot; the scratch row (< 0: none)
+  uint64_t step;       // the rounding key's step, read once per call
+  __device__ __forceinline__ void before(int64_t t, float (&S)[R][EPL]) const {
+    if (!vp.parents.ptr || row < 0 || t == 0) return;
+    const int64_t parent = vp.parents.at(d.c.n, t);
+    if (parent == t - 1) return;  // its state is the one in registers
+    if (parent < 0) {
+      // the start slot, which a per-token store of this warp may have rewritten: its row scales
+      // were written by one lane each, so order the warp's accesses first
+      __syncwarp();
+      return load_rows_fmt<EPL, R, RG>(vp.r, d, start, S);
+    }
+    const int64_t at = scratch_at(vp, d, row, parent);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int rr = d.c.row0 + r * RG;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        S[r][i] = rr < vp.r.V && i < d.valid
+                      ? detail::load_float(vp.inter, vp.inter_dtype,
+                                           at + static_cast<int64_t>(rr) * vp.r.K + i)
+                      : 0.0f;
+    }
+  }
+  __device__ __forceinline__ void after(int64_t t, const float (&S)[R][EPL]) const {
+    if (row >= 0) {
+      const int64_t at = scratch_at(vp, d, row, t);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int rr = d.c.row0 + r * RG;
+        if (rr >= vp.r.V) continue;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+          if (i < d.valid)
+            detail::store_float(vp.inter, vp.inter_dtype,
+                                at + static_cast<int64_t>(rr) * vp.r.K + i, S[r][i]);
+      }
+    }
+    if (vp.token_slots.ptr) {
+      const int64_t slot = vp.token_slots.at(d.c.n, t);
+      if (slot >= 0) store_rows_fmt<G, EPL, R, RG>(vp.r, d, step, slot, S);
+    }
+  }
+};
+
+template <int KT>
+__global__ void __launch_bounds__(128, kVerifyFmtCtasPerSm)
+    verify_fmt_kernel(const VerifyProblem vp, int warps_per_head) {
+  const RecurrentProblem& p = vp.r;
+  enter_grid(p.pdl_trigger_early);
+  using Lay = RowLayout<float, KT>;
+  constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
+  DirectTile d;
+  if (!direct_tile<G, EPL, R, RG, false>(p, warps_per_head, d)) return;
+  // home (d.slot): the sequence's slot; start: the slot its state starts from
+  const int64_t n = d.c.n, home = d.slot;
+  int64_t start = home;
+  if (vp.num_accepted.ptr) {
+    const int64_t a = vp.num_accepted.at(n, 0);
+    start = a >= 1 && a <= vp.token_slots.cols ? vp.token_slots.at(n, a - 1) : 0;
+  }
+  const int64_t row = vp.inter ? (vp.inter_indices.ptr ? vp.inter_indices.at(n, 0) : n) : -1;
+  const BadIndex bad = find_bad_index(vp, n, d.len, start, row, false, home);
+  if (start < 0 || bad.kind) {  // padded: zero outputs; a bad index: NaN outputs, recorded
+    if (bad.kind && d.c.hv == 0 && d.c.row0 == 0 && d.lane == 0)
+      record_bad_row(p.errors, vp.err_op, bad.kind, n, bad.value, bad.limit);
+    write_padded<EPL, R, RG, G>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid,
+                                bad.kind ? bad_row_output() : 0.0f);
+    return;
+  }
+  TokenInputs<EPL, R> x;
+  if (d.len > 0)
+    load_token<AnyInput>(p, p.g, p.beta, d.seq, d.tok0, d.c.h, d.c.hv, d.kofs, d.valid, d.c.row0,
+                         RG, x);
+  GateConsts<EPL> gc;
+  load_gate_consts(p.gate, d.c.hv, p.K, d.kofs, d.valid, gc);
+  float S[R][EPL];
+  load_rows_fmt<EPL, R, RG>(p, d, start, S);
+  const uint64_t step = p.state.stochastic ? static_cast<uint64_t>(*p.state.step) : 0;
+  const VerifyFmtHooks<G, EPL, R, RG> hooks{vp, d, start, row, step};
+  run_tokens<AnyInput, G, EPL, R, RG>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, S, x,
+                                      gc, hooks);
+  if (p.update_state && !vp.token_slots.ptr && d.len > 0) {
+    const int64_t dst = vp.output_indices.ptr ? vp.output_indices.at(n, 0) : home;
+    if (dst >= 0) store_rows_fmt<G, EPL, R, RG>(p, d, step, dst, S);
+  }
+}
+
+// One warp per state row of an accepted entry (grid: (row chunk, request, layer)).
+constexpr int kCommitFmtWarps = kCommitThreads / 32;
+template <int KT>
+__global__ void __launch_bounds__(kCommitThreads) commit_fmt_kernel(const detail::CommitProblem p) {
+  enter_grid(false);
+  using Lay = RowLayout<float, KT>;
+  constexpr int G = Lay::G, EPL = Lay::EPL;
+  static_assert(G == 32, "a row over one warp");
+  const int64_t b = blockIdx.y, layer = blockIdx.z;
+  int64_t src_at, dst_at;
+  if (!commit_entry(p, b, layer, src_at, dst_at)) return;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCommitFmtWarps + (threadIdx.x >> 5);
+  if (row >= p.head_elems / p.K) return;  // uniform over the warp
+  const int lane = threadIdx.x & 31;
+  const int kofs = lane * EPL, valid = max(0, min(EPL, p.K - kofs));
+  float x[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i)
+    x[i] = i < valid ? detail::load_float(p.inter, p.inter_dtype, src_at + row * p.K + kofs + i)
+                     : 0.0f;
+  // the layer's pool as a one-layer ref: its codes and scales, its key's layer and step
+  detail::StatePoolRef st;
+  st.ptr = static_cast<char*>(p.state) + layer * p.state_layer_stride;  // 1-byte codes
+  st.dtype = p.dtype;
+  st.slot_stride = p.state_slot_stride;
+  st.scales = p.scales + layer * p.scales_layer_stride;
+  st.scale_slot_stride = p.scales_slot_stride;
+  st.stochastic = p.stochastic;
+  st.seed = p.seed;
+  st.layer = p.layer0 + static_cast<uint64_t>(layer);
+  const int64_t slot = p.slots.at(b, 0);
+  const uint64_t key = slot_key(st, p.stochastic ? static_cast<uint64_t>(p.steps[layer]) : 0, slot);
+  store_state_fmt<G, EPL>(st, key, slot, 0, 0, p.K, static_cast<int>(row), true, lane, kofs, valid,
+                          x);
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend
