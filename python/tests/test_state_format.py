@@ -519,6 +519,41 @@ def test_recurrent_on_a_quantized_pool(fw, rng, kda, dtype, rounding, varlen):
 
 
 @pytest.mark.parametrize("dtype,rounding", FORMATS)
+def test_recurrent_zero_length_sequence_leaves_its_slot(fw, rng, dtype, rounding):
+    """A varlen sequence of no tokens on a quantized pool: its slot's codes and scales stay bit
+    for bit, as the CUDA kernels leave it; its neighbours are updated. The slot's rows reach only
+    0.6 of the format's range, so a store (fresh scales) would change every byte."""
+    H, HV, K, V, slots, layer, seed = 1, 2, 16, 8, 6, 0, 3
+    pool = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, framework=fw.name)
+    fill_sentinels(pool, layer)
+    for s in (1, 3, 4):
+        x = (rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32)
+        codes, sc = emulate(x, dtype, False)
+        if s == 3:  # nearest codes of 0.6 x at x's scales
+            y = 0.6 * x / sc[..., None]
+            codes = (sa.e4m3_bits(sa.round_e4m3(y, None)) if dtype == "float8_e4m3fn" else
+                     np.clip(np.rint(y), -127, 127).astype(np.int8).view(np.uint8))
+        write_slot(pool, layer, s, codes, sc)
+    codes0, scales0 = state_bits(pool, layer)
+    lens = [3, 0, 2]
+    d = recurrent_data(rng, kda=False, B=1, T=sum(lens), H=H, HV=HV, K=K, V=V,
+                       use_gate_in_kernel=False, beta_is_logit=False)
+    x = materialize_recurrent(fw, d, "float32")
+    ds.recurrent_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool.layer_state(0),
+        ssm_state_indices=fw.idx([1, 3, 4]),
+        cu_seqlens=fw.idx(np.concatenate([[0], np.cumsum(lens)])),
+        output=poison(fw, tuple(d["v"].shape), "float32"), use_qk_l2norm_in_kernel=True,
+        **pool.state_format(layer))
+    codes1, scales1 = state_bits(pool, layer)
+    np.testing.assert_array_equal(codes1[3], codes0[3])
+    np.testing.assert_array_equal(scales1[3], scales0[3])
+    for s in (1, 4):
+        assert not np.array_equal(codes1[s], codes0[s])
+
+
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_chunked_prefill_on_a_quantized_pool(fw, rng, kda, dtype, rounding):
     """FLA's chunk_gated_delta_rule / chunk_kda on a quantized pool: initial states read

@@ -144,7 +144,10 @@ void run_recurrent(const RecurrentProblem& p) {
                     sc.o.data());
       store_row(p.out.ptr, p.out.dtype, head_offset(p.out, seq, tok, hv) + r0, rows, sc.o.data());
     }
-    if (p.state.ptr && p.update_state && formatted)
+    // A sequence of no tokens leaves its slot as it was: a formatted store would requantize it
+    // (fresh scales and rounding bits), and the CUDA kernels do not touch it either.
+    if (len == 0) {
+    } else if (p.state.ptr && p.update_state && formatted)
       store_state_rows(p.state, rnd, rnd.key_of(slot), slot, hv, V, K, r0, rows, S);
     else if (p.state.ptr && p.update_state && !in_place)
       store_rows(p.state.ptr, p.state.dtype, state_off, K, V, k_first, r0, rows, S, sc.col.data());
