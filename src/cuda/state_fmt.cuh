@@ -36,9 +36,11 @@ __device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, i
     const float scale = st.scales[slot * st.scale_slot_stride + row_idx];
     const uint8_t* c = static_cast<const uint8_t*>(st.ptr) + off;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float q = st.dtype == DType::f8e4m3 ? detail::e4m3_to_float(c[i])
-                                                : static_cast<float>(static_cast<int8_t>(c[i]));
+    for (int i = 0; i < EPL; ++i) {  // lanes past the row's end read nothing (the last slot's
+      // last row ends at the pool tensor's end)
+      const uint8_t code = i < valid ? c[i] : uint8_t{0};
+      const float q = st.dtype == DType::f8e4m3 ? detail::e4m3_to_float(code)
+                                                : static_cast<float>(static_cast<int8_t>(code));
       x[i] = i < valid ? q * scale : 0.0f;
     }
   } else {

@@ -280,8 +280,8 @@ class GpuQuantizedRecurrent : public GpuParamTest<QuantRecurrentCase> {};
 
 // The recurrent op's multi-token calls on a quantized pool updated in place (the state kept in
 // fp32 through a sequence's tokens, stored once): two calls on a host pool and its device copy,
-// each token's outputs (a padded sequence's zero), the live slots' codes and scales, the step
-// counter, every other byte (sentinels).
+// each token's outputs (a padded sequence's zero), the live slots' codes and scales (a sequence
+// of no tokens leaves its slot untouched), the step counter, every other byte (sentinels).
 TEST_P(GpuQuantizedRecurrent, MultiTokenMatchesCpu) {
   const QuantRecurrentCase& c = GetParam();
   const Shape s = c.kda ? kKimi : kQwen3Next;
@@ -291,7 +291,7 @@ TEST_P(GpuQuantizedRecurrent, MultiTokenMatchesCpu) {
       c.varlen ? std::vector<int64_t>{3, 7, -1, 0, 5} : std::vector<int64_t>{6, -1, 2, 8};
   const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer,
                                         2, 9, blocks_of(layer, slots), rng);
-  const RecurrentSpec spec = c.varlen ? recurrent_spec(s, c.kda, bf16, 1, 1, {3, 1, 4, 2, 5})
+  const RecurrentSpec spec = c.varlen ? recurrent_spec(s, c.kda, bf16, 1, 1, {3, 0, 4, 2, 5})
                                       : recurrent_spec(s, c.kda, bf16, 4, 3);
   RecurrentBatch rb = make_recurrent_batch(rng, spec);
   ASSERT_EQ(rb.N, static_cast<int64_t>(slots.size()));
