@@ -9,6 +9,8 @@
 // within one quantum of its row (int8: the scale; e4m3: 2^-3 of the value, 2^-9 of the scale in
 // the subnormal range) plus the fp32 tolerance, and the scales (amax / qmax) to 1e-4 relative.
 // Most codes agree exactly: at most 2% may differ.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -62,6 +64,18 @@ struct QuantPools {
         cudaMemcpy(dev->data(), host->data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
   }
 };
+// Element i of a bf16 or fp16 array, as fp32 and back (to nearest).
+float load16(const void* p, DType t, int64_t i) {
+  uint16_t u;
+  std::memcpy(&u, static_cast<const char*>(p) + 2 * i, 2);
+  return t == DType::bf16 ? __bfloat162float(__nv_bfloat16_raw{u}) : __half2float(__half_raw{u});
+}
+void store16(void* p, DType t, int64_t i, float v) {
+  const uint16_t u =
+      t == DType::bf16 ? __nv_bfloat16_raw(__float2bfloat16(v)).x : __half_raw(__float2half(v)).x;
+  std::memcpy(static_cast<char*>(p) + 2 * i, &u, 2);
+}
+
 QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
                             deltastate::PoolLayout layout, int64_t layers, int64_t slots,
                             const std::vector<Block>& live, Rng& rng, int64_t replay_len = 0,
@@ -88,14 +102,21 @@ QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
   q.bytes = q.host->total_bytes();
   q.stochastic = q.host->config().stochastic_rounding();
   std::memset(q.host->data(), 0x5a, static_cast<size_t>(q.bytes));
+  const bool codes = dtype == DType::f8e4m3 || dtype == DType::i8;
   for (const Block& b : live) {
-    const TensorView st = q.host->layer_state(b.layer), sc = q.host->layer_scales(b.layer);
-    uint8_t* codes = static_cast<uint8_t*>(st.data) + b.slot * st.stride[0];
+    const TensorView st = q.host->layer_state(b.layer);
+    if (!codes) {  // a stochastically rounded 16-bit pool: its values, no scales
+      for (int64_t i = 0; i < s.HV * s.V * s.K; ++i)
+        store16(st.data, dtype, b.slot * st.stride[0] + i, static_cast<float>(rng.normal(0.5)));
+      continue;
+    }
+    const TensorView sc = q.host->layer_scales(b.layer);
+    uint8_t* bytes = static_cast<uint8_t*>(st.data) + b.slot * st.stride[0];
     for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
       uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
       if (dtype == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
       if (dtype == DType::i8 && c == 0x80) c = 0;                // no -128
-      codes[i] = c;
+      bytes[i] = c;
     }
     float* scales = static_cast<float*>(sc.data) + b.slot * sc.stride[0];
     for (int64_t i = 0; i < s.HV * s.V; ++i)
@@ -111,7 +132,8 @@ QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
 // An op's format keywords for `layer` of pool p (its scales; stochastic: its step counter).
 deltastate::StateFormatArgs format_of(const StatePool& p, int64_t layer, StateRounding rounding) {
   deltastate::StateFormatArgs f;
-  f.scales = p.layer_scales(layer);
+  const DType dtype = p.config().state_dtype;
+  if (dtype == DType::f8e4m3 || dtype == DType::i8) f.scales = p.layer_scales(layer);
   f.rounding = rounding;
   if (p.config().stochastic_rounding()) {
     f.step = p.rounding_step(layer);
@@ -126,7 +148,8 @@ int64_t host_step(const QuantPools& q, int64_t layer) {
 }
 
 // The device pool against the host pool after the same calls: in the `written` blocks, scales to
-// 1e-4 relative and dequantized codes within one quantum (at most 2% of the codes differing);
+// 1e-4 relative and dequantized codes within one quantum (at most 2% of the codes differing; a
+// 16-bit pool: its values within one unit in the last place, at most 2% differing);
 // every layer's step counter equal; every other byte equal (sentinels, blocks not written) but in
 // the views `apart` (of the host pool; the caller compares them).
 void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Block>& written,
@@ -140,9 +163,25 @@ void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Bloc
   const bool fp8 = dtype == DType::f8e4m3;
   std::vector<MemRange> allowed;
   int64_t codes_total = 0, codes_differ = 0;
+  const int64_t esize = dtype_size(dtype);
   for (const Block& b : written) {
     SCOPED_TRACE("layer " + std::to_string(b.layer) + " slot " + std::to_string(b.slot));
-    const TensorView st = host.layer_state(b.layer), sc = host.layer_scales(b.layer);
+    const TensorView st = host.layer_state(b.layer);
+    if (esize == 2) {
+      const int64_t off = static_cast<const char*>(st.data) - hbase + b.slot * st.stride[0] * 2;
+      allowed.push_back({dbase + off, dbase + off + HV * V * K * 2});
+      for (int64_t i = 0; i < HV * V * K; ++i) {
+        const float hv = load16(hbase + off, dtype, i), dv = load16(dbase + off, dtype, i);
+        ++codes_total;
+        if (std::memcmp(&hv, &dv, 4) == 0) continue;
+        ++codes_differ;
+        // one unit in the last place of a 16-bit value near hv (bf16: 8 bits, fp16: 11)
+        const double ulp = std::ldexp(std::fabs(hv) + 1e-30, dtype == DType::bf16 ? -7 : -10);
+        ASSERT_LE(std::fabs(dv - hv), ulp * 1.0001) << "element " << i;
+      }
+      continue;
+    }
+    const TensorView sc = host.layer_scales(b.layer);
     const int64_t code_off = static_cast<const char*>(st.data) - hbase + b.slot * st.stride[0];
     const int64_t scale_off = static_cast<const char*>(sc.data) - hbase + b.slot * sc.stride[0] * 4;
     allowed.push_back({dbase + code_off, dbase + code_off + HV * V * K});
@@ -340,6 +379,9 @@ INSTANTIATE_TEST_SUITE_P(
                            true},
         QuantRecurrentCase{"gdn_int8_rn_T3", false, DType::i8, StateRounding::nearest, false},
         QuantRecurrentCase{"gdn_int8_rn_varlen", false, DType::i8, StateRounding::nearest, true},
+        QuantRecurrentCase{"gdn_bf16_sr_varlen", false, DType::bf16, StateRounding::stochastic,
+                           true},
+        QuantRecurrentCase{"kda_f16_sr_T3", true, DType::f16, StateRounding::stochastic, false},
         QuantRecurrentCase{"kda_fp8_sr_T3", true, DType::f8e4m3, StateRounding::stochastic, false},
         QuantRecurrentCase{"kda_fp8_sr_varlen", true, DType::f8e4m3, StateRounding::stochastic,
                            true},
