@@ -51,8 +51,9 @@ namespace deltastate {
 // updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
 // checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
 // commit. The CUDA backend runs packed decode and the recurrent op on them (a generic kernel,
-// src/cuda/recurrent/direct.cuh; its GPU tests, tests/gpu/test_state_format_gpu.cpp, have not
-// run on a GPU yet) and rejects them in every other op (NotImplementedError).
+// src/cuda/recurrent/direct.cuh; tests/gpu/test_state_format_gpu.cpp), and the chunked prefill
+// (a pool; every prefill kernel's state I/O through src/cuda/state_format.cuh: compiled, its GPU
+// tests not yet run on a GPU), and rejects them in every other op (NotImplementedError).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;

@@ -24,7 +24,8 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
                         StatePoolRef& ref, int64_t step_count = 1);
 // After every other check: the CUDA backend takes neither quantized states nor stochastic
 // rounding yet (NotImplementedError), except in the ops that say so (`cuda_built`: packed decode
-// and the recurrent op, on the direct kernel's formatted-state twin).
+// and the recurrent op, on the direct kernel's formatted-state twin; the chunked prefill, through
+// cuda/state_format.cuh in every prefill kernel's state I/O).
 void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
                                 bool cuda_built = false);
 
