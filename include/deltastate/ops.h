@@ -52,10 +52,11 @@ namespace deltastate {
 // checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
 // commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
 // src/cuda/recurrent/direct.cuh), verify (not with cache_ring) and its state commit (generic
-// kernels, src/cuda/verify/fmt.cuh) and ReplaySSM decode's checkpoint (basic rings;
-// replay_fmt_kernel, src/cuda/replayssm/decode.cuh) on them, and rejects them in every other op
-// (NotImplementedError). GPU tests: tests/gpu/test_state_format_gpu.cpp (packed decode's pass on
-// an H100; the others' have not run on a GPU yet).
+// kernels, src/cuda/verify/fmt.cuh), ReplaySSM decode's checkpoint (basic rings;
+// replay_fmt_kernel, src/cuda/replayssm/decode.cuh) and the chunked prefill (a pool; every prefill
+// kernel's state I/O) on them, and rejects them in every other op (NotImplementedError). GPU
+// tests: tests/gpu/test_state_format_gpu.cpp (packed decode's pass on an H100; the others' have
+// not run on a GPU yet).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;

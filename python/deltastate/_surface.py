@@ -1068,8 +1068,8 @@ _CHUNK_DOC = """Chunked prefill ({what}), FLA's ``{fla}``: its arguments in its 
     with 64-token chunks: every chunk size gives the same recurrence, up to rounding.
     ``cp_context`` (context parallelism) other than None raises NotImplementedError.
 
-    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 initial_state pool
-    (with initial_state_indices) and the state-format keywords of
+    Quantized pools (CPU and CUDA; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 initial_state
+    pool (with initial_state_indices) and the state-format keywords of
     fused_recurrent_gated_delta_rule_packed_decode (``**pool.state_format(layer)``): the initial
     states are read dequantized, the final states and the pool's checkpoint slots stored with fresh
     scales; final_state and state_checkpoints stay float."""

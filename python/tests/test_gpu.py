@@ -1081,3 +1081,117 @@ def test_state_pool_cuda(rng):
     for layer in range(2):
         np.testing.assert_array_equal(bits(gp.layer_state(layer)[slots[2]]),
                                       bits(gp.layer_state(layer)[slots[1]]))
+
+
+# ---- the chunked prefill on a quantized / stochastically rounded pool (issue #36) -------------
+QPREFILL_FORMATS = [
+    pytest.param("float8_e4m3fn", "stochastic", id="fp8-sr"),
+    pytest.param("int8", "nearest", id="int8-rn"),
+    pytest.param("bfloat16", "stochastic", id="bf16-sr"),
+]
+QPREFILL_CASES = [  # (kda, H, HV, K, V, input dtype, sequence lengths, checkpoint_every)
+    pytest.param(False, 1, 2, 16, 16, "float32", [130, 5, 70], 64, id="gdn-K16-fallback"),
+    # the Hopper kernels on compute capability 9.0 (the tensor-core kernels elsewhere)
+    pytest.param(False, 4, 8, 128, 128, "bfloat16", [130, 5, 70], 64, id="gdn-K128"),
+    # one long sequence: the Hopper kernels' context parallelism (transfer, combine, segments)
+    pytest.param(False, 4, 8, 128, 128, "bfloat16", [4096], 512, id="gdn-K128-long"),
+    pytest.param(True, 2, 4, 128, 128, "bfloat16", [130, 5, 70], 64, id="kda-K128"),
+]
+
+
+@pytest.mark.parametrize("dtype,rounding", QPREFILL_FORMATS)
+@pytest.mark.parametrize("kda,H,HV,K,V,act,lengths,every", QPREFILL_CASES)
+def test_chunked_prefill_formatted_pool_cuda_matches_its_fp32_twin(rng, kda, H, HV, K, V, act,
+                                                                   lengths, every, dtype,
+                                                                   rounding):
+    """The CUDA chunked prefill on a quantized (or bf16 stochastic) pool against the same call
+    on an fp32 CUDA pool holding the dequantized initial states (the same kernel: the same fp32
+    results): outputs bit-identical, final states and checkpoint slots the emulation's rounding of
+    the twin's (tools/state_accuracy.py, bit for bit, the key's step 0), the step counter
+    advanced once; a padded sequence's, a skipped checkpoint's and unused slots' sentinels
+    untouched."""
+    from test_state_format import (SENTINEL_CODE, SENTINEL_SCALE, dequantize, emulate,
+                                   fill_sentinels, sa, state_bits, write_slot)
+    quantized = dtype != "bfloat16"
+    slots, layer, seed = 8, 1, 77
+    pool = ds.StatePool(layers=2, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, device="cuda")
+    twin = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, device="cuda")
+    if quantized:
+        fill_sentinels(pool, layer)
+    else:
+        pool.layer_state(layer).view(torch.int16).fill_(0x5A5A)
+    host = (rng.standard_normal((slots, HV, V, K)) * 0.5).astype(np.float32)
+    for s in (0, 2):  # the initial states read
+        if quantized:
+            codes, sc = emulate(host[s], dtype, False)
+            write_slot(pool, layer, s, codes, sc)
+        else:
+            pool.layer_state(layer)[s].copy_(torch.from_numpy(host[s]))
+    before = bits(pool.layer_state(layer)).copy()
+    before_scales = bits(pool.layer_scales(layer)).copy() if quantized else None
+    for s in (0, 2):
+        if quantized:
+            c, sc = state_bits(pool, layer)
+            twin.layer_state(0)[s].copy_(torch.from_numpy(
+                dequantize(c[s], sc[s].view(np.float32), dtype)))
+        else:
+            twin.layer_state(0)[s].copy_(pool.layer_state(layer)[s].float())
+    T = sum(lengths)
+    gshape = (1, T, HV, K) if kda else (1, T, HV)
+    f = lambda x: torch.from_numpy(x.astype(np.float32)).to(  # noqa: E731
+        device="cuda", dtype=getattr(torch, act))
+    q, k = f(rng.standard_normal((1, T, H, K))), f(rng.standard_normal((1, T, H, K)))
+    v, beta = f(rng.standard_normal((1, T, HV, V))), f(rng.uniform(0.05, 0.95, (1, T, HV)))
+    g = f(-rng.uniform(0.0, 0.3, gshape))
+    idx = lambda x: torch.tensor(x, dtype=torch.int64, device="cuda")  # noqa: E731
+    cu = idx(np.concatenate([[0], np.cumsum(lengths)]).tolist())
+    counts = [n // every for n in lengths]
+    ck_starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    ck_slots = ([5, -1, 6] + [-1] * ck_starts[-1])[:ck_starts[-1]]  # -1: a skipped checkpoint
+    written_ck = [s for s in ck_slots if s >= 0]
+    N = len(lengths)  # sequence 1 padded (when there is one)
+    initial, output = [0, -1, 2][:N], [3, -1, 4][:N]
+    finals = [s for s in output if s >= 0]
+    op = ds.chunk_kda if kda else ds.chunk_gated_delta_rule
+    outs = []
+    for p, l, kw in ((pool, layer, pool.state_format(layer)), (twin, 0, {})):
+        o, _ = op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                  initial_state=p.layer_state(l), initial_state_indices=idx(initial),
+                  output_state_indices=idx(output), output_final_state=False,
+                  state_v_first=True, checkpoint_every_n_tokens=every,
+                  checkpoint_cu_starts=idx(ck_starts), checkpoint_slot_indices=idx(ck_slots),
+                  **kw)
+        outs.append(bits(o).view(np.uint16 if act != "float32" else np.uint32))
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    new32 = twin.layer_state(0).cpu().numpy()
+    now = bits(pool.layer_state(layer))
+    for s in finals + written_ck:  # final states and checkpoints
+        key = sa.sr_key(seed, s, layer, 0) if rounding == "stochastic" else None
+        if quantized:
+            codes, scales = state_bits(pool, layer)
+            want_codes, want_scales = emulate(new32[s], dtype, rounding == "stochastic", key)
+            np.testing.assert_array_equal(codes[s], want_codes, err_msg=f"slot {s}")
+            np.testing.assert_array_equal(scales[s], want_scales.view(np.uint32),
+                                          err_msg=f"scales of slot {s}")
+        else:
+            index = np.arange(HV * V * K, dtype=np.uint64).reshape(HV, V, K)
+            want = sa.round_bf16(new32[s], sa.sr_bits(key, index))
+            got = pool.layer_state(layer)[s].float().cpu().numpy()
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
+                                          err_msg=f"slot {s}")
+    untouched = [s for s in range(slots) if s not in finals + written_ck]
+    for s in untouched:  # read (0, 2), padded (1), unused: as before
+        np.testing.assert_array_equal(now[s], before[s], err_msg=f"slot {s}")
+        if quantized:
+            np.testing.assert_array_equal(bits(pool.layer_scales(layer))[s], before_scales[s])
+    if quantized:
+        codes, scales = state_bits(pool, layer)
+        for s in untouched:
+            if s not in (0, 2):
+                assert np.all(codes[s] == SENTINEL_CODE)
+                assert np.all(scales[s] == SENTINEL_SCALE.view(np.uint32))
+    if rounding == "stochastic":
+        assert int(pool.rounding_step(layer)[0]) == 1  # one advance per call
+        assert int(pool.rounding_step(0)[0]) == 0  # the other layer's counter

@@ -330,7 +330,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
 
   // ---- host data (CPU tensors): before anything is written -----------------------------------
   const bool on_cpu = c.common_device().type == DeviceType::cpu;
-  check_state_format_backend(op, pool, c.common_device());
+  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/true);
   const bool check = args.check_indices.value_or(on_cpu);
   if (!on_cpu) require_cuda_k(K);  // the recurrent op's CUDA limit, same text
   if (on_cpu) {

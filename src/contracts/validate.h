@@ -25,7 +25,8 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
 // After every other check: the CUDA backend takes neither quantized states nor stochastic
 // rounding yet (NotImplementedError), except in the ops that say so (`cuda_built`: packed decode
 // and the recurrent op, on the direct kernel's formatted-state twin; verify and the state commit,
-// on verify/fmt.cuh's kernels; ReplaySSM decode, on replay_fmt_kernel).
+// on verify/fmt.cuh's kernels; ReplaySSM decode, on replay_fmt_kernel; the chunked prefill, in
+// every prefill kernel's state I/O).
 void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
                                 bool cuda_built = false);
 

@@ -20,7 +20,9 @@
 //    recurrence on CUDA cores: exact to fp32, slow.
 // DELTASTATE_CUDA_ALL_KERNELS=OFF (CI) compiles the tensor-core kernels for K = 128, bf16 only;
 // DELTASTATE_CUDA_PREFILL=split|fused|fallback forces one (tuning.h). Gates, decays and states of
-// every dtype and layout the problem describes run on all of them.
+// every dtype and layout the problem describes run on all of them, quantized and stochastically
+// rounded pools too (each kernel's state I/O through cuda/state_format.cuh; the step counter
+// advanced after the call's grids).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -220,6 +222,15 @@ void launch_fallback(const ChunkPrefillProblem& p, cudaStream_t stream) {
                 stream, p.pdl, p, early);
 }
 
+// The kernels of one call (the dispatch above), without the step counter's advance.
+void launch_prefill(const ChunkPrefillProblem& p, cudaStream_t s);
+
+// One thread: the stochastic-rounding step counter of a call, after its grids.
+__global__ void advance_prefill_rounding_step(int64_t* step) {
+  enter_grid(false);
+  *step += 1;
+}
+
 }  // namespace
 
 int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64_t tokens, bool kda,
@@ -262,6 +273,16 @@ void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
   ChunkPrefillProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernels record a bad slot (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
+  launch_prefill(p, s);
+  // A stochastically rounded pool (cuda/state_format.cuh): every kernel above read the key's step
+  // from the counter; it advances once per call, stream-ordered after them (graph-safe).
+  if (p.state.stochastic)
+    launch_kernel(advance_prefill_rounding_step, 1u, 1u, 0, s, false, p.state.step);
+}
+
+namespace {
+
+void launch_prefill(const ChunkPrefillProblem& p, cudaStream_t s) {
   if (run_hopper_prefill(p, s)) return;
   const int D = tc_head_size(p);
   const bool bf16 = p.q.dtype == DType::bf16;
@@ -280,5 +301,7 @@ void run_chunk_prefill(const ChunkPrefillProblem& problem, void* stream) {
   }
   launch_fallback(p, s);
 }
+
+}  // namespace
 
 }  // namespace deltastate::cuda_backend

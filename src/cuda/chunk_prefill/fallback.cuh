@@ -18,6 +18,7 @@
 #include "core/delta_math.h"
 #include "cuda/chunk_prefill/sequence.cuh"
 #include "cuda/grid.cuh"
+#include "cuda/state_format.cuh"
 
 namespace deltastate::cuda_backend::prefill {
 
@@ -56,14 +57,45 @@ __global__ void __launch_bounds__(kFallbackThreads)
 
   const detail::GateParams& gate = p.gate;
   const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
-  for (int64_t i = tid; i < E; i += kFallbackThreads)
-    S[i] = s.reads_state ? detail::load_float(p.state.ptr, p.state.dtype,
-                                              s.slot * p.state.slot_stride + s.hv * E + i)
-                         : 0.0f;
-
-  auto store = [&](void* base, DType dtype, int64_t off) {
+  if (s.reads_state && fmt::formatted(p.state)) {
+    const fmt::HeadRows h = fmt::head_rows(p.state, s.slot, s.hv, V, K);
     for (int64_t i = tid; i < E; i += kFallbackThreads)
-      detail::store_float(base, dtype, off + i, S[i]);
+      S[i] = fmt::load_elem(p.state.ptr, p.state.dtype, h, static_cast<int>(i / K), i);
+  } else {
+    for (int64_t i = tid; i < E; i += kFallbackThreads)
+      S[i] = s.reads_state ? detail::load_float(p.state.ptr, p.state.dtype,
+                                                s.slot * p.state.slot_stride + s.hv * E + i)
+                           : 0.0f;
+  }
+
+  // A pool slot in the pool's format: each warp its rows of the update (a row's amax over its
+  // lanes), after a barrier (a sequence without tokens stores what the load's mapping wrote;
+  // every thread takes this branch alike).
+  auto store = [&](void* base, DType dtype, int64_t off, int64_t slot) {
+    if (slot < 0 || !fmt::formatted(p.state)) {
+      for (int64_t i = tid; i < E; i += kFallbackThreads)
+        detail::store_float(base, dtype, off + i, S[i]);
+      return;
+    }
+    __syncthreads();
+    const fmt::HeadRows h = fmt::head_rows(p.state, slot, s.hv, V, K);
+    const bool quant = fmt::quantized(p.state.dtype);
+    for (int r = warp; r < V; r += NW) {
+      const float* row = S + static_cast<int64_t>(r) * K;
+      float scale = 1.0f;
+      if (quant) {
+        float amax = 0.0f;
+        for (int c = lane; c < K; c += 32) amax = detail::amax_step(amax, row[c]);
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1)
+          amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+        scale = fmt::fresh_scale(p.state.dtype, amax);
+        if (lane == 0) h.scales[r] = scale;
+      }
+      for (int c = lane; c < K; c += 32)
+        fmt::store_elem(p.state.ptr, p.state.dtype, h, static_cast<int64_t>(r) * K + c, row[c],
+                        scale);
+    }
   };
 
   for (int64_t t = 0; t < s.len; ++t) {

@@ -45,11 +45,18 @@ __global__ void __launch_bounds__(kD)
   };
   stage(0);
   const int64_t off = s.slot * p.state.slot_stride + s.hv * E2;
+  if (s.reads_state && fmt::formatted(p.state)) {  // the pool's format (cuda/state_format.cuh)
+    const fmt::HeadRows h = fmt::head_rows(p.state, s.slot, s.hv, kD, kD);
 #pragma unroll
-  for (int r = 0; r < kCombineRows; ++r)
-    S[r * kD + c] = s.reads_state
-                        ? detail::load_float(p.state.ptr, p.state.dtype, off + (r0 + r) * kD + c)
-                        : 0.0f;
+    for (int r = 0; r < kCombineRows; ++r)
+      S[r * kD + c] = fmt::load_elem(p.state.ptr, p.state.dtype, h, r0 + r, (r0 + r) * kD + c);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kCombineRows; ++r)
+      S[r * kD + c] = s.reads_state
+                          ? detail::load_float(p.state.ptr, p.state.dtype, off + (r0 + r) * kD + c)
+                          : 0.0f;
+  }
   for (int i = 0; i + 1 < segs; ++i) {
     float* const N = cp + cp_offset(segs, p.HV, 1, i, hv);
     float acc[kCombineRows];

@@ -46,6 +46,7 @@
 #include "core/problem.h"
 #include "cuda/chunk_prefill/split.cuh"
 #include "cuda/grid.cuh"
+#include "cuda/state_format.cuh"
 
 namespace deltastate::cuda_backend::prefill::hopper {
 
@@ -268,15 +269,56 @@ __device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C) {
 // they run once per sequence or checkpoint, and inlined at every call site, each element through
 // every dtype's conversion, they made most of the kernel's code (the consumers' loop then misses
 // the instruction cache: no-instruction stalls 32%, docs/PERFORMANCE.md).
+// A pool slot in the pool's storage format comes as run-time data (cuda/state_format.cuh): `h`
+// the head's rows (h.scales: quantized codes, dequantized on load; h.off replaces `off`),
+// `formatted` set. A quantized row's amax: the thread's 32 values of the row and two quad shuffles
+// (the 4 threads of a quad hold the row's 128 columns); all 128 threads of the warp group call it.
 constexpr int kStateVals = 64;
 static __device__ __noinline__ void load_state_vals(const void* base, DType dtype, int64_t off,
-                                                    int v0, int ct, float* vals) {
+                                                    int v0, int ct, float* vals, bool formatted,
+                                                    fmt::HeadRows h) {
+  if (formatted) {
+#pragma unroll 1
+    for (int i = 0; i < kStateVals; ++i) {
+      const int row = v0 + acc_row(ct, i);
+      vals[i] = fmt::load_elem(base, dtype, h, row, int64_t{row} * kD + acc_col(ct, i));
+    }
+    return;
+  }
 #pragma unroll 1
   for (int i = 0; i < kStateVals; ++i)
     vals[i] = detail::load_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i));
 }
 static __device__ __noinline__ void store_state_vals(void* base, DType dtype, int64_t off, int v0,
-                                                     int ct, const float* vals) {
+                                                     int ct, const float* vals, bool formatted,
+                                                     fmt::HeadRows h) {
+  if (formatted) {
+    // value i is in the thread's row (i / 2) % 2: v0 + acc_row(ct, 0), then 8 rows below
+    float scale0 = 1.0f, scale1 = 1.0f;
+    if (fmt::quantized(dtype)) {
+      float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll 1
+      for (int i = 0; i < kStateVals; i += 4) {
+        a0 = detail::amax_step(detail::amax_step(a0, vals[i]), vals[i + 1]);
+        a1 = detail::amax_step(detail::amax_step(a1, vals[i + 2]), vals[i + 3]);
+      }
+      a0 = detail::amax_step(a0, __shfl_xor_sync(0xffffffffu, a0, 1));
+      a1 = detail::amax_step(a1, __shfl_xor_sync(0xffffffffu, a1, 1));
+      a0 = detail::amax_step(a0, __shfl_xor_sync(0xffffffffu, a0, 2));
+      a1 = detail::amax_step(a1, __shfl_xor_sync(0xffffffffu, a1, 2));
+      scale0 = fmt::fresh_scale(dtype, a0);
+      scale1 = fmt::fresh_scale(dtype, a1);
+      if (ct % 4 == 0) {
+        h.scales[v0 + acc_row(ct, 0)] = scale0;
+        h.scales[v0 + acc_row(ct, 2)] = scale1;
+      }
+    }
+#pragma unroll 1
+    for (int i = 0; i < kStateVals; ++i)
+      fmt::store_elem(base, dtype, h, int64_t{v0 + acc_row(ct, i)} * kD + acc_col(ct, i), vals[i],
+                      (i & 2) ? scale1 : scale0);
+    return;
+  }
 #pragma unroll 1
   for (int i = 0; i < kStateVals; ++i)
     detail::store_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i), vals[i]);
@@ -453,21 +495,28 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
   } else if (seg > 0 || s.reads_state) {  // a segment's start (combine kernel), or the pool's
     float vals[kStateVals];
     if (seg > 0)
-      load_state_vals(P.cp, DType::f32, cp_offset(P.segs, p.HV, 1, seg - 1, s.hv), v0, ct, vals);
+      load_state_vals(P.cp, DType::f32, cp_offset(P.segs, p.HV, 1, seg - 1, s.hv), v0, ct, vals,
+                      false, fmt::HeadRows{});
+    else if (fmt::formatted(p.state))
+      load_state_vals(p.state.ptr, p.state.dtype, 0, v0, ct, vals, true,
+                      fmt::head_rows(p.state, s.slot, s.hv, kD, kD));
     else
       load_state_vals(p.state.ptr, p.state.dtype, s.slot * p.state.slot_stride + s.hv * E2, v0, ct,
-                      vals);
+                      vals, false, fmt::HeadRows{});
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i) S(i) = vals[i];
   } else {
     clear(S);
   }
   static_assert(decltype(size(S))::value == kStateVals, "64 state values a consumer thread");
-  auto store_state = [&](void* base, DType dtype, int64_t off) {
+  // `slot` >= 0: a pool slot (sequence.cuh store_final_states), in the pool's format
+  auto store_state = [&](void* base, DType dtype, int64_t off, int64_t slot) {
     float vals[kStateVals];
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i) vals[i] = S(i);
-    store_state_vals(base, dtype, off, v0, ct, vals);
+    const bool f = slot >= 0 && fmt::formatted(p.state);
+    store_state_vals(base, dtype, off, v0, ct, vals, f,
+                     f ? fmt::head_rows(p.state, slot, s.hv, kD, kD) : fmt::HeadRows{});
   };
 
   // Ordered math (G = 2): the two groups take turns issuing their products, so that one group's
@@ -556,7 +605,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     if (checkpoint_at(p, end)) store_checkpoint(p, s, end / p.checkpoint_every - 1, store_state);
   }
   if (transfer) {
-    store_state(P.cp, DType::f32, cp_offset(P.segs, p.HV, kind, seg, s.hv));
+    store_state(P.cp, DType::f32, cp_offset(P.segs, p.HV, kind, seg, s.hv), int64_t{-1});
   } else if (!cp || (ce == nchunks && (cb < nchunks || seg == 0))) {  // the sequence's end
     store_final_states(p, s, store_state);
   }

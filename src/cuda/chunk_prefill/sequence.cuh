@@ -155,18 +155,21 @@ __device__ __forceinline__ bool skip_sequence(const ChunkPrefillProblem& p, cons
   return true;
 }
 
-// `store(base, dtype, element_offset)` writes this thread's part of the state head at that
-// offset. The final state: to the pool (output_state_indices, else in place; < 0: not stored)
-// when pooled, and to the dense final_state when given.
+// `store(base, dtype, element_offset, slot)` writes this thread's part of the state head at that
+// offset; `slot` is the pool slot of a pool destination (stored in the pool's format,
+// cuda/state_format.cuh), -1 for a dense one. The threads that hold the state call it together
+// (a quantized store reduces each row's amax over them). The final state: to the pool
+// (output_state_indices, else in place; < 0: not stored) when pooled, and to the dense
+// final_state when given.
 template <class Store>
 __device__ __forceinline__ void store_final_states(const ChunkPrefillProblem& p, const Seq& s,
                                                    Store&& store) {
   const int64_t E = head_elems(p);
   if (p.pooled()) {
     const int64_t out = output_slot(p, s);
-    if (out >= 0) store(p.state.ptr, p.state.dtype, out * p.state.slot_stride + s.hv * E);
+    if (out >= 0) store(p.state.ptr, p.state.dtype, out * p.state.slot_stride + s.hv * E, out);
   }
-  if (p.final_state) store(p.final_state, p.final_dtype, (s.n * p.HV + s.hv) * E);
+  if (p.final_state) store(p.final_state, p.final_dtype, (s.n * p.HV + s.hv) * E, int64_t{-1});
 }
 
 // Checkpoint j of the sequence (the state after (j+1) * checkpoint_every tokens).
@@ -176,10 +179,10 @@ __device__ __forceinline__ void store_checkpoint(const ChunkPrefillProblem& p, c
   const int64_t E = head_elems(p);
   const int64_t pos = load_index(p.checkpoint_cu_starts, p.checkpoint_cu_dtype, s.n) + j;
   if (p.checkpoints) {
-    store(p.checkpoints, p.checkpoint_dtype, (pos * p.HV + s.hv) * E);
+    store(p.checkpoints, p.checkpoint_dtype, (pos * p.HV + s.hv) * E, int64_t{-1});
   } else {
     const int64_t slot = load_index(p.checkpoint_slots, p.checkpoint_slot_dtype, pos);
-    if (slot >= 0) store(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + s.hv * E);
+    if (slot >= 0) store(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + s.hv * E, slot);
   }
 }
 

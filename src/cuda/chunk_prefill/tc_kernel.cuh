@@ -71,6 +71,7 @@
 #include "cuda/chunk_prefill/sequence.cuh"
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
+#include "cuda/state_format.cuh"
 
 namespace deltastate::cuda_backend::prefill {
 
@@ -211,6 +212,57 @@ __device__ __forceinline__ void store_state_rows(void* base, DType dtype, int64_
       const int64_t e = off + static_cast<int64_t>(V0 + g + 8 * h) * K + 8 * j + 2 * q;
       detail::store_float(base, dtype, e, S[j][2 * h]);
       detail::store_float(base, dtype, e + 1, S[j][2 * h + 1]);
+    }
+}
+
+// The same rows of value head hv of pool slot `slot` in the pool's storage format
+// (cuda/state_format.cuh): a row's 2 NJ values per lane times the 4 lanes of a quad (q) hold all
+// its K = 8 NJ columns, so its amax is the lane's maximum and two quad shuffles. Every lane of
+// the warp takes part.
+template <int NJ>
+__device__ __forceinline__ void load_state_rows_fmt(const detail::StatePoolRef& st, int64_t slot,
+                                                    int hv, int V0, int lane, float (&S)[NJ][4]) {
+  constexpr int K = 8 * NJ;
+  const int g = lane >> 2, q = lane & 3;
+  const fmt::HeadRows h = fmt::head_rows(st, slot, hv, K, K);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = V0 + g + 8 * r;
+      const int64_t e = static_cast<int64_t>(row) * K + 8 * j + 2 * q;
+      S[j][2 * r] = fmt::load_elem(st.ptr, st.dtype, h, row, e);
+      S[j][2 * r + 1] = fmt::load_elem(st.ptr, st.dtype, h, row, e + 1);
+    }
+}
+template <int NJ>
+__device__ __forceinline__ void store_state_rows_fmt(const detail::StatePoolRef& st, int64_t slot,
+                                                     int hv, int V0, int lane,
+                                                     const float (&S)[NJ][4]) {
+  constexpr int K = 8 * NJ;
+  const int g = lane >> 2, q = lane & 3;
+  const fmt::HeadRows h = fmt::head_rows(st, slot, hv, K, K);
+  float scale[2] = {1.0f, 1.0f};
+  if (fmt::quantized(st.dtype)) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        amax = detail::amax_step(detail::amax_step(amax, S[j][2 * r]), S[j][2 * r + 1]);
+      amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      scale[r] = fmt::fresh_scale(st.dtype, amax);
+      if (q == 0) h.scales[V0 + g + 8 * r] = scale[r];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t e = static_cast<int64_t>(V0 + g + 8 * r) * K + 8 * j + 2 * q;
+      fmt::store_elem(st.ptr, st.dtype, h, e, S[j][2 * r], scale[r]);
+      fmt::store_elem(st.ptr, st.dtype, h, e + 1, S[j][2 * r + 1], scale[r]);
     }
 }
 
@@ -462,7 +514,9 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
   const int64_t E = static_cast<int64_t>(D) * D;
 
   float S[NJ][4];
-  if (s.reads_state) {
+  if (s.reads_state && fmt::formatted(p.state)) {
+    load_state_rows_fmt<NJ>(p.state, s.slot, s.hv, V0, lane, S);
+  } else if (s.reads_state) {
     load_state_rows<NJ>(p.state.ptr, p.state.dtype, s.slot * p.state.slot_stride + s.hv * E, D, V0,
                         lane, S);
   } else {
@@ -516,8 +570,10 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
                   : 0u;
     }
   };
-  auto store_state = [&](void* base, DType dtype, int64_t off) {
-    store_state_rows<NJ>(base, dtype, off, D, V0, lane, S);
+  auto store_state = [&](void* base, DType dtype, int64_t off, int64_t slot) {
+    if (slot >= 0 && fmt::formatted(p.state))
+      store_state_rows_fmt<NJ>(p.state, slot, s.hv, V0, lane, S);
+    else store_state_rows<NJ>(base, dtype, off, D, V0, lane, S);
   };
 
   uint32_t gb[2] = {0u, 0u}, bb[2] = {0u, 0u};

@@ -1,0 +1,99 @@
+// A state pool in its storage format (docs/STATE_FORMATS.md) for the CUDA chunked prefill:
+// quantized states (float8_e4m3fn, int8 with one fp32 scale per (slot, head, V row)) loaded
+// dequantized and stored with the row's fresh scale, and stochastically rounded 16-bit states,
+// element by element through core/state_format.h's rules and bits (the CPU backend's,
+// src/cpu/state_io.h; the recurrent op's twin is recurrent/direct.cuh's load_state_fmt /
+// store_state_fmt, whose rules these repeat for kernels of other register layouts).
+//
+// The caller computes a row's amax over the row's values (amax_step, in whatever threads hold
+// them), then stores each element with the row's scale (fresh_scale). An element's stochastic
+// bits are drawn at its index in the layer's [HV, V, K] state with the key of its slot, read from
+// the pool's step counter (the call's step: the launcher advances the counter after its grids).
+#pragma once
+
+#include <cstdint>
+
+#include "core/numeric.h"
+#include "core/problem.h"
+#include "core/state_format.h"
+
+namespace deltastate::cuda_backend::fmt {
+
+using detail::StatePoolRef;
+
+__host__ __device__ __forceinline__ bool quantized(DType t) {
+  return t == DType::f8e4m3 || t == DType::i8;
+}
+// A pool stored through these rules (not a plain dtype conversion).
+__host__ __device__ __forceinline__ bool formatted(const StatePoolRef& st) {
+  return quantized(st.dtype) || st.stochastic;
+}
+
+// Where value head hv of pool slot `slot` lives for a formatted store or load, as run-time data
+// (the out-of-line state I/O of the Hopper scan takes it by value): `off` the element offset of
+// its first element in the pool, `scales` its V row scales (quantized; else null), `index0` the
+// index of its first element in the layer's [HV, V, K] state, `key` the stochastic key of the
+// slot (stochastic; else 0). Elements are addressed by their offset e in the head's [V, K].
+struct HeadRows {
+  int64_t off = 0;
+  float* scales = nullptr;
+  uint64_t index0 = 0;
+  uint64_t key = 0;
+  bool stochastic = false;
+};
+
+// The key's step is the counter's value (read here, on the device).
+__device__ __forceinline__ HeadRows head_rows(const StatePoolRef& st, int64_t slot, int hv, int V,
+                                              int K) {
+  HeadRows h;
+  h.off = slot * st.slot_stride + int64_t{hv} * V * K;
+  if (quantized(st.dtype)) h.scales = st.scales + slot * st.scale_slot_stride + int64_t{hv} * V;
+  h.index0 = static_cast<uint64_t>(int64_t{hv} * V * K);
+  h.stochastic = st.stochastic;
+  if (st.stochastic)
+    h.key = detail::sr_key(st.seed, static_cast<uint64_t>(slot), st.layer,
+                           static_cast<uint64_t>(*st.step));
+  return h;
+}
+
+// The value of a quantized code (dtype f8e4m3 or i8) before its scale.
+__device__ __forceinline__ float code_value(uint8_t c, DType t) {
+  return t == DType::f8e4m3 ? detail::e4m3_to_float(c) : static_cast<float>(static_cast<int8_t>(c));
+}
+
+// Element e (in row `row`) of the head in pool `base` (dtype t), dequantized with its row's
+// scale when quantized.
+__device__ __forceinline__ float load_elem(const void* base, DType t, const HeadRows& h, int row,
+                                           int64_t e) {
+  if (h.scales) return code_value(static_cast<const uint8_t*>(base)[h.off + e], t) * h.scales[row];
+  return detail::load_float(base, t, h.off + e);
+}
+
+// The row's scale from its amax (quantized pools).
+__device__ __forceinline__ float fresh_scale(DType t, float amax) {
+  return detail::row_scale(amax, t == DType::f8e4m3 ? detail::kE4m3Max : detail::kInt8Max);
+}
+
+// Element e of the head in pool `base` (dtype t) stored as x: quantized with its row's scale
+// `s`, or a stochastically rounded 16-bit value, or converted to the dtype (nearest).
+__device__ __forceinline__ void store_elem(void* base, DType t, const HeadRows& h, int64_t e,
+                                           float x, float s) {
+  const int64_t off = h.off + e;
+  if (quantized(t)) {
+    const uint32_t U = h.stochastic ? detail::sr_u24(detail::sr_bits(h.key, h.index0 + e)) : 0u;
+    const float y = x / s;
+    static_cast<uint8_t*>(base)[off] =
+        t == DType::f8e4m3 ? detail::float_to_e4m3(y, h.stochastic, U)
+                           : static_cast<uint8_t>(detail::float_to_i8(y, h.stochastic, U));
+    return;
+  }
+  if (h.stochastic && (t == DType::bf16 || t == DType::f16)) {
+    const uint64_t bits = detail::sr_bits(h.key, h.index0 + e);
+    static_cast<uint16_t*>(base)[off] =
+        t == DType::bf16 ? detail::float_to_bf16_sr(x, bits) : detail::float_to_f16_sr(x, bits);
+    return;
+  }
+  detail::store_float(base, t, off, x);
+}
+
+}  // namespace deltastate::cuda_backend::fmt
