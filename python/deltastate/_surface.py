@@ -259,8 +259,8 @@ def _packed(kda: bool) -> Op:
     row; any stride). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
     fp32 beta, as SGLang).
 
-    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 ``initial_state`` with
-    its fp32 ``state_scales`` [slots, HV, V], both updated in place: each live row's state is
+    Quantized pools (CPU and CUDA; docs/STATE_FORMATS.md): a float8_e4m3fn or int8
+    ``initial_state`` with its fp32 ``state_scales`` [slots, HV, V], both updated in place: each live row's state is
     dequantized, stepped in fp32 and requantized with a fresh per-row scale. ``state_rounding``
     None (the format's default: stochastic for float8_e4m3fn), "nearest" or "stochastic" (also
     for bfloat16 / float16 states); stochastic rounding needs ``rounding_step`` (int64 [1], the
@@ -502,8 +502,8 @@ def _recurrent(kda: bool) -> Op:
     ``backend`` is checked against FlashInfer's names and otherwise ignored (one backend here).
     ``round_beta``: round beta to its input dtype (off: fp32, as every op).
 
-    Quantized pools (CPU; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 pool initial_state with
-    ssm_state_indices (V-first, updated in place, output_final_state False) and the state-format
+    Quantized pools (CPU and CUDA; docs/STATE_FORMATS.md): a float8_e4m3fn or int8 pool
+    initial_state with ssm_state_indices (V-first, updated in place, output_final_state False) and the state-format
     keywords of fused_recurrent_gated_delta_rule_packed_decode (``**pool.state_format(layer)``);
     a multi-token sequence keeps its state in fp32 and stores it once."""
     gdn_doc = """Recurrent GDN: as :func:`recurrent_kda` with g [B,T,HV] (one decay per value

@@ -1,9 +1,9 @@
 // A state pool in its storage format (docs/STATE_FORMATS.md) in the register kernels' lanes:
 // quantized states (float8_e4m3fn, int8 with a fp32 scale per row) and stochastically rounded
-// 16-bit states, element by element through core/state_format.h's rules (the CPU backend's,
-// src/cpu/state_io.h). Used by the recurrent op's formatted-state kernel (recurrent/direct.cuh),
-// verify's and the commit's (verify/fmt.cuh). Included in a translation unit's anonymous
-// namespace.
+// 16-bit states, a row's EPL elements a lane, each through state_format.cuh's element rules (the
+// CPU backend's, src/cpu/state_io.h). Used by the recurrent op's formatted-state kernel
+// (recurrent/direct.cuh), verify's and the commit's (verify/fmt.cuh). Included in a translation
+// unit's anonymous namespace.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include "core/state_format.h"
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
+#include "cuda/state_format.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -22,9 +23,7 @@ namespace {
 // stored with the row's fresh scale, the amax a shuffle reduction over the row's G lanes (every
 // lane takes part, rows past V included). Row `row` of value head hv is row hv * V + row of the
 // slot's [HV * V] rows (a commit passes hv = 0 and the row's index there).
-__device__ __forceinline__ bool quantized_state(DType t) {
-  return t == DType::f8e4m3 || t == DType::i8;
-}
+__device__ __forceinline__ bool quantized_state(DType t) { return fmt::quantized(t); }
 
 template <int EPL>
 __device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, int64_t slot, int hv,
@@ -39,9 +38,7 @@ __device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, i
     for (int i = 0; i < EPL; ++i) {  // lanes past the row's end read nothing (the last slot's
       // last row ends at the pool tensor's end)
       const uint8_t code = i < valid ? c[i] : uint8_t{0};
-      const float q = st.dtype == DType::f8e4m3 ? detail::e4m3_to_float(code)
-                                                : static_cast<float>(static_cast<int8_t>(code));
-      x[i] = i < valid ? q * scale : 0.0f;
+      x[i] = i < valid ? fmt::code_value(code, st.dtype) * scale : 0.0f;
     }
   } else {
 #pragma unroll
@@ -68,29 +65,19 @@ __device__ __forceinline__ void store_state_fmt(const detail::StatePoolRef& st, 
     for (int d = G / 2; d > 0; d >>= 1)
       amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, d));
     if (!in_rows) return;
-    const bool fp8 = st.dtype == DType::f8e4m3;
-    const float s = detail::row_scale(amax, fp8 ? detail::kE4m3Max : detail::kInt8Max);
+    const float s = fmt::fresh_scale(st.dtype, amax);
     uint8_t* c = static_cast<uint8_t*>(st.ptr) + off;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (i >= valid) continue;
-      const uint32_t U = st.stochastic ? detail::sr_u24(detail::sr_bits(key, index0 + i)) : 0u;
-      const float y = x[i] / s;
-      c[i] = fp8 ? detail::float_to_e4m3(y, st.stochastic, U)
-                 : static_cast<uint8_t>(detail::float_to_i8(y, st.stochastic, U));
-    }
+    for (int i = 0; i < EPL; ++i)
+      if (i < valid) c[i] = fmt::encode_code(st.dtype, x[i] / s, st.stochastic, key, index0 + i);
     if (lane % G == 0) st.scales[slot * st.scale_slot_stride + row_idx] = s;
     return;
   }
   if (!in_rows) return;
   uint16_t* h = static_cast<uint16_t*>(st.ptr) + off;  // bf16 / fp16, stochastic
 #pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    if (i >= valid) continue;
-    const uint64_t bits = detail::sr_bits(key, index0 + i);
-    h[i] = st.dtype == DType::bf16 ? detail::float_to_bf16_sr(x[i], bits)
-                                   : detail::float_to_f16_sr(x[i], bits);
-  }
+  for (int i = 0; i < EPL; ++i)
+    if (i < valid) h[i] = fmt::round16_sr(st.dtype, x[i], key, index0 + i);
 }
 
 // The stochastic-rounding step counters of a call (n: one per layer), after its grid, in stream

@@ -1,9 +1,10 @@
-// A state pool in its storage format (docs/STATE_FORMATS.md) for the CUDA chunked prefill:
+// A state pool in its storage format (docs/STATE_FORMATS.md), element by element: the rules every
+// CUDA kernel that reads or writes a formatted state applies (state_fmt.cuh's lane loops for the
+// register kernels, the chunked prefill's state I/O directly):
 // quantized states (float8_e4m3fn, int8 with one fp32 scale per (slot, head, V row)) loaded
 // dequantized and stored with the row's fresh scale, and stochastically rounded 16-bit states,
 // element by element through core/state_format.h's rules and bits (the CPU backend's,
-// src/cpu/state_io.h; the recurrent op's twin is recurrent/direct.cuh's load_state_fmt /
-// store_state_fmt, whose rules these repeat for kernels of other register layouts).
+// src/cpu/state_io.h).
 //
 // The caller computes a row's amax over the row's values (amax_step, in whatever threads hold
 // them), then stores each element with the row's scale (fresh_scale). An element's stochastic
@@ -69,6 +70,20 @@ __device__ __forceinline__ float load_elem(const void* base, DType t, const Head
   return detail::load_float(base, t, h.off + e);
 }
 
+// The code of y = x / scale in a quantized dtype t, to nearest or stochastically with the bits
+// of (key, index).
+__device__ __forceinline__ uint8_t encode_code(DType t, float y, bool stochastic, uint64_t key,
+                                               uint64_t index) {
+  const uint32_t U = stochastic ? detail::sr_u24(detail::sr_bits(key, index)) : 0u;
+  return t == DType::f8e4m3 ? detail::float_to_e4m3(y, stochastic, U)
+                            : static_cast<uint8_t>(detail::float_to_i8(y, stochastic, U));
+}
+// x stochastically rounded to bf16 or fp16 (t) with the bits of (key, index), as its bits.
+__device__ __forceinline__ uint16_t round16_sr(DType t, float x, uint64_t key, uint64_t index) {
+  const uint64_t bits = detail::sr_bits(key, index);
+  return t == DType::bf16 ? detail::float_to_bf16_sr(x, bits) : detail::float_to_f16_sr(x, bits);
+}
+
 // The row's scale from its amax (quantized pools).
 __device__ __forceinline__ float fresh_scale(DType t, float amax) {
   return detail::row_scale(amax, t == DType::f8e4m3 ? detail::kE4m3Max : detail::kInt8Max);
@@ -80,17 +95,11 @@ __device__ __forceinline__ void store_elem(void* base, DType t, const HeadRows& 
                                            float x, float s) {
   const int64_t off = h.off + e;
   if (quantized(t)) {
-    const uint32_t U = h.stochastic ? detail::sr_u24(detail::sr_bits(h.key, h.index0 + e)) : 0u;
-    const float y = x / s;
-    static_cast<uint8_t*>(base)[off] =
-        t == DType::f8e4m3 ? detail::float_to_e4m3(y, h.stochastic, U)
-                           : static_cast<uint8_t>(detail::float_to_i8(y, h.stochastic, U));
+    static_cast<uint8_t*>(base)[off] = encode_code(t, x / s, h.stochastic, h.key, h.index0 + e);
     return;
   }
   if (h.stochastic && (t == DType::bf16 || t == DType::f16)) {
-    const uint64_t bits = detail::sr_bits(h.key, h.index0 + e);
-    static_cast<uint16_t*>(base)[off] =
-        t == DType::bf16 ? detail::float_to_bf16_sr(x, bits) : detail::float_to_f16_sr(x, bits);
+    static_cast<uint16_t*>(base)[off] = round16_sr(t, x, h.key, h.index0 + e);
     return;
   }
   detail::store_float(base, t, off, x);
