@@ -19,11 +19,12 @@ namespace deltastate::cuda_backend {
 
 namespace {
 
+__device__ __forceinline__ bool quantized_state(DType t) { return fmt::quantized(t); }
+
 // A row's EPL elements from the lane's K offset kofs (valid: those below K): loaded dequantized,
 // stored with the row's fresh scale, the amax a shuffle reduction over the row's G lanes (every
 // lane takes part, rows past V included). Row `row` of value head hv is row hv * V + row of the
 // slot's [HV * V] rows (a commit passes hv = 0 and the row's index there).
-__device__ __forceinline__ bool quantized_state(DType t) { return fmt::quantized(t); }
 
 template <int EPL>
 __device__ __forceinline__ void load_state_fmt(const detail::StatePoolRef& st, int64_t slot, int hv,
