@@ -72,7 +72,7 @@ CpPlan cp_plan(int64_t N, int64_t HV, int64_t T, int sms) {
   return {static_cast<int>(segs), static_cast<int>(seg_chunks)};
 }
 int64_t cp_bytes(const CpPlan& cp, int64_t HV) {
-  return cp.on() ? 2 * int64_t{cp.segs - 1} * HV * kD * kD * 4 : 0;
+  return cp.on() ? (2 * int64_t{cp.segs - 1} + 1) * HV * kD * kD * 4 : 0;
 }
 
 template <class In, class E, int G>

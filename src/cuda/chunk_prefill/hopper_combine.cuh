@@ -1,6 +1,7 @@
 // The combine kernel of the Hopper GDN prefill's context parallelism (hopper_scan.cuh ScanPass):
 // from the transfer pass's per-segment M_i and N_i and the sequence's initial state S_0, every
-// segment's exact start state S_{i+1} = S_i M_i + N_i, in order, written over N_i. Part of
+// segment's exact start state S_{i+1} = S_i M_i + N_i, in order, written over N_i; and S_0 itself,
+// copied for segment 0 (cp_offset kind 2: the segments pass reads no pool state). Part of
 // chunk_prefill_hopper.cu's translation unit.
 //
 // The state's rows are independent (S M acts on each row alone), so grid (V / kCombineRows, HV)
@@ -56,6 +57,11 @@ __global__ void __launch_bounds__(kD)
       S[r * kD + c] = s.reads_state
                           ? detail::load_float(p.state.ptr, p.state.dtype, off + (r0 + r) * kD + c)
                           : 0.0f;
+  }
+  {  // segment 0's start: each thread copies the elements it loaded
+    float* const start0 = cp + cp_offset(segs, p.HV, 2, 0, hv);
+#pragma unroll
+    for (int r = 0; r < kCombineRows; ++r) start0[(r0 + r) * kD + c] = S[r * kD + c];
   }
   for (int i = 0; i + 1 < segs; ++i) {
     float* const N = cp + cp_offset(segs, p.HV, 1, i, hv);

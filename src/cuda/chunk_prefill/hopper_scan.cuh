@@ -205,10 +205,15 @@ struct ScanParams {
   ScanPass pass;
   int segs, seg_chunks;  // context parallelism (segs > 1)
   float* cp;  // [2][segs - 1][HV][V][K] fp32: the segments' M, then their N (replaced by the
-              // next segment's start state by the combine kernel)
+              // next segment's start state by the combine kernel); then [HV][V][K], segment 0's
+              // start: the combine's copy of the initial state
 };
 
-// Element offset of segment i's M (kind 0) or N (kind 1) head hv in ScanParams::cp.
+// Element offset of segment i's M (kind 0) or N (kind 1) head hv in ScanParams::cp; kind 2, i = 0:
+// segment 0's start. Segment 0 reads its start there, not from the pool: the last segment stores
+// the final state into the same pool slot in the same launch, and nothing orders the two when the
+// segments' CTAs are not all resident at once (another stream's kernels on the SMs, or more
+// segments than a wave).
 __host__ __device__ __forceinline__ int64_t cp_offset(int segs, int HV, int kind, int i, int hv) {
   return ((int64_t{kind} * (segs - 1) + i) * HV + hv) * kD * kD;
 }
@@ -494,9 +499,11 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
       S(i) = m_pass && v0 + acc_row(ct, i) == acc_col(ct, i) ? 1.0f : 0.0f;
   } else if (seg > 0 || s.reads_state) {  // a segment's start (combine kernel), or the pool's
     float vals[kStateVals];
-    if (seg > 0)
-      load_state_vals(P.cp, DType::f32, cp_offset(P.segs, p.HV, 1, seg - 1, s.hv), v0, ct, vals,
-                      false, fmt::HeadRows{});
+    if (cp)  // segments pass: the combine kernel's start states (segment 0's a copy)
+      load_state_vals(
+          P.cp, DType::f32,
+          seg > 0 ? cp_offset(P.segs, p.HV, 1, seg - 1, s.hv) : cp_offset(P.segs, p.HV, 2, 0, s.hv),
+          v0, ct, vals, false, fmt::HeadRows{});
     else if (fmt::formatted(p.state))
       load_state_vals(p.state.ptr, p.state.dtype, 0, v0, ct, vals, true,
                       fmt::head_rows(p.state, s.slot, s.hv, kD, kD));
