@@ -58,9 +58,12 @@ std::vector<Block> blocks_of(int64_t layer, const std::vector<int64_t>& slots) {
   return b;
 }
 
-// A host pool in a quantized format and its device twin: every byte a sentinel (0x5a), then random
-// codes (no NaN, no -128) and scales in the `live` blocks; stochastic: every layer's step counter
-// at kStep0. push() copies the host pool's bytes onto the device.
+// A host pool in a quantized format and its device twin: every byte a sentinel (0x5a; with
+// ScaleFill::huge every scale of every layer and slot 1e30 instead, a scale no store writes: a
+// row still holding it was not written), then random codes (no NaN, no -128) and scales in the
+// `live` blocks; stochastic: every layer's step counter at kStep0. push() copies the host pool's
+// bytes onto the device.
+enum class ScaleFill { bytes, huge };
 constexpr int64_t kStep0 = 41;
 constexpr int64_t kSeed = 1234;
 struct QuantPools {
@@ -87,7 +90,7 @@ void store16(void* p, DType t, int64_t i, float v) {
 QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
                             deltastate::PoolLayout layout, int64_t layers, int64_t slots,
                             const std::vector<Block>& live, Rng& rng, int64_t replay_len = 0,
-                            bool kda = false) {
+                            bool kda = false, ScaleFill scale_fill = ScaleFill::bytes) {
   StatePoolConfig cfg;
   if (replay_len > 0) {  // ReplaySSM rings (float32)
     cfg.replay_len = replay_len;
@@ -111,6 +114,13 @@ QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
   q.stochastic = q.host->config().stochastic_rounding();
   std::memset(q.host->data(), 0x5a, static_cast<size_t>(q.bytes));
   const bool codes = dtype == DType::f8e4m3 || dtype == DType::i8;
+  if (codes && scale_fill == ScaleFill::huge)
+    for (int64_t l = 0; l < layers; ++l) {
+      const TensorView sc = q.host->layer_scales(l);
+      for (int64_t slot = 0; slot < slots; ++slot)
+        for (int64_t r = 0; r < s.HV * s.V; ++r)
+          static_cast<float*>(sc.data)[slot * sc.stride[0] + r] = 1e30f;
+    }
   for (const Block& b : live) {
     const TensorView st = q.host->layer_state(b.layer);
     if (!codes) {  // a stochastically rounded 16-bit pool: its values, no scales
@@ -908,25 +918,11 @@ TEST_P(GpuQuantizedChunkPrefill, MatchesCpu) {
   for (int64_t n = 0; n < N; ++n) cu_starts.push_back(cu_starts.back() + rb.seq_len(n) / c.every);
   const int64_t total = cu_starts.back();
 
-  StatePoolConfig cfg;
-  cfg.layers = 2;
-  cfg.slots = N + total + 3;
-  cfg.HV = s.HV;
-  cfg.V = s.V;
-  cfg.K = s.K;
-  cfg.state_dtype = c.dtype;
-  cfg.state_rounding = c.rounding;
-  cfg.rounding_seed = 77;
-  cfg.layout = c.layout;
-  StatePool host(cfg);
-  cfg.device = Device::cuda(0);
-  StatePool dev(cfg);
-  const int64_t bytes = host.total_bytes();
-  const int64_t layer = 1;
+  const int64_t layers = 2, num_slots = N + total + 3, layer = 1;
   const bool fp8 = c.dtype == DType::f8e4m3;
   const double qmax = fp8 ? 448.0 : 127.0;
 
-  std::vector<int64_t> perm(static_cast<size_t>(cfg.slots));
+  std::vector<int64_t> perm(static_cast<size_t>(num_slots));
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng.engine());
   size_t next = 0;
@@ -935,31 +931,13 @@ TEST_P(GpuQuantizedChunkPrefill, MatchesCpu) {
   for (int64_t i = 0; i < total; ++i) ck_slot[i] = i % 3 == 2 ? -1 : perm[next++];
 
   // sentinels everywhere (codes 0x5a, every scale 1e30), then random live initial states
-  std::memset(host.data(), 0x5a, static_cast<size_t>(bytes));
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, c.layout, layers, num_slots,
+                                        blocks_of(layer, in_slot), rng, 0, false, ScaleFill::huge);
+  const StatePool &host = *q.host, &dev = *q.dev;
+  const int64_t bytes = q.bytes;
   const TensorView st = host.layer_state(layer), sc = host.layer_scales(layer);
   const int64_t rows = int64_t{s.HV} * s.V;
-  for (int64_t l = 0; l < cfg.layers; ++l) {
-    const TensorView lsc = host.layer_scales(l);
-    for (int64_t slot = 0; slot < cfg.slots; ++slot)
-      for (int64_t r = 0; r < rows; ++r)
-        static_cast<float*>(lsc.data)[slot * lsc.stride[0] + r] = 1e30f;
-  }
-  for (int64_t slot : in_slot) {
-    if (slot < 0) continue;
-    uint8_t* codes = static_cast<uint8_t*>(st.data) + slot * st.stride[0];
-    for (int64_t i = 0; i < rows * s.K; ++i) {
-      uint8_t b = static_cast<uint8_t>(rng.integer(0, 255));
-      if (fp8 && (b & 0x7f) == 0x7f) b ^= 1;  // no NaN codes
-      if (!fp8 && b == 0x80) b = 0;           // no -128
-      codes[i] = b;
-    }
-    float* scales = static_cast<float*>(sc.data) + slot * sc.stride[0];
-    for (int64_t r = 0; r < rows; ++r) scales[r] = static_cast<float>(rng.uniform(0.1, 1.0) / qmax);
-  }
-  const bool stochastic = host.config().stochastic_rounding();
-  if (stochastic) *static_cast<int64_t*>(host.rounding_step(layer).data) = 41;
-  CUDA_CHECK(
-      cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  const bool stochastic = q.stochastic;
 
   const Tensor idx = index_tensor(in_slot), ck_idx = index_tensor(ck_slot),
                cu_starts_t = index_tensor(cu_starts);
@@ -991,13 +969,7 @@ TEST_P(GpuQuantizedChunkPrefill, MatchesCpu) {
       a.checkpoint_every_n_tokens = c.every;
       a.checkpoint_cu_starts = view_of(cu_starts_t);
       a.checkpoint_slot_indices = view_of(ck_idx);
-      a.state_format.scales = p.layer_scales(layer);
-      a.state_format.rounding = c.rounding;
-      if (stochastic) {
-        a.state_format.step = p.rounding_step(layer);
-        a.state_format.seed = 77;
-        a.state_format.layer = layer;
-      }
+      a.state_format = format_of(p, layer, c.rounding);
       return a;
     };
     // the CPU oracle needs its own workspace (chunk_prefill_workspace_bytes on a host view)
@@ -1087,8 +1059,8 @@ TEST_P(GpuQuantizedChunkPrefill, MatchesCpu) {
       EXPECT_LE(std::sqrt(err2 / std::max(ref2, 1e-30)), 5e-2) << "dequantized state";
     }
     if (stochastic) {
-      const int64_t want = 41 + call + 1;
-      EXPECT_EQ(*static_cast<int64_t*>(host.rounding_step(layer).data), want);
+      const int64_t want = kStep0 + call + 1;
+      EXPECT_EQ(host_step(q, layer), want);
       int64_t got = 0;
       CUDA_CHECK(cudaMemcpy(&got, dev.rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
       EXPECT_EQ(got, want) << "the device's step counter: one advance per call";
@@ -1099,9 +1071,7 @@ TEST_P(GpuQuantizedChunkPrefill, MatchesCpu) {
     // everything else as the host pool holds it: the sentinels, the other layer, spare slots
     EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), bytes, written))
         << "device pool outside the written slots' codes and scales";
-    // the next call starts both backends from the CPU's pool
-    CUDA_CHECK(
-        cudaMemcpy(dev.data(), host.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+    q.push();  // the next call starts both backends from the CPU's pool
   }
 }
 
