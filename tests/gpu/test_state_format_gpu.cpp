@@ -459,8 +459,16 @@ TEST_F(GpuTest, QuantizedGraphReplayAdvancesTheStep) {
 // ---- verify and its commit on a quantized pool ------------------------------------------------
 // Verify's conventions (ops.h VerifyArgs): SGLang's float scratch with a tree and no write-back,
 // FlashInfer's scratch by batch row with the final state in place, vLLM's per-token slots with
-// num_accepted_tokens, output slots.
-enum class QMode { scratch_tree, scratch_in_place, per_token_accepted, output_slots };
+// num_accepted_tokens, output slots; and a tree over per-token slots (the contract takes both:
+// parent_tokens needs only intermediate_states), each token's state stored to its slot and its
+// scratch step, a tree token reloading its parent's state after those stores.
+enum class QMode {
+  scratch_tree,
+  scratch_in_place,
+  per_token_accepted,
+  output_slots,
+  tree_per_token
+};
 
 struct QuantVerifyCase {
   const char* name;
@@ -468,13 +476,22 @@ struct QuantVerifyCase {
   DType dtype;
   StateRounding rounding;
   QMode mode;
-  DType scratch;  // intermediate_states' dtype (the caller's float scratch)
+  DType scratch;     // intermediate_states' dtype (the caller's float scratch)
+  bool odd = false;  // kOdd (K = 32, V = 48, HV = 6 over H = 3), else the model's shape
 };
 void PrintTo(const QuantVerifyCase& c, std::ostream* os) { *os << c.name; }
 
 // Four sequences of three tokens; sequence 1 padded (its start slot < 0). Starts: the live slots
 // 5, 2, 9 (state_indices) or 10, 18, 21 (per-token table at num_accepted - 1); scratch rows 3, 0,
 // -1 (none: a chain), 1 for the tree, n by batch row otherwise.
+// The tree over per-token slots (num_accepted picks the start from the table) reloads after the
+// stores: sequence 0 (start slot 10, token 0's slot) token 2 from parent 0's scratch step, the
+// state token 0 also stored quantized over the start slot; sequence 2 has no scratch row (a
+// chain: its parents unread; read, token 1 would restart from slot 18); sequence 3 (start slot
+// 21) token 1 from parent -1, the start slot, after token 0's store to slot 20, then token 2
+// from parent 0's scratch step after token 1's store over the start slot. No token reloads a
+// slot this call stored: that state may differ by a quantum between the backends, which the
+// reload would carry past the tolerances below.
 constexpr int64_t kQvN = 4, kQvT = 3, kQvSlots = 24, kQvLayer = 1;
 const std::vector<int64_t> kQvIdx{5, -1, 2, 9}, kQvRows{3, 0, -1, 1}, kQvOut{6, -1, 7, -1},
     kQvAccepted{1, 1, 3, 2};
@@ -490,9 +507,10 @@ class GpuQuantizedVerify : public GpuParamTest<QuantVerifyCase> {};
 // written slots within one quantum and every other byte bit-identical, the step counter (+1).
 TEST_P(GpuQuantizedVerify, MatchesCpu) {
   const QuantVerifyCase& c = GetParam();
-  const Shape s = c.kda ? kKimi : kQwen3Next;
+  const Shape s = c.odd ? kOdd : c.kda ? kKimi : kQwen3Next;
   Rng rng = test_rng();
-  const bool per_token = c.mode == QMode::per_token_accepted;
+  const bool tree = c.mode == QMode::scratch_tree || c.mode == QMode::tree_per_token;
+  const bool per_token = c.mode == QMode::per_token_accepted || c.mode == QMode::tree_per_token;
   const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::envelope, 2,
                                         kQvSlots, blocks_of(kQvLayer, {5, 2, 9, 10, 18, 21}), rng);
   RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, c.kda, bf16, kQvN, kQvT));
@@ -537,6 +555,13 @@ TEST_P(GpuQuantizedVerify, MatchesCpu) {
         a.state_indices = view_of(idx);
         a.output_state_indices = view_of(out_idx);
         break;
+      case QMode::tree_per_token:
+        a.token_state_indices = view_of(table);
+        a.num_accepted_tokens = view_of(accepted);
+        a.intermediate_states = view_of(inter);
+        a.intermediate_state_indices = view_of(rows);
+        a.parent_tokens = view_of(parents);
+        break;
     }
     deltastate::verify(a);
   };
@@ -556,9 +581,7 @@ TEST_P(GpuQuantizedVerify, MatchesCpu) {
     if (per_token)
       for (int64_t t = 0; t < kQvT; ++t)
         if (kQvTable[n][t] >= 0) written.push_back({kQvLayer, kQvTable[n][t]});
-    const int64_t row = c.mode == QMode::scratch_tree       ? kQvRows[n]
-                        : c.mode == QMode::scratch_in_place ? n
-                                                            : -1;
+    const int64_t row = tree ? kQvRows[n] : c.mode == QMode::scratch_in_place ? n : -1;
     if (row >= 0)
       for (int64_t t = 0; t < kQvT; ++t) steps_written.push_back({row, t});
   }
@@ -611,7 +634,24 @@ INSTANTIATE_TEST_SUITE_P(
         QuantVerifyCase{"kda_int8_sr_per_token", true, DType::i8, StateRounding::stochastic,
                         QMode::per_token_accepted, DType::f32},
         QuantVerifyCase{"kda_fp8_rn_output_slots", true, DType::f8e4m3, StateRounding::nearest,
-                        QMode::output_slots, DType::f32}),
+                        QMode::output_slots, DType::f32},
+        QuantVerifyCase{"gdn_fp8_sr_tree_per_token", false, DType::f8e4m3,
+                        StateRounding::stochastic, QMode::tree_per_token, DType::f32},
+        QuantVerifyCase{"kda_int8_rn_tree_per_token", true, DType::i8, StateRounding::nearest,
+                        QMode::tree_per_token, DType::f32},
+        // the odd shape: K = 32 (one element per lane), V = 48, two value heads per key head
+        QuantVerifyCase{"gdn_odd_fp8_sr_scratch_tree", false, DType::f8e4m3,
+                        StateRounding::stochastic, QMode::scratch_tree, DType::f32, true},
+        QuantVerifyCase{"gdn_odd_int8_rn_in_place_f16_scratch", false, DType::i8,
+                        StateRounding::nearest, QMode::scratch_in_place, DType::f16, true},
+        QuantVerifyCase{"kda_odd_int8_sr_per_token", true, DType::i8, StateRounding::stochastic,
+                        QMode::per_token_accepted, DType::f32, true},
+        QuantVerifyCase{"kda_odd_fp8_rn_output_slots", true, DType::f8e4m3, StateRounding::nearest,
+                        QMode::output_slots, DType::f32, true},
+        QuantVerifyCase{"gdn_odd_int8_sr_tree_per_token", false, DType::i8,
+                        StateRounding::stochastic, QMode::tree_per_token, DType::f32, true},
+        QuantVerifyCase{"kda_odd_fp8_rn_tree_per_token", true, DType::f8e4m3,
+                        StateRounding::nearest, QMode::tree_per_token, DType::f32, true}),
     case_name<QuantVerifyCase>);
 
 struct QuantCommitCase {
