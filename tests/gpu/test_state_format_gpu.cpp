@@ -659,6 +659,7 @@ struct QuantCommitCase {
   DType dtype;
   StateRounding rounding;
   DType scratch;
+  bool odd = false;  // kOdd (K = 32: one element per lane, V = 48 state rows), else Qwen3-Next
 };
 void PrintTo(const QuantCommitCase& c, std::ostream* os) { *os << c.name; }
 
@@ -670,7 +671,7 @@ class GpuQuantizedCommit : public GpuParamTest<QuantCommitCase> {};
 // padded and row-less requests write nothing), every layer's counter +1.
 TEST_P(GpuQuantizedCommit, MatchesCpu) {
   const QuantCommitCase& c = GetParam();
-  const Shape s = kQwen3Next;
+  const Shape s = c.odd ? kOdd : kQwen3Next;
   const int64_t layers = 2, rows = 4, steps = 3;
   Rng rng = test_rng();
   std::vector<Block> live;
@@ -721,7 +722,10 @@ INSTANTIATE_TEST_SUITE_P(
         QuantCommitCase{"fp8_sr", DType::f8e4m3, StateRounding::stochastic, DType::f32},
         QuantCommitCase{"fp8_rn_bf16_scratch", DType::f8e4m3, StateRounding::nearest, DType::bf16},
         QuantCommitCase{"int8_rn", DType::i8, StateRounding::nearest, DType::f32},
-        QuantCommitCase{"int8_sr_f16_scratch", DType::i8, StateRounding::stochastic, DType::f16}),
+        QuantCommitCase{"int8_sr_f16_scratch", DType::i8, StateRounding::stochastic, DType::f16},
+        QuantCommitCase{"odd_fp8_sr_bf16_scratch", DType::f8e4m3, StateRounding::stochastic,
+                        DType::bf16, true},
+        QuantCommitCase{"odd_int8_rn", DType::i8, StateRounding::nearest, DType::f32, true}),
     case_name<QuantCommitCase>);
 
 // A verify (float scratch, no write-back) and the commit of its accepted states captured in one
@@ -793,6 +797,7 @@ struct QuantReplayCase {
   bool kda;
   DType dtype;
   StateRounding rounding;
+  bool odd = false;  // kOdd (K = 32, V = 48, HV = 6 over H = 3), else the model's shape
 };
 void PrintTo(const QuantReplayCase& c, std::ostream* os) { *os << c.name; }
 
@@ -804,7 +809,7 @@ class GpuQuantizedReplay : public GpuParamTest<QuantReplayCase> {};
 // within one quantum, every other checkpoint and byte untouched, the step counter (+1 per call).
 TEST_P(GpuQuantizedReplay, CheckpointMatchesCpu) {
   const QuantReplayCase& c = GetParam();
-  const Shape s = c.kda ? kKimi : kQwen3Next;
+  const Shape s = c.odd ? kOdd : c.kda ? kKimi : kQwen3Next;
   const int64_t layer = 1, L = 3;
   Rng rng = test_rng();
   const std::vector<int64_t> slots{7, -1, 2, 5};
@@ -865,11 +870,15 @@ TEST_P(GpuQuantizedReplay, CheckpointMatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda, GpuQuantizedReplay,
-    ::testing::Values(QuantReplayCase{"gdn_fp8_sr", false, DType::f8e4m3,
-                                      StateRounding::stochastic},
-                      QuantReplayCase{"gdn_int8_rn", false, DType::i8, StateRounding::nearest},
-                      QuantReplayCase{"kda_fp8_rn", true, DType::f8e4m3, StateRounding::nearest},
-                      QuantReplayCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic}),
+    ::testing::Values(
+        QuantReplayCase{"gdn_fp8_sr", false, DType::f8e4m3, StateRounding::stochastic},
+        QuantReplayCase{"gdn_int8_rn", false, DType::i8, StateRounding::nearest},
+        QuantReplayCase{"kda_fp8_rn", true, DType::f8e4m3, StateRounding::nearest},
+        QuantReplayCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic},
+        // the odd shape: K = 32 (one element per lane), V = 48, two value heads per key head
+        QuantReplayCase{"gdn_odd_int8_sr", false, DType::i8, StateRounding::stochastic, true},
+        QuantReplayCase{"kda_odd_fp8_rn", true, DType::f8e4m3, StateRounding::nearest, true},
+        QuantReplayCase{"gdn_odd_fp8_sr", false, DType::f8e4m3, StateRounding::stochastic, true}),
     case_name<QuantReplayCase>);
 
 // ReplaySSM decode captured in a CUDA graph and replayed four times (L = 3: a flush on the third)
