@@ -660,8 +660,11 @@ TEST_F(ReplayVerifyGpuErrors, CircularTrackPastPoolRecorded) {
   d.fill_normal(rng, 0.3);
   k.fill_normal(rng, 0.1);
   g.fill_uniform(rng, -0.3, -0.01);
-  // Row 0 (slot 1, ring row 2) folds and tracks into slot S, past the pool; row 1 (slot 3, ring
-  // row 0) folds and tracks into slot 4.
+  // Row 0 (slot 1, ring row 2: write_pos 3, cache_base 6, is_flush 1) would fold the 3 records at
+  // ring positions 6, 7, 0 and track into slot S, past the pool. Row 1 (slot 3, ring row 0:
+  // write_pos 5, cache_base 0, is_flush 1) folds the 5 records at ring positions 0..4 into slot 3
+  // and tracks m = write_pos - accept_lens + steps_to_track + 1 = 5 - 2 + 1 + 1 = 5 records (the
+  // folded state) into slot 4; its cursors become write_pos 0, cache_base 5, is_flush 0.
   Tensor slots = index_tensor({1, 3}), rows = index_tensor({2, 0});
   Tensor wp = index_tensor({5, 0, 3, 0}), base = index_tensor({0, 0, 6, 0}),
          fl = index_tensor({1, 0, 1, 0});
@@ -719,11 +722,34 @@ TEST_F(ReplayVerifyGpuErrors, CircularTrackPastPoolRecorded) {
       for (int v = 0; v < sh.V; ++v)
         for (int i = 0; i < sh.K; ++i)
           ASSERT_EQ(got.get({l, 1, hv, v, i}), before.get({l, 1, hv, v, i})) << "skipped row";
-  // Cursors: the good row's ring row 0 moved as on the CPU; the skipped row's ring row 2 not.
+  // The good row folded its 5 records: on the CPU slot 3 moved off its checkpoint by far more
+  // than 5% of its norm (the records' decay alone, e^{G_4} with G_4 the sum of 5 log decays drawn
+  // from [-0.3, -0.01], takes off about half), and the GPU's track slot 4 is written whole (no
+  // sentinel left).
+  for (int64_t l = 0; l < layers; ++l) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    double moved2 = 0.0, old2 = 0.0;
+    int64_t track_sentinels = 0;
+    for (int hv = 0; hv < sh.HV; ++hv)
+      for (int v = 0; v < sh.V; ++v)
+        for (int i = 0; i < sh.K; ++i) {
+          const double o = before.get({l, 3, hv, v, i}), f = pool.get({l, 3, hv, v, i});
+          moved2 += (f - o) * (f - o);
+          old2 += o * o;
+          if (got.get({l, 4, hv, v, i}) == static_cast<double>(static_cast<float>(kSentinel)))
+            ++track_sentinels;
+        }
+    EXPECT_GT(std::sqrt(moved2 / old2), 0.05) << "the good row's fold into slot 3 (CPU)";
+    EXPECT_EQ(track_sentinels, 0) << "the good row's track slot 4 (GPU)";
+  }
+  // Cursors: the good row's ring row 0 moved (by its 5 folded records) as on the CPU; the skipped
+  // row's ring row 2 not.
   const Tensor* cur[] = {&wp, &base, &fl};
+  const double folded[] = {0, 5, 0};  // ring row 0's write_pos, cache_base, is_flush after
   for (int i = 0; i < 3; ++i) {
     const std::vector<double> gpu = dev.download(*cur[i]).values();
     EXPECT_EQ(gpu, cur[i]->values()) << "cursor table " << i;
+    EXPECT_EQ(gpu[0], folded[i]) << "cursor table " << i << ", the good row";
     EXPECT_EQ(gpu[2], cursors0[i][2]) << "cursor table " << i << ", skipped row";
   }
 }
