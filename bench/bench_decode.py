@@ -12,7 +12,9 @@ every input read once, every output written once. Writes bench/results/decode-h2
 has copy_us, an in-place pass over the case's state bytes (read and written back, harness.copy_time)
 timed the same way (cold L2, graph replay: the ramp and tail of a copy of that size), and
 pct_size_copy = 100 * copy_us / us. --slots sequential gives each launch B consecutive slots in
-order instead of a random set (the pattern of a peer without indices).
+order instead of a random set (the pattern of a peer without indices). --dtypes f8,i8 time
+quantized pools (a StatePool's codes and per-row fp32 scales, its default rounding); no peer runs
+them, so their rows carry our bf16 row of the same case as the comparison (list bf16 first).
 """
 
 from __future__ import annotations
@@ -38,8 +40,36 @@ def io_bytes(m, B: int) -> int:
             + m.HV * 4 + a_width * 4)
 
 
+# Quantized pools (docs/STATE_FORMATS.md): 1-byte codes and one fp32 scale per state row, in a
+# ds.StatePool's slot envelope; their rows have no peer, and are compared with our bf16 rows.
+# Their names: f8 and i8 with the format's default rounding (stochastic for float8_e4m3fn, nearest
+# for int8), f8n float8 rounded to nearest.
+QUANTIZED = {"f8": ("float8_e4m3fn", None), "f8n": ("float8_e4m3fn", "nearest"),
+             "i8": ("int8", None)}
+QUANTIZED_DTYPES = ("float8_e4m3fn", "int8")
+
+
 def state_bytes(m, B: int, dtype) -> int:
+    """The state bytes one call reads (and writes back): codes and their scales when quantized."""
+    if dtype in QUANTIZED_DTYPES:
+        return B * m.HV * m.V * (m.K + 4)
     return B * m.HV * m.V * m.K * torch.tensor([], dtype=dtype).element_size()
+
+
+def quantized_pool(m, slots: int, fmt: tuple, gen: torch.Generator):
+    """A one-layer quantized pool on the GPU with random codes and scales of a ~0.02 state;
+    fmt = (state_dtype, state_rounding)."""
+    state_dtype, rounding = fmt
+    pool = ds.StatePool(layers=1, slots=slots, HV=m.HV, V=m.V, K=m.K, state_dtype=state_dtype,
+                        state_rounding=rounding, device="cuda", framework="torch")
+    codes = torch.randn(slots, m.HV, m.V, m.K, generator=gen)
+    if state_dtype == "int8":
+        pool.layer_state(0).copy_((codes * 40).clamp(-127, 127).round().to(torch.int8))
+        pool.layer_scales(0).fill_(0.02 * 3 / 127)
+    else:
+        pool.layer_state(0).copy_((codes * 120).clamp(-448, 448).to(torch.float8_e4m3fn))
+        pool.layer_scales(0).fill_(0.02 * 3 / 448)
+    return pool
 
 
 class Case:
@@ -47,13 +77,18 @@ class Case:
     one pool of random states."""
 
     def __init__(self, m, dtype, B: int, gen: torch.Generator, pdl: bool = False,
-                 sequential: bool = False):
+                 sequential: bool = False, fmt: tuple = None):
         self.m, self.dtype, self.B, self.pdl = m, dtype, B, pdl
         per_launch = 2 * state_bytes(m, B, dtype) + io_bytes(m, B)
         self.nr = rotations(per_launch)
         slot_bytes = state_bytes(m, 1, dtype)
         self.slots = pool_slots_for(B, slot_bytes, self.nr)
-        self.pool = (0.02 * torch.randn(self.slots, m.HV, m.V, m.K, device="cuda")).to(dtype)
+        self.fmt = {}
+        if fmt is not None:
+            self.qpool = quantized_pool(m, self.slots, fmt, gen)
+            self.pool, self.fmt = self.qpool.layer_state(0), self.qpool.state_format(0)
+        else:
+            self.pool = (0.02 * torch.randn(self.slots, m.HV, m.V, m.K, device="cuda")).to(dtype)
         self.A_log, self.dt_bias = gate_params(m, gen)
         width = 2 * m.H * m.K + m.HV * m.V
         a_width = m.HV * m.K if m.op == "kda" else m.HV
@@ -71,7 +106,7 @@ class Case:
         else:
             fn = ds.fused_recurrent_kda_packed_decode
         return lambda: fn(self.x[r], self.a[r], self.b[r], self.A_log, self.dt_bias, self.scale,
-                          self.pool, self.out[r], self.idx[r], True, pdl=self.pdl)
+                          self.pool, self.out[r], self.idx[r], True, pdl=self.pdl, **self.fmt)
 
     def split_qkv(self, r: int):
         m, B = self.m, self.B
@@ -151,7 +186,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench/results/decode-h200.json")
     ap.add_argument("--models", default="qwen3-next,kimi-linear")
-    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--dtypes", default="f32,bf16",
+                    help="f32, bf16, f8 (float8_e4m3fn codes, stochastic rounding), f8n "
+                         "(rounded to nearest), i8 (int8 codes, nearest)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--replays", type=int, default=30)
@@ -176,16 +213,25 @@ def main() -> int:
     for name in args.models.split(","):
         m = MODELS[name]
         for dname in args.dtypes.split(","):
-            dtype = DTYPES[dname]
+            fmt = QUANTIZED.get(dname)
+            dtype = DTYPES[dname] if fmt is None else fmt[0]
             for B in map(int, args.batches.split(",")):
-                case = Case(m, dtype, B, gen, pdl=args.pdl, sequential=args.slots == "sequential")
+                case = Case(m, dtype, B, gen, pdl=args.pdl, sequential=args.slots == "sequential",
+                            fmt=fmt)
                 launches = [case.ours(r) for r in range(case.nr)]
                 t = time_graph(launches, replays=args.replays)
                 nbytes = 2 * state_bytes(m, B, dtype) + io_bytes(m, B)
                 gbps = nbytes / t / 1e9
-                copy_us = copy_time(state_bytes(m, B, dtype), dtype, replays=args.replays) * 1e6
+                copy_us = copy_time(state_bytes(m, B, dtype),
+                                    torch.float32 if dname in QUANTIZED else dtype,
+                                    replays=args.replays) * 1e6
                 peer, peer_us, err = None, None, None
-                if not args.no_peer:
+                if dname in QUANTIZED:
+                    bf16 = [r["us"] for r in rows
+                            if (r["model"], r["state_dtype"], r["B"]) == (m.name, "bf16", B)]
+                    if bf16:
+                        peer, peer_us = "ours, bf16 state", bf16[0]
+                elif not args.no_peer:
                     if m.op == "gdn":
                         peer = "fla.fused_recurrent_gated_delta_rule_fwd"
                         pl, keep = fla_gdn_launches(case)

@@ -14,12 +14,13 @@ import argparse
 import torch
 
 import deltastate as ds
-from bench_decode import Case, fla_gdn_launches, fla_kda_launches, state_bytes
+from bench_decode import QUANTIZED, Case, fla_gdn_launches, fla_kda_launches, state_bytes
 from harness import DTYPES, MODELS, copy_buffer, copy_pass
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="qwen3-next")
-ap.add_argument("--dtype", default="f32")
+ap.add_argument("--dtype", default="f32", help="f32, bf16, or a quantized name of bench_decode "
+                "(f8, f8n, i8; no peer runs them)")
 ap.add_argument("--B", type=int, default=256)
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--no-peer", action="store_true")
@@ -45,7 +46,10 @@ if args.replay:
         case.replay(0)()
     args.no_peer = True
 else:
-    case = Case(m, DTYPES[args.dtype], args.B, torch.Generator().manual_seed(0))
+    fmt = QUANTIZED.get(args.dtype)
+    case = Case(m, DTYPES[args.dtype] if fmt is None else fmt[0], args.B,
+                torch.Generator().manual_seed(0), fmt=fmt)
+    args.no_peer = args.no_peer or fmt is not None
     for _ in range(args.reps):
         case.ours(0)()
 if not args.no_peer:
