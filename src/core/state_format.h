@@ -103,7 +103,9 @@ DS_HD uint8_t float_to_e4m3(float x, bool stochastic = false, uint32_t U = 0) {
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return sign | 0x7fu;
   const float q = e4m3_spacing(a);
-  const float t = bits_float(a) / q;  // exact: q is a power of two
+  // |x| / q, exactly: q is a power of two (2^-9 to 2^125), so its reciprocal is one too, exact
+  // and normal (bits (254 << 23) - q's), and the product rounds nothing a division would.
+  const float t = bits_float(a) * bits_float((254u << 23) - float_bits(q));
   const float r = stochastic ? floor_plus_uniform(t, U) : rintf(t);
   const float v = fminf(r * q, kE4m3Max);
   return sign | e4m3_code_of(v);

@@ -12,6 +12,9 @@
 // the pool's step counter (the call's step: the launcher advances the counter after its grids).
 #pragma once
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cstdint>
 
 #include "core/numeric.h"
@@ -82,6 +85,69 @@ __device__ __forceinline__ uint8_t encode_code(DType t, float y, bool stochastic
 __device__ __forceinline__ uint16_t round16_sr(DType t, float x, uint64_t key, uint64_t index) {
   const uint64_t bits = detail::sr_bits(key, index);
   return t == DType::bf16 ? detail::float_to_bf16_sr(x, bits) : detail::float_to_f16_sr(x, bits);
+}
+
+// ---- y = x / scale, as the rules divide ---------------------------------------------------------
+// A row's divisor: its scale and the scale's reciprocal (one division per row).
+struct RowDivisor {
+  float s = 1.0f, inv = 1.0f;
+  bool fast = true;  // scale >= 2^-60: quotient() needs no division
+};
+__device__ __forceinline__ RowDivisor row_divisor(float s) {
+  return RowDivisor{s, 1.0f / s, s >= 0x1p-60f};
+}
+// x / s correctly rounded (fp32 division's result) from the reciprocal: q0 = x * inv, then one
+// correction with the exact residual x - q0 * s (an fma). For |x| >= 2^-100 and a normal s this
+// is the correctly rounded quotient (Markstein's theorem: inv correctly rounded, q0 within an ulp;
+// tests/gpu/test_state_format_rules.cu checks it against the division); for 0 < |x| < 2^-100 with
+// s >= 2^-60 the quotient is below 2^-40, which every rule here (e4m3 and int8, nearest or
+// stochastic with 24 random bits) encodes as a signed zero whether or not its last bits are
+// exact, and the correction keeps x's sign; e == 0 (x = q0 * s exactly, zeros included) keeps q0,
+// and so the sign of a -0. Rows of a scale below 2^-60 divide.
+__device__ __forceinline__ float quotient(float x, const RowDivisor& d) {
+  if (!d.fast) return x / d.s;
+  const float q0 = x * d.inv;
+  const float e = fmaf(-q0, d.s, x);
+  return e == 0.0f ? q0 : fmaf(e, d.inv, q0);
+}
+
+// ---- four codes at once (a 4-byte word, code i in byte i) ---------------------------------------
+// The same values and codes as code_value and encode_code, element by element, with the hardware
+// conversions where they are exact equivalents of the rules: e4m3 -> f16 -> f32 is exact for every
+// code (f16 holds all of e4m3's values; NaN stays NaN); cvt.rn.satfinite.e4m3x2.f32 rounds to
+// nearest even and saturates to +-448 as float_to_e4m3 does, for every fp32 value but a NaN,
+// which it encodes as 0x7f whatever its sign (tests/gpu/test_state_format_rules.cu). A NaN's sign
+// is not kept on CUDA anyway: the y = x / scale before it is fp32 division, whose NaN is the
+// positive canonical one.
+__device__ __forceinline__ void code_values4(uint32_t w, DType t, float (&x)[4]) {
+  if (t == DType::f8e4m3) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw r =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (16 * h)), __NV_E4M3);
+      const float2 f = __half22float2(__half2(r));
+      x[2 * h] = f.x;
+      x[2 * h + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = static_cast<float>(static_cast<int8_t>(w >> (8 * i)));
+  }
+}
+
+// The codes of y[0..3] (already divided by the row's scale) as one word.
+__device__ __forceinline__ uint32_t encode_codes4(DType t, const float (&y)[4], bool stochastic,
+                                                  uint64_t key, uint64_t index0) {
+  if (t == DType::f8e4m3 && !stochastic) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
+    return (lo & 0xffffu) | (hi << 16);
+  }
+  uint32_t w = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w |= static_cast<uint32_t>(encode_code(t, y[i], stochastic, key, index0 + i)) << (8 * i);
+  return w;
 }
 
 // The row's scale from its amax (quantized pools).

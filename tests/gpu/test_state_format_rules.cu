@@ -1,0 +1,153 @@
+// The CUDA kernels' four-codes-at-once conversions (src/cuda/state_format.cuh: code_values4,
+// encode_codes4) against the element rules they stand for (core/state_format.h, the CPU
+// backend's): every e4m3 and int8 code decoded, and every fp32 bit pattern encoded to e4m3 to
+// nearest, on the device, compared bit for bit (a NaN: any NaN). The hardware conversions are
+// used only where this holds.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "core/state_format.h"
+#include "cuda/state_format.cuh"
+#include "gpu_util.h"
+
+namespace {
+
+using deltastate::DType;
+namespace fmt = deltastate::cuda_backend::fmt;
+namespace detail = deltastate::detail;
+
+struct Mismatch {
+  unsigned long long count;
+  uint32_t first;  // the first mismatching input seen (any order)
+};
+
+__device__ bool same_bits_or_both_nan(float a, float b) {
+  return (a != a && b != b) || __float_as_uint(a) == __float_as_uint(b);
+}
+
+// Each thread decodes one word of four codes: 64 words cover the 256 codes.
+__global__ void decode_all_codes(DType t, Mismatch* m) {
+  const uint32_t c0 = 4u * threadIdx.x;
+  const uint32_t w = c0 | (c0 + 1) << 8 | (c0 + 2) << 16 | (c0 + 3) << 24;
+  float x[4];
+  fmt::code_values4(w, t, x);
+  for (int i = 0; i < 4; ++i) {
+    const float want = fmt::code_value(static_cast<uint8_t>(c0 + i), t);
+    if (!same_bits_or_both_nan(x[i], want)) {
+      atomicAdd(&m->count, 1ull);
+      m->first = c0 + i;
+    }
+  }
+}
+
+// Every fp32 bit pattern in [base, base + 4 * threads): four consecutive patterns a thread.
+__global__ void encode_e4m3_range(uint64_t base, Mismatch* m) {
+  const uint64_t i0 = base + 4 * (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+  float y[4];
+  for (int i = 0; i < 4; ++i) y[i] = __uint_as_float(static_cast<uint32_t>(i0 + i));
+  const uint32_t w = fmt::encode_codes4(DType::f8e4m3, y, false, 0, 0);
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t got = static_cast<uint8_t>(w >> (8 * i));
+    // A NaN: a NaN code (the conversion does not keep a NaN's sign; nor does CUDA's fp32
+    // division, whose NaN results are the positive canonical NaN)
+    const bool ok = y[i] != y[i] ? (got & 0x7fu) == 0x7fu
+                                 : got == detail::float_to_e4m3(y[i], false, 0);
+    if (!ok) {
+      atomicAdd(&m->count, 1ull);
+      m->first = static_cast<uint32_t>(i0 + i);
+    }
+  }
+}
+
+// quotient(x, row_divisor(s)) against x / s for pseudo-random rows (scale = amax / 448, amax of
+// any normal exponent) and elements (x in [-amax, amax], or tiny: 2^-149 .. 2^-100): equal bit for
+// bit where |x| >= 2^-100; else the same e4m3 and int8 codes, nearest and stochastic.
+__global__ void quotient_vs_division(uint64_t seed, Mismatch* m) {
+  const uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t h = detail::sr_bits(seed, i), h2 = detail::sr_bits(seed ^ 0x5bd1e995u, i);
+  const uint32_t exp_bits = 1u + static_cast<uint32_t>(h % 254u);
+  const float amax = __uint_as_float((exp_bits << 23) | static_cast<uint32_t>((h >> 8) & 0x7fffffu));
+  const float s = fmt::fresh_scale(DType::f8e4m3, amax);
+  float x;
+  if (h2 % 5 == 0) {  // tiny: 2^-149 .. 2^-100, either sign
+    const uint32_t e = static_cast<uint32_t>((h2 >> 8) % 27u);  // exponent field 0 .. 26
+    x = __uint_as_float((e << 23) | static_cast<uint32_t>((h2 >> 16) & 0x7fffffu));
+  } else {
+    x = amax * (static_cast<float>(static_cast<uint32_t>(h2 >> 40)) * 0x1p-24f);
+  }
+  if (h2 & 1u) x = -x;
+  const float want = x / s, got = fmt::quotient(x, fmt::row_divisor(s));
+  bool ok;
+  if (fabsf(x) >= 0x1p-100f) {
+    ok = __float_as_uint(want) == __float_as_uint(got);
+  } else {
+    const uint32_t U = static_cast<uint32_t>(h2 >> 8) & 0xffffffu;
+    ok = detail::float_to_e4m3(want, false, 0) == detail::float_to_e4m3(got, false, 0) &&
+         detail::float_to_e4m3(want, true, U) == detail::float_to_e4m3(got, true, U) &&
+         detail::float_to_i8(want, true, U) == detail::float_to_i8(got, true, U);
+  }
+  if (!ok) {
+    atomicAdd(&m->count, 1ull);
+    m->first = static_cast<uint32_t>(i);
+  }
+}
+
+class StateFormatRules : public dstest::GpuTest {
+ protected:
+  void SetUp() override {
+    GpuTest::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_EQ(cudaMalloc(&m_, sizeof(Mismatch)), cudaSuccess);
+    ASSERT_EQ(cudaMemset(m_, 0, sizeof(Mismatch)), cudaSuccess);
+  }
+  void TearDown() override {
+    if (m_) EXPECT_EQ(cudaFree(m_), cudaSuccess);
+  }
+  Mismatch result() {
+    Mismatch h{};
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(&h, m_, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+  Mismatch* m_ = nullptr;
+};
+
+TEST_F(StateFormatRules, HardwareCodeValuesMatchRule) {
+  for (DType t : {DType::f8e4m3, DType::i8}) {
+    ASSERT_EQ(cudaMemset(m_, 0, sizeof(Mismatch)), cudaSuccess);
+    decode_all_codes<<<1, 64>>>(t, m_);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    const Mismatch r = result();
+    EXPECT_EQ(r.count, 0u) << deltastate::dtype_name(t) << ": code " << r.first;
+  }
+}
+
+TEST_F(StateFormatRules, HardwareE4m3MatchesRule) {
+  // 2^32 patterns: 2^30 threads in launches of 2^24.
+  constexpr unsigned kThreads = 256, kBlocks = (1u << 24) / kThreads;
+  for (uint64_t base = 0; base < (uint64_t{1} << 32); base += uint64_t{4} << 24)
+    encode_e4m3_range<<<kBlocks, kThreads>>>(base, m_);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const Mismatch r = result();
+  float first;
+  std::memcpy(&first, &r.first, 4);
+  EXPECT_EQ(r.count, 0u) << "first mismatch at bits 0x" << std::hex << r.first << " (" << first
+                         << ")";
+}
+
+}  // namespace
+
+namespace {
+TEST_F(StateFormatRules, QuotientMatchesDivision) {
+  // 2^32 (row, element) pairs: 16 launches of 2^28 threads.
+  for (uint64_t seed = 1; seed <= 16; ++seed) {
+    quotient_vs_division<<<(1u << 28) / 256, 256>>>(seed, m_);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+  const Mismatch r = result();
+  EXPECT_EQ(r.count, 0u) << "first mismatching thread " << r.first;
+}
+}  // namespace
