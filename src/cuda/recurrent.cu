@@ -48,6 +48,13 @@ int decode_tiles_per_warp(const RecurrentProblem& p, int tiles_per_head) {
   return decode_two_tiles(w1, cap) ? 2 : 1;
 }
 
+// Tiles per warp of the quantized decode kernel (the override, else two: measured at run time in
+// this session's first form; see docs/PERFORMANCE.md).
+int quant_decode_tiles_per_warp(const RecurrentProblem&) {
+  if (const int forced = forced_decode_tiles_per_warp()) return forced;
+  return 2;
+}
+
 template <class StateT, int K>
 int warps_per_head_of(const RecurrentProblem& p) {  // one tile (RG*ROWS rows) per warp
   using Lay = RowLayout<StateT, K>;
@@ -62,10 +69,10 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
   if (warps > 0x7fffffffLL)
     throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
-  constexpr int smem = TPW == 2 ? kDecodeCtaWarps * kDecodeTileBytes<StateT, K> : 0;
+  constexpr int smem = TPW == 2 ? kDecodeCtaWarps * kDecodeStageBytes<StateT, K> : 0;
   const auto ctas = static_cast<unsigned>((warps + kDecodeCtaWarps - 1) / kDecodeCtaWarps);
   launch_kernel(recurrent_decode_kernel<StateT, K, In, TPW>, ctas, kDecodeCtaWarps * 32, smem,
-                stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
+                stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtas<StateT, TPW>), wph);
 }
 
 template <class StateT, int K, class In>
@@ -123,16 +130,22 @@ void launch_direct(const RecurrentProblem& p, cudaStream_t stream) {
                 warps * 32, 0, stream, p.pdl, with_pdl_trigger(p, ctas, resident_ctas), wph);
 }
 
+// The step counter's advance after a formatted store (one thread, stream-ordered after the grid:
+// graph-safe).
+void advance_step_after(const RecurrentProblem& p, cudaStream_t stream) {
+  if (p.state.stochastic && p.update_state)
+    launch_kernel(advance_rounding_step, 1u, 1u, 0, stream, false, p.state.step, 1);
+}
+
 // A pool in its storage format (quantized, or stochastically rounded): the direct kernel's twin,
-// then the step counter's advance (one thread, stream-ordered after the grid: graph-safe).
+// then the step counter's advance.
 void launch_direct_fmt(const RecurrentProblem& p, cudaStream_t stream) {
   const int wph = warps_per_head_of<float, 256>(p);
   const DirectGrid g = direct_grid(p.num_heads_total() * wph, p.device.index,
                                    "recurrent: too many tiles for one launch");
   launch_kernel(recurrent_direct_fmt_kernel<256>, static_cast<unsigned>(g.ctas), g.warps * 32, 0,
                 stream, p.pdl, with_pdl_trigger(p, g.ctas, g.resident), wph);
-  if (p.state.stochastic && p.update_state)
-    launch_kernel(advance_rounding_step, 1u, 1u, 0, stream, false, p.state.step, 1);
+  advance_step_after(p, stream);
 }
 
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -162,6 +175,31 @@ DecodeChoice decode_kernel_for(const RecurrentProblem& p) {
   const int64_t min_heads = p.gate.kda ? kStreamMinHeadsKda : kStreamMinHeads;
   return sizeof(StateT) == 2 && p.num_heads_total() >= min_heads ? DecodeChoice::stream
                                                                  : DecodeChoice::decode;
+}
+
+// A quantized pool on a decode-shaped problem (decode_shaped): the register decode kernel's
+// quantized instantiation, one tile per warp (DELTASTATE_CUDA_DECODE=direct: the direct kernel's
+// formatted twin). False where it does not apply.
+template <class Code>
+bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
+  if (p.state.dtype != Code::dtype || decode_kernel_for<Code>(p) == DecodeChoice::direct)
+    return false;
+  const bool two = quant_decode_tiles_per_warp(p) == 2;
+  if (p.K == 128) {
+    const int tiles = warps_per_head_of<Code, 128>(p);
+    if (two) launch_decode_tpw<Code, 128, AnyInput, 2>(p, tiles, stream);
+    else launch_decode_tpw<Code, 128, AnyInput, 1>(p, tiles, stream);
+  } else {
+#if DELTASTATE_CUDA_ALL_KERNELS
+    const int tiles = warps_per_head_of<Code, 64>(p);
+    if (two) launch_decode_tpw<Code, 64, AnyInput, 2>(p, tiles, stream);
+    else launch_decode_tpw<Code, 64, AnyInput, 1>(p, tiles, stream);
+#else
+    return false;
+#endif
+  }
+  advance_step_after(p, stream);
+  return true;
 }
 
 template <class StateT, class In>
@@ -241,7 +279,12 @@ void run_recurrent(const RecurrentProblem& problem, void* stream) {
   RecurrentProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernels record a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
-  if (formatted) return launch_direct_fmt(p, s);
+  if (formatted) {
+    if (launch_decode_quant<QuantCode<DType::f8e4m3>>(p, s) ||
+        launch_decode_quant<QuantCode<DType::i8>>(p, s))
+      return;
+    return launch_direct_fmt(p, s);
+  }
   // Without a state pool the kernel starts from zeros; the state dtype then only selects the
   // register layout, so use fp32.
   const DType sd = p.state.ptr ? p.state.dtype : DType::f32;
