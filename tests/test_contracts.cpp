@@ -1227,8 +1227,7 @@ TEST(Contracts, QuantizedScratch) {
   ok.update_state = false;
   ok.intermediate_states = inter.view();
   ok.intermediate_state_scales = iscales.view();
-  auto verify_error = [&](auto edit, const std::string& text,
-                          ErrorKind kind = ErrorKind::value) {
+  auto verify_error = [&](auto edit, const std::string& text, ErrorKind kind = ErrorKind::value) {
     deltastate::VerifyArgs a = ok;
     edit(a);
     expect_error([&] { deltastate::verify(a); }, text, kind);
@@ -1254,9 +1253,7 @@ TEST(Contracts, QuantizedScratch) {
       "`intermediate_state_scales` must be contiguous in its [HV, V] inner dimensions (strides "
       "(8, 1)); got strides (128, 32, 8, 2)");
   verify_error(
-      [](auto& a) {
-        a.intermediate_state_scales = on_cuda(*a.intermediate_state_scales);
-      },
+      [](auto& a) { a.intermediate_state_scales = on_cuda(*a.intermediate_state_scales); },
       "All inputs must be on the same device: `q` is on cpu, `intermediate_state_scales` is on "
       "cuda:0");
   verify_error([&](auto& a) { a.intermediate_states = fscratch.view(); },
@@ -1293,8 +1290,7 @@ TEST(Contracts, QuantizedScratch) {
   cok.accepted = acc.view();
   cok.state_format.scales = lscales.view();
   cok.intermediate_state_scales = liscales.view();
-  auto commit_error = [&](auto edit, const std::string& text,
-                          ErrorKind kind = ErrorKind::value) {
+  auto commit_error = [&](auto edit, const std::string& text, ErrorKind kind = ErrorKind::value) {
     deltastate::CommitArgs a = cok;
     edit(a);
     expect_error([&] { deltastate::update_state_after_verify(a); }, text, kind);

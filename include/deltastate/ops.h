@@ -518,11 +518,11 @@ struct VerifyArgs {
   // (seed, ~(row * T_alloc + step), layer, step): core/state_format.h scratch_key_slot), and a
   // tree token reloads its parent's entry dequantized. docs/STATE_FORMATS.md.
   std::optional<TensorView> intermediate_state_scales;
-  std::optional<TensorView> parent_tokens;  // [N, >= T] int32/int64
-  std::optional<TensorView> token_state_indices;         // [N, >= T] pool slot per token
-  std::optional<TensorView> num_accepted_tokens;         // [N] (with token_state_indices)
-  std::optional<TensorView> source_state;                // [N0, HV, V, K] read-only start pool
-  std::optional<TensorView> source_state_indices;        // [N] its row per sequence (< 0: pad)
+  std::optional<TensorView> parent_tokens;         // [N, >= T] int32/int64
+  std::optional<TensorView> token_state_indices;   // [N, >= T] pool slot per token
+  std::optional<TensorView> num_accepted_tokens;   // [N] (with token_state_indices)
+  std::optional<TensorView> source_state;          // [N0, HV, V, K] read-only start pool
+  std::optional<TensorView> source_state_indices;  // [N] its row per sequence (< 0: pad)
   // SGLang's cache_ring (fold-every-commit, replayssm_fold_commit): the raw inputs of each
   // sequence's steps t < L at its slot (state_indices; a slot < 0 records nothing): ring_v [S,
   // HV, L, V] the raw v, ring_k [S, H, L, K] the raw (pre-norm) k (floating, any dtype: rounded

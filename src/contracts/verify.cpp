@@ -452,8 +452,8 @@ CommitProblem validate_commit(const CommitArgs& args) {
     fail(format("`intermediate_states` has %lld layers and `state` %lld; they must match",
                 static_cast<long long>(in.shape[0]), static_cast<long long>(st.shape[0])));
   const bool quantized = is_quantized(st.dtype);
-  const TensorView* inter_scales = check_scratch_format(
-      c, "update_state_after_verify", in, args.intermediate_state_scales, st);
+  const TensorView* inter_scales =
+      check_scratch_format(c, "update_state_after_verify", in, args.intermediate_state_scales, st);
   StatePoolRef ref{st.data, st.dtype, st.stride[lead], st.shape[lead]};
   check_state_format(c, "update_state_after_verify", "state", st, args.state_format, true, ref,
                      layered ? st.shape[0] : 1);

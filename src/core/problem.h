@@ -450,7 +450,7 @@ struct VerifyProblem {
   DType inter_dtype = DType::f32;
   int64_t inter_row_stride = 0, inter_step_stride = 0;  // elements
   int64_t inter_rows = 0, inter_steps = 0;
-  IndexTable inter_indices;   // [N, 1] scratch row; null: row n
+  IndexTable inter_indices;  // [N, 1] scratch row; null: row n
   // A quantized scratch (inter_dtype f8e4m3 / i8; only with a quantized pool): its fp32 scales
   // [rows, steps, HV, V] (strides in floats, inner (V, 1)); each entry stored with fresh row
   // scales and r.state's rounding, the key's slot field scratch_key_slot(row * inter_steps +

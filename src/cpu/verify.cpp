@@ -121,10 +121,10 @@ void run_verify(const VerifyProblem& p) {
                                  kq, o.data());
       store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok, hv), V, o.data());
       if (row >= 0 && inter_quantized)
-        store_state_rows(p.inter_entry(row, t), rnd,
-                         sr_key(rnd.seed, scratch_key_slot(p.inter_entry_index(row, t)),
-                                rnd.layer, rnd.step),
-                         0, hv, V, K, 0, V, S.data());
+        store_state_rows(
+            p.inter_entry(row, t), rnd,
+            sr_key(rnd.seed, scratch_key_slot(p.inter_entry_index(row, t)), rnd.layer, rnd.step), 0,
+            hv, V, K, 0, V, S.data());
       else if (row >= 0)
         store_row(p.inter, p.inter_dtype, inter_at(t), static_cast<int>(head_elems), S.data());
       if (p.token_slots.ptr) {
@@ -179,11 +179,10 @@ void commit_quantized(const CommitProblem& p) {
     float* scales = p.scales + layer * p.scales_layer_stride + slot * p.scales_slot_stride;
     const int64_t rows = p.head_elems / p.K;
     const char* src_codes = static_cast<const char*>(p.inter) + src;  // a quantized scratch's
-    const float* src_scales = inter_quantized ? p.inter_scales +
-                                                    layer * p.inter_scale_layer_stride +
-                                                    r * p.inter_scale_row_stride +
-                                                    step * p.inter_scale_step_stride
-                                              : nullptr;
+    const float* src_scales =
+        inter_quantized ? p.inter_scales + layer * p.inter_scale_layer_stride +
+                              r * p.inter_scale_row_stride + step * p.inter_scale_step_stride
+                        : nullptr;
     if (p.inter_dtype == p.dtype) {  // the entry is a slot in the pool's format already
       std::memcpy(dst, src_codes, static_cast<size_t>(p.head_elems));
       std::memcpy(scales, src_scales, static_cast<size_t>(rows) * sizeof(float));
