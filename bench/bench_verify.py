@@ -73,7 +73,7 @@ class Case:
     """One (model, dtype, T, B) case: `nr` rotations of inputs, slot sets and scratch buffers."""
 
     def __init__(self, m, dtype, T: int, B: int, gen: torch.Generator, with_scratch: bool,
-                 scratch_dtype=None):
+                 scratch_dtype=None, rounding=None):
         self.m, self.dtype, self.T, self.B = m, dtype, T, B
         self.scratch_dtype = scratch_dtype or dtype
         per_launch = (state_bytes(m, B, dtype) + T * state_bytes(m, B, self.scratch_dtype)
@@ -83,8 +83,9 @@ class Case:
         self.fmt = {}  # a quantized pool's format keywords
         if is_quantized(dtype):
             self.pool, scales = quantized_states((self.slots, m.HV, m.V, m.K), dtype)
-            self.fmt = {"state_scales": scales}
-            if dtype == torch.float8_e4m3fn:  # stochastic rounding, float8's default
+            self.fmt = {"state_scales": scales, "state_rounding": rounding}
+            if rounding == "stochastic" or (rounding is None and dtype == torch.float8_e4m3fn):
+                # stochastic rounding (float8's default): the step counter, advanced per call
                 self.fmt["rounding_step"] = torch.zeros(1, device="cuda", dtype=torch.int64)
         else:
             self.pool = (0.02 * torch.randn(self.slots, m.HV, m.V, m.K, device="cuda")).to(dtype)
@@ -193,6 +194,9 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-next,kimi-linear")
     ap.add_argument("--dtypes", default="f32,bf16",
                     help="state dtypes: f32, bf16, fp8, int8 (quantized pools)")
+    ap.add_argument("--rounding", default=None, choices=("nearest", "stochastic"),
+                    help="a quantized pool's rounding (and its scratch's); default: the format's "
+                         "(float8 stochastic, int8 nearest)")
     ap.add_argument("--scratch", default="state", choices=("state", "f32"),
                     help="verify's scratch: the state's dtype (a quantized pool's: quantized, "
                          "with fp32 row scales), or float32")
@@ -237,7 +241,7 @@ def main() -> int:
             for T in map(int, args.tokens.split(",")):
                 for B in map(int, args.batches.split(",")):
                     case = Case(m, dtype, T, B, gen, with_scratch="verify" in modes,
-                                scratch_dtype=scratch_dtype)
+                                scratch_dtype=scratch_dtype, rounding=args.rounding)
                     for mode in modes:
                         written = (state_bytes(m, B, dtype) if mode == "recurrent"
                                    else T * state_bytes(m, B, scratch_dtype))
@@ -259,6 +263,8 @@ def main() -> int:
                                                  replays=args.replays) * 1e6
                         gbps = nbytes / t / 1e9
                         rows.append(dict(mode=mode, op=m.op, model=m.name, state_dtype=dname,
+                                         rounding=(args.rounding or "default") if quantized
+                                         else None,
                                          scratch=(None if mode != "verify" else
                                                   str(scratch_dtype).replace("torch.", "")),
                                          T=T,
