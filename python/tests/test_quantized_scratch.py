@@ -148,10 +148,12 @@ def test_verify_tree_and_commit_with_a_quantized_scratch(fw, rng, kda, dtype, ro
 
 
 @pytest.mark.parametrize("dtype,rounding", FORMATS)
-def test_quantized_scratch_with_per_token_slots_and_write_back(fw, rng, dtype, rounding):
-    """FlashInfer's conventions with a quantized scratch of the pool's dtype: a chain whose
-    entries and final state (written back in place) are the same fp32 states stored once each;
-    the final slot's codes equal its last entry's where the keys agree (nearest rounding)."""
+def test_quantized_scratch_by_batch_row_with_write_back(fw, rng, dtype, rounding):
+    """FlashInfer's convention with a quantized scratch of the pool's dtype: the scratch indexed
+    by batch row, a chain, the final state written back in place. Outputs against an fp32 pool
+    with an fp32 scratch bit for bit; each entry and each final slot the emulation's rounding of
+    the fp32 state (an entry's key or the slot's); to nearest, the last entry and the final
+    slot hold the same codes (one rule, one state)."""
     H, HV, K, V, slots, seed, N, T = 1, 2, 16, 8, 5, 9, 2, 3
     pool = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
                         state_rounding=rounding, rounding_seed=seed, framework=fw.name)
