@@ -2,13 +2,17 @@
 speculative verify beside FLA's fused_recurrent over the same T tokens (and, with --flashinfer,
 FlashInfer's gated_delta_rule_mtp).
 
-For each model (Qwen3-Next GDN, Kimi-Linear KDA), state dtype (fp32, bf16), T in {2, 4, 8} and
+For each model (Qwen3-Next GDN, Kimi-Linear KDA), state dtype (fp32, bf16; with --dtypes also
+fp8 / int8: a quantized pool with its fp32 row scales, docs/STATE_FORMATS.md), T in {2, 4, 8} and
 batch B, it times
   recurrent : recurrent_gated_delta_rule / recurrent_kda over T tokens per sequence, in place on a
               pool with random slot indices (the multi-token kernel): bytes = state read + write
               + inputs + outputs;
   verify    : verify with SGLang's convention (scratch rows [B, T, HV, V, K], no state update):
-              bytes = state read + T states written + inputs + outputs;
+              bytes = state read + T states written + inputs + outputs; a quantized pool's
+              scratch is quantized too (its codes and fp32 scales [B, T, HV, V]), or float32
+              with --scratch f32 (issue #36's target: verify into an fp8 scratch at B = 64 at
+              >= 1.7x the fp32 verify's speed);
   FLA       : GDN fused_recurrent_gated_delta_rule_fwd and KDA fused_recurrent_kda_fwd (varlen),
               each in its best case: a gathered [B, HV, V, K] initial state, a fresh final
               state, state_v_first; the recurrent op's work;
@@ -35,8 +39,27 @@ TOKENS = [2, 4, 8]
 ACT = torch.bfloat16
 
 
+# The 1-byte formats: a pool of codes with one fp32 scale per (slot, head, V row).
+QUANTIZED = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def is_quantized(dtype) -> bool:
+    return dtype in QUANTIZED.values()
+
+
 def state_bytes(m, B: int, dtype) -> int:
+    if is_quantized(dtype):  # codes and the row scales
+        return B * m.HV * m.V * (m.K + 4)
     return B * m.HV * m.V * m.K * torch.tensor([], dtype=dtype).element_size()
+
+
+def quantized_states(shape, dtype):
+    """Codes of small states (|x| ~ 0.02) in a 1-byte format and their fp32 row scales."""
+    if dtype == torch.int8:
+        codes = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
+        return codes, torch.full(shape[:-1], 0.02 / 127, device="cuda")
+    codes = torch.randn(*shape, device="cuda").mul_(100.0).clamp_(-448, 448).to(dtype)
+    return codes, torch.full(shape[:-1], 0.02 / 448, device="cuda")
 
 
 def io_bytes(m, B: int, T: int) -> int:
@@ -49,12 +72,23 @@ def io_bytes(m, B: int, T: int) -> int:
 class Case:
     """One (model, dtype, T, B) case: `nr` rotations of inputs, slot sets and scratch buffers."""
 
-    def __init__(self, m, dtype, T: int, B: int, gen: torch.Generator, with_scratch: bool):
+    def __init__(self, m, dtype, T: int, B: int, gen: torch.Generator, with_scratch: bool,
+                 scratch_dtype=None, rounding=None):
         self.m, self.dtype, self.T, self.B = m, dtype, T, B
-        per_launch = (T + 1) * state_bytes(m, B, dtype) + io_bytes(m, B, T)
+        self.scratch_dtype = scratch_dtype or dtype
+        per_launch = (state_bytes(m, B, dtype) + T * state_bytes(m, B, self.scratch_dtype)
+                      + io_bytes(m, B, T))
         self.nr = rotations(per_launch)
         self.slots = pool_slots_for(B, state_bytes(m, 1, dtype), self.nr)
-        self.pool = (0.02 * torch.randn(self.slots, m.HV, m.V, m.K, device="cuda")).to(dtype)
+        self.fmt = {}  # a quantized pool's format keywords
+        if is_quantized(dtype):
+            self.pool, scales = quantized_states((self.slots, m.HV, m.V, m.K), dtype)
+            self.fmt = {"state_scales": scales, "state_rounding": rounding}
+            if rounding == "stochastic" or (rounding is None and dtype == torch.float8_e4m3fn):
+                # stochastic rounding (float8's default): the step counter, advanced per call
+                self.fmt["rounding_step"] = torch.zeros(1, device="cuda", dtype=torch.int64)
+        else:
+            self.pool = (0.02 * torch.randn(self.slots, m.HV, m.V, m.K, device="cuda")).to(dtype)
         self.A_log, self.dt_bias = gate_params(m, gen)
         self.idx = slot_sets(self.slots, B, self.nr, gen)
         gshape = (B, T, m.HV, m.K) if m.op == "kda" else (B, T, m.HV)
@@ -66,8 +100,12 @@ class Case:
         self.beta = [mk(B, T, m.HV) for _ in range(self.nr)]
         self.out = [torch.empty(B, T, m.HV, m.V, device="cuda", dtype=ACT)
                     for _ in range(self.nr)]
-        self.scratch = ([torch.empty(B, T, m.HV, m.V, m.K, device="cuda", dtype=dtype)
+        sd = self.scratch_dtype
+        self.scratch = ([torch.empty(B, T, m.HV, m.V, m.K, device="cuda", dtype=sd)
                          for _ in range(self.nr)] if with_scratch else None)
+        self.scratch_scales = ([torch.empty(B, T, m.HV, m.V, device="cuda")
+                                for _ in range(self.nr)]
+                               if with_scratch and is_quantized(sd) else None)
         self.scale = m.K ** -0.5
 
     def recurrent(self, r: int):
@@ -77,15 +115,19 @@ class Case:
             op(self.q[r], self.k[r], self.v[r], self.g[r], self.beta[r], A_log=self.A_log,
                dt_bias=self.dt_bias, scale=self.scale, initial_state=self.pool,
                use_gate_in_kernel=True, ssm_state_indices=self.idx[r], output=self.out[r],
-               beta_is_logit=True)
+               beta_is_logit=True, **self.fmt)
         return run
 
     def verify(self, r: int):
+        kw = dict(self.fmt)
+        if self.scratch_scales is not None:
+            kw["intermediate_state_scales"] = self.scratch_scales[r]
+
         def run():
             ds.verify(self.q[r], self.k[r], self.v[r], self.g[r], self.beta[r], self.out[r],
                       self.pool, self.idx[r], A_log=self.A_log, dt_bias=self.dt_bias,
                       scale=self.scale, is_kda=self.m.op == "kda", update_state=False,
-                      intermediate_states=self.scratch[r])
+                      intermediate_states=self.scratch[r], **kw)
         return run
 
 
@@ -150,7 +192,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench/results/verify-h200.json")
     ap.add_argument("--models", default="qwen3-next,kimi-linear")
-    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--dtypes", default="f32,bf16",
+                    help="state dtypes: f32, bf16, fp8, int8 (quantized pools)")
+    ap.add_argument("--rounding", default=None, choices=("nearest", "stochastic"),
+                    help="a quantized pool's rounding (and its scratch's); default: the format's "
+                         "(float8 stochastic, int8 nearest)")
+    ap.add_argument("--scratch", default="state", choices=("state", "f32"),
+                    help="verify's scratch: the state's dtype (a quantized pool's: quantized, "
+                         "with fp32 row scales), or float32")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--modes", default="recurrent,verify")
@@ -186,19 +235,24 @@ def main() -> int:
     for name in args.models.split(","):
         m = MODELS[name]
         for dname in args.dtypes.split(","):
-            dtype = DTYPES[dname]
+            dtype = DTYPES[dname] if dname in DTYPES else QUANTIZED[dname]
+            scratch_dtype = torch.float32 if args.scratch == "f32" else dtype
+            quantized = is_quantized(dtype)
             for T in map(int, args.tokens.split(",")):
                 for B in map(int, args.batches.split(",")):
-                    case = Case(m, dtype, T, B, gen, with_scratch="verify" in modes)
+                    case = Case(m, dtype, T, B, gen, with_scratch="verify" in modes,
+                                scratch_dtype=scratch_dtype, rounding=args.rounding)
                     for mode in modes:
-                        states = 2 if mode == "recurrent" else T + 1
-                        nbytes = states * state_bytes(m, B, dtype) + io_bytes(m, B, T)
+                        written = (state_bytes(m, B, dtype) if mode == "recurrent"
+                                   else T * state_bytes(m, B, scratch_dtype))
+                        state_io = state_bytes(m, B, dtype) + written
+                        nbytes = state_io + io_bytes(m, B, T)
                         fn = case.recurrent if mode == "recurrent" else case.verify
                         t = time_graph([fn(r) for r in range(case.nr)], replays=args.replays)
-                        copy_us = copy_time(states * state_bytes(m, B, dtype) // 2, dtype,
+                        copy_us = copy_time(state_io // 2, torch.float32 if quantized else dtype,
                                             replays=args.replays) * 1e6
                         peer, peer_us = None, None
-                        if mode == "recurrent" and not args.no_peer:
+                        if mode == "recurrent" and not args.no_peer and not quantized:
                             peer = f"fla.fused_recurrent_{'kda' if m.op == 'kda' else 'gdn'}"
                             pl, keep = fla_launches(case)
                             peer_us = time_graph(pl, replays=args.replays) * 1e6
@@ -208,7 +262,12 @@ def main() -> int:
                             peer_us = time_graph(flashinfer_launches(case, fi),
                                                  replays=args.replays) * 1e6
                         gbps = nbytes / t / 1e9
-                        rows.append(dict(mode=mode, op=m.op, model=m.name, state_dtype=dname, T=T,
+                        rows.append(dict(mode=mode, op=m.op, model=m.name, state_dtype=dname,
+                                         rounding=(args.rounding or "default") if quantized
+                                         else None,
+                                         scratch=(None if mode != "verify" else
+                                                  str(scratch_dtype).replace("torch.", "")),
+                                         T=T,
                                          B=B, us=round(t * 1e6, 2), bytes=nbytes,
                                          GBps=round(gbps, 1),
                                          pct_copy=round(100 * gbps / copy_gbps, 1),

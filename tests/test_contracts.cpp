@@ -1198,24 +1198,141 @@ TEST(Contracts, StateFormatNotBuiltYet) {
                "(ssm_state_indices, no final_state) for now (issue #36)",
                ErrorKind::not_implemented);
   EXPECT_TRUE(rbefore.unchanged());
-  // a tensor without a quantized path is named: the commit's scratch (a float one is needed)
-  Tensor st = Tensor::contiguous(DType::i8, {4, 2, 8, 16});
-  Tensor inter = Tensor::contiguous(DType::i8, {2, 3, 2, 8, 16});
-  Tensor idx = index_tensor({1, 2}), acc = index_tensor({1, 1});
-  deltastate::CommitArgs ca;
-  ca.state = st.view();
-  ca.intermediate_states = inter.view();
-  ca.state_indices = idx.view();
-  ca.accepted = acc.view();
-  Snapshot cbefore;
-  cbefore.add(st).add(inter);
-  expect_error([&] { deltastate::update_state_after_verify(ca); },
-               "`intermediate_states` is a quantized state (int8): this op does not take "
-               "quantized states yet (issue #36; docs/STATE_FORMATS.md lists the ops that do); its "
-               "states are float32, bfloat16 or float16",
-               ErrorKind::not_implemented);
-  EXPECT_TRUE(cbefore.unchanged());
   EXPECT_TRUE(before.unchanged());
+}
+
+// A quantized verify scratch (intermediate_states in float8_e4m3fn / int8 with its fp32
+// intermediate_state_scales), verify's and the commit's: each malformed argument named, nothing
+// written (ValueError; NotImplementedError for a quantized scratch with a float pool).
+TEST(Contracts, QuantizedScratch) {
+  RecurrentFixture rf(false);
+  const int64_t R = 3, TA = 4;  // N_scr, T_alloc
+  Tensor pool = Tensor::contiguous(DType::f8e4m3, {4, kRec.HV, kRec.V, kRec.K});
+  Tensor scales = Tensor::contiguous(DType::f32, {4, kRec.HV, kRec.V});
+  Tensor inter = Tensor::contiguous(DType::i8, {R, TA, kRec.HV, kRec.V, kRec.K});
+  Tensor iscales = Tensor::contiguous(DType::f32, {R, TA, kRec.HV, kRec.V});
+  Tensor iscales16 = Tensor::contiguous(DType::f16, {R, TA, kRec.HV, kRec.V});
+  Tensor fscratch = Tensor::contiguous(DType::f32, {R, TA, kRec.HV, kRec.V, kRec.K});
+  pool.fill_all(3);
+  inter.fill_all(5);
+  scales.fill_all(7);
+  iscales.fill_all(9);
+  Snapshot before = rf.snapshot();
+  before.add(pool).add(scales).add(inter).add(iscales).add(iscales16).add(fscratch);
+  deltastate::VerifyArgs ok = verify_inputs(rf.args, false);
+  ok.state = pool.view();
+  ok.state_format.scales = scales.view();
+  ok.state_format.rounding = StateRounding::nearest;
+  ok.state_indices = rf.idx.view();
+  ok.update_state = false;
+  ok.intermediate_states = inter.view();
+  ok.intermediate_state_scales = iscales.view();
+  auto verify_error = [&](auto edit, const std::string& text, ErrorKind kind = ErrorKind::value) {
+    deltastate::VerifyArgs a = ok;
+    edit(a);
+    expect_error([&] { deltastate::verify(a); }, text, kind);
+    EXPECT_TRUE(before.unchanged()) << text;
+  };
+  verify_error([](auto& a) { a.intermediate_state_scales.reset(); },
+               "verify: `intermediate_state_scales` is required for the int8 scratch "
+               "`intermediate_states`: its fp32 scales [N_scr, T_alloc, HV, V], one per state row");
+  verify_error(
+      [](auto& a) { a.intermediate_state_scales = with_size(*a.intermediate_state_scales, 1, 3); },
+      "`intermediate_state_scales` must have shape [N_scr, T_alloc, HV, V]=(3, 4, 4, 8) (one per "
+      "row of `intermediate_states`); got (3, 3, 4, 8)");
+  verify_error(
+      [](auto& a) { a.intermediate_state_scales = with_ndim(*a.intermediate_state_scales, 5); },
+      "`intermediate_state_scales` must have shape [N_scr, T_alloc, HV, V]=(3, 4, 4, 8) (one per "
+      "row of `intermediate_states`); got (3, 4, 4, 8, 1)");
+  verify_error([&](auto& a) { a.intermediate_state_scales = iscales16.view(); },
+               "`intermediate_state_scales` must have dtype float32; got float16");
+  verify_error(
+      [](auto& a) {
+        a.intermediate_state_scales = with_stride(*a.intermediate_state_scales, 3, 2);
+      },
+      "`intermediate_state_scales` must be contiguous in its [HV, V] inner dimensions (strides "
+      "(8, 1)); got strides (128, 32, 8, 2)");
+  verify_error(
+      [](auto& a) { a.intermediate_state_scales = on_cuda(*a.intermediate_state_scales); },
+      "All inputs must be on the same device: `q` is on cpu, `intermediate_state_scales` is on "
+      "cuda:0");
+  verify_error([&](auto& a) { a.intermediate_states = fscratch.view(); },
+               "verify: `intermediate_state_scales` applies to a float8_e4m3fn or int8 "
+               "`intermediate_states`; it is float32");
+  verify_error([](auto& a) { a.intermediate_states.reset(); },
+               "`intermediate_state_scales` are the scales of a quantized `intermediate_states` "
+               "buffer, which was not given");
+  verify_error(
+      [&](auto& a) {
+        a.state = rf.pool.view();
+        a.state_format.scales.reset();
+        a.state_format.rounding = StateRounding::format_default;
+      },
+      "verify: a quantized `intermediate_states` (here int8) is built for float8_e4m3fn and "
+      "int8 pools; `state` is float32 (give a float32 scratch)",
+      ErrorKind::not_implemented);
+
+  // the commit: [layers, N_scr, T_alloc, HV, V, K] and its scales [layers, N_scr, T_alloc, HV, V]
+  Tensor lpool = Tensor::contiguous(DType::i8, {2, 4, kRec.HV, kRec.V, kRec.K});
+  Tensor lscales = Tensor::contiguous(DType::f32, {2, 4, kRec.HV, kRec.V});
+  Tensor linter = Tensor::contiguous(DType::f8e4m3, {2, R, TA, kRec.HV, kRec.V, kRec.K});
+  Tensor liscales = Tensor::contiguous(DType::f32, {2, R, TA, kRec.HV, kRec.V});
+  Tensor fpool = Tensor::contiguous(DType::f32, {2, 4, kRec.HV, kRec.V, kRec.K});
+  Tensor idx = index_tensor({1, 2}), acc = index_tensor({1, 1});
+  lpool.fill_all(1);
+  linter.fill_all(2);
+  Snapshot cbefore;
+  cbefore.add(lpool).add(lscales).add(linter).add(liscales).add(fpool);
+  deltastate::CommitArgs cok;
+  cok.state = lpool.view();
+  cok.intermediate_states = linter.view();
+  cok.state_indices = idx.view();
+  cok.accepted = acc.view();
+  cok.state_format.scales = lscales.view();
+  cok.intermediate_state_scales = liscales.view();
+  auto commit_error = [&](auto edit, const std::string& text, ErrorKind kind = ErrorKind::value) {
+    deltastate::CommitArgs a = cok;
+    edit(a);
+    expect_error([&] { deltastate::update_state_after_verify(a); }, text, kind);
+    EXPECT_TRUE(cbefore.unchanged()) << text;
+  };
+  commit_error([](auto& a) { a.intermediate_state_scales.reset(); },
+               "update_state_after_verify: `intermediate_state_scales` is required for the "
+               "float8_e4m3fn scratch `intermediate_states`: its fp32 scales [layers, N_scr, "
+               "T_alloc, HV, V], one per state row");
+  commit_error(
+      [](auto& a) { a.intermediate_state_scales = with_size(*a.intermediate_state_scales, 0, 1); },
+      "`intermediate_state_scales` must have shape [layers, N_scr, T_alloc, HV, V]=(2, 3, 4, 4, "
+      "8) (one per row of `intermediate_states`); got (1, 3, 4, 4, 8)");
+  commit_error(
+      [](auto& a) {
+        a.intermediate_state_scales = with_dtype(*a.intermediate_state_scales, DType::i32);
+      },
+      "`intermediate_state_scales` must have dtype float32; got int32");
+  commit_error(
+      [&](auto& a) {
+        a.state = fpool.view();
+        a.state_format.scales.reset();
+      },
+      "update_state_after_verify: a quantized `intermediate_states` (here float8_e4m3fn) is "
+      "built for float8_e4m3fn and int8 pools; `state` is float32 (give a float32 scratch)",
+      ErrorKind::not_implemented);
+  commit_error(
+      [&](auto& a) {
+        a.state = fpool.view();
+        a.state_format.scales.reset();
+        a.intermediate_states = with_dtype(a.intermediate_states, DType::f32);
+      },
+      "update_state_after_verify: `intermediate_state_scales` applies to a float8_e4m3fn or "
+      "int8 `intermediate_states`; it is float32");
+  commit_error(
+      [&](auto& a) {
+        a.state = fpool.view();
+        a.state_format.scales.reset();
+        a.intermediate_states = with_dtype(a.intermediate_states, DType::f16);
+        a.intermediate_state_scales.reset();
+      },
+      "`intermediate_states` must have the dtype of `state` (float32); got float16");
 }
 
 // Verify and the state commit run quantized pools on CUDA (verify/fmt.cuh), with two limits of

@@ -49,8 +49,8 @@ namespace deltastate {
 //             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
 // Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
 // updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
-// checkpoint), the chunked prefill (a pool), speculative verify (float scratch) and its state
-// commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
+// checkpoint), the chunked prefill (a pool), speculative verify (float or quantized scratch)
+// and its state commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
 // src/cuda/recurrent/direct.cuh), verify (not with cache_ring) and its state commit (generic
 // kernels, src/cuda/verify/fmt.cuh), ReplaySSM decode's checkpoint (basic rings;
 // replay_fmt_kernel, src/cuda/replayssm/decode.cuh) and the chunked prefill (a pool; every prefill
@@ -501,20 +501,28 @@ struct VerifyArgs {
   bool use_qk_l2norm = true;
   std::optional<TensorView> cu_seqlens;
   TensorView state;
-  // state's format (above). A quantized pool keeps float intermediate_states (any float dtype:
-  // the caller's scratch; a quantized scratch is not built yet) and takes no source_state yet;
-  // on CUDA a quantized or stochastically rounded pool takes no cache_ring (ring_*) yet.
+  // state's format (above). A quantized pool takes intermediate_states in any float dtype (the
+  // caller's scratch) or quantized (float8_e4m3fn / int8, either: intermediate_state_scales
+  // below), and no source_state yet; on CUDA a quantized or stochastically rounded pool takes no
+  // cache_ring (ring_*) yet.
   StateFormatArgs state_format;
   std::optional<TensorView> state_indices;         // [N]; absent: sequence n reads slot n
   std::optional<TensorView> output_state_indices;  // [N] final state's slot (< 0: not stored)
   bool update_state = true;  // store the final state (output_state_indices, else in place)
   std::optional<TensorView> intermediate_states;         // [N_scr, T_alloc, HV, V, K]
   std::optional<TensorView> intermediate_state_indices;  // [N] scratch row (< 0: none)
-  std::optional<TensorView> parent_tokens;               // [N, >= T] int32/int64
-  std::optional<TensorView> token_state_indices;         // [N, >= T] pool slot per token
-  std::optional<TensorView> num_accepted_tokens;         // [N] (with token_state_indices)
-  std::optional<TensorView> source_state;                // [N0, HV, V, K] read-only start pool
-  std::optional<TensorView> source_state_indices;        // [N] its row per sequence (< 0: pad)
+  // A quantized intermediate_states (a quantized pool only; a float pool: NotImplementedError):
+  // its fp32 scales [N_scr, T_alloc, HV, V] (inner strides (V, 1), any strides in the first two
+  // dims), one per state row of each entry, rewritten with it. Each entry is stored as the pool
+  // stores a slot (fresh scale amax / qmax per row, the pool's rounding; the stochastic key
+  // (seed, ~(row * T_alloc + step), layer, step): core/state_format.h scratch_key_slot), and a
+  // tree token reloads its parent's entry dequantized. docs/STATE_FORMATS.md.
+  std::optional<TensorView> intermediate_state_scales;
+  std::optional<TensorView> parent_tokens;         // [N, >= T] int32/int64
+  std::optional<TensorView> token_state_indices;   // [N, >= T] pool slot per token
+  std::optional<TensorView> num_accepted_tokens;   // [N] (with token_state_indices)
+  std::optional<TensorView> source_state;          // [N0, HV, V, K] read-only start pool
+  std::optional<TensorView> source_state_indices;  // [N] its row per sequence (< 0: pad)
   // SGLang's cache_ring (fold-every-commit, replayssm_fold_commit): the raw inputs of each
   // sequence's steps t < L at its slot (state_indices; a slot < 0 records nothing): ring_v [S,
   // HV, L, V] the raw v, ring_k [S, H, L, K] the raw (pre-norm) k (floating, any dtype: rounded
@@ -549,8 +557,14 @@ struct CommitArgs {
   // accepted state is requantized into its slot with fresh scales, layer l's stochastic bits keyed
   // by (seed, slot, rounding_layer + l, step[l]) with `step` int64 [layers] (or [1] for one
   // layer; StatePool::rounding_steps), each advanced once per call (CUDA: K <= 256). A float
-  // state is copied.
+  // state is copied. A quantized intermediate_states (verify's quantized scratch) comes with
+  // intermediate_state_scales [layers, N_scr, T_alloc, HV, V] (or [N_scr, T_alloc, HV, V]) fp32:
+  // of the state's dtype, the entry's codes and scales are copied (the pool's rule applied once
+  // to the accepted state, as verify rounded it); of the other 1-byte dtype, the entry is
+  // dequantized and requantized as a float scratch's. Not with a float state
+  // (NotImplementedError).
   StateFormatArgs state_format;
+  std::optional<TensorView> intermediate_state_scales;
   std::optional<TensorView> intermediate_state_indices;
   bool accepted_is_step = false;
   std::optional<bool> check_indices;  // as PackedDecodeArgs

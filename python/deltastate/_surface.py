@@ -95,6 +95,13 @@ def _state_format_args() -> Tuple["Arg", ...]:
     )
 
 
+def _scratch_scales_arg(mutated: bool) -> "Arg":
+    """The fp32 scales of a quantized verify scratch (``intermediate_states`` in float8_e4m3fn /
+    int8), a keyword after the state format's: written by verify, read by the commit."""
+    return Arg("intermediate_state_scales", OPT_TENSOR, None, dtypes=FLOAT32, mutated=mutated,
+               keyword=True)
+
+
 @dataclass(frozen=True)
 class Arg:
     name: str
@@ -1385,7 +1392,7 @@ _VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt
                     "intermediate_state_indices", "parent_tokens", "token_state_indices",
                     "num_accepted_tokens", "source_state", "source_state_indices",
                     "ring_v", "ring_k", "ring_g", "ring_beta", "check_indices", "state_scales", "state_rounding", "rounding_step",
-                    "rounding_seed", "rounding_layer", "pdl")
+                    "rounding_seed", "rounding_layer", "intermediate_state_scales", "pdl")
 _KEYWORDS = (Arg("round_beta", BOOL, False, keyword=True),
              Arg("check_indices", CHECK, None, keyword=True),
              Arg("pdl", BOOL, False, keyword=True))
@@ -1410,10 +1417,12 @@ _VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind S
     written (per-token slots, output_state_indices, else in place at state_indices, absent:
     slot n). Returns ``output``.
 
-    A quantized pool ``state`` (CPU; docs/STATE_FORMATS.md) with the state-format keywords
+    A quantized pool ``state`` (docs/STATE_FORMATS.md) with the state-format keywords
     (``**pool.state_format(layer)``): the start states read dequantized, per-token slots and final
     states stored with fresh scales; intermediate_states is then a float scratch of the caller's
-    dtype (a quantized scratch is not built yet); source_state is not taken yet."""
+    dtype, or a quantized one (float8_e4m3fn / int8) with its fp32 ``intermediate_state_scales``
+    [N_scr, T_alloc, HV, V]: each entry stored as the pool stores a slot (fresh row scales, the
+    pool's rounding), a tree token's parent reloaded dequantized; source_state is not taken yet."""
 
 
 # Every argument of the verify binding, as the public functions take them; `_hidden` makes the
@@ -1438,7 +1447,7 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
     Arg("update_state", BOOL, True),
     Arg("output_state_indices", OPT_TENSOR, None, dtypes=INDEX),
-    Arg("intermediate_states", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
+    Arg("intermediate_states", OPT_TENSOR, None, dtypes=STATE, mutated=True),
     Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
     Arg("parent_tokens", OPT_TENSOR, None, dtypes=INDEX),
     Arg("token_state_indices", OPT_TENSOR, None, dtypes=INDEX),
@@ -1449,7 +1458,7 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("ring_k", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
     Arg("ring_g", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
     Arg("ring_beta", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
-) + _state_format_args()}
+) + _state_format_args() + (_scratch_scales_arg(mutated=True),)}
 
 
 def _hidden(public_op_args, shown_as=(), **defaults) -> Tuple[Arg, ...]:
@@ -1678,7 +1687,7 @@ def _flashinfer_mtp() -> Op:
 _COMMIT_OP_ORDER = ("state", "intermediate_states", "state_indices", "accepted",
                     "intermediate_state_indices", "accepted_is_step", "check_indices", "pdl")
 _FORMAT_NAMES = ("state_scales", "state_rounding", "rounding_step", "rounding_seed",
-                 "rounding_layer")
+                 "rounding_layer", "intermediate_state_scales")
 # The state commit's binding: the format's arguments before pdl.
 _STATE_COMMIT_OP_ORDER = _COMMIT_OP_ORDER[:-1] + _FORMAT_NAMES + ("pdl",)
 
@@ -1692,8 +1701,8 @@ def _commit_op(name: str, pool: str, scratch: str, doc: str,
         public=name,
         doc=doc,
         args=(
-            Arg(pool, TENSOR, dtypes=FLOATING, mutated=True),
-            Arg(scratch, TENSOR, dtypes=FLOATING),
+            Arg(pool, TENSOR, dtypes=STATE if extra else FLOATING, mutated=True),
+            Arg(scratch, TENSOR, dtypes=STATE if extra else FLOATING),
             Arg("state_indices", TENSOR, dtypes=INDEX),
             Arg("accepted", TENSOR, dtypes=INDEX),
             Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
@@ -1714,15 +1723,19 @@ _COMMIT_DOC = """The commit after a verify: for each request b with accepted[b] 
     T_alloc, HV, V, K] or [N_scr, T_alloc, HV, V, K] of state's dtype. Index < 0: skipped. With
     accepted_is_step, accepted holds the last accepted step (a - 1; < 0: none). Returns ``state``.
 
-    A quantized state (CPU; docs/STATE_FORMATS.md) takes a float intermediate_states (any float
+    A quantized state (docs/STATE_FORMATS.md) takes a float intermediate_states (any float
     dtype) and the state-format keywords with its scales [layers, slots, HV, V] (or [slots, HV,
     V]) and, for stochastic rounding, one step counter per layer (``**pool.state_format()``: every
-    layer's): each accepted state is requantized into its slot with fresh scales."""
+    layer's): each accepted state is requantized into its slot with fresh scales. A quantized
+    intermediate_states (verify's quantized scratch) comes with its fp32
+    ``intermediate_state_scales`` [layers, N_scr, T_alloc, HV, V]: of the state's dtype, each
+    accepted entry's codes and scales are copied; of the other, it is dequantized and
+    requantized."""
 
 
 def _commit() -> Op:
     return _commit_op("update_state_after_verify", "state", "intermediate_states", _COMMIT_DOC,
-                      _state_format_args())
+                      _state_format_args() + (_scratch_scales_arg(mutated=False),))
 
 
 def _scatter_indices(dst_indices_raw, step_indices_raw):
@@ -1797,7 +1810,7 @@ def _sglang_scatter() -> Op:
             Arg("intermediate_state_indices", OPT_TENSOR, None, public=False),
             Arg("accepted_is_step", BOOL, True, public=False),
         ) + tuple(dataclasses.replace(a, public=False, keyword=False)
-                  for a in _state_format_args()),
+                  for a in _state_format_args() + (_scratch_scales_arg(mutated=False),)),
         returns=(),
         op_order=_STATE_COMMIT_OP_ORDER,
         schema_defaults_from="intermediate_state_indices",

@@ -106,12 +106,13 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLInt && t.bits == 64) return ds::DType::i64;
     // The 1-byte state formats (quantized pools): torch's float8_e4m3fn, int8; numpy has no
     // float8, so a uint8 state (a numpy StatePool's view) is taken as float8_e4m3fn codes. Only
-    // the state arguments may be uint8: elsewhere it is the error below.
+    // the state arguments (and verify's scratch) may be uint8: elsewhere it is the error below.
     if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return ds::DType::f8e4m3;
     if (t.code == kDLInt && t.bits == 8) return ds::DType::i8;
     const std::string_view arg = name;
     if (t.code == kDLUInt && t.bits == 8 &&
-        (arg == "initial_state" || arg == "state_pool" || arg == "state"))
+        (arg == "initial_state" || arg == "state_pool" || arg == "state" ||
+         arg == "intermediate_states"))
       return ds::DType::f8e4m3;
   }
   // What the argument takes is the op's own (a float or an index tensor, ...): the Python op
@@ -555,7 +556,8 @@ constexpr auto verify = bind(
             Field<&VA::check_indices>{"check_indices"},
             Field<&VA::pdl>{"pdl"},
         },
-        state_format_fields<&VA::state_format>()));
+        state_format_fields<&VA::state_format>(),
+        std::tuple{Field<&VA::intermediate_state_scales>{"intermediate_state_scales"}}));
 
 using CA = ds::CommitArgs;
 constexpr auto update_state_after_verify = bind(
@@ -575,7 +577,8 @@ constexpr auto update_state_after_verify = bind(
             Field<&CA::check_indices>{"check_indices"},
             Field<&CA::pdl>{"pdl"},
         },
-        state_format_fields<&CA::state_format>()));
+        state_format_fields<&CA::state_format>(),
+        std::tuple{Field<&CA::intermediate_state_scales>{"intermediate_state_scales"}}));
 
 using CCA = ds::ConvCommitArgs;
 constexpr auto update_conv_state_after_verify = bind(

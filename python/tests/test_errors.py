@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import deltastate as ds
-from helpers import Fw, assert_unchanged, poison, snapshot, torch
+from helpers import Fw, assert_unchanged, poison, snapshot, to64, torch
 
 B, H, HV, K, V, S, L = 3, 2, 4, 8, 16, 5, 4
 W = 2 * H * K + HV * V  # 96
@@ -577,20 +577,74 @@ def test_quantized_state_errors(fw, rng):
     expect_error(call, dict(float_args, state_rounding="stochastic"),
                  f"{op}: stochastic rounding applies to bfloat16, float16, float8_e4m3fn and int8 "
                  "states; `initial_state` is float32 (stored exactly)")
-    # a tensor without a quantized path is named (the commit's scratch must be float)
-    ipool, iargs = quantized_args(fw, rng, "int8")
-    st = iargs["initial_state"]
-    inter = fw.from64(np.zeros((2, 3, HV, V, K)), "int8")
-    cargs = {"state": st, "intermediate_states": inter, "state_indices": fw.idx([1, 2]),
-             "accepted": fw.idx([1, 1])}
-    expect_error(lambda a: ds.update_state_after_verify(**a), cargs,
-                 "`intermediate_states` is a quantized state "
-                 f"({'torch.' if fw.name == 'torch' else ''}"
-                 "int8): this op does not take quantized states yet (issue #36; "
-                 "docs/STATE_FORMATS.md lists the ops that do); its states are float32, bfloat16 "
-                 "or float16",
-                 NotImplementedError)
     assert int(pool.rounding_step(0)[0]) == 0  # no rejected call advanced the step
+
+
+def test_quantized_scratch_errors(fw, rng):
+    """A quantized verify scratch (intermediate_states in float8_e4m3fn / int8) and its fp32
+    intermediate_state_scales, verify's and the commit's: each error names the tensor and what
+    was expected; nothing is written, no step counter advances."""
+    T, R, TA = 2, 3, 4
+    pool = ds.StatePool(layers=2, slots=S, HV=HV, V=V, K=K, state_dtype="int8",
+                        state_rounding="stochastic", framework=fw.name)
+    inter = fw.from64(np.zeros((2, R, TA, HV, V, K)), "int8")
+    iscales = fw.full((2, R, TA, HV, V), 1.0, "float32")
+    f = lambda x: fw.from64(x, "float32")  # noqa: E731
+    vargs = dict(q=f(rng.standard_normal((2, T, H, K))), k=f(rng.standard_normal((2, T, H, K))),
+                 v=f(rng.standard_normal((2, T, HV, V))), g=f(-rng.uniform(0, 1, (2, T, HV))),
+                 beta=f(rng.uniform(0, 1, (2, T, HV))), output=fw.full((2, T, HV, V), 0.0),
+                 state=pool.layer_state(0), state_indices=fw.idx([1, 2]), update_state=False,
+                 use_gate_in_kernel=False, beta_is_logit=False, intermediate_states=inter[0],
+                 intermediate_state_scales=iscales[0], **pool.state_format(0))
+    call = lambda a: ds.verify(**a)  # noqa: E731
+    bad = dict(vargs)
+    del bad["intermediate_state_scales"]
+    expect_error(call, bad, "verify: `intermediate_state_scales` is required for the int8 scratch "
+                 "`intermediate_states`: its fp32 scales [N_scr, T_alloc, HV, V], one per state "
+                 "row")
+    expect_error(call, dict(vargs, intermediate_state_scales=iscales[0][:, :3]),
+                 "`intermediate_state_scales` must have shape [N_scr, T_alloc, HV, V]=(3, 4, 4, "
+                 "16) (one per row of `intermediate_states`); got (3, 3, 4, 16)")
+    expect_error(call, dict(vargs, intermediate_state_scales=fw.full((R, TA, HV, V), 1.0,
+                                                                     "float16")),
+                 spelled(fw, "`intermediate_state_scales` must have dtype float32; got float16"))
+    expect_error(call, dict(vargs, intermediate_state_scales=fw.full((R, TA, V, HV), 1.0)
+                            .transpose(2, 3) if fw.name == "torch"
+                            else fw.full((R, TA, V, HV), 1.0).transpose(0, 1, 3, 2)),
+                 "`intermediate_state_scales` must be contiguous in its [HV, V] inner dimensions "
+                 "(strides (16, 1)); got strides (256, 64, 1, 4)")
+    expect_error(call, dict(vargs, intermediate_states=fw.full((R, TA, HV, V, K), 0.0)),
+                 "verify: `intermediate_state_scales` applies to a float8_e4m3fn or int8 "
+                 "`intermediate_states`; it is float32")
+    expect_error(call, dict(vargs, intermediate_states=None),
+                 "`intermediate_state_scales` are the scales of a quantized `intermediate_states` "
+                 "buffer, which was not given")
+    fpool = {k: v for k, v in vargs.items()
+             if k not in ("state_scales", "state_rounding", "rounding_step")}
+    expect_error(call, dict(fpool, state=fw.full((S, HV, V, K), 0.0)),
+                 "verify: a quantized `intermediate_states` (here int8) is built for "
+                 "float8_e4m3fn and int8 pools; `state` is float32 (give a float32 scratch)",
+                 NotImplementedError)
+    # the commit: [layers, N_scr, T_alloc, ...] and its scales [layers, N_scr, T_alloc, HV, V]
+    cargs = dict(state=pool.states(), intermediate_states=inter, state_indices=fw.idx([1, 2]),
+                 accepted=fw.idx([1, 2]), intermediate_state_scales=iscales,
+                 **pool.state_format())
+    ccall = lambda a: ds.update_state_after_verify(**a)  # noqa: E731
+    bad = dict(cargs)
+    del bad["intermediate_state_scales"]
+    expect_error(ccall, bad, "update_state_after_verify: `intermediate_state_scales` is required "
+                 "for the int8 scratch `intermediate_states`: its fp32 scales [layers, N_scr, "
+                 "T_alloc, HV, V], one per state row")
+    expect_error(ccall, dict(cargs, intermediate_state_scales=iscales[:1]),
+                 "`intermediate_state_scales` must have shape [layers, N_scr, T_alloc, HV, V]=(2, "
+                 "3, 4, 4, 16) (one per row of `intermediate_states`); got (1, 3, 4, 4, 16)")
+    fcargs = {k: v for k, v in cargs.items()
+              if k not in ("state_scales", "state_rounding", "rounding_step")}
+    expect_error(ccall, dict(fcargs, state=fw.full((2, S, HV, V, K), 0.0)),
+                 "update_state_after_verify: a quantized `intermediate_states` (here int8) is "
+                 "built for float8_e4m3fn and int8 pools; `state` is float32 (give a float32 "
+                 "scratch)", NotImplementedError)
+    assert np.all(to64(pool.rounding_steps()) == 0)  # no rejected call advanced a step
 
 
 # ---- each argument's own dtypes; each argument's own framework; strides in contiguity errors ----

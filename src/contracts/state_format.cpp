@@ -90,6 +90,55 @@ void check_state_format(Contract& c, const char* op, const char* state_name,
   }
 }
 
+const TensorView* check_scratch_format(Contract& c, const char* op, const TensorView& scratch,
+                                       const std::optional<TensorView>& scales,
+                                       const TensorView& state) {
+  const bool quantized = is_quantized(scratch.dtype);
+  if (!quantized) {
+    if (scales)
+      fail(
+          format("%s: `intermediate_state_scales` applies to a float8_e4m3fn or int8 "
+                 "`intermediate_states`; it is %s",
+                 op, dtype_name(scratch.dtype)));
+    if (scratch.dtype != state.dtype && !is_quantized(state.dtype))  // a quantized pool: any float
+      fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
+                  dtype_mark(dtype_name(state.dtype)).c_str(),
+                  dtype_mark(dtype_name(scratch.dtype)).c_str()));
+    return nullptr;
+  }
+  const char* dt = dtype_name(scratch.dtype);
+  const int lead = scratch.ndim - 5;  // the layers of a commit's scratch, else none
+  const char* lead_names = lead == 1 ? "layers, " : "";
+  if (!is_quantized(state.dtype))
+    throw Error(ErrorKind::not_implemented,
+                format("%s: a quantized `intermediate_states` (here %s) is built for "
+                       "float8_e4m3fn and int8 pools; `state` is %s (give a %s scratch)",
+                       op, dt, dtype_name(state.dtype), dtype_name(state.dtype)));
+  if (!scales)
+    fail(
+        format("%s: `intermediate_state_scales` is required for the %s scratch "
+               "`intermediate_states`: its fp32 scales [%sN_scr, T_alloc, HV, V], one per state "
+               "row",
+               op, dt, lead_names));
+  const TensorView& s = *scales;
+  bool same = s.ndim == scratch.ndim - 1;
+  for (int d = 0; same && d < s.ndim; ++d) same = s.shape[d] == scratch.shape[d];
+  if (!same)
+    fail(format(
+        "`intermediate_state_scales` must have shape [%sN_scr, T_alloc, HV, V]=%s (one "
+        "per row of `intermediate_states`); got %s",
+        lead_names, tuple_str(scratch.shape, scratch.ndim - 1).c_str(), shape_str(s).c_str()));
+  c.dtype("intermediate_state_scales", s, {DType::f32});
+  const int64_t HV = s.shape[s.ndim - 2], V = s.shape[s.ndim - 1];
+  if (s.stride[s.ndim - 1] != 1 || (HV > 1 && s.stride[s.ndim - 2] != V))
+    fail(
+        format("`intermediate_state_scales` must be contiguous in its [HV, V] inner dimensions "
+               "(strides (%lld, 1)); got strides %s",
+               ll(V), stride_str(s).c_str()));
+  c.device("intermediate_state_scales", s);
+  return &s;
+}
+
 void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
                                 bool cuda_built) {
   if (device.type != DeviceType::cuda || cuda_built) return;

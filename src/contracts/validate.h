@@ -22,6 +22,15 @@ RecurrentProblem validate_packed_decode(const PackedDecodeArgs& args, bool kda);
 void check_state_format(Contract& c, const char* op, const char* state_name,
                         const TensorView& state, const StateFormatArgs& f, bool op_takes_quantized,
                         StatePoolRef& ref, int64_t step_count = 1);
+// A verify scratch `intermediate_states` [lead dims..., N_scr, T_alloc, HV, V, K] (its shape
+// checked by the caller) against the pool `state`: a float scratch has the state's dtype, or any
+// float dtype with a quantized state; a quantized one (float8_e4m3fn / int8) serves a quantized
+// state only (NotImplementedError otherwise) and needs `intermediate_state_scales`
+// [lead dims..., N_scr, T_alloc, HV, V] fp32 (inner strides (V, 1)); scales for a float scratch
+// are an error. Registers the scales' device in `c`; returns them (null: a float scratch).
+const TensorView* check_scratch_format(Contract& c, const char* op, const TensorView& scratch,
+                                       const std::optional<TensorView>& scales,
+                                       const TensorView& state);
 // After every other check: the CUDA backend takes neither quantized states nor stochastic
 // rounding yet (NotImplementedError), except in the ops that say so (`cuda_built`: packed decode
 // and the recurrent op, on the direct kernel's formatted-state twin; verify and the state commit,

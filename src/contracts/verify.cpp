@@ -280,11 +280,13 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   }
   if (args.intermediate_states) {
     const TensorView& b = *args.intermediate_states;
-    check_state_block(c, "intermediate_states", b, 2, "N_scr, T_alloc");
-    if (b.dtype != args.state.dtype && !quantized)  // a quantized pool: any float scratch
-      fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
-                  dtype_mark(dtype_name(args.state.dtype)).c_str(),
-                  dtype_mark(dtype_name(b.dtype)).c_str()));
+    check_state_block(c, "intermediate_states", b, 2, "N_scr, T_alloc", /*quantized_ok=*/true);
+    if (const TensorView* s =
+            check_scratch_format(c, "verify", b, args.intermediate_state_scales, args.state)) {
+      p.inter_scales = static_cast<float*>(s->data);
+      p.inter_scale_row_stride = s->stride[0];
+      p.inter_scale_step_stride = s->stride[1];
+    }
     p.inter = b.data;
     p.inter_dtype = b.dtype;
     p.inter_row_stride = b.stride[0];
@@ -292,6 +294,10 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
     p.inter_rows = b.shape[0];
     p.inter_steps = b.shape[1];
   }
+  if (args.intermediate_state_scales && !args.intermediate_states)
+    fail(
+        "`intermediate_state_scales` are the scales of a quantized `intermediate_states` buffer, "
+        "which was not given");
   if (args.intermediate_state_indices) {
     if (!args.intermediate_states)
       fail(
@@ -441,15 +447,13 @@ CommitProblem validate_commit(const CommitArgs& args) {
   check_state_block(c, "state", st, lead + 1, layered ? "layers, slots" : "slots",
                     /*quantized_ok=*/true);
   check_state_block(c, "intermediate_states", in, lead + 2,
-                    layered ? "layers, N_scr, T_alloc" : "N_scr, T_alloc");
+                    layered ? "layers, N_scr, T_alloc" : "N_scr, T_alloc", /*quantized_ok=*/true);
   if (layered && in.shape[0] != st.shape[0])
     fail(format("`intermediate_states` has %lld layers and `state` %lld; they must match",
                 static_cast<long long>(in.shape[0]), static_cast<long long>(st.shape[0])));
   const bool quantized = is_quantized(st.dtype);
-  if (in.dtype != st.dtype && !quantized)  // a quantized state: any float scratch
-    fail(format("`intermediate_states` must have the dtype of `state` (%s); got %s",
-                dtype_mark(dtype_name(st.dtype)).c_str(),
-                dtype_mark(dtype_name(in.dtype)).c_str()));
+  const TensorView* inter_scales =
+      check_scratch_format(c, "update_state_after_verify", in, args.intermediate_state_scales, st);
   StatePoolRef ref{st.data, st.dtype, st.stride[lead], st.shape[lead]};
   check_state_format(c, "update_state_after_verify", "state", st, args.state_format, true, ref,
                      layered ? st.shape[0] : 1);
@@ -469,6 +473,12 @@ CommitProblem validate_commit(const CommitArgs& args) {
     p.steps = ref.step;
     p.seed = ref.seed;
     p.layer0 = ref.layer;
+  }
+  if (inter_scales) {
+    p.inter_scales = static_cast<const float*>(inter_scales->data);
+    p.inter_scale_layer_stride = layered ? inter_scales->stride[0] : 0;
+    p.inter_scale_row_stride = inter_scales->stride[lead];
+    p.inter_scale_step_stride = inter_scales->stride[lead + 1];
   }
   if (p.device.type == DeviceType::cpu && p.check_indices)
     check_commit_host(p, "intermediate_states", "an intermediate-state buffer");

@@ -450,7 +450,13 @@ struct VerifyProblem {
   DType inter_dtype = DType::f32;
   int64_t inter_row_stride = 0, inter_step_stride = 0;  // elements
   int64_t inter_rows = 0, inter_steps = 0;
-  IndexTable inter_indices;   // [N, 1] scratch row; null: row n
+  IndexTable inter_indices;  // [N, 1] scratch row; null: row n
+  // A quantized scratch (inter_dtype f8e4m3 / i8; only with a quantized pool): its fp32 scales
+  // [rows, steps, HV, V] (strides in floats, inner (V, 1)); each entry stored with fresh row
+  // scales and r.state's rounding, the key's slot field scratch_key_slot(row * inter_steps +
+  // step). inter_entry gives an entry as a one-slot pool.
+  float* inter_scales = nullptr;
+  int64_t inter_scale_row_stride = 0, inter_scale_step_stride = 0;
   IndexTable parents;         // [N, cols]: tree
   IndexTable token_slots;     // [N, cols]: pool slot of the state after token t
   IndexTable num_accepted;    // [N, 1]: with token_slots, the starting slot's column + 1
@@ -465,6 +471,23 @@ struct VerifyProblem {
   float* ring_g = nullptr;     // [S, HV, L(, K)]
   float* ring_beta = nullptr;  // [S, HV, L]
   int32_t ring_len = 0;
+
+  // Entry (row, step) of a quantized scratch as a pool of one slot (slot 0): its codes and row
+  // scales, r.state's rounding (the key is the caller's: scratch_key_slot of the entry).
+  DS_HD StatePoolRef inter_entry(int64_t row, int64_t step) const {
+    StatePoolRef e = r.state;
+    e.ptr = static_cast<char*>(inter) + row * inter_row_stride + step * inter_step_stride;
+    e.dtype = inter_dtype;
+    e.slot_stride = 0;
+    e.num_slots = 1;
+    e.k_first = false;
+    e.scales = inter_scales + row * inter_scale_row_stride + step * inter_scale_step_stride;
+    e.scale_slot_stride = 0;
+    return e;
+  }
+  DS_HD int64_t inter_entry_index(int64_t row, int64_t step) const {
+    return row * inter_steps + step;
+  }
 };
 
 // The CUDA commits' launch limits (checked by their validators): the circular commit keeps a
@@ -565,6 +588,11 @@ struct CommitProblem {
   bool stochastic = false;
   int64_t* steps = nullptr;
   uint64_t seed = 0, layer0 = 0;
+  // A quantized scratch (inter_dtype f8e4m3 / i8, with a quantized state): its fp32 scales
+  // [layers?, rows, steps, HV, V] (strides in floats, inner (V, 1)). Of the state's dtype: the
+  // entry's codes and scales are copied; of the other: dequantized, then requantized as above.
+  const float* inter_scales = nullptr;
+  int64_t inter_scale_layer_stride = 0, inter_scale_row_stride = 0, inter_scale_step_stride = 0;
 };
 
 // ReplaySSM speculative verify (ops.h ReplayVerifyArgs): the token inputs as the recurrent

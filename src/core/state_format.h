@@ -46,6 +46,11 @@ DS_HD uint64_t sr_key(uint64_t seed, uint64_t slot, uint64_t layer, uint64_t ste
   z = mix64(z ^ layer);
   return mix64(z ^ step);
 }
+// The key's slot field of entry `entry` of a quantized verify scratch (its index row * T_alloc +
+// step in the scratch's [N_scr, T_alloc] entries): the complement 2^64 - 1 - entry, so that a
+// scratch entry never shares a pool slot's bits (a pool slot is < 2^63). The other fields are the
+// pool's (seed, layer, step): a scratch is rounded as its pool is.
+DS_HD uint64_t scratch_key_slot(int64_t entry) { return ~static_cast<uint64_t>(entry); }
 // 64 random bits of element `index` (its offset in the layer's [HV, V, K] state): draw index + 1
 // of the splitmix64 stream seeded with key (state_accuracy.sr_bits).
 DS_HD uint64_t sr_bits(uint64_t key, uint64_t index) { return mix64(key + (index + 1) * kGolden); }

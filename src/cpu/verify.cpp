@@ -24,9 +24,11 @@ void run_verify(const VerifyProblem& p) {
   const int K = r.K, V = r.V, HV = r.HV;
   const int group = r.HV / r.H;
   const int64_t head_elems = static_cast<int64_t>(V) * K;
-  // A quantized or stochastically rounded pool: its rows through state_io.h (the scratch stays
-  // float), the step of the rounding key read once per call.
+  // A quantized or stochastically rounded pool: its rows through state_io.h, the step of the
+  // rounding key read once per call. A quantized scratch (a quantized pool's only) too: each
+  // entry a one-slot pool, keyed by scratch_key_slot of its index.
   const bool formatted = is_quantized(r.state.dtype) || r.state.stochastic;
+  const bool inter_quantized = p.inter && is_quantized(p.inter_dtype);
   const StoreRounding rnd = store_rounding(r.state);
   auto load_pool = [&](int64_t slot, int hv, float* S) {
     load_state_rows(r.state, slot, hv, V, K, 0, V, S);
@@ -82,6 +84,8 @@ void run_verify(const VerifyProblem& p) {
       if (p.parents.ptr && row >= 0 && t > 0) {
         const int64_t parent = p.parents.at(n, t);
         if (parent < 0) load_start();
+        else if (parent != t - 1 && inter_quantized)
+          load_state_rows(p.inter_entry(row, parent), 0, hv, V, K, 0, V, S.data());
         else if (parent != t - 1)
           load_row(p.inter, p.inter_dtype, inter_at(parent), static_cast<int>(head_elems),
                    S.data());
@@ -116,7 +120,12 @@ void run_verify(const VerifyProblem& p) {
       simd::kernels().delta_rows(S.data(), V, K, alpha.data(), k.data(), q.data(), v.data(), beta,
                                  kq, o.data());
       store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok, hv), V, o.data());
-      if (row >= 0)
+      if (row >= 0 && inter_quantized)
+        store_state_rows(
+            p.inter_entry(row, t), rnd,
+            sr_key(rnd.seed, scratch_key_slot(p.inter_entry_index(row, t)), rnd.layer, rnd.step), 0,
+            hv, V, K, 0, V, S.data());
+      else if (row >= 0)
         store_row(p.inter, p.inter_dtype, inter_at(t), static_cast<int>(head_elems), S.data());
       if (p.token_slots.ptr) {
         const int64_t slot = p.token_slots.at(n, t);
@@ -151,8 +160,10 @@ void copy_block(const CommitProblem& p, char* dst, const char* src) {
 
 namespace {
 
-// A quantized state's commit: the float scratch entry requantized row by row into the slot.
+// A quantized state's commit: a float scratch entry requantized row by row into the slot; a
+// quantized one copied (the state's dtype: codes and scales) or dequantized and requantized.
 void commit_quantized(const CommitProblem& p) {
+  const bool inter_quantized = is_quantized(p.inter_dtype);
   parallel_for(static_cast<int64_t>(p.B) * p.layers, [&](int64_t task) {
     thread_local std::vector<float> row;
     row.resize(p.K);
@@ -166,12 +177,25 @@ void commit_quantized(const CommitProblem& p) {
     char* dst = static_cast<char*>(p.state) + layer * p.state_layer_stride +
                 slot * p.state_slot_stride;  // 1-byte codes: elements are bytes
     float* scales = p.scales + layer * p.scales_layer_stride + slot * p.scales_slot_stride;
+    const int64_t rows = p.head_elems / p.K;
+    const char* src_codes = static_cast<const char*>(p.inter) + src;  // a quantized scratch's
+    const float* src_scales =
+        inter_quantized ? p.inter_scales + layer * p.inter_scale_layer_stride +
+                              r * p.inter_scale_row_stride + step * p.inter_scale_step_stride
+                        : nullptr;
+    if (p.inter_dtype == p.dtype) {  // the entry is a slot in the pool's format already
+      std::memcpy(dst, src_codes, static_cast<size_t>(p.head_elems));
+      std::memcpy(scales, src_scales, static_cast<size_t>(rows) * sizeof(float));
+      return;
+    }
     const uint64_t key = p.stochastic
                              ? sr_key(p.seed, static_cast<uint64_t>(slot), p.layer0 + layer,
                                       static_cast<uint64_t>(p.steps[layer]))
                              : 0;
-    for (int64_t e = 0; e < p.head_elems / p.K; ++e) {
-      load_row(p.inter, p.inter_dtype, src + e * p.K, p.K, row.data());
+    for (int64_t e = 0; e < rows; ++e) {
+      if (inter_quantized)
+        dequantize_row(src_codes + e * p.K, p.inter_dtype, src_scales[e], p.K, row.data());
+      else load_row(p.inter, p.inter_dtype, src + e * p.K, p.K, row.data());
       quantize_row(row.data(), p.K, p.dtype, p.stochastic, key, static_cast<uint64_t>(e * p.K),
                    dst + e * p.K, scales + e);
     }

@@ -23,10 +23,12 @@ constexpr int kCommitThreads = 256, kCommitUnitsPerThread = 4;
 
 namespace {
 
-// The entry request b copies in `layer`: element offsets of its source and destination. False:
-// nothing to copy (nothing accepted, padding, or a bad index, recorded here).
+// The entry request b copies in `layer`: element offsets of its source and destination (and,
+// `scale_at` given, of a quantized scratch entry's first row scale). False: nothing to copy
+// (nothing accepted, padding, or a bad index, recorded here).
 __device__ __forceinline__ bool commit_entry(const detail::CommitProblem& p, int64_t b,
-                                             int64_t layer, int64_t& src, int64_t& dst) {
+                                             int64_t layer, int64_t& src, int64_t& dst,
+                                             int64_t* scale_at = nullptr) {
   const int64_t step = p.accepted.at(b, 0) - (p.accepted_is_step ? 0 : 1);
   const int64_t slot = p.slots.at(b, 0);
   const int64_t row = p.rows.ptr ? p.rows.at(b, 0) : b;
@@ -43,6 +45,9 @@ __device__ __forceinline__ bool commit_entry(const detail::CommitProblem& p, int
   }
   src = layer * p.inter_layer_stride + row * p.inter_row_stride + step * p.inter_step_stride;
   dst = layer * p.state_layer_stride + slot * p.state_slot_stride;
+  if (scale_at)
+    *scale_at = layer * p.inter_scale_layer_stride + row * p.inter_scale_row_stride +
+                step * p.inter_scale_step_stride;
   return true;
 }
 

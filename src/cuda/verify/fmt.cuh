@@ -4,14 +4,17 @@
 //   verify_fmt_kernel  the recurrent op's formatted-state kernel (recurrent/direct.cuh: one warp
 //                      per tile of a (sequence, value head), float register layout of a K tile of
 //                      256) with verify's index conventions: the start state loaded dequantized,
-//                      each token's state stored to the float scratch (intermediate_states, the
-//                      caller's dtype, rounded to nearest) and to its per-token pool slot
-//                      (quantized, the slot's key), tree tokens reloaded from the scratch, the
-//                      final state stored quantized. No source pool and no cache_ring here (the
+//                      each token's state stored to the scratch (intermediate_states: a float
+//                      one in the caller's dtype, rounded to nearest; a quantized one as a
+//                      one-slot pool, fresh row scales, the key of scratch_key_slot(entry)) and
+//                      to its per-token pool slot (quantized, the slot's key), tree tokens
+//                      reloaded from the scratch (dequantized), the final state stored
+//                      quantized. No source pool and no cache_ring here (the
 //                      contract rejects them on CUDA).
 //   commit_fmt_kernel  each accepted scratch state requantized into its slot: one warp per state
 //                      row, the row's amax a shuffle reduction, layer l's bits keyed by (seed,
-//                      slot, layer0 + l, steps[l]).
+//                      slot, layer0 + l, steps[l]); a quantized scratch entry of the state's
+//                      dtype copied (codes and the row's scale), of the other dequantized first.
 // The stores go through cuda/state_fmt.cuh, the recurrent op's; the step counters advance after
 // the grid (advance_rounding_step), as on the CPU: verify's once per call whatever it stored, the
 // commit's once per layer.
@@ -92,6 +95,22 @@ struct VerifyFmtHooks {
       __syncwarp();
       return load_rows_fmt<EPL, R, RG>(vp.r, d, start, S);
     }
+    if (quantized_state(vp.inter_dtype)) {
+      // the entry's row scales were stored by one lane each (after()): order the warp first
+      __syncwarp();
+      const detail::StatePoolRef e = vp.inter_entry(row, parent);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int rr = d.c.row0 + r * RG;
+        if (rr < vp.r.V) {
+          load_state_fmt<EPL>(e, 0, d.c.hv, vp.r.V, vp.r.K, rr, d.kofs, d.valid, S[r]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
+        }
+      }
+      return;
+    }
     const int64_t at = scratch_at(vp, d, row, parent);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -105,7 +124,22 @@ struct VerifyFmtHooks {
     }
   }
   __device__ __forceinline__ void after(int64_t t, const float (&S)[R][EPL]) const {
-    if (row >= 0) {
+    if (row >= 0 && quantized_state(vp.inter_dtype)) {
+      // a quantized scratch: the entry as a one-slot pool, every lane in each row's reduction
+      const detail::StatePoolRef e = vp.inter_entry(row, t);
+      const uint64_t key =
+          vp.r.state.stochastic
+              ? detail::sr_key(vp.r.state.seed,
+                               detail::scratch_key_slot(vp.inter_entry_index(row, t)),
+                               vp.r.state.layer, step)
+              : 0;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int rr = d.c.row0 + r * RG;
+        store_state_fmt<G, EPL>(e, key, 0, d.c.hv, vp.r.V, vp.r.K, rr, rr < vp.r.V, d.lane, d.kofs,
+                                d.valid, S[r]);
+      }
+    } else if (row >= 0) {
       const int64_t at = scratch_at(vp, d, row, t);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -177,17 +211,35 @@ __global__ void __launch_bounds__(kCommitThreads) commit_fmt_kernel(const detail
   constexpr int G = Lay::G, EPL = Lay::EPL;
   static_assert(G == 32, "a row over one warp");
   const int64_t b = blockIdx.y, layer = blockIdx.z;
-  int64_t src_at, dst_at;
-  if (!commit_entry(p, b, layer, src_at, dst_at)) return;
+  int64_t src_at, dst_at, scale_at;
+  if (!commit_entry(p, b, layer, src_at, dst_at, &scale_at)) return;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCommitFmtWarps + (threadIdx.x >> 5);
   if (row >= p.head_elems / p.K) return;  // uniform over the warp
   const int lane = threadIdx.x & 31;
   const int kofs = lane * EPL, valid = max(0, min(EPL, p.K - kofs));
   float x[EPL];
+  if (quantized_state(p.inter_dtype)) {  // a quantized scratch (1-byte codes: elements are bytes)
+    const uint8_t* c = static_cast<const uint8_t*>(p.inter) + src_at + row * p.K + kofs;
+    const float scale = p.inter_scales[scale_at + row];
+    if (p.inter_dtype == p.dtype) {  // the pool's format already: the codes and the scale
+      uint8_t* dst = static_cast<uint8_t*>(p.state) + dst_at + row * p.K + kofs;
 #pragma unroll
-  for (int i = 0; i < EPL; ++i)
-    x[i] = i < valid ? detail::load_float(p.inter, p.inter_dtype, src_at + row * p.K + kofs + i)
-                     : 0.0f;
+      for (int i = 0; i < EPL; ++i)
+        if (i < valid) dst[i] = c[i];
+      const int64_t slot = p.slots.at(b, 0);
+      if (lane == 0)
+        p.scales[layer * p.scales_layer_stride + slot * p.scales_slot_stride + row] = scale;
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      x[i] = i < valid ? fmt::code_value(c[i], p.inter_dtype) * scale : 0.0f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      x[i] = i < valid ? detail::load_float(p.inter, p.inter_dtype, src_at + row * p.K + kofs + i)
+                       : 0.0f;
+  }
   // the layer's pool as a one-layer ref: its codes and scales, its key's layer and step
   detail::StatePoolRef st;
   st.ptr = static_cast<char*>(p.state) + layer * p.state_layer_stride;  // 1-byte codes
