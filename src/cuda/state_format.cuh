@@ -139,8 +139,10 @@ __device__ __forceinline__ void code_values4(uint32_t w, DType t, float (&x)[4])
 __device__ __forceinline__ uint32_t encode_codes4(DType t, const float (&y)[4], bool stochastic,
                                                   uint64_t key, uint64_t index0) {
   if (t == DType::f8e4m3 && !stochastic) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi =
+        __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
     return (lo & 0xffffu) | (hi << 16);
   }
   uint32_t w = 0;

@@ -204,9 +204,9 @@ void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Bloc
         if (dtype != DType::bf16) ulp = std::max(ulp, std::ldexp(1.0, -24));
         double row_amax = 0.0;
         for (int64_t j = i - i % K; j < i - i % K + K; ++j)
-          row_amax = std::max(row_amax, static_cast<double>(std::fabs(load16(hbase + off, dtype, j))));
-        ASSERT_LE(std::fabs(dv - hv), ulp * 1.0001 + std::ldexp(row_amax, -16))
-            << "element " << i;
+          row_amax =
+              std::max(row_amax, static_cast<double>(std::fabs(load16(hbase + off, dtype, j))));
+        ASSERT_LE(std::fabs(dv - hv), ulp * 1.0001 + std::ldexp(row_amax, -16)) << "element " << i;
       }
       continue;
     }

@@ -53,8 +53,8 @@ __global__ void encode_e4m3_range(uint64_t base, Mismatch* m) {
     const uint8_t got = static_cast<uint8_t>(w >> (8 * i));
     // A NaN: a NaN code (the conversion does not keep a NaN's sign; nor does CUDA's fp32
     // division, whose NaN results are the positive canonical NaN)
-    const bool ok = y[i] != y[i] ? (got & 0x7fu) == 0x7fu
-                                 : got == detail::float_to_e4m3(y[i], false, 0);
+    const bool ok =
+        y[i] != y[i] ? (got & 0x7fu) == 0x7fu : got == detail::float_to_e4m3(y[i], false, 0);
     if (!ok) {
       atomicAdd(&m->count, 1ull);
       m->first = static_cast<uint32_t>(i0 + i);
@@ -69,7 +69,8 @@ __global__ void quotient_vs_division(uint64_t seed, Mismatch* m) {
   const uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t h = detail::sr_bits(seed, i), h2 = detail::sr_bits(seed ^ 0x5bd1e995u, i);
   const uint32_t exp_bits = 1u + static_cast<uint32_t>(h % 254u);
-  const float amax = __uint_as_float((exp_bits << 23) | static_cast<uint32_t>((h >> 8) & 0x7fffffu));
+  const float amax =
+      __uint_as_float((exp_bits << 23) | static_cast<uint32_t>((h >> 8) & 0x7fffffu));
   const float s = fmt::fresh_scale(DType::f8e4m3, amax);
   float x;
   if (h2 % 5 == 0) {  // tiny: 2^-149 .. 2^-100, either sign

@@ -32,23 +32,27 @@ namespace {
 // token and its preparation are shared by both tiles, and each warp has two tiles of state in
 // flight from its start. (More tiles per warp spill.)
 // A quantized pool (StateT = QuantCode<T>, state_fmt.cuh): each lane's 4 codes of a row are one
-// 4-byte word (with TPW = 2 the second tile's words and scales wait in registers, as loaded), dequantized with the row's scale on load and requantized with
-// the row's fresh scale on store (its amax a shuffle over the row's G lanes), through
-// state_format.cuh's element rules; the launcher advances the rounding step after the grid.
-// Its CTAs: kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
+// 4-byte word, dequantized with the row's scale on load and requantized with the row's fresh
+// scale on store (the rows' amaxes reduced at once over their G lanes), through
+// state_format.cuh's element rules; with TPW = 2 the second tile's words and scales are staged
+// as loaded (4-byte cp.async); the launcher advances the rounding step after the grid. Its CTAs:
+// kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
 constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
 // Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2); a
 // quantized pool's: a lane's word of codes and its row's scale for each of its rows.
 template <class StateT, int K>
-constexpr int kDecodeStageBytes =
-    kQuantCode<StateT> ? 2 * RowLayout<StateT, K>::ROWS * 32 * 4
-                       : RowLayout<StateT, K>::RG * RowLayout<StateT, K>::ROWS * K *
-                             static_cast<int>(sizeof(StateT));
+constexpr int decode_stage_bytes() {
+  using Lay = RowLayout<StateT, K>;
+  if constexpr (kQuantCode<StateT>) return 2 * Lay::ROWS * 32 * 4;
+  else return Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT));
+}
+template <class StateT, int K>
+constexpr int kDecodeStageBytes = decode_stage_bytes<StateT, K>();
 
 // Resident CTAs per SM (the launch bound): kDecodeCtasPerSm, 80 registers a thread; a quantized
 // pool's two-tile kernel 8, 128 registers (at 80 its two tiles' live ranges spill ~130 bytes).
 template <class StateT, int TPW>
-constexpr int kDecodeCtas = kQuantCode<StateT> && TPW == 2 ? 8 : kDecodeCtasPerSm;
+constexpr int kDecodeCtas = (kQuantCode<StateT> && TPW == 2) ? 8 : kDecodeCtasPerSm;
 
 template <class StateT, int K, class In, int TPW>
 __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtas<StateT, TPW>)
@@ -120,11 +124,12 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtas<StateT, TPW>
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (row0 + r * RG < p.V) {
-      if constexpr (kQuant)
+      if constexpr (kQuant) {
         load_codes4<StateT::dtype>(reinterpret_cast<const uint8_t*>(st + r * RG * K),
-                                    scales[row0 + r * RG], S[r]);
-      else
+                                   scales[row0 + r * RG], S[r]);
+      } else {
         load_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
+      }
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
@@ -180,8 +185,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtas<StateT, TPW>
       key = detail::sr_key(p.state.seed, static_cast<uint64_t>(slot), p.state.layer,
                            static_cast<uint64_t>(*p.state.step));
 
-  // The delta-rule step per tile: decay and dots, one transposed reduction of all 2R dots, u_r by
-  // the lane holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
+      // The delta-rule step per tile: decay and dots, one transposed reduction of all 2R dots, u_r
+      // by the lane holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
 #pragma unroll
   for (int t = 0; t < TPW; ++t) {
     const int rowt = row0 + t * RPW;
@@ -207,7 +212,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtas<StateT, TPW>
     float u_here;  // meaningful on the sk lanes
     const bool v_here = idx < R && rowt + idx * RG < p.V;
     const float red = delta_step_rows<G, R>(
-        S, alpha, x.k, x.q, v_here ? to_float(t == 0 ? v_in[0] : v_in[TPW - 1]) : 0.0f, beta, lane, u_here, [&](int r) {
+        S, alpha, x.k, x.q, v_here ? to_float(t == 0 ? v_in[0] : v_in[TPW - 1]) : 0.0f, beta, lane,
+        u_here, [&](int r) {
           if constexpr (!kQuant)
             if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
         });
