@@ -48,13 +48,6 @@ int decode_tiles_per_warp(const RecurrentProblem& p, int tiles_per_head) {
   return decode_two_tiles(w1, cap) ? 2 : 1;
 }
 
-// Tiles per warp of the quantized decode kernel (the override, else two: measured at run time in
-// this session's first form; see docs/PERFORMANCE.md).
-int quant_decode_tiles_per_warp(const RecurrentProblem&) {
-  if (const int forced = forced_decode_tiles_per_warp()) return forced;
-  return 2;
-}
-
 template <class StateT, int K>
 int warps_per_head_of(const RecurrentProblem& p) {  // one tile (RG*ROWS rows) per warp
   using Lay = RowLayout<StateT, K>;
@@ -69,10 +62,10 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
   if (warps > 0x7fffffffLL)
     throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
-  constexpr int smem = TPW == 2 ? kDecodeCtaWarps * kDecodeStageBytes<StateT, K> : 0;
+  constexpr int smem = TPW == 2 ? kDecodeCtaWarps * kDecodeTileBytes<StateT, K> : 0;
   const auto ctas = static_cast<unsigned>((warps + kDecodeCtaWarps - 1) / kDecodeCtaWarps);
   launch_kernel(recurrent_decode_kernel<StateT, K, In, TPW>, ctas, kDecodeCtaWarps * 32, smem,
-                stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtas<StateT, TPW>), wph);
+                stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
 }
 
 template <class StateT, int K, class In>
@@ -184,16 +177,11 @@ template <class Code>
 bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.state.dtype != Code::dtype || decode_kernel_for<Code>(p) == DecodeChoice::direct)
     return false;
-  const bool two = quant_decode_tiles_per_warp(p) == 2;
   if (p.K == 128) {
-    const int tiles = warps_per_head_of<Code, 128>(p);
-    if (two) launch_decode_tpw<Code, 128, AnyInput, 2>(p, tiles, stream);
-    else launch_decode_tpw<Code, 128, AnyInput, 1>(p, tiles, stream);
+    launch_decode_tpw<Code, 128, AnyInput, 1>(p, warps_per_head_of<Code, 128>(p), stream);
   } else {
 #if DELTASTATE_CUDA_ALL_KERNELS
-    const int tiles = warps_per_head_of<Code, 64>(p);
-    if (two) launch_decode_tpw<Code, 64, AnyInput, 2>(p, tiles, stream);
-    else launch_decode_tpw<Code, 64, AnyInput, 1>(p, tiles, stream);
+    launch_decode_tpw<Code, 64, AnyInput, 1>(p, warps_per_head_of<Code, 64>(p), stream);
 #else
     return false;
 #endif

@@ -135,10 +135,9 @@ __device__ __forceinline__ void store_rows_codes4(uint8_t* codes, float* scales,
     const float amax = __uint_as_float(__shfl_sync(0xffffffffu, red, holder_lane<G, R>(r), G));
     if (row0 + r * rg >= V) continue;
     const float s = fmt::fresh_scale(T, amax);
-    const fmt::RowDivisor d = fmt::row_divisor(s);
     float y[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) y[i] = fmt::quotient(x[r][i], d);
+    for (int i = 0; i < 4; ++i) y[i] = x[r][i] / s;
     const uint64_t index = index0 + static_cast<uint64_t>(r) * static_cast<uint64_t>(row_elems);
     __stcs(reinterpret_cast<unsigned int*>(codes + static_cast<int64_t>(r) * row_elems),
            fmt::encode_codes4(T, y, stochastic, key, index));

@@ -87,30 +87,6 @@ __device__ __forceinline__ uint16_t round16_sr(DType t, float x, uint64_t key, u
   return t == DType::bf16 ? detail::float_to_bf16_sr(x, bits) : detail::float_to_f16_sr(x, bits);
 }
 
-// ---- y = x / scale, as the rules divide ---------------------------------------------------------
-// A row's divisor: its scale and the scale's reciprocal (one division per row).
-struct RowDivisor {
-  float s = 1.0f, inv = 1.0f;
-  bool fast = true;  // scale >= 2^-60: quotient() needs no division
-};
-__device__ __forceinline__ RowDivisor row_divisor(float s) {
-  return RowDivisor{s, 1.0f / s, s >= 0x1p-60f};
-}
-// x / s correctly rounded (fp32 division's result) from the reciprocal: q0 = x * inv, then one
-// correction with the exact residual x - q0 * s (an fma). For |x| >= 2^-100 and a normal s this
-// is the correctly rounded quotient (Markstein's theorem: inv correctly rounded, q0 within an ulp;
-// tests/gpu/test_state_format_rules.cu checks it against the division); for 0 < |x| < 2^-100 with
-// s >= 2^-60 the quotient is below 2^-40, which every rule here (e4m3 and int8, nearest or
-// stochastic with 24 random bits) encodes as a signed zero whether or not its last bits are
-// exact, and the correction keeps x's sign; e == 0 (x = q0 * s exactly, zeros included) keeps q0,
-// and so the sign of a -0. Rows of a scale below 2^-60 divide.
-__device__ __forceinline__ float quotient(float x, const RowDivisor& d) {
-  if (!d.fast) return x / d.s;
-  const float q0 = x * d.inv;
-  const float e = fmaf(-q0, d.s, x);
-  return e == 0.0f ? q0 : fmaf(e, d.inv, q0);
-}
-
 // ---- four codes at once (a 4-byte word, code i in byte i) ---------------------------------------
 // The same values and codes as code_value and encode_code, element by element, with the hardware
 // conversions where they are exact equivalents of the rules: e4m3 -> f16 -> f32 is exact for every

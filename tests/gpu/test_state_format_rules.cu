@@ -62,40 +62,6 @@ __global__ void encode_e4m3_range(uint64_t base, Mismatch* m) {
   }
 }
 
-// quotient(x, row_divisor(s)) against x / s for pseudo-random rows (scale = amax / 448, amax of
-// any normal exponent) and elements (x in [-amax, amax], or tiny: 2^-149 .. 2^-100): equal bit for
-// bit where |x| >= 2^-100; else the same e4m3 and int8 codes, nearest and stochastic.
-__global__ void quotient_vs_division(uint64_t seed, Mismatch* m) {
-  const uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const uint64_t h = detail::sr_bits(seed, i), h2 = detail::sr_bits(seed ^ 0x5bd1e995u, i);
-  const uint32_t exp_bits = 1u + static_cast<uint32_t>(h % 254u);
-  const float amax =
-      __uint_as_float((exp_bits << 23) | static_cast<uint32_t>((h >> 8) & 0x7fffffu));
-  const float s = fmt::fresh_scale(DType::f8e4m3, amax);
-  float x;
-  if (h2 % 5 == 0) {  // tiny: 2^-149 .. 2^-100, either sign
-    const uint32_t e = static_cast<uint32_t>((h2 >> 8) % 27u);  // exponent field 0 .. 26
-    x = __uint_as_float((e << 23) | static_cast<uint32_t>((h2 >> 16) & 0x7fffffu));
-  } else {
-    x = amax * (static_cast<float>(static_cast<uint32_t>(h2 >> 40)) * 0x1p-24f);
-  }
-  if (h2 & 1u) x = -x;
-  const float want = x / s, got = fmt::quotient(x, fmt::row_divisor(s));
-  bool ok;
-  if (fabsf(x) >= 0x1p-100f) {
-    ok = __float_as_uint(want) == __float_as_uint(got);
-  } else {
-    const uint32_t U = static_cast<uint32_t>(h2 >> 8) & 0xffffffu;
-    ok = detail::float_to_e4m3(want, false, 0) == detail::float_to_e4m3(got, false, 0) &&
-         detail::float_to_e4m3(want, true, U) == detail::float_to_e4m3(got, true, U) &&
-         detail::float_to_i8(want, true, U) == detail::float_to_i8(got, true, U);
-  }
-  if (!ok) {
-    atomicAdd(&m->count, 1ull);
-    m->first = static_cast<uint32_t>(i);
-  }
-}
-
 class StateFormatRules : public dstest::GpuTest {
  protected:
   void SetUp() override {
@@ -139,16 +105,4 @@ TEST_F(StateFormatRules, HardwareE4m3MatchesRule) {
                          << ")";
 }
 
-}  // namespace
-
-namespace {
-TEST_F(StateFormatRules, QuotientMatchesDivision) {
-  // 2^32 (row, element) pairs: 16 launches of 2^28 threads.
-  for (uint64_t seed = 1; seed <= 16; ++seed) {
-    quotient_vs_division<<<(1u << 28) / 256, 256>>>(seed, m_);
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  }
-  const Mismatch r = result();
-  EXPECT_EQ(r.count, 0u) << "first mismatching thread " << r.first;
-}
 }  // namespace

@@ -34,31 +34,20 @@ namespace {
 // A quantized pool (StateT = QuantCode<T>, state_fmt.cuh): each lane's 4 codes of a row are one
 // 4-byte word, dequantized with the row's scale on load and requantized with the row's fresh
 // scale on store (the rows' amaxes reduced at once over their G lanes), through
-// state_format.cuh's element rules; with TPW = 2 the second tile's words and scales are staged
-// as loaded (4-byte cp.async); the launcher advances the rounding step after the grid. Its CTAs:
-// kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
+// state_format.cuh's element rules, one tile per warp; the launcher advances the rounding step
+// after the grid. Its CTAs: kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
 constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
-// Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2); a
-// quantized pool's: a lane's word of codes and its row's scale for each of its rows.
+// Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2).
 template <class StateT, int K>
-constexpr int decode_stage_bytes() {
-  using Lay = RowLayout<StateT, K>;
-  if constexpr (kQuantCode<StateT>) return 2 * Lay::ROWS * 32 * 4;
-  else return Lay::RG * Lay::ROWS * K * static_cast<int>(sizeof(StateT));
-}
-template <class StateT, int K>
-constexpr int kDecodeStageBytes = decode_stage_bytes<StateT, K>();
-
-// Resident CTAs per SM (the launch bound): kDecodeCtasPerSm, 80 registers a thread; a quantized
-// pool's two-tile kernel 8, 128 registers (at 80 its two tiles' live ranges spill ~130 bytes).
-template <class StateT, int TPW>
-constexpr int kDecodeCtas = (kQuantCode<StateT> && TPW == 2) ? 8 : kDecodeCtasPerSm;
+constexpr int kDecodeTileBytes =
+    RowLayout<StateT, K>::RG* RowLayout<StateT, K>::ROWS* K* static_cast<int>(sizeof(StateT));
 
 template <class StateT, int K, class In, int TPW>
-__global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtas<StateT, TPW>)
+__global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     recurrent_decode_kernel(const RecurrentProblem p, int warps_per_head) {
   static_assert(TPW == 1 || TPW == 2, "one or two tiles per warp");
   constexpr bool kQuant = kQuantCode<StateT>;
+  static_assert(!kQuant || TPW == 1, "quantized pools: one tile per warp");
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, K>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
@@ -135,26 +124,12 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtas<StateT, TPW>
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
     }
   }
-  // Tile 1 into this warp's shared memory (one tile: RPW rows of K elements); a quantized pool's
-  // as loaded, a word of codes and the row's scale per row and lane (kDecodeQuantStageBytes).
+  // Tile 1 into this warp's shared memory (one tile: RPW rows of K elements).
   extern __shared__ uint4 decode_smem[];
-  uint4* mine = decode_smem + (threadIdx.x >> 5) * (kDecodeStageBytes<StateT, K> / 16) + lane;
-  uint32_t* mine_q = reinterpret_cast<uint32_t*>(decode_smem) +
-                     (threadIdx.x >> 5) * (kDecodeStageBytes<StateT, K> / 4) + lane;
-  if constexpr (kQuant && TPW == 2) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int row = row0 + RPW + r * RG;
-      if (row < p.V) {
-        cp_async4(mine_q + r * 32, st + (RPW + r * RG) * K);
-        cp_async4(mine_q + (R + r) * 32, scales + row);
-      }
-    }
-    cp_async_commit();
-  } else if constexpr (TPW == 2) {
+  uint4* mine = decode_smem + (threadIdx.x >> 5) * (kDecodeTileBytes<StateT, K> / 16) + lane;
+  if constexpr (TPW == 2)
     stage_rows_async<StateT, EPL, R>(mine, 32, row0 + RPW, RG, p.V,
                                      [&](int r, int) { return st + (RPW + r * RG) * K; });
-  }
 
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h).
   TokenHeadInputs<EPL> x = widen(x_in);
@@ -180,40 +155,28 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtas<StateT, TPW>
   const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
   // Stochastic rounding of a quantized pool: the slot's key (the call's step, read here).
   uint64_t key = 0;
-  if constexpr (kQuant)
+  if constexpr (kQuant) {
     if (p.state.stochastic)
       key = detail::sr_key(p.state.seed, static_cast<uint64_t>(slot), p.state.layer,
                            static_cast<uint64_t>(*p.state.step));
+  }
 
-      // The delta-rule step per tile: decay and dots, one transposed reduction of all 2R dots, u_r
-      // by the lane holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
+  // The delta-rule step per tile: decay and dots, one transposed reduction of all 2R dots, u_r by
+  // the lane holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
 #pragma unroll
   for (int t = 0; t < TPW; ++t) {
     const int rowt = row0 + t * RPW;
-    if constexpr (TPW == 2) {
+    if constexpr (TPW == 2) {  // (a quantized pool's tiles have no staged form)
       if (t > 0) {
         if (rowt - lane / G >= p.V) break;  // past the head's last row (warp-uniform)
-        if constexpr (kQuant) {
-          cp_async_wait<0>();
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const bool in = rowt + r * RG < p.V;
-            fmt::code_values4(in ? mine_q[r * 32] : 0u, StateT::dtype, S[r]);
-            const float sc = in ? __uint_as_float(mine_q[(R + r) * 32]) : 0.0f;
-#pragma unroll
-            for (int i = 0; i < EPL; ++i) S[r][i] *= sc;
-          }
-        } else {
-          load_staged_rows<StateT, EPL, R>(mine, 32, rowt, RG, p.V, S);
-        }
+        load_staged_rows<StateT, EPL, R>(mine, 32, rowt, RG, p.V, S);
       }
     }
     StateT* stt = st + t * RPW * K;
     float u_here;  // meaningful on the sk lanes
     const bool v_here = idx < R && rowt + idx * RG < p.V;
     const float red = delta_step_rows<G, R>(
-        S, alpha, x.k, x.q, v_here ? to_float(t == 0 ? v_in[0] : v_in[TPW - 1]) : 0.0f, beta, lane,
-        u_here, [&](int r) {
+        S, alpha, x.k, x.q, v_here ? to_float(v_in[t]) : 0.0f, beta, lane, u_here, [&](int r) {
           if constexpr (!kQuant)
             if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
         });
