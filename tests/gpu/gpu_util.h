@@ -102,16 +102,14 @@ class Mirror {
   std::map<const void*, Buf> bufs_;
 };
 
-// Runs `step` `reps` times eagerly on the `eager` mirror, captures one `step` on the `graph`
-// mirror into a CUDA graph and replays it `reps` times on `stream`, then reads the device's error
-// record: both mirrors then hold `reps` steps' results, for a byte-for-byte comparison.
-template <class Step>
-void run_eager_and_graph(Step&& step, Mirror& eager, Mirror& graph, cudaStream_t stream, int reps) {
-  for (int i = 0; i < reps; ++i) step(eager);
+// Captures one `captured()` on `stream` into a CUDA graph, replays it `reps` times, synchronizes,
+// frees the graph and reads the device's error record.
+template <class Captured>
+void replay_graph(cudaStream_t stream, int reps, Captured&& captured) {
   cudaGraph_t g;
   cudaGraphExec_t exec;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step(graph);
+  captured();
   CUDA_CHECK(cudaStreamEndCapture(stream, &g));
   CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
   for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -119,6 +117,15 @@ void run_eager_and_graph(Step&& step, Mirror& eager, Mirror& graph, cudaStream_t
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
   deltastate::check_errors(stream);
+}
+
+// Runs `step` `reps` times eagerly on the `eager` mirror, captures one `step` on the `graph`
+// mirror into a CUDA graph and replays it `reps` times on `stream` (replay_graph): both mirrors
+// then hold `reps` steps' results, for a byte-for-byte comparison.
+template <class Step>
+void run_eager_and_graph(Step&& step, Mirror& eager, Mirror& graph, cudaStream_t stream, int reps) {
+  for (int i = 0; i < reps; ++i) step(eager);
+  replay_graph(stream, reps, [&] { step(graph); });
 }
 
 // GPU vs CPU comparisons: each backend rounded its own fp32 result (tests/gpu/test_cuda_ops.cpp).

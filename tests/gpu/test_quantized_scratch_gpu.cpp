@@ -442,15 +442,7 @@ TEST_F(GpuTest, QuantizedScratchVerifyCommitGraphReplay) {
     deltastate::update_state_after_verify(ca);
   };
   for (int i = 0; i < 3; ++i) step(eager, b);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step(*p.dev, a);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  deltastate::check_errors(stream);
+  replay_graph(stream, 3, [&] { step(*p.dev, a); });
   int64_t got = 0;
   CUDA_CHECK(cudaMemcpy(&got, p.dev->rounding_step(kLayer).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(got, kStep0 + 6);
@@ -465,8 +457,6 @@ TEST_F(GpuTest, QuantizedScratchVerifyCommitGraphReplay) {
       << "the scratch codes";
   EXPECT_EQ(std::memcmp(as.alloc_base(), bs.alloc_base(), static_cast<size_t>(as.alloc_bytes())), 0)
       << "the scratch scales";
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 

@@ -440,19 +440,10 @@ TEST_F(GpuTest, QuantizedGraphReplayAdvancesTheStep) {
   a.state_format.scales = dev.layer_scales(0);
   a.state_format.step = dev.rounding_step(0);
   a.stream = stream;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  deltastate::gdn_packed_decode(a);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
+  replay_graph(stream, 3, [&] { deltastate::gdn_packed_decode(a); });
   int64_t step = 0;
   CUDA_CHECK(cudaMemcpy(&step, dev.rounding_step(0).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(step, 3);
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
@@ -769,15 +760,7 @@ TEST_F(GpuTest, QuantizedVerifyCommitGraphReplay) {
     deltastate::update_state_after_verify(ca);
   };
   for (int i = 0; i < 3; ++i) step(eager);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step(*q.dev);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  deltastate::check_errors(stream);
+  replay_graph(stream, 3, [&] { step(*q.dev); });
   int64_t got = 0;
   CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(got, kStep0 + 6);
@@ -786,8 +769,6 @@ TEST_F(GpuTest, QuantizedVerifyCommitGraphReplay) {
   CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
       << "graph replays against eager calls";
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
@@ -912,15 +893,7 @@ TEST_F(GpuTest, QuantizedReplayGraphReplay) {
     deltastate::replayssm_decode(a);
   };
   for (int i = 0; i < 4; ++i) step(eager, wp_eager);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step(*q.dev, wp_graph);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 4; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  deltastate::check_errors(stream);
+  replay_graph(stream, 4, [&] { step(*q.dev, wp_graph); });
   int64_t got = 0;
   CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(got, kStep0 + 4);
@@ -931,8 +904,6 @@ TEST_F(GpuTest, QuantizedReplayGraphReplay) {
   CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
       << "graph replays against eager calls";
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
@@ -1256,15 +1227,7 @@ TEST_F(GpuTest, QuantizedPrefillGraphReplayMatchesEager) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   deltastate::ChunkPrefillArgs ga = args(gm, graph_pool, gws);
   ga.stream = stream;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  deltastate::chunk_prefill(ga);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  EXPECT_NO_THROW(deltastate::check_errors());
+  EXPECT_NO_THROW(replay_graph(stream, 3, [&] { deltastate::chunk_prefill(ga); }));
   int64_t step = 0;
   CUDA_CHECK(cudaMemcpy(&step, graph_pool.rounding_step(0).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(step, 3);
@@ -1275,8 +1238,6 @@ TEST_F(GpuTest, QuantizedPrefillGraphReplayMatchesEager) {
   const Tensor go = gm.download(rb.out), eo = em.download(rb.out);
   EXPECT_EQ(std::memcmp(go.alloc_base(), eo.alloc_base(), static_cast<size_t>(go.alloc_bytes())), 0)
       << "outputs of the last call";
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
