@@ -8,6 +8,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -117,6 +118,20 @@ void replay_graph(cudaStream_t stream, int reps, Captured&& captured) {
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
   deltastate::check_errors(stream);
+}
+
+// Whether two device buffers of `bytes` bytes hold the same bytes (a graph-replayed pool against
+// its eagerly stepped twin).
+inline ::testing::AssertionResult same_device_bytes(const void* a, const void* b, int64_t bytes) {
+  std::vector<uint8_t> x(static_cast<size_t>(bytes)), y(x.size());
+  CUDA_CHECK(cudaMemcpy(x.data(), a, x.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(y.data(), b, y.size(), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < x.size(); ++i)
+    if (x[i] != y[i])
+      return ::testing::AssertionFailure()
+             << "first difference at byte " << i << " of " << bytes << ": "
+             << static_cast<int>(x[i]) << " vs " << static_cast<int>(y[i]);
+  return ::testing::AssertionSuccess();
 }
 
 // Runs `step` `reps` times eagerly on the `eager` mirror, captures one `step` on the `graph`

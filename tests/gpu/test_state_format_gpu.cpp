@@ -764,10 +764,7 @@ TEST_F(GpuTest, QuantizedVerifyCommitGraphReplay) {
   int64_t got = 0;
   CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(got, kStep0 + 6);
-  std::vector<uint8_t> a(static_cast<size_t>(q.bytes)), b(a.size());
-  CUDA_CHECK(cudaMemcpy(a.data(), q.dev->data(), a.size(), cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
-  EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
+  EXPECT_TRUE(same_device_bytes(q.dev->data(), eager.data(), q.bytes))
       << "graph replays against eager calls";
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
@@ -899,10 +896,7 @@ TEST_F(GpuTest, QuantizedReplayGraphReplay) {
   EXPECT_EQ(got, kStep0 + 4);
   EXPECT_EQ(m.download(wp_graph).values(), m.download(wp_eager).values()) << "cursors";
   EXPECT_EQ(m.download(wp_graph).values(), (std::vector<double>{1, 0, 1})) << "cursors";
-  std::vector<uint8_t> a(static_cast<size_t>(q.bytes)), b(a.size());
-  CUDA_CHECK(cudaMemcpy(a.data(), q.dev->data(), a.size(), cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaMemcpy(b.data(), eager.data(), b.size(), cudaMemcpyDeviceToHost));
-  EXPECT_TRUE(Snapshot::equal_except(a.data(), b.data(), q.bytes, {}))
+  EXPECT_TRUE(same_device_bytes(q.dev->data(), eager.data(), q.bytes))
       << "graph replays against eager calls";
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
@@ -1231,10 +1225,8 @@ TEST_F(GpuTest, QuantizedPrefillGraphReplayMatchesEager) {
   int64_t step = 0;
   CUDA_CHECK(cudaMemcpy(&step, graph_pool.rounding_step(0).data, 8, cudaMemcpyDeviceToHost));
   EXPECT_EQ(step, 3);
-  std::vector<uint8_t> g(static_cast<size_t>(bytes)), e(static_cast<size_t>(bytes));
-  CUDA_CHECK(cudaMemcpy(g.data(), graph_pool.data(), g.size(), cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaMemcpy(e.data(), eager_pool.data(), e.size(), cudaMemcpyDeviceToHost));
-  EXPECT_EQ(std::memcmp(g.data(), e.data(), g.size()), 0) << "graph replays and eager calls differ";
+  EXPECT_TRUE(same_device_bytes(graph_pool.data(), eager_pool.data(), bytes))
+      << "graph replays and eager calls differ";
   const Tensor go = gm.download(rb.out), eo = em.download(rb.out);
   EXPECT_EQ(std::memcmp(go.alloc_base(), eo.alloc_base(), static_cast<size_t>(go.alloc_bytes())), 0)
       << "outputs of the last call";
