@@ -73,9 +73,9 @@ inline void store16(void* p, DType t, int64_t i, float v) {
 }
 
 inline QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding rounding,
-                            deltastate::PoolLayout layout, int64_t layers, int64_t slots,
-                            const std::vector<Block>& live, Rng& rng, int64_t replay_len = 0,
-                            bool kda = false, ScaleFill scale_fill = ScaleFill::bytes) {
+                                   deltastate::PoolLayout layout, int64_t layers, int64_t slots,
+                                   const std::vector<Block>& live, Rng& rng, int64_t replay_len = 0,
+                                   bool kda = false, ScaleFill scale_fill = ScaleFill::bytes) {
   StatePoolConfig cfg;
   if (replay_len > 0) {  // ReplaySSM rings (float32)
     cfg.replay_len = replay_len;
@@ -133,7 +133,8 @@ inline QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding ro
 }
 
 // An op's format keywords for `layer` of pool p (its scales; stochastic: its step counter).
-inline deltastate::StateFormatArgs format_of(const StatePool& p, int64_t layer, StateRounding rounding) {
+inline deltastate::StateFormatArgs format_of(const StatePool& p, int64_t layer,
+                                             StateRounding rounding) {
   deltastate::StateFormatArgs f;
   const DType dtype = p.config().state_dtype;
   if (dtype == DType::f8e4m3 || dtype == DType::i8) f.scales = p.layer_scales(layer);
@@ -156,7 +157,7 @@ inline int64_t host_step(const QuantPools& q, int64_t layer) {
 // every layer's step counter equal; every other byte equal (sentinels, blocks not written) but in
 // the views `apart` (of the host pool; the caller compares them).
 inline void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Block>& written,
-                        const std::vector<TensorView>& apart = {}) {
+                               const std::vector<TensorView>& apart = {}) {
   const StatePool &host = *q.host, &dev = *q.dev;
   const int64_t HV = host.config().HV, V = host.config().V, K = host.config().K;
   std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
