@@ -1013,6 +1013,74 @@ TEST(FusedStepContract, Workspace) {
   EXPECT_EQ(with.win[0].bytes(), b.win[0].bytes());
 }
 
+// A quantized or stochastically rounded pool (plain mode) on CUDA views: the CUDA backend runs
+// it through the chain plan, so without a workspace the call is a NotImplementedError naming it,
+// raised by the validator before anything runs (every tensor, the pool's bytes and its step
+// counter unchanged); the workspace query answers the chain's bytes whatever the batch (the
+// plan reads no device property for it, so a CUDA build answers without a GPU), and without
+// CUDA built it is the backend's not_implemented error.
+TEST(FusedStepContract, FormattedPoolOnCuda) {
+  Rng rng = test_rng();
+  const LayerCase c{{"fmt", Shape{"fmt", 2, 4, 128, 64}, false, kNoLb, f32, bf16}, bf16};
+  LayerBatch b = make_layer_batch(rng, c, {1, -1, 2}, 4);
+  auto on_cuda = [](const Tensor& t) {
+    TensorView v = t.view();
+    v.device = Device::cuda(0);
+    return v;
+  };
+  auto cuda_view = [](TensorView v) {
+    v.device = Device::cuda(0);
+    return v;
+  };
+  const struct {
+    DType dtype;
+    deltastate::StateRounding rounding;
+    const char* message;
+  } cases[] = {
+      {DType::f8e4m3, deltastate::StateRounding::format_default,
+       "gdn_fused_decode_step: float8_e4m3fn states on CUDA run the chain plan (the conv, packed "
+       "decode, the norm), which needs a `workspace` of fused_decode_step_workspace_bytes bytes; "
+       "none was given"},
+      {DType::i8, deltastate::StateRounding::nearest,
+       "gdn_fused_decode_step: int8 states on CUDA run the chain plan (the conv, packed decode, "
+       "the norm), which needs a `workspace` of fused_decode_step_workspace_bytes bytes; none "
+       "was given"},
+      {DType::bf16, deltastate::StateRounding::stochastic,
+       "gdn_fused_decode_step: bfloat16 states with stochastic rounding on CUDA run the chain "
+       "plan (the conv, packed decode, the norm), which needs a `workspace` of "
+       "fused_decode_step_workspace_bytes bytes; none was given"}};
+  for (const auto& k : cases) {
+    SCOPED_TRACE(dtype_name(k.dtype));
+    deltastate::StatePoolConfig cfg;
+    cfg.slots = 4;
+    cfg.HV = c.shape.HV;
+    cfg.V = c.shape.V;
+    cfg.K = c.shape.K;
+    cfg.state_dtype = k.dtype;
+    cfg.state_rounding = k.rounding;
+    deltastate::StatePool pool(cfg);
+    std::memset(pool.data(), 0x5a, static_cast<size_t>(pool.total_bytes()));
+    FusedDecodeStepArgs a = b.args(on_cuda);
+    a.state = cuda_view(pool.layer_state(0));
+    a.state_format.rounding = k.rounding;
+    if (k.dtype != DType::bf16) a.state_format.scales = cuda_view(pool.layer_scales(0));
+    if (pool.config().stochastic_rounding()) a.state_format.step = cuda_view(pool.rounding_step(0));
+    Snapshot before;
+    before.add(pool.data(), pool.total_bytes());
+    for (const Tensor* t : {&b.d.x, &b.out, &b.z, &b.win[0]}) before.add(*t);
+    expect_error([&] { b.run_fused(a); }, k.message, ErrorKind::not_implemented);
+    EXPECT_TRUE(before.unchanged());
+    if (!deltastate::cuda_built()) {
+      const auto e = catch_error([&a] { deltastate::fused_decode_step_workspace_bytes(a); });
+      ASSERT_TRUE(e.has_value());
+      EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
+    } else {  // the chain's bf16 conv output for B = 3, under any DELTASTATE_CUDA_FUSED
+      EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(a),
+                (3 * b.conv_dim * 2 + 15) / 16 * 16);
+    }
+  }
+}
+
 // The workspace query in ReplaySSM mode. On the CPU: 0, and a given workspace changes nothing.
 // On CUDA views it asks the backend's plan as the plain mode does (ReplaySSM's plan reads no
 // device property, so a CUDA build answers without a GPU): without CUDA built, the same

@@ -415,7 +415,10 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
 // one launch, slower there. ReplaySSM calls run one launch, one CTA per (row, key head), with no
 // workspace; under DELTASTATE_CUDA_FUSED=chain (not yet the default: unmeasured on the GPU) they
 // run the ReplaySSM chain instead: the conv kernel into the workspace, replayssm_decode's
-// kernels, the gated-norm kernel, the same result (docs/LAYER_STEP.md).
+// kernels, the gated-norm kernel, the same result (docs/LAYER_STEP.md). A quantized or
+// stochastically rounded pool (plain mode; `state_format` as packed decode's) runs the chain plan
+// on CUDA whatever the batch, so it needs `workspace` there (NotImplementedError without one);
+// the rounding step counter advances once per call, as on the CPU.
 struct FusedDecodeStepArgs {
   TensorView mixed_qkv, conv_weight;
   std::optional<TensorView> conv_bias;
@@ -447,11 +450,12 @@ struct FusedDecodeStepArgs {
 void gdn_fused_decode_step(const FusedDecodeStepArgs& args);
 void kda_fused_decode_step(const FusedDecodeStepArgs& args);
 // The workspace the fused step's plan needs for these arguments on this device. Reads only the
-// shapes of mixed_qkv and state, their dtypes and the device (never tensor data), so it can run
-// before the inputs hold data; in ReplaySSM mode only whether d_cache is given. CPU: 0. CUDA: 0
-// where the cluster kernel runs (and under DELTASTATE_CUDA_FUSED=cta), and for ReplaySSM calls
-// unless DELTASTATE_CUDA_FUSED=chain; elsewhere the chain plan's conv output, B * conv_dim
-// elements of mixed_qkv's dtype rounded up to 16 bytes.
+// shapes of mixed_qkv and state, their dtypes, state_format.rounding and the device (never tensor
+// data), so it can run before the inputs hold data; in ReplaySSM mode only whether d_cache is
+// given. CPU: 0. CUDA: 0 where the cluster kernel runs (and under DELTASTATE_CUDA_FUSED=cta), and
+// for ReplaySSM calls unless DELTASTATE_CUDA_FUSED=chain; elsewhere (a quantized or
+// stochastically rounded pool always) the chain plan's conv output, B * conv_dim elements of
+// mixed_qkv's dtype rounded up to 16 bytes.
 int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args);
 
 // ---------------------------------------------------------------------------------------------

@@ -1274,16 +1274,20 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
     launch without one, or under DELTASTATE_CUDA_FUSED=cta).
 
-    Quantized pools (CPU, not with ReplaySSM; docs/STATE_FORMATS.md): the state-format keywords
-    of {packed} (``state_scales``, ``state_rounding``, ``rounding_step``, ``rounding_seed``,
-    ``rounding_layer``; ``**pool.state_format(layer)``)."""
+    Quantized and stochastically rounded pools (not with ReplaySSM; docs/STATE_FORMATS.md): the
+    state-format keywords of {packed} (``state_scales``, ``state_rounding``, ``rounding_step``,
+    ``rounding_seed``, ``rounding_layer``; ``**pool.state_format(layer)``); on CUDA they run the
+    chain plan through ``workspace`` (allocated when None), the step counter advanced once per
+    call."""
 
 
-def _fused_workspace(mixed_qkv, initial_state, d_cache=None):
+def _fused_workspace(mixed_qkv, initial_state, d_cache=None, state_rounding=None):
     """A new workspace for the fused step's plan, in mixed_qkv's framework and device (float32
     elements: the binding takes no uint8), or None where the plan needs none (the CPU, the
     cluster kernel's batches, ReplaySSM's one-launch kernel where it is forced). Reads the
-    shapes, dtypes and device only, and of d_cache only whether it is given (fake tensors too)."""
+    shapes, dtypes and device only, of d_cache only whether it is given (fake tensors too), and
+    state_rounding (a quantized or stochastically rounded pool runs the chain plan on CUDA)."""
+    from ._derive import _rounding
     from ._lib import lib
     from .pool import _dtype_name
 
@@ -1297,21 +1301,21 @@ def _fused_workspace(mixed_qkv, initial_state, d_cache=None):
     nbytes = int(lib.fused_decode_step_workspace_bytes(
         int(xs[0]), int(xs[1]), int(ss[1]), int(ss[2]), int(ss[3]),
         _dtype_name(mixed_qkv.dtype), _dtype_name(initial_state.dtype), cuda,
-        d_cache is not None))
+        d_cache is not None, _rounding(state_rounding)))
     return _empty(mixed_qkv, ((nbytes + 3) // 4,), "float32") if nbytes > 0 else None
 
 
 # The query decides for ReplaySSM calls too (d_cache given): the ReplaySSM chain's bytes, 0
 # where DELTASTATE_CUDA_FUSED=cta or =cluster forces the one-launch kernel.
-def _fused_prepare(op, mixed_qkv, initial_state, workspace, d_cache):
+def _fused_prepare(op, mixed_qkv, initial_state, workspace, d_cache, state_rounding=None):
     if workspace is None and not _compiling(mixed_qkv):
-        workspace = _fused_workspace(mixed_qkv, initial_state, d_cache)
+        workspace = _fused_workspace(mixed_qkv, initial_state, d_cache, state_rounding)
     return workspace,
 
 
-def _fused_impl(mixed_qkv, initial_state, workspace, d_cache):
+def _fused_impl(mixed_qkv, initial_state, workspace, d_cache, state_rounding=None):
     if workspace is None:
-        workspace = _fused_workspace(mixed_qkv, initial_state, d_cache)
+        workspace = _fused_workspace(mixed_qkv, initial_state, d_cache, state_rounding)
     return workspace,
 
 

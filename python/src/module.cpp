@@ -912,13 +912,20 @@ ds::DType dtype_from_name(const std::string& s, const char* what) {
 }
 
 // fused_decode_step_workspace_bytes from what it reads: the shapes of mixed_qkv [B, conv_dim]
-// and of the state's [HV, V, K], their dtypes, the device and whether the call is in ReplaySSM
-// mode (d_cache given), no tensor (fake tensors too).
+// and of the state's [HV, V, K], their dtypes, the device, whether the call is in ReplaySSM
+// mode (d_cache given) and the state's rounding (0 the format's default, 1 nearest, 2
+// stochastic: a stochastically rounded pool runs the chain plan on CUDA), no tensor (fake
+// tensors too).
 int64_t fused_decode_step_workspace_bytes(int64_t B, int64_t conv_dim, int64_t HV, int64_t V,
                                           int64_t K, const std::string& x_dtype,
                                           const std::string& state_dtype, int64_t cuda_device,
-                                          bool replay) {
+                                          bool replay, int64_t state_rounding) {
   return guarded([&] {
+    if (state_rounding < 0 || state_rounding > 2)
+      throw ds::Error(ds::ErrorKind::value,
+                      "state_rounding must be 0 (the format's default), 1 (nearest) or 2 "
+                      "(stochastic); got " +
+                          std::to_string(state_rounding));
     FS a;
     const ds::Device dev = cuda_device < 0 ? ds::Device::cpu() : ds::Device::cuda(cuda_device);
     a.mixed_qkv.ndim = 2;
@@ -934,6 +941,7 @@ int64_t fused_decode_step_workspace_bytes(int64_t B, int64_t conv_dim, int64_t H
     a.state.dtype = dtype_from_name(state_dtype, "initial_state's dtype");
     a.state.device = dev;
     if (replay) a.d_cache.emplace();  // the query reads only that it is given
+    a.state_format.rounding = static_cast<ds::StateRounding>(state_rounding);
     return ds::fused_decode_step_workspace_bytes(a);
   });
 }

@@ -361,11 +361,21 @@ def test_workspace_query_and_keyword():
         last = list(inspect.signature(fn).parameters.values())[-1]
         assert (last.name, last.default, last.kind) == ("workspace", None, last.KEYWORD_ONLY)
     for replay in (False, True):
-        assert lib.fused_decode_step_workspace_bytes(8, 192, 4, 16, 32, "float32", "float32", -1,
-                                                     replay) == 0
+        for rounding in (0, 1, 2):  # the state's rounding: the format's default, nearest, SR
+            assert lib.fused_decode_step_workspace_bytes(8, 192, 4, 16, 32, "float32",
+                                                         "bfloat16", -1, replay, rounding) == 0
+    with pytest.raises(ValueError) as e:
+        lib.fused_decode_step_workspace_bytes(8, 192, 4, 16, 32, "float32", "bfloat16", -1, False,
+                                              3)
+    assert str(e.value) == ("state_rounding must be 0 (the format's default), 1 (nearest) or 2 "
+                            "(stochastic); got 3")
     x, st = np.zeros((8, 192), np.float32), np.zeros((4, 4, 16, 32), np.float32)
     assert _surface._fused_workspace(x, st) is None
     assert _surface._fused_prepare("gdn_fused_decode_step", x, st, None, None) == (None,)
+    for rounding in (None, "nearest", "stochastic", 2):  # the public spelling or the op's int
+        assert _surface._fused_workspace(x, st, None, rounding) is None
+        assert _surface._fused_prepare("gdn_fused_decode_step", x, st, None, None,
+                                       rounding) == (None,)
     ring = np.zeros((4, 4, 2, 16), np.float32)  # ReplaySSM mode: the query asked, 0 on the CPU
     assert _surface._fused_workspace(x, st, ring) is None
     assert _surface._fused_prepare("gdn_fused_decode_step", x, st, None, ring) == (None,)

@@ -1195,3 +1195,100 @@ def test_chunked_prefill_formatted_pool_cuda_matches_its_fp32_twin(rng, kda, H, 
     if rounding == "stochastic":
         assert int(pool.rounding_step(layer)[0]) == 1  # one advance per call
         assert int(pool.rounding_step(0)[0]) == 0  # the other layer's counter
+
+
+# ---- the fused decode step on a quantized / stochastically rounded pool (issue #36) ------------
+@pytest.mark.parametrize("dtype,rounding", QPREFILL_FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_fused_step_formatted_pool_cuda_matches_cpu(rng, kda, dtype, rounding):
+    """The CUDA fused decode step (plain mode) on a quantized (or bf16 stochastic) pool, its
+    workspace allocated by the wrapper from the query (which reads state_rounding), against the
+    CPU backend's on the same pool bytes: outputs (2e-4), conv windows bit for bit, live slots'
+    scales to 1e-4 relative and dequantized codes within one quantum (bf16: one unit in the last
+    place), at most 2% of them differing, the step counter advanced once on both, the padded
+    row's output zero and the unused slots' bytes untouched."""
+    from test_state_format import (SENTINEL_CODE, dequantize, emulate, fill_sentinels,
+                                   state_bits, write_slot)
+    quantized = dtype != "bfloat16"
+    H, HV, K, V, slots, layer, seed, width = 2, 4, 128, 64, 6, 0, 5, 4
+    conv_dim = 2 * H * K + HV * V
+    kw = dict(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype, state_rounding=rounding,
+              rounding_seed=seed, conv_dim=conv_dim)
+    pg, pc = ds.StatePool(device="cuda", **kw), ds.StatePool(**kw)
+    live = [4, 1]
+    if quantized:
+        fill_sentinels(pg, layer)
+    else:
+        pg.layer_state(layer).view(torch.int16).fill_(0x5A5A)
+    for s in live:
+        x32 = (rng.standard_normal((HV, V, K)) * 0.4).astype(np.float32)
+        if quantized:
+            codes, sc = emulate(x32, dtype, False)
+            write_slot(pg, layer, s, codes, sc)
+        else:
+            pg.layer_state(layer)[s].copy_(torch.from_numpy(x32))
+    win = torch.from_numpy(rng.standard_normal((slots, conv_dim, width - 1)).astype(np.float32))
+    pg.conv_state(layer).copy_(win)
+    torch.cuda.synchronize()
+    pc.storage.copy_(pg.storage.cpu())  # the same pool bytes on the CPU
+    before = bits(pg.layer_state(layer))
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa
+    B = 3
+    A_log = torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32))
+    dt_bias = t(HV * K if kda else HV) * 0.5
+    w, bias = t(conv_dim, width) * 0.5, t(conv_dim) * 0.2
+    nw, z = torch.rand(V) + 0.5, t(B, HV, V)
+    x, a, b = t(B, conv_dim), t(B, HV * K if kda else HV), t(B, HV)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    op = ds.kda_fused_decode_step if kda else ds.gdn_fused_decode_step
+    outs = []
+    for p, dev in ((pg, "cuda"), (pc, "cpu")):
+        d = lambda u: u.to(dev)  # noqa: E731
+        out = torch.full((B, HV, V), float("nan"), device=dev)
+        op(d(x), d(w), p.conv_state(layer), d(a), d(b), d(A_log), d(dt_bias),
+           p.layer_state(layer), out, d(idx), conv_bias=d(bias), norm_weight=d(nw), z=d(z),
+           **p.state_format(layer))
+        outs.append(out.cpu())
+    torch.cuda.synchronize()
+    close2(outs[0], outs[1], (2e-4, 2e-4), "float32", "out")
+    assert torch.all(outs[0][1] == 0)  # the padded row
+    np.testing.assert_array_equal(bits(pg.conv_state(layer)), bits(pc.conv_state(layer)))
+    if quantized:
+        cg, sg = state_bits(pg, layer)
+        cc, sc = state_bits(pc, layer)
+        qmax = 448.0 if dtype == "float8_e4m3fn" else 127.0
+        differ = total = 0
+        for s in live:
+            hs, gs = sc[s].view(np.float32), sg[s].view(np.float32)
+            np.testing.assert_allclose(gs, hs, rtol=1e-4, err_msg=f"scales of slot {s}")
+            hv, gv = dequantize(cc[s], hs, dtype), dequantize(cg[s], gs, dtype)
+            if dtype == "float8_e4m3fn":
+                quantum = np.maximum(np.abs(hv) * 0.125, hs[..., None] * 2.0 ** -9)
+            else:
+                quantum = np.broadcast_to(hs[..., None], hv.shape)
+            assert np.all(np.abs(gv - hv) <= quantum * 1.0001 + 1e-5 * hs[..., None] * qmax), s
+            differ += int(np.sum(cg[s] != cc[s]))
+            total += cg[s].size
+        assert differ <= total // 50, (differ, total)
+        for s in range(slots):
+            if s not in live:
+                assert np.all(cg[s] == SENTINEL_CODE) and np.all(sg[s] == sc[s]), s
+    else:
+        g32 = pg.layer_state(layer).float().cpu().numpy()
+        h32 = pc.layer_state(layer).float().numpy()
+        differ = total = 0
+        for s in live:
+            mag = np.maximum(np.abs(g32[s]), np.abs(h32[s]))
+            amax = np.abs(h32[s]).max(axis=-1, keepdims=True)
+            assert np.all(np.abs(g32[s] - h32[s]) <= mag * 2.0 ** -7 * 1.0001 + amax * 2.0 ** -16)
+            differ += int(np.sum(g32[s] != h32[s]))
+            total += g32[s].size
+        assert differ <= total // 50, (differ, total)
+    now = bits(pg.layer_state(layer))
+    for s in range(slots):
+        if s not in live:
+            np.testing.assert_array_equal(now[s], before[s], err_msg=f"unused slot {s}")
+    assert pg.stochastic == (rounding == "stochastic")
+    if pg.stochastic:  # one advance per call on both backends
+        assert int(pg.rounding_step(layer)[0]) == 1
+        assert int(pc.rounding_step(layer)[0]) == 1

@@ -151,6 +151,8 @@ int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args) {
   p.B = static_cast<int32_t>(x.shape[0]);
   p.x_dtype = x.dtype;
   p.state.dtype = st.dtype;
+  // a stochastically rounded pool runs the chain plan (as a quantized one, by its dtype)
+  p.state.stochastic = rounds_stochastically(st.dtype, args.state_format.rounding);
   p.device = st.device;
   return cuda_backend::fused_decode_step_workspace_bytes(p);
 }

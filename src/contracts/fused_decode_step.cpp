@@ -188,7 +188,18 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
       check_replay_cache_base_host(p.replay.modes, idx, index_stride, B, L);
     }
   }
-  check_state_format_backend(op, pool, c.common_device());
+  // CUDA, plain mode: a formatted pool runs the chain plan, whose packed-decode link is the
+  // recurrent op's formatted paths (which advance the step counter once after their grid); the
+  // one-launch kernels have no formatted state I/O, so the chain's workspace is required.
+  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/!replay);
+  const bool formatted = is_quantized(pool.dtype) || pool.stochastic;
+  if (!on_cpu && formatted && !args.workspace)
+    throw Error(ErrorKind::not_implemented,
+                format("%s: %s states%s on CUDA run the chain plan (the conv, packed decode, the "
+                       "norm), which needs a `workspace` of fused_decode_step_workspace_bytes "
+                       "bytes; none was given",
+                       op, dtype_name(pool.dtype),
+                       is_quantized(pool.dtype) ? "" : " with stochastic rounding"));
   if (!on_cpu && replay) check_replay_cuda_ring("fused_decode_step", L);
   if (!on_cpu) {
     const int64_t rows = HV / H * V;

@@ -11,6 +11,9 @@
 // src/cuda/fused_decode_step/replay.cuh's kernel (the CTA kernel's structure with
 // replayssm_decode's step, no workspace), or under DELTASTATE_CUDA_FUSED=chain the ReplaySSM
 // chain (chain.cuh: the conv, replayssm_decode's and the norm kernels through the workspace).
+// A quantized or stochastically rounded pool (plain mode) runs the chain plan whatever
+// DELTASTATE_CUDA_FUSED says: its packed decode is the recurrent op's formatted paths, which
+// store the codes (and scales) and advance the rounding step counter once after their grid.
 // The validator limits K to {64, 128} and (HV/H)*V to 256 rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -128,6 +131,12 @@ bool cluster_fits(const FusedStepProblem& p) {
          fused_cluster_shape<StateT, K>(p, 1, fc);
 }
 
+// Whether the pool is in a storage format the fused kernels do not store: quantized
+// (float8_e4m3fn / int8 codes with scales) or stochastically rounded.
+bool formatted_state(const FusedStepProblem& p) {
+  return is_quantized(p.state.dtype) || p.state.stochastic;
+}
+
 // The plan of a call (`workspace`: whether the caller gives one). A ReplaySSM call: its chain
 // where a workspace is given or DELTASTATE_CUDA_FUSED=chain forces it, else its one-launch kernel
 // (which DELTASTATE_CUDA_FUSED=cta or =cluster forces). Otherwise the cluster kernel where it
@@ -153,6 +162,10 @@ FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
         forced == FusedChoice::chain || (forced == FusedChoice::automatic && workspace);
     return chain ? FusedPlan::replay_chain : FusedPlan::replay;
   }
+  // A pool in its storage format (quantized, or stochastically rounded): the chain, whatever
+  // DELTASTATE_CUDA_FUSED says (its packed decode is the recurrent op's formatted paths; the
+  // one-launch kernels have no formatted state I/O).
+  if (formatted_state(p)) return FusedPlan::chain;
   const bool cluster =
       forced == FusedChoice::cluster ||
       (forced == FusedChoice::automatic &&
@@ -174,6 +187,12 @@ void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
       throw Error(ErrorKind::value,
                   "fused_decode_step: SGLang's ring modes on CUDA run the ReplaySSM chain (the "
                   "conv, replayssm_decode, the norm), which needs a `workspace` of " +
+                      std::to_string(need) +
+                      " bytes (fused_decode_step_workspace_bytes); none was given");
+    if (!p.workspace && formatted_state(p))  // the validator raises first; a direct caller here
+      throw Error(ErrorKind::not_implemented,
+                  "fused_decode_step: a quantized or stochastically rounded state on CUDA runs "
+                  "the chain plan, which needs a `workspace` of " +
                       std::to_string(need) +
                       " bytes (fused_decode_step_workspace_bytes); none was given");
     if (!p.workspace)

@@ -11,7 +11,10 @@
 // FusedStepGpuPlans compares the plans with each other bit for bit. ReplaySSM calls run their
 // one-launch kernel, or under DELTASTATE_CUDA_FUSED=chain the ReplaySSM chain through the
 // workspace the query asks for (these tests attach it); FusedReplayGpuPlans compares the fused
-// ReplaySSM step with our unfused ReplaySSM chain bit for bit. Skips without a CUDA device.
+// ReplaySSM step with our unfused ReplaySSM chain bit for bit. A quantized or stochastically
+// rounded pool runs the chain plan (FusedStepFmtGpu, against the CPU backend on the same pool
+// bytes, as tests/gpu/test_state_format_gpu.cpp compares the other ops). Skips without a CUDA
+// device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "gpu/gpu_util.h"
+#include "gpu/quant_pools.h"
 #include "layer_step_util.h"
 #include "test_util.h"
 
@@ -438,6 +442,216 @@ TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
       else EXPECT_EQ(g, h) << c.name << ", unused slot " << sl;
     }
   }
+}
+
+// ---- the fused step on a quantized / stochastically rounded pool (plain mode) ------------------
+// CUDA runs it through the chain plan (its packed decode the recurrent op's formatted paths),
+// the CPU backend is the oracle on the same pool bytes; tolerances as test_state_format_gpu.cpp's
+// (expect_pools_match: codes within one quantum, scales to 1e-4 relative, the step counter and
+// every other byte equal), the outputs and windows as FusedStepGpu's.
+struct FusedFmtCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  deltastate::PoolLayout layout;
+};
+inline void PrintTo(const FusedFmtCase& c, std::ostream* os) { *os << c.name; }
+
+// The layer case of a formatted-pool case: its batch's own state pool (bf16) is unused.
+LayerCase fmt_layer_case(const FusedFmtCase& c) {
+  return c.kda ? LayerCase{{c.name, kKimi, true, kLb, bf16, bf16}, bf16}
+               : LayerCase{{c.name, kQwen3Next, false, kNoLb, bf16, bf16}, bf16};
+}
+
+// The layer batch's arguments through `view_of` on layer `layer` of pool p in its format.
+template <class ViewOf>
+deltastate::FusedDecodeStepArgs fmt_args(LayerBatch& b, ViewOf&& view_of, const StatePool& p,
+                                         int64_t layer, StateRounding rounding) {
+  deltastate::FusedDecodeStepArgs a = b.args(view_of);
+  a.state = p.layer_state(layer);
+  a.state_format = format_of(p, layer, rounding);
+  return a;
+}
+
+class FusedStepFmtGpu : public GpuParamTest<FusedFmtCase> {};
+
+// Two steps of the fused step on a host pool and its device copy (a padded row among them):
+// outputs, windows bit for bit, the pools by expect_pools_match (codes, scales, step counter,
+// sentinel bytes of the slots no row uses and of the other layer), the counter advanced once
+// per call.
+TEST_P(FusedStepFmtGpu, MatchesCpu) {
+  const FusedFmtCase& c = GetParam();
+  const LayerCase lc = fmt_layer_case(c);
+  const int64_t layer = 1, slots = 9;
+  const std::vector<int64_t> idx{7, -1, 2, 5, 0};
+  Rng rng = test_rng();
+  LayerBatch b = make_layer_batch(rng, lc, idx, slots);
+  const QuantPools q = make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 2, slots,
+                                        blocks_of(layer, idx), rng);
+  Mirror dev;
+  for (const Tensor* t : {&b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.norm_w})
+    dev.upload(*t);
+  DeviceWorkspace ws;
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) {
+      b.d.randomize(rng);
+      b.z.fill_normal(rng, 1.0);
+    }
+    b.poison_out();
+    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.z, &b.out}) dev.upload(*t);
+    for (const Tensor& w : b.win) dev.upload(w);  // both backends from the CPU's windows
+    deltastate::FusedDecodeStepArgs a = fmt_args(
+        b, [&](const Tensor& t) { return dev.view(t); }, *q.dev, layer, c.rounding);
+    // the plan is the chain whatever the batch: the query asks for its workspace
+    ASSERT_GT(deltastate::fused_decode_step_workspace_bytes(a), 0);
+    ws.attach(a);
+    try {
+      b.run_fused(a);
+    } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
+      if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
+      throw;
+    }
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());                      // no bad row recorded
+    b.run_fused(fmt_args(b, host_view, *q.host, layer, c.rounding));  // the CPU twin
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j;
+    const Tensor out = dev.download(b.out);
+    EXPECT_TRUE(all_close(out.values(), b.out.values(), Tol{2e-4, 2e-4}, lc.act, 5)) << "out";
+    std::vector<double> padded;
+    for (int64_t hv = 0; hv < lc.shape.HV; ++hv)
+      for (int64_t v = 0; v < lc.shape.V; ++v) padded.push_back(out.get({1, hv, v}));
+    EXPECT_TRUE(all_zero(padded)) << "the padded row's output";
+    if (q.stochastic) {
+      EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+    }
+    expect_pools_match(q, c.dtype, blocks_of(layer, idx));
+    q.push();  // the next step starts both backends from the CPU's pool
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, FusedStepFmtGpu,
+    ::testing::Values(FusedFmtCase{"gdn_fp8_sr", false, DType::f8e4m3,
+                                   StateRounding::format_default,
+                                   deltastate::PoolLayout::per_layer},
+                      FusedFmtCase{"gdn_int8_rn_envelope", false, DType::i8, StateRounding::nearest,
+                                   deltastate::PoolLayout::envelope},
+                      FusedFmtCase{"gdn_bf16_sr", false, DType::bf16, StateRounding::stochastic,
+                                   deltastate::PoolLayout::per_layer},
+                      FusedFmtCase{"kda_fp8_sr_envelope", true, DType::f8e4m3,
+                                   StateRounding::format_default, deltastate::PoolLayout::envelope},
+                      FusedFmtCase{"kda_int8_rn", true, DType::i8, StateRounding::nearest,
+                                   deltastate::PoolLayout::per_layer},
+                      FusedFmtCase{"kda_bf16_sr", true, DType::bf16, StateRounding::stochastic,
+                                   deltastate::PoolLayout::per_layer}),
+    case_name<FusedFmtCase>);
+
+// Without a workspace a formatted pool on CUDA is a NotImplementedError naming it, raised before
+// any launch: the pool (codes, scales, step counter), the windows and out keep their bytes.
+TEST(FusedStepFmtGpuErrors, NoWorkspaceChangesNothing) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const struct {
+    FusedFmtCase c;
+    const char* message;
+  } cases[] = {
+      {{"gdn_fp8_sr", false, DType::f8e4m3, StateRounding::format_default,
+        deltastate::PoolLayout::per_layer},
+       "gdn_fused_decode_step: float8_e4m3fn states on CUDA run the chain plan (the conv, packed "
+       "decode, the norm), which needs a `workspace` of fused_decode_step_workspace_bytes bytes; "
+       "none was given"},
+      {{"kda_bf16_sr", true, DType::bf16, StateRounding::stochastic,
+        deltastate::PoolLayout::per_layer},
+       "kda_fused_decode_step: bfloat16 states with stochastic rounding on CUDA run the chain plan "
+       "(the conv, packed decode, the norm), which needs a `workspace` of "
+       "fused_decode_step_workspace_bytes bytes; none was given"}};
+  for (const auto& [c, message] : cases) {
+    SCOPED_TRACE(c.name);
+    const LayerCase lc = fmt_layer_case(c);
+    const std::vector<int64_t> idx{3, -1, 1};
+    Rng rng = test_rng();
+    LayerBatch b = make_layer_batch(rng, lc, idx, 4);
+    const QuantPools q =
+        make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 1, 4, blocks_of(0, idx), rng);
+    Mirror dev;
+    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                            &b.bias, &b.z, &b.norm_w, &b.out})
+      dev.upload(*t);
+    for (const Tensor& w : b.win) dev.upload(w);
+    deltastate::FusedDecodeStepArgs a = fmt_args(
+        b, [&](const Tensor& t) { return dev.view(t); }, *q.dev, 0, c.rounding);
+    const auto e = catch_error([&] { b.run_fused(a); });
+    ASSERT_TRUE(e.has_value()) << "no error; expected: " << message;
+    EXPECT_EQ(e->kind(), deltastate::ErrorKind::not_implemented);
+    EXPECT_EQ(std::string(e->what()), message);
+    sync();
+    expect_pools_match(q, c.dtype, {});  // every byte as pushed, the step counter too
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j;
+    EXPECT_EQ(dev.download(b.out).bytes(), b.out.bytes()) << "out";
+  }
+}
+
+// CUDA-graph replay of the fused step on a stochastically rounded float8 pool: a captured call
+// (the chain plan: conv, formatted decode and its step advance, norm) replayed three times
+// advances the device's counter by one each time, and each replay agrees with an eager CPU call
+// from the same pool bytes (the host pool pushed before each replay: one-step tolerances).
+TEST(FusedStepFmtGpuGraph, ReplayAdvancesTheStep) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const FusedFmtCase c{"gdn_fp8_sr", false, DType::f8e4m3, StateRounding::format_default,
+                       deltastate::PoolLayout::per_layer};
+  const LayerCase lc = fmt_layer_case(c);
+  const std::vector<int64_t> idx{2, -1, 0};
+  Rng rng = test_rng();
+  LayerBatch b = make_layer_batch(rng, lc, idx, 4);
+  const QuantPools q =
+      make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 1, 4, blocks_of(0, idx), rng);
+  Mirror dev;
+  for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                          &b.bias, &b.z, &b.norm_w, &b.out})
+    dev.upload(*t);
+  for (const Tensor& w : b.win) dev.upload(w);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  deltastate::FusedDecodeStepArgs a = fmt_args(
+      b, [&](const Tensor& t) { return dev.view(t); }, *q.dev, 0, c.rounding);
+  a.stream = stream;
+  a.pdl = true;
+  a.check_indices = false;
+  DeviceWorkspace ws;
+  ws.attach(a);
+  ASSERT_TRUE(a.workspace.has_value());
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  b.run_fused(a);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  // capture launched nothing: the device counter is where make_quant_pools left it
+  int64_t step = 0;
+  CUDA_CHECK(cudaMemcpy(&step, q.dev->rounding_step(0).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(step, kStep0);
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE("replay " + std::to_string(i));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    deltastate::check_errors();
+    CUDA_CHECK(cudaMemcpy(&step, q.dev->rounding_step(0).data, 8, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(step, kStep0 + i + 1);
+    b.run_fused(fmt_args(b, host_view, *q.host, 0, c.rounding));  // the CPU twin
+    EXPECT_EQ(host_step(q, 0), kStep0 + i + 1);
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j;
+    EXPECT_TRUE(all_close(dev.download(b.out).values(), b.out.values(), Tol{2e-4, 2e-4}, lc.act, 5))
+        << "out";
+    expect_pools_match(q, c.dtype, blocks_of(0, idx));
+    q.push();  // the next replay starts both backends from the CPU's pool
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 // causal_conv1d_update on CUDA against the CPU (shifted, circular, seqlen 3, vLLM layout).
