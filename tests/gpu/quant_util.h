@@ -1,0 +1,237 @@
+// What the quantized-pool GPU tests share (tests/gpu/test_state_format_gpu.cpp,
+// tests/gpu/test_verify_ring_format_gpu.cpp): a host pool in a storage format and its device twin
+// (make_quant_pools), an op's format keywords for one of its layers (format_of), and the device
+// pool against the host pool after the same calls (expect_pools_match, the tolerances from the
+// format's resolution: test_state_format_gpu.cpp's header).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu/gpu_util.h"
+#include "test_util.h"
+
+namespace dstest {
+
+inline double e4m3_value(uint8_t c) {
+  const int e = (c >> 3) & 15, m = c & 7;
+  const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+  return (c & 0x80) ? -v : v;
+}
+
+// A (layer, slot) block of a pool.
+struct Block {
+  int64_t layer, slot;
+};
+inline std::vector<Block> blocks_of(int64_t layer, const std::vector<int64_t>& slots) {
+  std::vector<Block> b;
+  for (int64_t slot : slots)
+    if (slot >= 0) b.push_back({layer, slot});
+  return b;
+}
+
+// A host pool in a quantized format and its device twin: every byte a sentinel (0x5a; with
+// ScaleFill::huge every scale of every layer and slot 1e30 instead, a scale no store writes: a
+// row still holding it was not written), then random codes (no NaN, no -128) and scales in the
+// `live` blocks; stochastic: every layer's step counter at kStep0. push() copies the host pool's
+// bytes onto the device.
+enum class ScaleFill { bytes, huge };
+inline constexpr int64_t kStep0 = 41;
+inline constexpr int64_t kSeed = 1234;
+struct QuantPools {
+  std::unique_ptr<deltastate::StatePool> host, dev;
+  int64_t bytes = 0;
+  bool stochastic = false;
+  void push() const {
+    CUDA_CHECK(
+        cudaMemcpy(dev->data(), host->data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  }
+};
+// Element i of a bf16 or fp16 array, as fp32 and back (to nearest).
+inline float load16(const void* p, DType t, int64_t i) {
+  uint16_t u;
+  std::memcpy(&u, static_cast<const char*>(p) + 2 * i, 2);
+  return t == DType::bf16 ? __bfloat162float(__nv_bfloat16_raw{u}) : __half2float(__half_raw{u});
+}
+inline void store16(void* p, DType t, int64_t i, float v) {
+  const uint16_t u =
+      t == DType::bf16 ? __nv_bfloat16_raw(__float2bfloat16(v)).x : __half_raw(__float2half(v)).x;
+  std::memcpy(static_cast<char*>(p) + 2 * i, &u, 2);
+}
+
+inline QuantPools make_quant_pools(const Shape& s, DType dtype, deltastate::StateRounding rounding,
+                                   deltastate::PoolLayout layout, int64_t layers, int64_t slots,
+                                   const std::vector<Block>& live, Rng& rng, int64_t replay_len = 0,
+                                   bool kda = false, ScaleFill scale_fill = ScaleFill::bytes) {
+  deltastate::StatePoolConfig cfg;
+  if (replay_len > 0) {  // ReplaySSM rings (float32)
+    cfg.replay_len = replay_len;
+    cfg.H = s.H;
+    cfg.kda = kda;
+  }
+  cfg.layers = layers;
+  cfg.slots = slots;
+  cfg.HV = s.HV;
+  cfg.V = s.V;
+  cfg.K = s.K;
+  cfg.state_dtype = dtype;
+  cfg.state_rounding = rounding;
+  cfg.rounding_seed = kSeed;
+  cfg.layout = layout;
+  QuantPools q;
+  q.host = std::make_unique<deltastate::StatePool>(cfg);
+  cfg.device = Device::cuda(0);
+  q.dev = std::make_unique<deltastate::StatePool>(cfg);
+  q.bytes = q.host->total_bytes();
+  q.stochastic = q.host->config().stochastic_rounding();
+  std::memset(q.host->data(), 0x5a, static_cast<size_t>(q.bytes));
+  const bool codes = dtype == DType::f8e4m3 || dtype == DType::i8;
+  if (codes && scale_fill == ScaleFill::huge)
+    for (int64_t l = 0; l < layers; ++l) {
+      const TensorView sc = q.host->layer_scales(l);
+      for (int64_t slot = 0; slot < slots; ++slot)
+        for (int64_t r = 0; r < s.HV * s.V; ++r)
+          static_cast<float*>(sc.data)[slot * sc.stride[0] + r] = 1e30f;
+    }
+  for (const Block& b : live) {
+    const TensorView st = q.host->layer_state(b.layer);
+    if (!codes) {  // a stochastically rounded 16-bit pool: its values, no scales
+      for (int64_t i = 0; i < s.HV * s.V * s.K; ++i)
+        store16(st.data, dtype, b.slot * st.stride[0] + i, static_cast<float>(rng.normal(0.5)));
+      continue;
+    }
+    const TensorView sc = q.host->layer_scales(b.layer);
+    uint8_t* bytes = static_cast<uint8_t*>(st.data) + b.slot * st.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
+      uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
+      if (dtype == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
+      if (dtype == DType::i8 && c == 0x80) c = 0;                // no -128
+      bytes[i] = c;
+    }
+    float* scales = static_cast<float*>(sc.data) + b.slot * sc.stride[0];
+    for (int64_t i = 0; i < s.HV * s.V; ++i)
+      scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (dtype == DType::i8 ? 127 : 448));
+  }
+  if (q.stochastic)
+    for (int64_t l = 0; l < layers; ++l)
+      *static_cast<int64_t*>(q.host->rounding_step(l).data) = kStep0;
+  q.push();
+  return q;
+}
+
+// An op's format keywords for `layer` of pool p (its scales; stochastic: its step counter).
+inline deltastate::StateFormatArgs format_of(const deltastate::StatePool& p, int64_t layer,
+                                             deltastate::StateRounding rounding) {
+  deltastate::StateFormatArgs f;
+  const DType dtype = p.config().state_dtype;
+  if (dtype == DType::f8e4m3 || dtype == DType::i8) f.scales = p.layer_scales(layer);
+  f.rounding = rounding;
+  if (p.config().stochastic_rounding()) {
+    f.step = p.rounding_step(layer);
+    f.seed = kSeed;
+    f.layer = layer;
+  }
+  return f;
+}
+
+inline int64_t host_step(const QuantPools& q, int64_t layer) {
+  return *static_cast<const int64_t*>(q.host->rounding_step(layer).data);
+}
+
+// The device pool against the host pool after the same calls: in the `written` blocks, scales to
+// 1e-4 relative and dequantized codes within one quantum (at most 2% of the codes differing; a
+// 16-bit pool: its values within one unit in the last place, at most 2% differing);
+// every layer's step counter equal; every other byte equal (sentinels, blocks not written) but in
+// the views `apart` (of the host pool; the caller compares them).
+inline void expect_pools_match(const QuantPools& q, DType dtype, const std::vector<Block>& written,
+                               const std::vector<TensorView>& apart = {}) {
+  const deltastate::StatePool &host = *q.host, &dev = *q.dev;
+  const int64_t HV = host.config().HV, V = host.config().V, K = host.config().K;
+  std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
+  CUDA_CHECK(cudaMemcpy(d.data(), dev.data(), d.size(), cudaMemcpyDeviceToHost));
+  const char* hbase = static_cast<const char*>(host.data());
+  const char* dbase = reinterpret_cast<const char*>(d.data());
+  const bool fp8 = dtype == DType::f8e4m3;
+  std::vector<MemRange> allowed;
+  int64_t codes_total = 0, codes_differ = 0;
+  const int64_t esize = dtype_size(dtype);
+  for (const Block& b : written) {
+    SCOPED_TRACE("layer " + std::to_string(b.layer) + " slot " + std::to_string(b.slot));
+    const TensorView st = host.layer_state(b.layer);
+    if (esize == 2) {
+      const int64_t off = static_cast<const char*>(st.data) - hbase + b.slot * st.stride[0] * 2;
+      allowed.push_back({dbase + off, dbase + off + HV * V * K * 2});
+      for (int64_t i = 0; i < HV * V * K; ++i) {
+        const float hv = load16(hbase + off, dtype, i), dv = load16(dbase + off, dtype, i);
+        ++codes_total;
+        if (std::memcmp(&hv, &dv, 4) == 0) continue;
+        ++codes_differ;
+        // One unit in the last place of the larger of the two (bf16: 8 bits, fp16: 11, and
+        // fp16's subnormal step 2^-24 below 2^-14), plus 2^-16 of the row's largest magnitude:
+        // the fp32 math of the two backends differs in its last bits, and an element that
+        // cancels to far below its row's magnitude keeps that absolute difference, which
+        // stochastic rounding can carry past one of its own units. 2^-16 of the row stays
+        // below one unit of the row's largest elements in either format.
+        const double mag = std::max(std::fabs(hv), std::fabs(dv));
+        double ulp = std::ldexp(mag + 1e-30, dtype == DType::bf16 ? -7 : -10);
+        if (dtype != DType::bf16) ulp = std::max(ulp, std::ldexp(1.0, -24));
+        double row_amax = 0.0;
+        for (int64_t j = i - i % K; j < i - i % K + K; ++j)
+          row_amax =
+              std::max(row_amax, static_cast<double>(std::fabs(load16(hbase + off, dtype, j))));
+        ASSERT_LE(std::fabs(dv - hv), ulp * 1.0001 + std::ldexp(row_amax, -16)) << "element " << i;
+      }
+      continue;
+    }
+    const TensorView sc = host.layer_scales(b.layer);
+    const int64_t code_off = static_cast<const char*>(st.data) - hbase + b.slot * st.stride[0];
+    const int64_t scale_off = static_cast<const char*>(sc.data) - hbase + b.slot * sc.stride[0] * 4;
+    allowed.push_back({dbase + code_off, dbase + code_off + HV * V * K});
+    allowed.push_back({dbase + scale_off, dbase + scale_off + HV * V * 4});
+    for (int64_t row = 0; row < HV * V; ++row) {
+      float hs, ds;
+      std::memcpy(&hs, hbase + scale_off + row * 4, 4);
+      std::memcpy(&ds, dbase + scale_off + row * 4, 4);
+      ASSERT_NEAR(ds, hs, 1e-4 * hs) << "scale of row " << row;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t hc = static_cast<uint8_t>(hbase[code_off + row * K + k]);
+        const uint8_t dc = d[static_cast<size_t>(code_off + row * K + k)];
+        ++codes_total;
+        if (hc == dc) continue;
+        ++codes_differ;
+        const double hv = (fp8 ? e4m3_value(hc) : static_cast<int8_t>(hc)) * hs;
+        const double dv = (fp8 ? e4m3_value(dc) : static_cast<int8_t>(dc)) * ds;
+        const double quantum = fp8 ? std::max(std::fabs(hv) * 0.125, hs * std::ldexp(1.0, -9)) : hs;
+        ASSERT_LE(std::fabs(dv - hv), quantum * 1.0001 + 1e-5 * hs * (fp8 ? 448 : 127))
+            << "row " << row << " k " << k;
+      }
+    }
+  }
+  EXPECT_LE(codes_differ, codes_total / 50) << codes_differ << " of " << codes_total;
+  if (q.stochastic) {
+    for (int64_t l = 0; l < host.config().layers; ++l) {
+      const int64_t off = static_cast<const char*>(dev.rounding_step(l).data) -
+                          static_cast<const char*>(dev.data());
+      int64_t got;
+      std::memcpy(&got, dbase + off, 8);
+      EXPECT_EQ(got, host_step(q, l)) << "the device's step counter of layer " << l;
+      allowed.push_back({dbase + off, dbase + off + 8});
+    }
+  }
+  for (const TensorView& v : apart) {
+    const int64_t off = static_cast<const char*>(v.data) - hbase;
+    allowed.push_back({dbase + off, dbase + off + v.numel() * dtype_size(v.dtype)});
+  }
+  EXPECT_TRUE(Snapshot::equal_except(d.data(), host.data(), q.bytes, allowed))
+      << "device pool outside the written blocks' codes and scales";
+}
+
+}  // namespace dstest
