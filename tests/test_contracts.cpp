@@ -1335,39 +1335,10 @@ TEST(Contracts, QuantizedScratch) {
       "`intermediate_states` must have the dtype of `state` (float32); got float16");
 }
 
-// Verify and the state commit run quantized pools on CUDA (verify/fmt.cuh), with two limits of
-// those kernels that the CPU does not have: verify does not record SGLang's cache_ring there, and
-// the commit's rows take K <= 256. NotImplementedError, nothing written.
-TEST(Contracts, QuantizedVerifyAndCommitCudaLimits) {
-  RecurrentFixture rf(false);
-  const int64_t L = 2;
-  Tensor pool = Tensor::contiguous(DType::i8, {4, kRec.HV, kRec.V, kRec.K});
-  Tensor scales = Tensor::contiguous(DType::f32, {4, kRec.HV, kRec.V});
-  Tensor rv = Tensor::contiguous(DType::f32, {4, kRec.HV, L, kRec.V});
-  Tensor rk = Tensor::contiguous(DType::f32, {4, kRec.H, L, kRec.K});
-  Tensor rg = Tensor::contiguous(DType::f32, {4, kRec.HV, L});
-  Tensor rbeta = Tensor::contiguous(DType::f32, {4, kRec.HV, L});
-  pool.fill_all(3);
-  Snapshot before = rf.snapshot();
-  before.add(pool).add(scales).add(rv).add(rk).add(rg).add(rbeta);
-  deltastate::VerifyArgs va = verify_inputs(rf.args, false);
-  va.state = pool.view();
-  va.state_format.scales = scales.view();
-  va.state_indices = rf.idx.view();
-  va.ring_v = rv.view();
-  va.ring_k = rk.view();
-  va.ring_g = rg.view();
-  va.ring_beta = rbeta.view();
-  for (TensorView* t : {&va.q, &va.k, &va.v, &va.g, &va.beta, &va.out, &*va.A_log, &*va.dt_bias,
-                        &va.state, &*va.state_format.scales, &*va.state_indices, &*va.ring_v,
-                        &*va.ring_k, &*va.ring_g, &*va.ring_beta})
-    *t = on_cuda(*t);
-  expect_error([&] { deltastate::verify(va); },
-               "verify: cache_ring with a quantized or stochastically rounded `state` (here int8) "
-               "is not built for the CUDA backend yet (issue #36); the CPU backend runs it",
-               ErrorKind::not_implemented);
-  EXPECT_TRUE(before.unchanged());
-
+// Verify and the state commit run quantized pools on CUDA (verify/fmt.cuh; verify with SGLang's
+// cache_ring too, tests/gpu/test_verify_gpu.cpp), with one limit of those kernels that the CPU does
+// not have: the commit's rows take K <= 256. NotImplementedError, nothing written.
+TEST(Contracts, QuantizedCommitCudaLimit) {
   const int64_t K = 320;
   Tensor st = Tensor::contiguous(DType::f8e4m3, {4, 1, 2, K});
   Tensor sc = Tensor::contiguous(DType::f32, {4, 1, 2});

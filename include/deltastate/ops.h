@@ -51,7 +51,7 @@ namespace deltastate {
 // updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
 // checkpoint), the chunked prefill (a pool), speculative verify (float or quantized scratch)
 // and its state commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
-// src/cuda/recurrent/direct.cuh), verify (not with cache_ring) and its state commit (generic
+// src/cuda/recurrent/direct.cuh), verify (cache_ring included) and its state commit (generic
 // kernels, src/cuda/verify/fmt.cuh), ReplaySSM decode's checkpoint (basic rings;
 // replay_fmt_kernel, src/cuda/replayssm/decode.cuh) and the chunked prefill (a pool; every prefill
 // kernel's state I/O) on them, and rejects them in every other op (NotImplementedError). GPU
