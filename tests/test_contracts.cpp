@@ -1166,26 +1166,6 @@ TEST(Contracts, StateFormatKda) { expect_rejections(state_format_cases(true), tr
 // What the CUDA backend does not take quantized states in yet; ops without a quantized path reject
 // such a state by name. NotImplementedError, nothing written.
 TEST(Contracts, StateFormatNotBuiltYet) {
-  // ReplaySSM decode's quantized checkpoint runs on CUDA with the basic rings, not SGLang's ring
-  // modes (their kernel has no formatted path)
-  ReplayModeFixture f(true);
-  const Snapshot before = f.snapshot();
-  ReplayDecodeArgs a = f.args;
-  a.prefix_gate_cache = a.predecayed_k_cache = false;  // (pre-decayed keys need an fp32 state)
-  a.state = with_dtype(a.state, DType::i8);
-  Tensor qscales = Tensor::contiguous(DType::f32, {a.state.shape[0], kSquare.HV, kSquare.V});
-  a.state_format.scales = qscales.view();
-  for (TensorView* t : {&a.mixed_qkv, &a.a, &a.b, &a.A_log, &a.dt_bias, &a.state, &a.d_cache,
-                        &a.k_cache, &a.g_cache, &a.out, &a.state_indices, &a.write_pos,
-                        &*a.force_flush, &*a.state_format.scales, &*a.cache_base})
-    *t = on_cuda(*t);
-  expect_error([&] { f.run(a); },
-               "fused_recurrent_linear_replayssm_decode: SGLang's ring modes (circular replay, "
-               "prefix gates, pre-decayed keys) with a quantized or stochastically rounded "
-               "checkpoint (here int8) are not built for the CUDA backend yet (issue #36); the CPU "
-               "backend runs them",
-               ErrorKind::not_implemented);
-  EXPECT_TRUE(before.unchanged());
   // the recurrent op: a quantized pool only V-first, in place, without final_state
   RecurrentFixture rf(false);
   const Snapshot rbefore = rf.snapshot();
@@ -1198,7 +1178,6 @@ TEST(Contracts, StateFormatNotBuiltYet) {
                "(ssm_state_indices, no final_state) for now (issue #36)",
                ErrorKind::not_implemented);
   EXPECT_TRUE(rbefore.unchanged());
-  EXPECT_TRUE(before.unchanged());
 }
 
 // A quantized verify scratch (intermediate_states in float8_e4m3fn / int8 with its fp32
@@ -1335,39 +1314,10 @@ TEST(Contracts, QuantizedScratch) {
       "`intermediate_states` must have the dtype of `state` (float32); got float16");
 }
 
-// Verify and the state commit run quantized pools on CUDA (verify/fmt.cuh), with two limits of
-// those kernels that the CPU does not have: verify does not record SGLang's cache_ring there, and
-// the commit's rows take K <= 256. NotImplementedError, nothing written.
-TEST(Contracts, QuantizedVerifyAndCommitCudaLimits) {
-  RecurrentFixture rf(false);
-  const int64_t L = 2;
-  Tensor pool = Tensor::contiguous(DType::i8, {4, kRec.HV, kRec.V, kRec.K});
-  Tensor scales = Tensor::contiguous(DType::f32, {4, kRec.HV, kRec.V});
-  Tensor rv = Tensor::contiguous(DType::f32, {4, kRec.HV, L, kRec.V});
-  Tensor rk = Tensor::contiguous(DType::f32, {4, kRec.H, L, kRec.K});
-  Tensor rg = Tensor::contiguous(DType::f32, {4, kRec.HV, L});
-  Tensor rbeta = Tensor::contiguous(DType::f32, {4, kRec.HV, L});
-  pool.fill_all(3);
-  Snapshot before = rf.snapshot();
-  before.add(pool).add(scales).add(rv).add(rk).add(rg).add(rbeta);
-  deltastate::VerifyArgs va = verify_inputs(rf.args, false);
-  va.state = pool.view();
-  va.state_format.scales = scales.view();
-  va.state_indices = rf.idx.view();
-  va.ring_v = rv.view();
-  va.ring_k = rk.view();
-  va.ring_g = rg.view();
-  va.ring_beta = rbeta.view();
-  for (TensorView* t : {&va.q, &va.k, &va.v, &va.g, &va.beta, &va.out, &*va.A_log, &*va.dt_bias,
-                        &va.state, &*va.state_format.scales, &*va.state_indices, &*va.ring_v,
-                        &*va.ring_k, &*va.ring_g, &*va.ring_beta})
-    *t = on_cuda(*t);
-  expect_error([&] { deltastate::verify(va); },
-               "verify: cache_ring with a quantized or stochastically rounded `state` (here int8) "
-               "is not built for the CUDA backend yet (issue #36); the CPU backend runs it",
-               ErrorKind::not_implemented);
-  EXPECT_TRUE(before.unchanged());
-
+// Verify and the state commit run quantized pools on CUDA (verify/fmt.cuh; verify with SGLang's
+// cache_ring too, tests/gpu/test_verify_gpu.cpp), with one limit of those kernels that the CPU does
+// not have: the commit's rows take K <= 256. NotImplementedError, nothing written.
+TEST(Contracts, QuantizedCommitCudaLimit) {
   const int64_t K = 320;
   Tensor st = Tensor::contiguous(DType::f8e4m3, {4, 1, 2, K});
   Tensor sc = Tensor::contiguous(DType::f32, {4, 1, 2});

@@ -51,9 +51,10 @@ namespace deltastate {
 // updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
 // checkpoint), the chunked prefill (a pool), speculative verify (float or quantized scratch)
 // and its state commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
-// src/cuda/recurrent/direct.cuh), verify (not with cache_ring) and its state commit (generic
-// kernels, src/cuda/verify/fmt.cuh), ReplaySSM decode's checkpoint (basic rings;
-// replay_fmt_kernel, src/cuda/replayssm/decode.cuh) and the chunked prefill (a pool; every prefill
+// src/cuda/recurrent/direct.cuh), verify (cache_ring included) and its state commit (generic
+// kernels, src/cuda/verify/fmt.cuh), ReplaySSM decode's checkpoint (basic rings:
+// replay_fmt_kernel, src/cuda/replayssm/decode.cuh; SGLang's ring modes: replay_modes_kernel<true>,
+// src/cuda/replayssm/modes.cuh) and the chunked prefill (a pool; every prefill
 // kernel's state I/O) on them, and rejects them in every other op (NotImplementedError). GPU
 // tests: tests/gpu/test_state_format_gpu.cpp (packed decode's pass on an H100; the others' have
 // not run on a GPU yet).
@@ -188,8 +189,8 @@ struct ReplayDecodeArgs {
   TensorView mixed_qkv, a, b, A_log, dt_bias;
   std::optional<double> scale;  // unset: K^-0.5
   TensorView state, d_cache, k_cache, g_cache;
-  // the checkpoint's format (above); the rings stay float. CUDA: the basic rings only (not
-  // circular_replay, prefix_gate_cache or predecayed_k_cache with a formatted checkpoint).
+  // the checkpoint's format (above); the rings stay float. CUDA: the basic rings and SGLang's
+  // ring modes alike.
   StateFormatArgs state_format;
   TensorView out;
   TensorView state_indices, write_pos;

@@ -348,15 +348,8 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   }
   const char* op_name = args.helion ? "helion_fused_recurrent_kda_replayssm_decode"
                                     : "fused_recurrent_linear_replayssm_decode";
-  // A checkpoint in its storage format runs on the generic kernel's formatted instantiation on
-  // CUDA (basic rings); SGLang's ring modes run on another kernel, not built for it.
-  if (!on_cpu && (is_quantized(state.dtype) || pool.stochastic) &&
-      (rm.circular || rm.prefix_gates || rm.predecayed_k))
-    throw Error(ErrorKind::not_implemented,
-                format("%s: SGLang's ring modes (circular replay, prefix gates, pre-decayed keys) "
-                       "with a quantized or stochastically rounded checkpoint (here %s) are not "
-                       "built for the CUDA backend yet (issue #36); the CPU backend runs them",
-                       op_name, dtype_name(state.dtype)));
+  // A checkpoint in its storage format runs on CUDA on the generic kernel's formatted
+  // instantiation (basic rings) or the modes kernel's (SGLang's ring modes).
   check_state_format_backend(op_name, pool, c.common_device(), /*cuda_built=*/true);
   if (!on_cpu) {
     require_cuda_k(K);

@@ -357,14 +357,6 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
     p.ring_len = static_cast<int32_t>(L);
   }
   c.check_devices("All inputs must be on the same device", true);
-  // A pool in its storage format runs on the CUDA backend's generic formatted-state kernel, which
-  // does not record SGLang's cache_ring.
-  if (r.device.type == DeviceType::cuda && (quantized || r.state.stochastic) && any_ring)
-    throw Error(ErrorKind::not_implemented,
-                format("verify: cache_ring with a quantized or stochastically rounded `state` "
-                       "(here %s%s) is not built for the CUDA backend yet (issue #36); the CPU "
-                       "backend runs it",
-                       dtype_name(args.state.dtype), quantized ? "" : ", stochastic"));
   check_state_format_backend("verify", r.state, r.device, /*cuda_built=*/true);
 
   const bool on_cpu = r.device.type == DeviceType::cpu;

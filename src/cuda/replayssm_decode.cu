@@ -148,27 +148,32 @@ size_t mode_smem_checked(const ReplayProblem& p, int m_max) {
   return static_cast<size_t>(bytes);
 }
 
+// FMT: a checkpoint in its storage format (replay_modes_kernel<true>), the step counter advanced
+// after the grid, once per call (as the CPU's).
+template <bool FMT>
 void launch_modes(const ReplayProblem& p, cudaStream_t stream, bool run) {
   const size_t bytes = mode_smem_checked(p, p.L);
   if (!run) return;
   if (bytes > 48 * 1024) {
     static PerDeviceOnce opted;
     opted.get(p.device.index, [&p] {
-      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_modes_kernel,
+      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_modes_kernel<FMT>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          max_smem_optin(p.device.index)));
       return 1;
     });
   }
   dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV));
-  launch_kernel(replay_modes_kernel, grid, kModeThreads, bytes, stream, p.pdl,
+  launch_kernel(replay_modes_kernel<FMT>, grid, kModeThreads, bytes, stream, p.pdl,
                 with_pdl_trigger(p, static_cast<int64_t>(p.B) * p.HV, 8));
+  if (FMT && p.state.stochastic)
+    launch_kernel(advance_rounding_step, 1u, 1u, 0, stream, false, p.state.step, 1);
 }
 
 }  // namespace
 
 // A checkpoint in its storage format (quantized, or rounded stochastically): the generic kernel's
-// FMT instantiation (basic rings only: the contract rejects the ring modes with it on CUDA).
+// FMT instantiation, or with SGLang's ring modes the modes kernel's.
 bool formatted(const ReplayProblem& p) { return is_quantized(p.state.dtype) || p.state.stochastic; }
 
 void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
@@ -176,7 +181,8 @@ void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
   ReplayProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
-  if (ring_modes(p)) return launch_modes(p, s, true);
+  if (ring_modes(p))
+    return formatted(p) ? launch_modes<true>(p, s, true) : launch_modes<false>(p, s, true);
   if (formatted(p)) {
     launch<float, 256, false, AnyInput, true>(p, s, true);
     // the step counter, once per call (as the CPU's), after the grid
@@ -189,7 +195,7 @@ void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
 
 void check_replayssm_decode_launch(const ReplayProblem& p) {
   DeviceGuard guard(p.device.index);
-  if (ring_modes(p)) return launch_modes(p, nullptr, false);
+  if (ring_modes(p)) return launch_modes<false>(p, nullptr, false);  // (the check only)
   if (formatted(p)) return launch<float, 256, false, AnyInput, true>(p, nullptr, false);
   with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, nullptr, false); });
 }

@@ -157,8 +157,12 @@ void run_verify(const VerifyProblem& problem, void* stream) {
     const DirectGrid g = direct_grid(tiles, p.r.device.index,
                                      "verify: too many tiles for one launch", kVerifyFmtCtasPerSm);
     p.r = with_pdl_trigger(p.r, g.ctas, g.resident);
-    launch_kernel(verify_fmt_kernel<256>, static_cast<unsigned>(g.ctas), g.warps * 32, 0, s,
-                  p.r.pdl, p, wph);
+    if (p.ring_v)
+      launch_kernel(verify_fmt_kernel<256, true>, static_cast<unsigned>(g.ctas), g.warps * 32, 0, s,
+                    p.r.pdl, p, wph);
+    else
+      launch_kernel(verify_fmt_kernel<256, false>, static_cast<unsigned>(g.ctas), g.warps * 32, 0,
+                    s, p.r.pdl, p, wph);
   }
   if (p.r.state.stochastic)
     launch_kernel(advance_rounding_step, 1u, 1u, 0, s, false, p.r.state.step, 1);

@@ -42,28 +42,6 @@ using deltastate::StatePool;
 using deltastate::StatePoolConfig;
 using deltastate::StateRounding;
 
-// A host pool's view read from a byte copy `copy` of the pool (the device's, downloaded).
-std::vector<double> values_in_copy(const StatePool& host, const TensorView& v,
-                                   const std::vector<uint8_t>& copy) {
-  TensorView c = v;
-  c.data = const_cast<uint8_t*>(copy.data()) +
-           (static_cast<const char*>(v.data) - static_cast<const char*>(host.data()));
-  return view_values(c, 0, v.numel());
-}
-
-// A decode batch's device outputs against the CPU's: a padded row's zero.
-void expect_decode_outputs(Mirror& m, const DecodeBatch& batch, const std::vector<int64_t>& slots) {
-  const Tensor out = m.download(batch.out);
-  const int64_t HV = out.size(2), V = out.size(3);
-  for (int64_t r = 0; r < batch.B; ++r) {
-    std::vector<double> g;
-    for (int64_t hv = 0; hv < HV; ++hv)
-      for (int64_t v = 0; v < V; ++v) g.push_back(out.get({r, 0, hv, v}));
-    if (slots[r] < 0) EXPECT_TRUE(all_zero(g)) << "padded row " << r;
-    else EXPECT_TRUE(close_vs_cpu(g, batch.out_row(r), kOutTol, bf16)) << "output row " << r;
-  }
-}
-
 struct QuantCase {
   const char* name;
   bool kda;

@@ -21,6 +21,7 @@
 #include "core/problem.h"
 #include "cuda/grid.cuh"
 #include "cuda/replayssm/ring.cuh"
+#include "cuda/state_format.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -101,6 +102,13 @@ __device__ __forceinline__ float mode_rebuilt(float s0, int i, int v, int m, int
   return s;
 }
 
+// FMT: a checkpoint in its storage format (quantized, or rounded stochastically;
+// docs/STATE_FORMATS.md) through cuda/state_format.cuh's element rules: its elements loaded
+// dequantized; a row stored (a fold, a history checkpoint) formed once more per pass, for its
+// amax (quantized), then each element with the row's fresh scale and the slot's key, the scale
+// written last (the row's loads read the old one until then). The step counter advances after the
+// grid.
+template <bool FMT>
 __global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail::ReplayProblem p) {
   enter_grid(p.pdl_trigger_early);
   extern __shared__ __align__(16) unsigned char mode_smem_bytes[];
@@ -232,15 +240,36 @@ __global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail
   const int64_t row0 = slot * p.state.slot_stride + int64_t{hv} * V * K;
   const int64_t d_ring = (slot * HV + hv) * int64_t{L} * V;
   const int64_t pos = detail::replay_position(base, m, L);  // an appended record's position
+  fmt::HeadRows fh;                                         // FMT: the head's rows, scales and key
+  if constexpr (FMT) fh = fmt::head_rows(p.state, slot, hv, V, K);
+  auto load_s0 = [&](int v, int i) {  // checkpoint element (v, i)
+    if constexpr (FMT) return fmt::load_elem(p.state.ptr, p.state.dtype, fh, v, int64_t{v} * K + i);
+    else return detail::load_float(p.state.ptr, p.state.dtype, row0 + int64_t{v} * K + i);
+  };
+  // FMT: row v stored, element i formed by value(i) (for the amax, then for the store)
+  auto store_row_fmt = [&](int v, auto&& value) {
+    float scale = 0.0f;
+    if (fh.scales) {
+      float amax = 0.0f;
+      for (int i = 0; i < K; ++i) amax = detail::amax_step(amax, value(i));
+      scale = fmt::fresh_scale(p.state.dtype, amax);
+    }
+    for (int i = 0; i < K; ++i)
+      fmt::store_elem(p.state.ptr, p.state.dtype, fh, int64_t{v} * K + i, value(i), scale);
+    if (fh.scales) fh.scales[v] = scale;
+  };
   for (int v = threadIdx.x; v < V; v += blockDim.x) {
     const int64_t row = row0 + int64_t{v} * K;
     const float vv = detail::load_float(p.v.ptr, p.v.dtype, detail::head_offset(p.v, n, 0, hv) + v);
+    auto rebuilt = [&](int i) {
+      return mode_rebuilt(load_s0(v, i), i, v, m, K, s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring,
+                          base, L, V);
+    };
     float sk = 0.0f, sq = 0.0f;
     if (full || history) {
       for (int i = 0; i < K; ++i) {
-        float s = mode_rebuilt(detail::load_float(p.state.ptr, p.state.dtype, row + i), i, v, m, K,
-                               s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring, base, L, V);
-        if (history) detail::store_float(p.state.ptr, p.state.dtype, row + i, s);
+        float s = rebuilt(i);
+        if (!FMT && history) detail::store_float(p.state.ptr, p.state.dtype, row + i, s);
         if (full) {
           s *= s_alpha[i];
           sk += s * s_k[i];
@@ -250,9 +279,12 @@ __global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail
           sq += s * (s_alpha[i] * s_q[i]);
         }
       }
+      if constexpr (FMT) {
+        if (history) store_row_fmt(v, rebuilt);
+      }
     } else {
       for (int i = 0; i < K; ++i) {
-        const float s0 = detail::load_float(p.state.ptr, p.state.dtype, row + i);
+        const float s0 = load_s0(v, i);
         sk += s0 * (s_e[i] * (s_alpha[i] * s_k[i]));
         sq += s0 * (s_e[i] * (s_alpha[i] * s_q[i]));
       }
@@ -267,12 +299,17 @@ __global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail
     detail::store_float(p.out.ptr, p.out.dtype, detail::head_offset(p.out, n, 0, hv) + v,
                         detail::delta_output(sq, u, kq));
     if (full) {  // S0 <- alpha*S + u*k (the rebuild formed again, the same values)
-      for (int i = 0; i < K; ++i) {
-        float s = mode_rebuilt(detail::load_float(p.state.ptr, p.state.dtype, row + i), i, v, m, K,
-                               s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring, base, L, V);
+      auto folded = [&](int i) {
+        float s = rebuilt(i);
         s = s * s_alpha[i];
         s += u * s_k[i];
-        detail::store_float(p.state.ptr, p.state.dtype, row + i, s);
+        return s;
+      };
+      if constexpr (FMT) {
+        store_row_fmt(v, folded);
+      } else {
+        for (int i = 0; i < K; ++i)
+          detail::store_float(p.state.ptr, p.state.dtype, row + i, folded(i));
       }
     } else {
       detail::store_float(p.d_cache, p.d_dtype, d_ring + pos * V + v, u);

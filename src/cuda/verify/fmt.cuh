@@ -9,8 +9,9 @@
 //                      one-slot pool, fresh row scales, the key of scratch_key_slot(entry)) and
 //                      to its per-token pool slot (quantized, the slot's key), tree tokens
 //                      reloaded from the scratch (dequantized), the final state stored
-//                      quantized. No source pool and no cache_ring here (the
-//                      contract rejects them on CUDA).
+//                      quantized; SGLang's cache_ring (float rings) recorded as the
+//                      float kernels record it (record_ring_fmt). No source pool here
+//                      (the contract rejects it).
 //   commit_fmt_kernel  each accepted scratch state requantized into its slot: one warp per state
 //                      row, the row's amax a shuffle reduction, layer l's bits keyed by (seed,
 //                      slot, layer0 + l, steps[l]); a quantized scratch entry of the state's
@@ -77,15 +78,73 @@ __device__ __forceinline__ int64_t scratch_at(const VerifyProblem& vp, const Dir
   return row * vp.inter_row_stride + step * vp.inter_step_stride + d.c.hv * head_elems + d.kofs;
 }
 
-// Verify's work around each token (run_tokens' hooks): a tree token's start state, and the state
-// after each token into the scratch row's step and its per-token pool slot.
+// SGLang's cache_ring (VerifyProblem::ring_*; the rings stay float, whatever the pool's format):
+// token t's raw inputs at ring position t of the sequence's slot `home`, as the float kernels
+// record them (multi_token.cuh prepare_token, the CPU's src/cpu/verify.cpp): raw v of the warp's
+// rows; by the head's first tile, raw k (the first value head of each key head), the log decay g
+// (token_gate, the step's own) and beta. Read again from the inputs, not run_tokens' registers.
 template <int G, int EPL, int R, int RG>
+__device__ __forceinline__ void record_ring_fmt(const VerifyProblem& vp, const DirectTile& d,
+                                                const GateConsts<EPL>& gc, int64_t home,
+                                                int64_t t) {
+  const RecurrentProblem& p = vp.r;
+  const int64_t tok = d.tok0 + t, L = vp.ring_len;
+  const int64_t ring_at = (home * p.HV + d.c.hv) * L + t;  // [home, hv, t]
+  if (d.lane % G == 0) {
+    const int64_t v_off = head_offset(p.v, d.seq, tok, d.c.hv);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = d.c.row0 + r * RG;
+      if (row < p.V)
+        detail::store_float(vp.ring_v, vp.ring_v_dtype, ring_at * p.V + row,
+                            detail::load_float(p.v.ptr, p.v.dtype, v_off + row));
+    }
+  }
+  if (d.c.row0 >= RG || d.lane >= G) return;  // k, g, beta: the head's first tile, one row group
+  if (d.c.hv % (p.HV / p.H) == 0) {
+    const int64_t k_off = head_offset(p.k, d.seq, tok, d.c.h) + d.kofs;
+    const int64_t at = ((home * p.H + d.c.h) * L + t) * p.K + d.kofs;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      if (i < d.valid)
+        detail::store_float(vp.ring_k, vp.ring_k_dtype, at + i,
+                            detail::load_float(p.k.ptr, p.k.dtype, k_off + i));
+  }
+  const int64_t g_off = head_offset(p.g, d.seq, tok, d.c.hv);
+  float graw[EPL], g[EPL], alpha[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i)
+    graw[i] = (p.gate.kda ? i < d.valid : i == 0)
+                  ? detail::load_float(p.g.ptr, p.g.dtype, g_off + (p.gate.kda ? d.kofs + i : 0))
+                  : 0.0f;
+  token_gate(p.gate, gc, graw, g, alpha);
+  if (p.gate.kda) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      if (i < d.valid) vp.ring_g[ring_at * p.K + d.kofs + i] = g[i];
+  } else if (d.lane == 0) {
+    vp.ring_g[ring_at] = g[0];
+  }
+  if (d.lane == 0)
+    vp.ring_beta[ring_at] = detail::beta_value(
+        detail::load_float(p.beta.ptr, p.beta.dtype, head_offset(p.beta, d.seq, tok, d.c.hv)),
+        p.beta_is_logit, p.round_beta, p.beta.dtype);
+}
+
+// Verify's work around each token (run_tokens' hooks): the token's cache_ring records (RING), a
+// tree token's start state, and the state after each token into the scratch row's step and its
+// per-token pool slot.
+template <int G, int EPL, int R, int RG, bool RING>
 struct VerifyFmtHooks {
   const VerifyProblem& vp;
   const DirectTile& d;
+  const GateConsts<EPL>& gc;
   int64_t start, row;  // the start slot; the scratch row (< 0: none)
   uint64_t step;       // the rounding key's step, read once per call
   __device__ __forceinline__ void before(int64_t t, float (&S)[R][EPL]) const {
+    if constexpr (RING) {
+      if (d.slot >= 0 && t < vp.ring_len) record_ring_fmt<G, EPL, R, RG>(vp, d, gc, d.slot, t);
+    }
     if (!vp.parents.ptr || row < 0 || t == 0) return;
     const int64_t parent = vp.parents.at(d.c.n, t);
     if (parent == t - 1) return;  // its state is the one in registers
@@ -159,7 +218,8 @@ struct VerifyFmtHooks {
   }
 };
 
-template <int KT>
+// RING: SGLang's cache_ring recorded (its own instantiation, as the float kernels' MultiRing).
+template <int KT, bool RING>
 __global__ void __launch_bounds__(128, kVerifyFmtCtasPerSm)
     verify_fmt_kernel(const VerifyProblem vp, int warps_per_head) {
   const RecurrentProblem& p = vp.r;
@@ -193,7 +253,7 @@ __global__ void __launch_bounds__(128, kVerifyFmtCtasPerSm)
   float S[R][EPL];
   load_rows_fmt<EPL, R, RG>(p, d, start, S);
   const uint64_t step = p.state.stochastic ? static_cast<uint64_t>(*p.state.step) : 0;
-  const VerifyFmtHooks<G, EPL, R, RG> hooks{vp, d, start, row, step};
+  const VerifyFmtHooks<G, EPL, R, RG, RING> hooks{vp, d, gc, start, row, step};
   run_tokens<AnyInput, G, EPL, R, RG>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, S, x,
                                       gc, hooks);
   if (p.update_state && !vp.token_slots.ptr && d.len > 0) {
