@@ -467,7 +467,10 @@ int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args);
 //            (the scratch row of each sequence), update_state = false (disable_state_update);
 //            parent_tokens [N, T] (retrieve_parent_token) makes it an EAGLE tree: token t > 0
 //            starts from the state after token parent[t] (< 0: from the initial state), read
-//            back from its scratch row; a sequence without a scratch row runs as a chain.
+//            back from its scratch row; a sequence without a scratch row runs as a chain. A
+//            parent < 0 re-reads the start slot: combined with vLLM's per-token slots (below)
+//            whose start slot is also a slot the call writes (num_accepted_tokens[n] - 1 <
+//            T), it reads what the call stored there, not the initial state.
 //   FlashInfer  intermediate_states [>= B, T_alloc, HV, V, K] indexed by batch row (no
 //            intermediate_state_indices); or token_state_indices [B, T] (its ssm_state_indices):
 //            the state after token t goes to pool slot token_state_indices[n, t] and the final
