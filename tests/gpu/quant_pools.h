@@ -31,6 +31,17 @@ inline double e4m3_value(uint8_t c) {
   const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
   return (c & 0x80) ? -v : v;
 }
+// A code's value before its scale (f8e4m3 or i8).
+inline double code_value(uint8_t c, DType t) {
+  return t == DType::f8e4m3 ? e4m3_value(c) : static_cast<double>(static_cast<int8_t>(c));
+}
+// A random finite code of dtype t (no NaN, no -128).
+inline uint8_t random_code(Rng& rng, DType t) {
+  uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
+  if (t == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;
+  if (t == DType::i8 && c == 0x80) c = 0;
+  return c;
+}
 
 // A (layer, slot) block of a pool.
 struct Block {
@@ -40,6 +51,13 @@ inline std::vector<Block> blocks_of(int64_t layer, const std::vector<int64_t>& s
   std::vector<Block> b;
   for (int64_t slot : slots)
     if (slot >= 0) b.push_back({layer, slot});
+  return b;
+}
+// The slots' blocks in every layer of `layers`, layer by layer.
+inline std::vector<Block> blocks_in_layers(int64_t layers, const std::vector<int64_t>& slots) {
+  std::vector<Block> b;
+  for (int64_t l = 0; l < layers; ++l)
+    for (const Block& x : blocks_of(l, slots)) b.push_back(x);
   return b;
 }
 
@@ -58,6 +76,11 @@ struct QuantPools {
   void push() const {
     CUDA_CHECK(
         cudaMemcpy(dev->data(), host->data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  }
+  std::vector<uint8_t> device_bytes() const {
+    std::vector<uint8_t> d(static_cast<size_t>(bytes));
+    CUDA_CHECK(cudaMemcpy(d.data(), dev->data(), d.size(), cudaMemcpyDeviceToHost));
+    return d;
   }
 };
 // Element i of a bf16 or fp16 array, as fp32 and back (to nearest).
@@ -115,12 +138,7 @@ inline QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding ro
     }
     const TensorView sc = q.host->layer_scales(b.layer);
     uint8_t* bytes = static_cast<uint8_t*>(st.data) + b.slot * st.stride[0];
-    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) {
-      uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
-      if (dtype == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
-      if (dtype == DType::i8 && c == 0x80) c = 0;                // no -128
-      bytes[i] = c;
-    }
+    for (int64_t i = 0; i < s.HV * s.V * s.K; ++i) bytes[i] = random_code(rng, dtype);
     float* scales = static_cast<float*>(sc.data) + b.slot * sc.stride[0];
     for (int64_t i = 0; i < s.HV * s.V; ++i)
       scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (dtype == DType::i8 ? 127 : 448));
@@ -212,8 +230,8 @@ inline void expect_pools_match(const QuantPools& q, DType dtype, const std::vect
         ++codes_total;
         if (hc == dc) continue;
         ++codes_differ;
-        const double hv = (fp8 ? e4m3_value(hc) : static_cast<int8_t>(hc)) * hs;
-        const double dv = (fp8 ? e4m3_value(dc) : static_cast<int8_t>(dc)) * ds;
+        const double hv = code_value(hc, dtype) * hs;
+        const double dv = code_value(dc, dtype) * ds;
         const double quantum = fp8 ? std::max(std::fabs(hv) * 0.125, hs * std::ldexp(1.0, -9)) : hs;
         ASSERT_LE(std::fabs(dv - hv), quantum * 1.0001 + 1e-5 * hs * (fp8 ? 448 : 127))
             << "row " << row << " k " << k;

@@ -25,94 +25,21 @@
 #include <vector>
 
 #include "gpu/gpu_util.h"
+#include "gpu/quant_pools.h"
 #include "test_util.h"
 
 namespace dstest {
 namespace {
 
-using deltastate::StatePool;
-using deltastate::StatePoolConfig;
-using deltastate::StateRounding;
-
-constexpr int64_t kSeed = 77, kStep0 = 13;
 constexpr uint8_t kCodeSentinel = 0x5a;
 constexpr float kScaleSentinel = 1e30f;
 
-double e4m3_value(uint8_t c) {
-  const int e = (c >> 3) & 15, m = c & 7;
-  const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
-  return (c & 0x80) ? -v : v;
-}
-double code_value(uint8_t c, DType t) {
-  return t == DType::f8e4m3 ? e4m3_value(c) : static_cast<double>(static_cast<int8_t>(c));
-}
-// A random finite code of dtype t (no NaN, no -128).
-uint8_t random_code(Rng& rng, DType t) {
-  uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
-  if (t == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;
-  if (t == DType::i8 && c == 0x80) c = 0;
-  return c;
-}
-
-// A quantized pool on the host and its device twin: every byte a sentinel, random codes and
-// scales in the `live` slots of every layer, every stochastic step counter at kStep0.
-struct Pools {
-  std::unique_ptr<StatePool> host, dev;
-  int64_t bytes = 0;
-  void push() const {
-    CUDA_CHECK(
-        cudaMemcpy(dev->data(), host->data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
-  }
-  std::vector<uint8_t> device_bytes() const {
-    std::vector<uint8_t> d(static_cast<size_t>(bytes));
-    CUDA_CHECK(cudaMemcpy(d.data(), dev->data(), d.size(), cudaMemcpyDeviceToHost));
-    return d;
-  }
-};
-Pools make_pools(const Shape& s, DType dtype, StateRounding rounding, int64_t layers, int64_t slots,
-                 const std::vector<int64_t>& live, Rng& rng) {
-  StatePoolConfig cfg;
-  cfg.layers = layers;
-  cfg.slots = slots;
-  cfg.HV = s.HV;
-  cfg.V = s.V;
-  cfg.K = s.K;
-  cfg.state_dtype = dtype;
-  cfg.state_rounding = rounding;
-  cfg.rounding_seed = kSeed;
-  cfg.layout = deltastate::PoolLayout::envelope;
-  Pools p;
-  p.host = std::make_unique<StatePool>(cfg);
-  cfg.device = Device::cuda(0);
-  p.dev = std::make_unique<StatePool>(cfg);
-  p.bytes = p.host->total_bytes();
-  std::memset(p.host->data(), kCodeSentinel, static_cast<size_t>(p.bytes));
-  for (int64_t l = 0; l < layers; ++l) {
-    const TensorView st = p.host->layer_state(l), sc = p.host->layer_scales(l);
-    for (int64_t slot : live) {
-      uint8_t* codes = static_cast<uint8_t*>(st.data) + slot * st.stride[0];
-      for (int64_t i = 0; i < s.state_elems(); ++i) codes[i] = random_code(rng, dtype);
-      float* scales = static_cast<float*>(sc.data) + slot * sc.stride[0];
-      for (int64_t i = 0; i < int64_t{s.HV} * s.V; ++i)
-        scales[i] = static_cast<float>(rng.uniform(0.1, 1.0) / (dtype == DType::i8 ? 127 : 448));
-    }
-    if (p.host->config().stochastic_rounding())
-      *static_cast<int64_t*>(p.host->rounding_step(l).data) = kStep0;
-  }
-  p.push();
-  return p;
-}
-
-deltastate::StateFormatArgs format_of(const StatePool& p, int64_t layer, StateRounding rounding) {
-  deltastate::StateFormatArgs f;
-  f.scales = p.layer_scales(layer);
-  f.rounding = rounding;
-  if (p.config().stochastic_rounding()) {
-    f.step = p.rounding_step(layer);
-    f.seed = kSeed;
-    f.layer = layer;
-  }
-  return f;
+// A quantized host pool and its device twin (quant_pools.h) in the envelope layout: sentinels,
+// random codes and scales in the `live` slots of every layer, the step counters at kStep0.
+QuantPools make_pools(const Shape& s, DType dtype, StateRounding rounding, int64_t layers,
+                      int64_t slots, const std::vector<int64_t>& live, Rng& rng) {
+  return make_quant_pools(s, dtype, rounding, deltastate::PoolLayout::envelope, layers, slots,
+                          blocks_in_layers(layers, live), rng);
 }
 
 // A quantized scratch: codes [lead..., HV, V, K] (sentinel bytes) and scales [lead..., HV, V]
@@ -194,7 +121,7 @@ TEST_P(GpuQuantizedScratchVerify, MatchesCpu) {
   const Shape s = c.shape;
   const bool tree = c.mode == ScratchMode::tree;
   Rng rng = test_rng();
-  const Pools p = make_pools(s, c.pool, c.rounding, 2, kSlots, {5, 2, 9}, rng);
+  const QuantPools p = make_pools(s, c.pool, c.rounding, 2, kSlots, {5, 2, 9}, rng);
   RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, c.kda, bf16, kN, kT));
   Tensor idx = index_tensor(kIdx), rows = index_tensor(kRows, DType::i64);
   Tensor parents = Tensor::contiguous(DType::i32, {kN, kT});
@@ -328,7 +255,7 @@ TEST_P(GpuQuantizedScratchCommit, MatchesCpuBitForBit) {
   const Shape s = kQwen3Next;
   const int64_t layers = 2, rows = 4, steps = 3;
   Rng rng = test_rng();
-  const Pools p = make_pools(s, c.pool, c.rounding, layers, 9, {4, 6, 8, 2}, rng);
+  const QuantPools p = make_pools(s, c.pool, c.rounding, layers, 9, {4, 6, 8, 2}, rng);
   Scratch scr(c.scratch, {layers, rows, steps}, s);
   uint8_t* codes = static_cast<uint8_t*>(scr.codes.alloc_base());
   for (int64_t i = 0; i < scr.codes.alloc_bytes(); ++i) codes[i] = random_code(rng, c.scratch);
@@ -405,7 +332,8 @@ INSTANTIATE_TEST_SUITE_P(
 TEST_F(GpuTest, QuantizedScratchVerifyCommitGraphReplay) {
   const Shape s = kOdd;
   Rng rng = test_rng();
-  const Pools p = make_pools(s, DType::f8e4m3, StateRounding::format_default, 2, 4, {2, 0}, rng);
+  const QuantPools p =
+      make_pools(s, DType::f8e4m3, StateRounding::format_default, 2, 4, {2, 0}, rng);
   StatePool eager(p.dev->config());
   CUDA_CHECK(cudaMemcpy(eager.data(), p.dev->data(), static_cast<size_t>(p.bytes),
                         cudaMemcpyDeviceToDevice));
