@@ -35,6 +35,16 @@
 namespace dstest {
 namespace {
 
+// A layer batch's inputs, weights, output and conv windows onto the device mirror, and its state
+// pool unless the test's state is a pool of its own (`with_state` false).
+void upload_layer_batch(Mirror& dev, const LayerBatch& b, bool with_state) {
+  for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
+                          &b.bias, &b.z, &b.norm_w, &b.out})
+    dev.upload(*t);
+  if (with_state) dev.upload(b.state);
+  for (const Tensor& w : b.win) dev.upload(w);
+}
+
 // The workspace the call's plan asks for (fused_decode_step_workspace_bytes), on the device, set
 // in the arguments; none where the plan needs none.
 class DeviceWorkspace {
@@ -79,10 +89,7 @@ TEST_P(FusedStepGpu, MatchesCpu) {
         pick_slots(rng, B, B + 4, B > 1 ? padded : std::vector<int64_t>{});
     LayerBatch b = make_layer_batch(rng, c, idx, B + 4);
     Mirror dev;
-    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
-                            &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-      dev.upload(*t);
-    for (const Tensor& w : b.win) dev.upload(w);
+    upload_layer_batch(dev, b, true);
     DeviceWorkspace ws;
     try {
       deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
@@ -318,11 +325,8 @@ INSTANTIATE_TEST_SUITE_P(
 // device copies (cursors advanced on the device).
 deltastate::FusedDecodeStepArgs replay_step_on_device(Mirror& dev, LayerBatch& b,
                                                       const Rings& rings, const Tensor& wp) {
-  for (const Tensor* t : std::initializer_list<const Tensor*>{
-           &b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.z,
-           &b.norm_w, &b.out, &b.state, &rings.d, &rings.k, &rings.g, &wp})
-    dev.upload(*t);
-  for (const Tensor& w : b.win) dev.upload(w);
+  upload_layer_batch(dev, b, true);
+  for (const Tensor* t : {&rings.d, &rings.k, &rings.g, &wp}) dev.upload(*t);
   const auto view = [&](const Tensor& t) { return dev.view(t); };
   deltastate::FusedDecodeStepArgs a = b.args(view);
   add_replay(a, view, rings, wp, nullptr, true);
@@ -400,10 +404,7 @@ TEST(FusedStepGpuGraph, TwoStepsWithPdlReplayed) {
     const std::vector<int64_t> idx{2, -1, 0};
     LayerBatch b = make_layer_batch(rng, c, idx, 4);
     Mirror dev;
-    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
-                            &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-      dev.upload(*t);
-    for (const Tensor& w : b.win) dev.upload(w);
+    upload_layer_batch(dev, b, true);
     cudaStream_t stream = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
@@ -576,10 +577,7 @@ TEST(FusedStepFmtGpuErrors, NoWorkspaceChangesNothing) {
     const QuantPools q =
         make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 1, 4, blocks_of(0, idx), rng);
     Mirror dev;
-    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
-                            &b.bias, &b.z, &b.norm_w, &b.out})
-      dev.upload(*t);
-    for (const Tensor& w : b.win) dev.upload(w);
+    upload_layer_batch(dev, b, false);  // the state: the quantized pool
     deltastate::FusedDecodeStepArgs a = fmt_args(
         b, [&](const Tensor& t) { return dev.view(t); }, *q.dev, 0, c.rounding);
     const auto e = catch_error([&] { b.run_fused(a); });
@@ -609,10 +607,7 @@ TEST(FusedStepFmtGpuGraph, ReplayAdvancesTheStep) {
   const QuantPools q =
       make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 1, 4, blocks_of(0, idx), rng);
   Mirror dev;
-  for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
-                          &b.bias, &b.z, &b.norm_w, &b.out})
-    dev.upload(*t);
-  for (const Tensor& w : b.win) dev.upload(w);
+  upload_layer_batch(dev, b, false);  // the state: the quantized pool
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   deltastate::FusedDecodeStepArgs a = fmt_args(
@@ -971,10 +966,7 @@ TEST(FusedStepGpuErrors, BadIndexIsReported) {
   LayerBatch b = make_layer_batch(rng, c, {-1, 2}, 3);  // row 0 padded
   b.d.idx.set({1}, 7);
   Mirror dev;
-  for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
-                          &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-    dev.upload(*t);
-  for (const Tensor& w : b.win) dev.upload(w);
+  upload_layer_batch(dev, b, true);
   deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
   a.check_indices = false;
   DeviceWorkspace ws;
@@ -1046,12 +1038,7 @@ TEST(FusedStepGpuPlans, SameBitsEveryPlan) {
     for (int64_t i = 0; i < B; ++i) idx.push_back(i == 2 ? -1 : B + 2 - i);  // distinct slots
     LayerBatch b = make_layer_batch(rng, c, idx, B + 3);
     Mirror dev;
-    auto put_all = [&] {
-      for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
-                              &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-        dev.upload(*t);
-      for (const Tensor& w : b.win) dev.upload(w);
-    };
+    auto put_all = [&] { upload_layer_batch(dev, b, true); };
     struct Result {
       std::vector<uint8_t> out, state;
       std::vector<std::vector<uint8_t>> win;
@@ -1113,10 +1100,7 @@ TEST(FusedStepGpuPlans, Workspace) {
     for (int64_t i = 0; i < B; ++i) idx.push_back(i);
     LayerBatch b = make_layer_batch(rng, c, idx, B + 1);
     Mirror dev;
-    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight,
-                            &b.bias, &b.z, &b.norm_w, &b.out, &b.state})
-      dev.upload(*t);
-    for (const Tensor& w : b.win) dev.upload(w);
+    upload_layer_batch(dev, b, true);
     deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
     const int64_t chain_bytes = (B * b.conv_dim * 2 + 15) / 16 * 16;  // bf16 conv output
     const bool chain = forced == "chain" || (forced.empty() && B == big);
