@@ -280,4 +280,31 @@ inline void expect_decode_outputs(Mirror& m, const DecodeBatch& batch,
   }
 }
 
+// After one ReplaySSM decode step on the host pool and its device twin (quantized checkpoint,
+// float rings `rings`, views of the host pool): no bad row recorded, the outputs (a padded row's
+// zero), the device cursors `wp` as the CPU's, the rings within fp32 tolerance, the step counter
+// one on, the `flushed` blocks' checkpoints within one quantum and every other byte equal; then
+// the host pool is pushed, so the next step starts both backends from the CPU's pool.
+inline void expect_replay_step_matches(Mirror& m, const DecodeBatch& batch,
+                                       const std::vector<int64_t>& slots, const QuantPools& q,
+                                       DType dtype, const Tensor& wp,
+                                       const std::vector<TensorView>& rings,
+                                       const std::vector<Block>& flushed, int64_t layer,
+                                       int64_t step) {
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+  expect_decode_outputs(m, batch, slots);
+  EXPECT_EQ(m.download(wp).values(), wp.values()) << "cursors";
+  const std::vector<uint8_t> d = q.device_bytes();
+  for (const TensorView& ring : rings)
+    EXPECT_TRUE(close_vs_cpu(values_in_copy(*q.host, ring, d), view_values(ring, 0, ring.numel()),
+                             kFp32StateTol, DType::f32))
+        << "a ring";
+  if (q.stochastic) {
+    EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
+  }
+  expect_pools_match(q, dtype, flushed, rings);
+  q.push();
+}
+
 }  // namespace dstest

@@ -592,21 +592,7 @@ TEST_P(GpuQuantizedReplay, CheckpointMatchesCpu) {
     };
     run(host_view, host);
     run(m.views(), *q.dev);
-    sync();
-    EXPECT_NO_THROW(deltastate::check_errors());
-    expect_decode_outputs(m, batch, slots);
-    EXPECT_EQ(m.download(wp).values(), wp.values()) << "cursors";
-    std::vector<uint8_t> d(static_cast<size_t>(q.bytes));
-    CUDA_CHECK(cudaMemcpy(d.data(), q.dev->data(), d.size(), cudaMemcpyDeviceToHost));
-    for (const TensorView& ring : rings)
-      EXPECT_TRUE(close_vs_cpu(values_in_copy(host, ring, d), view_values(ring, 0, ring.numel()),
-                               kFp32StateTol, DType::f32))
-          << "a ring";
-    if (q.stochastic) {
-      EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);
-    }
-    expect_pools_match(q, c.dtype, flushed, rings);
-    q.push();  // the next step starts both backends from the CPU's pool
+    expect_replay_step_matches(m, batch, slots, q, c.dtype, wp, rings, flushed, layer, step);
     for (size_t n = 0; n < slots.size(); ++n)
       cursor[n] = static_cast<int64_t>(wp.get_linear(static_cast<int64_t>(n)));
   }
