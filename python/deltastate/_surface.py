@@ -1300,7 +1300,7 @@ def _fused_workspace(mixed_qkv, initial_state, d_cache=None, state_rounding=None
     cuda = dev.index if dev.index is not None else 0
     nbytes = int(lib.fused_decode_step_workspace_bytes(
         int(xs[0]), int(xs[1]), int(ss[1]), int(ss[2]), int(ss[3]),
-        _dtype_name(mixed_qkv.dtype), _dtype_name(initial_state.dtype), cuda,
+        _dtype_name(mixed_qkv.dtype), _dtype_name(initial_state.dtype, quantized_ok=True), cuda,
         d_cache is not None, _rounding(state_rounding)))
     return _empty(mixed_qkv, ((nbytes + 3) // 4,), "float32") if nbytes > 0 else None
 

@@ -382,3 +382,29 @@ def test_workspace_query_and_keyword():
     assert _surface._fused_impl(x, st, None, ring) == (None,)
     given = np.zeros(4, np.float32)
     assert _surface._fused_prepare("gdn_fused_decode_step", x, st, given, None)[0] is given
+
+
+def test_fused_workspace_query_names_a_quantized_pool(monkeypatch):
+    """On CUDA the wrapper asks the workspace query with the pool's dtype name, quantized ones
+    too: a float8 / int8 pool runs the chain plan, whose workspace the query sizes (a quantized
+    name was once refused by the wrapper before the query ran)."""
+    torch = pytest.importorskip("torch")
+    from deltastate import _surface
+    from deltastate._lib import lib
+
+    class Fake:  # a CUDA tensor's shape, dtype and device without a GPU
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, dtype
+            self.device = torch.device("cuda", 1)
+
+    asked = []
+    monkeypatch.setattr(lib, "fused_decode_step_workspace_bytes",
+                        lambda *a: asked.append(a) or 0)
+    for dtype, name in ((torch.float8_e4m3fn, "float8_e4m3fn"), (torch.int8, "int8"),
+                        (torch.bfloat16, "bfloat16")):
+        asked.clear()
+        x, st = Fake((8, 192), torch.bfloat16), Fake((4, 4, 16, 32), dtype)
+        assert _surface._fused_workspace(x, st, None, "stochastic") is None  # 0 bytes: none
+        assert asked == [(8, 192, 4, 16, 32, "bfloat16", name, 1, False, 2)]
+    with pytest.raises(ValueError, match="StatePool dtypes must be float32, bfloat16 or float16"):
+        _surface._fused_workspace(Fake((8, 192), torch.int8), Fake((4, 4, 16, 32), torch.int8))
