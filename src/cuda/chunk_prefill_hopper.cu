@@ -1,8 +1,8 @@
 // Launch of the Hopper GDN chunked prefill (chunk_prefill/hopper_prep.cuh, hopper_scan.cuh): the
-// prep kernel over (chunk slot, value head), then the warp-specialized wgmma scan over (sequence,
-// value head), through the workspace. Its own translation unit: the only one that includes
-// CUTLASS's CuTe, compiled for sm_90a alone (CMakeLists.txt), and run only on devices of compute
-// capability 9.0 (wgmma, setmaxnreg and the TMA have no other target here).
+// prep kernel over (chunk slot, value-head pair), then the warp-specialized wgmma scan over
+// (sequence, value head), through the workspace. Its own translation unit: the only one that
+// includes CUTLASS's CuTe, compiled for sm_90a alone (CMakeLists.txt), and run only on devices of
+// compute capability 9.0 (wgmma, setmaxnreg and the TMA have no other target here).
 #include "cuda/chunk_prefill_hopper.h"
 
 #include <cutlass/numeric_types.h>
@@ -80,7 +80,6 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
   using Lay = ScanLayout<E, G>;
   using Params = ScanParams<E, G>;
   const int64_t blocks = slots * p.HV;
-  // prep: grid (chunk slots, value heads)
   auto prep = prefill::hopper::chunk_prefill_hopper_prep_kernel<In>;
   auto scan = prefill::hopper::chunk_prefill_hopper_scan_kernel<E, G>;
   // Both kernels opted into their shared memory once per device; one scan CTA fits an SM (its
@@ -95,9 +94,12 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kCombineSmem));
     return 1;
   });
+  // a prep CTA makes the blocks of the two value heads that share a key head (GVA) where there
+  // are two
+  const int nv = (p.HV / p.H) % PrepLayout::NV == 0 ? PrepLayout::NV : 1;
   if (slots > 0)
-    launch_kernel(prep, dim3(static_cast<unsigned>(slots), static_cast<unsigned>(p.HV)),
-                  dim3(PrepLayout::THREADS), PrepLayout::SMEM, stream, p.pdl, p, slots);
+    launch_kernel(prep, dim3(static_cast<unsigned>(slots), static_cast<unsigned>(p.HV / nv)),
+                  dim3(PrepLayout::THREADS), PrepLayout::SMEM, stream, p.pdl, p, slots, nv);
 
   const int T = static_cast<int>(p.T), N = p.cu_seqlens ? 1 : p.N;
   auto view = [&](const auto& t, int heads) {
