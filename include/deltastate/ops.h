@@ -56,8 +56,7 @@ namespace deltastate {
 // replay_fmt_kernel, src/cuda/replayssm/decode.cuh; SGLang's ring modes: replay_modes_kernel<true>,
 // src/cuda/replayssm/modes.cuh) and the chunked prefill (a pool; every prefill
 // kernel's state I/O) on them, and rejects them in every other op (NotImplementedError). GPU
-// tests: tests/gpu/test_state_format_gpu.cpp (packed decode's pass on an H100; the others' have
-// not run on a GPU yet).
+// tests: tests/gpu/test_state_format_gpu.cpp (they pass on an H100).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;
@@ -440,7 +439,7 @@ struct FusedDecodeStepArgs {
   std::optional<TensorView> d_cache, k_cache, g_cache, write_pos, force_flush;
   bool advance_write_pos = false;
   // SGLang's ring modes, as ReplayDecodeArgs. CUDA: they run the ReplaySSM chain (conv,
-  // replayssm_decode's ring-modes kernel, norm), which needs `workspace`; not yet run on a GPU.
+  // replayssm_decode's ring-modes kernel, norm), which needs `workspace`.
   std::optional<TensorView> cache_base;
   bool circular_replay = false, prefix_gate_cache = false, predecayed_k_cache = false;
   std::optional<bool> check_indices;
