@@ -184,7 +184,8 @@ for phase in "${phases[@]}"; do
     test-state-format)  # quantized and stochastically rounded pools (issue #36): every
       # formatted-state GPU test (CUDA vs the CPU backend, the graph replays), then memcheck and
       # racecheck on the small graph cases (kOdd: every formatted kernel, few CTAs)
-      run test-state-format gtest_sharded test-state-format '*Quantized*'
+      run test-state-format gtest_sharded test-state-format \
+        '*Quantized*:*FusedStepFmt*:*FusedReplayFmt*'
       sanitized memcheck '*QuantizedGraphReplay*:*QuantizedVerifyCommitGraph*:*QuantizedReplayGraph*'
       sanitized racecheck '*QuantizedReplayGraph*'
       ;;

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "layer_step_util.h"
+#include "quant_formats.h"
 #include "reference/layer_reference.h"
 #include "test_util.h"
 
@@ -190,17 +191,17 @@ void expect_chain_outputs(const LayerBatch& b, const Tensor& o, const std::vecto
   }
 }
 
-// The unfused chain's conv on copies: causal_conv1d_update of the row (per window part) into a
-// packed row y [B, conv_dim] (padded rows zero).
-Tensor run_chain_conv(const LayerBatch& b, std::vector<Tensor>& win) {
+// The unfused chain's conv on copies: causal_conv1d_update of the row (per window part: one
+// packed window, or the q, k, v windows) into a packed row y [B, conv_dim] (padded rows zero).
+Tensor run_chain_conv(const LayerBatch& b, const std::vector<TensorView>& win) {
   const Shape& s = b.c.shape;
   const int64_t B = b.d.B;
   Tensor y = Tensor::contiguous(b.c.act, {B, b.conv_dim});
   y.fill_all(0.0);
-  auto conv = [&](int64_t first, int64_t n, Tensor& window) {
+  auto conv = [&](int64_t first, int64_t n, const TensorView& window) {
     CausalConv1dUpdateArgs a;
     a.x = b.d.x.alias(b.c.act, {B, n}, {b.d.x.stride(0), 1}, first).view();
-    a.conv_state = window.view();
+    a.conv_state = window;
     a.weight = b.weight.alias(b.c.act, {n, b.c.width}, {b.c.width, 1}, first * b.c.width).view();
     if (b.c.bias) a.bias = b.bias.alias(b.c.act, {n}, {1}, first).view();
     a.silu = true;
@@ -216,6 +217,11 @@ Tensor run_chain_conv(const LayerBatch& b, std::vector<Tensor>& win) {
     conv(0, b.conv_dim, win[0]);
   }
   return y;
+}
+Tensor run_chain_conv(const LayerBatch& b, std::vector<Tensor>& win) {
+  std::vector<TensorView> views;
+  for (const Tensor& w : win) views.push_back(w.view());
+  return run_chain_conv(b, views);
 }
 
 // The unfused chain on copies: the conv (run_chain_conv), packed decode of its row y; returns the
@@ -399,11 +405,13 @@ void fill_ring_slot(Rings& r, int64_t slot, Rng& rng) {
 }
 Rings clone_rings(const Rings& r) { return Rings{r.L, clone(r.d), clone(r.k), clone(r.g)}; }
 
-// The unfused ReplaySSM chain on copies: causal_conv1d_update of each window part into a packed
-// row y, replayssm_decode of y (with a contiguous copy of `a`, its contract's form); returns the
-// attention output o [B, 1, HV, V].
-Tensor run_replay_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>& win, Rings& rings,
-                        Tensor& wp, const Tensor* ff, bool advance) {
+// The unfused ReplaySSM chain on views: causal_conv1d_update of each window part into a packed
+// row y, replayssm_decode of y (with a contiguous copy of `a`, its contract's form) on the
+// checkpoint pool `state` in its format `fmt`; returns the attention output o [B, 1, HV, V].
+Tensor run_replay_chain(const LayerBatch& b, const TensorView& state,
+                        const deltastate::StateFormatArgs& fmt, const std::vector<TensorView>& win,
+                        const TensorView& d, const TensorView& k, const TensorView& g, Tensor& wp,
+                        const Tensor* ff, bool advance, Tensor* cache_base = nullptr) {
   const Shape& s = b.c.shape;
   const int64_t B = b.d.B;
   Tensor y = run_chain_conv(b, win);
@@ -418,10 +426,11 @@ Tensor run_replay_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>&
   p.b = b.d.b.view();
   p.A_log = b.d.A_log.view();
   p.dt_bias = b.d.dt_bias.view();
-  p.state = state.view();
-  p.d_cache = rings.d.view();
-  p.k_cache = rings.k.view();
-  p.g_cache = rings.g.view();
+  p.state = state;
+  p.state_format = fmt;
+  p.d_cache = d;
+  p.k_cache = k;
+  p.g_cache = g;
   p.out = o.view();
   p.state_indices = b.d.idx.view();
   p.write_pos = wp.view();
@@ -429,8 +438,20 @@ Tensor run_replay_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>&
   p.is_kda = b.c.kda;
   p.lower_bound = b.c.lower_bound;
   p.advance_write_pos = advance;
+  if (cache_base) {  // SGLang's circular ring
+    p.cache_base = cache_base->view();
+    p.circular_replay = true;
+  }
   deltastate::replayssm_decode(p);
   return o;
+}
+// The same on test tensors (a float checkpoint pool rounded to nearest).
+Tensor run_replay_chain(const LayerBatch& b, Tensor& state, std::vector<Tensor>& win, Rings& rings,
+                        Tensor& wp, const Tensor* ff, bool advance) {
+  std::vector<TensorView> views;
+  for (const Tensor& w : win) views.push_back(w.view());
+  return run_replay_chain(b, state.view(), {}, views, rings.d.view(), rings.k.view(),
+                          rings.g.view(), wp, ff, advance);
 }
 
 class FusedReplayVsChain : public ::testing::TestWithParam<ReplayLayerCase> {};
@@ -634,6 +655,194 @@ TEST(FusedReplay, StatePoolEnvelopeViews) {
               << "row " << r << " head " << hv << ", step " << step;
   }
 }
+
+// ---- the ReplaySSM fused step on a quantized / stochastically rounded pool ---------------------
+// The fused step in ReplaySSM mode on a StatePool in its storage format (float8 / int8 codes with
+// row scales, or stochastically rounded bf16) against the unfused chain (causal_conv1d_update,
+// then replayssm_decode with the same format keywords) on a byte copy of the pool: the CPU runs
+// the same code for the checkpoint's loads and stores, so every byte of the two pools (codes,
+// scales, windows, rings, step counters, sentinels) is equal, and the outputs too (with the norm:
+// the fp64 gated norm of the chain's output).
+struct FusedReplayFmtCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  deltastate::StateRounding rounding;
+  deltastate::PoolLayout layout;
+  bool norm = true;
+  bool split = false;       // KDA's separate q, k, v windows
+  int32_t cache_base = -1;  // >= 0: SGLang's circular ring, rows starting at this base
+};
+inline void PrintTo(const FusedReplayFmtCase& c, std::ostream* os) { *os << c.name; }
+
+// Two layers, 7 slots, ReplaySSM rings of length L, fp32 conv windows (split: three).
+deltastate::StatePoolConfig fmt_replay_config(const FusedReplayFmtCase& c, const Shape& s, int L) {
+  deltastate::StatePoolConfig cfg;
+  cfg.layers = 2;
+  cfg.slots = 7;
+  cfg.H = s.H;
+  cfg.HV = s.HV;
+  cfg.V = s.V;
+  cfg.K = s.K;
+  cfg.state_dtype = c.dtype;
+  cfg.state_rounding = c.rounding;
+  cfg.rounding_seed = kSeed;
+  cfg.layout = c.layout;
+  cfg.envelope_extra_bytes = c.layout == deltastate::PoolLayout::envelope ? 40 : 0;
+  cfg.replay_len = L;
+  cfg.kda = c.kda;
+  cfg.conv_dim = s.width();
+  cfg.conv_dtype = f32;
+  cfg.conv_split_qkv = c.split;
+  return cfg;
+}
+
+// What a step may write in `layer`: the live slots' checkpoints (codes and scales), windows and
+// rings, and the layer's step counter.
+std::vector<MemRange> fmt_replay_written(const deltastate::StatePool& pool, int64_t layer,
+                                         const std::vector<int64_t>& idx) {
+  const deltastate::StatePoolConfig& cfg = pool.config();
+  std::vector<MemRange> w;
+  auto slot_of = [&](const TensorView& v, int64_t sl) {
+    int64_t per = 1;
+    for (int d = 1; d < v.ndim; ++d) per *= v.shape[d];
+    w.push_back(range_of(v, sl * v.stride[0], per));
+  };
+  for (int64_t sl : idx) {
+    if (sl < 0) continue;
+    slot_of(pool.layer_state(layer), sl);
+    if (cfg.state_dtype == DType::f8e4m3 || cfg.state_dtype == DType::i8)
+      slot_of(pool.layer_scales(layer), sl);
+    for (const TensorView& win : pool_windows(pool, layer)) slot_of(win, sl);
+    slot_of(pool.d_cache(layer), sl);
+    slot_of(pool.k_cache(layer), sl);
+    slot_of(pool.g_cache(layer), sl);
+  }
+  if (cfg.stochastic_rounding()) w.push_back(range_of(pool.rounding_step(layer), 0, 1));
+  return w;
+}
+
+class FusedReplayFmt : public ::testing::TestWithParam<FusedReplayFmtCase> {};
+
+// 2L + 1 steps from random cursors (appends, natural and forced flushes; circular: history
+// checkpoints), cursors advanced by the op: both pools equal byte for byte after every step,
+// outputs equal (a padded row's zeros), the step counter one on per call, the other layer, the
+// unused slots and every sentinel scale untouched, and the flushed rows' scales rewritten.
+TEST_P(FusedReplayFmt, MatchesUnfusedChain) {
+  const FusedReplayFmtCase& fc = GetParam();
+  const Shape s = fc.kda ? kKdaSmall : kGdnSmall;
+  const int L = 3;
+  const int64_t layer = 1;
+  Rng rng = test_rng();
+  const std::vector<int64_t> idx{4, -1, 0, 6, 2};
+  const LayerCase c{
+      {fc.name, s, fc.kda, fc.kda ? kLb : kNoLb, f32, f32}, f32, 4, false, fc.split, true, fc.norm};
+  LayerBatch b = make_layer_batch(rng, c, idx, 7);  // its own state and windows stay unused
+  const deltastate::StatePoolConfig cfg = fmt_replay_config(fc, s, L);
+  deltastate::StatePool pool(cfg), twin(cfg);
+  fill_formatted_pool(pool, {layer}, idx, rng);
+  std::memcpy(twin.data(), pool.data(), static_cast<size_t>(pool.total_bytes()));
+  Snapshot start;
+  start.add(pool.data(), pool.total_bytes());
+  const std::vector<MemRange> written = fmt_replay_written(pool, layer, idx);
+  const bool circular = fc.cache_base >= 0;
+  std::vector<int64_t> cursors, bases;
+  for (size_t r = 0; r < idx.size(); ++r) {
+    cursors.push_back(rng.integer(0, L - 1));
+    bases.push_back(circular ? (fc.cache_base + static_cast<int32_t>(r)) % L : 0);
+  }
+  const bool quantized = fc.dtype == DType::f8e4m3 || fc.dtype == DType::i8;
+  int flushes = 0;
+  for (int step = 0; step < 2 * L + 1; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step > 0) {
+      b.d.randomize(rng);
+      b.z.fill_normal(rng, 1.0);
+    }
+    b.poison_out();
+    std::vector<int64_t> force;
+    for (size_t r = 0; r < idx.size(); ++r) force.push_back(step % 3 == 1 && r == 2 ? 1 : 0);
+    Tensor wp = index_tensor(cursors), wp2 = index_tensor(cursors), ff = index_tensor(force);
+    Tensor base = index_tensor(bases), base2 = index_tensor(bases);
+    std::vector<int64_t> flushed;
+    for (size_t r = 0; r < idx.size(); ++r)
+      if (idx[r] >= 0 && (cursors[r] == L - 1 || force[r] != 0)) flushed.push_back(idx[r]);
+    flushes += static_cast<int>(flushed.size());
+    FusedDecodeStepArgs a = b.args(host_view);
+    const std::vector<TensorView> win = pool_windows(pool, layer);
+    a.conv_state = win[0];
+    if (fc.split) {
+      a.conv_state_k = win[1];
+      a.conv_state_v = win[2];
+    }
+    a.state = pool.layer_state(layer);
+    a.state_format = format_of(pool, layer, fc.rounding);
+    a.d_cache = pool.d_cache(layer);
+    a.k_cache = pool.k_cache(layer);
+    a.g_cache = pool.g_cache(layer);
+    a.write_pos = wp.view();
+    a.force_flush = ff.view();
+    a.advance_write_pos = true;
+    if (circular) {
+      a.cache_base = base.view();
+      a.circular_replay = true;
+    }
+    b.run_fused(a);
+    const Tensor o =
+        run_replay_chain(b, twin.layer_state(layer), format_of(twin, layer, fc.rounding),
+                         pool_windows(twin, layer), twin.d_cache(layer), twin.k_cache(layer),
+                         twin.g_cache(layer), wp2, &ff, true, circular ? &base2 : nullptr);
+    EXPECT_EQ(std::memcmp(pool.data(), twin.data(), static_cast<size_t>(pool.total_bytes())), 0)
+        << "the pools (checkpoints, scales, windows, rings, step counters, sentinels)";
+    EXPECT_EQ(index_values(wp), index_values(wp2)) << "cursors";
+    EXPECT_EQ(index_values(base), index_values(base2)) << "cache_base";
+    expect_chain_outputs(b, o, idx, "step " + std::to_string(step));
+    EXPECT_TRUE(start.unchanged_except(written)) << "outside the live slots of the layer";
+    if (cfg.stochastic_rounding()) {
+      EXPECT_EQ(*static_cast<const int64_t*>(pool.rounding_step(layer).data), kStep0 + step + 1);
+      EXPECT_EQ(*static_cast<const int64_t*>(pool.rounding_step(0).data), kStep0);
+    }
+    if (quantized) {  // a flushed row stores fresh scales (finite, never the sentinel)
+      const TensorView sc = pool.layer_scales(layer);
+      for (int64_t sl : flushed)
+        for (int64_t r = 0; r < cfg.HV * cfg.V; ++r) {
+          const float v = static_cast<const float*>(sc.data)[sl * sc.stride[0] + r];
+          ASSERT_TRUE(std::isfinite(v) && v < 1e29f) << "slot " << sl << " row " << r;
+        }
+    }
+    const std::vector<int64_t> moved = index_values(wp), moved_base = index_values(base);
+    for (size_t r = 0; r < idx.size(); ++r) {
+      cursors[r] = moved[r];
+      bases[r] = moved_base[r];
+    }
+  }
+  EXPECT_GE(flushes, 4) << "too few flushes";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fmt, FusedReplayFmt,
+    ::testing::Values(FusedReplayFmtCase{"gdn_fp8_sr", false, DType::f8e4m3,
+                                         deltastate::StateRounding::format_default,
+                                         deltastate::PoolLayout::per_layer},
+                      FusedReplayFmtCase{"gdn_int8_rn_envelope_nonorm", false, DType::i8,
+                                         deltastate::StateRounding::nearest,
+                                         deltastate::PoolLayout::envelope, false},
+                      FusedReplayFmtCase{"gdn_bf16_sr", false, DType::bf16,
+                                         deltastate::StateRounding::stochastic,
+                                         deltastate::PoolLayout::per_layer},
+                      FusedReplayFmtCase{"gdn_int8_sr_circular", false, DType::i8,
+                                         deltastate::StateRounding::stochastic,
+                                         deltastate::PoolLayout::per_layer, true, false, 1},
+                      FusedReplayFmtCase{"kda_fp8_rn_split_envelope", true, DType::f8e4m3,
+                                         deltastate::StateRounding::nearest,
+                                         deltastate::PoolLayout::envelope, true, true},
+                      FusedReplayFmtCase{"kda_int8_sr_nonorm", true, DType::i8,
+                                         deltastate::StateRounding::stochastic,
+                                         deltastate::PoolLayout::per_layer, false},
+                      FusedReplayFmtCase{"kda_bf16_sr_circular", true, DType::bf16,
+                                         deltastate::StateRounding::stochastic,
+                                         deltastate::PoolLayout::envelope, true, false, 2}),
+    case_name<FusedReplayFmtCase>);
 
 // ---- every error text ---------------------------------------------------------------------------
 struct ConvErrorFixture {
@@ -1013,8 +1222,9 @@ TEST(FusedStepContract, Workspace) {
   EXPECT_EQ(with.win[0].bytes(), b.win[0].bytes());
 }
 
-// A quantized or stochastically rounded pool (plain mode) on CUDA views: the CUDA backend runs
-// it through the chain plan, so without a workspace the call is a NotImplementedError naming it,
+// A quantized or stochastically rounded pool on CUDA views (plain mode, and as the checkpoint pool
+// of the ReplaySSM mode): the CUDA backend runs it through the chain plan (ReplaySSM: its chain),
+// so without a workspace the call is a NotImplementedError naming it,
 // raised by the validator before anything runs (every tensor, the pool's bytes and its step
 // counter unchanged); the workspace query answers the chain's bytes whatever the batch (the
 // plan reads no device property for it, so a CUDA build answers without a GPU), and without
@@ -1035,20 +1245,32 @@ TEST(FusedStepContract, FormattedPoolOnCuda) {
   const struct {
     DType dtype;
     deltastate::StateRounding rounding;
-    const char* message;
+    const char *message, *replay_message;
   } cases[] = {
       {DType::f8e4m3, deltastate::StateRounding::format_default,
        "gdn_fused_decode_step: float8_e4m3fn states on CUDA run the chain plan (the conv, packed "
        "decode, the norm), which needs a `workspace` of fused_decode_step_workspace_bytes bytes; "
-       "none was given"},
+       "none was given",
+       "gdn_fused_decode_step: float8_e4m3fn states on CUDA run the ReplaySSM chain (the conv, "
+       "replayssm_decode, the norm), which needs a `workspace` of "
+       "fused_decode_step_workspace_bytes bytes; none was given"},
       {DType::i8, deltastate::StateRounding::nearest,
        "gdn_fused_decode_step: int8 states on CUDA run the chain plan (the conv, packed decode, "
        "the norm), which needs a `workspace` of fused_decode_step_workspace_bytes bytes; none "
-       "was given"},
+       "was given",
+       "gdn_fused_decode_step: int8 states on CUDA run the ReplaySSM chain (the conv, "
+       "replayssm_decode, the norm), which needs a `workspace` of "
+       "fused_decode_step_workspace_bytes bytes; none was given"},
       {DType::bf16, deltastate::StateRounding::stochastic,
        "gdn_fused_decode_step: bfloat16 states with stochastic rounding on CUDA run the chain "
        "plan (the conv, packed decode, the norm), which needs a `workspace` of "
+       "fused_decode_step_workspace_bytes bytes; none was given",
+       "gdn_fused_decode_step: bfloat16 states with stochastic rounding on CUDA run the "
+       "ReplaySSM chain (the conv, replayssm_decode, the norm), which needs a `workspace` of "
        "fused_decode_step_workspace_bytes bytes; none was given"}};
+  // ReplaySSM mode: the same pools as checkpoints, with rings and cursors
+  Rings rings = make_rings(c.shape, false, 4, 4, f32, f32);
+  Tensor wp = index_tensor({0, 0, 3});
   for (const auto& k : cases) {
     SCOPED_TRACE(dtype_name(k.dtype));
     deltastate::StatePoolConfig cfg;
@@ -1068,15 +1290,22 @@ TEST(FusedStepContract, FormattedPoolOnCuda) {
     Snapshot before;
     before.add(pool.data(), pool.total_bytes());
     for (const Tensor* t : {&b.d.x, &b.out, &b.z, &b.win[0]}) before.add(*t);
+    FusedDecodeStepArgs r = a;
+    add_replay(r, on_cuda, rings, wp, nullptr, true);
+    for (const Tensor* t : {&rings.d, &rings.k, &rings.g, &wp}) before.add(*t);
     expect_error([&] { b.run_fused(a); }, k.message, ErrorKind::not_implemented);
+    expect_error([&] { b.run_fused(r); }, k.replay_message, ErrorKind::not_implemented);
     EXPECT_TRUE(before.unchanged());
-    if (!deltastate::cuda_built()) {
-      const auto e = catch_error([&a] { deltastate::fused_decode_step_workspace_bytes(a); });
-      ASSERT_TRUE(e.has_value());
-      EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
-    } else {  // the chain's bf16 conv output for B = 3, under any DELTASTATE_CUDA_FUSED
-      EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(a),
-                (3 * b.conv_dim * 2 + 15) / 16 * 16);
+    for (const FusedDecodeStepArgs* q : {&a, &r}) {
+      SCOPED_TRACE(q == &r ? "ReplaySSM" : "plain");
+      if (!deltastate::cuda_built()) {
+        const auto e = catch_error([q] { deltastate::fused_decode_step_workspace_bytes(*q); });
+        ASSERT_TRUE(e.has_value());
+        EXPECT_EQ(e->kind(), ErrorKind::not_implemented);
+      } else {  // the chain's bf16 conv output for B = 3, under any DELTASTATE_CUDA_FUSED
+        EXPECT_EQ(deltastate::fused_decode_step_workspace_bytes(*q),
+                  (3 * b.conv_dim * 2 + 15) / 16 * 16);
+      }
     }
   }
 }

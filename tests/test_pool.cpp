@@ -8,6 +8,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "quant_formats.h"
 #include "test_util.h"
 
 namespace dstest {
@@ -822,6 +823,230 @@ TEST(StatePoolQuantized, Errors) {
   expect_error([&] { sp.rounding_step(3); },
                "StatePool: layer 3 is out of range for a pool of 3 layers");
 }
+
+// ---- fork with pending ReplaySSM records on a quantized / stochastically rounded pool -----------
+struct FmtForkCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  deltastate::StateRounding rounding;
+  PoolLayout layout;
+};
+inline void PrintTo(const FmtForkCase& c, std::ostream* os) { *os << c.name; }
+
+// Two layers, 5 slots, rings of L = 4 (float32 keys), no conv windows.
+StatePoolConfig fmt_fork_config(const FmtForkCase& c) {
+  StatePoolConfig cfg;
+  cfg.layers = 2;
+  cfg.slots = 5;
+  cfg.H = 2;
+  cfg.HV = 4;
+  cfg.V = 8;
+  cfg.K = 16;
+  cfg.state_dtype = c.dtype;
+  cfg.state_rounding = c.rounding;
+  cfg.rounding_seed = kSeed;
+  cfg.layout = c.layout;
+  cfg.envelope_extra_bytes = c.layout == PoolLayout::envelope ? 40 : 0;
+  cfg.replay_len = 4;
+  cfg.kda = c.kda;
+  return cfg;
+}
+
+bool quantized_dtype(DType t) { return t == DType::f8e4m3 || t == DType::i8; }
+
+// Slot `slot` of `layer` dequantized, [HV*V*K] in fp64 (codes times their row's scale, or the
+// 16-bit values).
+std::vector<double> dequantized_slot(const StatePool& pool, int64_t layer, int64_t slot) {
+  const StatePoolConfig& c = pool.config();
+  const TensorView st = pool.layer_state(layer);
+  if (!quantized_dtype(c.state_dtype)) return slot_values(st, slot);
+  const TensorView sc = pool.layer_scales(layer);
+  const auto* codes = static_cast<const uint8_t*>(st.data) + slot * st.stride[0];
+  const auto* scales = static_cast<const float*>(sc.data) + slot * sc.stride[0];
+  std::vector<double> v(static_cast<size_t>(c.HV * c.V * c.K));
+  for (size_t e = 0; e < v.size(); ++e)
+    v[e] = code_value(codes[e], c.state_dtype) * scales[e / static_cast<size_t>(c.K)];
+  return v;
+}
+
+// The state after `src`'s m ring records from `base` in fp64 (basic or circular ring, no prefix
+// gates): S = exp(Gtot) * S0 + sum_j d_j exp(Gtot - G_j) k_j^T, per column for KDA, from S0 the
+// dequantized checkpoint.
+std::vector<double> rebuilt_fp64(const StatePool& pool, int64_t layer, int64_t src, int m,
+                                 int base) {
+  const StatePoolConfig& c = pool.config();
+  const int64_t HV = c.HV, V = c.V, K = c.K, H = c.H, L = c.replay_len;
+  const int64_t gw = c.kda ? K : 1;
+  const TensorView d = pool.d_cache(layer), k = pool.k_cache(layer), g = pool.g_cache(layer);
+  std::vector<double> S = dequantized_slot(pool, layer, src);
+  auto val = [](const TensorView& t, int64_t slot, int64_t e) {
+    return load_value(t.data, t.dtype, slot * t.stride[0] + e);
+  };
+  for (int64_t hv = 0; hv < HV; ++hv) {
+    const int64_t h = hv / (HV / H);
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t gi = c.kda ? i : 0;
+      double gtot = 0.0;
+      for (int j = 0; j < m; ++j) gtot += val(g, src, (hv * L + (base + j) % L) * gw + gi);
+      for (int64_t v = 0; v < V; ++v) {
+        double s = std::exp(gtot) * S[static_cast<size_t>((hv * V + v) * K + i)];
+        double G = 0.0;
+        for (int j = 0; j < m; ++j) {
+          const int64_t pos = (base + j) % L;
+          G += val(g, src, (hv * L + pos) * gw + gi);
+          s += val(d, src, (hv * L + pos) * V + v) * std::exp(gtot - G) *
+               val(k, src, (h * L + pos) * K + i);
+        }
+        S[static_cast<size_t>((hv * V + v) * K + i)] = s;
+      }
+    }
+  }
+  return S;
+}
+
+// What fork may write: dst's checkpoint (codes and scales) in every layer and dst's cursor.
+std::vector<MemRange> fork_written(const StatePool& pool, int64_t dst) {
+  std::vector<MemRange> w{range_of(pool.write_pos(), dst, 1)};
+  const StatePoolConfig& c = pool.config();
+  for (int64_t l = 0; l < c.layers; ++l) {
+    w.push_back(slot_range(pool.layer_state(l), dst));
+    if (quantized_dtype(c.state_dtype))
+      w.push_back(range_of(pool.layer_scales(l), dst * pool.layer_scales(l).stride[0], c.HV * c.V));
+  }
+  return w;
+}
+
+class StatePoolFmtFork : public ::testing::TestWithParam<FmtForkCase> {};
+
+// A source with m = 3 pending records (basic ring, then circular at base 2): dst's checkpoint in
+// every layer is the fp64 rebuild of src's dequantized checkpoint and records, within one
+// quantum of its new row scale (quantized; the scale fresh, never the 1e30 sentinel) or one unit
+// in the last place (bf16); everything else, the step counters included, bit-untouched; dst's
+// cursor 0, src's still m.
+TEST_P(StatePoolFmtFork, MaterializesWithinAQuantum) {
+  const FmtForkCase& fc = GetParam();
+  Rng rng = test_rng();
+  for (int base : {0, 2}) {
+    SCOPED_TRACE("cache_base " + std::to_string(base));
+    StatePool pool(fmt_fork_config(fc));
+    const StatePoolConfig& c = pool.config();
+    for (int i = 0; i < 4; ++i) pool.allocate();
+    fill_formatted_pool(pool, {0, 1}, {0, 1, 2, 3}, rng);
+    for (int64_t s = 0; s < 5; ++s) pool.set_cursor(s, 0);
+    const int64_t src = 1, dst = 2;
+    const int m = 3;
+    pool.set_cursor(src, m);
+    pool.set_cursor(dst, 2);
+    std::vector<std::vector<double>> want;
+    for (int64_t l = 0; l < c.layers; ++l) want.push_back(rebuilt_fp64(pool, l, src, m, base));
+    Snapshot before;
+    before.add(pool.data(), pool.total_bytes());
+    StatePool::ForkRing ring;
+    ring.cache_base = base;
+    pool.fork(src, dst, nullptr, ring);
+    EXPECT_EQ(pool.cursor(dst), 0);
+    EXPECT_EQ(pool.cursor(src), m);
+    EXPECT_TRUE(before.unchanged_except(fork_written(pool, dst)));
+    for (int64_t l = 0; l < c.layers; ++l) {
+      SCOPED_TRACE("layer " + std::to_string(l));
+      const std::vector<double> got = dequantized_slot(pool, l, dst);
+      const std::vector<double>& w = want[static_cast<size_t>(l)];
+      for (int64_t r = 0; r < c.HV * c.V; ++r) {
+        double amax = 0.0;
+        for (int64_t i = 0; i < c.K; ++i)
+          amax = std::max(amax, std::fabs(w[static_cast<size_t>(r * c.K + i)]));
+        double scale = 0.0;
+        if (quantized_dtype(c.state_dtype)) {
+          const TensorView sc = pool.layer_scales(l);
+          scale = static_cast<const float*>(sc.data)[dst * sc.stride[0] + r];
+          const double cap = c.state_dtype == DType::i8 ? 127.0 : 448.0;
+          ASSERT_NEAR(scale, amax / cap, 1e-5 * amax / cap) << "the fresh scale of row " << r;
+        }
+        for (int64_t i = 0; i < c.K; ++i) {
+          const double x = w[static_cast<size_t>(r * c.K + i)];
+          double quantum = std::ldexp(std::fabs(x), -7);  // bf16: one ulp
+          if (c.state_dtype == DType::i8) quantum = scale;
+          if (c.state_dtype == DType::f8e4m3)
+            quantum = std::max(std::ldexp(std::fabs(x), -3), std::ldexp(scale, -9));
+          ASSERT_LE(std::fabs(got[static_cast<size_t>(r * c.K + i)] - x),
+                    quantum * 1.0001 + 1e-5 * amax)
+              << "row " << r << " k " << i;
+        }
+      }
+    }
+  }
+}
+
+// Circular rings: a fork at m = L-1 stores, byte for byte, the history checkpoint src's next
+// (natural) step stores (the same rebuild, src's key at the same step), so the fork equals
+// src's flush copied to dst; fork leaves the step counter, the decode advances it.
+TEST_P(StatePoolFmtFork, EqualsTheFlushCopied) {
+  const FmtForkCase& fc = GetParam();
+  Rng rng = test_rng();
+  StatePool pool(fmt_fork_config(fc));
+  const StatePoolConfig& c = pool.config();
+  for (int i = 0; i < 4; ++i) pool.allocate();
+  fill_formatted_pool(pool, {0, 1}, {0, 1, 2, 3}, rng);
+  for (int64_t s = 0; s < 5; ++s) pool.set_cursor(s, 0);
+  const int64_t src = 3, dst = 0;
+  const int m = static_cast<int>(c.replay_len) - 1, base = 1;
+  pool.set_cursor(src, m);
+  StatePool::ForkRing ring;
+  ring.cache_base = base;
+  pool.fork(src, dst, nullptr, ring);
+  const Shape s{"fork", static_cast<int>(c.H), static_cast<int>(c.HV), static_cast<int>(c.K),
+                static_cast<int>(c.V)};
+  for (int64_t l = 0; l < c.layers; ++l) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    if (c.stochastic_rounding()) {
+      EXPECT_EQ(*static_cast<const int64_t*>(pool.rounding_step(l).data), kStep0) << "fork";
+    }
+    DecodeBatch batch = make_decode_batch(rng, s, c.kda, {src}, DType::f32);
+    Tensor wp = index_tensor({m}), cb = index_tensor({base});
+    deltastate::ReplayDecodeArgs a =
+        replay_args(host_view, batch, pool.layer_state(l), pool.d_cache(l), pool.k_cache(l),
+                    pool.g_cache(l), wp, nullptr, 0.25, c.kda ? kLb : kNoLb);
+    a.state_format = format_of(pool, l, fc.rounding);
+    a.cache_base = cb.view();
+    a.circular_replay = true;
+    deltastate::replayssm_decode(a);  // natural at L-1: the history checkpoint, then an append
+    const TensorView st = pool.layer_state(l);
+    const int64_t bytes = c.HV * c.V * c.K * deltastate::dtype_size(c.state_dtype);
+    EXPECT_EQ(std::memcmp(static_cast<const char*>(st.data) +
+                              src * st.stride[0] * deltastate::dtype_size(st.dtype),
+                          static_cast<const char*>(st.data) +
+                              dst * st.stride[0] * deltastate::dtype_size(st.dtype),
+                          static_cast<size_t>(bytes)),
+              0)
+        << "the checkpoints";
+    if (quantized_dtype(c.state_dtype)) {
+      const TensorView sc = pool.layer_scales(l);
+      const float* f = static_cast<const float*>(sc.data);
+      EXPECT_EQ(std::memcmp(f + src * sc.stride[0], f + dst * sc.stride[0],
+                            static_cast<size_t>(c.HV * c.V * 4)),
+                0)
+          << "the scales";
+    }
+    if (c.stochastic_rounding()) {
+      EXPECT_EQ(*static_cast<const int64_t*>(pool.rounding_step(l).data), kStep0 + 1) << "decode";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fmt, StatePoolFmtFork,
+    ::testing::Values(FmtForkCase{"gdn_fp8_sr", false, DType::f8e4m3,
+                                  deltastate::StateRounding::format_default, PoolLayout::per_layer},
+                      FmtForkCase{"kda_int8_rn_envelope", true, DType::i8,
+                                  deltastate::StateRounding::nearest, PoolLayout::envelope},
+                      FmtForkCase{"gdn_bf16_sr_envelope", false, DType::bf16,
+                                  deltastate::StateRounding::stochastic, PoolLayout::envelope},
+                      FmtForkCase{"kda_int8_sr", true, DType::i8,
+                                  deltastate::StateRounding::stochastic, PoolLayout::per_layer},
+                      FmtForkCase{"kda_fp8_rn", true, DType::f8e4m3,
+                                  deltastate::StateRounding::nearest, PoolLayout::per_layer}),
+    case_name<FmtForkCase>);
 
 }  // namespace
 }  // namespace dstest

@@ -416,9 +416,11 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
 // workspace; under DELTASTATE_CUDA_FUSED=chain (not yet the default: unmeasured on the GPU) they
 // run the ReplaySSM chain instead: the conv kernel into the workspace, replayssm_decode's
 // kernels, the gated-norm kernel, the same result (docs/LAYER_STEP.md). A quantized or
-// stochastically rounded pool (plain mode; `state_format` as packed decode's) runs the chain plan
-// on CUDA whatever the batch, so it needs `workspace` there (NotImplementedError without one);
-// the rounding step counter advances once per call, as on the CPU.
+// stochastically rounded pool (`state_format` as packed decode's; in ReplaySSM mode the
+// checkpoint, loaded and stored on a flush as replayssm_decode does) runs the chain plan (in
+// ReplaySSM mode the ReplaySSM chain) on CUDA whatever the batch, so it needs `workspace` there
+// (NotImplementedError without one); the rounding step counter advances once per call, as on the
+// CPU.
 struct FusedDecodeStepArgs {
   TensorView mixed_qkv, conv_weight;
   std::optional<TensorView> conv_bias;
@@ -428,7 +430,7 @@ struct FusedDecodeStepArgs {
   TensorView a, b, A_log, dt_bias;
   std::optional<double> scale;
   TensorView state, state_indices;
-  StateFormatArgs state_format;  // a quantized state (plain mode only), stochastic rounding
+  StateFormatArgs state_format;  // a quantized state, stochastic rounding (both modes)
   std::optional<TensorView> norm_weight, z;
   double norm_eps = 1e-6;
   TensorView out;
@@ -454,8 +456,8 @@ void kda_fused_decode_step(const FusedDecodeStepArgs& args);
 // data), so it can run before the inputs hold data; in ReplaySSM mode only whether d_cache is
 // given. CPU: 0. CUDA: 0 where the cluster kernel runs (and under DELTASTATE_CUDA_FUSED=cta), and
 // for ReplaySSM calls unless DELTASTATE_CUDA_FUSED=chain; elsewhere (a quantized or
-// stochastically rounded pool always) the chain plan's conv output, B * conv_dim elements of
-// mixed_qkv's dtype rounded up to 16 bytes.
+// stochastically rounded pool always, in either mode) the chain plan's conv output, B * conv_dim
+// elements of mixed_qkv's dtype rounded up to 16 bytes.
 int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args);
 
 // ---------------------------------------------------------------------------------------------

@@ -147,11 +147,12 @@ class StatePool {
   // m) is materialized: dst's checkpoint in every layer becomes the state after those records,
   // e^Gtot * S0 + sum_j d_j (W_j * k_j)^T, computed with the operations a ReplaySSM fold uses, so
   // on the CPU a fold of the next token on src and on dst gives the same bits (fp32). Src and
-  // the rings are not written. Float, nearest-rounded states only (quantized or stochastically
-  // rounded pools with a pending source: not_implemented; flush it first, SGLang's force_flush
-  // at a track point); CUDA pools run a kernel. A pool without rings refuses
-  // a nonzero source cursor. For CUDA pools the cursor check reads one int from the device (a
-  // synchronization): not for the decode loop.
+  // the rings are not written. A quantized or stochastically rounded pool rebuilds in fp32
+  // from dst's dequantized copy and stores each row through its format (a fresh row scale;
+  // src's key at the layer's step, the counter not advanced): the bytes src's history checkpoint
+  // at that step would hold, so the fork equals src's flush copied to dst. CUDA pools run a
+  // kernel. A pool without rings refuses a nonzero source cursor. For CUDA pools the cursor check
+  // reads one int from the device (a synchronization): not for the decode loop.
   void fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ring);
   void fork(int64_t src, int64_t dst, Stream stream = nullptr) { fork(src, dst, stream, {}); }
 

@@ -1274,11 +1274,12 @@ _FUSED_DOC = """One decode step of a {what} layer's recurrent half in one launch
     (on CUDA the conv, replayssm_decode and norm kernels in sequence through ``workspace``; one
     launch without one, or under DELTASTATE_CUDA_FUSED=cta).
 
-    Quantized and stochastically rounded pools (not with ReplaySSM; docs/STATE_FORMATS.md): the
-    state-format keywords of {packed} (``state_scales``, ``state_rounding``, ``rounding_step``,
-    ``rounding_seed``, ``rounding_layer``; ``**pool.state_format(layer)``); on CUDA they run the
-    chain plan through ``workspace`` (allocated when None), the step counter advanced once per
-    call."""
+    Quantized and stochastically rounded pools (docs/STATE_FORMATS.md): the state-format
+    keywords of {packed} (``state_scales``, ``state_rounding``, ``rounding_step``,
+    ``rounding_seed``, ``rounding_layer``; ``**pool.state_format(layer)``); with ReplaySSM the
+    checkpoint is loaded and stored (on a flush) as replayssm_decode stores it. On CUDA they run
+    the chain plan (ReplaySSM: its chain) through ``workspace`` (allocated when None), the step
+    counter advanced once per call."""
 
 
 def _fused_workspace(mixed_qkv, initial_state, d_cache=None, state_rounding=None):

@@ -304,9 +304,10 @@ class StatePool:
         fold of the next token on ``src`` and on ``dst`` then gives the same bits on the CPU with
         fp32). ``cache_base``, ``prefix_gate_cache``, ``predecayed_k_cache``: the ring mode
         ``src``'s decode ran with (``cache_base``: src's circular base). ``src`` and the rings are
-        not written. Float, nearest-rounded states only (quantized or stochastically rounded
-        pools with pending records: NotImplementedError; flush first, SGLang's force_flush at a
-        track point). CUDA pools: a kernel."""
+        not written. A quantized or stochastically rounded pool rebuilds in fp32 from ``dst``'s
+        dequantized copy and stores each row with a fresh scale, rounded with ``src``'s key at the
+        layer's step (the step counter unchanged): the bytes ``src``'s history checkpoint at that
+        step would hold. CUDA pools: a kernel."""
         with self._on_torch_stream():
             self._m["fork"](int(src), int(dst), int(cache_base), bool(prefix_gate_cache),
                             bool(predecayed_k_cache))

@@ -1198,15 +1198,18 @@ def test_chunked_prefill_formatted_pool_cuda_matches_its_fp32_twin(rng, kda, H, 
 
 
 # ---- the fused decode step on a quantized / stochastically rounded pool (issue #36) ------------
+@pytest.mark.parametrize("replay", [False, True], ids=["plain", "replayssm"])
 @pytest.mark.parametrize("dtype,rounding", QPREFILL_FORMATS)
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_fused_step_formatted_pool_cuda_matches_cpu(rng, kda, dtype, rounding):
-    """The CUDA fused decode step (plain mode) on a quantized (or bf16 stochastic) pool, its
-    workspace allocated by the wrapper from the query (which reads state_rounding), against the
-    CPU backend's on the same pool bytes: outputs (2e-4), conv windows bit for bit, live slots'
-    scales to 1e-4 relative and dequantized codes within one quantum (bf16: one unit in the last
-    place), at most 2% of them differing, the step counter advanced once on both, the padded
-    row's output zero and the unused slots' bytes untouched."""
+def test_fused_step_formatted_pool_cuda_matches_cpu(rng, kda, dtype, rounding, replay):
+    """The CUDA fused decode step (plain mode, or ReplaySSM mode with the pool's rings: one row
+    flushing, one appending, the cursors advanced by the op) on a quantized (or bf16 stochastic)
+    pool, its workspace allocated by the wrapper from the query (which reads state_rounding),
+    against the CPU backend's on the same pool bytes: outputs (2e-4), conv windows bit for bit,
+    live slots' scales to 1e-4 relative and dequantized codes within one quantum (bf16: one unit
+    in the last place), at most 2% of them differing, the rings (1e-5) and cursors, the step
+    counter advanced once on both, the padded row's output zero and the unused slots' bytes
+    untouched. Not yet run on a GPU in ReplaySSM mode."""
     from test_state_format import (SENTINEL_CODE, dequantize, emulate, fill_sentinels,
                                    state_bits, write_slot)
     quantized = dtype != "bfloat16"
@@ -1214,6 +1217,8 @@ def test_fused_step_formatted_pool_cuda_matches_cpu(rng, kda, dtype, rounding):
     conv_dim = 2 * H * K + HV * V
     kw = dict(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype, state_rounding=rounding,
               rounding_seed=seed, conv_dim=conv_dim)
+    if replay:  # the pool's rings (zeros: records a cursor reads add nothing), L = 3
+        kw.update(replay_len=3, H=H, kda=kda, ring_k_dtype="float32")
     pg, pc = ds.StatePool(device="cuda", **kw), ds.StatePool(**kw)
     live = [4, 1]
     if quantized:
@@ -1241,15 +1246,26 @@ def test_fused_step_formatted_pool_cuda_matches_cpu(rng, kda, dtype, rounding):
     x, a, b = t(B, conv_dim), t(B, HV * K if kda else HV), t(B, HV)
     idx = torch.tensor([4, -1, 1], dtype=torch.int32)
     op = ds.kda_fused_decode_step if kda else ds.gdn_fused_decode_step
-    outs = []
+    outs, cursors = [], []
     for p, dev in ((pg, "cuda"), (pc, "cpu")):
         d = lambda u: u.to(dev)  # noqa: E731
         out = torch.full((B, HV, V), float("nan"), device=dev)
+        rings = {}
+        if replay:  # row 0 flushes (cursor L-1), row 2 appends at 1
+            wp = torch.tensor([2, 0, 1], dtype=torch.int32, device=dev)
+            rings = dict(d_cache=p.d_cache(layer), k_cache=p.k_cache(layer),
+                         g_cache=p.g_cache(layer), write_pos=wp, advance_write_pos=True)
+            cursors.append(wp)
         op(d(x), d(w), p.conv_state(layer), d(a), d(b), d(A_log), d(dt_bias),
            p.layer_state(layer), out, d(idx), conv_bias=d(bias), norm_weight=d(nw), z=d(z),
-           **p.state_format(layer))
+           **rings, **p.state_format(layer))
         outs.append(out.cpu())
     torch.cuda.synchronize()
+    if replay:
+        assert cursors[0].cpu().tolist() == cursors[1].tolist() == [0, 0, 2]
+        for name in ("d_cache", "k_cache", "g_cache"):
+            torch.testing.assert_close(getattr(pg, name)(layer).cpu(), getattr(pc, name)(layer),
+                                       atol=1e-5, rtol=1e-5, msg=name)
     close2(outs[0], outs[1], (2e-4, 2e-4), "float32", "out")
     assert torch.all(outs[0][1] == 0)  # the padded row
     np.testing.assert_array_equal(bits(pg.conv_state(layer)), bits(pc.conv_state(layer)))

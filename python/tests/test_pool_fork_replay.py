@@ -8,7 +8,10 @@ layer, for the basic ring, circular rings at any cache_base, KDA prefix gates an
 keys; in circular mode a fork taken at m = L-1 equals, bit for bit, the history checkpoint the
 source's next (natural) step stores. The materialized state also matches the exact per-token
 recurrence of the source's tokens (fp64 reference, SGLang's fp32 flush tolerances), the source,
-its rings and every other slot are left bit-untouched, and the destination's cursor is 0."""
+its rings and every other slot are left bit-untouched, and the destination's cursor is 0. On a
+quantized or stochastically rounded pool the fork stores through the format with the source's
+key at the layer's step: at m = L-1 it equals, byte for byte (codes and scales), the history
+checkpoint the source's next step stores, the step counters untouched by the fork."""
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ import reference as ref
 from cases import gate_params, materialize_packed, packed_data
 from helpers import Fw, assert_close, bits, poison, to64, torch
 from test_replayssm import flush_tol
+from test_state_format import emulate, state_bits, write_slot
 
 MODES = [
     pytest.param(False, 0, False, False, None, id="gdn-basic"),
@@ -32,18 +36,25 @@ class Layered:
     """A pool with rings, slots filled with random checkpoints, per-layer gate parameters, and a
     decode of one token on chosen rows of every layer."""
 
-    def __init__(self, framework, rng, *, kda, L, lb, state_dtype="float32"):
+    def __init__(self, framework, rng, *, kda, L, lb, state_dtype="float32", state_rounding=None):
         self.fw, self.rng, self.kda, self.L, self.lb = Fw(framework), rng, kda, L, lb
         self.H, self.HV, self.V, self.K, self.layers = 2, 2, 8, 16, 2
         self.pool = ds.StatePool(layers=self.layers, slots=5, HV=self.HV, V=self.V, K=self.K,
                                  replay_len=L, H=self.H, kda=kda, ring_k_dtype="float32",
-                                 state_dtype=state_dtype, framework=framework)
+                                 state_dtype=state_dtype, state_rounding=state_rounding,
+                                 rounding_seed=9, framework=framework)
         self.slots = [self.pool.allocate() for _ in range(4)]
         for layer in range(self.layers):
             st = self.pool.layer_state(layer)
-            st[...] = self.fw.from64(rng.standard_normal(tuple(st.shape)) * 0.5, state_dtype)
+            if self.pool.quantized:  # codes and row scales of random states
+                for s in range(tuple(st.shape)[0]):
+                    x = (rng.standard_normal(tuple(st.shape)[1:]) * 0.5).astype(np.float32)
+                    write_slot(self.pool, layer, s, *emulate(x, state_dtype, False))
+            else:
+                st[...] = self.fw.from64(rng.standard_normal(tuple(st.shape)) * 0.5, state_dtype)
         self.params = [gate_params(rng, self.HV, self.K, kda) for _ in range(self.layers)]
-        self.exact = [to64(self.pool.layer_state(l)) for l in range(self.layers)]
+        self.exact = ([None] * self.layers if self.pool.quantized
+                      else [to64(self.pool.layer_state(l)) for l in range(self.layers)])
 
     def step(self, rows, wp, base, force, modes, inputs=None, exact_rows=()):
         """One token on `rows` in every layer (the same token for every row when `inputs` is
@@ -71,7 +82,8 @@ class Layered:
                 self.pool.k_cache(layer), self.pool.g_cache(layer), out, fw.idx(rows),
                 fw.idx(wp), fw.idx(force), self.lb, True, self.kda,
                 cache_base=fw.idx(base), circular_replay=modes[0],
-                prefix_gate_cache=modes[1], predecayed_k_cache=modes[2])
+                prefix_gate_cache=modes[1], predecayed_k_cache=modes[2],
+                **self.pool.state_format(layer))
             outs.append(to64(out))
             for n in exact_rows:  # the exact recurrence of row n's slot
                 s = rows[n]
@@ -182,3 +194,62 @@ def test_fork_bf16_pool_and_refusals(rng):
     for layer in range(t.layers):
         assert_close(to64(t.pool.layer_state(layer))[dst], t.exact[layer][src],
                      flush_tol(False, dt), dt, f"materialized layer {layer}")
+
+
+@pytest.mark.parametrize("dtype,rounding", [("float8_e4m3fn", None), ("int8", None),
+                                            ("int8", "stochastic"), ("bfloat16", "stochastic")],
+                         ids=["fp8-sr", "int8-rn", "int8-sr", "bf16-sr"])
+@pytest.mark.parametrize("kda,base0,prefix,predecay,lb",
+                         [p for p in MODES if p.id in ("gdn-circular", "kda-circular-prefix")])
+def test_fork_formatted_pool_equals_the_flush(rng, kda, base0, prefix, predecay, lb, dtype,
+                                              rounding):
+    """A quantized or stochastically rounded pool: a fork at m = L-1 (circular rings) stores, byte
+    for byte, the history checkpoint the source's next natural step stores (codes and scales,
+    rounded with the source's key at the same step: the fork is the source's flush copied);
+    the fork writes only dst's checkpoint and cursor and leaves the step counters alone."""
+    if dtype == "bfloat16" and torch is None:
+        pytest.skip("bfloat16 pools need torch")
+    L = 4
+    modes = (True, prefix, predecay)
+    t = Layered("torch" if dtype == "bfloat16" else "numpy", rng, kda=kda, L=L, lb=lb,
+                state_dtype=dtype, state_rounding=rounding)
+    src, dst = t.slots[0], t.slots[1]
+    m, base = 0, base0
+    for _ in range(L - 1):
+        t.step([src], [m], [base], [0], modes)
+        m, base = _advance(True, L, m, base)
+    assert m == L - 1
+    t.pool.set_cursor(src, m)
+    steps = [int(t.pool.rounding_step(l)[0]) for l in range(t.layers)] if t.pool.stochastic \
+        else None
+    def views():  # per layer: the state, the rings, the scales of a quantized pool
+        v = t.memory_bits()
+        if t.pool.quantized:
+            v += [state_bits(t.pool, l)[1] for l in range(t.layers)]
+        return v
+
+    before = views()
+    t.pool.fork(src, dst, cache_base=base, prefix_gate_cache=prefix)
+    assert t.pool.cursor(dst) == 0 and t.pool.cursor(src) == m
+    for i, (b, a) in enumerate(zip(before, views())):
+        changed = b != a
+        if i % 4 == 0 or i >= 4 * t.layers:  # a state or its scales: only dst's rows may change
+            changed[dst] = False
+        assert not changed.any(), f"fork wrote outside dst's checkpoint (view {i})"
+    if steps is not None:
+        assert [int(t.pool.rounding_step(l)[0]) for l in range(t.layers)] == steps
+    for layer in range(t.layers):
+        if t.pool.quantized:
+            codes, scales = state_bits(t.pool, layer)
+            assert not np.array_equal(codes[dst], codes[src]) or \
+                not np.array_equal(scales[dst], scales[src]), "dst is not a plain copy"
+    t.step([src], [m], [base], [0], modes)  # natural: S0 <- the state before the token
+    for layer in range(t.layers):
+        if t.pool.quantized:
+            codes, scales = state_bits(t.pool, layer)
+            np.testing.assert_array_equal(codes[src], codes[dst], err_msg=f"codes, layer {layer}")
+            np.testing.assert_array_equal(scales[src], scales[dst],
+                                          err_msg=f"scales, layer {layer}")
+        else:
+            st = bits(t.pool.layer_state(layer))
+            np.testing.assert_array_equal(st[src], st[dst], err_msg=f"layer {layer}")

@@ -364,24 +364,79 @@ def test_fused_step_on_a_quantized_pool(tfw, rng, kda, dtype, rounding):
             assert np.all(scales1[s] == SENTINEL_SCALE.view(np.uint32))
 
 
-def test_fused_step_replayssm_mode_rejects_a_quantized_state(tfw, rng):
-    H, HV, K, V, L = 1, 2, 16, 8, 4
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_fused_step_replayssm_mode_on_a_quantized_pool(tfw, rng, kda, dtype, rounding):
+    """The fused step's ReplaySSM mode on a quantized StatePool layer (its rings and conv window
+    in the pool): over L + 2 steps (a forced flush, natural flushes at L-1, the op advancing the
+    cursors) against the unfused chain causal_conv1d_update -> replayssm_decode on a byte copy
+    of the pool with the same format keywords: every byte of the two pools (codes, scales,
+    rings, windows, the step counter, sentinels) and the outputs bit-identical; the flushed
+    rows' scales rewritten, the padded row's output zeros, the other slots' sentinels kept."""
+    H, HV, K, V, B, slots, layer, seed, width, L = 2, 4, 16, 8, 4, 6, 1, 5, 4, 3
     conv_dim = 2 * H * K + HV * V
-    pool = ds.StatePool(layers=1, slots=2, HV=HV, V=V, K=K, state_dtype="int8",
-                        conv_dim=conv_dim)
-    before = bits(pool.storage)
-    x = torch.zeros(1, conv_dim)
-    with pytest.raises(NotImplementedError) as e:
-        ds.gdn_fused_decode_step(
-            x, torch.zeros(conv_dim, 4), pool.conv_state(0), torch.zeros(1, HV),
-            torch.zeros(1, HV), torch.zeros(HV), torch.zeros(HV), pool.layer_state(0),
-            torch.zeros(1, HV, V), torch.tensor([1], dtype=torch.int32),
-            d_cache=torch.zeros(2, HV, L, V), k_cache=torch.zeros(2, H, L, K),
-            g_cache=torch.zeros(2, HV, L), write_pos=torch.zeros(1, dtype=torch.int32),
-            **pool.state_format(0))
-    assert str(e.value) == ("gdn_fused_decode_step: int8 states are not built for the ReplaySSM "
-                            "mode yet (issue #36)")
-    np.testing.assert_array_equal(bits(pool.storage), before)
+    kw = dict(layers=2, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype, state_rounding=rounding,
+              rounding_seed=seed, conv_dim=conv_dim, replay_len=L, H=H, kda=kda,
+              ring_k_dtype="float32")
+    pool, twin = ds.StatePool(**kw), ds.StatePool(**kw)
+    fill_sentinels(pool, layer)
+    live = [4, 1, 0]
+    for s in live:
+        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.4).astype(np.float32), dtype,
+                            False)
+        write_slot(pool, layer, s, codes, sc)
+        pool.conv_state(layer)[s] = torch.from_numpy(
+            rng.standard_normal((conv_dim, width - 1)).astype(np.float32))
+        for ring, scale in ((pool.d_cache(layer), 0.2), (pool.k_cache(layer), 0.3)):
+            ring[s] = torch.from_numpy((rng.standard_normal(tuple(ring.shape[1:])) * scale)
+                                       .astype(np.float32))
+        g = pool.g_cache(layer)
+        g[s] = torch.from_numpy(-rng.uniform(0, 0.5, tuple(g.shape[1:])).astype(np.float32))
+    twin.storage.copy_(pool.storage)
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa
+    A_log = torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32))
+    dt_bias = t(HV * K if kda else HV) * 0.5
+    w, bias = t(conv_dim, width) * 0.5, t(conv_dim) * 0.2
+    idx = torch.tensor([4, -1, 1, 0], dtype=torch.int32)
+    wp, wp2 = torch.tensor([0, 0, 2, 1], dtype=torch.int32), torch.tensor([0, 0, 2, 1],
+                                                                          dtype=torch.int32)
+    op = ds.kda_fused_decode_step if kda else ds.gdn_fused_decode_step
+    flushed_rows = 0
+    for step in range(L + 2):
+        x, a, b = t(B, conv_dim), t(B, HV * K if kda else HV), t(B, HV)
+        ff = torch.tensor([0, 0, 0, 1 if step == 1 else 0], dtype=torch.int32)
+        flushed = [int(idx[n]) for n in range(B)
+                   if idx[n] >= 0 and (int(wp[n]) == L - 1 or int(ff[n]))]
+        flushed_rows += len(flushed)
+        out = torch.full((B, HV, V), float("nan"))
+        op(x, w, pool.conv_state(layer), a, b, A_log, dt_bias, pool.layer_state(layer), out, idx,
+           conv_bias=bias, d_cache=pool.d_cache(layer), k_cache=pool.k_cache(layer),
+           g_cache=pool.g_cache(layer), write_pos=wp, force_flush=ff, advance_write_pos=True,
+           **pool.state_format(layer))
+        y = ds.causal_conv1d_update(x, twin.conv_state(layer), w, bias, activation="silu",
+                                    conv_state_indices=idx)
+        want = torch.full((B, 1, HV, V), float("nan"))
+        ds.fused_recurrent_linear_replayssm_decode(
+            y, a.reshape(B, HV, K) if kda else a, b, A_log,
+            dt_bias.reshape(HV, K) if kda else dt_bias, None, twin.layer_state(layer),
+            twin.d_cache(layer), twin.k_cache(layer), twin.g_cache(layer), want, idx, wp2, ff,
+            None, True, kda, advance_write_pos=True, **twin.state_format(layer))
+        assert torch.equal(out.view(torch.int32), want[:, 0].view(torch.int32)), f"step {step}"
+        assert torch.all(out[1] == 0)
+        np.testing.assert_array_equal(bits(pool.storage), bits(twin.storage),
+                                      err_msg=f"the pools, step {step}")
+        assert torch.equal(wp, wp2)
+        _, scales = state_bits(pool, layer)
+        for s in flushed:  # fresh scales: never the sentinel
+            assert np.all(scales[s] != SENTINEL_SCALE.view(np.uint32)), f"slot {s}, step {step}"
+        for s in (2, 3, 5):
+            codes, scales = state_bits(pool, layer)
+            assert np.all(codes[s] == SENTINEL_CODE)
+            assert np.all(scales[s] == SENTINEL_SCALE.view(np.uint32))
+        if pool.stochastic:
+            assert int(pool.rounding_step(layer)[0]) == step + 1
+            assert int(pool.rounding_step(0)[0]) == 0
+    assert flushed_rows >= 3
 
 
 @pytest.mark.parametrize("dtype,rounding", FORMATS)

@@ -151,16 +151,10 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
         args.force_flush ? static_cast<const int32_t*>(args.force_flush->data) : nullptr;
     p.replay.advance_write_pos = args.advance_write_pos;
   }
-  // The state's format: quantized and stochastically rounded states in the plain mode only (the
-  // ReplaySSM mode stores its checkpoint through replayssm_decode's kernel, which has neither).
+  // The state's format: quantized and stochastically rounded states in both modes (the ReplaySSM
+  // mode's checkpoint through replayssm_decode's formatted loads and stores, on either backend).
   const char* op = kda ? "kda_fused_decode_step" : "gdn_fused_decode_step";
   StatePoolRef pool{args.state.data, args.state.dtype, args.state.stride[0], slots};
-  if (replay && (is_quantized(args.state.dtype) ||
-                 rounds_stochastically(args.state.dtype, args.state_format.rounding)))
-    throw Error(ErrorKind::not_implemented,
-                format("%s: %s states%s are not built for the ReplaySSM mode yet (issue #36)", op,
-                       dtype_name(args.state.dtype),
-                       is_quantized(args.state.dtype) ? "" : " with stochastic rounding"));
   check_state_format(c, op, "initial_state", args.state, args.state_format, true, pool);
   if (args.workspace) {  // a byte buffer: any dtype, counted as numel * element size
     const TensorView& w = *args.workspace;
@@ -188,18 +182,21 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
       check_replay_cache_base_host(p.replay.modes, idx, index_stride, B, L);
     }
   }
-  // CUDA, plain mode: a formatted pool runs the chain plan, whose packed-decode link is the
-  // recurrent op's formatted paths (which advance the step counter once after their grid); the
-  // one-launch kernels have no formatted state I/O, so the chain's workspace is required.
-  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/!replay);
+  // CUDA: a formatted pool runs a chain plan, the plain one (whose packed-decode link is the
+  // recurrent op's formatted paths) or the ReplaySSM one (replayssm_decode's formatted kernels);
+  // both advance the step counter once after their grid. The one-launch kernels have no
+  // formatted state I/O, so the chain's workspace is required.
+  check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/true);
   const bool formatted = is_quantized(pool.dtype) || pool.stochastic;
   if (!on_cpu && formatted && !args.workspace)
     throw Error(ErrorKind::not_implemented,
-                format("%s: %s states%s on CUDA run the chain plan (the conv, packed decode, the "
-                       "norm), which needs a `workspace` of fused_decode_step_workspace_bytes "
-                       "bytes; none was given",
+                format("%s: %s states%s on CUDA run the %s (the conv, %s, the norm), which "
+                       "needs a `workspace` of fused_decode_step_workspace_bytes bytes; none was "
+                       "given",
                        op, dtype_name(pool.dtype),
-                       is_quantized(pool.dtype) ? "" : " with stochastic rounding"));
+                       is_quantized(pool.dtype) ? "" : " with stochastic rounding",
+                       replay ? "ReplaySSM chain" : "chain plan",
+                       replay ? "replayssm_decode" : "packed decode"));
   if (!on_cpu && replay) check_replay_cuda_ring("fused_decode_step", L);
   if (!on_cpu) {
     const int64_t rows = HV / H * V;

@@ -35,7 +35,7 @@ const TensorView* check_scratch_format(Contract& c, const char* op, const Tensor
 // rounding yet (NotImplementedError), except in the ops that say so (`cuda_built`: packed decode
 // and the recurrent op, on the direct kernel's formatted-state twin; verify and the state commit,
 // on verify/fmt.cuh's kernels; ReplaySSM decode, on replay_fmt_kernel; the chunked prefill, in
-// every prefill kernel's state I/O; the fused decode step's plain mode, on its chain plan).
+// every prefill kernel's state I/O; the fused decode step, on its chain plans).
 void check_state_format_backend(const char* op, const StatePoolRef& ref, Device device,
                                 bool cuda_built = false);
 

@@ -8,8 +8,10 @@ namespace deltastate::cpu {
 void run_recurrent(const detail::RecurrentProblem& p);      // recurrent.cpp (packed decode too)
 void run_replayssm_decode(const detail::ReplayProblem& p);  // replayssm_decode.cpp
 // Prefix caching (StatePool::fork): the checkpoint of slot `dst` (a copy of src's) becomes the
-// state after src's m ring records from position `base` (p's rings, modes and float state; p's
-// row fields unused), rebuilt exactly as a ReplaySSM fold rebuilds the state before its token.
+// state after src's m ring records from position `base` (p's rings, modes and state in its
+// format; p's row fields unused), rebuilt exactly as a ReplaySSM fold rebuilds the state before
+// its token; a formatted state is stored as src's history checkpoint at the counter's step would
+// be (src's key, the counter not advanced).
 void run_replay_materialize(const detail::ReplayProblem& p, int64_t src, int64_t dst, int m,
                             int base);
 // chunk_prefill.cpp: the op, and the workspace it needs (num_threads() scratch blocks).

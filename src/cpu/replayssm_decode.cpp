@@ -257,6 +257,12 @@ void run_replay_materialize(const ReplayProblem& p, int64_t src, int64_t dst, in
   const int block_rows = (V + blocks - 1) / blocks;
   const simd::Kernels& vk = simd::kernels();
   const bool in_place = p.state.dtype == DType::f32;
+  // A checkpoint in its storage format: dst's copy loaded dequantized and the rebuilt rows stored
+  // with fresh row scales, rounded with src's key at the counter's step (not advanced), which is
+  // what a history checkpoint of src at this step stores (the decode's store_state_rows with
+  // key_of(src)): the fork equals src's flush copied to dst.
+  const bool formatted = is_quantized(p.state.dtype) || p.state.stochastic;
+  const StoreRounding rnd = store_rounding(p.state);
   parallel_for(static_cast<int64_t>(HV) * blocks, [&](int64_t task) {
     thread_local Scratch sc;
     const int hv = static_cast<int>(task / blocks);
@@ -266,10 +272,12 @@ void run_replay_materialize(const ReplayProblem& p, int64_t src, int64_t dst, in
     sc.resize(K, rows, L);
     const int64_t off = dst * p.state.slot_stride + hv * head_elems + int64_t{r0} * K;
     float* S = in_place ? static_cast<float*>(p.state.ptr) + off : sc.S.data();
-    if (!in_place) load_row(p.state.ptr, p.state.dtype, off, rows * K, S);
+    if (formatted) load_state_rows(p.state, dst, hv, V, K, r0, rows, S);
+    else if (!in_place) load_row(p.state.ptr, p.state.dtype, off, rows * K, S);
     prepare_ring(p, sc, src, hv, m, base, r0, rows);
     rebuild_rows(S, rows, K, m, sc, vk);
-    if (!in_place) store_row(p.state.ptr, p.state.dtype, off, rows * K, S);
+    if (formatted) store_state_rows(p.state, rnd, rnd.key_of(src), dst, hv, V, K, r0, rows, S);
+    else if (!in_place) store_row(p.state.ptr, p.state.dtype, off, rows * K, S);
   });
 }
 

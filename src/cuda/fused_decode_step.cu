@@ -11,9 +11,10 @@
 // src/cuda/fused_decode_step/replay.cuh's kernel (the CTA kernel's structure with
 // replayssm_decode's step, no workspace), or under DELTASTATE_CUDA_FUSED=chain the ReplaySSM
 // chain (chain.cuh: the conv, replayssm_decode's and the norm kernels through the workspace).
-// A quantized or stochastically rounded pool (plain mode) runs the chain plan whatever
-// DELTASTATE_CUDA_FUSED says: its packed decode is the recurrent op's formatted paths, which
-// store the codes (and scales) and advance the rounding step counter once after their grid.
+// A quantized or stochastically rounded pool runs the chain plan (plain mode) or the ReplaySSM
+// chain (ReplaySSM mode) whatever DELTASTATE_CUDA_FUSED says: their decode links are the recurrent
+// op's and replayssm_decode's formatted paths, which store the codes (and scales) and advance the
+// rounding step counter once after their grid.
 // The validator limits K to {64, 128} and (HV/H)*V to 256 rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -154,6 +155,10 @@ FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
   const detail::ReplayModes& rm = p.replay.modes;
   if (p.is_replay() && (rm.circular || rm.prefix_gates || rm.predecayed_k))
     return FusedPlan::replay_chain;
+  // A checkpoint in its storage format (quantized, or stochastically rounded): the ReplaySSM
+  // chain, whatever DELTASTATE_CUDA_FUSED says (its decode is replayssm_decode's formatted
+  // kernels; the one-launch kernel has no formatted state I/O).
+  if (p.is_replay() && formatted_state(p)) return FusedPlan::replay_chain;
   if (p.is_replay()) {
     // The ReplaySSM chain by default where a workspace is given: faster than the one-launch
     // kernel at every batch measured (bench/results/layer-step-chain-h200.json; the workspace
@@ -191,9 +196,10 @@ void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
                       " bytes (fused_decode_step_workspace_bytes); none was given");
     if (!p.workspace && formatted_state(p))  // the validator raises first; a direct caller here
       throw Error(ErrorKind::not_implemented,
-                  "fused_decode_step: a quantized or stochastically rounded state on CUDA runs "
-                  "the chain plan, which needs a `workspace` of " +
-                      std::to_string(need) +
+                  std::string("fused_decode_step: a quantized or stochastically rounded state on "
+                              "CUDA runs the ") +
+                      (plan == FusedPlan::replay_chain ? "ReplaySSM chain" : "chain plan") +
+                      ", which needs a `workspace` of " + std::to_string(need) +
                       " bytes (fused_decode_step_workspace_bytes); none was given");
     if (!p.workspace)
       throw Error(ErrorKind::value,

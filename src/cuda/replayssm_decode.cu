@@ -211,16 +211,18 @@ void run_replay_materialize(const ReplayProblem& problem, int64_t src, int64_t d
   const ReplayProblem& p = problem;
   // The kernel's shared memory: gtot, e [K each], kw [m][K], w [L] (mode_smem_floats covers it).
   const size_t bytes = mode_smem_checked(p, m);
+  // a checkpoint in its storage format: the FMT instance (no counter advance: fork is no step)
+  const auto kernel =
+      formatted(p) ? replay_materialize_kernel<true> : replay_materialize_kernel<false>;
   if (bytes > 48 * 1024) {
-    static PerDeviceOnce opted;
-    opted.get(p.device.index, [&p] {
-      DS_CUDA_CHECK(cudaFuncSetAttribute(replay_materialize_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+    static PerDeviceOnce opted[2];
+    opted[formatted(p) ? 1 : 0].get(p.device.index, [&p, kernel] {
+      DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          max_smem_optin(p.device.index)));
       return 1;
     });
   }
-  launch_kernel(replay_materialize_kernel, dim3(static_cast<unsigned>(p.HV)), kModeThreads, bytes,
+  launch_kernel(kernel, dim3(static_cast<unsigned>(p.HV)), kModeThreads, bytes,
                 static_cast<cudaStream_t>(stream), false, p, src, dst, m, base);
 }
 

@@ -293,12 +293,6 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ri
                   ring.cache_base, ll(L - 1)));
     if (ring.predecayed_k_cache && (!cfg_.kda || !ring.prefix_gate_cache))
       fail("Pre-decayed K requires KDA circular replay with prefix gates.");
-    if (is_quantized(cfg_.state_dtype) || cfg_.stochastic_rounding())
-      throw Error(ErrorKind::not_implemented,
-                  format("StatePool.fork: src %lld has %d pending ReplaySSM records; materializing "
-                         "them runs on pools with float, nearest-rounded states only for now "
-                         "(flush the source first: force_flush at the track point)",
-                         ll(src), wp));
   }
   // layer l's rebuild problem (the pending records of src into dst)
   auto rebuild = [&](int64_t layer) {
@@ -311,6 +305,19 @@ void StatePool::fork(int64_t src, int64_t dst, Stream stream, const ForkRing& ri
     p.L = static_cast<int32_t>(L);
     p.gate.kda = cfg_.kda;
     p.state = {st.data, st.dtype, st.stride[0], st.shape[0]};
+    // The pool's format: dst's rows stored with fresh scales and src's key at the layer's step
+    // (the materializations' rule), the counter read where it lies (on the device for CUDA pools).
+    if (is_quantized(cfg_.state_dtype)) {
+      const TensorView sc = layer_scales(layer);
+      p.state.scales = static_cast<float*>(sc.data);
+      p.state.scale_slot_stride = sc.stride[0];
+    }
+    if (cfg_.stochastic_rounding()) {
+      p.state.stochastic = true;
+      p.state.step = static_cast<int64_t*>(rounding_step(layer).data);
+      p.state.seed = cfg_.rounding_seed;
+      p.state.layer = static_cast<uint64_t>(layer);
+    }
     p.d_cache = d.data;
     p.d_dtype = d.dtype;
     p.k_cache = k.data;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gpu/gpu_util.h"
+#include "quant_formats.h"
 #include "test_util.h"
 
 namespace dstest {
@@ -25,23 +26,6 @@ namespace dstest {
 using deltastate::StatePool;
 using deltastate::StatePoolConfig;
 using deltastate::StateRounding;
-
-inline double e4m3_value(uint8_t c) {
-  const int e = (c >> 3) & 15, m = c & 7;
-  const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
-  return (c & 0x80) ? -v : v;
-}
-// A code's value before its scale (f8e4m3 or i8).
-inline double code_value(uint8_t c, DType t) {
-  return t == DType::f8e4m3 ? e4m3_value(c) : static_cast<double>(static_cast<int8_t>(c));
-}
-// A random finite code of dtype t (no NaN, no -128).
-inline uint8_t random_code(Rng& rng, DType t) {
-  uint8_t c = static_cast<uint8_t>(rng.integer(0, 255));
-  if (t == DType::f8e4m3 && (c & 0x7f) == 0x7f) c ^= 1;
-  if (t == DType::i8 && c == 0x80) c = 0;
-  return c;
-}
 
 // A (layer, slot) block of a pool.
 struct Block {
@@ -64,11 +48,9 @@ inline std::vector<Block> blocks_in_layers(int64_t layers, const std::vector<int
 // A host pool in a quantized format and its device twin: every byte a sentinel (0x5a; with
 // ScaleFill::huge every scale of every layer and slot 1e30 instead, a scale no store writes: a
 // row still holding it was not written), then random codes (no NaN, no -128) and scales in the
-// `live` blocks; stochastic: every layer's step counter at kStep0. push() copies the host pool's
-// bytes onto the device.
+// `live` blocks; stochastic: every layer's step counter at kStep0 (quant_formats.h). push()
+// copies the host pool's bytes onto the device.
 enum class ScaleFill { bytes, huge };
-constexpr int64_t kStep0 = 41;
-constexpr int64_t kSeed = 1234;
 struct QuantPools {
   std::unique_ptr<StatePool> host, dev;
   int64_t bytes = 0;
@@ -148,21 +130,6 @@ inline QuantPools make_quant_pools(const Shape& s, DType dtype, StateRounding ro
       *static_cast<int64_t*>(q.host->rounding_step(l).data) = kStep0;
   q.push();
   return q;
-}
-
-// An op's format keywords for `layer` of pool p (its scales; stochastic: its step counter).
-inline deltastate::StateFormatArgs format_of(const StatePool& p, int64_t layer,
-                                             StateRounding rounding) {
-  deltastate::StateFormatArgs f;
-  const DType dtype = p.config().state_dtype;
-  if (dtype == DType::f8e4m3 || dtype == DType::i8) f.scales = p.layer_scales(layer);
-  f.rounding = rounding;
-  if (p.config().stochastic_rounding()) {
-    f.step = p.rounding_step(layer);
-    f.seed = kSeed;
-    f.layer = layer;
-  }
-  return f;
 }
 
 inline int64_t host_step(const QuantPools& q, int64_t layer) {
@@ -280,20 +247,15 @@ inline void expect_decode_outputs(Mirror& m, const DecodeBatch& batch,
   }
 }
 
-// After one ReplaySSM decode step on the host pool and its device twin (quantized checkpoint,
-// float rings `rings`, views of the host pool): no bad row recorded, the outputs (a padded row's
-// zero), the device cursors `wp` as the CPU's, the rings within fp32 tolerance, the step counter
-// one on, the `flushed` blocks' checkpoints within one quantum and every other byte equal; then
-// the host pool is pushed, so the next step starts both backends from the CPU's pool.
-inline void expect_replay_step_matches(Mirror& m, const DecodeBatch& batch,
-                                       const std::vector<int64_t>& slots, const QuantPools& q,
-                                       DType dtype, const Tensor& wp,
-                                       const std::vector<TensorView>& rings,
-                                       const std::vector<Block>& flushed, int64_t layer,
-                                       int64_t step) {
-  sync();
-  EXPECT_NO_THROW(deltastate::check_errors());
-  expect_decode_outputs(m, batch, slots);
+// After one ReplaySSM step (replayssm_decode, or the fused step's ReplaySSM mode) on the host
+// pool and its device twin (quantized checkpoint, float rings `rings`, views of the host pool),
+// all but the outputs: the device cursors `wp` as the CPU's, the rings within fp32 tolerance, the
+// step counter one on, the `flushed` blocks' checkpoints within one quantum and every other byte
+// equal; then the host pool is pushed, so the next step starts both backends from the CPU's pool.
+inline void expect_replay_pools_match(Mirror& m, const QuantPools& q, DType dtype, const Tensor& wp,
+                                      const std::vector<TensorView>& rings,
+                                      const std::vector<Block>& flushed, int64_t layer,
+                                      int64_t step) {
   EXPECT_EQ(m.download(wp).values(), wp.values()) << "cursors";
   const std::vector<uint8_t> d = q.device_bytes();
   for (const TensorView& ring : rings)
@@ -305,6 +267,20 @@ inline void expect_replay_step_matches(Mirror& m, const DecodeBatch& batch,
   }
   expect_pools_match(q, dtype, flushed, rings);
   q.push();
+}
+
+// After one ReplaySSM decode step on the host pool and its device twin: no bad row recorded, the
+// outputs (a padded row's zero), then expect_replay_pools_match.
+inline void expect_replay_step_matches(Mirror& m, const DecodeBatch& batch,
+                                       const std::vector<int64_t>& slots, const QuantPools& q,
+                                       DType dtype, const Tensor& wp,
+                                       const std::vector<TensorView>& rings,
+                                       const std::vector<Block>& flushed, int64_t layer,
+                                       int64_t step) {
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+  expect_decode_outputs(m, batch, slots);
+  expect_replay_pools_match(m, q, dtype, wp, rings, flushed, layer, step);
 }
 
 }  // namespace dstest

@@ -649,6 +649,196 @@ TEST(FusedStepFmtGpuGraph, ReplayAdvancesTheStep) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// ---- the fused step's ReplaySSM mode on a quantized / stochastically rounded pool -------------
+// CUDA runs it through the ReplaySSM chain (conv, replayssm_decode's formatted kernels, norm)
+// whatever the plan would otherwise be; the CPU backend on the same pool bytes is the oracle, with
+// FusedStepFmtGpu's tolerances (outputs, windows bit for bit) and GpuQuantizedReplay's for the
+// pool (expect_replay_pools_match: cursors, rings, codes within one quantum, scales, the step
+// counter, every other byte).
+struct FusedReplayFmtCase {
+  FusedFmtCase fmt;
+  bool circular = false;  // SGLang's circular rings (history checkpoints at natural flushes)
+};
+inline void PrintTo(const FusedReplayFmtCase& c, std::ostream* os) { *os << c.fmt.name; }
+
+class FusedReplayFmtGpu : public GpuParamTest<FusedReplayFmtCase> {};
+
+// Five steps from cursor 0 with L = 3 (natural flushes at L-1, a forced one), the cursors (and
+// circular bases) advanced by the op, each step from the CPU's pool on both backends. No SiLU in
+// the conv: FusedReplayGpu's reason (libm's and CUDA's expf differ by an ulp at times, flipping
+// a conv output's rounding to the activation dtype, which the fp32 k ring then records).
+TEST_P(FusedReplayFmtGpu, MatchesCpu) {
+  const FusedReplayFmtCase& rc = GetParam();
+  const FusedFmtCase& c = rc.fmt;
+  const LayerCase lc = fmt_layer_case(c);
+  const int64_t layer = 1, slots = 9;
+  const int L = 3;
+  const std::vector<int64_t> idx{7, -1, 2, 5};
+  Rng rng = test_rng();
+  LayerBatch b = make_layer_batch(rng, lc, idx, slots);
+  const QuantPools q = make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 2, slots,
+                                        blocks_of(layer, idx), rng, L, c.kda);
+  const StatePool& host = *q.host;
+  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
+                                      host.g_cache(layer)};
+  Mirror dev;
+  for (const Tensor* t : {&b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.norm_w})
+    dev.upload(*t);
+  std::vector<int64_t> cursor(idx.size(), 0), bases(idx.size(), 0);
+  if (rc.circular) bases = {1, 0, 2, 0};
+  DeviceWorkspace ws;
+  int flushes = 0;
+  for (int step = 0; step < 5; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step) {
+      b.d.randomize(rng);
+      b.z.fill_normal(rng, 1.0);
+    }
+    b.poison_out();
+    Tensor wp = index_tensor(cursor), base = index_tensor(bases);
+    Tensor ff = index_tensor({0, 0, step == 0 ? 1 : 0, 0});
+    std::vector<Block> flushed;
+    for (size_t n = 0; n < idx.size(); ++n)
+      if (idx[n] >= 0 && (cursor[n] == L - 1 || ff.get_linear(static_cast<int64_t>(n)) != 0))
+        flushed.push_back({layer, idx[n]});
+    flushes += static_cast<int>(flushed.size());
+    for (const Tensor* t : {&b.d.x, &b.d.a, &b.d.b, &b.z, &b.out, &wp, &ff, &base}) dev.upload(*t);
+    for (const Tensor& w : b.win) dev.upload(w);  // both backends from the CPU's windows
+    auto args = [&](auto&& view, const StatePool& p) {
+      deltastate::FusedDecodeStepArgs a = fmt_args(b, view, p, layer, c.rounding);
+      a.conv_silu = false;
+      a.d_cache = p.d_cache(layer);
+      a.k_cache = p.k_cache(layer);
+      a.g_cache = p.g_cache(layer);
+      a.write_pos = view(wp);
+      a.force_flush = view(ff);
+      a.advance_write_pos = true;
+      if (rc.circular) {
+        a.cache_base = view(base);
+        a.circular_replay = true;
+      }
+      return a;
+    };
+    deltastate::FusedDecodeStepArgs a = args([&](const Tensor& t) { return dev.view(t); }, *q.dev);
+    // the ReplaySSM chain whatever the plan: the query asks for its workspace
+    ASSERT_GT(deltastate::fused_decode_step_workspace_bytes(a), 0);
+    ws.attach(a);
+    try {
+      b.run_fused(a);
+    } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
+      if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
+      throw;
+    }
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());  // no bad row recorded
+    b.run_fused(args(host_view, host));           // the CPU twin
+    for (size_t j = 0; j < b.win.size(); ++j)
+      EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j;
+    const Tensor out = dev.download(b.out);
+    EXPECT_TRUE(all_close(out.values(), b.out.values(), Tol{2e-4, 2e-4}, lc.act, 5)) << "out";
+    std::vector<double> padded;
+    for (int64_t hv = 0; hv < lc.shape.HV; ++hv)
+      for (int64_t v = 0; v < lc.shape.V; ++v) padded.push_back(out.get({1, hv, v}));
+    EXPECT_TRUE(all_zero(padded)) << "the padded row's output";
+    EXPECT_EQ(dev.download(base).values(), base.values()) << "cache_base";
+    expect_replay_pools_match(dev, q, c.dtype, wp, rings, flushed, layer, step);
+    cursor = index_values(wp);
+    bases = index_values(base);
+  }
+  EXPECT_GE(flushes, 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, FusedReplayFmtGpu,
+    ::testing::Values(
+        FusedReplayFmtCase{{"gdn_fp8_sr", false, DType::f8e4m3, StateRounding::format_default,
+                            deltastate::PoolLayout::per_layer}},
+        FusedReplayFmtCase{{"gdn_int8_rn_envelope", false, DType::i8, StateRounding::nearest,
+                            deltastate::PoolLayout::envelope}},
+        FusedReplayFmtCase{{"gdn_bf16_sr_circular", false, DType::bf16, StateRounding::stochastic,
+                            deltastate::PoolLayout::per_layer},
+                           true},
+        FusedReplayFmtCase{{"kda_fp8_rn_envelope", true, DType::f8e4m3, StateRounding::nearest,
+                            deltastate::PoolLayout::envelope}},
+        FusedReplayFmtCase{{"kda_int8_sr_circular", true, DType::i8, StateRounding::stochastic,
+                            deltastate::PoolLayout::per_layer},
+                           true}),
+    [](const ::testing::TestParamInfo<FusedReplayFmtCase>& i) {
+      return std::string(i.param.fmt.name);
+    });
+
+// CUDA-graph replay of the ReplaySSM fused step on a stochastically rounded int8 pool: a captured
+// call (the ReplaySSM chain: conv, formatted decode and its step advance, norm) replayed four
+// times (L = 3: a flush on the third) against four eager calls on a second device pool with its
+// own cursors: pools, cursors and outputs bit-identical, the device counter one on per replay.
+TEST(FusedReplayFmtGpuGraph, ReplayMatchesEagerCalls) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const FusedFmtCase c{"gdn_int8_sr", false, DType::i8, StateRounding::stochastic,
+                       deltastate::PoolLayout::per_layer};
+  const LayerCase lc = fmt_layer_case(c);
+  const std::vector<int64_t> idx{2, -1, 0};
+  const int64_t layer = 0;
+  Rng rng = test_rng();
+  LayerBatch b = make_layer_batch(rng, lc, idx, 4);
+  const QuantPools q = make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 1, 4,
+                                        blocks_of(layer, idx), rng, 3, false);
+  StatePool eager(q.dev->config());
+  CUDA_CHECK(cudaMemcpy(eager.data(), q.dev->data(), static_cast<size_t>(q.bytes),
+                        cudaMemcpyDeviceToDevice));
+  Tensor wp_eager = index_tensor({0, 0, 0}), wp_graph = index_tensor({0, 0, 0});
+  Tensor out_eager = clone(b.out);
+  Mirror dev;
+  upload_layer_batch(dev, b, false);  // the state: the quantized pools
+  for (const Tensor* t : {&wp_eager, &wp_graph, &out_eager}) dev.upload(*t);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceWorkspace ws;
+  auto args = [&](const StatePool& p, const Tensor& wp, const Tensor& out) {
+    deltastate::FusedDecodeStepArgs a = fmt_args(
+        b, [&](const Tensor& t) { return dev.view(t); }, p, layer, c.rounding);
+    a.d_cache = p.d_cache(layer);
+    a.k_cache = p.k_cache(layer);
+    a.g_cache = p.g_cache(layer);
+    a.write_pos = dev.view(wp);
+    a.advance_write_pos = true;
+    a.out = dev.view(out);
+    a.stream = stream;
+    a.pdl = true;
+    a.check_indices = false;
+    ws.attach(a);
+    return a;
+  };
+  // the two pools' windows: the eager calls roll b's windows; the graph gets copies
+  std::vector<Tensor> win_graph;
+  for (const Tensor& w : b.win) {
+    win_graph.push_back(clone(w));
+    dev.upload(win_graph.back());
+  }
+  auto graph_args = [&] {
+    deltastate::FusedDecodeStepArgs a = args(*q.dev, wp_graph, b.out);
+    a.conv_state = dev.view(win_graph[0]);
+    return a;
+  };
+  ASSERT_EQ(b.win.size(), 1u);  // GDN: one packed window
+  for (int i = 0; i < 4; ++i) b.run_fused(args(eager, wp_eager, out_eager));
+  {
+    const deltastate::FusedDecodeStepArgs a = graph_args();
+    ASSERT_TRUE(a.workspace.has_value());
+  }
+  replay_graph(stream, 4, [&] { b.run_fused(graph_args()); });
+  deltastate::check_errors();
+  int64_t got = 0;
+  CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, kStep0 + 4);
+  EXPECT_EQ(dev.download(wp_graph).values(), dev.download(wp_eager).values()) << "cursors";
+  EXPECT_EQ(dev.download(wp_graph).values(), (std::vector<double>{1, 0, 1})) << "cursors";
+  EXPECT_EQ(dev.download(b.out).bytes(), dev.download(out_eager).bytes()) << "the last outputs";
+  EXPECT_EQ(dev.download(win_graph[0]).bytes(), dev.download(b.win[0]).bytes()) << "windows";
+  EXPECT_TRUE(same_device_bytes(q.dev->data(), eager.data(), q.bytes))
+      << "graph replays against eager calls";
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // causal_conv1d_update on CUDA against the CPU (shifted, circular, seqlen 3, vLLM layout).
 TEST(ConvUpdateGpu, MatchesCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";

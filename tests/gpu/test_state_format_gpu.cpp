@@ -654,6 +654,81 @@ TEST_F(GpuTest, QuantizedReplayGraphReplay) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// ---- StatePool.fork of a source with pending ReplaySSM records --------------------------------
+struct QuantForkCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  deltastate::PoolLayout layout;
+  int32_t cache_base;  // 0: the basic ring; else circular rings from this base
+  bool odd = false;    // kOdd, else the model's shape
+};
+void PrintTo(const QuantForkCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedFork : public GpuParamTest<QuantForkCase> {};
+
+// The CUDA pool's fork (replay_materialize_kernel's formatted instance) against the CPU pool's on
+// the same bytes: a source with m = 3 of L = 4 records pending, finite records in every ring
+// position of the source; dst's checkpoint in both layers within one quantum, its scales, every
+// other byte (the source, the rings, the step counters: fork does not advance them) equal.
+TEST_P(GpuQuantizedFork, MatchesCpu) {
+  const QuantForkCase& c = GetParam();
+  const Shape s = c.odd ? kOdd : c.kda ? kKimi : kQwen3Next;
+  const int64_t layers = 2, slots = 5, src = 1, dst = 3;
+  const int L = 4, m = 3;
+  Rng rng = test_rng();
+  const QuantPools q = make_quant_pools(s, c.dtype, c.rounding, c.layout, layers, slots,
+                                        blocks_in_layers(layers, {0, src, 2, dst}), rng, L, c.kda);
+  StatePool& host = *q.host;
+  for (int i = 0; i < 4; ++i) {  // slots 0..3 allocated on both pools, their bytes kept
+    host.allocate(/*clear=*/false);
+    q.dev->allocate(/*clear=*/false);
+  }
+  auto fill = [&](const TensorView& v, double lo, double hi) {
+    int64_t per = 1;
+    for (int d = 1; d < v.ndim; ++d) per *= v.shape[d];
+    for (int64_t e = 0; e < per; ++e)
+      store_value(v.data, v.dtype, src * v.stride[0] + e, rng.uniform(lo, hi));
+  };
+  for (int64_t l = 0; l < layers; ++l) {
+    fill(host.d_cache(l), -0.2, 0.2);
+    fill(host.k_cache(l), -0.1, 0.1);
+    fill(host.g_cache(l), -0.5, 0.0);
+  }
+  for (int64_t sl = 0; sl < slots; ++sl) host.set_cursor(sl, 0);
+  host.set_cursor(src, m);
+  host.set_cursor(dst, 2);
+  q.push();
+  StatePool::ForkRing ring;
+  ring.cache_base = c.cache_base;
+  host.fork(src, dst, nullptr, ring);
+  q.dev->fork(src, dst, nullptr, ring);
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+  EXPECT_EQ(q.dev->cursor(dst), 0);
+  EXPECT_EQ(q.dev->cursor(src), m);
+  if (q.stochastic) {
+    EXPECT_EQ(host_step(q, 1), kStep0);
+  }
+  expect_pools_match(q, c.dtype, blocks_in_layers(layers, {dst}));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedFork,
+    ::testing::Values(
+        QuantForkCase{"gdn_fp8_sr", false, DType::f8e4m3, StateRounding::format_default,
+                      deltastate::PoolLayout::per_layer, 0},
+        QuantForkCase{"kda_int8_rn_envelope_circular", true, DType::i8, StateRounding::nearest,
+                      deltastate::PoolLayout::envelope, 2},
+        QuantForkCase{"gdn_bf16_sr_circular", false, DType::bf16, StateRounding::stochastic,
+                      deltastate::PoolLayout::per_layer, 1},
+        QuantForkCase{"kda_fp8_rn", true, DType::f8e4m3, StateRounding::nearest,
+                      deltastate::PoolLayout::per_layer, 0},
+        QuantForkCase{"gdn_odd_int8_sr_circular", false, DType::i8, StateRounding::stochastic,
+                      deltastate::PoolLayout::envelope, 3, true}),
+    case_name<QuantForkCase>);
+
 // ---- the chunked prefill ----------------------------------------------------------------------
 struct QuantPrefillCase {
   const char* name;

@@ -332,7 +332,12 @@ __global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail
 }
 
 // StatePool::fork on a CUDA pool: dst's checkpoint (a copy of src's) becomes the state after src's
-// m records from `base`; one CTA per value head.
+// m records from `base`; one CTA per value head. FMT: a checkpoint in its storage format, loaded
+// dequantized and each row stored as the modes kernel stores a history checkpoint (formed once
+// for its amax, once more for the store, the fresh scale written last), rounded with src's key at
+// the counter's step (the CPU's rule: the fork equals src's flush copied to dst; the counter is
+// not advanced).
+template <bool FMT>
 __global__ void __launch_bounds__(kModeThreads)
     replay_materialize_kernel(const detail::ReplayProblem p, int64_t src, int64_t dst, int m,
                               int base) {
@@ -348,12 +353,34 @@ __global__ void __launch_bounds__(kModeThreads)
   mode_prepare_ring(p, src, hv, m, base, s_gtot, s_e, s_kw, s_w);
   const int64_t row0 = dst * p.state.slot_stride + int64_t{hv} * V * K;
   const int64_t d_ring = (src * HV + hv) * int64_t{L} * V;
+  fmt::HeadRows fh;  // FMT: dst's rows and scales, src's key
+  if constexpr (FMT) {
+    fh = fmt::head_rows(p.state, dst, hv, V, K);
+    if (fh.stochastic)
+      fh.key = detail::sr_key(p.state.seed, static_cast<uint64_t>(src), p.state.layer,
+                              static_cast<uint64_t>(*p.state.step));
+  }
   for (int v = threadIdx.x; v < V; v += blockDim.x) {
     const int64_t row = row0 + int64_t{v} * K;
-    for (int i = 0; i < K; ++i) {
-      const float s = mode_rebuilt(detail::load_float(p.state.ptr, p.state.dtype, row + i), i, v, m,
-                                   K, s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring, base, L, V);
-      detail::store_float(p.state.ptr, p.state.dtype, row + i, s);
+    auto rebuilt = [&](int i) {
+      const float s0 = FMT ? fmt::load_elem(p.state.ptr, p.state.dtype, fh, v, int64_t{v} * K + i)
+                           : detail::load_float(p.state.ptr, p.state.dtype, row + i);
+      return mode_rebuilt(s0, i, v, m, K, s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring, base, L, V);
+    };
+    if constexpr (FMT) {
+      // each element reads only its own code before storing it; the row's scale goes last
+      float scale = 0.0f;
+      if (fh.scales) {
+        float amax = 0.0f;
+        for (int i = 0; i < K; ++i) amax = detail::amax_step(amax, rebuilt(i));
+        scale = fmt::fresh_scale(p.state.dtype, amax);
+      }
+      for (int i = 0; i < K; ++i)
+        fmt::store_elem(p.state.ptr, p.state.dtype, fh, int64_t{v} * K + i, rebuilt(i), scale);
+      if (fh.scales) fh.scales[v] = scale;
+    } else {
+      for (int i = 0; i < K; ++i)
+        detail::store_float(p.state.ptr, p.state.dtype, row + i, rebuilt(i));
     }
   }
 }
