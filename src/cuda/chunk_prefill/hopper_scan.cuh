@@ -273,26 +273,52 @@ __device__ __forceinline__ void wg_gemm(Mma& mma, TA&& A, const TB& B, TC& C) {
 // from v0) between a [.., V, K] float tensor at element offset `off` and `vals`, out of line:
 // they run once per sequence or checkpoint, and inlined at every call site, each element through
 // every dtype's conversion, they made most of the kernel's code (the consumers' loop then misses
-// the instruction cache: no-instruction stalls 32%, docs/PERFORMANCE.md).
-// A pool slot in the pool's storage format comes as run-time data (cuda/state_format.cuh): `h`
-// the head's rows (h.scales: quantized codes, dequantized on load; h.off replaces `off`),
-// `formatted` set. A quantized row's amax: the thread's 32 values of the row and two quad shuffles
-// (the 4 threads of a quad hold the row's 128 columns); all 128 threads of the warp group call it.
+// the instruction cache: no-instruction stalls 32%, docs/PERFORMANCE.md). Inside, every load of
+// a float state is issued before the first value is used (registers, then `vals`): one element
+// at a time, each waiting on its load, the state's I/O took a quarter of the scan's stall samples
+// (8x1024, H100). A pool slot in the pool's storage format comes as run-time data
+// (cuda/state_format.cuh): `h` the head's rows (h.scales: quantized codes, dequantized on load;
+// h.off replaces `off`), `formatted` set, 8 elements in flight at a time. A quantized row's
+// amax: the thread's 32 values of the row and two quad shuffles (the 4 threads of a quad hold the
+// row's 128 columns); all 128 threads of the warp group call it.
 constexpr int kStateVals = 64;
+constexpr int kFmtBatch = 8;
+__device__ __forceinline__ int64_t state_val_offset(int v0, int ct, int i) {
+  return int64_t{v0 + acc_row(ct, i)} * kD + acc_col(ct, i);
+}
 static __device__ __noinline__ void load_state_vals(const void* base, DType dtype, int64_t off,
                                                     int v0, int ct, float* vals, bool formatted,
                                                     fmt::HeadRows h) {
   if (formatted) {
 #pragma unroll 1
-    for (int i = 0; i < kStateVals; ++i) {
-      const int row = v0 + acc_row(ct, i);
-      vals[i] = fmt::load_elem(base, dtype, h, row, int64_t{row} * kD + acc_col(ct, i));
+    for (int i0 = 0; i0 < kStateVals; i0 += kFmtBatch) {
+      float x[kFmtBatch];
+#pragma unroll
+      for (int j = 0; j < kFmtBatch; ++j) {
+        const int i = i0 + j;
+        x[j] = fmt::load_elem(base, dtype, h, v0 + acc_row(ct, i), state_val_offset(v0, ct, i));
+      }
+#pragma unroll
+      for (int j = 0; j < kFmtBatch; ++j) vals[i0 + j] = x[j];
     }
     return;
   }
-#pragma unroll 1
-  for (int i = 0; i < kStateVals; ++i)
-    vals[i] = detail::load_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i));
+  float x[kStateVals];
+  if (dtype == DType::f32) {
+    const float* p = static_cast<const float*>(base) + off;
+#pragma unroll
+    for (int i = 0; i < kStateVals; ++i) x[i] = p[state_val_offset(v0, ct, i)];
+  } else {  // bf16 or fp16
+    const uint16_t* p = static_cast<const uint16_t*>(base) + off;
+    const bool bf = dtype == DType::bf16;
+#pragma unroll
+    for (int i = 0; i < kStateVals; ++i) {
+      const uint16_t u = p[state_val_offset(v0, ct, i)];
+      x[i] = bf ? detail::bf16_to_float(u) : detail::f16_to_float(u);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kStateVals; ++i) vals[i] = x[i];
 }
 static __device__ __noinline__ void store_state_vals(void* base, DType dtype, int64_t off, int v0,
                                                      int ct, const float* vals, bool formatted,
@@ -319,14 +345,32 @@ static __device__ __noinline__ void store_state_vals(void* base, DType dtype, in
       }
     }
 #pragma unroll 1
-    for (int i = 0; i < kStateVals; ++i)
-      fmt::store_elem(base, dtype, h, int64_t{v0 + acc_row(ct, i)} * kD + acc_col(ct, i), vals[i],
-                      (i & 2) ? scale1 : scale0);
+    for (int i0 = 0; i0 < kStateVals; i0 += kFmtBatch) {
+      float x[kFmtBatch];
+#pragma unroll
+      for (int j = 0; j < kFmtBatch; ++j) x[j] = vals[i0 + j];
+#pragma unroll
+      for (int j = 0; j < kFmtBatch; ++j)
+        fmt::store_elem(base, dtype, h, state_val_offset(v0, ct, i0 + j), x[j],
+                        ((i0 + j) & 2) ? scale1 : scale0);
+    }
     return;
   }
-#pragma unroll 1
-  for (int i = 0; i < kStateVals; ++i)
-    detail::store_float(base, dtype, off + (v0 + acc_row(ct, i)) * kD + acc_col(ct, i), vals[i]);
+  float x[kStateVals];
+#pragma unroll
+  for (int i = 0; i < kStateVals; ++i) x[i] = vals[i];
+  if (dtype == DType::f32) {
+    float* p = static_cast<float*>(base) + off;
+#pragma unroll
+    for (int i = 0; i < kStateVals; ++i) p[state_val_offset(v0, ct, i)] = x[i];
+  } else {  // bf16 or fp16, rounded to nearest even
+    uint16_t* p = static_cast<uint16_t*>(base) + off;
+    const bool bf = dtype == DType::bf16;
+#pragma unroll
+    for (int i = 0; i < kStateVals; ++i)
+      p[state_val_offset(v0, ct, i)] =
+          bf ? detail::float_to_bf16(x[i]) : detail::float_to_f16(x[i]);
+  }
 }
 
 template <class E, int G>
