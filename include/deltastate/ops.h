@@ -412,10 +412,10 @@ void causal_conv1d_update(const CausalConv1dUpdateArgs& args);
 // the others, given a workspace, run the chain plan: the conv kernel into the workspace, the
 // packed decode kernels, and the gated-norm kernel, on `stream` in sequence (no allocation, no
 // host synchronization, `pdl` on each launch); without a workspace one CTA per (row, key head),
-// one launch, slower there. ReplaySSM calls run one launch, one CTA per (row, key head), with no
-// workspace; under DELTASTATE_CUDA_FUSED=chain (not yet the default: unmeasured on the GPU) they
-// run the ReplaySSM chain instead: the conv kernel into the workspace, replayssm_decode's
-// kernels, the gated-norm kernel, the same result (docs/LAYER_STEP.md). A quantized or
+// one launch, slower there. ReplaySSM calls given a workspace (or under
+// DELTASTATE_CUDA_FUSED=chain) run the ReplaySSM chain: the conv kernel into the workspace,
+// replayssm_decode's kernels, the gated-norm kernel; without one (or under =cta / =cluster) one
+// launch, one CTA per (row, key head); the same result (docs/LAYER_STEP.md). A quantized or
 // stochastically rounded pool (`state_format` as packed decode's; in ReplaySSM mode the
 // checkpoint, loaded and stored on a flush as replayssm_decode does) runs the chain plan (in
 // ReplaySSM mode the ReplaySSM chain) on CUDA whatever the batch, so it needs `workspace` there
