@@ -512,8 +512,8 @@ struct VerifyArgs {
   TensorView state;
   // state's format (above). A quantized pool takes intermediate_states in any float dtype (the
   // caller's scratch) or quantized (float8_e4m3fn / int8, either: intermediate_state_scales
-  // below), and no source_state yet; on CUDA a quantized or stochastically rounded pool takes no
-  // cache_ring (ring_*) yet.
+  // below), and no source_state yet (cache_ring records raw v / k / g / beta as with a float
+  // pool, on both backends).
   StateFormatArgs state_format;
   std::optional<TensorView> state_indices;         // [N]; absent: sequence n reads slot n
   std::optional<TensorView> output_state_indices;  // [N] final state's slot (< 0: not stored)
