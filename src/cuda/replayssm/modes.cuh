@@ -102,6 +102,25 @@ __device__ __forceinline__ float mode_rebuilt(float s0, int i, int v, int m, int
   return s;
 }
 
+// Row v of a head in its storage format (fh: the head's rows, scales and key), element i formed by
+// value(i): once for the row's amax (quantized), then each element stored with the row's fresh
+// scale; the scale written last, since each element reads only its own code before its store and
+// value(i) may read the old row.
+template <class Value>
+__device__ __forceinline__ void store_formatted_row(const detail::StatePoolRef& state,
+                                                    fmt::HeadRows& fh, int v, int K,
+                                                    Value&& value) {
+  float scale = 0.0f;
+  if (fh.scales) {
+    float amax = 0.0f;
+    for (int i = 0; i < K; ++i) amax = detail::amax_step(amax, value(i));
+    scale = fmt::fresh_scale(state.dtype, amax);
+  }
+  for (int i = 0; i < K; ++i)
+    fmt::store_elem(state.ptr, state.dtype, fh, int64_t{v} * K + i, value(i), scale);
+  if (fh.scales) fh.scales[v] = scale;
+}
+
 // FMT: a checkpoint in its storage format (quantized, or rounded stochastically;
 // docs/STATE_FORMATS.md) through cuda/state_format.cuh's element rules: its elements loaded
 // dequantized; a row stored (a fold, a history checkpoint) formed once more per pass, for its
@@ -246,18 +265,8 @@ __global__ void __launch_bounds__(kModeThreads) replay_modes_kernel(const detail
     if constexpr (FMT) return fmt::load_elem(p.state.ptr, p.state.dtype, fh, v, int64_t{v} * K + i);
     else return detail::load_float(p.state.ptr, p.state.dtype, row0 + int64_t{v} * K + i);
   };
-  // FMT: row v stored, element i formed by value(i) (for the amax, then for the store)
-  auto store_row_fmt = [&](int v, auto&& value) {
-    float scale = 0.0f;
-    if (fh.scales) {
-      float amax = 0.0f;
-      for (int i = 0; i < K; ++i) amax = detail::amax_step(amax, value(i));
-      scale = fmt::fresh_scale(p.state.dtype, amax);
-    }
-    for (int i = 0; i < K; ++i)
-      fmt::store_elem(p.state.ptr, p.state.dtype, fh, int64_t{v} * K + i, value(i), scale);
-    if (fh.scales) fh.scales[v] = scale;
-  };
+  // FMT: row v stored, element i formed by value(i)
+  auto store_row_fmt = [&](int v, auto&& value) { store_formatted_row(p.state, fh, v, K, value); };
   for (int v = threadIdx.x; v < V; v += blockDim.x) {
     const int64_t row = row0 + int64_t{v} * K;
     const float vv = detail::load_float(p.v.ptr, p.v.dtype, detail::head_offset(p.v, n, 0, hv) + v);
@@ -368,16 +377,7 @@ __global__ void __launch_bounds__(kModeThreads)
       return mode_rebuilt(s0, i, v, m, K, s_e, s_kw, s_w, p.d_cache, p.d_dtype, d_ring, base, L, V);
     };
     if constexpr (FMT) {
-      // each element reads only its own code before storing it; the row's scale goes last
-      float scale = 0.0f;
-      if (fh.scales) {
-        float amax = 0.0f;
-        for (int i = 0; i < K; ++i) amax = detail::amax_step(amax, rebuilt(i));
-        scale = fmt::fresh_scale(p.state.dtype, amax);
-      }
-      for (int i = 0; i < K; ++i)
-        fmt::store_elem(p.state.ptr, p.state.dtype, fh, int64_t{v} * K + i, rebuilt(i), scale);
-      if (fh.scales) fh.scales[v] = scale;
+      store_formatted_row(p.state, fh, v, K, rebuilt);
     } else {
       for (int i = 0; i < K; ++i)
         detail::store_float(p.state.ptr, p.state.dtype, row + i, rebuilt(i));
