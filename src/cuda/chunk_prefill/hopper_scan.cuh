@@ -308,7 +308,7 @@ static __device__ __noinline__ void load_state_vals(const void* base, DType dtyp
     const float* p = static_cast<const float*>(base) + off;
 #pragma unroll
     for (int i = 0; i < kStateVals; ++i) x[i] = p[state_val_offset(v0, ct, i)];
-  } else {  // bf16 or fp16
+  } else {  // bf16 or fp16 (a float state is one of the three: the contracts check it)
     const uint16_t* p = static_cast<const uint16_t*>(base) + off;
     const bool bf = dtype == DType::bf16;
 #pragma unroll
