@@ -1203,6 +1203,71 @@ INSTANTIATE_TEST_SUITE_P(
                     true}),
     case_name<QuantRvCase>);
 
+// A ReplaySSM verify + commit step on an fp8 (stochastic) checkpoint captured in a CUDA graph and
+// replayed four times against four eager calls on a second device pool with its own cursors (L =
+// 8, 3 drafts: slot 2 folds from the second step on): pools and cursors bit-identical, the device
+// step counter one on per replay (the fold launch, the verify kernel and the counter's kernel in
+// the graph).
+TEST_F(GpuTest, QuantizedReplayVerifyGraphReplay) {
+  const Shape s = kOdd;
+  const int64_t layer = 1, L = 8, T = 3, S = 4;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{2, -1, 0};
+  const QuantPools q =
+      make_quant_pools(s, DType::f8e4m3, StateRounding::stochastic,
+                       deltastate::PoolLayout::per_layer, 2, S, blocks_of(layer, slots), rng, L);
+  StatePool eager(q.dev->config());
+  CUDA_CHECK(cudaMemcpy(eager.data(), q.dev->data(), static_cast<size_t>(q.bytes),
+                        cudaMemcpyDeviceToDevice));
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, false, f32, 3, T));
+  Tensor idx = index_tensor(slots), acc = index_tensor({3, 0, 2});
+  const std::vector<int64_t> zeros(S, 0);
+  Tensor wp_e = index_tensor(zeros), base_e = index_tensor(zeros), fl_e = index_tensor(zeros);
+  Tensor wp_g = index_tensor(zeros), base_g = index_tensor(zeros), fl_g = index_tensor(zeros);
+  Mirror m;
+  m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx, acc, wp_e,
+               base_e, fl_e, wp_g, base_g, fl_g);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&](const StatePool& p, const Tensor& wp, const Tensor& base, const Tensor& fl) {
+    ReplayVerifyArgs a = replay_verify_inputs(rb.args(m.views()), false);
+    a.state = p.layer_state(layer);
+    a.state_format = format_of(p, layer, StateRounding::stochastic);
+    a.state_indices = m.view(idx);
+    a.d_cache = p.d_cache(layer);
+    a.k_cache = p.k_cache(layer);
+    a.g_cache = p.g_cache(layer);
+    a.write_pos = m.view(wp);
+    a.cache_base = m.view(base);
+    a.is_flush = m.view(fl);
+    a.stream = stream;
+    deltastate::replayssm_verify(a);
+    deltastate::ReplayCommitArgs ca;
+    ca.write_pos = m.view(wp);
+    ca.cache_base = m.view(base);
+    ca.is_flush = m.view(fl);
+    ca.num_accepted = m.view(acc);
+    ca.state_indices = m.view(idx);
+    ca.max_cache_len = L;
+    ca.max_spec_len = T;
+    ca.stream = stream;
+    deltastate::replayssm_commit(ca);
+  };
+  for (int i = 0; i < 4; ++i) step(eager, wp_e, base_e, fl_e);
+  replay_graph(stream, 4, [&] { step(*q.dev, wp_g, base_g, fl_g); });
+  EXPECT_NO_THROW(deltastate::check_errors());
+  int64_t got = 0;
+  CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, kStep0 + 4);
+  for (const auto& [g, e] : {std::pair{&wp_g, &wp_e}, {&base_g, &base_e}, {&fl_g, &fl_e}})
+    EXPECT_EQ(m.download(*g).values(), m.download(*e).values()) << "cursors";
+  // slot 2 accepted 3 every step: folded at steps 2, 3 and 4 (write_pos 3 after each)
+  EXPECT_EQ(m.download(wp_g).get_linear(2), 3);
+  EXPECT_TRUE(same_device_bytes(q.dev->data(), eager.data(), q.bytes))
+      << "graph replays against eager calls";
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // Verify with FlashInfer's read-only source pool (a float pool: fp32 or bf16) on a formatted
 // pool: sequence n from source row src[n] (< 0: padded), its final state stored through the
 // format at state_indices[n] (< 0: not stored). Outputs, the stored slots within one quantum,
