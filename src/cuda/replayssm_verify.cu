@@ -75,7 +75,7 @@ void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
 // rows; else, and for the hi/lo residual ring (its stores kept off the vector kernels' register
 // budgets), the generic one (K <= 256, the validator's CUDA limit; element accesses).
 // A checkpoint in its storage format: the generic float kernel, whose run-time path loads its
-// rows dequantized and stores a fold through the format (no instantiation of its own).
+// rows dequantized (no instantiation of its own); its folds are the fold launch's.
 template <class StateT>
 void dispatch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   const bool residual = p.rawv && !p.beta_ring;

@@ -66,7 +66,7 @@ __device__ __forceinline__ void fold_store_rows(const FoldRows& S, void* state, 
   }
 }
 
-// The same for a checkpoint in its storage format (the exact-raw fold of replayssm_verify): the
+// The same for a checkpoint in its storage format (replayssm_verify's fold launch): the
 // rows of value head hv of `slot` loaded dequantized, and stored with each row's fresh scale (its
 // amax a shuffle reduction over the warp, which holds the whole row; the scale written by lane 0)
 // and the slot's stochastic key, through state_format.cuh's element rules.
