@@ -665,9 +665,11 @@ void update_conv_state_after_verify(const ConvCommitArgs& args);
 //         backends. Its rows are loaded dequantized (code x row scale), the math is the fp32
 //         math above, and a fold stores the rebuilt rows through the format as replayssm_decode's
 //         flush does: a fresh scale per (slot, head, V row), stochastic bits keyed by (seed,
-//         slot, layer, step) (the exact-raw fold too). The step counter advances once per call
-//         that serves folding rows (rows all or fold); an append-only call stores no state and
-//         leaves it, so append then fold stores what one all call stores.
+//         slot, layer, step) (the exact-raw fold too); a folding row's drafts then run from the
+//         checkpoint as stored (loaded back dequantized), the state later verifies rebuild from.
+//         The step counter advances once per call that serves folding rows (rows all or fold);
+//         an append-only call stores no state and leaves it, so append then fold stores what one
+//         all call stores.
 enum class ReplayRows : int { all = 0, append = 1, fold = 2 };
 struct ReplayVerifyArgs {
   TensorView q, k, v, g, beta, out;
