@@ -1314,6 +1314,58 @@ TEST(Contracts, QuantizedScratch) {
       "`intermediate_states` must have the dtype of `state` (float32); got float16");
 }
 
+// FlashInfer's source pool (source_state) with a pool in its storage format: the source is the
+// caller's float pool, of any float dtype (the states verify writes go to `state` through its
+// format); a quantized source is a NotImplementedError naming it; with a plain float pool the
+// source keeps the pool's dtype. Nothing written.
+TEST(Contracts, SourceStateWithFormattedPool) {
+  RecurrentFixture rf(false);
+  Tensor pool = Tensor::contiguous(DType::f8e4m3, {4, kRec.HV, kRec.V, kRec.K});
+  Tensor pool16 = Tensor::contiguous(DType::bf16, {4, kRec.HV, kRec.V, kRec.K});
+  Tensor scales = Tensor::contiguous(DType::f32, {4, kRec.HV, kRec.V});
+  Tensor step = index_tensor({0}, DType::i64);
+  Tensor src8 = Tensor::contiguous(DType::i8, {3, kRec.HV, kRec.V, kRec.K});
+  Tensor src16 = Tensor::contiguous(DType::bf16, {3, kRec.HV, kRec.V, kRec.K});
+  Tensor src_idx = index_tensor({2, 0});
+  pool.fill_all(3);
+  scales.fill_all(7);
+  Snapshot before = rf.snapshot();
+  before.add(pool).add(pool16).add(scales).add(step).add(src8).add(src16);
+  deltastate::VerifyArgs ok = verify_inputs(rf.args, false);
+  ok.state = pool.view();
+  ok.state_format.scales = scales.view();
+  ok.state_format.step = step.view();
+  ok.state_indices = rf.idx.view();
+  ok.source_state = src8.view();
+  ok.source_state_indices = src_idx.view();
+  auto verify_error = [&](auto edit, const std::string& text, ErrorKind kind = ErrorKind::value) {
+    deltastate::VerifyArgs a = ok;
+    edit(a);
+    expect_error([&] { deltastate::verify(a); }, text, kind);
+    EXPECT_TRUE(before.unchanged()) << text;
+  };
+  verify_error([](auto&) {},
+               "verify: `source_state` is int8: the read-only source pool of a float8_e4m3fn "
+               "`state` is a float pool (float32, bfloat16 or float16; issue #36)",
+               ErrorKind::not_implemented);
+  verify_error(
+      [&](auto& a) {
+        a.state = pool16.view();
+        a.state_format.scales.reset();
+        a.state_format.rounding = StateRounding::stochastic;
+      },
+      "verify: `source_state` is int8: the read-only source pool of a bfloat16 `state` rounded "
+      "stochastically is a float pool (float32, bfloat16 or float16; issue #36)",
+      ErrorKind::not_implemented);
+  verify_error(
+      [&](auto& a) {
+        a.state = rf.pool.view();
+        a.state_format = {};
+        a.source_state = src16.view();
+      },
+      "`source_state` must have the dtype of `state` (float32); got bfloat16");
+}
+
 // Verify and the state commit run quantized pools on CUDA (verify/fmt.cuh; verify with SGLang's
 // cache_ring too, tests/gpu/test_verify_gpu.cpp), with one limit of those kernels that the CPU does
 // not have: the commit's rows take K <= 256. NotImplementedError, nothing written.

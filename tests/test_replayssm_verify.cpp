@@ -9,17 +9,21 @@
 // envelope gaps stay untouched. Padded sequences, strided pools, circular rings with a random
 // origin, varlen batches, and every error text.
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 
+#include "float_format.h"
 #include "test_util.h"
 #include "view_edits.h"
 
 namespace dstest {
 namespace {
 
+using deltastate::ErrorKind;
 using deltastate::ReplayCommitArgs;
 using deltastate::ReplayVerifyArgs;
+using deltastate::StateRounding;
 
 struct RvCase : OpCase {
   DType ring;  // d_cache and k_cache
@@ -645,6 +649,217 @@ TEST(ReplayCommitErrors, CudaLimits) {
   expect(circular(257, 8), "commit_gdn_replayssm_circular: K=257; CUDA tensors take K <= 256");
   expect(circular(16, 1025),
          "commit_gdn_replayssm_circular: L=1025; CUDA tensors take a ring of at most 1024 records");
+}
+
+// ---- a checkpoint in its storage format -----------------------------------------------------
+// The state format's texts name this op (the verify contract checks them for it).
+TEST(ReplayVerifyErrors, StateFormatTexts) {
+  Rng rng = test_rng();
+  const RvCase c{{"fmt_err", kOdd, false, kNoLb, f32, f32}, f32, 16, 4, false, 0};
+  Sim sim(rng, c, 3);
+  RecurrentBatch rb = sim.batch(rng);
+  sim.push_cursors();
+  const Shape& sh = c.shape;
+  Tensor q8 = make_pool(DType::i8, sim.S, sh), f8 = make_pool(DType::f8e4m3, sim.S, sh);
+  Tensor scales = Tensor::contiguous(f32, {sim.S, sh.HV, sh.V});
+  Tensor step = index_tensor({0}, DType::i64);
+  auto expect = [&](const std::function<void(ReplayVerifyArgs&)>& mutate, const std::string& text,
+                    ErrorKind kind = ErrorKind::value) {
+    ReplayVerifyArgs a = sim.args(rb);
+    mutate(a);
+    Snapshot snap;
+    snap.add(sim.ck).add(q8).add(f8).add(scales).add(step);
+    snap.add(sim.rings.d).add(sim.rings.k).add(sim.rings.g);
+    expect_error([&] { deltastate::replayssm_verify(a); }, text, kind);
+    EXPECT_TRUE(snap.unchanged()) << text;
+  };
+  expect([&](auto& a) { a.state = q8.view(); },
+         "replayssm_verify: `state_scales` is required for the int8 state `state`: its fp32 "
+         "scales [slots, HV, V] (StatePool.layer_scales)");
+  expect(
+      [&](auto& a) {
+        a.state = f8.view();
+        a.state_format.scales = scales.view();
+      },
+      "replayssm_verify: stochastic rounding of the float8_e4m3fn state `state` needs "
+      "`rounding_step`, an int64 [1] step counter on the state's device "
+      "(StatePool.rounding_step)");
+  expect([&](auto& a) { a.state_format.scales = scales.view(); },
+         "replayssm_verify: `state_scales` applies to float8_e4m3fn and int8 states; `state` is "
+         "float32");
+  expect(
+      [&](auto& a) {
+        a.state_format.rounding = StateRounding::stochastic;
+        a.state_format.step = step.view();
+      },
+      "replayssm_verify: stochastic rounding applies to bfloat16, float16, float8_e4m3fn and "
+      "int8 states; `state` is float32 (stored exactly)");
+  expect(
+      [&](auto& a) {
+        a.state = q8.view();
+        a.state_format.scales = scales.view();
+        a.state_format.rounding = StateRounding::stochastic;
+        a.state_format.step = step.view();
+        a.state_format.layer = -1;
+      },
+      "replayssm_verify: `rounding_layer` must be >= 0; got -1");
+}
+
+Tensor clone(const Tensor& t) {
+  Tensor c = t.empty_like();
+  std::memcpy(c.alloc_base(), t.alloc_base(), static_cast<size_t>(t.alloc_bytes()));
+  return c;
+}
+
+// A bf16 checkpoint rounded stochastically, GDN and KDA, with the exact-raw ring and without:
+// folds store each element as one of the two bf16 values around the fold's fp32 state (an fp32
+// twin's fold-only call gives it; the bits themselves are the rule of test_state_format.cpp),
+// not all to nearest, the same bits again when the call is repeated from the same bytes; the
+// drafts of a folding row run from the checkpoint as stored (the twin, from that checkpoint with
+// the row's cursors moved past its records: outputs and ring records bit for bit); an
+// append-only call stores nothing and leaves the step counter, the others add one; every
+// other byte of the pool (sentinels, gaps, other slots) untouched.
+TEST(ReplayVerifyFormat, Bf16StochasticFold) {
+  for (const bool kda : {false, true})
+    for (const bool exact : {false, true}) {
+      SCOPED_TRACE(std::string(kda ? "kda" : "gdn") + (exact ? " exact-raw" : ""));
+      Rng rng = test_rng();
+      const RvCase c{{"bf16_sr", kOdd, kda, kNoLb, bf16, f32}, f32, 16, 4, true, 0};
+      Sim sim(rng, c, 4);
+      const Shape& sh = c.shape;
+      Tensor twin = make_pool(f32, sim.S, sh);
+      for (int64_t s : sim.slots)
+        if (s >= 0) set_slot_values(twin.view(), s, slot_values(sim.ck.view(), s));
+      for (Tensor* t : {&sim.rings.d, &sim.rings.k}) t->fill_normal(rng, 0.3);
+      sim.rings.g.fill_uniform(rng, -0.5, -0.01);
+      Tensor rawv = Tensor::contiguous(f32, {sim.S, sh.HV, c.L, sh.V});
+      Tensor rawk = Tensor::contiguous(f32, {sim.S, sh.H, c.L, sh.K});
+      Tensor rawb = Tensor::contiguous(f32, {sim.S, sh.HV, c.L});
+      rawv.fill_normal(rng, 1.0);
+      rawk.fill_normal(rng, 1.0);
+      rawb.fill_uniform(rng, 0.05, 0.95);
+      std::vector<int64_t> folding;
+      for (int64_t s : sim.slots) {
+        if (s < 0) continue;
+        sim.wp[s] = rng.integer(1, c.L - c.T);  // every draft's record fits the ring
+        sim.flush[s] = folding.empty() || rng.chance(0.5) ? 1 : 0;
+        if (sim.flush[s]) folding.push_back(s);
+      }
+      sim.push_cursors();
+      RecurrentBatch rb = sim.batch(rng);
+      Tensor step = index_tensor({41}, DType::i64);
+      auto run = [&](const Tensor& ck, Rings& rings, Tensor& rv, Tensor& rk, Tensor& rbeta,
+                     const Tensor& wp, const Tensor& base, const Tensor& flush,
+                     deltastate::ReplayRows rows, bool formatted) {
+        ReplayVerifyArgs a = sim.args(rb);
+        a.state = ck.view();
+        a.d_cache = rings.d.view();
+        a.k_cache = rings.k.view();
+        a.g_cache = rings.g.view();
+        a.write_pos = wp.view();
+        a.cache_base = base.view();
+        a.is_flush = flush.view();
+        if (exact) {
+          a.rawv_cache = rv.view();
+          a.rawk_cache = rk.view();
+          a.beta_cache = rbeta.view();
+        }
+        a.rows = rows;
+        if (formatted) {
+          a.state_format.rounding = StateRounding::stochastic;
+          a.state_format.step = step.view();
+          a.state_format.seed = 77;
+          a.state_format.layer = 2;
+        }
+        deltastate::replayssm_verify(a);
+      };
+      // an append-only call: no state stored, the counter left
+      {
+        Rings r{c.L, clone(sim.rings.d), clone(sim.rings.k), clone(sim.rings.g)};
+        Tensor v2 = clone(rawv), k2 = clone(rawk), b2 = clone(rawb);
+        Snapshot snap;
+        snap.add(sim.ck).add(step);
+        rb.poison_out();
+        run(sim.ck, r, v2, k2, b2, sim.write_pos, sim.cache_base, sim.is_flush,
+            deltastate::ReplayRows::append, true);
+        EXPECT_TRUE(snap.unchanged()) << "an append-only call";
+      }
+      const Tensor ck0 = clone(sim.ck);
+      Rings rings0{c.L, clone(sim.rings.d), clone(sim.rings.k), clone(sim.rings.g)};
+      Tensor rawv0 = clone(rawv), rawk0 = clone(rawk), rawb0 = clone(rawb);
+      Snapshot before;
+      before.add(sim.ck);
+      rb.poison_out();
+      run(sim.ck, sim.rings, rawv, rawk, rawb, sim.write_pos, sim.cache_base, sim.is_flush,
+          deltastate::ReplayRows::all, true);
+      const Tensor out_fmt = clone(rb.out);
+      EXPECT_EQ(step.get_linear(0), 42);
+      std::vector<MemRange> folded_ranges;
+      for (int64_t s : folding) folded_ranges.push_back(slot_range(sim.ck.view(), s));
+      EXPECT_TRUE(before.unchanged_except(folded_ranges)) << "the pool outside the folded slots";
+      {  // the same call from the same bytes stores the same bits
+        Tensor ck2 = clone(ck0);
+        Rings r{c.L, clone(rings0.d), clone(rings0.k), clone(rings0.g)};
+        Tensor v2 = clone(rawv0), k2 = clone(rawk0), b2 = clone(rawb0);
+        step.set_linear(0, 41);
+        run(ck2, r, v2, k2, b2, sim.write_pos, sim.cache_base, sim.is_flush,
+            deltastate::ReplayRows::all, true);
+        EXPECT_EQ(std::memcmp(ck2.alloc_base(), sim.ck.alloc_base(),
+                              static_cast<size_t>(ck2.alloc_bytes())),
+                  0);
+      }
+      // the twin's fold: the fp32 state each folded element brackets
+      {
+        Rings r{c.L, clone(rings0.d), clone(rings0.k), clone(rings0.g)};
+        Tensor v2 = clone(rawv0), k2 = clone(rawk0), b2 = clone(rawb0);
+        run(twin, r, v2, k2, b2, sim.write_pos, sim.cache_base, sim.is_flush,
+            deltastate::ReplayRows::fold, false);
+      }
+      int64_t off_nearest = 0, total = 0;
+      for (int64_t s : folding) {
+        const std::vector<double> x = slot_values(twin.view(), s);
+        const std::vector<double> got = slot_values(sim.ck.view(), s);
+        for (size_t e = 0; e < x.size(); ++e) {
+          const uint16_t near = fmt::bf16_bits(x[e]);
+          const double nv = fmt::bf16_value(near);
+          // the other bf16 neighbour of x: one unit from the nearest, towards x
+          const uint16_t other =
+              static_cast<uint16_t>((nv < x[e]) == (nv >= 0) ? near + 1 : near - 1);
+          const double ov = nv == x[e] ? nv : fmt::bf16_value(other);
+          ASSERT_TRUE(got[e] == nv || got[e] == ov)
+              << "slot " << s << " element " << e << ": " << got[e] << " for " << x[e];
+          off_nearest += got[e] != nv;
+          ++total;
+        }
+        set_slot_values(twin.view(), s, got);  // the twin continues from the stored checkpoint
+      }
+      EXPECT_GT(off_nearest, total / 20) << "stochastic rounding rounds some elements up";
+      // the twin's step from the stored checkpoints, the folded rows past their records
+      Tensor wp2 = clone(sim.write_pos), base2 = clone(sim.cache_base), fl2 = clone(sim.is_flush);
+      for (int64_t s : folding) {
+        base2.set({s}, static_cast<double>((sim.base[s] + sim.wp[s]) % c.L));
+        wp2.set({s}, 0);
+        fl2.set({s}, 0);
+      }
+      rb.poison_out();
+      run(twin, rings0, rawv0, rawk0, rawb0, wp2, base2, fl2, deltastate::ReplayRows::all, false);
+      EXPECT_EQ(std::memcmp(rb.out.alloc_base(), out_fmt.alloc_base(),
+                            static_cast<size_t>(out_fmt.alloc_bytes())),
+                0)
+          << "outputs";
+      for (const auto& [a, b] : {std::pair{&rings0.d, &sim.rings.d},
+                                 {&rings0.k, &sim.rings.k},
+                                 {&rings0.g, &sim.rings.g}})
+        EXPECT_EQ(
+            std::memcmp(a->alloc_base(), b->alloc_base(), static_cast<size_t>(a->alloc_bytes())), 0)
+            << "rings";
+      if (exact)
+        for (const auto& [a, b] : {std::pair{&rawv0, &rawv}, {&rawk0, &rawk}, {&rawb0, &rawb}})
+          EXPECT_EQ(
+              std::memcmp(a->alloc_base(), b->alloc_base(), static_cast<size_t>(a->alloc_bytes())),
+              0)
+              << "raw rings";
+    }
 }
 
 }  // namespace

@@ -46,17 +46,22 @@ namespace deltastate {
 //   rounding  format_default: stochastic for float8_e4m3fn, nearest otherwise.
 //   step      stochastic rounding: int64 [1] on the state's device (StatePool::rounding_step):
 //             the step of the key (seed, slot, layer, step) of the element's random bits; the op
-//             adds 1 to it once per call, in stream order (CUDA-graph replay advances it).
+//             adds 1 to it once per call, in stream order (CUDA-graph replay advances it);
+//             ReplaySSM verify once per call that serves folding rows (ReplayVerifyArgs).
 // Today: the CPU backend runs quantized states in packed decode, the recurrent op (a V-first pool
-// updated in place), the fused decode step (without ReplaySSM), ReplaySSM decode (the
-// checkpoint), the chunked prefill (a pool), speculative verify (float or quantized scratch)
-// and its state commit. The CUDA backend runs packed decode and the recurrent op (a generic kernel,
-// src/cuda/recurrent/direct.cuh), verify (cache_ring included) and its state commit (generic
-// kernels, src/cuda/verify/fmt.cuh), ReplaySSM decode's checkpoint (basic rings:
-// replay_fmt_kernel, src/cuda/replayssm/decode.cuh; SGLang's ring modes: replay_modes_kernel<true>,
-// src/cuda/replayssm/modes.cuh) and the chunked prefill (a pool; every prefill
-// kernel's state I/O) on them, and rejects them in every other op (NotImplementedError). GPU
-// tests: tests/gpu/test_state_format_gpu.cpp (they pass on an H100).
+// updated in place), the fused decode step, ReplaySSM decode (the checkpoint), ReplaySSM verify
+// (the checkpoint), the chunked prefill (a pool), speculative verify (float or quantized scratch;
+// a float source_state) and its state commit. The CUDA backend runs packed decode and the
+// recurrent op (a generic kernel, src/cuda/recurrent/direct.cuh), verify (cache_ring and a float
+// source_state included) and its state commit (generic kernels, src/cuda/verify/fmt.cuh),
+// ReplaySSM decode's checkpoint (basic rings: replay_fmt_kernel, src/cuda/replayssm/decode.cuh;
+// SGLang's ring modes: replay_modes_kernel<true>, src/cuda/replayssm/modes.cuh), ReplaySSM
+// verify's checkpoint (its folds a launch of their own, src/cuda/replayssm/fold.cuh; the generic
+// verify kernel's rows loaded dequantized, verify.cuh) and the chunked prefill (a pool; every
+// prefill kernel's state I/O) on them, and rejects them in every other op (NotImplementedError).
+// GPU tests: tests/gpu/test_state_format_gpu.cpp (they pass on an H100, but for ReplaySSM
+// verify's and verify's source_state cases, GpuQuantizedReplayVerify and
+// QuantizedVerifySourceStateMatchesCpu, which have not run on a GPU yet).
 struct StateFormatArgs {
   std::optional<TensorView> scales;
   StateRounding rounding = StateRounding::format_default;
@@ -488,7 +493,9 @@ int64_t fused_decode_step_workspace_bytes(const FusedDecodeStepArgs& args);
 // intermediate_states has the state's dtype, any strides in its first two dims and compact inner
 // dims (each state rounded on store, as the pool's). Per-token slot entries < 0 are skipped.
 // source_state [N0, HV, V, K] (FlashInfer's initial_state_source): a read-only pool the start
-// states come from instead (the state's dtype, HV, V, K; compact inner dims, any slot stride):
+// states come from instead (the state's dtype, HV, V, K; compact inner dims, any slot stride;
+// with a quantized or stochastically rounded `state` the caller's float pool in any float dtype,
+// read as it is, while every state the call stores goes to `state` through its format):
 // sequence n starts from its row source_state_indices[n] (< 0: padded as above; FlashInfer reads
 // row 0 instead), and num_accepted_tokens is not given. The pool `state` is then only written:
 // the per-token slots, or the final state at output_state_indices[n], else in place at
@@ -512,8 +519,8 @@ struct VerifyArgs {
   TensorView state;
   // state's format (above). A quantized pool takes intermediate_states in any float dtype (the
   // caller's scratch) or quantized (float8_e4m3fn / int8, either: intermediate_state_scales
-  // below), and no source_state yet (cache_ring records raw v / k / g / beta as with a float
-  // pool, on both backends).
+  // below), and source_state as a float pool of any float dtype (cache_ring records raw v / k /
+  // g / beta as with a float pool, on both backends).
   StateFormatArgs state_format;
   std::optional<TensorView> state_indices;         // [N]; absent: sequence n reads slot n
   std::optional<TensorView> output_state_indices;  // [N] final state's slot (< 0: not stored)
@@ -653,6 +660,16 @@ void update_conv_state_after_verify(const ConvCommitArgs& args);
 //   rows: which live sequences this call serves (SGLang's launch_mode): ReplayRows::all; append:
 //         those not folding (padded ones get zero outputs), SGLang's launch_mode="verify"; fold:
 //         the folding ones only (padded ones untouched), launch_mode="flush".
+//   state_format: a checkpoint pool in its storage format (StateFormatArgs above: float8_e4m3fn
+//         or int8 codes with their fp32 scales, or bf16 / fp16 rounded stochastically), on both
+//         backends. Its rows are loaded dequantized (code x row scale), the math is the fp32
+//         math above, and a fold stores the rebuilt rows through the format as replayssm_decode's
+//         flush does: a fresh scale per (slot, head, V row), stochastic bits keyed by (seed,
+//         slot, layer, step) (the exact-raw fold too); a folding row's drafts then run from the
+//         checkpoint as stored (loaded back dequantized), the state later verifies rebuild from.
+//         The step counter advances once per call that serves folding rows (rows all or fold);
+//         an append-only call stores no state and leaves it, so append then fold stores what one
+//         all call stores.
 enum class ReplayRows : int { all = 0, append = 1, fold = 2 };
 struct ReplayVerifyArgs {
   TensorView q, k, v, g, beta, out;
@@ -666,6 +683,7 @@ struct ReplayVerifyArgs {
   bool use_qk_l2norm = true;
   std::optional<TensorView> cu_seqlens;
   TensorView state, state_indices;
+  StateFormatArgs state_format;  // a formatted checkpoint: its scales; stochastic rounding (above)
   TensorView d_cache, k_cache, g_cache;
   TensorView write_pos, cache_base, is_flush;
   std::optional<TensorView> replay_indices;

@@ -1416,7 +1416,8 @@ _VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind S
     state). token_state_indices [N, >= T] stores the state after token t in pool slot [n, t] (the
     final write-back is then skipped); with num_accepted_tokens [N] the start slot is
     token_state_indices[n, num_accepted[n] - 1] (vLLM). source_state [N0, HV, V, K] (state's
-    dtype, any slot stride; FlashInfer's initial_state_source) with source_state_indices [N]: a
+    dtype, or any float dtype for a quantized or stochastically rounded pool; any slot stride;
+    FlashInfer's initial_state_source) with source_state_indices [N]: a
     read-only pool the start states come from instead, sequence n from row
     source_state_indices[n] (< 0: padded; not with num_accepted_tokens); the pool is then only
     written (per-token slots, output_state_indices, else in place at state_indices, absent:
@@ -1427,7 +1428,9 @@ _VERIFY_DOC = """Speculative verify (deltastate's own surface of the op behind S
     states stored with fresh scales; intermediate_states is then a float scratch of the caller's
     dtype, or a quantized one (float8_e4m3fn / int8) with its fp32 ``intermediate_state_scales``
     [N_scr, T_alloc, HV, V]: each entry stored as the pool stores a slot (fresh row scales, the
-    pool's rounding), a tree token's parent reloaded dequantized; source_state is not taken yet."""
+    pool's rounding), a tree token's parent reloaded dequantized. source_state with such a pool
+    is the caller's float pool (float32, bfloat16 or float16, read as it is); the states written
+    go to ``state`` through its format."""
 
 
 # Every argument of the verify binding, as the public functions take them; `_hidden` makes the
@@ -1910,7 +1913,8 @@ _REPLAY_VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bi
                            "rawk_cache", "beta_cache", "rows", "is_kda", "use_gate_in_kernel",
                            "lower_bound", "beta_is_logit", "round_beta", "scale",
                            "use_qk_l2norm_in_kernel", "cu_seqlens", "null_block_id",
-                           "check_indices", "pdl")
+                           "check_indices", "state_scales", "state_rounding", "rounding_step",
+                           "rounding_seed", "rounding_layer", "pdl")
 
 _REPLAY_VERIFY_DOC = """ReplaySSM speculative verify (linear chains): the draft tokens of each
     sequence verified from the checkpoint and the ring alone, no state written. q, k [B,T,H,K]
@@ -1932,7 +1936,12 @@ _REPLAY_VERIFY_DOC = """ReplaySSM speculative verify (linear chains): the draft 
     k_cache's dtypes round off d and the normalized k). rows: 0 every sequence, 1 those not
     folding, 2 the folding ones only (SGLang's launch_mode 'both', 'verify', 'flush'). Move the
     cursors with :func:`replayssm_commit`. CUDA tensors: a bad slot or cursor is skipped, its
-    outputs NaN, and recorded for check_errors. Returns ``output``."""
+    outputs NaN, and recorded for check_errors. A checkpoint pool in its storage format
+    (float8_e4m3fn / int8 with ``state_scales``, or a stochastically rounded 16-bit one; the
+    keywords of StatePool.state_format(layer)): its rows are loaded dequantized, and a fold
+    stores them with fresh row scales (stochastic bits keyed by the slot) and the drafts run
+    from the checkpoint as stored; the step counter advances once per call with rows 0 or 2.
+    Returns ``output``."""
 
 
 def _replay_verify_core() -> Op:
@@ -1941,7 +1950,7 @@ def _replay_verify_core() -> Op:
         public="replayssm_verify",
         doc=_REPLAY_VERIFY_DOC,
         args=tuple(_VERIFY_ARGS[n] for n in ("q", "k", "v", "g", "beta", "output")) + (
-            Arg("checkpoint_state", TENSOR, dtypes=FLOATING, mutated=True),
+            Arg("checkpoint_state", TENSOR, dtypes=STATE, mutated=True),
             Arg("state_indices", TENSOR, dtypes=INDEX),
             Arg("d_cache", TENSOR, dtypes=FLOATING, mutated=True),
             Arg("k_cache", TENSOR, dtypes=FLOATING, mutated=True),
@@ -1958,7 +1967,7 @@ def _replay_verify_core() -> Op:
             Arg("rawk_cache", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
             Arg("beta_cache", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
             Arg("rows", INT64, 0),
-        ) + _KEYWORDS,
+        ) + _state_format_args() + _KEYWORDS,
         returns="output",
         op_order=_REPLAY_VERIFY_OP_ORDER,
         schema_defaults_from="is_kda",
@@ -2065,7 +2074,8 @@ def _gdn_spec() -> Op:
             Arg("use_gate_in_kernel", BOOL, True, public=False),
             Arg("lower_bound", OPT_FLOAT, None, public=False),
             Arg("beta_is_logit", BOOL, True, public=False),
-        ),
+        ) + tuple(dataclasses.replace(a, public=False, keyword=False)
+                  for a in _state_format_args()),
         returns="out",
         op_order=_REPLAY_VERIFY_OP_ORDER,
         schema_defaults_from="is_kda",

@@ -112,7 +112,7 @@ ds::DType to_dtype(DLDataType t, const char* name) {
     const std::string_view arg = name;
     if (t.code == kDLUInt && t.bits == 8 &&
         (arg == "initial_state" || arg == "state_pool" || arg == "state" ||
-         arg == "intermediate_states"))
+         arg == "checkpoint_state" || arg == "intermediate_states"))
       return ds::DType::f8e4m3;
   }
   // What the argument takes is the op's own (a float or an index tensor, ...): the Python op
@@ -758,40 +758,42 @@ constexpr auto replayssm_verify = bind(
       a.stream = stream_for(a.q);
       ds::replayssm_verify(a);
     },
-    std::tuple{
-        Field<&RVA::q>{"q"},
-        Field<&RVA::k>{"k"},
-        Field<&RVA::v>{"v"},
-        Field<&RVA::g>{"g"},
-        Field<&RVA::beta>{"beta"},
-        Field<&RVA::out>{"output"},
-        Field<&RVA::is_kda>{"is_kda"},
-        Field<&RVA::A_log>{"A_log"},
-        Field<&RVA::dt_bias>{"dt_bias"},
-        Field<&RVA::gate_in_kernel>{"use_gate_in_kernel"},
-        Field<&RVA::lower_bound>{"lower_bound"},
-        Field<&RVA::beta_is_logit>{"beta_is_logit"},
-        Field<&RVA::round_beta_to_input>{"round_beta"},
-        Field<&RVA::scale>{"scale"},
-        Field<&RVA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
-        Field<&RVA::cu_seqlens>{"cu_seqlens"},
-        Field<&RVA::state>{"checkpoint_state"},
-        Field<&RVA::state_indices>{"state_indices"},
-        Field<&RVA::d_cache>{"d_cache"},
-        Field<&RVA::k_cache>{"k_cache"},
-        Field<&RVA::g_cache>{"g_cache"},
-        Field<&RVA::write_pos>{"write_pos"},
-        Field<&RVA::cache_base>{"cache_base"},
-        Field<&RVA::is_flush>{"is_flush"},
-        Field<&RVA::replay_indices>{"replay_indices"},
-        Field<&RVA::rawv_cache>{"rawv_cache"},
-        Field<&RVA::rawk_cache>{"rawk_cache"},
-        Field<&RVA::beta_cache>{"beta_cache"},
-        Field<&RVA::rows>{"rows"},
-        Field<&RVA::null_block_id>{"null_block_id"},
-        Field<&RVA::check_indices>{"check_indices"},
-        Field<&RVA::pdl>{"pdl"},
-    });
+    std::tuple_cat(
+        std::tuple{
+            Field<&RVA::q>{"q"},
+            Field<&RVA::k>{"k"},
+            Field<&RVA::v>{"v"},
+            Field<&RVA::g>{"g"},
+            Field<&RVA::beta>{"beta"},
+            Field<&RVA::out>{"output"},
+            Field<&RVA::is_kda>{"is_kda"},
+            Field<&RVA::A_log>{"A_log"},
+            Field<&RVA::dt_bias>{"dt_bias"},
+            Field<&RVA::gate_in_kernel>{"use_gate_in_kernel"},
+            Field<&RVA::lower_bound>{"lower_bound"},
+            Field<&RVA::beta_is_logit>{"beta_is_logit"},
+            Field<&RVA::round_beta_to_input>{"round_beta"},
+            Field<&RVA::scale>{"scale"},
+            Field<&RVA::use_qk_l2norm>{"use_qk_l2norm_in_kernel"},
+            Field<&RVA::cu_seqlens>{"cu_seqlens"},
+            Field<&RVA::state>{"checkpoint_state"},
+            Field<&RVA::state_indices>{"state_indices"},
+            Field<&RVA::d_cache>{"d_cache"},
+            Field<&RVA::k_cache>{"k_cache"},
+            Field<&RVA::g_cache>{"g_cache"},
+            Field<&RVA::write_pos>{"write_pos"},
+            Field<&RVA::cache_base>{"cache_base"},
+            Field<&RVA::is_flush>{"is_flush"},
+            Field<&RVA::replay_indices>{"replay_indices"},
+            Field<&RVA::rawv_cache>{"rawv_cache"},
+            Field<&RVA::rawk_cache>{"rawk_cache"},
+            Field<&RVA::beta_cache>{"beta_cache"},
+            Field<&RVA::rows>{"rows"},
+            Field<&RVA::null_block_id>{"null_block_id"},
+            Field<&RVA::check_indices>{"check_indices"},
+            Field<&RVA::pdl>{"pdl"},
+        },
+        state_format_fields<&RVA::state_format>()));
 
 using RCA = ds::ReplayCommitArgs;
 constexpr auto replayssm_commit = bind(

@@ -647,6 +647,42 @@ def test_quantized_scratch_errors(fw, rng):
     assert np.all(to64(pool.rounding_steps()) == 0)  # no rejected call advanced a step
 
 
+def test_formatted_source_and_replay_checkpoint_errors(fw, rng):
+    """verify's source_state with a quantized pool is a float pool: a quantized one is a
+    NotImplementedError naming it; replayssm_verify's checkpoint format keywords, named for that
+    op. Nothing written, no step counter advanced."""
+    T = 2
+    pool = ds.StatePool(layers=1, slots=S, HV=HV, V=V, K=K, state_dtype="float8_e4m3fn",
+                        framework=fw.name)
+    f = lambda x: fw.from64(x, "float32")  # noqa: E731
+    vargs = dict(q=f(rng.standard_normal((2, T, H, K))), k=f(rng.standard_normal((2, T, H, K))),
+                 v=f(rng.standard_normal((2, T, HV, V))), g=f(-rng.uniform(0, 1, (2, T, HV))),
+                 beta=f(rng.uniform(0, 1, (2, T, HV))), output=fw.full((2, T, HV, V), 0.0),
+                 state=pool.layer_state(0), state_indices=fw.idx([1, 2]),
+                 use_gate_in_kernel=False, beta_is_logit=False,
+                 source_state=fw.from64(np.zeros((3, HV, V, K)), "int8"),
+                 source_state_indices=fw.idx([0, 2]), **pool.state_format(0))
+    expect_error(lambda a: ds.verify(**a), vargs,
+                 "verify: `source_state` is int8: the read-only source pool of a float8_e4m3fn "
+                 "`state` is a float pool (float32, bfloat16 or float16; issue #36)",
+                 NotImplementedError)
+    rargs = dict(q=vargs["q"], k=vargs["k"], v=vargs["v"], g=vargs["g"], beta=vargs["beta"],
+                 output=vargs["output"], checkpoint_state=pool.layer_state(0),
+                 state_indices=fw.idx([1, 2]), d_cache=fw.full((S, HV, L, V), 0.0),
+                 k_cache=fw.full((S, H, L, K), 0.0), g_cache=fw.full((S, HV, L), 0.0),
+                 write_pos=fw.idx([0] * S), cache_base=fw.idx([0] * S),
+                 is_flush=fw.idx([0] * S), use_gate_in_kernel=False, beta_is_logit=False)
+    expect_error(lambda a: ds.replayssm_verify(**a), rargs,
+                 "replayssm_verify: `state_scales` is required for the float8_e4m3fn state "
+                 "`state`: its fp32 scales [slots, HV, V] (StatePool.layer_scales)")
+    expect_error(lambda a: ds.replayssm_verify(**a),
+                 dict(rargs, state_scales=pool.layer_scales(0)),
+                 "replayssm_verify: stochastic rounding of the float8_e4m3fn state `state` needs "
+                 "`rounding_step`, an int64 [1] step counter on the state's device "
+                 "(StatePool.rounding_step)")
+    assert np.all(to64(pool.rounding_steps()) == 0)
+
+
 # ---- each argument's own dtypes; each argument's own framework; strides in contiguity errors ----
 def test_untaken_dtype_lists_what_that_argument_takes(fw, rng):
     """A dtype the binding has no type for: the dtypes that argument takes, not every dtype."""

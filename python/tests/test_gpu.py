@@ -1197,6 +1197,52 @@ def test_chunked_prefill_formatted_pool_cuda_matches_its_fp32_twin(rng, kda, H, 
         assert int(pool.rounding_step(0)[0]) == 0  # the other layer's counter
 
 
+def check_formatted_slots(pg, pc, layer, dtype, live, written, before):
+    """A CUDA pool's formatted layer against the CPU pool's after the same calls: in the `written`
+    slots scales to 1e-4 relative and dequantized codes within one quantum (bf16: one unit in the
+    last place, plus 2^-16 of the row's amax), at most 2% of them differing; every other slot bit
+    for bit as `before` (the CUDA pool's bits before the calls), the quantized pool's slots
+    neither `live` nor written still sentinels on both."""
+    from test_state_format import SENTINEL_CODE, dequantize, state_bits
+    quantized = dtype != "bfloat16"
+    slots = pg.layer_state(layer).shape[0]
+    if quantized:
+        cg, sg = state_bits(pg, layer)
+        cc, sc = state_bits(pc, layer)
+        qmax = 448.0 if dtype == "float8_e4m3fn" else 127.0
+        differ = total = 0
+        for s in written:
+            hs, gs = sc[s].view(np.float32), sg[s].view(np.float32)
+            np.testing.assert_allclose(gs, hs, rtol=1e-4, err_msg=f"scales of slot {s}")
+            hv, gv = dequantize(cc[s], hs, dtype), dequantize(cg[s], gs, dtype)
+            if dtype == "float8_e4m3fn":
+                quantum = np.maximum(np.abs(hv) * 0.125, hs[..., None] * 2.0 ** -9)
+            else:
+                quantum = np.broadcast_to(hs[..., None], hv.shape)
+            assert np.all(np.abs(gv - hv) <= quantum * 1.0001 + 1e-5 * hs[..., None] * qmax), s
+            differ += int(np.sum(cg[s] != cc[s]))
+            total += cg[s].size
+        assert differ <= total // 50, (differ, total)
+        for s in range(slots):
+            if s not in live and s not in written:
+                assert np.all(cg[s] == SENTINEL_CODE) and np.all(sg[s] == sc[s]), s
+    else:
+        g32 = pg.layer_state(layer).float().cpu().numpy()
+        h32 = pc.layer_state(layer).float().numpy()
+        differ = total = 0
+        for s in written:
+            mag = np.maximum(np.abs(g32[s]), np.abs(h32[s]))
+            amax = np.abs(h32[s]).max(axis=-1, keepdims=True)
+            assert np.all(np.abs(g32[s] - h32[s]) <= mag * 2.0 ** -7 * 1.0001 + amax * 2.0 ** -16)
+            differ += int(np.sum(g32[s] != h32[s]))
+            total += g32[s].size
+        assert differ <= total // 50, (differ, total)
+    now = bits(pg.layer_state(layer))
+    for s in range(slots):
+        if s not in written:
+            np.testing.assert_array_equal(now[s], before[s], err_msg=f"slot {s}, not written")
+
+
 # ---- the fused decode step on a quantized / stochastically rounded pool (issue #36) ------------
 @pytest.mark.parametrize("replay", [False, True], ids=["plain", "replayssm"])
 @pytest.mark.parametrize("dtype,rounding", QPREFILL_FORMATS)
@@ -1210,8 +1256,7 @@ def test_fused_step_formatted_pool_cuda_matches_cpu(rng, kda, dtype, rounding, r
     in the last place), at most 2% of them differing, the rings (1e-5) and cursors, the step
     counter advanced once on both, the padded row's output zero and the unused slots' bytes
     untouched. Not yet run on a GPU in ReplaySSM mode."""
-    from test_state_format import (SENTINEL_CODE, dequantize, emulate, fill_sentinels,
-                                   state_bits, write_slot)
+    from test_state_format import emulate, fill_sentinels, write_slot
     quantized = dtype != "bfloat16"
     H, HV, K, V, slots, layer, seed, width = 2, 4, 128, 64, 6, 0, 5, 4
     conv_dim = 2 * H * K + HV * V
@@ -1269,42 +1314,135 @@ def test_fused_step_formatted_pool_cuda_matches_cpu(rng, kda, dtype, rounding, r
     close2(outs[0], outs[1], (2e-4, 2e-4), "float32", "out")
     assert torch.all(outs[0][1] == 0)  # the padded row
     np.testing.assert_array_equal(bits(pg.conv_state(layer)), bits(pc.conv_state(layer)))
-    if quantized:
-        cg, sg = state_bits(pg, layer)
-        cc, sc = state_bits(pc, layer)
-        qmax = 448.0 if dtype == "float8_e4m3fn" else 127.0
-        differ = total = 0
-        for s in live:
-            hs, gs = sc[s].view(np.float32), sg[s].view(np.float32)
-            np.testing.assert_allclose(gs, hs, rtol=1e-4, err_msg=f"scales of slot {s}")
-            hv, gv = dequantize(cc[s], hs, dtype), dequantize(cg[s], gs, dtype)
-            if dtype == "float8_e4m3fn":
-                quantum = np.maximum(np.abs(hv) * 0.125, hs[..., None] * 2.0 ** -9)
-            else:
-                quantum = np.broadcast_to(hs[..., None], hv.shape)
-            assert np.all(np.abs(gv - hv) <= quantum * 1.0001 + 1e-5 * hs[..., None] * qmax), s
-            differ += int(np.sum(cg[s] != cc[s]))
-            total += cg[s].size
-        assert differ <= total // 50, (differ, total)
-        for s in range(slots):
-            if s not in live:
-                assert np.all(cg[s] == SENTINEL_CODE) and np.all(sg[s] == sc[s]), s
-    else:
-        g32 = pg.layer_state(layer).float().cpu().numpy()
-        h32 = pc.layer_state(layer).float().numpy()
-        differ = total = 0
-        for s in live:
-            mag = np.maximum(np.abs(g32[s]), np.abs(h32[s]))
-            amax = np.abs(h32[s]).max(axis=-1, keepdims=True)
-            assert np.all(np.abs(g32[s] - h32[s]) <= mag * 2.0 ** -7 * 1.0001 + amax * 2.0 ** -16)
-            differ += int(np.sum(g32[s] != h32[s]))
-            total += g32[s].size
-        assert differ <= total // 50, (differ, total)
-    now = bits(pg.layer_state(layer))
-    for s in range(slots):
-        if s not in live:
-            np.testing.assert_array_equal(now[s], before[s], err_msg=f"unused slot {s}")
+    check_formatted_slots(pg, pc, layer, dtype, live, live, before)
     assert pg.stochastic == (rounding == "stochastic")
     if pg.stochastic:  # one advance per call on both backends
+        assert int(pg.rounding_step(layer)[0]) == 1
+        assert int(pc.rounding_step(layer)[0]) == 1
+
+
+# ---- ReplaySSM verify on a formatted checkpoint; verify's float source (issue #36) ------------
+@pytest.mark.parametrize("exact", [False, True], ids=["basic", "exact"])
+@pytest.mark.parametrize("dtype,rounding", QPREFILL_FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_replayssm_verify_formatted_checkpoint_cuda_matches_cpu(rng, kda, dtype, rounding, exact):
+    """replayssm_verify on a quantized (or bf16 stochastic) checkpoint pool with its float rings,
+    on CUDA against the CPU backend on the same pool bytes: slot 4 folds 3 records, slot 1
+    appends after 2, slot 3 folds with no record (nothing stored), a padded sequence; outputs
+    (2e-4), the rings (1e-5; the exact-raw ring's too), the folded slot within one quantum and
+    every other slot bit for bit, the step counter one on both. Not yet run on a GPU."""
+    from test_state_format import emulate, fill_sentinels, write_slot
+    H, HV, K, V, L, slots, layer, seed = 2, 4, 128, 64, 8, 6, 0, 9
+    kw = dict(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype, state_rounding=rounding,
+              rounding_seed=seed, replay_len=L, H=H, kda=kda, ring_k_dtype="float32")
+    pg, pc = ds.StatePool(device="cuda", **kw), ds.StatePool(**kw)
+    live = [4, 1, 3]
+    if dtype != "bfloat16":
+        fill_sentinels(pg, layer)
+    else:
+        pg.layer_state(layer).view(torch.int16).fill_(0x5A5A)
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa
+    for s in live:
+        x32 = (rng.standard_normal((HV, V, K)) * 0.4).astype(np.float32)
+        if dtype != "bfloat16":
+            codes, sc = emulate(x32, dtype, False)
+            write_slot(pg, layer, s, codes, sc)
+        else:
+            pg.layer_state(layer)[s].copy_(torch.from_numpy(x32))
+        pg.d_cache(layer)[s].copy_(t(HV, L, V) * 0.3)
+        pg.k_cache(layer)[s].copy_(t(H, L, K) * 0.1)
+        pg.g_cache(layer)[s].copy_(-t(*pg.g_cache(layer)[s].shape).abs() * 0.3)
+    torch.cuda.synchronize()
+    pc.storage.copy_(pg.storage.cpu())  # the same pool bytes on the CPU
+    before = bits(pg.layer_state(layer))
+    lens = [3, 2, 2, 3]
+    Tt = sum(lens)
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    x = {"q": t(1, Tt, H, K), "k": t(1, Tt, H, K), "v": t(1, Tt, HV, V),
+         "a": t(1, Tt, HV, K) if kda else t(1, Tt, HV), "b": t(1, Tt, HV),
+         "A_log": torch.from_numpy(A_log.astype(np.float32)),
+         "dt_bias": torch.from_numpy(dt_bias.astype(np.float32)),
+         "cu": torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)}
+    mem = {"idx": torch.tensor([4, -1, 1, 3], dtype=torch.int32),
+           "wp": torch.tensor([0, 2, 0, 0, 3, 0], dtype=torch.int32),
+           "base": torch.tensor([0, 6, 0, 1, 5, 0], dtype=torch.int32),
+           "fl": torch.tensor([0, 0, 0, 1, 1, 0], dtype=torch.int32)}
+    if exact:
+        beta = rng.uniform(0.05, 0.95, (slots, HV, L)).astype(np.float32)
+        mem.update(rawv=t(slots, HV, L, V), rawk=t(slots, H, L, K), beta=torch.from_numpy(beta))
+    outs, raws = [], []
+    for p, dev in ((pg, "cuda"), (pc, "cpu")):
+        m = {n: y.clone().to(dev) for n, y in mem.items()}
+        y = {n: u.to(dev) for n, u in x.items()}
+        out = torch.full((1, Tt, HV, V), float("nan"), device=dev)
+        raw = {}
+        if exact:
+            raw = dict(rawv_cache=m["rawv"], rawk_cache=m["rawk"], beta_cache=m["beta"])
+        ds.replayssm_verify(y["q"], y["k"], y["v"], y["a"], y["b"], out, p.layer_state(layer),
+                            m["idx"], p.d_cache(layer), p.k_cache(layer), p.g_cache(layer),
+                            m["wp"], m["base"], m["fl"], A_log=y["A_log"], dt_bias=y["dt_bias"],
+                            is_kda=kda, cu_seqlens=y["cu"], **raw, **p.state_format(layer))
+        outs.append(out.cpu())
+        raws.append({n: v.cpu() for n, v in m.items()})
+    torch.cuda.synchronize()
+    close2(outs[0], outs[1], (2e-4, 2e-4), "float32", "out")
+    assert torch.all(outs[0][0, 3:5] == 0)  # the padded sequence
+    for name in ("d_cache", "k_cache", "g_cache"):
+        torch.testing.assert_close(getattr(pg, name)(layer).cpu(), getattr(pc, name)(layer),
+                                   atol=1e-5, rtol=1e-5, msg=name)
+    for n in raws[0]:
+        torch.testing.assert_close(raws[0][n], raws[1][n], atol=1e-5, rtol=1e-5, msg=n)
+    check_formatted_slots(pg, pc, layer, dtype, live, [4], before)
+    if pg.stochastic:  # one advance per call on both backends
+        assert int(pg.rounding_step(layer)[0]) == 1
+        assert int(pc.rounding_step(layer)[0]) == 1
+
+
+@pytest.mark.parametrize("source_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,rounding", QPREFILL_FORMATS)
+def test_verify_float_source_on_formatted_pool_cuda_matches_cpu(rng, dtype, rounding,
+                                                                source_dtype):
+    """verify with a float source_state (fp32 or bf16; FlashInfer's initial_state_source) on a
+    quantized (or bf16 stochastic) pool, on CUDA against the CPU backend on the same pool bytes:
+    outputs (2e-4), the stored slots within one quantum, every other slot bit for bit, the source
+    untouched, the step counter one on both. Not yet run on a GPU."""
+    H, HV, K, V, slots, layer, seed, T = 2, 4, 128, 64, 6, 0, 13, 3
+    kw = dict(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype, state_rounding=rounding,
+              rounding_seed=seed)
+    pg, pc = ds.StatePool(device="cuda", **kw), ds.StatePool(**kw)
+    from test_state_format import fill_sentinels
+    if dtype != "bfloat16":
+        fill_sentinels(pg, layer)
+    else:
+        pg.layer_state(layer).view(torch.int16).fill_(0x5A5A)
+    torch.cuda.synchronize()
+    pc.storage.copy_(pg.storage.cpu())
+    before = bits(pg.layer_state(layer))
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))  # noqa
+    src = (t(5, HV, V, K) * 0.5).to(getattr(torch, source_dtype))
+    src_bits = bits(src).copy()
+    N = 4
+    q, k, v = t(N, T, H, K), t(N, T, H, K), t(N, T, HV, V)
+    g = -t(N, T, HV).abs() * 0.3
+    beta = torch.from_numpy(rng.uniform(0.05, 0.95, (N, T, HV)).astype(np.float32))
+    outs, srcs = [], []
+    for p, dev in ((pg, "cuda"), (pc, "cpu")):
+        d = lambda u: u.to(dev)  # noqa: E731
+        out = torch.full((N, T, HV, V), float("nan"), device=dev)
+        s = d(src)
+        ds.verify(d(q), d(k), d(v), d(g), d(beta), out, p.layer_state(layer),
+                  d(torch.tensor([5, 1, 3, -1], dtype=torch.int32)), use_gate_in_kernel=False,
+                  beta_is_logit=False, source_state=s,
+                  source_state_indices=d(torch.tensor([4, -1, 1, 3], dtype=torch.int32)),
+                  **p.state_format(layer))
+        outs.append(out.cpu())
+        srcs.append(s.cpu())
+    torch.cuda.synchronize()
+    close2(outs[0], outs[1], (2e-4, 2e-4), "float32", "out")
+    assert torch.all(outs[0][1] == 0)  # the padded sequence
+    for s in srcs:
+        np.testing.assert_array_equal(bits(s), src_bits)
+    check_formatted_slots(pg, pc, layer, dtype, [], [5, 3], before)
+    if pg.stochastic:
         assert int(pg.rounding_step(layer)[0]) == 1
         assert int(pc.rounding_step(layer)[0]) == 1

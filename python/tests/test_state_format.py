@@ -18,8 +18,8 @@ import pytest
 
 import deltastate as ds
 import reference as ref
-from cases import (gate_params, materialize_packed, materialize_recurrent, packed_data,
-                   recurrent_data)
+from cases import (gate_logits, gate_params, materialize_packed, materialize_recurrent,
+                   packed_data, recurrent_data)
 from helpers import Fw, bits, poison, to64, torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
@@ -761,3 +761,180 @@ def test_verify_and_commit_on_a_quantized_pool(fw, rng, kda, dtype, rounding):
         want_codes, want_scales = emulate(new32[s], dtype, pool.stochastic, key)
         np.testing.assert_array_equal(codes1[s], want_codes, err_msg=f"slot {s}")
         np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))
+
+
+def _replay_rings(fw, rng, slots, H, HV, K, V, L, kda, exact):
+    """Random committed ReplaySSM rings (fp32, numpy): d, k, g, and with `exact` the exact-raw
+    ring's raw v, raw k and beta."""
+    r = {"d": rng.standard_normal((slots, HV, L, V)) * 0.2,
+         "k": rng.standard_normal((slots, H, L, K)) * 0.3,
+         "g": -rng.uniform(0.0, 0.5, (slots, HV, L, K) if kda else (slots, HV, L))}
+    if exact:
+        r["rawv"] = rng.standard_normal((slots, HV, L, V))
+        r["rawk"] = rng.standard_normal((slots, H, L, K))
+        r["beta"] = rng.uniform(0.05, 0.95, (slots, HV, L))
+    return {n: x.astype(np.float32) for n, x in r.items()}
+
+
+@pytest.mark.parametrize("ring", ["basic", "exact"])
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_replayssm_verify_quantized_checkpoint(fw, rng, kda, dtype, rounding, ring):
+    """ReplaySSM speculative verify with a quantized checkpoint (float rings; the exact-raw ring
+    too), five steps from random cursors with folds, the odd steps as two calls (rows append,
+    then fold). Against an fp32 twin checkpoint holding the dequantized state: a fold-only call
+    gives the folded fp32 state, whose emulated rounding (key: the slot, the layer, the call's
+    step) must be the pool's codes and scales; a second twin call from that stored checkpoint
+    (the folding rows' cursors moved past their records) gives the outputs and ring records,
+    which must be the pool's bit for bit (the drafts of a folding row run from the checkpoint as
+    stored). Every other slot's codes and scales untouched (sentinels included), outputs
+    NaN-poisoned before, the step counter one on per step (split or not)."""
+    H, HV, K, V, L, T, slots, layer, seed = 1, 2, 16, 8, 8, 3, 6, 0, 23
+    exact = ring == "exact"
+    pool = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, framework=fw.name)
+    fill_sentinels(pool, layer)
+    indices = [3, -1, 0, 4]
+    live = [s for s in indices if s >= 0]
+    for s in live:
+        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
+                            False)
+        write_slot(pool, layer, s, codes, sc)
+    A_log, dt_bias = gate_params(rng, HV, K, kda)
+    f = lambda x: fw.from64(np.asarray(x, np.float64), "float32")  # noqa: E731
+    A_log_t, dt_t = f(A_log), f(dt_bias)
+    idx = fw.idx(indices)
+    folds = 0
+    for step in range(5):
+        split = step % 2 == 1
+        wp = np.zeros(slots, np.int64)
+        base = np.zeros(slots, np.int64)
+        flush = np.zeros(slots, np.int64)
+        for s in live:
+            wp[s] = rng.integers(0, L - T + 1)  # every draft's record fits the ring
+            base[s] = rng.integers(0, L)
+            flush[s] = int(rng.random() < 0.5)
+        flush[live[0]], wp[live[0]] = 1, max(wp[live[0]], 1)  # a fold with records every step
+        folding = [s for s in live if flush[s] and wp[s] > 0]
+        folds += len(folding)
+        rings = _replay_rings(fw, rng, slots, H, HV, K, V, L, kda, exact)
+        lens = rng.integers(1, T + 1, len(indices))
+        Tt = int(lens.sum())
+        x = {"q": rng.standard_normal((1, Tt, H, K)), "k": rng.standard_normal((1, Tt, H, K)),
+             "v": rng.standard_normal((1, Tt, HV, V)),
+             "a": gate_logits(rng, (1, Tt, HV, K) if kda else (1, Tt, HV)),
+             "b": rng.standard_normal((1, Tt, HV))}
+        x = {n: f(v) for n, v in x.items()}
+        cu = fw.idx(np.concatenate([[0], np.cumsum(lens)]))
+        codes0, scales0 = state_bits(pool, layer)
+        deq = dequantize(codes0, scales0.view(np.float32), dtype)
+        step0 = int(to64(pool.rounding_step(layer))[0]) if pool.stochastic else 0
+
+        def call(ck, rg, cursors, out, rows=0, **kw):
+            raw = {}
+            if exact:
+                raw = dict(rawv_cache=rg["rawv"], rawk_cache=rg["rawk"], beta_cache=rg["beta"])
+            ds.replayssm_verify(x["q"], x["k"], x["v"], x["a"], x["b"], out, ck, idx, rg["d"],
+                                rg["k"], rg["g"], *(fw.idx(c) for c in cursors), A_log=A_log_t,
+                                dt_bias=dt_t, is_kda=kda, cu_seqlens=cu, rows=rows, **raw, **kw)
+
+        # the quantized pool: one call, or append then fold
+        rq = {n: f(v) for n, v in rings.items()}
+        out_q = poison(fw, (1, Tt, HV, V), "float32")
+        if split:
+            for rows in (1, 2):
+                call(pool.layer_state(layer), rq, (wp, base, flush), out_q, rows,
+                     **pool.state_format(layer))
+        else:
+            call(pool.layer_state(layer), rq, (wp, base, flush), out_q,
+                 **pool.state_format(layer))
+        codes1, scales1 = state_bits(pool, layer)
+        if pool.stochastic:
+            assert int(to64(pool.rounding_step(layer))[0]) == step0 + 1
+
+        # the twin: the fold alone, then the step from the checkpoint the pool now holds
+        ck = fw.full((slots, HV, V, K), 0.0, "float32")
+        for s in live:
+            fw_assign(fw, ck[s], deq[s])
+        rt = {n: f(v) for n, v in rings.items()}
+        call(ck, rt, (wp, base, flush), poison(fw, (1, Tt, HV, V), "float32"), rows=2)
+        folded32 = to64(ck).astype(np.float32)
+        for s in live:
+            if s in folding:
+                key = sa.sr_key(seed, s, layer, step0) if pool.stochastic else None
+                want_codes, want_scales = emulate(folded32[s], dtype, pool.stochastic, key)
+                np.testing.assert_array_equal(codes1[s], want_codes, err_msg=f"slot {s}")
+                np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))
+                fw_assign(fw, ck[s], dequantize(codes1[s], scales1[s].view(np.float32), dtype))
+            else:
+                np.testing.assert_array_equal(codes1[s], codes0[s], err_msg=f"slot {s}")
+                np.testing.assert_array_equal(scales1[s], scales0[s])
+        for s in (1, 2, 5):  # never live: sentinel codes and scales
+            assert np.all(codes1[s] == SENTINEL_CODE)
+            np.testing.assert_array_equal(scales1[s].view(np.float32),
+                                          np.full((HV, V), SENTINEL_SCALE))
+        wp2, base2, flush2 = wp.copy(), base.copy(), flush.copy()
+        for s in folding:
+            wp2[s], base2[s], flush2[s] = 0, (base[s] + wp[s]) % L, 0
+        out_t = poison(fw, (1, Tt, HV, V), "float32")
+        call(ck, rt, (wp2, base2, flush2), out_t)
+        np.testing.assert_array_equal(bits(out_q).view(np.uint32), bits(out_t).view(np.uint32))
+        for n in rq:
+            np.testing.assert_array_equal(bits(rq[n]), bits(rt[n]), err_msg=f"{n} ring")
+    assert folds >= 5
+
+
+@pytest.mark.parametrize("source_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,rounding", FORMATS)
+def test_verify_source_state_on_a_quantized_pool(fw, rng, dtype, rounding, source_dtype):
+    """Verify with FlashInfer's read-only source pool (source_state, a float pool of any float
+    dtype) and a quantized `state`: sequence n starts from source row source_state_indices[n]
+    (< 0: padded), its final state is stored through the pool's format at state_indices[n]
+    (< 0: not stored). Against the same call on an fp32 pool: outputs bit-identical, each stored
+    slot the emulation's rounding of the fp32 pool's (key: the slot, the layer, the step), every
+    other slot untouched, the source bit-untouched, the step counter one on."""
+    if not fw.supports(source_dtype):
+        pytest.skip("numpy has no bfloat16")
+    H, HV, K, V, slots, N0, T, layer, seed = 1, 2, 16, 8, 6, 5, 3, 0, 31
+    pool = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, state_dtype=dtype,
+                        state_rounding=rounding, rounding_seed=seed, framework=fw.name)
+    twin = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, framework=fw.name)
+    fill_sentinels(pool, layer)
+    for s in (0, 2):  # live pool slots the call must leave alone
+        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
+                            False)
+        write_slot(pool, layer, s, codes, sc)
+    source = fw.from64(rng.standard_normal((N0, HV, V, K)) * 0.5, source_dtype)
+    source_bits = bits(source).copy()
+    # the fp32 twin reads the same values (a bf16 source is exact in fp32)
+    source32 = fw.from64(to64(source), "float32")
+    src_idx = fw.idx([4, -1, 1, 3])
+    home = [5, 1, 3, -1]  # sequence 3 is not stored; sequence 1 is padded (nothing stored)
+    N = len(home)
+    f = lambda x: fw.from64(x, "float32")  # noqa: E731
+    q, k = f(rng.standard_normal((N, T, H, K))), f(rng.standard_normal((N, T, H, K)))
+    v, beta = f(rng.standard_normal((N, T, HV, V))), f(rng.uniform(0.05, 0.95, (N, T, HV)))
+    g = f(-rng.uniform(0.0, 0.3, (N, T, HV)))
+    codes0, scales0 = state_bits(pool, layer)
+    outs = []
+    for p, src, kw in ((pool, source, pool.state_format(layer)), (twin, source32, {})):
+        out = poison(fw, (N, T, HV, V), "float32")
+        ds.verify(q, k, v, g, beta, out, p.layer_state(layer), fw.idx(home),
+                  use_gate_in_kernel=False, beta_is_logit=False, source_state=src,
+                  source_state_indices=src_idx, **kw)
+        outs.append(bits(out).view(np.uint32))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(bits(source), source_bits)
+    codes1, scales1 = state_bits(pool, layer)
+    new32 = to64(twin.layer_state(layer)).astype(np.float32)
+    for s in range(slots):
+        if s in (5, 3):
+            key = sa.sr_key(seed, s, layer, 0) if pool.stochastic else None
+            want_codes, want_scales = emulate(new32[s], dtype, pool.stochastic, key)
+            np.testing.assert_array_equal(codes1[s], want_codes, err_msg=f"slot {s}")
+            np.testing.assert_array_equal(scales1[s], want_scales.view(np.uint32))
+        else:
+            np.testing.assert_array_equal(codes1[s], codes0[s], err_msg=f"slot {s}")
+            np.testing.assert_array_equal(scales1[s], scales0[s])
+    if pool.stochastic:
+        assert int(to64(pool.rounding_step(layer))[0]) == 1

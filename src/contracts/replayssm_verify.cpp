@@ -187,10 +187,6 @@ void check_null_block_id(int64_t id) {
 
 ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   check_null_block_id(args.null_block_id);
-  {  // its checkpoint is read only, as a float state (verify takes quantized pools, this op not)
-    Contract c;
-    c.float_state("initial_state", args.state);
-  }
   VerifyArgs va;
   va.q = args.q;
   va.k = args.k;
@@ -209,12 +205,15 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   va.use_qk_l2norm = args.use_qk_l2norm;
   va.cu_seqlens = args.cu_seqlens;
   va.state = args.state;
+  // The checkpoint's storage format (quantized with its scales, or stochastically rounded): its
+  // rows are loaded dequantized and a fold stores them through it, as replayssm_decode's flush.
+  va.state_format = args.state_format;
   va.state_indices = args.state_indices;
   va.update_state = false;
   va.check_indices = false;  // the slots are checked below, with null_block_id's padding
   va.pdl = args.pdl;
   ReplayVerifyProblem p;
-  p.r = validate_verify(va).r;
+  p.r = validate_verify(va, "replayssm_verify").r;
   RecurrentProblem& r = p.r;
   const int64_t S = r.state.num_slots, HV = r.HV, H = r.H, V = r.V, K = r.K;
   const Device dev = r.device;

@@ -109,8 +109,9 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
 // A given workspace of fewer than `needed` bytes (fused_decode_step_workspace_bytes of the call)
 // is an error naming it; none given runs a plan that needs none.
 void check_fused_step_workspace(const FusedStepProblem& p, int64_t needed);
-// Speculative verify and its commit (contracts/verify.cpp).
-VerifyProblem validate_verify(const VerifyArgs& args);
+// Speculative verify and its commit (contracts/verify.cpp). `op` names the op in the state
+// format's texts (replayssm_verify validates its token inputs and pool through verify's contract).
+VerifyProblem validate_verify(const VerifyArgs& args, const char* op = "verify");
 CommitProblem validate_commit(const CommitArgs& args);
 CommitProblem validate_conv_commit(const ConvCommitArgs& args);
 

@@ -179,7 +179,7 @@ bool dense_block(int64_t rows, int64_t cols, int64_t row_stride, int64_t col_str
 
 }  // namespace
 
-VerifyProblem validate_verify(const VerifyArgs& args) {
+VerifyProblem validate_verify(const VerifyArgs& args, const char* op) {
   // The token inputs, gate, beta, scale and cu_seqlens: the recurrent op's contract. The pool is
   // checked here (its index tables differ), so the recurrent validator sees none.
   RecurrentArgs ra;
@@ -216,12 +216,10 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
   c.device("q", args.q);
   check_state_block(c, "state", args.state, 1, "slots", /*quantized_ok=*/true);
   r.state = {args.state.data, args.state.dtype, args.state.stride[0], args.state.shape[0]};
-  check_state_format(c, "verify", "state", args.state, args.state_format, true, r.state);
-  const bool quantized = is_quantized(args.state.dtype);
-  if ((quantized || r.state.stochastic) && args.source_state)
-    throw Error(ErrorKind::not_implemented,
-                format("verify: a %s `state`%s with `source_state` is not built yet (issue #36)",
-                       dtype_name(args.state.dtype), quantized ? "" : " rounded stochastically"));
+  check_state_format(c, op, "state", args.state, args.state_format, true, r.state);
+  // A pool in its storage format (quantized, or rounded stochastically) is written through it;
+  // a source pool with it is the caller's float pool (below).
+  const bool formatted = is_quantized(args.state.dtype) || r.state.stochastic;
   r.update_state = args.update_state;
 
   if (args.token_state_indices) {
@@ -246,8 +244,16 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
           "`source_state_indices` and `num_accepted_tokens` both choose the starting state; give "
           "one");
     const TensorView& src = *args.source_state;
+    // With a formatted `state` the source is a float pool of any float dtype, read as it is (no
+    // scales of its own); the states verify writes go to `state` through its format.
+    if (formatted && is_quantized(src.dtype))
+      throw Error(ErrorKind::not_implemented,
+                  format("%s: `source_state` is %s: the read-only source pool of a %s `state`%s "
+                         "is a float pool (float32, bfloat16 or float16; issue #36)",
+                         op, dtype_name(src.dtype), dtype_name(args.state.dtype),
+                         is_quantized(args.state.dtype) ? "" : " rounded stochastically"));
     check_state_block(c, "source_state", src, 1, "N0");
-    if (src.dtype != args.state.dtype)
+    if (!formatted && src.dtype != args.state.dtype)
       fail(format("`source_state` must have the dtype of `state` (%s); got %s",
                   dtype_mark(dtype_name(args.state.dtype)).c_str(),
                   dtype_mark(dtype_name(src.dtype)).c_str()));
@@ -357,7 +363,7 @@ VerifyProblem validate_verify(const VerifyArgs& args) {
     p.ring_len = static_cast<int32_t>(L);
   }
   c.check_devices("All inputs must be on the same device", true);
-  check_state_format_backend("verify", r.state, r.device, /*cuda_built=*/true);
+  check_state_format_backend(op, r.state, r.device, /*cuda_built=*/true);
 
   const bool on_cpu = r.device.type == DeviceType::cpu;
   const bool check = args.check_indices.value_or(on_cpu);

@@ -14,6 +14,7 @@
 #include "cpu/kernels.h"
 #include "cpu/row_io.h"
 #include "cpu/simd.h"
+#include "cpu/state_io.h"
 #include "cpu/thread_pool.h"
 
 namespace deltastate::cpu {
@@ -43,6 +44,10 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
   const int blocks = row_blocks(r.num_heads_total(), V);
   const int block_rows = (V + blocks - 1) / blocks;
   const simd::Kernels& vk = simd::kernels();
+  // A checkpoint in its storage format (quantized, or rounded stochastically): its rows loaded
+  // and a fold stored through state_io.h, the step of the rounding key read once per call.
+  const bool formatted = is_quantized(r.state.dtype) || r.state.stochastic;
+  const StoreRounding rnd = store_rounding(r.state);
 
   parallel_for(r.num_heads_total() * blocks, [&](int64_t task) {
     thread_local Scratch sc;
@@ -78,7 +83,8 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
     const int64_t b_base = (rr * HV + hv) * L;                    // beta_cache[rr, hv, 0]
     const int64_t state_off = slot * r.state.slot_stride + hv * head_elems + int64_t{r0} * K;
     float* S = sc.S.data();
-    load_row(r.state.ptr, r.state.dtype, state_off, rows * K, S);
+    if (formatted) load_state_rows(r.state, slot, hv, V, K, r0, rows, S);
+    else load_row(r.state.ptr, r.state.dtype, state_off, rows * K, S);
     // alpha = e^g of ring record c, by the vector exp the recurrent step's gate_row uses (the
     // same bits)
     auto record_alpha = [&](int64_t c) {
@@ -118,7 +124,18 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
     }
     // 2. The fold: the rebuilt state becomes the checkpoint (the commit then moves the ring's
     //    origin past the folded records).
-    if (fold && m > 0) store_row(r.state.ptr, r.state.dtype, state_off, rows * K, S);
+    //    A formatted checkpoint: stored with fresh row scales and the slot's stochastic key
+    //    (replayssm_decode's flush), then the drafts run from it as stored (loaded back
+    //    dequantized): the state every later verify rebuilds from, and what the CUDA fold, a
+    //    launch of its own, leaves the verify kernel to read.
+    if (fold && m > 0) {
+      if (formatted) {
+        store_state_rows(r.state, rnd, rnd.key_of(slot), slot, hv, V, K, r0, rows, S);
+        load_state_rows(r.state, slot, hv, V, K, r0, rows, S);
+      } else {
+        store_row(r.state.ptr, r.state.dtype, state_off, rows * K, S);
+      }
+    }
 
     // 3. The drafts: the recurrent step on the rebuilt rows, each token's record (u, k, g)
     //    appended at logical position m + t. u is the step's own beta*(v - s.k), with s.k taken
@@ -173,6 +190,9 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
       }
     }
   });
+  // The counter advances once per call that serves folding rows (an append-only call stores no
+  // state: append then fold store what one call of both rows stores).
+  if (p.rows != 1) advance_step(r.state);
 }
 
 void run_replayssm_commit(const ReplayCommitProblem& p) {

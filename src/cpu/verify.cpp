@@ -69,13 +69,15 @@ void run_verify(const VerifyProblem& p) {
       return row * p.inter_row_stride + step * p.inter_step_stride + hv * head_elems;
     };
 
-    // the start state: a row of the read-only source pool, else of the pool
+    // the start state: a row of the read-only source pool (a float pool, of the pool's dtype, or
+    // of any float dtype when the pool is formatted: the validator's rule), else of the pool
     const void* init_base = p.source.ptr ? p.source.ptr : r.state.ptr;
+    const DType init_dtype = p.source.ptr ? p.source.dtype : r.state.dtype;
     const int64_t init_at =
         p.source.ptr ? start * p.source.slot_stride + hv * head_elems : pool_at(start);
     auto load_start = [&] {
-      if (formatted) load_pool(start, hv, S.data());  // (no source pool: the validator's rule)
-      else load_row(init_base, r.state.dtype, init_at, static_cast<int>(head_elems), S.data());
+      if (formatted && !p.source.ptr) load_pool(start, hv, S.data());
+      else load_row(init_base, init_dtype, init_at, static_cast<int>(head_elems), S.data());
     };
     load_start();
     for (int64_t t = 0; t < len; ++t) {

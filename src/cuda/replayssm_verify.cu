@@ -40,9 +40,12 @@ void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   launch_kernel(replay_verify_kernel<StateT, KT, VEC, CTAS, BPC, FACTOR>, grid, kRvWarps * 32, smem,
                 s, p.r.pdl, p);
 }
+// A formatted checkpoint runs on the replay kernel whatever the override (the factored one has
+// no formatted path: its register budget stays as it is).
 template <class StateT, int KT, bool VEC, int CTAS, int BPC>
 void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
-  if (replay_verify_factored()) return launch_shape<StateT, KT, VEC, CTAS, BPC, true>(p, s);
+  if (replay_verify_factored() && !fmt::formatted(p.r.state))
+    return launch_shape<StateT, KT, VEC, CTAS, BPC, true>(p, s);
   launch_shape<StateT, KT, VEC, CTAS, BPC, false>(p, s);
 }
 
@@ -71,9 +74,12 @@ void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
 // The vector kernel: K = 128 (and K = 64 with every kernel built), 16-byte aligned checkpoint
 // rows; else, and for the hi/lo residual ring (its stores kept off the vector kernels' register
 // budgets), the generic one (K <= 256, the validator's CUDA limit; element accesses).
+// A checkpoint in its storage format: the generic float kernel, whose run-time path loads its
+// rows dequantized (no instantiation of its own); its folds are the fold launch's.
 template <class StateT>
 void dispatch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   const bool residual = p.rawv && !p.beta_ring;
+  if (fmt::formatted(p.r.state)) return launch<float, 256, false>(p, s);
   if (rows_aligned<StateT>(p) && !residual) {
     if (p.r.K == 128) return launch<StateT, 128, true>(p, s);
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -93,13 +99,20 @@ void run_replayssm_verify(const detail::ReplayVerifyProblem& problem, void* stre
   if (p.r.N > 0x7fffffff || p.r.HV > 65535)
     throw Error(ErrorKind::value, "replayssm_verify: too many sequences or heads for one launch");
   auto s = static_cast<cudaStream_t>(stream);
-  if (p.beta_ring) {  // the exact-raw ring's launch first: its fold and the drafts' raw records
+  // The fold launch first, with the exact-raw ring (its fold and the drafts' raw records) or a
+  // checkpoint in its storage format (its fold stored through the format, off the verify
+  // kernel's register budget).
+  if (p.beta_ring || fmt::formatted(p.r.state)) {
     const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
                     static_cast<unsigned>((p.r.V + kFoldRows - 1) / kFoldRows));
     launch_kernel(replay_exact_fold_kernel, grid, kFoldWarps * 32, 0, s, p.r.pdl, p);
     p.history_folded = true;
   }
   with_state_type(p.r.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, s); });
+  // The stochastic key's step: advanced once per call that serves folding rows (an append-only
+  // call stores no state), in stream order after the grids (a replayed graph advances it).
+  if (p.r.state.stochastic && p.rows != 1)
+    launch_kernel(advance_rounding_step, 1u, 1u, 0, s, false, p.r.state.step, 1);
 }
 
 void run_replayssm_commit(const detail::ReplayCommitProblem& problem, void* stream) {

@@ -38,6 +38,7 @@ namespace {
 
 using deltastate::PackedDecodeArgs;
 using deltastate::RecurrentArgs;
+using deltastate::ReplayVerifyArgs;
 using deltastate::StatePool;
 using deltastate::StatePoolConfig;
 using deltastate::StateRounding;
@@ -1059,6 +1060,264 @@ TEST_F(GpuTest, QuantizedPrefillGraphReplayMatchesEager) {
   EXPECT_EQ(std::memcmp(go.alloc_base(), eo.alloc_base(), static_cast<size_t>(go.alloc_bytes())), 0)
       << "outputs of the last call";
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// ---- ReplaySSM speculative verify on a formatted checkpoint ----------------------------------
+struct QuantRvCase {
+  const char* name;
+  bool kda;
+  DType dtype;
+  StateRounding rounding;
+  bool odd = false;    // kOdd, else the model's shape
+  bool exact = false;  // the exact-raw ring (its fold: the exact-fold launch)
+};
+void PrintTo(const QuantRvCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuQuantizedReplayVerify : public GpuParamTest<QuantRvCase> {};
+
+// Elements of `ring` (a view of the host pool, compact below its slot) of the live slots: random.
+void fill_ring_slots(const TensorView& ring, const std::vector<int64_t>& slots, Rng& rng, double lo,
+                     double hi) {
+  int64_t per = 1;
+  for (int d = 1; d < ring.ndim; ++d) per *= ring.shape[d];
+  for (int64_t s : slots)
+    if (s >= 0)
+      for (int64_t e = 0; e < per; ++e)
+        static_cast<float*>(ring.data)[s * ring.stride[0] + e] =
+            static_cast<float>(rng.uniform(lo, hi));
+}
+
+// replayssm_verify on a formatted checkpoint (the pool's float rings, L = 8), four steps from
+// random cursors with folds (one row folds every step), the CUDA backend's odd steps as two calls
+// (rows append, then fold; the CPU's as one): each step from the CPU's pool on both backends;
+// outputs, the rings (and the exact-raw ring) to fp32 tolerance, a folded row's checkpoint
+// within one quantum, every other checkpoint and byte untouched (scales of unused slots 1e30),
+// the step counter one on per step.
+TEST_P(GpuQuantizedReplayVerify, MatchesCpu) {
+  const QuantRvCase& c = GetParam();
+  const Shape s = c.odd ? kOdd : c.kda ? kKimi : kQwen3Next;
+  const int64_t layer = 1, L = 8, T = 3, S = 9;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{7, -1, 2, 5};
+  const QuantPools q =
+      make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer, 2, S,
+                       blocks_of(layer, slots), rng, L, c.kda, ScaleFill::huge);
+  const StatePool& host = *q.host;
+  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
+                                      host.g_cache(layer)};
+  fill_ring_slots(rings[0], slots, rng, -0.3, 0.3);
+  fill_ring_slots(rings[1], slots, rng, -0.3, 0.3);
+  fill_ring_slots(rings[2], slots, rng, -0.5, -0.01);
+  q.push();
+  Tensor rawv = Tensor::contiguous(f32, {S, s.HV, L, s.V});
+  Tensor rawk = Tensor::contiguous(f32, {S, s.H, L, s.K});
+  Tensor rawb = Tensor::contiguous(f32, {S, s.HV, L});
+  rawv.fill_normal(rng, 1.0);
+  rawk.fill_normal(rng, 1.0);
+  rawb.fill_uniform(rng, 0.05, 0.95);
+  Tensor idx = index_tensor(slots);
+  Tensor wp = index_tensor(std::vector<int64_t>(S, 0)), base = wp.empty_like(),
+         flush = wp.empty_like();
+  Mirror m;
+  int folds = 0;
+  for (int step = 0; step < 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<Block> folded;
+    for (int64_t r = 0; r < S; ++r) {
+      wp.set({r}, 0);
+      base.set({r}, 0);
+      flush.set({r}, 0);
+    }
+    for (size_t n = 0; n < slots.size(); ++n) {
+      const int64_t sl = slots[n];
+      if (sl < 0) continue;
+      const int64_t m0 = rng.integer(n == 0 ? 1 : 0, L - T);  // every draft's record fits
+      wp.set({sl}, static_cast<double>(m0));
+      base.set({sl}, static_cast<double>(rng.integer(0, L - 1)));
+      const bool f = n == 0 || rng.chance(0.5);
+      flush.set({sl}, f ? 1 : 0);
+      if (f && m0 > 0) folded.push_back({layer, sl});
+    }
+    folds += static_cast<int>(folded.size());
+    std::vector<int64_t> lens;
+    for (size_t n = 0; n < slots.size(); ++n) lens.push_back(rng.integer(1, T));
+    RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, c.kda, bf16, 1, T, lens));
+    rb.poison_out();
+    m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu, idx, wp,
+                 base, flush, rawv, rawk, rawb);
+    auto run = [&](auto&& view_of, const StatePool& p, deltastate::ReplayRows rows) {
+      ReplayVerifyArgs a = replay_verify_inputs(rb.args(view_of), c.kda);
+      a.state = p.layer_state(layer);
+      a.state_format = format_of(p, layer, c.rounding);
+      a.state_indices = view_of(idx);
+      a.d_cache = p.d_cache(layer);
+      a.k_cache = p.k_cache(layer);
+      a.g_cache = p.g_cache(layer);
+      a.write_pos = view_of(wp);
+      a.cache_base = view_of(base);
+      a.is_flush = view_of(flush);
+      if (c.exact) {
+        a.rawv_cache = view_of(rawv);
+        a.rawk_cache = view_of(rawk);
+        a.beta_cache = view_of(rawb);
+      }
+      a.rows = rows;
+      deltastate::replayssm_verify(a);
+    };
+    run(host_view, host, deltastate::ReplayRows::all);
+    if (step % 2 == 1) {
+      run(m.views(), *q.dev, deltastate::ReplayRows::append);
+      run(m.views(), *q.dev, deltastate::ReplayRows::fold);
+    } else {
+      run(m.views(), *q.dev, deltastate::ReplayRows::all);
+    }
+    sync();
+    EXPECT_NO_THROW(deltastate::check_errors());
+    EXPECT_TRUE(close_vs_cpu(m.download(rb.out).values(), rb.out.values(), kOutTol, bf16))
+        << "outputs";
+    if (c.exact)
+      for (const Tensor* t : {&rawv, &rawk, &rawb}) {
+        EXPECT_TRUE(close_vs_cpu(m.download(*t).values(), t->values(), kFp32StateTol, f32))
+            << "exact-raw ring";
+      }
+    expect_replay_pools_match(m, q, c.dtype, wp, rings, folded, layer, step);
+  }
+  EXPECT_GE(folds, 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, GpuQuantizedReplayVerify,
+    ::testing::Values(
+        QuantRvCase{"gdn_fp8_sr", false, DType::f8e4m3, StateRounding::stochastic},
+        QuantRvCase{"gdn_int8_rn", false, DType::i8, StateRounding::nearest},
+        QuantRvCase{"kda_fp8_rn", true, DType::f8e4m3, StateRounding::nearest},
+        QuantRvCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic},
+        QuantRvCase{"gdn_bf16_sr", false, DType::bf16, StateRounding::stochastic},
+        QuantRvCase{"gdn_odd_fp8_sr", false, DType::f8e4m3, StateRounding::stochastic, true},
+        QuantRvCase{"kda_odd_int8_rn", true, DType::i8, StateRounding::nearest, true},
+        // the exact-raw ring: the fold is the exact-fold launch, stored through the format
+        QuantRvCase{"gdn_fp8_sr_exact", false, DType::f8e4m3, StateRounding::stochastic, false,
+                    true},
+        QuantRvCase{"kda_int8_rn_exact", true, DType::i8, StateRounding::nearest, false, true},
+        QuantRvCase{"gdn_odd_bf16_sr_exact", false, DType::bf16, StateRounding::stochastic, true,
+                    true}),
+    case_name<QuantRvCase>);
+
+// A ReplaySSM verify + commit step on an fp8 (stochastic) checkpoint captured in a CUDA graph and
+// replayed four times against four eager calls on a second device pool with its own cursors (L =
+// 8, 3 drafts: slot 2 folds from the second step on): pools and cursors bit-identical, the device
+// step counter one on per replay (the fold launch, the verify kernel and the counter's kernel in
+// the graph).
+TEST_F(GpuTest, QuantizedReplayVerifyGraphReplay) {
+  const Shape s = kOdd;
+  const int64_t layer = 1, L = 8, T = 3, S = 4;
+  Rng rng = test_rng();
+  const std::vector<int64_t> slots{2, -1, 0};
+  const QuantPools q =
+      make_quant_pools(s, DType::f8e4m3, StateRounding::stochastic,
+                       deltastate::PoolLayout::per_layer, 2, S, blocks_of(layer, slots), rng, L);
+  StatePool eager(q.dev->config());
+  CUDA_CHECK(cudaMemcpy(eager.data(), q.dev->data(), static_cast<size_t>(q.bytes),
+                        cudaMemcpyDeviceToDevice));
+  RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, false, f32, 3, T));
+  Tensor idx = index_tensor(slots), acc = index_tensor({3, 0, 2});
+  const std::vector<int64_t> zeros(S, 0);
+  Tensor wp_e = index_tensor(zeros), base_e = index_tensor(zeros), fl_e = index_tensor(zeros);
+  Tensor wp_g = index_tensor(zeros), base_g = index_tensor(zeros), fl_g = index_tensor(zeros);
+  Mirror m;
+  m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, idx, acc, wp_e,
+               base_e, fl_e, wp_g, base_g, fl_g);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&](const StatePool& p, const Tensor& wp, const Tensor& base, const Tensor& fl) {
+    ReplayVerifyArgs a = replay_verify_inputs(rb.args(m.views()), false);
+    a.state = p.layer_state(layer);
+    a.state_format = format_of(p, layer, StateRounding::stochastic);
+    a.state_indices = m.view(idx);
+    a.d_cache = p.d_cache(layer);
+    a.k_cache = p.k_cache(layer);
+    a.g_cache = p.g_cache(layer);
+    a.write_pos = m.view(wp);
+    a.cache_base = m.view(base);
+    a.is_flush = m.view(fl);
+    a.stream = stream;
+    deltastate::replayssm_verify(a);
+    deltastate::ReplayCommitArgs ca;
+    ca.write_pos = m.view(wp);
+    ca.cache_base = m.view(base);
+    ca.is_flush = m.view(fl);
+    ca.num_accepted = m.view(acc);
+    ca.state_indices = m.view(idx);
+    ca.max_cache_len = L;
+    ca.max_spec_len = T;
+    ca.stream = stream;
+    deltastate::replayssm_commit(ca);
+  };
+  for (int i = 0; i < 4; ++i) step(eager, wp_e, base_e, fl_e);
+  replay_graph(stream, 4, [&] { step(*q.dev, wp_g, base_g, fl_g); });
+  EXPECT_NO_THROW(deltastate::check_errors());
+  int64_t got = 0;
+  CUDA_CHECK(cudaMemcpy(&got, q.dev->rounding_step(layer).data, 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, kStep0 + 4);
+  for (const auto& [g, e] : {std::pair{&wp_g, &wp_e}, {&base_g, &base_e}, {&fl_g, &fl_e}})
+    EXPECT_EQ(m.download(*g).values(), m.download(*e).values()) << "cursors";
+  // slot 2 accepted 3 every step: folded at steps 2, 3 and 4 (write_pos 3 after each)
+  EXPECT_EQ(m.download(wp_g).get_linear(2), 3);
+  EXPECT_TRUE(same_device_bytes(q.dev->data(), eager.data(), q.bytes))
+      << "graph replays against eager calls";
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// Verify with FlashInfer's read-only source pool (a float pool: fp32 or bf16) on a formatted
+// pool: sequence n from source row src[n] (< 0: padded), its final state stored through the
+// format at state_indices[n] (< 0: not stored). Outputs, the stored slots within one quantum,
+// every other byte untouched, the source bit-untouched, the step counter one on.
+TEST_F(GpuTest, QuantizedVerifySourceStateMatchesCpu) {
+  for (const DType pool_dtype : {DType::f8e4m3, DType::i8, DType::bf16})
+    for (const DType src_dtype : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(dtype_name(pool_dtype)) + " pool, " + dtype_name(src_dtype) +
+                   " source");
+      const Shape s = kOdd;
+      const int64_t layer = 0, N0 = 5;
+      Rng rng = test_rng();
+      const StateRounding rounding =
+          pool_dtype == DType::i8 ? StateRounding::nearest : StateRounding::stochastic;
+      const QuantPools q =
+          make_quant_pools(s, pool_dtype, rounding, deltastate::PoolLayout::per_layer, 1, 6,
+                           blocks_of(layer, {0, 2}), rng, 0, false, ScaleFill::huge);
+      Tensor src = Tensor::contiguous(src_dtype, {N0, s.HV, s.V, s.K});
+      src.fill_normal(rng, 0.5);
+      Tensor src_idx = index_tensor({4, -1, 1, 3}), home = index_tensor({5, 1, 3, -1});
+      RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, false, bf16, 4, 3));
+      rb.poison_out();
+      Mirror m;
+      m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, src, src_idx,
+                   home);
+      auto run = [&](auto&& view_of, const StatePool& p) {
+        deltastate::VerifyArgs a = verify_inputs(rb.args(view_of), false);
+        a.state = p.layer_state(layer);
+        a.state_format = format_of(p, layer, rounding);
+        a.state_indices = view_of(home);
+        a.source_state = view_of(src);
+        a.source_state_indices = view_of(src_idx);
+        deltastate::verify(a);
+      };
+      run(host_view, *q.host);
+      run(m.views(), *q.dev);
+      sync();
+      EXPECT_NO_THROW(deltastate::check_errors());
+      EXPECT_TRUE(close_vs_cpu(m.download(rb.out).values(), rb.out.values(), kOutTol, bf16))
+          << "outputs";
+      const Tensor dsrc = m.download(src);
+      EXPECT_EQ(
+          std::memcmp(dsrc.alloc_base(), src.alloc_base(), static_cast<size_t>(src.alloc_bytes())),
+          0)
+          << "the source pool";
+      if (q.stochastic) {
+        EXPECT_EQ(host_step(q, layer), kStep0 + 1);
+      }
+      expect_pools_match(q, pool_dtype, blocks_of(layer, {5, 3}));
+    }
 }
 
 }  // namespace

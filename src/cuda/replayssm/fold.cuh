@@ -19,6 +19,7 @@
 #include "core/numeric.h"
 #include "core/problem.h"
 #include "cuda/grid.cuh"
+#include "cuda/state_format.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -65,9 +66,54 @@ __device__ __forceinline__ void fold_store_rows(const FoldRows& S, void* state, 
   }
 }
 
+// The same for a checkpoint in its storage format (replayssm_verify's fold launch): the
+// rows of value head hv of `slot` loaded dequantized, and stored with each row's fresh scale (its
+// amax a shuffle reduction over the warp, which holds the whole row; the scale written by lane 0)
+// and the slot's stochastic key, through state_format.cuh's element rules.
+__device__ __forceinline__ void fold_load_rows_fmt(FoldRows& S, const detail::StatePoolRef& st,
+                                                   int64_t slot, int hv, int wrow0, int lane, int K,
+                                                   int V) {
+  const fmt::HeadRows hr = fmt::head_rows(st, slot, hv, V, K);
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    const int row = wrow0 + r;
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) {
+      const int c = lane + 32 * i;
+      S[r][i] =
+          row < V && c < K ? fmt::load_elem(st.ptr, st.dtype, hr, row, int64_t{row} * K + c) : 0.0f;
+    }
+  }
+}
+__device__ __forceinline__ void fold_store_rows_fmt(const FoldRows& S,
+                                                    const detail::StatePoolRef& st, int64_t slot,
+                                                    int hv, int wrow0, int lane, int K, int V) {
+  const fmt::HeadRows hr = fmt::head_rows(st, slot, hv, V, K);
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    const int row = wrow0 + r;
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i)
+      if (lane + 32 * i < K) amax = detail::amax_step(amax, S[r][i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      amax = detail::amax_step(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (row >= V) continue;
+    const float sc = hr.scales ? fmt::fresh_scale(st.dtype, amax) : 1.0f;
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) {
+      const int c = lane + 32 * i;
+      if (c < K) fmt::store_elem(st.ptr, st.dtype, hr, int64_t{row} * K + c, S[r][i], sc);
+    }
+    if (hr.scales && lane == 0) hr.scales[row] = sc;
+  }
+}
+
 // One raw record of the fold, staged by the CTA: the raw key (elements k_at + c of k), alpha =
 // e^g (KDA: per element of g; GDN: g[0]), the CTA's rows of raw v (elements v_at + row0 + x),
-// beta.
+// beta. (A d/k record of the basic ring: its k, alpha and the rows' d in the same places, no
+// beta.)
 struct FoldRecord {
   float k[kFoldMaxK], alpha[kFoldMaxK], v[kFoldRows];
   float beta;
@@ -83,7 +129,7 @@ __device__ __forceinline__ void fold_stage_record(FoldRecord& sm, const void* k,
   }
   for (int x = threadIdx.x; x < kFoldRows; x += blockDim.x)
     sm.v[x] = row0 + x < V ? detail::load_float(v, v_dtype, v_at + row0 + x) : 0.0f;
-  if (threadIdx.x == 0) sm.beta = *beta;
+  if (threadIdx.x == 0) sm.beta = beta ? *beta : 0.0f;  // (none: a d/k record)
   __syncthreads();
 }
 
@@ -119,6 +165,21 @@ __device__ __forceinline__ void fold_step_rows(FoldRows& S, const FoldRecord& sm
     const float u = detail::delta_u(sm.v[wrow + r], dot, beta);
 #pragma unroll
     for (int i = 0; i < kFoldEpl; ++i) S[r][i] = fmaf(u, k[i], S[r][i]);
+  }
+}
+
+// A staged d/k record of the basic ring on the warp's rows (a formatted checkpoint's fold):
+// s = fma(d, k, s * alpha) per element, the replay kernel's and the CPU's two operations.
+__device__ __forceinline__ void fold_replay_rows(FoldRows& S, const FoldRecord& sm, int wrow,
+                                                 int lane, int K) {
+#pragma unroll
+  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
+    const float d = sm.v[wrow + r];
+#pragma unroll
+    for (int i = 0; i < kFoldEpl; ++i) {
+      const int c = lane + 32 * i;
+      if (c < K) S[r][i] = fmaf(d, sm.k[c], S[r][i] * sm.alpha[c]);
+    }
   }
 }
 
@@ -330,16 +391,19 @@ __global__ void __launch_bounds__(256)
   detail::set_flag(p.is_flush, p.flush_dtype, r, false);
 }
 
-// The exact-raw ring of replayssm_verify, a launch before the verify kernel (whose registers it
-// leaves alone). The fold (SGLang's exact-fold launch; calls serving folding rows): for each
-// folding row with m = write_pos > 0 committed records, the raw records (raw k L2-normalized,
-// raw v, the decay, beta; ring positions (cache_base + t) % L) run through the recurrent step
-// from the checkpoint into the checkpoint; the verify kernel then reads that checkpoint with an
-// empty history (ReplayVerifyProblem::history_folded). Then, for every row the call serves, the
-// drafts' raw records: raw v (the CTA's rows), raw k (one CTA per key head) and beta at
-// positions (cache_base + m + t) % L, m + t < L (past the ring: dropped), none of which a fold
-// reads. Same CTA shape as replay_fold_kernel; rows the verify kernel reports (a bad slot or
-// cursor) are skipped.
+// The exact-raw ring of replayssm_verify, and a checkpoint in its storage format: a launch
+// before the verify kernel (whose registers it leaves alone). The fold (SGLang's exact-fold
+// launch; calls serving folding rows): for each folding row with m = write_pos > 0 committed
+// records, the raw records (raw k L2-normalized, raw v, the decay, beta; ring positions
+// (cache_base + t) % L) run through the recurrent step from the checkpoint into the checkpoint,
+// or without the exact-raw ring the d/k records are replayed (fold_replay_rows); a formatted
+// checkpoint is loaded dequantized and stored through its format (fold_*_rows_fmt). The verify
+// kernel then reads that checkpoint with an empty history (ReplayVerifyProblem::history_folded),
+// so a folding row's drafts run from the checkpoint as stored. Then, with the exact-raw ring, for
+// every row the call serves, the drafts' raw records: raw v (the CTA's rows), raw k (one CTA per
+// key head) and beta at positions (cache_base + m + t) % L, m + t < L (past the ring: dropped),
+// none of which a fold reads. Same CTA shape as replay_fold_kernel; rows the verify kernel
+// reports (a bad slot or cursor) are skipped.
 __global__ void __launch_bounds__(kFoldWarps * 32)
     replay_exact_fold_kernel(const detail::ReplayVerifyProblem p) {
   __shared__ FoldRecord sm;
@@ -364,7 +428,7 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const int64_t tok0 = r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n) : 0;
   const int64_t len =
       r.cu_seqlens ? detail::load_index(r.cu_seqlens, r.cu_dtype, n + 1) - tok0 : r.T;
-  {
+  if (p.beta_ring) {
     const int64_t vb = (rr * r.HV + hv) * L * V, kb = (rr * r.H + h) * L * K;
     for (int64_t t = 0; t < len && m + t < L; ++t) {
       const int64_t pos = (base + m + t) % L;
@@ -395,15 +459,24 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const int64_t b_base = (rr * r.HV + hv) * L;
   const int wrow = warp * kFoldRowsPerWarp, wrow0 = row0 + wrow;
   FoldRows S;
-  fold_load_rows(S, r.state.ptr, r.state.dtype, state_at, wrow0, lane, K, V);
+  const bool formatted = fmt::formatted(r.state);  // stored through its format (fold_*_rows_fmt)
+  if (formatted) fold_load_rows_fmt(S, r.state, slot, hv, wrow0, lane, K, V);
+  else fold_load_rows(S, r.state.ptr, r.state.dtype, state_at, wrow0, lane, K, V);
   for (int t = 0; t < m; ++t) {
     const int64_t pos = (base + t) % L;
-    fold_stage_record(sm, p.rawk, p.rawk_dtype, k_base + pos * K, p.g_cache + g_base + pos * gw,
-                      r.gate.kda, p.rawv, p.rawv_dtype, v_base + pos * V,
-                      p.beta_ring + b_base + pos, row0, K, V);
-    fold_step_rows(S, sm, r.l2norm, wrow, lane, K);
+    if (p.beta_ring) {
+      fold_stage_record(sm, p.rawk, p.rawk_dtype, k_base + pos * K, p.g_cache + g_base + pos * gw,
+                        r.gate.kda, p.rawv, p.rawv_dtype, v_base + pos * V,
+                        p.beta_ring + b_base + pos, row0, K, V);
+      fold_step_rows(S, sm, r.l2norm, wrow, lane, K);
+    } else {  // a d/k record (d_cache has the raw v ring's [R, HV, L, V] layout)
+      fold_stage_record(sm, p.k_cache, p.k_dtype, k_base + pos * K, p.g_cache + g_base + pos * gw,
+                        r.gate.kda, p.d_cache, p.d_dtype, v_base + pos * V, nullptr, row0, K, V);
+      fold_replay_rows(S, sm, wrow, lane, K);
+    }
   }
-  fold_store_rows(S, r.state.ptr, r.state.dtype, state_at, wrow0, lane, K, V);
+  if (formatted) fold_store_rows_fmt(S, r.state, slot, hv, wrow0, lane, K, V);
+  else fold_store_rows(S, r.state.ptr, r.state.dtype, state_at, wrow0, lane, K, V);
 }
 
 }  // namespace

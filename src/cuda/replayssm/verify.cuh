@@ -39,6 +39,9 @@
 // record written also writes its residual, value minus value rounded to the d/k ring's dtype, into
 // rawv / rawk at the same place, by the lanes that store the record (out of line,
 // rv_store_residual; the factored drafts' d residuals after their loop).
+// A checkpoint in its storage format runs on the generic float replay kernel, its rows loaded
+// dequantized; its folds are the fold launch's (fold.cuh replay_exact_fold_kernel, before this
+// kernel: history_folded).
 // A bad slot or cursor is recorded (record_bad_row) and its rows get NaN outputs. The cursors are
 // read only; the commit kernel moves them, one thread per batch row.
 #pragma once
@@ -53,6 +56,7 @@
 #include "cuda/reduce.cuh"
 #include "cuda/replayssm/factor.cuh"
 #include "cuda/rows.cuh"
+#include "cuda/state_fmt.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
 
@@ -292,6 +296,13 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   const int64_t g_base = (rr * r.HV + hv) * L * gw;
   StateT* ck = static_cast<StateT*>(r.state.ptr) + slot * r.state.slot_stride +
                static_cast<int64_t>(hv) * V * K;
+  // A checkpoint in its storage format (quantized, or rounded stochastically) runs on the generic
+  // float instantiation of the replay kernel (the launcher's choice), its rows loaded dequantized
+  // through state_fmt.cuh: a run-time path, no kernel of its own. Its folds are the fold launch's
+  // (replayssm/fold.cuh), which stores them through the format before this kernel runs
+  // (history_folded), so nothing here stores it.
+  constexpr bool kFmtCapable = !VEC && !FACTOR && std::is_same_v<StateT, float>;
+  const bool fmt_rows = kFmtCapable && fmt::formatted(r.state);
 
   // The checkpoint rows first. The vector kernel copies them into shared memory (cp.async, each
   // thread its own words: no barrier; one copy group per block), so their bytes are in flight
@@ -311,7 +322,9 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
     for (int j = 0; j < R; ++j) {
       const int row = cta_row0 + local0 + j * RG;
       if (row < V) {
-        load_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
+        if (kFmtCapable && fmt_rows)
+          load_state_fmt<EPL>(r.state, slot, hv, V, K, row, kofs, valid, S[j]);
+        else load_state<StateT, EPL, VEC>(ck + static_cast<int64_t>(row) * K + kofs, valid, S[j]);
       } else {
 #pragma unroll
         for (int i = 0; i < EPL; ++i) S[j][i] = 0.0f;
@@ -454,7 +467,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
           for (int i = 0; i < EPL; ++i) S[rr][i] = fmaf(dj[rr], kj[i], S[rr][i] * aj[i]);
       }
     }
-    // 2. The fold: the rebuilt state becomes the checkpoint.
+    // 2. The fold: the rebuilt state becomes the checkpoint. (A formatted one was folded by the
+    //    fold launch: mh = 0 here, the rows already the checkpoint as stored.)
     if (fold && mh > 0) {
 #pragma unroll
       for (int j = 0; j < R; ++j) {

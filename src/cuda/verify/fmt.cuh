@@ -10,8 +10,9 @@
 //                      to its per-token pool slot (quantized, the slot's key), tree tokens
 //                      reloaded from the scratch (dequantized), the final state stored
 //                      quantized; SGLang's cache_ring (float rings) recorded as the
-//                      float kernels record it (record_ring_fmt). No source pool here
-//                      (the contract rejects it).
+//                      float kernels record it (record_ring_fmt). With FlashInfer's source
+//                      pool (source_state, a float pool of any float dtype: the contract's
+//                      rule) the start state and a tree token's initial state are read from it.
 //   commit_fmt_kernel  each accepted scratch state requantized into its slot: one warp per state
 //                      row, the row's amax a shuffle reduction, layer l's bits keyed by (seed,
 //                      slot, layer0 + l, steps[l]); a quantized scratch entry of the state's
@@ -56,14 +57,16 @@ __device__ __forceinline__ void store_rows_fmt(const RecurrentProblem& p, const 
   }
 }
 
+// The warp's rows of `slot` of pool `st` (the pool, or a float source pool) in fp32.
 template <int EPL, int R, int RG>
-__device__ __forceinline__ void load_rows_fmt(const RecurrentProblem& p, const DirectTile& d,
+__device__ __forceinline__ void load_rows_fmt(const RecurrentProblem& p,
+                                              const detail::StatePoolRef& st, const DirectTile& d,
                                               int64_t slot, float (&S)[R][EPL]) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int row = d.c.row0 + r * RG;
     if (row < p.V) {
-      load_state_fmt<EPL>(p.state, slot, d.c.hv, p.V, p.K, row, d.kofs, d.valid, S[r]);
+      load_state_fmt<EPL>(st, slot, d.c.hv, p.V, p.K, row, d.kofs, d.valid, S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
@@ -152,7 +155,7 @@ struct VerifyFmtHooks {
       // the start slot, which a per-token store of this warp may have rewritten: its row scales
       // were written by one lane each, so order the warp's accesses first
       __syncwarp();
-      return load_rows_fmt<EPL, R, RG>(vp.r, d, start, S);
+      return load_rows_fmt<EPL, R, RG>(vp.r, vp.source.ptr ? vp.source : vp.r.state, d, start, S);
     }
     if (quantized_state(vp.inter_dtype)) {
       // the entry's row scales were stored by one lane each (after()): order the warp first
@@ -228,15 +231,19 @@ __global__ void __launch_bounds__(128, kVerifyFmtCtasPerSm)
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   DirectTile d;
   if (!direct_tile<G, EPL, R, RG, false>(p, warps_per_head, d)) return;
-  // home (d.slot): the sequence's slot; start: the slot its state starts from
+  // home (d.slot): the sequence's slot; start: the slot its state starts from, or with a source
+  // pool its row there (home then only receives the final state)
   const int64_t n = d.c.n, home = d.slot;
+  const bool source = vp.source.ptr != nullptr;
   int64_t start = home;
-  if (vp.num_accepted.ptr) {
+  if (source) {
+    start = vp.source_indices.at(n, 0);
+  } else if (vp.num_accepted.ptr) {
     const int64_t a = vp.num_accepted.at(n, 0);
     start = a >= 1 && a <= vp.token_slots.cols ? vp.token_slots.at(n, a - 1) : 0;
   }
   const int64_t row = vp.inter ? (vp.inter_indices.ptr ? vp.inter_indices.at(n, 0) : n) : -1;
-  const BadIndex bad = find_bad_index(vp, n, d.len, start, row, false, home);
+  const BadIndex bad = find_bad_index(vp, n, d.len, start, row, source, home);
   if (start < 0 || bad.kind) {  // padded: zero outputs; a bad index: NaN outputs, recorded
     if (bad.kind && d.c.hv == 0 && d.c.row0 == 0 && d.lane == 0)
       record_bad_row(p.errors, vp.err_op, bad.kind, n, bad.value, bad.limit);
@@ -251,7 +258,7 @@ __global__ void __launch_bounds__(128, kVerifyFmtCtasPerSm)
   GateConsts<EPL> gc;
   load_gate_consts(p.gate, d.c.hv, p.K, d.kofs, d.valid, gc);
   float S[R][EPL];
-  load_rows_fmt<EPL, R, RG>(p, d, start, S);
+  load_rows_fmt<EPL, R, RG>(p, source ? vp.source : p.state, d, start, S);
   const uint64_t step = p.state.stochastic ? static_cast<uint64_t>(*p.state.step) : 0;
   const VerifyFmtHooks<G, EPL, R, RG, RING> hooks{vp, d, gc, start, row, step};
   run_tokens<AnyInput, G, EPL, R, RG>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid, S, x,
