@@ -38,20 +38,27 @@ __device__ __forceinline__ float fold_warp_sum(float x) {
   return x;
 }
 
-// A warp's kFoldRowsPerWarp state rows from row wrow0 (of a [V, K] block at element `at`) in
-// registers, zero past V and K; and back.
-__device__ __forceinline__ void fold_load_rows(FoldRows& S, const void* state, DType dtype,
-                                               int64_t at, int wrow0, int lane, int K, int V) {
+// A warp's kFoldRowsPerWarp state rows from row wrow0 in registers, element (row, c) from
+// load(row, c), zero past V and K.
+template <class Load>
+__device__ __forceinline__ void fold_load_rows_by(FoldRows& S, int wrow0, int lane, int K, int V,
+                                                  Load&& load) {
 #pragma unroll
   for (int r = 0; r < kFoldRowsPerWarp; ++r) {
     const int row = wrow0 + r;
 #pragma unroll
     for (int i = 0; i < kFoldEpl; ++i) {
       const int c = lane + 32 * i;
-      S[r][i] =
-          row < V && c < K ? detail::load_float(state, dtype, at + int64_t{row} * K + c) : 0.0f;
+      S[r][i] = row < V && c < K ? load(row, c) : 0.0f;
     }
   }
+}
+// The rows of a float [V, K] block at element `at`; and back.
+__device__ __forceinline__ void fold_load_rows(FoldRows& S, const void* state, DType dtype,
+                                               int64_t at, int wrow0, int lane, int K, int V) {
+  fold_load_rows_by(S, wrow0, lane, K, V, [&](int row, int c) {
+    return detail::load_float(state, dtype, at + int64_t{row} * K + c);
+  });
 }
 __device__ __forceinline__ void fold_store_rows(const FoldRows& S, void* state, DType dtype,
                                                 int64_t at, int wrow0, int lane, int K, int V) {
@@ -74,16 +81,9 @@ __device__ __forceinline__ void fold_load_rows_fmt(FoldRows& S, const detail::St
                                                    int64_t slot, int hv, int wrow0, int lane, int K,
                                                    int V) {
   const fmt::HeadRows hr = fmt::head_rows(st, slot, hv, V, K);
-#pragma unroll
-  for (int r = 0; r < kFoldRowsPerWarp; ++r) {
-    const int row = wrow0 + r;
-#pragma unroll
-    for (int i = 0; i < kFoldEpl; ++i) {
-      const int c = lane + 32 * i;
-      S[r][i] =
-          row < V && c < K ? fmt::load_elem(st.ptr, st.dtype, hr, row, int64_t{row} * K + c) : 0.0f;
-    }
-  }
+  fold_load_rows_by(S, wrow0, lane, K, V, [&](int row, int c) {
+    return fmt::load_elem(st.ptr, st.dtype, hr, row, int64_t{row} * K + c);
+  });
 }
 __device__ __forceinline__ void fold_store_rows_fmt(const FoldRows& S,
                                                     const detail::StatePoolRef& st, int64_t slot,
