@@ -199,6 +199,19 @@ def test_errors(tfw):
     # a track slot past the pool is fine when its step is not reached
     ds.replayssm_fold_commit(ck, r["ring_v"], r["ring_k"], r["ring_g"], r["ring_beta"], idx, acc,
                              torch.tensor([9, -1]), torch.tensor([1, 0]))
+    # A quantized checkpoint: the commits store the folded state as a float state (no scales, no
+    # rounding key), so both refuse it, naming the issue, before anything is written.
+    text = (r"`checkpoint_state` is a quantized state \(torch.float8_e4m3fn\): this op does not "
+            r"take quantized states yet \(issue #36")
+    q8 = torch.zeros(LAYERS, SLOTS, HV, V, K, dtype=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match=text):
+        ds.replayssm_fold_commit(q8, r["ring_v"], r["ring_k"], r["ring_g"], r["ring_beta"], idx,
+                                 acc)
+    dk = torch.zeros(LAYERS, 2, HV, L, V)
+    with pytest.raises(NotImplementedError, match=text):
+        ds.replayssm_circular_commit(q8, dk, torch.zeros(LAYERS, 2, H, L, K),
+                                     torch.zeros(LAYERS, 2, HV, L), idx, idx, idx, idx, idx, acc)
+    assert not q8.view(torch.uint8).any(), "a refused commit wrote the checkpoint"
     # the verify's ring
     q = torch.zeros(1, 2, H, K)
     with pytest.raises(ValueError, match="cache_ring needs all four raw rings"):

@@ -83,6 +83,10 @@ CommitPool check_commit_pool(const TensorView& st) {
   c.HV = st.shape[c.lead + 1];
   c.V = st.shape[c.lead + 2];
   c.K = st.shape[c.lead + 3];
+  {  // the commits store the folded checkpoint as a float state (no scales, no rounding key)
+    Contract q;
+    q.float_state("checkpoint_state", st);
+  }
   if (!is_floating(st.dtype))
     fail(format("`checkpoint_state` must be floating (got %s).",
                 dtype_mark(dtype_name(st.dtype)).c_str()));
