@@ -81,15 +81,20 @@ struct Sim {
     return make_recurrent_batch(rng, spec);
   }
   ReplayVerifyArgs args(const RecurrentBatch& rb) const {
+    return args(rb, ck, rings, write_pos, cache_base, is_flush);
+  }
+  // The same over other tensors of the run's shapes (copies of its checkpoint, rings, cursors).
+  ReplayVerifyArgs args(const RecurrentBatch& rb, const Tensor& state, const Rings& r,
+                        const Tensor& wp_t, const Tensor& base_t, const Tensor& flush_t) const {
     ReplayVerifyArgs a = replay_verify_inputs(rb.args(host_view), c.kda);
-    a.state = ck.view();
+    a.state = state.view();
     a.state_indices = idx.view();
-    a.d_cache = rings.d.view();
-    a.k_cache = rings.k.view();
-    a.g_cache = rings.g.view();
-    a.write_pos = write_pos.view();
-    a.cache_base = cache_base.view();
-    a.is_flush = is_flush.view();
+    a.d_cache = r.d.view();
+    a.k_cache = r.k.view();
+    a.g_cache = r.g.view();
+    a.write_pos = wp_t.view();
+    a.cache_base = base_t.view();
+    a.is_flush = flush_t.view();
     return a;
   }
   int64_t pos(int64_t s, int64_t logical) const { return (base[s] + logical) % c.L; }
@@ -751,14 +756,7 @@ TEST(ReplayVerifyFormat, Bf16StochasticFold) {
       auto run = [&](const Tensor& ck, Rings& rings, Tensor& rv, Tensor& rk, Tensor& rbeta,
                      const Tensor& wp, const Tensor& base, const Tensor& flush,
                      deltastate::ReplayRows rows, bool formatted) {
-        ReplayVerifyArgs a = sim.args(rb);
-        a.state = ck.view();
-        a.d_cache = rings.d.view();
-        a.k_cache = rings.k.view();
-        a.g_cache = rings.g.view();
-        a.write_pos = wp.view();
-        a.cache_base = base.view();
-        a.is_flush = flush.view();
+        ReplayVerifyArgs a = sim.args(rb, ck, rings, wp, base, flush);
         if (exact) {
           a.rawv_cache = rv.view();
           a.rawk_cache = rk.view();

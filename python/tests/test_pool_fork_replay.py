@@ -99,6 +99,18 @@ class Layered:
                 for a in (p.layer_state(l), p.d_cache(l), p.k_cache(l), p.g_cache(l))]
 
 
+def _pend_circular(t, src, L, base0, modes):
+    """L - 1 circular steps of `src` from cursor 0 and base `base0`, so that it holds L - 1
+    pending records: its cursor set to them; (cursor, base)."""
+    m, base = 0, base0
+    for _ in range(L - 1):
+        t.step([src], [m], [base], [0], modes)
+        m, base = _advance(True, L, m, base)
+    assert m == L - 1
+    t.pool.set_cursor(src, m)
+    return m, base
+
+
 def _advance(circular, L, m, base):
     """The caller's cursor rule after a non-forced step: (wp, base)."""
     if circular and m == L - 1 and L > 1:
@@ -157,12 +169,7 @@ def test_fork_at_full_ring_equals_the_history_checkpoint(rng, kda, base0, prefix
     modes = (True, prefix, predecay)
     t = Layered("numpy", rng, kda=kda, L=L, lb=lb)
     src, dst = t.slots[0], t.slots[1]
-    m, base = 0, base0
-    for _ in range(L - 1):
-        t.step([src], [m], [base], [0], modes)
-        m, base = _advance(True, L, m, base)
-    assert m == L - 1
-    t.pool.set_cursor(src, m)
+    m, base = _pend_circular(t, src, L, base0, modes)
     t.pool.fork(src, dst, cache_base=base, prefix_gate_cache=prefix, predecayed_k_cache=predecay)
     t.step([src], [m], [base], [0], modes)  # natural: S0 <- the state before the token
     for layer in range(t.layers):
@@ -214,12 +221,7 @@ def test_fork_formatted_pool_equals_the_flush(rng, kda, base0, prefix, predecay,
     t = Layered("torch" if dtype == "bfloat16" else "numpy", rng, kda=kda, L=L, lb=lb,
                 state_dtype=dtype, state_rounding=rounding)
     src, dst = t.slots[0], t.slots[1]
-    m, base = 0, base0
-    for _ in range(L - 1):
-        t.step([src], [m], [base], [0], modes)
-        m, base = _advance(True, L, m, base)
-    assert m == L - 1
-    t.pool.set_cursor(src, m)
+    m, base = _pend_circular(t, src, L, base0, modes)
     steps = [int(t.pool.rounding_step(l)[0]) for l in range(t.layers)] if t.pool.stochastic \
         else None
     def views():  # per layer: the state, the rings, the scales of a quantized pool

@@ -86,6 +86,13 @@ def write_slot(pool, layer, slot, codes, scales):
         sc[slot] = scales
 
 
+def write_random_slot(pool, layer, slot, rng, dtype, shape, scale):
+    """A random state (normal times `scale`) in one slot, rounded to the pool's format to nearest
+    by the emulation: its codes and scales written."""
+    codes, sc = emulate((rng.standard_normal(shape) * scale).astype(np.float32), dtype, False)
+    write_slot(pool, layer, slot, codes, sc)
+
+
 def fill_sentinels(pool, layer):
     st, sc = pool.layer_state(layer), pool.layer_scales(layer)
     if pool.framework == "torch":
@@ -128,9 +135,7 @@ def test_packed_decode_matches_the_emulation(fw, rng, kda, H, HV, K, V, dtype, r
     fill_sentinels(pool, layer)
     live = [5, 0, 3, 6]
     for s in live:  # a quantized start state: the emulation's nearest rounding of a random one
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.5)
     A_log, dt_bias = gate_params(rng, HV, K, kda)
     A_log_t, dt_t = fw.from64(A_log, "float32"), fw.from64(dt_bias, "float32")
     indices = [5, -1, 0, 3, 6, -1]  # padded rows; slots 1, 2, 4 unused (sentinels)
@@ -323,9 +328,7 @@ def test_fused_step_on_a_quantized_pool(tfw, rng, kda, dtype, rounding):
     fill_sentinels(pool, layer)
     live = [4, 1, 0]
     for s in live:
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.4).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.4)
     win = torch.from_numpy(rng.standard_normal((slots, conv_dim, width - 1)).astype(np.float32))
     pool.conv_state(layer).copy_(win)
     twin.conv_state(0).copy_(win)
@@ -382,9 +385,7 @@ def test_fused_step_replayssm_mode_on_a_quantized_pool(tfw, rng, kda, dtype, rou
     fill_sentinels(pool, layer)
     live = [4, 1, 0]
     for s in live:
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.4).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.4)
         pool.conv_state(layer)[s] = torch.from_numpy(
             rng.standard_normal((conv_dim, width - 1)).astype(np.float32))
         for ring, scale in ((pool.d_cache(layer), 0.2), (pool.k_cache(layer), 0.3)):
@@ -455,9 +456,7 @@ def test_replayssm_quantized_checkpoint(fw, rng, kda, dtype, rounding):
     fill_sentinels(pool, layer)
     live = [3, 0, 4]
     for s in live:
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.5)
     codes, scales = state_bits(pool, layer)
     deq = dequantize(codes, scales.view(np.float32), dtype)
     for s in live:
@@ -534,9 +533,7 @@ def test_recurrent_on_a_quantized_pool(fw, rng, kda, dtype, rounding, varlen):
     indices = [2, -1, 5]
     live = [2, 5]
     for s in live:
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.5)
     codes0, scales0 = state_bits(pool, layer)
     deq = dequantize(codes0, scales0.view(np.float32), dtype)
     for s in live:
@@ -622,9 +619,7 @@ def test_chunked_prefill_on_a_quantized_pool(fw, rng, kda, dtype, rounding):
     twin = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, framework=fw.name)
     fill_sentinels(pool, layer)
     for s in (0, 2):  # the initial states read
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.5)
     codes0, scales0 = state_bits(pool, layer)
     deq = dequantize(codes0, scales0.view(np.float32), dtype)
     for s in (0, 2):
@@ -685,9 +680,7 @@ def test_verify_and_commit_on_a_quantized_pool(fw, rng, kda, dtype, rounding):
     live = [4, 1]
     for layer in range(layers):
         for s in live:
-            codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32),
-                                dtype, False)
-            write_slot(pool, layer, s, codes, sc)
+            write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.5)
         c, sc = state_bits(pool, layer)
         deq = dequantize(c, sc.view(np.float32), dtype)
         for s in live:
@@ -797,9 +790,7 @@ def test_replayssm_verify_quantized_checkpoint(fw, rng, kda, dtype, rounding, ri
     indices = [3, -1, 0, 4]
     live = [s for s in indices if s >= 0]
     for s in live:
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.5)
     A_log, dt_bias = gate_params(rng, HV, K, kda)
     f = lambda x: fw.from64(np.asarray(x, np.float64), "float32")  # noqa: E731
     A_log_t, dt_t = f(A_log), f(dt_bias)
@@ -901,9 +892,7 @@ def test_verify_source_state_on_a_quantized_pool(fw, rng, dtype, rounding, sourc
     twin = ds.StatePool(layers=1, slots=slots, HV=HV, V=V, K=K, framework=fw.name)
     fill_sentinels(pool, layer)
     for s in (0, 2):  # live pool slots the call must leave alone
-        codes, sc = emulate((rng.standard_normal((HV, V, K)) * 0.5).astype(np.float32), dtype,
-                            False)
-        write_slot(pool, layer, s, codes, sc)
+        write_random_slot(pool, layer, s, rng, dtype, (HV, V, K), 0.5)
     source = fw.from64(rng.standard_normal((N0, HV, V, K)) * 0.5, source_dtype)
     source_bits = bits(source).copy()
     # the fp32 twin reads the same values (a bf16 source is exact in fp32)

@@ -247,6 +247,11 @@ inline void expect_decode_outputs(Mirror& m, const DecodeBatch& batch,
   }
 }
 
+// A layer's ReplaySSM rings of a pool, d, k and g: expect_replay_pools_match's `rings`.
+inline std::vector<TensorView> ring_views(const StatePool& pool, int64_t layer) {
+  return {pool.d_cache(layer), pool.k_cache(layer), pool.g_cache(layer)};
+}
+
 // After one ReplaySSM step (replayssm_decode, or the fused step's ReplaySSM mode) on the host
 // pool and its device twin (formatted checkpoint, the rings `rings`: views of the host pool), all
 // but the outputs: the device cursors `wp` as the CPU's, the rings within fp32 tolerance plus one

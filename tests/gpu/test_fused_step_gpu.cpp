@@ -66,6 +66,20 @@ class DeviceWorkspace {
   void* ptr_ = nullptr;
 };
 
+// The device call of a test: skipped (GTEST_SKIP; the caller returns on IsSkipped()) where this
+// build has no kernel for the shape (K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds), else
+// run to completion with no bad row recorded.
+void run_fused_on_device(const LayerBatch& b, const deltastate::FusedDecodeStepArgs& a) {
+  try {
+    b.run_fused(a);
+  } catch (const deltastate::Error& e) {
+    if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
+    throw;
+  }
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+}
+
 void expect_error_text(const std::function<void()>& f, const std::string& message) {
   const auto e = catch_error(f);
   ASSERT_TRUE(e.has_value()) << "no error; expected: " << message;
@@ -91,16 +105,10 @@ TEST_P(FusedStepGpu, MatchesCpu) {
     Mirror dev;
     upload_layer_batch(dev, b, true);
     DeviceWorkspace ws;
-    try {
-      deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
-      ws.attach(a);
-      b.run_fused(a);
-    } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
-      if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
-      throw;
-    }
-    CUDA_CHECK(cudaDeviceSynchronize());
-    deltastate::check_errors();
+    deltastate::FusedDecodeStepArgs a = b.args([&](const Tensor& t) { return dev.view(t); });
+    ws.attach(a);
+    run_fused_on_device(b, a);
+    if (IsSkipped()) return;
     b.run_fused(b.args(host_view));  // the CPU twin on the host copies
     const Tensor out = dev.download(b.out), state = dev.download(b.state);
     for (size_t j = 0; j < b.win.size(); ++j)
@@ -220,16 +228,10 @@ TEST_P(FusedReplayGpu, MatchesCpuOverSteps) {
         add_replay(a, view, rings, wp, &ff, rc.advance);
         return a;
       };
-      try {
-        deltastate::FusedDecodeStepArgs a = args([&](const Tensor& t) { return dev.view(t); });
-        ws.attach(a);  // the chain's under DELTASTATE_CUDA_FUSED=chain, else none
-        b.run_fused(a);
-      } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
-        if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
-        throw;
-      }
-      CUDA_CHECK(cudaDeviceSynchronize());
-      deltastate::check_errors();
+      deltastate::FusedDecodeStepArgs a = args([&](const Tensor& t) { return dev.view(t); });
+      ws.attach(a);  // the chain's under DELTASTATE_CUDA_FUSED=chain, else none
+      run_fused_on_device(b, a);
+      if (IsSkipped()) return;
       const std::vector<int64_t> cursors = index_values(wp);
       b.run_fused(args(host_view));
       const std::string at = "B=" + std::to_string(B) + ", step " + std::to_string(step);
@@ -508,14 +510,8 @@ TEST_P(FusedStepFmtGpu, MatchesCpu) {
     // the plan is the chain whatever the batch: the query asks for its workspace
     ASSERT_GT(deltastate::fused_decode_step_workspace_bytes(a), 0);
     ws.attach(a);
-    try {
-      b.run_fused(a);
-    } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
-      if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
-      throw;
-    }
-    sync();
-    EXPECT_NO_THROW(deltastate::check_errors());                      // no bad row recorded
+    run_fused_on_device(b, a);
+    if (IsSkipped()) return;
     b.run_fused(fmt_args(b, host_view, *q.host, layer, c.rounding));  // the CPU twin
     for (size_t j = 0; j < b.win.size(); ++j)
       EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j;
@@ -679,8 +675,7 @@ TEST_P(FusedReplayFmtGpu, MatchesCpu) {
   const QuantPools q = make_quant_pools(lc.shape, c.dtype, c.rounding, c.layout, 2, slots,
                                         blocks_of(layer, idx), rng, L, c.kda);
   const StatePool& host = *q.host;
-  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
-                                      host.g_cache(layer)};
+  const std::vector<TensorView> rings = ring_views(host, layer);
   Mirror dev;
   for (const Tensor* t : {&b.d.A_log, &b.d.dt_bias, &b.d.idx, &b.weight, &b.bias, &b.norm_w})
     dev.upload(*t);
@@ -723,15 +718,9 @@ TEST_P(FusedReplayFmtGpu, MatchesCpu) {
     // the ReplaySSM chain whatever the plan: the query asks for its workspace
     ASSERT_GT(deltastate::fused_decode_step_workspace_bytes(a), 0);
     ws.attach(a);
-    try {
-      b.run_fused(a);
-    } catch (const deltastate::Error& e) {  // K = 64 outside DELTASTATE_CUDA_ALL_KERNELS builds
-      if (e.kind() == deltastate::ErrorKind::not_implemented) GTEST_SKIP() << e.what();
-      throw;
-    }
-    sync();
-    EXPECT_NO_THROW(deltastate::check_errors());  // no bad row recorded
-    b.run_fused(args(host_view, host));           // the CPU twin
+    run_fused_on_device(b, a);
+    if (IsSkipped()) return;
+    b.run_fused(args(host_view, host));  // the CPU twin
     for (size_t j = 0; j < b.win.size(); ++j)
       EXPECT_EQ(dev.download(b.win[j]).bytes(), b.win[j].bytes()) << "window " << j;
     const Tensor out = dev.download(b.out);

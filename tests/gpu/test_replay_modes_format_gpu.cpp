@@ -49,8 +49,7 @@ TEST_P(GpuReplayModesFormat, CheckpointMatchesCpu) {
     if (slots[n] >= 0 && c.circular) bases[n] = rng.integer(0, L - 1);
   Tensor wp = index_tensor(cursor), ff = index_tensor({0, 0, 0, 0}), cb = index_tensor(bases);
   const deltastate::StatePool& host = *q.host;
-  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
-                                      host.g_cache(layer)};
+  const std::vector<TensorView> rings = ring_views(host, layer);
   Mirror m;
   int flushes = 0;
   for (int step = 0; step < 6; ++step) {

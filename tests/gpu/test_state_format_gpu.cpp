@@ -566,8 +566,7 @@ TEST_P(GpuQuantizedReplay, CheckpointMatchesCpu) {
   std::vector<int64_t> cursor(slots.size(), 0);
   Tensor wp = index_tensor(cursor), ff = index_tensor({0, 0, 1, 0});
   const StatePool& host = *q.host;
-  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
-                                      host.g_cache(layer)};
+  const std::vector<TensorView> rings = ring_views(host, layer);
   Mirror m;
   int flushes = 0;
   for (int step = 0; step < 5; ++step) {
@@ -1103,8 +1102,7 @@ TEST_P(GpuQuantizedReplayVerify, MatchesCpu) {
       make_quant_pools(s, c.dtype, c.rounding, deltastate::PoolLayout::per_layer, 2, S,
                        blocks_of(layer, slots), rng, L, c.kda, ScaleFill::huge);
   const StatePool& host = *q.host;
-  const std::vector<TensorView> rings{host.d_cache(layer), host.k_cache(layer),
-                                      host.g_cache(layer)};
+  const std::vector<TensorView> rings = ring_views(host, layer);
   fill_ring_slots(rings[0], slots, rng, -0.3, 0.3);
   fill_ring_slots(rings[1], slots, rng, -0.3, 0.3);
   fill_ring_slots(rings[2], slots, rng, -0.5, -0.01);
