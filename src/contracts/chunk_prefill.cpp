@@ -188,7 +188,7 @@ ChunkPrefillProblem validate_chunk_prefill(const ChunkPrefillArgs& args, int64_t
     c.device("initial_state", s);
     pool = {s.data, s.dtype, s.stride[0], s.shape[0]};
     check_state_format(c, op, "initial_state", s, args.state_format, true, pool);
-    if ((is_quantized(s.dtype) || pool.stochastic) && !pooled)
+    if (pool.formatted() && !pooled)
       throw Error(
           ErrorKind::not_implemented,
           format("%s: %s states%s run as a pool (initial_state_indices) for now (issue "

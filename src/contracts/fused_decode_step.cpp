@@ -187,7 +187,7 @@ FusedStepProblem validate_fused_decode_step(const FusedDecodeStepArgs& args, boo
   // both advance the step counter once after their grid. The one-launch kernels have no
   // formatted state I/O, so the chain's workspace is required.
   check_state_format_backend(op, pool, c.common_device(), /*cuda_built=*/true);
-  const bool formatted = is_quantized(pool.dtype) || pool.stochastic;
+  const bool formatted = pool.formatted();
   if (!on_cpu && formatted && !args.workspace)
     throw Error(ErrorKind::not_implemented,
                 format("%s: %s states%s on CUDA run the %s (the conv, %s, the norm), which "

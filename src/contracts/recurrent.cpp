@@ -123,7 +123,7 @@ RecurrentProblem validate_recurrent(const RecurrentArgs& args, bool kda) {
     c.device("initial_state", st);
     pool = {st.data, st.dtype, st.stride[0], st.shape[0]};
     check_state_format(c, op, "initial_state", st, args.state_format, true, pool);
-    if ((is_quantized(st.dtype) || pool.stochastic) &&
+    if (pool.formatted() &&
         (k_first || !args.state_indices || !args.update_state || args.final_state))
       throw Error(
           ErrorKind::not_implemented,

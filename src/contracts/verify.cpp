@@ -219,7 +219,7 @@ VerifyProblem validate_verify(const VerifyArgs& args, const char* op) {
   check_state_format(c, op, "state", args.state, args.state_format, true, r.state);
   // A pool in its storage format (quantized, or rounded stochastically) is written through it;
   // a source pool with it is the caller's float pool (below).
-  const bool formatted = is_quantized(args.state.dtype) || r.state.stochastic;
+  const bool formatted = r.state.formatted();
   r.update_state = args.update_state;
 
   if (args.token_state_indices) {

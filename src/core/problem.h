@@ -85,6 +85,11 @@ struct StatePoolRef {
   bool stochastic = false;
   int64_t* step = nullptr;
   uint64_t seed = 0, layer = 0;
+  // Stored through the format's rules (quantized codes with scales, or stochastic rounding),
+  // not by a plain dtype conversion.
+  DS_HD bool formatted() const {
+    return dtype == DType::f8e4m3 || dtype == DType::i8 || stochastic;
+  }
 };
 
 // Entry i of a 1-D index tensor with element stride `stride` (any stride, as SGLang passes

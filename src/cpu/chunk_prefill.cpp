@@ -358,13 +358,9 @@ void store_dense(void* base, DType dtype, const ChunkPrefillProblem& p, int64_t 
                  const Scratch& s) {
   store_state(base, dtype, (row * p.HV + hv) * head_elems(p), p, s);
 }
-// A pool in its storage format (quantized, or stochastically rounded): rows through state_io.h.
-bool formatted(const ChunkPrefillProblem& p) {
-  return is_quantized(p.state.dtype) || p.state.stochastic;
-}
 void store_slot(const ChunkPrefillProblem& p, int64_t slot, int hv, const Scratch& s,
                 const StoreRounding& rnd) {
-  if (!formatted(p))
+  if (!p.state.formatted())
     return store_state(p.state.ptr, p.state.dtype, slot * p.state.slot_stride + hv * head_elems(p),
                        p, s);
   const uint64_t key = rnd.key_of(slot);
@@ -374,7 +370,7 @@ void store_slot(const ChunkPrefillProblem& p, int64_t slot, int hv, const Scratc
   }
 }
 void load_slot(const ChunkPrefillProblem& p, const Task& t, const Scratch& s) {
-  if (!formatted(p)) return load_state(p.state.ptr, p.state.dtype, t.state_off, p, s);
+  if (!p.state.formatted()) return load_state(p.state.ptr, p.state.dtype, t.state_off, p, s);
   for (int e = 0; e < p.V; ++e) {
     load_state_rows(p.state, t.slot, t.hv, p.V, p.K, e, 1, s.row);
     for (int c = 0; c < p.K; ++c) s.St[static_cast<int64_t>(c) * p.V + e] = s.row[c];

@@ -75,7 +75,7 @@ void run_recurrent(const RecurrentProblem& p) {
       p.state.ptr && p.update_state && !p.final_state && !k_first && p.state.dtype == DType::f32;
   // The pool in its storage format (quantized, or stochastically rounded), V-first: loaded and
   // stored through state_io.h; the random bits' step is read once for the whole call.
-  const bool formatted = is_quantized(p.state.dtype) || p.state.stochastic;
+  const bool formatted = p.state.formatted();
   const StoreRounding rnd = store_rounding(p.state);
   parallel_for(p.num_heads_total() * blocks, [&](int64_t task) {
     thread_local Scratch sc;

@@ -110,7 +110,7 @@ void run_replayssm_decode(const ReplayProblem& p) {
   const bool in_place = p.state.dtype == DType::f32;  // fp32 checkpoints: worked on where they lie
   // A quantized or stochastically rounded checkpoint: loaded and stored (on a flush) through
   // state_io.h, the step of the rounding key read once per call.
-  const bool formatted = is_quantized(p.state.dtype) || p.state.stochastic;
+  const bool formatted = p.state.formatted();
   const StoreRounding rnd = store_rounding(p.state);
 
   parallel_for(static_cast<int64_t>(p.B) * HV * blocks, [&](int64_t task) {
@@ -261,7 +261,7 @@ void run_replay_materialize(const ReplayProblem& p, int64_t src, int64_t dst, in
   // with fresh row scales, rounded with src's key at the counter's step (not advanced), which is
   // what a history checkpoint of src at this step stores (the decode's store_state_rows with
   // key_of(src)): the fork equals src's flush copied to dst.
-  const bool formatted = is_quantized(p.state.dtype) || p.state.stochastic;
+  const bool formatted = p.state.formatted();
   const StoreRounding rnd = store_rounding(p.state);
   parallel_for(static_cast<int64_t>(HV) * blocks, [&](int64_t task) {
     thread_local Scratch sc;

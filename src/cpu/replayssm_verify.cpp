@@ -46,7 +46,7 @@ void run_replayssm_verify(const ReplayVerifyProblem& p) {
   const simd::Kernels& vk = simd::kernels();
   // A checkpoint in its storage format (quantized, or rounded stochastically): its rows loaded
   // and a fold stored through state_io.h, the step of the rounding key read once per call.
-  const bool formatted = is_quantized(r.state.dtype) || r.state.stochastic;
+  const bool formatted = r.state.formatted();
   const StoreRounding rnd = store_rounding(r.state);
 
   parallel_for(r.num_heads_total() * blocks, [&](int64_t task) {

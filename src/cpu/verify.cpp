@@ -27,7 +27,7 @@ void run_verify(const VerifyProblem& p) {
   // A quantized or stochastically rounded pool: its rows through state_io.h, the step of the
   // rounding key read once per call. A quantized scratch (a quantized pool's only) too: each
   // entry a one-slot pool, keyed by scratch_key_slot of its index.
-  const bool formatted = is_quantized(r.state.dtype) || r.state.stochastic;
+  const bool formatted = r.state.formatted();
   const bool inter_quantized = p.inter && is_quantized(p.inter_dtype);
   const StoreRounding rnd = store_rounding(r.state);
   auto load_pool = [&](int64_t slot, int hv, float* S) {

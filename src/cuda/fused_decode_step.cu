@@ -132,12 +132,6 @@ bool cluster_fits(const FusedStepProblem& p) {
          fused_cluster_shape<StateT, K>(p, 1, fc);
 }
 
-// Whether the pool is in a storage format the fused kernels do not store: quantized
-// (float8_e4m3fn / int8 codes with scales) or stochastically rounded.
-bool formatted_state(const FusedStepProblem& p) {
-  return is_quantized(p.state.dtype) || p.state.stochastic;
-}
-
 // The plan of a call (`workspace`: whether the caller gives one). A ReplaySSM call: its chain
 // where a workspace is given or DELTASTATE_CUDA_FUSED=chain forces it, else its one-launch kernel
 // (which DELTASTATE_CUDA_FUSED=cta or =cluster forces). Otherwise the cluster kernel where it
@@ -158,7 +152,7 @@ FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
   // A checkpoint in its storage format (quantized, or stochastically rounded): the ReplaySSM
   // chain, whatever DELTASTATE_CUDA_FUSED says (its decode is replayssm_decode's formatted
   // kernels; the one-launch kernel has no formatted state I/O).
-  if (p.is_replay() && formatted_state(p)) return FusedPlan::replay_chain;
+  if (p.is_replay() && p.state.formatted()) return FusedPlan::replay_chain;
   if (p.is_replay()) {
     // The ReplaySSM chain by default where a workspace is given: faster than the one-launch
     // kernel at every batch measured (bench/results/layer-step-chain-h200.json; the workspace
@@ -170,7 +164,7 @@ FusedPlan fused_plan(const FusedStepProblem& p, bool workspace) {
   // A pool in its storage format (quantized, or stochastically rounded): the chain, whatever
   // DELTASTATE_CUDA_FUSED says (its packed decode is the recurrent op's formatted paths; the
   // one-launch kernels have no formatted state I/O).
-  if (formatted_state(p)) return FusedPlan::chain;
+  if (p.state.formatted()) return FusedPlan::chain;
   const bool cluster =
       forced == FusedChoice::cluster ||
       (forced == FusedChoice::automatic &&
@@ -194,7 +188,7 @@ void launch_k(const FusedStepProblem& p, cudaStream_t stream) {
                   "conv, replayssm_decode, the norm), which needs a `workspace` of " +
                       std::to_string(need) +
                       " bytes (fused_decode_step_workspace_bytes); none was given");
-    if (!p.workspace && formatted_state(p))  // the validator raises first; a direct caller here
+    if (!p.workspace && p.state.formatted())  // the validator raises first; a direct caller here
       throw Error(ErrorKind::not_implemented,
                   std::string("fused_decode_step: a quantized or stochastically rounded state on "
                               "CUDA runs the ") +

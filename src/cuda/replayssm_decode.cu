@@ -172,18 +172,14 @@ void launch_modes(const ReplayProblem& p, cudaStream_t stream, bool run) {
 
 }  // namespace
 
-// A checkpoint in its storage format (quantized, or rounded stochastically): the generic kernel's
-// FMT instantiation, or with SGLang's ring modes the modes kernel's.
-bool formatted(const ReplayProblem& p) { return is_quantized(p.state.dtype) || p.state.stochastic; }
-
 void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
   DeviceGuard guard(problem.device.index);
   ReplayProblem p = problem;
   p.errors = device_errors(p.device.index);  // where the kernel records a bad row (errors.cu)
   auto s = static_cast<cudaStream_t>(stream);
   if (ring_modes(p))
-    return formatted(p) ? launch_modes<true>(p, s, true) : launch_modes<false>(p, s, true);
-  if (formatted(p)) {
+    return p.state.formatted() ? launch_modes<true>(p, s, true) : launch_modes<false>(p, s, true);
+  if (p.state.formatted()) {
     launch<float, 256, false, AnyInput, true>(p, s, true);
     // the step counter, once per call (as the CPU's), after the grid
     if (p.state.stochastic)
@@ -196,7 +192,7 @@ void run_replayssm_decode(const ReplayProblem& problem, void* stream) {
 void check_replayssm_decode_launch(const ReplayProblem& p) {
   DeviceGuard guard(p.device.index);
   if (ring_modes(p)) return launch_modes<false>(p, nullptr, false);  // (the check only)
-  if (formatted(p)) return launch<float, 256, false, AnyInput, true>(p, nullptr, false);
+  if (p.state.formatted()) return launch<float, 256, false, AnyInput, true>(p, nullptr, false);
   with_state_type(p.state.dtype, [&](auto state) { dispatch<decltype(state)>(p, nullptr, false); });
 }
 
@@ -213,10 +209,10 @@ void run_replay_materialize(const ReplayProblem& problem, int64_t src, int64_t d
   const size_t bytes = mode_smem_checked(p, m);
   // a checkpoint in its storage format: the FMT instance (no counter advance: fork is no step)
   const auto kernel =
-      formatted(p) ? replay_materialize_kernel<true> : replay_materialize_kernel<false>;
+      p.state.formatted() ? replay_materialize_kernel<true> : replay_materialize_kernel<false>;
   if (bytes > 48 * 1024) {
     static PerDeviceOnce opted[2];
-    opted[formatted(p) ? 1 : 0].get(p.device.index, [&p, kernel] {
+    opted[p.state.formatted() ? 1 : 0].get(p.device.index, [&p, kernel] {
       DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          max_smem_optin(p.device.index)));
       return 1;

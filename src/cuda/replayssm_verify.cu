@@ -44,7 +44,7 @@ void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
 // no formatted path: its register budget stays as it is).
 template <class StateT, int KT, bool VEC, int CTAS, int BPC>
 void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
-  if (replay_verify_factored() && !fmt::formatted(p.r.state))
+  if (replay_verify_factored() && !p.r.state.formatted())
     return launch_shape<StateT, KT, VEC, CTAS, BPC, true>(p, s);
   launch_shape<StateT, KT, VEC, CTAS, BPC, false>(p, s);
 }
@@ -79,7 +79,7 @@ void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
 template <class StateT>
 void dispatch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   const bool residual = p.rawv && !p.beta_ring;
-  if (fmt::formatted(p.r.state)) return launch<float, 256, false>(p, s);
+  if (p.r.state.formatted()) return launch<float, 256, false>(p, s);
   if (rows_aligned<StateT>(p) && !residual) {
     if (p.r.K == 128) return launch<StateT, 128, true>(p, s);
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -102,7 +102,7 @@ void run_replayssm_verify(const detail::ReplayVerifyProblem& problem, void* stre
   // The fold launch first, with the exact-raw ring (its fold and the drafts' raw records) or a
   // checkpoint in its storage format (its fold stored through the format, off the verify
   // kernel's register budget).
-  if (p.beta_ring || fmt::formatted(p.r.state)) {
+  if (p.beta_ring || p.r.state.formatted()) {
     const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
                     static_cast<unsigned>((p.r.V + kFoldRows - 1) / kFoldRows));
     launch_kernel(replay_exact_fold_kernel, grid, kFoldWarps * 32, 0, s, p.r.pdl, p);

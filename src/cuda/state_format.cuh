@@ -28,10 +28,6 @@ using detail::StatePoolRef;
 __host__ __device__ __forceinline__ bool quantized(DType t) {
   return t == DType::f8e4m3 || t == DType::i8;
 }
-// A pool stored through these rules (not a plain dtype conversion).
-__host__ __device__ __forceinline__ bool formatted(const StatePoolRef& st) {
-  return quantized(st.dtype) || st.stochastic;
-}
 
 // Where value head hv of pool slot `slot` lives for a formatted store or load, as run-time data
 // (the out-of-line state I/O of the Hopper scan takes it by value): `off` the element offset of

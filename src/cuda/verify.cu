@@ -27,9 +27,6 @@ using detail::VerifyProblem;
 
 namespace {
 
-// A pool in a storage format the typed kernels do not run: quantized, or rounded stochastically.
-bool formatted(const detail::StatePoolRef& st) { return is_quantized(st.dtype) || st.stochastic; }
-
 template <class StateT>
 bool rows_aligned(const void* ptr, std::initializer_list<int64_t> strides) {
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
@@ -143,7 +140,7 @@ bool run_recurrent_multi_token(const RecurrentProblem& p, void* stream) {
 }
 
 void run_verify(const VerifyProblem& problem, void* stream) {
-  if (!formatted(problem.r.state)) return run_multi(problem, stream);
+  if (!problem.r.state.formatted()) return run_multi(problem, stream);
   // A pool in its storage format: the generic formatted-state kernel (verify/fmt.cuh), then the
   // step counter's advance (once per call, as the CPU's).
   DeviceGuard guard(problem.r.device.index);

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kFallbackThreads)
 
   const detail::GateParams& gate = p.gate;
   const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
-  if (s.reads_state && fmt::formatted(p.state)) {
+  if (s.reads_state && p.state.formatted()) {
     const fmt::HeadRows h = fmt::head_rows(p.state, s.slot, s.hv, V, K);
     for (int64_t i = tid; i < E; i += kFallbackThreads)
       S[i] = fmt::load_elem(p.state.ptr, p.state.dtype, h, static_cast<int>(i / K), i);
@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kFallbackThreads)
   // lanes), after a barrier (a sequence without tokens stores what the load's mapping wrote;
   // every thread takes this branch alike).
   auto store = [&](void* base, DType dtype, int64_t off, int64_t slot) {
-    if (slot < 0 || !fmt::formatted(p.state)) {
+    if (slot < 0 || !p.state.formatted()) {
       for (int64_t i = tid; i < E; i += kFallbackThreads)
         detail::store_float(base, dtype, off + i, S[i]);
       return;

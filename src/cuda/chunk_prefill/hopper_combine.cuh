@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kD)
   };
   stage(0);
   const int64_t off = s.slot * p.state.slot_stride + s.hv * E2;
-  if (s.reads_state && fmt::formatted(p.state)) {  // the pool's format (cuda/state_format.cuh)
+  if (s.reads_state && p.state.formatted()) {  // the pool's format (cuda/state_format.cuh)
     const fmt::HeadRows h = fmt::head_rows(p.state, s.slot, s.hv, kD, kD);
 #pragma unroll
     for (int r = 0; r < kCombineRows; ++r)

@@ -548,7 +548,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
           P.cp, DType::f32,
           seg > 0 ? cp_offset(P.segs, p.HV, 1, seg - 1, s.hv) : cp_offset(P.segs, p.HV, 2, 0, s.hv),
           v0, ct, vals, false, fmt::HeadRows{});
-    else if (fmt::formatted(p.state))
+    else if (p.state.formatted())
       load_state_vals(p.state.ptr, p.state.dtype, 0, v0, ct, vals, true,
                       fmt::head_rows(p.state, s.slot, s.hv, kD, kD));
     else
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     float vals[kStateVals];
     CUTE_UNROLL
     for (int i = 0; i < size(S); ++i) vals[i] = S(i);
-    const bool f = slot >= 0 && fmt::formatted(p.state);
+    const bool f = slot >= 0 && p.state.formatted();
     store_state_vals(base, dtype, off, v0, ct, vals, f,
                      f ? fmt::head_rows(p.state, slot, s.hv, kD, kD) : fmt::HeadRows{});
   };

@@ -571,7 +571,7 @@ __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
   const int64_t E = static_cast<int64_t>(D) * D;
 
   float S[NJ][4];
-  if (s.reads_state && fmt::formatted(p.state)) {
+  if (s.reads_state && p.state.formatted()) {
     load_state_rows_fmt<NJ>(p.state, s.slot, s.hv, V0, lane, S);
   } else if (s.reads_state) {
     load_state_rows<NJ>(p.state.ptr, p.state.dtype, s.slot * p.state.slot_stride + s.hv * E, D, V0,
@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(kSplitRows / 16 * 32, 1)
     cp_async_commit_group();
   };
   auto store_state = [&](void* base, DType dtype, int64_t off, int64_t slot) {
-    if (slot >= 0 && fmt::formatted(p.state))
+    if (slot >= 0 && p.state.formatted())
       store_state_rows_fmt<NJ>(p.state, slot, s.hv, V0, lane, S);
     else store_state_rows<NJ>(base, dtype, off, D, V0, lane, S);
   };

@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kFoldWarps * 32)
   const int64_t b_base = (rr * r.HV + hv) * L;
   const int wrow = warp * kFoldRowsPerWarp, wrow0 = row0 + wrow;
   FoldRows S;
-  const bool formatted = fmt::formatted(r.state);  // stored through its format (fold_*_rows_fmt)
+  const bool formatted = r.state.formatted();  // stored through its format (fold_*_rows_fmt)
   if (formatted) fold_load_rows_fmt(S, r.state, slot, hv, wrow0, lane, K, V);
   else fold_load_rows(S, r.state.ptr, r.state.dtype, state_at, wrow0, lane, K, V);
   for (int t = 0; t < m; ++t) {

@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   // (replayssm/fold.cuh), which stores them through the format before this kernel runs
   // (history_folded), so nothing here stores it.
   constexpr bool kFmtCapable = !VEC && !FACTOR && std::is_same_v<StateT, float>;
-  const bool fmt_rows = kFmtCapable && fmt::formatted(r.state);
+  const bool fmt_rows = kFmtCapable && r.state.formatted();
 
   // The checkpoint rows first. The vector kernel copies them into shared memory (cp.async, each
   // thread its own words: no barrier; one copy group per block), so their bytes are in flight
