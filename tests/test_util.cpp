@@ -6,6 +6,7 @@
 #include <cstring>
 #include <numeric>
 #include <sstream>
+#include <stdexcept>
 
 namespace dstest {
 
@@ -365,7 +366,18 @@ Tensor make_pool(DType dtype, int64_t slots, const Shape& s, int64_t slot_pad, i
 }
 
 namespace {
-int64_t slot_elems(const TensorView& pool) { return pool.shape[1] * pool.shape[2] * pool.shape[3]; }
+// The elements of one slot of a view whose dims below the slot are dense (a pool layer's state,
+// a ReplaySSM ring of any rank): a view that is not is refused, so no helper reads or fills only
+// part of a slot.
+int64_t slot_elems(const TensorView& pool) {
+  int64_t n = 1;
+  for (int d = pool.ndim - 1; d >= 1; --d) {
+    if (pool.stride[d] != n)
+      throw std::invalid_argument("slot_elems: the view is not dense below its slot dim");
+    n *= pool.shape[d];
+  }
+  return n;
+}
 }  // namespace
 
 std::vector<double> view_values(const TensorView& t, int64_t elem_offset, int64_t count) {
