@@ -40,6 +40,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -60,6 +61,9 @@ constexpr int kStages = 2;
 // one accumulator value (4 token rows 2 apart, 8 columns) fall in distinct banks.
 constexpr int kOutRow = 64 * 4 + 16;  // bytes per staged row, room for fp32
 constexpr int kOutBuf = kC * kOutRow;
+// A staging buffer is also a TMA store's swizzled box, whose swizzle the TMA takes from the
+// address bits: every buffer starts 1024-byte aligned (ScanLayout::Storage::out is).
+static_assert(kOutBuf % 1024 == 0, "staging buffers at 1024-byte boundaries");
 
 // Named barriers (ids 1-15; no CUTLASS collective of this kernel uses them): per consumer warp
 // group g and staging buffer b, "full" (the group wrote it; the storer warp may copy it out) and
@@ -143,6 +147,7 @@ struct ScanLayout {
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmem = static_cast<int>(sizeof(Storage));
+  static_assert(offsetof(Storage, out) % 1024 == 0, "the output staging 1024-byte aligned");
   static constexpr uint32_t kStageBytes = static_cast<uint32_t>(
       (2 * cosize_v<InTile> + cosize_v<VTile> + 2 * cosize_v<MatTile>)*sizeof(E) +
       cosize_v<ScalTile> * sizeof(float));
@@ -506,7 +511,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     } else if (tid >= 32 && tid / 32 <= G && !transfer) {  // ---- storer of group tid / 32 - 1 --
       // Copies each chunk's staged output to the output, so the consumers never wait on global
       // stores: a whole chunk of an output in the input dtype by one TMA store of the group's
-      // 64 x 64 box (lane 0), else (a sequence's last chunk, other outputs) its valid rows by bulk
+      // 64 x 64 box (lane 0), else (a partial last chunk, other outputs) its valid rows by bulk
       // copies, two rows a lane. 64 bulk copies of 128 bytes a group and chunk kept the TMA unit
       // busy long enough that the consumers waited for the staging buffer at 9% of the samples.
       const int g = tid / 32 - 1, lane = tid % 32;
