@@ -150,8 +150,8 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
     launch_kernel(scan, dim3(static_cast<unsigned>(2 * (cp.segs - 1) * ctas)), dim3(Lay::kThreads),
                   Lay::kSmem, stream, p.pdl, params);
     launch_kernel(chunk_prefill_hopper_combine_kernel,
-                  dim3(kD / kCombineRows, static_cast<unsigned>(p.HV)), dim3(kD), kCombineSmem,
-                  stream, p.pdl, p, params.cp, cp.segs);
+                  dim3(kD / kCombineRows, static_cast<unsigned>(p.HV)), dim3(kCombineThreads),
+                  kCombineSmem, stream, p.pdl, p, params.cp, cp.segs);
     params.pass = ScanPass::segments;
     ctas *= cp.segs;
   }
