@@ -44,6 +44,14 @@ bool prefill_ordered_math() {
   return on;
 }
 
+// The scan stores whole chunks of an output in the input dtype by TMA stores;
+// DELTASTATE_CUDA_PREFILL_TMA_OUT=off keeps the bulk row copies for every chunk (to compare).
+bool prefill_tma_out() {
+  static const bool on =
+      env_choice<bool>("DELTASTATE_CUDA_PREFILL_TMA_OUT", {{"on", true}, {"off", false}}, true);
+  return on;
+}
+
 // A stride the TMA accepts for a mode of extent 1 (never walked).
 int64_t tma_stride(int64_t stride, int64_t extent) { return extent <= 1 ? 8 : stride; }
 
@@ -118,6 +126,14 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
   params.pm = make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(static_cast<const E*>(ws.p), nb),
                             typename Lay::MatTile{});
   params.scal = make_tma_copy(SM90_TMA_LOAD{}, scalar_view(ws.scal, nb), typename Lay::ScalTile{});
+  // whole chunks leave by TMA stores where the output is in the input dtype and TMA-writable
+  params.tma_out = prefill_tma_out() && p.out.dtype == p.q.dtype && tma_readable(p.out, p, p.HV);
+  if (params.tma_out)
+    params.o = make_tma_copy(
+        SM90_TMA_STORE{},
+        output_view<E>(static_cast<E*>(p.out.ptr), T, p.HV, N, tma_stride(p.out.tok_stride, T),
+                       tma_stride(p.out.head_stride, p.HV), tma_stride(p.out.seq_stride, N)),
+        typename Lay::OutTile{});
   params.in_T = T;
   params.in_N = N;
   params.slots = slots;
@@ -134,8 +150,8 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
     launch_kernel(scan, dim3(static_cast<unsigned>(2 * (cp.segs - 1) * ctas)), dim3(Lay::kThreads),
                   Lay::kSmem, stream, p.pdl, params);
     launch_kernel(chunk_prefill_hopper_combine_kernel,
-                  dim3(kD / kCombineRows, static_cast<unsigned>(p.HV)), dim3(kD), kCombineSmem,
-                  stream, p.pdl, p, params.cp, cp.segs);
+                  dim3(kD / kCombineRows, static_cast<unsigned>(p.HV)), dim3(kCombineThreads),
+                  kCombineSmem, stream, p.pdl, p, params.cp, cp.segs);
     params.pass = ScanPass::segments;
     ctas *= cp.segs;
   }

@@ -7,7 +7,8 @@
 //    (acc_to_a): the value i of a thread's accumulator and the value i % 8 of its A fragment of
 //    k block i / 8 must be the same element;
 //  * the accumulator fragments are compact ((2, 2, N/8), 1, 1), so that flat index i is that
-//    value, and the kernel's acc_row / acc_col give its place as CuTe's CLayout does.
+//    value, and the kernel's acc_row / acc_col give its place as CuTe's CLayout does;
+//  * the consumers' written-out offsets into the output's TMA-store box are CuTe's swizzled tile.
 #include <gtest/gtest.h>
 
 #include <cutlass/numeric_types.h>
@@ -95,6 +96,33 @@ TEST(HopperLayouts, AccumulatorFragmentsAreCompact) {
   using Lay = hp::ScanLayout<cutlass::bfloat16_t, 2>;
   check_compact_fragment<typename Lay::MmaX, 64>();
   check_compact_fragment<typename Lay::MmaS, 128>();
+}
+
+// The consumers' writes of o into a group's TMA-store box: out_box_byte is OutTile's byte offset
+// for every element, and value i of a thread sits at the base of value i % 4 plus (i / 4) * 1024
+// bytes. An smem tile's swizzle acts on the byte address of its unswizzled element (CuTe's
+// swizzle_ptr, and the TMA alike), so the reference is the swizzle portion applied to the bytes
+// of the non-swizzle portion (evaluating the composed layout applies it to element offsets).
+template <class E>
+void check_out_box() {
+  const auto box = typename hp::ScanLayout<E, 2>::OutTile{};
+  const auto swizzle = get_swizzle_portion(box);
+  const auto linear = get_nonswizzle_portion(box);
+  for (int t = 0; t < hp::kC; ++t)
+    for (int v = 0; v < 64; ++v)
+      ASSERT_EQ(swizzle(static_cast<int>(linear(t, v)) * static_cast<int>(sizeof(E))),
+                hp::out_box_byte(t, v))
+          << "t " << t << " v " << v;
+  for (int thr = 0; thr < 128; ++thr)
+    for (int i = 0; i < 32; ++i)
+      ASSERT_EQ(hp::out_box_byte(hp::acc_col(thr, i), hp::acc_row(thr, i)),
+                hp::out_box_byte(hp::acc_col(thr, i % 4), hp::acc_row(thr, i % 4)) + (i / 4) * 1024)
+          << "thread " << thr << " value " << i;
+}
+
+TEST(HopperLayouts, OutputBoxOffsetsAreOutTiles) {
+  check_out_box<cutlass::bfloat16_t>();
+  check_out_box<cutlass::half_t>();
 }
 
 }  // namespace

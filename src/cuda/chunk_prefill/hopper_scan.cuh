@@ -40,6 +40,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -60,6 +61,9 @@ constexpr int kStages = 2;
 // one accumulator value (4 token rows 2 apart, 8 columns) fall in distinct banks.
 constexpr int kOutRow = 64 * 4 + 16;  // bytes per staged row, room for fp32
 constexpr int kOutBuf = kC * kOutRow;
+// A staging buffer is also a TMA store's swizzled box, whose swizzle the TMA takes from the
+// address bits: every buffer starts 1024-byte aligned (ScanLayout::Storage::out is).
+static_assert(kOutBuf % 1024 == 0, "staging buffers at 1024-byte boundaries");
 
 // Named barriers (ids 1-15; no CUTLASS collective of this kernel uses them): per consumer warp
 // group g and staging buffer b, "full" (the group wrote it; the storer warp may copy it out) and
@@ -129,6 +133,9 @@ struct ScanLayout {
   using VTile = decltype(take<0, 2>(Vt{}));
   using MatTile = decltype(take<0, 2>(Mat{}));
   using ScalTile = decltype(take<0, 2>(Scal{}));
+  // One consumer group's output of a chunk, o [t][v] (64 tokens x its 64 columns) in the input
+  // dtype, 128-byte swizzled: the box of one TMA store (an output in the input dtype).
+  using OutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<kC>, _64>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   struct alignas(1024) Storage {
@@ -136,10 +143,11 @@ struct ScanLayout {
     cute::array_aligned<E, cosize_v<Vt>, 1024> v;
     cute::array_aligned<E, cosize_v<Mat>, 1024> t, p;
     cute::array_aligned<float, cosize_v<Scal>, 128> scal;
-    cute::array_aligned<unsigned char, G * 2 * kOutBuf, 128> out;  // o staged [t][v]
+    cute::array_aligned<unsigned char, G * 2 * kOutBuf, 1024> out;  // o staged [t][v]
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmem = static_cast<int>(sizeof(Storage));
+  static_assert(offsetof(Storage, out) % 1024 == 0, "the output staging 1024-byte aligned");
   static constexpr uint32_t kStageBytes = static_cast<uint32_t>(
       (2 * cosize_v<InTile> + cosize_v<VTile> + 2 * cosize_v<MatTile>)*sizeof(E) +
       cosize_v<ScalTile> * sizeof(float));
@@ -159,6 +167,12 @@ struct ScanLayout {
 // [C, blocks * 4] factors.
 template <class E>
 auto input_view(const E* ptr, int T, int heads, int N, int64_t tok, int64_t head, int64_t seq) {
+  return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(T, Int<kD>{}, heads, N),
+                                                     make_stride(tok, _1{}, head, seq)));
+}
+// The output [T, V, HV, N] the same way (the TMA store writes it).
+template <class E>
+auto output_view(E* ptr, int T, int heads, int N, int64_t tok, int64_t head, int64_t seq) {
   return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(T, Int<kD>{}, heads, N),
                                                      make_stride(tok, _1{}, head, seq)));
 }
@@ -193,11 +207,15 @@ struct ScanParams {
       decltype(make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(nullptr, 1), typename Lay::MatTile{}));
   using TmaScal =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, scalar_view(nullptr, 1), typename Lay::ScalTile{}));
+  using TmaOut = decltype(make_tma_copy(SM90_TMA_STORE{}, output_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
+                                        typename Lay::OutTile{}));
   detail::ChunkPrefillProblem p;
   TmaIn q, k;
   TmaV v;
   TmaMat t, pm;
   TmaScal scal;
+  TmaOut o;            // the output's TMA store, where `tma_out`
+  bool tma_out;        // o in the input dtype, TMA-writable: whole chunks leave by one TMA store
   int in_T, in_N;      // the inputs' token and sequence extents (TMA coordinates)
   int64_t slots;       // chunk slots (hopper_prep.cuh)
   bool trigger_early;  // PDL (grid.cuh enter_grid)
@@ -226,6 +244,15 @@ __host__ __device__ __forceinline__ int acc_row(int t, int i) {
 }
 __host__ __device__ __forceinline__ int acc_col(int t, int i) {
   return 2 * (t % 4) + i % 2 + 8 * (i / 4);
+}
+
+// Byte offset of o's (token t, column v) in a consumer group's TMA-store box (OutTile: 16-bit
+// elements, [t][v] with the 128-byte swizzle: row t's 16-byte chunk v / 8 at chunk (v / 8) ^
+// (t % 8); the TMA applies it by the address bits of the 1024-byte aligned buffer). Written out
+// so that a thread's 32 values are four per-thread bases plus constants (CuTe's layout function
+// evaluated per element spilled); tests/gpu/test_hopper_layouts.cu checks it against OutTile.
+__host__ __device__ __forceinline__ int out_box_byte(int t, int v) {
+  return t * 128 + (((v >> 3) ^ (t & 7)) << 4) + (v & 7) * 2;
 }
 
 // The k16 A fragments of an m64nNk16 accumulator, rounded to E: CuTe's accumulator layout
@@ -394,6 +421,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     prefetch_tma_descriptor(P.t.get_tma_descriptor());
     prefetch_tma_descriptor(P.pm.get_tma_descriptor());
     prefetch_tma_descriptor(P.scal.get_tma_descriptor());
+    if (P.tma_out) prefetch_tma_descriptor(P.o.get_tma_descriptor());
   }
   // The CTA's task: (sequence, value head); with context parallelism also its segment and, in
   // the transfer pass, which of M (kind 0) and N it makes (only one sequence: task = hv).
@@ -481,8 +509,11 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
         ++state;
       }
     } else if (tid >= 32 && tid / 32 <= G && !transfer) {  // ---- storer of group tid / 32 - 1 --
-      // Copies each chunk's staged output rows (the valid ones) to the output with bulk copies,
-      // two rows a lane, so the consumers never wait on global stores.
+      // Copies each chunk's staged output to the output, so the consumers never wait on global
+      // stores: a whole chunk of an output in the input dtype by one TMA store of the group's
+      // 64 x 64 box (lane 0), else (a partial last chunk, other outputs) its valid rows by bulk
+      // copies, two rows a lane. 64 bulk copies of 128 bytes a group and chunk kept the TMA unit
+      // busy long enough that the consumers waited for the staging buffer at 9% of the samples.
       const int g = tid / 32 - 1, lane = tid % 32;
       const int64_t esize = dtype_size(p.out.dtype);
       const int v0 = Lay::kVCols * part + 64 * g;
@@ -491,14 +522,29 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
         const int64_t c0 = int64_t{ci} * kC;
         const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
         bar_sync(bar_full(g, b), 160);
-        const unsigned char* buf = ss.out.data() + (2 * g + b) * kOutBuf;
-        for (int t = lane; t < cv; t += 32) {
-          unsigned char* row = static_cast<unsigned char*>(p.out.ptr) +
-                               (head_offset(p.out, s.seq, s.tok0 + c0 + t, s.hv) + v0) * esize;
-          SM90_BULK_COPY_S2G::copy(buf + t * kOutRow, row, static_cast<int32_t>(64 * esize));
+        unsigned char* const buf = ss.out.data() + (2 * g + b) * kOutBuf;
+        if (P.tma_out && cv == kC) {
+          if (lane == 0) {
+            Tensor sO =
+                make_tensor(make_smem_ptr(reinterpret_cast<E*>(buf)), typename Lay::OutTile{});
+            Tensor mO =
+                domain_offset(make_coord(static_cast<int>(s.tok0), 0),
+                              P.o.get_tma_tensor(make_shape(P.in_T, Int<kD>{}, p.HV, P.in_N))(
+                                  _, _, s.hv, static_cast<int>(s.seq)));
+            Tensor gO = local_tile(mO, Shape<Int<kC>, _64>{}, make_coord(ci, v0 / 64));
+            auto thr = P.o.get_slice(Int<0>{});
+            copy(P.o, thr.partition_S(sO), thr.partition_D(gO));
+          }
+        } else {
+          for (int t = lane; t < cv; t += 32) {
+            unsigned char* row = static_cast<unsigned char*>(p.out.ptr) +
+                                 (head_offset(p.out, s.seq, s.tok0 + c0 + t, s.hv) + v0) * esize;
+            SM90_BULK_COPY_S2G::copy(buf + t * kOutRow, row, static_cast<int32_t>(64 * esize));
+          }
         }
         tma_store_arrive();
         tma_store_wait<0>();  // the staging has been read
+        __syncwarp();         // bar.arrive is warp-aligned: after every lane's wait
         if (ci + 2 < ce) bar_arrive(bar_empty(g, b), 160);
       }
     }
@@ -647,9 +693,22 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
         reinterpret_cast<O*>(buf + acc_col(ct, i) * kOutRow)[acc_row(ct, i)] =
             static_cast<O>(X2(i));
     };
-    if (p.out.dtype == DType::bf16) stage_out(cutlass::bfloat16_t{});
-    else if (p.out.dtype == DType::f16) stage_out(cutlass::half_t{});
-    else stage_out(0.0f);
+    if (P.tma_out && cv == kC) {
+      // the TMA store's swizzled box: value i at token acc_col(ct, i), whose row moves by 8
+      // (1024 bytes, the same swizzle phase) per i / 4, and column acc_row(ct, i)
+      int base[4];
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) base[j] = out_box_byte(acc_col(ct, j), acc_row(ct, j));
+      CUTE_UNROLL
+      for (int i = 0; i < size(X2); ++i)
+        *reinterpret_cast<E*>(buf + base[i % 4] + (i / 4) * 1024) = static_cast<E>(X2(i));
+    } else if (p.out.dtype == DType::bf16) {
+      stage_out(cutlass::bfloat16_t{});
+    } else if (p.out.dtype == DType::f16) {
+      stage_out(cutlass::half_t{});
+    } else {
+      stage_out(0.0f);
+    }
     tma_store_fence();  // the bulk copies (the async proxy) read what these stores wrote
     bar_arrive(bar_full(cw, b), 160);
     const int64_t end = c0 + cv;
