@@ -1074,7 +1074,9 @@ void PrintTo(const QuantRvCase& c, std::ostream* os) { *os << c.name; }
 
 class GpuQuantizedReplayVerify : public GpuParamTest<QuantRvCase> {};
 
-// Elements of `ring` (a view of the host pool, compact below its slot) of the live slots: random.
+// Elements of `ring` (a view of the host pool, compact below its slot) of the live slots: random,
+// stored in the ring's dtype (a 16-bit pool's d ring is 16-bit: written as floats, its slots got
+// float halves, NaN among them, and the writes of the high slots ran past the ring).
 void fill_ring_slots(const TensorView& ring, const std::vector<int64_t>& slots, Rng& rng, double lo,
                      double hi) {
   int64_t per = 1;
@@ -1082,16 +1084,16 @@ void fill_ring_slots(const TensorView& ring, const std::vector<int64_t>& slots, 
   for (int64_t s : slots)
     if (s >= 0)
       for (int64_t e = 0; e < per; ++e)
-        static_cast<float*>(ring.data)[s * ring.stride[0] + e] =
-            static_cast<float>(rng.uniform(lo, hi));
+        store_value(ring.data, ring.dtype, s * ring.stride[0] + e, rng.uniform(lo, hi));
 }
 
-// replayssm_verify on a formatted checkpoint (the pool's float rings, L = 8), four steps from
+// replayssm_verify on a formatted checkpoint (the pool's rings, L = 8), four steps from
 // random cursors with folds (one row folds every step), the CUDA backend's odd steps as two calls
 // (rows append, then fold; the CPU's as one): each step from the CPU's pool on both backends;
-// outputs, the rings (and the exact-raw ring) to fp32 tolerance, a folded row's checkpoint
-// within one quantum, every other checkpoint and byte untouched (scales of unused slots 1e30),
-// the step counter one on per step.
+// outputs, the rings (and the exact-raw ring) to fp32 tolerance (a folded row's draft records:
+// plus what its two stored checkpoints' difference moves them by, folded_draft_slack), a folded
+// row's checkpoint within one quantum, every other checkpoint and byte untouched (scales of unused
+// slots 1e30), the step counter one on per step.
 TEST_P(GpuQuantizedReplayVerify, MatchesCpu) {
   const QuantRvCase& c = GetParam();
   const Shape s = c.odd ? kOdd : c.kda ? kKimi : kQwen3Next;
@@ -1121,6 +1123,7 @@ TEST_P(GpuQuantizedReplayVerify, MatchesCpu) {
   for (int step = 0; step < 4; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     std::vector<Block> folded;
+    std::vector<int64_t> fold_m0(slots.size(), -1);  // a folding row's committed records (m0 > 0)
     for (int64_t r = 0; r < S; ++r) {
       wp.set({r}, 0);
       base.set({r}, 0);
@@ -1134,11 +1137,23 @@ TEST_P(GpuQuantizedReplayVerify, MatchesCpu) {
       base.set({sl}, static_cast<double>(rng.integer(0, L - 1)));
       const bool f = n == 0 || rng.chance(0.5);
       flush.set({sl}, f ? 1 : 0);
-      if (f && m0 > 0) folded.push_back({layer, sl});
+      if (f && m0 > 0) {
+        folded.push_back({layer, sl});
+        fold_m0[n] = m0;
+      }
     }
     folds += static_cast<int>(folded.size());
     std::vector<int64_t> lens;
     for (size_t n = 0; n < slots.size(); ++n) lens.push_back(rng.integer(1, T));
+    // The folded rows' draft records (positions (base + m0 + t) % L; every one fits the ring).
+    std::vector<FoldDrafts> drafts;
+    for (size_t n = 0; n < slots.size(); ++n) {
+      if (fold_m0[n] < 0) continue;
+      FoldDrafts fd{slots[n], {}};
+      for (int64_t t = 0; t < lens[n]; ++t)
+        fd.pos.push_back((static_cast<int64_t>(base.get({slots[n]})) + fold_m0[n] + t) % L);
+      drafts.push_back(fd);
+    }
     RecurrentBatch rb = make_recurrent_batch(rng, recurrent_spec(s, c.kda, bf16, 1, T, lens));
     rb.poison_out();
     m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu, idx, wp,
@@ -1178,7 +1193,7 @@ TEST_P(GpuQuantizedReplayVerify, MatchesCpu) {
         EXPECT_TRUE(close_vs_cpu(m.download(*t).values(), t->values(), kFp32StateTol, f32))
             << "exact-raw ring";
       }
-    expect_replay_pools_match(m, q, c.dtype, wp, rings, folded, layer, step);
+    expect_replay_pools_match(m, q, c.dtype, wp, rings, folded, layer, step, drafts);
   }
   EXPECT_GE(folds, 4);
 }
