@@ -35,31 +35,16 @@ bool tma_readable(const Head& t, const ChunkPrefillProblem& p, int64_t heads) {
   return ok(t.tok_stride, p.T) && ok(t.head_stride, heads) && ok(t.seq_stride, N);
 }
 
-// The scan's consumers issue their products freely; DELTASTATE_CUDA_PREFILL_ORDERED=on makes
-// them take turns (ordered math), which measured 2% slower (H100, 8x1024: scan 161.7 against
-// 158.0 µs; docs/PERFORMANCE.md), so it is off unless asked for.
-bool prefill_ordered_math() {
-  static const bool on =
-      env_choice<bool>("DELTASTATE_CUDA_PREFILL_ORDERED", {{"on", true}, {"off", false}}, false);
-  return on;
-}
-
-// The scan stores whole chunks of an output in the input dtype by TMA stores;
-// DELTASTATE_CUDA_PREFILL_TMA_OUT=off keeps the bulk row copies for every chunk (to compare).
-bool prefill_tma_out() {
-  static const bool on =
-      env_choice<bool>("DELTASTATE_CUDA_PREFILL_TMA_OUT", {{"on", true}, {"off", false}}, true);
-  return on;
-}
-
 // A stride the TMA accepts for a mode of extent 1 (never walked).
 int64_t tma_stride(int64_t stride, int64_t extent) { return extent <= 1 ? 8 : stride; }
 
 // Context parallelism (ScanPass): for one sequence whose heads' scan CTAs fill few SMs, segments
 // as many as one wave of the segments pass holds, of at least 8 chunks (512 tokens), and only
 // four or more: the transfer pass scans all but the last segment twice, so fewer segments do not
-// pay. DELTASTATE_CUDA_PREFILL_CP=<chunks> forces segments of that many chunks (tests), =off
-// none.
+// pay. Where the heads' scan CTAs (V split included) leave fewer than 4 segments a wave, the V
+// split alone is faster: H100, Qwen3-Next 1x8192 (64 V-split CTAs) 279 µs a call against 381
+// with 4 segments of 32 chunks, 1x32768 1050 against 1242 (docs/PERFORMANCE.md).
+// DELTASTATE_CUDA_PREFILL_CP=<chunks> forces segments of that many chunks (tests), =off none.
 struct CpPlan {
   int segs = 1, seg_chunks = 0;
   bool on() const { return segs > 1; }

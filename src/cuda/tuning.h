@@ -225,6 +225,22 @@ inline int prefill_cp_chunks() {
   }();
   return forced;
 }
+// The Hopper GDN scan's consumers issue their products freely; DELTASTATE_CUDA_PREFILL_ORDERED=on
+// makes them take turns (ordered math), which measured 2% slower (H100, 8x1024: scan 161.7
+// against 158.0 µs; docs/PERFORMANCE.md), so it is off unless asked for.
+inline bool prefill_ordered_math() {
+  static const bool on =
+      env_choice<bool>("DELTASTATE_CUDA_PREFILL_ORDERED", {{"on", true}, {"off", false}}, false);
+  return on;
+}
+// The Hopper GDN scan stores whole chunks of an output in the input dtype by TMA stores;
+// DELTASTATE_CUDA_PREFILL_TMA_OUT=off keeps the bulk row copies for every chunk (to compare: H100,
+// the 1x8192 V-split scan 343 µs with them against 191).
+inline bool prefill_tma_out() {
+  static const bool on =
+      env_choice<bool>("DELTASTATE_CUDA_PREFILL_TMA_OUT", {{"on", true}, {"off", false}}, true);
+  return on;
+}
 // DELTASTATE_CUDA_MULTI=direct: the recurrent op's multi-token sequences on the direct kernel
 // instead of the multi-token kernel (tests run both; benchmarks compare them).
 inline bool multi_token_disabled() {

@@ -28,7 +28,9 @@
 // columns, exactly the k16 A fragment (see acc_to_a). Every product's B operand and V^T are read
 // from the stage by the tensor cores; nothing but the output goes through shared memory: o^T is
 // staged [t][v] in the output dtype (two buffers a consumer), and the consumer's storer warp
-// copies each valid row out with a bulk copy (cp.async.bulk), so no consumer waits on a store.
+// sends it out, so no consumer waits on a store: a whole chunk of an output in the input dtype by
+// one TMA store of the group's 64 x 64 box (128-byte swizzled, out_box_byte), a partial last
+// chunk or another output dtype by bulk copies (cp.async.bulk) of its valid rows.
 //
 // Precision: the state, every accumulation and the factors are fp32; the tensor-core operands
 // that are not raw inputs are rounded to the input dtype (S, a * X1, v', v' d, Tb, P), as
@@ -512,8 +514,10 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
       // Copies each chunk's staged output to the output, so the consumers never wait on global
       // stores: a whole chunk of an output in the input dtype by one TMA store of the group's
       // 64 x 64 box (lane 0), else (a partial last chunk, other outputs) its valid rows by bulk
-      // copies, two rows a lane. 64 bulk copies of 128 bytes a group and chunk kept the TMA unit
-      // busy long enough that the consumers waited for the staging buffer at 9% of the samples.
+      // copies, two rows a lane. Row copies of whole chunks (64 of 128 bytes a group and chunk)
+      // hold the TMA unit, which also issues the producer's loads, long enough that the consumers
+      // wait for their staging buffer (9% of the stall samples at 8x1024; the V-split scan of
+      // 1x8192 takes 343 us with them, 191 with one store a chunk, docs/PERFORMANCE.md).
       const int g = tid / 32 - 1, lane = tid % 32;
       const int64_t esize = dtype_size(p.out.dtype);
       const int v0 = Lay::kVCols * part + 64 * g;
