@@ -281,6 +281,7 @@ inline double checkpoint_value(const StatePool& host, const char* base, DType dt
 struct FoldDrafts {
   int64_t slot;
   std::vector<int64_t> pos;
+  int64_t tok0 = -1;  // the row's first output token (its drafts' outputs follow), -1: unused
 };
 
 // Per element of the d ring (its linear index), how far the two stored checkpoints' difference
@@ -291,10 +292,16 @@ struct FoldDrafts {
 // e_k + |delta d| |k_k| per element: the next draft's e. The drafts are linear in the state, so
 // this holds but for the backends' fp32 rounding, which the fp32 tolerance covers. k: the draft's
 // normalized key, the CPU's k ring record. Zero elsewhere and in a row whose two checkpoints are
-// equal: there the fp32 tolerance alone stays.
+// equal: there the fp32 tolerance alone stays. Given `out_slack` (the outputs [tokens, HV, V] in
+// logical order, FoldDrafts::tok0 set), the same for each draft's output o_t = S_t q_t, S_t the
+// state after the draft's update (its difference bounded by that e): |delta o_t[v]| <= q_norm
+// ||e||_2 (Cauchy-Schwarz), q_norm bounding the query's norm (1 / sqrt(K) for a normalized q
+// with the default scale).
 inline std::vector<double> folded_draft_slack(const QuantPools& q, DType dtype,
                                               const std::vector<uint8_t>& dev_bytes, int64_t layer,
-                                              const std::vector<FoldDrafts>& drafts) {
+                                              const std::vector<FoldDrafts>& drafts,
+                                              std::vector<double>* out_slack = nullptr,
+                                              double q_norm = 0.0) {
   const StatePool& host = *q.host;
   const int64_t HV = host.config().HV, V = host.config().V, K = host.config().K;
   const int64_t H = host.config().H;
@@ -314,13 +321,21 @@ inline std::vector<double> folded_draft_slack(const QuantPools& q, DType dtype,
           any = any || e[k] != 0.0;
         }
         if (!any) continue;
-        for (int64_t p : f.pos) {
+        for (size_t i = 0; i < f.pos.size(); ++i) {
+          const int64_t p = f.pos[i];
           const std::vector<double> key =
               view_values(kr, f.slot * kr.stride[0] + h * kr.stride[1] + p * kr.stride[2], K);
           double dd = 0.0;
           for (int64_t k = 0; k < K; ++k) dd += e[k] * std::fabs(key[k]);
           slack[f.slot * dr.stride[0] + hv * dr.stride[1] + p * dr.stride[2] + v] = dd;
-          for (int64_t k = 0; k < K; ++k) e[k] += dd * std::fabs(key[k]);
+          double e2 = 0.0;
+          for (int64_t k = 0; k < K; ++k) {
+            e[k] += dd * std::fabs(key[k]);
+            e2 += e[k] * e[k];
+          }
+          if (out_slack && f.tok0 >= 0)
+            (*out_slack)[((f.tok0 + static_cast<int64_t>(i)) * HV + hv) * V + v] =
+                q_norm * std::sqrt(e2);
         }
       }
     }
