@@ -96,8 +96,9 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
 
   const int T = static_cast<int>(p.T), N = p.cu_seqlens ? 1 : p.N;
   auto view = [&](const auto& t, int heads) {
-    return input_view<E>(static_cast<const E*>(t.ptr), T, heads, N, tma_stride(t.tok_stride, T),
-                         tma_stride(t.head_stride, heads), tma_stride(t.seq_stride, N));
+    return head_view<const E>(static_cast<const E*>(t.ptr), T, heads, N,
+                              tma_stride(t.tok_stride, T), tma_stride(t.head_stride, heads),
+                              tma_stride(t.seq_stride, N));
   };
   const BlockPtrs ws = block_ptrs(p.workspace, blocks, 0);
   Params params{};
@@ -116,8 +117,8 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
   if (params.tma_out)
     params.o = make_tma_copy(
         SM90_TMA_STORE{},
-        output_view<E>(static_cast<E*>(p.out.ptr), T, p.HV, N, tma_stride(p.out.tok_stride, T),
-                       tma_stride(p.out.head_stride, p.HV), tma_stride(p.out.seq_stride, N)),
+        head_view<E>(static_cast<E*>(p.out.ptr), T, p.HV, N, tma_stride(p.out.tok_stride, T),
+                     tma_stride(p.out.head_stride, p.HV), tma_stride(p.out.seq_stride, N)),
         typename Lay::OutTile{});
   params.in_T = T;
   params.in_N = N;

@@ -164,17 +164,11 @@ struct ScanLayout {
       GMMA::rs_op_selector<E, E, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>()));
 };
 
-// The global tensors the TMA loads read, as CuTe views: a per-token input [T, D, heads, N] with
-// the caller's strides (c contiguous), and the workspace's [blocks * C, C] matrices and
-// [C, blocks * 4] factors.
+// The global tensors the TMA reads and writes, as CuTe views: a per-token tensor [T, D, heads, N]
+// with the caller's strides (c contiguous; E const for the inputs q, k, v, E for the output o the
+// TMA store writes), and the workspace's [blocks * C, C] matrices and [C, blocks * 4] factors.
 template <class E>
-auto input_view(const E* ptr, int T, int heads, int N, int64_t tok, int64_t head, int64_t seq) {
-  return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(T, Int<kD>{}, heads, N),
-                                                     make_stride(tok, _1{}, head, seq)));
-}
-// The output [T, V, HV, N] the same way (the TMA store writes it).
-template <class E>
-auto output_view(E* ptr, int T, int heads, int N, int64_t tok, int64_t head, int64_t seq) {
+auto head_view(E* ptr, int T, int heads, int N, int64_t tok, int64_t head, int64_t seq) {
   return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(T, Int<kD>{}, heads, N),
                                                      make_stride(tok, _1{}, head, seq)));
 }
@@ -201,15 +195,15 @@ enum class ScanPass { whole, transfer, segments };
 template <class E, int G>
 struct ScanParams {
   using Lay = ScanLayout<E, G>;
-  using TmaIn = decltype(make_tma_copy(SM90_TMA_LOAD{}, input_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
-                                       typename Lay::InTile{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, input_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
-                                      typename Lay::VTile{}));
+  using TmaIn = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, head_view<const E>(nullptr, 1, 1, 1, 8, 8, 8), typename Lay::InTile{}));
+  using TmaV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, head_view<const E>(nullptr, 1, 1, 1, 8, 8, 8), typename Lay::VTile{}));
   using TmaMat =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(nullptr, 1), typename Lay::MatTile{}));
   using TmaScal =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, scalar_view(nullptr, 1), typename Lay::ScalTile{}));
-  using TmaOut = decltype(make_tma_copy(SM90_TMA_STORE{}, output_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
+  using TmaOut = decltype(make_tma_copy(SM90_TMA_STORE{}, head_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
                                         typename Lay::OutTile{}));
   detail::ChunkPrefillProblem p;
   TmaIn q, k;
