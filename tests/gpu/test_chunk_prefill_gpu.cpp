@@ -920,5 +920,99 @@ TEST_F(PrefillGpuTest, NoSequences) {
   EXPECT_EQ(dev.download(rb.out).bytes(), rb.out.bytes());
 }
 
+// A pool of 4100 fp32 Qwen3-Next slots (2 MiB each, 8.6 GB): slot * slot_stride passes 2^31
+// elements at slot 4096, so 32-bit offsets would wrap (test_cuda_ops.cpp's PoolOfMoreThan4096Slots
+// does the same for decode, the recurrent op and ReplaySSM). Sequences across chunk edges (one
+// padded) start from and write back slots past it in place, on the Hopper kernels where they run;
+// the CPU runs them on the run's small pool. Every other byte of the big pool is a 0x7f pattern
+// that must survive the call.
+TEST_F(PrefillGpuTest, PoolOfMoreThan4096Slots) {
+  const GpuPrefillCase c =
+      C("pool_past_2_31", varlen(kQwen3Next, false, DType::bf16, {70, 5, 130, 64, 200}),
+        [](GpuPrefillCase& x) { x.padded = {1}; });
+  const Shape& s = c.spec.s;
+  const int64_t slots = 4100, E = s.state_elems();
+  const size_t bytes = static_cast<size_t>(slots * E * 4);
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (free_b < bytes + (size_t{2} << 30))
+    GTEST_SKIP() << "needs ~" << (bytes >> 20) << " MiB of device memory";
+  void* big = nullptr;
+  CUDA_CHECK(cudaMalloc(&big, bytes));
+  struct Free {
+    void* p;
+    ~Free() { EXPECT_EQ(cudaFree(p), cudaSuccess); }
+  } free_big{big};
+  CUDA_CHECK(cudaMemset(big, 0x7f, bytes));
+  const TensorView big_pool =
+      TensorView::contiguous(big, DType::f32, {slots, s.HV, s.V, s.K}, Device::cuda(0));
+
+  Rng rng = test_rng();
+  PrefillRun run(c, rng);
+  const std::vector<int64_t> big_slot{4099, -1, 4096, 2049, 4097};  // per sequence (1 padded)
+  ASSERT_EQ(static_cast<int64_t>(big_slot.size()), run.N);
+  for (int64_t n = 0; n < run.N; ++n) {
+    ASSERT_EQ(big_slot[n] < 0, run.in_slot[n] < 0) << "sequence " << n;
+    if (big_slot[n] < 0) continue;
+    const std::vector<double> v = slot_values(run.pool.view(), run.in_slot[n]);  // fp32 values
+    const std::vector<float> f(v.begin(), v.end());
+    CUDA_CHECK(cudaMemcpy(static_cast<float*>(big) + big_slot[n] * E, f.data(),
+                          static_cast<size_t>(E * 4), cudaMemcpyHostToDevice));
+  }
+  Mirror dev;
+  for (const Tensor* t : run.tensors()) dev.upload(*t);
+  const Tensor gidx = index_tensor(big_slot, c.spec.index_dtype);
+  dev.upload(gidx);
+  ChunkPrefillArgs a = run.args(dev.views());
+  a.initial_state = big_pool;
+  a.initial_state_indices = dev.view(gidx);
+  const Tensor ws = workspace_for(a);
+  if (deltastate::chunk_prefill_workspace_bytes(a) > 0) {
+    dev.upload(ws);
+    a.workspace = dev.view(ws);
+  }
+  deltastate::chunk_prefill(a);
+  sync();
+  EXPECT_NO_THROW(deltastate::check_errors());
+
+  ChunkPrefillArgs cpu_args = run.args(host_view);
+  const Tensor cpu_ws = workspace_for(cpu_args);
+  cpu_args.workspace = cpu_ws.view();
+  deltastate::chunk_prefill(cpu_args);
+
+  const Tensor out = dev.download(run.rb.out);
+  const double tol = tolerance(c);
+  const int rnd = roundings(c);
+  std::vector<float> state(static_cast<size_t>(E));
+  for (int64_t n = 0; n < run.N; ++n) {
+    const std::string tag = "sequence " + std::to_string(n);
+    if (big_slot[n] < 0) {
+      EXPECT_TRUE(all_zero(out_rows(out, run.rb, n))) << tag << " (padded): outputs";
+      continue;
+    }
+    EXPECT_TRUE(rel_close(out_rows(out, run.rb, n), out_rows(run.rb.out, run.rb, n), tol,
+                          c.spec.act, tag + " out", rnd));
+    CUDA_CHECK(cudaMemcpy(state.data(), static_cast<const float*>(big) + big_slot[n] * E,
+                          static_cast<size_t>(E * 4), cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(rel_close(std::vector<double>(state.begin(), state.end()),
+                          slot_values(run.pool.view(), run.in_slot[n]), tol, c.state,
+                          tag + " final state in slot " + std::to_string(big_slot[n]), rnd));
+  }
+  // every 8-byte word outside the live slots still holds the pattern, 128 slots at a time
+  const int64_t per_chunk = 128;
+  std::vector<uint64_t> host(static_cast<size_t>(per_chunk * E / 2));
+  int64_t bad = 0;
+  for (int64_t first = 0; first < slots; first += per_chunk) {
+    const int64_t k = std::min(per_chunk, slots - first);
+    CUDA_CHECK(cudaMemcpy(host.data(), static_cast<const float*>(big) + first * E,
+                          static_cast<size_t>(k * E * 4), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < k; ++i) {
+      if (std::find(big_slot.begin(), big_slot.end(), first + i) != big_slot.end()) continue;
+      for (int64_t j = 0; j < E / 2; ++j) bad += host[i * E / 2 + j] != 0x7f7f7f7f7f7f7f7fULL;
+    }
+  }
+  EXPECT_EQ(bad, 0) << "8-byte words outside the live slots of the 4100-slot pool changed";
+}
+
 }  // namespace
 }  // namespace dstest
