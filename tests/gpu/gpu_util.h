@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -150,5 +151,52 @@ inline ::testing::AssertionResult close_vs_cpu(const std::vector<double>& gpu,
                                                DType stored) {
   return all_close(gpu, cpu, tol, stored, /*rounded=*/2);
 }
+
+// A pool of `slots` slots of `slot_bytes` on the device, every byte the 0x7f pattern (the bytes
+// no op may touch), freed on scope exit; `ok()` is false (nothing allocated) when the device
+// lacks the memory and 2 GiB beside it, so the test can skip. For pools whose slot offsets pass
+// 2^31 elements.
+class PatternedDevicePool {
+ public:
+  PatternedDevicePool(int64_t slots, size_t slot_bytes) : slots_(slots), slot_bytes_(slot_bytes) {
+    size_t free_b = 0, total_b = 0;
+    check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+    if (free_b < bytes() + (size_t{2} << 30)) return;
+    check(cudaMalloc(&data_, bytes()), "cudaMalloc");
+    check(cudaMemset(data_, 0x7f, bytes()), "cudaMemset");
+  }
+  ~PatternedDevicePool() {
+    if (data_) {
+      EXPECT_EQ(cudaFree(data_), cudaSuccess);
+    }
+  }
+  PatternedDevicePool(const PatternedDevicePool&) = delete;
+  PatternedDevicePool& operator=(const PatternedDevicePool&) = delete;
+  bool ok() const { return data_ != nullptr; }
+  size_t bytes() const { return static_cast<size_t>(slots_) * slot_bytes_; }
+  void* slot(int64_t i) const { return static_cast<char*>(data_) + i * slot_bytes_; }
+  // 8-byte words outside the `live` slots that no longer hold the pattern (128 slots a copy).
+  int64_t changed_words(const std::vector<int64_t>& live) const {
+    const int64_t per_copy = 128;
+    std::vector<uint64_t> host(static_cast<size_t>(per_copy) * slot_bytes_ / 8);
+    int64_t bad = 0;
+    for (int64_t first = 0; first < slots_; first += per_copy) {
+      const int64_t n = std::min(per_copy, slots_ - first);
+      check(cudaMemcpy(host.data(), slot(first), n * slot_bytes_, cudaMemcpyDeviceToHost),
+            "cudaMemcpy");
+      for (int64_t i = 0; i < n; ++i) {
+        if (std::find(live.begin(), live.end(), first + i) != live.end()) continue;
+        const uint64_t* w = host.data() + i * slot_bytes_ / 8;
+        for (size_t j = 0; j < slot_bytes_ / 8; ++j) bad += w[j] != 0x7f7f7f7f7f7f7f7fULL;
+      }
+    }
+    return bad;
+  }
+
+ private:
+  int64_t slots_;
+  size_t slot_bytes_;
+  void* data_ = nullptr;
+};
 
 }  // namespace dstest

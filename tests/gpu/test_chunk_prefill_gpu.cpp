@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <numeric>
@@ -303,11 +304,13 @@ struct PrefillRun {
   }
 };
 
-// The call on the device: every tensor of the run uploaded, and a NaN-poisoned workspace of the
-// size the call asks for.
-void run_on_device(const PrefillRun& run, Mirror& dev) {
+// The call on the device: every tensor of the run uploaded, the arguments changed by `edit`
+// (given), and a NaN-poisoned workspace of the size the call then asks for.
+void run_on_device(const PrefillRun& run, Mirror& dev,
+                   const std::function<void(ChunkPrefillArgs&)>& edit = {}) {
   for (const Tensor* t : run.tensors()) dev.upload(*t);
   ChunkPrefillArgs a = run.args(dev.views());
+  if (edit) edit(a);
   const Tensor ws = workspace_for(a);
   if (deltastate::chunk_prefill_workspace_bytes(a) > 0) {
     dev.upload(ws);
@@ -932,18 +935,9 @@ TEST_F(PrefillGpuTest, PoolOfMoreThan4096Slots) {
         [](GpuPrefillCase& x) { x.padded = {1}; });
   const Shape& s = c.spec.s;
   const int64_t slots = 4100, E = s.state_elems();
-  const size_t bytes = static_cast<size_t>(slots * E * 4);
-  size_t free_b = 0, total_b = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  if (free_b < bytes + (size_t{2} << 30))
-    GTEST_SKIP() << "needs ~" << (bytes >> 20) << " MiB of device memory";
-  void* big = nullptr;
-  CUDA_CHECK(cudaMalloc(&big, bytes));
-  struct Free {
-    void* p;
-    ~Free() { EXPECT_EQ(cudaFree(p), cudaSuccess); }
-  } free_big{big};
-  CUDA_CHECK(cudaMemset(big, 0x7f, bytes));
+  const PatternedDevicePool pool(slots, static_cast<size_t>(E * 4));
+  if (!pool.ok()) GTEST_SKIP() << "needs ~" << (pool.bytes() >> 20) << " MiB of device memory";
+  void* const big = pool.slot(0);
   const TensorView big_pool =
       TensorView::contiguous(big, DType::f32, {slots, s.HV, s.V, s.K}, Device::cuda(0));
 
@@ -960,19 +954,12 @@ TEST_F(PrefillGpuTest, PoolOfMoreThan4096Slots) {
                           static_cast<size_t>(E * 4), cudaMemcpyHostToDevice));
   }
   Mirror dev;
-  for (const Tensor* t : run.tensors()) dev.upload(*t);
   const Tensor gidx = index_tensor(big_slot, c.spec.index_dtype);
   dev.upload(gidx);
-  ChunkPrefillArgs a = run.args(dev.views());
-  a.initial_state = big_pool;
-  a.initial_state_indices = dev.view(gidx);
-  const Tensor ws = workspace_for(a);
-  if (deltastate::chunk_prefill_workspace_bytes(a) > 0) {
-    dev.upload(ws);
-    a.workspace = dev.view(ws);
-  }
-  deltastate::chunk_prefill(a);
-  sync();
+  run_on_device(run, dev, [&](ChunkPrefillArgs& a) {
+    a.initial_state = big_pool;
+    a.initial_state_indices = dev.view(gidx);
+  });
   EXPECT_NO_THROW(deltastate::check_errors());
 
   ChunkPrefillArgs cpu_args = run.args(host_view);
@@ -998,20 +985,8 @@ TEST_F(PrefillGpuTest, PoolOfMoreThan4096Slots) {
                           slot_values(run.pool.view(), run.in_slot[n]), tol, c.state,
                           tag + " final state in slot " + std::to_string(big_slot[n]), rnd));
   }
-  // every 8-byte word outside the live slots still holds the pattern, 128 slots at a time
-  const int64_t per_chunk = 128;
-  std::vector<uint64_t> host(static_cast<size_t>(per_chunk * E / 2));
-  int64_t bad = 0;
-  for (int64_t first = 0; first < slots; first += per_chunk) {
-    const int64_t k = std::min(per_chunk, slots - first);
-    CUDA_CHECK(cudaMemcpy(host.data(), static_cast<const float*>(big) + first * E,
-                          static_cast<size_t>(k * E * 4), cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < k; ++i) {
-      if (std::find(big_slot.begin(), big_slot.end(), first + i) != big_slot.end()) continue;
-      for (int64_t j = 0; j < E / 2; ++j) bad += host[i * E / 2 + j] != 0x7f7f7f7f7f7f7f7fULL;
-    }
-  }
-  EXPECT_EQ(bad, 0) << "8-byte words outside the live slots of the 4100-slot pool changed";
+  EXPECT_EQ(pool.changed_words(big_slot), 0)
+      << "8-byte words outside the live slots of the 4100-slot pool changed";
 }
 
 }  // namespace

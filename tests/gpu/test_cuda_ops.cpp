@@ -573,18 +573,9 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
   const Shape s = kQwen3Next;
   const int64_t slots = 4100;
   const int64_t elems = s.state_elems();
-  const size_t bytes = static_cast<size_t>(slots * elems * 4);
-  size_t free_b = 0, total_b = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  if (free_b < bytes + (size_t{2} << 30))
-    GTEST_SKIP() << "needs ~" << (bytes >> 20) << " MiB of device memory";
-  void* big = nullptr;
-  CUDA_CHECK(cudaMalloc(&big, bytes));
-  struct Free {
-    void* p;
-    ~Free() { EXPECT_EQ(cudaFree(p), cudaSuccess); }
-  } free_big{big};
-  CUDA_CHECK(cudaMemset(big, 0x7f, bytes));
+  const PatternedDevicePool pool(slots, static_cast<size_t>(elems * 4));
+  if (!pool.ok()) GTEST_SKIP() << "needs ~" << (pool.bytes() >> 20) << " MiB of device memory";
+  void* const big = pool.slot(0);
   const TensorView big_pool =
       TensorView::contiguous(big, f32, {slots, s.HV, s.V, s.K}, Device::cuda(0));
 
@@ -697,21 +688,8 @@ TEST_F(GpuTest, PoolOfMoreThan4096Slots) {
     }
   }
   // Every byte outside the live slots still holds the pattern.
-  const size_t slot_bytes = static_cast<size_t>(elems * 4);
-  const int64_t per_chunk = 128;
-  std::vector<uint64_t> host(per_chunk * slot_bytes / 8);
-  int64_t bad = 0;
-  for (int64_t first = 0; first < slots; first += per_chunk) {
-    const int64_t n = std::min(per_chunk, slots - first);
-    CUDA_CHECK(cudaMemcpy(host.data(), static_cast<char*>(big) + first * slot_bytes, n * slot_bytes,
-                          cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::find(big_slots.begin(), big_slots.end(), first + i) != big_slots.end()) continue;
-      const uint64_t* w = host.data() + i * slot_bytes / 8;
-      for (size_t j = 0; j < slot_bytes / 8; ++j) bad += w[j] != 0x7f7f7f7f7f7f7f7fULL;
-    }
-  }
-  EXPECT_EQ(bad, 0) << "8-byte words outside the live slots of the 4100-slot pool changed";
+  EXPECT_EQ(pool.changed_words(big_slots), 0)
+      << "8-byte words outside the live slots of the 4100-slot pool changed";
 }
 
 // ==== StatePool on the device ==================================================================
