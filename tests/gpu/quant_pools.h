@@ -342,6 +342,29 @@ inline std::vector<double> folded_draft_slack(const QuantPools& q, DType dtype,
   return slack;
 }
 
+// `got` against `want` within `tol` and one rounding to `stored` (close_vs_cpu), where element
+// e's slack[e] > 0 (a folded row's draft, folded_draft_slack) also within that ulp and slack[e]
+// (1% over it: the bound's own fp32 rounding): each such element checked alone, then the rest.
+inline void expect_close_with_slack(std::vector<double> got, const std::vector<double>& want,
+                                    const std::vector<double>& slack, Tol tol, DType stored,
+                                    const char* what, const char* element) {
+  const int ulp_bits = stored == DType::bf16 ? -7 : stored == DType::f16 ? -10 : -23;
+  int bad = 0;
+  for (size_t e = 0; e < got.size(); ++e) {
+    if (slack[e] == 0.0) continue;
+    const double w = std::fabs(want[e]);
+    const double allow =
+        tol.atol + tol.rtol * w + std::ldexp(w + tol.atol, ulp_bits) + slack[e] * 1.01;
+    if (!(std::fabs(got[e] - want[e]) <= allow) && bad++ < 5)
+      ADD_FAILURE() << element << " " << e << " of a folded row's draft: got " << got[e]
+                    << ", want " << want[e] << " (allowed " << allow << ", of it slack " << slack[e]
+                    << ")";
+    got[e] = want[e];
+  }
+  EXPECT_EQ(bad, 0) << what << ": folded rows' drafts out of tolerance";
+  EXPECT_TRUE(close_vs_cpu(got, want, tol, stored)) << what;
+}
+
 // After one ReplaySSM step (replayssm_decode, or the fused step's ReplaySSM mode, or
 // replayssm_verify) on the host pool and its device twin (formatted checkpoint, the rings
 // `rings`: views of the host pool), all but the outputs: the device cursors `wp` as the CPU's,
@@ -360,30 +383,15 @@ inline void expect_replay_pools_match(Mirror& m, const QuantPools& q, DType dtyp
   // pool: a d of 0.0106 rounded one bf16 ulp, 6.1e-5, apart was seen on an H100).
   for (size_t i = 0; i < rings.size(); ++i) {
     const TensorView& ring = rings[i];
-    std::vector<double> got = values_in_copy(*q.host, ring, d);
+    const std::vector<double> got = values_in_copy(*q.host, ring, d);
     const std::vector<double> want = view_values(ring, 0, ring.numel());
-    if (i == 0 && !drafts.empty()) {
-      // The folded rows' draft records (the elements of nonzero slack): fp32 tolerance, one ulp
-      // of the ring's dtype (the two records, apart by up to the slack, each rounded to it), plus
-      // the slack (1% over it: the bound's own fp32 rounding); each checked here, then set equal
-      // for the comparison of the rest.
-      const std::vector<double> slack = folded_draft_slack(q, dtype, d, layer, drafts);
-      const int ulp_bits = ring.dtype == DType::bf16 ? -7 : ring.dtype == DType::f16 ? -10 : -23;
-      int bad = 0;
-      for (size_t e = 0; e < got.size(); ++e) {
-        if (slack[e] == 0.0) continue;
-        const double w = std::fabs(want[e]);
-        const double allow = kFp32StateTol.atol + kFp32StateTol.rtol * w +
-                             std::ldexp(w + kFp32StateTol.atol, ulp_bits) + slack[e] * 1.01;
-        if (!(std::fabs(got[e] - want[e]) <= allow) && bad++ < 5)
-          ADD_FAILURE() << "d ring element " << e << " of a folded row's draft: got " << got[e]
-                        << ", want " << want[e] << " (allowed " << allow << ", of it slack "
-                        << slack[e] << ")";
-        got[e] = want[e];
-      }
-      EXPECT_EQ(bad, 0) << "folded rows' draft records out of tolerance";
-    }
-    EXPECT_TRUE(close_vs_cpu(got, want, kFp32StateTol, ring.dtype)) << "a ring";
+    // The folded rows' draft records (i == 0, the d ring) carry the two stored checkpoints'
+    // difference: folded_draft_slack.
+    const std::vector<double> slack = i == 0 && !drafts.empty()
+                                          ? folded_draft_slack(q, dtype, d, layer, drafts)
+                                          : std::vector<double>(got.size(), 0.0);
+    expect_close_with_slack(got, want, slack, kFp32StateTol, ring.dtype, "a ring",
+                            "d ring element");
   }
   if (q.stochastic) {
     EXPECT_EQ(host_step(q, layer), kStep0 + step + 1);

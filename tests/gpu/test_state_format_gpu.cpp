@@ -1074,31 +1074,35 @@ void PrintTo(const QuantRvCase& c, std::ostream* os) { *os << c.name; }
 
 class GpuQuantizedReplayVerify : public GpuParamTest<QuantRvCase> {};
 
-// A verify's outputs [1, tokens, HV, V] against the CPU's: kOutTol, and a folded row's draft
-// outputs also one bf16 ulp and folded_draft_slack's output bound (1% over it: the bound's own
-// rounding), each checked alone, then set equal for the comparison of the rest. A folded row's
-// drafts run from the checkpoint each backend stored, which may sit one quantum apart (an H100:
-// gdn_fp8_sr_exact, one output 1.5e-4 apart, over kOutTol's 1.3e-4).
+// replayssm_verify's arguments `a` on layer `layer` of pool `p`: its checkpoint in its format
+// (`rounding`), its d / k / g rings, the rows' slots and the cursor tables.
+ReplayVerifyArgs rv_on_pool(ReplayVerifyArgs a, const StatePool& p, int64_t layer,
+                            StateRounding rounding, TensorView idx, TensorView wp, TensorView base,
+                            TensorView flush) {
+  a.state = p.layer_state(layer);
+  a.state_format = format_of(p, layer, rounding);
+  a.state_indices = idx;
+  a.d_cache = p.d_cache(layer);
+  a.k_cache = p.k_cache(layer);
+  a.g_cache = p.g_cache(layer);
+  a.write_pos = wp;
+  a.cache_base = base;
+  a.is_flush = flush;
+  return a;
+}
+
+// A verify's outputs [1, tokens, HV, V] against the CPU's: kOutTol and one bf16 rounding, a folded
+// row's draft outputs also folded_draft_slack's output bound (expect_close_with_slack). A folded
+// row's drafts run from the checkpoint each backend stored, which may sit one quantum apart (an
+// H100: gdn_fp8_sr_exact, one output 1.5e-4 apart, over kOutTol's 1.3e-4).
 void expect_verify_outputs(Mirror& m, const QuantPools& q, DType dtype, int64_t layer,
                            const Tensor& out, const std::vector<FoldDrafts>& drafts,
                            double q_norm) {
-  std::vector<double> got = m.download(out).values();
   const std::vector<double> want = out.values();
   std::vector<double> slack(want.size(), 0.0);
   folded_draft_slack(q, dtype, q.device_bytes(), layer, drafts, &slack, q_norm);
-  int bad = 0;
-  for (size_t e = 0; e < got.size(); ++e) {
-    if (slack[e] == 0.0) continue;
-    const double w = std::fabs(want[e]);
-    const double allow =
-        kOutTol.atol + kOutTol.rtol * w + std::ldexp(w + kOutTol.atol, -7) + slack[e] * 1.01;
-    if (!(std::fabs(got[e] - want[e]) <= allow) && bad++ < 5)
-      ADD_FAILURE() << "output " << e << " of a folded row's draft: got " << got[e] << ", want "
-                    << want[e] << " (allowed " << allow << ", of it slack " << slack[e] << ")";
-    got[e] = want[e];
-  }
-  EXPECT_EQ(bad, 0) << "folded rows' draft outputs out of tolerance";
-  EXPECT_TRUE(close_vs_cpu(got, want, kOutTol, DType::bf16)) << "outputs";
+  expect_close_with_slack(m.download(out).values(), want, slack, kOutTol, DType::bf16, "outputs",
+                          "output");
 }
 
 // Elements of `ring` (a view of the host pool, compact below its slot) of the live slots: random,
@@ -1186,16 +1190,9 @@ TEST_P(GpuQuantizedReplayVerify, MatchesCpu) {
     m.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu, idx, wp,
                  base, flush, rawv, rawk, rawb);
     auto run = [&](auto&& view_of, const StatePool& p, deltastate::ReplayRows rows) {
-      ReplayVerifyArgs a = replay_verify_inputs(rb.args(view_of), c.kda);
-      a.state = p.layer_state(layer);
-      a.state_format = format_of(p, layer, c.rounding);
-      a.state_indices = view_of(idx);
-      a.d_cache = p.d_cache(layer);
-      a.k_cache = p.k_cache(layer);
-      a.g_cache = p.g_cache(layer);
-      a.write_pos = view_of(wp);
-      a.cache_base = view_of(base);
-      a.is_flush = view_of(flush);
+      ReplayVerifyArgs a =
+          rv_on_pool(replay_verify_inputs(rb.args(view_of), c.kda), p, layer, c.rounding,
+                     view_of(idx), view_of(wp), view_of(base), view_of(flush));
       if (c.exact) {
         a.rawv_cache = view_of(rawv);
         a.rawk_cache = view_of(rawk);
@@ -1269,16 +1266,9 @@ TEST_F(GpuTest, QuantizedReplayVerifyGraphReplay) {
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto step = [&](const StatePool& p, const Tensor& wp, const Tensor& base, const Tensor& fl) {
-    ReplayVerifyArgs a = replay_verify_inputs(rb.args(m.views()), false);
-    a.state = p.layer_state(layer);
-    a.state_format = format_of(p, layer, StateRounding::stochastic);
-    a.state_indices = m.view(idx);
-    a.d_cache = p.d_cache(layer);
-    a.k_cache = p.k_cache(layer);
-    a.g_cache = p.g_cache(layer);
-    a.write_pos = m.view(wp);
-    a.cache_base = m.view(base);
-    a.is_flush = m.view(fl);
+    ReplayVerifyArgs a =
+        rv_on_pool(replay_verify_inputs(rb.args(m.views()), false), p, layer,
+                   StateRounding::stochastic, m.view(idx), m.view(wp), m.view(base), m.view(fl));
     a.stream = stream;
     deltastate::replayssm_verify(a);
     deltastate::ReplayCommitArgs ca;
