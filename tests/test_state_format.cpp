@@ -1,7 +1,8 @@
 // The rounding rules of the state storage formats (src/core/state_format.h) against independent
 // references written here from the formats' definitions: e4m3fn decoding from its bit fields,
-// round-to-nearest-even by a search of the sorted value table, floor(y + u) in fp64, splitmix64's
-// published first output, and the unbiasedness of stochastic rounding. Bit-for-bit agreement with
+// round-to-nearest-even by a search of the sorted value table, stochastic rounding as the dithered
+// value's nearest, floor(y + u) in fp64, splitmix64's published first outputs, and the
+// unbiasedness of stochastic rounding. Bit-for-bit agreement with
 // tools/state_accuracy.py's numpy emulation and with torch's float8_e4m3fn is checked in
 // python/tests/test_state_format.py (through the ops).
 #include <algorithm>
@@ -124,26 +125,48 @@ TEST(StateFormat, FloorPlusUniformIsExact) {
   EXPECT_EQ(bad, 0);
 }
 
-TEST(StateFormat, StochasticE4m3RoundsToANeighbour) {
+// Stochastic e4m3fn from the rule's definition: the dither ((U + 1/2) 2^-16 - 1/2) spacing added to
+// |x| in fp32 (the spacing of |x|'s binade, 2^-9 below 2^-6), not below the binade's floor, then
+// the table's nearest even. It also lands on a neighbour of x: the table value below |x| or above
+// it.
+uint8_t e4m3_stochastic_reference(const std::vector<double>& table, float x, uint32_t U) {
+  if (std::isnan(x)) return e4m3_reference(table, x);
+  const float a = std::fabs(x);
+  if (std::isinf(a)) return e4m3_reference(table, x);
+  const int e = a >= std::ldexp(1.0f, -6) ? std::ilogb(a) : -6;
+  const float spacing = std::ldexp(1.0f, e - 3);
+  const float dither = static_cast<float>((std::ldexp(2.0 * U + 1, -17) - 0.5) * spacing);
+  const float floor = a >= std::ldexp(1.0f, -6) ? std::ldexp(1.0f, e) : 0.0f;
+  const float y = std::max(a + dither, floor);
+  return static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | e4m3_reference(table, y));
+}
+
+TEST(StateFormat, StochasticE4m3IsDitheredNearest) {
   const std::vector<double> table = e4m3_table();
   Rng rng = test_rng();
   for (int i = 0; i < 100000; ++i) {
-    const float x =
-        static_cast<float>(rng.uniform(-1, 1) * std::ldexp(1.0, int(rng.integer(-12, 8))));
-    const uint32_t U = static_cast<uint32_t>(rng.integer(0, 0xffffff));
-    const double got = e4m3_value(lib::float_to_e4m3(x, true, U));
-    // floor(|x| / spacing + u) * spacing: the neighbour below |x|, or the one above
-    const double a = std::fabs(double(x));
+    float x = static_cast<float>(rng.uniform(-1, 1) * std::ldexp(1.0, int(rng.integer(-12, 8))));
+    if (i % 5 == 0) {  // e4m3 values and their midpoints: binade edges and ties
+      const int c = static_cast<int>(rng.integer(0, 0x7d));
+      x = static_cast<float>(i % 10 == 0 ? table[c] : (table[c] + table[c + 1]) / 2);
+    }
+    const uint32_t U =
+        i % 7 == 0 ? (i % 14 == 0 ? 0u : 0xffffu) : static_cast<uint32_t>(rng.integer(0, 0xffff));
+    const uint8_t code = lib::float_to_e4m3(x, true, U);
+    ASSERT_EQ(code, e4m3_stochastic_reference(table, x, U)) << "x=" << x << " U=" << U;
+    // a neighbour: the table value below |x| or the one above
+    const double a = std::fabs(double(x)), got = std::fabs(e4m3_value(code));
     auto hi = std::lower_bound(table.begin(), table.end(), a);
-    const double up = *hi, down = (*hi == a) ? a : *(hi - 1);
-    const double want_abs =
-        (a - down) / (up - down) + std::ldexp(double(U), -24) >= 1.0 && up != down ? up : down;
-    ASSERT_EQ(got, std::copysign(want_abs, double(x))) << "x=" << x << " U=" << U;
+    const double up = hi == table.end() ? 448.0 : *hi;
+    const double down = hi == table.end() ? 448.0 : (*hi == a ? a : *(hi - 1));
+    ASSERT_TRUE(got == up || got == down) << "x=" << x << " U=" << U << " got " << got;
   }
   // saturating: past 448 and infinity stay 448
-  EXPECT_EQ(lib::float_to_e4m3(500.0f, true, 0xffffff), 0x7e);
+  EXPECT_EQ(lib::float_to_e4m3(500.0f, true, 0xffff), 0x7e);
   EXPECT_EQ(lib::float_to_e4m3(-std::numeric_limits<float>::infinity(), true, 0), 0xfe);
   EXPECT_EQ(lib::float_to_e4m3(std::nanf(""), true, 5), 0x7f);
+  EXPECT_EQ(lib::float_to_e4m3(-0.0f, true, 0xffff), 0x80);  // zeros stay (signed)
+  EXPECT_EQ(lib::float_to_e4m3(0.0f, true, 0), 0x00);
 }
 
 TEST(StateFormat, Int8RoundsAndClips) {
@@ -153,9 +176,15 @@ TEST(StateFormat, Int8RoundsAndClips) {
   EXPECT_EQ(lib::float_to_i8(127.4f), 127);
   EXPECT_EQ(lib::float_to_i8(200.0f), 127);
   EXPECT_EQ(lib::float_to_i8(-200.0f), -127);  // -128 is never stored
-  EXPECT_EQ(lib::float_to_i8(-126.9f, true, 0xffffff), -126);
+  // stochastic: y + (U + 1/2) 2^-16 - 1/2 to nearest (even)
+  EXPECT_EQ(lib::float_to_i8(-126.9f, true, 0xffff), -126);
   EXPECT_EQ(lib::float_to_i8(-126.9f, true, 0), -127);
-  EXPECT_EQ(lib::float_to_i8(127.0001f, true, 0xffffff), 127);
+  EXPECT_EQ(lib::float_to_i8(2.25f, true, 0xc000), 3);             // 2.5 + 2^-17
+  EXPECT_EQ(lib::float_to_i8(2.25f, true, 0xbfff), 2);             // 2.5 - 2^-17
+  EXPECT_EQ(lib::float_to_i8(2.25f - 0x1p-17f, true, 0xc000), 2);  // 2.5: the tie, to even
+  EXPECT_EQ(lib::float_to_i8(5.0f, true, 0), 5);                   // exact values stay
+  EXPECT_EQ(lib::float_to_i8(5.0f, true, 0xffff), 5);
+  EXPECT_EQ(lib::float_to_i8(127.0001f, true, 0xffff), 127);
   EXPECT_EQ(lib::float_to_i8(std::nanf("")), 0);
 }
 
@@ -171,10 +200,14 @@ TEST(StateFormat, RowScale) {
 }
 
 TEST(StateFormat, Splitmix64Stream) {
-  // splitmix64 seeded with 0: its first outputs (Vigna's reference implementation)
-  EXPECT_EQ(lib::sr_bits(0, 0), 0xE220A8397B1DCDAFull);
-  EXPECT_EQ(lib::sr_bits(0, 1), 0x6E789E6AA1B965F4ull);
-  EXPECT_EQ(lib::sr_bits(0, 2), 0x06C45D188009454Full);
+  // splitmix64 seeded with 0: its first outputs (Vigna's reference implementation), each the
+  // 16-bit fields of four consecutive elements, lowest first
+  EXPECT_EQ(lib::sr_draw(0, 0), 0xE220A8397B1DCDAFull);
+  EXPECT_EQ(lib::sr_draw(0, 1), 0x6E789E6AA1B965F4ull);
+  EXPECT_EQ(lib::sr_draw(0, 2), 0x06C45D188009454Full);
+  const uint32_t fields[] = {0xCDAF, 0x7B1D, 0xA839, 0xE220, 0x65F4,
+                             0xA1B9, 0x9E6A, 0x6E78, 0x454F};
+  for (uint64_t e = 0; e < 9; ++e) EXPECT_EQ(lib::sr_bits(0, e), fields[e]) << "element " << e;
   // the key folds each field in with one mix
   const uint64_t z0 = lib::mix64(7 ^ lib::kGolden);
   EXPECT_EQ(lib::sr_key(7, 1, 2, 3), lib::mix64(lib::mix64(lib::mix64(z0 ^ 1) ^ 2) ^ 3));
@@ -194,31 +227,29 @@ void expect_unbiased(float x, double spacing, Round round) {
 }
 
 TEST(StateFormat, StochasticRoundingIsUnbiased) {
-  for (float x : {0.3f, 1.1f, -5.7f, 100.3f, 0.0123f, 3e-3f}) {
+  for (float x : {0.3f, 1.1f, -5.7f, 100.3f, 0.0123f, 3e-3f, 1.01f, -2.03f}) {
     const double sp = std::ldexp(1.0, std::max(std::ilogb(x), -6) - 3);
-    expect_unbiased(x, sp, [&](uint64_t b) {
-      return lib::e4m3_to_float(lib::float_to_e4m3(x, true, lib::sr_u24(b)));
-    });
+    expect_unbiased(x, sp,
+                    [&](uint32_t U) { return lib::e4m3_to_float(lib::float_to_e4m3(x, true, U)); });
     if (std::fabs(x) < 127)
-      expect_unbiased(
-          x, 1.0, [&](uint64_t b) { return double(lib::float_to_i8(x, true, lib::sr_u24(b))); });
+      expect_unbiased(x, 1.0, [&](uint32_t U) { return double(lib::float_to_i8(x, true, U)); });
     const double sp16 = std::ldexp(1.0, std::ilogb(x) - 7);
-    expect_unbiased(x, sp16, [&](uint64_t b) {
-      return double(lib::bf16_to_float(lib::float_to_bf16_sr(x, b)));
+    expect_unbiased(x, sp16, [&](uint32_t U) {
+      return double(lib::bf16_to_float(lib::float_to_bf16_sr(x, U)));
     });
     const double sph = std::ldexp(1.0, std::max(std::ilogb(x), -14) - 10);
     expect_unbiased(
-        x, sph, [&](uint64_t b) { return double(lib::f16_to_float(lib::float_to_f16_sr(x, b))); });
+        x, sph, [&](uint32_t U) { return double(lib::f16_to_float(lib::float_to_f16_sr(x, U))); });
   }
 }
 
 TEST(StateFormat, Bf16StochasticIsTheEmulationsRule) {
-  // the top 16 bits added below the kept mantissa, then truncated (state_accuracy.round_bf16)
+  // the 16 random bits added below the kept mantissa, then truncated (state_accuracy.round_bf16)
   const float x = from_bits(0x3f80ffffu);  // 1 + (2^16 - 1) 2^-23
   EXPECT_EQ(lib::float_to_bf16_sr(x, 0), 0x3f80);
-  EXPECT_EQ(lib::float_to_bf16_sr(x, uint64_t{1} << 48), 0x3f81);
-  EXPECT_EQ(lib::float_to_bf16_sr(1.0f, ~uint64_t{0}), 0x3f80);  // exact values stay
-  EXPECT_EQ(lib::float_to_f16_sr(1.0f, ~uint64_t{0}), 0x3c00);
+  EXPECT_EQ(lib::float_to_bf16_sr(x, 1), 0x3f81);
+  EXPECT_EQ(lib::float_to_bf16_sr(1.0f, 0xffff), 0x3f80);  // exact values stay
+  EXPECT_EQ(lib::float_to_f16_sr(1.0f, 0xffff), 0x3c00);
 }
 
 }  // namespace

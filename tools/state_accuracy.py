@@ -30,11 +30,13 @@ Formats (``--formats`` takes a comma list of names or globs, e.g. ``'fp8/*/448/*
     int8/{row,tile,head}/{rn,sr}
                               symmetric int8 in [-127, 127], scale = amax / 127, the same layouts
 
-Stochastic rounding: q = floor(x / quantum + u), u uniform in [0, 1) on a 2^-24 grid (bf16: 16
-random bits added to the 16 dropped bits). The random bits come from a counter-based generator:
-splitmix64 keyed by (seed, slot, layer, step) with the element's index in the layer's state
-[HV, V, K] as the counter, so a run is reproducible and any element's bits can be recomputed
-alone (sr_bits). Every stochastic format of a step uses the same bits.
+Stochastic rounding (dithered nearest): |y| + u quantum rounded to nearest even, u = (U + 1/2)
+2^-16 - 1/2 with U a 16-bit uniform integer (e4m3fn: not below |y|'s binade floor), exact in
+fp32, so y rounds up with probability frac(|y| / quantum) on the 2^-16 grid; bf16: U added to
+the 16 dropped bits. The random bits come from a counter-based generator: splitmix64 keyed by
+(seed, slot, layer, step), one draw per 4 consecutive elements of the layer's state [HV, V, K]
+(element e: 16-bit field e mod 4 of draw e / 4 + 1), so a run is reproducible and any element's
+bits can be recomputed alone (sr_bits). Every stochastic format of a step uses the same bits.
 
 Inputs (``--inputs``, both by default): ``random``: q, k standard normal (then normalized as
 above), v with per-channel standard deviations drawn log-normally (``--v-spread``, normalized to
@@ -99,19 +101,30 @@ def _e4m3_quantum(a: np.ndarray) -> np.ndarray:
     return (e - np.uint32(E4M3_MANT_BITS << 23)).view(np.float32)
 
 
-def round_e4m3(x: np.ndarray, u: np.ndarray | None = None) -> np.ndarray:
-    """x (fp32) rounded to e4m3fn and returned as fp32: to nearest even (u None) or
-    stochastically (u uniform in [0, 1), same shape), saturating at +-448 (inf too); NaN stays
-    NaN; signed zeros kept. Exact: the division by the power-of-two quantum is exact in fp32."""
+def dither(U: np.ndarray) -> np.ndarray:
+    """The dither (U + 1/2) 2^-16 - 1/2 of 16-bit integers U, fp32 (exact; never +-1/2)."""
+    return (np.asarray(U).astype(np.float32) * np.float32(2) + np.float32(1)) * np.float32(
+        2.0 ** -17) - np.float32(0.5)
+
+
+def round_e4m3(x: np.ndarray, U: np.ndarray | None = None) -> np.ndarray:
+    """x (fp32) rounded to e4m3fn and returned as fp32: to nearest even (U None) or stochastically
+    (U: 16-bit random integers, same shape: |x| + dither(U) quantum, not below |x|'s binade
+    floor, to nearest), saturating at +-448 (inf too); NaN stays NaN; signed zeros kept. Exact:
+    the division by the power-of-two quantum is exact in fp32, as is the dithered sum in |x|'s
+    binade."""
     x = np.asarray(x, dtype=np.float32)
     a = np.abs(x)
+    if U is not None:
+        with np.errstate(invalid="ignore"):
+            d = a + dither(U) * _e4m3_quantum(a)
+            bits = a.view(np.uint32) if a.flags.c_contiguous else np.ascontiguousarray(a).view(
+                np.uint32)
+            floor = np.where(a >= np.float32(2.0 ** E4M3_MIN_EXP),
+                             (bits & np.uint32(0x7F800000)).view(np.float32), np.float32(0))
+            a = np.where(d < floor, floor, d).astype(np.float32)
     q = _e4m3_quantum(a)
-    t = a / q
-    if u is None:
-        r = np.rint(t)  # round half to even
-    else:
-        r = np.floor(t.astype(np.float64) + u)
-    r = np.minimum(r.astype(np.float32) * q, np.float32(E4M3_MAX))
+    r = np.minimum(np.rint(a / q) * q, np.float32(E4M3_MAX))  # round half to even
     return np.copysign(r, x)
 
 
@@ -133,14 +146,14 @@ def e4m3_bits(x: np.ndarray) -> np.ndarray:
 
 
 # ---- bf16 --------------------------------------------------------------------------------------
-def round_bf16(x: np.ndarray, rbits: np.ndarray | None = None) -> np.ndarray:
-    """x (fp32) rounded to bf16, returned as fp32: nearest even (rbits None) or stochastic
-    (rbits: uint64 random bits, the top 16 added below the kept mantissa before truncation)."""
+def round_bf16(x: np.ndarray, U: np.ndarray | None = None) -> np.ndarray:
+    """x (fp32) rounded to bf16, returned as fp32: nearest even (U None) or stochastic (U: 16-bit
+    random integers added below the kept mantissa before truncation)."""
     b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    if rbits is None:
+    if U is None:
         b = b + (np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
     else:
-        b = b + (rbits >> np.uint64(48)).astype(np.uint32)
+        b = b + np.asarray(U).astype(np.uint32)
     return (b & np.uint32(0xFFFF0000)).view(np.float32)
 
 
@@ -165,18 +178,21 @@ def sr_key(seed: int, slot, layer: int, step: int) -> np.ndarray:
     return z
 
 
-def sr_bits(key: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """64 random bits per element: draw number index + 1 of the splitmix64 stream seeded with
-    key (key broadcasts against index, the element's offset in the layer's [HV, V, K] state)."""
+def sr_draw(key: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """64 random bits per group of 4 elements: draw number group + 1 of the splitmix64 stream
+    seeded with key."""
     with np.errstate(over="ignore"):
-        z = np.asarray(index, np.uint64) + np.uint64(1)
+        z = np.asarray(group, np.uint64) + np.uint64(1)
         z = np.asarray(key, dtype=np.uint64) + z * _GOLDEN
     return _mix64(z)
 
 
-def uniform_from_bits(bits: np.ndarray) -> np.ndarray:
-    """The top 24 bits as a float64 uniform in [0, 1) on the 2^-24 grid."""
-    return (bits >> np.uint64(40)).astype(np.float64) * 2.0 ** -24
+def sr_bits(key: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The 16-bit random integer U of each element (uint32): field index mod 4 of draw index / 4
+    (key broadcasts against index, the element's offset in the layer's [HV, V, K] state)."""
+    index = np.asarray(index, np.uint64)
+    d = sr_draw(key, index >> np.uint64(2))
+    return ((d >> ((index & np.uint64(3)) * np.uint64(16))) & np.uint64(0xFFFF)).astype(np.uint32)
 
 
 # ---- formats -----------------------------------------------------------------------------------
@@ -242,30 +258,23 @@ def _grouped(x: np.ndarray, layout: str) -> np.ndarray:
     return x
 
 
-def quantize(x: np.ndarray, fmt: Format, bits: np.ndarray | None = None,
-             u: np.ndarray | None = None) -> np.ndarray:
-    """The fp32 state x [..., V, K] stored in fmt and loaded back (fp32). bits: uint64 random
-    bits of x's shape (sr_bits), required for stochastic formats; u: uniform_from_bits(bits)
-    when the caller has it already."""
+def quantize(x: np.ndarray, fmt: Format, bits: np.ndarray | None = None) -> np.ndarray:
+    """The fp32 state x [..., V, K] stored in fmt and loaded back (fp32). bits: the 16-bit random
+    integers of x's shape (sr_bits), required for stochastic formats."""
     x = np.asarray(x, dtype=np.float32)
     if fmt.stochastic and bits is None:
         raise ValueError(f"{fmt.name} needs random bits")
+    U = _grouped(np.asarray(bits), fmt.layout) if fmt.stochastic and fmt.kind != "bf16" else None
     if fmt.kind == "fp32":
         return x.copy()
     if fmt.kind == "bf16":
         return round_bf16(x, bits if fmt.stochastic else None)
-    if fmt.stochastic and u is None:
-        u = uniform_from_bits(bits)
-    elif not fmt.stochastic:
-        u = None
     s = scales(x, fmt.layout, fmt.qmax)
     y = _grouped(x, fmt.layout) / s
-    if u is not None:
-        u = _grouped(u, fmt.layout)
     if fmt.kind == "fp8":
-        r = round_e4m3(y, u)
+        r = round_e4m3(y, U)
     elif fmt.kind == "int8":
-        r = np.rint(y) if u is None else np.floor(y.astype(np.float64) + u).astype(np.float32)
+        r = np.rint(y if U is None else y + dither(U))
         r = np.clip(r, -fmt.qmax, fmt.qmax)
     else:
         raise ValueError(f"unknown format kind {fmt.kind!r}")
@@ -412,10 +421,9 @@ def simulate(model: str, formats: list[Format], steps: int, heads: int = 8, slot
             if any_sr:
                 key = sr_key(seed, slot_ids, layer, step)[:, None, None, None]
                 bits = sr_bits(key, index)
-                u = uniform_from_bits(bits)
             for f, fmt in enumerate(formats):
                 if fmt.kind != "fp32":
-                    X[f] = quantize(X[f], fmt, *((bits, u) if fmt.stochastic else ()))
+                    X[f] = quantize(X[f], fmt, bits if fmt.stochastic else None)
             o_num += np.sum((o - o_ref) ** 2, axis=-1)
             o_den += np.sum(o_ref ** 2, axis=-1)
             if step % window == 0 or step == steps:

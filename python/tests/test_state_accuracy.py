@@ -66,17 +66,28 @@ def test_e4m3_nearest_matches_torch(rng):
     np.testing.assert_array_equal(ours, theirs.float().numpy())
 
 
-def test_e4m3_stochastic_rounds_to_a_neighbour(rng):
+def test_e4m3_stochastic_is_dithered_nearest(rng):
+    """Each result is a neighbour of x: the one above where frac(|x| / quantum) + (U + 1/2) 2^-16
+    exceeds 1 (fp64, checked away from that tie), else the one below."""
     x = _wide_values(rng, 20_000)
     x = x[np.isfinite(x)]
-    u = rng.uniform(0.0, 1.0, x.shape)
-    r = sa.round_e4m3(x, u)
-    q = sa._e4m3_quantum(np.abs(x))
-    lo = np.floor(np.abs(x) / q) * q
-    mag = np.abs(r)
+    U = rng.integers(0, 1 << 16, x.shape)
+    r = sa.round_e4m3(x, U)
+    q = sa._e4m3_quantum(np.abs(x)).astype(np.float64)
+    a = np.abs(x).astype(np.float64)
+    lo = np.floor(a / q) * q
+    t = (a - lo) / q + (U + 0.5) * 2.0 ** -16
+    want = np.minimum(np.where(t > 1, lo + q, lo), 448)
+    mag = np.abs(r).astype(np.float64)
     assert np.all((mag == np.minimum(lo, 448)) | (mag == np.minimum(lo + q, 448)))
+    clear = np.abs(t - 1) > 2.0 ** -20
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(mag[clear], want[clear])
+    assert np.all(np.signbit(r) == np.signbit(x))
     assert np.all(sa.round_e4m3(r) == r)  # every result is an e4m3fn value
-    assert np.all(sa.round_e4m3(x, np.zeros_like(u)) == np.copysign(np.minimum(lo, 448), x))
+    # e4m3fn values stay whatever U
+    for u in (0, 1 << 15, (1 << 16) - 1):
+        np.testing.assert_array_equal(sa.round_e4m3(r, np.full(r.shape, u)), r)
 
 
 # ---- bf16 --------------------------------------------------------------------------------------
@@ -105,9 +116,14 @@ def test_stochastic_rounding_is_reproducible(rng):
     for other in (sa.sr_key(7, 4, 11, 1234), sa.sr_key(7, 3, 12, 1234),
                   sa.sr_key(7, 3, 11, 1235), sa.sr_key(8, 3, 11, 1234)):
         assert np.mean(sa.sr_bits(other, index) == bits) < 0.01
-    # the bits look uniform: each of the top 24 bits set about half the time
-    top = (bits.reshape(-1)[:, None] >> np.arange(40, 64, dtype=np.uint64)) & np.uint64(1)
-    assert np.all(np.abs(top.mean(axis=0) - 0.5) < 0.1)
+    # 16-bit integers that look uniform: each bit set about half the time
+    assert bits.dtype == np.uint32 and bits.max() < 1 << 16
+    each = (bits.reshape(-1)[:, None] >> np.arange(16, dtype=np.uint32)) & np.uint32(1)
+    assert np.all(np.abs(each.mean(axis=0) - 0.5) < 0.1)
+    # four consecutive elements share a draw: its four 16-bit fields, lowest first
+    draw = sa.sr_draw(key, np.uint64(19))
+    assert [int(b) for b in bits.reshape(-1)[76:80]] == [
+        (int(draw) >> (16 * i)) & 0xFFFF for i in range(4)]
     x = rng.standard_normal((2, 64, 32)).astype(np.float32)
     b = sa.sr_bits(sa.sr_key(0, 1, 0, 5), np.arange(x.size, dtype=np.uint64).reshape(x.shape))
     for name in ("bf16/sr", "fp8/row/448/sr", "fp8/tile/240/sr", "int8/head/sr"):

@@ -46,14 +46,14 @@ def emulate(x32: np.ndarray, dtype: str, stochastic: bool, key=None):
     HV, V, K = x32.shape
     s = sa.scales(x32, "row", QMAX[dtype])
     y = x32 / s
-    u = None
+    U = None
     if stochastic:
         index = np.arange(HV * V * K, dtype=np.uint64).reshape(HV, V, K)
-        u = sa.uniform_from_bits(sa.sr_bits(key, index))
+        U = sa.sr_bits(key, index)
     if dtype == "float8_e4m3fn":
-        codes = sa.e4m3_bits(sa.round_e4m3(y, u))
+        codes = sa.e4m3_bits(sa.round_e4m3(y, U))
     else:
-        r = np.rint(y) if u is None else np.floor(y.astype(np.float64) + u).astype(np.float32)
+        r = np.rint(y if U is None else y + sa.dither(U))
         codes = np.clip(r, -127, 127).astype(np.int8).view(np.uint8)
     return codes, s[..., 0]
 

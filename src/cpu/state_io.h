@@ -37,7 +37,7 @@ inline void advance_step(const detail::StatePoolRef& st) {
 }
 
 // One quantized row: x[0..K) stored as `codes` (dtype f8e4m3 or i8) with its scale; element e's
-// random bits are sr_bits(key, index0 + e).
+// random bits are sr_bits(key, index0 + e) (a draw per 4 elements).
 inline void quantize_row(const float* x, int K, DType dtype, bool stochastic, uint64_t key,
                          uint64_t index0, void* codes, float* scale) {
   float amax = 0.0f;
@@ -45,8 +45,11 @@ inline void quantize_row(const float* x, int K, DType dtype, bool stochastic, ui
   const bool fp8 = dtype == DType::f8e4m3;
   const float s = detail::row_scale(amax, fp8 ? detail::kE4m3Max : detail::kInt8Max);
   *scale = s;
+  uint64_t draw = 0;
   for (int e = 0; e < K; ++e) {
-    const uint32_t U = stochastic ? detail::sr_u24(detail::sr_bits(key, index0 + e)) : 0u;
+    const uint64_t index = index0 + static_cast<uint64_t>(e);
+    if (stochastic && (e == 0 || (index & 3u) == 0)) draw = detail::sr_draw(key, index >> 2);
+    const uint32_t U = stochastic ? detail::sr_field(draw, index) : 0u;
     const float y = x[e] / s;
     if (fp8) static_cast<uint8_t*>(codes)[e] = detail::float_to_e4m3(y, stochastic, U);
     else static_cast<int8_t*>(codes)[e] = detail::float_to_i8(y, stochastic, U);
@@ -101,10 +104,13 @@ inline void store_state_rows(const detail::StatePoolRef& st, const StoreRounding
   // bf16 / fp16, stochastic: element e of the block is element (row0 * K + e) of the layer.
   uint16_t* dst = static_cast<uint16_t*>(st.ptr) + off;
   const int64_t n = static_cast<int64_t>(rows) * K;
+  uint64_t draw = 0;
   for (int64_t e = 0; e < n; ++e) {
-    const uint64_t bits = detail::sr_bits(key, static_cast<uint64_t>(row0 * K + e));
-    dst[e] = st.dtype == DType::bf16 ? detail::float_to_bf16_sr(S[e], bits)
-                                     : detail::float_to_f16_sr(S[e], bits);
+    const uint64_t index = static_cast<uint64_t>(row0 * K + e);
+    if (e == 0 || (index & 3u) == 0) draw = detail::sr_draw(key, index >> 2);
+    const uint32_t U = detail::sr_field(draw, index);
+    dst[e] = st.dtype == DType::bf16 ? detail::float_to_bf16_sr(S[e], U)
+                                     : detail::float_to_f16_sr(S[e], U);
   }
 }
 

@@ -73,14 +73,14 @@ __device__ __forceinline__ float load_elem(const void* base, DType t, const Head
 // of (key, index).
 __device__ __forceinline__ uint8_t encode_code(DType t, float y, bool stochastic, uint64_t key,
                                                uint64_t index) {
-  const uint32_t U = stochastic ? detail::sr_u24(detail::sr_bits(key, index)) : 0u;
+  const uint32_t U = stochastic ? detail::sr_bits(key, index) : 0u;
   return t == DType::f8e4m3 ? detail::float_to_e4m3(y, stochastic, U)
                             : static_cast<uint8_t>(detail::float_to_i8(y, stochastic, U));
 }
 // x stochastically rounded to bf16 or fp16 (t) with the bits of (key, index), as its bits.
 __device__ __forceinline__ uint16_t round16_sr(DType t, float x, uint64_t key, uint64_t index) {
-  const uint64_t bits = detail::sr_bits(key, index);
-  return t == DType::bf16 ? detail::float_to_bf16_sr(x, bits) : detail::float_to_f16_sr(x, bits);
+  const uint32_t U = detail::sr_bits(key, index);
+  return t == DType::bf16 ? detail::float_to_bf16_sr(x, U) : detail::float_to_f16_sr(x, U);
 }
 
 // ---- four codes at once (a 4-byte word, code i in byte i) ---------------------------------------
@@ -107,15 +107,38 @@ __device__ __forceinline__ void code_values4(uint32_t w, DType t, float (&x)[4])
   }
 }
 
-// The codes of y[0..3] (already divided by the row's scale) as one word.
+// The codes of y[0..3] (already divided by the row's scale) as one word; stochastic: the four
+// elements' bits from one draw where index0 is a multiple of 4 (the register kernels' lanes), and
+// e4m3fn's dithered values (state_format.h e4m3_dithered) rounded by the hardware conversion as
+// to nearest.
+__device__ __forceinline__ uint32_t e4m3_codes4(const float (&y)[4]) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
+  return (lo & 0xffffu) | (hi << 16);
+}
 __device__ __forceinline__ uint32_t encode_codes4(DType t, const float (&y)[4], bool stochastic,
                                                   uint64_t key, uint64_t index0) {
-  if (t == DType::f8e4m3 && !stochastic) {
-    const uint32_t lo =
-        __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi =
-        __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
-    return (lo & 0xffffu) | (hi << 16);
+  if (t == DType::f8e4m3 && !stochastic) return e4m3_codes4(y);
+  if (stochastic && (index0 & 3u) == 0) {
+    const uint64_t draw = detail::sr_draw(key, index0 >> 2);
+    if (t == DType::f8e4m3) {
+      float d[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        // (a NaN stays NaN through the dither: its sum is NaN and no comparison holds)
+        const uint32_t u = __float_as_uint(y[i]);
+        const float m = detail::e4m3_dithered(u & 0x7fffffffu, detail::sr_field(draw, i));
+        d[i] = __uint_as_float(__float_as_uint(m) | (u & 0x80000000u));
+      }
+      return e4m3_codes4(d);
+    }
+    uint32_t w = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w |= static_cast<uint32_t>(
+               static_cast<uint8_t>(detail::float_to_i8(y[i], true, detail::sr_field(draw, i))))
+           << (8 * i);
+    return w;
   }
   uint32_t w = 0;
 #pragma unroll

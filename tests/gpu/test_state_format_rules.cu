@@ -1,8 +1,9 @@
 // The CUDA kernels' four-codes-at-once conversions (src/cuda/state_format.cuh: code_values4,
 // encode_codes4) against the element rules they stand for (core/state_format.h, the CPU
 // backend's): every e4m3 and int8 code decoded, and every fp32 bit pattern encoded to e4m3 to
-// nearest, on the device, compared bit for bit (a NaN: any NaN). The hardware conversions are
-// used only where this holds.
+// nearest, and to e4m3 and int8 stochastically (one draw for four elements, the dithered values
+// through the hardware conversion), on the device, compared bit for bit (a NaN: any NaN code).
+// The hardware conversions are used only where this holds.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -62,6 +63,23 @@ __global__ void encode_e4m3_range(uint64_t base, Mismatch* m) {
   }
 }
 
+// The same patterns stochastically, element i0 + i's bits at index i0 + i of `key`'s stream.
+__global__ void encode_stochastic_range(DType t, uint64_t base, uint64_t key, Mismatch* m) {
+  const uint64_t i0 = base + 4 * (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+  float y[4];
+  for (int i = 0; i < 4; ++i) y[i] = __uint_as_float(static_cast<uint32_t>(i0 + i));
+  const uint32_t w = fmt::encode_codes4(t, y, true, key, i0);
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t got = static_cast<uint8_t>(w >> (8 * i));
+    const uint8_t want = fmt::encode_code(t, y[i], true, key, i0 + i);
+    const bool ok = t == DType::f8e4m3 && y[i] != y[i] ? (got & 0x7fu) == 0x7fu : got == want;
+    if (!ok) {
+      atomicAdd(&m->count, 1ull);
+      m->first = static_cast<uint32_t>(i0 + i);
+    }
+  }
+}
+
 class StateFormatRules : public dstest::GpuTest {
  protected:
   void SetUp() override {
@@ -103,6 +121,22 @@ TEST_F(StateFormatRules, HardwareE4m3MatchesRule) {
   std::memcpy(&first, &r.first, 4);
   EXPECT_EQ(r.count, 0u) << "first mismatch at bits 0x" << std::hex << r.first << " (" << first
                          << ")";
+}
+
+TEST_F(StateFormatRules, HardwareStochasticMatchesRule) {
+  constexpr unsigned kThreads = 256, kBlocks = (1u << 24) / kThreads;
+  for (DType t : {DType::f8e4m3, DType::i8}) {
+    ASSERT_EQ(cudaMemset(m_, 0, sizeof(Mismatch)), cudaSuccess);
+    const uint64_t key = detail::sr_key(3, 5, 7, t == DType::i8 ? 11 : 13);
+    for (uint64_t base = 0; base < (uint64_t{1} << 32); base += uint64_t{4} << 24)
+      encode_stochastic_range<<<kBlocks, kThreads>>>(t, base, key, m_);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    const Mismatch r = result();
+    float first;
+    std::memcpy(&first, &r.first, 4);
+    EXPECT_EQ(r.count, 0u) << deltastate::dtype_name(t) << ": first mismatch at bits 0x" << std::hex
+                           << r.first << " (" << first << ")";
+  }
 }
 
 }  // namespace
