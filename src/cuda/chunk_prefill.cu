@@ -250,13 +250,13 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
   // device) asks for its blocks: the fused kernel's grids need none of them. Without a device to
   // ask (no driver: the contract checks still run, the launch would fail) no split is planned.
   const PrefillChoice forced = forced_prefill_kernel();
-  // The Hopper GDN kernels' blocks where the dispatch may take them (the q/k/v dtype is not
-  // known here: the blocks are asked for whenever the device and the shapes allow them).
+  // The Hopper kernels' blocks where the dispatch may take them (the q/k/v dtype is not known
+  // here: the blocks are asked for whenever the device and the shapes allow them).
   const int64_t slots_bound = tokens / ChunkPrefillProblem::kChunk + N;
   const bool hopper = device_available() && hopper_prefill_shapes(K, V, kda, device);
   const int64_t base =
-      hopper ? std::max(fallback, hopper_prefill_workspace_bytes(slots_bound, HV) +
-                                      hopper_prefill_cp_workspace_bytes(N, HV, tokens, device))
+      hopper ? std::max(fallback, hopper_prefill_workspace_bytes(slots_bound, HV, kda) +
+                                      hopper_prefill_cp_workspace_bytes(N, HV, tokens, kda, device))
              : fallback;
   if (!split_size || forced == PrefillChoice::fused || forced == PrefillChoice::fallback ||
       forced == PrefillChoice::hopper)

@@ -1,14 +1,18 @@
-// Launch of the Hopper GDN chunked prefill (chunk_prefill/hopper_prep.cuh, hopper_scan.cuh): the
-// prep kernel over (chunk slot, value-head pair), then the warp-specialized wgmma scan over
-// (sequence, value head), through the workspace. Its own translation unit: the only one that
-// includes CUTLASS's CuTe, compiled for sm_90a alone (CMakeLists.txt), and run only on devices of
-// compute capability 9.0 (wgmma, setmaxnreg and the TMA have no other target here).
+// Launch of the Hopper chunked prefill (chunk_prefill/hopper_prep.cuh, hopper_prep_kda.cuh,
+// hopper_scan.cuh): the prep kernel over (chunk slot, value-head pair; KDA: value head), then the
+// warp-specialized wgmma scan over (sequence, value head), through the workspace. Its own
+// translation unit: the only one that includes CUTLASS's CuTe, compiled for sm_90a alone
+// (CMakeLists.txt), and run only on devices of compute capability 9.0 (wgmma, setmaxnreg and the
+// TMA have no other target here).
 #include "cuda/chunk_prefill_hopper.h"
 
 #include <cutlass/numeric_types.h>
 
+#include <algorithm>
+
 #include "cuda/chunk_prefill/hopper_combine.cuh"
 #include "cuda/chunk_prefill/hopper_prep.cuh"
+#include "cuda/chunk_prefill/hopper_prep_kda.cuh"
 #include "cuda/chunk_prefill/hopper_scan.cuh"
 #include "cuda/launch.h"
 #include "cuda/tuning.h"
@@ -45,14 +49,15 @@ int64_t tma_stride(int64_t stride, int64_t extent) { return extent <= 1 ? 8 : st
 // split alone is faster: H100, Qwen3-Next 1x8192 (64 V-split CTAs) 279 µs a call against 381
 // with 4 segments of 32 chunks, 1x32768 1050 against 1242 (docs/PERFORMANCE.md).
 // DELTASTATE_CUDA_PREFILL_CP=<chunks> forces segments of that many chunks (tests), =off none.
+// KDA takes none (the transfer pass is GDN's).
 struct CpPlan {
   int segs = 1, seg_chunks = 0;
   bool on() const { return segs > 1; }
 };
-CpPlan cp_plan(int64_t N, int64_t HV, int64_t T, int sms) {
+CpPlan cp_plan(int64_t N, int64_t HV, int64_t T, bool kda, int sms) {
   const int forced = prefill_cp_chunks();
   const int64_t chunks = (T + kC - 1) / kC;
-  if (N != 1 || forced == 0 || chunks < 2) return {};
+  if (kda || N != 1 || forced == 0 || chunks < 2) return {};
   int64_t seg_chunks = forced;
   if (forced < 0) {
     const int64_t ctas = HV * (prefill_vsplit_pays(HV, sms) ? 2 : 1);
@@ -68,31 +73,42 @@ int64_t cp_bytes(const CpPlan& cp, int64_t HV) {
   return cp.on() ? (2 * int64_t{cp.segs - 1} + 1) * HV * kD * kD * 4 : 0;
 }
 
-template <class In, class E, int G>
+template <class In, class E, int G, bool KDA>
 void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaStream_t stream) {
-  using Lay = ScanLayout<E, G>;
-  using Params = ScanParams<E, G>;
+  using Lay = ScanLayout<E, G, KDA>;
+  using Params = ScanParams<E, G, KDA>;
   const int64_t blocks = slots * p.HV;
   auto prep = prefill::hopper::chunk_prefill_hopper_prep_kernel<In>;
-  auto scan = prefill::hopper::chunk_prefill_hopper_scan_kernel<E, G>;
-  // Both kernels opted into their shared memory once per device; one scan CTA fits an SM (its
+  auto prep_kda = prefill::hopper::chunk_prefill_hopper_prep_kda_kernel<In>;
+  auto scan = prefill::hopper::chunk_prefill_hopper_scan_kernel<E, G, KDA>;
+  // The kernels opted into their shared memory once per device; one scan CTA fits an SM (its
   // shared memory), which the early-trigger rule of PDL reads.
   static PerDeviceOnce opted;
   const int resident = opted.get(p.device.index, [=] {
-    DS_CUDA_CHECK(
-        cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepLayout::SMEM));
+    if constexpr (KDA)
+      DS_CUDA_CHECK(cudaFuncSetAttribute(prep_kda, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         PrepKdaLayout::SMEM));
+    else
+      DS_CUDA_CHECK(cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         PrepLayout::SMEM));
     DS_CUDA_CHECK(
         cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize, Lay::kSmem));
     DS_CUDA_CHECK(cudaFuncSetAttribute(chunk_prefill_hopper_combine_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kCombineSmem));
     return 1;
   });
-  // a prep CTA makes the blocks of the two value heads that share a key head (GVA) where there
-  // are two
-  const int nv = (p.HV / p.H) % PrepLayout::NV == 0 ? PrepLayout::NV : 1;
-  if (slots > 0)
-    launch_kernel(prep, dim3(static_cast<unsigned>(slots), static_cast<unsigned>(p.HV / nv)),
-                  dim3(PrepLayout::THREADS), PrepLayout::SMEM, stream, p.pdl, p, slots, nv);
+  if constexpr (KDA) {
+    if (slots > 0)
+      launch_kernel(prep_kda, dim3(static_cast<unsigned>(slots), static_cast<unsigned>(p.HV)),
+                    dim3(PrepKdaLayout::THREADS), PrepKdaLayout::SMEM, stream, p.pdl, p, slots);
+  } else {
+    // a prep CTA makes the blocks of the two value heads that share a key head (GVA) where there
+    // are two
+    const int nv = (p.HV / p.H) % PrepLayout::NV == 0 ? PrepLayout::NV : 1;
+    if (slots > 0)
+      launch_kernel(prep, dim3(static_cast<unsigned>(slots), static_cast<unsigned>(p.HV / nv)),
+                    dim3(PrepLayout::THREADS), PrepLayout::SMEM, stream, p.pdl, p, slots, nv);
+  }
 
   const int T = static_cast<int>(p.T), N = p.cu_seqlens ? 1 : p.N;
   auto view = [&](const auto& t, int heads) {
@@ -103,8 +119,19 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
   const BlockPtrs ws = block_ptrs(p.workspace, blocks, 0);
   Params params{};
   params.p = p;
-  params.q = make_tma_copy(SM90_TMA_LOAD{}, view(p.q, p.H), typename Lay::InTile{});
-  params.k = make_tma_copy(SM90_TMA_LOAD{}, view(p.k, p.H), typename Lay::InTile{});
+  if constexpr (KDA) {  // the prep's decayed q, k and update keys, [slots * C, D, HV, 1]
+    const int rows = static_cast<int>(slots * kC);
+    auto ws_view = [&](void* a) {
+      return head_view<const E>(static_cast<const E*>(a), rows, static_cast<int>(p.HV), 1, kD,
+                                int64_t{rows} * kD, 8);
+    };
+    params.q = make_tma_copy(SM90_TMA_LOAD{}, ws_view(ws.qg), typename Lay::InTile{});
+    params.k = make_tma_copy(SM90_TMA_LOAD{}, ws_view(ws.kg), typename Lay::InTile{});
+    params.kd = make_tma_copy(SM90_TMA_LOAD{}, ws_view(ws.kd), typename Lay::InTile{});
+  } else {
+    params.q = make_tma_copy(SM90_TMA_LOAD{}, view(p.q, p.H), typename Lay::InTile{});
+    params.k = make_tma_copy(SM90_TMA_LOAD{}, view(p.k, p.H), typename Lay::InTile{});
+  }
   params.v = make_tma_copy(SM90_TMA_LOAD{}, view(p.v, p.HV), typename Lay::VTile{});
   const int nb = static_cast<int>(blocks);
   params.t = make_tma_copy(SM90_TMA_LOAD{}, matrix_view<E>(static_cast<const E*>(ws.t), nb),
@@ -128,7 +155,7 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
   params.segs = cp.segs;
   params.seg_chunks = cp.seg_chunks;
   params.cp = reinterpret_cast<float*>(static_cast<unsigned char*>(p.workspace) +
-                                       hopper_prefill_workspace_bytes(slots, p.HV));
+                                       hopper_prefill_workspace_bytes(slots, p.HV, KDA));
   int64_t ctas = p.num_heads_total() * Lay::kSplit;
   if (cp.on()) {  // transfer pass, combine, then the segments
     params.pass = ScanPass::transfer;
@@ -147,8 +174,9 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
 }
 
 // Whether the Hopper kernels run this problem: hopper_prefill_shapes, q/k/v all bf16 (or all
-// fp16 in the full build) with TMA-readable strides, output rows the bulk copies can write, TMA
-// coordinates in 32 bits, the scan's shared memory on the device.
+// fp16 in the full build) with TMA-readable strides, output rows the bulk copies can write (KDA:
+// in the input dtype, its scan's staging rows), TMA coordinates in 32 bits, the scan's shared
+// memory on the device.
 bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
   if (!hopper_prefill_shapes(p.K, p.V, p.gate.kda, p.device.index)) return false;
 #if DELTASTATE_CUDA_ALL_KERNELS
@@ -157,6 +185,7 @@ bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
   const bool dtype_ok = p.q.dtype == DType::bf16;
 #endif
   if (!dtype_ok || p.k.dtype != p.q.dtype || p.v.dtype != p.q.dtype) return false;
+  if (p.gate.kda && p.out.dtype != p.q.dtype) return false;
   if (!tma_readable(p.q, p, p.H) || !tma_readable(p.k, p, p.H) || !tma_readable(p.v, p, p.HV))
     return false;
   // output rows leave as 16-byte aligned bulk copies of 64 elements
@@ -169,46 +198,60 @@ bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
     return false;
   // TMA coordinates are 32-bit: tokens, and the workspace's rows (blocks * 64)
   const int64_t slots = prefill::split_chunk_slots(p);
+  const int smem =
+      p.gate.kda ? std::max(ScanLayout<cutlass::bfloat16_t, 2, true>::kSmem, PrepKdaLayout::SMEM)
+                 : ScanLayout<cutlass::bfloat16_t, 2>::kSmem;
   return p.T < (int64_t{1} << 31) && slots * p.HV * kC < (int64_t{1} << 31) &&
-         ScanLayout<cutlass::bfloat16_t, 2>::kSmem <= max_smem_optin(p.device.index);
+         smem <= max_smem_optin(p.device.index);
+}
+
+template <class In, class E>
+void launch_shape(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, bool split,
+                  cudaStream_t stream) {
+  if (p.gate.kda) {
+    if (split) launch<In, E, 1, true>(p, slots, cp, stream);
+    else launch<In, E, 2, true>(p, slots, cp, stream);
+  } else {
+    if (split) launch<In, E, 1, false>(p, slots, cp, stream);
+    else launch<In, E, 2, false>(p, slots, cp, stream);
+  }
 }
 
 }  // namespace
 
-int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV) {
-  return Blocks::bytes(slots * HV);
+int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV, bool kda) {
+  return Blocks::bytes(slots * HV, kda);
 }
 
-int64_t hopper_prefill_cp_workspace_bytes(int64_t N, int64_t HV, int64_t T, int device) {
-  return cp_bytes(cp_plan(N, HV, T, num_sms(device)), HV);
+int64_t hopper_prefill_cp_workspace_bytes(int64_t N, int64_t HV, int64_t T, bool kda, int device) {
+  return cp_bytes(cp_plan(N, HV, T, kda, num_sms(device)), HV);
 }
 
 bool hopper_prefill_shapes(int K, int V, bool kda, int device) {
+  (void)kda;  // GDN and KDA alike
   const PrefillChoice forced = forced_prefill_kernel();
   if (forced != PrefillChoice::automatic && forced != PrefillChoice::hopper) return false;
-  return !kda && K == kD && V == kD && compute_capability(device) == 90;
+  return K == kD && V == kD && compute_capability(device) == 90;
 }
 
 bool run_hopper_prefill(const ChunkPrefillProblem& p, cudaStream_t stream) {
   if (!hopper_prefill_applies(p)) return false;
   const int64_t slots = prefill::split_chunk_slots(p);
-  const int64_t blocks_bytes = hopper_prefill_workspace_bytes(slots, p.HV);
+  const int64_t blocks_bytes = hopper_prefill_workspace_bytes(slots, p.HV, p.gate.kda);
   if (!p.workspace || !aligned16(p.workspace) || p.workspace_bytes < blocks_bytes) return false;
   const int sms = num_sms(p.device.index);
   // context parallelism where planned and the workspace holds its states (sized by
   // hopper_prefill_cp_workspace_bytes, it does)
-  CpPlan cp = cp_plan(p.N, p.HV, p.T, sms);
+  CpPlan cp = cp_plan(p.N, p.HV, p.T, p.gate.kda, sms);
   if (p.workspace_bytes < blocks_bytes + cp_bytes(cp, p.HV)) cp = CpPlan{};
   // The V split where the whole heads' CTAs would fill at most half of the GPU.
   const bool split = prefill_vsplit_pays(p.num_heads_total(), sms);
   if (p.q.dtype == DType::bf16) {
-    if (split) launch<__nv_bfloat16, cutlass::bfloat16_t, 1>(p, slots, cp, stream);
-    else launch<__nv_bfloat16, cutlass::bfloat16_t, 2>(p, slots, cp, stream);
+    launch_shape<__nv_bfloat16, cutlass::bfloat16_t>(p, slots, cp, split, stream);
     return true;
   }
 #if DELTASTATE_CUDA_ALL_KERNELS
-  if (split) launch<__half, cutlass::half_t, 1>(p, slots, cp, stream);
-  else launch<__half, cutlass::half_t, 2>(p, slots, cp, stream);
+  launch_shape<__half, cutlass::half_t>(p, slots, cp, split, stream);
   return true;
 #else
   return false;

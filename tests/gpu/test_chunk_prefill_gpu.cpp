@@ -31,6 +31,12 @@
 //    (the state, a X1, v', v' d, T diag(beta), P; no hi + lo pairs): the emulation
 //    (tests/gpu/emulate_hopper_prefill.py) measured 2.4-2.9e-3 on the outputs and 2.0-2.6e-3 on
 //    the states against an fp64 recurrence, as FlashInfer's 2.9e-3 and below FLA's 3.6-4.4e-3.
+//  * Hopper KDA kernels (the same, hopper_prep_kda.cuh): 5e-3, as the tensor-core kernel's KDA
+//    bound. Besides GDN's roundings, the decayed q, k and update keys are rounded once (as in the
+//    tensor-core kernel), and the blocks below the diagonal of A and P come from fp16 sub-chunk
+//    factors: the emulation (tests/gpu/emulate_hopper_kda.py) measured up to 4.4e-3 on outputs
+//    and 3.8e-3 on states over 2048 tokens (log-space gates), 4.6e-3 at worst over 30 short
+//    draws (the safe gate's state: T diag(beta)'s one rounding of beta), per head.
 //  * Fallback (fp32 token recurrence): 2e-5, as the CPU chunked-vs-recurrent bound.
 // Cases that can run on either kernel use the tensor-core bound (DELTASTATE_CUDA_PREFILL=fallback
 // runs them all on the fallback; builds without DELTASTATE_CUDA_ALL_KERNELS run K = 64 and fp16
@@ -62,6 +68,7 @@ using PrefillGpuTest = GpuTest;
 constexpr double kTensorCoreTol = 3e-3;
 constexpr double kTensorCoreKdaTol = 5e-3;
 constexpr double kHopperTol = 4e-3;
+constexpr double kHopperKdaTol = 5e-3;
 constexpr double kFallbackTol = 2e-5;
 
 void report(const std::string& what, double rel) {
@@ -189,7 +196,7 @@ bool hopper_device() {
 bool hopper_runs(const GpuPrefillCase& c) {
   const char* forced = std::getenv("DELTASTATE_CUDA_PREFILL");
   if (forced && std::string(forced) != "hopper") return false;
-  if (c.fallback_only || c.spec.kda || c.spec.s.K != 128 || c.spec.s.V != 128) return false;
+  if (c.fallback_only || c.spec.s.K != 128 || c.spec.s.V != 128) return false;
 #if DELTASTATE_TEST_ALL_KERNELS
   if (c.spec.act != DType::bf16 && c.spec.act != DType::f16) return false;
 #else
@@ -200,7 +207,7 @@ bool hopper_runs(const GpuPrefillCase& c) {
 
 double tolerance(const GpuPrefillCase& c) {
   if (c.fallback_only) return kFallbackTol;
-  if (hopper_runs(c)) return kHopperTol;
+  if (hopper_runs(c)) return c.spec.kda ? kHopperKdaTol : kHopperTol;
   return c.spec.kda ? kTensorCoreKdaTol : kTensorCoreTol;
 }
 int roundings(const GpuPrefillCase& c) { return c.fallback_only ? 2 : 1; }

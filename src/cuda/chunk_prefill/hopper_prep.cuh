@@ -78,6 +78,60 @@ struct PrepInverseSync {
 // Warps 4-7's barrier while warps 0-3 invert.
 __device__ __forceinline__ void prep_p_sync() { bar_sync(2, 128); }
 
+// rk (threads 0-127) and rq (128-255) of the chunk's k and q rows [C][D + 8] in shared memory:
+// two threads a row, 64 elements each, joined by one shuffle (a warp a token would wait on five
+// shuffles per norm, 16 tokens in turn). The two halves start 64 bytes apart in the bank cycle,
+// so the pair's loads do not conflict. Rows at or past cv get 0.
+template <class In>
+__device__ __forceinline__ void prep_norms(const ChunkPrefillProblem& p, const In* Ks, const In* Qs,
+                                           int cv, int tid, float* sRk, float* sRq) {
+  constexpr int D = kD, LDI = D + 8, NT = 256;
+  const bool is_q = tid >= NT / 2;
+  const int r = (tid % (NT / 2)) / 2, half = tid % 2;
+  const In* row = (is_q ? Qs : Ks) + r * LDI + (D / 2) * half;
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    const int jj = (j + 4 * half) % (D / 16);
+    const uint4 w = *reinterpret_cast<const uint4*>(row + 8 * jj);
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 x = Mma<In>::unpack(u[e]);
+      sum = fmaf(x.x, x.x, sum);
+      sum = fmaf(x.y, x.y, sum);
+    }
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  if (half == 0) (is_q ? sRq : sRk)[r] = qk_factor(p, sum, r < cv, is_q ? p.scale : 1.0f);
+}
+
+// A block's P from Pb [C][LDB] (16-bit) to `dst` [C][C], zeros above the diagonal blocks, by the
+// `nt` threads of index i0 = 0.. (16-byte pieces).
+template <class In>
+__device__ __forceinline__ void store_p_block(void* dst, const In* Pb, int i0, int nt) {
+  constexpr int C = kC, LDB = TcInverse::LDH;
+  for (int i = i0; i < C * (C / 8); i += nt) {  // row t, columns 8 c8 ..
+    const int t = i / (C / 8), c8 = 8 * (i % (C / 8));
+    reinterpret_cast<uint4*>(dst)[i] = c8 / 16 <= t / 16
+                                           ? *reinterpret_cast<const uint4*>(Pb + t * LDB + c8)
+                                           : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// T diag(beta)'s blocks above the diagonal in `tb` [C][C] (16-bit) as zeros, by 128 threads:
+// the rows of block strip r have 16 (3 - r) columns there, 12 + 8 + 4 pieces of 8.
+template <class In>
+__device__ __forceinline__ void store_tb_upper_zeros(In* tb, int tid) {
+  constexpr int C = kC;
+  for (int i = tid; i < 16 * 12; i += 128) {
+    const int r = i < 16 * 6 ? 0 : i < 16 * 10 ? 1 : 2;
+    const int j = i - (r == 0 ? 0 : r == 1 ? 16 * 6 : 16 * 10), per = 2 * (3 - r);
+    const int t = 16 * r + j / per, c8 = 16 * (r + 1) + 8 * (j % per);
+    *reinterpret_cast<uint4*>(tb + t * C + c8) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // The value heads of blockIdx.y: `nv` (1 or 2) consecutive ones sharing a key head.
 template <class In>
 __global__ void __launch_bounds__(PrepLayout::THREADS, 4)
@@ -120,28 +174,7 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 4)
   }
   cp_async_wait_group<0>();
   __syncthreads();
-  {  // rk (threads 0-127) and rq (128-255): two threads a row, 64 elements each, joined by one
-    // shuffle (a warp a token would wait on five shuffles per norm, 16 tokens in turn). The two
-    // halves start 64 bytes apart in the bank cycle, so the pair's loads do not conflict.
-    const bool is_q = tid >= NT / 2;
-    const int r = (tid % (NT / 2)) / 2, half = tid % 2;
-    const In* row = (is_q ? Qs : Ks) + r * LDI + (D / 2) * half;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < D / 16; ++j) {
-      const int jj = (j + 4 * half) % (D / 16);
-      const uint4 w = *reinterpret_cast<const uint4*>(row + 8 * jj);
-      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = M::unpack(u[e]);
-        sum = fmaf(x.x, x.x, sum);
-        sum = fmaf(x.y, x.y, sum);
-      }
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if (half == 0) (is_q ? sRq : sRk)[r] = qk_factor(p, sum, r < cv, is_q ? p.scale : 1.0f);
-  }
+  prep_norms(p, Ks, Qs, cv, tid, sRk, sRq);
   __syncthreads();
   if (tid < nv * C) {  // head tid / C's per-token factors
     const int v = tid / C, t = tid % C;
@@ -235,12 +268,7 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 4)
       prep_p_sync();
       const BlockPtrs out =
           block_ptrs(p.workspace, slots * p.HV, int64_t{hv0 + v} * slots + blockIdx.x);
-      for (int i = pt; i < C * (C / 8); i += NT / 2) {  // 16-byte pieces: row t, columns 8 c8 ..
-        const int t = i / (C / 8), c8 = 8 * (i % (C / 8));
-        reinterpret_cast<uint4*>(out.p)[i] =
-            c8 / 16 <= t / 16 ? *reinterpret_cast<const uint4*>(Pb + t * LDB + c8)
-                              : make_uint4(0, 0, 0, 0);  // above the diagonal
-      }
+      store_p_block(out.p, Pb, pt, NT / 2);
       for (int i = pt; i < 4 * C; i += NT / 2) {
         const int r = i / C, t = i % C;
         out.scal[i] = r == 0   ? sc(v, kA)[t]
@@ -266,13 +294,7 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 4)
         Ah(v), Ad(v), Th, warp, lane, sync, [&](int t, int s0, float x0, float x1) {
           *reinterpret_cast<uint32_t*>(tb + t * C + s0) = M::pack(x0 * beta[s0], x1 * beta[s0 + 1]);
         });
-    // rows of block strip r have 16 (3 - r) columns above the diagonal: 12 + 8 + 4 pieces of 8
-    for (int i = tid; i < 16 * 12; i += NT / 2) {
-      const int r = i < 16 * 6 ? 0 : i < 16 * 10 ? 1 : 2;
-      const int j = i - (r == 0 ? 0 : r == 1 ? 16 * 6 : 16 * 10), per = 2 * (3 - r);
-      const int t = 16 * r + j / per, c8 = 16 * (r + 1) + 8 * (j % per);
-      *reinterpret_cast<uint4*>(tb + t * C + c8) = make_uint4(0, 0, 0, 0);
-    }
+    store_tb_upper_zeros(tb, tid);
   }
 }
 

@@ -60,12 +60,17 @@ constexpr int kD = 128;                                  // K = V
 constexpr int kStages = 2;
 // The output staging of one consumer warp group: two buffers (chunks alternate) of 64 token rows
 // of its 64 columns in the output dtype, rows padded by 16 bytes so that the warp's writes of
-// one accumulator value (4 token rows 2 apart, 8 columns) fall in distinct banks.
-constexpr int kOutRow = 64 * 4 + 16;  // bytes per staged row, room for fp32
-constexpr int kOutBuf = kC * kOutRow;
+// one accumulator value (4 token rows 2 apart, 8 columns) fall in distinct banks: room for fp32
+// rows, or (KDA, whose stage holds a third [C][D] tile: the output in the input dtype only) for
+// 16-bit rows.
+template <bool KDA>
+constexpr int kOutRow = 64 * (KDA ? 2 : 4) + 16;  // bytes per staged row
+template <bool KDA>
+constexpr int kOutBuf = kC* kOutRow<KDA>;
 // A staging buffer is also a TMA store's swizzled box, whose swizzle the TMA takes from the
 // address bits: every buffer starts 1024-byte aligned (ScanLayout::Storage::out is).
-static_assert(kOutBuf % 1024 == 0, "staging buffers at 1024-byte boundaries");
+static_assert(kOutBuf<false> % 1024 == 0 && kOutBuf<true> % 1024 == 0,
+              "staging buffers at 1024-byte boundaries");
 
 // Named barriers (ids 1-15; no CUTLASS collective of this kernel uses them): per consumer warp
 // group g and staging buffer b, "full" (the group wrote it; the storer warp may copy it out) and
@@ -82,34 +87,54 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
 
 // The prep kernel's blocks in the workspace, one per (value head, chunk slot) b = hv * slots + j:
 // three arrays, Tb [blocks][C][C] and P [blocks][C][C] in the input dtype, then the per-token
-// factors [blocks][4][C] fp32 (rows a, b, d; row 3 holds gamma in its first entry).
+// factors [blocks][4][C] fp32 (GDN: rows a, b, d; row 3 holds gamma in its first entry; KDA:
+// rows 2 and 3 hold gamma = e^{G_L} per key channel, [D]); KDA then has three more arrays
+// [blocks][C][D] in the input dtype: the decayed queries q^ e^{G}, keys k^ e^{G} and the update's
+// keys k^ e^{G_L - G} (hopper_prep_kda.cuh).
 struct Blocks {
   static constexpr int64_t kMatBytes = int64_t{kC} * kC * 2;
   static constexpr int64_t kScalBytes = 4 * int64_t{kC} * 4;
+  static constexpr int64_t kRowsBytes = int64_t{kC} * kD * 2;  // KDA: one [C][D] array's block
   static constexpr int64_t kBytes = 2 * kMatBytes + kScalBytes;
-  static constexpr int64_t bytes(int64_t blocks) { return blocks * kBytes; }
+  static constexpr int64_t bytes(int64_t blocks, bool kda = false) {
+    return blocks * (kBytes + (kda ? 3 * kRowsBytes : 0));
+  }
   static constexpr int64_t p_offset(int64_t blocks) { return blocks * kMatBytes; }
   static constexpr int64_t scal_offset(int64_t blocks) { return 2 * blocks * kMatBytes; }
+  // KDA's array i (0: q^ e^{G}, 1: k^ e^{G}, 2: k^ e^{G_L - G})
+  static constexpr int64_t rows_offset(int64_t blocks, int i) {
+    return blocks * kBytes + i * blocks * kRowsBytes;
+  }
 };
-// Block b's three parts (b = hv * slots + j; b = 0: the arrays' starts).
+// Block b's parts (b = hv * slots + j; b = 0: the arrays' starts); qg, kg, kd only with KDA.
 struct BlockPtrs {
   void* t;
   void* p;
   float* scal;
+  void* qg;
+  void* kg;
+  void* kd;
 };
 __host__ __device__ __forceinline__ BlockPtrs block_ptrs(void* workspace, int64_t blocks,
                                                          int64_t b) {
   unsigned char* const w = static_cast<unsigned char*>(workspace);
-  return {w + b * Blocks::kMatBytes, w + Blocks::p_offset(blocks) + b * Blocks::kMatBytes,
-          reinterpret_cast<float*>(w + Blocks::scal_offset(blocks)) + b * 4 * kC};
+  auto rows = [&](int i) { return w + Blocks::rows_offset(blocks, i) + b * Blocks::kRowsBytes; };
+  return {w + b * Blocks::kMatBytes,
+          w + Blocks::p_offset(blocks) + b * Blocks::kMatBytes,
+          reinterpret_cast<float*>(w + Blocks::scal_offset(blocks)) + b * 4 * kC,
+          rows(0),
+          rows(1),
+          rows(2)};
 }
 
 // The shape of one scan CTA: G consumer warp groups (64 state rows each) of a value head's
 // 128, so 2 / G CTAs per (sequence, value head). G = 2 takes the whole head; G = 1 half of it
 // (the V split: the state's rows are independent, so two CTAs run a head's halves with no
 // communication, each reading the chunk's q, k and its half of v). Shared-memory layouts of one
-// element type E (cutlass::bfloat16_t or half_t).
-template <class E, int G>
+// element type E (cutlass::bfloat16_t or half_t). KDA: q and k are the prep's decayed q^ e^{G}
+// and k^ e^{G} (no per-token factors a, b, d), and a third tile, the update's keys
+// k^ e^{G_L - G}, follows k's stages in the same array.
+template <class E, int G, bool KDA = false>
 struct ScanLayout {
   static_assert(G == 1 || G == 2, "one or two consumer warp groups");
   static constexpr int kSplit = 2 / G, kThreads = 128 * (1 + G);
@@ -141,17 +166,18 @@ struct ScanLayout {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   struct alignas(1024) Storage {
-    cute::array_aligned<E, cosize_v<In>, 1024> q, k;
+    cute::array_aligned<E, cosize_v<In>, 1024> q;
+    cute::array_aligned<E, cosize_v<In>*(KDA ? 2 : 1), 1024> k;  // KDA: k^ e^{G}, then k^ e^{G_L-G}
     cute::array_aligned<E, cosize_v<Vt>, 1024> v;
     cute::array_aligned<E, cosize_v<Mat>, 1024> t, p;
     cute::array_aligned<float, cosize_v<Scal>, 128> scal;
-    cute::array_aligned<unsigned char, G * 2 * kOutBuf, 1024> out;  // o staged [t][v]
+    cute::array_aligned<unsigned char, G * 2 * kOutBuf<KDA>, 1024> out;  // o staged [t][v]
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmem = static_cast<int>(sizeof(Storage));
   static_assert(offsetof(Storage, out) % 1024 == 0, "the output staging 1024-byte aligned");
   static constexpr uint32_t kStageBytes = static_cast<uint32_t>(
-      (2 * cosize_v<InTile> + cosize_v<VTile> + 2 * cosize_v<MatTile>)*sizeof(E) +
+      ((KDA ? 3 : 2) * cosize_v<InTile> + cosize_v<VTile> + 2 * cosize_v<MatTile>)*sizeof(E) +
       cosize_v<ScalTile> * sizeof(float));
 
   // The products of one consumer warp group (its 64 rows of S): X1, X2, v' P^T and the second
@@ -192,9 +218,9 @@ inline auto scalar_view(const float* ptr, int blocks) {
 // state.
 enum class ScanPass { whole, transfer, segments };
 
-template <class E, int G>
+template <class E, int G, bool KDA = false>
 struct ScanParams {
-  using Lay = ScanLayout<E, G>;
+  using Lay = ScanLayout<E, G, KDA>;
   using TmaIn = decltype(make_tma_copy(
       SM90_TMA_LOAD{}, head_view<const E>(nullptr, 1, 1, 1, 8, 8, 8), typename Lay::InTile{}));
   using TmaV = decltype(make_tma_copy(
@@ -206,7 +232,8 @@ struct ScanParams {
   using TmaOut = decltype(make_tma_copy(SM90_TMA_STORE{}, head_view<E>(nullptr, 1, 1, 1, 8, 8, 8),
                                         typename Lay::OutTile{}));
   detail::ChunkPrefillProblem p;
-  TmaIn q, k;
+  TmaIn q, k;  // KDA: the workspace's q^ e^{G}, k^ e^{G} as [slots * C, D, HV, 1]
+  TmaIn kd;    // KDA: the workspace's k^ e^{G_L - G}
   TmaV v;
   TmaMat t, pm;
   TmaScal scal;
@@ -396,10 +423,10 @@ static __device__ __noinline__ void store_state_vals(void* base, DType dtype, in
   }
 }
 
-template <class E, int G>
-__global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
-    chunk_prefill_hopper_scan_kernel(const __grid_constant__ ScanParams<E, G> P) {
-  using Lay = ScanLayout<E, G>;
+template <class E, int G, bool KDA = false>
+__global__ void __launch_bounds__(ScanLayout<E, G, KDA>::kThreads, 1)
+    chunk_prefill_hopper_scan_kernel(const __grid_constant__ ScanParams<E, G, KDA> P) {
+  using Lay = ScanLayout<E, G, KDA>;
   constexpr int kThreads = Lay::kThreads;
   using Pipeline = typename Lay::Pipeline;
   const detail::ChunkPrefillProblem& p = P.p;
@@ -413,6 +440,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
   if (tid == 0) {
     prefetch_tma_descriptor(P.q.get_tma_descriptor());
     prefetch_tma_descriptor(P.k.get_tma_descriptor());
+    if constexpr (KDA) prefetch_tma_descriptor(P.kd.get_tma_descriptor());
     prefetch_tma_descriptor(P.v.get_tma_descriptor());
     prefetch_tma_descriptor(P.t.get_tma_descriptor());
     prefetch_tma_descriptor(P.pm.get_tma_descriptor());
@@ -467,20 +495,32 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
       };
       Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Lay::In{});
       Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::In{});
+      Tensor sKd =
+          make_tensor(make_smem_ptr(ss.k.data() + cosize_v<typename Lay::In>), typename Lay::In{});
       Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Lay::Vt{});
       Tensor sT = make_tensor(make_smem_ptr(ss.t.data()), typename Lay::Mat{});
       Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Lay::Mat{});
       Tensor sS = make_tensor(make_smem_ptr(ss.scal.data()), typename Lay::Scal{});
-      auto in_shape = make_shape(P.in_T, Int<kD>{}, p.H, P.in_N);
+      // KDA: q and k are the workspace's rows [slots * C, D, HV, 1] of the sequence's chunk slots
+      auto in_shape = KDA ? make_shape(static_cast<int>(P.slots * kC), Int<kD>{}, p.HV, 1)
+                          : make_shape(P.in_T, Int<kD>{}, p.H, P.in_N);
+      const int qk_tok = KDA ? static_cast<int>(slot0) * kC : tok0;
+      const int qk_head = KDA ? s.hv : s.h, qk_seq = KDA ? 0 : seq;
       auto v_shape = make_shape(P.in_T, Int<kD>{}, p.HV, P.in_N);
       const int blocks = static_cast<int>(P.slots * p.HV);
       // (tile, chunk) over the sequence's tokens; (tile, block) over the workspace
       auto [gq, sq] = tile(
-          P.q, domain_offset(make_coord(tok0, 0), P.q.get_tma_tensor(in_shape)(_, _, s.h, seq)), sQ,
-          make_coord(_, 0));
+          P.q,
+          domain_offset(make_coord(qk_tok, 0), P.q.get_tma_tensor(in_shape)(_, _, qk_head, qk_seq)),
+          sQ, make_coord(_, 0));
       auto [gk, sk] = tile(
-          P.k, domain_offset(make_coord(tok0, 0), P.k.get_tma_tensor(in_shape)(_, _, s.h, seq)), sK,
-          make_coord(_, 0));
+          P.k,
+          domain_offset(make_coord(qk_tok, 0), P.k.get_tma_tensor(in_shape)(_, _, qk_head, qk_seq)),
+          sK, make_coord(_, 0));
+      auto [gkd, skd] = tile(P.kd,
+                             domain_offset(make_coord(qk_tok, 0),
+                                           P.kd.get_tma_tensor(in_shape)(_, _, qk_head, qk_seq)),
+                             sKd, make_coord(_, 0));
       auto [gv, sv] = tile(
           P.v, domain_offset(make_coord(tok0, 0), P.v.get_tma_tensor(v_shape)(_, _, s.hv, seq)), sV,
           make_coord(_, part));
@@ -498,6 +538,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
         const int stage = state.index();
         if (!transfer) copy(P.q.with(*bar), gq(_, ci), sq(_, stage));
         copy(P.k.with(*bar), gk(_, ci), sk(_, stage));
+        if constexpr (KDA) copy(P.kd.with(*bar), gkd(_, ci), skd(_, stage));
         if (!m_pass) copy(P.v.with(*bar), gv(_, ci), sv(_, stage));
         copy(P.t.with(*bar), gt(_, block0 + ci), st(_, stage));
         if (!transfer) copy(P.pm.with(*bar), gp(_, block0 + ci), sp(_, stage));
@@ -520,7 +561,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
         const int64_t c0 = int64_t{ci} * kC;
         const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
         bar_sync(bar_full(g, b), 160);
-        unsigned char* const buf = ss.out.data() + (2 * g + b) * kOutBuf;
+        unsigned char* const buf = ss.out.data() + (2 * g + b) * kOutBuf<KDA>;
         if (P.tma_out && cv == kC) {
           if (lane == 0) {
             Tensor sO =
@@ -537,7 +578,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
           for (int t = lane; t < cv; t += 32) {
             unsigned char* row = static_cast<unsigned char*>(p.out.ptr) +
                                  (head_offset(p.out, s.seq, s.tok0 + c0 + t, s.hv) + v0) * esize;
-            SM90_BULK_COPY_S2G::copy(buf + t * kOutRow, row, static_cast<int32_t>(64 * esize));
+            SM90_BULK_COPY_S2G::copy(buf + t * kOutRow<KDA>, row, static_cast<int32_t>(64 * esize));
           }
         }
         tma_store_arrive();
@@ -562,7 +603,9 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Lay::In{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::In{});
-  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Lay::InT{});
+  // the update's B: k (GDN) or the second tile of k's array, k^ e^{G_L - G} (KDA)
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data() + (KDA ? cosize_v<typename Lay::In> : 0)),
+                           typename Lay::InT{});
   // this warp group's 64 rows v of V^T: the second 64-column swizzle atom of v for cw = 1
   Tensor sVt = local_tile(make_tensor(make_smem_ptr(ss.v.data()), typename Lay::VtT{}),
                           Shape<_64, Int<kC>, Int<kStages>>{}, make_coord(cw, 0, 0));
@@ -632,7 +675,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
   for (int ci = cb; ci < ce; ++ci) {
     pipe.consumer_wait(state);
     const int stage = state.index();
-    const float* scal = ss.scal.data() + stage * 4 * kC;  // rows a, b, d; gamma
+    const float* scal = ss.scal.data() + stage * 4 * kC;  // rows a, b, d; gamma (KDA: rows 2-3)
 
     // X1 = S K^T, X2 = S Q^T
     Tensor Sa = acc_to_a<E, kD>(S, [](int, float x) { return x; });
@@ -646,10 +689,15 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     turn_end();
     warpgroup_wait<0>();
 
-    // v'^T = V^T Tb^T + bf16(-a X1) Tb^T; X2 becomes b X2
-    Tensor Ya = acc_to_a<E, kC>(X1, [&](int i, float x) { return -scal[acc_col(ct, i)] * x; });
-    CUTE_UNROLL
-    for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + acc_col(ct, i)];
+    // v'^T = V^T Tb^T + bf16(-a X1) Tb^T; X2 becomes b X2 (KDA: a = b = 1)
+    Tensor Ya = acc_to_a<E, kC>(X1, [&](int i, float x) {
+      if constexpr (KDA) return -x;
+      else return -scal[acc_col(ct, i)] * x;
+    });
+    if constexpr (!KDA) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(X2); ++i) X2(i) *= scal[kC + acc_col(ct, i)];
+    }
     Tensor U = partition_fragment_C(mma_x, Shape<_64, Int<kC>>{});
     turn_begin();
     warpgroup_arrive();
@@ -660,13 +708,21 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     turn_end();
     warpgroup_wait<0>();
 
-    // o^T = b X2 + bf16(v'^T) P^T;  S = gamma S + bf16(v'^T d) K
+    // o^T = b X2 + bf16(v'^T) P^T;  S = gamma S + bf16(v'^T d) K (KDA: S diag(gamma) +
+    // bf16(v'^T) (k^ e^{G_L - G}))
     Tensor Ua = acc_to_a<E, kC>(U, [](int, float x) { return x; });
-    Tensor Ud =
-        acc_to_a<E, kC>(U, [&](int i, float x) { return x * scal[2 * kC + acc_col(ct, i)]; });
-    const float gamma = scal[3 * kC];
-    CUTE_UNROLL
-    for (int i = 0; i < size(S); ++i) S(i) *= gamma;
+    Tensor Ud = acc_to_a<E, kC>(U, [&](int i, float x) {
+      if constexpr (KDA) return x;
+      else return x * scal[2 * kC + acc_col(ct, i)];
+    });
+    if constexpr (KDA) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(S); ++i) S(i) *= scal[2 * kC + acc_col(ct, i)];
+    } else {
+      const float gamma = scal[3 * kC];
+      CUTE_UNROLL
+      for (int i = 0; i < size(S); ++i) S(i) *= gamma;
+    }
     turn_begin();
     warpgroup_arrive();
     wg_gemm<false>(mma_x, Ua, dP(_, _, _, stage), X2);  // transfer: unused (no P loaded)
@@ -683,12 +739,12 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
     const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
     const int b = ci & 1;
     if (ci >= cb + 2) bar_sync(bar_empty(cw, b), 160);  // chunk ci - 2's copy has read it
-    unsigned char* const buf = ss.out.data() + (2 * cw + b) * kOutBuf;
+    unsigned char* const buf = ss.out.data() + (2 * cw + b) * kOutBuf<KDA>;
     auto stage_out = [&](auto zero) {
       using O = decltype(zero);
       CUTE_UNROLL
       for (int i = 0; i < size(X2); ++i)
-        reinterpret_cast<O*>(buf + acc_col(ct, i) * kOutRow)[acc_row(ct, i)] =
+        reinterpret_cast<O*>(buf + acc_col(ct, i) * kOutRow<KDA>)[acc_row(ct, i)] =
             static_cast<O>(X2(i));
     };
     if (P.tma_out && cv == kC) {
@@ -704,7 +760,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G>::kThreads, 1)
       stage_out(cutlass::bfloat16_t{});
     } else if (p.out.dtype == DType::f16) {
       stage_out(cutlass::half_t{});
-    } else {
+    } else if constexpr (!KDA) {  // (KDA's rows have room for 16-bit outputs only)
       stage_out(0.0f);
     }
     tma_store_fence();  // the bulk copies (the async proxy) read what these stores wrote

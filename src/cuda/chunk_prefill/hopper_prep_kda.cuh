@@ -1,0 +1,307 @@
+// The prep kernel of the Hopper KDA prefill (K = V = 128, q/k/v all bf16 or all fp16): everything
+// of a chunk that does not involve the state, in parallel over chunk slots and value heads, into
+// the workspace blocks the scan kernel (hopper_scan.cuh, KDA) loads with TMA. Part of
+// chunk_prefill_hopper.cu's translation unit.
+//
+// KDA's decay is per key channel c: G_t[c] = the chunk's cumulative log decay up to token t, so
+// the token pairs' products carry e^{G_t[c] - G_s[c]} inside the sum over c and no per-token
+// factor can be pulled out of them (GDN's prep, hopper_prep.cuh, scales whole products). With
+// k^ = rk k, q^ = rq q (the norms; rq with the scale):
+//   A_ts = beta_t sum_c k^_t k^_s e^{G_t - G_s} (s < t),  P_ts = sum_c q^_t k^_s e^{G_t - G_s} (s <= t)
+// The blocks of 16 tokens below the diagonal go on tensor cores by sub-chunk factorization (FLA's
+// chunk_intra): block i of the rows against block j < i of the columns, with the reference
+// r = 16 i (block i's first token),
+//   A_ij = beta_t (k^_t e^{G_t - G_r}) . (k^_s e^{G_r - G_s}),  P_ij = (q^_t e^{G_t - G_r}) . (..)
+// both exponents <= 0 for t >= r > s whatever the gate (G does not increase), so nothing
+// overflows and a factor that underflows belongs to a product below fp32's range. The factors are
+// rounded to fp16 (|k^|, |q^| <= 1 and the decays <= 1: fp16's range holds them, and its mantissa
+// makes the factorization cost nothing against exact fp32 pairs; tests/gpu/emulate_hopper_kda.py
+// on branch wip/kda-hopper-emulation). The four diagonal blocks, where a reference inside the
+// block would put an exponent above zero, are exact: pairwise in fp32 on CUDA cores. Then T =
+// (I + A)^{-1} on tensor cores (tc_inverse.cuh) and the operands of the scan, each rounded to the
+// input dtype once: q^ e^{G}, k^ e^{G} (S Q^T and S K^T) and k^ e^{G_L - G} (the update), with
+// gamma = e^{G_L} per channel.
+//
+// A CTA (grid (chunk slot j, value head), 8 warps, one CTA an SM: the raw k and q, G [C][D] fp32
+// and the fp16 factors): warps 0-3 run the factored blocks' products (12 blocks of 16 x 16, A's
+// and P's, three a warp) while warps 4-7 make the diagonal blocks' pairs; then warps 0-3 invert
+// and store Tb while warps 4-7 store P. Block b = hv * slots + j (hopper_scan.cuh Blocks): Tb =
+// T diag(beta) and P in the input dtype [t][s]; the scalars' rows 2 and 3 gamma [D]; the decayed
+// q, k, and the update's keys [C][D]. Tokens past the sequence's end have beta = rk = rq = 0:
+// their rows and columns of Tb and P and their rows of the decayed operands are zeros.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/chunk_prefill/hopper_prep.cuh"
+
+namespace deltastate::cuda_backend::prefill::hopper {
+
+struct PrepKdaLayout {
+  static constexpr int C = kC, D = kD;
+  static constexpr int NW = 8, THREADS = NW * 32;
+  static constexpr int LDI = D + 8;  // 16-bit rows [.][LDI]: k, q, the fp16 factors
+  static constexpr int LDG = D + 4;  // fp32 G [C][LDG]
+  static constexpr int LDB = TcInverse::LDH;
+  // the factored blocks' column keys: block i's rows against every earlier token s < 16 i,
+  // k^_s e^{G_{16 i} - G_s}, rows 8 i (i - 1) .. (i = 1, 2, 3: 16 + 32 + 48)
+  static constexpr int KB_ROWS = 96;
+  static constexpr int OFF_K = 0, OFF_Q = OFF_K + C * LDI * 2, OFF_G = OFF_Q + C * LDI * 2,
+                       OFF_KA = OFF_G + C * LDG * 4, OFF_QA = OFF_KA + C * LDI * 2,
+                       OFF_KB = OFF_QA + C * LDI * 2, OFF_SC = OFF_KB + KB_ROWS * LDI * 2;
+  // once the products are in registers, the factors' space (Ka, Qa) holds A (fp16 blocks below
+  // the diagonal, fp32 diagonal blocks), T's fp16 blocks and P (16-bit)
+  static constexpr int OFF_AH = OFF_KA, OFF_AD = OFF_AH + TcInverse::H_BYTES,
+                       OFF_TH = OFF_AD + TcInverse::AD_BYTES, OFF_P = OFF_TH + TcInverse::H_BYTES;
+  static constexpr int SMEM = OFF_SC + 3 * C * 4;  // beta, rk, rq
+  static_assert(OFF_P + C * LDB * 2 <= OFF_KB, "A, T and P in the factors' space");
+  static_assert(OFF_G % 16 == 0 && OFF_KA % 16 == 0 && OFF_KB % 16 == 0 && OFF_SC % 16 == 0 &&
+                    OFF_AD % 16 == 0 && OFF_TH % 16 == 0 && OFF_P % 16 == 0,
+                "16-byte aligned regions");
+  static_assert(SMEM + 1024 <= 227 * 1024, "one CTA an SM");
+};
+
+// Factored block `item` of a warp (0..11): A's blocks (i, j), j < i, then P's.
+struct KdaBlock {
+  bool p;
+  int i, j;
+};
+__device__ __forceinline__ KdaBlock kda_block(int item) {
+  const int a = item % 6;
+  const int i = a == 0 ? 1 : a < 3 ? 2 : 3;
+  const int j = a - (i == 1 ? 0 : i == 2 ? 1 : 3);
+  return {item >= 6, i, j};
+}
+// The first row of block i's column keys in Kb.
+__device__ __forceinline__ int kb_row0(int i) { return 8 * i * (i - 1); }
+
+template <class In>
+__global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
+    chunk_prefill_hopper_prep_kda_kernel(const ChunkPrefillProblem p, int64_t slots) {
+  using L = PrepKdaLayout;
+  using M = Mma<In>;
+  using H = Mma<__half>;
+  constexpr int C = L::C, D = L::D, NT = L::THREADS, LDI = L::LDI, LDG = L::LDG, LDB = L::LDB;
+  enter_grid(false);
+  const SplitChunk ch = split_locate(p, blockIdx.x);
+  if (ch.n < 0) return;
+  const int hv = static_cast<int>(blockIdx.y);
+  const Seq s = resolve_sequence(p, ch.n * p.HV + hv);
+  if (s.padded) return;  // the scan kernel writes its zeros; nothing reads its blocks
+  extern __shared__ __align__(16) unsigned char smem[];
+  In* const Ks = reinterpret_cast<In*>(smem + L::OFF_K);
+  In* const Qs = reinterpret_cast<In*>(smem + L::OFF_Q);
+  float* const Gs = reinterpret_cast<float*>(smem + L::OFF_G);
+  __half* const Ka = reinterpret_cast<__half*>(smem + L::OFF_KA);
+  __half* const Qa = reinterpret_cast<__half*>(smem + L::OFF_QA);
+  __half* const Kb = reinterpret_cast<__half*>(smem + L::OFF_KB);
+  __half* const Ah = reinterpret_cast<__half*>(smem + L::OFF_AH);
+  float* const Ad = reinterpret_cast<float*>(smem + L::OFF_AD);
+  __half* const Th = reinterpret_cast<__half*>(smem + L::OFF_TH);
+  In* const Pb = reinterpret_cast<In*>(smem + L::OFF_P);
+  float* const sBeta = reinterpret_cast<float*>(smem + L::OFF_SC);
+  float* const sRk = sBeta + C;
+  float* const sRq = sRk + C;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t c0 = ch.ci * C;
+  const int cv = static_cast<int>(s.len - c0 < C ? s.len - c0 : C);
+  const BlockPtrs out = block_ptrs(p.workspace, slots * p.HV, int64_t{hv} * slots + blockIdx.x);
+
+  split_load_rows<D>(Ks, p.k, static_cast<const In*>(p.k.ptr), s, s.h, c0, cv, tid, NT);
+  split_load_rows<D>(Qs, p.q, static_cast<const In*>(p.q.ptr), s, s.h, c0, cv, tid, NT);
+  cp_async_commit_group();
+  const detail::GateParams& gate = p.gate;
+  const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
+  if (warp == 0) chunk_beta_and_decay<true>(p, s, c0, cv, A_log, lane, sBeta, nullptr, nullptr);
+  if (tid >= 128) {  // channel c: G[t][c] over the chunk, sequentially (the raw values first, so
+    // that the loads are in flight together); g = 0 past the sequence (G_63 = G_{cv-1} = G_L)
+    const int c = tid - 128;
+    const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype,
+                                                       static_cast<int64_t>(s.hv) * D + c)
+                                  : 0.0f;
+    uint32_t raw[C];
+#pragma unroll
+    for (int t = 0; t < C; ++t) {
+      const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
+      raw[t] = t < cv
+                   ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c)
+                   : 0u;
+    }
+    float run = 0.0f;
+#pragma unroll
+    for (int t = 0; t < C; ++t) {
+      if (t < cv)
+        run += detail::gate_value(gate.mode, float_of_bits(raw[t], p.g.dtype), dt, A_log,
+                                  gate.lower_bound);
+      Gs[t * LDG + c] = run;
+    }
+    out.scal[2 * C + c] = expf(run);  // gamma: the scalars' rows 2 and 3
+    if (c < C) out.scal[c] = out.scal[C + c] = 0.0f;  // rows 0 and 1: unused
+  }
+  cp_async_wait_group<0>();
+  __syncthreads();
+  prep_norms(p, Ks, Qs, cv, tid, sRk, sRq);
+  __syncthreads();
+
+  // The factors and the scan's operands, 8 channels of a row at a time: Ka, Qa (reference 16 i of
+  // the row's block i) and the column keys of every later block, in fp16; q^ e^{G}, k^ e^{G},
+  // k^ e^{G_L - G} in the input dtype to the workspace.
+  for (int it = tid; it < C * (D / 8); it += NT) {
+    const int t = it / (D / 8), c8 = 8 * (it % (D / 8)), i = t / 16;
+    const uint4 kw = *reinterpret_cast<const uint4*>(Ks + t * LDI + c8);
+    const uint4 qw = *reinterpret_cast<const uint4*>(Qs + t * LDI + c8);
+    const uint32_t ku[4] = {kw.x, kw.y, kw.z, kw.w}, qu[4] = {qw.x, qw.y, qw.z, qw.w};
+    const float rk = sRk[t], rq = sRq[t];
+    uint32_t ka[4], qa[4], qg[4], kg[4], kd[4], kb[3][4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 kx = M::unpack(ku[e]), qx = M::unpack(qu[e]);
+      float x[2][8];  // per channel pair: k^, q^, e^{G}, e^{G - G_r}, e^{G_L - G}, 3 column keys
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int c = c8 + 2 * e + h;
+        const float G = Gs[t * LDG + c], k = (h ? kx.y : kx.x) * rk, q = (h ? qx.y : qx.x) * rq;
+        const float er = __expf(G - Gs[16 * i * LDG + c]);
+        x[h][0] = k * er;
+        x[h][1] = q * er;
+        const float eg = __expf(G);
+        x[h][2] = q * eg;
+        x[h][3] = k * eg;
+        x[h][4] = k * __expf(Gs[(C - 1) * LDG + c] - G);
+#pragma unroll
+        for (int b = 1; b < 4; ++b)  // column keys of block i + b (reference 16 (i + b))
+          x[h][4 + b] = i + b < 4 ? k * __expf(Gs[16 * (i + b) * LDG + c] - G) : 0.0f;
+      }
+      ka[e] = H::pack(x[0][0], x[1][0]);
+      qa[e] = H::pack(x[0][1], x[1][1]);
+      qg[e] = M::pack(x[0][2], x[1][2]);
+      kg[e] = M::pack(x[0][3], x[1][3]);
+      kd[e] = M::pack(x[0][4], x[1][4]);
+#pragma unroll
+      for (int b = 0; b < 3; ++b) kb[b][e] = H::pack(x[0][5 + b], x[1][5 + b]);
+    }
+    *reinterpret_cast<uint4*>(Ka + t * LDI + c8) = make_uint4(ka[0], ka[1], ka[2], ka[3]);
+    *reinterpret_cast<uint4*>(Qa + t * LDI + c8) = make_uint4(qa[0], qa[1], qa[2], qa[3]);
+#pragma unroll
+    for (int b = 0; b < 3; ++b)
+      if (i + 1 + b < 4)
+        *reinterpret_cast<uint4*>(Kb + (kb_row0(i + 1 + b) + t) * LDI + c8) =
+            make_uint4(kb[b][0], kb[b][1], kb[b][2], kb[b][3]);
+    const int64_t o = int64_t{t} * D + c8;
+    reinterpret_cast<uint4*>(static_cast<In*>(out.qg) + o)[0] =
+        make_uint4(qg[0], qg[1], qg[2], qg[3]);
+    reinterpret_cast<uint4*>(static_cast<In*>(out.kg) + o)[0] =
+        make_uint4(kg[0], kg[1], kg[2], kg[3]);
+    reinterpret_cast<uint4*>(static_cast<In*>(out.kd) + o)[0] =
+        make_uint4(kd[0], kd[1], kd[2], kd[3]);
+  }
+  __syncthreads();
+
+  // warps 0-3: three factored blocks each (A's or P's block (i, j): rows 16 i.., columns 16 j..)
+  // on tensor cores; warps 4-7: the diagonal blocks' pairs, exactly, in registers until the
+  // factors' space is free.
+  const bool is_pairs = warp >= 4;
+  float acc[3][2][4];
+  constexpr int kPairs = 5;  // a lane's pairs of its diagonal block (136 over 32 lanes)
+  float pa[kPairs], pp[kPairs];
+  if (!is_pairs) {
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+      const KdaBlock bk = kda_block(warp + 4 * m);
+      const __half* X = bk.p ? Qa : Ka;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4], b[4];
+        ldsm_x4(a, X + a_tile(lane, 16 * bk.i, 16 * kk, LDI));
+        ldsm_x4(b, Kb + b_pair(lane, kb_row0(bk.i) + 16 * bk.j, 16 * kk, LDI));
+        H::mma(acc[m][0], a, b[0], b[1]);
+        H::mma(acc[m][1], a, b[2], b[3]);
+      }
+    }
+  } else {  // block b = (tid - 128) / 32, its lower triangle's pairs lane, lane + 32, ..
+    const int b = (tid - NT / 2) / 32;
+#pragma unroll
+    for (int m = 0; m < kPairs; ++m) {
+      pa[m] = pp[m] = 0.0f;
+      const int pr = lane + 32 * m;
+      if (pr < 136) {
+        int ti = 0;
+        while ((ti + 1) * (ti + 2) / 2 <= pr) ++ti;
+        const int si = pr - ti * (ti + 1) / 2, t = 16 * b + ti, sj = 16 * b + si;
+        float sk = 0.0f, sq = 0.0f;
+#pragma unroll 4
+        for (int c = 0; c < D; c += 2) {
+          const float2 kt = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + t * LDI + c));
+          const float2 qt = M::unpack(*reinterpret_cast<const uint32_t*>(Qs + t * LDI + c));
+          const float2 ks = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + sj * LDI + c));
+          const float2 gt = *reinterpret_cast<const float2*>(Gs + t * LDG + c);
+          const float2 gs = *reinterpret_cast<const float2*>(Gs + sj * LDG + c);
+          const float e0 = __expf(gt.x - gs.x), e1 = __expf(gt.y - gs.y);
+          sk = fmaf(kt.x * ks.x, e0, sk);
+          sk = fmaf(kt.y * ks.y, e1, sk);
+          sq = fmaf(qt.x * ks.x, e0, sq);
+          sq = fmaf(qt.y * ks.y, e1, sq);
+        }
+        pa[m] = si < ti ? sBeta[t] * sRk[t] * sRk[sj] * sk : 0.0f;
+        pp[m] = sRq[t] * sRk[sj] * sq;
+      }
+    }
+  }
+  __syncthreads();  // the factors are read: their space takes A, T and P
+
+  if (!is_pairs) {  // the factored blocks, scaled (A: beta_t), into Ah and Pb
+    const int g8 = lane >> 2, q4 = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+      const KdaBlock bk = kda_block(warp + 4 * m);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = 16 * bk.i + g8 + 8 * h;
+        const float f = bk.p ? 1.0f : sBeta[t];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const int sc0 = 16 * bk.j + 8 * n + 2 * q4;
+          const float x0 = f * acc[m][n][2 * h], x1 = f * acc[m][n][2 * h + 1];
+          if (bk.p) *reinterpret_cast<uint32_t*>(Pb + t * LDB + sc0) = M::pack(x0, x1);
+          else *reinterpret_cast<uint32_t*>(Ah + t * LDB + sc0) = H::pack(x0, x1);
+        }
+      }
+    }
+  } else {  // the diagonal blocks: A into Ad (fp32, zeros on and above the diagonal), P into Pb
+    // (zeros above the diagonal)
+    const int b = (tid - NT / 2) / 32;
+#pragma unroll
+    for (int m = 0; m < kPairs; ++m) {
+      const int pr = lane + 32 * m;
+      if (pr < 136) {
+        int ti = 0;
+        while ((ti + 1) * (ti + 2) / 2 <= pr) ++ti;
+        const int si = pr - ti * (ti + 1) / 2, t = 16 * b + ti;
+        Ad[t * TcInverse::LDD + si] = pa[m];
+        Pb[t * LDB + 16 * b + si] = from_float<In>(pp[m]);
+        if (si < ti) {  // the mirrored pair above the diagonal
+          Ad[(16 * b + si) * TcInverse::LDD + ti] = 0.0f;
+          Pb[(16 * b + si) * LDB + t] = from_float<In>(0.0f);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  if (is_pairs) {  // warps 4-7: P (zeros above the diagonal blocks) while warps 0-3 invert
+    store_p_block(out.p, Pb, tid - NT / 2, NT / 2);
+    return;
+  }
+  // warps 0-3: T = (I + A)^{-1}, Tb = T diag(beta) in the input dtype from the inversion's pairs,
+  // the blocks above the diagonal as zeros (hopper_prep.cuh's stores)
+  In* const tb = static_cast<In*>(out.t);
+  invert_unit_lower_tc(Ah, Ad, Th, warp, lane, PrepInverseSync{}, [&](int t, int s0, float x0,
+                                                                      float x1) {
+    *reinterpret_cast<uint32_t*>(tb + t * C + s0) = M::pack(x0 * sBeta[s0], x1 * sBeta[s0 + 1]);
+  });
+  store_tb_upper_zeros(tb, tid);
+}
+
+}  // namespace deltastate::cuda_backend::prefill::hopper
