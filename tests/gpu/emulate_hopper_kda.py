@@ -1,5 +1,6 @@
-"""No-GPU check of the planned Hopper KDA prefill's arithmetic (a prep and a scan kernel like the
-GDN ones, src/cuda/chunk_prefill/hopper_prep.cuh, hopper_scan.cuh), with numpy.
+"""No-GPU check of the Hopper KDA prefill's arithmetic (src/cuda/chunk_prefill/hopper_prep_kda.cuh,
+and hopper_scan.cuh with its KDA flag), with numpy. The kernels run the "fp16 fac" variant below
+(the factors in fp16, no V^T Tl^T); the design's bound covers it.
 
     python3 tests/gpu/emulate_hopper_kda.py          # about twenty seconds
 

@@ -7,7 +7,8 @@
 // the token pairs' products carry e^{G_t[c] - G_s[c]} inside the sum over c and no per-token
 // factor can be pulled out of them (GDN's prep, hopper_prep.cuh, scales whole products). With
 // k^ = rk k, q^ = rq q (the norms; rq with the scale):
-//   A_ts = beta_t sum_c k^_t k^_s e^{G_t - G_s} (s < t),  P_ts = sum_c q^_t k^_s e^{G_t - G_s} (s <= t)
+//   A_ts = beta_t sum_c k^_t k^_s e^{G_t - G_s} (s < t),  P_ts = sum_c q^_t k^_s e^{G_t - G_s} (s
+//   <= t)
 // The blocks of 16 tokens below the diagonal go on tensor cores by sub-chunk factorization (FLA's
 // chunk_intra): block i of the rows against block j < i of the columns, with the reference
 // r = 16 i (block i's first token),
@@ -123,9 +124,8 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
 #pragma unroll
     for (int t = 0; t < C; ++t) {
       const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
-      raw[t] = t < cv
-                   ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c)
-                   : 0u;
+      raw[t] =
+          t < cv ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c) : 0u;
     }
     float run = 0.0f;
 #pragma unroll
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
                                   gate.lower_bound);
       Gs[t * LDG + c] = run;
     }
-    out.scal[2 * C + c] = expf(run);  // gamma: the scalars' rows 2 and 3
+    out.scal[2 * C + c] = expf(run);                  // gamma: the scalars' rows 2 and 3
     if (c < C) out.scal[c] = out.scal[C + c] = 0.0f;  // rows 0 and 1: unused
   }
   cp_async_wait_group<0>();
@@ -297,10 +297,10 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
   // warps 0-3: T = (I + A)^{-1}, Tb = T diag(beta) in the input dtype from the inversion's pairs,
   // the blocks above the diagonal as zeros (hopper_prep.cuh's stores)
   In* const tb = static_cast<In*>(out.t);
-  invert_unit_lower_tc(Ah, Ad, Th, warp, lane, PrepInverseSync{}, [&](int t, int s0, float x0,
-                                                                      float x1) {
-    *reinterpret_cast<uint32_t*>(tb + t * C + s0) = M::pack(x0 * sBeta[s0], x1 * sBeta[s0 + 1]);
-  });
+  invert_unit_lower_tc(
+      Ah, Ad, Th, warp, lane, PrepInverseSync{}, [&](int t, int s0, float x0, float x1) {
+        *reinterpret_cast<uint32_t*>(tb + t * C + s0) = M::pack(x0 * sBeta[s0], x1 * sBeta[s0 + 1]);
+      });
   store_tb_upper_zeros(tb, tid);
 }
 
