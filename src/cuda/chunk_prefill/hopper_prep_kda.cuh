@@ -7,8 +7,8 @@
 // the token pairs' products carry e^{G_t[c] - G_s[c]} inside the sum over c and no per-token
 // factor can be pulled out of them (GDN's prep, hopper_prep.cuh, scales whole products). With
 // k^ = rk k, q^ = rq q (the norms; rq with the scale):
-//   A_ts = beta_t sum_c k^_t k^_s e^{G_t - G_s} (s < t),  P_ts = sum_c q^_t k^_s e^{G_t - G_s} (s
-//   <= t)
+//   A_ts = beta_t sum_c k^_t k^_s e^{G_t - G_s} (s < t),
+//   P_ts = sum_c q^_t k^_s e^{G_t - G_s} (s <= t)
 // The blocks of 16 tokens below the diagonal go on tensor cores by sub-chunk factorization (FLA's
 // chunk_intra): block i of the rows against block j < i of the columns, with the reference
 // r = 16 i (block i's first token),
