@@ -16,8 +16,8 @@
 // both exponents <= 0 for t >= r > s whatever the gate (G does not increase), so nothing
 // overflows and a factor that underflows belongs to a product below fp32's range. The factors are
 // rounded to fp16 (|k^|, |q^| <= 1 and the decays <= 1: fp16's range holds them, and its mantissa
-// makes the factorization cost nothing against exact fp32 pairs; tests/gpu/emulate_hopper_kda.py
-// on branch wip/kda-hopper-emulation). The four diagonal blocks, where a reference inside the
+// makes the factorization cost nothing against exact fp32 pairs: tests/gpu/emulate_hopper_kda.py).
+// The four diagonal blocks, where a reference inside the
 // block would put an exponent above zero, are exact: pairwise in fp32 on CUDA cores. Then T =
 // (I + A)^{-1} on tensor cores (tc_inverse.cuh) and the operands of the scan, each rounded to the
 // input dtype once: q^ e^{G}, k^ e^{G} (S Q^T and S K^T) and k^ e^{G_L - G} (the update), with
