@@ -366,29 +366,14 @@ __global__ void __launch_bounds__(D / 16 * 32, KDA ? 1 : 2)
   const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
   if (warp == 0) chunk_beta_and_decay<KDA>(p, s, c0, cv, A_log, lane, sBeta, sG, sDecL);
   if constexpr (KDA) {
-    if (tid < D) {  // channel c = tid: G[t][c] for the chunk, sequentially (the fused kernel's;
-      // the raw values first, so that the loads are in flight together)
+    if (tid < D) {  // channel c = tid: G[t][c] for the chunk (the fused kernel's)
       const int c = tid;
       const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype,
                                                          static_cast<int64_t>(s.hv) * D + c)
                                     : 0.0f;
-      uint32_t raw[C];
-#pragma unroll
-      for (int t = 0; t < C; ++t) {
-        const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
-        raw[t] = t < cv
-                     ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c)
-                     : 0u;
-      }
-      float run = 0.0f;
-#pragma unroll
-      for (int t = 0; t < C; ++t) {
-        if (t < cv)
-          run += detail::gate_value(gate.mode, float_of_bits(raw[t], p.g.dtype), dt, A_log,
-                                    gate.lower_bound);
-        GT[c * LDG + t] = run;
-      }
-      sEL[c] = expf(run);
+      const float GL = kda_channel_decay(p, s, c0, cv, dt, A_log, c,
+                                         [&](int t, float G) { GT[c * LDG + t] = G; });
+      sEL[c] = expf(GL);
     }
   }
   cp_async_wait_group<0>();

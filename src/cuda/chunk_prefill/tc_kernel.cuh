@@ -116,6 +116,32 @@ struct TcLayout {
 };
 
 // ---- small helpers
+
+// KDA: channel c's cumulative log decay over a chunk, cv tokens from c0 (g = 0 past the sequence,
+// so G_63 = G_{cv-1}), sequentially in the CPU's order into store(t, G_t); the raw values are
+// loaded first, so that the loads are in flight together. dt: dt_bias[hv * K + c]. Returns G_L.
+template <class Store>
+__device__ __forceinline__ float kda_channel_decay(const ChunkPrefillProblem& p, const Seq& s,
+                                                   int64_t c0, int cv, float dt, float A_log, int c,
+                                                   Store&& store) {
+  constexpr int C = ChunkPrefillProblem::kChunk;
+  uint32_t raw[C];
+#pragma unroll
+  for (int t = 0; t < C; ++t) {
+    const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
+    raw[t] =
+        t < cv ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c) : 0u;
+  }
+  float run = 0.0f;
+#pragma unroll
+  for (int t = 0; t < C; ++t) {
+    if (t < cv)
+      run += detail::gate_value(p.gate.mode, float_of_bits(raw[t], p.g.dtype), dt, A_log,
+                                p.gate.lower_bound);
+    store(t, run);
+  }
+  return run;
+}
 // -------------------------------------------------------------------------------
 
 template <class In>
@@ -630,25 +656,11 @@ __global__ void __launch_bounds__(D / 16 * 32, 1)
       }
     }
     if constexpr (KDA) {
-      if (tid < D) {  // channel c = tid: G[t][c] for the chunk, sequentially (the CPU's order)
+      if (tid < D) {  // channel c = tid: G[t][c] for the chunk
         const int c = tid;
-        uint32_t raw[C];
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-          const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
-          raw[t] = t < cv
-                       ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c)
-                       : 0u;
-        }
-        float run = 0.0f;
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-          if (t < cv)
-            run += detail::gate_value(gate.mode, float_of_bits(raw[t], p.g.dtype), dt, A_log,
-                                      gate.lower_bound);
-          GT[c * LDG + t] = run;
-        }
-        sDecL[c] = expf(run);
+        const float GL = kda_channel_decay(p, s, c0, cv, dt, A_log, c,
+                                           [&](int t, float G) { GT[c * LDG + t] = G; });
+        sDecL[c] = expf(GL);
       }
     }
     {
