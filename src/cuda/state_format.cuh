@@ -107,15 +107,16 @@ __device__ __forceinline__ void code_values4(uint32_t w, DType t, float (&x)[4])
   }
 }
 
-// The codes of y[0..3] (already divided by the row's scale) as one word; stochastic: the four
-// elements' bits from one draw where index0 is a multiple of 4 (the register kernels' lanes), and
-// e4m3fn's dithered values (state_format.h e4m3_dithered) rounded by the hardware conversion as
-// to nearest.
+// The e4m3fn codes of y[0..3] to nearest (saturating) as one word: the hardware conversion.
 __device__ __forceinline__ uint32_t e4m3_codes4(const float (&y)[4]) {
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[0], y[1]), __NV_SATFINITE, __NV_E4M3);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2], y[3]), __NV_SATFINITE, __NV_E4M3);
   return (lo & 0xffffu) | (hi << 16);
 }
+// The codes of y[0..3] (already divided by the row's scale) as one word; stochastic: the four
+// elements' bits from one draw where index0 is a multiple of 4 (the register kernels' lanes), and
+// e4m3fn's dithered values (state_format.h e4m3_dithered) rounded by the hardware conversion as
+// to nearest.
 __device__ __forceinline__ uint32_t encode_codes4(DType t, const float (&y)[4], bool stochastic,
                                                   uint64_t key, uint64_t index0) {
   if (t == DType::f8e4m3 && !stochastic) return e4m3_codes4(y);
