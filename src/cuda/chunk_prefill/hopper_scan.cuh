@@ -64,12 +64,11 @@ constexpr int kStages = 2;
 // rows, or (KDA, whose stage holds a third [C][D] tile: the output in the input dtype only) for
 // 16-bit rows.
 template <bool KDA>
-constexpr int kOutRow = 64 * (KDA ? 2 : 4) + 16;  // bytes per staged row
-template <bool KDA>
-constexpr int kOutBuf = kC* kOutRow<KDA>;
-// A staging buffer is also a TMA store's swizzled box, whose swizzle the TMA takes from the
-// address bits: every buffer starts 1024-byte aligned (ScanLayout::Storage::out is).
-static_assert(kOutBuf<false> % 1024 == 0 && kOutBuf<true> % 1024 == 0,
+struct OutStaging {
+  static constexpr int kRow = 64 * (KDA ? 2 : 4) + 16;  // bytes per staged row
+  static constexpr int kBuf = kC * kRow;
+};
+static_assert(OutStaging<false>::kBuf % 1024 == 0 && OutStaging<true>::kBuf % 1024 == 0,
               "staging buffers at 1024-byte boundaries");
 
 // Named barriers (ids 1-15; no CUTLASS collective of this kernel uses them): per consumer warp
@@ -171,7 +170,7 @@ struct ScanLayout {
     cute::array_aligned<E, cosize_v<Vt>, 1024> v;
     cute::array_aligned<E, cosize_v<Mat>, 1024> t, p;
     cute::array_aligned<float, cosize_v<Scal>, 128> scal;
-    cute::array_aligned<unsigned char, G * 2 * kOutBuf<KDA>, 1024> out;  // o staged [t][v]
+    cute::array_aligned<unsigned char, G * 2 * OutStaging<KDA>::kBuf, 1024> out;  // o staged [t][v]
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmem = static_cast<int>(sizeof(Storage));
@@ -561,7 +560,7 @@ __global__ void __launch_bounds__(ScanLayout<E, G, KDA>::kThreads, 1)
         const int64_t c0 = int64_t{ci} * kC;
         const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
         bar_sync(bar_full(g, b), 160);
-        unsigned char* const buf = ss.out.data() + (2 * g + b) * kOutBuf<KDA>;
+        unsigned char* const buf = ss.out.data() + (2 * g + b) * OutStaging<KDA>::kBuf;
         if (P.tma_out && cv == kC) {
           if (lane == 0) {
             Tensor sO =
@@ -578,7 +577,8 @@ __global__ void __launch_bounds__(ScanLayout<E, G, KDA>::kThreads, 1)
           for (int t = lane; t < cv; t += 32) {
             unsigned char* row = static_cast<unsigned char*>(p.out.ptr) +
                                  (head_offset(p.out, s.seq, s.tok0 + c0 + t, s.hv) + v0) * esize;
-            SM90_BULK_COPY_S2G::copy(buf + t * kOutRow<KDA>, row, static_cast<int32_t>(64 * esize));
+            SM90_BULK_COPY_S2G::copy(buf + t * OutStaging<KDA>::kRow, row,
+                                     static_cast<int32_t>(64 * esize));
           }
         }
         tma_store_arrive();
@@ -739,12 +739,12 @@ __global__ void __launch_bounds__(ScanLayout<E, G, KDA>::kThreads, 1)
     const int cv = static_cast<int>(s.len - c0 < kC ? s.len - c0 : kC);
     const int b = ci & 1;
     if (ci >= cb + 2) bar_sync(bar_empty(cw, b), 160);  // chunk ci - 2's copy has read it
-    unsigned char* const buf = ss.out.data() + (2 * cw + b) * kOutBuf<KDA>;
+    unsigned char* const buf = ss.out.data() + (2 * cw + b) * OutStaging<KDA>::kBuf;
     auto stage_out = [&](auto zero) {
       using O = decltype(zero);
       CUTE_UNROLL
       for (int i = 0; i < size(X2); ++i)
-        reinterpret_cast<O*>(buf + acc_col(ct, i) * kOutRow<KDA>)[acc_row(ct, i)] =
+        reinterpret_cast<O*>(buf + acc_col(ct, i) * OutStaging<KDA>::kRow)[acc_row(ct, i)] =
             static_cast<O>(X2(i));
     };
     if (P.tma_out && cv == kC) {
