@@ -253,7 +253,7 @@ int64_t chunk_prefill_workspace_bytes(int K, int V, int64_t N, int64_t HV, int64
   // The Hopper kernels' blocks where the dispatch may take them (the q/k/v dtype is not known
   // here: the blocks are asked for whenever the device and the shapes allow them).
   const int64_t slots_bound = tokens / ChunkPrefillProblem::kChunk + N;
-  const bool hopper = device_available() && hopper_prefill_shapes(K, V, kda, device);
+  const bool hopper = device_available() && hopper_prefill_shapes(K, V, device);
   const int64_t base =
       hopper ? std::max(fallback, hopper_prefill_workspace_bytes(slots_bound, HV, kda) +
                                       hopper_prefill_cp_workspace_bytes(N, HV, tokens, kda, device))

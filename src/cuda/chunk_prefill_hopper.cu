@@ -178,7 +178,7 @@ void launch(const ChunkPrefillProblem& p, int64_t slots, const CpPlan& cp, cudaS
 // in the input dtype, its scan's staging rows), TMA coordinates in 32 bits, the scan's shared
 // memory on the device.
 bool hopper_prefill_applies(const ChunkPrefillProblem& p) {
-  if (!hopper_prefill_shapes(p.K, p.V, p.gate.kda, p.device.index)) return false;
+  if (!hopper_prefill_shapes(p.K, p.V, p.device.index)) return false;
 #if DELTASTATE_CUDA_ALL_KERNELS
   const bool dtype_ok = p.q.dtype == DType::bf16 || p.q.dtype == DType::f16;
 #else
@@ -227,8 +227,7 @@ int64_t hopper_prefill_cp_workspace_bytes(int64_t N, int64_t HV, int64_t T, bool
   return cp_bytes(cp_plan(N, HV, T, kda, num_sms(device)), HV);
 }
 
-bool hopper_prefill_shapes(int K, int V, bool kda, int device) {
-  (void)kda;  // GDN and KDA alike
+bool hopper_prefill_shapes(int K, int V, int device) {
   const PrefillChoice forced = forced_prefill_kernel();
   if (forced != PrefillChoice::automatic && forced != PrefillChoice::hopper) return false;
   return K == kD && V == kD && compute_capability(device) == 90;

@@ -13,7 +13,7 @@ namespace deltastate::cuda_backend {
 // Whether the Hopper kernels take problems of this kind on `device` (GDN or KDA, K = V = 128,
 // compute capability 9.0, no other kernel forced); per call, the dtypes, strides and the
 // workspace decide the rest (run_hopper_prefill). Needs a device.
-bool hopper_prefill_shapes(int K, int V, bool kda, int device);
+bool hopper_prefill_shapes(int K, int V, int device);
 // Workspace bytes of the prep kernel's blocks for `slots` chunk slots and HV value heads.
 int64_t hopper_prefill_workspace_bytes(int64_t slots, int64_t HV, bool kda);
 // Workspace bytes of the context-parallel states (after the blocks) where a call of N sequences

@@ -73,6 +73,15 @@ __device__ __forceinline__ KdaBlock kda_block(int item) {
   const int j = a - (i == 1 ? 0 : i == 2 ? 1 : 3);
   return {item >= 6, i, j};
 }
+// Pair `pr` (0..135) of a 16x16 block's lower triangle, row by row: (row ti, column si <= ti).
+struct TriPair {
+  int ti, si;
+};
+__device__ __forceinline__ TriPair tri_pair(int pr) {
+  int ti = 0;
+  while ((ti + 1) * (ti + 2) / 2 <= pr) ++ti;
+  return {ti, pr - ti * (ti + 1) / 2};
+}
 // The first row of block i's column keys in Kb.
 __device__ __forceinline__ int kb_row0(int i) { return 8 * i * (i - 1); }
 
@@ -114,28 +123,14 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
   const detail::GateParams& gate = p.gate;
   const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
   if (warp == 0) chunk_beta_and_decay<true>(p, s, c0, cv, A_log, lane, sBeta, nullptr, nullptr);
-  if (tid >= 128) {  // channel c: G[t][c] over the chunk, sequentially (the raw values first, so
-    // that the loads are in flight together); g = 0 past the sequence (G_63 = G_{cv-1} = G_L)
+  if (tid >= 128) {  // channel c: G[t][c] over the chunk
     const int c = tid - 128;
     const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype,
                                                        static_cast<int64_t>(s.hv) * D + c)
                                   : 0.0f;
-    uint32_t raw[C];
-#pragma unroll
-    for (int t = 0; t < C; ++t) {
-      const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
-      raw[t] =
-          t < cv ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c) : 0u;
-    }
-    float run = 0.0f;
-#pragma unroll
-    for (int t = 0; t < C; ++t) {
-      if (t < cv)
-        run += detail::gate_value(gate.mode, float_of_bits(raw[t], p.g.dtype), dt, A_log,
-                                  gate.lower_bound);
-      Gs[t * LDG + c] = run;
-    }
-    out.scal[2 * C + c] = expf(run);                  // gamma: the scalars' rows 2 and 3
+    const float GL =
+        kda_channel_decay(p, s, c0, cv, dt, A_log, c, [&](int t, float G) { Gs[t * LDG + c] = G; });
+    out.scal[2 * C + c] = expf(GL);                   // gamma: the scalars' rows 2 and 3
     if (c < C) out.scal[c] = out.scal[C + c] = 0.0f;  // rows 0 and 1: unused
   }
   cp_async_wait_group<0>();
@@ -227,9 +222,8 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
       pa[m] = pp[m] = 0.0f;
       const int pr = lane + 32 * m;
       if (pr < 136) {
-        int ti = 0;
-        while ((ti + 1) * (ti + 2) / 2 <= pr) ++ti;
-        const int si = pr - ti * (ti + 1) / 2, t = 16 * b + ti, sj = 16 * b + si;
+        const auto [ti, si] = tri_pair(pr);
+        const int t = 16 * b + ti, sj = 16 * b + si;
         float sk = 0.0f, sq = 0.0f;
 #pragma unroll 4
         for (int c = 0; c < D; c += 2) {
@@ -276,9 +270,8 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
     for (int m = 0; m < kPairs; ++m) {
       const int pr = lane + 32 * m;
       if (pr < 136) {
-        int ti = 0;
-        while ((ti + 1) * (ti + 2) / 2 <= pr) ++ti;
-        const int si = pr - ti * (ti + 1) / 2, t = 16 * b + ti;
+        const auto [ti, si] = tri_pair(pr);
+        const int t = 16 * b + ti;
         Ad[t * TcInverse::LDD + si] = pa[m];
         Pb[t * LDB + 16 * b + si] = from_float<In>(pp[m]);
         if (si < ti) {  // the mirrored pair above the diagonal
