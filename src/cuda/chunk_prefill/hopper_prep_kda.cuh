@@ -24,12 +24,14 @@
 // gamma = e^{G_L} per channel.
 //
 // A CTA (grid (chunk slot j, value head), 8 warps, one CTA an SM: the raw k and q, G [C][D] fp32
-// and the fp16 factors): warps 0-3 run the factored blocks' products (12 blocks of 16 x 16, A's
-// and P's, three a warp) while warps 4-7 make the diagonal blocks' pairs; then warps 0-3 invert
-// and store Tb while warps 4-7 store P. Block b = hv * slots + j (hopper_scan.cuh Blocks): Tb =
-// T diag(beta) and P in the input dtype [t][s]; the scalars' rows 2 and 3 gamma [D]; the decayed
-// q, k, and the update's keys [C][D]. Tokens past the sequence's end have beta = rk = rq = 0:
-// their rows and columns of Tb and P and their rows of the decayed operands are zeros.
+// and the fp16 factors): every thread computes gates of (token, channel) from coalesced loads and
+// a thread a channel takes their prefix; warps 0-3 run the factored blocks' products (12 blocks
+// of 16 x 16, A's and P's, three a warp), then all eight warps make the diagonal blocks' pairs,
+// two lanes a pair; then warps 0-3 invert and store Tb while warps 4-7 store P. Block b = hv *
+// slots + j (hopper_scan.cuh Blocks): Tb = T diag(beta) and P in the input dtype [t][s]; the
+// scalars' rows 2 and 3 gamma [D]; the decayed q, k, and the update's keys [C][D]. Tokens past the
+// sequence's end have beta = rk = rq = 0: their rows and columns of Tb and P and their rows of the
+// decayed operands are zeros.
 #pragma once
 
 #include <cstdint>
@@ -123,14 +125,40 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
   const detail::GateParams& gate = p.gate;
   const float A_log = gate.A_log ? detail::load_float(gate.A_log, gate.A_log_dtype, s.hv) : 0.0f;
   if (warp == 0) chunk_beta_and_decay<true>(p, s, c0, cv, A_log, lane, sBeta, nullptr, nullptr);
-  if (tid >= 128) {  // channel c: G[t][c] over the chunk
-    const int c = tid - 128;
+  {  // the gates g[t][c] by every thread (token t0 + 2 j, channel tid % D: coalesced loads, all
+     // in flight before the first is used), in place into G
+    const int c = tid % D, t0 = tid / D;
     const float dt = gate.dt_bias ? detail::load_float(gate.dt_bias, gate.dt_bias_dtype,
                                                        static_cast<int64_t>(s.hv) * D + c)
                                   : 0.0f;
-    const float GL =
-        kda_channel_decay(p, s, c0, cv, dt, A_log, c, [&](int t, float G) { Gs[t * LDG + c] = G; });
-    out.scal[2 * C + c] = expf(GL);                   // gamma: the scalars' rows 2 and 3
+    constexpr int kRows = C / (NT / D);
+    uint32_t raw[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int t = t0 + 2 * j;
+      const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
+      raw[j] =
+          t < cv ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) Gs[(t0 + 2 * j) * LDG + c] = float_of_bits(raw[j], p.g.dtype);
+    if (gate.mode != detail::GateMode::log_decay) {
+#pragma unroll 2
+      for (int t = t0; t < cv; t += 2)
+        Gs[t * LDG + c] =
+            detail::gate_value(gate.mode, Gs[t * LDG + c], dt, A_log, gate.lower_bound);
+    }
+  }
+  __syncthreads();
+  if (tid < D) {  // channel c's prefix over the chunk, in the CPU's order (g = 0 past the end)
+    const int c = tid;
+    float run = 0.0f;
+#pragma unroll 8
+    for (int t = 0; t < C; ++t) {
+      run += Gs[t * LDG + c];
+      Gs[t * LDG + c] = run;
+    }
+    out.scal[2 * C + c] = expf(run);                  // gamma: the scalars' rows 2 and 3
     if (c < C) out.scal[c] = out.scal[C + c] = 0.0f;  // rows 0 and 1: unused
   }
   cp_async_wait_group<0>();
@@ -193,13 +221,12 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
   __syncthreads();
 
   // warps 0-3: three factored blocks each (A's or P's block (i, j): rows 16 i.., columns 16 j..)
-  // on tensor cores; warps 4-7: the diagonal blocks' pairs, exactly, in registers until the
-  // factors' space is free.
-  const bool is_pairs = warp >= 4;
+  // on tensor cores; then every warp takes the diagonal blocks' pairs, exactly, two lanes a pair
+  // (the even lane channels 4 m, 4 m + 1, the odd one 4 m + 2, 4 m + 3), in registers until the
+  // factors' space is free. Warps 6 and 7 have no tensor-core blocks and take the fifth round.
+  const bool is_mma = warp < 4;
   float acc[3][2][4];
-  constexpr int kPairs = 5;  // a lane's pairs of its diagonal block (136 over 32 lanes)
-  float pa[kPairs], pp[kPairs];
-  if (!is_pairs) {
+  if (is_mma) {
 #pragma unroll
     for (int m = 0; m < 3; ++m) {
       const KdaBlock bk = kda_block(warp + 4 * m);
@@ -215,37 +242,42 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
         H::mma(acc[m][1], a, b[2], b[3]);
       }
     }
-  } else {  // block b = (tid - 128) / 32, its lower triangle's pairs lane, lane + 32, ..
-    const int b = (tid - NT / 2) / 32;
+  }
+  constexpr int kDiagPairs = 4 * 136, kLanePairs = NT / 2;
+  constexpr int kRounds = (kDiagPairs + kLanePairs - 1) / kLanePairs;
+  const int lp = ((warp + 2) % L::NW) * 16 + lane / 2, odd = lane & 1;
+  float pa[kRounds], pp[kRounds];
 #pragma unroll
-    for (int m = 0; m < kPairs; ++m) {
-      pa[m] = pp[m] = 0.0f;
-      const int pr = lane + 32 * m;
-      if (pr < 136) {
-        const auto [ti, si] = tri_pair(pr);
-        const int t = 16 * b + ti, sj = 16 * b + si;
-        float sk = 0.0f, sq = 0.0f;
+  for (int m = 0; m < kRounds; ++m) {
+    pa[m] = pp[m] = 0.0f;
+    const int pr = lp + kLanePairs * m;
+    if (pr < kDiagPairs) {
+      const int b = pr / 136;
+      const auto [ti, si] = tri_pair(pr % 136);
+      const int t = 16 * b + ti, sj = 16 * b + si;
+      float sk = 0.0f, sq = 0.0f;
 #pragma unroll 4
-        for (int c = 0; c < D; c += 2) {
-          const float2 kt = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + t * LDI + c));
-          const float2 qt = M::unpack(*reinterpret_cast<const uint32_t*>(Qs + t * LDI + c));
-          const float2 ks = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + sj * LDI + c));
-          const float2 gt = *reinterpret_cast<const float2*>(Gs + t * LDG + c);
-          const float2 gs = *reinterpret_cast<const float2*>(Gs + sj * LDG + c);
-          const float e0 = __expf(gt.x - gs.x), e1 = __expf(gt.y - gs.y);
-          sk = fmaf(kt.x * ks.x, e0, sk);
-          sk = fmaf(kt.y * ks.y, e1, sk);
-          sq = fmaf(qt.x * ks.x, e0, sq);
-          sq = fmaf(qt.y * ks.y, e1, sq);
-        }
-        pa[m] = si < ti ? sBeta[t] * sRk[t] * sRk[sj] * sk : 0.0f;
-        pp[m] = sRq[t] * sRk[sj] * sq;
+      for (int c = 2 * odd; c < D; c += 4) {
+        const float2 kt = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + t * LDI + c));
+        const float2 qt = M::unpack(*reinterpret_cast<const uint32_t*>(Qs + t * LDI + c));
+        const float2 ks = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + sj * LDI + c));
+        const float2 gt = *reinterpret_cast<const float2*>(Gs + t * LDG + c);
+        const float2 gs = *reinterpret_cast<const float2*>(Gs + sj * LDG + c);
+        const float e0 = __expf(gt.x - gs.x), e1 = __expf(gt.y - gs.y);
+        sk = fmaf(kt.x * ks.x, e0, sk);
+        sk = fmaf(kt.y * ks.y, e1, sk);
+        sq = fmaf(qt.x * ks.x, e0, sq);
+        sq = fmaf(qt.y * ks.y, e1, sq);
       }
+      sk += __shfl_xor_sync(0xffffffffu, sk, 1);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+      pa[m] = si < ti ? sBeta[t] * sRk[t] * sRk[sj] * sk : 0.0f;
+      pp[m] = sRq[t] * sRk[sj] * sq;
     }
   }
   __syncthreads();  // the factors are read: their space takes A, T and P
 
-  if (!is_pairs) {  // the factored blocks, scaled (A: beta_t), into Ah and Pb
+  if (is_mma) {  // the factored blocks, scaled (A: beta_t), into Ah and Pb
     const int g8 = lane >> 2, q4 = lane & 3;
 #pragma unroll
     for (int m = 0; m < 3; ++m) {
@@ -263,27 +295,28 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
         }
       }
     }
-  } else {  // the diagonal blocks: A into Ad (fp32, zeros on and above the diagonal), P into Pb
-    // (zeros above the diagonal)
-    const int b = (tid - NT / 2) / 32;
+  }
+  // the diagonal blocks: A into Ad (fp32, zeros on and above the diagonal) by the even lane, P
+  // into Pb (zeros above the diagonal) by the odd one
 #pragma unroll
-    for (int m = 0; m < kPairs; ++m) {
-      const int pr = lane + 32 * m;
-      if (pr < 136) {
-        const auto [ti, si] = tri_pair(pr);
-        const int t = 16 * b + ti;
+  for (int m = 0; m < kRounds; ++m) {
+    const int pr = lp + kLanePairs * m;
+    if (pr < kDiagPairs) {
+      const int b = pr / 136;
+      const auto [ti, si] = tri_pair(pr % 136);
+      const int t = 16 * b + ti, sj = 16 * b + si;
+      if (!odd) {
         Ad[t * TcInverse::LDD + si] = pa[m];
-        Pb[t * LDB + 16 * b + si] = from_float<In>(pp[m]);
-        if (si < ti) {  // the mirrored pair above the diagonal
-          Ad[(16 * b + si) * TcInverse::LDD + ti] = 0.0f;
-          Pb[(16 * b + si) * LDB + t] = from_float<In>(0.0f);
-        }
+        if (si < ti) Ad[sj * TcInverse::LDD + ti] = 0.0f;  // the mirrored pair
+      } else {
+        Pb[t * LDB + sj] = from_float<In>(pp[m]);
+        if (si < ti) Pb[sj * LDB + t] = from_float<In>(0.0f);
       }
     }
   }
   __syncthreads();
 
-  if (is_pairs) {  // warps 4-7: P (zeros above the diagonal blocks) while warps 0-3 invert
+  if (!is_mma) {  // warps 4-7: P (zeros above the diagonal blocks) while warps 0-3 invert
     store_p_block(out.p, Pb, tid - NT / 2, NT / 2);
     return;
   }
