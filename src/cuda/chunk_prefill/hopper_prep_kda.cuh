@@ -23,11 +23,12 @@
 // input dtype once: q^ e^{G}, k^ e^{G} (S Q^T and S K^T) and k^ e^{G_L - G} (the update), with
 // gamma = e^{G_L} per channel.
 //
-// A CTA (grid (chunk slot j, value head), 8 warps, one CTA an SM: the raw k and q, G [C][D] fp32
-// and the fp16 factors): every thread computes gates of (token, channel) from coalesced loads and
-// a thread a channel takes their prefix; warps 0-3 run the factored blocks' products (12 blocks
-// of 16 x 16, A's and P's, three a warp), then all eight warps make the diagonal blocks' pairs,
-// two lanes a pair; then warps 0-3 invert and store Tb while warps 4-7 store P. Block b = hv *
+// A CTA (grid (chunk slot j, value head), 8 warps, two CTAs an SM: the raw k and q, G [C][D]
+// fp32, the column keys): every thread computes gates of (token, channel) from coalesced loads
+// and a thread a channel takes their prefix; all eight warps make the diagonal blocks' pairs from
+// the raw k and q, two lanes a pair; then each thread writes the fp16 factors over its own words
+// of k and q, and warps 0-3 run the factored blocks' products (12 blocks of 16 x 16, A's and P's,
+// three a warp); then warps 0-3 invert and store Tb while warps 4-7 store P. Block b = hv *
 // slots + j (hopper_scan.cuh Blocks): Tb = T diag(beta) and P in the input dtype [t][s]; the
 // scalars' rows 2 and 3 gamma [D]; the decayed q, k, and the update's keys [C][D]. Tokens past the
 // sequence's end have beta = rk = rq = 0: their rows and columns of Tb and P and their rows of the
@@ -49,19 +50,20 @@ struct PrepKdaLayout {
   // the factored blocks' column keys: block i's rows against every earlier token s < 16 i,
   // k^_s e^{G_{16 i} - G_s}, rows 8 i (i - 1) .. (i = 1, 2, 3: 16 + 32 + 48)
   static constexpr int KB_ROWS = 96;
+  // k and q, then (each thread over its own words) the fp16 factors Ka and Qa
   static constexpr int OFF_K = 0, OFF_Q = OFF_K + C * LDI * 2, OFF_G = OFF_Q + C * LDI * 2,
-                       OFF_KA = OFF_G + C * LDG * 4, OFF_QA = OFF_KA + C * LDI * 2,
-                       OFF_KB = OFF_QA + C * LDI * 2, OFF_SC = OFF_KB + KB_ROWS * LDI * 2;
+                       OFF_KB = OFF_G + C * LDG * 4, OFF_SC = OFF_KB + KB_ROWS * LDI * 2;
   // once the products are in registers, the factors' space (Ka, Qa) holds A (fp16 blocks below
   // the diagonal, fp32 diagonal blocks), T's fp16 blocks and P (16-bit)
-  static constexpr int OFF_AH = OFF_KA, OFF_AD = OFF_AH + TcInverse::H_BYTES,
+  static constexpr int OFF_AH = OFF_K, OFF_AD = OFF_AH + TcInverse::H_BYTES,
                        OFF_TH = OFF_AD + TcInverse::AD_BYTES, OFF_P = OFF_TH + TcInverse::H_BYTES;
   static constexpr int SMEM = OFF_SC + 3 * C * 4;  // beta, rk, rq
-  static_assert(OFF_P + C * LDB * 2 <= OFF_KB, "A, T and P in the factors' space");
-  static_assert(OFF_G % 16 == 0 && OFF_KA % 16 == 0 && OFF_KB % 16 == 0 && OFF_SC % 16 == 0 &&
-                    OFF_AD % 16 == 0 && OFF_TH % 16 == 0 && OFF_P % 16 == 0,
+  static_assert(OFF_P + C * LDB * 2 <= OFF_G, "A, T and P in the factors' space");
+  static_assert(OFF_G % 16 == 0 && OFF_KB % 16 == 0 && OFF_SC % 16 == 0 && OFF_AD % 16 == 0 &&
+                    OFF_TH % 16 == 0 && OFF_P % 16 == 0,
                 "16-byte aligned regions");
-  static_assert(SMEM + 1024 <= 227 * 1024, "one CTA an SM");
+  // two CTAs an SM: 228 KB of shared memory, 1 KB of each CTA's reserved
+  static_assert(2 * (SMEM + 1024) <= 228 * 1024, "two CTAs an SM");
 };
 
 // Factored block `item` of a warp (0..11): A's blocks (i, j), j < i, then P's.
@@ -88,7 +90,7 @@ __device__ __forceinline__ TriPair tri_pair(int pr) {
 __device__ __forceinline__ int kb_row0(int i) { return 8 * i * (i - 1); }
 
 template <class In>
-__global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
+__global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
     chunk_prefill_hopper_prep_kda_kernel(const ChunkPrefillProblem p, int64_t slots) {
   using L = PrepKdaLayout;
   using M = Mma<In>;
@@ -104,8 +106,8 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
   In* const Ks = reinterpret_cast<In*>(smem + L::OFF_K);
   In* const Qs = reinterpret_cast<In*>(smem + L::OFF_Q);
   float* const Gs = reinterpret_cast<float*>(smem + L::OFF_G);
-  __half* const Ka = reinterpret_cast<__half*>(smem + L::OFF_KA);
-  __half* const Qa = reinterpret_cast<__half*>(smem + L::OFF_QA);
+  __half* const Ka = reinterpret_cast<__half*>(smem + L::OFF_K);  // over Ks, Qs
+  __half* const Qa = reinterpret_cast<__half*>(smem + L::OFF_Q);
   __half* const Kb = reinterpret_cast<__half*>(smem + L::OFF_KB);
   __half* const Ah = reinterpret_cast<__half*>(smem + L::OFF_AH);
   float* const Ad = reinterpret_cast<float*>(smem + L::OFF_AD);
@@ -166,7 +168,45 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
   prep_norms(p, Ks, Qs, cv, tid, sRk, sRq);
   __syncthreads();
 
-  // The factors and the scan's operands, 8 channels of a row at a time: Ka, Qa (reference 16 i of
+  // The diagonal blocks' pairs, exactly, from the raw k and q, by every warp, two lanes a pair
+  // (the even lane channels 4 m, 4 m + 1, the odd one 4 m + 2, 4 m + 3), in registers until the
+  // factors' space is free; warps 6 and 7 take the fifth round.
+  constexpr int kDiagPairs = 4 * 136, kLanePairs = NT / 2;
+  constexpr int kRounds = (kDiagPairs + kLanePairs - 1) / kLanePairs;
+  const int lp = ((warp + 2) % L::NW) * 16 + lane / 2, odd = lane & 1;
+  float pa[kRounds], pp[kRounds];
+#pragma unroll
+  for (int m = 0; m < kRounds; ++m) {
+    pa[m] = pp[m] = 0.0f;
+    const int pr = lp + kLanePairs * m;
+    if (pr < kDiagPairs) {
+      const int b = pr / 136;
+      const auto [ti, si] = tri_pair(pr % 136);
+      const int t = 16 * b + ti, sj = 16 * b + si;
+      float sk = 0.0f, sq = 0.0f;
+#pragma unroll 4
+      for (int c = 2 * odd; c < D; c += 4) {
+        const float2 kt = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + t * LDI + c));
+        const float2 qt = M::unpack(*reinterpret_cast<const uint32_t*>(Qs + t * LDI + c));
+        const float2 ks = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + sj * LDI + c));
+        const float2 gt = *reinterpret_cast<const float2*>(Gs + t * LDG + c);
+        const float2 gs = *reinterpret_cast<const float2*>(Gs + sj * LDG + c);
+        const float e0 = __expf(gt.x - gs.x), e1 = __expf(gt.y - gs.y);
+        sk = fmaf(kt.x * ks.x, e0, sk);
+        sk = fmaf(kt.y * ks.y, e1, sk);
+        sq = fmaf(qt.x * ks.x, e0, sq);
+        sq = fmaf(qt.y * ks.y, e1, sq);
+      }
+      sk += __shfl_xor_sync(0xffffffffu, sk, 1);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+      pa[m] = si < ti ? sBeta[t] * sRk[t] * sRk[sj] * sk : 0.0f;
+      pp[m] = sRq[t] * sRk[sj] * sq;
+    }
+  }
+  __syncthreads();  // the pairs have read k and q
+
+  // The factors and the scan's operands, 8 channels of a row at a time: Ka, Qa over the thread's
+  // own words of k and q (reference 16 i of
   // the row's block i) and the column keys of every later block, in fp16; q^ e^{G}, k^ e^{G},
   // k^ e^{G_L - G} in the input dtype to the workspace.
   for (int it = tid; it < C * (D / 8); it += NT) {
@@ -221,9 +261,7 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
   __syncthreads();
 
   // warps 0-3: three factored blocks each (A's or P's block (i, j): rows 16 i.., columns 16 j..)
-  // on tensor cores; then every warp takes the diagonal blocks' pairs, exactly, two lanes a pair
-  // (the even lane channels 4 m, 4 m + 1, the odd one 4 m + 2, 4 m + 3), in registers until the
-  // factors' space is free. Warps 6 and 7 have no tensor-core blocks and take the fifth round.
+  // on tensor cores, in registers until the factors' space is free
   const bool is_mma = warp < 4;
   float acc[3][2][4];
   if (is_mma) {
@@ -241,38 +279,6 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 1)
         H::mma(acc[m][0], a, b[0], b[1]);
         H::mma(acc[m][1], a, b[2], b[3]);
       }
-    }
-  }
-  constexpr int kDiagPairs = 4 * 136, kLanePairs = NT / 2;
-  constexpr int kRounds = (kDiagPairs + kLanePairs - 1) / kLanePairs;
-  const int lp = ((warp + 2) % L::NW) * 16 + lane / 2, odd = lane & 1;
-  float pa[kRounds], pp[kRounds];
-#pragma unroll
-  for (int m = 0; m < kRounds; ++m) {
-    pa[m] = pp[m] = 0.0f;
-    const int pr = lp + kLanePairs * m;
-    if (pr < kDiagPairs) {
-      const int b = pr / 136;
-      const auto [ti, si] = tri_pair(pr % 136);
-      const int t = 16 * b + ti, sj = 16 * b + si;
-      float sk = 0.0f, sq = 0.0f;
-#pragma unroll 4
-      for (int c = 2 * odd; c < D; c += 4) {
-        const float2 kt = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + t * LDI + c));
-        const float2 qt = M::unpack(*reinterpret_cast<const uint32_t*>(Qs + t * LDI + c));
-        const float2 ks = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + sj * LDI + c));
-        const float2 gt = *reinterpret_cast<const float2*>(Gs + t * LDG + c);
-        const float2 gs = *reinterpret_cast<const float2*>(Gs + sj * LDG + c);
-        const float e0 = __expf(gt.x - gs.x), e1 = __expf(gt.y - gs.y);
-        sk = fmaf(kt.x * ks.x, e0, sk);
-        sk = fmaf(kt.y * ks.y, e1, sk);
-        sq = fmaf(qt.x * ks.x, e0, sq);
-        sq = fmaf(qt.y * ks.y, e1, sq);
-      }
-      sk += __shfl_xor_sync(0xffffffffu, sk, 1);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-      pa[m] = si < ti ? sBeta[t] * sRk[t] * sRk[sj] * sk : 0.0f;
-      pp[m] = sRq[t] * sRk[sj] * sq;
     }
   }
   __syncthreads();  // the factors are read: their space takes A, T and P
