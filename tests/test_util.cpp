@@ -573,8 +573,9 @@ RecurrentBatch make_recurrent_batch(Rng& rng, const RecurrentSpec& spec) {
     r.k = Tensor::contiguous(spec.act, {B, T, H, K});
     r.v = Tensor::contiguous(spec.act, {B, T, HV, V});
   }
-  r.g = spec.kda ? Tensor::contiguous(spec.act, {B, T, HV, K})
-                 : Tensor::contiguous(spec.act, {B, T, HV});
+  const DType g_dtype = spec.g_dtype.value_or(spec.act);
+  r.g = spec.kda ? Tensor::contiguous(g_dtype, {B, T, HV, K})
+                 : Tensor::contiguous(g_dtype, {B, T, HV});
   r.beta = Tensor::contiguous(spec.act, {B, T, HV});
   r.out = Tensor::contiguous(spec.act, {B, T, HV, V});
   r.A_log = Tensor::contiguous(DType::f32, {HV});

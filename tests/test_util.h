@@ -367,6 +367,7 @@ struct RecurrentSpec {
   bool packed_qkv = false;  // q, k, v are strided views into one [B, T, 2HK + HV*V] buffer
   bool dt_bias_2d = false;  // KDA dt_bias as [HV, K]
   DType index_dtype = DType::i32;
+  std::optional<DType> g_dtype;  // g's dtype where it differs from the activations' (FLA: fp32)
 };
 // A spec from its main fields; `with(spec, f)` adjusts the others in a test table.
 inline RecurrentSpec recurrent_spec(const Shape& s, bool kda, DType act, int64_t B, int64_t T,

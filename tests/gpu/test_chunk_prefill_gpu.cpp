@@ -439,6 +439,14 @@ void log_gates_beta_prob(RecurrentSpec& r) {
   r.beta_is_logit = false;
 }
 void log_gates(RecurrentSpec& r) { r.gate_in_kernel = false; }
+void f32_log_gates(RecurrentSpec& r) {
+  r.gate_in_kernel = false;
+  r.g_dtype = DType::f32;
+}
+void f16_safe_gate(RecurrentSpec& r) {
+  r.lower_bound = -5.0;
+  r.g_dtype = DType::f16;
+}
 void packed(RecurrentSpec& r) { r.packed_qkv = true; }
 void i64(RecurrentSpec& r) { r.index_dtype = DType::i64; }
 
@@ -573,6 +581,12 @@ INSTANTIATE_TEST_SUITE_P(
             c.final_state = true;
             c.ckpt = Ckpt::dense;
           }),
+        // log-space gates in fp32 beside bf16 q/k/v (what FLA's callers pass), and in fp16: the
+        // Hopper prep's gate loads per dtype
+        C("kda_kimi_f32_log_gates", varlen(kKimi, true, DType::bf16, {130, 64, 1}, f32_log_gates),
+          [](GpuPrefillCase& c) { c.final_state = true; }),
+        C("kda_kimi_f16_safe_gate", varlen(kKimi, true, DType::bf16, {70, 129}, f16_safe_gate),
+          [](GpuPrefillCase& c) { c.ckpt = Ckpt::slots; }),
         // a small GVA shape (3 value heads per key head) on an envelope pool
         C("gdn_gva_mix_envelope_redirect", varlen(kGva, false, DType::bf16, kMix),
           [](GpuPrefillCase& c) {
