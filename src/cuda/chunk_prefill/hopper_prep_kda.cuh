@@ -206,9 +206,8 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   __syncthreads();  // the pairs have read k and q
 
   // The factors and the scan's operands, 8 channels of a row at a time: Ka, Qa over the thread's
-  // own words of k and q (reference 16 i of
-  // the row's block i) and the column keys of every later block, in fp16; q^ e^{G}, k^ e^{G},
-  // k^ e^{G_L - G} in the input dtype to the workspace.
+  // own words of k and q (reference 16 i of the row's block i) and the column keys of every later
+  // block, in fp16; q^ e^{G}, k^ e^{G}, k^ e^{G_L - G} in the input dtype to the workspace.
   for (int it = tid; it < C * (D / 8); it += NT) {
     const int t = it / (D / 8), c8 = 8 * (it % (D / 8)), i = t / 16;
     const uint4 kw = *reinterpret_cast<const uint4*>(Ks + t * LDI + c8);
