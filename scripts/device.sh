@@ -17,7 +17,7 @@
 #                                      test-layer, sanitize-layer, bench-layer, profile-layer,
 #                                      test-verify, bench-verify, bench-verify-variants,
 #                                      test-replay-verify, bench-replay-verify,
-#                                      test-state-format
+#                                      test-state-format, ab-prefill
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core), and for a build GoogleTest's
 # sources in .deps/googletest and the nvidia-cutlass wheel (CuTe's headers) in .deps/ (all
@@ -301,6 +301,23 @@ for phase in "${phases[@]}"; do
       # $OUT/$VARIANT.json (A/B comparisons within one call)
       run bench-decode python3 bench/bench_decode.py --no-peer --json "$OUT/${VARIANT:-variant}.json" \
         ${BENCH_ARGS:-}
+      ;;
+    ab-prefill)  # prebuilt sets side by side in one call: AB="dirA dirB ..." (scripts/prebuild.sh
+      # outputs, carried), each set's Python module in turn, ROUNDS (2) times, ours only, to
+      # $OUT/ab-<set>-<round>.json; PREFILL_ARGS replaces the cases (default: KDA 8x1024, 1x8192)
+      for d in ${AB:?AB names the prebuilt sets}; do
+        run ab-prefill find "$d" -name '*.xz' -exec xz -d {} +
+        run ab-prefill cat "$d/COMMIT"
+      done
+      for r in $(seq "${ROUNDS:-2}"); do
+        for d in $AB; do
+          # shellcheck disable=SC2086  # PREFILL_ARGS: one word per option
+          DELTASTATE_MODULE=$(cd "$d" && pwd)/python/_deltastate.so run ab-prefill python3 \
+            bench/bench_prefill.py --no-peer --no-accuracy \
+            ${PREFILL_ARGS:---ops kda --reps 3 --replays 5 --cases 8x1024,1x8192} \
+            --json "$OUT/ab-$(basename "$d")-$r.json"
+        done
+      done
       ;;
     bench-direct)  # the register kernel forced everywhere, for the kernel-choice threshold
       DELTASTATE_CUDA_DECODE=direct run bench-direct python3 bench/bench_decode.py --no-peer \
