@@ -134,16 +134,31 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
                                                        static_cast<int64_t>(s.hv) * D + c)
                                   : 0.0f;
     constexpr int kRows = C / (NT / D);
-    uint32_t raw[kRows];
+    // the thread's tokens tok0 + c0 + t0 + 2 j, one dtype branch outside the loads (a branch per
+    // load made this phase 2,437 SASS instructions)
+    const int64_t g0 = head_offset(p.g, s.seq, s.tok0 + c0 + t0, s.hv) + c;
+    const int64_t gstep = 2 * p.g.tok_stride;
+    if (p.g.dtype == DType::f32) {
+      const float* gp = static_cast<const float*>(p.g.ptr) + g0;
+      float raw[kRows];
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int t = t0 + 2 * j;
-      const int64_t tok = s.tok0 + c0 + (t < cv ? t : 0);
-      raw[j] =
-          t < cv ? load_float_bits(p.g.ptr, p.g.dtype, head_offset(p.g, s.seq, tok, s.hv) + c) : 0u;
+      for (int j = 0; j < kRows; ++j) raw[j] = t0 + 2 * j < cv ? __ldg(gp + j * gstep) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) Gs[(t0 + 2 * j) * LDG + c] = raw[j];
+    } else {
+      const uint16_t* gp = static_cast<const uint16_t*>(p.g.ptr) + g0;
+      uint32_t raw[kRows];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) raw[j] = t0 + 2 * j < cv ? load_u16_wide(gp + j * gstep) : 0u;
+      if (p.g.dtype == DType::bf16) {
+#pragma unroll
+        for (int j = 0; j < kRows; ++j)
+          Gs[(t0 + 2 * j) * LDG + c] = to_float(Wide<__nv_bfloat16>{raw[j]});
+      } else {
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) Gs[(t0 + 2 * j) * LDG + c] = to_float(Wide<__half>{raw[j]});
+      }
     }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) Gs[(t0 + 2 * j) * LDG + c] = float_of_bits(raw[j], p.g.dtype);
     if (gate.mode != detail::GateMode::log_decay) {
 #pragma unroll 2
       for (int t = t0; t < cv; t += 2)
@@ -175,14 +190,18 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   constexpr int kRounds = (kDiagPairs + kLanePairs - 1) / kLanePairs;
   const int lp = ((warp + 2) % L::NW) * 16 + lane / 2, odd = lane & 1;
   float pa[kRounds], pp[kRounds];
+  int pt[kRounds], ps[kRounds];  // the pairs' tokens (t, s), kept for the stores
 #pragma unroll
   for (int m = 0; m < kRounds; ++m) {
     pa[m] = pp[m] = 0.0f;
+    pt[m] = ps[m] = 0;
     const int pr = lp + kLanePairs * m;
     if (pr < kDiagPairs) {
       const int b = pr / 136;
       const auto [ti, si] = tri_pair(pr % 136);
       const int t = 16 * b + ti, sj = 16 * b + si;
+      pt[m] = t;
+      ps[m] = sj;
       float sk = 0.0f, sq = 0.0f;
 #pragma unroll 4
       for (int c = 2 * odd; c < D; c += 4) {
@@ -305,11 +324,8 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   // into Pb (zeros above the diagonal) by the odd one
 #pragma unroll
   for (int m = 0; m < kRounds; ++m) {
-    const int pr = lp + kLanePairs * m;
-    if (pr < kDiagPairs) {
-      const int b = pr / 136;
-      const auto [ti, si] = tri_pair(pr % 136);
-      const int t = 16 * b + ti, sj = 16 * b + si;
+    if (lp + kLanePairs * m < kDiagPairs) {
+      const int t = pt[m], sj = ps[m], ti = t % 16, si = sj % 16;
       if (!odd) {
         Ad[t * TcInverse::LDD + si] = pa[m];
         if (si < ti) Ad[sj * TcInverse::LDD + ti] = 0.0f;  // the mirrored pair
