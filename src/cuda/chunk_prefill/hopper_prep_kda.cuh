@@ -24,12 +24,12 @@
 // gamma = e^{G_L} per channel.
 //
 // A CTA (grid (chunk slot j, value head), 8 warps, two CTAs an SM: the raw k and q, G [C][D]
-// fp32, the column keys): every thread computes gates of (token, channel) from coalesced loads
-// and a thread a channel takes their prefix; all eight warps make the diagonal blocks' pairs from
-// the raw k and q, two lanes a pair; then each thread writes the fp16 factors over its own words
-// of k and q, and warps 0-3 run the factored blocks' products (12 blocks of 16 x 16, A's and P's,
-// three a warp); then warps 0-3 invert and store Tb while warps 4-7 store P. Block b = hv *
-// slots + j (hopper_scan.cuh Blocks): Tb = T diag(beta) and P in the input dtype [t][s]; the
+// fp32 in log2 units, the column keys): every thread computes gates of (token, channel) from
+// coalesced loads and a thread a channel takes their prefix; all eight warps make the diagonal
+// blocks' pairs from the raw k and q, 2 x 2 pairs a tile of 16 lanes; then each thread writes the
+// fp16 factors over its own words of k and q, and warps 0-3 run the factored blocks' products (12
+// blocks of 16 x 16, A's and P's, three a warp); then warps 0-3 invert and store Tb while warps
+// 4-7 store P. Block b = hv * slots + j (hopper_scan.cuh Blocks): Tb = T diag(beta) and P in the input dtype [t][s]; the
 // scalars' rows 2 and 3 gamma [D]; the decayed q, k, and the update's keys [C][D]. Tokens past the
 // sequence's end have beta = rk = rq = 0: their rows and columns of Tb and P and their rows of the
 // decayed operands are zeros.
@@ -53,14 +53,18 @@ struct PrepKdaLayout {
   // k and q, then (each thread over its own words) the fp16 factors Ka and Qa
   static constexpr int OFF_K = 0, OFF_Q = OFF_K + C * LDI * 2, OFF_G = OFF_Q + C * LDI * 2,
                        OFF_KB = OFF_G + C * LDG * 4, OFF_SC = OFF_KB + KB_ROWS * LDI * 2;
-  // once the products are in registers, the factors' space (Ka, Qa) holds A (fp16 blocks below
-  // the diagonal, fp32 diagonal blocks), T's fp16 blocks and P (16-bit)
-  static constexpr int OFF_AH = OFF_K, OFF_AD = OFF_AH + TcInverse::H_BYTES,
-                       OFF_TH = OFF_AD + TcInverse::AD_BYTES, OFF_P = OFF_TH + TcInverse::H_BYTES;
-  static constexpr int SMEM = OFF_SC + 3 * C * 4;  // beta, rk, rq
+  // once the products are in registers, the factors' space (Ka, Qa) holds A's fp16 blocks below
+  // the diagonal, T's fp16 blocks and P (16-bit)
+  static constexpr int OFF_AH = OFF_K, OFF_TH = OFF_AH + TcInverse::H_BYTES,
+                       OFF_P = OFF_TH + TcInverse::H_BYTES;
+  // after beta, rk, rq: the diagonal blocks' pairs, written while k and q are still read: A
+  // (fp32, the inversion's input as it is) and P (fp32, into P's blocks once the factors' space
+  // is free)
+  static constexpr int OFF_AD = OFF_SC + 3 * C * 4, OFF_PD = OFF_AD + TcInverse::AD_BYTES;
+  static constexpr int SMEM = OFF_PD + TcInverse::AD_BYTES;
   static_assert(OFF_P + C * LDB * 2 <= OFF_G, "A, T and P in the factors' space");
   static_assert(OFF_G % 16 == 0 && OFF_KB % 16 == 0 && OFF_SC % 16 == 0 && OFF_AD % 16 == 0 &&
-                    OFF_TH % 16 == 0 && OFF_P % 16 == 0,
+                    OFF_PD % 16 == 0 && OFF_TH % 16 == 0 && OFF_P % 16 == 0,
                 "16-byte aligned regions");
   // two CTAs an SM: 228 KB of shared memory, 1 KB of each CTA's reserved
   static_assert(2 * (SMEM + 1024) <= 228 * 1024, "two CTAs an SM");
@@ -77,14 +81,24 @@ __device__ __forceinline__ KdaBlock kda_block(int item) {
   const int j = a - (i == 1 ? 0 : i == 2 ? 1 : 3);
   return {item >= 6, i, j};
 }
-// Pair `pr` (0..135) of a 16x16 block's lower triangle, row by row: (row ti, column si <= ti).
-struct TriPair {
-  int ti, si;
+// Tile `w` (0..35) of the lower triangle of a diagonal block's 8 x 8 tiles of 2 x 2 pairs, row
+// by row: (row a, column b <= a).
+struct TriTile {
+  int a, b;
 };
-__device__ __forceinline__ TriPair tri_pair(int pr) {
-  int ti = 0;
-  while ((ti + 1) * (ti + 2) / 2 <= pr) ++ti;
-  return {ti, pr - ti * (ti + 1) / 2};
+__device__ __forceinline__ TriTile tri_tile(int w) {
+  int a = 0;
+#pragma unroll
+  for (int r = 1; r < 8; ++r) a += r * (r + 1) / 2 <= w;
+  return {a, w - a * (a + 1) / 2};
+}
+constexpr float kLog2e = 1.4426950408889634f;
+// 2^x in one MUFU.EX2 (the library's expf adds a multiply and a subnormal fix-up around it): the
+// exponents here are <= 0, and a result flushed below 2^-126 multiplies terms of magnitude <= 1.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 // The first row of block i's column keys in Kb.
 __device__ __forceinline__ int kb_row0(int i) { return 8 * i * (i - 1); }
@@ -111,6 +125,7 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   __half* const Kb = reinterpret_cast<__half*>(smem + L::OFF_KB);
   __half* const Ah = reinterpret_cast<__half*>(smem + L::OFF_AH);
   float* const Ad = reinterpret_cast<float*>(smem + L::OFF_AD);
+  float* const Pd = reinterpret_cast<float*>(smem + L::OFF_PD);
   __half* const Th = reinterpret_cast<__half*>(smem + L::OFF_TH);
   In* const Pb = reinterpret_cast<In*>(smem + L::OFF_P);
   float* const sBeta = reinterpret_cast<float*>(smem + L::OFF_SC);
@@ -167,13 +182,14 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
     }
   }
   __syncthreads();
-  if (tid < D) {  // channel c's prefix over the chunk, in the CPU's order (g = 0 past the end)
+  if (tid < D) {  // channel c's prefix over the chunk, in the CPU's order (g = 0 past the end),
+                  // kept in log2 units: each exponential below is one exp2
     const int c = tid;
     float run = 0.0f;
 #pragma unroll 8
     for (int t = 0; t < C; ++t) {
       run += Gs[t * LDG + c];
-      Gs[t * LDG + c] = run;
+      Gs[t * LDG + c] = run * kLog2e;
     }
     out.scal[2 * C + c] = expf(run);                  // gamma: the scalars' rows 2 and 3
     if (c < C) out.scal[c] = out.scal[C + c] = 0.0f;  // rows 0 and 1: unused
@@ -183,43 +199,76 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   prep_norms(p, Ks, Qs, cv, tid, sRk, sRq);
   __syncthreads();
 
-  // The diagonal blocks' pairs, exactly, from the raw k and q, by every warp, two lanes a pair
-  // (the even lane channels 4 m, 4 m + 1, the odd one 4 m + 2, 4 m + 3), in registers until the
-  // factors' space is free; warps 6 and 7 take the fifth round.
-  constexpr int kDiagPairs = 4 * 136, kLanePairs = NT / 2;
-  constexpr int kRounds = (kDiagPairs + kLanePairs - 1) / kLanePairs;
-  const int lp = ((warp + 2) % L::NW) * 16 + lane / 2, odd = lane & 1;
-  float pa[kRounds], pp[kRounds];
-  int pt[kRounds], ps[kRounds];  // the pairs' tokens (t, s), kept for the stores
+  // The diagonal blocks' pairs, exactly in fp32, from the raw k and q: tiles of 2 x 2 pairs
+  // (rows t0, t0 + 1 against columns s0, s0 + 1), 36 a block on or below its diagonal, 144 in all,
+  // nine rounds of 16 tiles; 16 lanes a tile, lane l the channels 4 l .. and 64 + 4 l .. (a tile's
+  // four pairs share its six rows of k and q and four of G). The lanes' sums are
+  // reduce-scattered: lane l ends with value 4 (l & 1) + 2 (l >> 1 & 1) + (l >> 2 & 1) of A's
+  // four pairs then P's, and lanes 0-7 store the tile, lanes 8-15 the mirrored zeros of the tile
+  // above the diagonal, into Ad and Pd (outside the factors' space, which k and q still hold).
+  {
+    const int l16 = lane & 15, grp = tid >> 4;
+    const bool b0 = l16 & 1, b1 = l16 & 2, b2 = l16 & 4;
+    const int idx = 4 * b0 + 2 * b1 + b2, dt = (idx >> 1) & 1, ds = idx & 1;
+    const bool is_p = idx >= 4;
+    float* const dst = is_p ? Pd : Ad;
+#pragma unroll 1
+    for (int m = 0; m < 9; ++m) {
+      const int u = grp + 16 * m, blk = u / 36;
+      const TriTile tt = tri_tile(u % 36);
+      const int t0 = 16 * blk + 2 * tt.a, s0 = 16 * blk + 2 * tt.b;
+      float v[8];  // A (t0, s0), (t0, s0 + 1), (t0 + 1, s0), (t0 + 1, s0 + 1), then P's
 #pragma unroll
-  for (int m = 0; m < kRounds; ++m) {
-    pa[m] = pp[m] = 0.0f;
-    pt[m] = ps[m] = 0;
-    const int pr = lp + kLanePairs * m;
-    if (pr < kDiagPairs) {
-      const int b = pr / 136;
-      const auto [ti, si] = tri_pair(pr % 136);
-      const int t = 16 * b + ti, sj = 16 * b + si;
-      pt[m] = t;
-      ps[m] = sj;
-      float sk = 0.0f, sq = 0.0f;
-#pragma unroll 4
-      for (int c = 2 * odd; c < D; c += 4) {
-        const float2 kt = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + t * LDI + c));
-        const float2 qt = M::unpack(*reinterpret_cast<const uint32_t*>(Qs + t * LDI + c));
-        const float2 ks = M::unpack(*reinterpret_cast<const uint32_t*>(Ks + sj * LDI + c));
-        const float2 gt = *reinterpret_cast<const float2*>(Gs + t * LDG + c);
-        const float2 gs = *reinterpret_cast<const float2*>(Gs + sj * LDG + c);
-        const float e0 = __expf(gt.x - gs.x), e1 = __expf(gt.y - gs.y);
-        sk = fmaf(kt.x * ks.x, e0, sk);
-        sk = fmaf(kt.y * ks.y, e1, sk);
-        sq = fmaf(qt.x * ks.x, e0, sq);
-        sq = fmaf(qt.y * ks.y, e1, sq);
+      for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int c = 64 * h + 4 * l16;
+        float kt[2][4], qt[2][4], ks[2][4], gt[2][4], gs[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const uint2 kw = *reinterpret_cast<const uint2*>(Ks + (t0 + r) * LDI + c);
+          const uint2 qw = *reinterpret_cast<const uint2*>(Qs + (t0 + r) * LDI + c);
+          const uint2 sw = *reinterpret_cast<const uint2*>(Ks + (s0 + r) * LDI + c);
+          const float4 g1 = *reinterpret_cast<const float4*>(Gs + (t0 + r) * LDG + c);
+          const float4 g2 = *reinterpret_cast<const float4*>(Gs + (s0 + r) * LDG + c);
+          const float2 k0 = M::unpack(kw.x), k1 = M::unpack(kw.y), q0 = M::unpack(qw.x),
+                       q1 = M::unpack(qw.y), x0 = M::unpack(sw.x), x1 = M::unpack(sw.y);
+          kt[r][0] = k0.x, kt[r][1] = k0.y, kt[r][2] = k1.x, kt[r][3] = k1.y;
+          qt[r][0] = q0.x, qt[r][1] = q0.y, qt[r][2] = q1.x, qt[r][3] = q1.y;
+          ks[r][0] = x0.x, ks[r][1] = x0.y, ks[r][2] = x1.x, ks[r][3] = x1.y;
+          gt[r][0] = g1.x, gt[r][1] = g1.y, gt[r][2] = g1.z, gt[r][3] = g1.w;
+          gs[r][0] = g2.x, gs[r][1] = g2.y, gs[r][2] = g2.z, gs[r][3] = g2.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              // (t0, s0 + 1) of a tile on the diagonal lies above it: its exponent may be > 0,
+              // and its sums are not stored
+              const float w = ks[j][e] * exp2_ftz(gt[i][e] - gs[j][e]);
+              v[2 * i + j] = fmaf(kt[i][e], w, v[2 * i + j]);
+              v[4 + 2 * i + j] = fmaf(qt[i][e], w, v[4 + 2 * i + j]);
+            }
       }
-      sk += __shfl_xor_sync(0xffffffffu, sk, 1);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-      pa[m] = si < ti ? sBeta[t] * sRk[t] * sRk[sj] * sk : 0.0f;
-      pp[m] = sRq[t] * sRk[sj] * sq;
+      float r4[4], r2[2];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        r4[j] = (b0 ? v[j + 4] : v[j]) + __shfl_xor_sync(0xffffffffu, b0 ? v[j] : v[j + 4], 1);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        r2[j] = (b1 ? r4[j + 2] : r4[j]) + __shfl_xor_sync(0xffffffffu, b1 ? r4[j] : r4[j + 2], 2);
+      float x = (b2 ? r2[1] : r2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? r2[0] : r2[1], 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      const int t = t0 + dt, sj = s0 + ds;
+      if (l16 < 8) {
+        const bool keep = is_p ? sj <= t : sj < t;
+        dst[t * TcInverse::LDD + sj % 16] =
+            keep ? (is_p ? sRq[t] : sBeta[t] * sRk[t]) * sRk[sj] * x : 0.0f;
+      } else if (tt.a > tt.b) {
+        dst[sj * TcInverse::LDD + t % 16] = 0.0f;  // the mirrored pair, above the diagonal
+      }
     }
   }
   __syncthreads();  // the pairs have read k and q
@@ -242,16 +291,16 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
       for (int h = 0; h < 2; ++h) {
         const int c = c8 + 2 * e + h;
         const float G = Gs[t * LDG + c], k = (h ? kx.y : kx.x) * rk, q = (h ? qx.y : qx.x) * rq;
-        const float er = __expf(G - Gs[16 * i * LDG + c]);
+        const float er = exp2_ftz(G - Gs[16 * i * LDG + c]);
         x[h][0] = k * er;
         x[h][1] = q * er;
-        const float eg = __expf(G);
+        const float eg = exp2_ftz(G);
         x[h][2] = q * eg;
         x[h][3] = k * eg;
-        x[h][4] = k * __expf(Gs[(C - 1) * LDG + c] - G);
+        x[h][4] = k * exp2_ftz(Gs[(C - 1) * LDG + c] - G);
 #pragma unroll
         for (int b = 1; b < 4; ++b)  // column keys of block i + b (reference 16 (i + b))
-          x[h][4 + b] = i + b < 4 ? k * __expf(Gs[16 * (i + b) * LDG + c] - G) : 0.0f;
+          x[h][4 + b] = i + b < 4 ? k * exp2_ftz(Gs[16 * (i + b) * LDG + c] - G) : 0.0f;
       }
       ka[e] = H::pack(x[0][0], x[1][0]);
       qa[e] = H::pack(x[0][1], x[1][1]);
@@ -320,20 +369,11 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
       }
     }
   }
-  // the diagonal blocks: A into Ad (fp32, zeros on and above the diagonal) by the even lane, P
-  // into Pb (zeros above the diagonal) by the odd one
-#pragma unroll
-  for (int m = 0; m < kRounds; ++m) {
-    if (lp + kLanePairs * m < kDiagPairs) {
-      const int t = pt[m], sj = ps[m], ti = t % 16, si = sj % 16;
-      if (!odd) {
-        Ad[t * TcInverse::LDD + si] = pa[m];
-        if (si < ti) Ad[sj * TcInverse::LDD + ti] = 0.0f;  // the mirrored pair
-      } else {
-        Pb[t * LDB + sj] = from_float<In>(pp[m]);
-        if (si < ti) Pb[sj * LDB + t] = from_float<In>(0.0f);
-      }
-    }
+  // P's diagonal blocks from Pd, two entries a thread
+  for (int i = tid; i < C * 8; i += NT) {
+    const int t = i / 8, si = 2 * (i % 8);
+    const float2 x = *reinterpret_cast<const float2*>(Pd + t * TcInverse::LDD + si);
+    *reinterpret_cast<uint32_t*>(Pb + t * LDB + 16 * (t / 16) + si) = M::pack(x.x, x.y);
   }
   __syncthreads();
 
