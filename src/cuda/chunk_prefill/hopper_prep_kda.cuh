@@ -17,8 +17,10 @@
 // overflows and a factor that underflows belongs to a product below fp32's range. The factors are
 // rounded to fp16 (|k^|, |q^| <= 1 and the decays <= 1: fp16's range holds them, and its mantissa
 // makes the factorization cost nothing against exact fp32 pairs: tests/gpu/emulate_hopper_kda.py).
-// The four diagonal blocks, where a reference inside the
-// block would put an exponent above zero, are exact: pairwise in fp32 on CUDA cores. Then T =
+// Inside the four diagonal blocks the same holds for the 8 x 8 piece below each block's own
+// diagonal (rows 16 i + 8.. against columns 16 i.., reference r = 16 i + 8), which goes on tensor
+// cores too; the eight 8 x 8 sub-blocks on the diagonal, where a reference inside would put an
+// exponent above zero, are exact: pairwise in fp32 on CUDA cores. Then T =
 // (I + A)^{-1} on tensor cores (tc_inverse.cuh) and the operands of the scan, each rounded to the
 // input dtype once: q^ e^{G}, k^ e^{G} (S Q^T and S K^T) and k^ e^{G_L - G} (the update), with
 // gamma = e^{G_L} per channel.
@@ -26,13 +28,14 @@
 // A CTA (grid (chunk slot j, value head), 8 warps, two CTAs an SM: the raw k and q, G [C][D]
 // fp32 in log2 units, the column keys): every thread computes gates of (token, channel) from
 // coalesced loads and a thread a channel takes their prefix; all eight warps make the diagonal
-// blocks' pairs from the raw k and q, 2 x 2 pairs a tile of 16 lanes; then each thread writes the
-// fp16 factors over its own words of k and q, and warps 0-3 run the factored blocks' products (12
-// blocks of 16 x 16, A's and P's, three a warp); then warps 0-3 invert and store Tb while warps
-// 4-7 store P. Block b = hv * slots + j (hopper_scan.cuh Blocks): Tb = T diag(beta) and P in the input dtype [t][s]; the
-// scalars' rows 2 and 3 gamma [D]; the decayed q, k, and the update's keys [C][D]. Tokens past the
-// sequence's end have beta = rk = rq = 0: their rows and columns of Tb and P and their rows of the
-// decayed operands are zeros.
+// sub-blocks' pairs from the raw k and q, 2 x 2 pairs a tile of 16 lanes, and the 8 x 8 pieces
+// below them on tensor cores; then each thread writes the fp16 factors over its own words of k
+// and q, and warps 0-3 run the factored blocks' products (12 blocks of 16 x 16, A's and P's,
+// three a warp); then warps 0-3 invert and store Tb while warps 4-7 store P. Block b = hv *
+// slots + j (hopper_scan.cuh Blocks): Tb = T diag(beta) and P in the input dtype [t][s]; the
+// scalars' rows 2 and 3 gamma [D]; the decayed q, k, and the update's keys [C][D]. Tokens past
+// the sequence's end have beta = rk = rq = 0: their rows and columns of Tb and P and their rows
+// of the decayed operands are zeros.
 #pragma once
 
 #include <cstdint>
@@ -81,15 +84,13 @@ __device__ __forceinline__ KdaBlock kda_block(int item) {
   const int j = a - (i == 1 ? 0 : i == 2 ? 1 : 3);
   return {item >= 6, i, j};
 }
-// Tile `w` (0..35) of the lower triangle of a diagonal block's 8 x 8 tiles of 2 x 2 pairs, row
+// Tile `w` (0..9) of the lower triangle of an 8 x 8 sub-block's 4 x 4 tiles of 2 x 2 pairs, row
 // by row: (row a, column b <= a).
 struct TriTile {
   int a, b;
 };
 __device__ __forceinline__ TriTile tri_tile(int w) {
-  int a = 0;
-#pragma unroll
-  for (int r = 1; r < 8; ++r) a += r * (r + 1) / 2 <= w;
+  const int a = (w >= 1) + (w >= 3) + (w >= 6);
   return {a, w - a * (a + 1) / 2};
 }
 constexpr float kLog2e = 1.4426950408889634f;
@@ -199,13 +200,68 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   prep_norms(p, Ks, Qs, cv, tid, sRk, sRq);
   __syncthreads();
 
-  // The diagonal blocks' pairs, exactly in fp32, from the raw k and q: tiles of 2 x 2 pairs
-  // (rows t0, t0 + 1 against columns s0, s0 + 1), 36 a block on or below its diagonal, 144 in all,
-  // nine rounds of 16 tiles; 16 lanes a tile, lane l the channels 4 l .. and 64 + 4 l .. (a tile's
-  // four pairs share its six rows of k and q and four of G). The lanes' sums are
-  // reduce-scattered: lane l ends with value 4 (l & 1) + 2 (l >> 1 & 1) + (l >> 2 & 1) of A's
-  // four pairs then P's, and lanes 0-7 store the tile, lanes 8-15 the mirrored zeros of the tile
-  // above the diagonal, into Ad and Pd (outside the factors' space, which k and q still hold).
+  // The diagonal blocks' lower-left 8 x 8 pieces' factors through r = 16 i + 8, in fp16, into
+  // Kb's space (free until the factors below): Rk = k^_t e^{G_t - G_r}, Rq = q^_t e^{G_t - G_r}
+  // (t = r..r + 7) at rows 8 i and 32 + 8 i, Kc = k^_s e^{G_r - G_s} (s = 16 i..r - 1) at rows
+  // 64 + 8 i; Rk and Rq share their exponentials.
+  for (int it = tid; it < 64 * (D / 8); it += NT) {
+    const int rw = it / (D / 8), c8 = 8 * (it % (D / 8)), i = (rw % 32) / 8;
+    const bool col = rw >= 32;
+    const int t = 16 * i + (col ? 0 : 8) + rw % 8, r = 16 * i + 8;
+    const uint4 kw = *reinterpret_cast<const uint4*>(Ks + t * LDI + c8);
+    const uint4 qw = *reinterpret_cast<const uint4*>(Qs + t * LDI + c8);
+    const uint32_t ku[4] = {kw.x, kw.y, kw.z, kw.w}, qu[4] = {qw.x, qw.y, qw.z, qw.w};
+    const float rk = sRk[t], rq = sRq[t];
+    uint32_t fk[4], fq[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 kx = M::unpack(ku[e]), qx = M::unpack(qu[e]);
+      const float2 gt = *reinterpret_cast<const float2*>(Gs + t * LDG + c8 + 2 * e);
+      const float2 gr = *reinterpret_cast<const float2*>(Gs + r * LDG + c8 + 2 * e);
+      const float x0 = exp2_ftz(col ? gr.x - gt.x : gt.x - gr.x),
+                  x1 = exp2_ftz(col ? gr.y - gt.y : gt.y - gr.y);
+      fk[e] = H::pack(kx.x * rk * x0, kx.y * rk * x1);
+      fq[e] = H::pack(qx.x * rq * x0, qx.y * rq * x1);
+    }
+    const int row = col ? 64 + 8 * i + rw % 8 : 8 * i + rw % 8;
+    *reinterpret_cast<uint4*>(Kb + row * LDI + c8) = make_uint4(fk[0], fk[1], fk[2], fk[3]);
+    if (!col)
+      *reinterpret_cast<uint4*>(Kb + (row + 32) * LDI + c8) =
+          make_uint4(fq[0], fq[1], fq[2], fq[3]);
+  }
+  __syncthreads();
+
+  // Warp w: block i = w % 4's lower-left piece of A (w < 4) or P, Rk or Rq against Kc on tensor
+  // cores (a 16 x 8 product of which rows 0-7 are the piece), into Ad or Pd with
+  // zeros in the piece above the block's diagonal (rows 16 i.., columns 16 i + 8..).
+  {
+    const int i = warp % 4;
+    const bool wp = warp >= 4;
+    float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) {  // two k-steps: Kc's 8 rows, 32 columns
+      uint32_t a0[4], a1[4], b[4];
+      ldsm_x4(a0, Kb + a_tile(lane, (wp ? 32 : 0) + 8 * i, 32 * kk, LDI));
+      ldsm_x4(a1, Kb + a_tile(lane, (wp ? 32 : 0) + 8 * i, 32 * kk + 16, LDI));
+      ldsm_x4(b, Kb + (64 + 8 * i + (lane & 7)) * LDI + 32 * kk + 8 * (lane >> 3));
+      H::mma(z, a0, b[0], b[1]);
+      H::mma(z, a1, b[2], b[3]);
+    }
+    const int g8 = lane >> 2, q4 = lane & 3, t = 16 * i + 8 + g8, sl = 2 * q4;
+    const float f = wp ? 1.0f : sBeta[t];
+    float* const dst = wp ? Pd : Ad;
+    *reinterpret_cast<float2*>(dst + t * TcInverse::LDD + sl) = make_float2(f * z[0], f * z[1]);
+    *reinterpret_cast<float2*>(dst + (t - 8) * TcInverse::LDD + 8 + sl) = make_float2(0.0f, 0.0f);
+  }
+
+  // The 8 x 8 sub-blocks on the diagonal, exactly in fp32, from the raw k and q: tiles of 2 x 2
+  // pairs (rows t0, t0 + 1 against columns s0, s0 + 1), 10 a sub-block on or below its diagonal,
+  // 80 in all, five rounds of 16 tiles; 16 lanes a tile, lane l the channels 4 l .. and
+  // 64 + 4 l .. (a tile's four pairs share its six rows of k and q and four of G). The lanes'
+  // sums are reduce-scattered: lane l ends with value 4 (l & 1) + 2 (l >> 1 & 1) + (l >> 2 & 1)
+  // of A's four pairs then P's, and lanes 0-7 store the tile, lanes 8-15 the mirrored zeros of
+  // the tile above the diagonal, into Ad and Pd (outside the factors' space, which k and q still
+  // hold).
   {
     const int l16 = lane & 15, grp = tid >> 4;
     const bool b0 = l16 & 1, b1 = l16 & 2, b2 = l16 & 4;
@@ -213,10 +269,10 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
     const bool is_p = idx >= 4;
     float* const dst = is_p ? Pd : Ad;
 #pragma unroll 1
-    for (int m = 0; m < 9; ++m) {
-      const int u = grp + 16 * m, blk = u / 36;
-      const TriTile tt = tri_tile(u % 36);
-      const int t0 = 16 * blk + 2 * tt.a, s0 = 16 * blk + 2 * tt.b;
+    for (int m = 0; m < 5; ++m) {
+      const int u = grp + 16 * m;
+      const TriTile tt = tri_tile(u % 10);
+      const int t0 = 8 * (u / 10) + 2 * tt.a, s0 = 8 * (u / 10) + 2 * tt.b;
       float v[8];  // A (t0, s0), (t0, s0 + 1), (t0 + 1, s0), (t0 + 1, s0 + 1), then P's
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = 0.0f;
