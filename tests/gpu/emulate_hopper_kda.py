@@ -12,7 +12,8 @@ decay over the chunk, G_L its last valid token's (rows past it repeat G_L).
         block's first token r = 16 i: Ka_t = bf16(k^_t e^{G_t - G_r}), Qa_t = bf16(q^_t e^{G_t -
         G_r}) (t in block i), Kb_s = bf16(k^_s e^{G_r - G_s}) (s < r), both exponents <= 0, so
         nothing overflows whatever the gate; A_ij = beta_t (Ka Kb^T), P_ij = Qa Kb^T in fp32.
-        The diagonal blocks pairwise in fp32. T = (I + A)^-1 on tensor cores (invert_tc: fp16
+        Each diagonal block's 8 x 8 piece below its own diagonal the same way through r = 16 i
+        + 8; the eight 8 x 8 sub-blocks on the diagonal pairwise in fp32. T = (I + A)^-1 on tensor cores (invert_tc: fp16
         operands), Tb = bf16(T diag(beta)), P = bf16(P); Qt = bf16(q^ e^G), Kt = bf16(k^ e^G),
         Kd = bf16(k^ e^{G_L - G}), gamma = e^{G_L} (fp32, per channel).
   scan  X1 = bf16(S) Kt^T, X2 = bf16(S) Qt^T, v'^T = V^T Tb^T + bf16(-X1) Tb^T,
@@ -82,21 +83,33 @@ def prep(Q, K_, g, be, cv, scale, factors="bf16"):
     kh, qh = K_ * rk[:, None], Q * rq[:, None]
     A, P = np.zeros((C, C), f32), np.zeros((C, C), f32)
     rnd = hp.fp16 if factors == "fp16" else bf16
+    def factored(r, t, s):  # rows t against columns s < r <= t, through the reference r
+        ea, eb = np.exp(G[t] - G[r]), np.exp(G[r] - G[s])  # both <= 1
+        Ka, Qa, Kb = rnd(kh[t] * ea), rnd(qh[t] * ea), rnd(kh[s] * eb)
+        A[t, s] = be[t, None] * (Ka @ Kb.T)
+        P[t, s] = Qa @ Kb.T
+
+    h = B // 2  # the diagonal blocks' 8 x 8 sub-blocks
+    for i in range(C // h):
+        t = slice(h * i, h * i + h)
+        A[t, t] = np.tril(be[t, None] * pairs(kh[t], kh[t], G[t], G[t], True), -1)
+        P[t, t] = pairs(qh[t], kh[t], G[t], G[t], True)
     for i in range(C // B):
         r = B * i
         t, s = slice(r, r + B), slice(0, r)
-        A[t, t] = np.tril(be[t, None] * pairs(kh[t], kh[t], G[t], G[t], True), -1)
-        P[t, t] = pairs(qh[t], kh[t], G[t], G[t], True)
+        lo, up = slice(r + h, r + B), slice(r, r + h)  # a diagonal block's piece below its diagonal
+        if factors == "pairwise":
+            A[lo, up] = be[lo, None] * pairs(kh[lo], kh[up], G[lo], G[up], False)
+            P[lo, up] = pairs(qh[lo], kh[up], G[lo], G[up], False)
+        else:
+            factored(r + h, lo, up)
         if i == 0:
             continue
         if factors == "pairwise":
             A[t, s] = be[t, None] * pairs(kh[t], kh[s], G[t], G[s], False)
             P[t, s] = pairs(qh[t], kh[s], G[t], G[s], False)
         else:
-            ea, eb = np.exp(G[t] - G[r]), np.exp(G[r] - G[s])  # both <= 1
-            Ka, Qa, Kb = rnd(kh[t] * ea), rnd(qh[t] * ea), rnd(kh[s] * eb)
-            A[t, s] = be[t, None] * (Ka @ Kb.T)
-            P[t, s] = Qa @ Kb.T
+            factored(r, t, s)
     x = (np.tril(hp.invert_tc(A)) * be[None, :]).astype(f32)
     Tb = bf16(x)
     eG = np.exp(G)

@@ -329,57 +329,74 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   }
   __syncthreads();  // the pairs have read k and q
 
-  // The factors and the scan's operands, 8 channels of a row at a time: Ka, Qa over the thread's
-  // own words of k and q (reference 16 i of the row's block i) and the column keys of every later
-  // block, in fp16; q^ e^{G}, k^ e^{G}, k^ e^{G_L - G} in the input dtype to the workspace.
-  for (int it = tid; it < C * (D / 8); it += NT) {
-    const int t = it / (D / 8), c8 = 8 * (it % (D / 8)), i = t / 16;
+  // The factors and the scan's operands, 8 channels of a row at a time (row 16 i + tid / 16 in
+  // round i, so the block, and with it which factors the row has, is known at compile time): Ka,
+  // Qa over the thread's own words of k and q (reference 16 i; the blocks below the diagonal
+  // start at block 1) and the column keys of every later block, in fp16; q^ e^{G}, k^ e^{G},
+  // k^ e^{G_L - G} in the input dtype to the workspace.
+  static_assert(C * (D / 8) == 4 * NT, "four rounds of a row block");
+  const auto load8 = [&](int row, int c8, float(&g)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(Gs + row * LDG + c8);
+    const float4 b = *reinterpret_cast<const float4*>(Gs + row * LDG + c8 + 4);
+    g[0] = a.x, g[1] = a.y, g[2] = a.z, g[3] = a.w, g[4] = b.x, g[5] = b.y, g[6] = b.z, g[7] = b.w;
+  };
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = 16 * i + tid / (D / 8), c8 = 8 * (tid % (D / 8));
     const uint4 kw = *reinterpret_cast<const uint4*>(Ks + t * LDI + c8);
     const uint4 qw = *reinterpret_cast<const uint4*>(Qs + t * LDI + c8);
     const uint32_t ku[4] = {kw.x, kw.y, kw.z, kw.w}, qu[4] = {qw.x, qw.y, qw.z, qw.w};
     const float rk = sRk[t], rq = sRq[t];
-    uint32_t ka[4], qa[4], qg[4], kg[4], kd[4], kb[3][4];
+    float G[8], GL[8];
+    load8(t, c8, G);
+    load8(C - 1, c8, GL);
+    float k[8], q[8];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float2 kx = M::unpack(ku[e]), qx = M::unpack(qu[e]);
-      float x[2][8];  // per channel pair: k^, q^, e^{G}, e^{G - G_r}, e^{G_L - G}, 3 column keys
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int c = c8 + 2 * e + h;
-        const float G = Gs[t * LDG + c], k = (h ? kx.y : kx.x) * rk, q = (h ? qx.y : qx.x) * rq;
-        const float er = exp2_ftz(G - Gs[16 * i * LDG + c]);
-        x[h][0] = k * er;
-        x[h][1] = q * er;
-        const float eg = exp2_ftz(G);
-        x[h][2] = q * eg;
-        x[h][3] = k * eg;
-        x[h][4] = k * exp2_ftz(Gs[(C - 1) * LDG + c] - G);
-#pragma unroll
-        for (int b = 1; b < 4; ++b)  // column keys of block i + b (reference 16 (i + b))
-          x[h][4 + b] = i + b < 4 ? k * exp2_ftz(Gs[16 * (i + b) * LDG + c] - G) : 0.0f;
-      }
-      ka[e] = H::pack(x[0][0], x[1][0]);
-      qa[e] = H::pack(x[0][1], x[1][1]);
-      qg[e] = M::pack(x[0][2], x[1][2]);
-      kg[e] = M::pack(x[0][3], x[1][3]);
-      kd[e] = M::pack(x[0][4], x[1][4]);
-#pragma unroll
-      for (int b = 0; b < 3; ++b) kb[b][e] = H::pack(x[0][5 + b], x[1][5 + b]);
+      k[2 * e] = kx.x * rk, k[2 * e + 1] = kx.y * rk, q[2 * e] = qx.x * rq,
+            q[2 * e + 1] = qx.y * rq;
     }
-    *reinterpret_cast<uint4*>(Ka + t * LDI + c8) = make_uint4(ka[0], ka[1], ka[2], ka[3]);
-    *reinterpret_cast<uint4*>(Qa + t * LDI + c8) = make_uint4(qa[0], qa[1], qa[2], qa[3]);
+    uint32_t w0[4], w1[4], w2[4];
+    if (i > 0) {  // Ka, Qa through reference 16 i
+      float Gr[8];
+      load8(16 * i, c8, Gr);
 #pragma unroll
-    for (int b = 0; b < 3; ++b)
-      if (i + 1 + b < 4)
-        *reinterpret_cast<uint4*>(Kb + (kb_row0(i + 1 + b) + t) * LDI + c8) =
-            make_uint4(kb[b][0], kb[b][1], kb[b][2], kb[b][3]);
+      for (int e = 0; e < 4; ++e) {
+        const float e0 = exp2_ftz(G[2 * e] - Gr[2 * e]),
+                    e1 = exp2_ftz(G[2 * e + 1] - Gr[2 * e + 1]);
+        w0[e] = H::pack(k[2 * e] * e0, k[2 * e + 1] * e1);
+        w1[e] = H::pack(q[2 * e] * e0, q[2 * e + 1] * e1);
+      }
+      *reinterpret_cast<uint4*>(Ka + t * LDI + c8) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+      *reinterpret_cast<uint4*>(Qa + t * LDI + c8) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+    }
+#pragma unroll
+    for (int b = i + 1; b < 4; ++b) {  // column keys of block b (reference 16 b)
+      float Gr[8];
+      load8(16 * b, c8, Gr);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        w0[e] = H::pack(k[2 * e] * exp2_ftz(Gr[2 * e] - G[2 * e]),
+                        k[2 * e + 1] * exp2_ftz(Gr[2 * e + 1] - G[2 * e + 1]));
+      *reinterpret_cast<uint4*>(Kb + (kb_row0(b) + t) * LDI + c8) =
+          make_uint4(w0[0], w0[1], w0[2], w0[3]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float e0 = exp2_ftz(G[2 * e]), e1 = exp2_ftz(G[2 * e + 1]);
+      w0[e] = M::pack(q[2 * e] * e0, q[2 * e + 1] * e1);
+      w1[e] = M::pack(k[2 * e] * e0, k[2 * e + 1] * e1);
+      w2[e] = M::pack(k[2 * e] * exp2_ftz(GL[2 * e] - G[2 * e]),
+                      k[2 * e + 1] * exp2_ftz(GL[2 * e + 1] - G[2 * e + 1]));
+    }
     const int64_t o = int64_t{t} * D + c8;
     reinterpret_cast<uint4*>(static_cast<In*>(out.qg) + o)[0] =
-        make_uint4(qg[0], qg[1], qg[2], qg[3]);
+        make_uint4(w0[0], w0[1], w0[2], w0[3]);
     reinterpret_cast<uint4*>(static_cast<In*>(out.kg) + o)[0] =
-        make_uint4(kg[0], kg[1], kg[2], kg[3]);
+        make_uint4(w1[0], w1[1], w1[2], w1[3]);
     reinterpret_cast<uint4*>(static_cast<In*>(out.kd) + o)[0] =
-        make_uint4(kd[0], kd[1], kd[2], kd[3]);
+        make_uint4(w2[0], w2[1], w2[2], w2[3]);
   }
   __syncthreads();
 
