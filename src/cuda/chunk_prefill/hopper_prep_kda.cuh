@@ -93,13 +93,34 @@ __device__ __forceinline__ TriTile tri_tile(int w) {
   const int a = (w >= 1) + (w >= 3) + (w >= 6);
   return {a, w - a * (a + 1) / 2};
 }
-constexpr float kLog2e = 1.4426950408889634f;
-// 2^x in one MUFU.EX2 (the library's expf adds a multiply and a subnormal fix-up around it): the
-// exponents here are <= 0, and a result flushed below 2^-126 multiplies terms of magnitude <= 1.
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+// 2^x in one MUFU.EX2 (expf adds a multiply and a subnormal fix-up around it). A result below
+// 2^-126 flushes to zero: each decay here multiplies terms of magnitude <= 1, and the gates
+// below select or divide past an overflow to infinity.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+// detail::gate_value's two kernel gates (core/delta_math.h) on the MUFU unit, about 14 and 6
+// instructions where expf, log1pf and the division take about 35 and 20, given rate = e^{A_log}:
+//   softplus: -rate log(1 + e^z), z = x + dt, as ln 2 log2(1 + e^z), or below e^z = 2^-5 as the
+//     series e - e^2/2 + e^3/3 - e^4/4 (where 1 + e would drop e's low bits and log2's absolute
+//     error would show), z itself above 20; relative error <= 1e-5 (largest at the switch);
+//   safe: lower_bound sigmoid(rate z) as one approximate division (2 ulp).
+// Both are far below the 2^-8 of a bf16 gate input and the outputs' tolerances; the GPU tests
+// hold them to the CPU's gate_value through every output.
+__device__ __forceinline__ float softplus_gate(float x, float dt, float rate) {
+  const float z = x + dt;
+  const float e = exp2_ftz(z * kLog2e);
+  float lg;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg) : "f"(1.0f + e));
+  const float series = e * fmaf(-e, fmaf(-e, fmaf(-e, 0.25f, 1.0f / 3.0f), 0.5f), 1.0f);
+  const float sp = z > detail::kSoftplusThreshold ? z : e < 0.03125f ? series : lg * kLn2;
+  return -rate * sp;
+}
+__device__ __forceinline__ float safe_gate(float x, float dt, float rate, float lower_bound) {
+  return __fdividef(lower_bound, 1.0f + exp2_ftz(-(rate * (x + dt)) * kLog2e));
 }
 // The first row of block i's column keys in Kb.
 __device__ __forceinline__ int kb_row0(int i) { return 8 * i * (i - 1); }
@@ -175,11 +196,14 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
         for (int j = 0; j < kRows; ++j) Gs[(t0 + 2 * j) * LDG + c] = to_float(Wide<__half>{raw[j]});
       }
     }
-    if (gate.mode != detail::GateMode::log_decay) {
-#pragma unroll 2
+    const float rate = expf(A_log);
+    if (gate.mode == detail::GateMode::softplus) {
+#pragma unroll 4
+      for (int t = t0; t < cv; t += 2) Gs[t * LDG + c] = softplus_gate(Gs[t * LDG + c], dt, rate);
+    } else if (gate.mode == detail::GateMode::safe) {
+#pragma unroll 4
       for (int t = t0; t < cv; t += 2)
-        Gs[t * LDG + c] =
-            detail::gate_value(gate.mode, Gs[t * LDG + c], dt, A_log, gate.lower_bound);
+        Gs[t * LDG + c] = safe_gate(Gs[t * LDG + c], dt, rate, gate.lower_bound);
     }
   }
   __syncthreads();
