@@ -78,21 +78,24 @@ struct PrepInverseSync {
 // Warps 4-7's barrier while warps 0-3 invert.
 __device__ __forceinline__ void prep_p_sync() { bar_sync(2, 128); }
 
-// rk (threads 0-127) and rq (128-255) of the chunk's k and q rows [C][D + 8] in shared memory:
-// two threads a row, 64 elements each, joined by one shuffle (a warp a token would wait on five
-// shuffles per norm, 16 tokens in turn). The two halves start 64 bytes apart in the bank cycle,
-// so the pair's loads do not conflict. Rows at or past cv get 0.
-template <class In>
+// rk (the first half of the NT threads) and rq (the second) of the chunk's k and q rows
+// [C][D + 8] in shared memory, at NT = 256 two threads a row, 64 elements each, joined by one
+// shuffle (a warp a token would wait on five shuffles per norm, 16 tokens in turn); the two halves
+// start 64 bytes apart in the bank cycle, so the pair's loads do not conflict. At NT = 128 a
+// thread a row (consecutive rows are 272 bytes apart: a quarter-warp's 16-byte loads hit distinct
+// banks). Rows at or past cv get 0.
+template <class In, int NT = 256>
 __device__ __forceinline__ void prep_norms(const ChunkPrefillProblem& p, const In* Ks, const In* Qs,
                                            int cv, int tid, float* sRk, float* sRq) {
-  constexpr int D = kD, LDI = D + 8, NT = 256;
+  constexpr int D = kD, LDI = D + 8, LANES = NT / 128, PIECES = D / 8 / LANES;
+  static_assert(LANES == 1 || LANES == 2, "one or two threads a row");
   const bool is_q = tid >= NT / 2;
-  const int r = (tid % (NT / 2)) / 2, half = tid % 2;
-  const In* row = (is_q ? Qs : Ks) + r * LDI + (D / 2) * half;
+  const int r = (tid % (NT / 2)) / LANES, half = tid % LANES;
+  const In* row = (is_q ? Qs : Ks) + r * LDI + (D / LANES) * half;
   float sum = 0.0f;
 #pragma unroll
-  for (int j = 0; j < D / 16; ++j) {
-    const int jj = (j + 4 * half) % (D / 16);
+  for (int j = 0; j < PIECES; ++j) {
+    const int jj = (j + (PIECES / 2) * half) % PIECES;
     const uint4 w = *reinterpret_cast<const uint4*>(row + 8 * jj);
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -102,7 +105,7 @@ __device__ __forceinline__ void prep_norms(const ChunkPrefillProblem& p, const I
       sum = fmaf(x.y, x.y, sum);
     }
   }
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  if constexpr (LANES == 2) sum += __shfl_xor_sync(0xffffffffu, sum, 1);
   if (half == 0) (is_q ? sRq : sRk)[r] = qk_factor(p, sum, r < cv, is_q ? p.scale : 1.0f);
 }
 

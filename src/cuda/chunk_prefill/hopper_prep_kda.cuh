@@ -206,9 +206,10 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
         Gs[t * LDG + c] = safe_gate(Gs[t * LDG + c], dt, rate, gate.lower_bound);
     }
   }
-  __syncthreads();
-  if (tid < D) {  // channel c's prefix over the chunk, in the CPU's order (g = 0 past the end),
-                  // kept in log2 units: each exponential below is one exp2
+  cp_async_wait_group<0>();
+  __syncthreads();  // the gates, k and q are in
+  if (tid < D) {    // channel c's prefix over the chunk, in the CPU's order (g = 0 past the end),
+                    // kept in log2 units: each exponential below is one exp2
     const int c = tid;
     float run = 0.0f;
 #pragma unroll 8
@@ -218,10 +219,9 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
     }
     out.scal[2 * C + c] = expf(run);                  // gamma: the scalars' rows 2 and 3
     if (c < C) out.scal[c] = out.scal[C + c] = 0.0f;  // rows 0 and 1: unused
+  } else {  // warps 4-7 meanwhile: the norms, a thread a row (about as long as the prefix)
+    prep_norms<In, NT - D>(p, Ks, Qs, cv, tid - D, sRk, sRq);
   }
-  cp_async_wait_group<0>();
-  __syncthreads();
-  prep_norms(p, Ks, Qs, cv, tid, sRk, sRq);
   __syncthreads();
 
   // The diagonal blocks' lower-left 8 x 8 pieces' factors through r = 16 i + 8, in fp16, into
