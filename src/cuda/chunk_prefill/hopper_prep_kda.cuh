@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   __syncthreads();
 
   // Warp w: block i = w % 4's lower-left piece of A (w < 4) or P, Rk or Rq against Kc on tensor
-  // cores (a 16 x 8 product of which rows 0-7 are the piece), into Ad or Pd with
-  // zeros in the piece above the block's diagonal (rows 16 i.., columns 16 i + 8..).
+  // cores (a 16 x 8 product of which rows 0-7 are the piece), into Ad or Pd with zeros in the
+  // piece above the block's diagonal (rows 16 i.., columns 16 i + 8..).
   {
     const int i = warp % 4;
     const bool wp = warp >= 4;
