@@ -123,10 +123,10 @@ def prep(Q, K_, g, be, cv, scale, factors="bf16"):
 def diagonal_lanes(seed=5, cv=53):
     """hopper_prep_kda.cuh's diagonal blocks lane by lane: the 8 x 8 sub-blocks' 2 x 2 pair tiles
     (16 tile groups of 16 lanes, five rounds, lane l on channels 64 h + 4 l + e, the
-    reduce-scatter by xor 1, 2, 4, 8 and the stores of lanes 0-7 and the mirrored zeros of lanes
-    8-15) and each warp's 8 x 8 piece below a block's diagonal (mma fragment rows g8 = lane / 4,
-    columns 2 (lane % 4) .., its fp16 factors through r = 16 i + 8, and the zeros of the piece
-    above). Every entry of the fp32 diagonal blocks Ad (A) and Pd (P) must be written once, and
+    reduce-scatter of reduce.cuh's transpose_reduce<16, 8>, the stores of the even lanes and the
+    mirrored zeros of the odd ones) and each warp's 8 x 8 piece below a block's diagonal (mma
+    fragment rows g8 = lane / 4, columns 2 (lane % 4) .., its fp16 factors through r = 16 i + 8,
+    and the zeros of the piece above). Every entry of the fp32 diagonal blocks Ad (A) and Pd (P) must be written once, and
     equal the pairwise sums (fp16 factors: 2e-3 relative on the pieces)."""
     rng = np.random.default_rng(seed)
     k, q = rng.standard_normal((C, D)).astype(f32), rng.standard_normal((C, D)).astype(f32)
@@ -157,18 +157,15 @@ def diagonal_lanes(seed=5, cv=53):
                         w = k[s0 + j][ch] * np.exp2((G[t0 + i][ch] - G[s0 + j][ch]) / np.log(2))
                         v[:, 2 * i + j] = (k[t0 + i][ch] * w).sum(1)
                         v[:, 4 + 2 * i + j] = (q[t0 + i][ch] * w).sum(1)
-            bit = [(lanes >> n) & 1 for n in range(3)]
-            r4 = np.where(bit[0][:, None], v[:, 4:], v[:, :4]) + \
-                np.where(bit[0][lanes ^ 1][:, None], v[lanes ^ 1, :4], v[lanes ^ 1, 4:])
-            r2 = np.where(bit[1][:, None], r4[:, 2:], r4[:, :2]) + \
-                np.where(bit[1][lanes ^ 2][:, None], r4[lanes ^ 2, :2], r4[lanes ^ 2, 2:])
-            x = np.where(bit[2], r2[:, 1], r2[:, 0]) + \
-                np.where(bit[2][lanes ^ 4], r2[lanes ^ 4, 0], r2[lanes ^ 4, 1])
-            x = x + x[lanes ^ 8]
+            for d in (8, 4, 2):  # reduce.cuh halving_stages<16, 8>: keep one half, send the other
+                up, h = (lanes & d) != 0, v.shape[1] // 2
+                send = np.where(up[:, None], v[:, :h], v[:, h:])
+                v = np.where(up[:, None], v[:, h:], v[:, :h]) + send[lanes ^ d]
+            x = v[:, 0] + v[lanes ^ 1, 0]  # transpose_combine's last stage
             for ln in lanes:
-                idx = 4 * bit[0][ln] + 2 * bit[1][ln] + bit[2][ln]
+                idx = (ln >> 1) & 7  # reduced_index<16, 8>
                 is_p, t, s = idx >= 4, t0 + ((idx >> 1) & 1), s0 + (idx & 1)
-                if ln < 8:
+                if ln % 2 == 0:
                     keep = s <= t if is_p else s < t
                     store(is_p, t, s, (rq[t] if is_p else be[t] * rk[t]) * rk[s] * x[ln]
                           if keep else 0.0)

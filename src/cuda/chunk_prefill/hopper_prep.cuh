@@ -28,6 +28,8 @@
 
 namespace deltastate::cuda_backend::prefill::hopper {
 
+constexpr float kLog2e = 1.4426950408889634f;  // the preps keep G in log2 units for exp2
+
 struct PrepLayout {
   static constexpr int C = kC, D = kD;
   static constexpr int NW = 8, THREADS = NW * 32;
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(PrepLayout::THREADS, 4)
     sc(v, kA)[t] = sRk[t] * e;
     sc(v, kB)[t] = sRq[t] * e;
     sc(v, kD)[t] = sRk[t] * expf(sc(v, kGL)[0] - G);
-    sc(v, kG2)[t] = G * 1.4426950408889634f;
+    sc(v, kG2)[t] = G * kLog2e;
   }
   // Piece warp % 4 of K K^T (warps 0-3) or Q K^T (4-7), up to 3 blocks of 16 columns (slot i:
   // of its first strip while i < n0); the factors are read after the barrier.

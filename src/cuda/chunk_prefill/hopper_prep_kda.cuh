@@ -41,6 +41,7 @@
 #include <cstdint>
 
 #include "cuda/chunk_prefill/hopper_prep.cuh"
+#include "cuda/reduce.cuh"
 
 namespace deltastate::cuda_backend::prefill::hopper {
 
@@ -93,7 +94,7 @@ __device__ __forceinline__ TriTile tri_tile(int w) {
   const int a = (w >= 1) + (w >= 3) + (w >= 6);
   return {a, w - a * (a + 1) / 2};
 }
-constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+constexpr float kLn2 = 0.6931471805599453f;
 // 2^x in one MUFU.EX2 (expf adds a multiply and a subnormal fix-up around it). A result below
 // 2^-126 flushes to zero: each decay here multiplies terms of magnitude <= 1, and the gates
 // below select or divide past an overflow to infinity.
@@ -282,14 +283,13 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
   // pairs (rows t0, t0 + 1 against columns s0, s0 + 1), 10 a sub-block on or below its diagonal,
   // 80 in all, five rounds of 16 tiles; 16 lanes a tile, lane l the channels 4 l .. and
   // 64 + 4 l .. (a tile's four pairs share its six rows of k and q and four of G). The lanes'
-  // sums are reduce-scattered: lane l ends with value 4 (l & 1) + 2 (l >> 1 & 1) + (l >> 2 & 1)
-  // of A's four pairs then P's, and lanes 0-7 store the tile, lanes 8-15 the mirrored zeros of
-  // the tile above the diagonal, into Ad and Pd (outside the factors' space, which k and q still
-  // hold).
+  // sums meet by reduce.cuh's transpose_reduce<16, 8>: lane l ends with value (l >> 1) & 7 of
+  // A's four pairs then P's, and the even lanes store the tile, the odd ones the mirrored zeros
+  // of the tile above the diagonal, into Ad and Pd (outside the factors' space, which k and q
+  // still hold).
   {
     const int l16 = lane & 15, grp = tid >> 4;
-    const bool b0 = l16 & 1, b1 = l16 & 2, b2 = l16 & 4;
-    const int idx = 4 * b0 + 2 * b1 + b2, dt = (idx >> 1) & 1, ds = idx & 1;
+    const int idx = reduced_index<16, 8>(l16), dt = (idx >> 1) & 1, ds = idx & 1;
     const bool is_p = idx >= 4;
     float* const dst = is_p ? Pd : Ad;
 #pragma unroll 1
@@ -332,17 +332,9 @@ __global__ void __launch_bounds__(PrepKdaLayout::THREADS, 2)
               v[4 + 2 * i + j] = fmaf(qt[i][e], w, v[4 + 2 * i + j]);
             }
       }
-      float r4[4], r2[2];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        r4[j] = (b0 ? v[j + 4] : v[j]) + __shfl_xor_sync(0xffffffffu, b0 ? v[j] : v[j + 4], 1);
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        r2[j] = (b1 ? r4[j + 2] : r4[j]) + __shfl_xor_sync(0xffffffffu, b1 ? r4[j] : r4[j + 2], 2);
-      float x = (b2 ? r2[1] : r2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? r2[0] : r2[1], 4);
-      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      const float x = transpose_reduce<16, 8>(v, l16);
       const int t = t0 + dt, sj = s0 + ds;
-      if (l16 < 8) {
+      if (!(l16 & 1)) {
         const bool keep = is_p ? sj <= t : sj < t;
         dst[t * TcInverse::LDD + sj % 16] =
             keep ? (is_p ? sRq[t] : sBeta[t] * sRk[t]) * sRk[sj] * x : 0.0f;
