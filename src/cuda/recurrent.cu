@@ -27,6 +27,7 @@
 #include "core/problem.h"
 #include "cuda/launch.h"
 #include "cuda/recurrent/decode.cuh"
+#include "cuda/recurrent/decode_quant.cuh"
 #include "cuda/recurrent/direct.cuh"
 #include "cuda/recurrent/stream.cuh"
 #include "cuda/rows.cuh"
@@ -66,6 +67,19 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
   const auto ctas = static_cast<unsigned>((warps + kDecodeCtaWarps - 1) / kDecodeCtaWarps);
   launch_kernel(recurrent_decode_kernel<StateT, K, In, TPW>, ctas, kDecodeCtaWarps * 32, smem,
                 stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
+}
+
+// The quantized decode kernel (K = 128): one warp per 16-row tile.
+template <DType T>
+void launch_quant_decode(const RecurrentProblem& p, cudaStream_t stream) {
+  const int wph = (p.V + kQuantTileRows - 1) / kQuantTileRows;
+  const int64_t warps = p.num_heads_total() * wph;
+  if (warps > 0x7fffffffLL)
+    throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
+  if (warps == 0) return;
+  const auto ctas = static_cast<unsigned>((warps + kQuantWarpsPerCta - 1) / kQuantWarpsPerCta);
+  launch_kernel(quant_decode_kernel<T, AnyInput>, ctas, kQuantWarpsPerCta * 32, 0, stream, p.pdl,
+                with_pdl_trigger(p, ctas, kQuantDecodeCtasPerSm), wph);
 }
 
 template <class StateT, int K, class In>
@@ -170,14 +184,20 @@ DecodeChoice decode_kernel_for(const RecurrentProblem& p) {
                                                                  : DecodeChoice::decode;
 }
 
-// A quantized pool on a decode-shaped problem (decode_shaped): the register decode kernel's
-// quantized instantiation, one tile per warp (DELTASTATE_CUDA_DECODE=direct: the direct kernel's
-// formatted twin). False where it does not apply.
+// A quantized pool on a decode-shaped problem (decode_shaped): K = 128 on the quantized decode
+// kernel (tensor-core dots; DELTASTATE_CUDA_QUANT_DECODE=register: the register decode kernel's
+// quantized instantiation), K = 64 on the latter, one tile per warp (DELTASTATE_CUDA_DECODE=direct:
+// the direct kernel's formatted twin). False where it does not apply.
 template <class Code>
 bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.state.dtype != Code::dtype || decode_kernel_for<Code>(p) == DecodeChoice::direct)
     return false;
   if (p.K == 128) {
+    if (forced_quant_decode_kernel() != QuantDecodeChoice::register_kernel) {
+      launch_quant_decode<Code::dtype>(p, stream);
+      advance_step_after(p, stream);
+      return true;
+    }
     launch_decode_tpw<Code, 128, AnyInput, 1>(p, warps_per_head_of<Code, 128>(p), stream);
   } else {
 #if DELTASTATE_CUDA_ALL_KERNELS

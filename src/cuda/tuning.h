@@ -23,6 +23,9 @@ constexpr int kVerifyFmtCtasPerSm = 2;
 // Register decode kernel: 2-warp CTAs, 12 resident per SM (at most 80 registers per thread): 24
 // warps per SM keep enough state loads in flight, and a 64-register cap spills.
 constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;
+// Quantized decode kernel (recurrent/decode_quant.cuh): 4-warp CTAs of 16-row tiles, 4 resident
+// per SM (at most 128 registers per thread: a row's 32 updated values wait for its amax).
+constexpr int kQuantDecodeCtaWarps = 4, kQuantDecodeCtasPerSm = 4;
 // Streaming kernel: 4 consumer warps and a producer per CTA, 64 KB of stages, 3 CTAs per SM.
 constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPerSm = 3;
 // ReplaySSM: 8-warp CTAs, so that the per-head ring work and the token are shared by 8 warps'
@@ -134,6 +137,17 @@ inline DecodeChoice forced_decode_kernel() {
                                                                {"decode", DecodeChoice::decode},
                                                                {"stream", DecodeChoice::stream}},
                                                               DecodeChoice::automatic);
+  return forced;
+}
+// DELTASTATE_CUDA_QUANT_DECODE=mma|register: a decode-shaped call on a float8 / int8 pool with
+// K = 128 on the tensor-core kernel (the default) or on the register decode kernel's quantized
+// twin.
+enum class QuantDecodeChoice { automatic, mma, register_kernel };
+inline QuantDecodeChoice forced_quant_decode_kernel() {
+  static const QuantDecodeChoice forced = env_choice<QuantDecodeChoice>(
+      "DELTASTATE_CUDA_QUANT_DECODE",
+      {{"mma", QuantDecodeChoice::mma}, {"register", QuantDecodeChoice::register_kernel}},
+      QuantDecodeChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_DECODE_TPW=1|2: tiles per warp of the register decode kernel.

@@ -1,0 +1,311 @@
+// The quantized decode kernel of the recurrent op: one token per sequence on a float8_e4m3fn or
+// int8 pool (one fp32 scale per row, K = 128), with the rows' dot products on tensor cores.
+// Part of recurrent.cu's translation unit (included there only), in its anonymous namespace.
+//
+// Why tensor cores. On CUDA cores the quantized step is issue-bound, not byte-bound: ~52
+// instructions a state element against ~15 of element work (docs/PERFORMANCE.md, the fp8 row of
+// Open gaps), much of it the dots' FMAs and their cross-lane reduction, and the token's
+// preparation redone by every 8-row warp. Here a warp owns a 16-row tile and computes its 32 dots
+// (S.k and S.q of 16 rows) with 8 mma.sync.m16n8k16 in f16: the codes are exact in f16 (e4m3's
+// values, and int8's), and the token's vectors are split into two f16 parts, hi + lo, so the
+// products carry ~22 bits of each vector entry, and accumulate in fp32.
+//
+//   S_dec[v, j] = (c[v, j] s_v) alpha_j                   (codes c, row scale s_v, the decay)
+//   sk_v = sum_j S_dec[v, j] k_j = s_v (C . (alpha k))_v,  sq_v = s_v (C . (alpha q))_v
+//
+// Lane layout (g = lane / 4, t = lane % 4): the lane holds rows g and g + 8 of the tile, and of
+// each row the 32 codes at K = [16t, 16t + 16) and [64 + 16t, 64 + 16t + 16) (two 16-byte loads a
+// row; each load instruction covers 64 contiguous bytes of 8 rows). mma's A fragment of k-block j
+// (PTX "Matrix fragments for mma.m16n8k16", chunk_prefill/mma.cuh) asks the lane for columns 2t,
+// 2t + 1, 2t + 8, 2t + 9 of rows g and g + 8: they are taken to be the lane's codes 4j .. 4j + 3,
+// the lane's j-th 4-byte word of each row. A dot product is the same in any order of K as long as
+// the B operand follows it, and B's fragment asks the lane for the same columns (of B column g):
+// the lane's B registers are the vector entries at its own K positions. The B columns are the
+// four vectors (alpha k)_hi, (alpha k)_lo, (alpha q)_hi, (alpha q)_lo (columns 4-7 zero); the
+// accumulator gives lane t = 0 the two halves of sk of rows g and g + 8, lane t = 1 those of sq.
+//
+// The token is prepared once per warp as in the register decode kernel (4 K entries a lane, the
+// norms by one transposed reduction, the gate), then shared through the warp's shared memory:
+// the four f16 vectors (row-padded against bank conflicts), k and the decay in fp32 for the
+// update. The vectors are scaled by a power of two first, so that their largest entry lies in
+// [2^14, 2^15) and the lo parts stay normal in f16; the dots are scaled back exactly.
+//
+// The update then runs in fp32 element by element on the lane's 64 elements: S_new = S_dec +
+// u_v k_j, the row's amax (over its 4 lanes: two shuffles), the fresh scale, and the codes through
+// state_format.cuh's rules, each row's 32 codes in two 16-byte stores. y = x / s' is
+// delta_math.h's divide_by (one reciprocal a row, three instructions an element, bit for bit the
+// division) where s' >= 2^-40, which makes every element whose residual could underflow
+// (|x| < 2^-100) quantize to zero either way; smaller scales divide.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "core/delta_math.h"
+#include "core/problem.h"
+#include "cuda/chunk_prefill/mma.cuh"
+#include "cuda/grid.cuh"
+#include "cuda/loads.cuh"
+#include "cuda/recurrent/head_block.cuh"
+#include "cuda/state_fmt.cuh"
+#include "cuda/token.cuh"
+#include "cuda/tuning.h"
+
+namespace deltastate::cuda_backend {
+
+using detail::RecurrentProblem;
+
+namespace {
+
+constexpr int kQuantTileRows = 16;  // rows of a warp's tile (mma's M)
+constexpr int kQuantK = 128;
+// The warp's shared memory: the four f16 vectors (rows of kQuantK halves, padded by 16 bytes so
+// that the B fragments' 16-byte reads of 8 lanes hit distinct banks), then k and the decay in
+// fp32.
+constexpr int kQuantVecRowHalves = kQuantK + 8;
+struct QuantWarpSmem {
+  __half vec[4][kQuantVecRowHalves];
+  float k[kQuantK];
+  float alpha[kQuantK];
+};
+constexpr int kQuantWarpsPerCta = kQuantDecodeCtaWarps;
+static_assert(sizeof(QuantWarpSmem) % 16 == 0, "16-byte aligned rows");
+
+// The codes of word w (4 codes) as the f16x2 registers lo (codes 0, 1) and hi (codes 2, 3); each
+// value exact (e4m3fn's and int8's values are f16 values).
+template <DType T>
+__device__ __forceinline__ void codes_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  if constexpr (T == DType::f8e4m3) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
+    const __half2_raw b =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
+    hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
+  } else {
+    const __half2 a = __floats2half2_rn(static_cast<float>(static_cast<int8_t>(w)),
+                                        static_cast<float>(static_cast<int8_t>(w >> 8)));
+    const __half2 b = __floats2half2_rn(static_cast<float>(static_cast<int8_t>(w >> 16)),
+                                        static_cast<float>(static_cast<int8_t>(w >> 24)));
+    lo = *reinterpret_cast<const uint32_t*>(&a);
+    hi = *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
+
+// The lane's K position of its code i (0..31) of a row: two runs of 16.
+__device__ __forceinline__ int quant_lane_k(int t, int i) {
+  return (i < 16 ? 16 * t : 64 + 16 * t - 16) + i;
+}
+
+template <DType T, class In>
+__global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
+    quant_decode_kernel(const RecurrentProblem p, int warps_per_head) {
+  constexpr int K = kQuantK;
+  enter_grid(p.pdl_trigger_early);
+  __shared__ QuantWarpSmem smem_all[kQuantWarpsPerCta];
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int w = static_cast<int>(blockIdx.x) * kQuantWarpsPerCta + static_cast<int>(threadIdx.x >> 5);
+  if (w >= static_cast<int>(p.num_heads_total()) * warps_per_head) return;
+  QuantWarpSmem& sm = smem_all[threadIdx.x >> 5];
+  const HeadBlock c = head_block(p, w, warps_per_head);
+  const int n = c.n, hv = c.hv, h = c.h, V = p.V;
+  const int row0 = c.block * kQuantTileRows;
+  const int rows[2] = {row0 + g, row0 + g + 8};  // this lane's rows
+
+  // The token's inputs (4 K entries a lane, as the register decode kernel loads them) and v of
+  // the lane's rows, issued before the slot's index; converted after the state loads have left.
+  using InT = typename In::wide_type;
+  TokenHeadInputs<4, InT> x_in;
+  load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, 4 * lane, 4, x_in);
+  const int64_t v_off = head_offset(p.v, n, 0, hv);
+  InT v_in[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)  // from a clamped row; rows past V are never used
+    v_in[r] = load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + min(rows[r], V - 1));
+  const int64_t slot = slot_of(p, n);
+  const int64_t o_off = head_offset(p.out, n, 0, hv);
+
+  const bool bad = bad_slot(p, slot);
+  if (slot < 0 || bad) {  // padding: zero output, state untouched; a bad index: the same, NaN out
+    if (bad) record_bad_slot(p, n, slot, lane == 0 && hv == 0 && c.block == 0);
+    const float fill = bad ? bad_row_output() : 0.0f;
+    if (t == 1)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (rows[r] < V) detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[r], fill);
+    return;
+  }
+
+  // The lane's codes: 2 rows x 2 runs of 16 (uint4), rows past V as zeros; the rows' scales.
+  uint8_t* codes = static_cast<uint8_t*>(p.state.ptr) + slot * p.state.slot_stride +
+                   static_cast<int64_t>(hv) * V * K;
+  float* scales = p.state.scales + slot * p.state.scale_slot_stride + static_cast<int64_t>(hv) * V;
+  uint4 cw[2][2];
+  float s[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool in = rows[r] < V;
+#pragma unroll
+    for (int run = 0; run < 2; ++run)
+      cw[r][run] = in ? __ldcs(reinterpret_cast<const uint4*>(codes + static_cast<int64_t>(rows[r]) * K +
+                                                               run * 64 + 16 * t))
+                      : make_uint4(0u, 0u, 0u, 0u);
+    s[r] = in ? scales[rows[r]] : 0.0f;
+  }
+
+  // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h), as in decode.cuh.
+  TokenHeadInputs<4> x = widen(x_in);
+  const float kq = prepare_qk<4, 32>(x.q, x.k, p.l2norm, p.scale, lane);
+  const detail::GateParams& gp = p.gate;
+  const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
+  float alpha[4];
+  if (gp.kda) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
+                                                       static_cast<int64_t>(hv) * K + 4 * lane + i)
+                                  : 0.0f;
+      alpha[i] = expf(detail::gate_value(gp.mode, x.g[i], dt, A_log, gp.lower_bound));
+    }
+  } else {
+    const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, hv) : 0.0f;
+    const float a0 = expf(detail::gate_value(gp.mode, x.g[0], dt, A_log, gp.lower_bound));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) alpha[i] = a0;
+  }
+  const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
+  uint64_t key = 0;  // stochastic rounding: the slot's key (the call's step, read here)
+  if (p.state.stochastic)
+    key = detail::sr_key(p.state.seed, static_cast<uint64_t>(slot), p.state.layer,
+                         static_cast<uint64_t>(*p.state.step));
+
+  // The B vectors alpha k and alpha q, scaled by 2^e so that the warp's largest entry lies in
+  // [2^14, 2^15) (e clamped to +-100: a zero or non-finite vector keeps its zeros, NaNs and
+  // infinities), split hi + lo in f16, into shared memory with k and alpha in fp32.
+  float ak[4], aq[4];
+  uint32_t m = 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    ak[i] = alpha[i] * x.k[i];
+    aq[i] = alpha[i] * x.q[i];
+    m = max(m, max(__float_as_uint(ak[i]) & 0x7fffffffu, __float_as_uint(aq[i]) & 0x7fffffffu));
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, d));
+  const int e = min(max(141 - static_cast<int>(m >> 23), -100), 100);
+  const float up = __uint_as_float(static_cast<uint32_t>(127 + e) << 23);
+  const float down = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
+  {
+    uint32_t parts[4][2];  // (vector, pair): f16x2 of the lane's entries 2i, 2i + 1
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      __half h[4][2];
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        const float a = ak[2 * i2 + e2] * up, b = aq[2 * i2 + e2] * up;
+        h[0][e2] = __float2half_rn(a);
+        h[1][e2] = __float2half_rn(a - __half2float(h[0][e2]));
+        h[2][e2] = __float2half_rn(b);
+        h[3][e2] = __float2half_rn(b - __half2float(h[2][e2]));
+      }
+#pragma unroll
+      for (int v = 0; v < 4; ++v)
+        parts[v][i2] = static_cast<uint32_t>(__half_as_ushort(h[v][0])) |
+                       (static_cast<uint32_t>(__half_as_ushort(h[v][1])) << 16);
+    }
+#pragma unroll
+    for (int v = 0; v < 4; ++v)
+      *reinterpret_cast<uint2*>(&sm.vec[v][4 * lane]) = make_uint2(parts[v][0], parts[v][1]);
+    *reinterpret_cast<float4*>(&sm.k[4 * lane]) = make_float4(x.k[0], x.k[1], x.k[2], x.k[3]);
+    *reinterpret_cast<float4*>(&sm.alpha[4 * lane]) =
+        make_float4(alpha[0], alpha[1], alpha[2], alpha[3]);
+  }
+  __syncwarp();
+
+  // The dots: B column g (lanes g < 4; the others zero) at the lane's 32 K positions.
+  uint32_t bf[16];
+#pragma unroll
+  for (int run = 0; run < 2; ++run)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (g < 4) u = *reinterpret_cast<const uint4*>(&sm.vec[g][run * 64 + 16 * t + 8 * h2]);
+      bf[8 * run + 4 * h2 + 0] = u.x;
+      bf[8 * run + 4 * h2 + 1] = u.y;
+      bf[8 * run + 4 * h2 + 2] = u.z;
+      bf[8 * run + 4 * h2 + 3] = u.w;
+    }
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t wa = (&cw[0][j >> 2].x)[j & 3], wb = (&cw[1][j >> 2].x)[j & 3];
+    uint32_t a[4];
+    codes_f16x2<T>(wa, a[0], a[2]);
+    codes_f16x2<T>(wb, a[1], a[3]);
+    prefill::Mma<__half>::mma(acc[j & 1], a, bf[2 * j], bf[2 * j + 1]);
+  }
+  // Lane t = 0: the hi and lo halves of sk of rows g, g + 8; lane t = 1: of sq.
+  float dot[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    dot[r] = s[r] * (((acc[0][2 * r] + acc[1][2 * r]) + (acc[0][2 * r + 1] + acc[1][2 * r + 1])) * down);
+  float u[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float uk = detail::delta_u(to_float(v_in[r]), dot[r], beta);  // meaningful on t = 0
+    u[r] = __shfl_sync(0xffffffffu, uk, lane & ~3);
+    if (t == 1 && rows[r] < V)
+      detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[r],
+                          detail::delta_output(dot[r], u[r], kq));
+  }
+
+  // The update, row by row: S_new = S_dec + u k in fp32, the row's amax over its 4 lanes, the
+  // fresh scale, the codes (two 16-byte stores) and the scale (lane t = 0).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float xs[32];
+    uint32_t am = 0u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t word = (&cw[r][j >> 2].x)[j & 3];
+      float cv[4];
+      fmt::code_values4(word, T, cv);
+      const int k0 = quant_lane_k(t, 4 * j);
+      const float4 kk = *reinterpret_cast<const float4*>(&sm.k[k0]);
+      const float4 al = *reinterpret_cast<const float4*>(&sm.alpha[k0]);
+      const float kv[4] = {kk.x, kk.y, kk.z, kk.w}, av[4] = {al.x, al.y, al.z, al.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float sd = (cv[i] * s[r]) * av[i];
+        xs[4 * j + i] = fmaf(u[r], kv[i], sd);
+        am = max(am, __float_as_uint(xs[4 * j + i]) & 0x7fffffffu);
+      }
+    }
+#pragma unroll
+    for (int d = 1; d < 4; d <<= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, d));
+    if (rows[r] >= V) continue;
+    const float sn = fmt::fresh_scale(T, __uint_as_float(am));
+    const float rn = 1.0f / sn;
+    const bool divide = sn < 0x1p-40f;  // (a NaN scale takes divide_by: NaN either way)
+    uint32_t out[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        y[i] = divide ? xs[4 * j + i] / sn : detail::divide_by(xs[4 * j + i], sn, rn);
+      const uint64_t index =
+          static_cast<uint64_t>((static_cast<int64_t>(hv) * V + rows[r]) * K + quant_lane_k(t, 4 * j));
+      out[j] = fmt::encode_codes4(T, y, p.state.stochastic, key, index);
+    }
+    uint8_t* row_codes = codes + static_cast<int64_t>(rows[r]) * K;
+#pragma unroll
+    for (int run = 0; run < 2; ++run)
+      __stcs(reinterpret_cast<uint4*>(row_codes + run * 64 + 16 * t),
+             make_uint4(out[4 * run], out[4 * run + 1], out[4 * run + 2], out[4 * run + 3]));
+    if (t == 0) scales[rows[r]] = sn;
+  }
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend
