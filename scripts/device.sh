@@ -17,7 +17,8 @@
 #                                      test-layer, sanitize-layer, bench-layer, profile-layer,
 #                                      test-verify, bench-verify, bench-verify-variants,
 #                                      test-replay-verify, bench-replay-verify,
-#                                      test-state-format, ab-prefill
+#                                      test-state-format, ab-prefill,
+#                                      test-quant-decode, bench-quant-decode
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core), and for a build GoogleTest's
 # sources in .deps/googletest and the nvidia-cutlass wheel (CuTe's headers) in .deps/ (all
@@ -79,8 +80,9 @@ replay_sass() {  # per-SASS-instruction counters of one ReplaySSM appending step
     python3 bench/profile_decode.py --replay 16 ${PROFILE_ARGS:-} > "$OUT/replay-sass.csv"
 }
 
-decode_sass() {  # per-SASS-instruction counters of one plain decode launch (CSV)
-  ncu_launch recurrent 2 \
+decode_sass() {  # per-SASS-instruction counters of one plain decode launch (CSV; PROFILE_KERNEL:
+  # the kernel's name pattern, default the recurrent op's decode kernels)
+  ncu_launch "${PROFILE_KERNEL:-recurrent}" 2 \
     --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
     python3 bench/profile_decode.py --no-peer ${PROFILE_ARGS:-} > "$OUT/decode-sass.csv"
 }
@@ -120,6 +122,13 @@ forced_decode_tests() {  # forced_decode_tests <kernel> [tiles per warp]: DECODE
   # decode kernel forced (and, given, the decode kernel's tiles per warp)
   DELTASTATE_CUDA_DECODE=$1 DELTASTATE_CUDA_DECODE_TPW=${2:-} run test gtest_sharded test \
     "$DECODE_TESTS"
+}
+
+# The quantized decode GPU tests (each quantized decode kernel runs them forced).
+QUANT_TESTS='*Quantized*:*Quant*:*StateFormat*'
+
+forced_quant_tests() {  # forced_quant_tests <register|mma|mma2>: QUANT_TESTS on that kernel
+  DELTASTATE_CUDA_QUANT_DECODE=$1 run test gtest_sharded test "$QUANT_TESTS"
 }
 
 stream_sanitized() {  # the streaming kernel forced under memcheck and racecheck (shared-memory
@@ -255,6 +264,23 @@ for phase in "${phases[@]}"; do
       # tiles per warp
       forced_decode_tests decode 1
       forced_decode_tests decode 2
+      ;;
+    test-quant-decode)  # the quantized GPU tests on each quantized decode kernel, the tensor-core
+      # kernels under memcheck
+      for k in register mma mma2; do forced_quant_tests $k; done
+      for k in mma mma2; do
+        DELTASTATE_CUDA_QUANT_DECODE=$k sanitized memcheck '*QuantizedPackedDecode*'
+      done
+      ;;
+    bench-quant-decode)  # the quantized decode kernels side by side, alternated twice (QUANT_ARGS:
+      # bench_decode.py's options), one JSON per run
+      for round in 1 2; do
+        for k in register mma mma2; do
+          DELTASTATE_CUDA_QUANT_DECODE=$k run bench-quant python3 bench/bench_decode.py --no-peer \
+            ${QUANT_ARGS:---models qwen3-next --dtypes f8,f8n,i8 --batches 1,8,64,256} \
+            --json "$OUT/decode-quant-$k-$round.json"
+        done
+      done
       ;;
     test-stream)  # the decode-shaped GPU tests with the streaming kernel forced, and its sanitizers
       forced_decode_tests stream

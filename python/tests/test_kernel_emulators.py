@@ -5,7 +5,8 @@ kernel, the split kernels' chunk slots and fragment transcription (GDN and KDA, 
 the fp64 token recurrence; and the factored ReplaySSM verify kernel's per-row algebra against the
 fp64 recurrence (GDN and KDA, every committed-record count, folds, random accept sequences); and
 the Hopper kernels' products (GDN, and KDA's sub-chunk factorization) against the chunk algebra,
-rounded against the fp64 token recurrence within their GPU tests' bounds.
+rounded against the fp64 token recurrence within their GPU tests' bounds; and the quantized decode
+kernel's lanes (its mma fragments, stores and division rule) against a plain fp64 step.
 Each script asserts those and exits non-zero on a mismatch."""
 
 import pathlib
@@ -21,7 +22,7 @@ GPU_TESTS = pathlib.Path(__file__).resolve().parents[2] / "tests" / "gpu"
 
 @pytest.mark.parametrize(
     "script", ["emulate_tc_kernel.py", "emulate_split_kernels.py", "emulate_replay_verify.py",
-               "emulate_hopper_prefill.py", "emulate_hopper_kda.py"])
+               "emulate_hopper_prefill.py", "emulate_hopper_kda.py", "emulate_quant_decode.py"])
 def test_emulation_matches_the_algebra(script):
     run = subprocess.run([sys.executable, str(GPU_TESTS / script)], capture_output=True, text=True,
                          timeout=600)

@@ -69,17 +69,17 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
                 stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
 }
 
-// The quantized decode kernel (K = 128): one warp per 16-row tile.
-template <DType T>
+// The quantized decode kernel (K = 128): TPW 16-row tiles a warp.
+template <DType T, int TPW>
 void launch_quant_decode(const RecurrentProblem& p, cudaStream_t stream) {
-  const int wph = (p.V + kQuantTileRows - 1) / kQuantTileRows;
+  const int wph = (p.V + TPW * kQuantTileRows - 1) / (TPW * kQuantTileRows);
   const int64_t warps = p.num_heads_total() * wph;
   if (warps > 0x7fffffffLL)
     throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
   const auto ctas = static_cast<unsigned>((warps + kQuantWarpsPerCta - 1) / kQuantWarpsPerCta);
-  launch_kernel(quant_decode_kernel<T, AnyInput>, ctas, kQuantWarpsPerCta * 32, 0, stream, p.pdl,
-                with_pdl_trigger(p, ctas, kQuantDecodeCtasPerSm), wph);
+  launch_kernel(quant_decode_kernel<T, AnyInput, TPW>, ctas, kQuantWarpsPerCta * 32, 0, stream,
+                p.pdl, with_pdl_trigger(p, ctas, kQuantDecodeCtasPerSm), wph);
 }
 
 template <class StateT, int K, class In>
@@ -193,8 +193,12 @@ bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.state.dtype != Code::dtype || decode_kernel_for<Code>(p) == DecodeChoice::direct)
     return false;
   if (p.K == 128) {
-    if (forced_quant_decode_kernel() != QuantDecodeChoice::register_kernel) {
-      launch_quant_decode<Code::dtype>(p, stream);
+    const QuantDecodeChoice q = forced_quant_decode_kernel();
+    if (q != QuantDecodeChoice::register_kernel) {
+      if (q == QuantDecodeChoice::mma2)
+        launch_quant_decode<Code::dtype, 2>(p, stream);
+      else
+        launch_quant_decode<Code::dtype, 1>(p, stream);
       advance_step_after(p, stream);
       return true;
     }

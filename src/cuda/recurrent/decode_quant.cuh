@@ -30,12 +30,17 @@
 // update. The vectors are scaled by a power of two first, so that their largest entry lies in
 // [2^14, 2^15) and the lo parts stay normal in f16; the dots are scaled back exactly.
 //
-// The update then runs in fp32 element by element on the lane's 64 elements: S_new = S_dec +
-// u_v k_j, the row's amax (over its 4 lanes: two shuffles), the fresh scale, and the codes through
-// state_format.cuh's rules, each row's 32 codes in two 16-byte stores. y = x / s' is
-// delta_math.h's divide_by (one reciprocal a row, three instructions an element, bit for bit the
-// division) where s' >= 2^-40, which makes every element whose residual could underflow
-// (|x| < 2^-100) quantize to zero either way; smaller scales divide.
+// The update then runs in fp32 element by element on the lane's 64 elements of a tile: S_new =
+// S_dec + u_v k_j (GDN: the row's scale and decay as one factor), the row's amax (max.NaN, over
+// its 4 lanes: two shuffles), the fresh scale, and the codes through state_format.cuh's rules,
+// each row's 32 codes in two 16-byte stores. y = x / s' is delta_math.h's divide_by (one
+// reciprocal a row, three instructions an element, bit for bit the division) where s' >= 2^-40,
+// which makes every element whose residual could underflow (|x| < 2^-100) quantize to zero
+// either way; smaller scales divide.
+//
+// A warp takes TPW tiles (1 or 2) of one head, every tile's codes loaded at its start: two tiles
+// share one token preparation and have twice the bytes in flight, at 123-126 registers against
+// 85-110 (ptxas), so 16 warps an SM where one tile allows 20-24.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -97,9 +102,20 @@ __device__ __forceinline__ int quant_lane_k(int t, int i) {
   return (i < 16 ? 16 * t : 64 + 16 * t - 16) + i;
 }
 
-template <DType T, class In>
+// |x| folded into a running amax that keeps a NaN (max.NaN: one FMNMX with the |.| modifier,
+// where amax_step takes a compare and a select): the same amax as amax_step's.
+__device__ __forceinline__ float amax_nan(float m, float x) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
+  return r;
+}
+
+// TPW tiles a warp (consecutive row blocks of one head): every tile's codes are loaded at the
+// start, and the token's preparation and B fragments serve them all.
+template <DType T, class In, int TPW>
 __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
     quant_decode_kernel(const RecurrentProblem p, int warps_per_head) {
+  static_assert(TPW == 1 || TPW == 2, "one or two tiles a warp");
   constexpr int K = kQuantK;
   enter_grid(p.pdl_trigger_early);
   __shared__ QuantWarpSmem smem_all[kQuantWarpsPerCta];
@@ -109,8 +125,12 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
   QuantWarpSmem& sm = smem_all[threadIdx.x >> 5];
   const HeadBlock c = head_block(p, w, warps_per_head);
   const int n = c.n, hv = c.hv, h = c.h, V = p.V;
-  const int row0 = c.block * kQuantTileRows;
-  const int rows[2] = {row0 + g, row0 + g + 8};  // this lane's rows
+  int rows[TPW][2];  // this lane's rows of each tile
+#pragma unroll
+  for (int tt = 0; tt < TPW; ++tt) {
+    rows[tt][0] = (c.block * TPW + tt) * kQuantTileRows + g;
+    rows[tt][1] = rows[tt][0] + 8;
+  }
 
   // The token's inputs (4 K entries a lane, as the register decode kernel loads them) and v of
   // the lane's rows, issued before the slot's index; converted after the state loads have left.
@@ -118,10 +138,12 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
   TokenHeadInputs<4, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, 4 * lane, 4, x_in);
   const int64_t v_off = head_offset(p.v, n, 0, hv);
-  InT v_in[2];
+  InT v_in[TPW][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)  // from a clamped row; rows past V are never used
-    v_in[r] = load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + min(rows[r], V - 1));
+  for (int tt = 0; tt < TPW; ++tt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)  // from a clamped row; rows past V are never used
+      v_in[tt][r] = load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + min(rows[tt][r], V - 1));
   const int64_t slot = slot_of(p, n);
   const int64_t o_off = head_offset(p.out, n, 0, hv);
 
@@ -131,35 +153,40 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
     const float fill = bad ? bad_row_output() : 0.0f;
     if (t == 1)
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (rows[r] < V) detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[r], fill);
+      for (int tt = 0; tt < TPW; ++tt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (rows[tt][r] < V) detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[tt][r], fill);
     return;
   }
 
-  // The lane's codes: 2 rows x 2 runs of 16 (uint4), rows past V as zeros; the rows' scales.
+  // The lane's codes: per tile 2 rows x 2 runs of 16 (uint4), rows past V as zeros; their scales.
   uint8_t* codes = static_cast<uint8_t*>(p.state.ptr) + slot * p.state.slot_stride +
                    static_cast<int64_t>(hv) * V * K;
   float* scales = p.state.scales + slot * p.state.scale_slot_stride + static_cast<int64_t>(hv) * V;
-  uint4 cw[2][2];
-  float s[2];
+  uint4 cw[TPW][2][2];
+  float s[TPW][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const bool in = rows[r] < V;
+  for (int tt = 0; tt < TPW; ++tt)
 #pragma unroll
-    for (int run = 0; run < 2; ++run)
-      cw[r][run] = in ? __ldcs(reinterpret_cast<const uint4*>(codes + static_cast<int64_t>(rows[r]) * K +
-                                                               run * 64 + 16 * t))
-                      : make_uint4(0u, 0u, 0u, 0u);
-    s[r] = in ? scales[rows[r]] : 0.0f;
-  }
+    for (int r = 0; r < 2; ++r) {
+      const bool in = rows[tt][r] < V;
+#pragma unroll
+      for (int run = 0; run < 2; ++run)
+        cw[tt][r][run] = in ? __ldcs(reinterpret_cast<const uint4*>(
+                                  codes + static_cast<int64_t>(rows[tt][r]) * K + run * 64 + 16 * t))
+                            : make_uint4(0u, 0u, 0u, 0u);
+      s[tt][r] = in ? scales[rows[tt][r]] : 0.0f;
+    }
 
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h), as in decode.cuh.
   TokenHeadInputs<4> x = widen(x_in);
   const float kq = prepare_qk<4, 32>(x.q, x.k, p.l2norm, p.scale, lane);
   const detail::GateParams& gp = p.gate;
+  const bool kda = gp.kda;
   const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
   float alpha[4];
-  if (gp.kda) {
+  if (kda) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
@@ -199,19 +226,19 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
     uint32_t parts[4][2];  // (vector, pair): f16x2 of the lane's entries 2i, 2i + 1
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
-      __half h[4][2];
+      __half hh[4][2];
 #pragma unroll
       for (int e2 = 0; e2 < 2; ++e2) {
         const float a = ak[2 * i2 + e2] * up, b = aq[2 * i2 + e2] * up;
-        h[0][e2] = __float2half_rn(a);
-        h[1][e2] = __float2half_rn(a - __half2float(h[0][e2]));
-        h[2][e2] = __float2half_rn(b);
-        h[3][e2] = __float2half_rn(b - __half2float(h[2][e2]));
+        hh[0][e2] = __float2half_rn(a);
+        hh[1][e2] = __float2half_rn(a - __half2float(hh[0][e2]));
+        hh[2][e2] = __float2half_rn(b);
+        hh[3][e2] = __float2half_rn(b - __half2float(hh[2][e2]));
       }
 #pragma unroll
       for (int v = 0; v < 4; ++v)
-        parts[v][i2] = static_cast<uint32_t>(__half_as_ushort(h[v][0])) |
-                       (static_cast<uint32_t>(__half_as_ushort(h[v][1])) << 16);
+        parts[v][i2] = static_cast<uint32_t>(__half_as_ushort(hh[v][0])) |
+                       (static_cast<uint32_t>(__half_as_ushort(hh[v][1])) << 16);
     }
 #pragma unroll
     for (int v = 0; v < 4; ++v)
@@ -235,75 +262,96 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
       bf[8 * run + 4 * h2 + 2] = u.z;
       bf[8 * run + 4 * h2 + 3] = u.w;
     }
-  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t wa = (&cw[0][j >> 2].x)[j & 3], wb = (&cw[1][j >> 2].x)[j & 3];
-    uint32_t a[4];
-    codes_f16x2<T>(wa, a[0], a[2]);
-    codes_f16x2<T>(wb, a[1], a[3]);
-    prefill::Mma<__half>::mma(acc[j & 1], a, bf[2 * j], bf[2 * j + 1]);
-  }
-  // Lane t = 0: the hi and lo halves of sk of rows g, g + 8; lane t = 1: of sq.
-  float dot[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-    dot[r] = s[r] * (((acc[0][2 * r] + acc[1][2 * r]) + (acc[0][2 * r + 1] + acc[1][2 * r + 1])) * down);
-  float u[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float uk = detail::delta_u(to_float(v_in[r]), dot[r], beta);  // meaningful on t = 0
-    u[r] = __shfl_sync(0xffffffffu, uk, lane & ~3);
-    if (t == 1 && rows[r] < V)
-      detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[r],
-                          detail::delta_output(dot[r], u[r], kq));
-  }
 
-  // The update, row by row: S_new = S_dec + u k in fp32, the row's amax over its 4 lanes, the
-  // fresh scale, the codes (two 16-byte stores) and the scale (lane t = 0).
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float xs[32];
-    uint32_t am = 0u;
+  for (int tt = 0; tt < TPW; ++tt) {
+    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint32_t word = (&cw[r][j >> 2].x)[j & 3];
-      float cv[4];
-      fmt::code_values4(word, T, cv);
-      const int k0 = quant_lane_k(t, 4 * j);
-      const float4 kk = *reinterpret_cast<const float4*>(&sm.k[k0]);
-      const float4 al = *reinterpret_cast<const float4*>(&sm.alpha[k0]);
-      const float kv[4] = {kk.x, kk.y, kk.z, kk.w}, av[4] = {al.x, al.y, al.z, al.w};
+      const uint32_t wa = (&cw[tt][0][j >> 2].x)[j & 3], wb = (&cw[tt][1][j >> 2].x)[j & 3];
+      uint32_t a[4];
+      codes_f16x2<T>(wa, a[0], a[2]);
+      codes_f16x2<T>(wb, a[1], a[3]);
+      prefill::Mma<__half>::mma(acc[j & 1], a, bf[2 * j], bf[2 * j + 1]);
+    }
+    // Lane t = 0: the hi and lo halves of sk of rows g, g + 8; lane t = 1: of sq.
+    float u[2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float sd = (cv[i] * s[r]) * av[i];
-        xs[4 * j + i] = fmaf(u[r], kv[i], sd);
-        am = max(am, __float_as_uint(xs[4 * j + i]) & 0x7fffffffu);
+    for (int r = 0; r < 2; ++r) {
+      const float dot = s[tt][r] * (((acc[0][2 * r] + acc[1][2 * r]) +
+                                     (acc[0][2 * r + 1] + acc[1][2 * r + 1])) * down);
+      const float uk = detail::delta_u(to_float(v_in[tt][r]), dot, beta);  // meaningful on t = 0
+      u[r] = __shfl_sync(0xffffffffu, uk, lane & ~3);
+      if (t == 1 && rows[tt][r] < V)
+        detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[tt][r],
+                            detail::delta_output(dot, u[r], kq));
+    }
+
+    // The update, row by row: S_new = S_dec + u k in fp32 (GDN: the row's scale and decay as one
+    // factor), the row's amax over its 4 lanes, the fresh scale, the codes (two 16-byte stores)
+    // and the scale (lane t = 0).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = rows[tt][r];
+      const float sa = s[tt][r] * alpha[0];
+      float xs[32];
+      float am = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t word = (&cw[tt][r][j >> 2].x)[j & 3];
+        float cv[4];
+        fmt::code_values4(word, T, cv);
+        const int k0 = quant_lane_k(t, 4 * j);
+        const float4 kk = *reinterpret_cast<const float4*>(&sm.k[k0]);
+        const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+        float sd[4];
+        if (kda) {
+          const float4 al = *reinterpret_cast<const float4*>(&sm.alpha[k0]);
+          const float av[4] = {al.x, al.y, al.z, al.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sd[i] = (cv[i] * s[tt][r]) * av[i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sd[i] = cv[i] * sa;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          xs[4 * j + i] = fmaf(u[r], kv[i], sd[i]);
+          am = amax_nan(am, xs[4 * j + i]);
+        }
       }
+#pragma unroll
+      for (int d = 1; d < 4; d <<= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, am, d);
+        asm("max.NaN.f32 %0, %0, %1;" : "+f"(am) : "f"(o));
+      }
+      if (row >= V) continue;
+      const float sn = fmt::fresh_scale(T, am);
+      const uint64_t index0 = static_cast<uint64_t>((static_cast<int64_t>(hv) * V + row) * K);
+      uint32_t out[8];
+      auto encode = [&](auto divide) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          float y[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) y[i] = divide(xs[4 * j + i]);
+          out[j] = fmt::encode_codes4(T, y, p.state.stochastic, key,
+                                      index0 + static_cast<uint64_t>(quant_lane_k(t, 4 * j)));
+        }
+      };
+      if (sn < 0x1p-40f) {  // (row-uniform; a NaN scale takes divide_by: NaN either way)
+        encode([&](float v) { return v / sn; });
+      } else {
+        const float rn = 1.0f / sn;
+        encode([&](float v) { return detail::divide_by(v, sn, rn); });
+      }
+      uint8_t* row_codes = codes + static_cast<int64_t>(row) * K;
+#pragma unroll
+      for (int run = 0; run < 2; ++run)
+        __stcs(reinterpret_cast<uint4*>(row_codes + run * 64 + 16 * t),
+               make_uint4(out[4 * run], out[4 * run + 1], out[4 * run + 2], out[4 * run + 3]));
+      if (t == 0) scales[row] = sn;
     }
-#pragma unroll
-    for (int d = 1; d < 4; d <<= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, d));
-    if (rows[r] >= V) continue;
-    const float sn = fmt::fresh_scale(T, __uint_as_float(am));
-    const float rn = 1.0f / sn;
-    const bool divide = sn < 0x1p-40f;  // (a NaN scale takes divide_by: NaN either way)
-    uint32_t out[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float y[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        y[i] = divide ? xs[4 * j + i] / sn : detail::divide_by(xs[4 * j + i], sn, rn);
-      const uint64_t index =
-          static_cast<uint64_t>((static_cast<int64_t>(hv) * V + rows[r]) * K + quant_lane_k(t, 4 * j));
-      out[j] = fmt::encode_codes4(T, y, p.state.stochastic, key, index);
-    }
-    uint8_t* row_codes = codes + static_cast<int64_t>(rows[r]) * K;
-#pragma unroll
-    for (int run = 0; run < 2; ++run)
-      __stcs(reinterpret_cast<uint4*>(row_codes + run * 64 + 16 * t),
-             make_uint4(out[4 * run], out[4 * run + 1], out[4 * run + 2], out[4 * run + 3]));
-    if (t == 0) scales[rows[r]] = sn;
   }
 }
 
