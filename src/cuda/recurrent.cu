@@ -195,10 +195,8 @@ bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.K == 128) {
     const QuantDecodeChoice q = forced_quant_decode_kernel();
     if (q != QuantDecodeChoice::register_kernel) {
-      if (q == QuantDecodeChoice::mma2)
-        launch_quant_decode<Code::dtype, 2>(p, stream);
-      else
-        launch_quant_decode<Code::dtype, 1>(p, stream);
+      if (q == QuantDecodeChoice::mma2) launch_quant_decode<Code::dtype, 2>(p, stream);
+      else launch_quant_decode<Code::dtype, 1>(p, stream);
       advance_step_after(p, stream);
       return true;
     }

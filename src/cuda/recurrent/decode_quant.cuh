@@ -82,7 +82,8 @@ static_assert(sizeof(QuantWarpSmem) % 16 == 0, "16-byte aligned rows");
 template <DType T>
 __device__ __forceinline__ void codes_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
   if constexpr (T == DType::f8e4m3) {
-    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
+    const __half2_raw a =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
     const __half2_raw b =
         __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
     lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
@@ -120,7 +121,8 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
   enter_grid(p.pdl_trigger_early);
   __shared__ QuantWarpSmem smem_all[kQuantWarpsPerCta];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int w = static_cast<int>(blockIdx.x) * kQuantWarpsPerCta + static_cast<int>(threadIdx.x >> 5);
+  const int w =
+      static_cast<int>(blockIdx.x) * kQuantWarpsPerCta + static_cast<int>(threadIdx.x >> 5);
   if (w >= static_cast<int>(p.num_heads_total()) * warps_per_head) return;
   QuantWarpSmem& sm = smem_all[threadIdx.x >> 5];
   const HeadBlock c = head_block(p, w, warps_per_head);
@@ -156,7 +158,8 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
       for (int tt = 0; tt < TPW; ++tt)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          if (rows[tt][r] < V) detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[tt][r], fill);
+          if (rows[tt][r] < V)
+            detail::store_float(p.out.ptr, p.out.dtype, o_off + rows[tt][r], fill);
     return;
   }
 
@@ -173,9 +176,10 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
       const bool in = rows[tt][r] < V;
 #pragma unroll
       for (int run = 0; run < 2; ++run)
-        cw[tt][r][run] = in ? __ldcs(reinterpret_cast<const uint4*>(
-                                  codes + static_cast<int64_t>(rows[tt][r]) * K + run * 64 + 16 * t))
-                            : make_uint4(0u, 0u, 0u, 0u);
+        cw[tt][r][run] =
+            in ? __ldcs(reinterpret_cast<const uint4*>(
+                     codes + static_cast<int64_t>(rows[tt][r]) * K + run * 64 + 16 * t))
+               : make_uint4(0u, 0u, 0u, 0u);
       s[tt][r] = in ? scales[rows[tt][r]] : 0.0f;
     }
 
@@ -278,8 +282,9 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
     float u[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float dot = s[tt][r] * (((acc[0][2 * r] + acc[1][2 * r]) +
-                                     (acc[0][2 * r + 1] + acc[1][2 * r + 1])) * down);
+      const float dot =
+          s[tt][r] *
+          (((acc[0][2 * r] + acc[1][2 * r]) + (acc[0][2 * r + 1] + acc[1][2 * r + 1])) * down);
       const float uk = detail::delta_u(to_float(v_in[tt][r]), dot, beta);  // meaningful on t = 0
       u[r] = __shfl_sync(0xffffffffu, uk, lane & ~3);
       if (t == 1 && rows[tt][r] < V)
