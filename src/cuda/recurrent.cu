@@ -185,9 +185,11 @@ DecodeChoice decode_kernel_for(const RecurrentProblem& p) {
 }
 
 // A quantized pool on a decode-shaped problem (decode_shaped): K = 128 on the quantized decode
-// kernel (tensor-core dots; DELTASTATE_CUDA_QUANT_DECODE=register: the register decode kernel's
-// quantized instantiation), K = 64 on the latter, one tile per warp (DELTASTATE_CUDA_DECODE=direct:
-// the direct kernel's formatted twin). False where it does not apply.
+// kernel (tensor-core dots), two tiles a warp from kQuantTwoTileMinHeads(Kda) (sequence, head)
+// pairs, else one (DELTASTATE_CUDA_QUANT_DECODE=mma|mma2 forces one or two, =register the register
+// decode kernel's quantized instantiation); K = 64 on the latter, one tile per warp
+// (DELTASTATE_CUDA_DECODE=direct: the direct kernel's formatted twin). False where it does not
+// apply.
 template <class Code>
 bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.state.dtype != Code::dtype || decode_kernel_for<Code>(p) == DecodeChoice::direct)
@@ -195,7 +197,10 @@ bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.K == 128) {
     const QuantDecodeChoice q = forced_quant_decode_kernel();
     if (q != QuantDecodeChoice::register_kernel) {
-      if (q == QuantDecodeChoice::mma2) launch_quant_decode<Code::dtype, 2>(p, stream);
+      const int64_t two_from = p.gate.kda ? kQuantTwoTileMinHeadsKda : kQuantTwoTileMinHeads;
+      if (q == QuantDecodeChoice::mma2 ||
+          (q == QuantDecodeChoice::automatic && p.num_heads_total() >= two_from))
+        launch_quant_decode<Code::dtype, 2>(p, stream);
       else launch_quant_decode<Code::dtype, 1>(p, stream);
       advance_step_after(p, stream);
       return true;

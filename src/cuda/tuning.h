@@ -78,6 +78,11 @@ constexpr bool decode_two_tiles(int64_t warps, int64_t capacity) {
 // (sequence, value head) pairs (GDN; KDA), where the register kernels run out of instruction
 // issue. For fp32 states the register kernel is faster at every batch.
 constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
+// Quantized decode kernel: two tiles a warp from this many (sequence, value head) pairs (GDN;
+// KDA), one below (H100, one call, Qwen3-Next f8n B = 64 (2048 pairs): 51.0 either way, B = 256:
+// 185 / 195 against 196 / 204 µs; Kimi-Linear f8n B = 64: 60.6 against 67.8; B = 1: 10.0 against
+// 7.1; docs/PERFORMANCE.md).
+constexpr int64_t kQuantTwoTileMinHeads = 4096, kQuantTwoTileMinHeadsKda = 2048;
 // ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;
