@@ -124,6 +124,30 @@ __device__ __forceinline__ GateConsts<EPL> widen(const detail::GateParams& gate,
   return c;
 }
 
+// alpha = exp(g) of one token for the lane's EPL K entries from kofs (GDN: the head's one value
+// in every entry), the gate constants loaded here (the decode kernels: GDN loads dt_bias once,
+// where load_gate_consts + token_gate cost the 16-bit-state register decode kernels 4 more bytes
+// of spills).
+template <int EPL>
+__device__ __forceinline__ void decode_alpha(const detail::GateParams& gp, const float (&graw)[EPL],
+                                             int hv, int K, int kofs, float (&alpha)[EPL]) {
+  const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
+  if (gp.kda) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
+                                                       static_cast<int64_t>(hv) * K + kofs + i)
+                                  : 0.0f;
+      alpha[i] = expf(detail::gate_value(gp.mode, graw[i], dt, A_log, gp.lower_bound));
+    }
+  } else {
+    const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, hv) : 0.0f;
+    const float a0 = expf(detail::gate_value(gp.mode, graw[0], dt, A_log, gp.lower_bound));
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) alpha[i] = a0;
+  }
+}
+
 // The gate of one token: log decay g and alpha = exp(g) for the lane's K slice (GDN: broadcast).
 template <int EPL>
 __device__ __forceinline__ void token_gate(const detail::GateParams& gate, const GateConsts<EPL>& c,

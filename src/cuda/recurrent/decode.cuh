@@ -79,7 +79,6 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   using InT = typename In::wide_type;
   TokenHeadInputs<EPL, InT> x_in;
   load_token_head<In>(p, p.g, p.beta, n, 0, h, hv, kofs, EPL, x_in);
-  const detail::GateParams& gp = p.gate;
   InT v_in[TPW];
   const int64_t v_off = head_offset(p.v, n, 0, hv);
 #pragma unroll
@@ -134,24 +133,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h).
   TokenHeadInputs<EPL> x = widen(x_in);
   const float kq = prepare_qk<EPL, G>(x.q, x.k, p.l2norm, p.scale, lane);
-  // The gate inline rather than load_gate_consts + token_gate: GDN loads dt_bias once here, and
-  // the shared pair costs the 16-bit-state instantiations 4 more bytes of spills (ptxas).
-  const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
   float alpha[EPL];
-  if (gp.kda) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
-                                                       static_cast<int64_t>(hv) * K + kofs + i)
-                                  : 0.0f;
-      alpha[i] = expf(detail::gate_value(gp.mode, x.g[i], dt, A_log, gp.lower_bound));
-    }
-  } else {
-    const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, hv) : 0.0f;
-    const float a0 = expf(detail::gate_value(gp.mode, x.g[0], dt, A_log, gp.lower_bound));
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) alpha[i] = a0;
-  }
+  decode_alpha<EPL>(p.gate, x.g, hv, K, kofs, alpha);
   const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
   // Stochastic rounding of a quantized pool: the slot's key (the call's step, read here).
   uint64_t key = 0;

@@ -186,24 +186,9 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
   // q, k normalized (q scaled), k.q; the gate; beta (core/delta_math.h), as in decode.cuh.
   TokenHeadInputs<4> x = widen(x_in);
   const float kq = prepare_qk<4, 32>(x.q, x.k, p.l2norm, p.scale, lane);
-  const detail::GateParams& gp = p.gate;
-  const bool kda = gp.kda;
-  const float A_log = gp.A_log ? detail::load_float(gp.A_log, gp.A_log_dtype, hv) : 0.0f;
+  const bool kda = p.gate.kda;
   float alpha[4];
-  if (kda) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype,
-                                                       static_cast<int64_t>(hv) * K + 4 * lane + i)
-                                  : 0.0f;
-      alpha[i] = expf(detail::gate_value(gp.mode, x.g[i], dt, A_log, gp.lower_bound));
-    }
-  } else {
-    const float dt = gp.dt_bias ? detail::load_float(gp.dt_bias, gp.dt_bias_dtype, hv) : 0.0f;
-    const float a0 = expf(detail::gate_value(gp.mode, x.g[0], dt, A_log, gp.lower_bound));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) alpha[i] = a0;
-  }
+  decode_alpha<4>(p.gate, x.g, hv, K, 4 * lane, alpha);
   const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
   uint64_t key = 0;  // stochastic rounding: the slot's key (the call's step, read here)
   if (p.state.stochastic)
