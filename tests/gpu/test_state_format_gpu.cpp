@@ -49,6 +49,7 @@ struct QuantCase {
   DType dtype;
   StateRounding rounding;
   deltastate::PoolLayout layout;
+  int V = 0;  // value rows of the model's shape when not 0 (rows past a warp tile's end)
 };
 void PrintTo(const QuantCase& c, std::ostream* os) { *os << c.name; }
 
@@ -58,7 +59,8 @@ class GpuQuantizedPackedDecode : public GpuParamTest<QuantCase> {};
 // states, the step counter, and every byte outside the live slots' blocks (sentinels).
 TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
   const QuantCase& c = GetParam();
-  const Shape s = c.kda ? kKimi : kQwen3Next;
+  Shape s = c.kda ? kKimi : kQwen3Next;
+  if (c.V) s.V = c.V;
   const int64_t layer = 1;
   Rng rng = test_rng();
   const std::vector<int64_t> slots{7, -1, 2, 5, 0};
@@ -100,7 +102,13 @@ INSTANTIATE_TEST_SUITE_P(
                       QuantCase{"kda_fp8_rn_envelope", true, DType::f8e4m3, StateRounding::nearest,
                                 deltastate::PoolLayout::envelope},
                       QuantCase{"kda_int8_sr", true, DType::i8, StateRounding::stochastic,
-                                deltastate::PoolLayout::per_layer}),
+                                deltastate::PoolLayout::per_layer},
+                      // V = 40 ends inside a 16-row tile (the tensor-core kernel's rows past V),
+                      // V = 200 inside the first of a warp's two tiles (forced: test-quant-decode)
+                      QuantCase{"gdn_fp8_rn_v40", false, DType::f8e4m3, StateRounding::nearest,
+                                deltastate::PoolLayout::per_layer, 40},
+                      QuantCase{"kda_int8_sr_v200_envelope", true, DType::i8,
+                                StateRounding::stochastic, deltastate::PoolLayout::envelope, 200}),
     case_name<QuantCase>);
 
 struct QuantRecurrentCase {
