@@ -24,7 +24,7 @@ constexpr int kVerifyFmtCtasPerSm = 2;
 // warps per SM keep enough state loads in flight, and a 64-register cap spills.
 constexpr int kDecodeCtaWarps = 2, kDecodeCtasPerSm = 12;
 // Quantized decode kernel (recurrent/decode_quant.cuh): 4-warp CTAs of 16-row tiles, 4 resident
-// per SM (at most 128 registers per thread: a row's 32 updated values wait for its amax).
+// per SM (at most 128 registers per thread: a row's K / 4 updated values wait for its amax).
 constexpr int kQuantDecodeCtaWarps = 4, kQuantDecodeCtasPerSm = 4;
 // Streaming kernel: 4 consumer warps and a producer per CTA, 64 KB of stages, 3 CTAs per SM.
 constexpr int kStreamConsumerWarps = 4, kStreamStageBytes = 65536, kStreamCtasPerSm = 3;

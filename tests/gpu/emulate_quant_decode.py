@@ -18,7 +18,11 @@ the products, and checks against a plain fp64 step:
     of the dot's absolute-value sum, and the codes of the kernel's fp32 update within one quantum
     of the fp64 step's rows (float8: e4m3fn nearest; int8);
 (3) the division rule: divide_by(x, s, 1 / s) equals x / s bit for bit on the kernel's operand
-    range (|x| <= 448 s, s >= 2^-40), and any element it could miss (|x| < 2^-100) codes to zero.
+    range (|x| <= 448 s, s >= 2^-40), and any element it could miss (|x| < 2^-100) codes to zero;
+(4) the vectors' power of two keeps every finite entry finite in f16, for any exponent.
+The lanes' registers (code words as load_run fills them, B registers as read from the warp's
+table, the codes' words as store_run writes them) are transcribed from the kernel's index
+expressions, and checked against the layout's definition (quant_lane_k) and PTX's fragments.
 """
 
 import pathlib
@@ -29,13 +33,32 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
 import state_accuracy as sa  # noqa: E402  (the format rules' numpy emulation)
 
-K, TILE = 128, 16
+TILE = 16
+KS = (128,)  # the K values the kernel takes
 f32 = np.float32
 
 
-def lane_k(t, i):
-    """The K position of lane t's code i (0..31) of a row: two runs of 16 (quant_lane_k)."""
-    return (16 * t if i < 16 else 64 + 16 * t - 16) + i
+class Layout:
+    """QuantLayout<K>: a lane's two runs of RUN = K / 8 codes, WORDS 4-byte words a row (one
+    k-block each), EPL token entries a lane."""
+
+    def __init__(self, K):
+        self.K, self.RUN, self.WORDS, self.EPL = K, K // 8, K // 16, K // 32
+
+
+def lane_k(t, i, K):
+    """The K position of lane t's code i (0 .. K / 4 - 1) of a row: two runs of K / 8
+    (quant_lane_k)."""
+    run = K // 8
+    return (run * t if i < run else K // 2 + run * t - run) + i
+
+
+def word_bytes(L, t, w):
+    """The row offsets of the 4 bytes of lane t's word w as load_run / store_run move them:
+    run w // (WORDS / 2) at run * K / 2 + RUN t, its words consecutive."""
+    half = L.WORDS // 2
+    base = (w // half) * (L.K // 2) + L.RUN * t + 4 * (w % half)
+    return [base + b for b in range(4)]
 
 
 def f16_split(v, up):
@@ -47,9 +70,9 @@ def f16_split(v, up):
 
 
 def scale_exponent(m):
-    """e with the largest |entry| m * 2^e in [2^14, 2^15), clamped to +-100 (the kernel's)."""
+    """e with the largest |entry| m * 2^e in [2^14, 2^15), at most 126 (the kernel's)."""
     eb = int(np.array([m], f32).view(np.uint32)[0] >> 23)
-    return min(max(141 - eb, -100), 100)
+    return min(141 - eb, 126)
 
 
 def mma(a_frag, b_frag):
@@ -75,7 +98,12 @@ def mma(a_frag, b_frag):
 
 
 def tile_dots(codes, s, ak, aq, row0, V, rounding):
-    """The kernel's sk and sq of the tile's 16 rows (codes: [V, K] values, s: [V] scales)."""
+    """The kernel's sk and sq of the tile's 16 rows (codes: [V, K] values, s: [V] scales),
+    transcribed register by register: the warp's table of four vectors written EPL entries a
+    lane, each lane's B registers bf read from it as the kernel indexes them, its code words
+    cw as load_run fills them, a k-block's A pairs from its word j of rows g and g + 8."""
+    K = codes.shape[1]
+    L = Layout(K)
     if rounding:
         m = float(np.max(np.abs(np.concatenate([ak, aq]).astype(f32))))
         e = scale_exponent(m)
@@ -84,17 +112,30 @@ def tile_dots(codes, s, ak, aq, row0, V, rounding):
     else:
         vecs = [np.asarray(ak, np.float64), np.zeros(K), np.asarray(aq, np.float64), np.zeros(K)]
         down = 1.0
+    table = np.zeros((4, K))
+    for lane in range(32):
+        for i in range(L.EPL):
+            for v in range(4):
+                table[v, L.EPL * lane + i] = vecs[v][L.EPL * lane + i]
+    bf, cw = [], []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        regs = [None] * (2 * L.WORDS)
+        for run in range(2):
+            for h2 in range(L.RUN // 8):
+                base = run * (K // 2) + L.RUN * t + 8 * h2
+                for i in range(4):
+                    pair = table[g, base + 2 * i:base + 2 * i + 2] if g < 4 else np.zeros(2)
+                    regs[run * L.WORDS + 4 * h2 + i] = pair
+        bf.append(regs)
+        rows = [row0 + g, row0 + g + 8]
+        cw.append([[[codes[r, kk] if r < V else 0.0 for kk in word_bytes(L, t, w)]
+                    for w in range(L.WORDS)] for r in rows])
     acc = np.zeros((32, 4))
-    for j in range(8):
-        a_frag, b_frag = [], []
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            rows = [row0 + g, row0 + g + 8]
-            ks = [lane_k(t, 4 * j + i) for i in range(4)]
-            word = [[codes[r, kk] if r < V else 0.0 for kk in ks] for r in rows]
-            a_frag.append([word[0][0:2], word[1][0:2], word[0][2:4], word[1][2:4]])
-            col = vecs[g] if g < 4 else np.zeros(K)
-            b_frag.append([[col[ks[0]], col[ks[1]]], [col[ks[2]], col[ks[3]]]])
+    for j in range(L.WORDS):
+        a_frag = [[cw[ln][0][j][0:2], cw[ln][1][j][0:2], cw[ln][0][j][2:4], cw[ln][1][j][2:4]]
+                  for ln in range(32)]
+        b_frag = [[bf[ln][2 * j], bf[ln][2 * j + 1]] for ln in range(32)]
         acc += mma(a_frag, b_frag)
     sk, sq = np.zeros(TILE), np.zeros(TILE)
     for lane in range(32):
@@ -128,7 +169,7 @@ def divide_by(x, d, r):
     return (q.astype(np.float64) + e.astype(np.float64) * r.astype(np.float64)).astype(f32)
 
 
-def check_head(rng, fmt, kda, V, worst):
+def check_head(rng, fmt, kda, V, K, worst):
     state = rng.standard_normal((V, K)) * rng.uniform(0.01, 3.0, (V, 1))
     codes, s = quantize_rows(state, fmt)
     S = codes.astype(np.float64) * s[:, None].astype(np.float64)
@@ -165,15 +206,17 @@ def check_head(rng, fmt, kda, V, worst):
                 worst["dots"] = max(worst["dots"], rel)
                 assert rel < 2.0 ** -20, f"dots, rounding on: {rel}"
                 u_kernel[rows] = (f32(beta) * (v[rows].astype(f32) - sk.astype(f32))).astype(f32)
-        # the stores: lane (g, t) writes words 4 run .. 4 run + 3 of each row at run * 64 + 16t
+        # the stores: out[j] (the codes of positions lane_k(t, 4 j ..)) leaves through store_run
+        # at word_bytes(t, j); every code of every row below V once
+        L = Layout(K)
         for lane in range(32):
             g, t = lane // 4, lane % 4
             for row in (row0 + g, row0 + g + 8):
                 if row < V:
-                    for run in range(2):
-                        written[row, run * 64 + 16 * t:run * 64 + 16 * t + 16] += 1
-                    assert [lane_k(t, i) for i in range(32)] == (
-                        list(range(16 * t, 16 * t + 16)) + list(range(64 + 16 * t, 80 + 16 * t)))
+                    for j in range(L.WORDS):
+                        dst = word_bytes(L, t, j)
+                        assert dst == [lane_k(t, 4 * j + b, K) for b in range(4)], (K, t, j)
+                        written[row, dst] += 1
     assert np.all(written == 1), "every code of every row below V stored once"
     # the kernel's update in fp32 (x = u k + (c s) alpha, one rounding for the sum), quantized,
     # against the fp64 rows: within one quantum of the row
@@ -203,6 +246,20 @@ def check_tiles():
             assert np.all(seen == 1), (V, tpw)
 
 
+def check_exponent():
+    """The vectors' power of two for every exponent a largest entry can have: 2^e and 2^-e
+    normal floats, the scaled largest finite entry below f16's largest (65504) and at least 2^14
+    where 2^e is not capped."""
+    for eb in range(255):
+        m = float(np.array([eb << 23 | 0x7FFFFF], np.uint32).view(f32)[0])
+        e = scale_exponent(m)
+        assert -126 <= e <= 126, eb
+        top = m * 2.0 ** e
+        assert top < 65504 and (e == 126 or top >= 2.0 ** 14), (eb, e, top)
+        assert np.isfinite(np.float16(np.float32(top))), eb
+    assert scale_exponent(float("inf")) == -114 and scale_exponent(float("nan")) == -114
+
+
 def check_division(rng):
     """divide_by against x / s on the kernel's range, with all-ones mantissas and tiny x."""
     n = 2_000_000
@@ -227,10 +284,12 @@ def main():
     worst = {"dots": 0.0, "codes": 0.0}
     for fmt in ("f8", "i8"):
         for kda in (False, True):
-            for V in (128, 40):
-                for _ in range(3):
-                    check_head(rng, fmt, kda, V, worst)
+            for K in KS:
+                for V in (K, 40, 200):
+                    for _ in range(2):
+                        check_head(rng, fmt, kda, V, K, worst)
     check_division(rng)
+    check_exponent()
     check_tiles()
     print("rounding off: dots, u and o agree with the fp64 step to 1e-12; every code stored once")
     print(f"rounding on: dots' relative error <= {worst['dots']:.2e} of |S||k| (bound 2^-20), "

@@ -1,7 +1,8 @@
 // Quantized state pools (float8_e4m3fn, int8 with fp32 scales) and stochastic rounding on the
-// CUDA backend (packed decode and the recurrent op, on the direct kernel's formatted-state twin;
-// verify, its commit and ReplaySSM decode, on their formatted-state kernels; the chunked prefill,
-// through src/cuda/state_format.cuh) against the CPU backend, the oracle.
+// CUDA backend (packed decode, on the quantized decode kernels; the recurrent op, on the direct
+// kernel's formatted-state twin; verify, its commit and ReplaySSM decode, on their formatted-
+// state kernels; the chunked prefill, through src/cuda/state_format.cuh) against the CPU backend,
+// the oracle.
 // Every test skips when no CUDA device is present.
 //
 // Tolerances come from the format's resolution: both backends compute the step in fp32 (to 1e-5

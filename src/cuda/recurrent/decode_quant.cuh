@@ -40,7 +40,7 @@
 //
 // A warp takes TPW tiles (1 or 2) of one head, every tile's codes loaded at its start: two tiles
 // share one token preparation and have twice the bytes in flight, at 123-126 registers against
-// 85-110 (ptxas), so 16 warps an SM where one tile allows 20-24.
+// 85-112 (ptxas), so 16 warps an SM where one tile allows 16-20.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -69,7 +69,7 @@ constexpr int kQuantK = 128;
 // that the B fragments' 16-byte reads of 8 lanes hit distinct banks), then k and the decay in
 // fp32.
 constexpr int kQuantVecRowHalves = kQuantK + 8;
-struct QuantWarpSmem {
+struct alignas(16) QuantWarpSmem {  // (its vector reads and writes are 16-byte)
   __half vec[4][kQuantVecRowHalves];
   float k[kQuantK];
   float alpha[kQuantK];
@@ -196,8 +196,9 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
                          static_cast<uint64_t>(*p.state.step));
 
   // The B vectors alpha k and alpha q, scaled by 2^e so that the warp's largest entry lies in
-  // [2^14, 2^15) (e clamped to +-100: a zero or non-finite vector keeps its zeros, NaNs and
-  // infinities), split hi + lo in f16, into shared memory with k and alpha in fp32.
+  // [2^14, 2^15) (e >= -114 for any bits, <= 126 so that 2^e and 2^-e stay normal: a zero or
+  // tiny vector keeps its zeros; a non-finite entry makes the dots NaN, where the CPU's are
+  // infinite or NaN), split hi + lo in f16, into shared memory with k and alpha in fp32.
   float ak[4], aq[4];
   uint32_t m = 0u;
 #pragma unroll
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
   }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, d));
-  const int e = min(max(141 - static_cast<int>(m >> 23), -100), 100);
+  const int e = min(141 - static_cast<int>(m >> 23), 126);
   const float up = __uint_as_float(static_cast<uint32_t>(127 + e) << 23);
   const float down = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
   {
