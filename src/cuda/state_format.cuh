@@ -91,15 +91,34 @@ __device__ __forceinline__ uint16_t round16_sr(DType t, float x, uint64_t key, u
 // which it encodes as 0x7f whatever its sign (tests/gpu/test_state_format_rules.cu). A NaN's sign
 // is not kept on CUDA anyway: the y = x / scale before it is fp32 division, whose NaN is the
 // positive canonical one.
+// The codes of w as two f16x2 words, lo (codes 0, 1) and hi (codes 2, 3), each value exact
+// (f16 holds every e4m3fn and int8 value): the tensor-core kernels' operands.
+__device__ __forceinline__ void code_halves4(uint32_t w, DType t, uint32_t& lo, uint32_t& hi) {
+  if (t == DType::f8e4m3) {
+    const __half2_raw a =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
+    const __half2_raw b =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
+    hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
+  } else {
+    const __half2 a = __floats2half2_rn(static_cast<float>(static_cast<int8_t>(w)),
+                                        static_cast<float>(static_cast<int8_t>(w >> 8)));
+    const __half2 b = __floats2half2_rn(static_cast<float>(static_cast<int8_t>(w >> 16)),
+                                        static_cast<float>(static_cast<int8_t>(w >> 24)));
+    lo = *reinterpret_cast<const uint32_t*>(&a);
+    hi = *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
 __device__ __forceinline__ void code_values4(uint32_t w, DType t, float (&x)[4]) {
   if (t == DType::f8e4m3) {
+    uint32_t h[2];
+    code_halves4(w, t, h[0], h[1]);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __half2_raw r =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (16 * h)), __NV_E4M3);
-      const float2 f = __half22float2(__half2(r));
-      x[2 * h] = f.x;
-      x[2 * h + 1] = f.y;
+    for (int i = 0; i < 2; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
     }
   } else {
 #pragma unroll

@@ -77,27 +77,6 @@ struct alignas(16) QuantWarpSmem {  // (its vector reads and writes are 16-byte)
 constexpr int kQuantWarpsPerCta = kQuantDecodeCtaWarps;
 static_assert(sizeof(QuantWarpSmem) % 16 == 0, "16-byte aligned rows");
 
-// The codes of word w (4 codes) as the f16x2 registers lo (codes 0, 1) and hi (codes 2, 3); each
-// value exact (e4m3fn's and int8's values are f16 values).
-template <DType T>
-__device__ __forceinline__ void codes_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  if constexpr (T == DType::f8e4m3) {
-    const __half2_raw a =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
-    const __half2_raw b =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
-    hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
-  } else {
-    const __half2 a = __floats2half2_rn(static_cast<float>(static_cast<int8_t>(w)),
-                                        static_cast<float>(static_cast<int8_t>(w >> 8)));
-    const __half2 b = __floats2half2_rn(static_cast<float>(static_cast<int8_t>(w >> 16)),
-                                        static_cast<float>(static_cast<int8_t>(w >> 24)));
-    lo = *reinterpret_cast<const uint32_t*>(&a);
-    hi = *reinterpret_cast<const uint32_t*>(&b);
-  }
-}
-
 // The lane's K position of its code i (0..31) of a row: two runs of 16.
 __device__ __forceinline__ int quant_lane_k(int t, int i) {
   return (i < 16 ? 16 * t : 64 + 16 * t - 16) + i;
@@ -260,8 +239,8 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
     for (int j = 0; j < 8; ++j) {
       const uint32_t wa = (&cw[tt][0][j >> 2].x)[j & 3], wb = (&cw[tt][1][j >> 2].x)[j & 3];
       uint32_t a[4];
-      codes_f16x2<T>(wa, a[0], a[2]);
-      codes_f16x2<T>(wb, a[1], a[3]);
+      fmt::code_halves4(wa, T, a[0], a[2]);
+      fmt::code_halves4(wb, T, a[1], a[3]);
       prefill::Mma<__half>::mma(acc[j & 1], a, bf[2 * j], bf[2 * j + 1]);
     }
     // Lane t = 0: the hi and lo halves of sk of rows g, g + 8; lane t = 1: of sq.
@@ -312,10 +291,7 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
         }
       }
 #pragma unroll
-      for (int d = 1; d < 4; d <<= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, am, d);
-        asm("max.NaN.f32 %0, %0, %1;" : "+f"(am) : "f"(o));
-      }
+      for (int d = 1; d < 4; d <<= 1) am = amax_nan(am, __shfl_xor_sync(0xffffffffu, am, d));
       if (row >= V) continue;
       const float sn = fmt::fresh_scale(T, am);
       const uint64_t index0 = static_cast<uint64_t>((static_cast<int64_t>(hv) * V + row) * K);
