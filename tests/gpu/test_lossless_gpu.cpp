@@ -10,7 +10,8 @@
 //   * fold-every-commit: the CUDA verify writes the raw ring (ring_v/k/g/beta, its generic
 //     kernel), replayssm_fold_commit folds the accepted prefix into the GPU checkpoint: after
 //     every commit the checkpoint against the CPU's committed state.
-// Bounds (fp32 checkpoints): fp32 rings, outputs within 1e-4 + 1e-3 |x| and states within 1e-4 +
+// Bounds (fp32 checkpoints): fp32 rings, outputs within 1e-4 + 1e-3 |x| (plus one unit of the
+// output's dtype where the two backends' roundings straddle a boundary) and states within 1e-4 +
 // 1e-3 |x| over the whole run (the kernels' own reduction orders; no drift); bf16 d/k rings,
 // outputs within 5e-3 and states within 2e-2 absolute (the CPU backend with bf16 rings stays
 // within 7e-4 and 8e-3 over the same kind of run: python/tests/test_lossless.py's shapes); bf16
@@ -157,8 +158,11 @@ TEST_P(LosslessGpu, AcceptedTokensEqualPlainDecode) {
       for (int64_t t = 0; t < accepted[n]; ++t)
         for (int hv = 0; hv < sh.HV; ++hv)
           for (int i = 0; i < sh.V; ++i) {
+            // each backend rounded its own fp32 output to the output's dtype (close_vs_cpu's
+            // rule): a rounding boundary between them moves the stored value by one unit
             const double g = gout.get({n, t, hv, i}), w = rb_.out.get({n, t, hv, i});
-            ASSERT_LE(std::fabs(g - w), out_tol.atol + out_tol.rtol * std::fabs(w))
+            const double base = out_tol.atol + out_tol.rtol * std::fabs(w);
+            ASSERT_LE(std::fabs(g - w), base + 2 * half_ulp(c.act, std::fabs(w) + base))
                 << c.name << " output, step " << step << " seq " << n << " token " << t;
             worst_out = std::max(worst_out, std::fabs(g - w));
           }

@@ -92,9 +92,13 @@ TEST_P(ReplayVerifyGpu, StepsMatchCpu) {
   Mirror dev;
   dev.upload_all(st.ck, st.idx, st.rings.d, st.rings.k, st.rings.g, st.wp, st.base, st.flush);
   for (int step = 0; step < c.steps; ++step) {
+    // Even steps: sequences of 1..T drafts (cu_seqlens); odd steps: T each in the [N, T] layout
+    // (the only one the tensor-core kernel takes: the host knows every sequence's length).
+    const bool varlen = step % 2 == 0;
     std::vector<int64_t> lens;
-    for (int64_t n = 0; n < N; ++n) lens.push_back(rng.integer(1, c.T));
-    RecurrentSpec spec = recurrent_spec(c.shape, c.kda, c.act, 1, c.T, lens);
+    for (int64_t n = 0; n < N; ++n) lens.push_back(varlen ? rng.integer(1, c.T) : c.T);
+    RecurrentSpec spec = varlen ? recurrent_spec(c.shape, c.kda, c.act, 1, c.T, lens)
+                                : recurrent_spec(c.shape, c.kda, c.act, N, c.T);
     spec.lower_bound = c.lower_bound;
     RecurrentBatch rb = make_recurrent_batch(rng, spec);
     // Forced folds: the same flags on both backends (the cursors agree after every commit).
@@ -102,7 +106,8 @@ TEST_P(ReplayVerifyGpu, StepsMatchCpu) {
       if (s >= 0 && rng.chance(0.1)) st.flush.set({s}, 1);
     dev.upload(st.flush);
     rb.poison_out();
-    dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias, rb.cu);
+    dev.upload_all(rb.q, rb.k, rb.v, rb.g, rb.beta, rb.out, rb.A_log, rb.dt_bias);
+    if (varlen) dev.upload(rb.cu);
     deltastate::replayssm_verify(rv_args(rb, st, c.kda, host_view));
     deltastate::replayssm_verify(rv_args(rb, st, c.kda, dev.views()));
     sync();
@@ -121,6 +126,10 @@ TEST_P(ReplayVerifyGpu, StepsMatchCpu) {
     ASSERT_TRUE(close_vs_cpu(dev.download(st.rings.g).values(), st.rings.g.values(),
                              Tol{1e-6, 1e-5}, DType::f32))
         << "g ring, step " << step;
+    // Both backends now fold and replay the CPU's records: a 16-bit record that the two rounded
+    // to neighbouring values (a rounding boundary between their fp32 results) would otherwise
+    // move the next fold by up to a unit of the ring's dtype times |k|, past fp32's bound.
+    dev.upload_all(st.rings.d, st.rings.k, st.rings.g);
     std::vector<int64_t> accepted;
     for (int64_t n = 0; n < N; ++n)
       accepted.push_back(rng.integer(rng.chance(0.05) ? 0 : 1, lens[n]));
@@ -141,6 +150,9 @@ const GpuRvCase kGpuCases[] = {
     {{"kda_kimi_f32_lb", kKimi, true, kLb, f32, bf16}, f32, 16, 4, 30},
     {{"gdn_odd_bf16ring", kOdd, false, kNoLb, f32, f32}, bf16, 8, 4, 60},
     {{"kda_KgtV_f32", kKgtV, true, kNoLb, f32, f32}, f32, 32, 8, 60},
+    // The tensor-core kernel's second n-tile (drafts 4..7), part and whole.
+    {{"gdn_qwen3next_t7", kQwen3Next, false, kNoLb, f32, bf16}, bf16, 16, 7, 30},
+    {{"kda_kimi_t8", kKimi, true, kLb, f32, bf16}, f32, 16, 8, 24},
     // More drafts than one preparation round and more records than one staging round.
     {{"gdn_qwen3next_long", kQwen3Next, false, kNoLb, f32, bf16}, f32, 40, 12, 20},
     {{"kda_kimi_bf16_long", kKimi, true, kLb, bf16, bf16}, f32, 40, 10, 20},
