@@ -201,7 +201,7 @@ for phase in "${phases[@]}"; do
     test-replay-verify)  # ReplaySSM verify and its cursor commit: GPU vs CPU over verify/commit
       # steps, a graph-captured loop against eager, bad rows recorded; then memcheck
       run test-replay-verify gtest_sharded test-replay-verify '*ReplayVerify*'
-      for kernel in replay factor; do  # each verify kernel forced (default: factor)
+      for kernel in replay factor tc; do  # each verify kernel forced (default: replay)
         DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=$kernel run test-replay-verify gtest_sharded \
           test-replay-verify '*ReplayVerify*'
       done
@@ -211,6 +211,10 @@ for phase in "${phases[@]}"; do
       DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=replay sanitized memcheck \
         '*ReplayVerifyGpu*odd*:*ReplayVerifyGpuErrors*:*ReplayVerifyCommitGraph*'
       sanitized racecheck '*ReplayVerifyGpu*odd*:*ReplayVerifyGpu*KgtV*'
+      # the tensor-core kernel on its shapes (fp32 checkpoints, K = V = 128)
+      DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=tc sanitized memcheck \
+        '*ReplayVerifyGpu*f32*:*ReplayVerifyGpu*t7*:*ReplayVerifyCommitGraph*'
+      DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=tc sanitized racecheck '*ReplayVerifyGpu*t7*'
       ;;
     test-prefill)  # the chunk_prefill GPU tests: default choice (the Hopper GDN kernels where
       # they apply, errors printed), the Hopper kernels' context parallelism forced on every

@@ -3,7 +3,8 @@
 kernel, the split kernels' chunk slots and fragment transcription (GDN and KDA, K = V = 128 and
 64) against the fp64 chunk algebra with rounding off, and the split kernels' chunk chain against
 the fp64 token recurrence; and the factored ReplaySSM verify kernel's per-row algebra against the
-fp64 recurrence (GDN and KDA, every committed-record count, folds, random accept sequences); and
+fp64 recurrence (GDN and KDA, every committed-record count, folds, random accept sequences), and
+the tensor-core verify kernel's lanes (staged tile, tf32 fragments, quad loop) against it; and
 the Hopper kernels' products (GDN, and KDA's sub-chunk factorization) against the chunk algebra,
 rounded against the fp64 token recurrence within their GPU tests' bounds; and the quantized decode
 kernel's lanes (its mma fragments, stores and division rule) against a plain fp64 step.

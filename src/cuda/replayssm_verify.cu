@@ -10,6 +10,7 @@
 #include "cuda/launch.h"
 #include "cuda/replayssm/fold.cuh"
 #include "cuda/replayssm/verify.cuh"
+#include "cuda/replayssm/verify_tc.cuh"
 #include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
@@ -44,7 +45,7 @@ void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
 // no formatted path: its register budget stays as it is).
 template <class StateT, int KT, bool VEC, int CTAS, int BPC>
 void launch_shape(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
-  if (replay_verify_factored() && !p.r.state.formatted())
+  if (replay_verify_choice() == ReplayVerifyChoice::factor && !p.r.state.formatted())
     return launch_shape<StateT, KT, VEC, CTAS, BPC, true>(p, s);
   launch_shape<StateT, KT, VEC, CTAS, BPC, false>(p, s);
 }
@@ -71,15 +72,44 @@ void launch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   }
 }
 
-// The vector kernel: K = 128 (and K = 64 with every kernel built), 16-byte aligned checkpoint
-// rows; else, and for the hi/lo residual ring (its stores kept off the vector kernels' register
-// budgets), the generic one (K <= 256, the validator's CUDA limit; element accesses).
-// A checkpoint in its storage format: the generic float kernel, whose run-time path loads its
-// rows dequantized (no instantiation of its own); its folds are the fold launch's.
+// The tensor-core kernel's shape (verify_tc.cuh): an fp32 checkpoint in 16-byte aligned rows,
+// K = 128, V a multiple of its 128 rows, at most kRvTokChunk drafts a sequence (no cu_seqlens:
+// the host knows T), a ring that stages in one round, no hi/lo residual ring.
+bool tc_shape(const detail::ReplayVerifyProblem& p) {
+  return p.r.state.dtype == DType::f32 && !p.r.state.formatted() && rows_aligned<float>(p) &&
+         p.r.K == kRvTcK && p.r.V % kRvTcRows == 0 && !p.r.cu_seqlens && p.r.T <= kRvTokChunk &&
+         p.L <= rv_rec_chunk<kRvTcK>() && !(p.rawv && !p.beta_ring);
+}
+void launch_tc(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
+  constexpr int kCtas = 2;
+  const dim3 grid(static_cast<unsigned>(p.r.N), static_cast<unsigned>(p.r.HV),
+                  static_cast<unsigned>(p.r.V / kRvTcRows));
+  static PerDeviceOnce opted;
+  opted.get(p.r.device.index, [] {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(replay_verify_tc_kernel<kCtas>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kRvTcSmemDynamic));
+    return 1;
+  });
+  launch_kernel(replay_verify_tc_kernel<kCtas>, grid, kRvWarps * 32, kRvTcSmemDynamic, s, p.r.pdl,
+                p);
+}
+
+// The tensor-core kernel where its shape applies and it pays (tuning.h: the ring appends
+// between folds) or it is forced; the vector kernel: K = 128 (and K = 64 with every kernel
+// built), 16-byte aligned checkpoint rows; else, and for the hi/lo residual ring (its stores kept
+// off the vector kernels' register budgets), the generic one (K <= 256, the validator's CUDA limit;
+// element accesses). A checkpoint in its storage format: the generic float kernel, whose run-time
+// path loads its rows dequantized (no instantiation of its own); its folds are the fold launch's.
 template <class StateT>
 void dispatch(const detail::ReplayVerifyProblem& p, cudaStream_t s) {
   const bool residual = p.rawv && !p.beta_ring;
   if (p.r.state.formatted()) return launch<float, 256, false>(p, s);
+  const ReplayVerifyChoice choice = replay_verify_choice();
+  if (tc_shape(p) &&
+      (choice == ReplayVerifyChoice::tensor ||
+       (choice == ReplayVerifyChoice::automatic && replay_verify_tc_pays(p.r.T, p.L))))
+    return launch_tc(p, s);
   if (rows_aligned<StateT>(p) && !residual) {
     if (p.r.K == 128) return launch<StateT, 128, true>(p, s);
 #if DELTASTATE_CUDA_ALL_KERNELS

@@ -189,17 +189,30 @@ inline int forced_replay_verify_ctas() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_VERIFY_CTAS", {2, 3});
   return forced;
 }
-// DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=replay|factor: the ReplaySSM verify kernel's draft step,
-// the replay of the records onto the rows followed by the recurrent step per draft (the default)
-// or factored on the checkpoint (replayssm/verify.cuh). Measured on the H200 at T = 4, fp32,
-// Qwen3-Next, the factored step is no faster (B = 64: 178.8 vs 173.6 µs at L = 8, 188.8 vs
-// 176.6 at L = 16; bench/results/README.md): the step is bound by its per-CTA chain (staging,
-// the per-pair coefficient pass, barriers), not by the element-wise replay it removes.
-inline bool replay_verify_factored() {
-  static const bool factored =
-      env_choice<bool>("DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL", {{"factor", true}}, false);
-  return factored;
+// DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=replay|factor|tc: the ReplaySSM verify kernel, forced:
+// the replay of the records onto the rows followed by the recurrent step per draft, that step
+// factored on the checkpoint (replayssm/verify.cuh), or the factored step with the checkpoint's
+// dots on tensor cores (replayssm/verify_tc.cuh, where its shape applies; else the replay
+// kernel). Unset: the tensor-core kernel where its shape applies and replay_verify_tc_pays, else
+// the replay kernel. The factored CUDA-core step is no faster than the replay (H200, T = 4, fp32,
+// Qwen3-Next, B = 64: 178.8 vs 173.6 µs at L = 8; bench/results/README.md).
+enum class ReplayVerifyChoice { automatic, replay, factor, tensor };
+inline ReplayVerifyChoice replay_verify_choice() {
+  static const ReplayVerifyChoice forced =
+      env_choice<ReplayVerifyChoice>("DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL",
+                                     {{"replay", ReplayVerifyChoice::replay},
+                                      {"factor", ReplayVerifyChoice::factor},
+                                      {"tc", ReplayVerifyChoice::tensor}},
+                                     ReplayVerifyChoice::automatic);
+  return forced;
 }
+// The tensor-core verify where the ring appends between folds (2T < L: a commit leaves room for
+// two more windows of T drafts), since its appending steps are faster and its folds slower (H100,
+// T = 4, fp32, Qwen3-Next, same call, tensor-core vs replay kernel, µs per step over whole cursor
+// cycles; bench/results/replayssm-verify-tc-h100.json): L = 16 (3 appending steps in 4) B = 8 /
+// 64 / 256 27.8 / 174.5 / 630.4 vs 30.1 / 191.7 / 695.4; L = 8 (every step folds) 32.6 / 207.4 /
+// 754.5 vs 30.9 / 193.8 / 715.4.
+inline bool replay_verify_tc_pays(int64_t T, int64_t L) { return 2 * T < L; }
 // Chunked prefill on the split design (chunk_prefill/split.cuh: parallel intra-chunk and output
 // kernels around a sequential state pass) instead of the fused tensor-core kernel (one CTA per
 // sequence and value head through all its chunks, one resident per SM) where the fused grid of

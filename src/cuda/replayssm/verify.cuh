@@ -150,6 +150,29 @@ __device__ __forceinline__ void rv_fill_outputs(const detail::RecurrentProblem& 
   }
 }
 
+// The slot's and ring row's checks and the ring's cursor (write_pos m, cache_base base): kind 0,
+// or the error's kind with the bad value and its limit, for the caller to record.
+struct RvCursor {
+  int m = 0, base = 0, kind = 0;
+  int64_t bad = 0, limit = 0;
+};
+__device__ __forceinline__ RvCursor rv_cursor(const detail::ReplayVerifyProblem& p, int64_t slot,
+                                              int64_t rr) {
+  RvCursor c;
+  const int L = p.L;
+  if (slot >= p.r.state.num_slots) {
+    c.kind = detail::kErrSlot, c.bad = slot, c.limit = p.r.state.num_slots;
+  } else if (rr < 0 || rr >= p.ring_rows) {
+    c.kind = detail::kErrSlot, c.bad = rr, c.limit = p.ring_rows;
+  } else {
+    c.m = p.write_pos[rr];
+    c.base = p.cache_base[rr];
+    if (c.m < 0 || c.m > L || c.base < 0 || c.base >= L)
+      c.kind = detail::kErrRing, c.bad = c.m < 0 || c.m > L ? c.m : c.base, c.limit = L;
+  }
+  return c;
+}
+
 // Draft token j of the round (token tok) by one warp into shared memory: the lane's PE elements
 // from lane * PE; its g and k records written to ring position pos by the head's writers.
 template <int KT, int ROWS, int RC>
@@ -185,6 +208,48 @@ __device__ __forceinline__ void rv_prepare_token(const detail::ReplayVerifyProbl
     if (g_writer && !r.gate.kda) p.g_cache[g_rec] = g[0];
     sm.tkq[j] = kq;
     sm.tbeta[j] = detail::beta_value(x.b, r.beta_is_logit, r.round_beta, r.beta.dtype);
+  }
+}
+
+// The factored kernels' per-head pass (phase 3f): the pair coefficients of the mf factored
+// records and tn drafts, and the drafts' checkpoint decays E_t into sm.ta.
+template <int KT, int CROWS, int RC>
+__device__ __forceinline__ void rv_factor_pass(int mf, int tn, RvSmem<KT, CROWS, RC>& sm,
+                                               RvFactorSmem<KT>& fac) {
+  constexpr int CPL = KT / 32;  // columns per lane
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int col0 = lane * CPL, nrec = mf + tn;
+  // Warp w walks from record j = w - 1 (j = -1: the checkpoint) forward, summing the log
+  // decays of the records after j; at draft t's own it has the exponent of A_jt, a sum of g
+  // (never a difference of prefix sums: no cancellation, and <= 0 for decaying gates).
+  for (int j = warp - 1; j < nrec - 1; j += kRvWarps) {
+    float kj[CPL], s[CPL];
+    const float* krow = j < 0 ? nullptr : j < mf ? sm.rk[j] : sm.tk[j - mf];
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) {
+      kj[c] = j < 0 ? 0.0f : krow[col0 + c];
+      s[c] = 0.0f;
+    }
+    for (int rr = j + 1; rr < nrec; ++rr) {
+      const float* grow = rr < mf ? sm.ra[rr] : fac.tg[rr - mf];
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) s[c] += grow[col0 + c];
+      if (rr < mf) continue;
+      const int t = rr - mf;
+      if (j < 0) {  // E_t, the checkpoint's decay up to draft t's (alpha over its place)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) sm.ta[t][col0 + c] = expf(s[c]);
+      } else {
+        float part[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          const float w = expf(s[c]) * kj[c];
+          part[0] += w * sm.tk[t][col0 + c];
+          part[1] += w * sm.tq[t][col0 + c];
+        }
+        store_factor_pair(part, lane, 1.0f, &fac.ck[j][t], &fac.cq[j][t]);
+      }
+    }
   }
 }
 
@@ -260,22 +325,11 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   // The ring and cursor row: the replay row, or the checkpoint slot.
   const int64_t rr =
       p.replay ? detail::index_at(p.replay, p.replay_dtype, p.replay_stride, n) : slot;
-  int kind = 0;
-  int64_t bad = 0, limit = 0;
-  int m = 0, base = 0;
-  if (slot >= r.state.num_slots) {
-    kind = detail::kErrSlot, bad = slot, limit = r.state.num_slots;
-  } else if (rr < 0 || rr >= p.ring_rows) {
-    kind = detail::kErrSlot, bad = rr, limit = p.ring_rows;
-  } else {
-    m = p.write_pos[rr];
-    base = p.cache_base[rr];
-    if (m < 0 || m > L || base < 0 || base >= L)
-      kind = detail::kErrRing, bad = m < 0 || m > L ? m : base, limit = L;
-  }
-  if (kind) {
+  const RvCursor cur = rv_cursor(p, slot, rr);
+  const int m = cur.m, base = cur.base;
+  if (cur.kind) {
     if (hv == 0 && blockIdx.z == 0 && threadIdx.x == 0)
-      record_bad_row(r.errors, detail::kErrOpReplayVerify, kind, n, bad, limit);
+      record_bad_row(r.errors, detail::kErrOpReplayVerify, cur.kind, n, cur.bad, cur.limit);
     rv_fill_outputs<CROWS>(r, seq, tok0, len, hv, cta_row0, bad_row_output());
     return;
   }
@@ -392,44 +446,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
       for (int rr = 0; rr < R; ++rr) dj[rr] = sm.rd[j][lrow0 + rr * RG];
     }
   };
-  // The factored kernel's per-head pass: the pair coefficients and the drafts' checkpoint decays
-  // (phase 3f below).
-  auto factor_pass = [&](int tn) {
-    constexpr int CPL = KT / 32;  // columns per lane
-    const int col0 = lane * CPL, nrec = mf + tn;
-    // Warp w walks from record j = w - 1 (j = -1: the checkpoint) forward, summing the log
-    // decays of the records after j; at draft t's own it has the exponent of A_jt, a sum of g
-    // (never a difference of prefix sums: no cancellation, and <= 0 for decaying gates).
-    for (int j = warp - 1; j < nrec - 1; j += kRvWarps) {
-      float kj[CPL], s[CPL];
-      const float* krow = j < 0 ? nullptr : j < mf ? sm.rk[j] : sm.tk[j - mf];
-#pragma unroll
-      for (int c = 0; c < CPL; ++c) {
-        kj[c] = j < 0 ? 0.0f : krow[col0 + c];
-        s[c] = 0.0f;
-      }
-      for (int rr = j + 1; rr < nrec; ++rr) {
-        const float* grow = rr < mf ? sm.ra[rr] : fac->tg[rr - mf];
-#pragma unroll
-        for (int c = 0; c < CPL; ++c) s[c] += grow[col0 + c];
-        if (rr < mf) continue;
-        const int t = rr - mf;
-        if (j < 0) {  // E_t, the checkpoint's decay up to draft t's (alpha over its place)
-#pragma unroll
-          for (int c = 0; c < CPL; ++c) sm.ta[t][col0 + c] = expf(s[c]);
-        } else {
-          float part[2] = {0.0f, 0.0f};
-#pragma unroll
-          for (int c = 0; c < CPL; ++c) {
-            const float w = expf(s[c]) * kj[c];
-            part[0] += w * sm.tk[t][col0 + c];
-            part[1] += w * sm.tq[t][col0 + c];
-          }
-          store_factor_pair(part, lane, 1.0f, &fac->ck[j][t], &fac->cq[j][t]);
-        }
-      }
-    }
-  };
+  // The factored kernel's per-head pass (phase 3f below).
+  auto factor_pass = [&](int tn) { rv_factor_pass<KT, CROWS, RC>(mf, tn, sm, *fac); };
 
 #pragma unroll 1
   for (int b = 0; b < BPC; ++b) {
