@@ -69,8 +69,8 @@ void launch_decode_tpw(const RecurrentProblem& p, int tiles, cudaStream_t stream
                 stream, p.pdl, with_pdl_trigger(p, ctas, kDecodeCtasPerSm), wph);
 }
 
-// The quantized decode kernel (K = 128): TPW 16-row tiles a warp.
-template <DType T, int TPW>
+// The quantized decode kernel: TPW 16-row tiles a warp.
+template <DType T, int K, int TPW>
 void launch_quant_decode(const RecurrentProblem& p, cudaStream_t stream) {
   const int wph = (p.V + TPW * kQuantTileRows - 1) / (TPW * kQuantTileRows);
   const int64_t warps = p.num_heads_total() * wph;
@@ -78,8 +78,18 @@ void launch_quant_decode(const RecurrentProblem& p, cudaStream_t stream) {
     throw Error(ErrorKind::value, "recurrent: too many tiles for one launch");
   if (warps == 0) return;
   const auto ctas = static_cast<unsigned>((warps + kQuantWarpsPerCta - 1) / kQuantWarpsPerCta);
-  launch_kernel(quant_decode_kernel<T, AnyInput, TPW>, ctas, kQuantWarpsPerCta * 32, 0, stream,
+  launch_kernel(quant_decode_kernel<T, K, AnyInput, TPW>, ctas, kQuantWarpsPerCta * 32, 0, stream,
                 p.pdl, with_pdl_trigger(p, ctas, kQuantDecodeCtasPerSm), wph);
+}
+// Its tiles a warp: two from kQuantTwoTileMinHeads(Kda) (sequence, head) pairs, else one
+// (DELTASTATE_CUDA_QUANT_DECODE=mma|mma2 forces one or two).
+template <DType T, int K>
+void launch_quant_decode_k(const RecurrentProblem& p, QuantDecodeChoice q, cudaStream_t stream) {
+  const int64_t two_from = p.gate.kda ? kQuantTwoTileMinHeadsKda : kQuantTwoTileMinHeads;
+  if (q == QuantDecodeChoice::mma2 ||
+      (q == QuantDecodeChoice::automatic && p.num_heads_total() >= two_from))
+    launch_quant_decode<T, K, 2>(p, stream);
+  else launch_quant_decode<T, K, 1>(p, stream);
 }
 
 template <class StateT, int K, class In>
@@ -184,31 +194,24 @@ DecodeChoice decode_kernel_for(const RecurrentProblem& p) {
                                                                  : DecodeChoice::decode;
 }
 
-// A quantized pool on a decode-shaped problem (decode_shaped): K = 128 on the quantized decode
-// kernel (tensor-core dots), two tiles a warp from kQuantTwoTileMinHeads(Kda) (sequence, head)
-// pairs, else one (DELTASTATE_CUDA_QUANT_DECODE=mma|mma2 forces one or two, =register the register
-// decode kernel's quantized instantiation); K = 64 on the latter, one tile per warp
-// (DELTASTATE_CUDA_DECODE=direct: the direct kernel's formatted twin). False where it does not
-// apply.
+// A quantized pool on a decode-shaped problem (decode_shaped): the quantized decode kernel
+// (tensor-core dots; K = 64 in builds with every kernel), or with
+// DELTASTATE_CUDA_QUANT_DECODE=register the register decode kernel's quantized instantiation, one
+// tile per warp (DELTASTATE_CUDA_DECODE=direct: the direct kernel's formatted twin). False where
+// it does not apply.
 template <class Code>
 bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.state.dtype != Code::dtype || decode_kernel_for<Code>(p) == DecodeChoice::direct)
     return false;
+  const QuantDecodeChoice q = forced_quant_decode_kernel();
+  const bool reg = q == QuantDecodeChoice::register_kernel;
   if (p.K == 128) {
-    const QuantDecodeChoice q = forced_quant_decode_kernel();
-    if (q != QuantDecodeChoice::register_kernel) {
-      const int64_t two_from = p.gate.kda ? kQuantTwoTileMinHeadsKda : kQuantTwoTileMinHeads;
-      if (q == QuantDecodeChoice::mma2 ||
-          (q == QuantDecodeChoice::automatic && p.num_heads_total() >= two_from))
-        launch_quant_decode<Code::dtype, 2>(p, stream);
-      else launch_quant_decode<Code::dtype, 1>(p, stream);
-      advance_step_after(p, stream);
-      return true;
-    }
-    launch_decode_tpw<Code, 128, AnyInput, 1>(p, warps_per_head_of<Code, 128>(p), stream);
+    if (reg) launch_decode_tpw<Code, 128, AnyInput, 1>(p, warps_per_head_of<Code, 128>(p), stream);
+    else launch_quant_decode_k<Code::dtype, 128>(p, q, stream);
   } else {
 #if DELTASTATE_CUDA_ALL_KERNELS
-    launch_decode_tpw<Code, 64, AnyInput, 1>(p, warps_per_head_of<Code, 64>(p), stream);
+    if (reg) launch_decode_tpw<Code, 64, AnyInput, 1>(p, warps_per_head_of<Code, 64>(p), stream);
+    else launch_quant_decode_k<Code::dtype, 64>(p, q, stream);
 #else
     return false;
 #endif

@@ -145,8 +145,8 @@ inline DecodeChoice forced_decode_kernel() {
   return forced;
 }
 // DELTASTATE_CUDA_QUANT_DECODE=register|mma|mma2: a decode-shaped call on a float8 / int8 pool
-// with K = 128 on the register decode kernel's quantized twin, or on the tensor-core kernel with
-// one or two tiles a warp.
+// on the register decode kernel's quantized twin, or on the tensor-core kernel with one or two
+// tiles a warp.
 enum class QuantDecodeChoice { automatic, register_kernel, mma, mma2 };
 inline QuantDecodeChoice forced_quant_decode_kernel() {
   static const QuantDecodeChoice forced =

@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
 import state_accuracy as sa  # noqa: E402  (the format rules' numpy emulation)
 
 TILE = 16
-KS = (128,)  # the K values the kernel takes
+KS = (128, 64)  # the K values the kernel takes
 f32 = np.float32
 
 

@@ -51,6 +51,7 @@ struct QuantCase {
   StateRounding rounding;
   deltastate::PoolLayout layout;
   int V = 0;  // value rows of the model's shape when not 0 (rows past a warp tile's end)
+  int K = 0;  // key width of the model's shape when not 0
 };
 void PrintTo(const QuantCase& c, std::ostream* os) { *os << c.name; }
 
@@ -62,6 +63,7 @@ TEST_P(GpuQuantizedPackedDecode, MatchesCpu) {
   const QuantCase& c = GetParam();
   Shape s = c.kda ? kKimi : kQwen3Next;
   if (c.V) s.V = c.V;
+  if (c.K) s.K = c.K;
   const int64_t layer = 1;
   Rng rng = test_rng();
   const std::vector<int64_t> slots{7, -1, 2, 5, 0};
@@ -109,7 +111,13 @@ INSTANTIATE_TEST_SUITE_P(
                       QuantCase{"gdn_fp8_rn_v40", false, DType::f8e4m3, StateRounding::nearest,
                                 deltastate::PoolLayout::per_layer, 40},
                       QuantCase{"kda_int8_sr_v200_envelope", true, DType::i8,
-                                StateRounding::stochastic, deltastate::PoolLayout::envelope, 200}),
+                                StateRounding::stochastic, deltastate::PoolLayout::envelope, 200},
+                      // K = 64: the tensor-core kernel's runs of 8 codes (in builds with every
+                      // kernel; else the direct kernel's formatted twin)
+                      QuantCase{"gdn_fp8_sr_k64", false, DType::f8e4m3, StateRounding::stochastic,
+                                deltastate::PoolLayout::per_layer, 64, 64},
+                      QuantCase{"kda_int8_rn_k64_v40", true, DType::i8, StateRounding::nearest,
+                                deltastate::PoolLayout::per_layer, 40, 64}),
     case_name<QuantCase>);
 
 struct QuantRecurrentCase {
