@@ -105,6 +105,11 @@ DS_HD void rank1_update(float* s, const float* k, Len n, float u) {
 
 DS_HD float delta_output(float sq, float u, float kq) { return sq + u * kq; }
 
+// One element of a ReplaySSM record replayed onto a row, s <- s*alpha + d*k: phase 2's update
+// after the decay, the product and sum fused as every backend's replay does (the CPU's simd.h
+// scale then fma), so a rebuilt row equals the recurrence's bit for bit.
+DS_HD float replay_element(float s, float alpha, float d, float k) { return fmaf(d, k, s * alpha); }
+
 // ReplaySSM (SGLang's basic mode). A row with cursor m (records 0..m-1 in its ring of L) flushes
 // this step when its ring is full or a flush is forced; the cursor then becomes 0, else m + 1.
 DS_HD bool replay_flushes(int m, int L, bool forced) { return m >= L - 1 || forced; }

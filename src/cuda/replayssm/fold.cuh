@@ -178,7 +178,7 @@ __device__ __forceinline__ void fold_replay_rows(FoldRows& S, const FoldRecord& 
 #pragma unroll
     for (int i = 0; i < kFoldEpl; ++i) {
       const int c = lane + 32 * i;
-      if (c < K) S[r][i] = fmaf(d, sm.k[c], S[r][i] * sm.alpha[c]);
+      if (c < K) S[r][i] = detail::replay_element(S[r][i], sm.alpha[c], d, sm.k[c]);
     }
   }
 }

@@ -482,7 +482,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
 #pragma unroll
         for (int rr = 0; rr < R; ++rr)
 #pragma unroll
-          for (int i = 0; i < EPL; ++i) S[rr][i] = fmaf(dj[rr], kj[i], S[rr][i] * aj[i]);
+          for (int i = 0; i < EPL; ++i)
+            S[rr][i] = detail::replay_element(S[rr][i], aj[i], dj[rr], kj[i]);
       }
     }
     // 2. The fold: the rebuilt state becomes the checkpoint. (A formatted one was folded by the

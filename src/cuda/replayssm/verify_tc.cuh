@@ -196,10 +196,10 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
         const float d = sm.rd[j][row];
         const float4 k = *reinterpret_cast<const float4*>(&sm.rk[j][4 * chunk]);
         const float4 a = *reinterpret_cast<const float4*>(&sm.ra[j][4 * chunk]);
-        x.x = fmaf(d, k.x, x.x * a.x);
-        x.y = fmaf(d, k.y, x.y * a.y);
-        x.z = fmaf(d, k.z, x.z * a.z);
-        x.w = fmaf(d, k.w, x.w * a.w);
+        x.x = detail::replay_element(x.x, a.x, d, k.x);
+        x.y = detail::replay_element(x.y, a.y, d, k.y);
+        x.z = detail::replay_element(x.z, a.z, d, k.z);
+        x.w = detail::replay_element(x.w, a.w, d, k.w);
       }
       tile[P] = x;
       *reinterpret_cast<float4*>(ck + static_cast<int64_t>(cta_row0 + row) * KT + 4 * chunk) = x;
