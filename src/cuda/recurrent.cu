@@ -81,13 +81,12 @@ void launch_quant_decode(const RecurrentProblem& p, cudaStream_t stream) {
   launch_kernel(quant_decode_kernel<T, K, AnyInput, TPW>, ctas, kQuantWarpsPerCta * 32, 0, stream,
                 p.pdl, with_pdl_trigger(p, ctas, kQuantDecodeCtasPerSm), wph);
 }
-// Its tiles a warp: two from kQuantTwoTileMinHeads(Kda) (sequence, head) pairs, else one
+// Its tiles a warp: two from kQuantTwoTileMinHeads (sequence, head) pairs, else one
 // (DELTASTATE_CUDA_QUANT_DECODE=mma|mma2 forces one or two).
 template <DType T, int K>
 void launch_quant_decode_k(const RecurrentProblem& p, QuantDecodeChoice q, cudaStream_t stream) {
-  const int64_t two_from = p.gate.kda ? kQuantTwoTileMinHeadsKda : kQuantTwoTileMinHeads;
   if (q == QuantDecodeChoice::mma2 ||
-      (q == QuantDecodeChoice::automatic && p.num_heads_total() >= two_from))
+      (q == QuantDecodeChoice::automatic && p.num_heads_total() >= kQuantTwoTileMinHeads))
     launch_quant_decode<T, K, 2>(p, stream);
   else launch_quant_decode<T, K, 1>(p, stream);
 }

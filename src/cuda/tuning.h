@@ -78,11 +78,12 @@ constexpr bool decode_two_tiles(int64_t warps, int64_t capacity) {
 // (sequence, value head) pairs (GDN; KDA), where the register kernels run out of instruction
 // issue. For fp32 states the register kernel is faster at every batch.
 constexpr int64_t kStreamMinHeads = 512, kStreamMinHeadsKda = 32;
-// Quantized decode kernel: two tiles a warp from this many (sequence, value head) pairs (GDN;
-// KDA), one below (H100, one call, Qwen3-Next f8n B = 64 (2048 pairs): 51.0 either way, B = 256:
-// 185 / 195 against 196 / 204 µs; Kimi-Linear f8n B = 64: 60.6 against 67.8; B = 1: 10.0 against
-// 7.1; docs/PERFORMANCE.md).
-constexpr int64_t kQuantTwoTileMinHeads = 4096, kQuantTwoTileMinHeadsKda = 2048;
+// Quantized decode kernel: two tiles a warp from this many (sequence, value head) pairs, one
+// below (H100, same call, two tiles against one, µs: Qwen3-Next B = 64 (2048 pairs) f8n 45.9-46.1
+// against 52.8-53.0, f8 89.3-89.8 against 91.9-92.0, i8 69.8-70.2 against 72.0-72.6; B = 256 f8n
+// 165-167 against 201-204; Kimi-Linear f8n B = 64 55.6-56.4 against 68.3-68.5; an earlier call:
+// B = 1 10.0 against 7.1; bench/results/decode-quant-hoist-h100.txt).
+constexpr int64_t kQuantTwoTileMinHeads = 2048;
 // ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;

@@ -337,6 +337,20 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32, kQuantDecodeCtasPerSm)
       const uint64_t index0 = static_cast<uint64_t>((static_cast<int64_t>(hv) * V + row) * K);
       uint32_t out[WORDS];
       auto encode = [&](auto divide) {
+        // Two tiles a warp: float8 nearest rounding as one row-uniform branch around the row's
+        // words (H100, B = 256, f8n: GDN 185 -> 165-167 us, Kimi-Linear 240 -> 211-213); the
+        // one-tile kernel keeps the branch per word (hoisted there: GDN 195-198 -> 201-204,
+        // Kimi-Linear 257 -> 275; bench/results/decode-quant-hoist-h100.txt).
+        if (TPW == 2 && T == DType::f8e4m3 && !p.state.stochastic) {
+#pragma unroll
+          for (int j = 0; j < WORDS; ++j) {
+            float y[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) y[i] = divide(xs[4 * j + i]);
+            out[j] = fmt::e4m3_codes4(y);
+          }
+          return;
+        }
 #pragma unroll
         for (int j = 0; j < WORDS; ++j) {
           float y[4];
