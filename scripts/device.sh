@@ -170,10 +170,12 @@ for phase in "${phases[@]}"; do
       # the decode kernel with 2 tiles per warp forced (the default picks 2 only for
       # grids of more than one wave, which the suite's cases are not)
       forced_decode_tests decode 2
-      # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size)
+      # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size),
+      # and the tensor-core kernel forced on its shapes (bf16 checkpoints, K = 128, whole heads)
       for bpc in 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
       done
+      DELTASTATE_CUDA_REPLAY_KERNEL=tc run test gtest_sharded test '*GpuReplay*:*FusedReplay*'
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
@@ -263,6 +265,9 @@ for phase in "${phases[@]}"; do
       for bpc in 0 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
       done
+      for k in rows tc; do
+        DELTASTATE_CUDA_REPLAY_KERNEL=$k run test gtest_sharded test '*GpuReplay*:*FusedReplay*'
+      done
       ;;
     test-decode)  # the decode-shaped GPU tests with the register decode kernel forced, 1 and 2
       # tiles per warp
@@ -308,6 +313,9 @@ for phase in "${phases[@]}"; do
       replay+=':*GpuReplay*gdn_qwen_bf16ckpt*'
       DELTASTATE_CUDA_REPLAY_BPC=2 sanitized memcheck "$replay"
       DELTASTATE_CUDA_REPLAY_BPC=2 sanitized racecheck "$replay"
+      # the tensor-core kernel (bf16 checkpoints, K = 128, whole heads)
+      DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized memcheck '*GpuReplay*bf16ckpt*'
+      DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized racecheck '*GpuReplay*bf16ckpt*'
       # the decode kernel's shared-memory tile (2 tiles per warp forced)
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 sanitized memcheck \
         '*partial_tile*:*B3*:*k64_*'

@@ -7,7 +7,9 @@ fp64 recurrence (GDN and KDA, every committed-record count, folds, random accept
 the tensor-core verify kernel's lanes (staged tile, tf32 fragments, quad loop) against it; and
 the Hopper kernels' products (GDN, and KDA's sub-chunk factorization) against the chunk algebra,
 rounded against the fp64 token recurrence within their GPU tests' bounds; and the quantized decode
-kernel's lanes (its mma fragments, stores and division rule) against a plain fp64 step.
+kernel's lanes (its mma fragments, stores and division rule) against a plain fp64 step; and
+ReplaySSM decode's tensor-core rows (bf16 fragments, the split B operand, the quad's records and
+stores) against plain fp64 dots.
 Each script asserts those and exits non-zero on a mismatch."""
 
 import pathlib
@@ -23,7 +25,8 @@ GPU_TESTS = pathlib.Path(__file__).resolve().parents[2] / "tests" / "gpu"
 
 @pytest.mark.parametrize(
     "script", ["emulate_tc_kernel.py", "emulate_split_kernels.py", "emulate_replay_verify.py",
-               "emulate_hopper_prefill.py", "emulate_hopper_kda.py", "emulate_quant_decode.py"])
+               "emulate_hopper_prefill.py", "emulate_hopper_kda.py", "emulate_quant_decode.py",
+               "emulate_replay_decode_tc.py"])
 def test_emulation_matches_the_algebra(script):
     run = subprocess.run([sys.executable, str(GPU_TESTS / script)], capture_output=True, text=True,
                          timeout=600)

@@ -28,10 +28,15 @@ namespace {
 // and there are at least kReplayTwoBlockWaves one-block CTAs per SM, else 1 (tuning.h, with the
 // override DELTASTATE_CUDA_REPLAY_BPC).
 
-template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT>
+// TC: the tensor-core kernel (replay_tc_kernel; BPC = 2, its CTA's 128 rows).
+template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT, bool TC = false>
 void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int vblocks,
                    const SmemLayout& sm) {
-  const auto kernel = FMT ? replay_fmt_kernel : replay_kernel<StateT, KT, VEC, In, BPC>;
+  const auto kernel = [] {
+    if constexpr (TC) return replay_tc_kernel<In>;
+    else if constexpr (FMT) return replay_fmt_kernel;
+    else return replay_kernel<StateT, KT, VEC, In, BPC>;
+  }();
   if (sm.bytes > 48 * 1024) {  // opt in once per device (and instantiation) to the maximum
     static PerDeviceOnce opted;
     opted.get(p.device.index, [&p, kernel] {
@@ -79,6 +84,22 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
     const bool two = forced ? forced == 2
                             : static_cast<int64_t>(p.B) * p.HV * vblocks >=
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
+    if constexpr (KT == 128 && std::is_same_v<StateT, __nv_bfloat16>) {
+      // The tensor-core kernel: whole 8-warp CTAs of 128 rows (rows_blk is 64 here).
+      const ReplayDecodeChoice choice = replay_decode_choice();
+      const int64_t tc_ctas = static_cast<int64_t>(p.B) * p.HV * (vblocks / 2);
+      const bool tc = choice == ReplayDecodeChoice::tensor ||
+                      (choice == ReplayDecodeChoice::automatic && two &&
+                       tc_ctas >= kReplayTcWaves * kReplayCtasPerSm * num_sms(p.device.index));
+      if (tc && warps == kReplayWarps && p.V % (2 * rows_blk) == 0) {
+        const SmemLayout smt = tc_smem_layout<In>(p);
+        if (smt.bytes <= max_smem) {
+          if (run)
+            launch_blocks<StateT, KT, VEC, In, 2, false, true>(p, stream, warps, vblocks, smt);
+          return;
+        }
+      }
+    }
     if (two && warps == kReplayWarps && p.V % (2 * rows_blk) == 0) {
       const SmemLayout sm2 = smem_layout<StateT, KT, VEC, In>(p, rows_blk, 2);
       if (sm2.bytes <= max_smem) {

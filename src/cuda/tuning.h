@@ -87,6 +87,12 @@ constexpr int64_t kQuantTwoTileMinHeads = 2048;
 // ReplaySSM: two row blocks per CTA, which share the per-head ring work and the token, from 2
 // one-block CTAs per SM up; below that, halving the CTAs leaves SMs idle.
 constexpr int64_t kReplayTwoBlockWaves = 2;
+// ReplaySSM decode with a bf16 checkpoint, K = 128, whole 128-row heads: the tensor-core kernel
+// from this many waves of its 128-row CTAs (kReplayCtasPerSm an SM), the rows kernel below (H100,
+// same call, µs per step over cursor cycles, tensor-core against rows: Qwen3-Next L = 16 B = 8
+// (0.6 waves) 10.19 against 10.03, B = 64 (5.2) 51.18 against 53.43, B = 256 173.38 against
+// 181.34; bench/results/replayssm-decode-tc-h100.txt).
+constexpr int64_t kReplayTcWaves = 2;
 // ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
 // second block's checkpoint rows copied while the first runs) by the same rule, over the
 // one-block grid's `ctas`.
@@ -176,6 +182,19 @@ inline ConvChoice forced_conv_kernel() {
 // DELTASTATE_CUDA_REPLAY_BPC=1|2: row blocks per ReplaySSM CTA (2 only where the shape allows).
 inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
+  return forced;
+}
+// DELTASTATE_CUDA_REPLAY_KERNEL=rows|tc: ReplaySSM decode's kernel for a bf16 checkpoint with
+// K = 128 and V a multiple of 128, forced: the rows kernel (replayssm/decode.cuh: a lane's rows
+// in registers, the dots on CUDA cores) or the tensor-core kernel (replayssm/decode_tc.cuh: a
+// warp's 16 rows as mma fragments, 128 rows a CTA). Unset: the tensor-core kernel where the rows
+// kernel would take two row blocks a CTA and its grid fills kReplayTcWaves waves.
+enum class ReplayDecodeChoice { automatic, rows, tensor };
+inline ReplayDecodeChoice replay_decode_choice() {
+  static const ReplayDecodeChoice forced = env_choice<ReplayDecodeChoice>(
+      "DELTASTATE_CUDA_REPLAY_KERNEL",
+      {{"rows", ReplayDecodeChoice::rows}, {"tc", ReplayDecodeChoice::tensor}},
+      ReplayDecodeChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_REPLAY_VERIFY_BPC=1|2: row blocks per CTA of the vector ReplaySSM verify (2

@@ -47,6 +47,7 @@
 #include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/replayssm/decode_tc.cuh"
 #include "cuda/replayssm/ring.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/state_fmt.cuh"
@@ -111,6 +112,15 @@ __host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_blk,
   return SmemLayout(p.L, KT, p.gate.kda ? p.K : 1, sizeof(typename S::K), sizeof(typename S::D),
                     blocks * rows_blk,
                     (blocks - 1) * rows_blk * KT * static_cast<int>(sizeof(StateT)));
+}
+
+// The tensor-core kernel's layout (replay_tc_kernel: bf16 checkpoint, K = 128, 128 rows a CTA):
+// its `ckpt` section holds the B operand (decode_tc.cuh), then the CTA's checkpoint rows, each
+// thread's 8 chunks (tc_tile_word).
+template <class In>
+__host__ __device__ SmemLayout tc_smem_layout(const ReplayProblem& p) {
+  return SmemLayout(p.L, 128, p.gate.kda ? p.K : 1, sizeof(typename In::type),
+                    sizeof(__nv_bfloat16), 8 * kTcTileRows, kTcBBytes + kTcTileBytes);
 }
 
 // Element e (a compile-time index after unrolling) of values of type T packed in 16-byte words.
@@ -194,7 +204,7 @@ __device__ __forceinline__ float smem_float(const unsigned char* base, int i) {
 // functions below. The kernel fills it (an aggregate) from its own locals. Phases 2, 3f and 3a,
 // the cursor check and record_d stay in the kernel body: nvcc optimizes a function before it
 // inlines it, and as functions they (or a constructor here) compile to different SASS.
-template <class StateT, int KT, bool VEC, class In, int BPC>
+template <class StateT, int KT, bool VEC, class In, int BPC, bool TC = false>
 struct ReplayCta {
   using Lay = RowLayout<StateT, KT>;
   static constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
@@ -341,8 +351,10 @@ struct ReplayCta {
     cuda_backend::prepared_checkpoint_dots<R, EPL>(S, s_ek, s_eq, kofs, valid, dots);
   }
   // Warp 0's decayed token for 3a (store_decayed_token), from the columns' decays e.
+  // TC: as the tensor cores' B operand (store_decayed_token_tc), in the `ckpt` section.
   __device__ __forceinline__ void decayed_token(const float (&e)[CPL], int col0) const {
-    store_decayed_token<CPL>(e, col0, K, s_alpha, s_kn, s_qn, s_ek, s_eq);
+    if constexpr (TC) store_decayed_token_tc<CPL>(e, col0, s_alpha, s_kn, s_qn, smem + sm.ckpt);
+    else store_decayed_token<CPL>(e, col0, K, s_alpha, s_kn, s_qn, s_ek, s_eq);
   }
   // Warp 0's part of phase 2 with records: the columns' decays e (3f's rebuild) and, on an
   // appending step, the decayed token.
@@ -364,15 +376,20 @@ struct ReplayCta {
   }
 };
 
-// The kernel's body (replay_kernel, replay_fmt_kernel below). FMT: a checkpoint in its storage
-// format (quantized, or rounded stochastically; docs/STATE_FORMATS.md) on the generic float
-// layout: its rows loaded dequantized, stored on a flush through cuda/state_fmt.cuh (a fresh scale
-// per row, the slot's key), as the CPU's.
-template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT>
+// The kernel's body (replay_kernel, replay_fmt_kernel, replay_tc_kernel below). FMT: a checkpoint
+// in its storage format (quantized, or rounded stochastically; docs/STATE_FORMATS.md) on the
+// generic float layout: its rows loaded dequantized, stored on a flush through cuda/state_fmt.cuh
+// (a fresh scale per row, the slot's key), as the CPU's. TC: a bf16 checkpoint, K = 128, 128 rows
+// a CTA (the two-block CTA's rows), warp w holding rows 16w .. 16w + 15 as tensor-core fragments
+// (decode_tc.cuh); only the row phase (3a, 3f) and the decayed token's form differ.
+template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT, bool TC = false>
 __device__ __forceinline__ void replay_step(const ReplayProblem& p,
                                             const detail::SmallDivider& group_div) {
   static_assert(!FMT || (std::is_same_v<StateT, float> && !VEC && BPC == 1),
                 "a formatted checkpoint: the generic float layout, one row block");
+  static_assert(
+      !TC || (std::is_same_v<StateT, __nv_bfloat16> && KT == 128 && VEC && BPC == 2 && !FMT),
+      "the tensor-core rows: bf16 checkpoint, K = 128, whole two-block CTAs");
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;   // rows per warp
@@ -408,7 +425,8 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   const int row0 = row_base + local0;
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
-  const SmemLayout sm = smem_layout<StateT, KT, VEC, In>(p, rows_blk, BPC);
+  const SmemLayout sm =
+      TC ? tc_smem_layout<In>(p) : smem_layout<StateT, KT, VEC, In>(p, rows_blk, BPC);
   const float* s_kn = reinterpret_cast<const float*>(smem + sm.kn);
   const float* s_qn = reinterpret_cast<const float*>(smem + sm.qn);
   const float* s_alpha = reinterpret_cast<const float*>(smem + sm.alpha);
@@ -425,7 +443,7 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + sm.bar);  // thread 0's bulk copies
   // The same values for the phase functions (ReplayCta says why they are copied, not computed
   // there).
-  const ReplayCta<StateT, KT, VEC, In, BPC> cta{
+  const ReplayCta<StateT, KT, VEC, In, BPC, TC> cta{
       smem, n,    hv,         h,    lane,  warp,     nwarps,   nthreads,  L,         V,
       K,    kda,  gw,         kofs, valid, rows_blk, row_base, rows_here, wrow,      local0,
       row0, idx,  first_copy, sm,   s_kn,  s_qn,     s_alpha,  s_gcur,    s_scalars, s_e,
@@ -444,8 +462,15 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   // zeroed where used (as the register decode kernel: a PRMT packing, or a zeroing after a
   // predicated load, waits for the load).
   using InT = typename In::wide_type;
-  InT v_in[BPC];  // of each block
-  cta.load_v(p, v_in);
+  InT v_in[BPC];                            // of each block; TC: of the lane's rows g, g + 8
+  const int tg = lane >> 2, tt = lane & 3;  // TC: the lane's fragment row g and column group t
+  if constexpr (TC) {
+    const int64_t v0 = head_offset(p.v, n, 0, hv) + row_base + warp * kTcTileRows + tg;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) v_in[hh] = load_input<In, InT>(p.v.ptr, p.v.dtype, v0 + 8 * hh);
+  } else {
+    cta.load_v(p, v_in);
+  }
   TokenHeadInputs<EPL, InT> x_in;
   GateConsts<EPL> gc;
   const int gate_warp = nwarps > 1 ? 1 : 0;
@@ -496,7 +521,13 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
                          static_cast<int64_t>(hv) * V * K;
   StateT* my_rows = FMT ? nullptr : s0 + static_cast<int64_t>(row0) * K + kofs;  // lane's row 0
   float S[R][EPL];
-  if constexpr (FMT) {
+  StateT* const tc_rows =  // TC: the lane's row g at its column 8t
+      TC ? s0 + static_cast<int64_t>(row_base + warp * kTcTileRows + tg) * K + 8 * tt : nullptr;
+  uint4* const tc_mine =  // TC: this thread's chunks of the staged tile
+      reinterpret_cast<uint4*>(smem + sm.ckpt + kTcBBytes) + threadIdx.x;
+  if constexpr (TC) {
+    stage_tc_tile(tc_rows, K, tc_mine);
+  } else if constexpr (FMT) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (row0 + r * RG < V) {
@@ -511,13 +542,14 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   }
   // The second block's rows: each thread copies its own words into shared memory (no barrier).
   uint4* ckpt_mine = reinterpret_cast<uint4*>(smem + sm.ckpt) + threadIdx.x;
-  if constexpr (BPC == 2)
+  if constexpr (BPC == 2 && !TC)
     stage_rows_async<StateT, EPL, R, !kFull>(
         ckpt_mine, nthreads, row0 + rows_blk, RG, V,
         [&](int r, int) { return my_rows + (rows_blk + r * RG) * K; });
   if constexpr (!VEC) cta.stage_ring(p, m, g_ring, k_ring, d_ring);
   if (!kPrepFirst) cta.prepare(p, x_in, gc, gate_warp);
-  if constexpr (VEC) cp_async_wait<BPC - 1>();  // warp 0's cp.async of GDN's g records
+  // warp 0's cp.async of GDN's g records (the rows' staging, a later group, may wait)
+  if constexpr (VEC) cp_async_wait<BPC - 1>();
   __syncthreads();  // the token and the records staged; every thread has read the cursor
   if (VEC && m > 0) mbar_wait(bar, 0);  // thread 0's bulk copies
 
@@ -603,8 +635,93 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
     }
   };
 
+  if constexpr (TC) {
+    // 3f / 3a on the warp's tile (decode_tc.cuh): the lane's rows lrow, lrow + 8 of the CTA's,
+    // its chunks at columns 32c + 8t.
+    const int lrow = warp * kTcTileRows + tg;
+    cp_async_wait<0>();  // the thread's chunks of the tile (tc_tile_word)
+    if (flush) {
+      // 3f as the rows kernel's, element for element (each chunk 8 consecutive columns); only the
+      // dots' partial sums run in another order (a chunk, the lane's four, the quad).
+#pragma unroll  // (v_in indexed at run time would live in local memory)
+      for (int hh = 0; hh < 2; ++hh) {
+        float x[4][8];
 #pragma unroll
-  for (int b = 0; b < BPC; ++b) {
+        for (int c = 0; c < 4; ++c) unpack_bf16x8(tc_mine[tc_tile_word(hh, c)], x[c]);
+        if (m > 0) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            float e8[8];
+            smem_float8(s_e + 32 * c + 8 * tt, e8);
+            detail::scale_row(x[c], e8, std::integral_constant<int, 8>{});
+          }
+          for (int j = 0; j < m; ++j) {
+            const float dw = smem_float<DS>(smem + sm.d + j * sm.d_pitch, lrow + 8 * hh) * s_w[j];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              float kw[8];
+              smem_float8(s_kw + j * KT + 32 * c + 8 * tt, kw);
+              detail::rank1_update(x[c], kw, std::integral_constant<int, 8>{}, dw);
+            }
+          }
+        }
+        float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float al[8], kn[8], qn[8], a, b;
+          smem_float8(s_alpha + 32 * c + 8 * tt, al);
+          smem_float8(s_kn + 32 * c + 8 * tt, kn);
+          smem_float8(s_qn + 32 * c + 8 * tt, qn);
+          detail::decay_and_dots(x[c], al, kn, qn, std::integral_constant<int, 8>{}, a, b);
+          sk += a;
+          sq += b;
+        }
+        sk = quad_sum(sk);
+        sq = quad_sum(sq);
+        const float u = detail::delta_u(to_float(v_in[hh]), sk, beta);  // (hh: compile time)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float kn[8];
+          smem_float8(s_kn + 32 * c + 8 * tt, kn);
+          detail::rank1_update(x[c], kn, std::integral_constant<int, 8>{}, u);
+          store_state<StateT, 8, true>(tc_rows + hh * 8 * K + 32 * c, 8, x[c]);
+        }
+        if (tt == 0)
+          detail::store_float(p.out.ptr, p.out.dtype, o_off + row_base + lrow + 8 * hh,
+                              detail::delta_output(sq, u, kq));
+      }
+    } else {
+      // 3a: the tile's dots on tensor cores, lane t adding records t, t + 4, ... before the
+      // quad's sum; lanes 0 / 1 store the output of rows lrow / lrow + 8, lanes 2 / 3 their d.
+      uint4 A[2][4];  // the lane's chunks (rows lrow + 8h, columns 32c + 8t ..)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) A[h][c] = tc_mine[tc_tile_word(h, c)];
+      float acc[4];
+      tc_tile_dots(A, smem + sm.ckpt, lane, acc);
+      for (int j = tt; j < m; j += 4) {
+        const float ckj = s_ck[j], cqj = s_cq[j];
+        const unsigned char* dj = smem + sm.d + j * sm.d_pitch;
+        const float d0 = smem_float<DS>(dj, lrow), d1 = smem_float<DS>(dj, lrow + 8);
+        acc[0] = fmaf(d0, ckj, acc[0]);
+        acc[1] = fmaf(d0, cqj, acc[1]);
+        acc[2] = fmaf(d1, ckj, acc[2]);
+        acc[3] = fmaf(d1, cqj, acc[3]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = quad_sum(acc[i]);
+      const int hh = tt & 1;
+      const int row = row_base + lrow + 8 * hh;
+      const float u = detail::delta_u(to_float(hh ? v_in[1] : v_in[0]), hh ? acc[2] : acc[0], beta);
+      if (tt < 2)
+        detail::store_float(p.out.ptr, p.out.dtype, o_off + row,
+                            detail::delta_output(hh ? acc[3] : acc[1], u, kq));
+      else detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + row, u);
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < (TC ? 0 : BPC); ++b) {
     const int rowb = row0 + b * rows_blk;  // this lane's row 0 in block b
     if (b > 0) {  // the second block's checkpoint rows from this thread's words
       if (!kFull && row_base + b * rows_blk >= V) break;  // past the head's last row (CTA-uniform)
@@ -694,6 +811,14 @@ template <class StateT, int KT, bool VEC, class In, int BPC>
 __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     replay_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
   replay_step<StateT, KT, VEC, In, BPC, false>(p, group_div);
+}
+
+// A bf16 checkpoint, K = 128, whole heads of 128 rows: the rows' dots on tensor cores
+// (decode_tc.cuh; the launcher's rule: tc_kernel_applies).
+template <class In>
+__global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
+    replay_tc_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
+  replay_step<__nv_bfloat16, 128, true, In, 2, false, true>(p, group_div);
 }
 
 // A checkpoint in its storage format: the generic instantiation's formatted twin (tuning.h

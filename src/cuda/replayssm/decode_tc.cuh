@@ -1,0 +1,156 @@
+// The tensor-core row phase of ReplaySSM decode with bf16 checkpoints (issue #37's tensor-core
+// design; replayssm/decode.cuh's replay_tc_kernel runs it). Part of replayssm_decode.cu's
+// translation unit (included by decode.cuh only), in its anonymous namespace.
+//
+// An appending step needs two dots per checkpoint row, S0.(e*alpha*k) and S0.(e*alpha*q)
+// (decode.cuh's 3a). The rows kernel takes them element by element on CUDA cores: a bf16
+// element's conversion and two FMAs, then a reduction over 16 lanes. Here a warp owns 16 rows
+// and takes all of their dots as one [16, 128] x [128, 8] product on mma.sync.m16n8k16 with
+// bf16 operands: the checkpoint's codes are the A operand as loaded (exact: no conversion), and
+// the B operand's columns are the two decayed token vectors, each split into three bf16 parts
+// (split_bf16x3), so the dots keep an fp32 dot's error while every product is exact.
+//
+// Fragments (PTX ISA, "Matrix fragments for mma.m16n8k16" with .bf16; g = lane / 4, t = lane % 4;
+// a register holds two consecutive k, the lower k in the low half): A's registers are (row g, k
+// 2t..2t+1), (row g+8, k 2t..2t+1), (row g, k 2t+8..2t+9), (row g+8, k 2t+8..2t+9); B's are
+// (k 2t..2t+1, column g), (k 2t+8..2t+9, column g); C's c0, c1 = (row g, columns 2t, 2t+1), c2, c3
+// = (row g+8, the same columns). The dot runs over K in any order, so the kernel permutes it: the
+// lane's 16-byte chunk of a row at physical columns 32c + 8t .. 32c + 8t + 7 is its A operand of
+// k-steps 2c (words 0 and 1) and 2c + 1 (words 2 and 3), and B's column vectors are stored in the
+// same physical order, so a lane reads its B operand of the same two steps as one 16-byte chunk.
+// A lane's checkpoint data are then 8 chunks: rows g and g + 8, c = 0..3; a flush rebuilds and
+// stores them in that layout too (each chunk 8 consecutive columns).
+//
+// B's columns: 2s + 0 is part s of e*alpha*k, 2s + 1 part s of e*alpha*q (s = 0, 1, 2: hi, mid,
+// lo), 6 and 7 zero. So lane t's c0 / c1 are part t of row g's sk / sq (lane 3's are zero), and
+// the quad's sum is the dot; the lanes add the records' terms d_j*ck_j, d_j*cq_j of records
+// j = t, t + 4, ... before that sum.
+//
+// Precision: x = hi + mid + lo exactly, each part the bf16 nearest to what is left (a float's
+// 24 significant bits in three 8-bit parts; bf16 has fp32's exponent range, so only a part below
+// 2^-126 can round); a bf16 product is exact in fp32, and the tensor core adds them in fp32.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "core/delta_math.h"
+#include "cuda/async_copy.cuh"
+
+namespace deltastate::cuda_backend {
+namespace {
+
+constexpr int kTcTileRows = 16;  // rows per warp
+// Bytes per B column: 256 and a 64-byte pad, so that the 16-byte reads of a quarter warp (two
+// columns, four chunks each) cover all 32 banks once.
+constexpr int kTcColPitch = 128 * 2 + 64;
+constexpr int kTcBBytes = 6 * kTcColPitch;  // columns 0..5 (6 and 7 are zero, never stored)
+
+// x = hi + mid + lo (exact but for parts below bf16's normal range), each part the bf16 nearest
+// to what is left of x.
+__device__ __forceinline__ void split_bf16x3(float x, __nv_bfloat16 (&part)[3]) {
+  part[0] = __float2bfloat16_rn(x);
+  const float r1 = x - __bfloat162float(part[0]);  // exact
+  part[1] = __float2bfloat16_rn(r1);
+  part[2] = __float2bfloat16_rn(r1 - __bfloat162float(part[1]));
+}
+
+// d += a * b on mma.sync.m16n8k16 with bf16 operands and fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Warp 0's decayed token as the B operand (an appending step), its lane's CPL columns from col0:
+// ek = e*(alpha*k), eq = e*(alpha*q) formed as store_decayed_token forms them, split into parts
+// stored at column 2s (ek) and 2s + 1 (eq) of `bop`. K = 128: every column exists.
+template <int CPL>
+__device__ __forceinline__ void store_decayed_token_tc(const float (&e)[CPL], int col0,
+                                                       const float* s_alpha, const float* s_kn,
+                                                       const float* s_qn, unsigned char* bop) {
+  static_assert(CPL == 4, "K = 128: four columns a lane, one 8-byte word a part");
+  __nv_bfloat16 pk[3][CPL], pq[3][CPL];
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) {
+    const float alpha = s_alpha[col0 + c];
+    __nv_bfloat16 sk[3], sq[3];
+    split_bf16x3(e[c] * (alpha * s_kn[col0 + c]), sk);
+    split_bf16x3(e[c] * (alpha * s_qn[col0 + c]), sq);
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      pk[s][c] = sk[s];
+      pq[s][c] = sq[s];
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+    *reinterpret_cast<uint2*>(bop + (2 * s) * kTcColPitch + col0 * 2) =
+        *reinterpret_cast<const uint2*>(pk[s]);
+    *reinterpret_cast<uint2*>(bop + (2 * s + 1) * kTcColPitch + col0 * 2) =
+        *reinterpret_cast<const uint2*>(pq[s]);
+  }
+}
+
+// The warp's 16-row tile of a bf16 checkpoint, staged by each lane for itself: its chunks of
+// rows g and g + 8 (`rows` = the lane's row g at its column 8t) by cp.async (one group) into its
+// words mine[tc_tile_word(h, c)] (consecutive lanes, consecutive words), so the tile holds no
+// registers through the CTA's ring work and barriers; the lane waits for its own group
+// (cp_async_wait) and reads back only its own words (no barrier).
+constexpr int kTcThreads = 8 * 32;
+constexpr int kTcTileBytes = 8 * kTcTileRows * 128 * 2;
+__device__ __forceinline__ int tc_tile_word(int h, int c) { return (2 * c + h) * kTcThreads; }
+__device__ __forceinline__ void stage_tc_tile(const __nv_bfloat16* rows, int K, uint4* mine) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) cp_async16(mine + tc_tile_word(h, c), rows + h * 8 * K + 32 * c);
+  cp_async_commit();
+}
+
+// The appending step's dots of the tile with the B operand (columns 2s / 2s + 1: part s of
+// e*alpha*k / e*alpha*q): acc = C of the lane (c0, c1 row g; c2, c3 row g + 8).
+__device__ __forceinline__ void tc_tile_dots(const uint4 (&A)[2][4], const unsigned char* bop,
+                                             int lane, float (&acc)[4]) {
+  const int g = lane >> 2, t = lane & 3;
+  uint4 b[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    b[c] = g < 6 ? *reinterpret_cast<const uint4*>(bop + g * kTcColPitch + (32 * c + 8 * t) * 2)
+                 : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    mma_bf16(acc, A[0][c].x, A[1][c].x, A[0][c].y, A[1][c].y, b[c].x, b[c].y);
+    mma_bf16(acc, A[0][c].z, A[1][c].z, A[0][c].w, A[1][c].w, b[c].z, b[c].w);
+  }
+}
+
+// The 8 bf16 values of a 16-byte chunk as floats.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&x)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = __uint_as_float(w[i] << 16);
+    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// 8 consecutive floats of shared memory (16-byte aligned).
+__device__ __forceinline__ void smem_float8(const float* p, float (&x)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+// The sum over the lane's quad (every lane gets it).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend

@@ -1,0 +1,165 @@
+"""No-GPU check of ReplaySSM decode's tensor-core rows (src/cuda/replayssm/decode_tc.cuh and the TC
+row phase of replayssm/decode.cuh), with numpy.
+
+    python3 tests/gpu/emulate_replay_decode_tc.py
+
+A warp owns 16 rows of a bf16 checkpoint (K = 128). Lane (g = lane / 4, t = lane % 4) stages the
+16-byte chunks of rows g and g + 8 at physical columns 32c + 8t .. 32c + 8t + 7 (c = 0..3); words
+0, 1 of chunk c are its A registers of k-step 2c, words 2, 3 of k-step 2c + 1. Its B registers of
+the same steps are the same words of B column g (g < 6) read from shared memory at byte
+g * kTcColPitch + (32c + 8t) * 2; column 2s + 0 holds part s (hi, mid, lo) of e*alpha*k, 2s + 1
+part s of e*alpha*q. Lane t adds the records j = t, t + 4, ... to its accumulators, the quad sums
+them, and lanes 0 / 1 store the outputs of rows g / g + 8, lanes 2 / 3 their d records.
+This script transcribes those index maps lane by lane, places every register's two elements where
+PTX's m16n8k16 fragment layout puts them (A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..];
+B[2t..][g], B[2t+8..][g]; C[g][2t..], C[g+8][2t..]), runs the products, and checks:
+(1) rounding off (fp64, the vectors unsplit in part 0): sk and sq of every row equal the plain
+    fp64 dots with the records' terms to ~1e-12, every (row, k) of every step is placed exactly
+    once, and every row gets exactly one output and one d store;
+(2) rounding on (the checkpoint in bf16, each vector split into three bf16 parts as
+    split_bf16x3 does; the exact products summed in fp64, where the tensor core sums in fp32):
+    the split is exact (a float's 24 significant bits in three 8-bit parts, all in bf16's normal
+    range here), and the dots' error is within 2^-23 of their absolute-value sums;
+(3) the B reads: each quarter warp's eight 16-byte reads cover the 32 banks once (kTcColPitch).
+"""
+
+import sys
+
+import numpy as np
+
+K, ROWS = 128, 16
+COL_PITCH = 128 * 2 + 64  # kTcColPitch, bytes
+
+
+def bf16(x):
+    """Round to the nearest bf16 (ties to even), as __float2bfloat16_rn; returns float64."""
+    b = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def split3(x):
+    x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    hi = bf16(x)
+    r1 = (x - hi).astype(np.float32)  # exact in fp32
+    mid = bf16(r1)
+    lo = bf16((r1 - mid).astype(np.float32))
+    return hi, mid, lo
+
+
+def phys(c, t, e):
+    """Physical column of element e (0..7) of lane group t's chunk c."""
+    return 32 * c + 8 * t + e
+
+
+def lane_tile_dots(S, parts_k, parts_q, d, ck, cq):
+    """The warp's 16 x 8 C tile and, per lane, its quad-summed accumulators, as the kernel forms
+    them. S: [16, K] checkpoint rows; parts_*: 3 parts [K]; d: [m, 16]; ck, cq: [m]."""
+    bcols = np.zeros((8, K))
+    for s in range(3):
+        bcols[2 * s], bcols[2 * s + 1] = parts_k[s], parts_q[s]
+    C = np.zeros((16, 8))
+    for step in range(8):
+        c, half = divmod(step, 2)  # chunk c, words 2*half and 2*half + 1
+        A = np.full((16, 16), np.nan)
+        B = np.full((16, 8), np.nan)
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            # A registers: (row g, word 2h), (row g+8, word 2h), (row g, word 2h+1), (row g+8, ...)
+            regs = [(g, 2 * half), (g + 8, 2 * half), (g, 2 * half + 1), (g + 8, 2 * half + 1)]
+            places = [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]
+            for (row, word), (prow, pk) in zip(regs, places):
+                for i in range(2):  # the low half holds the lower k
+                    assert np.isnan(A[prow, pk + i]), "A element placed twice"
+                    A[prow, pk + i] = S[row, phys(c, t, 2 * word + i)]
+            # B registers: words 2h, 2h+1 of column g's chunk c
+            for j, word in enumerate((2 * half, 2 * half + 1)):
+                for i in range(2):
+                    k = 2 * t + 8 * j + i
+                    assert np.isnan(B[k, g]), "B element placed twice"
+                    B[k, g] = bcols[g, phys(c, t, 2 * word + i)] if g < 6 else 0.0
+        assert not np.isnan(A).any() and not np.isnan(B).any(), "a fragment element unset"
+        C += A @ B
+    acc = np.zeros((32, 4))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        acc[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
+        for j in range(t, len(ck), 4):
+            acc[lane] += [d[j, g] * ck[j], d[j, g] * cq[j], d[j, g + 8] * ck[j],
+                          d[j, g + 8] * cq[j]]
+    quad = acc.reshape(8, 4, 4).sum(axis=1)  # [g, (sk g, sq g, sk g+8, sq g+8)]
+    sk = np.concatenate([quad[:, 0], quad[:, 2]])
+    sq = np.concatenate([quad[:, 1], quad[:, 3]])
+    return sk, sq
+
+
+def check_stores():
+    outs, ds = [], []
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        row = g + 8 * (t & 1)
+        (outs if t < 2 else ds).append(row)
+    assert sorted(outs) == list(range(ROWS)) and sorted(ds) == list(range(ROWS)), "stores"
+    cover = np.zeros((ROWS, K), dtype=int)  # the flush's chunks: each (row, column) once
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for h in range(2):
+            for c in range(4):
+                cover[g + 8 * h, phys(c, t, 0):phys(c, t, 8)] += 1
+    assert (cover == 1).all(), "the lanes' chunks do not cover the tile once"
+
+
+def check_banks():
+    for quarter in range(4):
+        for c in range(4):
+            units = set()
+            for lane in range(8 * quarter, 8 * quarter + 8):
+                g, t = divmod(lane, 4)
+                addr = g * COL_PITCH + phys(c, t, 0) * 2
+                units.add((addr // 16) % 8)
+            assert len(units) == 8, f"bank conflict in quarter {quarter}, chunk {c}"
+
+
+def main() -> int:
+    rng = np.random.default_rng(20261207)
+    check_stores()
+    check_banks()
+    worst_exact, worst_rounded, worst_split = 0.0, 0.0, 0.0
+    for trial in range(40):
+        m = int(rng.integers(0, 16))
+        scale = 10.0 ** rng.uniform(-6, 3)
+        S = bf16(rng.standard_normal((ROWS, K)) * scale)
+        ek = rng.standard_normal(K) * np.exp(rng.uniform(-8, 0, K))
+        eq = rng.standard_normal(K) * np.exp(rng.uniform(-8, 0, K))
+        d = bf16(rng.standard_normal((m, ROWS)))
+        ck, cq = rng.standard_normal(m), rng.standard_normal(m)
+        ref_k = S @ ek + d.T @ ck
+        ref_q = S @ eq + d.T @ cq
+        zero = np.zeros(K)
+        # (1) rounding off: the whole vector in part 0
+        sk, sq = lane_tile_dots(S, [ek, zero, zero], [eq, zero, zero], d, ck, cq)
+        mag = np.abs(S) @ np.abs(ek) + np.abs(d.T) @ np.abs(ck) + 1e-300
+        magq = np.abs(S) @ np.abs(eq) + np.abs(d.T) @ np.abs(cq) + 1e-300
+        worst_exact = max(worst_exact, np.max(np.abs(sk - ref_k) / mag),
+                          np.max(np.abs(sq - ref_q) / magq))
+        # (2) rounding on: fp32 vectors split in three bf16 parts
+        ek32, eq32 = ek.astype(np.float32).astype(np.float64), eq.astype(np.float32).astype(np.float64)
+        pk, pq = split3(ek32), split3(eq32)
+        for x, p in ((ek32, pk), (eq32, pq)):
+            nz = x != 0
+            worst_split = max(worst_split, np.max(np.abs(x - sum(p))[nz] / np.abs(x[nz]), initial=0))
+        sk, sq = lane_tile_dots(S, pk, pq, d, ck, cq)
+        rk = S @ ek32 + d.T @ ck
+        rq = S @ eq32 + d.T @ cq
+        worst_rounded = max(worst_rounded, np.max(np.abs(sk - rk) / mag),
+                            np.max(np.abs(sq - rq) / magq))
+    print(f"rounding off: worst |dot - fp64| / sum|.| = {worst_exact:.2e}")
+    print(f"rounding on: split residual {worst_split:.2e} of |x| (exact: 0); "
+          f"dots {worst_rounded:.2e} of sum|.| (bound 2^-23)")
+    ok = worst_exact < 1e-12 and worst_split == 0.0 and worst_rounded <= 2.0**-23
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
