@@ -89,9 +89,10 @@ constexpr int64_t kQuantTwoTileMinHeads = 2048;
 constexpr int64_t kReplayTwoBlockWaves = 2;
 // ReplaySSM decode with a bf16 checkpoint, K = 128, whole 128-row heads: the tensor-core kernel
 // from this many waves of its 128-row CTAs (kReplayCtasPerSm an SM), the rows kernel below (H100,
-// same call, µs per step over cursor cycles, tensor-core against rows: Qwen3-Next L = 16 B = 8
-// (0.6 waves) 10.19 against 10.03, B = 64 (5.2) 51.18 against 53.43, B = 256 173.38 against
-// 181.34; bench/results/replayssm-decode-tc-h100.txt).
+// µs per step over cursor cycles, tensor-core against rows, same call: Qwen3-Next L = 16 B = 64
+// (5.2 waves) 48.49 against 54.09, B = 256 160.06 against 178.27; B = 8 (0.6 waves), the kernel's
+// first form (the same appending step, a slower flush): 10.19 against 10.03;
+// bench/results/replayssm-decode-tc-h100.txt).
 constexpr int64_t kReplayTcWaves = 2;
 // ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
 // second block's checkpoint rows copied while the first runs) by the same rule, over the

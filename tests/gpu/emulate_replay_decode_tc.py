@@ -9,7 +9,8 @@ A warp owns 16 rows of a bf16 checkpoint (K = 128). Lane (g = lane / 4, t = lane
 the same steps are the same words of B column g (g < 6) read from shared memory at byte
 g * kTcColPitch + (32c + 8t) * 2; column 2s + 0 holds part s (hi, mid, lo) of e*alpha*k, 2s + 1
 part s of e*alpha*q. Lane t adds the records j = t, t + 4, ... to its accumulators, the quad sums
-them, and lanes 0 / 1 store the outputs of rows g / g + 8, lanes 2 / 3 their d records.
+them, and lanes 0 / 1 store the outputs of rows g / g + 8, lanes 2 / 3 their d records; a flush
+reads the tile back in the rows kernel's layout.
 This script transcribes those index maps lane by lane, places every register's two elements where
 PTX's m16n8k16 fragment layout puts them (A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..];
 B[2t..][g], B[2t+8..][g]; C[g][2t..], C[g+8][2t..]), runs the products, and checks:
@@ -20,7 +21,9 @@ B[2t..][g], B[2t+8..][g]; C[g][2t..], C[g+8][2t..]), runs the products, and chec
     split_bf16x3 does; the exact products summed in fp64, where the tensor core sums in fp32):
     the split is exact (a float's 24 significant bits in three 8-bit parts, all in bf16's normal
     range here), and the dots' error is within 2^-23 of their absolute-value sums;
-(3) the B reads: each quarter warp's eight 16-byte reads cover the 32 banks once (kTcColPitch).
+(3) the B reads: each quarter warp's eight 16-byte reads cover the 32 banks once (kTcColPitch);
+(4) a flush's rows, read in the rows kernel's layout (load_tc_tile_rows), come from the words the
+    staging threads wrote them to, every chunk of the CTA's 128 rows once.
 """
 
 import sys
@@ -100,13 +103,39 @@ def check_stores():
         row = g + 8 * (t & 1)
         (outs if t < 2 else ds).append(row)
     assert sorted(outs) == list(range(ROWS)) and sorted(ds) == list(range(ROWS)), "stores"
-    cover = np.zeros((ROWS, K), dtype=int)  # the flush's chunks: each (row, column) once
+    cover = np.zeros((ROWS, K), dtype=int)  # the staged chunks: each (row, column) once
     for lane in range(32):
         g, t = divmod(lane, 4)
         for h in range(2):
             for c in range(4):
                 cover[g + 8 * h, phys(c, t, 0):phys(c, t, 8)] += 1
     assert (cover == 1).all(), "the lanes' chunks do not cover the tile once"
+
+
+def check_flush_rows():
+    """load_tc_tile_rows: the rows kernel's lanes (16 a row, 8 columns each, RG = 2 row groups,
+    R = 4 rows a lane, 8 warps of 8 rows a block, 2 blocks) find each of their chunks in the
+    word that stage_tc_tile's thread wrote it to."""
+    staged = {}  # word index -> (CTA row, first column)
+    for thread in range(256):
+        warp, lane = divmod(thread, 32)
+        g, t = divmod(lane, 4)
+        for h in range(2):
+            for c in range(4):
+                staged[(2 * c + h) * 256 + thread] = (16 * warp + g + 8 * h, phys(c, t, 0))
+    seen = set()
+    for b in range(2):
+        for warp in range(8):
+            for lane in range(32):
+                kofs = (lane % 16) * 8
+                local0 = 8 * warp + lane // 16
+                for r in range(4):
+                    row = 64 * b + local0 + 2 * r
+                    c, t = kofs >> 5, (kofs >> 3) & 3
+                    word = (2 * c + ((row >> 3) & 1)) * 256 + (row >> 4) * 32 + (row & 7) * 4 + t
+                    assert staged[word] == (row, kofs), "flush row read from the wrong word"
+                    seen.add((row, kofs))
+    assert len(seen) == 128 * 16, "the flush does not read every chunk"
 
 
 def check_banks():
@@ -123,6 +152,7 @@ def check_banks():
 def main() -> int:
     rng = np.random.default_rng(20261207)
     check_stores()
+    check_flush_rows()
     check_banks()
     worst_exact, worst_rounded, worst_split = 0.0, 0.0, 0.0
     for trial in range(40):

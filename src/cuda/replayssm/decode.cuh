@@ -462,12 +462,14 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   // zeroed where used (as the register decode kernel: a PRMT packing, or a zeroing after a
   // predicated load, waits for the load).
   using InT = typename In::wide_type;
-  InT v_in[BPC];                            // of each block; TC: of the lane's rows g, g + 8
+  InT v_in[BPC];    // of each block; TC: of the lane's fragment rows g, g + 8
+  InT v_rows[BPC];  // TC: of each block in the rows layout (for a flush)
   const int tg = lane >> 2, tt = lane & 3;  // TC: the lane's fragment row g and column group t
   if constexpr (TC) {
     const int64_t v0 = head_offset(p.v, n, 0, hv) + row_base + warp * kTcTileRows + tg;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) v_in[hh] = load_input<In, InT>(p.v.ptr, p.v.dtype, v0 + 8 * hh);
+    cta.load_v(p, v_rows);
   } else {
     cta.load_v(p, v_in);
   }
@@ -603,6 +605,9 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
         cta.finish_record(j, col0, flush, kr, expf(gtot - prefix));
       }
     }
+    // TC: a flush reads the staged tile in the rows layout (other threads' words) after this
+    // barrier
+    if (TC && flush) cp_async_wait<0>();
     __syncthreads();
   } else if (!flush) {  // no records: e = 1
     if (warp == 0) {
@@ -611,6 +616,9 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
       for (int c = 0; c < CPL; ++c) e[c] = 1.0f;
       cta.decayed_token(e, lane * CPL);
     }
+    __syncthreads();
+  } else if (TC) {  // a flush without records: the staged tile CTA-wide (above)
+    cp_async_wait<0>();
     __syncthreads();
   }
 
@@ -636,61 +644,12 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   };
 
   if constexpr (TC) {
-    // 3f / 3a on the warp's tile (decode_tc.cuh): the lane's rows lrow, lrow + 8 of the CTA's,
-    // its chunks at columns 32c + 8t.
+    // 3a on the warp's tile (decode_tc.cuh): the lane's rows lrow, lrow + 8 of the CTA's, its
+    // chunks at columns 32c + 8t. A flush takes the rows kernel's 3f below, its rows read from
+    // the staged tile.
     const int lrow = warp * kTcTileRows + tg;
     cp_async_wait<0>();  // the thread's chunks of the tile (tc_tile_word)
-    if (flush) {
-      // 3f as the rows kernel's, element for element (each chunk 8 consecutive columns); only the
-      // dots' partial sums run in another order (a chunk, the lane's four, the quad).
-#pragma unroll  // (v_in indexed at run time would live in local memory)
-      for (int hh = 0; hh < 2; ++hh) {
-        float x[4][8];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) unpack_bf16x8(tc_mine[tc_tile_word(hh, c)], x[c]);
-        if (m > 0) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            float e8[8];
-            smem_float8(s_e + 32 * c + 8 * tt, e8);
-            detail::scale_row(x[c], e8, std::integral_constant<int, 8>{});
-          }
-          for (int j = 0; j < m; ++j) {
-            const float dw = smem_float<DS>(smem + sm.d + j * sm.d_pitch, lrow + 8 * hh) * s_w[j];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              float kw[8];
-              smem_float8(s_kw + j * KT + 32 * c + 8 * tt, kw);
-              detail::rank1_update(x[c], kw, std::integral_constant<int, 8>{}, dw);
-            }
-          }
-        }
-        float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float al[8], kn[8], qn[8], a, b;
-          smem_float8(s_alpha + 32 * c + 8 * tt, al);
-          smem_float8(s_kn + 32 * c + 8 * tt, kn);
-          smem_float8(s_qn + 32 * c + 8 * tt, qn);
-          detail::decay_and_dots(x[c], al, kn, qn, std::integral_constant<int, 8>{}, a, b);
-          sk += a;
-          sq += b;
-        }
-        sk = quad_sum(sk);
-        sq = quad_sum(sq);
-        const float u = detail::delta_u(to_float(v_in[hh]), sk, beta);  // (hh: compile time)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float kn[8];
-          smem_float8(s_kn + 32 * c + 8 * tt, kn);
-          detail::rank1_update(x[c], kn, std::integral_constant<int, 8>{}, u);
-          store_state<StateT, 8, true>(tc_rows + hh * 8 * K + 32 * c, 8, x[c]);
-        }
-        if (tt == 0)
-          detail::store_float(p.out.ptr, p.out.dtype, o_off + row_base + lrow + 8 * hh,
-                              detail::delta_output(sq, u, kq));
-      }
-    } else {
+    if (!flush) {
       // 3a: the tile's dots on tensor cores, lane t adding records t, t + 4, ... before the
       // quad's sum; lanes 0 / 1 store the output of rows lrow / lrow + 8, lanes 2 / 3 their d.
       uint4 A[2][4];  // the lane's chunks (rows lrow + 8h, columns 32c + 8t ..)
@@ -720,10 +679,18 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
       else detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + row, u);
     }
   }
+  // v of the rows whose sk the lane holds in block b (TC: the rows layout's, loaded for its flush)
+  auto v_of_block = [&](int b) {
+    if constexpr (TC) return cta.v_of(v_rows, b);
+    else return cta.v_of(v_in, b);
+  };
 #pragma unroll
-  for (int b = 0; b < (TC ? 0 : BPC); ++b) {
+  for (int b = 0; b < BPC; ++b) {
     const int rowb = row0 + b * rows_blk;  // this lane's row 0 in block b
-    if (b > 0) {  // the second block's checkpoint rows from this thread's words
+    if constexpr (TC) {  // a flush: the block's rows from the staged tile (tc_tile_word's map)
+      if (!flush) break;
+      load_tc_tile_rows<R, RG>(smem + sm.ckpt + kTcBBytes, b * rows_blk + local0, kofs, S);
+    } else if (b > 0) {  // the second block's checkpoint rows from this thread's words
       if (!kFull && row_base + b * rows_blk >= V) break;  // past the head's last row (CTA-uniform)
       load_staged_rows<StateT, EPL, R, !kFull>(ckpt_mine, nthreads, rowb, RG, V, S);
     }
@@ -755,8 +722,8 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
                                ? detail::sr_key(p.state.seed, static_cast<uint64_t>(slot),
                                                 p.state.layer, static_cast<uint64_t>(*p.state.step))
                                : 0;
-      const float red = delta_step_rows<G, R>(
-          S, alpha, kn, qn, cta.v_of(v_in, b), beta, lane, u_here, [&](int r) {
+      const float red =
+          delta_step_rows<G, R>(S, alpha, kn, qn, v_of_block(b), beta, lane, u_here, [&](int r) {
             if constexpr (FMT)  // every lane: the row's amax is a shuffle reduction
               store_state_fmt<G, EPL>(p.state, key, slot, hv, V, K, rowb + r * RG,
                                       cta.row_ok(rowb + r * RG), lane, kofs, valid, S[r]);
@@ -785,7 +752,7 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
     }
     const float red = transpose_reduce<G, 2 * R>(dots, lane);
     const float u_here =
-        detail::delta_u(cta.v_of(v_in, b), red, beta);  // meaningful on the lanes holding sk
+        detail::delta_u(v_of_block(b), red, beta);  // meaningful on the lanes holding sk
     store_output_rows<G, R>(p.out, o_off, V, rowb, RG, lane, red, u_here, kq);
     const int vrow = rowb + idx * RG;
     if (idx < R && first_copy && cta.row_ok(vrow))
@@ -814,7 +781,7 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
 }
 
 // A bf16 checkpoint, K = 128, whole heads of 128 rows: the rows' dots on tensor cores
-// (decode_tc.cuh; the launcher's rule: tc_kernel_applies).
+// (decode_tc.cuh; the launcher takes it from kReplayTcWaves waves, replayssm_decode.cu).
 template <class In>
 __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     replay_tc_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {

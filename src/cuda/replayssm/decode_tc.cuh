@@ -18,8 +18,9 @@
 // lane's 16-byte chunk of a row at physical columns 32c + 8t .. 32c + 8t + 7 is its A operand of
 // k-steps 2c (words 0 and 1) and 2c + 1 (words 2 and 3), and B's column vectors are stored in the
 // same physical order, so a lane reads its B operand of the same two steps as one 16-byte chunk.
-// A lane's checkpoint data are then 8 chunks: rows g and g + 8, c = 0..3; a flush rebuilds and
-// stores them in that layout too (each chunk 8 consecutive columns).
+// A lane's checkpoint data are then 8 chunks: rows g and g + 8, c = 0..3, staged in shared
+// memory; a flush reads the CTA's tile back in the rows kernel's layout (load_tc_tile_rows) and
+// runs the rows kernel's element work, which reads each record's kw once for a lane's 4 rows.
 //
 // B's columns: 2s + 0 is part s of e*alpha*k, 2s + 1 part s of e*alpha*q (s = 0, 1, 2: hi, mid,
 // lo), 6 and 7 zero. So lane t's c0 / c1 are part t of row g's sk / sq (lane 3's are zero), and
@@ -140,16 +141,26 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&x)[8]) {
   }
 }
 
-// 8 consecutive floats of shared memory (16-byte aligned).
-__device__ __forceinline__ void smem_float8(const float* p, float (&x)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-}
-
 // The sum over the lane's quad (every lane gets it).
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// A flush's rows in the rows kernel's layout (R rows lrow0 + r*RG, the 8 columns from kofs: one
+// chunk) read from the CTA's staged tile (each chunk where tc_tile_word put it: row l's chunk at
+// columns 32c + 8t is word (2c + (l % 16) / 8) * kTcThreads of thread (l / 16) * 32 + (l % 8) * 4
+// + t), after a CTA barrier that follows every thread's cp_async_wait.
+template <int R, int RG>
+__device__ __forceinline__ void load_tc_tile_rows(const unsigned char* tile, int lrow0, int kofs,
+                                                  float (&S)[R][8]) {
+  const uint4* words = reinterpret_cast<const uint4*>(tile);
+  const int c = kofs >> 5, t = (kofs >> 3) & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int l = lrow0 + r * RG;
+    unpack_bf16x8(words[tc_tile_word((l >> 3) & 1, c) + (l >> 4) * 32 + (l & 7) * 4 + t], S[r]);
+  }
 }
 
 }  // namespace
