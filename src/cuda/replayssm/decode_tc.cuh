@@ -38,6 +38,7 @@
 
 #include "core/delta_math.h"
 #include "cuda/async_copy.cuh"
+#include "cuda/chunk_prefill/mma.cuh"
 
 namespace deltastate::cuda_backend {
 namespace {
@@ -55,15 +56,6 @@ __device__ __forceinline__ void split_bf16x3(float x, __nv_bfloat16 (&part)[3]) 
   const float r1 = x - __bfloat162float(part[0]);  // exact
   part[1] = __float2bfloat16_rn(r1);
   part[2] = __float2bfloat16_rn(r1 - __bfloat162float(part[1]));
-}
-
-// d += a * b on mma.sync.m16n8k16 with bf16 operands and fp32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Warp 0's decayed token as the B operand (an appending step), its lane's CPL columns from col0:
@@ -126,8 +118,10 @@ __device__ __forceinline__ void tc_tile_dots(const uint4 (&A)[2][4], const unsig
   for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    mma_bf16(acc, A[0][c].x, A[1][c].x, A[0][c].y, A[1][c].y, b[c].x, b[c].y);
-    mma_bf16(acc, A[0][c].z, A[1][c].z, A[0][c].w, A[1][c].w, b[c].z, b[c].w);
+    const uint32_t a0[4] = {A[0][c].x, A[1][c].x, A[0][c].y, A[1][c].y};
+    const uint32_t a1[4] = {A[0][c].z, A[1][c].z, A[0][c].w, A[1][c].w};
+    prefill::Mma<__nv_bfloat16>::mma(acc, a0, b[c].x, b[c].y);
+    prefill::Mma<__nv_bfloat16>::mma(acc, a1, b[c].z, b[c].w);
   }
 }
 
@@ -136,8 +130,9 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&x)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    x[2 * i] = __uint_as_float(w[i] << 16);
-    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    const float2 f = prefill::Mma<__nv_bfloat16>::unpack(w[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
   }
 }
 
