@@ -120,7 +120,7 @@ __host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_blk,
 template <class In>
 __host__ __device__ SmemLayout tc_smem_layout(const ReplayProblem& p) {
   return SmemLayout(p.L, 128, p.gate.kda ? p.K : 1, sizeof(typename In::type),
-                    sizeof(__nv_bfloat16), 8 * kTcTileRows, kTcBBytes + kTcTileBytes);
+                    sizeof(__nv_bfloat16), kReplayWarps * kTcTileRows, kTcBBytes + kTcTileBytes);
 }
 
 // Element e (a compile-time index after unrolling) of values of type T packed in 16-byte words.

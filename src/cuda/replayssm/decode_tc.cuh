@@ -39,6 +39,8 @@
 #include "core/delta_math.h"
 #include "cuda/async_copy.cuh"
 #include "cuda/chunk_prefill/mma.cuh"
+#include "cuda/replayssm/ring.cuh"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
 namespace {
@@ -59,7 +61,7 @@ __device__ __forceinline__ void split_bf16x3(float x, __nv_bfloat16 (&part)[3]) 
 }
 
 // Warp 0's decayed token as the B operand (an appending step), its lane's CPL columns from col0:
-// ek = e*(alpha*k), eq = e*(alpha*q) formed as store_decayed_token forms them, split into parts
+// ek = e*(alpha*k), eq = e*(alpha*q) (decayed_token_entry), split into parts
 // stored at column 2s (ek) and 2s + 1 (eq) of `bop`. K = 128: every column exists.
 template <int CPL>
 __device__ __forceinline__ void store_decayed_token_tc(const float (&e)[CPL], int col0,
@@ -71,8 +73,8 @@ __device__ __forceinline__ void store_decayed_token_tc(const float (&e)[CPL], in
   for (int c = 0; c < CPL; ++c) {
     const float alpha = s_alpha[col0 + c];
     __nv_bfloat16 sk[3], sq[3];
-    split_bf16x3(e[c] * (alpha * s_kn[col0 + c]), sk);
-    split_bf16x3(e[c] * (alpha * s_qn[col0 + c]), sq);
+    split_bf16x3(decayed_token_entry(e[c], alpha, s_kn[col0 + c]), sk);
+    split_bf16x3(decayed_token_entry(e[c], alpha, s_qn[col0 + c]), sq);
 #pragma unroll
     for (int s = 0; s < 3; ++s) {
       pk[s][c] = sk[s];
@@ -91,10 +93,11 @@ __device__ __forceinline__ void store_decayed_token_tc(const float (&e)[CPL], in
 // The warp's 16-row tile of a bf16 checkpoint, staged by each lane for itself: its chunks of
 // rows g and g + 8 (`rows` = the lane's row g at its column 8t) by cp.async (one group) into its
 // words mine[tc_tile_word(h, c)] (consecutive lanes, consecutive words), so the tile holds no
-// registers through the CTA's ring work and barriers; the lane waits for its own group
-// (cp_async_wait) and reads back only its own words (no barrier).
-constexpr int kTcThreads = 8 * 32;
-constexpr int kTcTileBytes = 8 * kTcTileRows * 128 * 2;
+// registers through the CTA's ring work and barriers. An appending step's lane waits for its own
+// group (cp_async_wait) and reads back only its own words (no barrier); a flush reads the whole
+// tile after every thread's wait and a CTA barrier (load_tc_tile_rows).
+constexpr int kTcThreads = kReplayWarps * 32;
+constexpr int kTcTileBytes = kReplayWarps * kTcTileRows * 128 * 2;
 __device__ __forceinline__ int tc_tile_word(int h, int c) { return (2 * c + h) * kTcThreads; }
 __device__ __forceinline__ void stage_tc_tile(const __nv_bfloat16* rows, int K, uint4* mine) {
 #pragma unroll

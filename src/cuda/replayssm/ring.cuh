@@ -65,6 +65,12 @@ __device__ __forceinline__ void record_coefficients(const float (&kw)[CPL], int 
   store_factor_pair(part, lane, wj, ck, cq);
 }
 
+// One entry of an appending step's decayed token, e*(alpha*x) (x = k or q), formed as the CPU
+// forms it: every kernel's dots with the checkpoint take this product.
+__device__ __forceinline__ float decayed_token_entry(float e, float alpha, float x) {
+  return e * (alpha * x);
+}
+
 // The decayed token vectors of an appending step over columns col0 .. col0 + CPL, once per CTA
 // (replayssm/decode.cuh's warp 0, into shared memory): ek = e*(alpha*k), eq = e*(alpha*q), e the
 // columns' decay of the ring (1 without records), alpha*k and alpha*q formed as the CPU forms them.
@@ -76,8 +82,8 @@ __device__ __forceinline__ void store_decayed_token(const float (&e)[CPL], int c
   for (int c = 0; c < CPL; ++c) {
     if (col0 + c < K) {
       const float alpha = s_alpha[col0 + c];
-      s_ek[col0 + c] = e[c] * (alpha * s_kn[col0 + c]);
-      s_eq[col0 + c] = e[c] * (alpha * s_qn[col0 + c]);
+      s_ek[col0 + c] = decayed_token_entry(e[c], alpha, s_kn[col0 + c]);
+      s_eq[col0 + c] = decayed_token_entry(e[c], alpha, s_qn[col0 + c]);
     }
   }
 }
@@ -94,8 +100,8 @@ __device__ __forceinline__ void checkpoint_dots(const float (&S)[R][EPL], bool h
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     const float e = have_e && i < valid ? s_e[kofs + i] : 1.0f;
-    ek[i] = i < valid ? e * (s_alpha[kofs + i] * s_kn[kofs + i]) : 0.0f;
-    eq[i] = i < valid ? e * (s_alpha[kofs + i] * s_qn[kofs + i]) : 0.0f;
+    ek[i] = i < valid ? decayed_token_entry(e, s_alpha[kofs + i], s_kn[kofs + i]) : 0.0f;
+    eq[i] = i < valid ? decayed_token_entry(e, s_alpha[kofs + i], s_qn[kofs + i]) : 0.0f;
   }
   factor_row_dots(S, ek, eq, dots);
 }
