@@ -1,6 +1,7 @@
-// The tensor-core row phase of ReplaySSM decode with bf16 checkpoints (issue #37's tensor-core
-// design; replayssm/decode.cuh's replay_tc_kernel runs it). Part of replayssm_decode.cu's
-// translation unit (included by decode.cuh only), in its anonymous namespace.
+// The tensor-core row phase of ReplaySSM decode with bf16 and fp32 checkpoints (issue #37's
+// tensor-core design; replayssm/decode.cuh's replay_tc_kernel runs it through TcRows below).
+// Part of replayssm_decode.cu's translation unit (included by decode.cuh only), in its anonymous
+// namespace. bf16 first; the fp32 form (3xTF32 on mma.m16n8k8) after it.
 //
 // An appending step needs two dots per checkpoint row, S0.(e*alpha*k) and S0.(e*alpha*q)
 // (decode.cuh's 3a). The rows kernel takes them element by element on CUDA cores: a bf16
@@ -160,6 +161,171 @@ __device__ __forceinline__ void load_tc_tile_rows(const unsigned char* tile, int
     unpack_bf16x8(words[tc_tile_word((l >> 3) & 1, c) + (l >> 4) * 32 + (l & 7) * 4 + t], S[r]);
   }
 }
+
+// fp32 checkpoints (K = 128) on mma.sync.m16n8k8 with tf32 operands, 3xTF32 (mma.cuh's
+// split_tf32): the checkpoint's rows split into hi and lo as they are read, the decayed token's
+// vectors split once by warp 0. Fragments (g = lane / 4, t = lane % 4): a0 = A[g][t], a1 =
+// A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]; b0 = B[t][g], b1 = B[t+4][g]; C as for m16n8k16.
+// The dot runs over K in any order, so k-steps 2p and 2p + 1 take the 16 physical columns from
+// 16p: lane t's logical columns t and t + 4 of step 2p are physical 16p + 4t and + 1, of step
+// 2p + 1 physical + 2 and + 3. A lane's operands of the two steps are then the 16-byte chunk 4p + t
+// of rows g and g + 8 (.x, .y for step 2p; .z, .w for 2p + 1) and the same chunk of B column g.
+// B's columns: 0 / 1 the hi parts of e*alpha*k / e*alpha*q, 2 / 3 their lo parts, 4..7 zero; the
+// checkpoint's hi and lo parts each times all of B: hi*hi, hi*lo, lo*hi (and lo*lo, harmless).
+// So lane t's c0 / c1 are part t of row g's sk / sq (lanes 2 and 3: zero); the quad sums them.
+// The staged tile: the lane's 16 chunks (rows g, g + 8; p = 0..7) at float4
+// ((warp * 8 + p) * 2 + h) * 32 + (lane ^ p): a warp's chunks of one (p, h) are 512 contiguous
+// bytes (its staging and fragment reads are conflict-free), and the XOR spreads a flush's
+// rows-layout reads (lane q reads chunk q of a row) over the banks: 4 wavefronts, the least.
+constexpr int kTc32ColPitch = 128 * 4 + 64;  // bytes per B column: 512 and a 64-byte pad
+constexpr int kTc32BBytes = 4 * kTc32ColPitch;
+constexpr int kTc32TileBytes = kReplayWarps * kTcTileRows * 128 * 4;
+
+__device__ __forceinline__ int tc32_tile_word(int warp, int p, int h, int lane) {
+  return ((warp * 8 + p) * 2 + h) * 32 + (lane ^ p);
+}
+
+// Warp 0's decayed token as the B operand, its lane's 4 columns from col0 (one float4 a column).
+template <int CPL>
+__device__ __forceinline__ void store_decayed_token_tc32(const float (&e)[CPL], int col0,
+                                                         const float* s_alpha, const float* s_kn,
+                                                         const float* s_qn, unsigned char* bop) {
+  static_assert(CPL == 4, "K = 128: four columns a lane, one 16-byte word a column");
+  uint32_t kh[CPL], kl[CPL], qh[CPL], ql[CPL];
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) {
+    const float alpha = s_alpha[col0 + c];
+    prefill::split_tf32(decayed_token_entry(e[c], alpha, s_kn[col0 + c]), kh[c], kl[c]);
+    prefill::split_tf32(decayed_token_entry(e[c], alpha, s_qn[col0 + c]), qh[c], ql[c]);
+  }
+  *reinterpret_cast<uint4*>(bop + 0 * kTc32ColPitch + col0 * 4) =
+      make_uint4(kh[0], kh[1], kh[2], kh[3]);
+  *reinterpret_cast<uint4*>(bop + 1 * kTc32ColPitch + col0 * 4) =
+      make_uint4(qh[0], qh[1], qh[2], qh[3]);
+  *reinterpret_cast<uint4*>(bop + 2 * kTc32ColPitch + col0 * 4) =
+      make_uint4(kl[0], kl[1], kl[2], kl[3]);
+  *reinterpret_cast<uint4*>(bop + 3 * kTc32ColPitch + col0 * 4) =
+      make_uint4(ql[0], ql[1], ql[2], ql[3]);
+}
+
+// The warp's 16-row tile of an fp32 checkpoint, staged by each lane for itself (`rows` = the
+// lane's row g at its column 4t) by cp.async (one group), as stage_tc_tile.
+__device__ __forceinline__ void stage_tc32_tile(const float* rows, int K, uint4* tile, int warp,
+                                                int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int pp = 0; pp < 8; ++pp)
+      cp_async16(tile + tc32_tile_word(warp, pp, h, lane), rows + h * 8 * K + 16 * pp);
+  cp_async_commit();
+}
+
+// The appending step's dots of the staged tile with the B operand: acc = C of the lane.
+__device__ __forceinline__ void tc32_tile_dots(const uint4* tile, int warp, int lane,
+                                               const unsigned char* bop, float (&acc)[4]) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int pp = 0; pp < 8; ++pp) {
+    const uint4 x0 = tile[tc32_tile_word(warp, pp, 0, lane)];  // row g
+    const uint4 x1 = tile[tc32_tile_word(warp, pp, 1, lane)];  // row g + 8
+    const uint4 b =
+        g < 4 ? *reinterpret_cast<const uint4*>(bop + g * kTc32ColPitch + (16 * pp + 4 * t) * 4)
+              : make_uint4(0u, 0u, 0u, 0u);
+    uint32_t ah[2][4], al[2][4];  // steps 2pp, 2pp + 1
+    prefill::split_tf32(__uint_as_float(x0.x), ah[0][0], al[0][0]);
+    prefill::split_tf32(__uint_as_float(x1.x), ah[0][1], al[0][1]);
+    prefill::split_tf32(__uint_as_float(x0.y), ah[0][2], al[0][2]);
+    prefill::split_tf32(__uint_as_float(x1.y), ah[0][3], al[0][3]);
+    prefill::split_tf32(__uint_as_float(x0.z), ah[1][0], al[1][0]);
+    prefill::split_tf32(__uint_as_float(x1.z), ah[1][1], al[1][1]);
+    prefill::split_tf32(__uint_as_float(x0.w), ah[1][2], al[1][2]);
+    prefill::split_tf32(__uint_as_float(x1.w), ah[1][3], al[1][3]);
+    prefill::mma_tf32(acc, al[0], b.x, b.y);  // the small terms first
+    prefill::mma_tf32(acc, ah[0], b.x, b.y);
+    prefill::mma_tf32(acc, al[1], b.z, b.w);
+    prefill::mma_tf32(acc, ah[1], b.z, b.w);
+  }
+}
+
+// A flush's rows in the rows kernel's fp32 layout (R rows lrow0 + r*RG, the 4 columns from kofs:
+// chunk kofs / 4) read from the CTA's staged tile (tc32_tile_word's map).
+template <int R, int RG>
+__device__ __forceinline__ void load_tc32_tile_rows(const uint4* tile, int lrow0, int kofs,
+                                                    float (&S)[R][4]) {
+  const int q = kofs >> 2, pp = q >> 2, t = q & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int l = lrow0 + r * RG;
+    const uint4 u = tile[tc32_tile_word(l >> 4, pp, (l >> 3) & 1, (l & 7) * 4 + t)];
+    S[r][0] = __uint_as_float(u.x);
+    S[r][1] = __uint_as_float(u.y);
+    S[r][2] = __uint_as_float(u.z);
+    S[r][3] = __uint_as_float(u.w);
+  }
+}
+
+// The tensor-core row phase per checkpoint type, as replay_step uses it: the B operand's and the
+// staged tile's bytes, the lane's first column in its chunk (kLaneCols * t), the staging, the
+// appending step's dots, a flush's rows, warp 0's decayed token.
+// Other checkpoint types have none (only the rows kernel runs them).
+template <class StateT>
+struct TcRows {
+  static constexpr int kBBytes = 0, kTileBytes = 0, kLaneCols = 0;
+};
+template <>
+struct TcRows<__nv_bfloat16> {
+  static constexpr int kBBytes = kTcBBytes, kTileBytes = kTcTileBytes, kLaneCols = 8;
+  static __device__ __forceinline__ void stage(const __nv_bfloat16* rows, int K,
+                                               unsigned char* tile, int warp, int lane) {
+    stage_tc_tile(rows, K, reinterpret_cast<uint4*>(tile) + threadIdx.x);  // warp * 32 + lane
+  }
+  static __device__ __forceinline__ void dots(const unsigned char* tile, int warp, int lane,
+                                              const unsigned char* bop, float (&acc)[4]) {
+    const uint4* mine = reinterpret_cast<const uint4*>(tile) + threadIdx.x;
+    uint4 A[2][4];  // the lane's chunks (rows g + 8h, columns 32c + 8t ..)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) A[h][c] = mine[tc_tile_word(h, c)];
+    tc_tile_dots(A, bop, lane, acc);
+  }
+  template <int R, int RG>
+  static __device__ __forceinline__ void rows(const unsigned char* tile, int lrow0, int kofs,
+                                              float (&S)[R][8]) {
+    load_tc_tile_rows<R, RG>(tile, lrow0, kofs, S);
+  }
+  template <int CPL>
+  static __device__ __forceinline__ void token(const float (&e)[CPL], int col0,
+                                               const float* s_alpha, const float* s_kn,
+                                               const float* s_qn, unsigned char* bop) {
+    store_decayed_token_tc<CPL>(e, col0, s_alpha, s_kn, s_qn, bop);
+  }
+};
+template <>
+struct TcRows<float> {
+  static constexpr int kBBytes = kTc32BBytes, kTileBytes = kTc32TileBytes, kLaneCols = 4;
+  static __device__ __forceinline__ void stage(const float* rows, int K, unsigned char* tile,
+                                               int warp, int lane) {
+    stage_tc32_tile(rows, K, reinterpret_cast<uint4*>(tile), warp, lane);
+  }
+  static __device__ __forceinline__ void dots(const unsigned char* tile, int warp, int lane,
+                                              const unsigned char* bop, float (&acc)[4]) {
+    tc32_tile_dots(reinterpret_cast<const uint4*>(tile), warp, lane, bop, acc);
+  }
+  template <int R, int RG>
+  static __device__ __forceinline__ void rows(const unsigned char* tile, int lrow0, int kofs,
+                                              float (&S)[R][4]) {
+    load_tc32_tile_rows<R, RG>(reinterpret_cast<const uint4*>(tile), lrow0, kofs, S);
+  }
+  template <int CPL>
+  static __device__ __forceinline__ void token(const float (&e)[CPL], int col0,
+                                               const float* s_alpha, const float* s_kn,
+                                               const float* s_qn, unsigned char* bop) {
+    store_decayed_token_tc32<CPL>(e, col0, s_alpha, s_kn, s_qn, bop);
+  }
+};
 
 }  // namespace
 }  // namespace deltastate::cuda_backend
