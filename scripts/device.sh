@@ -171,8 +171,7 @@ for phase in "${phases[@]}"; do
       # grids of more than one wave, which the suite's cases are not)
       forced_decode_tests decode 2
       # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size),
-      # and the tensor-core kernel forced on its shapes (bf16 and fp32 checkpoints, K = 128, whole
-      # heads)
+      # and the tensor-core kernel forced on its shapes (bf16 checkpoints, K = 128, whole heads)
       for bpc in 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
       done
@@ -314,10 +313,9 @@ for phase in "${phases[@]}"; do
       replay+=':*GpuReplay*gdn_qwen_bf16ckpt*'
       DELTASTATE_CUDA_REPLAY_BPC=2 sanitized memcheck "$replay"
       DELTASTATE_CUDA_REPLAY_BPC=2 sanitized racecheck "$replay"
-      # the tensor-core kernel (bf16 and fp32 checkpoints, K = 128, whole heads)
-      tc='*GpuReplay*bf16ckpt*:*GpuReplay*gdn_qwen_f32_bf16act_L16*:*GpuReplay*kda_kimi_f32_lb_L4*'
-      DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized memcheck "$tc"
-      DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized racecheck "$tc"
+      # the tensor-core kernel (bf16 checkpoints, K = 128, whole heads)
+      DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized memcheck '*GpuReplay*bf16ckpt*'
+      DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized racecheck '*GpuReplay*bf16ckpt*'
       # the decode kernel's shared-memory tile (2 tiles per warp forced)
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 sanitized memcheck \
         '*partial_tile*:*B3*:*k64_*'

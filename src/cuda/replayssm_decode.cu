@@ -33,7 +33,7 @@ template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT, bool TC =
 void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int vblocks,
                    const SmemLayout& sm) {
   const auto kernel = [] {
-    if constexpr (TC) return replay_tc_kernel<StateT, In>;
+    if constexpr (TC) return replay_tc_kernel<In>;
     else if constexpr (FMT) return replay_fmt_kernel;
     else return replay_kernel<StateT, KT, VEC, In, BPC>;
   }();
@@ -49,10 +49,7 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
             static_cast<unsigned>((vblocks + BPC - 1) / BPC));
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
   launch_kernel(kernel, grid, warps * 32, sm.bytes, stream, p.pdl,
-                with_pdl_trigger(p, ctas,
-                                 FMT  ? kReplayFmtCtasPerSm
-                                 : TC ? tc_ctas_per_sm<StateT>()
-                                      : kReplayCtasPerSm),
+                with_pdl_trigger(p, ctas, FMT ? kReplayFmtCtasPerSm : kReplayCtasPerSm),
                 detail::SmallDivider::of(p.HV / p.H));
 }
 
@@ -87,17 +84,15 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
     const bool two = forced ? forced == 2
                             : static_cast<int64_t>(p.B) * p.HV * vblocks >=
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
-    constexpr bool kBf16 = std::is_same_v<StateT, __nv_bfloat16>;
-    if constexpr (KT == 128 && (kBf16 || std::is_same_v<StateT, float>)) {
-      // The tensor-core kernel: whole 8-warp CTAs of 128 rows (rows_blk is 64 here); fp32
-      // checkpoints only where forced (tuning.h, replay_decode_choice).
+    if constexpr (KT == 128 && std::is_same_v<StateT, __nv_bfloat16>) {
+      // The tensor-core kernel: whole 8-warp CTAs of 128 rows (rows_blk is 64 here).
       const ReplayDecodeChoice choice = replay_decode_choice();
       const int64_t tc_ctas = static_cast<int64_t>(p.B) * p.HV * (vblocks / 2);
       const bool tc = choice == ReplayDecodeChoice::tensor ||
-                      (kBf16 && choice == ReplayDecodeChoice::automatic && two &&
+                      (choice == ReplayDecodeChoice::automatic && two &&
                        tc_ctas >= kReplayTcWaves * kReplayCtasPerSm * num_sms(p.device.index));
       if (tc && warps == kReplayWarps && p.V % (2 * rows_blk) == 0) {
-        const SmemLayout smt = tc_smem_layout<StateT, In>(p);
+        const SmemLayout smt = tc_smem_layout<In>(p);
         if (smt.bytes <= max_smem) {
           if (run)
             launch_blocks<StateT, KT, VEC, In, 2, false, true>(p, stream, warps, vblocks, smt);

@@ -94,9 +94,6 @@ constexpr int64_t kReplayTwoBlockWaves = 2;
 // first form (the same appending step, a slower flush): 10.19 against 10.03;
 // bench/results/replayssm-decode-tc-h100.txt).
 constexpr int64_t kReplayTcWaves = 2;
-// The tensor-core kernel on an fp32 checkpoint: its staged tile is 64 KB a CTA, so 2 fit an SM.
-// Only where forced (DELTASTATE_CUDA_REPLAY_KERNEL=tc).
-constexpr int kReplayTc32CtasPerSm = 2;
 // ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
 // second block's checkpoint rows copied while the first runs) by the same rule, over the
 // one-block grid's `ctas`.
@@ -188,12 +185,11 @@ inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
   return forced;
 }
-// DELTASTATE_CUDA_REPLAY_KERNEL=rows|tc: ReplaySSM decode's kernel for a bf16 or fp32 checkpoint
-// with K = 128 and V a multiple of 128, forced: the rows kernel (replayssm/decode.cuh: a lane's
-// rows in registers, the dots on CUDA cores) or the tensor-core kernel (replayssm/decode_tc.cuh:
-// a warp's 16 rows as mma fragments, 128 rows a CTA). Unset: for bf16 the tensor-core kernel
-// where the rows kernel would take two row blocks a CTA and its grid fills kReplayTcWaves waves;
-// for fp32 the rows kernel.
+// DELTASTATE_CUDA_REPLAY_KERNEL=rows|tc: ReplaySSM decode's kernel for a bf16 checkpoint with
+// K = 128 and V a multiple of 128, forced: the rows kernel (replayssm/decode.cuh: a lane's rows
+// in registers, the dots on CUDA cores) or the tensor-core kernel (replayssm/decode_tc.cuh: a
+// warp's 16 rows as mma fragments, 128 rows a CTA). Unset: the tensor-core kernel where the rows
+// kernel would take two row blocks a CTA and its grid fills kReplayTcWaves waves.
 enum class ReplayDecodeChoice { automatic, rows, tensor };
 inline ReplayDecodeChoice replay_decode_choice() {
   static const ReplayDecodeChoice forced = env_choice<ReplayDecodeChoice>(

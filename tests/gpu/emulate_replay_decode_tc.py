@@ -24,15 +24,6 @@ B[2t..][g], B[2t+8..][g]; C[g][2t..], C[g+8][2t..]), runs the products, and chec
 (3) the B reads: each quarter warp's eight 16-byte reads cover the 32 banks once (kTcColPitch);
 (4) a flush's rows, read in the rows kernel's layout (load_tc_tile_rows), come from the words the
     staging threads wrote them to, every chunk of the CTA's 128 rows once.
-The fp32 form (3xTF32 on m16n8k8: lane t's chunk 4p + t of rows g, g + 8 holds physical columns
-16p + 4t .. + 3, .x/.y its A registers of k-step 2p, .z/.w of 2p + 1; B column g's same chunk;
-columns 0 / 1 the tf32 hi parts of e*alpha*k / e*alpha*q, 2 / 3 their lo parts; the tile at float4
-((warp * 8 + p) * 2 + h) * 32 + (lane ^ p)), the same checks with PTX's m16n8k8 tf32 layout
-(A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]; B[t][g], B[t+4][g]): (1) fp64 exact; (2) the split
-products hi*hi + hi*lo + lo*hi + lo*lo within 2^-20 of the dots' absolute-value sums; (3) the B
-reads and (5) the tile's fragment reads cover the banks once a quarter warp, a flush's row reads in
-4 wavefronts (the least for 512 bytes); (4) the flush's rows-layout reads (32 lanes a row, 4
-columns each, 8 rows a lane) find their chunks, every chunk once.
 """
 
 import sys
@@ -158,138 +149,6 @@ def check_banks():
             assert len(units) == 8, f"bank conflict in quarter {quarter}, chunk {c}"
 
 
-COL_PITCH32 = 128 * 4 + 64  # kTc32ColPitch, bytes
-
-
-def tf32_split(x):
-    """split_tf32: hi = x with the low 13 bits clear, lo = (x - hi) likewise; float64 results."""
-    x32 = np.asarray(x, dtype=np.float32)
-    hi = (x32.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
-    lo = ((x32 - hi).astype(np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
-    return hi.astype(np.float64), lo.astype(np.float64)
-
-
-def phys32(p, t, e):
-    """Physical column of element e (0..3) of lane group t's fp32 chunk 4p + t."""
-    return 16 * p + 4 * t + e
-
-
-def tile_word32(warp, p, h, lane):
-    return ((warp * 8 + p) * 2 + h) * 32 + (lane ^ p)
-
-
-def lane_tile_dots32(S_parts, bcols, d, ck, cq):
-    """fp32 form: the warp's C tile over the A parts (each [16, K], every one times all of B),
-    B columns bcols [8, K]; per lane the quad-summed accumulators as the kernel forms them."""
-    C = np.zeros((16, 8))
-    for S in S_parts:
-        for step in range(16):
-            p, half = divmod(step, 2)  # chunk 4p + t, elements 2*half and 2*half + 1
-            A = np.full((16, 8), np.nan)
-            B = np.full((8, 8), np.nan)
-            for lane in range(32):
-                g, t = divmod(lane, 4)
-                # a0 = (row g, .x|.z), a1 = (row g+8, .x|.z), a2 = (row g, .y|.w), a3 = (g+8, ..)
-                regs = [(g, 2 * half), (g + 8, 2 * half), (g, 2 * half + 1), (g + 8, 2 * half + 1)]
-                places = [(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)]
-                for (row, e), (prow, pk) in zip(regs, places):
-                    assert np.isnan(A[prow, pk]), "A element placed twice"
-                    A[prow, pk] = S[row, phys32(p, t, e)]
-                for j, e in enumerate((2 * half, 2 * half + 1)):  # b0 = B[t][g], b1 = B[t+4][g]
-                    assert np.isnan(B[t + 4 * j, g]), "B element placed twice"
-                    B[t + 4 * j, g] = bcols[g, phys32(p, t, e)] if g < 4 else 0.0
-            assert not np.isnan(A).any() and not np.isnan(B).any(), "a fragment element unset"
-            C += A @ B
-    acc = np.zeros((32, 4))
-    for lane in range(32):
-        g, t = divmod(lane, 4)
-        acc[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
-        for j in range(t, len(ck), 4):
-            acc[lane] += [d[j, g] * ck[j], d[j, g] * cq[j], d[j, g + 8] * ck[j],
-                          d[j, g + 8] * cq[j]]
-    quad = acc.reshape(8, 4, 4).sum(axis=1)
-    return np.concatenate([quad[:, 0], quad[:, 2]]), np.concatenate([quad[:, 1], quad[:, 3]])
-
-
-def wavefronts(addrs):
-    """Shared-memory wavefronts of one warp's 16-byte accesses: 128 bytes (8 units of 16) a
-    wavefront, so the most accesses any 16-byte bank group takes (distinct addresses)."""
-    groups = {}
-    for a in set(addrs):
-        groups.setdefault((a // 16) % 8, set()).add(a)
-    return max(len(v) for v in groups.values())
-
-
-def check_fp32_maps():
-    staged = {}  # float4 index -> (CTA row, chunk)
-    for warp in range(8):
-        for lane in range(32):
-            g, t = divmod(lane, 4)
-            for h in range(2):
-                for p in range(8):
-                    w = tile_word32(warp, p, h, lane)
-                    assert w not in staged, "two chunks staged to one word"
-                    staged[w] = (16 * warp + g + 8 * h, 4 * p + t)
-    assert len(staged) == 128 * 32 and max(staged) == 128 * 32 - 1, "the tile is not dense"
-    for warp in range(8):  # fragment reads (and the staging writes): one (p, h) a warp access
-        for p in range(8):
-            for h in range(2):
-                addrs = [16 * tile_word32(warp, p, h, lane) for lane in range(32)]
-                assert wavefronts(addrs) == 4, "fragment reads conflict"
-    seen = set()  # a flush: rows layout, lane q reads chunk q of rows b*64 + 8*warp + r
-    for b in range(2):
-        for warp in range(8):
-            for r in range(8):
-                l = 64 * b + 8 * warp + r
-                words = []
-                for lane in range(32):
-                    q = lane  # kofs = 4 * lane
-                    p, t = q >> 2, q & 3
-                    w = tile_word32(l >> 4, p, (l >> 3) & 1, (l & 7) * 4 + t)
-                    assert staged[w] == (l, q), "flush row read from the wrong word"
-                    seen.add((l, q))
-                    words.append(16 * w)
-                assert wavefronts(words) == 4, "a flush's row read takes more than 4 wavefronts"
-    assert len(seen) == 128 * 32, "the flush does not read every chunk"
-    for quarter in range(4):  # B reads: lanes with g < 4 (quarters 0 and 1)
-        for p in range(8):
-            units = set()
-            for lane in range(8 * quarter, 8 * quarter + 8):
-                g, t = divmod(lane, 4)
-                if g < 4:
-                    units.add(((g * COL_PITCH32 + phys32(p, t, 0) * 4) // 16) % 8)
-            assert len(units) in (0, 8), f"fp32 B bank conflict in quarter {quarter}"
-
-
-def fp32_trials(rng):
-    worst_exact, worst_split = 0.0, 0.0
-    for _ in range(40):
-        m = int(rng.integers(0, 16))
-        scale = 10.0 ** rng.uniform(-6, 3)
-        S = (rng.standard_normal((ROWS, K)) * scale).astype(np.float32).astype(np.float64)
-        ek = (rng.standard_normal(K) * np.exp(rng.uniform(-8, 0, K))).astype(np.float32)
-        eq = (rng.standard_normal(K) * np.exp(rng.uniform(-8, 0, K))).astype(np.float32)
-        ek, eq = ek.astype(np.float64), eq.astype(np.float64)
-        d = rng.standard_normal((m, ROWS)).astype(np.float32).astype(np.float64)
-        ck, cq = rng.standard_normal(m), rng.standard_normal(m)
-        ref_k, ref_q = S @ ek + d.T @ ck, S @ eq + d.T @ cq
-        mag = np.abs(S) @ np.abs(ek) + np.abs(d.T) @ np.abs(ck) + 1e-300
-        magq = np.abs(S) @ np.abs(eq) + np.abs(d.T) @ np.abs(cq) + 1e-300
-        b = np.zeros((8, K))
-        b[0], b[1] = ek, eq
-        sk, sq = lane_tile_dots32([S], b, d, ck, cq)  # (1) unsplit
-        worst_exact = max(worst_exact, np.max(np.abs(sk - ref_k) / mag),
-                          np.max(np.abs(sq - ref_q) / magq))
-        (kh, kl), (qh, ql) = tf32_split(ek), tf32_split(eq)  # (2) 3xTF32
-        sh, sl = tf32_split(S)
-        b = np.zeros((8, K))
-        b[0], b[1], b[2], b[3] = kh, qh, kl, ql
-        sk, sq = lane_tile_dots32([sh, sl], b, d, ck, cq)
-        worst_split = max(worst_split, np.max(np.abs(sk - ref_k) / mag),
-                          np.max(np.abs(sq - ref_q) / magq))
-    return worst_exact, worst_split
-
-
 def main() -> int:
     rng = np.random.default_rng(20261207)
     check_stores()
@@ -327,11 +186,7 @@ def main() -> int:
     print(f"rounding off: worst |dot - fp64| / sum|.| = {worst_exact:.2e}")
     print(f"rounding on: split residual {worst_split:.2e} of |x| (exact: 0); "
           f"dots {worst_rounded:.2e} of sum|.| (bound 2^-23)")
-    check_fp32_maps()
-    exact32, split32 = fp32_trials(rng)
-    print(f"fp32: rounding off {exact32:.2e}; 3xTF32 {split32:.2e} of sum|.| (bound 2^-20)")
-    ok = (worst_exact < 1e-12 and worst_split == 0.0 and worst_rounded <= 2.0**-23
-          and exact32 < 1e-12 and split32 <= 2.0**-20)
+    ok = worst_exact < 1e-12 and worst_split == 0.0 and worst_rounded <= 2.0**-23
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -1,8 +1,7 @@
 // Warp-level tensor-core pieces of the chunked prefill kernel, as thin inline-PTX wrappers:
 // ldmatrix (8x8 16-bit tiles from shared memory into mma fragments, plain or transposed),
 // mma.sync.m16n8k16 with fp32 accumulation (bf16 or fp16 operands), packing fp32 pairs into
-// 16-bit operand registers, mma.sync.m16n8k8 with tf32 operands split for 3xTF32 (ReplaySSM's
-// fp32 checkpoints), and cp.async with zero fill.
+// 16-bit operand registers, and cp.async with zero fill.
 //
 // Fragment layouts of mma.m16n8k16.row.col (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
 // g = lane / 4 and q = lane % 4:
@@ -112,23 +111,6 @@ struct Mma<__half> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
-
-// tf32 operands (mma.m16n8k8; PTX ISA, "Matrix fragments for mma.m16n8k8" with .tf32: a0 =
-// A[g][q], a1 = A[g+8][q], a2 = A[g][q+4], a3 = A[g+8][q+4]; b0 = B[q][g], b1 = B[q+4][g]; C as
-// above). 3xTF32: x = hi + lo, both with the low 13 bits clear, and a product is hi*hi + hi*lo +
-// lo*hi (lo*lo and lo's own truncation are below 2^-20 of |x y|), accumulated in fp32.
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = __float_as_uint(x) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
-}
-// d += a * b on mma.sync.m16n8k8 with tf32 operands.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // A 16-byte global -> shared copy (cp.async, L2 only), or 16 zero bytes when !valid (src-size 0:
 // nothing is read; `gmem` must still be a valid address).

@@ -114,14 +114,13 @@ __host__ __device__ SmemLayout smem_layout(const ReplayProblem& p, int rows_blk,
                     (blocks - 1) * rows_blk * KT * static_cast<int>(sizeof(StateT)));
 }
 
-// The tensor-core kernel's layout (replay_tc_kernel: bf16 or fp32 checkpoint, K = 128, 128 rows
-// a CTA): its `ckpt` section holds the B operand (decode_tc.cuh), then the CTA's checkpoint rows,
-// each thread's chunks (TcRows).
-template <class StateT, class In>
+// The tensor-core kernel's layout (replay_tc_kernel: bf16 checkpoint, K = 128, 128 rows a CTA):
+// its `ckpt` section holds the B operand (decode_tc.cuh), then the CTA's checkpoint rows, each
+// thread's 8 chunks (tc_tile_word).
+template <class In>
 __host__ __device__ SmemLayout tc_smem_layout(const ReplayProblem& p) {
-  return SmemLayout(p.L, 128, p.gate.kda ? p.K : 1, sizeof(typename In::type), sizeof(StateT),
-                    kReplayWarps * kTcTileRows,
-                    TcRows<StateT>::kBBytes + TcRows<StateT>::kTileBytes);
+  return SmemLayout(p.L, 128, p.gate.kda ? p.K : 1, sizeof(typename In::type),
+                    sizeof(__nv_bfloat16), kReplayWarps * kTcTileRows, kTcBBytes + kTcTileBytes);
 }
 
 // Element e (a compile-time index after unrolling) of values of type T packed in 16-byte words.
@@ -354,8 +353,7 @@ struct ReplayCta {
   // Warp 0's decayed token for 3a (store_decayed_token), from the columns' decays e.
   // TC: as the tensor cores' B operand (store_decayed_token_tc), in the `ckpt` section.
   __device__ __forceinline__ void decayed_token(const float (&e)[CPL], int col0) const {
-    if constexpr (TC)
-      TcRows<StateT>::template token<CPL>(e, col0, s_alpha, s_kn, s_qn, smem + sm.ckpt);
+    if constexpr (TC) store_decayed_token_tc<CPL>(e, col0, s_alpha, s_kn, s_qn, smem + sm.ckpt);
     else store_decayed_token<CPL>(e, col0, K, s_alpha, s_kn, s_qn, s_ek, s_eq);
   }
   // Warp 0's part of phase 2 with records: the columns' decays e (3f's rebuild) and, on an
@@ -381,19 +379,17 @@ struct ReplayCta {
 // The kernel's body (replay_kernel, replay_fmt_kernel, replay_tc_kernel below). FMT: a checkpoint
 // in its storage format (quantized, or rounded stochastically; docs/STATE_FORMATS.md) on the
 // generic float layout: its rows loaded dequantized, stored on a flush through cuda/state_fmt.cuh
-// (a fresh scale per row, the slot's key), as the CPU's. TC: a bf16 or fp32 checkpoint, K = 128,
-// 128 rows a CTA (the two-block CTA's rows), warp w holding rows 16w .. 16w + 15 as tensor-core
-// fragments (decode_tc.cuh's TcRows); only the row phase (3a, 3f) and the decayed token's form
-// differ.
+// (a fresh scale per row, the slot's key), as the CPU's. TC: a bf16 checkpoint, K = 128, 128 rows
+// a CTA (the two-block CTA's rows), warp w holding rows 16w .. 16w + 15 as tensor-core fragments
+// (decode_tc.cuh); only the row phase (3a, 3f) and the decayed token's form differ.
 template <class StateT, int KT, bool VEC, class In, int BPC, bool FMT, bool TC = false>
 __device__ __forceinline__ void replay_step(const ReplayProblem& p,
                                             const detail::SmallDivider& group_div) {
   static_assert(!FMT || (std::is_same_v<StateT, float> && !VEC && BPC == 1),
                 "a formatted checkpoint: the generic float layout, one row block");
   static_assert(
-      !TC || ((std::is_same_v<StateT, __nv_bfloat16> || std::is_same_v<StateT, float>)&&KT == 128 &&
-              VEC && BPC == 2 && !FMT),
-      "the tensor-core rows: bf16 or fp32 checkpoint, K = 128, whole two-block CTAs");
+      !TC || (std::is_same_v<StateT, __nv_bfloat16> && KT == 128 && VEC && BPC == 2 && !FMT),
+      "the tensor-core rows: bf16 checkpoint, K = 128, whole two-block CTAs");
   using Lay = RowLayout<StateT, KT>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
   constexpr int RPW = RG * R;   // rows per warp
@@ -430,7 +426,7 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   const int idx = reduced_index<G, 2 * R>(lane);  // the value this lane holds after the reduction
   const bool first_copy = (lane & (G / (2 * R) - 1)) == 0;
   const SmemLayout sm =
-      TC ? tc_smem_layout<StateT, In>(p) : smem_layout<StateT, KT, VEC, In>(p, rows_blk, BPC);
+      TC ? tc_smem_layout<In>(p) : smem_layout<StateT, KT, VEC, In>(p, rows_blk, BPC);
   const float* s_kn = reinterpret_cast<const float*>(smem + sm.kn);
   const float* s_qn = reinterpret_cast<const float*>(smem + sm.qn);
   const float* s_alpha = reinterpret_cast<const float*>(smem + sm.alpha);
@@ -527,13 +523,12 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
                          static_cast<int64_t>(hv) * V * K;
   StateT* my_rows = FMT ? nullptr : s0 + static_cast<int64_t>(row0) * K + kofs;  // lane's row 0
   float S[R][EPL];
-  using Tc = TcRows<StateT>;  // TC only
-  StateT* const tc_rows =     // TC: the lane's row g at its first column (8t bf16, 4t fp32)
-      TC ? s0 + static_cast<int64_t>(row_base + warp * kTcTileRows + tg) * K + Tc::kLaneCols * tt
-         : nullptr;
-  unsigned char* const tc_tile = smem + sm.ckpt + Tc::kBBytes;  // TC: the staged tile
+  StateT* const tc_rows =  // TC: the lane's row g at its column 8t
+      TC ? s0 + static_cast<int64_t>(row_base + warp * kTcTileRows + tg) * K + 8 * tt : nullptr;
+  uint4* const tc_mine =  // TC: this thread's chunks of the staged tile
+      reinterpret_cast<uint4*>(smem + sm.ckpt + kTcBBytes) + threadIdx.x;
   if constexpr (TC) {
-    Tc::stage(tc_rows, K, tc_tile, warp, lane);
+    stage_tc_tile(tc_rows, K, tc_mine);
   } else if constexpr (FMT) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -653,12 +648,17 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
     // chunks at columns 32c + 8t. A flush takes the rows kernel's 3f below, its rows read from
     // the staged tile.
     const int lrow = warp * kTcTileRows + tg;
-    cp_async_wait<0>();  // the thread's chunks of the tile (TcRows::stage)
+    cp_async_wait<0>();  // the thread's chunks of the tile (tc_tile_word)
     if (!flush) {
       // 3a: the tile's dots on tensor cores, lane t adding records t, t + 4, ... before the
       // quad's sum; lanes 0 / 1 store the output of rows lrow / lrow + 8, lanes 2 / 3 their d.
+      uint4 A[2][4];  // the lane's chunks (rows lrow + 8h, columns 32c + 8t ..)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) A[h][c] = tc_mine[tc_tile_word(h, c)];
       float acc[4];
-      Tc::dots(tc_tile, warp, lane, smem + sm.ckpt, acc);
+      tc_tile_dots(A, smem + sm.ckpt, lane, acc);
       for (int j = tt; j < m; j += 4) {
         const float ckj = s_ck[j], cqj = s_cq[j];
         const unsigned char* dj = smem + sm.d + j * sm.d_pitch;
@@ -687,9 +687,9 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
 #pragma unroll
   for (int b = 0; b < BPC; ++b) {
     const int rowb = row0 + b * rows_blk;  // this lane's row 0 in block b
-    if constexpr (TC) {  // a flush: the block's rows from the staged tile (TcRows's map)
+    if constexpr (TC) {  // a flush: the block's rows from the staged tile (tc_tile_word's map)
       if (!flush) break;
-      Tc::template rows<R, RG>(tc_tile, b * rows_blk + local0, kofs, S);
+      load_tc_tile_rows<R, RG>(smem + sm.ckpt + kTcBBytes, b * rows_blk + local0, kofs, S);
     } else if (b > 0) {  // the second block's checkpoint rows from this thread's words
       if (!kFull && row_base + b * rows_blk >= V) break;  // past the head's last row (CTA-uniform)
       load_staged_rows<StateT, EPL, R, !kFull>(ckpt_mine, nthreads, rowb, RG, V, S);
@@ -780,17 +780,12 @@ __global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
   replay_step<StateT, KT, VEC, In, BPC, false>(p, group_div);
 }
 
-// A bf16 or fp32 checkpoint, K = 128, whole heads of 128 rows: the rows' dots on tensor cores
-// (decode_tc.cuh; the launcher's rule: replayssm_decode.cu). CTAS resident an SM: the fp32 tile
-// (64 KB a CTA) leaves room for 2 (tc_ctas_per_sm).
-template <class StateT>
-constexpr int tc_ctas_per_sm() {
-  return std::is_same_v<StateT, float> ? kReplayTc32CtasPerSm : kReplayCtasPerSm;
-}
-template <class StateT, class In>
-__global__ void __launch_bounds__(kReplayWarps * 32, tc_ctas_per_sm<StateT>())
+// A bf16 checkpoint, K = 128, whole heads of 128 rows: the rows' dots on tensor cores
+// (decode_tc.cuh; the launcher takes it from kReplayTcWaves waves, replayssm_decode.cu).
+template <class In>
+__global__ void __launch_bounds__(kReplayWarps * 32, kReplayCtasPerSm)
     replay_tc_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
-  replay_step<StateT, 128, true, In, 2, false, true>(p, group_div);
+  replay_step<__nv_bfloat16, 128, true, In, 2, false, true>(p, group_div);
 }
 
 // A checkpoint in its storage format: the generic instantiation's formatted twin (tuning.h

@@ -45,7 +45,6 @@
 #include <cstdint>
 
 #include "cuda/async_copy.cuh"
-#include "cuda/chunk_prefill/mma.cuh"
 
 namespace deltastate::cuda_backend {
 
@@ -56,8 +55,20 @@ constexpr int kRvTcSmemDynamic = kRvTcTileBytes + static_cast<int>(sizeof(RvFact
 
 namespace {
 
-using prefill::mma_tf32;
-using prefill::split_tf32;
+// x = hi + lo, both with the low 13 bits clear (tf32 operands).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = __float_as_uint(x) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
+}
+
+// d += a * b on mma.sync.m16n8k8 with tf32 operands.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // The CTA row (0..127) and 16-byte chunk (0..31) that the staged tile's float4 P holds.
 __device__ __forceinline__ void rv_tc_tile_place(int P, int& row, int& chunk) {
