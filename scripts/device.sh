@@ -127,7 +127,7 @@ forced_decode_tests() {  # forced_decode_tests <kernel> [tiles per warp]: DECODE
 # The quantized decode GPU tests (each quantized decode kernel runs them forced).
 QUANT_TESTS='*Quantized*:*Quant*:*StateFormat*'
 
-forced_quant_tests() {  # forced_quant_tests <register|mma|mma2>: QUANT_TESTS on that kernel
+forced_quant_tests() {  # forced_quant_tests <mma|mma2>: QUANT_TESTS on one or two tiles a warp
   DELTASTATE_CUDA_QUANT_DECODE=$1 run test gtest_sharded test "$QUANT_TESTS"
 }
 
@@ -276,15 +276,15 @@ for phase in "${phases[@]}"; do
       ;;
     test-quant-decode)  # the quantized GPU tests on each quantized decode kernel, the tensor-core
       # kernels under memcheck
-      for k in register mma mma2; do forced_quant_tests $k; done
+      for k in mma mma2; do forced_quant_tests $k; done
       for k in mma mma2; do
         DELTASTATE_CUDA_QUANT_DECODE=$k sanitized memcheck '*QuantizedPackedDecode*'
       done
       ;;
-    bench-quant-decode)  # the quantized decode kernels side by side, alternated twice (QUANT_ARGS:
+    bench-quant-decode)  # one and two tiles a warp side by side, alternated twice (QUANT_ARGS:
       # bench_decode.py's options), one JSON per run
       for round in 1 2; do
-        for k in register mma mma2; do
+        for k in mma mma2; do
           DELTASTATE_CUDA_QUANT_DECODE=$k run bench-quant python3 bench/bench_decode.py --no-peer \
             ${QUANT_ARGS:---models qwen3-next --dtypes f8,f8n,i8 --batches 1,8,64,256} \
             --json "$OUT/decode-quant-$k-$round.json"

@@ -194,23 +194,18 @@ DecodeChoice decode_kernel_for(const RecurrentProblem& p) {
 }
 
 // A quantized pool on a decode-shaped problem (decode_shaped): the quantized decode kernel
-// (tensor-core dots; K = 64 in builds with every kernel), or with
-// DELTASTATE_CUDA_QUANT_DECODE=register the register decode kernel's quantized instantiation, one
-// tile per warp (DELTASTATE_CUDA_DECODE=direct: the direct kernel's formatted twin). False where
-// it does not apply.
+// (tensor-core dots; K = 64 in builds with every kernel; DELTASTATE_CUDA_DECODE=direct: the direct
+// kernel's formatted twin). False where it does not apply.
 template <class Code>
 bool launch_decode_quant(const RecurrentProblem& p, cudaStream_t stream) {
   if (p.state.dtype != Code::dtype || decode_kernel_for<Code>(p) == DecodeChoice::direct)
     return false;
   const QuantDecodeChoice q = forced_quant_decode_kernel();
-  const bool reg = q == QuantDecodeChoice::register_kernel;
   if (p.K == 128) {
-    if (reg) launch_decode_tpw<Code, 128, AnyInput, 1>(p, warps_per_head_of<Code, 128>(p), stream);
-    else launch_quant_decode_k<Code::dtype, 128>(p, q, stream);
+    launch_quant_decode_k<Code::dtype, 128>(p, q, stream);
   } else {
 #if DELTASTATE_CUDA_ALL_KERNELS
-    if (reg) launch_decode_tpw<Code, 64, AnyInput, 1>(p, warps_per_head_of<Code, 64>(p), stream);
-    else launch_quant_decode_k<Code::dtype, 64>(p, q, stream);
+    launch_quant_decode_k<Code::dtype, 64>(p, q, stream);
 #else
     return false;
 #endif

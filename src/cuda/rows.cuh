@@ -3,8 +3,7 @@
 // thread's rows with its output.
 //
 // Lane layout. A state row S[v, 0:K] is held by a group of G lanes, each holding EPL consecutive
-// elements (EPL = 16 bytes of state, so every lane does one 16-byte load per row; 4 bytes for
-// quantized codes, kLaneWordBytes). A warp holds
+// elements (EPL = 16 bytes of state, so every lane does one 16-byte load per row). A warp holds
 // RG = 32/G rows at once; a thread keeps ROWS such rows in registers (register blocking: 32 state
 // floats per thread), so a warp owns RG*ROWS rows. KT is the K tile: K == KT on the vector path, K
 // <= KT (masked, element loads) on the generic path.
@@ -21,16 +20,13 @@
 
 namespace deltastate::cuda_backend {
 
-// The bytes of a row a lane loads at once: one 16-byte word, but for quantized codes
-// (state_fmt.cuh's QuantCode: 4 bytes, so that the token's per-lane q, k and gate stay at 4
-// values each and the kernel fits its register budget).
-template <class StateT>
+// The bytes of a row a lane loads at once: one 16-byte word.
 inline constexpr int kLaneWordBytes = 16;
 
 template <class StateT, int KT>
 struct RowLayout {
   static constexpr int kElemBytes = static_cast<int>(sizeof(StateT));
-  static constexpr int kWord = kLaneWordBytes<StateT>;
+  static constexpr int kWord = kLaneWordBytes;
   static constexpr int G = (KT * kElemBytes / kWord) < 32 ? (KT * kElemBytes / kWord) : 32;
   static constexpr int EPL = KT / G;     // elements per lane
   static constexpr int RG = 32 / G;      // rows per warp per pass

@@ -19,21 +19,13 @@
 
 namespace deltastate::cuda_backend {
 
-// A quantized pool's state type in the register kernels' templates: 1-byte codes of dtype T
-// (f8e4m3 or i8). Each lane holds 4 codes of a row, one 4-byte word (kLaneWordBytes): K = 128 has
-// a warp a row (G = 32), K = 64 G = 16; a thread holds 8 rows. (With 8-byte words the lane's
-// token vectors double and the kernel spills ~100 bytes at its 80 registers; with 4, none.)
+// A quantized pool's state type in the recurrent op's dispatch (decode_shaped's row alignment,
+// the quantized decode kernel's code dtype): 1-byte codes of dtype T (f8e4m3 or i8).
 template <DType T>
 struct QuantCode {
   uint8_t bits;
   static constexpr DType dtype = T;
 };
-template <class S>
-inline constexpr bool kQuantCode = false;
-template <DType T>
-inline constexpr bool kQuantCode<QuantCode<T>> = true;
-template <DType T>
-inline constexpr int kLaneWordBytes<QuantCode<T>> = 4;
 
 namespace {
 
@@ -97,52 +89,6 @@ __device__ __forceinline__ void store_state_fmt(const detail::StatePoolRef& st, 
 #pragma unroll
   for (int i = 0; i < EPL; ++i)
     if (i < valid) h[i] = fmt::round16_sr(st.dtype, x[i], key, index0 + i);
-}
-
-// ---- a lane's word of quantized codes (the register decode kernel) ------------------------------
-// A lane's 4 codes of a row (one 4-byte streaming load), dequantized with the row's scale.
-template <DType T>
-__device__ __forceinline__ void load_codes4(const uint8_t* p, float scale, float (&x)[4]) {
-  fmt::code_values4(__ldcs(reinterpret_cast<const unsigned int*>(p)), T, x);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x[i] *= scale;
-}
-
-// A lane's R rows (rows row0 + r * RG, each 4 values at the lane's K offset) stored as codes once
-// all are final: the R rows' amaxes combined at once over the G lanes (transpose_combine: an
-// integer max of |x|'s bits, which orders finite values as floats do and puts a NaN above
-// infinity, as amax_step keeps it), each row's amax fetched back from the lane holding it, then
-// its fresh scale, the lane's 4 codes in one 4-byte streaming store, and the scale by the row's
-// first lane; rows at or past V store nothing. `codes` and `scales` point at row row0 (the lane's
-// word, the row's scale); `index0` is the lane's first element of row row0 in the layer's
-// [HV, V, K] state (the stochastic bits), rows `row_elems` elements apart.
-template <DType T, int G, int R>
-__device__ __forceinline__ void store_rows_codes4(uint8_t* codes, float* scales, int row0, int rg,
-                                                  int V, int lane, bool stochastic, uint64_t key,
-                                                  uint64_t index0, int row_elems,
-                                                  const float (&x)[R][4]) {
-  uint32_t m[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    m[r] = 0u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) m[r] = max(m[r], __float_as_uint(x[r][i]) & 0x7fffffffu);
-  }
-  const uint32_t red =
-      transpose_combine<G, R>(m, lane, [](uint32_t a, uint32_t b) { return max(a, b); });
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float amax = __uint_as_float(__shfl_sync(0xffffffffu, red, holder_lane<G, R>(r), G));
-    if (row0 + r * rg >= V) continue;
-    const float s = fmt::fresh_scale(T, amax);
-    float y[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) y[i] = x[r][i] / s;
-    const uint64_t index = index0 + static_cast<uint64_t>(r) * static_cast<uint64_t>(row_elems);
-    __stcs(reinterpret_cast<unsigned int*>(codes + static_cast<int64_t>(r) * row_elems),
-           fmt::encode_codes4(T, y, stochastic, key, index));
-    if (lane % G == 0) scales[r * rg] = s;
-  }
 }
 
 // The stochastic-rounding step counters of a call (n: one per layer), after its grid, in stream

@@ -152,17 +152,14 @@ inline DecodeChoice forced_decode_kernel() {
                                                               DecodeChoice::automatic);
   return forced;
 }
-// DELTASTATE_CUDA_QUANT_DECODE=register|mma|mma2: a decode-shaped call on a float8 / int8 pool
-// on the register decode kernel's quantized twin, or on the tensor-core kernel with one or two
-// tiles a warp.
-enum class QuantDecodeChoice { automatic, register_kernel, mma, mma2 };
+// DELTASTATE_CUDA_QUANT_DECODE=mma|mma2: a decode-shaped call on a float8 / int8 pool on the
+// tensor-core kernel with one or two tiles a warp.
+enum class QuantDecodeChoice { automatic, mma, mma2 };
 inline QuantDecodeChoice forced_quant_decode_kernel() {
-  static const QuantDecodeChoice forced =
-      env_choice<QuantDecodeChoice>("DELTASTATE_CUDA_QUANT_DECODE",
-                                    {{"register", QuantDecodeChoice::register_kernel},
-                                     {"mma", QuantDecodeChoice::mma},
-                                     {"mma2", QuantDecodeChoice::mma2}},
-                                    QuantDecodeChoice::automatic);
+  static const QuantDecodeChoice forced = env_choice<QuantDecodeChoice>(
+      "DELTASTATE_CUDA_QUANT_DECODE",
+      {{"mma", QuantDecodeChoice::mma}, {"mma2", QuantDecodeChoice::mma2}},
+      QuantDecodeChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_DECODE_TPW=1|2: tiles per warp of the register decode kernel.

@@ -11,7 +11,6 @@
 #include "cuda/loads.cuh"
 #include "cuda/recurrent/head_block.cuh"
 #include "cuda/rows.cuh"
-#include "cuda/state_fmt.cuh"
 #include "cuda/token.cuh"
 #include "cuda/tuning.h"
 
@@ -31,11 +30,7 @@ namespace {
 // lane its own words, so no barrier) while the first is computed from registers: the slot, the
 // token and its preparation are shared by both tiles, and each warp has two tiles of state in
 // flight from its start. (More tiles per warp spill.)
-// A quantized pool (StateT = QuantCode<T>, state_fmt.cuh): each lane's 4 codes of a row are one
-// 4-byte word, dequantized with the row's scale on load and requantized with the row's fresh
-// scale on store (the rows' amaxes reduced at once over their G lanes), through
-// state_format.cuh's element rules, one tile per warp; the launcher advances the rounding step
-// after the grid. Its CTAs: kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
+// Its CTAs: kDecodeCtaWarps warps, kDecodeCtasPerSm resident per SM (tuning.h).
 constexpr int kDecodeWarpsPerSm = kDecodeCtaWarps * kDecodeCtasPerSm;
 // Bytes of one tile (the shared memory each warp stages its second tile in, with TPW = 2).
 template <class StateT, int K>
@@ -46,8 +41,6 @@ template <class StateT, int K, class In, int TPW>
 __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     recurrent_decode_kernel(const RecurrentProblem p, int warps_per_head) {
   static_assert(TPW == 1 || TPW == 2, "one or two tiles per warp");
-  constexpr bool kQuant = kQuantCode<StateT>;
-  static_assert(!kQuant || TPW == 1, "quantized pools: one tile per warp");
   enter_grid(p.pdl_trigger_early);
   using Lay = RowLayout<StateT, K>;
   constexpr int G = Lay::G, EPL = Lay::EPL, RG = Lay::RG, R = Lay::ROWS;
@@ -104,20 +97,11 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   }
   StateT* st = static_cast<StateT*>(p.state.ptr) + slot * p.state.slot_stride +
                static_cast<int64_t>(hv) * p.V * K + static_cast<int64_t>(row0) * K + kofs;
-  // A quantized pool's row scales of this head (row v at scales[v]).
-  float* scales = nullptr;
-  if constexpr (kQuant)
-    scales = p.state.scales + slot * p.state.scale_slot_stride + static_cast<int64_t>(hv) * p.V;
   float S[R][EPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (row0 + r * RG < p.V) {
-      if constexpr (kQuant) {
-        load_codes4<StateT::dtype>(reinterpret_cast<const uint8_t*>(st + r * RG * K),
-                                   scales[row0 + r * RG], S[r]);
-      } else {
-        load_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
-      }
+      load_state<StateT, EPL, true>(st + r * RG * K, EPL, S[r]);
     } else {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) S[r][i] = 0.0f;
@@ -136,20 +120,13 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
   float alpha[EPL];
   decode_alpha<EPL>(p.gate, x.g, hv, K, kofs, alpha);
   const float beta = detail::beta_value(x.b, p.beta_is_logit, p.round_beta, p.beta.dtype);
-  // Stochastic rounding of a quantized pool: the slot's key (the call's step, read here).
-  uint64_t key = 0;
-  if constexpr (kQuant) {
-    if (p.state.stochastic)
-      key = detail::sr_key(p.state.seed, static_cast<uint64_t>(slot), p.state.layer,
-                           static_cast<uint64_t>(*p.state.step));
-  }
 
   // The delta-rule step per tile: decay and dots, one transposed reduction of all 2R dots, u_r by
   // the lane holding sk_r, broadcast; o_r = sq_r + u_r*kq by the lane holding sq_r.
 #pragma unroll
   for (int t = 0; t < TPW; ++t) {
     const int rowt = row0 + t * RPW;
-    if constexpr (TPW == 2) {  // (a quantized pool's tiles have no staged form)
+    if constexpr (TPW == 2) {
       if (t > 0) {
         if (rowt - lane / G >= p.V) break;  // past the head's last row (warp-uniform)
         load_staged_rows<StateT, EPL, R>(mine, 32, rowt, RG, p.V, S);
@@ -160,14 +137,8 @@ __global__ void __launch_bounds__(kDecodeCtaWarps * 32, kDecodeCtasPerSm)
     const bool v_here = idx < R && rowt + idx * RG < p.V;
     const float red = delta_step_rows<G, R>(
         S, alpha, x.k, x.q, v_here ? to_float(v_in[t]) : 0.0f, beta, lane, u_here, [&](int r) {
-          if constexpr (!kQuant)
-            if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
+          if (rowt + r * RG < p.V) store_state<StateT, EPL, true>(stt + r * RG * K, EPL, S[r]);
         });
-    if constexpr (kQuant)  // every lane: the rows' amaxes are shuffles over their G lanes
-      store_rows_codes4<StateT::dtype, G, R>(
-          reinterpret_cast<uint8_t*>(stt), scales + rowt, rowt, RG, p.V, lane, p.state.stochastic,
-          key, static_cast<uint64_t>((static_cast<int64_t>(hv) * p.V + rowt) * K + kofs), RG * K,
-          S);
     store_output_rows<G, R>(p.out, o_off, p.V, rowt, RG, lane, red, u_here, kq);
   }
 }
