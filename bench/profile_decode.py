@@ -4,6 +4,12 @@ size, so that `ncu --launch-skip/--launch-count` can pick one warm launch of eac
   ncu --clock-control none -k regex:'recurrent|fused_recurrent' --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats python3 bench/profile_decode.py
 
+With --replay L --sglang PATH, after ours, 2L steps of SGLang's Triton ReplaySSM (PATH: its
+fused_recurrent_linear_replayssm.py, as bench_replayssm.py --peer) on its own copies of the pool
+and rings, its launch i at cursor i mod L: `ncu -k regex:fused_recurrent_linear_replayssm
+--launch-skip 8 --launch-count 1` picks its appending step at cursor 8, beside ours (`-k
+regex:replay_` with the same skip).
+
 With --copy it runs the copy yardstick over the bytes of the state the decode launch reads and
 writes instead (harness.copy_pass: an in-place elementwise pass, the decode benchmark's copy_us),
 for side-by-side memory tables.
@@ -30,6 +36,9 @@ ap.add_argument("--copy", action="store_true",
 ap.add_argument("--replay", type=int, default=0,
                 help="ring length L: run 2L ReplaySSM steps (cursors advanced on the device) "
                      "instead of plain decode; launch i has cursor i mod L (flush at L-1)")
+ap.add_argument("--sglang", metavar="PATH", default=None,
+                help="with --replay: then 2L steps of SGLang's Triton ReplaySSM from PATH "
+                     "(bench_replayssm.py --peer's file or folder) on its own buffers")
 args = ap.parse_args()
 m = MODELS[args.model]
 if args.copy:
@@ -44,6 +53,11 @@ if args.replay:
     case = ReplayCase(m, DTYPES[args.dtype], args.B, args.replay, torch.Generator().manual_seed(0))
     for _ in range(2 * args.replay):
         case.replay(0)()
+    if args.sglang:
+        from bench_replayssm import PeerReplay, load_peer
+        peer = PeerReplay(load_peer(args.sglang), case)  # its cursors from 0, advanced each step
+        for _ in range(2 * args.replay):
+            peer.replay(0)()
     args.no_peer = True
 else:
     fmt = QUANTIZED.get(args.dtype)

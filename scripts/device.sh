@@ -8,7 +8,8 @@
 #                                      bench-variant,
 #                                      bench-pdl,
 #                                      bench-replay-bpc1, profile, test-replay,
-#                                      profile-replay, profile-source,
+#                                      profile-replay, profile-replay-peer,
+#                                      profile-source,
 #                                      profile-replay-source, profile-decode-source,
 #                                      test-decode, test-stream, profile-memory,
 #                                      trace-stream, bench-bulk, test-prefill,
@@ -450,6 +451,19 @@ for phase in "${phases[@]}"; do
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
           --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
           python3 bench/profile_decode.py --replay "$L" ${PROFILE_ARGS:-}
+      done
+      ;;
+    profile-replay-peer)
+      # The same two steps of SGLang's Triton ReplaySSM (SGLANG_PEER: its reference file or
+      # folder, carried, never committed; bench/profile_decode.py --sglang), run after ours in
+      # the same process, on its own copies of the pool and rings
+      L=${PROFILE_L:-16}
+      for skip in 8 $((L - 1)); do
+        ncu_launch fused_recurrent_linear_replayssm $skip \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+          python3 bench/profile_decode.py --replay "$L" --sglang "${SGLANG_PEER:-build-peers/sglang}" \
+          ${PROFILE_ARGS:-}
       done
       ;;
     profile-replay-source)  # per-instruction counters of one ReplaySSM appending step only
