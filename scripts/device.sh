@@ -172,11 +172,12 @@ for phase in "${phases[@]}"; do
       # grids of more than one wave, which the suite's cases are not)
       forced_decode_tests decode 2
       # ReplaySSM with one and with two row blocks per CTA forced (the default picks by grid size),
-      # and the tensor-core kernel forced on its shapes (bf16 checkpoints, K = 128, whole heads)
+      # and the tensor-core and one-warp kernels forced on their shapes (bf16 checkpoints, K = 128)
       for bpc in 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
       done
       DELTASTATE_CUDA_REPLAY_KERNEL=tc run test gtest_sharded test '*GpuReplay*:*FusedReplay*'
+      DELTASTATE_CUDA_REPLAY_KERNEL=warp run test gtest_sharded test '*GpuReplay*:*FusedReplay*'
       run test ctest --test-dir "$BUILD" -j 8 --output-on-failure -LE gpu
       run test python3 -m pytest -q python/tests -x
       ;;
@@ -266,7 +267,7 @@ for phase in "${phases[@]}"; do
       for bpc in 0 1 2; do
         DELTASTATE_CUDA_REPLAY_BPC=$bpc run test gtest_sharded test '*GpuReplay*'
       done
-      for k in rows tc; do
+      for k in rows tc warp; do
         DELTASTATE_CUDA_REPLAY_KERNEL=$k run test gtest_sharded test '*GpuReplay*:*FusedReplay*'
       done
       ;;
@@ -317,6 +318,10 @@ for phase in "${phases[@]}"; do
       # the tensor-core kernel (bf16 checkpoints, K = 128, whole heads)
       DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized memcheck '*GpuReplay*bf16ckpt*'
       DELTASTATE_CUDA_REPLAY_KERNEL=tc sanitized racecheck '*GpuReplay*bf16ckpt*'
+      # the one-warp kernel (GDN, bf16 checkpoints and inputs, L <= 16), its bad-row guard too
+      DELTASTATE_CUDA_REPLAY_KERNEL=warp sanitized memcheck \
+        '*GpuReplay*gdn_qwen_bf16ckpt*:*GpuReplayGuard*gdn_qwen_bf16ckpt*'
+      DELTASTATE_CUDA_REPLAY_KERNEL=warp sanitized racecheck '*GpuReplay*gdn_qwen_bf16ckpt*'
       # the decode kernel's shared-memory tile (2 tiles per warp forced)
       DELTASTATE_CUDA_DECODE=decode DELTASTATE_CUDA_DECODE_TPW=2 sanitized memcheck \
         '*partial_tile*:*B3*:*k64_*'

@@ -13,6 +13,7 @@
 #include "cuda/launch.h"
 #include "cuda/loads.cuh"
 #include "cuda/replayssm/decode.cuh"
+#include "cuda/replayssm/decode_warp.cuh"
 #include "cuda/replayssm/modes.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/tuning.h"
@@ -53,6 +54,17 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
                 detail::SmallDivider::of(p.HV / p.H));
 }
 
+// The one-warp kernel (replay_warp_kernel, 64 rows a CTA): grid (B, HV, V / 64).
+void launch_warp(const ReplayProblem& p, cudaStream_t stream) {
+  constexpr int kMT = 4;
+  dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
+            static_cast<unsigned>(p.V / (16 * kMT)));
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  launch_kernel(replay_warp_kernel<TypedInput<__nv_bfloat16>, kMT>, grid, 32, WarpSmem<kMT>::bytes,
+                stream, p.pdl, with_pdl_trigger(p, ctas, kReplayWarpCtasPerSm),
+                detail::SmallDivider::of(p.HV / p.H));
+}
+
 // The op the caller called, for the launch's errors: replayssm_decode, or the fused step whose
 // ReplaySSM chain runs these kernels as its decode (err_op).
 const char* op_name(const ReplayProblem& p) {
@@ -85,8 +97,17 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
                             : static_cast<int64_t>(p.B) * p.HV * vblocks >=
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
     if constexpr (KT == 128 && std::is_same_v<StateT, __nv_bfloat16>) {
-      // The tensor-core kernel: whole 8-warp CTAs of 128 rows (rows_blk is 64 here).
       const ReplayDecodeChoice choice = replay_decode_choice();
+      // The one-warp kernel, forced only: GDN, bf16 inputs (its k ring staged as bf16), L <= 16,
+      // V a multiple of its 64 rows.
+      if constexpr (std::is_same_v<In, TypedInput<__nv_bfloat16>>) {
+        if (choice == ReplayDecodeChoice::warp && !p.gate.kda && p.L <= kWarpRingRecords &&
+            p.V % 64 == 0) {
+          if (run) launch_warp(p, stream);
+          return;
+        }
+      }
+      // The tensor-core kernel: whole 8-warp CTAs of 128 rows (rows_blk is 64 here).
       const int64_t tc_ctas = static_cast<int64_t>(p.B) * p.HV * (vblocks / 2);
       const bool tc = choice == ReplayDecodeChoice::tensor ||
                       (choice == ReplayDecodeChoice::automatic && two &&

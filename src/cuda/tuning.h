@@ -94,6 +94,9 @@ constexpr int64_t kReplayTwoBlockWaves = 2;
 // first form (the same appending step, a slower flush): 10.19 against 10.03;
 // bench/results/replayssm-decode-tc-h100.txt).
 constexpr int64_t kReplayTcWaves = 2;
+// The one-warp ReplaySSM kernel (replayssm/decode_warp.cuh: 64 rows a CTA, ~25 KB of shared
+// memory): resident CTAs an SM that its launch bounds promise.
+constexpr int kReplayWarpCtasPerSm = 8;
 // ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
 // second block's checkpoint rows copied while the first runs) by the same rule, over the
 // one-block grid's `ctas`.
@@ -182,17 +185,21 @@ inline int forced_replay_blocks_per_cta() {
   static const int forced = env_override("DELTASTATE_CUDA_REPLAY_BPC", {1, 2});
   return forced;
 }
-// DELTASTATE_CUDA_REPLAY_KERNEL=rows|tc: ReplaySSM decode's kernel for a bf16 checkpoint with
-// K = 128 and V a multiple of 128, forced: the rows kernel (replayssm/decode.cuh: a lane's rows
-// in registers, the dots on CUDA cores) or the tensor-core kernel (replayssm/decode_tc.cuh: a
-// warp's 16 rows as mma fragments, 128 rows a CTA). Unset: the tensor-core kernel where the rows
-// kernel would take two row blocks a CTA and its grid fills kReplayTcWaves waves.
-enum class ReplayDecodeChoice { automatic, rows, tensor };
+// DELTASTATE_CUDA_REPLAY_KERNEL=rows|tc|warp: ReplaySSM decode's kernel for a bf16 checkpoint
+// with K = 128 and V a multiple of 128, forced: the rows kernel (replayssm/decode.cuh: a lane's
+// rows in registers, the dots on CUDA cores), the tensor-core kernel (replayssm/decode_tc.cuh: a
+// warp's 16 rows as mma fragments, 128 rows a CTA) or, for GDN with bf16 inputs and L <= 16,
+// the one-warp kernel (replayssm/decode_warp.cuh: 64 rows a one-warp CTA, no barrier; not yet
+// run on a GPU). Unset: the tensor-core kernel where the rows kernel would take two row blocks a
+// CTA and its grid fills kReplayTcWaves waves.
+enum class ReplayDecodeChoice { automatic, rows, tensor, warp };
 inline ReplayDecodeChoice replay_decode_choice() {
-  static const ReplayDecodeChoice forced = env_choice<ReplayDecodeChoice>(
-      "DELTASTATE_CUDA_REPLAY_KERNEL",
-      {{"rows", ReplayDecodeChoice::rows}, {"tc", ReplayDecodeChoice::tensor}},
-      ReplayDecodeChoice::automatic);
+  static const ReplayDecodeChoice forced =
+      env_choice<ReplayDecodeChoice>("DELTASTATE_CUDA_REPLAY_KERNEL",
+                                     {{"rows", ReplayDecodeChoice::rows},
+                                      {"tc", ReplayDecodeChoice::tensor},
+                                      {"warp", ReplayDecodeChoice::warp}},
+                                     ReplayDecodeChoice::automatic);
   return forced;
 }
 // DELTASTATE_CUDA_REPLAY_VERIFY_BPC=1|2: row blocks per CTA of the vector ReplaySSM verify (2

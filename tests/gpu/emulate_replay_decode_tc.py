@@ -24,6 +24,13 @@ B[2t..][g], B[2t+8..][g]; C[g][2t..], C[g+8][2t..]), runs the products, and chec
 (3) the B reads: each quarter warp's eight 16-byte reads cover the 32 banks once (kTcColPitch);
 (4) a flush's rows, read in the rows kernel's layout (load_tc_tile_rows), come from the words the
     staging threads wrote them to, every chunk of the CTA's 128 rows once.
+The one-warp kernel (replayssm/decode_warp.cuh, GDN) takes its records' coefficients from the same
+product: the k ring's 16 records as A rows against split3(kn), split3(qn); lane t's record j = t,
+t + 4, ... comes from quad j % 8 (c0 / c1 for j < 8, c2 / c3 above); the checkpoint's dots scaled
+by e * alpha. Checked: (5) its appending dots against fp64 (ring records past m filled with
+garbage that must not leak), (6) its k-ring and d-ring reads (kWarpKPitch 320, kDPitch 144) cover
+the banks without conflict, (7) a flush's chunk map stores every (row, column) of its 64 rows
+once, from the chunk it loaded.
 """
 
 import sys
@@ -149,6 +156,86 @@ def check_banks():
             assert len(units) == 8, f"bank conflict in quarter {quarter}, chunk {c}"
 
 
+K_PITCH, MT = 320, 4  # kWarpKPitch (bytes); m-tiles a warp (64 rows)
+D_PITCH = 16 * MT * 2 + 16  # WarpSmem<4>::kDPitch (bytes)
+
+
+def warp_kernel_dots(S0, kn, qn, kring, d, w, a, e, m):
+    """The one-warp kernel's appending dots of one m-tile (16 rows): records' coefficients from
+    the ring product and the lanes' shuffle map, then e*a*(S0.kn) plus each lane's records."""
+    pk, pq = split3(kn), split3(qn)
+    zero = np.zeros((0, ROWS))
+    # The ring product per quad: lane_tile_dots' quad sums, rows g and g + 8 (records).
+    C_k, C_q = lane_tile_dots(kring, pk, pq, zero, np.zeros(0), np.zeros(0))
+    quad = np.stack([C_k[:8], C_q[:8], C_k[8:], C_q[8:]], axis=1)  # [g, (c0, c1, c2, c3)]
+    ck, cq = np.zeros(16), np.zeros(16)
+    for lane in range(32):
+        t = lane % 4
+        for i in range(4):
+            j = t + 4 * i
+            src = 4 * (j & 7)
+            k0, q0, k1, q1 = quad[src // 4]
+            if j < m:
+                ck[j] = w[j] * (a * (k0 if j < 8 else k1))
+                cq[j] = w[j] * (a * (q0 if j < 8 else q1))
+    s_k, s_q = lane_tile_dots(S0, pk, pq, zero, np.zeros(0), np.zeros(0))
+    return e * a * s_k + d[:m].T @ ck[:m], e * a * s_q + d[:m].T @ cq[:m]
+
+
+def check_warp_kernel(rng):
+    worst = 0.0
+    for _ in range(30):
+        m = int(rng.integers(0, 16))
+        S0 = bf16(rng.standard_normal((ROWS, K)))
+        kn = rng.standard_normal(K).astype(np.float32).astype(np.float64)
+        qn = rng.standard_normal(K).astype(np.float32).astype(np.float64)
+        kring = bf16(rng.standard_normal((16, K)) * 0.1)
+        kring[m:] = bf16(rng.standard_normal((16 - m, K)) * 1e30)  # stale records
+        d = bf16(rng.standard_normal((16, ROWS)))
+        w = np.exp(-rng.uniform(0, 2, 16))
+        a, e = float(np.exp(-rng.uniform(0, 1))), float(np.exp(-rng.uniform(0, 3)))
+        sk, sq = warp_kernel_dots(S0, kn, qn, kring, d, w, a, e, m)
+        ck = w[:m] * a * (kring[:m] @ kn)
+        cq = w[:m] * a * (kring[:m] @ qn)
+        ref_k = e * a * (S0 @ kn) + d[:m].T @ ck
+        ref_q = e * a * (S0 @ qn) + d[:m].T @ cq
+        mag = e * a * (np.abs(S0) @ np.abs(kn)) + np.abs(d[:m].T) @ np.abs(ck) + 1e-300
+        magq = e * a * (np.abs(S0) @ np.abs(qn)) + np.abs(d[:m].T) @ np.abs(cq) + 1e-300
+        worst = max(worst, np.max(np.abs(sk - ref_k) / mag), np.max(np.abs(sq - ref_q) / magq))
+    # (6) banks: the k ring's A reads (a quarter warp: records g, g + 1 of row half hh, chunk c)
+    for quarter in range(4):
+        for hh in range(2):
+            for c in range(4):
+                units = {(((g + 8 * hh) * K_PITCH + (32 * c + 8 * t) * 2) // 16) % 8
+                         for lane in range(8 * quarter, 8 * quarter + 8)
+                         for g, t in [divmod(lane, 4)]}
+                assert len(units) == 8, "k ring bank conflict"
+    for mt in range(MT):  # the d ring's scalar reads: lane (g, t) reads record t + 4i, row g (+8)
+        for i in range(4):
+            for hh in range(2):
+                banks = {}
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    addr = (t + 4 * i) * D_PITCH + (16 * mt + g + 8 * hh) * 2
+                    banks.setdefault((addr // 4) % 32, set()).add(addr // 4)
+                assert all(len(v) == 1 for v in banks.values()), "d ring bank conflict"
+    # (7) a flush's chunk map: lane (g, t), m-tile mt, row half hh, chunk c, element i holds row
+    # 16 mt + g + 8 hh, column 32c + 8t + i, loaded from and stored to the same place.
+    seen = np.zeros((16 * MT, K), dtype=int)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for mt in range(MT):
+            for hh in range(2):
+                for c in range(4):
+                    row = 16 * mt + g + 8 * hh
+                    load0 = phys(c, t, 0)  # cp.async source column of the chunk
+                    store0 = 8 * t + 32 * c  # the flush's 16-byte store
+                    assert load0 == store0, "flush stores a chunk where it did not load it"
+                    seen[row, load0:load0 + 8] += 1
+    assert (seen == 1).all(), "a flush does not cover its rows once"
+    return worst
+
+
 def main() -> int:
     rng = np.random.default_rng(20261207)
     check_stores()
@@ -186,7 +273,10 @@ def main() -> int:
     print(f"rounding off: worst |dot - fp64| / sum|.| = {worst_exact:.2e}")
     print(f"rounding on: split residual {worst_split:.2e} of |x| (exact: 0); "
           f"dots {worst_rounded:.2e} of sum|.| (bound 2^-23)")
-    ok = worst_exact < 1e-12 and worst_split == 0.0 and worst_rounded <= 2.0**-23
+    warp = check_warp_kernel(rng)
+    print(f"one-warp kernel: appending dots {warp:.2e} of sum|.| (bound 2^-23)")
+    ok = (worst_exact < 1e-12 and worst_split == 0.0 and worst_rounded <= 2.0**-23
+          and warp <= 2.0**-23)
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -423,6 +423,8 @@ INSTANTIATE_TEST_SUITE_P(
         ReplayCase{"gdn_qwen_f32_bf16act_L4_envelope", kQwen3Next, false, kNoLb, f32, bf16, 4, 42,
                    4096, 256},
         ReplayCase{"gdn_qwen_bf16ckpt_bf16act_L8", kQwen3Next, false, kNoLb, bf16, bf16, 8},
+        // the longest ring the one-warp kernel takes (its coefficients from 16 records)
+        ReplayCase{"gdn_qwen_bf16ckpt_bf16act_L16", kQwen3Next, false, kNoLb, bf16, bf16, 16},
         ReplayCase{"gdn_qwen_f32_bf16act_L16", kQwen3Next, false, kNoLb, f32, bf16, 16},
         ReplayCase{"kda_kimi_f32_lb_L4", kKimi, true, kLb, f32, f32, 4},
         ReplayCase{"kda_kimi_bf16ckpt_bf16act_L16_envelope", kKimi, true, kNoLb, bf16, bf16, 16, 42,

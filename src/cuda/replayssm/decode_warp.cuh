@@ -1,0 +1,348 @@
+// ReplaySSM decode with a bf16 checkpoint on one warp a CTA (issue #37's third design for
+// Qwen3-Next: SGLang's Triton kernel, two one-warp programs a head without barriers, is ahead of
+// the 8-warp kernels from B = 8; docs/PERFORMANCE.md). GDN, K = 128, L <= 16; only where forced
+// (DELTASTATE_CUDA_REPLAY_KERNEL=warp, replayssm_decode.cu). Part of replayssm_decode.cu's
+// translation unit (after decode.cuh), in its anonymous namespace.
+//
+// A CTA is one warp over WR = 16 * MT rows of one (row n, value head hv): every piece of the
+// per-head work is its own (the slot, the cursor, the token, the ring), so no CTA barrier orders
+// it, and a head's CTAs run independently. The rows are decode_tc.cuh's tensor-core tiles: m-tile
+// mt holds rows 16 mt .. 16 mt + 15, lane (g, t) its 16-byte chunks of rows g and g + 8 at
+// columns 32c + 8t (c = 0..3), staged by cp.async. The B operand is the token's normalized k and
+// q, each split into three bf16 parts (split_bf16x3; decode_tc.cuh's column layout), so one
+// operand serves two products:
+//  - the checkpoint's dots, S0.kn and S0.qn, scaled by e * alpha afterwards (GDN's decays are
+//    scalars: e = exp(Gtot), alpha the token's);
+//  - the records' coefficients: the k ring (A: 16 records as stored, rows past m unused) times
+//    (kn, qn) in 8 HMMA, c_j = W_j * alpha * (k_j . kn) and likewise for q (decode.cuh's
+//    coefficients without the record pass or its barrier); lane t takes records t, t + 4, ...,
+//    each from the quad holding it.
+// A flush rebuilds each m-tile's rows in the lane's chunks, S = e*S0 + sum_j (d_j W_j) k_j (the
+// CPU's order: scale by e, one rank-1 update per record), then the plain delta-rule step on them
+// (decay, the dots, u, S <- S + u k), and stores them as bf16 from the chunks.
+// Shared memory (bytes, WarpSmem): the tile [MT][2][4][32] 16-byte chunks; the B operand
+// (kTcBBytes); kn and qn [128] fp32; the k ring, 16 records at kWarpKPitch; the warp's rows of
+// the d ring, 16 records at kDPitch.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/replayssm/decode_tc.cuh"
+#include "cuda/tuning.h"
+
+namespace deltastate::cuda_backend {
+namespace {
+
+constexpr int kWarpRingRecords = 16;  // the most records a ring holds here (L <= 16)
+// Bytes per staged k record: 256 and a 64-byte pad, so that a quarter warp's 16-byte reads of
+// records g and g + 1 (their chunks at 32c + 8t) cover the banks once (as kTcColPitch).
+constexpr int kWarpKPitch = 128 * 2 + 64;
+template <int MT>
+struct WarpSmem {
+  static constexpr int kRows = 16 * MT;
+  // Bytes per staged d record (the warp's rows): a 16-byte pad, so that the four lanes of a quad
+  // (records t, t + 4, ...) read different banks.
+  static constexpr int kDPitch = kRows * 2 + 16;
+  static constexpr int tile = 0;
+  static constexpr int bop = tile + MT * 8 * 32 * 16;
+  static constexpr int kn = bop + kTcBBytes;
+  static constexpr int qn = kn + 128 * 4;
+  static constexpr int kring = qn + 128 * 4;
+  static constexpr int dring = kring + kWarpRingRecords * kWarpKPitch;
+  static constexpr int bytes = dring + kWarpRingRecords * kDPitch;
+};
+
+// Two bf16 values as one 32-bit operand word, lo in the low half (the lower k).
+__device__ __forceinline__ uint32_t bf16_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+
+// The lane's chunk (m-tile mt, row g + 8 hh, chunk c) in the staged tile.
+__device__ __forceinline__ int warp_tile_chunk(int mt, int hh, int c, int lane) {
+  return ((mt * 2 + hh) * 4 + c) * 32 + lane;
+}
+
+template <class In, int MT>
+__global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
+    replay_warp_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
+  constexpr int K = 128, EPL = K / 32, WR = 16 * MT;
+  using Sm = WarpSmem<MT>;
+  using InT = typename In::wide_type;
+  extern __shared__ __align__(16) unsigned char smem[];
+  enter_grid(p.pdl_trigger_early);
+  const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y);
+  const int h = group_div.divide(hv);
+  const int lane = static_cast<int>(threadIdx.x), g = lane >> 2, t = lane & 3;
+  const int V = p.V, L = p.L;
+  const int row_base = static_cast<int>(blockIdx.z) * WR;
+  const int kofs = lane * EPL;
+
+  // The slot, the cursor and every input that does not depend on them first.
+  const int64_t slot = load_int_now(p.indices + n * p.index_stride);
+  const int cursor = load_int_now_cg(p.write_pos + n);
+  const bool forced_flush = p.force_flush && load_int_now(p.force_flush + n) != 0;
+  const int64_t v_off = head_offset(p.v, n, 0, hv) + row_base + g;
+  InT v_in[MT][2];  // v of the lane's rows g, g + 8 of each m-tile
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      v_in[mt][hh] = load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + 16 * mt + 8 * hh);
+  TokenHeadInputs<EPL, InT> x_in;
+  load_token_head<In>(p, p.a, p.b, n, 0, h, hv, kofs, EPL, x_in);
+  GateConsts<EPL> gc;
+  load_gate_consts(p.gate, hv, K, kofs, EPL, gc);
+
+  const int64_t o_off = head_offset(p.out, n, 0, hv);
+  auto fill_output = [&](float value) {
+    for (int r = lane; r < WR; r += 32)
+      detail::store_float(p.out.ptr, p.out.dtype, o_off + row_base + r, value);
+  };
+  if (slot < 0) {  // padded: zero output; no state or ring access, the cursor left as it is
+    fill_output(0.0f);
+    return;
+  }
+  const int m = replay_cursor(cursor, p.advance_write_pos);
+  const bool bad_index = slot >= p.state.num_slots;
+  if (bad_index || cursor < 0 || m >= L) {  // as replay_step: skipped, NaN output, recorded
+    if (lane == 0 && hv == 0 && blockIdx.z == 0)
+      record_bad_row(p.errors, p.err_op, bad_index ? detail::kErrSlot : detail::kErrCursor, n,
+                     bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
+                     bad_index ? p.state.num_slots : static_cast<int64_t>(L));
+    fill_output(bad_row_output());
+    return;
+  }
+  const bool flush = detail::replay_flushes(m, L, forced_flush);
+
+  // The tile, then the ring's k records and the warp's rows of its d records, by cp.async.
+  __nv_bfloat16* const s0 = static_cast<__nv_bfloat16*>(p.state.ptr) + slot * p.state.slot_stride +
+                            static_cast<int64_t>(hv) * V * K;
+  uint4* const tile = reinterpret_cast<uint4*>(smem + Sm::tile);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        cp_async16(tile + warp_tile_chunk(mt, hh, c, lane),
+                   s0 + static_cast<int64_t>(row_base + 16 * mt + g + 8 * hh) * K + 32 * c + 8 * t);
+  float* const g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L);
+  const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
+  const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
+  const auto* k_src = static_cast<const __nv_bfloat16*>(p.k_cache) + k_ring;
+  const auto* d_src = static_cast<const __nv_bfloat16*>(p.d_cache) + d_ring + row_base;
+  for (int i = lane; i < m * 16; i += 32)  // 16 chunks a k record
+    cp_async16(smem + Sm::kring + (i >> 4) * kWarpKPitch + (i & 15) * 16, k_src + i * 8);
+  constexpr int kDChunks = WR / 8;  // 16-byte chunks of a d record's WR rows
+  for (int i = lane; i < m * kDChunks; i += 32) {
+    const int j = i / kDChunks, q = i - j * kDChunks;
+    cp_async16(smem + Sm::dring + j * Sm::kDPitch + q * 16,
+               d_src + static_cast<int64_t>(j) * V + q * 8);
+  }
+  cp_async_commit();
+  // GDN's g records: lane j holds g_j; an inclusive scan gives G_j, the last Gtot (the CPU sums
+  // them in order; the scan's order rounds within a few ulps of it).
+  float prefix = lane < m ? g_ring[lane] : 0.0f;
+#pragma unroll
+  for (int o = 1; o < kWarpRingRecords; o <<= 1) {
+    const float below = __shfl_up_sync(0xffffffffu, prefix, o);
+    if (lane >= o) prefix += below;
+  }
+  const float gtot = __shfl_sync(0xffffffffu, prefix, m > 0 ? m - 1 : 0);
+  const float w_lane = lane < m ? expf(gtot - prefix) : 0.0f;  // W_j of record j = lane
+  const float e = m > 0 ? expf(gtot) : 1.0f;
+
+  // The token: q, k normalized (q scaled) and k.q; the gate; beta. kn, qn and their B operand.
+  TokenHeadInputs<EPL> x = widen(x_in);
+  const float kq = prepare_qk<EPL, 32>(x.q, x.k, p.l2norm, p.scale, lane);
+  float gcur[EPL], alpha[EPL];
+  token_gate(p.gate, gc, x.g, gcur, alpha);
+  const float a = alpha[0];  // GDN: one decay a head
+  const float beta = detail::beta_value(x.b, true, p.round_beta, p.b.dtype);
+  float* const s_kn = reinterpret_cast<float*>(smem + Sm::kn);
+  float* const s_qn = reinterpret_cast<float*>(smem + Sm::qn);
+  *reinterpret_cast<float4*>(s_kn + kofs) = make_float4(x.k[0], x.k[1], x.k[2], x.k[3]);
+  *reinterpret_cast<float4*>(s_qn + kofs) = make_float4(x.q[0], x.q[1], x.q[2], x.q[3]);
+  unsigned char* const bop = smem + Sm::bop;
+  {
+    uint32_t wk[3][EPL / 2], wq[3][EPL / 2];  // part s of kn, qn: bf16 pairs, the lower k low
+#pragma unroll
+    for (int i = 0; i < EPL; i += 2) {
+      __nv_bfloat16 k0[3], k1[3], q0[3], q1[3];
+      split_bf16x3(x.k[i], k0);
+      split_bf16x3(x.k[i + 1], k1);
+      split_bf16x3(x.q[i], q0);
+      split_bf16x3(x.q[i + 1], q1);
+#pragma unroll
+      for (int s = 0; s < 3; ++s) {
+        wk[s][i / 2] = bf16_pair(k0[s], k1[s]);
+        wq[s][i / 2] = bf16_pair(q0[s], q1[s]);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      *reinterpret_cast<uint2*>(bop + (2 * s) * kTcColPitch + kofs * 2) =
+          make_uint2(wk[s][0], wk[s][1]);
+      *reinterpret_cast<uint2*>(bop + (2 * s + 1) * kTcColPitch + kofs * 2) =
+          make_uint2(wq[s][0], wq[s][1]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncwarp();  // the staged tile and ring, kn, qn and the B operand, warp-wide
+  if (p.advance_write_pos && lane == 0)  // every lane has read the cursor
+    advance_row_cursor(p.write_pos, n, p.HV * static_cast<int>(gridDim.z), m, flush);
+  auto d_at = [&](int j, int r) {  // record j's d of the warp's row r
+    return reinterpret_cast<const __nv_bfloat16*>(smem + Sm::dring + j * Sm::kDPitch)[r];
+  };
+
+  if (!flush) {
+    // The records' dots with kn and qn: records g and g + 8 of the quad's rows (rows past m
+    // hold stale bytes; their results are never read).
+    uint4 A[2][4];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        A[hh][c] = *reinterpret_cast<const uint4*>(smem + Sm::kring + (g + 8 * hh) * kWarpKPitch +
+                                                   (32 * c + 8 * t) * 2);
+    float rc[4];
+    tc_tile_dots(A, bop, lane, rc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) rc[i] = quad_sum(rc[i]);
+    float ck[4], cq[4];  // records t, t + 4, t + 8, t + 12 (zero past m)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = t + 4 * i, src = 4 * (j & 7);
+      const float k0 = __shfl_sync(0xffffffffu, rc[0], src);
+      const float q0 = __shfl_sync(0xffffffffu, rc[1], src);
+      const float k1 = __shfl_sync(0xffffffffu, rc[2], src);
+      const float q1 = __shfl_sync(0xffffffffu, rc[3], src);
+      const float wj = __shfl_sync(0xffffffffu, w_lane, j);
+      ck[i] = j < m ? wj * (a * (j < 8 ? k0 : k1)) : 0.0f;
+      cq[i] = j < m ? wj * (a * (j < 8 ? q0 : q1)) : 0.0f;
+    }
+    // The checkpoint's dots, m-tile by m-tile: e*alpha*(S0.kn, S0.qn) plus the records' terms;
+    // lanes 0 / 1 store the outputs of rows g / g + 8, lanes 2 / 3 their d records.
+    const float ea = e * a;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      uint4 At[2][4];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) At[hh][c] = tile[warp_tile_chunk(mt, hh, c, lane)];
+      float acc[4];
+      tc_tile_dots(At, bop, lane, acc);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] *= ea;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = t + 4 * i;
+        if (j < m) {
+          const float d0 = __bfloat162float(d_at(j, 16 * mt + g));
+          const float d1 = __bfloat162float(d_at(j, 16 * mt + g + 8));
+          acc[0] = fmaf(d0, ck[i], acc[0]);
+          acc[1] = fmaf(d0, cq[i], acc[1]);
+          acc[2] = fmaf(d1, ck[i], acc[2]);
+          acc[3] = fmaf(d1, cq[i], acc[3]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = quad_sum(acc[i]);
+      const int hh = t & 1;
+      const int row = row_base + 16 * mt + g + 8 * hh;
+      const float u =
+          detail::delta_u(to_float(hh ? v_in[mt][1] : v_in[mt][0]), hh ? acc[2] : acc[0], beta);
+      if (t < 2)
+        detail::store_float(p.out.ptr, p.out.dtype, o_off + row,
+                            detail::delta_output(hh ? acc[3] : acc[1], u, kq));
+      else detail::store_float(p.d_cache, p.d_dtype, d_ring + static_cast<int64_t>(m) * V + row, u);
+    }
+    // The appended record's k (the key head's first value head) and g: one writer per head.
+    if (blockIdx.z == 0) {
+      if (hv == 0 || group_div.divide(hv - 1) != h)
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+          detail::store_float(p.k_cache, p.k_dtype, k_ring + static_cast<int64_t>(m) * K + kofs + i,
+                              x.k[i]);
+      if (lane == 0) g_ring[m] = gcur[0];
+    }
+    return;
+  }
+
+  // A flush, m-tile by m-tile: the lane's rows g, g + 8, columns 32c + 8t + i (its chunks).
+  float kn[32], qn[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    kn[i] = s_kn[32 * (i >> 3) + 8 * t + (i & 7)];
+    qn[i] = s_qn[32 * (i >> 3) + 8 * t + (i & 7)];
+  }
+#pragma unroll 1
+  for (int mt = 0; mt < MT; ++mt) {
+    float S[2][32];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float v8[8];
+        unpack_bf16x8(tile[warp_tile_chunk(mt, hh, c, lane)], v8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) S[hh][8 * c + i] = v8[i] * e;
+      }
+    for (int j = 0; j < m; ++j) {
+      const float wj = __shfl_sync(0xffffffffu, w_lane, j);
+      const float d0 = __bfloat162float(d_at(j, 16 * mt + g)) * wj;
+      const float d1 = __bfloat162float(d_at(j, 16 * mt + g + 8)) * wj;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float k8[8];
+        unpack_bf16x8(*reinterpret_cast<const uint4*>(smem + Sm::kring + j * kWarpKPitch +
+                                                      (32 * c + 8 * t) * 2),
+                      k8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          S[0][8 * c + i] += d0 * k8[i];
+          S[1][8 * c + i] += d1 * k8[i];
+        }
+      }
+    }
+    float dots[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sk, sq of row g; of row g + 8
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        S[hh][i] *= a;
+        dots[2 * hh] += S[hh][i] * kn[i];
+        dots[2 * hh + 1] += S[hh][i] * qn[i];
+      }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dots[i] = quad_sum(dots[i]);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = row_base + 16 * mt + g + 8 * hh;
+      // (v reloaded: v_in indexed by this loop's mt would live in local memory)
+      const float v = to_float(load_input<In, InT>(p.v.ptr, p.v.dtype, v_off + 16 * mt + 8 * hh));
+      const float u = detail::delta_u(v, dots[2 * hh], beta);
+      if (t == hh)
+        detail::store_float(p.out.ptr, p.out.dtype, o_off + row,
+                            detail::delta_output(dots[2 * hh + 1], u, kq));
+      __nv_bfloat16* const dst = s0 + static_cast<int64_t>(row) * K + 8 * t;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          w[i] = prefill::Mma<__nv_bfloat16>::pack(
+              S[hh][8 * c + 2 * i] + u * kn[8 * c + 2 * i],
+              S[hh][8 * c + 2 * i + 1] + u * kn[8 * c + 2 * i + 1]);
+        *reinterpret_cast<uint4*>(dst + 32 * c) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace deltastate::cuda_backend
