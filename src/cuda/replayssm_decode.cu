@@ -54,14 +54,16 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
                 detail::SmallDivider::of(p.HV / p.H));
 }
 
-// The one-warp kernel (replay_warp_kernel, 64 rows a CTA): grid (B, HV, V / 64).
+// The one-warp kernel (replay_warp_kernel, 64 rows a CTA): grid (B, HV, V / 64). A template, so
+// that builds without every kernel (no caller instantiates it) do not compile the kernel.
+template <class In>
 void launch_warp(const ReplayProblem& p, cudaStream_t stream) {
   constexpr int kMT = 4;
   dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
             static_cast<unsigned>(p.V / (16 * kMT)));
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  launch_kernel(replay_warp_kernel<TypedInput<__nv_bfloat16>, kMT>, grid, 32, WarpSmem<kMT>::bytes,
-                stream, p.pdl, with_pdl_trigger(p, ctas, kReplayWarpCtasPerSm),
+  launch_kernel(replay_warp_kernel<In, kMT>, grid, 32, WarpSmem<kMT>::bytes, stream, p.pdl,
+                with_pdl_trigger(p, ctas, kReplayWarpCtasPerSm),
                 detail::SmallDivider::of(p.HV / p.H));
 }
 
@@ -103,7 +105,7 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
       if constexpr (std::is_same_v<In, TypedInput<__nv_bfloat16>>) {
         if (choice == ReplayDecodeChoice::warp && !p.gate.kda && p.L <= kWarpRingRecords &&
             p.V % 64 == 0) {
-          if (run) launch_warp(p, stream);
+          if (run) launch_warp<In>(p, stream);
           return;
         }
       }
