@@ -60,21 +60,18 @@ __device__ __forceinline__ void split_bf16x3(float x, __nv_bfloat16 (&part)[3]) 
   part[2] = __float2bfloat16_rn(r1 - __bfloat162float(part[1]));
 }
 
-// Warp 0's decayed token as the B operand (an appending step), its lane's CPL columns from col0:
-// ek = e*(alpha*k), eq = e*(alpha*q) (decayed_token_entry), split into parts
-// stored at column 2s (ek) and 2s + 1 (eq) of `bop`. K = 128: every column exists.
+// The B operand of a lane's CPL = 4 columns from col0 of two vectors x (columns 2s: part s) and
+// y (columns 2s + 1), each value split into its three bf16 parts (split_bf16x3).
 template <int CPL>
-__device__ __forceinline__ void store_decayed_token_tc(const float (&e)[CPL], int col0,
-                                                       const float* s_alpha, const float* s_kn,
-                                                       const float* s_qn, unsigned char* bop) {
+__device__ __forceinline__ void store_tc_b_operand(const float (&x)[CPL], const float (&y)[CPL],
+                                                   int col0, unsigned char* bop) {
   static_assert(CPL == 4, "K = 128: four columns a lane, one 8-byte word a part");
   __nv_bfloat16 pk[3][CPL], pq[3][CPL];
 #pragma unroll
   for (int c = 0; c < CPL; ++c) {
-    const float alpha = s_alpha[col0 + c];
     __nv_bfloat16 sk[3], sq[3];
-    split_bf16x3(decayed_token_entry(e[c], alpha, s_kn[col0 + c]), sk);
-    split_bf16x3(decayed_token_entry(e[c], alpha, s_qn[col0 + c]), sq);
+    split_bf16x3(x[c], sk);
+    split_bf16x3(y[c], sq);
 #pragma unroll
     for (int s = 0; s < 3; ++s) {
       pk[s][c] = sk[s];
@@ -88,6 +85,23 @@ __device__ __forceinline__ void store_decayed_token_tc(const float (&e)[CPL], in
     *reinterpret_cast<uint2*>(bop + (2 * s + 1) * kTcColPitch + col0 * 2) =
         *reinterpret_cast<const uint2*>(pq[s]);
   }
+}
+
+// Warp 0's decayed token as the B operand (an appending step), its lane's CPL columns from col0:
+// ek = e*(alpha*k), eq = e*(alpha*q) (decayed_token_entry) at columns 2s / 2s + 1 of `bop`.
+// K = 128: every column exists.
+template <int CPL>
+__device__ __forceinline__ void store_decayed_token_tc(const float (&e)[CPL], int col0,
+                                                       const float* s_alpha, const float* s_kn,
+                                                       const float* s_qn, unsigned char* bop) {
+  float ek[CPL], eq[CPL];
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) {
+    const float alpha = s_alpha[col0 + c];
+    ek[c] = decayed_token_entry(e[c], alpha, s_kn[col0 + c]);
+    eq[c] = decayed_token_entry(e[c], alpha, s_qn[col0 + c]);
+  }
+  store_tc_b_operand<CPL>(ek, eq, col0, bop);
 }
 
 // The warp's 16-row tile of a bf16 checkpoint, staged by each lane for itself: its chunks of

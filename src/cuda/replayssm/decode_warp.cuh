@@ -54,12 +54,6 @@ struct WarpSmem {
   static constexpr int bytes = dring + kWarpRingRecords * kDPitch;
 };
 
-// Two bf16 values as one 32-bit operand word, lo in the low half (the lower k).
-__device__ __forceinline__ uint32_t bf16_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
-}
-
 // The lane's chunk (m-tile mt, row g + 8 hh, chunk c) in the staged tile.
 __device__ __forceinline__ int warp_tile_chunk(int mt, int hh, int c, int lane) {
   return ((mt * 2 + hh) * 4 + c) * 32 + lane;
@@ -167,29 +161,7 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   *reinterpret_cast<float4*>(s_kn + kofs) = make_float4(x.k[0], x.k[1], x.k[2], x.k[3]);
   *reinterpret_cast<float4*>(s_qn + kofs) = make_float4(x.q[0], x.q[1], x.q[2], x.q[3]);
   unsigned char* const bop = smem + Sm::bop;
-  {
-    uint32_t wk[3][EPL / 2], wq[3][EPL / 2];  // part s of kn, qn: bf16 pairs, the lower k low
-#pragma unroll
-    for (int i = 0; i < EPL; i += 2) {
-      __nv_bfloat16 k0[3], k1[3], q0[3], q1[3];
-      split_bf16x3(x.k[i], k0);
-      split_bf16x3(x.k[i + 1], k1);
-      split_bf16x3(x.q[i], q0);
-      split_bf16x3(x.q[i + 1], q1);
-#pragma unroll
-      for (int s = 0; s < 3; ++s) {
-        wk[s][i / 2] = bf16_pair(k0[s], k1[s]);
-        wq[s][i / 2] = bf16_pair(q0[s], q1[s]);
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < 3; ++s) {
-      *reinterpret_cast<uint2*>(bop + (2 * s) * kTcColPitch + kofs * 2) =
-          make_uint2(wk[s][0], wk[s][1]);
-      *reinterpret_cast<uint2*>(bop + (2 * s + 1) * kTcColPitch + kofs * 2) =
-          make_uint2(wq[s][0], wq[s][1]);
-    }
-  }
+  store_tc_b_operand<EPL>(x.k, x.q, kofs, bop);
   cp_async_wait<0>();
   __syncwarp();  // the staged tile and ring, kn, qn and the B operand, warp-wide
   if (p.advance_write_pos && lane == 0)  // every lane has read the cursor
