@@ -124,13 +124,10 @@ __global__ void __launch_bounds__(kFusedMaxWarps * 32, 1)
   // cursor (until the row's last CTA stores the new one, which a skipped row never reaches), so
   // all of them skip it.
   const int m = replay_cursor(cursor, p.replay.advance_write_pos);
-  const bool bad_slot = slot >= p.state.num_slots;
-  if (bad_slot || cursor < 0 || m >= L) {
+  if (bad_replay_row(slot, p.state.num_slots, cursor, m, L)) {
     if (threadIdx.x == 0 && h == 0)
-      record_bad_row(p.errors, detail::kErrOpFusedStep,
-                     bad_slot ? detail::kErrSlot : detail::kErrCursor, n,
-                     bad_slot ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
-                     bad_slot ? p.state.num_slots : static_cast<int64_t>(L));
+      record_bad_replay_row(p.errors, detail::kErrOpFusedStep, n, slot, p.state.num_slots, cursor,
+                            m, L);
     for (int i = static_cast<int>(threadIdx.x); i < rows; i += static_cast<int>(blockDim.x))
       detail::store_float(p.out.ptr, p.out.dtype, o_base + i, bad_row_output());
     return;

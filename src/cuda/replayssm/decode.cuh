@@ -491,12 +491,9 @@ __device__ __forceinline__ void replay_step(const ReplayProblem& p,
   // row's last CTA, which is never reached for a skipped row), so all of them skip it.
   // With the device advance the high 16 bits count the CTAs of this launch that have read it.
   const int m = replay_cursor(cursor, p.advance_write_pos);
-  const bool bad_index = slot >= p.state.num_slots;
-  if (bad_index || cursor < 0 || m >= L) {
+  if (bad_replay_row(slot, p.state.num_slots, cursor, m, L)) {
     if (threadIdx.x == 0 && hv == 0 && blockIdx.z == 0)
-      record_bad_row(p.errors, p.err_op, bad_index ? detail::kErrSlot : detail::kErrCursor, n,
-                     bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
-                     bad_index ? p.state.num_slots : static_cast<int64_t>(L));
+      record_bad_replay_row(p.errors, p.err_op, n, slot, p.state.num_slots, cursor, m, L);
     cta.zero_output(p, bad_row_output());
     return;
   }

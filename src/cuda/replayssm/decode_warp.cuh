@@ -28,8 +28,12 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "core/delta_math.h"
 #include "cuda/replayssm/decode_tc.cuh"
+#include "cuda/replayssm/ring.cuh"
+#include "cuda/rows.cuh"
 #include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend {
@@ -91,21 +95,17 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   load_gate_consts(p.gate, hv, K, kofs, EPL, gc);
 
   const int64_t o_off = head_offset(p.out, n, 0, hv);
-  auto fill_output = [&](float value) {
-    for (int r = lane; r < WR; r += 32)
-      detail::store_float(p.out.ptr, p.out.dtype, o_off + row_base + r, value);
+  auto fill_output = [&](float value) {  // the warp's rows: lane, lane + 32, ...
+    zero_output_rows<WR / 32>(p.out, V, o_off, row_base + lane, 32, value);
   };
   if (slot < 0) {  // padded: zero output; no state or ring access, the cursor left as it is
     fill_output(0.0f);
     return;
   }
   const int m = replay_cursor(cursor, p.advance_write_pos);
-  const bool bad_index = slot >= p.state.num_slots;
-  if (bad_index || cursor < 0 || m >= L) {  // as replay_step: skipped, NaN output, recorded
+  if (bad_replay_row(slot, p.state.num_slots, cursor, m, L)) {  // as replay_step
     if (lane == 0 && hv == 0 && blockIdx.z == 0)
-      record_bad_row(p.errors, p.err_op, bad_index ? detail::kErrSlot : detail::kErrCursor, n,
-                     bad_index ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
-                     bad_index ? p.state.num_slots : static_cast<int64_t>(L));
+      record_bad_replay_row(p.errors, p.err_op, n, slot, p.state.num_slots, cursor, m, L);
     fill_output(bad_row_output());
     return;
   }
@@ -246,9 +246,10 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   }
 
   // A flush, m-tile by m-tile: the lane's rows g, g + 8, columns 32c + 8t + i (its chunks).
-  float kn[32], qn[32];
+  float kn[32], qn[32], alpha32[32];  // the lane's columns; GDN's decay in each
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
+    alpha32[i] = a;
     kn[i] = s_kn[32 * (i >> 3) + 8 * t + (i & 7)];
     qn[i] = s_qn[32 * (i >> 3) + 8 * t + (i & 7)];
   }
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
         float v8[8];
         unpack_bf16x8(tile[warp_tile_chunk(mt, hh, c, lane)], v8);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) S[hh][8 * c + i] = v8[i] * e;
+        for (int i = 0; i < 8; ++i) S[hh][8 * c + i] = v8[i] * e;  // (scale_row by e)
       }
     for (int j = 0; j < m; ++j) {
       const float wj = __shfl_sync(0xffffffffu, w_lane, j);
@@ -274,22 +275,15 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
         unpack_bf16x8(*reinterpret_cast<const uint4*>(smem + Sm::kring + j * kWarpKPitch +
                                                       (32 * c + 8 * t) * 2),
                       k8);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          S[0][8 * c + i] += d0 * k8[i];
-          S[1][8 * c + i] += d1 * k8[i];
-        }
+        detail::rank1_update(S[0] + 8 * c, k8, std::integral_constant<int, 8>{}, d0);
+        detail::rank1_update(S[1] + 8 * c, k8, std::integral_constant<int, 8>{}, d1);
       }
     }
-    float dots[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sk, sq of row g; of row g + 8
+    float dots[4];  // sk, sq of row g; of row g + 8 (the plain step's decay and dots)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        S[hh][i] *= a;
-        dots[2 * hh] += S[hh][i] * kn[i];
-        dots[2 * hh + 1] += S[hh][i] * qn[i];
-      }
+      detail::decay_and_dots(S[hh], alpha32, kn, qn, std::integral_constant<int, 32>{},
+                             dots[2 * hh], dots[2 * hh + 1]);
 #pragma unroll
     for (int i = 0; i < 4; ++i) dots[i] = quad_sum(dots[i]);
 #pragma unroll
@@ -301,15 +295,14 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
       if (t == hh)
         detail::store_float(p.out.ptr, p.out.dtype, o_off + row,
                             detail::delta_output(dots[2 * hh + 1], u, kq));
+      detail::rank1_update(S[hh], kn, std::integral_constant<int, 32>{}, u);
       __nv_bfloat16* const dst = s0 + static_cast<int64_t>(row) * K + 8 * t;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint32_t w[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          w[i] = prefill::Mma<__nv_bfloat16>::pack(
-              S[hh][8 * c + 2 * i] + u * kn[8 * c + 2 * i],
-              S[hh][8 * c + 2 * i + 1] + u * kn[8 * c + 2 * i + 1]);
+          w[i] = prefill::Mma<__nv_bfloat16>::pack(S[hh][8 * c + 2 * i], S[hh][8 * c + 2 * i + 1]);
         *reinterpret_cast<uint4*>(dst + 32 * c) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }

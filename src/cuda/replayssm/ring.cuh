@@ -9,6 +9,8 @@
 #include <cstdint>
 
 #include "core/numeric.h"
+#include "core/problem.h"
+#include "cuda/grid.cuh"
 #include "cuda/loads.cuh"
 #include "cuda/reduce.cuh"
 #include "cuda/replayssm/factor.cuh"
@@ -43,6 +45,21 @@ __device__ __forceinline__ void advance_row_cursor(int32_t* write_pos, int n, in
                                                    int m, bool flush) {
   const int old = atomicAdd(write_pos + n, 1 << 16);
   if ((old >> 16) == ctas_per_row - 1) write_pos[n] = flush ? 0 : m + 1;
+}
+
+// A row the step skips (its outputs NaN, nothing else touched): a slot past the pool or a cursor
+// m outside the ring [0, L). record_bad_replay_row records which, by one thread of the row.
+__device__ __forceinline__ bool bad_replay_row(int64_t slot, int64_t num_slots, int cursor, int m,
+                                               int L) {
+  return slot >= num_slots || cursor < 0 || m >= L;
+}
+__device__ __forceinline__ void record_bad_replay_row(detail::DeviceErrorRecord* errors, int op,
+                                                      int n, int64_t slot, int64_t num_slots,
+                                                      int cursor, int m, int L) {
+  const bool bad_slot = slot >= num_slots;
+  record_bad_row(errors, op, bad_slot ? detail::kErrSlot : detail::kErrCursor, n,
+                 bad_slot ? slot : static_cast<int64_t>(cursor < 0 ? cursor : m),
+                 bad_slot ? num_slots : static_cast<int64_t>(L));
 }
 
 // An appending step's coefficients of record j, on one warp (lane columns col0 .. col0 + CPL):
