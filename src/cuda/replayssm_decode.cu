@@ -100,11 +100,12 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
     if constexpr (KT == 128 && std::is_same_v<StateT, __nv_bfloat16>) {
       const ReplayDecodeChoice choice = replay_decode_choice();
-      // The one-warp kernel, forced only: GDN, bf16 inputs (its k ring staged as bf16), L <= 16,
-      // V a multiple of its 64 rows.
+      // The one-warp kernel wherever it applies (GDN, bf16 inputs: its k ring staged as bf16,
+      // L <= 16, V a multiple of its 64 rows), unless another kernel is forced.
       if constexpr (std::is_same_v<In, TypedInput<__nv_bfloat16>>) {
-        if (choice == ReplayDecodeChoice::warp && !p.gate.kda && p.L <= kWarpRingRecords &&
-            p.V % 64 == 0) {
+        const bool warp_ok = choice == ReplayDecodeChoice::automatic ||
+                             choice == ReplayDecodeChoice::warp;
+        if (warp_ok && !p.gate.kda && p.L <= kWarpRingRecords && p.V % 64 == 0) {
           if (run) launch_warp<In>(p, stream);
           return;
         }

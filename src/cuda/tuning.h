@@ -189,9 +189,13 @@ inline int forced_replay_blocks_per_cta() {
 // with K = 128 and V a multiple of 128, forced: the rows kernel (replayssm/decode.cuh: a lane's
 // rows in registers, the dots on CUDA cores), the tensor-core kernel (replayssm/decode_tc.cuh: a
 // warp's 16 rows as mma fragments, 128 rows a CTA) or, for GDN with bf16 inputs and L <= 16,
-// the one-warp kernel (replayssm/decode_warp.cuh: 64 rows a one-warp CTA, no barrier; not yet
-// run on a GPU). Unset: the tensor-core kernel where the rows kernel would take two row blocks a
-// CTA and its grid fills kReplayTcWaves waves.
+// the one-warp kernel (replayssm/decode_warp.cuh: 64 rows a one-warp CTA, no barrier). Unset:
+// the one-warp kernel wherever it applies, at every B (H100, Qwen3-Next L = 16, µs per step over
+// cursor cycles, one-warp against tensor-core, same call: B = 1 6.59-6.65 against 7.22, B = 8
+// 9.53-9.57 against 9.53-9.56, B = 64 41.30-41.47 against 47.71-47.77, B = 256 130.49-130.64
+// against 161.86-162.12; bench/results/replayssm-decode-warp-h100.txt); else the tensor-core
+// kernel where the rows kernel would take two row blocks a CTA and its grid fills kReplayTcWaves
+// waves (Kimi-Linear).
 enum class ReplayDecodeChoice { automatic, rows, tensor, warp };
 inline ReplayDecodeChoice replay_decode_choice() {
   static const ReplayDecodeChoice forced =

@@ -1,8 +1,8 @@
-// ReplaySSM decode with a bf16 checkpoint on one warp a CTA (issue #37's third design for
-// Qwen3-Next: SGLang's Triton kernel, two one-warp programs a head without barriers, is ahead of
-// the 8-warp kernels from B = 8; docs/PERFORMANCE.md). GDN, K = 128, L <= 16; only where forced
-// (DELTASTATE_CUDA_REPLAY_KERNEL=warp, replayssm_decode.cu). Part of replayssm_decode.cu's
-// translation unit (after decode.cuh), in its anonymous namespace.
+// ReplaySSM decode with a bf16 checkpoint on one warp a CTA: GDN, bf16 inputs, K = 128, L <= 16,
+// the default there (replayssm_decode.cu; tuning.h has the measurements). Its shape is SGLang's
+// Triton kernel's (two one-warp programs a head, no barriers), which was ahead of the 8-warp
+// kernels, whose per-head chain of loads and barriers runs serially, from B = 8. Part of
+// replayssm_decode.cu's translation unit (after decode.cuh), in its anonymous namespace.
 //
 // A CTA is one warp over WR = 16 * MT rows of one (row n, value head hv): every piece of the
 // per-head work is its own (the slot, the cursor, the token, the ring), so no CTA barrier orders
