@@ -56,13 +56,13 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
 
 // The one-warp kernel (replay_warp_kernel, 64 rows a CTA): grid (B, HV, V / 64). A template, so
 // that builds without every kernel (no caller instantiates it) do not compile the kernel.
-template <class In>
+template <class In, bool KDA>
 void launch_warp(const ReplayProblem& p, cudaStream_t stream) {
   constexpr int kMT = 4;
   dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
             static_cast<unsigned>(p.V / (16 * kMT)));
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  launch_kernel(replay_warp_kernel<In, kMT>, grid, 32, WarpSmem<kMT>::bytes, stream, p.pdl,
+  launch_kernel(replay_warp_kernel<In, kMT, KDA>, grid, 32, WarpSmem<kMT>::bytes, stream, p.pdl,
                 with_pdl_trigger(p, ctas, kReplayWarpCtasPerSm),
                 detail::SmallDivider::of(p.HV / p.H));
 }
@@ -103,10 +103,13 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
       // The one-warp kernel wherever it applies (GDN, bf16 inputs: its k ring staged as bf16,
       // L <= 16, V a multiple of its 64 rows), unless another kernel is forced.
       if constexpr (std::is_same_v<In, TypedInput<__nv_bfloat16>>) {
-        const bool warp_ok = choice == ReplayDecodeChoice::automatic ||
-                             choice == ReplayDecodeChoice::warp;
-        if (warp_ok && !p.gate.kda && p.L <= kWarpRingRecords && p.V % 64 == 0) {
-          if (run) launch_warp<In>(p, stream);
+        const bool warp_ok = choice == ReplayDecodeChoice::warp ||
+                             (choice == ReplayDecodeChoice::automatic && !p.gate.kda);
+        if (warp_ok && p.L <= kWarpRingRecords && p.V % 64 == 0) {
+          if (run) {
+            if (p.gate.kda) launch_warp<In, true>(p, stream);
+            else launch_warp<In, false>(p, stream);
+          }
           return;
         }
       }

@@ -31,6 +31,13 @@ by e * alpha. Checked: (5) its appending dots against fp64 (ring records past m 
 garbage that must not leak), (6) its k-ring and d-ring reads (kWarpKPitch 320, kDPitch 144) cover
 the banks without conflict, (7) a flush's chunk map stores every (row, column) of its 64 rows
 once, from the chunk it loaded.
+For KDA (per-column decays) the one-warp kernel forms the records' coefficients on CUDA cores:
+lane l's columns 4l .. 4l + 3 give each record j a partial W_j*k_j . (alpha*kn) (and q), and one
+transposed butterfly (warp_transpose_sum: at step S a lane keeps the half its bit S selects and
+adds its partner's other half) leaves the total of value v in lane v: ck_j in lane j, cq_j in lane
+16 + j. Checked: (8) that map, lane by lane; the appending dots S0.(e*alpha*kn) + sum_j d_j ck_j
+and a flush's rebuild (e*alpha) S0 + sum_j d_j (alpha W_j k_j) against the CPU's
+alpha (e S0 + sum_j d_j W_j k_j), rounding off.
 """
 
 import sys
@@ -236,6 +243,65 @@ def check_warp_kernel(rng):
     return worst
 
 
+def transpose_sum(parts):
+    """warp_transpose_sum over 32 lanes' 32 values: each lane's part[0] at the end."""
+    parts = [list(p) for p in parts]
+    S = 16
+    while S >= 1:
+        nxt = []
+        for lane in range(32):
+            upper = (lane & S) != 0
+            partner = parts[lane ^ S]
+            p_upper = not upper
+            send = [partner[i] if p_upper else partner[i + S] for i in range(S)]
+            keep = [parts[lane][i + S] if upper else parts[lane][i] for i in range(S)]
+            nxt.append([keep[i] + send[i] for i in range(S)] + parts[lane][2 * S:])
+        parts = nxt
+        S //= 2
+    return [p[0] for p in parts]
+
+
+def check_warp_kda(rng):
+    """(8) KDA's coefficients, their map, the appending dots and a flush's rebuild (fp64)."""
+    worst = 0.0
+    for _ in range(20):
+        m = int(rng.integers(0, 16))
+        S0 = bf16(rng.standard_normal((ROWS, K)))
+        kn, qn = rng.standard_normal(K), rng.standard_normal(K)
+        kring = bf16(rng.standard_normal((16, K)) * 0.1)
+        g = -rng.uniform(0, 0.5, (16, K))
+        alpha = np.exp(-rng.uniform(0, 0.5, K))
+        d = bf16(rng.standard_normal((16, ROWS)))
+        gtot = g[:m].sum(axis=0)
+        e = np.exp(gtot)
+        W = np.exp(gtot[None, :] - np.cumsum(g[:m], axis=0))  # [m, K]
+        parts = []
+        for lane in range(32):
+            cols = slice(4 * lane, 4 * lane + 4)
+            part = [0.0] * 32
+            for j in range(m):
+                kw = kring[j, cols] * W[j, cols]
+                part[j] = float(kw @ (alpha[cols] * kn[cols]))
+                part[16 + j] = float(kw @ (alpha[cols] * qn[cols]))
+            parts.append(part)
+        total = transpose_sum(parts)
+        for v in range(32):
+            assert abs(total[v] - sum(p[v] for p in parts)) <= 1e-12 * (1 + abs(total[v])), \
+                "transposed sum: a lane holds the wrong value"
+        ck = np.array([total[j] for j in range(m)])
+        cq = np.array([total[16 + j] for j in range(m)])
+        # the CPU: S = alpha * (e S0 + sum_j d_j W_j k_j), then the dots
+        S_ref = alpha[None, :] * (e[None, :] * S0 + d[:m].T @ (W * kring[:m]))
+        sk = S0 @ (e * alpha * kn) + d[:m].T @ ck
+        sq = S0 @ (e * alpha * qn) + d[:m].T @ cq
+        S_flush = (e * alpha)[None, :] * S0 + d[:m].T @ (alpha[None, :] * W * kring[:m])
+        mag = np.abs(S_ref).sum() + 1e-300
+        worst = max(worst, np.max(np.abs(sk - S_ref @ kn)) / (np.abs(S_ref) @ np.abs(kn)).max(),
+                    np.max(np.abs(sq - S_ref @ qn)) / (np.abs(S_ref) @ np.abs(qn)).max(),
+                    np.abs(S_flush - S_ref).sum() / mag)
+    return worst
+
+
 def main() -> int:
     rng = np.random.default_rng(20261207)
     check_stores()
@@ -275,8 +341,10 @@ def main() -> int:
           f"dots {worst_rounded:.2e} of sum|.| (bound 2^-23)")
     warp = check_warp_kernel(rng)
     print(f"one-warp kernel: appending dots {warp:.2e} of sum|.| (bound 2^-23)")
+    kda = check_warp_kda(rng)
+    print(f"one-warp kernel, KDA: coefficients' map exact; dots and flush {kda:.2e} (fp64)")
     ok = (worst_exact < 1e-12 and worst_split == 0.0 and worst_rounded <= 2.0**-23
-          and warp <= 2.0**-23)
+          and warp <= 2.0**-23 and kda < 1e-12)
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -153,6 +153,15 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&x)[8]) {
   }
 }
 
+__device__ __forceinline__ void unpack_bf16x4(const uint2& u, float (&x)[4]) {
+  const float2 lo = prefill::Mma<__nv_bfloat16>::unpack(u.x);
+  const float2 hi = prefill::Mma<__nv_bfloat16>::unpack(u.y);
+  x[0] = lo.x;
+  x[1] = lo.y;
+  x[2] = hi.x;
+  x[3] = hi.y;
+}
+
 // The sum over the lane's quad (every lane gets it).
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

@@ -43,6 +43,8 @@ constexpr int kWarpRingRecords = 16;  // the most records a ring holds here (L <
 // Bytes per staged k record: 256 and a 64-byte pad, so that a quarter warp's 16-byte reads of
 // records g and g + 1 (their chunks at 32c + 8t) cover the banks once (as kTcColPitch).
 constexpr int kWarpKPitch = 128 * 2 + 64;
+// A flush replays at most L - 1 records (its cursor is below L).
+constexpr int kWarpFlushRecords = kWarpRingRecords - 1;
 template <int MT>
 struct WarpSmem {
   static constexpr int kRows = 16 * MT;
@@ -50,20 +52,41 @@ struct WarpSmem {
   // (records t, t + 4, ...) read different banks.
   static constexpr int kDPitch = kRows * 2 + 16;
   static constexpr int tile = 0;
-  static constexpr int bop = tile + MT * 8 * 32 * 16;
-  static constexpr int kn = bop + kTcBBytes;
+  static constexpr int kn = tile + MT * 8 * 32 * 16;
   static constexpr int qn = kn + 128 * 4;
-  static constexpr int kring = qn + 128 * 4;
-  static constexpr int dring = kring + kWarpRingRecords * kWarpKPitch;
+  static constexpr int ea = qn + 128 * 4;  // KDA's flush: e * alpha per column
+  static constexpr int bop = ea + 128 * 4;
+  static constexpr int kring = bop + kTcBBytes;
+  // KDA's flush: the records' alpha * W_j * k_j [records][128] fp32 over the B operand and the k
+  // ring (read into registers first), which an appending step uses and a flush does not.
+  static constexpr int kw = bop;
+  static constexpr int kw_end = kw + kWarpFlushRecords * 128 * 4;
+  static constexpr int kring_end = kring + kWarpRingRecords * kWarpKPitch;
+  static constexpr int dring = kring_end > kw_end ? kring_end : kw_end;
   static constexpr int bytes = dring + kWarpRingRecords * kDPitch;
 };
+
+// The sum over the warp of 32 values a lane: lane l returns the total of part[l] (a transposed
+// butterfly, 31 shuffles; at step S a lane keeps the half its bit S selects). S is a template
+// argument so that every index is a constant (part stays in registers).
+template <int S>
+__device__ __forceinline__ float warp_transpose_sum(float (&part)[32], int lane) {
+  const bool upper = (lane & S) != 0;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const float lo = part[i], hi = part[i + S];
+    part[i] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, S);
+  }
+  if constexpr (S > 1) return warp_transpose_sum<S / 2>(part, lane);
+  else return part[0];
+}
 
 // The lane's chunk (m-tile mt, row g + 8 hh, chunk c) in the staged tile.
 __device__ __forceinline__ int warp_tile_chunk(int mt, int hh, int c, int lane) {
   return ((mt * 2 + hh) * 4 + c) * 32 + lane;
 }
 
-template <class In, int MT>
+template <class In, int MT, bool KDA>
 __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
     replay_warp_kernel(const ReplayProblem p, const detail::SmallDivider group_div) {
   constexpr int K = 128, EPL = K / 32, WR = 16 * MT;
@@ -123,7 +146,8 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
       for (int c = 0; c < 4; ++c)
         cp_async16(tile + warp_tile_chunk(mt, hh, c, lane),
                    s0 + static_cast<int64_t>(row_base + 16 * mt + g + 8 * hh) * K + 32 * c + 8 * t);
-  float* const g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L);
+  constexpr int GW = KDA ? K : 1;  // g values a record
+  float* const g_ring = p.g_cache + (slot * p.HV + hv) * static_cast<int64_t>(L) * GW;
   const int64_t k_ring = (slot * p.H + h) * static_cast<int64_t>(L) * K;  // elements
   const int64_t d_ring = (slot * p.HV + hv) * static_cast<int64_t>(L) * V;
   const auto* k_src = static_cast<const __nv_bfloat16*>(p.k_cache) + k_ring;
@@ -138,16 +162,35 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   }
   cp_async_commit();
   // GDN's g records: lane j holds g_j; an inclusive scan gives G_j, the last Gtot (the CPU sums
-  // them in order; the scan's order rounds within a few ulps of it).
-  float prefix = lane < m ? g_ring[lane] : 0.0f;
+  // them in order; the scan's order rounds within a few ulps of it). KDA's: the lane's columns
+  // of each record (kofs .. kofs + 3), in registers until the token's B operand or the flush's
+  // records are formed; Gtot summed in the CPU's order.
+  float w_lane = 0.0f, e = 1.0f;
+  float4 g_rec[kWarpFlushRecords];
+  float gtot4[EPL] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if constexpr (KDA) {
 #pragma unroll
-  for (int o = 1; o < kWarpRingRecords; o <<= 1) {
-    const float below = __shfl_up_sync(0xffffffffu, prefix, o);
-    if (lane >= o) prefix += below;
+    for (int j = 0; j < kWarpFlushRecords; ++j)
+      g_rec[j] = j < m ? *reinterpret_cast<const float4*>(g_ring + j * K + kofs)
+                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int j = 0; j < kWarpFlushRecords; ++j) {
+      gtot4[0] += g_rec[j].x;
+      gtot4[1] += g_rec[j].y;
+      gtot4[2] += g_rec[j].z;
+      gtot4[3] += g_rec[j].w;
+    }
+  } else {
+    float prefix = lane < m ? g_ring[lane] : 0.0f;
+#pragma unroll
+    for (int o = 1; o < kWarpRingRecords; o <<= 1) {
+      const float below = __shfl_up_sync(0xffffffffu, prefix, o);
+      if (lane >= o) prefix += below;
+    }
+    const float gtot = __shfl_sync(0xffffffffu, prefix, m > 0 ? m - 1 : 0);
+    w_lane = lane < m ? expf(gtot - prefix) : 0.0f;  // W_j of record j = lane
+    e = m > 0 ? expf(gtot) : 1.0f;
   }
-  const float gtot = __shfl_sync(0xffffffffu, prefix, m > 0 ? m - 1 : 0);
-  const float w_lane = lane < m ? expf(gtot - prefix) : 0.0f;  // W_j of record j = lane
-  const float e = m > 0 ? expf(gtot) : 1.0f;
 
   // The token: q, k normalized (q scaled) and k.q; the gate; beta. kn, qn and their B operand.
   TokenHeadInputs<EPL> x = widen(x_in);
@@ -155,13 +198,26 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   float gcur[EPL], alpha[EPL];
   token_gate(p.gate, gc, x.g, gcur, alpha);
   const float a = alpha[0];  // GDN: one decay a head
+  float e4[EPL];                // KDA: the lane's columns' ring decay exp(Gtot)
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) e4[i] = m > 0 ? expf(gtot4[i]) : 1.0f;
   const float beta = detail::beta_value(x.b, true, p.round_beta, p.b.dtype);
   float* const s_kn = reinterpret_cast<float*>(smem + Sm::kn);
   float* const s_qn = reinterpret_cast<float*>(smem + Sm::qn);
   *reinterpret_cast<float4*>(s_kn + kofs) = make_float4(x.k[0], x.k[1], x.k[2], x.k[3]);
   *reinterpret_cast<float4*>(s_qn + kofs) = make_float4(x.q[0], x.q[1], x.q[2], x.q[3]);
   unsigned char* const bop = smem + Sm::bop;
-  store_tc_b_operand<EPL>(x.k, x.q, kofs, bop);
+  if constexpr (KDA) {  // the decayed token e*(alpha*k), e*(alpha*q) (a flush does not read it)
+    float ek[EPL], eq[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      ek[i] = decayed_token_entry(e4[i], alpha[i], x.k[i]);
+      eq[i] = decayed_token_entry(e4[i], alpha[i], x.q[i]);
+    }
+    store_tc_b_operand<EPL>(ek, eq, kofs, bop);
+  } else {
+    store_tc_b_operand<EPL>(x.k, x.q, kofs, bop);
+  }
   cp_async_wait<0>();
   __syncwarp();  // the staged tile and ring, kn, qn and the B operand, warp-wide
   if (p.advance_write_pos && lane == 0)  // every lane has read the cursor
@@ -171,34 +227,68 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   };
 
   if (!flush) {
-    // The records' dots with kn and qn: records g and g + 8 of the quad's rows (rows past m
-    // hold stale bytes; their results are never read).
-    uint4 A[2][4];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        A[hh][c] = *reinterpret_cast<const uint4*>(smem + Sm::kring + (g + 8 * hh) * kWarpKPitch +
-                                                   (32 * c + 8 * t) * 2);
-    float rc[4];
-    tc_tile_dots(A, bop, lane, rc);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) rc[i] = quad_sum(rc[i]);
     float ck[4], cq[4];  // records t, t + 4, t + 8, t + 12 (zero past m)
+    if constexpr (KDA) {
+      // The records' coefficients on CUDA cores: over the lane's columns, W_j*k_j . (alpha*kn)
+      // and (alpha*qn) (record_coefficients' products), summed over the warp at once.
+      float part[32];
+      float prefix[EPL] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int j = t + 4 * i, src = 4 * (j & 7);
-      const float k0 = __shfl_sync(0xffffffffu, rc[0], src);
-      const float q0 = __shfl_sync(0xffffffffu, rc[1], src);
-      const float k1 = __shfl_sync(0xffffffffu, rc[2], src);
-      const float q1 = __shfl_sync(0xffffffffu, rc[3], src);
-      const float wj = __shfl_sync(0xffffffffu, w_lane, j);
-      ck[i] = j < m ? wj * (a * (j < 8 ? k0 : k1)) : 0.0f;
-      cq[i] = j < m ? wj * (a * (j < 8 ? q0 : q1)) : 0.0f;
+      for (int j = 0; j < 16; ++j) {
+        part[j] = part[16 + j] = 0.0f;
+        if (j < kWarpFlushRecords && j < m) {
+          const float gj[EPL] = {g_rec[j].x, g_rec[j].y, g_rec[j].z, g_rec[j].w};
+          float kr[EPL];
+          unpack_bf16x4(
+              *reinterpret_cast<const uint2*>(smem + Sm::kring + j * kWarpKPitch + kofs * 2), kr);
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) {
+            prefix[i] += gj[i];
+            const float kw = kr[i] * expf(gtot4[i] - prefix[i]);
+            part[j] += kw * (alpha[i] * x.k[i]);
+            part[16 + j] += kw * (alpha[i] * x.q[i]);
+          }
+        }
+      }
+      const float total = warp_transpose_sum<16>(part, lane);  // lane j: ck_j; lane 16 + j: cq_j
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = t + 4 * i;
+        const float k0 = __shfl_sync(0xffffffffu, total, j);
+        const float q0 = __shfl_sync(0xffffffffu, total, 16 + j);
+        ck[i] = j < m ? k0 : 0.0f;
+        cq[i] = j < m ? q0 : 0.0f;
+      }
+    } else {
+      // The records' dots with kn and qn: records g and g + 8 of the quad's rows (rows past m
+      // hold stale bytes; their results are never read).
+      uint4 A[2][4];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          A[hh][c] = *reinterpret_cast<const uint4*>(smem + Sm::kring +
+                                                     (g + 8 * hh) * kWarpKPitch + (32 * c + 8 * t) * 2);
+      float rc[4];
+      tc_tile_dots(A, bop, lane, rc);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rc[i] = quad_sum(rc[i]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = t + 4 * i, src = 4 * (j & 7);
+        const float k0 = __shfl_sync(0xffffffffu, rc[0], src);
+        const float q0 = __shfl_sync(0xffffffffu, rc[1], src);
+        const float k1 = __shfl_sync(0xffffffffu, rc[2], src);
+        const float q1 = __shfl_sync(0xffffffffu, rc[3], src);
+        const float wj = __shfl_sync(0xffffffffu, w_lane, j);
+        ck[i] = j < m ? wj * (a * (j < 8 ? k0 : k1)) : 0.0f;
+        cq[i] = j < m ? wj * (a * (j < 8 ? q0 : q1)) : 0.0f;
+      }
     }
-    // The checkpoint's dots, m-tile by m-tile: e*alpha*(S0.kn, S0.qn) plus the records' terms;
-    // lanes 0 / 1 store the outputs of rows g / g + 8, lanes 2 / 3 their d records.
-    const float ea = e * a;
+    // The checkpoint's dots, m-tile by m-tile: e*alpha*(S0.kn, S0.qn) (KDA: the decayed token's
+    // dots) plus the records' terms; lanes 0 / 1 store the outputs of rows g / g + 8, lanes 2 / 3
+    // their d records.
+    const float ea = KDA ? 1.0f : e * a;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       uint4 At[2][4];
@@ -208,8 +298,9 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
         for (int c = 0; c < 4; ++c) At[hh][c] = tile[warp_tile_chunk(mt, hh, c, lane)];
       float acc[4];
       tc_tile_dots(At, bop, lane, acc);
+      if constexpr (!KDA)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[i] *= ea;
+        for (int i = 0; i < 4; ++i) acc[i] *= ea;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int j = t + 4 * i;
@@ -240,16 +331,52 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
         for (int i = 0; i < EPL; ++i)
           detail::store_float(p.k_cache, p.k_dtype, k_ring + static_cast<int64_t>(m) * K + kofs + i,
                               x.k[i]);
-      if (lane == 0) g_ring[m] = gcur[0];
+      if constexpr (KDA)
+        *reinterpret_cast<float4*>(g_ring + m * K + kofs) =
+            make_float4(gcur[0], gcur[1], gcur[2], gcur[3]);
+      else if (lane == 0) g_ring[m] = gcur[0];
     }
     return;
   }
 
+  // KDA's flush: alpha * W_j * k_j of every record over the B operand and the k ring (each
+  // lane's k values read first), and e * alpha, per column (the lane's columns kofs ..); the
+  // rebuild below then takes S = (e*alpha) S0 + sum_j d_j (alpha W_j k_j), the CPU's
+  // alpha * (e S0 + sum_j d_j W_j k_j) with the decay moved into both terms.
+  float* const s_kw = reinterpret_cast<float*>(smem + Sm::kw);
+  float* const s_ea = reinterpret_cast<float*>(smem + Sm::ea);
+  if constexpr (KDA) {
+    uint2 kraw[kWarpFlushRecords];
+#pragma unroll
+    for (int j = 0; j < kWarpFlushRecords; ++j)
+      if (j < m)
+        kraw[j] = *reinterpret_cast<const uint2*>(smem + Sm::kring + j * kWarpKPitch + kofs * 2);
+    __syncwarp();  // every lane's k values read before the kw records overwrite them
+    float prefix[EPL] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < kWarpFlushRecords; ++j) {
+      if (j < m) {
+        const float gj[EPL] = {g_rec[j].x, g_rec[j].y, g_rec[j].z, g_rec[j].w};
+        float kr[EPL], kw[EPL];
+        unpack_bf16x4(kraw[j], kr);
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+          prefix[i] += gj[i];
+          kw[i] = alpha[i] * (kr[i] * expf(gtot4[i] - prefix[i]));
+        }
+        *reinterpret_cast<float4*>(s_kw + j * K + kofs) = make_float4(kw[0], kw[1], kw[2], kw[3]);
+      }
+    }
+    *reinterpret_cast<float4*>(s_ea + kofs) =
+        make_float4(e4[0] * alpha[0], e4[1] * alpha[1], e4[2] * alpha[2], e4[3] * alpha[3]);
+    __syncwarp();  // the kw records and e * alpha, warp-wide
+  }
+
   // A flush, m-tile by m-tile: the lane's rows g, g + 8, columns 32c + 8t + i (its chunks).
-  float kn[32], qn[32], alpha32[32];  // the lane's columns; GDN's decay in each
+  float kn[32], qn[32], alpha32[32];  // the lane's columns; GDN's decay in each (KDA: in S)
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    alpha32[i] = a;
+    alpha32[i] = KDA ? 1.0f : a;
     kn[i] = s_kn[32 * (i >> 3) + 8 * t + (i & 7)];
     qn[i] = s_qn[32 * (i >> 3) + 8 * t + (i & 7)];
   }
@@ -262,10 +389,31 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
       for (int c = 0; c < 4; ++c) {
         float v8[8];
         unpack_bf16x8(tile[warp_tile_chunk(mt, hh, c, lane)], v8);
+        if constexpr (KDA) {
+          const float4 ea0 = *reinterpret_cast<const float4*>(s_ea + 32 * c + 8 * t);
+          const float4 ea1 = *reinterpret_cast<const float4*>(s_ea + 32 * c + 8 * t + 4);
+          const float ea8[8] = {ea0.x, ea0.y, ea0.z, ea0.w, ea1.x, ea1.y, ea1.z, ea1.w};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) S[hh][8 * c + i] = v8[i] * e;  // (scale_row by e)
+          for (int i = 0; i < 8; ++i) S[hh][8 * c + i] = v8[i] * ea8[i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) S[hh][8 * c + i] = v8[i] * e;  // (scale_row by e)
+        }
       }
     for (int j = 0; j < m; ++j) {
+      if constexpr (KDA) {
+        const float d0 = __bfloat162float(d_at(j, 16 * mt + g));
+        const float d1 = __bfloat162float(d_at(j, 16 * mt + g + 8));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float4 w0 = *reinterpret_cast<const float4*>(s_kw + j * K + 32 * c + 8 * t);
+          const float4 w1 = *reinterpret_cast<const float4*>(s_kw + j * K + 32 * c + 8 * t + 4);
+          const float kw8[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+          detail::rank1_update(S[0] + 8 * c, kw8, std::integral_constant<int, 8>{}, d0);
+          detail::rank1_update(S[1] + 8 * c, kw8, std::integral_constant<int, 8>{}, d1);
+        }
+        continue;
+      }
       const float wj = __shfl_sync(0xffffffffu, w_lane, j);
       const float d0 = __bfloat162float(d_at(j, 16 * mt + g)) * wj;
       const float d1 = __bfloat162float(d_at(j, 16 * mt + g + 8)) * wj;
