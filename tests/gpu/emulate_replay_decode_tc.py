@@ -38,6 +38,14 @@ adds its partner's other half) leaves the total of value v in lane v: ck_j in la
 16 + j. Checked: (8) that map, lane by lane; the appending dots S0.(e*alpha*kn) + sum_j d_j ck_j
 and a flush's rebuild (e*alpha) S0 + sum_j d_j (alpha W_j k_j) against the CPU's
 alpha (e S0 + sum_j d_j W_j k_j), rounding off.
+A GDN flush takes the records' terms on tensor cores: per m-tile one [16 rows, 16 records] x
+[16 records, 128 columns] product, A = d_j W_j (split in three bf16 parts; zero at and past m),
+B = the k ring as stored (zero at and past m), n-tile n = 4c + q's column jc the physical column
+32c + 8 (jc / 2) + 2q + jc % 2, so that C's (row g, columns 2t, 2t + 1) land on the lane's chunk
+elements S[.][8c + 2q], S[.][8c + 2q + 1]. Checked: (9) from the lanes' fragments placed as PTX
+places them, every A and B element once, every (row, column) of C once and on the chunk element of
+its physical column; the rebuilt rows against e S0 + sum_j d_j W_j k_j (fp64, stale records
+poisoned with NaN past m), with and without the split's rounding.
 """
 
 import sys
@@ -302,6 +310,81 @@ def check_warp_kda(rng):
     return worst
 
 
+def pi_col(n, jc):
+    """The physical column of n-tile n's column jc in a GDN flush's product."""
+    c, q = divmod(n, 4)
+    return 32 * c + 8 * (jc // 2) + 2 * q + jc % 2
+
+
+def check_warp_flush_tc(rng):
+    """(9) A GDN flush's records' product: the fragment maps and the rebuild (fp64)."""
+    worst_exact, worst_split = 0.0, 0.0
+    for _ in range(20):
+        m = int(rng.integers(1, 16))
+        S0 = bf16(rng.standard_normal((ROWS, K)))
+        e = float(np.exp(-rng.uniform(0, 3)))
+        kring = bf16(rng.standard_normal((16, K)))
+        kring[m:] = np.nan  # stale bytes
+        d = bf16(rng.standard_normal((16, ROWS)))
+        d[m:] = np.nan
+        w = np.exp(-rng.uniform(0, 2, 16))
+        ref = e * S0 + (d[:m] * w[:m, None]).T @ kring[:m]
+        for split in (False, True):
+            S = {}  # (lane, hh, element) -> value, the lane's chunk registers
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                for hh in range(2):
+                    for el in range(32):
+                        c, i = divmod(el, 8)
+                        S[lane, hh, el] = e * S0[g + 8 * hh, 32 * c + 8 * t + i]
+            parts = 3 if split else 1
+            for sp in range(parts):
+                A = np.full((16, 16), np.inf)  # placed from the lanes' registers
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    for r in range(4):
+                        hh, j0 = r & 1, 2 * t + 8 * (r >> 1)
+                        for jj in (j0, j0 + 1):
+                            x = d[jj, g + 8 * hh] * w[jj] if jj < m else 0.0
+                            x = split3(np.array([np.float32(x)]))[sp][0] if split else x
+                            assert A[g + 8 * hh, jj] == np.inf, "A element placed twice"
+                            A[g + 8 * hh, jj] = x
+                assert np.isfinite(A).all(), "an A element not placed"
+                for n in range(16):
+                    B = np.full((16, 8), np.inf)
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        col = 32 * (n >> 2) + 8 * (g >> 1) + 2 * (n & 3) + (g & 1)  # kernel
+                        assert col == pi_col(n, g)
+                        for jj in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9):
+                            assert B[jj, g] == np.inf, "B element placed twice"
+                            B[jj, g] = kring[jj, col] if jj < m else 0.0
+                    assert np.isfinite(B).all(), "a B element not placed"
+                    C = A @ B
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        e0 = 8 * (n >> 2) + 2 * (n & 3)
+                        for hh in range(2):
+                            for b in range(2):
+                                el = e0 + b
+                                c, i = divmod(el, 8)
+                                assert 32 * c + 8 * t + i == pi_col(n, 2 * t + b), \
+                                    "C lands on another column's chunk element"
+                                S[lane, hh, el] += C[g + 8 * hh, 2 * t + b]
+            got = np.zeros((ROWS, K))
+            for (lane, hh, el), v in S.items():
+                g, t = divmod(lane, 4)
+                c, i = divmod(el, 8)
+                got[g + 8 * hh, 32 * c + 8 * t + i] = v
+            err = np.max(np.abs(got - ref) / (np.abs(e * S0) + np.abs(d[:m] * w[:m, None]).T
+                                               @ np.abs(kring[:m]) + 1e-300))
+            if split:
+                worst_split = max(worst_split, err)
+            else:
+                worst_exact = max(worst_exact, err)
+    return worst_exact, worst_split
+
+
 def main() -> int:
     rng = np.random.default_rng(20261207)
     check_stores()
@@ -343,8 +426,12 @@ def main() -> int:
     print(f"one-warp kernel: appending dots {warp:.2e} of sum|.| (bound 2^-23)")
     kda = check_warp_kda(rng)
     print(f"one-warp kernel, KDA: coefficients' map exact; dots and flush {kda:.2e} (fp64)")
+    flush_exact, flush_split = check_warp_flush_tc(rng)
+    print(f"one-warp kernel, GDN flush on tensor cores: maps exact; rebuild {flush_exact:.2e} "
+          f"(unsplit), {flush_split:.2e} (three bf16 parts, bound 2^-23) of sum|.|")
     ok = (worst_exact < 1e-12 and worst_split == 0.0 and worst_rounded <= 2.0**-23
-          and warp <= 2.0**-23 and kda < 1e-12)
+          and warp <= 2.0**-23 and kda < 1e-12 and flush_exact < 1e-12
+          and flush_split <= 2.0**-23)
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

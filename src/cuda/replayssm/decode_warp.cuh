@@ -380,6 +380,28 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
     kn[i] = s_kn[32 * (i >> 3) + 8 * t + (i & 7)];
     qn[i] = s_qn[32 * (i >> 3) + 8 * t + (i & 7)];
   }
+  // GDN: the records' terms on tensor cores, sum_j (d_j W_j) k_j as one [16, 16] x [16, 128]
+  // product a m-tile (records the k dimension). B is the k ring, exact in bf16 and the same for
+  // every m-tile, in registers: n-tile n = 4c + q's column jc is physical column 32c + 8 (jc / 2) +
+  // 2q + jc % 2, so that C's (row g, columns 2t, 2t + 1) of n-tile n are S[.][8c + 2q], [8c + 2q +
+  // 1], the lane's own chunk elements. Records at and past m are zero in A and B (stale bytes).
+  uint32_t kb[16][2];
+  if constexpr (!KDA) {
+    const uint16_t* const kr = reinterpret_cast<const uint16_t*>(smem + Sm::kring);
+    auto k_at = [&](int j, int col) -> uint32_t {
+      return j < m ? kr[j * (kWarpKPitch / 2) + col] : 0u;
+    };
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const int col = 32 * (n >> 2) + 8 * (g >> 1) + 2 * (n & 3) + (g & 1);
+      kb[n][0] = k_at(2 * t, col) | (k_at(2 * t + 1, col) << 16);
+      kb[n][1] = k_at(2 * t + 8, col) | (k_at(2 * t + 9, col) << 16);
+    }
+  }
+  float w_rec[4];  // GDN: W_j of records 2t, 2t + 1, 2t + 8, 2t + 9 (A's k columns)
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w_rec[i] = __shfl_sync(0xffffffffu, w_lane, 2 * t + (i & 1) + 8 * (i >> 1));
 #pragma unroll 1
   for (int mt = 0; mt < MT; ++mt) {
     float S[2][32];
@@ -400,8 +422,8 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
           for (int i = 0; i < 8; ++i) S[hh][8 * c + i] = v8[i] * e;  // (scale_row by e)
         }
       }
-    for (int j = 0; j < m; ++j) {
-      if constexpr (KDA) {
+    if constexpr (KDA) {
+      for (int j = 0; j < m; ++j) {
         const float d0 = __bfloat162float(d_at(j, 16 * mt + g));
         const float d1 = __bfloat162float(d_at(j, 16 * mt + g + 8));
 #pragma unroll
@@ -412,19 +434,39 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
           detail::rank1_update(S[0] + 8 * c, kw8, std::integral_constant<int, 8>{}, d0);
           detail::rank1_update(S[1] + 8 * c, kw8, std::integral_constant<int, 8>{}, d1);
         }
-        continue;
       }
-      const float wj = __shfl_sync(0xffffffffu, w_lane, j);
-      const float d0 = __bfloat162float(d_at(j, 16 * mt + g)) * wj;
-      const float d1 = __bfloat162float(d_at(j, 16 * mt + g + 8)) * wj;
+    } else if (m > 0) {
+      // A: d_j W_j of rows g, g + 8 and records 2t, 2t + 1 (a0, a1), 2t + 8, 2t + 9 (a2, a3),
+      // each split into three bf16 parts (exact products, as the appending step's B).
+      uint32_t apart[3][4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float k8[8];
-        unpack_bf16x8(*reinterpret_cast<const uint4*>(smem + Sm::kring + j * kWarpKPitch +
-                                                      (32 * c + 8 * t) * 2),
-                      k8);
-        detail::rank1_update(S[0] + 8 * c, k8, std::integral_constant<int, 8>{}, d0);
-        detail::rank1_update(S[1] + 8 * c, k8, std::integral_constant<int, 8>{}, d1);
+      for (int r = 0; r < 4; ++r) {
+        const int hh = r & 1, j0 = 2 * t + 8 * (r >> 1);
+        __nv_bfloat16 lo[3], hi[3];
+        const float x0 = j0 < m ? __bfloat162float(d_at(j0, 16 * mt + g + 8 * hh)) * w_rec[2 * (r >> 1)]
+                                : 0.0f;
+        const float x1 = j0 + 1 < m
+                             ? __bfloat162float(d_at(j0 + 1, 16 * mt + g + 8 * hh)) *
+                                   w_rec[2 * (r >> 1) + 1]
+                             : 0.0f;
+        split_bf16x3(x0, lo);
+        split_bf16x3(x1, hi);
+#pragma unroll
+        for (int sp = 0; sp < 3; ++sp)
+          apart[sp][r] = static_cast<uint32_t>(__bfloat16_as_ushort(lo[sp])) |
+                         (static_cast<uint32_t>(__bfloat16_as_ushort(hi[sp])) << 16);
+      }
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const int e0 = 8 * (n >> 2) + 2 * (n & 3);
+        float acc[4] = {S[0][e0], S[0][e0 + 1], S[1][e0], S[1][e0 + 1]};
+#pragma unroll
+        for (int sp = 0; sp < 3; ++sp)
+          prefill::Mma<__nv_bfloat16>::mma(acc, apart[sp], kb[n][0], kb[n][1]);
+        S[0][e0] = acc[0];
+        S[0][e0 + 1] = acc[1];
+        S[1][e0] = acc[2];
+        S[1][e0 + 1] = acc[3];
       }
     }
     float dots[4];  // sk, sq of row g; of row g + 8 (the plain step's decay and dots)
