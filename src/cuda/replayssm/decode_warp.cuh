@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   float gcur[EPL], alpha[EPL];
   token_gate(p.gate, gc, x.g, gcur, alpha);
   const float a = alpha[0];  // GDN: one decay a head
-  float e4[EPL];                // KDA: the lane's columns' ring decay exp(Gtot)
+  float e4[EPL];             // KDA: the lane's columns' ring decay exp(Gtot)
 #pragma unroll
   for (int i = 0; i < EPL; ++i) e4[i] = m > 0 ? expf(gtot4[i]) : 1.0f;
   const float beta = detail::beta_value(x.b, true, p.round_beta, p.b.dtype);
@@ -267,8 +267,8 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
       for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-          A[hh][c] = *reinterpret_cast<const uint4*>(smem + Sm::kring +
-                                                     (g + 8 * hh) * kWarpKPitch + (32 * c + 8 * t) * 2);
+          A[hh][c] = *reinterpret_cast<const uint4*>(smem + Sm::kring + (g + 8 * hh) * kWarpKPitch +
+                                                     (32 * c + 8 * t) * 2);
       float rc[4];
       tc_tile_dots(A, bop, lane, rc);
 #pragma unroll
@@ -443,12 +443,11 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
       for (int r = 0; r < 4; ++r) {
         const int hh = r & 1, j0 = 2 * t + 8 * (r >> 1);
         __nv_bfloat16 lo[3], hi[3];
-        const float x0 = j0 < m ? __bfloat162float(d_at(j0, 16 * mt + g + 8 * hh)) * w_rec[2 * (r >> 1)]
-                                : 0.0f;
-        const float x1 = j0 + 1 < m
-                             ? __bfloat162float(d_at(j0 + 1, 16 * mt + g + 8 * hh)) *
-                                   w_rec[2 * (r >> 1) + 1]
-                             : 0.0f;
+        const float x0 =
+            j0 < m ? __bfloat162float(d_at(j0, 16 * mt + g + 8 * hh)) * w_rec[2 * (r >> 1)] : 0.0f;
+        const float x1 = j0 + 1 < m ? __bfloat162float(d_at(j0 + 1, 16 * mt + g + 8 * hh)) *
+                                          w_rec[2 * (r >> 1) + 1]
+                                    : 0.0f;
         split_bf16x3(x0, lo);
         split_bf16x3(x1, hi);
 #pragma unroll
