@@ -100,11 +100,16 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
                                   kReplayTwoBlockWaves * num_sms(p.device.index);
     if constexpr (KT == 128 && std::is_same_v<StateT, __nv_bfloat16>) {
       const ReplayDecodeChoice choice = replay_decode_choice();
-      // The one-warp kernel wherever it applies (GDN, bf16 inputs: its k ring staged as bf16,
-      // L <= 16, V a multiple of its 64 rows), unless another kernel is forced.
+      // The one-warp kernel where it applies (bf16 inputs: its k ring staged as bf16, L <= 16,
+      // V a multiple of its 64 rows): for GDN always, for KDA from kReplayWarpKdaWaves waves of
+      // its CTAs; unless another kernel is forced.
       if constexpr (std::is_same_v<In, TypedInput<__nv_bfloat16>>) {
+        const int64_t warp_ctas = static_cast<int64_t>(p.B) * p.HV * (p.V / 64);
+        const bool warp_pays =
+            !p.gate.kda ||
+            warp_ctas >= kReplayWarpKdaWaves * kReplayWarpCtasPerSm * num_sms(p.device.index);
         const bool warp_ok = choice == ReplayDecodeChoice::warp ||
-                             (choice == ReplayDecodeChoice::automatic && !p.gate.kda);
+                             (choice == ReplayDecodeChoice::automatic && warp_pays);
         if (warp_ok && p.L <= kWarpRingRecords && p.V % 64 == 0) {
           if (run) {
             if (p.gate.kda) launch_warp<In, true>(p, stream);

@@ -97,6 +97,13 @@ constexpr int64_t kReplayTcWaves = 2;
 // The one-warp ReplaySSM kernel (replayssm/decode_warp.cuh: 64 rows a CTA, ~26 KB of shared
 // memory): resident CTAs an SM that its launch bounds promise.
 constexpr int kReplayWarpCtasPerSm = 8;
+// KDA on the one-warp kernel from this many waves of its CTAs, the tensor-core kernel below: its
+// per-column gates (15 float4 loads and 60 exponentials a lane) lengthen a CTA's chain, which
+// only a deep grid hides (H100, Kimi-Linear bf16 L = 16, µs per step over cursor cycles, one-warp
+// against tensor-core, same call: B = 8 (0.5 waves) 11.97-12.00 against 10.56-10.60, B = 64 (3.9)
+// 53.44-53.61 against 52.49-52.79, B = 256 (15.5) 170.60-171.06 against 178.53-179.16;
+// bench/results/replayssm-decode-warp-h100.txt).
+constexpr int64_t kReplayWarpKdaWaves = 8;
 // ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
 // second block's checkpoint rows copied while the first runs) by the same rule, over the
 // one-block grid's `ctas`.
@@ -188,14 +195,14 @@ inline int forced_replay_blocks_per_cta() {
 // DELTASTATE_CUDA_REPLAY_KERNEL=rows|tc|warp: ReplaySSM decode's kernel for a bf16 checkpoint
 // with K = 128 and V a multiple of 128, forced: the rows kernel (replayssm/decode.cuh: a lane's
 // rows in registers, the dots on CUDA cores), the tensor-core kernel (replayssm/decode_tc.cuh: a
-// warp's 16 rows as mma fragments, 128 rows a CTA) or, for GDN with bf16 inputs and L <= 16,
+// warp's 16 rows as mma fragments, 128 rows a CTA) or, with bf16 inputs and L <= 16,
 // the one-warp kernel (replayssm/decode_warp.cuh: 64 rows a one-warp CTA, no barrier). Unset:
-// the one-warp kernel wherever it applies, at every B (H100, Qwen3-Next L = 16, µs per step over
-// cursor cycles, one-warp against tensor-core, same call: B = 1 6.59-6.65 against 7.22, B = 8
-// 9.53-9.57 against 9.53-9.56, B = 64 41.30-41.47 against 47.71-47.77, B = 256 130.49-130.64
-// against 161.86-162.12; bench/results/replayssm-decode-warp-h100.txt); else the tensor-core
-// kernel where the rows kernel would take two row blocks a CTA and its grid fills kReplayTcWaves
-// waves (Kimi-Linear).
+// the one-warp kernel for GDN at every B (H100, Qwen3-Next L = 16, µs per step over cursor
+// cycles, one-warp against tensor-core, same call: B = 1 6.59-6.65 against 7.22, B = 8 9.53-9.57
+// against 9.53-9.56, B = 64 41.30-41.47 against 47.71-47.77, B = 256 130.49-130.64 against
+// 161.86-162.12; bench/results/replayssm-decode-warp-h100.txt) and for KDA from
+// kReplayWarpKdaWaves waves; else the tensor-core kernel where the rows kernel would take two row
+// blocks a CTA and its grid fills kReplayTcWaves waves.
 enum class ReplayDecodeChoice { automatic, rows, tensor, warp };
 inline ReplayDecodeChoice replay_decode_choice() {
   static const ReplayDecodeChoice forced =
