@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Build the GPU machine's binaries on this machine and pack them for the device tool's `carry`:
 # the Python module and the GPU test binary of a CUDA build (every kernel specialization unless
-# ALL_KERNELS=OFF), stripped and xz-compressed (~50 MB; ~20 MB with ALL_KERNELS=OFF) into
-# $PREBUILT_OUT (default .devrun/prebuilt, ignored), with the commit and the state of the tree
-# they were built from. About 4.5 minutes on this 2-core machine. The carry limit is 64 MiB with
-# the tree and the wheels (~8 MB): carry nothing else in .devrun beside it.
+# ALL_KERNELS=OFF), stripped and xz-compressed (2026-12-07: 43 + 44 MB with every kernel, over
+# the carry limit together, so the module and the test binary travel in separate calls; 22 +
+# 22 MB with ALL_KERNELS=OFF) into $PREBUILT_OUT (default .devrun/prebuilt, ignored), with the
+# commit and the state of the tree they were built from. From scratch about 25 minutes on this
+# 2-core machine; a change to one CUDA unit rebuilds in 3-5. The carry limit is 64 MiB with the
+# tree and the wheels (~9 MB).
 # On the GPU machine `BUILD=.devrun/prebuilt scripts/device.sh prebuilt test-layer bench-layer`
 # then unpacks them and skips the ~200 s build (docs/DEVICE.md). Needs nvcc, the Python whose
 # apache-tvm-ffi matches the carried wheel (PYTHON) and GoogleTest's sources in .deps/googletest.
