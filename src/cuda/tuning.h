@@ -100,10 +100,11 @@ constexpr int kReplayWarpCtasPerSm = 8;
 // KDA on the one-warp kernel from this many waves of its CTAs, the tensor-core kernel below: its
 // per-column gates (15 float4 loads and 60 exponentials a lane) lengthen a CTA's chain, which
 // only a deep grid hides (H100, Kimi-Linear bf16 L = 16, µs per step over cursor cycles, one-warp
-// against tensor-core, same call: B = 8 (0.5 waves) 11.97-12.00 against 10.56-10.60, B = 64 (3.9)
-// 53.44-53.61 against 52.49-52.79, B = 256 (15.5) 170.60-171.06 against 178.53-179.16;
-// bench/results/replayssm-decode-warp-h100.txt).
-constexpr int64_t kReplayWarpKdaWaves = 8;
+// against tensor-core, same call, two rounds: B = 8 (0.5 waves) 11.92 against 10.53-10.55, B =
+// 64 (3.9) 53.56-53.65 against 53.14-53.43, B = 128 (7.8) 93.41 against 94.78-95.43, B = 256
+// (15.5) 169.89-170.09 against 177.89-178.13; bench/results/replayssm-decode-warp-h100.txt).
+// The crossover lies between 3.9 and 7.8 waves.
+constexpr int64_t kReplayWarpKdaWaves = 6;
 // ReplaySSM verify: two row blocks per CTA (the records and drafts staged once for both, the
 // second block's checkpoint rows copied while the first runs) by the same rule, over the
 // one-block grid's `ctas`.
