@@ -1,28 +1,33 @@
-// ReplaySSM decode with a bf16 checkpoint on one warp a CTA: GDN, bf16 inputs, K = 128, L <= 16,
-// the default there (replayssm_decode.cu; tuning.h has the measurements). Its shape is SGLang's
-// Triton kernel's (two one-warp programs a head, no barriers), which was ahead of the 8-warp
-// kernels, whose per-head chain of loads and barriers runs serially, from B = 8. Part of
-// replayssm_decode.cu's translation unit (after decode.cuh), in its anonymous namespace.
+// ReplaySSM decode with a bf16 checkpoint on one warp a CTA: bf16 inputs, K = 128, L <= 16; GDN
+// at every B, KDA from kReplayWarpKdaWaves waves (replayssm_decode.cu; tuning.h has the
+// measurements). Its shape is SGLang's Triton kernel's (two one-warp programs a head, no
+// barriers), which was ahead of the 8-warp kernels, whose per-head chain of loads and barriers
+// runs serially, from B = 8. Part of replayssm_decode.cu's translation unit (after decode.cuh),
+// in its anonymous namespace.
 //
 // A CTA is one warp over WR = 16 * MT rows of one (row n, value head hv): every piece of the
 // per-head work is its own (the slot, the cursor, the token, the ring), so no CTA barrier orders
 // it, and a head's CTAs run independently. The rows are decode_tc.cuh's tensor-core tiles: m-tile
 // mt holds rows 16 mt .. 16 mt + 15, lane (g, t) its 16-byte chunks of rows g and g + 8 at
-// columns 32c + 8t (c = 0..3), staged by cp.async. The B operand is the token's normalized k and
-// q, each split into three bf16 parts (split_bf16x3; decode_tc.cuh's column layout), so one
-// operand serves two products:
-//  - the checkpoint's dots, S0.kn and S0.qn, scaled by e * alpha afterwards (GDN's decays are
-//    scalars: e = exp(Gtot), alpha the token's);
-//  - the records' coefficients: the k ring (A: 16 records as stored, rows past m unused) times
-//    (kn, qn) in 8 HMMA, c_j = W_j * alpha * (k_j . kn) and likewise for q (decode.cuh's
-//    coefficients without the record pass or its barrier); lane t takes records t, t + 4, ...,
-//    each from the quad holding it.
-// A flush rebuilds each m-tile's rows in the lane's chunks, S = e*S0 + sum_j (d_j W_j) k_j (the
-// CPU's order: scale by e, one rank-1 update per record), then the plain delta-rule step on them
-// (decay, the dots, u, S <- S + u k), and stores them as bf16 from the chunks.
-// Shared memory (bytes, WarpSmem): the tile [MT][2][4][32] 16-byte chunks; the B operand
-// (kTcBBytes); kn and qn [128] fp32; the k ring, 16 records at kWarpKPitch; the warp's rows of
-// the d ring, 16 records at kDPitch.
+// columns 32c + 8t (c = 0..3), staged by cp.async. An appending step's dots are one HMMA product
+// a m-tile with a B operand split into three bf16 parts (split_bf16x3; decode_tc.cuh's layout):
+//  - GDN (scalar decays): B is the token's kn and qn, which serves two products: the checkpoint's
+//    dots, scaled by e * alpha afterwards (e = exp(Gtot)), and the records' coefficients, the k
+//    ring (A: 16 records as stored, rows past m unused) times (kn, qn) in 8 HMMA, c_j = W_j *
+//    alpha * (k_j . kn) and likewise for q (decode.cuh's coefficients without the record pass or
+//    its barrier); lane t takes records t, t + 4, ..., each from the quad holding it.
+//  - KDA (per-column decays): B is the decayed token e*(alpha*kn), e*(alpha*qn); the
+//    coefficients (W_j k_j).(alpha kn) on CUDA cores over the lane's columns kofs .. kofs + 3,
+//    summed over the warp by one transposed butterfly (warp_transpose_sum).
+// A flush rebuilds each m-tile's rows in the lane's chunks, S = e*S0 + sum_j (d_j W_j) k_j (GDN:
+// the records' terms as one HMMA product, A = d_j W_j in three bf16 parts; KDA: alpha W_j k_j per
+// column in shared memory and one rank-1 update per record, the decay moved into both terms),
+// then the plain delta-rule step on them (decay, the dots, u, S <- S + u k), and stores them as
+// bf16 from the chunks.
+// Shared memory (bytes, WarpSmem): the tile [MT][2][4][32] 16-byte chunks; kn, qn and KDA's
+// e * alpha [128] fp32; the B operand (kTcBBytes) and the k ring, 16 records at kWarpKPitch,
+// which a KDA flush overwrites with its alpha W_j k_j records; the warp's rows of the d ring, 16
+// records at kDPitch.
 #pragma once
 
 #include <cuda_bf16.h>
