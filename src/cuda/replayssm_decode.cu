@@ -54,16 +54,16 @@ void launch_blocks(const ReplayProblem& p, cudaStream_t stream, int warps, int v
                 detail::SmallDivider::of(p.HV / p.H));
 }
 
-// The one-warp kernel (replay_warp_kernel, 64 rows a CTA): grid (B, HV, V / 64). A template, so
-// that builds without every kernel (no caller instantiates it) do not compile the kernel.
+// The one-warp kernel (replay_warp_kernel, kWarpRows rows a CTA): grid (B, HV, V / kWarpRows). A
+// template, so that builds without every kernel (no caller instantiates it) do not compile it.
+constexpr int kWarpRows = WarpSmem<kWarpMTiles>::kRows;
 template <class In, bool KDA>
 void launch_warp(const ReplayProblem& p, cudaStream_t stream) {
-  constexpr int kMT = 4;
   dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.HV),
-            static_cast<unsigned>(p.V / (16 * kMT)));
+            static_cast<unsigned>(p.V / kWarpRows));
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  launch_kernel(replay_warp_kernel<In, kMT, KDA>, grid, 32, WarpSmem<kMT>::bytes, stream, p.pdl,
-                with_pdl_trigger(p, ctas, kReplayWarpCtasPerSm),
+  launch_kernel(replay_warp_kernel<In, kWarpMTiles, KDA>, grid, 32, WarpSmem<kWarpMTiles>::bytes,
+                stream, p.pdl, with_pdl_trigger(p, ctas, kReplayWarpCtasPerSm),
                 detail::SmallDivider::of(p.HV / p.H));
 }
 
@@ -101,16 +101,16 @@ void launch(const ReplayProblem& p, cudaStream_t stream, bool run) {
     if constexpr (KT == 128 && std::is_same_v<StateT, __nv_bfloat16>) {
       const ReplayDecodeChoice choice = replay_decode_choice();
       // The one-warp kernel where it applies (bf16 inputs: its k ring staged as bf16, L <= 16,
-      // V a multiple of its 64 rows): for GDN always, for KDA from kReplayWarpKdaWaves waves of
+      // V a multiple of its kWarpRows): for GDN always, for KDA from kReplayWarpKdaWaves waves of
       // its CTAs; unless another kernel is forced.
       if constexpr (std::is_same_v<In, TypedInput<__nv_bfloat16>>) {
-        const int64_t warp_ctas = static_cast<int64_t>(p.B) * p.HV * (p.V / 64);
+        const int64_t warp_ctas = static_cast<int64_t>(p.B) * p.HV * (p.V / kWarpRows);
         const bool warp_pays =
             !p.gate.kda ||
             warp_ctas >= kReplayWarpKdaWaves * kReplayWarpCtasPerSm * num_sms(p.device.index);
         const bool warp_ok = choice == ReplayDecodeChoice::warp ||
                              (choice == ReplayDecodeChoice::automatic && warp_pays);
-        if (warp_ok && p.L <= kWarpRingRecords && p.V % 64 == 0) {
+        if (warp_ok && p.L <= kWarpRingRecords && p.V % kWarpRows == 0) {
           if (run) {
             if (p.gate.kda) launch_warp<In, true>(p, stream);
             else launch_warp<In, false>(p, stream);

@@ -94,7 +94,7 @@ constexpr int64_t kReplayTwoBlockWaves = 2;
 // first form (the same appending step, a slower flush): 10.19 against 10.03;
 // bench/results/replayssm-decode-tc-h100.txt).
 constexpr int64_t kReplayTcWaves = 2;
-// The one-warp ReplaySSM kernel (replayssm/decode_warp.cuh: 64 rows a CTA, ~26 KB of shared
+// The one-warp ReplaySSM kernel (replayssm/decode_warp.cuh: 64 rows a CTA, 27.9 KB of shared
 // memory): resident CTAs an SM that its launch bounds promise.
 constexpr int kReplayWarpCtasPerSm = 8;
 // KDA on the one-warp kernel from this many waves of its CTAs, the tensor-core kernel below: its

@@ -45,6 +45,7 @@ namespace deltastate::cuda_backend {
 namespace {
 
 constexpr int kWarpRingRecords = 16;  // the most records a ring holds here (L <= 16)
+constexpr int kWarpMTiles = 4;        // 16-row m-tiles a CTA: 64 rows
 // Bytes per staged k record: 256 and a 64-byte pad, so that a quarter warp's 16-byte reads of
 // records g and g + 1 (their chunks at 32c + 8t) cover the banks once (as kTcColPitch).
 constexpr int kWarpKPitch = 128 * 2 + 64;
@@ -70,6 +71,11 @@ struct WarpSmem {
   static constexpr int dring = kring_end > kw_end ? kring_end : kw_end;
   static constexpr int bytes = dring + kWarpRingRecords * kDPitch;
 };
+
+// kReplayWarpCtasPerSm CTAs an SM need their shared memory to fit an SM's 228 KB with the 1 KB
+// the hardware reserves per CTA (Hopper).
+static_assert(kReplayWarpCtasPerSm * (WarpSmem<kWarpMTiles>::bytes + 1024) <= 228 * 1024,
+              "the one-warp kernel's shared memory no longer fits its CTAs an SM");
 
 // The sum over the warp of 32 values a lane: lane l returns the total of part[l] (a transposed
 // butterfly, 31 shuffles; at step S a lane keeps the half its bit S selects). S is a template
@@ -293,7 +299,7 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
     // The checkpoint's dots, m-tile by m-tile: e*alpha*(S0.kn, S0.qn) (KDA: the decayed token's
     // dots) plus the records' terms; lanes 0 / 1 store the outputs of rows g / g + 8, lanes 2 / 3
     // their d records.
-    const float ea = KDA ? 1.0f : e * a;
+    const float ea = e * a;  // GDN
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       uint4 At[2][4];
@@ -391,6 +397,7 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
   // 2q + jc % 2, so that C's (row g, columns 2t, 2t + 1) of n-tile n are S[.][8c + 2q], [8c + 2q +
   // 1], the lane's own chunk elements. Records at and past m are zero in A and B (stale bytes).
   uint32_t kb[16][2];
+  float w_rec[4];  // GDN: W_j of records 2t, 2t + 1, 2t + 8, 2t + 9 (A's k columns)
   if constexpr (!KDA) {
     const uint16_t* const kr = reinterpret_cast<const uint16_t*>(smem + Sm::kring);
     auto k_at = [&](int j, int col) -> uint32_t {
@@ -402,11 +409,10 @@ __global__ void __launch_bounds__(32, kReplayWarpCtasPerSm)
       kb[n][0] = k_at(2 * t, col) | (k_at(2 * t + 1, col) << 16);
       kb[n][1] = k_at(2 * t + 8, col) | (k_at(2 * t + 9, col) << 16);
     }
-  }
-  float w_rec[4];  // GDN: W_j of records 2t, 2t + 1, 2t + 8, 2t + 9 (A's k columns)
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    w_rec[i] = __shfl_sync(0xffffffffu, w_lane, 2 * t + (i & 1) + 8 * (i >> 1));
+    for (int i = 0; i < 4; ++i)
+      w_rec[i] = __shfl_sync(0xffffffffu, w_lane, 2 * t + (i & 1) + 8 * (i >> 1));
+  }
 #pragma unroll 1
   for (int mt = 0; mt < MT; ++mt) {
     float S[2][32];
