@@ -13,6 +13,9 @@
 namespace deltastate::cuda_backend {
 
 // ---- CTA shapes ---------------------------------------------------------------------------------
+// Whether `ctas` resident CTAs of `bytes` of shared memory each fit an SM (sm_90: 228 KB, of which
+// the hardware reserves 1 KB per resident CTA); the kernels' shapes static_assert it.
+constexpr bool ctas_fit_smem(int ctas, int bytes) { return ctas * (bytes + 1024) <= 228 * 1024; }
 // Direct kernel: CTAs of up to 128 threads, 4 resident per SM: at most 128 registers per thread
 // for its rows, the token and the gate constants across the token loop.
 constexpr int kDirectCtasPerSm = 4;

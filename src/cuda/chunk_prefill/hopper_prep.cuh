@@ -25,6 +25,7 @@
 #include "cuda/chunk_prefill/hopper_scan.cuh"
 #include "cuda/chunk_prefill/split.cuh"
 #include "cuda/chunk_prefill/tc_inverse.cuh"
+#include "cuda/tuning.h"
 
 namespace deltastate::cuda_backend::prefill::hopper {
 
@@ -49,7 +50,7 @@ struct PrepLayout {
   static constexpr int SMEM = OFF_SC + (2 + NV * SCALARS) * C * 4;
   static_assert(OFF_TH % 16 == 0 && OFF_P % 16 == 0 && OFF_SC % 16 == 0 && A_BYTES % 16 == 0,
                 "16-byte aligned regions");
-  static_assert(4 * (SMEM + 1024) <= 228 * 1024, "four CTAs an SM");
+  static_assert(ctas_fit_smem(4, SMEM), "four CTAs an SM");
 };
 
 // The strips of K K^T (warps 0-3) and Q K^T (warps 4-7) in pieces of equal work: a strip r

@@ -70,8 +70,7 @@ struct PrepKdaLayout {
   static_assert(OFF_G % 16 == 0 && OFF_KB % 16 == 0 && OFF_SC % 16 == 0 && OFF_AD % 16 == 0 &&
                     OFF_PD % 16 == 0 && OFF_TH % 16 == 0 && OFF_P % 16 == 0,
                 "16-byte aligned regions");
-  // two CTAs an SM: 228 KB of shared memory, 1 KB of each CTA's reserved
-  static_assert(2 * (SMEM + 1024) <= 228 * 1024, "two CTAs an SM");
+  static_assert(ctas_fit_smem(2, SMEM), "two CTAs an SM");
 };
 
 // Factored block `item` of a warp (0..11): A's blocks (i, j), j < i, then P's.

@@ -72,9 +72,7 @@ struct WarpSmem {
   static constexpr int bytes = dring + kWarpRingRecords * kDPitch;
 };
 
-// kReplayWarpCtasPerSm CTAs an SM need their shared memory to fit an SM's 228 KB with the 1 KB
-// the hardware reserves per CTA (Hopper).
-static_assert(kReplayWarpCtasPerSm * (WarpSmem<kWarpMTiles>::bytes + 1024) <= 228 * 1024,
+static_assert(ctas_fit_smem(kReplayWarpCtasPerSm, WarpSmem<kWarpMTiles>::bytes),
               "the one-warp kernel's shared memory no longer fits its CTAs an SM");
 
 // The sum over the warp of 32 values a lane: lane l returns the total of part[l] (a transposed

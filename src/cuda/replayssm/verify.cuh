@@ -272,9 +272,6 @@ constexpr int rv_dynamic_bytes() {
   return (VEC ? rv_stage_bytes<StateT, KT, BPC>() : 0) +
          (FACTOR ? static_cast<int>(sizeof(RvFactorSmem<KT>)) : 0);
 }
-// The H200's (sm_90) shared memory per SM and the 1 KB the hardware reserves per resident CTA:
-// CTAS resident CTAs of a shape must fit in it.
-constexpr int kRvSmemPerSm = 228 * 1024, kRvSmemReservedPerCta = 1024;
 template <class StateT, int KT, bool VEC, int BPC, bool FACTOR>
 constexpr int rv_cta_smem_bytes() {
   using M = RvLayout<StateT, KT>;
@@ -294,10 +291,8 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   constexpr int RC = M::RC, kThreads = kRvWarps * 32, CROWS = BPC * ROWS;  // rows per CTA
   static_assert(BPC == 1 || VEC, "several row blocks per CTA: vector kernel only");
   static_assert(sizeof(RvSmem<KT, CROWS, RC>) <= 48 * 1024, "static shared memory within 48 KB");
-  static_assert(
-      CTAS * (rv_cta_smem_bytes<StateT, KT, VEC, BPC, FACTOR>() + kRvSmemReservedPerCta) <=
-          kRvSmemPerSm,
-      "CTAS resident CTAs within an SM's shared memory");
+  static_assert(ctas_fit_smem(CTAS, rv_cta_smem_bytes<StateT, KT, VEC, BPC, FACTOR>()),
+                "CTAS resident CTAs within an SM's shared memory");
   static_assert(2 * R <= G, "a row group holds the 2R dots of a draft after its reduction");
   __shared__ RvSmem<KT, CROWS, RC> sm;
   extern __shared__ __align__(16) unsigned char rv_dynamic[];

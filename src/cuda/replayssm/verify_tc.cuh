@@ -82,10 +82,9 @@ __global__ void __launch_bounds__(kRvWarps * 32, CTAS)
   constexpr int KT = kRvTcK, CROWS = kRvTcRows, RC = rv_rec_chunk<KT>();
   constexpr int kThreads = kRvWarps * 32, kChunks = CROWS * KT / 4 / kThreads;  // per thread
   constexpr int kRecPerThread = RC * KT / kThreads;  // record k (and d) entries per thread
-  static_assert(CTAS * (static_cast<int>(sizeof(RvSmem<KT, CROWS, RC>)) + kRvTcSmemDynamic +
-                        kRvSmemReservedPerCta) <=
-                    kRvSmemPerSm,
-                "CTAS resident CTAs within an SM's shared memory");
+  static_assert(
+      ctas_fit_smem(CTAS, static_cast<int>(sizeof(RvSmem<KT, CROWS, RC>)) + kRvTcSmemDynamic),
+      "CTAS resident CTAs within an SM's shared memory");
   static_assert(CROWS == KT, "a record's k and d entries share one thread map");
   __shared__ RvSmem<KT, CROWS, RC> sm;
   extern __shared__ __align__(16) unsigned char rv_dynamic[];
