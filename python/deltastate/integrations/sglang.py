@@ -20,8 +20,9 @@ exactly those calls, with SGLang's keyword arguments and conventions:
 * ``extend``: varlen ``[1, T, ...]`` with ``query_start_loc`` ``[N+1]``, each sequence starting
   from its pool row and ending there (GDN: ``g``, ``beta`` already gated by SGLang's
   ``fused_gdn_gating``; KDA: ``g`` the raw gate with ``A_log`` / ``dt_bias`` / ``lower_bound``,
-  ``beta`` a probability). GDN returns SGLang's triple ``(o, None, None)`` (the state is updated
-  in place; ``inplace_update=False`` leaves the pool unchanged), KDA returns ``o``.
+  ``beta`` a probability, or its logit with ``beta_is_raw=True``). GDN returns SGLang's triple
+  ``(o, None, None)`` (the state is updated in place; ``inplace_update=False`` leaves the pool
+  unchanged), KDA returns ``o``.
 * ``target_verify``: speculative decoding's verify, as ``TritonGDNKernel`` /
   ``TritonKDAKernel.target_verify`` (SGLang's ``fused_sigmoid_gating_delta_rule_update`` with
   ``disable_state_update=True``): q, k ``[1, B*T, H, K]``, v ``[1, B*T, HV, V]``, raw ``a`` /
@@ -30,7 +31,10 @@ exactly those calls, with SGLang's keyword arguments and conventions:
   writes the state after draft token t to ``intermediate_states_buffer[intermediate_state_indices
   [b], t]`` (SGLang's per-layer ``intermediate_ssm`` ``[spec, draft, HV, V, K]``) and leaves the
   pool unchanged; ``retrieve_parent_token`` ``[B, T]`` (None: a chain) makes each request an
-  EAGLE tree. Returns ``[1, B*T, HV, V]``. The commit of the accepted step stays SGLang's
+  EAGLE tree; ``lower_bound`` (KDA) the safe gate; ``cache_ring=True`` with
+  ``replayssm_rawv`` / ``rawk`` / ``g`` / ``beta`` also records each draft's raw inputs in those
+  per-layer rings for SGLang's fold-every-commit commits (GDN and KDA). Returns
+  ``[1, B*T, HV, V]``. The commit of the accepted step stays SGLang's
   ``update_mamba_state_after_mtp_verify``, whose ``fused_mamba_state_scatter_with_mask`` is
   ``deltastate.fused_mamba_state_scatter_with_mask``.
 
@@ -77,6 +81,10 @@ class _DeltastateKernel(_Base):
                                          "replayssm_write_pos")]
         if all(r is not None for r in rings):
             d, k_ring, g_ring, write_pos = rings
+            if self.kda:  # SGLang's KDA kernel flattens its backend's [B, 1, ...] gate inputs
+                K = ssm_states.shape[-1]
+                a, b = a.reshape(B, num_v_heads, K), b.reshape(B, num_v_heads)
+                A_log, dt_bias = A_log.reshape(-1), dt_bias.reshape(num_v_heads, K)
             ds.fused_recurrent_linear_replayssm_decode(
                 mixed_qkv, a, b, A_log, dt_bias, scale, ssm_states, d, k_ring, g_ring, out,
                 cache_indices, write_pos, kwargs.get("replayssm_force_flush"),
@@ -109,7 +117,9 @@ class _DeltastateKernel(_Base):
 
     def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices,
                       query_start_loc, intermediate_states_buffer, intermediate_state_indices,
-                      cache_steps, retrieve_parent_token, **kwargs):
+                      cache_steps, retrieve_parent_token, lower_bound=None, cache_ring=False,
+                      replayssm_rawv=None, replayssm_rawk=None, replayssm_g=None,
+                      replayssm_beta=None, **kwargs):
         ds = _ds()
         T, HV, V = v.shape[1], v.shape[2], v.shape[3]
         K = q.shape[-1]
@@ -120,16 +130,20 @@ class _DeltastateKernel(_Base):
             # SGLang's kernel cuts a flat [spec * cache_steps, HV, V, K] scratch into rows of
             # cache_steps; a 5-D buffer keeps its allocated pitch (shape[1]).
             inter = inter.reshape(-1, int(cache_steps), HV, V, K)
-        # The Triton verify reads no lower_bound; the safe gate is honored where a backend
-        # passes it, as in decode.
+        # cache_ring (fold-every-commit): the drafts' raw inputs into the per-layer rings that
+        # SGLang's commit_*_replayssm_* replays; the rings come as a set or not at all.
+        rings = {}
+        if cache_ring:
+            rings = dict(ring_v=replayssm_rawv, ring_k=replayssm_rawk, ring_g=replayssm_g,
+                         ring_beta=replayssm_beta)
         return ds.verify(
             _rows(q), _rows(k), _rows(v), _rows(g), _rows(b.reshape(1, T, HV)),
             q.new_empty(v.shape), ssm_states, cache_indices, A_log=A_log.reshape(-1),
             dt_bias=dt_bias, is_kda=self.kda, use_gate_in_kernel=True,
-            lower_bound=kwargs.get("lower_bound"), beta_is_logit=True,
+            lower_bound=lower_bound, beta_is_logit=True,
             use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc, update_state=False,
             intermediate_states=inter, intermediate_state_indices=intermediate_state_indices,
-            parent_tokens=retrieve_parent_token)
+            parent_tokens=retrieve_parent_token, **rings)
 
 
 class DeltastateGDNKernel(_DeltastateKernel):
@@ -155,8 +169,8 @@ class DeltastateKDAKernel(_DeltastateKernel):
 
     def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc,
                A_log: Optional[object] = None, dt_bias: Optional[object] = None,
-               lower_bound: Optional[float] = None, return_intermediate_states: bool = False,
-               **kwargs):
+               lower_bound: Optional[float] = None, beta_is_raw: bool = False,
+               return_intermediate_states: bool = False, **kwargs):
         if return_intermediate_states:
             raise NotImplementedError(
                 "DeltastateKDAKernel.extend: return_intermediate_states (SGLang's per-chunk "
@@ -168,7 +182,8 @@ class DeltastateKDAKernel(_DeltastateKernel):
             _rows(q), _rows(k), _rows(v), _rows(g.reshape(1, -1, HV, K)),
             _rows(beta.reshape(1, -1, HV)),
             initial_state=ssm_states, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate,
-            lower_bound=lower_bound, state_v_first=True, cu_seqlens=query_start_loc,
+            use_beta_sigmoid_in_kernel=beta_is_raw, lower_bound=lower_bound,
+            state_v_first=True, cu_seqlens=query_start_loc,
             A_log=None if A_log is None else A_log.reshape(-1),
             dt_bias=None if dt_bias is None else dt_bias.reshape(HV, K),
             initial_state_indices=cache_indices)

@@ -437,6 +437,120 @@ def test_target_verify_flat_scratch_and_lower_bound(kda):
     _assert_pool(layer, 0)
 
 
+def _rings(L, kda):
+    """SGLang's per-layer raw rings (cache_ring), filled with the sentinel."""
+    return dict(replayssm_rawv=torch.full((SLOTS, HV, L, V), SENTINEL),
+                replayssm_rawk=torch.full((SLOTS, H, L, K), SENTINEL),
+                replayssm_g=torch.full((SLOTS, HV, L, K) if kda else (SLOTS, HV, L), SENTINEL),
+                replayssm_beta=torch.full((SLOTS, HV, L), SENTINEL))
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_target_verify_cache_ring_records_the_raw_drafts(kda):
+    """target_verify with SGLang's cache_ring keywords (its KDA kernel's target_verify passes
+    them) records each request's drafts t < L at its slot of the rings: raw v, raw (pre-norm) k,
+    the gate and sigmoid(b), as fp32 here; steps past the ring, padded rows' and other slots'
+    entries stay untouched; the outputs are the call's without the rings. Without cache_ring the
+    rings are not written."""
+    gen = torch.Generator().manual_seed(17)
+    layer = Layer(kda, "cpu", torch.float32, gen)
+    for s in REQ_SLOTS:
+        layer.pool[s].normal_(generator=gen)
+    rows = (REQ_SLOTS[0], -1, REQ_SLOTS[2])
+    B, L = len(rows), DRAFT - 1  # the last draft falls past the ring
+    mixed, a, b = _qkv(layer, B * DRAFT)
+    q, k, v = _split(mixed, B * DRAFT)
+    kernel = DeltastateKDAKernel() if kda else DeltastateGDNKernel()
+
+    def run(**extra):
+        scratch = torch.full((SPEC, DRAFT, HV, V, K), SENTINEL)
+        out = kernel.target_verify(
+            layer.A_log, layer.dt_bias, q, k, v, a, b, ssm_states=layer.pool,
+            cache_indices=torch.tensor(rows, dtype=torch.int32),
+            query_start_loc=torch.arange(0, B * DRAFT + 1, DRAFT, dtype=torch.int32),
+            intermediate_states_buffer=scratch,
+            intermediate_state_indices=torch.arange(B, dtype=torch.int32),
+            cache_steps=DRAFT, retrieve_parent_token=None, **extra)
+        return out, scratch
+
+    rings = _rings(L, kda)
+    want_out, want_scratch = run()
+    untouched = _rings(L, kda)
+    out, scratch = run(cache_ring=False, **untouched)
+    for name, t in untouched.items():
+        assert torch.equal(t, torch.full_like(t, SENTINEL)), f"{name} written without cache_ring"
+    out, scratch = run(cache_ring=True, **rings)
+    assert torch.equal(out, want_out) and torch.equal(scratch, want_scratch)
+    gate = _gate(kda, a, layer.A_log, layer.dt_bias)
+    beta = torch.sigmoid(b.double())
+    qk = _split(mixed, B * DRAFT)
+    for i, s in enumerate(rows):
+        for t in range(L if s >= 0 else 0):
+            tok = i * DRAFT + t
+            assert torch.equal(rings["replayssm_rawv"][s, :, t], qk[2][0, tok])
+            assert torch.equal(rings["replayssm_rawk"][s, :, t], qk[1][0, tok])
+            torch.testing.assert_close(rings["replayssm_g"][s, :, t].double(), gate[tok],
+                                       atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(rings["replayssm_beta"][s, :, t].double(), beta[tok],
+                                       atol=1e-6, rtol=1e-6)
+    written = {s for s in rows if s >= 0}
+    for name, t in rings.items():
+        for s in range(SLOTS):
+            part = t[s] if s not in written else t[s][:, L:]
+            assert torch.equal(part, torch.full_like(part, SENTINEL)), f"{name} slot {s} written"
+
+
+def test_kda_replayssm_packed_decode_takes_the_backends_gate_shapes():
+    """SGLang's KDA kernel reshapes its backend's gate inputs (a [B, 1, HV*K], b [B, 1, HV]) before
+    ReplaySSM decode, as it does for packed decode; the result is the 2-D inputs' bit for bit."""
+    gen = torch.Generator().manual_seed(19)
+    layer = Layer(True, "cpu", torch.float32, gen)
+    for s in REQ_SLOTS:
+        layer.pool[s].normal_(generator=gen)
+    B, L = len(REQ_SLOTS), 4
+    mixed, a, b = _qkv(layer, B)
+    idx = torch.tensor(REQ_SLOTS, dtype=torch.int32)
+
+    def run(a_in, b_in):
+        pool = layer.pool.clone()
+        rings = dict(replayssm_d=torch.zeros(SLOTS, HV, L, V),
+                     replayssm_k=torch.zeros(SLOTS, H, L, K),
+                     replayssm_g=torch.zeros(SLOTS, HV, L, K),
+                     replayssm_write_pos=torch.zeros(B, dtype=torch.int32))
+        out = DeltastateKDAKernel().packed_decode(
+            mixed, a_in, b_in, A_log=layer.A_log, dt_bias=layer.dt_bias, scale=K ** -0.5,
+            ssm_states=pool, cache_indices=idx, num_v_heads=HV, head_v_dim=V, **rings)
+        return out, pool, rings
+
+    flat = run(a, b)
+    shaped = run(a.reshape(B, 1, HV * K), b.reshape(B, 1, HV))
+    assert torch.equal(flat[0], shaped[0]) and torch.equal(flat[1], shaped[1])
+    for name in flat[2]:
+        assert torch.equal(flat[2][name], shaped[2][name]), name
+    assert flat[0].shape == (1, B, HV, V)
+
+
+def test_kda_extend_beta_is_raw():
+    """SGLang's KDA extend takes beta_is_raw (beta as its logit, sigmoid in the kernel): the same
+    as the probability given."""
+    gen = torch.Generator().manual_seed(23)
+    layer = Layer(True, "cpu", torch.float32, gen)
+    T = 11
+    mixed, a, b = _qkv(layer, T)
+    q, k, v = _split(mixed, T)
+    idx = torch.tensor(REQ_SLOTS[:1], dtype=torch.int32)
+    loc = torch.tensor([0, T], dtype=torch.int32)
+    outs = []
+    for beta, raw in ((torch.sigmoid(b), False), (b, True)):
+        pool = layer.pool.clone()
+        outs.append((DeltastateKDAKernel().extend(
+            q, k, v, a.reshape(1, T, HV, K), beta.unsqueeze(0), ssm_states=pool,
+            cache_indices=idx, query_start_loc=loc, A_log=layer.A_log.reshape(-1),
+            dt_bias=layer.dt_bias, beta_is_raw=raw), pool))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=1e-6)
+
+
 def test_intermediate_states_of_extend_are_not_implemented():
     with pytest.raises(NotImplementedError, match=r"return_intermediate_states \(SGLang's "
                        r"per-chunk states h for prefix-cache tracking\) is not implemented"):
@@ -446,15 +560,17 @@ def test_intermediate_states_of_extend_are_not_implemented():
 
 
 # SGLang's surface (kernels/kernel_backend.py @ 03a4a692; TritonGDNKernel.packed_decode and
-# .target_verify @ 0a48af3a, TritonKDAKernel.target_verify @ 007d1d93): parameter name, kind (P positional-or-keyword, K keyword-only, V **kwargs).
+# .target_verify @ 0a48af3a, TritonKDAKernel.target_verify @ 007d1d93): parameter name, kind (P
+# positional-or-keyword, K keyword-only, V **kwargs). Later TritonKDAKernels (the kda_triton.py
+# with `supports_fused_chain_verify`) add optional keywords before **kwargs to target_verify
+# (lower_bound, cache_ring, replayssm_rawv .. replayssm_beta) and extend (beta_is_raw).
 SURFACE = {
     "decode": "q:P k:P v:P a:P b:P A_log:K dt_bias:K ssm_states:K cache_indices:K "
               "query_start_loc:K kwargs:V",
     "extend": "q:P k:P v:P g:P beta:P ssm_states:K cache_indices:K query_start_loc:K",
     "target_verify": "A_log:P dt_bias:P q:P k:P v:P a:P b:P ssm_states:K cache_indices:K "
                      "query_start_loc:K intermediate_states_buffer:K "
-                     "intermediate_state_indices:K cache_steps:K retrieve_parent_token:K "
-                     "kwargs:V",
+                     "intermediate_state_indices:K cache_steps:K retrieve_parent_token:K",
     "packed_decode": "mixed_qkv:P a:P b:P A_log:K dt_bias:K scale:K ssm_states:K "
                      "cache_indices:K num_v_heads:K head_v_dim:K kwargs:V",
 }
@@ -468,7 +584,7 @@ def test_surface_is_sglangs(cls, method):
     params = list(inspect.signature(getattr(cls, method)).parameters.values())[1:]  # no self
     got = [f"{p.name}:{_KIND[p.kind]}" for p in params]
     want = SURFACE[method].split()
-    if method == "extend":  # SGLang's subclasses add optional keywords before **kwargs
+    if method in ("extend", "target_verify"):  # optional keywords added before **kwargs
         assert got[:len(want)] == want and got[-1] == "kwargs:V"
         assert all(p.default is not inspect.Parameter.empty for p in params[len(want):-1])
     else:
