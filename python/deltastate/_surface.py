@@ -788,8 +788,9 @@ _REPLAY_DOC = """ReplaySSM buffered decode (T=1), GDN or KDA (``is_kda``): SGLan
 
     SGLang's Triton tuning keywords ``block_v``, ``num_warps``, ``num_stages`` and ``nk`` are
     accepted and ignored (deltastate picks its own launch; SGLang's nk/BKT checks are not
-    reproduced). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype (off:
-    fp32 beta, the rule of every op and of current SGLang; ignored with predecayed_k_cache).
+    reproduced). ``scale`` None: K^-0.5. ``round_beta``: round sigmoid(b) to b's dtype, SGLang's
+    rule at 03a70bf outside predecay mode (off: fp32 beta, the rule of every deltastate op;
+    ignored with predecayed_k_cache).
 
     SGLang's ring modes (CPU backend; CUDA: a generic kernel):
     ``circular_replay`` with ``cache_base`` [B] int32: record j of a row lies at ring position
@@ -1534,11 +1535,10 @@ def _sglang_verify_prepare(op, a, softplus_beta, softplus_threshold, q, k, v, b,
         # dim; a flat buffer is cut into rows of cache_steps.
         inter = inter.reshape(-1, int(cache_steps or 1), *_shape(inter)[-3:])
     rings = (None, None, None, None)
-    if cache_ring:
-        assert not is_kda, "cache_ring supports GDN only (scalar gate layout)"
+    if cache_ring:  # the gate ring: per K column for KDA, a scalar per head for GDN
         assert (len(_shape(replayssm_rawv)) == 4 and len(_shape(replayssm_rawk)) == 4
-                and len(_shape(replayssm_g)) == 3 and len(_shape(replayssm_beta)) == 3), \
-            "cache_ring expects per-layer ring views"
+                and len(_shape(replayssm_g)) == (4 if is_kda else 3)
+                and len(_shape(replayssm_beta)) == 3), "cache_ring expects per-layer ring views"
         rings = (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)
     return (g, beta, output, state, indices, update, inter, retrieve_parent_token) + rings
 
@@ -1554,10 +1554,13 @@ def _sglang_verify() -> Op:
     each sequence an EAGLE tree. Differences: a sequence whose index is < 0 gets a zero output
     (SGLang computes one from a zero state); a parent < 0 at t > 0 starts from the initial state;
     softplus_beta / softplus_threshold other than 1 / 20 raise NotImplementedError.
-    cache_ring (GDN; fold-every-commit): each sequence's steps t < L also record their raw v,
-    raw (pre-norm) k, fp32 g and fp32 beta at its slot of the per-layer rings replayssm_rawv [S,
-    HV, L, V], replayssm_rawk [S, H, L, K], replayssm_g, replayssm_beta [S, HV, L]
-    (:func:`commit_gdn_replayssm_fold_all_layers` replays them; CUDA: the generic kernel)."""
+    lower_bound: the safe gate lower_bound * sigmoid(exp(A_log) * (a + dt_bias)) in place of
+    -exp(A_log) * softplus(a + dt_bias), GDN or KDA, as SGLang's.
+    cache_ring (fold-every-commit): each sequence's steps t < L also record their raw v, raw
+    (pre-norm) k, fp32 g and fp32 beta at its slot of the per-layer rings replayssm_rawv [S, HV,
+    L, V], replayssm_rawk [S, H, L, K], replayssm_g [S, HV, L] (KDA: [S, HV, L, K]),
+    replayssm_beta [S, HV, L] (:func:`commit_gdn_replayssm_fold_all_layers`,
+    :func:`commit_kda_replayssm_spec` replay them; CUDA: the generic kernel)."""
     return Op(
         name="sglang_verify",
         public="fused_sigmoid_gating_delta_rule_update",
@@ -1579,6 +1582,7 @@ def _sglang_verify() -> Op:
             Arg("use_qk_l2norm_in_kernel", BOOL, False),
             Arg("cu_seqlens", OPT_TENSOR, None, dtypes=INDEX),
             Arg("is_kda", BOOL, False),
+            Arg("lower_bound", OPT_FLOAT, None),
             Arg("disable_state_update", BOOL, False, op=False),
             Arg("intermediate_states_buffer", ANY, None, op=False),
             Arg("intermediate_state_indices", OPT_TENSOR, None, dtypes=INDEX),
@@ -1591,7 +1595,7 @@ def _sglang_verify() -> Op:
             Arg("replayssm_beta", ANY, None, op=False),
         ) + _KEYWORDS + _hidden(
             ("A_log", "dt_bias", "q", "k", "v", "scale", "use_qk_l2norm_in_kernel", "cu_seqlens",
-             "is_kda", "intermediate_state_indices"),
+             "is_kda", "lower_bound", "intermediate_state_indices"),
             shown_as=(("g", "a"), ("beta", "b"), ("state", "initial_state_source"),
                       ("state_indices", "initial_state_indices"),
                       ("intermediate_states", "intermediate_states_buffer"),

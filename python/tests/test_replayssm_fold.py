@@ -151,6 +151,63 @@ def test_sglang_names_equal_core(tfw, rng):
         ds.commit_kda_replayssm_spec(one, *(r[1] for r in rings.values()), idx, acc, L, 1)
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_sglang_verify_rings_with_the_safe_gate_then_commit(tfw, rng, kda):
+    """SGLang's fused_sigmoid_gating_delta_rule_update with lower_bound (its position after
+    is_kda) and cache_ring (KDA: a [S, HV, L, K] gate ring), then SGLang's commit of the accepted
+    prefix: the outputs and scratch are the core verify's with the safe gate bit for bit, and the
+    committed checkpoint is the scratch state of the last accepted draft bit for bit."""
+    import inspect
+
+    import torch
+    names = list(inspect.signature(ds.fused_sigmoid_gating_delta_rule_update).parameters)
+    assert names[names.index("is_kda") + 1] == "lower_bound"
+    live, T, lb = [4, -1, 1], L, -4.0
+    N = len(live)
+    ck = torch.from_numpy(rng.standard_normal((SLOTS, HV, V, K)) * 0.5).float()
+    A_log, dt_bias = (torch.from_numpy(x).float() for x in gate_params(rng, HV, K, kda))
+    q, k = (torch.from_numpy(rng.standard_normal((N, T, H, K))).float() for _ in range(2))
+    v = torch.from_numpy(rng.standard_normal((N, T, HV, V))).float()
+    a = torch.from_numpy(gate_logits(rng, (N, T, HV * K if kda else HV))).float()
+    b = torch.from_numpy(rng.standard_normal((N, T, HV))).float()
+    idx = torch.tensor(live, dtype=torch.int32)
+    rings = {n: torch.full(r.shape, SENTINEL) for n, r in _rings(tfw, kda, layered=False).items()}
+    scratch = torch.full((N, T, HV, V, K), SENTINEL)
+    out = ds.fused_sigmoid_gating_delta_rule_update(
+        A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, ck, idx, None, True, None, kda, lb,
+        disable_state_update=True, intermediate_states_buffer=scratch,
+        intermediate_state_indices=torch.arange(N, dtype=torch.int32), cache_steps=T,
+        cache_ring=True, replayssm_rawv=rings["ring_v"], replayssm_rawk=rings["ring_k"],
+        replayssm_g=rings["ring_g"], replayssm_beta=rings["ring_beta"])
+    want = torch.full((N, T, HV, V), float("nan"))
+    want_scratch = torch.full_like(scratch, SENTINEL)
+    g = a.reshape(N, T, HV, K) if kda else a
+    ds.verify(q, k, v, g, b, want, ck, idx, A_log=A_log,
+              dt_bias=dt_bias.reshape(HV, K) if kda else dt_bias, is_kda=kda, lower_bound=lb,
+              update_state=False, intermediate_states=want_scratch,
+              intermediate_state_indices=torch.arange(N, dtype=torch.int32))
+    assert torch.equal(out, want) and torch.equal(scratch, want_scratch)
+    acc = torch.tensor([3, 2, 1], dtype=torch.int32)  # accepted drafts
+    committed = ck.clone()
+    commit = ds.commit_kda_replayssm_spec if kda else ds.commit_gdn_replayssm_spec
+    if kda:
+        commit(committed, *rings.values(), idx, acc, L, H)
+    else:
+        ds.replayssm_fold_commit(committed, *rings.values(), idx, acc, is_kda=False)
+    for n, s in enumerate(live):
+        if s >= 0:
+            assert torch.equal(committed[s], scratch[n, acc[n] - 1]), f"row {n}"
+    for s in range(SLOTS):
+        if s not in live:
+            assert torch.equal(committed[s], ck[s]), f"slot {s} written"
+    with pytest.raises(AssertionError, match="cache_ring expects per-layer ring views"):
+        wrong = torch.zeros(SLOTS, HV, L) if kda else torch.zeros(SLOTS, HV, L, K)
+        ds.fused_sigmoid_gating_delta_rule_update(
+            A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, ck, idx, is_kda=kda,
+            disable_state_update=True, cache_ring=True, replayssm_rawv=rings["ring_v"],
+            replayssm_rawk=rings["ring_k"], replayssm_g=wrong, replayssm_beta=rings["ring_beta"])
+
+
 def test_errors(tfw):
     import torch
     ck = torch.zeros(LAYERS, SLOTS, HV, V, K)
