@@ -986,14 +986,16 @@ def _chunk_prepare(op, kda, q, k, v, g, beta, scale, initial_state, output_final
                 scale = None  # FlashInfer's default: K^-0.5
         except (TypeError, ValueError):
             pass  # the conversion names the argument
-    if use_gate_in_kernel:
-        if A_log is None and (not kda or lower_bound is None):
-            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`"
-                             + (" and `lower_bound` is not set." if kda else "."))
-    else:
+    if use_gate_in_kernel and A_log is None:  # FLA's texts: GDN asserts, KDA raises
+        if not kda:
+            raise AssertionError("A_log must be provided when use_gate_in_kernel=True.")
+        if lower_bound is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and "
+                             "`lower_bound` is not set.")
+    if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None  # FLA ignores them without the in-kernel gate
     qs, vs = _shape(q), _shape(v)
-    output = _empty(v, vs)
+    output = _empty(q, vs)  # FLA's chunk functions return o in q's dtype
     final = None
     if output_final_state and len(qs) == 4 and len(vs) == 4:
         n = (len(cu_seqlens) - 1) if cu_seqlens is not None else qs[0]
@@ -1008,6 +1010,14 @@ def _chunk_gdn_prepare(op, q, k, v, g, beta, scale, initial_state, output_final_
                        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                        transpose_state_layout, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
                        chunk_size, has_initial_state, state_checkpoints, workspace):
+    qs, vs = _shape(q), _shape(v)
+    if len(qs) == 4 and len(_shape(k)) == 4 and len(vs) == 4:  # FLA's head checks and texts
+        if qs[2] != _shape(k)[2]:
+            raise ValueError(f"q and k must have the same number of heads, but got "
+                             f"q.shape[2]={qs[2]} and k.shape[2]={_shape(k)[2]}")
+        if qs[2] > 0 and vs[2] % qs[2] != 0:
+            raise ValueError(f"For GVA, num_v_heads (HV={vs[2]}) must be evenly divisible by "
+                             f"num_heads (H={qs[2]}), but got HV % H = {vs[2] % qs[2]}")
     if chunk_size not in (16, 32, 64):  # FLA's check and text
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got "
                          f"{chunk_size}.")
@@ -1030,10 +1040,26 @@ def _chunk_kda_prepare(op, q, k, v, g, beta, scale, initial_state, output_final_
                              "`use_gate_in_kernel=True`.")
         if not (-5 <= lower_bound < 0):
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
-    return _chunk_prepare(op, True, q, k, v, g, beta, scale, initial_state, output_final_state,
-                          use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                          lower_bound, state_v_first, transpose_state_layout, cu_seqlens, A_log,
-                          dt_bias, has_initial_state, state_checkpoints, workspace)
+    out = _chunk_prepare(op, True, q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                         lower_bound, state_v_first, transpose_state_layout, cu_seqlens, A_log,
+                         dt_bias, has_initial_state, state_checkpoints, workspace)
+    qs, vs = _shape(q), _shape(v)
+    if len(qs) == 4 and len(vs) == 4:  # FLA's asserts and texts
+        B, T, H, K = qs
+        HV = vs[2]
+        assert qs == _shape(k), (f"q and k must have the same shape, got q={q.shape} vs "
+                                 f"k={k.shape}")
+        assert K <= 256, f"Currently we only support key headdim <=256 for KDA, got {K}."
+        assert H > 0 and HV % H == 0, (f"For GVA, num_v_heads (HV={HV}) must be evenly "
+                                       f"divisible by num_qk_heads (H={H}), but got HV % H = "
+                                       f"{HV % H if H else HV}")
+        assert _shape(g) == (B, T, HV, K), (f"g must have shape [B, T, HV, K]={[B, T, HV, K]}, "
+                                            f"got {list(_shape(g))}")
+        if beta is not None:
+            assert _shape(beta) == (B, T, HV), (f"beta must have shape [B, T, HV]="
+                                                f"{[B, T, HV]}, got {list(_shape(beta))}")
+    return out
 
 
 _CHUNK_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "A_log", "dt_bias", "use_gate_in_kernel",

@@ -156,12 +156,13 @@ def _build() -> None:
 
 
 _build()
-# The peers' aliases: SGLang's GDN name of ReplaySSM, FLA's short name of its GDN function.
+# The peers' aliases: SGLang's GDN name of ReplaySSM, FLA's short names of its GDN functions.
 fused_recurrent_gdn_replayssm_decode = fused_recurrent_linear_replayssm_decode  # noqa: F821
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule  # noqa: F821
+chunk_gdn = chunk_gated_delta_rule  # noqa: F821
 
 
 from ._lib import cuda_available, cuda_built  # noqa: E402,F401  (device and build queries)
 
 __all__ = [op.public for op in OPS] + ["fused_recurrent_gdn_replayssm_decode",
-                                       "fused_recurrent_gdn"]
+                                       "fused_recurrent_gdn", "chunk_gdn"]

@@ -149,6 +149,26 @@ def test_output_state_indices_and_scale_zero(fw, rng):
     np.testing.assert_allclose(after[2], efinal[0], rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_output_is_in_qs_dtype(rng, kda):
+    """FLA's chunk functions return o in q's dtype (GDN `o.to(q.dtype)`, KDA `o.type_as(q)`),
+    whatever v's: float32 q and k with bfloat16 v give a float32 o, the float32 call's values
+    to bfloat16 v's rounding."""
+    pytest.importorskip("torch")
+    d = make(rng, [70], kda)
+    tw = Fw("torch")
+    mixed = dict(d, v=tw.to64(tw.from64(d["v"]).to(torch.bfloat16)))
+    f = lambda a: torch.from_numpy(mixed[a]).float()  # noqa: E731
+    extra = dict(use_gate_in_kernel=True, lower_bound=-5.0, A_log=f("A_log"),
+                 dt_bias=f("dt_bias")) if kda else {}
+    o, _ = fn_of(kda)(f("q"), f("k"), f("v").to(torch.bfloat16), f("g"), f("beta"),
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      cu_seqlens=torch.from_numpy(mixed["cu"]), **extra)
+    assert o.dtype == torch.float32
+    eo, _, _ = expect(mixed, kda, cu_seqlens=mixed["cu"])
+    close(o, eo, "output")
+
+
 # ---- dense start and final states ---------------------------------------------------------------
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_dense_states(fw, rng, kda):
@@ -224,6 +244,48 @@ def test_host_hints_and_chunk_size_give_the_same_result(rng, kda):
 def test_chunk_size_outside_flas_set_is_flas_error(fw, rng, kda, size, text):
     with pytest.raises(ValueError, match=text):
         call(fn_of(kda), fw, make(rng, [5], kda), kda, chunk_size=size)
+
+
+def test_flas_shape_and_gate_errors(fw, rng):
+    """FLA's own checks of the chunk functions, their exception types and texts
+    (fla-core 0.6.0: GDN's ValueErrors and A_log assert, KDA's asserts), before anything runs."""
+    d = make(rng, [5], False)
+    f = lambda a: fw.from64(d[a])  # noqa: E731
+    q, k, v, g, beta = f("q"), f("k"), f("v"), f("g"), f("beta")
+    k3 = fw.from64(d["k"][:, :, :1])
+    with pytest.raises(ValueError, match=r"^q and k must have the same number of heads, but got "
+                                         r"q.shape\[2\]=2 and k.shape\[2\]=1$"):
+        ds.chunk_gated_delta_rule(q, k3, v, g, beta)
+    v3 = fw.from64(d["v"][:, :, :3])
+    with pytest.raises(ValueError, match=r"^For GVA, num_v_heads \(HV=3\) must be evenly "
+                                         r"divisible by num_heads \(H=2\), but got HV % H = 1$"):
+        ds.chunk_gated_delta_rule(q, k, v3, f("g")[:, :, :3], f("beta")[:, :, :3])
+    with pytest.raises(AssertionError,
+                       match=r"^A_log must be provided when use_gate_in_kernel=True\.$"):
+        ds.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True)
+    dk = make(rng, [5], True)
+    f = lambda a: fw.from64(dk[a])  # noqa: E731
+    q, k, v, g, beta = f("q"), f("k"), f("v"), f("g"), f("beta")
+    with pytest.raises(AssertionError, match=r"^q and k must have the same shape, got q="):
+        ds.chunk_kda(q, fw.from64(dk["k"][:, :4]), v, g, beta)
+    with pytest.raises(AssertionError, match=r"^For GVA, num_v_heads \(HV=3\) must be evenly "
+                                             r"divisible by num_qk_heads \(H=2\), but got "
+                                             r"HV % H = 1$"):
+        ds.chunk_kda(q, k, fw.from64(dk["v"][:, :, :3]), f("g")[:, :, :3], f("beta")[:, :, :3])
+    with pytest.raises(AssertionError, match=r"^g must have shape \[B, T, HV, K\]=\[1, 5, 4, 16\], "
+                                             r"got \[1, 5, 4, 8\]$"):
+        ds.chunk_kda(q, k, v, f("g")[..., :8], beta)
+    with pytest.raises(AssertionError, match=r"^beta must have shape \[B, T, HV\]=\[1, 5, 4\], "
+                                             r"got \[1, 5, 2\]$"):
+        ds.chunk_kda(q, k, v, g, f("beta")[..., :2])
+    wide = np.zeros((1, 5, 2, 320))
+    with pytest.raises(AssertionError,
+                       match=r"^Currently we only support key headdim <=256 for KDA, got 320\.$"):
+        ds.chunk_kda(fw.from64(wide), fw.from64(wide), v, fw.from64(np.zeros((1, 5, 4, 320))),
+                     beta)
+    with pytest.raises(ValueError, match=r"^`A_log` must be provided when `use_gate_in_kernel="
+                                         r"True` and `lower_bound` is not set\.$"):
+        ds.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])

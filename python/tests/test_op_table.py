@@ -270,7 +270,8 @@ def test_public_signature(name):
 
 def test_alias():
     assert ds.fused_recurrent_gdn_replayssm_decode is ds.fused_recurrent_linear_replayssm_decode
-    assert ds.fused_recurrent_gdn is ds.fused_recurrent_gated_delta_rule  # FLA's alias
+    assert ds.fused_recurrent_gdn is ds.fused_recurrent_gated_delta_rule  # FLA's aliases
+    assert ds.chunk_gdn is ds.chunk_gated_delta_rule
 
 
 @pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
