@@ -866,8 +866,9 @@ std::vector<RSCase> replay_cases(bool kda) {
            a.a = reshaped(a.a, {3, 4, 1});
          },
          "GDN `a` must have shape (3, 4) (got (3, 4, 1))."},
-        {"GDN a strided", [](auto&, auto& a) { a.a = with_stride(a.a, 0, 5); },
-         "GDN `a` must have shape (3, 4) (got (3, 4))."},
+        {"GDN a strided", [](auto&, auto& a) { a.a = with_stride(a.a, 1, 2); },
+         "GDN `a` must be contiguous in the last dim. `a` has strides (4, 2); expected a last "
+         "stride of 1."},
         {"GDN dt_bias shape", [](auto&, auto& a) { a.dt_bias = with_size(a.dt_bias, 0, 5); },
          "GDN `dt_bias` must have shape (4,) (got (5,))."},
         {"g_cache with K",

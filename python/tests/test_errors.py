@@ -225,7 +225,8 @@ REPLAY_CASES = [
     ("dt_bias-shape", lambda fw, a, kda: a.update(dt_bias=fw.full((HV * K + 1,) if kda else (HV * K,), 0.0)),
      "GDN `dt_bias` must have shape (4,) (got (32,)).", "KDA `dt_bias` must have shape (4, 8) (got (33,))."),
     ("a-strided", lambda fw, a, kda: a.update(a=strided_last(fw, (B, HV, K) if kda else (B, HV))),
-     "GDN `a` must have shape (3, 4) (got (3, 4)).", "KDA `a`/`dt_bias` must be contiguous. `a` has strides (64, 16, 2) for shape (3, 4, 8); "
+     "GDN `a` must be contiguous in the last dim. `a` has strides (8, 2); expected a last "
+     "stride of 1.", "KDA `a`/`dt_bias` must be contiguous. `a` has strides (64, 16, 2) for shape (3, 4, 8); "
      "expected (32, 8, 1)."),
     ("ring-noncontiguous", lambda fw, a, kda: a.update(k_cache=strided_last(fw, (S, H, L, K))),
      "ReplaySSM ring caches must be contiguous. `k_cache` has strides (128, 64, 16, 2) for shape "

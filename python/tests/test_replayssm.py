@@ -35,8 +35,8 @@ class ReplaySetup:
     with sentinels, per-row cursors, and the float64 reference memory."""
 
     def __init__(self, fw, rng, *, kda, H, HV, K, V, L, slots, live, state_dtype, k_dtype,
-                 a_3d=False, envelope=True):
-        self.fw, self.kda, self.a_3d = fw, kda, a_3d
+                 a_3d=False, envelope=True, a_rows=False):
+        self.fw, self.kda, self.a_3d, self.a_rows = fw, kda, a_3d, a_rows
         self.H, self.HV, self.K, self.V, self.L = H, HV, K, V, L
         self.state_dtype, self.k_dtype = state_dtype, k_dtype
         self.pool = make_pool(fw, pool_data(rng, slots, HV, V, K), state_dtype, live,
@@ -64,7 +64,11 @@ class ReplaySetup:
         d = packed_data(rng, kda=self.kda, B=B, H=self.H, HV=self.HV, K=self.K, V=self.V)
         if self.kda and self.a_3d:
             d["a"] = d["a"].reshape(B, self.HV, self.K)
+        if self.a_rows:  # GDN `a` as the second half of a [B, 2 HV] b/a projection's rows
+            d["a"] = np.concatenate([np.full_like(d["a"], 7.0), d["a"]], axis=1)
         self.last = materialize_packed(self.fw, d, act)
+        if self.a_rows:
+            self.last["a"] = self.last["a"][:, self.HV:]
         return self.last
 
     def step(self, rng, act, indices, write_pos, force_flush=None, *, advance, lower_bound=None,
@@ -221,6 +225,18 @@ def test_replayssm_L1_equals_packed_decode(fw, rng, kda):
         assert_close(to64(out), to64(out2), TOL_REPLAY_L1, "float32", "out vs packed decode")
         assert_close(setup.pool.state64()[[0, 1, 4]], twin.state64()[[0, 1, 4]], TOL_REPLAY_L1,
                      "float32", "state vs packed decode")
+
+
+def test_replayssm_gdn_a_with_a_row_stride(fw, rng):
+    """GDN `a` with a row stride (a slice of the b/a projection's [B, 2 HV] rows, SGLang's kernel
+    reads it by its row stride) runs as the contiguous one: the reference over 2L + 2 steps."""
+    setup = ReplaySetup(fw, rng, kda=False, H=2, HV=4, K=16, V=8, L=4, slots=5, live=[0, 2, 3],
+                        state_dtype="float32", k_dtype="float32", a_rows=True)
+    rows = np.array([3, -1, 0, 2])
+    write_pos = np.zeros(len(rows), dtype=np.int64)
+    for step in range(10):
+        _, _, write_pos, _ = setup.step(rng, "float32", rows, write_pos, None, advance=True)
+        assert fw.to64(setup.last["a"]).shape == (4, 4)
 
 
 def test_replayssm_qwen3_next_shape(tfw, rng):

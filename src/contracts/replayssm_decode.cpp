@@ -290,10 +290,13 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
            (!a.is_contiguous() ? strides_detail("a", a) : strides_detail("dt_bias", dt_bias)));
     }
   } else {
-    // Beyond SGLang: `a`'s elements must be contiguous in a row (the kernels read them so).
-    if (a.ndim != 2 || a.shape[0] != B || a.shape[1] != HV || !a.is_contiguous())
+    // SGLang's shape rule; a row stride is taken (a slice of the b/a projection), the heads of
+    // a row adjacent (beyond SGLang: the kernels read them so).
+    if (a.ndim != 2 || a.shape[0] != B || a.shape[1] != HV)
       fail(format("GDN `a` must have shape %s (got %s).", tuple_str({B, HV}).c_str(),
                   shape_str(a).c_str()));
+    if (HV > 1 && a.stride[1] != 1)
+      fail("GDN `a` must be contiguous in the last dim." + last_stride_detail("a", a));
     if (dt_bias.ndim != 1 || dt_bias.shape[0] != HV || !dt_bias.is_contiguous())
       fail(format("GDN `dt_bias` must have shape %s (got %s).", tuple_str({HV}).c_str(),
                   shape_str(dt_bias).c_str()));
@@ -367,7 +370,7 @@ ReplayProblem validate_replayssm_decode(const ReplayDecodeArgs& args) {
   p.q = in.q;
   p.k = in.k;
   p.v = in.v;
-  p.a = {a.data, a.dtype, kda ? HV * K : HV, 0, kda ? K : 1};
+  p.a = {a.data, a.dtype, kda ? HV * K : a.stride[0], 0, kda ? K : 1};
   p.b = {b.data, b.dtype, b.stride[0], 0, 1};
   p.out = {out.data, out.dtype, HV * V, 0, V};
   p.gate = gate_params(kda, args.lower_bound ? GateMode::safe : GateMode::softplus, &A_log,
