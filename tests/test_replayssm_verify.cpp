@@ -605,6 +605,100 @@ TEST(ReplayCommitErrors, EveryText) {
          "`num_accepted`[0]=-1 is outside [0, max_spec_len=4]");
 }
 
+// The reset of rows that start decoding (SGLang's reset_gdn_replayssm_spec_cursors): a live row
+// with a nonzero flag gets write_pos = cache_base = 0 and is_flush = 2 * max_spec_len >
+// max_cache_len; rows at or below null_block_id, rows whose flag is 0 and every other slot keep
+// their cursors, whatever the flags' dtype and stride.
+TEST(ReplayResetCursors, RowsWithTheirFlagOnly) {
+  for (const DType flag_dtype : {DType::i8, DType::i32, DType::i64})
+    for (const int64_t L : {16, 6}) {  // L = 6, T = 4: the reset rows start folding
+      const int64_t S = 7, T = 4;
+      Tensor wp = Tensor::contiguous(DType::i32, {S}), base = Tensor::contiguous(DType::i32, {S});
+      Tensor fl = Tensor::contiguous(DType::i8, {S});
+      for (int64_t s = 0; s < S; ++s) {
+        wp.set({s}, 5 + s);
+        base.set({s}, 2 + s);
+        fl.set({s}, s % 2);
+      }
+      Tensor wp0 = wp.empty_like(), base0 = base.empty_like(), fl0 = fl.empty_like();
+      for (int64_t s = 0; s < S; ++s) {
+        wp0.set({s}, wp.get({s}));
+        base0.set({s}, base.get({s}));
+        fl0.set({s}, fl.get({s}));
+      }
+      // rows: slot 3 reset, slot 0 (the null block) flagged, slot 5 reset, slot 2 not flagged, a
+      // padded row flagged; the flags every other element of a strided tensor
+      const std::vector<int64_t> rows = {3, 0, 5, 2, -1}, flags = {1, 1, 7, 0, 1};
+      Tensor idx = index_tensor(rows, DType::i64);
+      Tensor reset = Tensor::strided(flag_dtype, {5}, {2});
+      for (int64_t b = 0; b < 5; ++b) reset.set({b}, static_cast<double>(flags[b]));
+      deltastate::ReplayResetArgs a;
+      a.write_pos = wp.view();
+      a.cache_base = base.view();
+      a.is_flush = fl.view();
+      a.do_reset = reset.view();
+      a.state_indices = idx.view();
+      a.max_cache_len = L;
+      a.max_spec_len = T;
+      deltastate::replayssm_reset_cursors(a);
+      for (int64_t s = 0; s < S; ++s) {
+        const bool r = s == 3 || s == 5;
+        EXPECT_EQ(wp.get({s}), r ? 0 : wp0.get({s})) << s;
+        EXPECT_EQ(base.get({s}), r ? 0 : base0.get({s})) << s;
+        EXPECT_EQ(fl.get({s}), r ? (2 * T > L ? 1 : 0) : fl0.get({s})) << s;
+      }
+    }
+}
+
+TEST(ReplayResetCursors, EveryText) {
+  Tensor wp = Tensor::contiguous(DType::i32, {4}), base = Tensor::contiguous(DType::i32, {4}),
+         fl = Tensor::contiguous(DType::i32, {4});
+  Tensor idx = index_tensor({2, -1}), reset = index_tensor({1, 1});
+  auto args = [&] {
+    deltastate::ReplayResetArgs a;
+    a.write_pos = wp.view();
+    a.cache_base = base.view();
+    a.is_flush = fl.view();
+    a.do_reset = reset.view();
+    a.state_indices = idx.view();
+    a.max_cache_len = 16;
+    a.max_spec_len = 4;
+    return a;
+  };
+  auto expect = [&](const std::function<void(deltastate::ReplayResetArgs&)>& mutate,
+                    const std::string& text) {
+    deltastate::ReplayResetArgs a = args();
+    mutate(a);
+    Snapshot snap;
+    snap.add(wp).add(base).add(fl);
+    const std::string what = error_of([&] { deltastate::replayssm_reset_cursors(a); });
+    EXPECT_EQ(what, text);
+    EXPECT_TRUE(snap.unchanged());
+  };
+  Tensor f5 = Tensor::contiguous(DType::i32, {5}), ff = Tensor::contiguous(DType::f32, {2});
+  Tensor r3 = index_tensor({1, 1, 1}), big = index_tensor({4, -1}), off = index_tensor({0, 1});
+  expect([&](auto& a) { a.null_block_id = -3; },
+         "`null_block_id` must be >= -1 (got -3): slots at or below it are padding, and a "
+         "negative slot must never be live");
+  expect([&](auto& a) { a.cache_base = f5.view(); },
+         "`cache_base` must have one entry per slot (4); got 5");
+  expect([&](auto& a) { a.state_indices = ff.view(); },
+         "`state_indices` must be int32 or int64 (got float32)");
+  expect([&](auto& a) { a.do_reset = r3.view(); }, "`do_reset` must have shape [B]=(2,); got (3,)");
+  expect([&](auto& a) { a.do_reset = ff.view(); },
+         "`do_reset` must be bool, int8, int32 or int64 (got float32)");
+  expect([&](auto& a) { a.max_cache_len = 0; }, "max_cache_len must be in [1, 2^30] (got 0)");
+  expect([&](auto& a) { a.max_spec_len = 0; }, "max_spec_len must be in [1, 2^30] (got 0)");
+  expect([&](auto& a) { a.state_indices = big.view(); },
+         "`state_indices`[0]=4 is out of range for a pool of 4 slots");
+  // a slot past the pool whose row is not reset is not read
+  Tensor quiet = index_tensor({9, 1});
+  deltastate::ReplayResetArgs a = args();
+  a.state_indices = quiet.view();
+  a.do_reset = off.view();
+  deltastate::replayssm_reset_cursors(a);
+}
+
 // The CUDA-only limits of the fold and circular commits, refused by their validators: CUDA views
 // of host tensors (nothing is launched, read or written on a device; CI has none).
 TEST(ReplayCommitErrors, CudaLimits) {

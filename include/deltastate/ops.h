@@ -724,6 +724,25 @@ struct ReplayCommitArgs {
 };
 void replayssm_commit(const ReplayCommitArgs& args);
 
+// The cursors of rows that start decoding (SGLang's reset_gdn_replayssm_spec_cursors: the prefill
+// -> decode handoff), on the cursors' device: for each row b with live slot s = state_indices[b]
+// (> null_block_id) and do_reset[b] != 0: write_pos[s] = 0, cache_base[s] = 0 and is_flush[s] =
+// 2 * max_spec_len > max_cache_len (the commit's early-fold rule at write_pos 0). write_pos,
+// cache_base [slots] int32, is_flush [slots] int32 or int8; do_reset [B] int8 (a bool tensor's
+// bytes), int32 or int64, state_indices [B] int32/int64 (any strides); max_cache_len and
+// max_spec_len in [1, 2^30] (2 * max_spec_len > max_cache_len allowed, as SGLang's reset: the
+// row then starts folding). A live, reset row's slot >= slots: a ValueError on CPU tensors;
+// CUDA: the row skipped and recorded for check_errors.
+struct ReplayResetArgs {
+  TensorView write_pos, cache_base, is_flush, do_reset, state_indices;
+  int64_t max_cache_len = 0, max_spec_len = 0;
+  int64_t null_block_id = 0;
+  std::optional<bool> check_indices;
+  Stream stream = nullptr;
+  bool pdl = false;  // as PackedDecodeArgs
+};
+void replayssm_reset_cursors(const ReplayResetArgs& args);
+
 // The commit of SGLang's fold-every-commit scheme (commit_gdn_replayssm_fold_all_layers,
 // commit_kda_replayssm_spec[_all_layers]): the verify recorded each draft's raw inputs in a ring
 // (VerifyArgs::ring_*, positions 0..T-1), and the commit replays the accepted prefix into the

@@ -2189,6 +2189,92 @@ def _gdn_spec_commit() -> Op:
     )
 
 
+# ---- the cursors of rows that start decoding -----------------------------------------------------
+_REPLAY_RESET_OP_ORDER = ("write_pos", "cache_base", "is_flush", "do_reset", "state_indices",
+                          "max_cache_len", "max_spec_len", "null_block_id", "check_indices", "pdl")
+
+
+def _reset_flags(op, do_reset):
+    """A bool do_reset as the int8 flags the op reads: its own bytes, a view (no copy)."""
+    dt = str(getattr(do_reset, "dtype", ""))
+    if dt == "torch.bool":
+        import torch
+
+        return do_reset.view(torch.int8)
+    if dt == "bool":
+        import numpy as np
+
+        return do_reset.view(np.int8)
+    return do_reset
+
+
+def _reset_prepare(op, do_reset):
+    return (_reset_flags(op, do_reset),)
+
+
+def _sglang_reset_prepare(op, do_reset, state_batch_indices):
+    return (_reset_flags(op, do_reset), state_batch_indices)
+
+
+_RESET_FLAGS = ("bool", "int8", "int32", "int64")
+
+
+def _replay_reset() -> Op:
+    doc = """The cursors of rows that start decoding (the prefill -> decode handoff): for each
+    row b with live slot s = state_indices[b] (> null_block_id) and do_reset[b] != 0,
+    write_pos[s] = cache_base[s] = 0 and is_flush[s] = 2 * max_spec_len > max_cache_len (the
+    commit's early-fold rule at write_pos 0); other rows' cursors are untouched. write_pos,
+    cache_base [slots] int32, is_flush [slots] int32 or int8; do_reset [B] bool, int8, int32 or
+    int64; state_indices [B] int32/int64. On CUDA on the device (graph-safe). Returns
+    ``write_pos``."""
+    return Op(
+        name="replayssm_reset_cursors",
+        public="replayssm_reset_cursors",
+        doc=doc,
+        args=(
+            *_CURSORS[:3],
+            Arg("do_reset", TENSOR, dtypes=_RESET_FLAGS),
+            Arg("state_indices", TENSOR, dtypes=INDEX),
+            Arg("max_cache_len", INT64),
+            Arg("max_spec_len", INT64),
+            Arg("null_block_id", INT64, 0),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+        ),
+        returns="write_pos",
+        op_order=_REPLAY_RESET_OP_ORDER,
+        prepare=_reset_prepare,
+        fills=("do_reset",),
+    )
+
+
+def _sglang_reset() -> Op:
+    doc = """SGLang's ``reset_gdn_replayssm_spec_cursors`` on :func:`replayssm_reset_cursors`:
+    its arguments in its order (the rows' blocks ``state_batch_indices``). Returns None."""
+    return Op(
+        name="reset_gdn_replayssm_spec_cursors",
+        public="reset_gdn_replayssm_spec_cursors",
+        binding="replayssm_reset_cursors",
+        doc=doc,
+        args=(
+            *_CURSORS[:3],
+            Arg("do_reset", TENSOR, dtypes=_RESET_FLAGS),
+            Arg("state_batch_indices", ANY, op=False),
+            Arg("max_cache_len", INT64),
+            Arg("max_spec_len", INT64),
+            Arg("null_block_id", INT64, 0),
+            Arg("check_indices", CHECK, None, keyword=True),
+            Arg("pdl", BOOL, False, keyword=True),
+            Arg("state_indices", TENSOR, dtypes=INDEX, public=False,
+                shown_as="state_batch_indices"),
+        ),
+        returns=(),
+        op_order=_REPLAY_RESET_OP_ORDER,
+        prepare=_sglang_reset_prepare,
+        fills=("do_reset", "state_indices"),
+    )
+
+
 # ---- fold-every-commit: the commit replays the accepted raw records into the checkpoint -------
 _FOLD_OP_ORDER = ("state", "rawv", "rawk", "g", "beta", "state_indices", "accept_lens",
                   "track_indices", "steps_to_track", "is_kda", "use_qk_l2norm_in_kernel",
@@ -2459,4 +2545,5 @@ OPS: Tuple[Op, ...] = (_packed(False), _packed(True), _recurrent(True), _recurre
                        _verify_core(), _sglang_verify(), _flashinfer_mtp(), _commit(),
                        _sglang_scatter(), _conv_commit(), _sglang_conv_scatter(),
                        _replay_verify_core(), _gdn_spec(), _replay_commit(), _gdn_spec_commit(),
+                       _replay_reset(), _sglang_reset(),
                        _fold_core(), _circular_core(), _sglang_circular()) + _sglang_folds()

@@ -817,6 +817,26 @@ constexpr auto replayssm_commit = bind(
         Field<&RCA::pdl>{"pdl"},
     });
 
+using RRA = ds::ReplayResetArgs;
+constexpr auto replayssm_reset_cursors = bind(
+    "replayssm_reset_cursors",
+    +[](RRA& a) {
+      a.stream = stream_for(a.write_pos);
+      ds::replayssm_reset_cursors(a);
+    },
+    std::tuple{
+        Field<&RRA::write_pos>{"write_pos"},
+        Field<&RRA::cache_base>{"cache_base"},
+        Field<&RRA::is_flush>{"is_flush"},
+        Field<&RRA::do_reset>{"do_reset"},
+        Field<&RRA::state_indices>{"state_indices"},
+        Field<&RRA::max_cache_len>{"max_cache_len"},
+        Field<&RRA::max_spec_len>{"max_spec_len"},
+        Field<&RRA::null_block_id>{"null_block_id"},
+        Field<&RRA::check_indices>{"check_indices"},
+        Field<&RRA::pdl>{"pdl"},
+    });
+
 using RFA = ds::ReplayFoldArgs;
 constexpr auto replayssm_fold_commit = bind(
     "replayssm_fold_commit",
@@ -885,6 +905,7 @@ ffi::Map<ffi::String, ffi::Array<ffi::String>> op_signatures() {
   m.Set(update_conv_state_after_verify.name, signature(update_conv_state_after_verify));
   m.Set(replayssm_verify.name, signature(replayssm_verify));
   m.Set(replayssm_commit.name, signature(replayssm_commit));
+  m.Set(replayssm_reset_cursors.name, signature(replayssm_reset_cursors));
   m.Set(replayssm_fold_commit.name, signature(replayssm_fold_commit));
   m.Set(replayssm_circular_commit.name, signature(replayssm_circular_commit));
   return m;
@@ -1130,6 +1151,7 @@ DELTASTATE_EXPORT_OP(update_state_after_verify)
 DELTASTATE_EXPORT_OP(update_conv_state_after_verify)
 DELTASTATE_EXPORT_OP(replayssm_verify)
 DELTASTATE_EXPORT_OP(replayssm_commit)
+DELTASTATE_EXPORT_OP(replayssm_reset_cursors)
 DELTASTATE_EXPORT_OP(replayssm_fold_commit)
 DELTASTATE_EXPORT_OP(replayssm_circular_commit)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(chunk_prefill_workspace_bytes, chunk_prefill_workspace_bytes);

@@ -101,6 +101,10 @@ PUBLIC = {
         '(write_pos, cache_base, is_flush, num_accepted, state_indices, max_cache_len, max_spec_len, cache_buf_len=0, fold_every_commit=False, null_block_id=-1, *, check_indices=None, pdl=False)',
     'commit_gdn_replayssm_spec':
         '(write_pos, cache_base, is_flush, num_accepted, replay_indices, max_cache_len, max_spec_len, fold_every_commit=False, cache_buf_len=None, null_block_id=0, *, check_indices=None, pdl=False)',
+    'replayssm_reset_cursors':
+        '(write_pos, cache_base, is_flush, do_reset, state_indices, max_cache_len, max_spec_len, null_block_id=0, *, check_indices=None, pdl=False)',
+    'reset_gdn_replayssm_spec_cursors':
+        '(write_pos, cache_base, is_flush, do_reset, state_batch_indices, max_cache_len, max_spec_len, null_block_id=0, *, check_indices=None, pdl=False)',
     # fold-every-commit
     'replayssm_fold_commit':
         '(state, rawv, rawk, g, beta, state_indices, accept_lens, track_indices=None, steps_to_track=None, is_kda=False, use_qk_l2norm_in_kernel=True, null_block_id=-1, *, check_indices=None, pdl=False)',
@@ -190,6 +194,10 @@ SCHEMAS = {
         'replayssm_commit(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor num_accepted, Tensor state_indices, int max_cache_len, int max_spec_len, int cache_buf_len=0, bool fold_every_commit=False, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',
     'commit_gdn_replayssm_spec':
         'commit_gdn_replayssm_spec(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor num_accepted, Tensor state_indices, int max_cache_len, int max_spec_len, int cache_buf_len=0, bool fold_every_commit=False, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
+    'replayssm_reset_cursors':
+        'replayssm_reset_cursors(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor do_reset, Tensor state_indices, int max_cache_len, int max_spec_len, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
+    'reset_gdn_replayssm_spec_cursors':
+        'reset_gdn_replayssm_spec_cursors(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor do_reset, Tensor state_indices, int max_cache_len, int max_spec_len, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
     # fold-every-commit
     'replayssm_fold_commit':
         'replayssm_fold_commit(Tensor(a!) state, Tensor rawv, Tensor rawk, Tensor g, Tensor beta, Tensor state_indices, Tensor accept_lens, Tensor? track_indices=None, Tensor? steps_to_track=None, bool is_kda=False, bool use_qk_l2norm_in_kernel=True, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',

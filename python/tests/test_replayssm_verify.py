@@ -7,6 +7,8 @@ rings; bf16 checkpoints; padded sequences, envelope pools with sentinel slots le
 bit-untouched, NaN-poisoned outputs, the cursors against the commit's rule; the SGLang surface's
 differences and errors."""
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -445,6 +447,48 @@ def test_signature_is_sglangs():
     assert names[:10] == ["write_pos", "cache_base", "is_flush", "num_accepted",
                           "replay_indices", "max_cache_len", "max_spec_len", "fold_every_commit",
                           "cache_buf_len", "null_block_id"]
+
+
+@pytest.mark.parametrize("flags", ["bool", "int8", "int32", "int64"])
+def test_sglang_reset_cursors(fw, flags):
+    """SGLang's reset_gdn_replayssm_spec_cursors (the prefill -> decode handoff): each live
+    block whose do_reset is set gets write_pos = cache_base = 0 and is_flush = 2 * max_spec_len
+    > max_cache_len; the null block (0 by default), padded rows, unflagged rows and every other
+    slot keep their cursors; the flags may be bool (read as their bytes) at any stride."""
+    def arr(a):  # the array in fw's framework, its own memory
+        return __import__("torch").from_numpy(a) if fw.name == "torch" else a
+
+    names = list(inspect.signature(ds.reset_gdn_replayssm_spec_cursors).parameters)
+    assert names[:8] == ["write_pos", "cache_base", "is_flush", "do_reset", "state_batch_indices",
+                         "max_cache_len", "max_spec_len", "null_block_id"]
+    for L, T in ((16, 4), (6, 4)):  # the second starts the reset rows folding
+        wp0 = np.arange(5, 12, dtype=np.int32)
+        base0 = np.arange(2, 9, dtype=np.int32)
+        fl0 = (np.arange(7) % 2).astype(np.int8)
+        wp, base, fl = (arr(x.copy()) for x in (wp0, base0, fl0))
+        rows = arr(np.array([3, 0, 5, 2, -1], dtype=np.int32))
+        wide = np.array([1, 9, 1, 9, 7, 9, 0, 9, 1, 9]).astype(flags)
+        do_reset = arr(wide)[::2]  # stride 2
+        assert ds.reset_gdn_replayssm_spec_cursors(wp, base, fl, do_reset, rows, L, T) is None
+        want_wp, want_base, want_fl = wp0.copy(), base0.copy(), fl0.copy()
+        for s in (3, 5):
+            want_wp[s], want_base[s], want_fl[s] = 0, 0, int(2 * T > L)
+        np.testing.assert_array_equal(to64(wp), want_wp)
+        np.testing.assert_array_equal(to64(base), want_base)
+        np.testing.assert_array_equal(to64(fl), want_fl)
+    # the core name: null_block_id as given (-1 here: slot 0 is live), returns write_pos
+    wp, base, fl = (arr(x.copy()) for x in (wp0, base0, fl0))
+    got = ds.replayssm_reset_cursors(wp, base, fl, arr(np.ones(2, np.int32)),
+                                     arr(np.array([0, 6], np.int64)), 8, 2,
+                                     null_block_id=-1)
+    assert got is wp and to64(wp)[[0, 6]].tolist() == [0, 0] and to64(fl)[[0, 6]].tolist() == [0, 0]
+    with pytest.raises(ValueError, match=r"`state_batch_indices`\[0\]=7 is out of range for a "
+                                         r"pool of 7 slots|`state_indices`\[0\]=7 is out of range"):
+        ds.reset_gdn_replayssm_spec_cursors(wp, base, fl, arr(np.ones(1, np.int8)),
+                                            arr(np.array([7], np.int32)), 8, 2)
+    with pytest.raises(ValueError, match=r"`do_reset` must be bool, int8, int32 or int64"):
+        ds.reset_gdn_replayssm_spec_cursors(wp, base, fl, arr(np.ones(1, np.float32)),
+                                            arr(np.array([1], np.int32)), 8, 2)
 
 
 def test_sglang_cursor_tables_apart_from_ring_rows(tfw, rng):

@@ -33,6 +33,7 @@ void run_commit(const detail::CommitProblem& p, void* stream);
 // ReplaySSM speculative verify and its cursor commit (src/cuda/replayssm_verify.cu).
 void run_replayssm_verify(const detail::ReplayVerifyProblem& p, void* stream);
 void run_replayssm_commit(const detail::ReplayCommitProblem& p, void* stream);
+void run_replayssm_reset_cursors(const detail::ReplayResetProblem& p, void* stream);
 void run_replayssm_fold_commit(const detail::ReplayFoldProblem& p, void* stream);
 void run_replayssm_circular_commit(const detail::ReplayCircularProblem& p, void* stream);
 // Workspace bytes of chunk_prefill on CUDA for these shapes on this device (its SM count, cached,

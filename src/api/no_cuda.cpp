@@ -26,6 +26,7 @@ void run_verify(const detail::VerifyProblem&, void*) { not_built(); }
 void run_commit(const detail::CommitProblem&, void*) { not_built(); }
 void run_replayssm_verify(const detail::ReplayVerifyProblem&, void*) { not_built(); }
 void run_replayssm_commit(const detail::ReplayCommitProblem&, void*) { not_built(); }
+void run_replayssm_reset_cursors(const detail::ReplayResetProblem&, void*) { not_built(); }
 void run_replayssm_fold_commit(const detail::ReplayFoldProblem&, void*) { not_built(); }
 void run_replayssm_circular_commit(const detail::ReplayCircularProblem&, void*) { not_built(); }
 int64_t chunk_prefill_workspace_bytes(int, int, int64_t, int64_t, int64_t, bool, int) {

@@ -184,6 +184,13 @@ void replayssm_commit(const ReplayCommitArgs& args) {
   else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_commit);
 }
 
+void replayssm_reset_cursors(const ReplayResetArgs& args) {
+  const detail::ReplayResetProblem p = detail::validate_replayssm_reset_cursors(args);
+  if (p.B == 0) return;
+  if (p.device.type == DeviceType::cpu) cpu::run_replayssm_reset_cursors(p);
+  else run_cuda_checked(p, args.stream, cuda_backend::run_replayssm_reset_cursors);
+}
+
 void replayssm_fold_commit(const ReplayFoldArgs& args) {
   const detail::ReplayFoldProblem p = detail::validate_replayssm_fold_commit(args);
   if (p.B == 0 || p.layers == 0) return;

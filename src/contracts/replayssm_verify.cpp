@@ -343,6 +343,18 @@ ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args) {
   return p;
 }
 
+// The cursor rules' lengths: the commit's (the next verify's records fit the ring: 2T <= L) and
+// the reset's (any T >= 1, as SGLang's reset, whose first is_flush says 2T > L).
+void check_commit_lengths(int64_t L, int64_t T, bool records_fit = true) {
+  if (L < 1 || L > (int64_t{1} << 30))
+    fail(format("max_cache_len must be in [1, 2^30] (got %lld)", ll(L)));
+  if (!records_fit && (T < 1 || T > (int64_t{1} << 30)))
+    fail(format("max_spec_len must be in [1, 2^30] (got %lld)", ll(T)));
+  if (records_fit && (T < 1 || 2 * T > L))
+    fail(format("max_spec_len must be >= 1 with 2 * max_spec_len <= max_cache_len=%lld (got %lld)",
+                ll(L), ll(T)));
+}
+
 ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   check_null_block_id(args.null_block_id);
   const TensorView& wp = args.write_pos;
@@ -357,11 +369,7 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   p.slots = index_entries("state_indices", args.state_indices, B, dev);
   p.accepted = index_entries("num_accepted", args.num_accepted, B, dev);
   const int64_t L = args.max_cache_len, T = args.max_spec_len;
-  if (L < 1 || L > (int64_t{1} << 30))
-    fail(format("max_cache_len must be in [1, 2^30] (got %lld)", ll(L)));
-  if (T < 1 || 2 * T > L)
-    fail(format("max_spec_len must be >= 1 with 2 * max_spec_len <= max_cache_len=%lld (got %lld)",
-                ll(L), ll(T)));
+  check_commit_lengths(L, T);
   const int64_t buf = args.cache_buf_len == 0 ? L : args.cache_buf_len;
   if (args.cache_buf_len != 0 && (buf < L || buf > (int64_t{1} << 30) || (buf & (buf - 1)) != 0))
     fail(format("cache_buf_len must be a power of two >= max_cache_len=%lld (got %lld)", ll(L),
@@ -392,6 +400,53 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
       if (a < 0 || a > T)
         fail(format("`num_accepted`[%lld]=%lld is outside [0, max_spec_len=%lld]", ll(b), ll(a),
                     ll(T)));
+    }
+  }
+  return p;
+}
+
+ReplayResetProblem validate_replayssm_reset_cursors(const ReplayResetArgs& args) {
+  check_null_block_id(args.null_block_id);
+  const TensorView& wp = args.write_pos;
+  if (wp.ndim != 1) fail("`write_pos` must be a contiguous 1D int32 tensor.");
+  const int64_t S = wp.shape[0];
+  const Device dev = wp.device;
+  check_cursor("write_pos", wp, S, dev);
+  check_cursor("cache_base", args.cache_base, S, dev);
+  check_cursor("is_flush", args.is_flush, S, dev, true);
+  const int64_t B = args.state_indices.ndim == 1 ? args.state_indices.shape[0] : -1;
+  ReplayResetProblem p;
+  p.slots = index_entries("state_indices", args.state_indices, B, dev);
+  const TensorView& r = args.do_reset;
+  if (r.ndim != 1 || r.shape[0] != B)
+    fail(format("`do_reset` must have shape [B]=(%lld,); got %s", ll(B), shape_str(r).c_str()));
+  if (r.dtype != DType::i8 && r.dtype != DType::i32 && r.dtype != DType::i64)
+    fail(format("`do_reset` must be bool, int8, int32 or int64 (got %s)",
+                dtype_mark(dtype_name(r.dtype)).c_str()));
+  if (!(r.device == dev)) fail("ReplaySSM inputs must be on the same device.");
+  const int64_t L = args.max_cache_len, T = args.max_spec_len;
+  check_commit_lengths(L, T, false);
+  p.B = static_cast<int32_t>(B);
+  p.write_pos = static_cast<int32_t*>(wp.data);
+  p.cache_base = static_cast<int32_t*>(args.cache_base.data);
+  p.is_flush = args.is_flush.data;
+  p.flush_dtype = args.is_flush.dtype;
+  p.init_flush = 2 * T > L;
+  p.do_reset = r.data;
+  p.reset_dtype = r.dtype;
+  p.reset_stride = B > 1 ? r.stride[0] : 1;
+  p.num_slots = S;
+  p.null_block_id = args.null_block_id;
+  p.device = dev;
+  p.pdl = args.pdl;
+  const bool on_cpu = dev.type == DeviceType::cpu;
+  p.check_indices = args.check_indices.value_or(on_cpu);
+  if (on_cpu && p.check_indices) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = p.slots.at(b, 0);
+      if (slot > p.null_block_id && slot >= S && reset_row(p, b))
+        fail(format("`state_indices`[%lld]=%lld is out of range for a pool of %lld slots", ll(b),
+                    ll(slot), ll(S)));
     }
   }
   return p;

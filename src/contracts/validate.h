@@ -118,6 +118,7 @@ CommitProblem validate_conv_commit(const ConvCommitArgs& args);
 // ReplaySSM speculative verify and its cursor commit (contracts/replayssm_verify.cpp).
 ReplayVerifyProblem validate_replayssm_verify(const ReplayVerifyArgs& args);
 ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args);
+ReplayResetProblem validate_replayssm_reset_cursors(const ReplayResetArgs& args);
 ReplayFoldProblem validate_replayssm_fold_commit(const ReplayFoldArgs& args);
 ReplayCircularProblem validate_replayssm_circular_commit(const ReplayCircularCommitArgs& args);
 

@@ -113,17 +113,18 @@ struct DeviceErrorRecord {
 enum DeviceErrorOp : int {
   kErrOpRecurrent = 1,
   kErrOpReplay = 2,
-  kErrOpChunkGdn = 3,        // chunk_prefill, GDN (chunk_gated_delta_rule)
-  kErrOpChunkKda = 4,        // chunk_prefill, KDA (chunk_kda)
-  kErrOpConv = 5,            // causal_conv1d_update
-  kErrOpFusedStep = 6,       // gdn_/kda_fused_decode_step
-  kErrOpVerify = 7,          // verify
-  kErrOpCommit = 8,          // update_state_after_verify
-  kErrOpReplayVerify = 9,    // replayssm_verify
-  kErrOpReplayCommit = 10,   // replayssm_commit
-  kErrOpConvCommit = 11,     // update_conv_state_after_verify
-  kErrOpReplayFold = 12,     // replayssm_fold_commit
-  kErrOpReplayCircular = 13  // replayssm_circular_commit
+  kErrOpChunkGdn = 3,         // chunk_prefill, GDN (chunk_gated_delta_rule)
+  kErrOpChunkKda = 4,         // chunk_prefill, KDA (chunk_kda)
+  kErrOpConv = 5,             // causal_conv1d_update
+  kErrOpFusedStep = 6,        // gdn_/kda_fused_decode_step
+  kErrOpVerify = 7,           // verify
+  kErrOpCommit = 8,           // update_state_after_verify
+  kErrOpReplayVerify = 9,     // replayssm_verify
+  kErrOpReplayCommit = 10,    // replayssm_commit
+  kErrOpConvCommit = 11,      // update_conv_state_after_verify
+  kErrOpReplayFold = 12,      // replayssm_fold_commit
+  kErrOpReplayCircular = 13,  // replayssm_circular_commit
+  kErrOpReplayReset = 14      // replayssm_reset_cursors
 };
 // kErrSlot: ssm_state_indices. The chunked prefill's slot arrays have their own kinds; `row` is
 // then the entry's position in that array. kErrRow: a verify scratch row >= N_scr; kErrStep: a
@@ -658,5 +659,39 @@ struct ReplayCommitProblem {
   DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch
   Device device{};
 };
+
+// The cursor reset of rows that start decoding (ops.h ReplayResetArgs).
+struct ReplayResetProblem {
+  int32_t B = 0;
+  int32_t* write_pos = nullptr;  // [slots]
+  int32_t* cache_base = nullptr;
+  void* is_flush = nullptr;  // int32 or int8
+  DType flush_dtype = DType::i32;
+  bool init_flush = false;         // is_flush after the reset
+  const void* do_reset = nullptr;  // [B] int8, int32 or int64
+  DType reset_dtype = DType::i32;
+  int64_t reset_stride = 1;
+  int64_t num_slots = 0;
+  IndexTable slots;  // [B, 1]
+  int64_t null_block_id = 0;
+  bool check_indices = false;
+  bool pdl = false;
+  DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch
+  Device device{};
+};
+
+// Row b's reset flag.
+DS_HD bool reset_row(const ReplayResetProblem& p, int64_t b) {
+  const int64_t i = b * p.reset_stride;
+  return p.reset_dtype == DType::i8 ? static_cast<const int8_t*>(p.do_reset)[i] != 0
+                                    : load_index(p.do_reset, p.reset_dtype, i) != 0;
+}
+
+// The reset of row b's live slot.
+DS_HD void reset_cursors(const ReplayResetProblem& p, int64_t slot) {
+  p.write_pos[slot] = 0;
+  p.cache_base[slot] = 0;
+  set_flag(p.is_flush, p.flush_dtype, slot, p.init_flush);
+}
 
 }  // namespace deltastate::detail

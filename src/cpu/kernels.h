@@ -27,6 +27,7 @@ void run_commit(const detail::CommitProblem& p);
 // replayssm_verify.cpp: ReplaySSM speculative verify and its cursor commit.
 void run_replayssm_verify(const detail::ReplayVerifyProblem& p);
 void run_replayssm_commit(const detail::ReplayCommitProblem& p);
+void run_replayssm_reset_cursors(const detail::ReplayResetProblem& p);
 void run_replayssm_fold_commit(const detail::ReplayFoldProblem& p);
 void run_replayssm_circular_commit(const detail::ReplayCircularProblem& p);
 

@@ -213,6 +213,13 @@ void run_replayssm_commit(const ReplayCommitProblem& p) {
   }
 }
 
+void run_replayssm_reset_cursors(const ReplayResetProblem& p) {
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t slot = p.slots.at(b, 0);
+    if (slot > p.null_block_id && reset_row(p, b)) reset_cursors(p, slot);
+  }
+}
+
 void run_replayssm_fold_commit(const ReplayFoldProblem& p) {
   // One task per (layer, row, value head, block of state rows): the rows replay the accepted raw
   // records through delta_rows (the recurrent op's token step; its output unused).

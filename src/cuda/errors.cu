@@ -70,10 +70,12 @@ std::string message(const detail::DeviceErrorRecord& r) {
                    : r.op == detail::kErrOpConvCommit     ? "update_conv_state_after_verify"
                    : r.op == detail::kErrOpReplayFold     ? "replayssm_fold_commit"
                    : r.op == detail::kErrOpReplayCircular ? "commit_gdn_replayssm_circular"
+                   : r.op == detail::kErrOpReplayReset    ? "replayssm_reset_cursors"
                                                           : "recurrent";
   const char* index_name = r.op == detail::kErrOpConv             ? "conv_state_indices"
                            : r.op == detail::kErrOpConvCommit     ? "state_indices"
                            : r.op == detail::kErrOpReplayCircular ? "state_batch_indices"
+                           : r.op == detail::kErrOpReplayReset    ? "state_batch_indices"
                                                                   : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrRow) {

@@ -154,6 +154,15 @@ void run_replayssm_commit(const detail::ReplayCommitProblem& problem, void* stre
                 static_cast<cudaStream_t>(stream), p.pdl, p);
 }
 
+void run_replayssm_reset_cursors(const detail::ReplayResetProblem& problem, void* stream) {
+  DeviceGuard guard(problem.device.index);
+  detail::ReplayResetProblem p = problem;
+  p.errors = device_errors(p.device.index);
+  const unsigned blocks = static_cast<unsigned>((p.B + kRvCommitThreads - 1) / kRvCommitThreads);
+  launch_kernel(replay_reset_kernel, dim3(blocks), kRvCommitThreads, 0,
+                static_cast<cudaStream_t>(stream), p.pdl, p);
+}
+
 void run_replayssm_fold_commit(const detail::ReplayFoldProblem& problem, void* stream) {
   DeviceGuard guard(problem.device.index);
   detail::ReplayFoldProblem p = problem;

@@ -8,6 +8,7 @@
 // request-keyed rings, int8 flags and records past the ring against the CPU backend; the hi/lo
 // residual ring against the CPU backend; the circular commit's track slot past the pool: its row
 // skipped whole and recorded.
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -645,6 +646,62 @@ TEST_F(ReplayVerifyGpuErrors, BadRowsRecorded) {
   const auto err2 = catch_error([] { deltastate::check_errors(); });
   ASSERT_TRUE(err2);
   EXPECT_NE(std::string(err2->what()).find("replayssm_commit"), std::string::npos) << err2->what();
+}
+
+// The cursor reset on CUDA: the CPU backend's cursors for the same rows (int8 flags at a
+// stride, a null-block row, a padded row, an unflagged row), then a flagged slot past the pool
+// recorded for check_errors with no cursor written.
+TEST_F(ReplayVerifyGpuErrors, ResetCursorsMatchCpuAndRecordBadSlot) {
+  clear_device_errors();
+  const int64_t S = 9;
+  auto cursors = [&] {
+    std::array<Tensor, 3> c{Tensor::contiguous(DType::i32, {S}),
+                            Tensor::contiguous(DType::i32, {S}),
+                            Tensor::contiguous(DType::i8, {S})};
+    for (int64_t s = 0; s < S; ++s) {
+      c[0].set({s}, 3 + s);
+      c[1].set({s}, 1 + s);
+      c[2].set({s}, s % 2);
+    }
+    return c;
+  };
+  std::array<Tensor, 3> host = cursors(), gpu = cursors();
+  Tensor idx = index_tensor({4, 0, 7, 2, -1, 5});
+  Tensor flags = Tensor::strided(DType::i8, {6}, {3});
+  const std::vector<double> f = {1, 1, 1, 0, 1, 3};
+  for (int64_t b = 0; b < 6; ++b) flags.set({b}, f[b]);
+  auto args = [&](auto&& view_of, std::array<Tensor, 3>& c, const Tensor& rows) {
+    deltastate::ReplayResetArgs a;
+    a.write_pos = view_of(c[0]);
+    a.cache_base = view_of(c[1]);
+    a.is_flush = view_of(c[2]);
+    a.do_reset = view_of(flags);
+    a.state_indices = view_of(rows);
+    a.max_cache_len = 6;  // 2 * max_spec_len > max_cache_len: the reset rows start folding
+    a.max_spec_len = 4;
+    return a;
+  };
+  deltastate::replayssm_reset_cursors(args([](const Tensor& t) { return t.view(); }, host, idx));
+  Mirror dev;
+  dev.upload_all(gpu[0], gpu[1], gpu[2], idx, flags);
+  deltastate::replayssm_reset_cursors(args(dev.views(), gpu, idx));
+  sync();
+  EXPECT_FALSE(catch_error([] { deltastate::check_errors(); }));
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(dev.download(gpu[i]).values(), host[i].values()) << i;
+  Tensor bad = index_tensor({S + 1, 1, 1, 1, 1, 1});  // row 0 flagged, slot past the pool
+  Tensor quiet = Tensor::contiguous(DType::i8, {6});
+  quiet.set({0}, 1);
+  dev.upload_all(bad, quiet);
+  const Tensor before = dev.download(gpu[0]);
+  deltastate::ReplayResetArgs a = args(dev.views(), gpu, bad);
+  a.do_reset = dev.view(quiet);
+  deltastate::replayssm_reset_cursors(a);
+  sync();
+  const auto err = catch_error([] { deltastate::check_errors(); });
+  ASSERT_TRUE(err);
+  EXPECT_NE(std::string(err->what()).find("replayssm_reset_cursors"), std::string::npos)
+      << err->what();
+  EXPECT_EQ(dev.download(gpu[0]).values(), before.values());
 }
 
 // The circular commit with a track slot past the pool (the CPU validator raises): on CUDA that

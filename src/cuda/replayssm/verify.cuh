@@ -642,5 +642,20 @@ __global__ void __launch_bounds__(kRvCommitThreads)
                    p.fold_every_commit ? wp > 0 : wp + 2 * p.max_spec_len > p.L);
 }
 
+// The cursor reset, one thread per batch row (a slot appears in one row of a step).
+__global__ void __launch_bounds__(kRvCommitThreads)
+    replay_reset_kernel(const detail::ReplayResetProblem p) {
+  enter_grid(false);
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * kRvCommitThreads + threadIdx.x;
+  if (b >= p.B) return;
+  const int64_t slot = p.slots.at(b, 0);
+  if (slot <= p.null_block_id || !detail::reset_row(p, b)) return;
+  if (slot >= p.num_slots) {
+    record_bad_row(p.errors, detail::kErrOpReplayReset, detail::kErrSlot, b, slot, p.num_slots);
+    return;
+  }
+  detail::reset_cursors(p, slot);
+}
+
 }  // namespace
 }  // namespace deltastate::cuda_backend
