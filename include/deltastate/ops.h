@@ -546,6 +546,9 @@ struct VerifyArgs {
   // L] the fp32 beta, each contiguous, all four or none. CUDA: the generic verify kernel runs
   // (not the vector kernels).
   std::optional<TensorView> ring_v, ring_k, ring_g, ring_beta;
+  // A padded sequence's (start row < 0) output rows are left as the caller wrote them
+  // (FlashInfer's gated_delta_rule_mtp); off: zeroed. A bad index's rows are NaN either way.
+  bool keep_padded_outputs = false;
   std::optional<bool> check_indices;  // as PackedDecodeArgs
   Stream stream = nullptr;
   bool pdl = false;  // as PackedDecodeArgs

@@ -1423,7 +1423,8 @@ _VERIFY_OP_ORDER = ("q", "k", "v", "g", "beta", "output", "is_kda", "A_log", "dt
                     "output_state_indices", "update_state", "intermediate_states",
                     "intermediate_state_indices", "parent_tokens", "token_state_indices",
                     "num_accepted_tokens", "source_state", "source_state_indices",
-                    "ring_v", "ring_k", "ring_g", "ring_beta", "check_indices", "state_scales", "state_rounding", "rounding_step",
+                    "ring_v", "ring_k", "ring_g", "ring_beta", "keep_padded_outputs", "check_indices",
+                    "state_scales", "state_rounding", "rounding_step",
                     "rounding_seed", "rounding_layer", "intermediate_state_scales", "pdl")
 _KEYWORDS = (Arg("round_beta", BOOL, False, keyword=True),
              Arg("check_indices", CHECK, None, keyword=True),
@@ -1493,6 +1494,7 @@ _VERIFY_ARGS = {a.name: a for a in (
     Arg("ring_k", OPT_TENSOR, None, dtypes=FLOATING, mutated=True),
     Arg("ring_g", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
     Arg("ring_beta", OPT_TENSOR, None, dtypes=FLOAT32, mutated=True),
+    Arg("keep_padded_outputs", BOOL, False, keyword=True),
 ) + _state_format_args() + (_scratch_scales_arg(mutated=True),)}
 
 
@@ -1680,7 +1682,8 @@ def _flashinfer_mtp_prepare(op, q, v, initial_state, initial_state_indices, a, b
 def _flashinfer_mtp() -> Op:
     doc = """FlashInfer's ``gated_delta_rule_mtp`` (multi-token verify, GDN) on the verify op:
     q, k [B,T,H,K], v [B,T,HV,V], a, b [B,T,HV]; the pool initial_state [pool, HV, V, K] read at
-    initial_state_indices [B] (< 0: padded, output zero). intermediate_states_buffer [>= B, >= T,
+    initial_state_indices [B] (< 0: padded: its output rows are not written, as FlashInfer's;
+    zeros when the output is allocated here). intermediate_states_buffer [>= B, >= T,
     HV, V, K] receives the state after token t at [b, t]; ssm_state_indices [B, T] stores it in
     pool slot [b, t] instead (no final write-back); output_state_indices [B] sends the final
     state elsewhere (< 0: not stored). Returns ``(output, initial_state)``. Looser than FlashInfer:
@@ -1712,7 +1715,8 @@ def _flashinfer_mtp() -> Op:
             shown_as=(("g", "a"), ("beta", "b"), ("state", "initial_state"),
                       ("state_indices", "initial_state_indices"),
                       ("intermediate_states", "intermediate_states_buffer"),
-                      ("token_state_indices", "ssm_state_indices"))),
+                      ("token_state_indices", "ssm_state_indices")),
+            keep_padded_outputs=True),  # FlashInfer leaves a padded row's output as given
         returns=("output", "state"),
         op_order=_VERIFY_OP_ORDER,
         schema_defaults_from="state_indices",

@@ -553,6 +553,7 @@ constexpr auto verify = bind(
             Field<&VA::ring_k>{"ring_k"},
             Field<&VA::ring_g>{"ring_g"},
             Field<&VA::ring_beta>{"ring_beta"},
+            Field<&VA::keep_padded_outputs>{"keep_padded_outputs"},
             Field<&VA::check_indices>{"check_indices"},
             Field<&VA::pdl>{"pdl"},
         },

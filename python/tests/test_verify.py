@@ -174,6 +174,37 @@ def test_flashinfer_mtp_conventions(rng, fw):
                                 t["a"], t["dt_bias"], t["b"])
 
 
+def test_flashinfer_mtp_leaves_padded_rows_as_given(rng, fw):
+    """FlashInfer's gated_delta_rule_mtp skips a padded row's writes: a caller's output keeps its
+    values there (FlashInfer's test_gdn_decode_mtp_non_bf16_output_preserves_padding_slots), a
+    default output is zeros there; the live rows are the reference's. The core verify zeroes
+    them unless keep_padded_outputs."""
+    B, T = 3, 4
+    t, r = _inputs(rng, fw, kda=False, B=B, T=T, act="float32")
+    pool = PoolBuf(fw, 8, HV, V, K, "float32", rng, [1, 4])
+    pool64 = pool.state64()
+    live = [1, -1, 4]
+    given = fw.full((B, T, HV, V), 42.0)
+    o, _ = ds.gated_delta_rule_mtp(t["q"], t["k"], t["v"], pool.view, fw.idx(live), t["A_log"],
+                                   t["a"], t["dt_bias"], t["b"], disable_state_update=True,
+                                   output=given)
+    assert o is given
+    assert np.all(to64(given)[1] == 42.0), "a padded row's output was written"
+    for n in (0, 2):
+        wo, _ = _want(r, pool64, live[n], n, kda=False)
+        assert_close(to64(given)[n], wo, TOL_OUT)
+    o, _ = ds.gated_delta_rule_mtp(t["q"], t["k"], t["v"], pool.view, fw.idx(live), t["A_log"],
+                                   t["a"], t["dt_bias"], t["b"], disable_state_update=True)
+    assert np.all(to64(o)[1] == 0.0)
+    for keep, want in ((False, 0.0), (True, 42.0)):
+        out = fw.full((B, T, HV, V), 42.0)
+        ds.verify(t["q"], t["k"], t["v"], t["a"], t["b"], out, pool.view, fw.idx(live),
+                  A_log=t["A_log"], dt_bias=t["dt_bias"], update_state=False,
+                  keep_padded_outputs=keep)
+        assert np.all(to64(out)[1] == want), keep
+        assert not np.any(to64(out)[[0, 2]] == 42.0)
+
+
 def test_vllm_per_token_slots_from_num_accepted(rng, fw):
     B, T = 3, 3
     t, r = _inputs(rng, fw, kda=True, B=B, T=T)

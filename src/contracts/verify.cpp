@@ -362,6 +362,7 @@ VerifyProblem validate_verify(const VerifyArgs& args, const char* op) {
     p.ring_beta = static_cast<float*>(rb.data);
     p.ring_len = static_cast<int32_t>(L);
   }
+  p.keep_padded_outputs = args.keep_padded_outputs;
   c.check_devices("All inputs must be on the same device", true);
   check_state_format_backend(op, r.state, r.device, /*cuda_built=*/true);
 

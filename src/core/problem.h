@@ -469,6 +469,7 @@ struct VerifyProblem {
   StatePoolRef source;        // read-only start pool (ptr null: none); r.state's dtype
   IndexTable source_indices;  // [N, 1]: with source, the start row (r.indices: the final slot)
   int err_op = kErrOpVerify;  // the op a bad row is recorded under (the recurrent op runs here too)
+  bool keep_padded_outputs = false;  // ops.h VerifyArgs: a padded sequence's outputs untouched
   // SGLang's cache_ring (ops.h VerifyArgs ring_*; ring_v null: none), steps t < ring_len.
   void* ring_v = nullptr;  // [S, HV, L, V]
   DType ring_v_dtype = DType::f32;

@@ -57,7 +57,8 @@ void run_verify(const VerifyProblem& p) {
     const int64_t start = p.source.ptr         ? p.source_indices.at(n, 0)
                           : p.num_accepted.ptr ? p.token_slots.at(n, p.num_accepted.at(n, 0) - 1)
                                                : home;
-    if (start < 0) {  // padded: output rows zeroed, nothing read or written
+    if (start < 0) {  // padded: output rows zeroed (or kept), nothing read or written
+      if (p.keep_padded_outputs) return;
       std::fill(o.begin(), o.end(), 0.0f);
       for (int64_t t = 0; t < len; ++t)
         store_row(r.out.ptr, r.out.dtype, head_offset(r.out, seq, tok0 + t, hv), V, o.data());

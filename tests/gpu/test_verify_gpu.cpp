@@ -3,6 +3,7 @@
 // verify + commit loop replaying bit-equal to eager; a bad index skipped and recorded. Tolerances
 // as tests/gpu/test_cuda_ops.cpp (outputs 1e-4/1e-4, fp32 states 1e-5/1e-4, bf16 states SGLang's
 // 2e-3, one storage ulp for the two roundings); memory neither backend writes is compared exactly.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -33,6 +34,7 @@ struct GpuVerifyCase : OpCase {
   int64_t B, T;
   std::vector<int64_t> seqlens;
   Mode mode;
+  bool keep_padded = false;  // keep_padded_outputs: the outputs start at 42, not NaN
 };
 void PrintTo(const GpuVerifyCase& c, std::ostream* os) { *os << c.name; }
 
@@ -134,18 +136,24 @@ TEST_P(VerifyGpuVsCpu, Run) {
   const GpuVerifyCase& c = GetParam();
   Rng rng = test_rng();
   VerifyInputs in = make_inputs(rng, c);
-  in.rb.poison_out();
+  if (c.keep_padded) in.rb.out.fill_all(42.0);
+  else in.rb.poison_out();
   Mirror dev;
   dev.upload_all(in.rb.q, in.rb.k, in.rb.v, in.rb.g, in.rb.beta, in.rb.out, in.rb.A_log,
                  in.rb.dt_bias, in.rb.cu, in.pool, in.inter, in.idx, in.rows, in.parents, in.table,
                  in.accepted, in.out_idx, in.source, in.source_rows);
   const std::vector<double> source_before = in.source.values();
-  deltastate::verify(verify_args(in, c.mode, dev.views()));
+  VerifyArgs gpu_args = verify_args(in, c.mode, dev.views()),
+             cpu_args = verify_args(in, c.mode, host_view);
+  gpu_args.keep_padded_outputs = cpu_args.keep_padded_outputs = c.keep_padded;
+  deltastate::verify(gpu_args);
   sync();
   deltastate::check_errors();
-  deltastate::verify(verify_args(in, c.mode, host_view));
-  EXPECT_TRUE(close_vs_cpu(dev.download(in.rb.out).values(), in.rb.out.values(), kOutTol, c.act))
-      << "outputs";
+  deltastate::verify(cpu_args);
+  const std::vector<double> gpu_out = dev.download(in.rb.out).values();
+  EXPECT_TRUE(close_vs_cpu(gpu_out, in.rb.out.values(), kOutTol, c.act)) << "outputs";
+  if (c.keep_padded)  // sequence 1 is padded (make_inputs): its rows keep the 42s
+    EXPECT_GT(std::count(gpu_out.begin(), gpu_out.end(), 42.0), 0) << "padded rows kept";
   EXPECT_TRUE(close_vs_cpu(dev.download(in.pool).values(), in.pool.values(), state_tol_gpu(c.state),
                            c.state))
       << "pool";
@@ -191,6 +199,18 @@ const GpuVerifyCase kGpuCases[] = {
      0,
      {3, 1, 6},
      Mode::source_tree_in_place},
+    {{"gdn_qwen3next_f32_keep_padded", kQwen3Next, false, kNoLb, f32, bf16},
+     5,
+     4,
+     {},
+     Mode::scratch_rows,
+     true},
+    {{"gdn_odd_varlen_keep_padded", kOdd, false, kNoLb, f32, f32},
+     1,
+     0,
+     {4, 2, 11},
+     Mode::scratch_rows,
+     true},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, VerifyGpuVsCpu, ::testing::ValuesIn(kGpuCases),
                          case_name<GpuVerifyCase>);

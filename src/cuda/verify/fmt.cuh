@@ -244,11 +244,12 @@ __global__ void __launch_bounds__(128, kVerifyFmtCtasPerSm)
   }
   const int64_t row = vp.inter ? (vp.inter_indices.ptr ? vp.inter_indices.at(n, 0) : n) : -1;
   const BadIndex bad = find_bad_index(vp, n, d.len, start, row, source, home);
-  if (start < 0 || bad.kind) {  // padded: zero outputs; a bad index: NaN outputs, recorded
+  if (start < 0 || bad.kind) {  // padded: zero (or kept) outputs; a bad index: NaN, recorded
     if (bad.kind && d.c.hv == 0 && d.c.row0 == 0 && d.lane == 0)
       record_bad_row(p.errors, vp.err_op, bad.kind, n, bad.value, bad.limit);
-    write_padded<EPL, R, RG, G>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid,
-                                bad.kind ? bad_row_output() : 0.0f);
+    if (bad.kind || !vp.keep_padded_outputs)
+      write_padded<EPL, R, RG, G>(p, d.c, d.seq, d.tok0, d.len, d.lane, d.kofs, d.valid,
+                                  bad.kind ? bad_row_output() : 0.0f);
     return;
   }
   TokenInputs<EPL, R> x;

@@ -299,11 +299,11 @@ __global__ void __launch_bounds__(kMultiWarps * 32, VEC ? Shape::CTAS : kMultiGe
   }
   const int64_t row = vp.inter ? (vp.inter_indices.ptr ? vp.inter_indices.at(n, 0) : n) : -1;
   const BadIndex bad = find_bad_index(vp, n, len, start, row, source, home);
-  if (start < 0 || bad.kind) {  // padded: zero outputs; a bad index: NaN outputs, recorded
+  if (start < 0 || bad.kind) {  // padded: zero (or kept) outputs; a bad index: NaN, recorded
     if (bad.kind && hv == 0 && block == 0 && threadIdx.x == 0)
       record_bad_row(p.errors, vp.err_op, bad.kind, n, bad.value, bad.limit);
     const float fill = bad.kind ? bad_row_output() : 0.0f;
-    if (lane % G == 0)
+    if (lane % G == 0 && (bad.kind || !vp.keep_padded_outputs))
       for (int tile = 0; tile < TPW; ++tile)
         for (int64_t t = 0; t < len; ++t)
           zero_output_rows<R>(p.out, V, head_offset(p.out, seq, tok0 + t, hv),
