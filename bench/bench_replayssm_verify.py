@@ -154,6 +154,23 @@ def dry_run() -> int:
     return 0
 
 
+def profile_steps(args) -> int:
+    """Eager steps, nothing timed: Nsight Compute picks one launch (--launch-skip)."""
+    from harness import DTYPES, MODELS
+
+    m = MODELS[args.models.split(",")[0]]
+    dtype = DTYPES[args.dtypes.split(",")[0]]
+    B, L = int(args.batches.split(",")[0]), int(args.lens.split(",")[0])
+    case = ReplayVerifyCase(m, dtype, args.tokens, B, L, torch.Generator().manual_seed(1), nr=1)
+    for i in range(args.profile_steps):
+        case.step(0, i)()
+    torch.cuda.synchronize()
+    ds.check_errors()
+    print(f"{args.profile_steps} eager steps of {m.name} {args.dtypes.split(',')[0]} "
+          f"T={args.tokens} B={B} L={L}: ok")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench/results/replayssm-verify-h200.json")
@@ -167,9 +184,15 @@ def main() -> int:
                     help="skip the intermediate-state verify beside it")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU backend, cursor logic only (no GPU, no timing)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="for Nsight Compute: that many eager steps of the first model, dtype, "
+                         "B and L given, one rotation, no timing (T = 4, L = 16: step 3 appends "
+                         "on 6 committed records, step 4 folds 10)")
     args = ap.parse_args()
     if args.dry_run:
         return dry_run()
+    if args.profile_steps:
+        return profile_steps(args)
 
     from bench_verify import Case
     from harness import DTYPES, MODELS, measure_copy_bandwidth, time_graph, write_results

@@ -390,6 +390,29 @@ for phase in "${phases[@]}"; do
       run bench-replay-verify python3 bench/bench_replayssm_verify.py \
         --json "$OUT/replayssm-verify-h200.json" ${REPLAY_VERIFY_ARGS:-}
       ;;
+    ab-replay-verify)  # the ReplaySSM verify kernels forced in turn (RV_KERNELS, default
+      # "replay tc"), ROUNDS (2) times, ours only (REPLAY_VERIFY_ARGS, default fp32, L = 8 and 16,
+      # B = 8, 64, 256), to $OUT/rv-<kernel>-<round>.json
+      for r in $(seq "${ROUNDS:-2}"); do
+        for kernel in ${RV_KERNELS:-replay tc}; do
+          # shellcheck disable=SC2086  # REPLAY_VERIFY_ARGS: one word per option
+          DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=$kernel run ab-replay-verify python3 \
+            bench/bench_replayssm_verify.py --json "$OUT/rv-$kernel-$r.json" \
+            ${REPLAY_VERIFY_ARGS:---dtypes f32 --lens 8,16 --batches 8,64,256 --no-inter}
+        done
+      done
+      ;;
+    profile-replay-verify)  # Nsight Compute on one ReplaySSM verify launch per kernel forced
+      # (RV_KERNELS): Qwen3-Next fp32, T = 4, L = 16, B = 64, six eager steps; launch 3 appends
+      # on 6 committed records (RV_SKIP: 4 is the fold of 10)
+      for kernel in ${RV_KERNELS:-replay tc}; do
+        DELTASTATE_CUDA_REPLAY_VERIFY_KERNEL=$kernel ncu_launch replay_verify "${RV_SKIP:-3}" \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats \
+          --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+          python3 bench/bench_replayssm_verify.py --profile-steps 6 --dtypes f32 --lens 16 \
+          --batches 64
+      done
+      ;;
     bench-verify-variants)  # only the A/B loop over the multi-token kernel's shapes (above)
       verify_variants
       ;;
