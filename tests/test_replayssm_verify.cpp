@@ -640,6 +640,7 @@ TEST(ReplayResetCursors, RowsWithTheirFlagOnly) {
       a.state_indices = idx.view();
       a.max_cache_len = L;
       a.max_spec_len = T;
+      a.null_block_id = 0;  // SGLang's null block: slot 0 is padding
       deltastate::replayssm_reset_cursors(a);
       for (int64_t s = 0; s < S; ++s) {
         const bool r = s == 3 || s == 5;

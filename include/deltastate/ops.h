@@ -739,7 +739,7 @@ void replayssm_commit(const ReplayCommitArgs& args);
 struct ReplayResetArgs {
   TensorView write_pos, cache_base, is_flush, do_reset, state_indices;
   int64_t max_cache_len = 0, max_spec_len = 0;
-  int64_t null_block_id = 0;
+  int64_t null_block_id = -1;  // as ReplayCommitArgs (SGLang's name passes its 0)
   std::optional<bool> check_indices;
   Stream stream = nullptr;
   bool pdl = false;  // as PackedDecodeArgs

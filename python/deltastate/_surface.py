@@ -2241,7 +2241,7 @@ def _replay_reset() -> Op:
             Arg("state_indices", TENSOR, dtypes=INDEX),
             Arg("max_cache_len", INT64),
             Arg("max_spec_len", INT64),
-            Arg("null_block_id", INT64, 0),
+            Arg("null_block_id", INT64, -1),
             Arg("check_indices", CHECK, None, keyword=True),
             Arg("pdl", BOOL, False, keyword=True),
         ),

@@ -102,7 +102,7 @@ PUBLIC = {
     'commit_gdn_replayssm_spec':
         '(write_pos, cache_base, is_flush, num_accepted, replay_indices, max_cache_len, max_spec_len, fold_every_commit=False, cache_buf_len=None, null_block_id=0, *, check_indices=None, pdl=False)',
     'replayssm_reset_cursors':
-        '(write_pos, cache_base, is_flush, do_reset, state_indices, max_cache_len, max_spec_len, null_block_id=0, *, check_indices=None, pdl=False)',
+        '(write_pos, cache_base, is_flush, do_reset, state_indices, max_cache_len, max_spec_len, null_block_id=-1, *, check_indices=None, pdl=False)',
     'reset_gdn_replayssm_spec_cursors':
         '(write_pos, cache_base, is_flush, do_reset, state_batch_indices, max_cache_len, max_spec_len, null_block_id=0, *, check_indices=None, pdl=False)',
     # fold-every-commit
@@ -195,7 +195,7 @@ SCHEMAS = {
     'commit_gdn_replayssm_spec':
         'commit_gdn_replayssm_spec(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor num_accepted, Tensor state_indices, int max_cache_len, int max_spec_len, int cache_buf_len=0, bool fold_every_commit=False, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
     'replayssm_reset_cursors':
-        'replayssm_reset_cursors(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor do_reset, Tensor state_indices, int max_cache_len, int max_spec_len, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
+        'replayssm_reset_cursors(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor do_reset, Tensor state_indices, int max_cache_len, int max_spec_len, int null_block_id=-1, int check_indices=-1, bool pdl=False) -> ()',
     'reset_gdn_replayssm_spec_cursors':
         'reset_gdn_replayssm_spec_cursors(Tensor(a!) write_pos, Tensor(b!) cache_base, Tensor(c!) is_flush, Tensor do_reset, Tensor state_indices, int max_cache_len, int max_spec_len, int null_block_id=0, int check_indices=-1, bool pdl=False) -> ()',
     # fold-every-commit

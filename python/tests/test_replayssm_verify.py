@@ -476,14 +476,16 @@ def test_sglang_reset_cursors(fw, flags):
         np.testing.assert_array_equal(to64(wp), want_wp)
         np.testing.assert_array_equal(to64(base), want_base)
         np.testing.assert_array_equal(to64(fl), want_fl)
-    # the core name: null_block_id as given (-1 here: slot 0 is live), returns write_pos
-    wp, base, fl = (arr(x.copy()) for x in (wp0, base0, fl0))
+    # the core name: null_block_id -1 by default (slot 0 is live, as for its commit), returns
+    # write_pos; every flag starts at 1 and the rule gives 0 (2 * 2 <= 8)
+    wp, base, fl = (arr(x.copy()) for x in (wp0, base0, np.ones(7, np.int8)))
     got = ds.replayssm_reset_cursors(wp, base, fl, arr(np.ones(2, np.int32)),
-                                     arr(np.array([0, 6], np.int64)), 8, 2,
-                                     null_block_id=-1)
-    assert got is wp and to64(wp)[[0, 6]].tolist() == [0, 0] and to64(fl)[[0, 6]].tolist() == [0, 0]
-    with pytest.raises(ValueError, match=r"`state_batch_indices`\[0\]=7 is out of range for a "
-                                         r"pool of 7 slots|`state_indices`\[0\]=7 is out of range"):
+                                     arr(np.array([0, 6], np.int64)), 8, 2)
+    assert got is wp and to64(wp)[[0, 6]].tolist() == [0, 0]
+    assert to64(base)[[0, 6]].tolist() == [0, 0] and to64(fl).tolist() == [0, 1, 1, 1, 1, 1, 0]
+    # the validator names the core argument (state_indices) for either name
+    with pytest.raises(ValueError, match=r"^`state_indices`\[0\]=7 is out of range for a pool of "
+                                         r"7 slots$"):
         ds.reset_gdn_replayssm_spec_cursors(wp, base, fl, arr(np.ones(1, np.int8)),
                                             arr(np.array([7], np.int32)), 8, 2)
     with pytest.raises(ValueError, match=r"`do_reset` must be bool, int8, int32 or int64"):

@@ -674,7 +674,7 @@ struct ReplayResetProblem {
   int64_t reset_stride = 1;
   int64_t num_slots = 0;
   IndexTable slots;  // [B, 1]
-  int64_t null_block_id = 0;
+  int64_t null_block_id = -1;
   bool check_indices = false;
   bool pdl = false;
   DeviceErrorRecord* errors = nullptr;  // CUDA, set per launch

@@ -60,6 +60,10 @@ std::string prefill_message(const detail::DeviceErrorRecord& r) {
 
 std::string message(const detail::DeviceErrorRecord& r) {
   if (r.op == detail::kErrOpChunkGdn || r.op == detail::kErrOpChunkKda) return prefill_message(r);
+  if (r.op == detail::kErrOpReplayReset)  // the CPU validator's text; a reset has no output
+    return "replayssm_reset_cursors: `state_indices`[" + std::to_string(r.row) +
+           "]=" + std::to_string(r.index) + " is out of range for a pool of " +
+           std::to_string(r.limit) + " slots; its cursors were not reset";
   const char* op = r.op == detail::kErrOpReplay           ? "replayssm_decode"
                    : r.op == detail::kErrOpConv           ? "causal_conv1d_update"
                    : r.op == detail::kErrOpFusedStep      ? "fused_decode_step"
@@ -70,12 +74,10 @@ std::string message(const detail::DeviceErrorRecord& r) {
                    : r.op == detail::kErrOpConvCommit     ? "update_conv_state_after_verify"
                    : r.op == detail::kErrOpReplayFold     ? "replayssm_fold_commit"
                    : r.op == detail::kErrOpReplayCircular ? "commit_gdn_replayssm_circular"
-                   : r.op == detail::kErrOpReplayReset    ? "replayssm_reset_cursors"
                                                           : "recurrent";
   const char* index_name = r.op == detail::kErrOpConv             ? "conv_state_indices"
                            : r.op == detail::kErrOpConvCommit     ? "state_indices"
                            : r.op == detail::kErrOpReplayCircular ? "state_batch_indices"
-                           : r.op == detail::kErrOpReplayReset    ? "state_batch_indices"
                                                                   : "ssm_state_indices";
   std::string m = std::string(op) + ": ";
   if (r.kind == detail::kErrRow) {

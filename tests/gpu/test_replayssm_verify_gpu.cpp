@@ -679,6 +679,7 @@ TEST_F(ReplayVerifyGpuErrors, ResetCursorsMatchCpuAndRecordBadSlot) {
     a.state_indices = view_of(rows);
     a.max_cache_len = 6;  // 2 * max_spec_len > max_cache_len: the reset rows start folding
     a.max_spec_len = 4;
+    a.null_block_id = 0;  // SGLang's null block: the row on slot 0 is padding
     return a;
   };
   deltastate::replayssm_reset_cursors(args([](const Tensor& t) { return t.view(); }, host, idx));
