@@ -19,7 +19,8 @@
 #                                      test-verify, bench-verify, bench-verify-variants,
 #                                      test-replay-verify, bench-replay-verify,
 #                                      test-state-format, ab-prefill,
-#                                      test-quant-decode, bench-quant-decode
+#                                      test-quant-decode, bench-quant-decode,
+#                                      ab-replay-verify, profile-replay-verify
 #
 # Expects the wheels it needs in .whl/ (apache-tvm-ffi, fla-core), and for a build GoogleTest's
 # sources in .deps/googletest and the nvidia-cutlass wheel (CuTe's headers) in .deps/ (all

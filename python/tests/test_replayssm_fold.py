@@ -154,9 +154,11 @@ def test_sglang_names_equal_core(tfw, rng):
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_sglang_verify_rings_with_the_safe_gate_then_commit(tfw, rng, kda):
     """SGLang's fused_sigmoid_gating_delta_rule_update with lower_bound (its position after
-    is_kda) and cache_ring (KDA: a [S, HV, L, K] gate ring), then SGLang's commit of the accepted
-    prefix: the outputs and scratch are the core verify's with the safe gate bit for bit, and the
-    committed checkpoint is the scratch state of the last accepted draft bit for bit."""
+    is_kda) and cache_ring (KDA: a [S, HV, L, K] gate ring), then the commit of the accepted
+    prefix (KDA: SGLang's commit_kda_replayssm_spec; GDN: replayssm_fold_commit, which SGLang's
+    all-layers commit runs): the outputs and scratch are the core verify's with the safe gate bit
+    for bit, and the committed checkpoint is the scratch state of the last accepted draft bit for
+    bit."""
     import inspect
 
     import torch
@@ -189,9 +191,8 @@ def test_sglang_verify_rings_with_the_safe_gate_then_commit(tfw, rng, kda):
     assert torch.equal(out, want) and torch.equal(scratch, want_scratch)
     acc = torch.tensor([3, 2, 1], dtype=torch.int32)  # accepted drafts
     committed = ck.clone()
-    commit = ds.commit_kda_replayssm_spec if kda else ds.commit_gdn_replayssm_spec
     if kda:
-        commit(committed, *rings.values(), idx, acc, L, H)
+        ds.commit_kda_replayssm_spec(committed, *rings.values(), idx, acc, L, H)
     else:
         ds.replayssm_fold_commit(committed, *rings.values(), idx, acc, is_kda=False)
     for n, s in enumerate(live):
