@@ -355,18 +355,35 @@ void check_commit_lengths(int64_t L, int64_t T, bool records_fit = true) {
                 ll(L), ll(T)));
 }
 
-ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
-  check_null_block_id(args.null_block_id);
-  const TensorView& wp = args.write_pos;
+// The cursor tables [slots] and the rows' slots [B] of a commit or a reset: their checks.
+struct CursorRows {
+  int64_t S = 0, B = 0;
+  Device dev{};
+  IndexTable slots;
+};
+CursorRows check_cursor_rows(const TensorView& wp, const TensorView& base, const TensorView& flush,
+                             const TensorView& state_indices, int64_t null_block_id) {
+  check_null_block_id(null_block_id);
   if (wp.ndim != 1) fail("`write_pos` must be a contiguous 1D int32 tensor.");
-  const int64_t S = wp.shape[0];
-  const Device dev = wp.device;
-  check_cursor("write_pos", wp, S, dev);
-  check_cursor("cache_base", args.cache_base, S, dev);
-  check_cursor("is_flush", args.is_flush, S, dev, true);
-  const int64_t B = args.state_indices.ndim == 1 ? args.state_indices.shape[0] : -1;
+  CursorRows c;
+  c.S = wp.shape[0];
+  c.dev = wp.device;
+  check_cursor("write_pos", wp, c.S, c.dev);
+  check_cursor("cache_base", base, c.S, c.dev);
+  check_cursor("is_flush", flush, c.S, c.dev, true);
+  c.B = state_indices.ndim == 1 ? state_indices.shape[0] : -1;
+  c.slots = index_entries("state_indices", state_indices, c.B, c.dev);
+  return c;
+}
+
+ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
+  const TensorView& wp = args.write_pos;
+  const CursorRows c =
+      check_cursor_rows(wp, args.cache_base, args.is_flush, args.state_indices, args.null_block_id);
+  const int64_t S = c.S, B = c.B;
+  const Device dev = c.dev;
   ReplayCommitProblem p;
-  p.slots = index_entries("state_indices", args.state_indices, B, dev);
+  p.slots = c.slots;
   p.accepted = index_entries("num_accepted", args.num_accepted, B, dev);
   const int64_t L = args.max_cache_len, T = args.max_spec_len;
   check_commit_lengths(L, T);
@@ -406,17 +423,13 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
 }
 
 ReplayResetProblem validate_replayssm_reset_cursors(const ReplayResetArgs& args) {
-  check_null_block_id(args.null_block_id);
   const TensorView& wp = args.write_pos;
-  if (wp.ndim != 1) fail("`write_pos` must be a contiguous 1D int32 tensor.");
-  const int64_t S = wp.shape[0];
-  const Device dev = wp.device;
-  check_cursor("write_pos", wp, S, dev);
-  check_cursor("cache_base", args.cache_base, S, dev);
-  check_cursor("is_flush", args.is_flush, S, dev, true);
-  const int64_t B = args.state_indices.ndim == 1 ? args.state_indices.shape[0] : -1;
+  const CursorRows c =
+      check_cursor_rows(wp, args.cache_base, args.is_flush, args.state_indices, args.null_block_id);
+  const int64_t S = c.S, B = c.B;
+  const Device dev = c.dev;
   ReplayResetProblem p;
-  p.slots = index_entries("state_indices", args.state_indices, B, dev);
+  p.slots = c.slots;
   const TensorView& r = args.do_reset;
   if (r.ndim != 1 || r.shape[0] != B)
     fail(format("`do_reset` must have shape [B]=(%lld,); got %s", ll(B), shape_str(r).c_str()));
