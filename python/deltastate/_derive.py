@@ -159,7 +159,8 @@ def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, An
     closure: Dict[str, Any] = {"_ffi": ffi, "_op": op.public,
                                "_shown": tuple((a.shown_as or a.name, a.kind.expected)
                                                for a in binding),
-                               "_dtypes": dtype_table(binding)}
+                               "_dtypes": dtype_table(binding),
+                               "_renames": shown_names(binding)}
     body = []
     for a in public:
         if a.unsupported is not None:
@@ -192,7 +193,7 @@ def public_function(op: Op, ffi, binding: Sequence[Arg], namespace: Dict[str, An
         "except (TypeError, BufferError) as e:",
         f"    raise _arg_error(_op, _shown, ({call},), e) from None",
         "except Exception as e:",
-        f"    raise _spelled(e, ({call},), _dtypes) from None",
+        f"    raise _spelled(e, ({call},), _dtypes, _renames) from None",
         f"return {returns}",
     ]
     defaults = {a.name: a.default for a in public}
@@ -279,14 +280,22 @@ def _framework(value: Any) -> str:
     return "numpy" if module.startswith("numpy") else ""
 
 
-def spelled(exc: BaseException, args, dtypes=()) -> BaseException:
+def shown_names(binding: Sequence[Arg]) -> Dict[str, str]:
+    """The op arguments a surface shows under its own names (`Arg.shown_as`): core name -> the
+    public argument's, for the messages of that surface."""
+    return {a.name: a.shown_as for a in binding if a.shown_as and a.shown_as != a.name}
+
+
+def spelled(exc: BaseException, args, dtypes=(), renames=None) -> BaseException:
     """`exc` (raised by the binding; error path only) with the dtype names it marks printed as
     the caller's framework prints them: ``torch.float16`` for a torch tensor, ``float16`` (numpy's
     spelling) for a numpy array. Each marked name is spelled for the argument the message names
     last before it (`dtypes`, per binding position: the name and the dtypes the op table lists;
     `args`: the values passed); a name no argument claims, as torch prints it when any argument is
     a torch tensor. The binding's rejection of a dtype it has no type for gets the dtypes that
-    argument takes appended. Other exceptions are returned as they are."""
+    argument takes appended. A name in backquotes that the surface shows under another name
+    (`renames`, shown_names) is printed as the surface's. Other exceptions are returned as they
+    are."""
     msg = str(exc)
     frameworks = {name: _framework(a) for (name, _), a in zip(dtypes, args)}
     untaken = _UNTAKEN.match(msg)
@@ -297,7 +306,7 @@ def spelled(exc: BaseException, args, dtypes=()) -> BaseException:
             listed = marked[0] if len(marked) == 1 else ", ".join(marked[:-1]) + " or " + marked[-1]
             msg += f"; `{untaken.group(1)}` takes {listed}"
     if DTYPE_MARK not in msg:
-        return exc
+        return _renamed(exc, msg, renames)
     any_torch = any(_framework(a) == "torch" for a in args)
     names = [(m.end(), m.group(1)) for m in _NAMED.finditer(msg)]
 
@@ -306,7 +315,16 @@ def spelled(exc: BaseException, args, dtypes=()) -> BaseException:
         torch_spelling = frameworks[named[-1]] == "torch" if named else any_torch
         return ("torch." if torch_spelling else "") + m.group(1)
 
-    text = _MARKED.sub(spell, msg)
+    return _renamed(exc, _MARKED.sub(spell, msg), renames)
+
+
+def _renamed(exc: BaseException, text: str, renames) -> BaseException:
+    """`exc` with message `text`, each backquoted name `renames` maps printed as its surface's
+    (the dtypes are spelled first: they follow the core names)."""
+    if renames:
+        text = _NAMED.sub(lambda m: "`" + renames.get(m.group(1), m.group(1)) + "`", text)
+    if text == str(exc):
+        return exc
     try:
         return type(exc)(text)
     except Exception:  # an exception class that does not take a message

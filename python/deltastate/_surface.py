@@ -1819,7 +1819,7 @@ def _scatter_route(op, dst, src, dst_indices_raw, step_indices_raw, check_indice
     else:
         return None
     return (views + (dst_indices_raw, step_indices_raw),
-            {"accepted_is_step": True, "check_indices": check_indices, "pdl": pdl})
+            {"check_indices": check_indices, "pdl": pdl})
 
 
 def _sglang_scatter() -> Op:
@@ -1829,7 +1829,7 @@ def _sglang_scatter() -> Op:
     [num_layers, cache_size, HV, V, K], src [num_layers, spec_size, draft_tokens, HV, V, K]: the
     state commit; dst [num_layers, cache_size, dim, W1] (conv windows) or [num_layers,
     cache_size, E], src [num_layers, spec_size, draft_tokens, <dst's trailing dims>]: the conv
-    commit (:func:`update_conv_state_after_verify`, any strides). Returns None. Differences:
+    commit (:func:`fused_conv_window_scatter_with_mask`, any strides). Returns None. Differences:
     strided (envelope) dst and src are taken (SGLang: contiguous only), CPU tensors too; an
     out-of-range index is an error (CPU) or a recorded, skipped row (CUDA, check_errors) where
     SGLang skips it silently."""
@@ -1859,7 +1859,7 @@ def _sglang_scatter() -> Op:
         prepare=_scatter_prepare,
         fills=("state", "intermediate_states", "state_indices", "accepted"),
         route=_scatter_route,
-        route_to="update_conv_state_after_verify",
+        route_to="fused_conv_window_scatter_with_mask",
     )
 
 

@@ -483,11 +483,19 @@ def test_sglang_reset_cursors(fw, flags):
                                      arr(np.array([0, 6], np.int64)), 8, 2)
     assert got is wp and to64(wp)[[0, 6]].tolist() == [0, 0]
     assert to64(base)[[0, 6]].tolist() == [0, 0] and to64(fl).tolist() == [0, 1, 1, 1, 1, 1, 0]
-    # the validator names the core argument (state_indices) for either name
-    with pytest.raises(ValueError, match=r"^`state_indices`\[0\]=7 is out of range for a pool of "
-                                         r"7 slots$"):
+    # each name's own argument in the validator's text
+    with pytest.raises(ValueError, match=r"^`state_batch_indices`\[0\]=7 is out of range for a "
+                                         r"pool of 7 slots$"):
         ds.reset_gdn_replayssm_spec_cursors(wp, base, fl, arr(np.ones(1, np.int8)),
                                             arr(np.array([7], np.int32)), 8, 2)
+    with pytest.raises(ValueError, match=r"^`state_indices`\[0\]=7 is out of range for a pool "
+                                         r"of 7 slots$"):
+        ds.replayssm_reset_cursors(wp, base, fl, arr(np.ones(1, np.int8)),
+                                   arr(np.array([7], np.int32)), 8, 2)
+    with pytest.raises(ValueError, match=r"^`replay_indices`\[0\]=7 is out of range for a pool "
+                                         r"of 7 slots$"):
+        ds.commit_gdn_replayssm_spec(wp, base, fl, arr(np.ones(1, np.int32)),
+                                     arr(np.array([7], np.int32)), 8, 2)
     with pytest.raises(ValueError, match=r"`do_reset` must be bool, int8, int32 or int64"):
         ds.reset_gdn_replayssm_spec_cursors(wp, base, fl, arr(np.ones(1, np.float32)),
                                             arr(np.array([1], np.int32)), 8, 2)

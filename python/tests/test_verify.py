@@ -399,14 +399,14 @@ def test_conv_commit_errors(rng, fw):
                                          r"`conv_state` \((torch\.)?float32\); got "
                                          r"(torch\.)?float16$"):
         ds.update_conv_state_after_verify(pool, fw.from64(to64(scratch), "float16"), i3, s3)
-    # SGLang's texts (its checks come first), then the core's through the SGLang names.
+    # SGLang's texts (its checks come first), then the core's, naming SGLang's arguments.
     for name in ("fused_conv_window_scatter_with_mask", "fused_mamba_state_scatter_with_mask"):
         f = getattr(ds, name)
         with pytest.raises(ValueError, match=r"^indices length mismatch: "
                                              r"dst_indices_raw.shape\[0\]=3 vs "
                                              r"step_indices_raw.shape\[0\]=2$"):
             f(pool, scratch, i3, fw.idx([0, 1]))
-        with pytest.raises(ValueError, match=r"^`state_indices`\[0\]=99 is out of range"):
+        with pytest.raises(ValueError, match=r"^`dst_indices_raw`\[0\]=99 is out of range"):
             f(pool, scratch, fw.idx([99, 1, 2]), s3)
     with pytest.raises(ValueError, match=r"^Unexpected ranks: dst.ndim=3 \(want 4\) "
                                          r"src.ndim=5 \(want 5\)$"):
