@@ -687,7 +687,7 @@ TEST_F(ReplayVerifyGpuErrors, ResetCursorsMatchCpuAndRecordBadSlot) {
   dev.upload_all(gpu[0], gpu[1], gpu[2], idx, flags);
   deltastate::replayssm_reset_cursors(args(dev.views(), gpu, idx));
   sync();
-  EXPECT_FALSE(catch_error([] { deltastate::check_errors(); }));
+  deltastate::check_errors();  // nothing recorded (it throws otherwise)
   for (int i = 0; i < 3; ++i) EXPECT_EQ(dev.download(gpu[i]).values(), host[i].values()) << i;
   Tensor bad = index_tensor({S + 1, 1, 1, 1, 1, 1});  // row 0 flagged, slot past the pool
   Tensor quiet = Tensor::contiguous(DType::i8, {6});
