@@ -46,11 +46,13 @@ constexpr int kReplayFmtCtasPerSm = 2;
 constexpr int kReplayVerifyWarps = 8, kReplayVerifyCtasPerSm = 2, kReplayVerifyGenericCtasPerSm = 2;
 
 // Multi-token kernel (verify, and the recurrent op's multi-token sequences): 4-warp CTAs over one
-// head's rows, tokens prepared 8 at a time; 6 resident per SM (at most 80 registers per thread:
-// 24 warps per SM keep the state loads in flight, as the decode kernel's; ptxas fits the vector
-// instantiations without spills), 4 for the generic one (K <= 256, element accesses), which
-// spills at 80.
-constexpr int kMultiWarps = 4, kMultiCtasPerSm = 6, kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
+// head's rows, tokens prepared 8 at a time. Its one-tile shape in registers (`base`): 8 resident
+// per SM, at most 64 registers (36 bytes of spill stores at fp32 K = 128): the kernel is bound by
+// the latency of each CTA's chain, so 32 warps an SM beat 24 at 80 registers without spills (H100,
+// T = 4, Qwen3-Next B = 64 / 256: 147.9 / 564.1 against 166.9 / 641.7 us); the staged one-tile
+// shape 6 (80 registers), the generic kernel (K <= 256, element accesses) 4, which spills at 80.
+constexpr int kMultiWarps = 4, kMultiBaseCtasPerSm = 8, kMultiCtasPerSm = 6,
+              kMultiGenericCtasPerSm = 4, kMultiChunk = 8;
 // Its two-tile shapes: 5 resident (at most 96 registers: the second tile's loop spills at 80).
 constexpr int kMultiTwoCtasPerSm = 5;
 // Fused decode step's cluster kernel: clusters of at most 8 CTAs (the portable cluster size), CTAs
@@ -114,15 +116,12 @@ constexpr int64_t kReplayWarpKdaWaves = 6;
 constexpr bool replay_verify_two_blocks(int64_t ctas, int sms) {
   return ctas >= kReplayTwoBlockWaves * sms;
 }
-// Multi-token kernel, vector shapes, as measured faster on the H200 (bench/results): fp32 states
-// take two tiles per warp (the second one staged) where the two-tile grid (half the one-tile
-// grid's `ctas`) fits in one wave of two-tile CTAs (`two_capacity` resident on the GPU), where the
-// second tile's loads overlap the first one's tokens on SMs that would otherwise wait on a partial
-// wave; above it, one tile per warp in registers, whose lower register cap keeps more CTAs
-// resident. 16-bit states take two tiles, both staged, at every batch.
-constexpr bool multi_two_tiles(int64_t ctas, int64_t two_capacity) {
-  return (ctas + 1) / 2 <= two_capacity;
-}
+// Multi-token kernel, vector shapes, as measured faster (bench/results): fp32 states take two
+// tiles per warp (the second one staged) where the one-tile grid (`ctas`) has at most one CTA an
+// SM, where the second tile's loads overlap the first one's tokens; above it one tile per warp in
+// registers at 8 CTAs an SM (from 1024 CTAs, Qwen3-Next B = 8, on an H100: 25.1 against the two
+// tiles' 27.4 us at T = 4). 16-bit states take two tiles, both staged, at every batch.
+constexpr bool multi_two_tiles(int64_t ctas, int sms) { return ctas <= sms; }
 // The conv's vector kernel (8 channels per thread) where its grid of `vec_ctas` CTAs has at
 // least two per SM; below that each SM runs one or two CTAs whose threads go through their 8
 // channels one after another, slower than the scalar kernel's 8x more threads. Measured on the H200

@@ -51,8 +51,8 @@ void launch_shape(const VerifyProblem& problem, cudaStream_t stream) {
 }
 
 // The vector kernels' variant: DELTASTATE_CUDA_MULTI_VARIANT, else by the state type (tuning.h,
-// multi_two_tiles): fp32 two tiles per warp for a grid of at most one two-tile wave, one tile in
-// registers above it; 16-bit both tiles staged.
+// multi_two_tiles): fp32 two tiles per warp for a one-tile grid of at most one CTA an SM, one tile
+// in registers above it; 16-bit both tiles staged.
 template <class StateT, int KT, bool VEC>
 void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
   using Two = MultiShape<2, false, kMultiTwoCtasPerSm>;
@@ -78,9 +78,7 @@ void launch_multi(const VerifyProblem& p, cudaStream_t stream) {
     } else {
       using M = MultiLayout<StateT, KT>;
       const int64_t ctas1 = p.r.num_heads_total() * ((p.r.V + M::RPC - 1) / M::RPC);
-      const int64_t two_capacity =
-          static_cast<int64_t>(kMultiTwoCtasPerSm) * num_sms(p.r.device.index);
-      if (multi_two_tiles(ctas1, two_capacity))
+      if (multi_two_tiles(ctas1, num_sms(p.r.device.index)))
         return launch_shape<StateT, KT, true, Two>(p, stream);
       launch_shape<StateT, KT, true, MultiBase>(p, stream);
     }

@@ -186,8 +186,9 @@ __device__ __forceinline__ void prepare_token(const RecurrentProblem& p, float A
 // state loads overlap the first tile's tokens, and a sequence of one chunk is prepared once for
 // all of them. STAGE0: the first tile is staged too, instead of loaded into registers: its bytes
 // are in flight without holding registers, and the first chunk's preparation (its input loads
-// and math) runs while they arrive. CTAS: resident CTAs per SM, the register cap (6: 80 registers;
-// two tiles fit without spills from 5, 96 registers, where a CTA has twice the bytes in flight).
+// and math) runs while they arrive. CTAS: resident CTAs per SM, the register cap (8: 64 registers,
+// 6: 80; two tiles fit without spills from 5, 96 registers, where a CTA has twice the bytes in
+// flight).
 template <int TPW_, bool STAGE0_, int CTAS_, bool RING_ = false>
 struct MultiShape {
   static constexpr int TPW = TPW_, CTAS = CTAS_;
@@ -197,7 +198,7 @@ struct MultiShape {
   static constexpr bool ring = RING_;
   static constexpr int kStaged = TPW_ - 1 + (STAGE0_ ? 1 : 0);  // tiles copied by cp.async
 };
-using MultiBase = MultiShape<1, false, kMultiCtasPerSm>;
+using MultiBase = MultiShape<1, false, kMultiBaseCtasPerSm>;
 using MultiRing = MultiShape<1, false, kMultiCtasPerSm, true>;
 
 template <class StateT, int KT, int NSTAGED>
