@@ -376,6 +376,21 @@ CursorRows check_cursor_rows(const TensorView& wp, const TensorView& base, const
   return c;
 }
 
+// The cursor fields the commit's and the reset's problems share, from their checked rows.
+template <class Problem, class Args>
+void fill_cursor_fields(Problem& p, const CursorRows& c, const Args& args) {
+  p.slots = c.slots;
+  p.write_pos = static_cast<int32_t*>(args.write_pos.data);
+  p.cache_base = static_cast<int32_t*>(args.cache_base.data);
+  p.is_flush = args.is_flush.data;
+  p.flush_dtype = args.is_flush.dtype;
+  p.num_slots = c.S;
+  p.null_block_id = args.null_block_id;
+  p.device = c.dev;
+  p.pdl = args.pdl;
+  p.check_indices = args.check_indices.value_or(c.dev.type == DeviceType::cpu);
+}
+
 ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   const TensorView& wp = args.write_pos;
   const CursorRows c =
@@ -383,7 +398,7 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   const int64_t S = c.S, B = c.B;
   const Device dev = c.dev;
   ReplayCommitProblem p;
-  p.slots = c.slots;
+  fill_cursor_fields(p, c, args);
   p.accepted = index_entries("num_accepted", args.num_accepted, B, dev);
   const int64_t L = args.max_cache_len, T = args.max_spec_len;
   check_commit_lengths(L, T);
@@ -396,17 +411,7 @@ ReplayCommitProblem validate_replayssm_commit(const ReplayCommitArgs& args) {
   p.buf_len = static_cast<int32_t>(buf);
   p.fold_every_commit = args.fold_every_commit;
   p.max_spec_len = static_cast<int32_t>(T);
-  p.write_pos = static_cast<int32_t*>(wp.data);
-  p.cache_base = static_cast<int32_t*>(args.cache_base.data);
-  p.is_flush = args.is_flush.data;
-  p.flush_dtype = args.is_flush.dtype;
-  p.num_slots = S;
-  p.null_block_id = args.null_block_id;
-  p.device = dev;
-  p.pdl = args.pdl;
-  const bool on_cpu = dev.type == DeviceType::cpu;
-  p.check_indices = args.check_indices.value_or(on_cpu);
-  if (on_cpu && p.check_indices) {
+  if (dev.type == DeviceType::cpu && p.check_indices) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = p.slots.at(b, 0);
       if (slot <= p.null_block_id) continue;
@@ -429,7 +434,6 @@ ReplayResetProblem validate_replayssm_reset_cursors(const ReplayResetArgs& args)
   const int64_t S = c.S, B = c.B;
   const Device dev = c.dev;
   ReplayResetProblem p;
-  p.slots = c.slots;
   const TensorView& r = args.do_reset;
   if (r.ndim != 1 || r.shape[0] != B)
     fail(format("`do_reset` must have shape [B]=(%lld,); got %s", ll(B), shape_str(r).c_str()));
@@ -440,21 +444,12 @@ ReplayResetProblem validate_replayssm_reset_cursors(const ReplayResetArgs& args)
   const int64_t L = args.max_cache_len, T = args.max_spec_len;
   check_commit_lengths(L, T, false);
   p.B = static_cast<int32_t>(B);
-  p.write_pos = static_cast<int32_t*>(wp.data);
-  p.cache_base = static_cast<int32_t*>(args.cache_base.data);
-  p.is_flush = args.is_flush.data;
-  p.flush_dtype = args.is_flush.dtype;
+  fill_cursor_fields(p, c, args);
   p.init_flush = 2 * T > L;
   p.do_reset = r.data;
   p.reset_dtype = r.dtype;
   p.reset_stride = B > 1 ? r.stride[0] : 1;
-  p.num_slots = S;
-  p.null_block_id = args.null_block_id;
-  p.device = dev;
-  p.pdl = args.pdl;
-  const bool on_cpu = dev.type == DeviceType::cpu;
-  p.check_indices = args.check_indices.value_or(on_cpu);
-  if (on_cpu && p.check_indices) {
+  if (dev.type == DeviceType::cpu && p.check_indices) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = p.slots.at(b, 0);
       if (slot > p.null_block_id && slot >= S && reset_row(p, b))
